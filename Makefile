@@ -1,0 +1,53 @@
+# kvtier — the README's two commands live here: `make serve` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8080
+ARGS ?=
+
+# NOTE: the mlx[cpu] wheel links a reference BLAS; Debian's OpenBLAS makes
+# prefill ~20x faster on Linux CPUs. Preload it when present, never require it.
+OPENBLAS := $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3)
+RUN_ENV := $(if $(OPENBLAS),LD_PRELOAD=$(firstword $(OPENBLAS)),)
+
+.PHONY: venv serve test test-slow lint typecheck bench fetch-model clean openblas-hint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+openblas-hint:
+	@if [ "$$(uname -s)" = "Linux" ] && [ -z "$(OPENBLAS)" ]; then \
+	  echo "kvtier: Debian's OpenBLAS not found; MLX on this CPU will be slow."; \
+	  echo "kvtier: install it with: sudo apt-get install -y libopenblas0-pthread"; \
+	fi
+
+fetch-model: venv
+	$(RUN_ENV) $(VENV)/bin/kvtier fetch-default-model
+
+serve: venv openblas-hint fetch-model
+	$(RUN_ENV) $(VENV)/bin/kvtier serve --host $(HOST) --port $(PORT) $(ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check actors messages kernels tests tools
+	$(VENV)/bin/mypy --strict actors messages kernels
+
+typecheck: lint
+
+test: venv lint fetch-model
+	$(RUN_ENV) $(VENV)/bin/pytest -q
+
+test-slow: venv fetch-model
+	$(RUN_ENV) $(VENV)/bin/pytest -q -m slow --timeout 1800
+
+bench: venv fetch-model
+	$(RUN_ENV) $(PY) tools/bench/runtime.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
