@@ -33,7 +33,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _load(module: str) -> _Subcommand:
-    return cast(_Subcommand, importlib.import_module(module))
+    return cast("_Subcommand", importlib.import_module(module))
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:

@@ -3,5 +3,49 @@
 from __future__ import annotations
 
 from ._base import Body, Request
+from ._envelope import EXTERNAL, Envelope, EnvelopeRecord, envelope_from_json, envelope_to_json
+from ._prompt_cache import (
+    EntryMeta,
+    EntryRole,
+    PromptCacheStats,
+    PromptCacheStatsRequest,
+    Put,
+    PutResult,
+    Release,
+    Take,
+    TakeResult,
+)
+from ._runtime import Add, Count, Failure, GetTotal, Ping, Pong, Total, Work, WorkDone
+from ._union import AnyBody, body_adapter, body_classes, parse_body
 
-__all__ = ["Body", "Request"]
+__all__ = [
+    "EXTERNAL",
+    "Add",
+    "AnyBody",
+    "Body",
+    "Count",
+    "EntryMeta",
+    "EntryRole",
+    "Envelope",
+    "EnvelopeRecord",
+    "Failure",
+    "GetTotal",
+    "Ping",
+    "Pong",
+    "PromptCacheStats",
+    "PromptCacheStatsRequest",
+    "Put",
+    "PutResult",
+    "Release",
+    "Request",
+    "Take",
+    "TakeResult",
+    "Total",
+    "Work",
+    "WorkDone",
+    "body_adapter",
+    "body_classes",
+    "envelope_from_json",
+    "envelope_to_json",
+    "parse_body",
+]

@@ -12,8 +12,19 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 
-def tiny_llama(*, seed: int = 0, vocab_size: int = 256, layers: int = 2, dtype: Any = None) -> nn.Module:
-    """A 2-layer Llama (grouped-query attention, tied embeddings) with random weights."""
+def tiny_llama(
+    *,
+    seed: int = 0,
+    vocab_size: int = 256,
+    layers: int = 2,
+    dtype: Any = None,
+    head_dim: int | None = None,
+) -> nn.Module:
+    """A 2-layer Llama (grouped-query attention, tied embeddings) with random weights.
+
+    ``head_dim`` defaults to 16 (64 / 4 heads); quantized-KV tests pass 32 so
+    K/V rows divide into MLX's smallest quantization group.
+    """
     mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
@@ -25,9 +36,92 @@ def tiny_llama(*, seed: int = 0, vocab_size: int = 256, layers: int = 2, dtype: 
         rms_norm_eps=1e-5,
         vocab_size=vocab_size,
         tie_word_embeddings=True,
+        head_dim=head_dim,
     )
     model = llama.Model(args)
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def tiny_gemma3(
+    *, seed: int = 0, vocab_size: int = 256, layers: int = 3, sliding_window: int = 8, dtype: Any = None
+) -> nn.Module:
+    """A Gemma 3 text model whose local layers use ``RotatingKVCache(sliding_window)``.
+
+    With ``sliding_window_pattern=3`` and 3 layers, layers 0 and 1 are sliding
+    (rotating ring of ``sliding_window`` slots) and layer 2 is full attention.
+    """
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=32,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        query_pre_attn_scalar=32,
+        sliding_window=sliding_window,
+        sliding_window_pattern=3,
+    )
+    model = gemma3_text.Model(args)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_mamba(*, seed: int = 0, vocab_size: int = 256, layers: int = 2, dtype: Any = None) -> nn.Module:
+    """A Mamba (selective state space) model: every layer holds recurrent ``ArraysCache`` state."""
+    from mlx_lm.models import mamba
+
+    mx.random.seed(seed)
+    args = mamba.ModelArgs(
+        model_type="mamba",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        state_size=8,
+        num_hidden_layers=layers,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    )
+    model = mamba.Model(args)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_tokenizer() -> Any:
+    """A real byte-level BPE tokenizer over printable ASCII + newline (no merges), with
+    ``<s>``/``</s>`` and a one-line chat template, wrapped like mlx-lm's own tokenizers.
+
+    Build tiny models with ``vocab_size=len(tok)`` so every sampled id decodes.
+    """
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte -> symbol table restricted to printable ASCII (identity) plus newline.
+    vocab = {chr(b): i for i, b in enumerate(range(0x21, 0x7F))}
+    vocab["Ġ"] = len(vocab)  # space
+    vocab["Ċ"] = len(vocab)  # newline
+    for special in ("<s>", "</s>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    hf.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    return TokenizerWrapper(hf, detokenizer_class=BPEStreamingDetokenizer)

@@ -1,0 +1,114 @@
+"""The MLX backend of request turns: ``kernels.Generation`` driven one step per turn.
+
+Every method runs ON the engine thread (the turn runner submits them through
+``kernels.EngineThread``); nothing here is called from the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from messages._gateway import Generate
+
+from kernels import (
+    CacheRegistry,
+    Generation,
+    KvScheme,
+    SamplingParams,
+    convert_caches,
+)
+
+from ._turn import Registered, StepResult, StepToken
+
+__all__ = ["MlxBackend", "to_sampling_params"]
+
+
+def to_sampling_params(params: Any) -> SamplingParams:
+    """``messages.GenerationParams`` -> ``kernels.SamplingParams`` (same fields, same names)."""
+    return SamplingParams.model_validate(params.model_dump())
+
+
+class MlxBackend:
+    """Opens and steps ``kernels.Generation`` objects; registers their caches for the prompt cache."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        prefill_step_size: int,
+        kv_scheme: KvScheme | None = None,
+        registry: CacheRegistry | None = None,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._step_size = prefill_step_size
+        self._scheme = kv_scheme if kv_scheme is not None and kv_scheme.quantized else None
+        self._registry = registry
+
+    def _hook(self, caches: list[Any]) -> None:
+        assert self._scheme is not None
+        convert_caches(caches, self._scheme)
+
+    def open(self, request: Generate, handle: str | None, cached_tokens: int) -> Generation:
+        """A generation for ``request``; with ``handle``, its first ``cached_tokens`` are reused."""
+        cache: list[Any] | None = None
+        if handle is not None and cached_tokens > 0 and self._registry is not None:
+            cache = self._registry.materialize(handle, cached_tokens)
+        else:
+            cached_tokens = 0
+        return Generation(
+            self._model,
+            self._tokenizer,
+            request.prompt_tokens,
+            to_sampling_params(request.params),
+            prefill_step_size=self._step_size,
+            cache=cache,
+            cached_tokens=cached_tokens,
+            cache_hook=self._hook if self._scheme is not None else None,
+        )
+
+    def step(self, gen: Generation) -> StepResult:
+        """One prefill chunk while prompt tokens remain, else one decode step."""
+        if not gen.prefill_done:
+            forwarded = gen.prefill_remaining > 1
+            done = gen.prefill_step()
+            if forwarded:
+                return StepResult(phase="prefill", prefill_complete=done)
+            # NOTE: nothing was left to prefill (prompt suffix of one token):
+            # do not waste a turn; decode right away.
+        out = gen.decode_step()
+        return StepResult(
+            phase="decode",
+            token=StepToken(out.token_id, out.text, out.logprob),
+            finish_reason=out.finish_reason,
+        )
+
+    def snapshot(self, gen: Generation) -> Registered | None:
+        """Register a prompt-only clone of the live cache (the prompt-boundary snapshot)."""
+        if self._registry is None:
+            return None
+        tokens = gen.cache_tokens
+        reg = self._registry.snapshot(gen.cache, offset=len(tokens))
+        return Registered(reg.handle, reg.meta, tokens[: reg.meta.offset])
+
+    def register(self, gen: Generation) -> Registered | None:
+        """Hand the live cache to the registry as an entry (``None`` if it holds nothing)."""
+        if self._registry is None or not gen.cache_tokens:
+            return None
+        covered = gen.cache_tokens
+        reg = self._registry.register(gen.cache, offset=len(covered))
+        tokens = covered[: reg.meta.offset]
+        if len(tokens) != reg.meta.offset:
+            # NOTE: the cache and its token record disagree; never index a lie.
+            self._registry.dispose(reg.handle)
+            return None
+        return Registered(reg.handle, reg.meta, tokens)
+
+    def discard(self, gen: Generation) -> None:
+        """Nothing to keep: the caller drops its reference here, on the engine thread."""
+
+    def end_turn(self) -> None:
+        """Drop arrays of handles the prompt cache disposed since the last turn."""
+        if self._registry is not None:
+            self._registry.drain()

@@ -1,0 +1,65 @@
+"""``kvtier fetch-default-model``: download and convert SmolLM2-135M-Instruct.
+
+Prints the converted model directory on stdout (so scripts can capture it)
+and exits 0; exits 1 with a one-line reason on stderr when the download or
+the conversion fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the subcommand's flags."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--dequantize",
+        dest="dequantize",
+        action="store_const",
+        const=True,
+        default=None,
+        help="write fp32 weights (default on Linux: much faster on CPUs)",
+    )
+    group.add_argument(
+        "--quantized",
+        dest="dequantize",
+        action="store_const",
+        const=False,
+        help="keep the GGUF's 4-bit weights as mlx affine 4-bit layers (default on macOS)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache root (default: $KVTIER_HOME or ~/.cache/kvtier)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="convert again even when a complete copy exists"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fetch and convert; print the model directory."""
+    from kernels import (
+        DefaultModelFetchError,
+        ModelConversionError,
+        ensure_default_model,
+        is_converted_dir,
+    )
+    from kernels import default_model_dir as model_dir
+
+    target = model_dir(dequantize=args.dequantize, cache_dir=args.cache_dir)
+    if not args.force and not is_converted_dir(target):
+        print(f"kvtier: fetching and converting the default model into {target}", file=sys.stderr)
+    try:
+        path = ensure_default_model(
+            dequantize=args.dequantize, cache_dir=args.cache_dir, force=args.force
+        )
+    except (DefaultModelFetchError, ModelConversionError) as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0

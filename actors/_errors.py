@@ -1,0 +1,87 @@
+"""Typed server-level errors, named after the state that caused them.
+
+The engine API and the gateway raise these; the HTTP layer converts them to
+status codes at exactly one edge (suggested mapping in each docstring). No
+other module maps errors to HTTP.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ContextTooLong",
+    "EngineClosed",
+    "EngineNotStarted",
+    "GenerationFailed",
+    "InvalidRequest",
+    "KvtierError",
+    "QueueFull",
+    "ServerShuttingDown",
+    "TurnUnavailable",
+]
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose; ``code`` is a stable slug."""
+
+    code: str = "kvtier_error"
+
+
+class QueueFull(KvtierError):
+    """Admission refused: the lane is busy and the bounded wait queue is full (HTTP 429)."""
+
+    code = "queue_full"
+
+    def __init__(self, queued: int, max_queue: int) -> None:
+        super().__init__(f"admission queue is full ({queued}/{max_queue} waiting)")
+        self.queued = queued
+        self.max_queue = max_queue
+
+
+class ServerShuttingDown(KvtierError):
+    """Admission refused: shutdown has begun; in-flight requests still finish (HTTP 503)."""
+
+    code = "shutting_down"
+
+    def __init__(self, message: str = "server is shutting down; no new requests") -> None:
+        super().__init__(message)
+
+
+class EngineNotStarted(KvtierError):
+    """The engine was used before ``start()`` / ``async with`` finished (HTTP 503)."""
+
+    code = "engine_not_started"
+
+
+class EngineClosed(KvtierError):
+    """The engine was used after ``aclose()`` (HTTP 503)."""
+
+    code = "engine_closed"
+
+
+class InvalidRequest(KvtierError):
+    """The request itself is malformed: empty prompt, bad params, unknown role (HTTP 400)."""
+
+    code = "invalid_request"
+
+
+class ContextTooLong(InvalidRequest):
+    """The prompt plus ``max_tokens`` cannot fit the model's context (HTTP 400)."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(f"prompt has {prompt_tokens} tokens; the limit is {limit}")
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class GenerationFailed(KvtierError):
+    """The model step raised on the engine thread mid-request (HTTP 500, or an SSE error event)."""
+
+    code = "generation_failed"
+
+
+class TurnUnavailable(KvtierError):
+    """A ``RunWhenIdle`` step was refused: the gateway is stopping and grants no more turns."""
+
+    code = "turn_unavailable"

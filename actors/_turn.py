@@ -1,0 +1,470 @@
+"""The turn runner: the ONE actor that submits engine jobs, one turn at a time.
+
+The gateway decides who gets the next engine turn (``_gateway_core``); the
+runner performs it: one prefill chunk or decode step of a request (and
+streams its token to the requester's inbox), or one registered background
+step. Keeping the runner a separate actor keeps the gateway's mailbox
+responsive (admission, cancels, ``RunWhenIdle`` asks) while a turn runs,
+without spawning untracked tasks, so the simulated runtime sees every step.
+
+Ports: an ``Executor`` (``kernels.EngineThread`` in serving; an inline
+executor in simulation) and a ``Backend`` whose methods run ON the engine
+thread (``actors._backend.MlxBackend`` in serving; a scripted fake in the
+gateway's simulation scenarios).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
+
+import structlog
+from messages._gateway import (
+    BackgroundTurnReport,
+    DoneEvent,
+    EndRequest,
+    ErrorEvent,
+    Generate,
+    RequestTurnReport,
+    RunTurn,
+    Timings,
+    TokenEvent,
+    TurnOutcome,
+    Usage,
+)
+from messages._prompt_cache import EntryMeta, Put, Release, Take, TakeResult
+
+from messages import Envelope
+
+from .runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
+
+__all__ = [
+    "Backend",
+    "BackgroundSteps",
+    "Executor",
+    "InlineExecutor",
+    "Registered",
+    "StepResult",
+    "StepToken",
+    "TurnRunner",
+    "end_stream",
+]
+
+T = TypeVar("T")
+
+_log = structlog.get_logger("kvtier.gateway")
+
+
+class Executor(Protocol):
+    """Runs a callable on the engine thread (``kernels.EngineThread.run``)."""
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the engine thread; its exception re-raised here."""
+        ...
+
+
+def end_stream(ctx: Context, address: str) -> None:
+    """End the stream to ``address`` if it is an inbox (an actor consumer keeps its mailbox)."""
+    if address not in ctx.system.actors():
+        ctx.end_stream(address)
+
+
+class InlineExecutor:
+    """Runs jobs inline on the caller's thread (simulation and scripted tests only)."""
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call ``fn(*args)`` now."""
+        return fn(*args)
+
+
+@dataclass(frozen=True, slots=True)
+class StepToken:
+    """One generated token and the text it released."""
+
+    token_id: int
+    text: str
+    logprob: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one request turn did on the engine thread."""
+
+    phase: Literal["prefill", "decode"]
+    token: StepToken | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    prefill_complete: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """A cache entry registered on the engine thread: its handle, facts and exact tokens."""
+
+    handle: str
+    meta: EntryMeta
+    tokens: tuple[int, ...]
+
+
+class Backend(Protocol):
+    """The engine-thread half of request turns. Every method runs ON the engine thread."""
+
+    def open(self, request: Generate, handle: str | None, cached_tokens: int) -> Any:
+        """A fresh generation state for ``request`` (reusing ``handle``'s first tokens if given)."""
+        ...
+
+    def step(self, gen: Any) -> StepResult:
+        """One prefill chunk (until the prefill completes) or one decode step."""
+        ...
+
+    def snapshot(self, gen: Any) -> Registered | None:
+        """Register a prompt-only clone of the live cache (``None``: nothing worth keeping)."""
+        ...
+
+    def register(self, gen: Any) -> Registered | None:
+        """Take the live cache over as an entry (``None``: nothing worth keeping)."""
+        ...
+
+    def discard(self, gen: Any) -> None:
+        """Drop ``gen``'s arrays (on the engine thread) without keeping anything."""
+        ...
+
+    def end_turn(self) -> None:
+        """Housekeeping after every turn (e.g. drop arrays of disposed cache handles)."""
+        ...
+
+
+@dataclass(slots=True)
+class _Step:
+    fn: Callable[[], Any]
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+class BackgroundSteps:
+    """In-process registry of background step callables, keyed by the ``RunWhenIdle.step_id``.
+
+    NOTE: callables never travel inside messages (traces stay serializable);
+    the asker registers its step here, sends ``RunWhenIdle(step_id)``, and
+    reads the outcome here after ``TurnDone``.
+    """
+
+    def __init__(self) -> None:
+        self._steps: dict[str, _Step] = {}
+
+    def add(self, step_id: str, fn: Callable[[], Any]) -> None:
+        """Register ``fn`` (run on the engine thread when the turn is granted)."""
+        if step_id in self._steps:
+            raise ValueError(f"step {step_id!r} is already registered")
+        self._steps[step_id] = _Step(fn)
+
+    def get(self, step_id: str) -> Callable[[], Any] | None:
+        """The callable of a registered, not yet run step (``None`` if unknown or done)."""
+        step = self._steps.get(step_id)
+        return None if step is None or step.done else step.fn
+
+    def settle(self, step_id: str, result: Any, error: BaseException | None) -> None:
+        """Record a step's outcome (called by the runner after the turn)."""
+        step = self._steps.get(step_id)
+        if step is not None:
+            step.done, step.result, step.error = True, result, error
+
+    def pop(self, step_id: str) -> tuple[bool, Any, BaseException | None]:
+        """Forget a step; returns (ran, result, error)."""
+        step = self._steps.pop(step_id, None)
+        if step is None:
+            return False, None, None
+        return step.done, step.result, step.error
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request the runner has started: its generation state and accounting."""
+
+    request: Generate
+    admitted_at: float
+    gen: Any = None
+    cached_tokens: int = 0
+    emitted: int = 0
+    first_token_at: float | None = None
+    started_at: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    puts: list[tuple[Literal["completion", "snapshot"], Registered]] = field(default_factory=list)
+
+
+class TurnRunner(Actor):
+    """Performs the engine turns the gateway grants and reports each one back to it."""
+
+    def __init__(
+        self,
+        *,
+        gateway: str,
+        executor: Executor,
+        backend: Backend,
+        steps: BackgroundSteps,
+        prompt_cache: str | None = None,
+        snapshot_min_new_tokens: int = 64,
+        ask_timeout_s: float = 30.0,
+    ) -> None:
+        self._gateway = gateway
+        self._executor = executor
+        self._backend = backend
+        self._steps = steps
+        self._prompt_cache = prompt_cache
+        self._snapshot_min = snapshot_min_new_tokens
+        self._ask_timeout = ask_timeout_s
+        self._live: dict[str, _Live] = {}
+
+    @property
+    def live_requests(self) -> int:
+        """Requests whose generation state the runner holds."""
+        return len(self._live)
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Run one granted turn, or end a cancelled request."""
+        body = envelope.body
+        if isinstance(body, RunTurn):
+            if body.owner == "background":
+                await self._background_turn(body.ident, ctx)
+            else:
+                await self._request_turn(body, ctx)
+        elif isinstance(body, EndRequest):
+            live = self._live.pop(body.request_id, None)
+            if live is not None:
+                await self._keep_or_discard(live, ctx, keep=True)
+                await self._finish_stream(live, ctx, "cancelled")
+
+    # --- background ---------------------------------------------------------
+
+    async def _background_turn(self, step_id: str, ctx: Context) -> None:
+        fn = self._steps.get(step_id)
+        report: BackgroundTurnReport
+        if fn is None:
+            report = BackgroundTurnReport(
+                step_id=step_id, ok=False, error_code="unknown_step", detail="step not registered"
+            )
+        else:
+            try:
+                result = await self._executor.run(fn)
+            except Exception as exc:  # noqa: BLE001 - the asker gets the error, the gateway goes on
+                self._steps.settle(step_id, None, exc)
+                report = BackgroundTurnReport(
+                    step_id=step_id, ok=False, error_code=type(exc).__name__, detail=str(exc)
+                )
+            else:
+                self._steps.settle(step_id, result, None)
+                report = BackgroundTurnReport(step_id=step_id, ok=True)
+        await ctx.tell(self._gateway, report)
+
+    # --- requests -------------------------------------------------------------
+
+    async def _request_turn(self, body: RunTurn, ctx: Context) -> None:
+        rid = body.ident
+        live = self._live.get(rid)
+        if live is None:
+            if body.start is None:
+                raise RuntimeError(f"turn for unknown request {rid!r}")
+            live = _Live(request=body.start, admitted_at=body.admitted_at)
+            self._live[rid] = live
+        clock = ctx.clock
+        began = clock.now()
+        if live.started_at is None:
+            live.started_at = began
+        try:
+            if live.gen is None:
+                result = await self._first_turn(live, ctx)
+            else:
+                result = await self._executor.run(self._turn_job, live)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the gateway goes on
+            _log.warning("gateway.turn_failed", request_id=rid, error=repr(exc))
+            await self._fail(live, ctx, exc)
+            return
+        spent = clock.now() - began
+        if result.phase == "prefill":
+            live.prefill_s += spent
+        else:
+            live.decode_s += spent
+        outcome = await self._deliver(live, result, ctx)
+        await ctx.tell(
+            self._gateway, RequestTurnReport(request_id=rid, phase=result.phase, outcome=outcome)
+        )
+
+    async def _first_turn(self, live: _Live, ctx: Context) -> StepResult:
+        request = live.request
+        take = TakeResult()
+        if self._prompt_cache is not None and len(request.prompt_tokens) > 1:
+            try:
+                take = await ctx.ask(
+                    self._prompt_cache,
+                    Take(tokens=request.prompt_tokens, namespace=request.namespace),
+                    timeout=self._ask_timeout,
+                    expect=TakeResult,
+                )
+            except RuntimeFailure as exc:
+                # NOTE: a prompt cache that cannot answer in time is a miss, not a failure.
+                _log.warning("gateway.take_failed", request_id=request.request_id, error=repr(exc))
+                take = TakeResult()
+        try:
+            return await self._executor.run(self._open_job, live, take.handle, take.cached_tokens)
+        finally:
+            if take.lease_id is not None and self._prompt_cache is not None:
+                await ctx.tell(self._prompt_cache, Release(lease_id=take.lease_id))
+
+    # NOTE: the *_job methods run ON the engine thread; they touch only `live`
+    # (owned by this actor, which awaits the job) and the backend.
+    def _open_job(self, live: _Live, handle: str | None, cached: int) -> StepResult:
+        live.gen = self._backend.open(live.request, handle, cached if handle else 0)
+        live.cached_tokens = cached if handle else 0
+        return self._turn_job(live)
+
+    def _turn_job(self, live: _Live) -> StepResult:
+        try:
+            result = self._backend.step(live.gen)
+            if result.prefill_complete and self._wants_snapshot(live):
+                snap = self._backend.snapshot(live.gen)
+                if snap is not None:
+                    live.puts.append(("snapshot", snap))
+            if result.finish_reason is not None:
+                if self._prompt_cache is None:
+                    # NOTE: nobody would own a registered entry: drop the arrays here.
+                    self._backend.discard(live.gen)
+                else:
+                    entry = self._backend.register(live.gen)
+                    if entry is not None:
+                        live.puts.append(("completion", entry))
+                live.gen = None
+            return result
+        finally:
+            self._backend.end_turn()
+
+    def _wants_snapshot(self, live: _Live) -> bool:
+        request = live.request
+        new_tokens = len(request.prompt_tokens) - live.cached_tokens
+        return self._prompt_cache is not None and request.chat and new_tokens >= self._snapshot_min
+
+    def _discard_job(self, live: _Live) -> None:
+        if live.gen is not None:
+            self._backend.discard(live.gen)
+            live.gen = None
+        self._backend.end_turn()
+
+    def _register_job(self, live: _Live) -> None:
+        if live.gen is not None:
+            entry = self._backend.register(live.gen)
+            live.gen = None
+            if entry is not None:
+                live.puts.append(("completion", entry))
+        self._backend.end_turn()
+
+    async def _deliver(self, live: _Live, result: StepResult, ctx: Context) -> TurnOutcome:
+        await self._flush_puts(live, ctx)
+        request = live.request
+        token = result.token
+        try:
+            if token is not None:
+                if live.first_token_at is None:
+                    live.first_token_at = ctx.clock.now()
+                event = TokenEvent(
+                    request_id=request.request_id,
+                    index=live.emitted,
+                    token_id=token.token_id,
+                    text=token.text,
+                    logprob=token.logprob,
+                )
+                live.emitted += 1
+                await ctx.tell(request.stream_to, event)
+            if result.finish_reason is not None:
+                self._live.pop(request.request_id, None)
+                await self._finish_stream(live, ctx, result.finish_reason)
+                return "finished"
+        except (MailboxClosed, UnknownAddress):
+            # NOTE: the requester closed its stream (client left): stop now,
+            # keep what was computed for the prompt cache.
+            self._live.pop(request.request_id, None)
+            await self._keep_or_discard(live, ctx, keep=True)
+            return "cancelled"
+        return "continue"
+
+    async def _finish_stream(
+        self, live: _Live, ctx: Context, reason: Literal["stop", "length", "cancelled"]
+    ) -> None:
+        request = live.request
+        now = ctx.clock.now()
+        first = live.first_token_at
+        done = DoneEvent(
+            request_id=request.request_id,
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=len(request.prompt_tokens),
+                completion_tokens=live.emitted,
+                cached_tokens=live.cached_tokens,
+            ),
+            timings=Timings(
+                queued_s=max(0.0, (live.started_at or now) - live.admitted_at),
+                ttft_s=max(0.0, (first if first is not None else now) - live.admitted_at),
+                prefill_s=live.prefill_s,
+                decode_s=live.decode_s,
+            ),
+        )
+        try:
+            if reason == "cancelled":
+                ctx.try_tell(request.stream_to, done)
+            else:
+                await ctx.tell(request.stream_to, done)
+        except (MailboxClosed, UnknownAddress):
+            pass
+        end_stream(ctx, request.stream_to)
+
+    async def _fail(self, live: _Live, ctx: Context, exc: Exception) -> None:
+        request = live.request
+        self._live.pop(request.request_id, None)
+        try:
+            await self._executor.run(self._discard_job, live)
+        except Exception as cleanup:  # noqa: BLE001 - already failing; log and go on
+            _log.warning("gateway.discard_failed", error=repr(cleanup))
+        await self._flush_puts(live, ctx)
+        error = ErrorEvent(request_id=request.request_id, error_code=type(exc).__name__, detail=str(exc))
+        try:
+            ctx.try_tell(request.stream_to, error)
+        except (MailboxClosed, UnknownAddress):
+            pass
+        end_stream(ctx, request.stream_to)
+        phase: Literal["prefill", "decode"] = "decode" if live.emitted else "prefill"
+        await ctx.tell(
+            self._gateway,
+            RequestTurnReport(request_id=request.request_id, phase=phase, outcome="failed"),
+        )
+
+    async def _keep_or_discard(self, live: _Live, ctx: Context, *, keep: bool) -> None:
+        """Hand a stopped request's cache to the prompt cache (or drop it) on the engine thread."""
+        if live.gen is not None:
+            job = self._register_job if keep and self._prompt_cache is not None else self._discard_job
+            try:
+                await self._executor.run(job, live)
+            except Exception as exc:  # noqa: BLE001 - losing a cache entry is not an error
+                _log.warning("gateway.keep_failed", error=repr(exc))
+        await self._flush_puts(live, ctx)
+
+    async def _flush_puts(self, live: _Live, ctx: Context) -> None:
+        if not live.puts:
+            return
+        puts, live.puts = live.puts, []
+        if self._prompt_cache is None:
+            return
+        request = live.request
+        for role, entry in puts:
+            await ctx.tell(
+                self._prompt_cache,
+                Put(
+                    tokens=entry.tokens,
+                    namespace=request.namespace,
+                    handle=entry.handle,
+                    meta=entry.meta,
+                    role=role,
+                ),
+            )

@@ -1,0 +1,767 @@
+"""kvtier's public embedding API: :class:`Engine`.
+
+An ``Engine`` loads one model on its engine thread, starts kvtier's actor
+system (gateway, prompt cache) on the caller's event loop, and streams
+generations::
+
+    async with Engine() as engine:                      # default model
+        async with engine.chat([{"role": "user", "content": "Hi"}],
+                               GenerationParams(max_tokens=32)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    print(event.text, end="")
+                else:                                   # DoneEvent, always last
+                    print(event.finish_reason, event.usage)
+
+Admission errors (``QueueFull``, ``ServerShuttingDown``, ``InvalidRequest``)
+are raised by ``async with`` / ``start()`` BEFORE the first event, so an HTTP
+layer can still answer 429/503/400. Leaving the ``async with`` block early
+(client disconnect) cancels the generation; the lane is free again within
+one decode step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import anyio
+import anyio.to_thread
+import structlog
+from messages._gateway import (
+    AdmissionReply,
+    AwaitDrained,
+    BeginShutdown,
+    CancelGeneration,
+    DoneEvent,
+    ErrorEvent,
+    Generate,
+    GenerationEvent,
+    GenerationParams,
+    RunWhenIdle,
+    StopTurns,
+    Timings,
+    TokenEvent,
+    TurnDone,
+    Usage,
+)
+
+from messages import Envelope
+
+from ._errors import (
+    ContextTooLong,
+    EngineClosed,
+    EngineNotStarted,
+    GenerationFailed,
+    InvalidRequest,
+    KvtierError,
+    QueueFull,
+    ServerShuttingDown,
+    TurnUnavailable,
+)
+from ._turn import BackgroundSteps, TurnRunner
+from .gateway import Gateway
+from .runtime import (
+    ActorRef,
+    ActorSystem,
+    AskTimeout,
+    Inbox,
+    MailboxClosed,
+    RuntimeFailure,
+    Supervision,
+    use_correlation,
+)
+
+__all__ = [
+    "ChatMessage",
+    "Completion",
+    "ContextTooLong",
+    "DoneEvent",
+    "Engine",
+    "EngineClosed",
+    "EngineNotStarted",
+    "GenerationEvent",
+    "GenerationFailed",
+    "GenerationParams",
+    "GenerationStream",
+    "InvalidRequest",
+    "KvQuant",
+    "KvtierError",
+    "QueueFull",
+    "ServerShuttingDown",
+    "Timings",
+    "TokenEvent",
+    "TurnUnavailable",
+    "Usage",
+]
+
+ChatMessage = Mapping[str, Any]
+"""An OpenAI-style chat message: ``{"role": ..., "content": ...}`` (extra keys go to the template)."""
+
+KvQuant = str | int
+"""``--kv-quant`` values: ``"off"``, ``4``/``"4"``, ``8``/``"8"`` or ``"config"``."""
+
+T = TypeVar("T")
+
+_log = structlog.get_logger("kvtier.engine")
+
+_GATEWAY = "gateway"
+_RUNNER = "gateway.runner"
+_PROMPT_CACHE = "prompt_cache"
+
+_ADMISSION_ERRORS: dict[str, type[KvtierError]] = {
+    "queue_full": QueueFull,
+    "shutting_down": ServerShuttingDown,
+    "duplicate_id": InvalidRequest,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole (non-streamed) generation: what :meth:`Engine.complete` returns."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+
+def _cancel_on_collect(system: ActorSystem, request_id: str) -> None:
+    # NOTE: weakref finalizer of an abandoned, never-closed stream: best effort,
+    # non-blocking; the runner also stops when it finds the inbox gone.
+    try:
+        system.try_tell(_GATEWAY, CancelGeneration(request_id=request_id))
+    except (RuntimeFailure, RuntimeError):
+        pass
+
+
+class GenerationStream:
+    """One request's event stream; an async context manager and async iterator.
+
+    ``__aenter__`` (or :meth:`start`) performs admission and raises its typed
+    error; iteration yields ``TokenEvent`` then exactly one ``DoneEvent``;
+    ``__aexit__`` / :meth:`aclose` cancel the request if it has not finished.
+    A mid-generation engine failure is raised from iteration as
+    ``GenerationFailed``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        prepare: Callable[[], list[int]],
+        params: GenerationParams,
+        *,
+        chat: bool,
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._prepare = prepare
+        self._params = params
+        self._chat = chat
+        self._inbox: Inbox | None = None
+        self._prompt_tokens: int | None = None
+        self._started = False
+        self._finished = False
+        self._done: DoneEvent | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    async def start(self) -> None:
+        """Admit the request (idempotent); raises ``QueueFull``/``ServerShuttingDown``/``InvalidRequest``."""
+        if self._started:
+            return
+        self._started = True
+        engine = self._engine
+        engine._check_open()
+        try:
+            tokens = await anyio.to_thread.run_sync(self._prepare)
+        except KvtierError:
+            self._finished = True
+            raise
+        except Exception as exc:
+            self._finished = True
+            raise InvalidRequest(f"cannot render the prompt: {exc}") from exc
+        engine._validate_prompt(tokens, self._params)
+        self._prompt_tokens = len(tokens)
+        engine._check_open()
+        system = engine._require_system()
+        inbox = system.open_inbox(engine._stream_buffer, prefix=f"stream-{self.request_id}-")
+        request = Generate(
+            request_id=self.request_id,
+            prompt_tokens=tuple(tokens),
+            params=self._params,
+            stream_to=inbox.address,
+            chat=self._chat,
+        )
+        try:
+            with use_correlation(self.request_id):
+                reply = await engine._gateway().ask(
+                    request, timeout=engine._ask_timeout, expect=AdmissionReply
+                )
+        except AskTimeout as exc:
+            inbox.close()
+            self._finished = True
+            raise QueueFull(queued=-1, max_queue=engine._max_queue) from exc
+        except RuntimeFailure as exc:
+            inbox.close()
+            self._finished = True
+            raise ServerShuttingDown(f"the gateway is not accepting requests ({exc})") from exc
+        if not reply.accepted:
+            inbox.close()
+            self._finished = True
+            if reply.error_code == "queue_full":
+                raise QueueFull(queued=reply.position, max_queue=engine._max_queue)
+            error = _ADMISSION_ERRORS.get(reply.error_code, InvalidRequest)
+            raise error(reply.detail or reply.error_code)
+        self._inbox = inbox
+        self._finalizer = weakref.finalize(self, _cancel_on_collect, system, self.request_id)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        """The next event; admits first if :meth:`start` was not called."""
+        if not self._started:
+            await self.start()
+        if self._finished or self._inbox is None:
+            raise StopAsyncIteration
+        try:
+            envelope: Envelope = await self._inbox.receive()
+        except MailboxClosed:
+            # NOTE: the stream ended without a DoneEvent (cancelled elsewhere).
+            self._close_inbox()
+            raise StopAsyncIteration from None
+        body = envelope.body
+        if isinstance(body, TokenEvent):
+            return body
+        if isinstance(body, DoneEvent):
+            self._done = body
+            self._close_inbox()
+            return body
+        self._close_inbox()
+        if isinstance(body, ErrorEvent):
+            raise GenerationFailed(f"{body.error_code}: {body.detail}")
+        raise GenerationFailed(f"unexpected message on the stream: {body.kind}")
+
+    async def aclose(self) -> None:
+        """Cancel the request if it is still queued or running; safe to call twice."""
+        if self._inbox is None or self._finished:
+            self._finished = True
+            return
+        request_id = self.request_id
+        self._close_inbox()
+        system = self._engine._system
+        if system is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await system.tell(_GATEWAY, CancelGeneration(request_id=request_id))
+                except RuntimeFailure:
+                    # NOTE: the gateway is gone (engine closing): nothing left to cancel.
+                    pass
+
+    def _close_inbox(self) -> None:
+        self._finished = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._inbox is not None:
+            self._inbox.close()
+
+    @property
+    def prompt_tokens(self) -> int:
+        """How many tokens the rendered prompt has (known once admitted)."""
+        if self._prompt_tokens is None:
+            raise EngineNotStarted("the stream has not been started")
+        return self._prompt_tokens
+
+    @property
+    def done(self) -> DoneEvent | None:
+        """The final event once the stream has ended normally, else ``None``."""
+        return self._done
+
+
+class Engine:
+    """One model, one engine thread, one actor system: kvtier embedded in an async app.
+
+    ``model``: a local mlx-lm model directory or a Hugging Face id; ``None``
+    means kvtier's default model (SmolLM2-135M-Instruct, fetched and converted
+    on first use). Options: ``max_queue`` requests may wait behind the one
+    generating (more → ``QueueFull``); ``prefill_step_size`` tokens per
+    prefill engine turn; ``prompt_cache_bytes`` caps the RAM prompt cache
+    (0 disables it, ``None`` takes ``kernels.default_prompt_cache_bytes()``,
+    i.e. ``KVTIER_PROMPT_CACHE_GB`` or a quarter of free memory);
+    ``kv_quant`` stores KV in affine 4/8-bit (``"off"``, 4, 8, ``"config"``);
+    ``stream_buffer`` bounds each request's event inbox; ``ask_timeout_s``
+    is the deadline on every internal ask (admission included);
+    ``drain_timeout_s`` bounds how long :meth:`aclose` waits for in-flight
+    requests.
+
+    ``start()`` and ``aclose()`` must run in the same task (``async with``
+    does that): the actor system's task group lives between them.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        max_queue: int = 16,
+        prefill_step_size: int = 512,
+        prompt_cache_bytes: int | None = None,
+        kv_quant: KvQuant | None = None,
+        stream_buffer: int = 64,
+        ask_timeout_s: float = 30.0,
+        drain_timeout_s: float = 120.0,
+        snapshot_min_new_tokens: int = 64,
+    ) -> None:
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        if prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
+        if stream_buffer < 1:
+            raise ValueError("stream_buffer must be >= 1")
+        self._model_arg = model
+        self._max_queue = max_queue
+        self._prefill_step_size = prefill_step_size
+        self._prompt_cache_bytes = prompt_cache_bytes
+        self._kv_quant = kv_quant
+        self._stream_buffer = stream_buffer
+        self._ask_timeout = ask_timeout_s
+        self._drain_timeout = drain_timeout_s
+        self._snapshot_min = snapshot_min_new_tokens
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._model_id = "" if model is None else str(model)
+        self._identity: Any = None
+        self._model_dir: Path | None = None
+        self._max_context: int | None = None
+        self._engine_thread: Any = None
+        self._registry: Any = None
+        self._system: ActorSystem | None = None
+        self._gateway_actor: Gateway | None = None
+        self._runner_actor: TurnRunner | None = None
+        self._gateway_ref: ActorRef | None = None
+        self._steps = BackgroundSteps()
+        self._state = "new"
+        self._ids = 0
+
+    @classmethod
+    def from_loaded(
+        cls,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        identity: Any = None,
+        max_context: int | None = None,
+        max_queue: int = 16,
+        prefill_step_size: int = 512,
+        prompt_cache_bytes: int | None = None,
+        kv_quant: KvQuant | None = None,
+        stream_buffer: int = 64,
+        ask_timeout_s: float = 30.0,
+        drain_timeout_s: float = 120.0,
+        snapshot_min_new_tokens: int = 64,
+    ) -> Engine:
+        """An engine over an already-built mlx-lm model and tokenizer (tests, custom loaders).
+
+        ``tokenizer`` must be mlx-lm's ``TokenizerWrapper``. The model must not
+        be used from any other thread afterwards: the engine thread owns it.
+        """
+        engine = cls(
+            None,
+            max_queue=max_queue,
+            prefill_step_size=prefill_step_size,
+            prompt_cache_bytes=prompt_cache_bytes,
+            kv_quant=kv_quant,
+            stream_buffer=stream_buffer,
+            ask_timeout_s=ask_timeout_s,
+            drain_timeout_s=drain_timeout_s,
+            snapshot_min_new_tokens=snapshot_min_new_tokens,
+        )
+        engine._model = model
+        engine._tokenizer = tokenizer
+        engine._model_id = model_id
+        engine._identity = identity
+        engine._max_context = max_context
+        return engine
+
+    # --- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model on the engine thread and start the actors on the running loop."""
+        if self._state != "new":
+            raise EngineClosed(f"the engine was already started (state {self._state})")
+        self._state = "starting"
+        # NOTE: imported here so `import actors.engine` stays cheap for tools
+        # that only need the types (the HTTP app's unit tests, kvtier replay).
+        import kernels
+
+        thread = kernels.EngineThread(name="kvtier-engine", max_queue=4)
+        self._engine_thread = thread
+        try:
+            if self._model is None:
+                loaded = await thread.run(self._load)
+                self._model = loaded.model
+                self._tokenizer = loaded.tokenizer
+                self._identity = loaded.identity
+                self._model_dir = loaded.path
+                self._model_id = loaded.identity.name if self._model_arg is None else str(self._model_arg)
+                self._max_context = _context_limit(loaded.config)
+            await thread.run(kernels.configure_mlx_memory)
+            scheme = kernels.resolve_kv_scheme(
+                self._kv_quant, self._model_dir, missing_config="bf16"
+            )
+            cap = self._prompt_cache_bytes
+            if cap is None:
+                cap = kernels.default_prompt_cache_bytes()
+            registry = kernels.CacheRegistry() if cap > 0 else None
+            self._registry = registry
+            backend = _make_backend(
+                self._model, self._tokenizer, self._prefill_step_size, scheme, registry
+            )
+            system = ActorSystem()
+            await system.__aenter__()
+        except BaseException:
+            self._state = "closed"
+            await thread.aclose()
+            raise
+        self._system = system
+        prompt_cache: str | None = None
+        if registry is not None:
+            from .prompt_cache import PromptCache
+
+            cache_actor = PromptCache(cap_bytes=cap, registry=registry)
+            system.spawn(
+                _PROMPT_CACHE,
+                lambda: cache_actor,
+                capacity=256,
+                supervision=Supervision("resume"),
+            )
+            prompt_cache = _PROMPT_CACHE
+        gateway = Gateway(runner=_RUNNER, max_queue=self._max_queue)
+        runner = TurnRunner(
+            gateway=_GATEWAY,
+            executor=thread,
+            backend=backend,
+            steps=self._steps,
+            prompt_cache=prompt_cache,
+            snapshot_min_new_tokens=self._snapshot_min,
+            ask_timeout_s=self._ask_timeout,
+        )
+        self._gateway_actor = gateway
+        self._runner_actor = runner
+        # NOTE: "resume" keeps the one instance (and its core state) if a
+        # handler raises; the factories therefore return that instance.
+        self._gateway_ref = system.spawn(
+            _GATEWAY,
+            lambda: gateway,
+            capacity=max(64, 2 * self._max_queue + 16),
+            supervision=Supervision("resume", max_restarts=100, within=1.0),
+        )
+        system.spawn(
+            _RUNNER,
+            lambda: runner,
+            capacity=self._max_queue + 16,
+            supervision=Supervision("resume", max_restarts=100, within=1.0),
+        )
+        self._state = "running"
+
+    def _load(self) -> Any:
+        import kernels
+
+        path = self._model_arg if self._model_arg is not None else kernels.ensure_default_model()
+        return kernels.load_model(path)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def begin_shutdown(self) -> None:
+        """Stop admission now: new requests get ``ServerShuttingDown``; in-flight streams finish."""
+        if self._state != "running":
+            return
+        self._state = "draining"
+        if self._system is not None:
+            # NOTE: the engine-side flag refuses new requests at once; the
+            # message makes the gateway refuse any already on their way.
+            try:
+                if not self._system.try_tell(_GATEWAY, BeginShutdown()):
+                    _log.warning("engine.begin_shutdown_deferred")
+            except RuntimeFailure:
+                pass
+
+    async def drain(self) -> None:
+        """Wait until no request is running or queued (call after :meth:`begin_shutdown`)."""
+        if self._system is None:
+            return
+        if self._state == "running":
+            self.begin_shutdown()
+        with use_correlation("engine-drain"):
+            await self._gateway().tell(BeginShutdown())
+            await self._gateway().ask(AwaitDrained(), timeout=self._drain_timeout)
+
+    async def aclose(self) -> None:
+        """Begin shutdown, drain in-flight requests, stop the actors and the engine thread."""
+        if self._state in ("closed", "closing"):
+            return
+        if self._state == "new":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        system = self._system
+        try:
+            if system is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.drain()
+                    except RuntimeFailure as exc:
+                        _log.warning("engine.drain_incomplete", error=repr(exc))
+                    try:
+                        await system.tell(_GATEWAY, StopTurns())
+                    except RuntimeFailure:
+                        pass
+                # NOTE: outside the shield: the system's task group scope must be
+                # the innermost scope when it exits.
+                await system.__aexit__(None, None, None)
+        finally:
+            self._state = "closed"
+            self._system = None
+            if self._engine_thread is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._engine_thread.aclose()
+
+    # --- identity ----------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        """The served model's id (what the OpenAI API reports as ``model``)."""
+        return self._model_id
+
+    @property
+    def identity(self) -> Any:
+        """The loaded model's ``kernels.ModelIdentity`` (``None`` for ``from_loaded`` without one)."""
+        return self._identity
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (mlx-lm ``TokenizerWrapper``); read-only use off the engine thread."""
+        return self._tokenizer
+
+    # --- requests ----------------------------------------------------------
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage],
+        params: GenerationParams | None = None,
+        *,
+        request_id: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> GenerationStream:
+        """A stream for a chat request (rendered with the model's chat template).
+
+        Nothing happens until the stream is entered or iterated.
+        """
+        if not messages:
+            raise InvalidRequest("messages must not be empty")
+        msgs = [dict(m) for m in messages]
+        tool_list = [dict(t) for t in tools] if tools is not None else None
+        kwargs = dict(chat_template_kwargs or {})
+
+        def prepare() -> list[int]:
+            from kernels import render_chat
+
+            return render_chat(self._tokenizer, msgs, tools=tool_list, **kwargs)
+
+        return GenerationStream(
+            self, request_id or self._new_id(), prepare, params or GenerationParams(), chat=True
+        )
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: GenerationParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> GenerationStream:
+        """A stream for a raw completion of ``prompt`` (text, or token ids used verbatim)."""
+        if isinstance(prompt, str):
+            text = prompt
+
+            def prepare() -> list[int]:
+                from kernels import encode_prompt
+
+                return encode_prompt(self._tokenizer, text)
+
+        else:
+            ids = [int(t) for t in prompt]
+
+            def prepare() -> list[int]:
+                return ids
+
+        return GenerationStream(
+            self, request_id or self._new_id(), prepare, params or GenerationParams(), chat=False
+        )
+
+    async def complete(
+        self,
+        messages: Sequence[ChatMessage],
+        params: GenerationParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Completion:
+        """Run a chat request to the end and return the whole text (non-streaming)."""
+        return await self._collect(self.chat(messages, params, request_id=request_id))
+
+    async def complete_prompt(
+        self,
+        prompt: str | Sequence[int],
+        params: GenerationParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Completion:
+        """Run a raw completion to the end and return the whole text (non-streaming)."""
+        return await self._collect(self.generate(prompt, params, request_id=request_id))
+
+    async def _collect(self, stream: GenerationStream) -> Completion:
+        parts: list[str] = []
+        ids: list[int] = []
+        async with stream:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    parts.append(event.text)
+                    ids.append(event.token_id)
+                else:
+                    return Completion(
+                        request_id=stream.request_id,
+                        text="".join(parts),
+                        token_ids=tuple(ids),
+                        finish_reason=event.finish_reason,
+                        usage=event.usage,
+                        timings=event.timings,
+                    )
+        raise GenerationFailed("the stream ended without a final event")
+
+    async def run_when_idle(self, fn: Callable[[], T], *, timeout: float | None = None) -> T:
+        """Run ``fn()`` as ONE background engine turn, granted when no request runs or waits.
+
+        For background work (cache write-back, snapshots) from outside the
+        actors; actors send ``RunWhenIdle`` themselves. Raises
+        ``TurnUnavailable`` once the engine stops granting turns, and
+        ``fn``'s own exception if it raised.
+        """
+        self._require_system()
+        step_id = self._new_id("step-")
+        self._steps.add(step_id, fn)
+        try:
+            reply = await self._gateway().ask(
+                RunWhenIdle(step_id=step_id),
+                timeout=self._drain_timeout if timeout is None else timeout,
+                expect=TurnDone,
+            )
+        finally:
+            ran, result, error = self._steps.pop(step_id)
+        if error is not None:
+            raise error
+        if not reply.ok or not ran:
+            raise TurnUnavailable(reply.detail or reply.error_code or "the step did not run")
+        return result  # type: ignore[no-any-return]
+
+    # --- observability -----------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-ready snapshot: gateway (queue, lane, requests), engine-turn token, mailboxes."""
+        out: dict[str, Any] = {"model": self._model_id, "state": self._state}
+        if self._gateway_actor is not None:
+            out["gateway"] = {"token": self._gateway_actor.snapshot()}
+        if self._runner_actor is not None:
+            out["gateway"]["live_requests"] = self._runner_actor.live_requests
+        if self._engine_thread is not None:
+            es = self._engine_thread.statistics()
+            out["engine_thread"] = {
+                "jobs_run": es.jobs_run,
+                "jobs_failed": es.jobs_failed,
+                "busy_s": es.busy_s,
+                "queue_depth": es.queue_depth,
+                "alive": es.alive,
+            }
+        if self._registry is not None:
+            rs = self._registry.statistics()
+            out["cache_registry"] = {"entries": rs.entries, "nbytes": rs.nbytes}
+        if self._system is not None:
+            out["mailboxes"] = self._system.statistics().as_dict()
+        return out
+
+    # --- internals -----------------------------------------------------------
+
+    def _new_id(self, prefix: str = "req-") -> str:
+        self._ids += 1
+        return f"{prefix}{id(self):x}-{self._ids}"
+
+    def _check_open(self) -> None:
+        if self._state in ("new", "starting"):
+            raise EngineNotStarted("start the engine first (`async with Engine(...)`)")
+        if self._state in ("draining", "closing"):
+            raise ServerShuttingDown()
+        if self._state == "closed":
+            raise EngineClosed("the engine is closed")
+
+    def _require_system(self) -> ActorSystem:
+        if self._system is None:
+            self._check_open()
+            raise EngineClosed("the engine is closed")
+        return self._system
+
+    def _gateway(self) -> ActorRef:
+        if self._gateway_ref is None:
+            raise EngineNotStarted("start the engine first")
+        return self._gateway_ref
+
+    def _validate_prompt(self, tokens: Sequence[int], params: GenerationParams) -> None:
+        if not tokens:
+            raise InvalidRequest("the prompt has no tokens")
+        limit = self._max_context
+        if limit is not None and len(tokens) >= limit:
+            raise ContextTooLong(len(tokens), limit)
+
+
+def _context_limit(config: Mapping[str, Any]) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _make_backend(model: Any, tokenizer: Any, step: int, scheme: Any, registry: Any) -> Any:
+    from ._backend import MlxBackend
+
+    return MlxBackend(
+        model, tokenizer, prefill_step_size=step, kv_scheme=scheme, registry=registry
+    )

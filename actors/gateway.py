@@ -1,0 +1,219 @@
+"""The gateway actor: admission, the serial lane and the engine-turn token.
+
+A thin async shell over :class:`actors._gateway_core.GatewayCore`: it turns
+messages into core events (stamped with the injected clock) and performs the
+core's effects as messages: admission replies, ``RunTurn`` to the turn runner
+(``actors._turn.TurnRunner``), ``TurnDone`` replies to background askers.
+It never awaits the engine itself, so admission and cancellation are handled
+while a turn runs. See docs/engine-turn.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from messages._gateway import (
+    AdmissionReply,
+    AwaitDrained,
+    BackgroundTurnReport,
+    BeginShutdown,
+    CancelGeneration,
+    DoneEvent,
+    Drained,
+    EndRequest,
+    Generate,
+    RequestTurnReport,
+    RunTurn,
+    RunWhenIdle,
+    ShutdownStarted,
+    StopTurns,
+    TurnDone,
+    Usage,
+)
+
+from messages import Envelope
+
+from . import _gateway_core as core
+from ._turn import end_stream
+from .runtime import Actor, Context, MailboxClosed, UnknownAddress
+
+__all__ = ["Gateway"]
+
+
+@dataclass(slots=True)
+class _Admitted:
+    request: Generate
+    admitted_at: float
+    started: bool = False
+
+
+class Gateway(Actor):
+    """Admits requests into the serial lane and hands out engine turns one at a time.
+
+    ``runner`` is the address of the turn runner; ``max_queue`` requests may
+    wait behind the one holding the lane.
+    """
+
+    def __init__(self, *, runner: str, max_queue: int) -> None:
+        self._runner = runner
+        self.core = core.GatewayCore(max_queue=max_queue)
+        self._admitted: dict[str, _Admitted] = {}
+        self._askers: dict[str, Envelope] = {}
+        self._drain_waiters: list[Envelope] = []
+        self._drained = False
+        self._now = 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready statistics of the lane and the engine-turn token."""
+        snap = self.core.snapshot(self._now)
+        snap["background_asks_open"] = len(self._askers)
+        return snap
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Translate one message into a core event and perform the effects."""
+        now = ctx.clock.now()
+        self._now = now
+        body = envelope.body
+        event: core.CoreEvent
+        if isinstance(body, Generate):
+            if body.request_id in self._admitted:
+                await ctx.reply(
+                    envelope,
+                    AdmissionReply(
+                        request_id=body.request_id,
+                        accepted=False,
+                        error_code="duplicate_id",
+                        detail="a request with this id is already admitted",
+                    ),
+                )
+                return
+            self._admitted[body.request_id] = _Admitted(body, now)
+            event = core.AdmitRequest(body.request_id, now)
+        elif isinstance(body, CancelGeneration):
+            event = core.CancelRequest(body.request_id, now)
+        elif isinstance(body, RunWhenIdle):
+            if body.step_id in self._askers:
+                await ctx.reply(
+                    envelope,
+                    TurnDone(step_id=body.step_id, ok=False, error_code="duplicate_step"),
+                )
+                return
+            self._askers[body.step_id] = envelope
+            event = core.WantBackgroundTurn(body.step_id, now)
+        elif isinstance(body, RequestTurnReport):
+            if body.outcome != "continue":
+                self._admitted.pop(body.request_id, None)
+            event = core.RequestTurnDone(body.request_id, body.phase, body.outcome, now)
+        elif isinstance(body, BackgroundTurnReport):
+            asker = self._askers.pop(body.step_id, None)
+            if asker is not None:
+                await ctx.reply(
+                    asker,
+                    TurnDone(
+                        step_id=body.step_id,
+                        ok=body.ok,
+                        error_code=body.error_code,
+                        detail=body.detail,
+                    ),
+                )
+            event = core.BackgroundTurnDone(body.step_id, now)
+        elif isinstance(body, BeginShutdown):
+            event = core.BeginDrain(now)
+            effects = self.core.handle(event)
+            if body.reply_to:
+                await ctx.reply(
+                    envelope,
+                    ShutdownStarted(
+                        in_flight=0 if self.core.lane is None else 1, queued=len(self.core.queue)
+                    ),
+                )
+            await self._perform(effects, envelope, ctx)
+            return
+        elif isinstance(body, AwaitDrained):
+            if self._drained:
+                await ctx.reply(envelope, Drained())
+            else:
+                self._drain_waiters.append(envelope)
+            return
+        elif isinstance(body, StopTurns):
+            event = core.StopTurns(now)
+        else:
+            return
+        await self._perform(self.core.handle(event), envelope, ctx)
+
+    async def _perform(self, effects: list[core.Effect], envelope: Envelope, ctx: Context) -> None:
+        for effect in effects:
+            if isinstance(effect, core.RequestAdmitted | core.RejectRequest):
+                await self._answer_admission(effect, envelope, ctx)
+            elif isinstance(effect, core.RunRequestTurn):
+                entry = self._admitted.get(effect.request_id)
+                start: Generate | None = None
+                admitted_at = 0.0
+                if entry is not None and not entry.started:
+                    entry.started = True
+                    start = entry.request
+                    admitted_at = entry.admitted_at
+                await ctx.tell(
+                    self._runner,
+                    RunTurn(owner="request", ident=effect.request_id, start=start, admitted_at=admitted_at),
+                )
+            elif isinstance(effect, core.FinishRequest):
+                await self._finish(effect, ctx)
+            elif isinstance(effect, core.RunBackgroundTurn):
+                await ctx.tell(self._runner, RunTurn(owner="background", ident=effect.step_id))
+            elif isinstance(effect, core.RefuseBackground):
+                asker = self._askers.pop(effect.step_id, None)
+                if asker is not None:
+                    await ctx.reply(
+                        asker,
+                        TurnDone(
+                            step_id=effect.step_id,
+                            ok=False,
+                            error_code="turn_unavailable",
+                            detail="the gateway grants no more turns",
+                        ),
+                    )
+            else:
+                self._drained = True
+                waiters, self._drain_waiters = self._drain_waiters, []
+                for waiter in waiters:
+                    await ctx.reply(waiter, Drained())
+
+    async def _answer_admission(
+        self, effect: core.RequestAdmitted | core.RejectRequest, envelope: Envelope, ctx: Context
+    ) -> None:
+        if isinstance(effect, core.RequestAdmitted):
+            reply = AdmissionReply(request_id=effect.request_id, accepted=True, position=effect.position)
+        else:
+            self._admitted.pop(effect.request_id, None)
+            reply = AdmissionReply(
+                request_id=effect.request_id,
+                accepted=False,
+                position=effect.queued,
+                error_code=effect.reason,
+                detail=f"{effect.queued} waiting, max_queue={effect.max_queue}",
+            )
+        body = envelope.body
+        if isinstance(body, Generate) and body.reply_to:
+            await ctx.reply(envelope, reply)
+
+    async def _finish(self, effect: core.FinishRequest, ctx: Context) -> None:
+        entry = self._admitted.pop(effect.request_id, None)
+        if effect.had_turns:
+            await ctx.tell(self._runner, EndRequest(request_id=effect.request_id))
+            return
+        if entry is None:
+            return
+        # NOTE: never started: the gateway closes the stream itself.
+        request = entry.request
+        done = DoneEvent(
+            request_id=request.request_id,
+            finish_reason="cancelled",
+            usage=Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=0),
+        )
+        try:
+            ctx.try_tell(request.stream_to, done)
+        except (MailboxClosed, UnknownAddress):
+            pass
+        end_stream(ctx, request.stream_to)

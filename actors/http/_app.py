@@ -1,0 +1,325 @@
+"""The FastAPI app: OpenAI-compatible routes on top of the engine API.
+
+One code path for embedders and HTTP: every generation goes through
+``engine.chat`` / ``engine.generate`` and the ``GenerationStream`` they
+return. Admission happens before any response byte is sent, so refusals are
+plain 429/503/400 answers, never a broken stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal, TypeVar
+
+import anyio
+import structlog
+from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from messages._gateway import DoneEvent, TokenEvent
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ._convert import (
+    chat_chunk,
+    chat_messages,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    resolve_model,
+    to_params,
+)
+from ._errors import (
+    ApiError,
+    error_body,
+    install_error_handlers,
+    kvtier_error_to_api,
+    validation_to_api,
+)
+from ._middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from ._port import EnginePort, StreamPort
+from ._schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    _SamplingFields,
+)
+from ._sse import DONE, EventStreamResponse, sse_json
+from ._state import HttpSettings, HttpState
+
+__all__ = ["begin_shutdown", "create_app"]
+
+_log = structlog.get_logger("kvtier.http")
+
+_Kind = Literal["chat", "completion"]
+
+
+class _AccessLog:
+    """Counts response statuses and logs one structlog event per request."""
+
+    def __init__(self, app: ASGIApp, state: HttpState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        started = time.perf_counter()
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                self.state.statuses[status] += 1
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            _log.info("http.request", method=scope["method"], path=scope["path"],
+                      status=status, duration_ms=round((time.perf_counter() - started) * 1e3, 2))
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    """Validate the JSON body whatever its Content-Type (curl users forget the header).
+
+    NOTE: read here rather than by FastAPI's body parameters so that a bad
+    body yields OpenAI's 400 shapes and the size cap applies while reading.
+    """
+    raw = await request.body()
+    if not raw.strip():
+        raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_to_api(exc.errors()) from None
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI description of a body that is parsed by hand."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
+def create_app(
+    engine: EnginePort,
+    settings: HttpSettings | None = None,
+    *,
+    state: HttpState | None = None,
+) -> FastAPI:
+    """Build the app over ``engine`` (started by the caller; the app never closes it).
+
+    ``state`` injects the clock/id ports and lets the caller (``kvtier
+    serve``) watch in-flight responses during shutdown; it is also
+    ``app.state.http``.
+    """
+    settings = settings or HttpSettings()
+    st = state or HttpState()
+    app = FastAPI(title="kvtier", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.http = st
+    app.state.engine = engine
+    install_error_handlers(app)
+
+    def created() -> int:
+        return int(st.clock())
+
+    def check_admission_open() -> None:
+        if st.shutting_down:
+            raise ServerShuttingDown()
+
+    # --------------------------------------------------------------- routes
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse:
+        """Liveness; 503 ``draining`` once shutdown began (no auth needed)."""
+        if st.shutting_down:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.model_id})
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        """The one served model."""
+        return ModelList(data=[ModelCard(id=engine.model_id, created=int(st.started_at))])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        """One model by id (404 for any other)."""
+        served = resolve_model(model_id, engine.model_id, settings.model_aliases)
+        return ModelCard(id=served, created=int(st.started_at))
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """Gateway, engine-turn token and mailbox statistics, plus the HTTP layer's own."""
+        return {"engine": engine.stats(), "http": st.snapshot()}
+
+    @app.post("/v1/chat/completions", response_model=None,
+              openapi_extra=_json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions, streamed (SSE) or not."""
+        check_admission_open()
+        body = await _parse(request, ChatCompletionRequest)
+        model = resolve_model(body.model, engine.model_id, settings.model_aliases)
+        params = to_params(body, settings.defaults)
+        rid = f"chatcmpl-{st.new_id()}"
+        stream = engine.chat(chat_messages(body), params, request_id=rid)
+        return await _respond(stream, body, request, rid, model, "chat")
+
+    @app.post("/v1/completions", response_model=None,
+              openapi_extra=_json_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        """OpenAI (legacy) text completions, streamed (SSE) or not."""
+        check_admission_open()
+        body = await _parse(request, CompletionRequest)
+        model = resolve_model(body.model, engine.model_id, settings.model_aliases)
+        params = to_params(body, settings.defaults)
+        rid = f"cmpl-{st.new_id()}"
+        stream = engine.generate(body.prompt_value(), params, request_id=rid)
+        return await _respond(stream, body, request, rid, model, "completion")
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _admit(stream: StreamPort) -> None:
+        """Admit, and apply the prompt-length bound; on any refusal release the stream."""
+        try:
+            await stream.start()
+            limit = settings.defaults.max_prompt_tokens
+            if limit is not None and stream.prompt_tokens > limit:
+                # NOTE: the engine knows the token count only after admission;
+                # cancelling right away frees the lane before any decode step.
+                raise ApiError(
+                    400,
+                    f"The prompt has {stream.prompt_tokens} tokens; this server allows at "
+                    f"most {limit} (--max-prompt-tokens).",
+                    code="context_length_exceeded", param="messages",
+                )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+
+    async def _respond(stream: StreamPort, body: _SamplingFields, request: Request, rid: str,
+                       model: str, kind: _Kind) -> Response:
+        st.enter()
+        try:
+            await _admit(stream)
+        except BaseException:
+            st.leave()
+            raise
+        headers = {"X-Request-Id": rid}
+        if not body.stream:
+            try:
+                return await _collect(stream, request, rid, model, kind, headers)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                st.leave()
+
+        async def release() -> None:
+            await stream.aclose()
+            st.leave()
+
+        events = _sse_events(stream, rid, model, kind, body.include_usage())
+        return EventStreamResponse(events, on_close=release, headers=headers)
+
+    async def _collect(stream: StreamPort, request: Request, rid: str, model: str,
+                       kind: _Kind, headers: dict[str, str]) -> Response:
+        """Run a non-streamed request to the end, cancelling it if the client leaves."""
+        parts: list[str] = []
+        done: DoneEvent | None = None
+        failure: KvtierError | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                # NOTE: the body is already read, so the next receive() returns
+                # only when the client disconnects.
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                st.disconnects += 1
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            try:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        parts.append(event.text)
+                    else:
+                        done = event
+            except KvtierError as exc:
+                # NOTE: kept out of the task group so it is not wrapped in an ExceptionGroup.
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if done is None:
+            # The client left; nobody reads this answer.
+            return Response(status_code=499)
+        text = "".join(parts)
+        result: ChatCompletion | CompletionResponse = (
+            chat_response(rid, created(), model, text, done) if kind == "chat"
+            else completion_response(rid, created(), model, text, done)
+        )
+        return JSONResponse(result.model_dump(mode="json"), headers=headers)
+
+    async def _sse_events(stream: StreamPort, rid: str, model: str, kind: _Kind,
+                          include_usage: bool) -> AsyncIterator[bytes]:
+        ts = created()
+        finished = False
+        try:
+            if kind == "chat":
+                yield sse_json(chat_chunk(rid, ts, model, role=True, content=""))
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    if not event.text:
+                        continue  # NOTE: mid-codepoint tokens carry no text yet.
+                    chunk = (chat_chunk(rid, ts, model, content=event.text) if kind == "chat"
+                             else completion_chunk(rid, ts, model, text=event.text))
+                    yield sse_json(chunk)
+                    continue
+                final = (chat_chunk(rid, ts, model, done=event) if kind == "chat"
+                         else completion_chunk(rid, ts, model, done=event))
+                yield sse_json(final)
+                if include_usage:
+                    tail = (chat_chunk(rid, ts, model, done=event, usage_only=True)
+                            if kind == "chat"
+                            else completion_chunk(rid, ts, model, done=event, usage_only=True))
+                    yield sse_json(tail)
+            finished = True
+            yield DONE
+        except GenerationFailed as exc:
+            # NOTE: headers are gone; an error event is the only way to tell the
+            # client (the openai client raises APIError on it).
+            err = kvtier_error_to_api(exc)
+            yield sse_json(error_body(err.message, err.type, err.code, err.param))
+            finished = True
+        except KvtierError as exc:
+            err = kvtier_error_to_api(exc)
+            yield sse_json(error_body(err.message, err.type, err.code, err.param))
+            finished = True
+        finally:
+            if not finished:
+                st.disconnects += 1
+
+    # ----------------------------------------------------------- middleware
+    # Starlette wraps in reverse order: the last added runs first.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(_AccessLog, state=st)
+    return app
+
+
+def begin_shutdown(app: FastAPI) -> None:
+    """Stop admission: generation routes and ``/health`` answer 503, in-flight streams finish."""
+    st: HttpState = app.state.http
+    st.shutting_down = True
+    engine: EnginePort = app.state.engine
+    engine.begin_shutdown()

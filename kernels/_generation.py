@@ -1,0 +1,332 @@
+"""The steppable generation kernel: one prefill chunk or one decode step per call.
+
+The gateway drives a :class:`Generation` through the engine thread, one
+engine turn per call, and streams every :class:`StepOutput` to the
+requester. The arithmetic follows ``mlx_lm.generate.generate_step`` step for
+step (same chunking, same ``mx.eval``/``mx.async_eval`` points, same
+pipelining of the next forward before reading the current token), so greedy
+output equals ``mlx_lm.generate``'s token for token.
+
+Every method and property that touches arrays (construction included) must
+run on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from ._detokenize import TextStream
+from ._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
+from ._sampling import SamplingParams, make_request_processors, make_request_sampler
+
+__all__ = [
+    "CacheHook",
+    "Generation",
+    "KernelFinishReason",
+    "StepOutput",
+    "encode_prompt",
+    "render_chat",
+    "run_generation",
+]
+
+KernelFinishReason = Literal["stop", "length"]
+"""``stop``: EOS, a stop token id or a stop string; ``length``: ``max_tokens`` reached."""
+
+CacheHook = Callable[[list[Any]], None]
+"""Called on the per-layer cache list after every forward (e.g. KV quantization)."""
+
+# NOTE: mlx-lm clears MLX's buffer cache every 256 decode steps; keep the cadence.
+_CLEAR_EVERY = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One decoded token and the text it released.
+
+    ``text`` may be empty (bytes of a multi-byte character still pending, or
+    text held back because it may start a stop string) and may carry text of
+    earlier tokens released now. ``finish_reason`` is set on the last step.
+    ``logprob`` is the chosen token's log-probability when requested.
+    """
+
+    token_id: int
+    text: str
+    finish_reason: KernelFinishReason | None = None
+    logprob: float | None = None
+
+
+class Generation:
+    """One request's generation state: prompt, live cache, sampler, text stream.
+
+    ``cache``/``cached_tokens``: a reused per-layer cache list that already
+    holds the KV of ``prompt[:cached_tokens]`` (from the prompt cache); only
+    the remaining suffix is forwarded. At least one prompt token must remain
+    (``cached_tokens < len(prompt)``), because the last prompt token's forward
+    produces the first sampled token. Without a cache a fresh one is built.
+    The cache is updated in place.
+
+    ``prefill_step_size`` bounds each prefill chunk (one engine turn).
+    ``cache_hook`` runs after every forward, where mlx-lm quantizes the KV.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_step_size: int = 2048,
+        cache: list[Any] | None = None,
+        cached_tokens: int = 0,
+        cache_hook: CacheHook | None = None,
+    ) -> None:
+        if len(prompt) == 0:
+            raise InvalidPrompt("the prompt has no tokens")
+        if prefill_step_size < 1:
+            raise InvalidPrompt(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        if cache is None and cached_tokens != 0:
+            raise InvalidPrompt("cached_tokens > 0 needs the cache that holds them")
+        if not 0 <= cached_tokens < len(prompt):
+            raise InvalidPrompt(
+                f"cached_tokens={cached_tokens} must leave at least one of the "
+                f"{len(prompt)} prompt tokens to forward"
+            )
+        if cache is not None:
+            _check_cache_offset(cache, cached_tokens)
+        self._model = model
+        self._params = params
+        self._prompt = [int(t) for t in prompt]
+        self._cached = cached_tokens
+        self._step_size = prefill_step_size
+        self._hook = cache_hook
+        self._cache: list[Any] = cache if cache is not None else make_prompt_cache(model)
+        # NOTE: the token ids whose KV the live cache holds, in order; the
+        # prompt cache keys its entry on exactly this sequence.
+        self._cache_tokens: list[int] = self._prompt[:cached_tokens]
+        self._cursor = cached_tokens
+        self._prefill_done = False
+        self._processors = make_request_processors(params)
+        # NOTE: the penalty history is the FULL prompt (reused prefix too), so a
+        # cache hit samples exactly as a cold prefill does.
+        self._history: mx.array | None = mx.array(self._prompt) if self._processors else None
+        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._stop_ids = frozenset(int(t) for t in eos) | frozenset(params.stop_token_ids)
+        self._sampler = make_request_sampler(params, xtc_special_tokens=sorted(self._stop_ids))
+        self._text = TextStream(tokenizer.detokenizer, params.stop)
+        self._next: tuple[mx.array, mx.array] | None = None
+        self._generated: list[int] = []
+        self._finish: KernelFinishReason | None = None
+
+    # -- state --------------------------------------------------------------
+
+    @property
+    def cache(self) -> list[Any]:
+        """The live per-layer cache list (for the prompt cache to ``put`` afterwards)."""
+        return self._cache
+
+    @property
+    def cache_tokens(self) -> tuple[int, ...]:
+        """The token ids whose KV the cache holds, in order (prompt, then forwarded output)."""
+        return tuple(self._cache_tokens)
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        """The whole prompt's token ids (reused prefix included)."""
+        return tuple(self._prompt)
+
+    @property
+    def generated_tokens(self) -> tuple[int, ...]:
+        """The token ids decoded so far (a final EOS included)."""
+        return tuple(self._generated)
+
+    @property
+    def completion_tokens(self) -> int:
+        """How many tokens were decoded so far."""
+        return len(self._generated)
+
+    @property
+    def cached_tokens(self) -> int:
+        """How many prompt tokens came from the reused cache."""
+        return self._cached
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt tokens not yet forwarded (the last one is forwarded by the first decode step)."""
+        return len(self._prompt) - self._cursor
+
+    @property
+    def prefill_done(self) -> bool:
+        """True once :meth:`prefill_step` has reported completion."""
+        return self._prefill_done
+
+    @property
+    def finish_reason(self) -> KernelFinishReason | None:
+        """Why the generation ended, or ``None`` while it runs."""
+        return self._finish
+
+    @property
+    def params(self) -> SamplingParams:
+        """The request's sampling parameters."""
+        return self._params
+
+    # -- steps --------------------------------------------------------------
+
+    def prefill_step(self) -> bool:
+        """Forward one chunk of at most ``prefill_step_size`` prompt tokens.
+
+        Returns True when everything but the last prompt token is in the
+        cache (then call :meth:`decode_step`); a call after that returns True
+        without work. Mirrors mlx-lm's prefill loop: chunk, hook, evaluate the
+        cache state, release MLX's buffer cache.
+        """
+        if self._prefill_done:
+            return True
+        remaining = len(self._prompt) - self._cursor
+        if remaining > 1:
+            n = min(self._step_size, remaining - 1)
+            chunk = self._prompt[self._cursor : self._cursor + n]
+            with mx.stream(generation_stream):
+                self._model(mx.array(chunk)[None], cache=self._cache)
+                if self._hook is not None:
+                    self._hook(self._cache)
+                mx.eval([c.state for c in self._cache])
+            self._cache_tokens.extend(chunk)
+            self._cursor += n
+            mx.clear_cache()
+        self._prefill_done = len(self._prompt) - self._cursor <= 1
+        return self._prefill_done
+
+    def decode_step(self) -> StepOutput:
+        """Produce one token: its id, the text it releases, and a finish reason on the last.
+
+        The first call forwards the last prompt token. Like mlx-lm, each call
+        queues the NEXT token's forward (``mx.async_eval``) before reading the
+        current one, so the engine computes while the caller streams; the
+        forward is skipped when this token is the ``max_tokens``-th.
+        """
+        if self._finish is not None:
+            raise GenerationFinished(f"the generation already finished ({self._finish})")
+        if not self._prefill_done:
+            raise PrefillIncomplete("prefill_step() has not reported completion")
+        n = len(self._generated)
+        last_by_length = n + 1 >= self._params.max_tokens
+        with mx.stream(generation_stream):
+            if self._next is None:
+                tail = self._prompt[self._cursor :]
+                y, logprobs = self._forward(mx.array(tail), first=True)
+                mx.async_eval(y, logprobs)  # type: ignore[no-untyped-call]
+                self._cache_tokens.extend(tail)
+                self._cursor = len(self._prompt)
+            else:
+                y, logprobs = self._next
+                self._next = None
+            if not last_by_length:
+                self._next = self._forward(y, first=False)
+                mx.async_eval(*self._next)  # type: ignore[no-untyped-call]
+            token = int(y.item())  # type: ignore[arg-type]
+        if not last_by_length:
+            self._cache_tokens.append(token)
+        logprob: float | None = None
+        if self._params.logprobs:
+            logprob = float(logprobs[token].item())  # type: ignore[arg-type]
+        if n % _CLEAR_EVERY == 0:
+            mx.clear_cache()
+        self._generated.append(token)
+
+        finish: KernelFinishReason | None = None
+        if token in self._stop_ids:
+            finish = "stop"
+            text = self._text.finish()
+        else:
+            text = self._text.add(token)
+            if self._text.finished:
+                finish = "stop"
+            elif last_by_length:
+                finish = "length"
+                text += self._text.finish()
+        if finish is not None:
+            self._finish = finish
+            # NOTE: the queued forward (if any) already wrote its token into the
+            # cache, which ``cache_tokens`` records; only the arrays are dropped.
+            self._next = None
+        return StepOutput(token_id=token, text=text, finish_reason=finish, logprob=logprob)
+
+    def _forward(self, tokens: mx.array, *, first: bool) -> tuple[mx.array, mx.array]:
+        """mlx-lm's ``_step``: forward, penalties, hook, log-softmax, sample."""
+        logits = self._model(tokens[None], cache=self._cache)[:, -1, :]
+        if self._processors:
+            assert self._history is not None
+            if not first:
+                self._history = mx.concat([self._history, tokens])
+            for processor in self._processors:
+                logits = processor(self._history, logits)
+        if self._hook is not None:
+            self._hook(self._cache)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        sampled = self._sampler(logprobs)
+        return sampled, logprobs.squeeze(0)
+
+
+def _check_cache_offset(cache: list[Any], cached_tokens: int) -> None:
+    """Reject a reused cache whose layers do not hold exactly ``cached_tokens`` tokens.
+
+    Only layers with an integer ``offset`` (KV caches) are checked; recurrent
+    state has no token count to compare.
+    """
+    for i, layer in enumerate(cache):
+        offset = getattr(layer, "offset", None)
+        if isinstance(offset, int) and offset != cached_tokens:
+            raise InvalidPrompt(
+                f"cache layer {i} holds {offset} tokens but cached_tokens={cached_tokens}"
+            )
+
+
+def run_generation(gen: Generation) -> list[StepOutput]:
+    """Drive ``gen`` to completion in the calling thread (tests, tools, benchmarks)."""
+    while not gen.prefill_step():
+        pass
+    out: list[StepOutput] = []
+    while gen.finish_reason is None:
+        out.append(gen.decode_step())
+    return out
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    tools: Sequence[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Token ids of ``messages`` through the tokenizer's chat template, ready to generate.
+
+    ``add_generation_prompt=True``; ``tools`` and extra keyword arguments go
+    to the template. Pure tokenizer work (no MLX): safe off the engine thread.
+    """
+    kwargs: dict[str, Any] = dict(template_kwargs)
+    if tools is not None:
+        kwargs["tools"] = list(tools)
+    ids = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True, **kwargs
+    )
+    if isinstance(ids, Mapping):
+        # NOTE: bare transformers tokenizers may return a BatchEncoding.
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a plain completion prompt, as ``mlx_lm.stream_generate`` encodes it.
+
+    Special tokens (BOS) are added unless the text already starts with BOS.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = bos is None or not text.startswith(bos)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special)]

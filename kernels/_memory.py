@@ -1,0 +1,93 @@
+"""MLX memory limits and the default prompt-cache byte cap.
+
+The prompt cache's cap counts what its entries retain; MLX's own buffer cache
+(freed buffers kept for reuse) is bounded separately here, so a long workload
+stays within model + cap + MLX cache limit + working set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+__all__ = [
+    "DEFAULT_MLX_CACHE_LIMIT_BYTES",
+    "MAX_DEFAULT_PROMPT_CACHE_BYTES",
+    "MemorySettings",
+    "available_memory_bytes",
+    "configure_mlx_memory",
+    "default_prompt_cache_bytes",
+    "gb_to_bytes",
+]
+
+GIB = 1024**3
+MAX_DEFAULT_PROMPT_CACHE_BYTES = 8 * GIB
+"""The default cap never exceeds 8 GiB (the reference design's default)."""
+_MIN_DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024**2
+DEFAULT_MLX_CACHE_LIMIT_BYTES = 64 * 1024**2
+"""MLX buffer-cache bound: enough to recycle per-step decode buffers, small
+against the prompt cache's cap (freed KV buffers go back to the OS)."""
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The MLX limits in force before :func:`configure_mlx_memory` changed them."""
+
+    cache_limit_bytes: int
+    memory_limit_bytes: int
+
+
+def gb_to_bytes(gb: float) -> int:
+    """``--prompt-cache GB`` to bytes (decimal GB: 0.1 -> 100,000,000; 0 disables)."""
+    if gb < 0:
+        raise ValueError("a byte cap cannot be negative")
+    return int(gb * 1_000_000_000)
+
+
+def available_memory_bytes() -> int:
+    """Memory available to new allocations (Linux ``MemAvailable``; else physical size)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 8 * GIB
+
+
+def default_prompt_cache_bytes(available: int | None = None) -> int:
+    """The default RAM-tier cap: a quarter of available memory, in [256 MiB, 8 GiB].
+
+    ``KVTIER_PROMPT_CACHE_GB`` overrides it (decimal GB; 0 disables).
+    """
+    env = os.environ.get("KVTIER_PROMPT_CACHE_GB")
+    if env is not None and env.strip():
+        return gb_to_bytes(float(env))
+    avail = available_memory_bytes() if available is None else available
+    return max(_MIN_DEFAULT_PROMPT_CACHE_BYTES, min(MAX_DEFAULT_PROMPT_CACHE_BYTES, avail // 4))
+
+
+def configure_mlx_memory(
+    *,
+    cache_limit_bytes: int | None = DEFAULT_MLX_CACHE_LIMIT_BYTES,
+    memory_limit_bytes: int | None = None,
+) -> MemorySettings:
+    """Bound MLX's buffer cache (and optionally its memory limit); returns the previous values.
+
+    Call once on the engine thread at start. ``None`` leaves a limit as it is.
+    """
+    previous_cache = int(mx.set_cache_limit(cache_limit_bytes)) if cache_limit_bytes is not None else -1
+    if memory_limit_bytes is not None:
+        previous_memory = int(mx.set_memory_limit(memory_limit_bytes))
+    else:
+        previous_memory = int(mx.get_memory_limit())
+    if previous_cache < 0:
+        # NOTE: set_cache_limit returns the old value; read it back without changing it.
+        previous_cache = int(mx.set_cache_limit(0))
+        mx.set_cache_limit(previous_cache)
+    return MemorySettings(cache_limit_bytes=previous_cache, memory_limit_bytes=previous_memory)

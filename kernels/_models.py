@@ -1,0 +1,268 @@
+"""Model loading and model identity.
+
+`load_model` wraps `mlx_lm.load` and adds a `ModelIdentity`: the values the
+cache tiers key their entries on, so a KV prefix computed by one model (or
+one tokenizer) is never served to another.
+
+NOTE: this is a plain synchronous function. In the server it must run on the
+engine thread (MLX streams are per thread); nothing here starts threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._errors import KernelError
+
+__all__ = [
+    "LoadedModel",
+    "ModelIdentity",
+    "ModelLoadError",
+    "config_fingerprint",
+    "load_model",
+    "resolve_model_path",
+    "tokenizer_hash",
+    "weights_digest",
+]
+
+# Files whose bytes define how text maps to token ids (and back). Hashing the
+# files (not the loaded object) makes the hash cheap and independent of the
+# tokenizers library version.
+_TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+# Config keys that do not change what the weights compute; leaving them out
+# keeps the fingerprint stable across cosmetic config edits.
+_CONFIG_IGNORED_KEYS: frozenset[str] = frozenset(
+    {"_name_or_path", "transformers_version", "torch_dtype", "architectures", "use_cache"}
+)
+
+_DIGEST_BYTES = 16
+_WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
+class ModelLoadError(KernelError):
+    """The model path or id could not be resolved or loaded."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """What a KV cache entry was computed with.
+
+    Two models with equal `fingerprint` produce interchangeable KV caches for
+    equal token sequences; anything else must not share cache entries.
+    """
+
+    model_id: str
+    """The path or Hugging Face id the model was loaded from (informational)."""
+    name: str
+    """A short human-readable name (directory name or the last id segment)."""
+    config_fingerprint: str
+    """Hex digest of the canonical config JSON (includes quantization)."""
+    tokenizer_hash: str
+    """Hex digest of the tokenizer files (or of the vocabulary when none exist)."""
+    weights_digest: str
+    """Hex digest of the safetensors headers plus sampled weight bytes (see `weights_digest`)."""
+    dtype: str
+    """Dtype of the floating-point weights, e.g. ``"float32"`` or ``"bfloat16"``."""
+    quantization: str | None
+    """``"affine:<bits>:<group>"`` for quantized weights, None for dense ones."""
+
+    @property
+    def fingerprint(self) -> str:
+        """One short digest over config, tokenizer, weights, dtype and quantization.
+
+        Suitable as a directory name for the SSD tier.
+        """
+        parts = "\0".join(
+            (
+                self.config_fingerprint,
+                self.tokenizer_hash,
+                self.weights_digest,
+                self.dtype,
+                self.quantization or "",
+            )
+        )
+        return hashlib.blake2b(parts.encode(), digest_size=8).hexdigest()
+
+    def to_dict(self) -> dict[str, str | None]:
+        """JSON-ready form (for file headers, /v1/models, /stats)."""
+        return {
+            "model_id": self.model_id,
+            "name": self.name,
+            "config_fingerprint": self.config_fingerprint,
+            "tokenizer_hash": self.tokenizer_hash,
+            "weights_digest": self.weights_digest,
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for generation: the mlx-lm module, tokenizer and identity."""
+
+    model: Any
+    """The `mlx.nn.Module` built by mlx-lm."""
+    tokenizer: Any
+    """mlx-lm's `TokenizerWrapper` (``apply_chat_template``, ``eos_token_ids``, detokenizer)."""
+    config: dict[str, Any]
+    """The model config as mlx-lm read it (``config.json`` plus its fixes)."""
+    path: Path
+    """Local directory the model was read from."""
+    identity: ModelIdentity
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template, or None when the model has none."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).hexdigest()
+
+
+def _canonical_json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def config_fingerprint(config: dict[str, Any]) -> str:
+    """Stable hex digest of a model config (key order and cosmetic keys ignored)."""
+    kept = {k: v for k, v in config.items() if k not in _CONFIG_IGNORED_KEYS}
+    return _digest(_canonical_json(kept))
+
+
+def tokenizer_hash(model_dir: Path, tokenizer: Any = None) -> str:
+    """Hex digest of the tokenizer files in `model_dir`.
+
+    Falls back to hashing `tokenizer.get_vocab()` when the directory holds no
+    known tokenizer file (and a tokenizer is given).
+    """
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    found = False
+    for name in _TOKENIZER_FILES:
+        f = model_dir / name
+        if f.is_file():
+            found = True
+            data = f.read_bytes()
+            # NOTE: name and length framing keeps (a="xy", b="") and (a="x", b="y") apart.
+            h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+            h.update(data)
+    if found:
+        return h.hexdigest()
+    if tokenizer is None:
+        raise ModelLoadError(f"no tokenizer files in {model_dir}")
+    vocab = tokenizer.get_vocab()
+    return _digest(_canonical_json(sorted(vocab.items(), key=lambda kv: kv[1])))
+
+
+def weights_digest(model_dir: Path) -> str:
+    """Hex digest of the ``model*.safetensors`` files: names, sizes, headers and sampled bytes.
+
+    NOTE: hashing every byte of a multi-GB model at each start is too slow;
+    the safetensors header (names, dtypes, shapes, offsets) plus 1 MiB from
+    the start, middle and end of the data tells fine-tunes of one base apart,
+    which is what keeps their KV caches from being mixed up.
+    """
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    files = sorted(Path(model_dir).glob("model*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no model*.safetensors in {model_dir}")
+    for f in files:
+        size = f.stat().st_size
+        h.update(f.name.encode() + b"\0" + size.to_bytes(8, "little"))
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(fh.read(min(header_len, size)))
+            data_start = 8 + header_len
+            for pos in (data_start, (data_start + size) // 2, size - _WEIGHT_SAMPLE_BYTES):
+                fh.seek(max(data_start, min(pos, size)))
+                h.update(fh.read(_WEIGHT_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _weights_dtype_and_quant(model: Any, config: dict[str, Any]) -> tuple[str, str | None]:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    quant = config.get("quantization")
+    quant_str: str | None = None
+    if isinstance(quant, dict) and "bits" in quant:
+        mode = quant.get("mode", "affine")
+        quant_str = f"{mode}:{quant['bits']}:{quant.get('group_size', 64)}"
+    counts: dict[str, int] = {}
+    flat: Any = tree_flatten(model.parameters())
+    for _, arr in flat:
+        if mx.issubdtype(arr.dtype, mx.floating):
+            key = str(arr.dtype).removeprefix("mlx.core.")
+            counts[key] = counts.get(key, 0) + int(arr.size)
+    dtype = max(counts, key=lambda k: counts[k]) if counts else "unknown"
+    return dtype, quant_str
+
+
+def resolve_model_path(path_or_hf_id: str | Path) -> Path:
+    """A local directory for `path_or_hf_id`, downloading from the Hub when needed.
+
+    Raises `ModelLoadError` when it is neither a local model dir nor a
+    downloadable id.
+    """
+    p = Path(path_or_hf_id).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{p} is not an mlx-lm model directory (no config.json)")
+        return p.resolve()
+    from mlx_lm.utils import _download
+
+    try:
+        local = Path(_download(str(path_or_hf_id)))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot resolve model {path_or_hf_id!r}: {exc}") from exc
+    if not (local / "config.json").is_file():
+        raise ModelLoadError(f"{path_or_hf_id!r} resolved to {local}, which has no config.json")
+    return local
+
+
+def load_model(path_or_hf_id: str | Path, *, lazy: bool = False) -> LoadedModel:
+    """Load an mlx-lm model directory or Hugging Face id and compute its identity.
+
+    Runs MLX: call it on the engine thread in server code.
+    """
+    from mlx_lm import load as mlx_load
+
+    path = resolve_model_path(path_or_hf_id)
+    try:
+        loaded: Any = mlx_load(str(path), lazy=lazy, return_config=True)
+        model, tokenizer, config = loaded
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
+    dtype, quant = _weights_dtype_and_quant(model, config)
+    model_id = str(path_or_hf_id)
+    name = path.name if Path(path_or_hf_id).expanduser().exists() else model_id.rsplit("/", 1)[-1]
+    identity = ModelIdentity(
+        model_id=model_id,
+        name=name,
+        config_fingerprint=config_fingerprint(config),
+        tokenizer_hash=tokenizer_hash(path, tokenizer),
+        weights_digest=weights_digest(path),
+        dtype=dtype,
+        quantization=quant,
+    )
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=config, path=path, identity=identity
+    )

@@ -1,0 +1,106 @@
+"""The envelope around every delivered message, and its exact JSON form.
+
+The runtime builds millions of envelopes, so ``Envelope`` is a frozen, slotted
+dataclass (cheap to construct); its JSON form goes through a pydantic model
+whose ``body`` is the registered discriminated union, so
+``envelope_from_json(envelope_to_json(e)) == e`` for every registered body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter
+
+from ._base import Body
+from ._union import AnyBody
+
+__all__ = ["EXTERNAL", "Envelope", "EnvelopeRecord", "envelope_from_json", "envelope_to_json"]
+
+EXTERNAL = "external"
+"""The ``sender`` of a message told by code that is not an actor (HTTP handler, tests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One message in flight: ids, addresses, the send time and the body.
+
+    ``correlation_id`` names the outside request this message serves (it
+    propagates from the message being handled to every message it causes);
+    ``causation_id`` is the ``msg_id`` of that message (``None`` at the edge);
+    ``sent_at`` comes from the system's injected clock (seconds);
+    ``call_chain`` lists the actors blocked in ``ask`` on this causal path,
+    which is how ask cycles are detected instead of deadlocking.
+    """
+
+    msg_id: str
+    correlation_id: str
+    causation_id: str | None
+    sender: str
+    receiver: str
+    sent_at: float
+    body: Body
+    call_chain: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """The body's ``kind`` discriminator."""
+        return self.body.kind
+
+
+class EnvelopeRecord(BaseModel):
+    """The serialized form of an ``Envelope`` (``body`` validated by ``kind``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    msg_id: str
+    correlation_id: str
+    causation_id: str | None
+    sender: str
+    receiver: str
+    sent_at: float
+    body: AnyBody
+    call_chain: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, envelope: Envelope) -> EnvelopeRecord:
+        """The record of ``envelope`` (no validation: the body is already a model)."""
+        return cls.model_construct(
+            msg_id=envelope.msg_id,
+            correlation_id=envelope.correlation_id,
+            causation_id=envelope.causation_id,
+            sender=envelope.sender,
+            receiver=envelope.receiver,
+            sent_at=envelope.sent_at,
+            body=envelope.body,
+            call_chain=envelope.call_chain,
+        )
+
+    def to_envelope(self) -> Envelope:
+        """The runtime envelope this record describes."""
+        return Envelope(
+            msg_id=self.msg_id,
+            correlation_id=self.correlation_id,
+            causation_id=self.causation_id,
+            sender=self.sender,
+            receiver=self.receiver,
+            sent_at=self.sent_at,
+            body=self.body,
+            call_chain=self.call_chain,
+        )
+
+
+_RECORD = TypeAdapter(EnvelopeRecord)
+
+
+def envelope_to_json(envelope: Envelope) -> str:
+    """Serialize ``envelope`` to one line of JSON (the body keyed by ``kind``)."""
+    return EnvelopeRecord.of(envelope).model_dump_json()
+
+
+def envelope_from_json(data: str | bytes) -> Envelope:
+    """Parse ``envelope_to_json`` output back into an equal ``Envelope``."""
+    record: Any = _RECORD.validate_json(data)
+    assert isinstance(record, EnvelopeRecord)
+    return record.to_envelope()

@@ -1,0 +1,291 @@
+"""Messages of the gateway: admission, streamed generation events, engine turns.
+
+Prompts travel as token ids (rendering and tokenizing happen before
+admission), so a gateway trace replays without a tokenizer or a model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ._base import Body, Request
+
+__all__ = [
+    "AdmissionReply",
+    "AwaitDrained",
+    "BackgroundTurnReport",
+    "BeginShutdown",
+    "CancelGeneration",
+    "DoneEvent",
+    "Drained",
+    "EndRequest",
+    "ErrorEvent",
+    "FinishReason",
+    "Generate",
+    "GenerationEvent",
+    "GenerationParams",
+    "RequestTurnReport",
+    "RunTurn",
+    "RunWhenIdle",
+    "ShutdownStarted",
+    "StopTurns",
+    "Timings",
+    "TokenEvent",
+    "TurnDone",
+    "Usage",
+]
+
+FinishReason = Literal["stop", "length", "cancelled"]
+"""``stop``: EOS or a stop string; ``length``: ``max_tokens``; ``cancelled``: the client left."""
+
+
+class _Data(BaseModel):
+    """A value object nested inside message bodies (frozen, no unknown fields)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GenerationParams(_Data):
+    """Sampling and stopping parameters of one request (OpenAI / mlx-lm names).
+
+    Field for field the same as ``kernels.SamplingParams`` (the gateway
+    converts one into the other), kept here because messages never import
+    kernels. ``temperature == 0`` means greedy (argmax); ``top_k == 0``,
+    ``top_p == 1``, ``min_p == 0``, ``xtc_probability == 0`` disable those
+    filters; penalties are off when ``None``. ``stop`` strings are matched on
+    the detokenized text and never emitted; ``stop_token_ids`` end the
+    generation like EOS; ``logprobs`` fills ``TokenEvent.logprob``.
+    """
+
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens_to_keep: int = Field(default=1, ge=1)
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=0.5)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_context_size: int = Field(default=20, ge=1)
+    presence_penalty: float | None = None
+    presence_context_size: int = Field(default=20, ge=1)
+    frequency_penalty: float | None = None
+    frequency_context_size: int = Field(default=20, ge=1)
+    logit_bias: dict[int, float] | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+
+class Usage(_Data):
+    """Token accounting of one request; ``cached_tokens`` came from the prompt cache."""
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion tokens (OpenAI's ``total_tokens``)."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(_Data):
+    """Where one request's wall time went, in seconds, from the injected clock.
+
+    ``queued_s``: admission to first engine turn; ``ttft_s``: admission to the
+    first token; ``prefill_s``/``decode_s``: time spent in those engine turns.
+    """
+
+    queued_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+# --- requester -> gateway -------------------------------------------------
+
+
+class Generate(Request):
+    """Admit one request into the serial lane; the reply is an ``AdmissionReply``.
+
+    After an accepted admission the gateway streams ``TokenEvent`` ... then
+    exactly one ``DoneEvent`` or ``ErrorEvent`` to ``stream_to`` (a bounded
+    inbox id).
+    """
+
+    kind: Literal["gateway.generate"] = "gateway.generate"
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    params: GenerationParams = GenerationParams()
+    stream_to: str = ""
+    chat: bool = False
+    namespace: str = ""
+
+
+class AdmissionReply(Body):
+    """Answer to ``Generate``: accepted (with queue position) or the refusal's error code."""
+
+    kind: Literal["gateway.admission"] = "gateway.admission"
+    request_id: str
+    accepted: bool
+    position: int = 0
+    error_code: str = ""
+    detail: str = ""
+
+
+class CancelGeneration(Body):
+    """The requester left: drop the request if queued, stop it after the current step if running."""
+
+    kind: Literal["gateway.cancel"] = "gateway.cancel"
+    request_id: str
+
+
+class BeginShutdown(Request):
+    """Stop admission; in-flight and queued requests finish. Reply: ``ShutdownStarted``."""
+
+    kind: Literal["gateway.begin_shutdown"] = "gateway.begin_shutdown"
+
+
+class ShutdownStarted(Body):
+    """Reply to ``BeginShutdown``: how many requests are still to finish."""
+
+    kind: Literal["gateway.shutdown_started"] = "gateway.shutdown_started"
+    in_flight: int
+    queued: int
+
+
+# --- gateway -> requester (the stream) -------------------------------------
+
+
+class TokenEvent(Body):
+    """One generated token and the text it completed (``text`` may be empty mid-codepoint)."""
+
+    kind: Literal["gateway.token"] = "gateway.token"
+    request_id: str
+    index: int = Field(ge=0)
+    token_id: int
+    text: str
+    logprob: float | None = None
+
+
+class DoneEvent(Body):
+    """The request ended normally; always the last event of an accepted request's stream."""
+
+    kind: Literal["gateway.done"] = "gateway.done"
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings = Timings()
+
+
+class ErrorEvent(Body):
+    """The request failed on the engine thread after admission; ends the stream."""
+
+    kind: Literal["gateway.error"] = "gateway.error"
+    request_id: str
+    error_code: str
+    detail: str
+
+
+GenerationEvent = TokenEvent | DoneEvent
+"""What a caller of the public engine API iterates over (errors are raised)."""
+
+
+# --- background actors <-> gateway (the engine-turn token) ------------------
+
+
+class RunWhenIdle(Request):
+    """Ask for ONE background engine turn, granted only while no request holds or waits for the lane.
+
+    ``step_id`` names a step callable the asker registered with the gateway
+    (tensors and callables never travel inside messages). Reply: ``TurnDone``.
+    """
+
+    kind: Literal["gateway.run_when_idle"] = "gateway.run_when_idle"
+    step_id: str
+    label: str = ""
+
+
+class TurnDone(Body):
+    """Reply to ``RunWhenIdle``: the step ran (``ok``) or why it did not."""
+
+    kind: Literal["gateway.turn_done"] = "gateway.turn_done"
+    step_id: str
+    ok: bool
+    error_code: str = ""
+    detail: str = ""
+
+
+class StopTurns(Body):
+    """Grant no more background turns; waiting and later ``RunWhenIdle`` asks are refused."""
+
+    kind: Literal["gateway.stop_turns"] = "gateway.stop_turns"
+
+
+class AwaitDrained(Request):
+    """Ask to be answered (``Drained``) once no request runs or waits, after ``BeginShutdown``."""
+
+    kind: Literal["gateway.await_drained"] = "gateway.await_drained"
+
+
+class Drained(Body):
+    """Reply to ``AwaitDrained``: every admitted request has finished."""
+
+    kind: Literal["gateway.drained"] = "gateway.drained"
+
+
+# --- gateway <-> turn runner (the one actor that submits engine jobs) ---------
+
+
+TurnOwner = Literal["request", "background"]
+TurnPhase = Literal["prefill", "decode"]
+TurnOutcome = Literal["continue", "finished", "failed", "cancelled"]
+
+
+class RunTurn(Body):
+    """Gateway -> runner: run ONE engine turn for ``ident`` (a request id or a step id).
+
+    ``start`` carries the request on its first turn (the runner keeps the
+    generation state from then on).
+    """
+
+    kind: Literal["gateway.run_turn"] = "gateway.run_turn"
+    owner: TurnOwner
+    ident: str
+    start: Generate | None = None
+    admitted_at: float = 0.0
+
+
+class RequestTurnReport(Body):
+    """Runner -> gateway: a request turn ended; ``outcome`` says whether more turns are needed.
+
+    ``cancelled`` means the requester's stream was gone when the runner
+    delivered (the runner already cleaned up).
+    """
+
+    kind: Literal["gateway.request_turn_report"] = "gateway.request_turn_report"
+    request_id: str
+    phase: TurnPhase
+    outcome: TurnOutcome
+
+
+class BackgroundTurnReport(Body):
+    """Runner -> gateway: a background step ran (``ok``) or failed."""
+
+    kind: Literal["gateway.background_turn_report"] = "gateway.background_turn_report"
+    step_id: str
+    ok: bool
+    error_code: str = ""
+    detail: str = ""
+
+
+class EndRequest(Body):
+    """Gateway -> runner: the request was cancelled; drop its state and close its stream."""
+
+    kind: Literal["gateway.end_request"] = "gateway.end_request"
+    request_id: str
+    reason: Literal["cancelled"] = "cancelled"

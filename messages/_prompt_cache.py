@@ -1,0 +1,159 @@
+"""Messages of the RAM prompt cache (``actors.prompt_cache.PromptCache``).
+
+Tensors never travel here: an entry's KV lives in the engine thread's
+``kernels.CacheRegistry`` and messages carry its opaque ``handle`` id plus the
+facts the rules need (:class:`EntryMeta`). Token sequences travel as tuples of
+ids so a trace replays without a tokenizer.
+
+Protocol (the full walk-through is ``docs/prompt-cache.md``):
+
+1. ``Take`` (ask) before prefill -> ``TakeResult``. On a hit the reply names a
+   ``handle`` and a ``lease_id``; the gateway materializes zero-copy views of
+   the first ``cached_tokens`` tokens on the engine thread and forwards only
+   the rest of the prompt.
+2. ``Release(lease_id)`` (tell) once the views were materialized (or the
+   request failed before that). Every hit must be released exactly once.
+3. ``Put`` (tell, or ask for a ``PutResult``) with a handle registered on the
+   engine thread: after completion (prompt + reply) and, for chat requests,
+   the prompt-boundary snapshot after prefill. Ownership of the handle passes
+   to the cache with the ``Put``: the caller must not dispose it afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ._base import Body, Request
+
+__all__ = [
+    "EntryMeta",
+    "EntryRole",
+    "PromptCacheStats",
+    "PromptCacheStatsRequest",
+    "Put",
+    "PutResult",
+    "Release",
+    "Take",
+    "TakeResult",
+]
+
+EntryRole = Literal["completion", "snapshot"]
+"""``completion``: prompt + generated tokens, put when a request finishes;
+``snapshot``: the prompt-only entry put after prefill (chat requests)."""
+
+
+class EntryMeta(BaseModel):
+    """What the rules need to know about a registered cache (made on the engine thread).
+
+    ``offset``: tokens the cache covers (every layer agrees). ``nbytes``: bytes
+    the entry really retains (whole buffers behind any views).
+    ``trimmable``: every layer can drop trailing tokens.
+    ``min_reusable_offset``: the shortest prefix the entry may be trimmed to
+    (the maximum over layers; equals ``offset`` for recurrent state).
+    ``signatures``: per-layer cache signatures (``kv:plain``, ``ssm``, ...).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    trimmable: bool
+    min_reusable_offset: int = Field(ge=0)
+    signatures: tuple[str, ...] = ()
+
+
+class Take(Request):
+    """Ask for the longest usable cached prefix of ``tokens`` in ``namespace``.
+
+    ``namespace`` keeps KV computed under different adapters apart (``""`` =
+    the base model). The reply is a :class:`TakeResult`.
+    """
+
+    kind: Literal["prompt_cache.take"] = "prompt_cache.take"
+    tokens: tuple[int, ...]
+    namespace: str = ""
+
+
+class TakeResult(Body):
+    """The answer to :class:`Take`.
+
+    On a miss ``lease_id`` and ``handle`` are ``None`` and ``cached_tokens`` is 0.
+    On a hit ``cached_tokens`` (>= 1, <= len(prompt) - 1) is the prefix length
+    to materialize from ``handle`` (``registry.materialize(handle, cached_tokens)``);
+    ``entry_tokens`` is the stored entry's length (> ``cached_tokens`` means a trim).
+    """
+
+    kind: Literal["prompt_cache.take_result"] = "prompt_cache.take_result"
+    lease_id: str | None = None
+    handle: str | None = None
+    cached_tokens: int = Field(default=0, ge=0)
+    entry_tokens: int = Field(default=0, ge=0)
+
+
+class Release(Body):
+    """End a lease from a hit; the leased entry may be disposed only after this."""
+
+    kind: Literal["prompt_cache.release"] = "prompt_cache.release"
+    lease_id: str
+
+
+class Put(Request):
+    """Hand a registered cache to the prompt cache under ``tokens`` in ``namespace``.
+
+    ``tokens`` must have exactly ``meta.offset`` ids. Tell it (``reply_to``
+    empty) in serving; ask it to get a :class:`PutResult`.
+    """
+
+    kind: Literal["prompt_cache.put"] = "prompt_cache.put"
+    tokens: tuple[int, ...]
+    namespace: str = ""
+    handle: str
+    meta: EntryMeta
+    role: EntryRole = "completion"
+
+
+class PutResult(Body):
+    """What a :class:`Put` did: stored or why not, and what it displaced."""
+
+    kind: Literal["prompt_cache.put_result"] = "prompt_cache.put_result"
+    stored: bool
+    reason: Literal["stored", "disabled", "too_large", "invalid"] = "stored"
+    replaced: int = Field(default=0, ge=0)
+    superseded: int = Field(default=0, ge=0)
+    evicted: int = Field(default=0, ge=0)
+
+
+class PromptCacheStatsRequest(Request):
+    """Ask for :class:`PromptCacheStats`."""
+
+    kind: Literal["prompt_cache.stats_request"] = "prompt_cache.stats_request"
+
+
+class PromptCacheStats(Body):
+    """Counters and gauges of the RAM tier.
+
+    ``bytes`` counts indexed entries (always <= ``cap_bytes``); ``pinned_bytes``
+    counts entries already evicted or replaced but still held by a lease (they
+    are disposed on ``Release``). ``hits``/``misses`` count ``Take`` answers.
+    """
+
+    kind: Literal["prompt_cache.stats"] = "prompt_cache.stats"
+    cap_bytes: int
+    entries: int
+    bytes: int
+    pinned_entries: int
+    pinned_bytes: int
+    active_leases: int
+    hits: int
+    misses: int
+    cached_tokens_served: int
+    puts: int
+    stored: int
+    rejected_too_large: int
+    replaced: int
+    superseded: int
+    evicted: int
+    spilled: int
+    disposed: int

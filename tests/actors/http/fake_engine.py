@@ -1,0 +1,147 @@
+"""A scripted engine for unit tests of the HTTP edge (the subject is HTTP, not the model).
+
+Each request replays a script: token texts, then a finish reason, or an
+admission error raised from ``start()``, or a failure after N tokens.
+``gate`` (an anyio Event) can hold a stream between tokens so tests control
+timing; every stream records whether it was closed and whether it ran to the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import anyio.lowlevel
+from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
+from messages._gateway import DoneEvent, GenerationEvent, GenerationParams, TokenEvent, Usage
+
+
+@dataclass
+class Script:
+    """What the next request does."""
+
+    tokens: Sequence[str] = ("Hel", "lo", "!")
+    finish_reason: str = "stop"
+    prompt_tokens: int = 7
+    cached_tokens: int = 3
+    admission_error: KvtierError | None = None
+    fail_after: int | None = None
+    gate: anyio.Event | None = None
+    admitted: anyio.Event | None = None
+
+
+@dataclass
+class Call:
+    """One request the fake saw."""
+
+    kind: str
+    payload: Any
+    params: GenerationParams | None
+    request_id: str | None
+    closed: bool = False
+    finished: bool = False
+    events: int = 0
+
+
+class FakeStream:
+    """Plays one ``Script`` through the ``GenerationStream`` surface."""
+
+    def __init__(self, engine: FakeEngine, script: Script, call: Call) -> None:
+        self._engine = engine
+        self._script = script
+        self._call = call
+        self._started = False
+        self._i = 0
+        self._done = False
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        if self._engine.shutting_down:
+            raise ServerShuttingDown()
+        if self._script.admission_error is not None:
+            raise self._script.admission_error
+        self._started = True
+        self._engine.active += 1
+        if self._script.admitted is not None:
+            self._script.admitted.set()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        await self.start()
+        if self._done:
+            raise StopAsyncIteration
+        s = self._script
+        if s.fail_after is not None and self._i >= s.fail_after:
+            raise GenerationFailed("scripted engine failure")
+        if s.gate is not None:
+            await s.gate.wait()
+        await anyio.lowlevel.checkpoint()
+        self._call.events += 1
+        if self._i < len(s.tokens):
+            text = s.tokens[self._i]
+            self._i += 1
+            return TokenEvent(request_id=self._call.request_id or "", index=self._i - 1,
+                              token_id=100 + self._i, text=text)
+        self._done = True
+        self._call.finished = True
+        return DoneEvent(
+            request_id=self._call.request_id or "",
+            finish_reason=s.finish_reason,  # type: ignore[arg-type]
+            usage=Usage(prompt_tokens=s.prompt_tokens, completion_tokens=len(s.tokens),
+                        cached_tokens=s.cached_tokens),
+        )
+
+    async def aclose(self) -> None:
+        if not self._call.closed and self._started:
+            self._engine.active -= 1
+        self._call.closed = True
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._script.prompt_tokens
+
+
+@dataclass
+class FakeEngine:
+    """Scripted ``EnginePort``: pops one ``Script`` per request (the default when empty)."""
+
+    model_id: str = "fake-model"
+    scripts: list[Script] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+    shutting_down: bool = False
+    active: int = 0
+
+    def _next(self, kind: str, payload: Any, params: GenerationParams | None,
+              request_id: str | None) -> FakeStream:
+        script = self.scripts.pop(0) if self.scripts else Script()
+        call = Call(kind, payload, params, request_id)
+        self.calls.append(call)
+        return FakeStream(self, script, call)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], params: GenerationParams | None = None,
+             *, request_id: str | None = None) -> FakeStream:
+        return self._next("chat", [dict(m) for m in messages], params, request_id)
+
+    def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
+                 *, request_id: str | None = None) -> FakeStream:
+        return self._next("generate", prompt, params, request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {"gateway": {"active": self.active}, "token": {"grants": 0}}
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True

@@ -1,0 +1,60 @@
+"""``kvtier serve`` flag parsing and validation (no model is loaded here)."""
+
+from __future__ import annotations
+
+import pytest
+from actors.cli import build_parser, main
+
+
+def test_flags_parse_with_mlx_lm_names() -> None:
+    """The flags shared with mlx_lm.server parse under the same names, plus kvtier's own."""
+    argv = ["serve", "--model", "m", "--host", "0.0.0.0", "--port", "9", "--max-tokens", "5",
+            "--temp", "0.5", "--top-p", "0.9", "--top-k", "4", "--min-p", "0.1",
+            "--prefill-step-size", "64", "--log-level", "DEBUG", "--max-queue", "2",
+            "--api-key", "k", "--log-format", "json", "--max-body-bytes", "100",
+            "--max-prompt-tokens", "50", "--prompt-cache", "0.5", "--kv-quant", "8"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.model, args.host, args.port, args.max_tokens) == ("m", "0.0.0.0", 9, 5)
+    assert (args.temp, args.top_p, args.top_k, args.min_p) == (0.5, 0.9, 4, 0.1)
+    assert (args.prefill_step_size, args.log_level, args.max_queue) == (64, "debug", 2)
+    assert (args.api_key, args.log_format, args.max_body_bytes) == ("k", "json", 100)
+    assert (args.max_prompt_tokens, args.prompt_cache, args.kv_quant) == (50, 0.5, "8")
+
+
+def test_defaults_bind_loopback() -> None:
+    """By default the server binds 127.0.0.1:8080 with no API key unless KVTIER_API_KEY is set."""
+    args = build_parser(["serve"]).parse_args(["serve"])
+    assert (args.host, args.port) == ("127.0.0.1", 8080)
+    assert args.kv_quant == "off"
+
+
+def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTIER_API_KEY supplies the default API key."""
+    monkeypatch.setenv("KVTIER_API_KEY", "from-env")
+    assert build_parser(["serve"]).parse_args(["serve"]).api_key == "from-env"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--port", "70000"],
+        ["--max-tokens", "0"],
+        ["--max-tokens", "100", "--max-tokens-limit", "10"],
+        ["--max-queue", "-1"],
+        ["--max-prompt-tokens", "0"],
+        ["--prompt-cache", "-1"],
+        ["--top-p", "0"],
+        ["--max-body-bytes", "0"],
+    ],
+)
+def test_bad_flag_values_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Out-of-range flag values exit 2 with a one-line reason, before any model work."""
+    assert main(["serve", "--model", "/nonexistent", *bad]) == 2
+    assert "kvtier serve:" in capsys.readouterr().err
+
+
+def test_unknown_kv_quant_is_a_usage_error() -> None:
+    """--kv-quant accepts only off, 4, 8 or config."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--kv-quant", "3"])
+    assert info.value.code == 2

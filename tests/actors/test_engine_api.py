@@ -1,0 +1,236 @@
+"""The public embedding API (``actors.engine.Engine``) on a tiny random-weight Llama."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from actors.engine import (
+    DoneEvent,
+    Engine,
+    EngineNotStarted,
+    GenerationParams,
+    GenerationStream,
+    InvalidRequest,
+    QueueFull,
+    ServerShuttingDown,
+    TokenEvent,
+)
+from mlx_lm import stream_generate
+
+from kernels import encode_prompt, on_engine_thread
+from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = "the cat in the hat sat on the mat and then it ran far away"
+CHAT = [{"role": "user", "content": "the cat in the hat"}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny byte-level BPE tokenizer (with a chat template)."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    """A tiny fp32 Llama whose greedy output varies."""
+    return lively_llama(len(tok))
+
+
+@pytest.fixture
+async def engine(model: Any, tok: Any) -> AsyncIterator[Engine]:
+    """A started engine over the tiny model, prompt cache on, queue of one."""
+    async with Engine.from_loaded(
+        model, tok, model_id="tiny", max_queue=1, prompt_cache_bytes=1 << 26, stream_buffer=4
+    ) as eng:
+        yield eng
+
+
+async def _events(stream: GenerationStream) -> list[TokenEvent | DoneEvent]:
+    out: list[TokenEvent | DoneEvent] = []
+    async with stream:
+        async for event in stream:
+            out.append(event)
+    return out
+
+
+async def test_chat_streams_tokens_then_one_done_event(engine: Engine) -> None:
+    """A chat stream yields indexed TokenEvents then exactly one DoneEvent with matching usage."""
+    events = await _events(engine.chat(CHAT, GenerationParams(max_tokens=7)))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert isinstance(events[-1], DoneEvent)
+    assert [e.index for e in tokens] == list(range(len(tokens)))
+    done = events[-1]
+    assert done.finish_reason == "length"
+    assert done.usage.completion_tokens == len(tokens) == 7
+    assert done.usage.prompt_tokens > 5
+    assert done.timings.ttft_s > 0
+
+
+async def test_max_tokens_bounds_the_completion(engine: Engine) -> None:
+    """max_tokens=1 and =5 give exactly that many tokens, finish_reason length."""
+    for n in (1, 5):
+        c = await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=n))
+        assert len(c.token_ids) == n
+        assert c.finish_reason == "length"
+
+
+async def test_stop_string_ends_generation_and_is_not_emitted(engine: Engine) -> None:
+    """A stop string taken from the greedy output ends the stream with finish_reason stop, text cut before it."""
+    full = await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=24))
+    text = full.text
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].strip() == text[i : i + 2])
+    cut = text[: text.index(stop)]
+    stopped = await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=24, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == cut
+    assert stop not in stopped.text
+
+
+async def test_greedy_output_equals_mlx_lm_token_for_token(model: Any, tok: Any) -> None:
+    """Greedy tokens through the Engine equal mlx_lm.stream_generate's for the same prompt."""
+    prompt = encode_prompt(tok, PROMPT)
+    reference = [r.token for r in stream_generate(model, tok, prompt, max_tokens=16)]
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0, prefill_step_size=7) as eng:
+        got = await eng.complete_prompt(prompt, GenerationParams(max_tokens=16))
+    assert len(set(reference)) > 3
+    assert list(got.token_ids[: len(reference)]) == reference
+
+
+async def test_prompt_cache_hit_reports_cached_tokens_and_same_output(engine: Engine) -> None:
+    """A repeated chat reuses the cached prefix (cached_tokens > 0) and gives the same greedy text."""
+    first = await engine.complete(CHAT, GenerationParams(max_tokens=6))
+    second = await engine.complete(CHAT, GenerationParams(max_tokens=6))
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.text == first.text
+
+
+async def test_cancel_mid_stream_frees_the_lane_within_one_step(engine: Engine) -> None:
+    """Closing a stream mid-generation lets the queued request run; the cancelled one gets at most one more decode turn."""
+    long = engine.chat(CHAT, GenerationParams(max_tokens=100_000))
+    await long.start()
+    seen = 0
+    async for event in long:
+        assert isinstance(event, TokenEvent)
+        seen += 1
+        if seen == 3:
+            break
+    waiting = engine.generate(PROMPT, GenerationParams(max_tokens=4))
+    await waiting.start()
+    await long.aclose()
+    decode_at_cancel = engine.stats()["gateway"]["token"]["grants"]["decode"]
+    events = await _events(waiting)
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    assert done.finish_reason == "length"
+    # NOTE: the lane is released when the runner's report reaches the gateway,
+    # just after the DoneEvent; give it a few loop iterations.
+    for _ in range(500):
+        if engine.stats()["gateway"]["token"]["lane"] is None:
+            break
+        await anyio.sleep(0.01)
+    token = engine.stats()["gateway"]["token"]
+    assert token["requests"]["cancelled"] == 1
+    extra = token["grants"]["decode"] - decode_at_cancel - done.usage.completion_tokens
+    assert 0 <= extra <= 1
+
+
+async def test_queue_overflow_raises_queue_full_before_any_event(engine: Engine) -> None:
+    """With one request running and one queued (max_queue=1), a third is refused with QueueFull at admission."""
+    running = engine.chat(CHAT, GenerationParams(max_tokens=100_000))
+    queued = engine.chat(CHAT, GenerationParams(max_tokens=2))
+    await running.start()
+    await queued.start()
+    overflow = engine.chat(CHAT, GenerationParams(max_tokens=2))
+    with pytest.raises(QueueFull):
+        await overflow.start()
+    assert engine.stats()["gateway"]["token"]["requests"]["rejected_queue_full"] == 1
+    await running.aclose()
+    events = await _events(queued)
+    assert isinstance(events[-1], DoneEvent)
+
+
+async def test_shutdown_refuses_new_requests_and_drains_in_flight(model: Any, tok: Any) -> None:
+    """After begin_shutdown new requests raise ServerShuttingDown while the in-flight stream finishes normally."""
+    eng = Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0, stream_buffer=2)
+    async with eng:
+        inflight = eng.chat(CHAT, GenerationParams(max_tokens=12))
+        await inflight.start()
+        eng.begin_shutdown()
+        with pytest.raises(ServerShuttingDown):
+            await eng.chat(CHAT, GenerationParams(max_tokens=2)).start()
+        events = await _events(inflight)
+        assert isinstance(events[-1], DoneEvent)
+        assert events[-1].usage.completion_tokens == 12
+        await eng.drain()
+    assert eng.stats()["state"] == "closed"
+
+
+async def test_background_turn_runs_on_engine_thread_only_when_lane_is_free(engine: Engine) -> None:
+    """run_when_idle runs its step on the engine thread, never while a request holds or waits for the lane."""
+    gateway = engine._gateway_actor
+    assert gateway is not None
+    observed: list[tuple[bool, str | None, int]] = []
+
+    def step() -> int:
+        observed.append((on_engine_thread(), gateway.core.lane, len(gateway.core.queue)))
+        return 42
+
+    stream = engine.chat(CHAT, GenerationParams(max_tokens=30))
+    await stream.start()
+    results: list[int] = []
+
+    async def background() -> None:
+        results.append(await engine.run_when_idle(step, timeout=30))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(background)
+        events = await _events(stream)
+    assert isinstance(events[-1], DoneEvent)
+    assert results == [42]
+    assert observed == [(True, None, 0)]
+    assert engine.stats()["gateway"]["token"]["grants"]["background"] == 1
+
+
+async def test_invalid_and_unstarted_requests_raise_typed_errors(model: Any, tok: Any) -> None:
+    """An empty prompt is InvalidRequest; a request before start is EngineNotStarted."""
+    eng = Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0)
+    with pytest.raises(EngineNotStarted):
+        await eng.generate([1, 2]).start()
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0) as started:
+        with pytest.raises(InvalidRequest):
+            await started.generate([]).start()
+        with pytest.raises(InvalidRequest):
+            started.chat([])
+
+
+@pytest.mark.model
+async def test_default_model_chat_streams_and_matches_mlx_lm_greedy() -> None:
+    """Engine() on the real default model streams a chat whose greedy tokens and text equal mlx_lm's."""
+    import kernels
+    from mlx_lm import generate
+
+    loaded = kernels.load_model(kernels.ensure_default_model())
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = kernels.render_chat(loaded.tokenizer, messages)
+    reference = [r.token for r in stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=24)]
+    reference_text = generate(loaded.model, loaded.tokenizer, prompt, max_tokens=24)
+    eos = set(loaded.tokenizer.eos_token_ids)
+    async with Engine(max_queue=2, prompt_cache_bytes=1 << 28) as eng:
+        assert eng.identity == loaded.identity
+        events = await _events(eng.chat(messages, GenerationParams(max_tokens=24)))
+        again = await eng.complete(messages, GenerationParams(max_tokens=24))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    got = [t.token_id for t in tokens if t.token_id not in eos]
+    assert got == [t for t in reference if t not in eos]
+    assert "".join(t.text for t in tokens) == reference_text
+    assert "Paris" in reference_text
+    assert again.usage.cached_tokens > 0
+    assert again.text == reference_text

@@ -1,0 +1,215 @@
+"""Rules of the RAM prompt cache's sans-IO core (no MLX, no runtime)."""
+
+from __future__ import annotations
+
+from actors import _prompt_cache_core as core
+from messages import EntryMeta, PromptCacheStatsRequest, Put, PutResult, Release, Take, TakeResult
+
+
+def _meta(n: int, nbytes: int = 10, *, trimmable: bool = True, min_offset: int = 0) -> EntryMeta:
+    return EntryMeta(offset=n, nbytes=nbytes, trimmable=trimmable, min_reusable_offset=min_offset)
+
+
+def _put(
+    state: core.CoreState,
+    handle: str,
+    tokens: tuple[int, ...],
+    *,
+    ns: str = "",
+    nbytes: int = 10,
+    trimmable: bool = True,
+    min_offset: int = 0,
+) -> list[core.Effect]:
+    msg = Put(
+        tokens=tokens,
+        namespace=ns,
+        handle=handle,
+        meta=_meta(len(tokens), nbytes, trimmable=trimmable, min_offset=min_offset),
+    )
+    return core.put(state, msg)
+
+
+def _take(state: core.CoreState, tokens: tuple[int, ...], ns: str = "") -> TakeResult:
+    (effect,) = core.take(state, Take(tokens=tokens, namespace=ns))
+    assert isinstance(effect, core.Reply)
+    assert isinstance(effect.body, TakeResult)
+    return effect.body
+
+
+def _indexed(state: core.CoreState) -> set[str]:
+    return {e.handle for e in state.entries.values() if e.indexed}
+
+
+def _disposed(effects: list[core.Effect]) -> list[str]:
+    return [e.handle for e in effects if isinstance(e, core.Dispose)]
+
+
+def test_common_prefix_len_matches_a_plain_loop() -> None:
+    """The binary-search prefix length equals an element-by-element count."""
+    cases = [((), ()), ((1,), (2,)), ((1, 2, 3), (1, 2, 4)), ((1, 2), (1, 2, 3)), ((5,) * 50, (5,) * 49 + (6,))]
+    for a, b in cases:
+        expected = 0
+        while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+            expected += 1
+        assert core.common_prefix_len(a, b) == expected
+
+
+def test_take_returns_longest_usable_prefix() -> None:
+    """Take picks the entry sharing the longest prefix with the prompt and leases it."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "short", (1, 2))
+    _put(state, "other", (1, 9, 9, 9))
+    _put(state, "long", (1, 2, 3, 4))
+    res = _take(state, (1, 2, 3, 4, 5, 6))
+    assert (res.handle, res.cached_tokens, res.entry_tokens) == ("long", 4, 4)
+    assert res.lease_id is not None
+    assert state.entries["long"].leases == 1
+    assert core.stats(state).hits == 1
+
+
+def test_take_caps_at_prompt_length_minus_one() -> None:
+    """An exact repeat serves len(prompt) - 1 tokens (one token is always forwarded)."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "a", (1, 2, 3, 4))
+    res = _take(state, (1, 2, 3, 4))
+    assert (res.handle, res.cached_tokens) == ("a", 3)
+    assert _take(state, (1,)).handle is None  # a 1-token prompt can reuse nothing
+
+
+def test_untrimmable_longer_entry_is_skipped() -> None:
+    """An entry longer than the match that cannot trim is skipped for a shorter usable one."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "ancestor", (1, 2))
+    _put(state, "wrapped", (1, 2, 3, 4, 5), trimmable=False)
+    res = _take(state, (1, 2, 3, 9))
+    assert (res.handle, res.cached_tokens) == ("ancestor", 2)
+    # an untrimmable entry still serves a prompt it is an exact prefix of
+    res = _take(state, (1, 2, 3, 4, 5, 6))
+    assert (res.handle, res.cached_tokens) == ("wrapped", 5)
+    # and an exact repeat of it would need a trim: skipped
+    assert _take(state, (1, 2, 3, 4, 5)).handle == "ancestor"
+
+
+def test_minimum_reusable_offset_bounds_the_trim() -> None:
+    """A trimmable entry is not trimmed below its minimum reusable offset."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "a", (1, 2, 3, 4, 5), min_offset=3)
+    assert _take(state, (1, 2, 3, 9)).cached_tokens == 3
+    assert _take(state, (1, 2, 9)).handle is None
+
+
+def test_namespaces_never_serve_each_other() -> None:
+    """An entry stored under one adapter namespace is invisible to another."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "base", (1, 2, 3), ns="")
+    assert _take(state, (1, 2, 3, 4), ns="lora-a").handle is None
+    assert _take(state, (1, 2, 3, 4), ns="").handle == "base"
+    assert core.stats(state).misses == 1
+
+
+def test_duplicate_put_replaces_regardless_of_trimmability() -> None:
+    """A put with the same tokens and namespace replaces the old entry and disposes it."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "old", (1, 2, 3))
+    effects = _put(state, "new", (1, 2, 3), trimmable=False)
+    assert _disposed(effects) == ["old"]
+    assert _indexed(state) == {"new"}
+    assert isinstance(effects[-1], core.Reply)
+    assert effects[-1].body == PutResult(stored=True, replaced=1)
+
+
+def test_supersession_only_when_new_entry_is_trimmable() -> None:
+    """Strict prefix ancestors go only when the new entry can trim down to them."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "snap", (1, 2, 3))
+    _put(state, "sibling", (1, 2, 7, 7))
+    effects = _put(state, "wrapped", (1, 2, 3, 4, 5), trimmable=False)
+    assert _disposed(effects) == []
+    assert _indexed(state) == {"snap", "sibling", "wrapped"}
+    effects = _put(state, "trim", (1, 2, 3, 4, 5, 6), min_offset=0)
+    assert sorted(_disposed(effects)) == ["snap", "wrapped"]
+    assert _indexed(state) == {"sibling", "trim"}
+    # a descendant that cannot trim below 4 leaves a 2-token ancestor alone
+    _put(state, "anc2", (9, 9))
+    _put(state, "desc", (9, 9, 8, 8, 8), min_offset=4)
+    assert "anc2" in _indexed(state)
+    assert _take(state, (9, 9, 7)).handle == "anc2"
+    assert core.stats(state).superseded == 2
+
+
+def test_lru_eviction_order_and_cap() -> None:
+    """Eviction removes least recently used entries (a hit refreshes) until under the cap."""
+    state = core.CoreState(cap_bytes=30)
+    _put(state, "a", (1,), nbytes=10)
+    _put(state, "b", (2,), nbytes=10)
+    _put(state, "c", (3,), nbytes=10)
+    res = _take(state, (1, 5))
+    assert res.handle == "a"
+    core.release(state, Release(lease_id=res.lease_id or ""))
+    effects = _put(state, "d", (4,), nbytes=15)
+    assert _disposed(effects) == ["b", "c"]
+    assert _indexed(state) == {"a", "d"}
+    assert core.stats(state).bytes == 25 <= 30
+    assert core.stats(state).evicted == 2
+
+
+def test_entry_larger_than_cap_is_never_stored() -> None:
+    """A put bigger than the cap is disposed (or spilled with a cold tier), never indexed."""
+    state = core.CoreState(cap_bytes=30)
+    effects = _put(state, "big", (1, 2), nbytes=31)
+    assert _disposed(effects) == ["big"]
+    assert _indexed(state) == set()
+    spilling = core.CoreState(cap_bytes=30, spill_enabled=True)
+    effects = _put(spilling, "big", (1, 2), nbytes=31)
+    assert [e.handle for e in effects if isinstance(e, core.Spill)] == ["big"]
+    assert core.stats(spilling).rejected_too_large == 1
+
+
+def test_disabled_cache_disposes_every_put() -> None:
+    """Cap 0 disables the tier: puts are disposed and takes miss."""
+    state = core.CoreState(cap_bytes=0)
+    effects = _put(state, "a", (1, 2))
+    assert _disposed(effects) == ["a"]
+    assert _take(state, (1, 2, 3)).handle is None
+
+
+def test_leased_entry_is_pinned_until_release() -> None:
+    """An evicted entry held by a lease is disposed only at its last release."""
+    state = core.CoreState(cap_bytes=10, spill_enabled=True)
+    _put(state, "a", (1, 2), nbytes=10)
+    lease1 = _take(state, (1, 2, 3)).lease_id
+    lease2 = _take(state, (1, 2, 4)).lease_id
+    assert lease1 is not None
+    assert lease2 is not None
+    effects = _put(state, "b", (5, 6), nbytes=10)
+    assert [e for e in effects if not isinstance(e, core.Reply)] == []
+    stats = core.stats(state)
+    assert (stats.entries, stats.pinned_entries, stats.pinned_bytes, stats.bytes) == (1, 1, 10, 10)
+    assert core.release(state, Release(lease_id=lease1)) == []
+    (spill,) = core.release(state, Release(lease_id=lease2))
+    assert isinstance(spill, core.Spill)
+    assert (spill.handle, spill.tokens) == ("a", (1, 2))
+    assert core.release(state, Release(lease_id=lease2)) == []  # idempotent
+
+
+def test_invalid_put_is_refused() -> None:
+    """A put whose token count disagrees with its meta is disposed and reported invalid."""
+    state = core.CoreState(cap_bytes=100)
+    msg = Put(tokens=(1, 2, 3), handle="h", meta=_meta(2))
+    effects = core.put(state, msg)
+    assert _disposed(effects) == ["h"]
+    assert isinstance(effects[-1], core.Reply)
+    assert effects[-1].body == PutResult(stored=False, reason="invalid")
+
+
+def test_stats_request_and_dispose_all() -> None:
+    """Stats report entries and bytes; dispose_all empties the index and counts disposals."""
+    state = core.CoreState(cap_bytes=100)
+    _put(state, "a", (1,), nbytes=7)
+    _put(state, "b", (2,), nbytes=8)
+    (reply,) = core.handle(state, PromptCacheStatsRequest())
+    assert isinstance(reply, core.Reply)
+    assert (reply.body.entries, reply.body.bytes) == (2, 15)  # type: ignore[attr-defined]
+    assert sorted(_disposed(core.dispose_all(state))) == ["a", "b"]
+    assert core.stats(state).entries == 0
+    assert core.stats(state).disposed == 2

@@ -1,0 +1,238 @@
+"""End to end: a real ``kvtier serve`` on the default model, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from .server_process import ServerProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+KEY = "e2e-secret"
+STORY: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Write a long story about a dragon."}]
+REF_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the whole module (model load is the expensive part)."""
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("serve"),
+        "--api-key", KEY, "--max-tokens", "16", "--max-tokens-limit", "4096",
+        "--max-body-bytes", "65536", "--max-queue", "4",
+    )
+    yield srv
+    assert srv.stop() == 0, srv.logs()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    """The official client; retries off so every status is observed as sent."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(client: openai.OpenAI) -> str:
+    """Greedy non-streamed text of the story prompt (the model does not stop within REF_TOKENS)."""
+    r = client.chat.completions.create(model="default", messages=STORY,
+                                       max_tokens=REF_TOKENS, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    content = r.choices[0].message.content
+    assert content
+    return content
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_chat_non_streaming(client: openai.OpenAI, reference: str) -> None:
+    """A non-streamed chat answer carries OpenAI's fields, exact usage and cached_tokens details."""
+    served = client.models.list().data[0].id
+    r = client.chat.completions.create(model=served, messages=STORY,
+                                       max_tokens=REF_TOKENS, temperature=0)
+    assert r.id.startswith("chatcmpl-")
+    assert r.object == "chat.completion"
+    assert r.model == served
+    assert r.created > 0
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert r.usage.completion_tokens == REF_TOKENS
+    assert r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + REF_TOKENS
+    assert r.usage.prompt_tokens_details is not None
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    assert 0 <= cached < r.usage.prompt_tokens
+
+
+def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, reference: str) -> None:
+    """Streamed deltas join to the greedy non-streamed text; the usage chunk comes last."""
+    stream = client.chat.completions.create(
+        model="default", messages=STORY, max_tokens=REF_TOKENS,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    assert all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == REF_TOKENS
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_streamed_and_not(client: openai.OpenAI) -> None:
+    """/v1/completions: streamed text equals non-streamed text; max_tokens bounds the length."""
+    r = client.completions.create(model="default", prompt="The capital of France is",
+                                  max_tokens=6, temperature=0)
+    assert r.object == "text_completion"
+    assert r.usage is not None
+    assert 1 <= r.usage.completion_tokens <= 6
+    assert r.choices[0].finish_reason in ("stop", "length")
+    streamed = client.completions.create(model="default", prompt="The capital of France is",
+                                         max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+
+
+def test_stop_string_cuts_output(client: openai.OpenAI, reference: str) -> None:
+    """A stop string taken from the greedy output ends the answer just before it, finish 'stop'."""
+    words = reference.split()
+    assert len(words) >= 4
+    stop = words[3]
+    expected = reference[: reference.index(stop)]
+    r = client.chat.completions.create(model="default", messages=STORY,
+                                       max_tokens=REF_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_bounds_the_answer(client: openai.OpenAI, reference: str) -> None:
+    """max_tokens=3 yields exactly 3 completion tokens with finish 'length' (a prefix of the reference)."""
+    r = client.chat.completions.create(model="default", messages=STORY,
+                                       max_tokens=3, temperature=0)
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 3
+    assert r.choices[0].finish_reason == "length"
+    content = r.choices[0].message.content
+    assert content
+    assert reference.startswith(content)
+
+
+def test_two_concurrent_clients(server: ServerProcess, reference: str) -> None:
+    """Two clients streaming at once both get the complete greedy answer."""
+
+    async def one(aclient: openai.AsyncOpenAI) -> str:
+        stream = await aclient.chat.completions.create(
+            model="default", messages=STORY, max_tokens=REF_TOKENS,
+            temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def both() -> list[str]:
+        clients = [openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
+                                      timeout=120) for _ in range(2)]
+        try:
+            return list(await asyncio.gather(*(one(c) for c in clients)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    assert asyncio.run(both()) == [reference, reference]
+
+
+def test_client_disconnect_frees_the_lane(server: ServerProcess, client: openai.OpenAI) -> None:
+    """A client leaving mid-stream releases its request at once; the next request is served."""
+    body = {"messages": STORY, "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, headers=_auth(), timeout=60) as http, \
+            http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                break
+    # NOTE: 2000 tokens take minutes here; the request must be gone within seconds.
+    stats: dict[str, Any] = {}
+    for _ in range(100):
+        stats = httpx.get(f"{server.url}/stats", headers=_auth(), timeout=10).json()
+        if stats["http"]["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["http"]["in_flight"] == 0, stats
+    assert stats["http"]["client_disconnects"] >= 1
+    r = client.chat.completions.create(model="default", messages=STORY,
+                                       max_tokens=2, temperature=0, timeout=30)
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 2
+
+
+def test_models_stats_health(server: ServerProcess, client: openai.OpenAI) -> None:
+    """/v1/models lists the served model; /stats has engine and http sections; /health needs no key."""
+    ids = [m.id for m in client.models.list().data]
+    assert len(ids) == 1
+    stats = httpx.get(f"{server.url}/stats", headers=_auth(), timeout=10).json()
+    assert isinstance(stats["engine"], dict)
+    assert stats["engine"]
+    assert stats["http"]["responses_by_status"]["200"] >= 1
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "code"),
+    [
+        (b"{not json", None, 400, "invalid_json"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', None, 400, "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', None, 400,
+         "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}', None, 400,
+         "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000000}', None, 400,
+         "invalid_value"),
+        (b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}', None, 404,
+         "model_not_found"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 70000}]}).encode(), None, 413,
+         "request_too_large"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', {"Authorization": ""}, 401,
+         "invalid_api_key"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', {"Authorization": "Bearer bad"}, 401,
+         "invalid_api_key"),
+    ],
+)
+def test_bad_input_is_4xx_with_openai_body(server: ServerProcess, content: bytes,
+                                           headers: dict[str, str] | None, status: int,
+                                           code: str) -> None:
+    """Bad input gets its 4xx and an OpenAI error body, never a 500."""
+    h = {**_auth(), "Content-Type": "application/json", **(headers or {})}
+    if h.get("Authorization") == "":
+        del h["Authorization"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers=h, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code
+
+
+def test_openai_client_sees_typed_errors(server: ServerProcess, client: openai.OpenAI) -> None:
+    """The openai client raises its typed errors for 400, 404 and 401 answers."""
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="default", messages=STORY,
+                                       max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model",
+                                       messages=STORY)
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()

@@ -1,0 +1,257 @@
+"""Cache adapters and the registry over real mlx-lm caches of tiny random models."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, make_prompt_cache
+
+from kernels import (
+    CacheNotTrimmable,
+    CacheRegistry,
+    UnknownCacheHandle,
+    UnsupportedCacheKind,
+    cache_arrays,
+    cache_signature,
+    caches_min_reusable_offset,
+    caches_nbytes,
+    caches_offset,
+    caches_trimmable,
+    clone_caches,
+    trim_caches,
+)
+from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba
+
+WINDOW = 8
+
+
+def _forward(model: Any, tokens: list[int], cache: list[Any]) -> mx.array:
+    logits = model(mx.array([tokens]), cache=cache)
+    mx.eval(logits, *cache_arrays(cache))
+    return logits
+
+
+def _filled(model: Any, n: int, *, start: int = 1) -> list[Any]:
+    cache = make_prompt_cache(model)
+    _forward(model, list(range(start, start + n)), cache)
+    return cache
+
+
+def _host(caches: list[Any]) -> list[np.ndarray]:
+    return [np.array(a) for a in cache_arrays(caches)]
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    """A tiny fp32 Llama (plain KVCache layers)."""
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Any:
+    """A tiny fp32 Gemma 3: two rotating (window 8) layers and one full layer."""
+    return tiny_gemma3(sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def mamba() -> Any:
+    """A tiny fp32 Mamba (recurrent ArraysCache state only)."""
+    return tiny_mamba()
+
+
+def test_signatures_of_every_kind(llama: Any, gemma: Any, mamba: Any) -> None:
+    """Each cache class reports its stable signature; a quantized KVCache names bits and group."""
+    assert [cache_signature(c) for c in _filled(llama, 4)] == ["kv:plain", "kv:plain"]
+    assert [cache_signature(c) for c in _filled(gemma, 4)] == [
+        "kv:rotating-plain",
+        "kv:rotating-plain",
+        "kv:plain",
+    ]
+    assert [cache_signature(c) for c in _filled(mamba, 4)] == ["ssm", "ssm"]
+    plain = _filled(tiny_llama(head_dim=32), 4)[0]
+    assert cache_signature(plain.to_quantized(group_size=32, bits=8)) == "kv:quant:8:32"
+
+
+def test_unknown_cache_class_is_an_error_not_a_route() -> None:
+    """A class without an adapter (or an undeclared subclass) raises UnsupportedCacheKind."""
+
+    class MyKV(KVCache):
+        pass
+
+    for cache in (ChunkedKVCache(16), MyKV(), object()):
+        with pytest.raises(UnsupportedCacheKind):
+            cache_signature(cache)
+        with pytest.raises(UnsupportedCacheKind):
+            clone_caches([cache])
+
+
+def test_trim_rules_per_kind(llama: Any, gemma: Any, mamba: Any) -> None:
+    """Plain KV always trims; a ring trims only before it wraps; recurrent state never trims."""
+    kv = _filled(llama, 5)
+    assert caches_trimmable(kv)
+    assert trim_caches(kv, 2) == 2
+    assert caches_offset(kv) == 3
+
+    ring = _filled(gemma, WINDOW - 2)
+    assert caches_trimmable(ring)
+    assert trim_caches(ring, 1) == 1
+    assert caches_offset(ring) == WINDOW - 3
+
+    wrapped = _filled(gemma, WINDOW + 3)
+    assert not caches_trimmable(wrapped)
+    assert caches_min_reusable_offset(wrapped) == WINDOW + 3
+    with pytest.raises(CacheNotTrimmable):
+        trim_caches(wrapped, 1)
+
+    ssm = _filled(mamba, 5)
+    assert not caches_trimmable(ssm)
+    with pytest.raises(CacheNotTrimmable):
+        trim_caches(ssm, 1)
+    assert trim_caches(ssm, 0) == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma_prewrap", "gemma_wrapped", "mamba"])
+def test_clone_writes_never_reach_the_donor(
+    kind: str, llama: Any, gemma: Any, mamba: Any
+) -> None:
+    """Decoding on a clone (zero-copy views) leaves every donor array bit-identical."""
+    model = {"llama": llama, "gemma_prewrap": gemma, "gemma_wrapped": gemma, "mamba": mamba}[kind]
+    n = WINDOW + 4 if kind == "gemma_wrapped" else 6
+    donor = _filled(model, n)
+    before = _host(donor)
+    clone = clone_caches(donor)
+    for tok in (7, 9, 11):
+        _forward(model, [tok], clone)
+    _forward(model, [3, 4, 5], clone)
+    after = _host(donor)
+    assert len(before) == len(after)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    if kind != "mamba":
+        assert caches_offset(donor) == n
+        assert caches_offset(clone) == n + 6
+
+
+def test_clone_is_zero_copy(llama: Any) -> None:
+    """Cloning (and evaluating the views) allocates no new array memory."""
+    donor = _filled(llama, 40)
+    gc.collect()
+    before = mx.get_active_memory()
+    clone = clone_caches(donor, 30)
+    mx.eval(*cache_arrays(clone))
+    assert mx.get_active_memory() == before
+    assert caches_offset(clone) == 30
+
+
+def test_trimmed_clone_continues_like_a_fresh_prefill(llama: Any) -> None:
+    """A clone trimmed to k tokens gives the same next logits as prefilling those k tokens."""
+    tokens = [5, 17, 3, 99, 42, 8, 61]
+    donor = _filled_tokens(llama, tokens)
+    clone = clone_caches(donor, 4)
+    from_clone = _forward(llama, tokens[4:6], clone)
+    fresh = make_prompt_cache(llama)
+    _forward(llama, tokens[:4], fresh)
+    from_fresh = _forward(llama, tokens[4:6], fresh)
+    np.testing.assert_allclose(np.array(from_clone), np.array(from_fresh), rtol=1e-5, atol=1e-5)
+
+
+def _filled_tokens(model: Any, tokens: list[int]) -> list[Any]:
+    cache = make_prompt_cache(model)
+    _forward(model, tokens, cache)
+    return cache
+
+
+def test_clone_refuses_to_shorten_untrimmable_or_below_minimum(gemma: Any, llama: Any) -> None:
+    """Shortening a wrapped ring, or below a declared minimum reusable offset, is refused."""
+    wrapped = _filled(gemma, WINDOW + 2)
+    with pytest.raises(CacheNotTrimmable):
+        clone_caches(wrapped, WINDOW)
+    kv = _filled(llama, 10)
+    for layer in kv:
+        layer._kvtier_min_reusable_offset = 6
+    assert caches_min_reusable_offset(kv) == 6
+    assert caches_min_reusable_offset(clone_caches(kv, 8)) == 6
+    with pytest.raises(CacheNotTrimmable):
+        clone_caches(kv, 5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma", "mamba"])
+def test_registry_bytes_equal_memory_released(kind: str, llama: Any, gemma: Any, mamba: Any) -> None:
+    """An entry's meta.nbytes equals the active memory released when it is disposed and drained."""
+    model = {"llama": llama, "gemma": gemma, "mamba": mamba}[kind]
+    registry = CacheRegistry()
+    # NOTE: Mamba slices its conv state out of the whole padded input, so a long
+    # prompt makes an uncompacted state pin ~100x its size.
+    n = 1024 if kind == "mamba" else 16
+    cache = make_prompt_cache(model)
+    _forward(model, [i % 200 + 1 for i in range(n)], cache)
+    reg = registry.register(cache, offset=n)
+    assert reg.meta.nbytes == caches_nbytes(cache) > 0
+    n_arrays = len(cache_arrays(cache))
+    del cache
+    gc.collect()
+    before = mx.get_active_memory()
+    registry.dispose(reg.handle)
+    assert registry.drain() == 1
+    gc.collect()
+    freed = before - mx.get_active_memory()
+    if kind == "mamba":
+        # NOTE: MLX rounds the 768-byte conv-state allocations up; allow that
+        # rounding (< 1 KiB per array), far below the ~130 KiB an uncompacted
+        # state would pin.
+        assert 0 <= freed - reg.meta.nbytes < 1024 * n_arrays
+    else:
+        assert freed == reg.meta.nbytes
+    with pytest.raises(UnknownCacheHandle):
+        registry.materialize(reg.handle, 4)
+
+
+def test_snapshot_bills_the_whole_live_buffers(llama: Any) -> None:
+    """A snapshot of a live cache counts the full 256-token slabs its views keep alive."""
+    registry = CacheRegistry()
+    live = _filled(llama, 10)
+    snap = registry.snapshot(live)
+    assert snap.meta.offset == 10
+    slab_bytes = sum(a.nbytes for a in cache_arrays(live))
+    assert snap.meta.nbytes == slab_bytes
+    assert caches_nbytes(registry.get(snap.handle)) < slab_bytes  # views are shorter
+    _forward(llama, [1, 2], live)  # the live cache copies away from the shared slabs
+    del live
+    gc.collect()
+    before = mx.get_active_memory()
+    registry.dispose(snap.handle)
+    registry.drain()
+    gc.collect()
+    assert before - mx.get_active_memory() == snap.meta.nbytes
+
+
+def test_unchanged_materialized_views_are_billed_at_their_buffers(llama: Any) -> None:
+    """Registering a lease's untouched views counts the donor buffers they pin, not the views."""
+    registry = CacheRegistry()
+    donor = registry.register(_filled(llama, 20))
+    views = registry.materialize(donor.handle, 5)
+    again = registry.register(views)
+    assert again.meta.offset == 5
+    assert again.meta.nbytes == donor.meta.nbytes
+
+
+def test_registry_meta_for_each_kind(llama: Any, gemma: Any, mamba: Any) -> None:
+    """EntryMeta records offset, trimmability, minimum reusable offset and signatures."""
+    registry = CacheRegistry()
+    kv = registry.register(_filled(llama, 6)).meta
+    assert (kv.offset, kv.trimmable, kv.min_reusable_offset) == (6, True, 0)
+    ring = registry.register(_filled(gemma, WINDOW + 1)).meta
+    assert (ring.offset, ring.trimmable, ring.min_reusable_offset) == (WINDOW + 1, False, WINDOW + 1)
+    ssm = registry.register(_filled(mamba, 6), offset=6).meta
+    assert (ssm.offset, ssm.trimmable, ssm.min_reusable_offset) == (6, False, 6)
+    assert ssm.signatures == ("ssm", "ssm")
+    views = registry.materialize(registry.register(_filled(mamba, 3), offset=3).handle, 3)
+    assert len(views) == 2
+    stats = registry.statistics()
+    assert stats.entries == 4
+    assert stats.registered == 4
+    assert stats.materialized == 1
