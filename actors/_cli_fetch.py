@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         path = ensure_default_model(
             dequantize=args.dequantize, cache_dir=args.cache_dir, force=args.force
         )
-    except (DefaultModelFetchError, ModelConversionError) as exc:
+    except (DefaultModelFetchError, ModelConversionError, OSError) as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 1
     print(path)

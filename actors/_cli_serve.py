@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-_KV_QUANT = {"off": None, "4": "q4", "8": "q8", "config": "config"}
+_KV_QUANT_CHOICES = ("off", "4", "8", "config")
 _GB = 10**9  # NOTE: decimal GB, like KVTIER_PROMPT_CACHE_GB
 
 
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--prompt-cache", type=float, default=None, metavar="GB",
                    help="RAM prompt-cache cap in decimal GB; 0 disables "
                         "(default: $KVTIER_PROMPT_CACHE_GB or a quarter of available memory)")
-    m.add_argument("--kv-quant", choices=sorted(_KV_QUANT), default="off",
+    m.add_argument("--kv-quant", choices=_KV_QUANT_CHOICES, default="off",
                    help="KV cache storage: off (model dtype), 4 / 8 (affine bits), "
                         "config (per-layer kv_config.json in the model dir)")
 
@@ -112,16 +112,21 @@ def run(args: argparse.Namespace) -> int:
     from actors.runtime import configure_logging
 
     configure_logging(args.log_format, args.log_level)
-    model: str | None = args.model
-    if model is None:
+    aliases: tuple[str, ...] = ()
+    if args.model is None:
         from kernels import DefaultModelFetchError, ModelConversionError, ensure_default_model
 
+        # NOTE: prepared here (before the loop starts) so a download or conversion
+        # failure is one clear line; the engine then finds the model in place and
+        # reports the default model's own name as its id.
         try:
-            model = str(ensure_default_model())
+            aliases = (str(ensure_default_model()),)
         except (DefaultModelFetchError, ModelConversionError) as exc:
             print(f"kvtier serve: cannot prepare the default model: {exc}", file=sys.stderr)
             return 1
-    return anyio.run(_serve, args, model, backend="asyncio")
+    else:
+        aliases = (args.model, os.path.basename(args.model.rstrip("/")))
+    return anyio.run(_serve, args, aliases, backend="asyncio")
 
 
 def _url(host: str, port: int) -> str:
@@ -129,7 +134,7 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-async def _serve(args: argparse.Namespace, model: str) -> int:
+async def _serve(args: argparse.Namespace, aliases: tuple[str, ...]) -> int:
     import structlog
     import uvicorn
     from actors.engine import Engine
@@ -141,13 +146,13 @@ async def _serve(args: argparse.Namespace, model: str) -> int:
         "max_queue": args.max_queue,
         "prefill_step_size": args.prefill_step_size,
         "prompt_cache_bytes": None if args.prompt_cache is None else int(args.prompt_cache * _GB),
-        "kv_quant": _KV_QUANT[args.kv_quant],
+        "kv_quant": args.kv_quant,
     }
     settings = HttpSettings(
         defaults=Defaults(max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
                           temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, max_prompt_tokens=args.max_prompt_tokens),
-        model_aliases=(model, os.path.basename(model.rstrip("/")), "default"),
+        model_aliases=(*aliases, "default"),
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
     )
@@ -160,16 +165,16 @@ async def _serve(args: argparse.Namespace, model: str) -> int:
         return 1
     with sock:
         try:
-            engine = Engine(model, **engine_kwargs)
+            engine = Engine(args.model, **engine_kwargs)
         except Exception as exc:  # noqa: BLE001 - report any construction failure as a startup error
             print(f"kvtier serve: cannot configure the engine: {exc}", file=sys.stderr)
             return 1
         try:
             await engine.start()
         except Exception as exc:  # noqa: BLE001 - a model that fails to load is a startup error
-            print(f"kvtier serve: cannot start the engine for {model}: {exc}", file=sys.stderr)
-            with anyio.CancelScope(shield=True):
-                await engine.aclose()
+            shown = args.model or "the default model"
+            print(f"kvtier serve: cannot start the engine for {shown}: {exc}", file=sys.stderr)
+            await engine.aclose()
             return 1
         try:
             state = HttpState()
@@ -210,8 +215,9 @@ async def _serve(args: argparse.Namespace, model: str) -> int:
                 await server.serve(sockets=[sock])
                 tg.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await engine.aclose()
+            # NOTE: not inside a CancelScope of ours: the engine's actor-system
+            # task group must be the innermost scope when it exits.
+            await engine.aclose()
     log.info("serve.stopped")
     return 0
 

@@ -22,6 +22,7 @@ one decode step.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -132,13 +133,26 @@ class Completion:
     timings: Timings
 
 
-def _cancel_on_collect(system: ActorSystem, request_id: str) -> None:
-    # NOTE: weakref finalizer of an abandoned, never-closed stream: best effort,
-    # non-blocking; the runner also stops when it finds the inbox gone.
+def _abandon(system: ActorSystem, inbox: Inbox, request_id: str) -> None:
+    # NOTE: runs on the loop. Closing the inbox unblocks a runner waiting on
+    # a full stream (it then stops the request); the cancel covers a request
+    # that is still queued.
+    inbox.close()
     try:
         system.try_tell(_GATEWAY, CancelGeneration(request_id=request_id))
-    except (RuntimeFailure, RuntimeError):
+    except RuntimeFailure:
         pass
+
+
+def _abandon_soon(
+    loop: asyncio.AbstractEventLoop, system: ActorSystem, inbox: Inbox, request_id: str
+) -> None:
+    # NOTE: weakref finalizer of a stream dropped unfinished; the garbage
+    # collector may run it on any thread, so hop to the loop.
+    try:
+        loop.call_soon_threadsafe(_abandon, system, inbox, request_id)
+    except RuntimeError:
+        pass  # the loop is closed: nothing left to cancel
 
 
 class GenerationStream:
@@ -220,7 +234,9 @@ class GenerationStream:
             error = _ADMISSION_ERRORS.get(reply.error_code, InvalidRequest)
             raise error(reply.detail or reply.error_code)
         self._inbox = inbox
-        self._finalizer = weakref.finalize(self, _cancel_on_collect, system, self.request_id)
+        self._finalizer = weakref.finalize(
+            self, _abandon_soon, asyncio.get_running_loop(), system, inbox, self.request_id
+        )
 
     async def __aenter__(self) -> Self:
         await self.start()

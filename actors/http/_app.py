@@ -70,20 +70,26 @@ class _AccessLog:
             await self.app(scope, receive, send)
             return
         status = 0
+        request_id: str | None = None
         started = time.perf_counter()
 
         async def counting_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, request_id
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 self.state.statuses[status] += 1
+                rid = dict(message.get("headers", ())).get(b"x-request-id")
+                request_id = rid.decode() if rid else None
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
         finally:
+            # NOTE: request_id is the engine's correlation id: it links this line
+            # to the request's actor-message trace.
             _log.info("http.request", method=scope["method"], path=scope["path"],
-                      status=status, duration_ms=round((time.perf_counter() - started) * 1e3, 2))
+                      status=status, request_id=request_id,
+                      duration_ms=round((time.perf_counter() - started) * 1e3, 2))
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -187,7 +193,7 @@ def create_app(
 
     # ------------------------------------------------------------ plumbing
 
-    async def _admit(stream: StreamPort) -> None:
+    async def _admit(stream: StreamPort, kind: _Kind) -> None:
         """Admit, and apply the prompt-length bound; on any refusal release the stream."""
         try:
             await stream.start()
@@ -199,7 +205,8 @@ def create_app(
                     400,
                     f"The prompt has {stream.prompt_tokens} tokens; this server allows at "
                     f"most {limit} (--max-prompt-tokens).",
-                    code="context_length_exceeded", param="messages",
+                    code="context_length_exceeded",
+                    param="messages" if kind == "chat" else "prompt",
                 )
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -210,7 +217,7 @@ def create_app(
                        model: str, kind: _Kind) -> Response:
         st.enter()
         try:
-            await _admit(stream)
+            await _admit(stream, kind)
         except BaseException:
             st.leave()
             raise

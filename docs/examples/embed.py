@@ -10,7 +10,6 @@ first use):
 from __future__ import annotations
 
 import anyio
-
 from actors.engine import Engine, GenerationParams, QueueFull, TokenEvent
 
 

@@ -234,3 +234,18 @@ async def test_default_model_chat_streams_and_matches_mlx_lm_greedy() -> None:
     assert "Paris" in reference_text
     assert again.usage.cached_tokens > 0
     assert again.text == reference_text
+
+
+async def test_abandoned_stream_is_cancelled_when_collected(engine: Engine) -> None:
+    """A started stream dropped without aclose is cancelled on garbage collection, so the next request runs."""
+    import gc
+
+    stream = engine.chat(CHAT, GenerationParams(max_tokens=100_000))
+    await stream.start()
+    assert isinstance(await stream.__anext__(), TokenEvent)
+    del stream
+    gc.collect()
+    with anyio.fail_after(30):
+        after = await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
+    assert after.finish_reason == "length"
+    assert engine.stats()["gateway"]["token"]["requests"]["cancelled"] == 1

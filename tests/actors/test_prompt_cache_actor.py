@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from actors.prompt_cache import SpilledEntry, spawn_prompt_cache
+from actors import prompt_cache
 from actors.runtime import ActorSystem
 from kernels import CacheRegistry, RegisteredCache, cache_arrays
 from messages import (
@@ -43,9 +43,9 @@ class RecordingSink:
 
     def __init__(self, *, accept: bool) -> None:
         self.accept = accept
-        self.entries: list[SpilledEntry] = []
+        self.entries: list[prompt_cache.SpilledEntry] = []
 
-    def spill(self, entry: SpilledEntry) -> bool:
+    def spill(self, entry: prompt_cache.SpilledEntry) -> bool:
         """Record the entry; report whether ownership was taken."""
         self.entries.append(entry)
         return self.accept
@@ -60,7 +60,7 @@ async def test_take_put_release_and_stats_through_the_actor(model: Any) -> None:
     registry = CacheRegistry()
     a = _register(registry, model, (1, 2, 3, 4))
     async with ActorSystem() as system:
-        ref = spawn_prompt_cache(system, cap_bytes=10**8, registry=registry)
+        ref = prompt_cache.spawn_prompt_cache(system, cap_bytes=10**8, registry=registry)
         stored = await ref.ask(_put(a, (1, 2, 3, 4)), timeout=ASK, expect=PutResult)
         assert stored.stored
         hit = await ref.ask(Take(tokens=(1, 2, 3, 9, 9)), timeout=ASK, expect=TakeResult)
@@ -84,7 +84,7 @@ async def test_eviction_spills_to_the_sink_or_disposes(model: Any) -> None:
         second = _register(registry, model, (3, 4))
         sink = RecordingSink(accept=accept)
         async with ActorSystem() as system:
-            ref = spawn_prompt_cache(
+            ref = prompt_cache.spawn_prompt_cache(
                 system, cap_bytes=first.meta.nbytes, registry=registry, spill=sink
             )
             await ref.tell(_put(first, (1, 2)))  # a tell: no reply, still stored
@@ -105,7 +105,7 @@ async def test_put_as_tell_disposes_refused_entries(model: Any) -> None:
     registry = CacheRegistry()
     big = _register(registry, model, (1, 2, 3))
     async with ActorSystem() as system:
-        ref = spawn_prompt_cache(system, cap_bytes=big.meta.nbytes - 1, registry=registry)
+        ref = prompt_cache.spawn_prompt_cache(system, cap_bytes=big.meta.nbytes - 1, registry=registry)
         await ref.tell(_put(big, (1, 2, 3)))
         stats = await ref.ask(PromptCacheStatsRequest(), timeout=ASK, expect=PromptCacheStats)
         assert (stats.rejected_too_large, stats.entries) == (1, 0)

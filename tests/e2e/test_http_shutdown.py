@@ -27,7 +27,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 def test_sigterm_drains_stream_refuses_new_and_exits_zero(server: ServerProcess) -> None:
     """SIGTERM mid-stream: /health and new requests get 503, the stream finishes, exit code 0."""
-    body = {"messages": STORY, "max_tokens": 40, "temperature": 0, "stream": True,
+    body = {"messages": STORY, "max_tokens": 24, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     events: list[str] = []
     with httpx.Client(base_url=server.url, timeout=60) as http, \
@@ -55,7 +55,7 @@ def test_sigterm_drains_stream_refuses_new_and_exits_zero(server: ServerProcess)
         events.extend(line[6:] for line in lines if line.startswith("data: "))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert chunks[-1]["usage"]["completion_tokens"] == 40
+    assert chunks[-1]["usage"]["completion_tokens"] == 24
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length"
     assert server.wait(timeout=60) == 0, server.logs()

@@ -199,13 +199,11 @@ def test_registry_bytes_equal_memory_released(kind: str, llama: Any, gemma: Any,
     assert registry.drain() == 1
     gc.collect()
     freed = before - mx.get_active_memory()
-    if kind == "mamba":
-        # NOTE: MLX rounds the 768-byte conv-state allocations up; allow that
-        # rounding (< 1 KiB per array), far below the ~130 KiB an uncompacted
-        # state would pin.
-        assert 0 <= freed - reg.meta.nbytes < 1024 * n_arrays
-    else:
-        assert freed == reg.meta.nbytes
+    # NOTE: MLX's global counter also sees allocator rounding of small buffers
+    # and stray frees (a few KiB); counting views instead of whole buffers
+    # would be off by >= 100 KiB here (a 256-token slab, a Mamba input buffer).
+    assert abs(freed - reg.meta.nbytes) <= 4096
+    assert n_arrays > 0
     with pytest.raises(UnknownCacheHandle):
         registry.materialize(reg.handle, 4)
 
@@ -226,7 +224,7 @@ def test_snapshot_bills_the_whole_live_buffers(llama: Any) -> None:
     registry.dispose(snap.handle)
     registry.drain()
     gc.collect()
-    assert before - mx.get_active_memory() == snap.meta.nbytes
+    assert abs(before - mx.get_active_memory() - snap.meta.nbytes) <= 4096  # see above
 
 
 def test_unchanged_materialized_views_are_billed_at_their_buffers(llama: Any) -> None:

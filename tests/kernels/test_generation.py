@@ -28,7 +28,7 @@ from kernels import (
     render_chat,
     run_generation,
 )
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba
 
 _MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n")]
 _TEMPLATE = (
@@ -127,6 +127,16 @@ def test_chunked_prefill_matches_one_shot_and_mlx_lm(model: Any, tok: Any, promp
     assert len(set(runs[2048])) > 3, "the test model should not repeat one token"
     for n, ids in runs.items():
         assert ids == reference, f"prefill_step_size={n}"
+
+
+@pytest.mark.parametrize("build", [tiny_gemma3, tiny_mamba], ids=["gemma3-rotating", "mamba-recurrent"])
+def test_other_cache_kinds_match_mlx_lm(build: Any, tok: Any, prompt: list[int]) -> None:
+    """Sliding-window (RotatingKVCache) and recurrent (ArraysCache) models step like mlx-lm, chunked."""
+    model = build(vocab_size=len(tok), dtype=mx.float32)
+    model.update(tree_map(lambda p: p * 2.0, model.parameters()))
+    ours = _ids(run_generation(_gen(model, tok, prompt, max_tokens=10, prefill_step_size=5)))
+    reference = [r.token for r in stream_generate(model, tok, prompt, max_tokens=10, prefill_step_size=5)]
+    assert ours == reference
 
 
 def test_prefill_steps_follow_chunking_and_guard_decode(model: Any, tok: Any, prompt: list[int]) -> None:

@@ -123,12 +123,12 @@ def test_generation_with_kv8_is_bit_exact_with_mlx_lm() -> None:
     tok = tiny_tokenizer()
     model = tiny_llama(vocab_size=len(tok), head_dim=32)
     prompt = [int(t) for t in tok.encode("quantized keys and values, please")]
+
+    def quantize(caches: list[Any]) -> None:
+        convert_caches(caches, KV8)
+
     gen = Generation(
-        model,
-        tok,
-        prompt,
-        SamplingParams(max_tokens=12, temperature=0.0),
-        cache_hook=lambda caches: None if convert_caches(caches, KV8) < 0 else None,
+        model, tok, prompt, SamplingParams(max_tokens=12, temperature=0.0), cache_hook=quantize
     )
     ours = [s.token_id for s in run_generation(gen)]
     assert all(type(c) is QuantizedKVCache for c in gen.cache)

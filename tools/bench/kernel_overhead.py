@@ -150,7 +150,17 @@ async def _main(args: argparse.Namespace) -> None:
         ttft = statistics.median(r[0] for r in runs)
         tps = statistics.median(r[1] for r in runs)
         print(f"{name:32s} {ttft * 1e3:9.1f} {tps:13.1f} {ttft / base_ttft:11.3f} {tps / base_tps:12.3f}")
+    # NOTE: on a shared CPU the machine's load drifts between runs; ratios of
+    # the back-to-back runs of one repeat cancel most of that drift.
+    for name in ("kernel inline", "kernel via EngineThread.run"):
+        pairs = zip(results[name], results["stream_generate"], strict=True)
+        ratios = [(k[1] / b[1], k[0] / b[0]) for k, b in pairs]
+        tps_r = statistics.median(r[0] for r in ratios)
+        ttft_r = statistics.median(r[1] for r in ratios)
+        print(f"paired median ratios, {name} / stream_generate: decode tok/s {tps_r:.3f}, TTFT {ttft_r:.3f}")
     print("all tok/s samples:", {k: [round(r[1], 1) for r in v] for k, v in results.items()})
+    step_s = 1.0 / statistics.median(r[1] for r in results["kernel via EngineThread.run"])
+    print(f"no-op round trip as a share of one decode step: {noop_async / step_s * 100:.2f} %")
 
 
 def main() -> None:

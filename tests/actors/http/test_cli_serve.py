@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from actors.cli import build_parser, main
 
@@ -58,3 +60,19 @@ def test_unknown_kv_quant_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as info:
         main(["serve", "--kv-quant", "3"])
     assert info.value.code == 2
+
+
+def test_busy_port_exits_1_before_loading(capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port already in use is reported with exit code 1 before any model is loaded."""
+    import actors.runtime
+
+    # NOTE: keep the process-wide structlog setup untouched for the rest of the suite.
+    monkeypatch.setattr(actors.runtime, "configure_logging", lambda *a, **k: None)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = main(["serve", "--model", "/nonexistent", "--port", str(port)])
+    assert rc == 1
+    assert "cannot bind" in capsys.readouterr().err
