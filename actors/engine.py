@@ -589,6 +589,21 @@ class Engine:
         """The model's tokenizer (mlx-lm ``TokenizerWrapper``); read-only use off the engine thread."""
         return self._tokenizer
 
+    @property
+    def system(self) -> ActorSystem | None:
+        """The running actor system (to spawn more actors next to the gateway), or ``None``."""
+        return self._system
+
+    @property
+    def background_steps(self) -> BackgroundSteps:
+        """Where actors register the callables of their ``RunWhenIdle`` steps."""
+        return self._steps
+
+    @property
+    def cache_registry(self) -> Any:
+        """The engine thread's ``kernels.CacheRegistry`` (``None`` with the prompt cache off)."""
+        return self._registry
+
     # --- requests ----------------------------------------------------------
 
     def chat(

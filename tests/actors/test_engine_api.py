@@ -212,8 +212,9 @@ async def test_invalid_and_unstarted_requests_raise_typed_errors(model: Any, tok
 @pytest.mark.model
 async def test_default_model_chat_streams_and_matches_mlx_lm_greedy() -> None:
     """Engine() on the real default model streams a chat whose greedy tokens and text equal mlx_lm's."""
-    import kernels
     from mlx_lm import generate
+
+    import kernels
 
     loaded = kernels.load_model(kernels.ensure_default_model())
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -249,3 +250,41 @@ async def test_abandoned_stream_is_cancelled_when_collected(engine: Engine) -> N
         after = await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
     assert after.finish_reason == "length"
     assert engine.stats()["gateway"]["token"]["requests"]["cancelled"] == 1
+
+
+class _FailingModel:
+    """Delegates to a real model but raises on its ``fail_at``-th forward (an engine-thread failure)."""
+
+    def __init__(self, inner: Any, fail_at: int) -> None:
+        self.inner = inner
+        self.layers = inner.layers
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("forward exploded")
+        return self.inner(*args, **kwargs)
+
+
+async def test_engine_failure_mid_stream_raises_generation_failed_and_frees_lane(model: Any, tok: Any) -> None:
+    """A forward that raises on the engine thread surfaces as GenerationFailed and the next request still runs."""
+    from actors.engine import GenerationFailed
+
+    failing = _FailingModel(model, fail_at=4)
+    async with Engine.from_loaded(failing, tok, model_id="tiny", prompt_cache_bytes=0) as eng:
+        got: list[TokenEvent] = []
+
+        async def read_all() -> None:
+            async with eng.generate(PROMPT, GenerationParams(max_tokens=10)) as stream:
+                async for event in stream:
+                    assert isinstance(event, TokenEvent)
+                    got.append(event)
+
+        with pytest.raises(GenerationFailed, match="forward exploded"):
+            await read_all()
+        assert 0 < len(got) < 10
+        after = await eng.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
+        assert after.finish_reason == "length"
+        assert eng.stats()["gateway"]["token"]["requests"]["failed"] == 1

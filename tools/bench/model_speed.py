@@ -3,7 +3,7 @@
 Usage (Linux: preload OpenBLAS, as the Makefile does)::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        .venv/bin/python tools/bench/model_speed.py [--prompt-tokens 512] [--decode-tokens 64]
+        .venv/bin/python tools/bench/model_speed.py [--prompt-tokens 256] [--decode-tokens 32]
 
 Prefill: one forward pass over the prompt into a fresh KV cache. Decode:
 greedy single-token steps, each evaluated before the next (what a server
@@ -50,9 +50,9 @@ def _run(model: Any, ids: list[int], decode_tokens: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     results: dict[str, tuple[float, float]] = {}

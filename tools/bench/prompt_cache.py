@@ -35,11 +35,38 @@ REPO = Path(__file__).resolve().parents[2]
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 _READY = re.compile(r"kvtier: ready at (http://\S+)/v1")
 
-WORDS = (
-    "policy ledger archive river lantern copper orchard signal harbor meadow "
-    "quartz timber violet summit canyon beacon ember falcon glacier hollow "
-    "island jasmine kettle lagoon marble nectar oyster pepper quiver ribbon"
-).split()
+WORDS = [
+    "policy",
+    "ledger",
+    "archive",
+    "river",
+    "lantern",
+    "copper",
+    "orchard",
+    "signal",
+    "harbor",
+    "meadow",
+    "quartz",
+    "timber",
+    "violet",
+    "summit",
+    "canyon",
+    "beacon",
+    "ember",
+    "falcon",
+    "glacier",
+    "hollow",
+    "island",
+    "jasmine",
+    "kettle",
+    "lagoon",
+    "marble",
+    "nectar",
+    "oyster",
+    "pepper",
+    "quiver",
+    "ribbon",
+]
 
 
 def system_prompt(target_tokens: int, nonce: str) -> str:
