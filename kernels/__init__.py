@@ -162,4 +162,5 @@ __all__ = [
     "run_generation",
     "tokenizer_hash",
     "trim_caches",
+    "weights_digest",
 ]

