@@ -300,9 +300,9 @@ def run_generation(gen: Generation) -> list[StepOutput]:
 
 def render_chat(
     tokenizer: Any,
-    messages: Sequence[dict[str, Any]],
+    messages: Sequence[Mapping[str, Any]],
     *,
-    tools: Sequence[dict[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, ready to generate.
@@ -312,9 +312,9 @@ def render_chat(
     """
     kwargs: dict[str, Any] = dict(template_kwargs)
     if tools is not None:
-        kwargs["tools"] = list(tools)
+        kwargs["tools"] = [dict(t) for t in tools]
     ids = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=True, **kwargs
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, **kwargs
     )
     if isinstance(ids, Mapping):
         # NOTE: bare transformers tokenizers may return a BatchEncoding.
