@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from messages._gateway import Generate
-
 from kernels import (
     CacheRegistry,
     Generation,
@@ -17,6 +15,7 @@ from kernels import (
     SamplingParams,
     convert_caches,
 )
+from messages._gateway import Generate
 
 from ._turn import Registered, StepResult, StepToken
 

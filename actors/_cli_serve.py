@@ -137,8 +137,8 @@ def _url(host: str, port: int) -> str:
 async def _serve(args: argparse.Namespace, aliases: tuple[str, ...]) -> int:
     import structlog
     import uvicorn
-    from actors.engine import Engine
 
+    from actors.engine import Engine
     from actors.http import Defaults, HttpSettings, HttpState, begin_shutdown, create_app
 
     log = structlog.get_logger("kvtier.serve")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 import structlog
+
+from messages import Envelope
 from messages._gateway import (
     BackgroundTurnReport,
     DoneEvent,
@@ -34,8 +36,6 @@ from messages._gateway import (
     Usage,
 )
 from messages._prompt_cache import EntryMeta, Put, Release, Take, TakeResult
-
-from messages import Envelope
 
 from .runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
 

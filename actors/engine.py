@@ -33,6 +33,8 @@ from typing import Any, Self, TypeVar
 import anyio
 import anyio.to_thread
 import structlog
+
+from messages import Envelope
 from messages._gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -50,8 +52,6 @@ from messages._gateway import (
     TurnDone,
     Usage,
 )
-
-from messages import Envelope
 
 from ._errors import (
     ContextTooLong,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from messages import Envelope
 from messages._gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -31,8 +32,6 @@ from messages._gateway import (
     TurnDone,
     Usage,
 )
-
-from messages import Envelope
 
 from . import _gateway_core as core
 from ._turn import end_stream

@@ -74,6 +74,7 @@ from ._memory import (
     MemorySettings,
     available_memory_bytes,
     configure_mlx_memory,
+    default_mlx_cache_limit_bytes,
     default_prompt_cache_bytes,
     gb_to_bytes,
 )
@@ -143,6 +144,7 @@ __all__ = [
     "convert_caches",
     "convert_gguf",
     "default_dequantize",
+    "default_mlx_cache_limit_bytes",
     "default_model_dir",
     "default_prompt_cache_bytes",
     "encode_prompt",

@@ -14,12 +14,13 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 import structlog
-from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from messages._gateway import DoneEvent, TokenEvent
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
+from messages._gateway import DoneEvent, TokenEvent
 
 from ._convert import (
     chat_chunk,

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from messages._gateway import DoneEvent, GenerationParams, Usage
 from pydantic import ValidationError
+
+from messages._gateway import DoneEvent, GenerationParams, Usage
 
 from ._errors import ApiError
 from ._schemas import (

@@ -30,6 +30,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from actors._errors import (
     EngineClosed,
     EngineNotStarted,
@@ -38,10 +43,6 @@ from actors._errors import (
     QueueFull,
     ServerShuttingDown,
 )
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = [
     "ApiError",

@@ -21,6 +21,8 @@ from actors._turn import (
     TurnRunner,
 )
 from actors.gateway import Gateway
+from actors.runtime import Actor, Context, SimulatedSystem
+from messages import Body, Count, Envelope, Ping, Pong
 from messages._gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -34,9 +36,6 @@ from messages._gateway import (
     TokenEvent,
     TurnDone,
 )
-
-from actors.runtime import Actor, Context, SimulatedSystem
-from messages import Body, Count, Envelope, Ping, Pong
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from typing import Any
 
 import anyio
 import pytest
+from mlx_lm import stream_generate
+
 from actors.engine import (
     DoneEvent,
     Engine,
@@ -18,8 +20,6 @@ from actors.engine import (
     ServerShuttingDown,
     TokenEvent,
 )
-from mlx_lm import stream_generate
-
 from kernels import encode_prompt, on_engine_thread
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 

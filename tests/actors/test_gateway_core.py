@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from actors._gateway_core import (
     AdmitRequest,
     BackgroundTurnDone,
@@ -21,8 +24,6 @@ from actors._gateway_core import (
     StopTurns,
     WantBackgroundTurn,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def _runs(effects: list[Effect]) -> list[Effect]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from actors.engine import Engine, GenerationParams
 
+from actors.engine import Engine, GenerationParams
 from kernels import render_chat
 from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_tokenizer
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from actors.cli import main as cli_main
-from kernels._gguf import COMPLETE_MARKER, permute_rope_rows
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 
+from actors.cli import main as cli_main
 from kernels import (
     DefaultModelFetchError,
     LoadedModel,
@@ -25,6 +24,7 @@ from kernels import (
     kvtier_home,
     load_model,
 )
+from kernels._gguf import COMPLETE_MARKER, permute_rope_rows
 from tests.model_fixtures import default_model_path, default_model_q4_path  # noqa: F401
 
 _DATA = Path(__file__).resolve().parent.parent / "data"

@@ -8,6 +8,10 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx_lm import load as mlx_load
+from tokenizers import Tokenizer
+
+from kernels import ModelConversionError, convert_gguf, is_converted_dir
 from kernels._gguf import (
     COMPLETE_MARKER,
     gguf_to_hf_name,
@@ -16,10 +20,6 @@ from kernels._gguf import (
     tokenizer_files_from_metadata,
     unpermute_rope_rows,
 )
-from mlx_lm import load as mlx_load
-from tokenizers import Tokenizer
-
-from kernels import ModelConversionError, convert_gguf, is_converted_dir
 from tests.model_fixtures import llama_cpp_permute, tiny_gguf_metadata, tiny_llama_gguf
 
 

@@ -39,9 +39,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from actors.engine import Engine, GenerationParams, TokenEvent  # noqa: E402
-
 import kernels  # noqa: E402
+from actors.engine import Engine, GenerationParams, TokenEvent  # noqa: E402
 
 QUESTION = "Explain in a few sentences why the sky is blue, then list three colours of a sunset."
 

@@ -15,6 +15,7 @@ from typing import Any, Self
 
 import anyio
 import anyio.lowlevel
+
 from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
 from messages._gateway import DoneEvent, GenerationEvent, GenerationParams, TokenEvent, Usage
 

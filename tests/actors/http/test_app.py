@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from actors._errors import ContextTooLong, InvalidRequest, QueueFull, ServerShuttingDown
 
+from actors._errors import ContextTooLong, InvalidRequest, QueueFull, ServerShuttingDown
 from actors.http import Defaults, HttpSettings, HttpState, begin_shutdown, create_app
 
 from .fake_engine import FakeEngine, Script

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from actors.runtime._demo import Coordinator
-
 from actors.runtime import ManualClock, Reply, SeededRng, SequentialIds, Tell
+from actors.runtime._demo import Coordinator
 from messages import Envelope, Work, WorkDone
 
 
