@@ -64,8 +64,10 @@ from ._errors import (
     ServerShuttingDown,
     TurnUnavailable,
 )
+from ._prompt_cache_core import stats as prompt_cache_stats
 from ._turn import BackgroundSteps, TurnRunner
 from .gateway import Gateway
+from .prompt_cache import PromptCache
 from .runtime import (
     ActorRef,
     ActorSystem,
@@ -370,6 +372,7 @@ class Engine:
         self._max_context: int | None = None
         self._engine_thread: Any = None
         self._registry: Any = None
+        self._prompt_cache_actor: PromptCache | None = None
         self._system: ActorSystem | None = None
         self._gateway_actor: Gateway | None = None
         self._runner_actor: TurnRunner | None = None
@@ -462,9 +465,8 @@ class Engine:
         self._system = system
         prompt_cache: str | None = None
         if registry is not None:
-            from .prompt_cache import PromptCache
-
             cache_actor = PromptCache(cap_bytes=cap, registry=registry)
+            self._prompt_cache_actor = cache_actor
             system.spawn(
                 _PROMPT_CACHE,
                 lambda: cache_actor,
@@ -745,6 +747,12 @@ class Engine:
         if self._registry is not None:
             rs = self._registry.statistics()
             out["cache_registry"] = {"entries": rs.entries, "nbytes": rs.nbytes}
+        if self._prompt_cache_actor is not None:
+            # NOTE: read on the loop thread that runs the actor, between its
+            # messages, so the snapshot is consistent without an ask.
+            out["prompt_cache"] = prompt_cache_stats(self._prompt_cache_actor.state).model_dump(
+                exclude={"kind", "reply_to"}
+            )
         if self._system is not None:
             out["mailboxes"] = self._system.statistics().as_dict()
         return out

@@ -79,6 +79,16 @@ def test_chat_non_streaming(client: openai.OpenAI, reference: str) -> None:
     assert 0 < cached < r.usage.prompt_tokens
 
 
+def test_stats_report_the_prompt_cache(server: ServerProcess, reference: str) -> None:
+    """/stats shows the RAM tier's hits, entries and bytes, with bytes inside the cap."""
+    httpx.post(f"{server.url}/v1/chat/completions", headers=_auth(), timeout=120,
+               json={"model": "default", "messages": STORY, "max_tokens": 2, "temperature": 0})
+    pc = httpx.get(f"{server.url}/stats", headers=_auth(), timeout=10).json()["engine"]["prompt_cache"]
+    assert pc["hits"] >= 1
+    assert pc["entries"] >= 1
+    assert 0 < pc["bytes"] <= pc["cap_bytes"]
+
+
 def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, reference: str) -> None:
     """Streamed deltas join to the greedy non-streamed text; the usage chunk comes last."""
     stream = client.chat.completions.create(

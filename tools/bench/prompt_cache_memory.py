@@ -52,7 +52,7 @@ def main() -> int:
                 if i in (0, args.requests - 1) or i % 10 == 9:
                     print(f"request {i + 1:>3}: peak RSS {peaks[-1] / 1e6:8.1f} MB")
             stats = httpx.get(f"{server.url}/stats", timeout=10)
-            cache_stats = stats.json().get("prompt_cache") if stats.status_code == 200 else None
+            cache_stats = stats.json()["engine"].get("prompt_cache") if stats.status_code == 200 else None
         finally:
             server.stop()
     growth = peaks[-1] - peaks[0]
