@@ -147,11 +147,12 @@ async def _serve(args: argparse.Namespace, aliases: tuple[str, ...]) -> int:
         "prefill_step_size": args.prefill_step_size,
         "prompt_cache_bytes": None if args.prompt_cache is None else int(args.prompt_cache * _GB),
         "kv_quant": args.kv_quant,
+        "max_prompt_tokens": args.max_prompt_tokens,
     }
     settings = HttpSettings(
         defaults=Defaults(max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
                           temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p, max_prompt_tokens=args.max_prompt_tokens),
+                          min_p=args.min_p),
         model_aliases=(*aliases, "default"),
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,

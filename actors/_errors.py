@@ -65,14 +65,34 @@ class InvalidRequest(KvtierError):
 
 
 class ContextTooLong(InvalidRequest):
-    """The prompt plus ``max_tokens`` cannot fit the model's context (HTTP 400)."""
+    """The prompt (plus ``max_tokens``) is over a limit: the model's context or ``max_prompt_tokens`` (HTTP 400).
+
+    ``limit_name`` says which limit (shown to the client); ``max_tokens`` is
+    the completion budget counted against it (0 when only the prompt counts).
+    """
 
     code = "context_length_exceeded"
 
-    def __init__(self, prompt_tokens: int, limit: int) -> None:
-        super().__init__(f"prompt has {prompt_tokens} tokens; the limit is {limit}")
+    def __init__(
+        self,
+        prompt_tokens: int,
+        limit: int,
+        *,
+        max_tokens: int = 0,
+        limit_name: str = "the limit",
+    ) -> None:
+        if max_tokens:
+            message = (
+                f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"{prompt_tokens + max_tokens} tokens do not fit {limit_name} of {limit}; "
+                "shorten the prompt or ask for fewer max_tokens"
+            )
+        else:
+            message = f"the prompt has {prompt_tokens} tokens; {limit_name} is {limit}"
+        super().__init__(message)
         self.prompt_tokens = prompt_tokens
         self.limit = limit
+        self.max_tokens = max_tokens
 
 
 class GenerationFailed(KvtierError):

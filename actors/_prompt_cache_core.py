@@ -8,7 +8,14 @@ owns its disposal). The rules are written down in ``docs/prompt-cache.md``.
 
 Invariants kept by every function here:
 
-- the indexed bytes never exceed ``cap_bytes``;
+- the bytes the cache retains never exceed ``cap_bytes``: indexed entries
+  plus pinned ones (evicted, replaced or superseded while a lease held them,
+  kept until the last ``Release``). NOTE: pinned bytes count because the
+  arrays stay alive until the release; a ``Put`` that cannot fit beside the
+  leased and pinned bytes is refused (``reason="no_room"``) rather than
+  breaking the cap;
+- a leased entry is never chosen for eviction (evicting it would free
+  nothing until its release);
 - a handle is disposed or spilled exactly once, and never while leased;
 - entries of different namespaces never serve each other.
 """
@@ -41,8 +48,10 @@ __all__ = [
     "common_prefix_len",
     "dispose_all",
     "handle",
+    "pinned_bytes",
     "put",
     "release",
+    "retained_bytes",
     "stats",
     "take",
 ]
@@ -114,6 +123,7 @@ class CoreState:
     puts: int = 0
     stored: int = 0
     rejected_too_large: int = 0
+    rejected_no_room: int = 0
     replaced: int = 0
     superseded: int = 0
     evicted: int = 0
@@ -222,9 +232,13 @@ def _unindex(state: CoreState, entry: Entry, fate: _Fate) -> list[Effect]:
     return _finish(state, entry)
 
 
-def _reject(state: CoreState, msg: Put, reason: Literal["disabled", "too_large", "invalid"]) -> list[Effect]:
+_RejectReason = Literal["disabled", "too_large", "no_room", "invalid"]
+
+
+def _reject(state: CoreState, msg: Put, reason: _RejectReason) -> list[Effect]:
     effects: list[Effect]
-    if reason == "too_large" and state.spill_enabled:
+    if reason in ("too_large", "no_room") and state.spill_enabled:
+        # NOTE: the cold tier may still keep what RAM cannot; it owns the handle now.
         state.spilled += 1
         effects = [Spill(msg.handle, msg.namespace, msg.tokens, msg.meta)]
     elif reason == "invalid" and msg.handle in state.entries:
@@ -234,7 +248,40 @@ def _reject(state: CoreState, msg: Put, reason: Literal["disabled", "too_large",
         effects = [Dispose(msg.handle)]
     if reason == "too_large":
         state.rejected_too_large += 1
+    elif reason == "no_room":
+        state.rejected_no_room += 1
     return [*effects, Reply(PutResult(stored=False, reason=reason))]
+
+
+def pinned_bytes(state: CoreState) -> int:
+    """Bytes of entries out of the index that a lease still keeps alive."""
+    return sum(e.meta.nbytes for e in state.entries.values() if not e.indexed)
+
+
+def retained_bytes(state: CoreState) -> int:
+    """Every byte the cache retains: indexed entries plus pinned ones (always <= the cap)."""
+    return state.indexed_bytes + pinned_bytes(state)
+
+
+def _displaced(state: CoreState, msg: Put) -> tuple[Entry | None, list[Entry]]:
+    """The exact duplicate of ``msg`` and the strict prefix ancestors it supersedes."""
+    same_ns = state.by_namespace.get(msg.namespace, {})
+    duplicate_id = same_ns.get(msg.tokens)
+    duplicate = state.entries[duplicate_id] if duplicate_id is not None else None
+    ancestors: list[Entry] = []
+    if msg.meta.trimmable:
+        # NOTE: a trimmable descendant serves every prompt its ancestor could,
+        # provided it may be trimmed down to the ancestor's length; an
+        # untrimmable one serves only exact prefixes, so ancestors (the
+        # prompt-boundary snapshot) must stay.
+        for tokens, handle_id in same_ns.items():
+            if (
+                len(tokens) < len(msg.tokens)
+                and msg.meta.min_reusable_offset <= len(tokens)
+                and msg.tokens[: len(tokens)] == tokens
+            ):
+                ancestors.append(state.entries[handle_id])
+    return duplicate, ancestors
 
 
 def put(state: CoreState, msg: Put) -> list[Effect]:
@@ -247,24 +294,20 @@ def put(state: CoreState, msg: Put) -> list[Effect]:
     if msg.meta.nbytes > state.cap_bytes:
         return _reject(state, msg, "too_large")
 
+    duplicate, ancestors = _displaced(state, msg)
+    # NOTE: leased bytes stay retained whatever happens to their entries
+    # (a displaced leased entry becomes pinned); only unleased entries can make room.
+    unfreeable = sum(
+        e.meta.nbytes for e in state.entries.values() if not e.indexed or e.leases > 0
+    )
+    if unfreeable + msg.meta.nbytes > state.cap_bytes:
+        return _reject(state, msg, "no_room")
+
     effects: list[Effect] = []
-    replaced = superseded = evicted = 0
-    same_ns = state.by_namespace.get(msg.namespace, {})
-    duplicate = same_ns.get(msg.tokens)
     if duplicate is not None:
-        effects += _unindex(state, state.entries[duplicate], "dispose")
-        replaced += 1
-    if msg.meta.trimmable:
-        # NOTE: a trimmable descendant serves every prompt its ancestor could,
-        # provided it may be trimmed down to the ancestor's length.
-        for tokens, handle_id in list(state.by_namespace.get(msg.namespace, {}).items()):
-            if (
-                len(tokens) < len(msg.tokens)
-                and msg.meta.min_reusable_offset <= len(tokens)
-                and msg.tokens[: len(tokens)] == tokens
-            ):
-                effects += _unindex(state, state.entries[handle_id], "dispose")
-                superseded += 1
+        effects += _unindex(state, duplicate, "dispose")
+    for ancestor in ancestors:
+        effects += _unindex(state, ancestor, "dispose")
 
     entry = Entry(
         handle=msg.handle,
@@ -278,22 +321,27 @@ def put(state: CoreState, msg: Put) -> list[Effect]:
     state.by_namespace.setdefault(msg.namespace, {})[msg.tokens] = entry.handle
     state.indexed_bytes += msg.meta.nbytes
 
-    while state.indexed_bytes > state.cap_bytes:
+    evicted = 0
+    excess = retained_bytes(state) - state.cap_bytes
+    while excess > 0:
+        # Terminates: the fit check above left enough unleased bytes to evict.
         victim = min(
-            (e for e in state.entries.values() if e.indexed and e is not entry),
+            (e for e in state.entries.values() if e.indexed and e.leases == 0 and e is not entry),
             key=lambda e: e.last_used,
         )
+        excess -= victim.meta.nbytes
         effects += _unindex(state, victim, "spill")
         evicted += 1
 
+    replaced = int(duplicate is not None)
     state.stored += 1
     state.replaced += replaced
-    state.superseded += superseded
+    state.superseded += len(ancestors)
     state.evicted += evicted
     effects.append(
         Reply(
             PutResult(
-                stored=True, replaced=replaced, superseded=superseded, evicted=evicted
+                stored=True, replaced=replaced, superseded=len(ancestors), evicted=evicted
             )
         )
     )
@@ -321,6 +369,7 @@ def stats(state: CoreState) -> PromptCacheStats:
         bytes=state.indexed_bytes,
         pinned_entries=len(pinned),
         pinned_bytes=sum(e.meta.nbytes for e in pinned),
+        retained_bytes=state.indexed_bytes + sum(e.meta.nbytes for e in pinned),
         active_leases=len(state.leases),
         hits=state.hits,
         misses=state.misses,
@@ -328,6 +377,7 @@ def stats(state: CoreState) -> PromptCacheStats:
         puts=state.puts,
         stored=state.stored,
         rejected_too_large=state.rejected_too_large,
+        rejected_no_room=state.rejected_no_room,
         replaced=state.replaced,
         superseded=state.superseded,
         evicted=state.evicted,

@@ -11,6 +11,13 @@ Ports: an ``Executor`` (``kernels.EngineThread`` in serving; an inline
 executor in simulation) and a ``Backend`` whose methods run ON the engine
 thread (``actors._backend.MlxBackend`` in serving; a scripted fake in the
 gateway's simulation scenarios).
+
+Failure handling: an engine job that raises fails its request (``ErrorEvent``
+on the stream, ``outcome="failed"`` to the gateway) and the lane moves on; so
+does any other unexpected error while the runner performs a request turn. If
+the runner's handler still raises, the runtime answers the gateway's
+``RunTurn`` request with a ``Failure`` and the gateway fails the turn itself
+(``actors.gateway``): a turn never ends without the gateway hearing of it.
 """
 
 from __future__ import annotations
@@ -236,8 +243,10 @@ class TurnRunner(Actor):
         elif isinstance(body, EndRequest):
             live = self._live.pop(body.request_id, None)
             if live is not None:
-                await self._keep_or_discard(live, ctx, keep=True)
-                await self._finish_stream(live, ctx, "cancelled")
+                cancelled = body.reason == "cancelled"
+                await self._keep_or_discard(live, ctx, keep=cancelled)
+                if cancelled:
+                    await self._finish_stream(live, ctx, "cancelled")
 
     # --- background ---------------------------------------------------------
 
@@ -268,9 +277,18 @@ class TurnRunner(Actor):
         live = self._live.get(rid)
         if live is None:
             if body.start is None:
+                # NOTE: raising answers the RunTurn with a Failure: the gateway fails the turn.
                 raise RuntimeError(f"turn for unknown request {rid!r}")
             live = _Live(request=body.start, admitted_at=body.admitted_at)
             self._live[rid] = live
+        try:
+            await self._perform_request_turn(live, ctx)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this request, not the lane
+            _log.error("gateway.turn_bug", request_id=rid, error=repr(exc))
+            await self._fail(live, ctx, exc)
+
+    async def _perform_request_turn(self, live: _Live, ctx: Context) -> None:
+        rid = live.request.request_id
         clock = ctx.clock
         began = clock.now()
         if live.started_at is None:
@@ -458,13 +476,18 @@ class TurnRunner(Actor):
             return
         request = live.request
         for role, entry in puts:
-            await ctx.tell(
-                self._prompt_cache,
-                Put(
-                    tokens=entry.tokens,
-                    namespace=request.namespace,
-                    handle=entry.handle,
-                    meta=entry.meta,
-                    role=role,
-                ),
-            )
+            try:
+                await ctx.tell(
+                    self._prompt_cache,
+                    Put(
+                        tokens=entry.tokens,
+                        namespace=request.namespace,
+                        handle=entry.handle,
+                        meta=entry.meta,
+                        role=role,
+                    ),
+                )
+            except RuntimeFailure as exc:
+                # NOTE: a prompt cache that is gone (stopping) loses the entry, not
+                # the request; its registry handle is released with the registry.
+                _log.warning("gateway.put_failed", handle=entry.handle, error=repr(exc))

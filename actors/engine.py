@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypedDict, TypeVar, Unpack
 
 import anyio
 import anyio.to_thread
@@ -87,6 +87,7 @@ __all__ = [
     "Engine",
     "EngineClosed",
     "EngineNotStarted",
+    "EngineOptions",
     "GenerationEvent",
     "GenerationFailed",
     "GenerationParams",
@@ -123,6 +124,20 @@ _ADMISSION_ERRORS: dict[str, type[KvtierError]] = {
 }
 
 
+class EngineOptions(TypedDict, total=False):
+    """The keyword options of :class:`Engine` (``Engine.from_loaded`` takes the same)."""
+
+    max_queue: int
+    prefill_step_size: int
+    prompt_cache_bytes: int | None
+    kv_quant: KvQuant | None
+    max_prompt_tokens: int | None
+    stream_buffer: int
+    ask_timeout_s: float
+    drain_timeout_s: float
+    snapshot_min_new_tokens: int
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     """A whole (non-streamed) generation: what :meth:`Engine.complete` returns."""
@@ -141,7 +156,7 @@ def _abandon(system: ActorSystem, inbox: Inbox, request_id: str) -> None:
     # that is still queued.
     inbox.close()
     try:
-        system.try_tell(_GATEWAY, CancelGeneration(request_id=request_id))
+        system.try_tell(_GATEWAY, CancelGeneration(request_id=request_id), correlation_id=request_id)
     except RuntimeFailure:
         pass
 
@@ -157,7 +172,31 @@ def _abandon_soon(
         pass  # the loop is closed: nothing left to cancel
 
 
-class GenerationStream:
+class _StartClose:
+    """``async with`` = ``await start()`` ... ``await aclose()``."""
+
+    async def start(self) -> None:
+        """Acquire (subclasses implement)."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Release (subclasses implement)."""
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class GenerationStream(_StartClose):
     """One request's event stream; an async context manager and async iterator.
 
     ``__aenter__`` (or :meth:`start`) performs admission and raises its typed
@@ -224,10 +263,15 @@ class GenerationStream:
             inbox.close()
             self._finished = True
             raise QueueFull(queued=-1, max_queue=engine._max_queue) from exc
-        except RuntimeFailure as exc:
+        except MailboxClosed as exc:
             inbox.close()
             self._finished = True
             raise ServerShuttingDown(f"the gateway is not accepting requests ({exc})") from exc
+        except RuntimeFailure as exc:
+            # NOTE: the gateway's handler raised (HandlerFailed): a bug, not a refusal.
+            inbox.close()
+            self._finished = True
+            raise GenerationFailed(f"admission failed: {exc}") from exc
         if not reply.accepted:
             inbox.close()
             self._finished = True
@@ -239,18 +283,6 @@ class GenerationStream:
         self._finalizer = weakref.finalize(
             self, _abandon_soon, asyncio.get_running_loop(), system, inbox, self.request_id
         )
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __aiter__(self) -> Self:
         return self
@@ -290,7 +322,9 @@ class GenerationStream:
         if system is not None:
             with anyio.CancelScope(shield=True):
                 try:
-                    await system.tell(_GATEWAY, CancelGeneration(request_id=request_id))
+                    await system.tell(
+                        _GATEWAY, CancelGeneration(request_id=request_id), correlation_id=request_id
+                    )
                 except RuntimeFailure:
                     # NOTE: the gateway is gone (engine closing): nothing left to cancel.
                     pass
@@ -316,7 +350,7 @@ class GenerationStream:
         return self._done
 
 
-class Engine:
+class Engine(_StartClose):
     """One model, one engine thread, one actor system: kvtier embedded in an async app.
 
     ``model``: a local mlx-lm model directory or a Hugging Face id; ``None``
@@ -327,7 +361,9 @@ class Engine:
     (0 disables it, ``None`` takes ``kernels.default_prompt_cache_bytes()``,
     i.e. ``KVTIER_PROMPT_CACHE_GB`` or a quarter of free memory);
     ``kv_quant`` stores KV in affine 4/8-bit (``"off"``, 4, 8, ``"config"``);
-    ``stream_buffer`` bounds each request's event inbox; ``ask_timeout_s``
+    ``max_prompt_tokens`` refuses longer prompts (``ContextTooLong``) before
+    admission, as does a prompt whose ``max_tokens`` would run past the
+    model's context (``max_position_embeddings``); ``stream_buffer`` bounds each request's event inbox; ``ask_timeout_s``
     is the deadline on every internal ask (admission included);
     ``drain_timeout_s`` bounds how long :meth:`aclose` waits for in-flight
     requests.
@@ -344,6 +380,7 @@ class Engine:
         prefill_step_size: int = 512,
         prompt_cache_bytes: int | None = None,
         kv_quant: KvQuant | None = None,
+        max_prompt_tokens: int | None = None,
         stream_buffer: int = 64,
         ask_timeout_s: float = 30.0,
         drain_timeout_s: float = 120.0,
@@ -355,11 +392,14 @@ class Engine:
             raise ValueError("prefill_step_size must be >= 1")
         if stream_buffer < 1:
             raise ValueError("stream_buffer must be >= 1")
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be >= 1")
         self._model_arg = model
         self._max_queue = max_queue
         self._prefill_step_size = prefill_step_size
         self._prompt_cache_bytes = prompt_cache_bytes
         self._kv_quant = kv_quant
+        self._max_prompt_tokens = max_prompt_tokens
         self._stream_buffer = stream_buffer
         self._ask_timeout = ask_timeout_s
         self._drain_timeout = drain_timeout_s
@@ -390,31 +430,16 @@ class Engine:
         model_id: str,
         identity: Any = None,
         max_context: int | None = None,
-        max_queue: int = 16,
-        prefill_step_size: int = 512,
-        prompt_cache_bytes: int | None = None,
-        kv_quant: KvQuant | None = None,
-        stream_buffer: int = 64,
-        ask_timeout_s: float = 30.0,
-        drain_timeout_s: float = 120.0,
-        snapshot_min_new_tokens: int = 64,
+        **options: Unpack[EngineOptions],
     ) -> Engine:
         """An engine over an already-built mlx-lm model and tokenizer (tests, custom loaders).
 
         ``tokenizer`` must be mlx-lm's ``TokenizerWrapper``. The model must not
         be used from any other thread afterwards: the engine thread owns it.
+        ``max_context`` is the model's context length in tokens (``None``: not
+        checked); ``options`` are :class:`Engine`'s.
         """
-        engine = cls(
-            None,
-            max_queue=max_queue,
-            prefill_step_size=prefill_step_size,
-            prompt_cache_bytes=prompt_cache_bytes,
-            kv_quant=kv_quant,
-            stream_buffer=stream_buffer,
-            ask_timeout_s=ask_timeout_s,
-            drain_timeout_s=drain_timeout_s,
-            snapshot_min_new_tokens=snapshot_min_new_tokens,
-        )
+        engine = cls(None, **options)
         engine._model = model
         engine._tokenizer = tokenizer
         engine._model_id = model_id
@@ -507,18 +532,6 @@ class Engine:
 
         path = self._model_arg if self._model_arg is not None else kernels.ensure_default_model()
         return kernels.load_model(path)
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def begin_shutdown(self) -> None:
         """Stop admission now: new requests get ``ServerShuttingDown``; in-flight streams finish."""
@@ -783,11 +796,20 @@ class Engine:
         return self._gateway_ref
 
     def _validate_prompt(self, tokens: Sequence[int], params: GenerationParams) -> None:
+        # NOTE: runs before admission, so a refused prompt never queues or takes a turn.
         if not tokens:
             raise InvalidRequest("the prompt has no tokens")
-        limit = self._max_context
-        if limit is not None and len(tokens) >= limit:
-            raise ContextTooLong(len(tokens), limit)
+        cap = self._max_prompt_tokens
+        if cap is not None and len(tokens) > cap:
+            raise ContextTooLong(len(tokens), cap, limit_name="max_prompt_tokens")
+        context = self._max_context
+        if context is not None and len(tokens) + params.max_tokens > context:
+            raise ContextTooLong(
+                len(tokens),
+                context,
+                max_tokens=params.max_tokens,
+                limit_name="the model's context",
+            )
 
 
 def _context_limit(config: Mapping[str, Any]) -> int | None:

@@ -6,14 +6,21 @@ core's effects as messages: admission replies, ``RunTurn`` to the turn runner
 (``actors._turn.TurnRunner``), ``TurnDone`` replies to background askers.
 It never awaits the engine itself, so admission and cancellation are handled
 while a turn runs. See docs/engine-turn.md.
+
+A turn that fails without a report (the runner's handler raised: the runtime
+answers the ``RunTurn`` request with a ``Failure``; or the runner is gone and
+the ``RunTurn`` cannot be sent) fails the request holding it with an
+``ErrorEvent`` (code ``turn_failed``) and frees the lane, or answers the
+background asker ``TurnDone(ok=False)``: the gateway never waits forever for
+a report.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from messages import Envelope
+from messages import Envelope, Failure
 from messages._gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -23,6 +30,7 @@ from messages._gateway import (
     DoneEvent,
     Drained,
     EndRequest,
+    ErrorEvent,
     Generate,
     RequestTurnReport,
     RunTurn,
@@ -35,7 +43,7 @@ from messages._gateway import (
 
 from . import _gateway_core as core
 from ._turn import end_stream
-from .runtime import Actor, Context, MailboxClosed, UnknownAddress
+from .runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
 
 __all__ = ["Gateway"]
 
@@ -44,7 +52,9 @@ __all__ = ["Gateway"]
 class _Admitted:
     request: Generate
     admitted_at: float
+    correlation_id: str
     started: bool = False
+    phase: Literal["prefill", "decode"] = "prefill"
 
 
 class Gateway(Actor):
@@ -87,7 +97,7 @@ class Gateway(Actor):
                     ),
                 )
                 return
-            self._admitted[body.request_id] = _Admitted(body, now)
+            self._admitted[body.request_id] = _Admitted(body, now, envelope.correlation_id)
             event = core.AdmitRequest(body.request_id, now)
         elif isinstance(body, CancelGeneration):
             event = core.CancelRequest(body.request_id, now)
@@ -103,6 +113,8 @@ class Gateway(Actor):
         elif isinstance(body, RequestTurnReport):
             if body.outcome != "continue":
                 self._admitted.pop(body.request_id, None)
+            elif (entry := self._admitted.get(body.request_id)) is not None:
+                entry.phase = body.phase
             event = core.RequestTurnDone(body.request_id, body.phase, body.outcome, now)
         elif isinstance(body, BackgroundTurnReport):
             asker = self._askers.pop(body.step_id, None)
@@ -137,9 +149,60 @@ class Gateway(Actor):
             return
         elif isinstance(body, StopTurns):
             event = core.StopTurns(now)
+        elif isinstance(body, Failure) and body.actor == self._runner:
+            await self._turn_failed(f"{body.error}: {body.message}", envelope, ctx)
+            return
         else:
             return
         await self._perform(self.core.handle(event), envelope, ctx)
+
+    async def _run_turn(self, turn: RunTurn, correlation_id: str, envelope: Envelope, ctx: Context) -> None:
+        """Send ``turn`` to the runner under the owner's correlation id; a runner that is gone fails it."""
+        # NOTE: the explicit correlation id keeps every turn (and the tokens the
+        # runner streams from it) on its request's id, whichever message the
+        # gateway happened to be handling when it granted the turn.
+        try:
+            await ctx.ref(self._runner).tell(turn, correlation_id=correlation_id)
+        except RuntimeFailure as exc:
+            await self._turn_failed(f"the turn runner is unavailable ({exc!r})", envelope, ctx)
+
+    async def _turn_failed(self, detail: str, envelope: Envelope, ctx: Context) -> None:
+        """The turn in flight ended without a report: fail its owner and go on with the next."""
+        turn = self.core.turn
+        now = ctx.clock.now()
+        if turn is None:
+            return  # NOTE: nothing in flight: a stale failure changes nothing.
+        if turn.owner == "request":
+            entry = self._admitted.pop(turn.ident, None)
+            phase: Literal["prefill", "decode"] = "prefill" if entry is None else entry.phase
+            if entry is not None:
+                stream_to = entry.request.stream_to
+                error = ErrorEvent(request_id=turn.ident, error_code="turn_failed", detail=detail)
+                try:
+                    ctx.try_tell(stream_to, error)
+                except (MailboxClosed, UnknownAddress):
+                    pass
+                end_stream(ctx, stream_to)
+                if entry.started:
+                    # NOTE: lets a live runner drop the request's state; a dead one cannot.
+                    end = EndRequest(request_id=turn.ident, reason="failed")
+                    await self._tell_runner(end, entry.correlation_id, ctx)
+            event: core.CoreEvent = core.RequestTurnDone(turn.ident, phase, "failed", now)
+        else:
+            asker = self._askers.pop(turn.ident, None)
+            if asker is not None:
+                await ctx.reply(
+                    asker,
+                    TurnDone(step_id=turn.ident, ok=False, error_code="turn_failed", detail=detail),
+                )
+            event = core.BackgroundTurnDone(turn.ident, now)
+        await self._perform(self.core.handle(event), envelope, ctx)
+
+    async def _tell_runner(self, body: EndRequest, correlation_id: str | None, ctx: Context) -> None:
+        try:
+            await ctx.ref(self._runner).tell(body, correlation_id=correlation_id)
+        except RuntimeFailure:
+            pass  # NOTE: the runner is gone; it holds no state any more.
 
     async def _perform(self, effects: list[core.Effect], envelope: Envelope, ctx: Context) -> None:
         for effect in effects:
@@ -149,18 +212,28 @@ class Gateway(Actor):
                 entry = self._admitted.get(effect.request_id)
                 start: Generate | None = None
                 admitted_at = 0.0
-                if entry is not None and not entry.started:
-                    entry.started = True
-                    start = entry.request
-                    admitted_at = entry.admitted_at
-                await ctx.tell(
-                    self._runner,
-                    RunTurn(owner="request", ident=effect.request_id, start=start, admitted_at=admitted_at),
+                correlation = envelope.correlation_id
+                if entry is not None:
+                    correlation = entry.correlation_id
+                    if not entry.started:
+                        entry.started = True
+                        start = entry.request
+                        admitted_at = entry.admitted_at
+                turn = RunTurn(
+                    owner="request",
+                    ident=effect.request_id,
+                    start=start,
+                    admitted_at=admitted_at,
+                    reply_to=ctx.name,
                 )
+                await self._run_turn(turn, correlation, envelope, ctx)
             elif isinstance(effect, core.FinishRequest):
                 await self._finish(effect, ctx)
             elif isinstance(effect, core.RunBackgroundTurn):
-                await ctx.tell(self._runner, RunTurn(owner="background", ident=effect.step_id))
+                asker = self._askers.get(effect.step_id)
+                correlation = envelope.correlation_id if asker is None else asker.correlation_id
+                turn = RunTurn(owner="background", ident=effect.step_id, reply_to=ctx.name)
+                await self._run_turn(turn, correlation, envelope, ctx)
             elif isinstance(effect, core.RefuseBackground):
                 asker = self._askers.pop(effect.step_id, None)
                 if asker is not None:
@@ -200,7 +273,8 @@ class Gateway(Actor):
     async def _finish(self, effect: core.FinishRequest, ctx: Context) -> None:
         entry = self._admitted.pop(effect.request_id, None)
         if effect.had_turns:
-            await ctx.tell(self._runner, EndRequest(request_id=effect.request_id))
+            correlation = None if entry is None else entry.correlation_id
+            await self._tell_runner(EndRequest(request_id=effect.request_id), correlation, ctx)
             return
         if entry is None:
             return

@@ -66,29 +66,18 @@ class EnvelopeRecord(BaseModel):
     @classmethod
     def of(cls, envelope: Envelope) -> EnvelopeRecord:
         """The record of ``envelope`` (no validation: the body is already a model)."""
-        return cls.model_construct(
-            msg_id=envelope.msg_id,
-            correlation_id=envelope.correlation_id,
-            causation_id=envelope.causation_id,
-            sender=envelope.sender,
-            receiver=envelope.receiver,
-            sent_at=envelope.sent_at,
-            body=envelope.body,
-            call_chain=envelope.call_chain,
-        )
+        return cls.model_construct(**{name: getattr(envelope, name) for name in _FIELDS})
 
     def to_envelope(self) -> Envelope:
         """The runtime envelope this record describes."""
-        return Envelope(
-            msg_id=self.msg_id,
-            correlation_id=self.correlation_id,
-            causation_id=self.causation_id,
-            sender=self.sender,
-            receiver=self.receiver,
-            sent_at=self.sent_at,
-            body=self.body,
-            call_chain=self.call_chain,
-        )
+        return Envelope(**{name: getattr(self, name) for name in _FIELDS})
+
+
+# NOTE: the record and the envelope have the same fields, in the same order
+# (checked at import), so conversion copies them by name.
+_FIELDS = tuple(Envelope.__dataclass_fields__)
+if tuple(EnvelopeRecord.model_fields) != _FIELDS:
+    raise TypeError("Envelope and EnvelopeRecord must have the same fields")
 
 
 _RECORD = TypeAdapter(EnvelopeRecord)

@@ -246,11 +246,15 @@ TurnPhase = Literal["prefill", "decode"]
 TurnOutcome = Literal["continue", "finished", "failed", "cancelled"]
 
 
-class RunTurn(Body):
+class RunTurn(Request):
     """Gateway -> runner: run ONE engine turn for ``ident`` (a request id or a step id).
 
     ``start`` carries the request on its first turn (the runner keeps the
-    generation state from then on).
+    generation state from then on). The runner answers with a
+    ``RequestTurnReport`` / ``BackgroundTurnReport`` told to the gateway;
+    ``reply_to`` (the gateway) is there so that, should the runner's handler
+    raise instead, the runtime's ``Failure`` reply reaches the gateway, which
+    then fails the turn instead of waiting for a report that never comes.
     """
 
     kind: Literal["gateway.run_turn"] = "gateway.run_turn"
@@ -284,8 +288,13 @@ class BackgroundTurnReport(Body):
 
 
 class EndRequest(Body):
-    """Gateway -> runner: the request was cancelled; drop its state and close its stream."""
+    """Gateway -> runner: drop a request's state.
+
+    ``cancelled``: keep its cache for the prompt cache and close its stream
+    with ``DoneEvent(finish_reason="cancelled")``. ``failed``: its turn failed
+    without a report; discard its state (the gateway already ended the stream).
+    """
 
     kind: Literal["gateway.end_request"] = "gateway.end_request"
     request_id: str
-    reason: Literal["cancelled"] = "cancelled"
+    reason: Literal["cancelled", "failed"] = "cancelled"

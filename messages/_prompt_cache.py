@@ -115,11 +115,16 @@ class Put(Request):
 
 
 class PutResult(Body):
-    """What a :class:`Put` did: stored or why not, and what it displaced."""
+    """What a :class:`Put` did: stored or why not, and what it displaced.
+
+    ``too_large``: the entry alone exceeds the cap. ``no_room``: it would fit
+    the cap, but not beside the bytes that leases keep alive (leased and
+    pinned entries cannot be evicted to make room).
+    """
 
     kind: Literal["prompt_cache.put_result"] = "prompt_cache.put_result"
     stored: bool
-    reason: Literal["stored", "disabled", "too_large", "invalid"] = "stored"
+    reason: Literal["stored", "disabled", "too_large", "no_room", "invalid"] = "stored"
     replaced: int = Field(default=0, ge=0)
     superseded: int = Field(default=0, ge=0)
     evicted: int = Field(default=0, ge=0)
@@ -134,9 +139,10 @@ class PromptCacheStatsRequest(Request):
 class PromptCacheStats(Body):
     """Counters and gauges of the RAM tier.
 
-    ``bytes`` counts indexed entries (always <= ``cap_bytes``); ``pinned_bytes``
-    counts entries already evicted or replaced but still held by a lease (they
-    are disposed on ``Release``). ``hits``/``misses`` count ``Take`` answers.
+    ``bytes`` counts indexed entries; ``pinned_bytes`` counts entries already
+    evicted or replaced but still held by a lease (they are disposed on
+    ``Release``); ``retained_bytes`` is their sum, which never exceeds
+    ``cap_bytes``. ``hits``/``misses`` count ``Take`` answers.
     """
 
     kind: Literal["prompt_cache.stats"] = "prompt_cache.stats"
@@ -145,6 +151,7 @@ class PromptCacheStats(Body):
     bytes: int
     pinned_entries: int
     pinned_bytes: int
+    retained_bytes: int
     active_leases: int
     hits: int
     misses: int
@@ -152,6 +159,7 @@ class PromptCacheStats(Body):
     puts: int
     stored: int
     rejected_too_large: int
+    rejected_no_room: int
     replaced: int
     superseded: int
     evicted: int

@@ -1,8 +1,7 @@
 """Shared model fixtures: the real default model, and tiny synthetic GGUF files.
 
-Import the fixtures into a conftest (or test module) to use them::
-
-    from tests.model_fixtures import default_model_path  # noqa: F401
+``tests/conftest.py`` loads this module as a pytest plugin
+(``pytest_plugins``), so every test can name these fixtures as arguments.
 
 `default_model_path` is session-scoped: it returns the cached conversion at
 once (the Makefile runs ``kvtier fetch-default-model`` before pytest) and

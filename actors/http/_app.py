@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
-from messages._gateway import DoneEvent, TokenEvent
+from messages._gateway import DoneEvent, GenerationParams, TokenEvent
 
 from ._convert import (
     chat_chunk,
@@ -73,6 +73,7 @@ class _AccessLog:
         status = 0
         request_id: str | None = None
         started = time.perf_counter()
+        saved = structlog.contextvars.get_contextvars()
 
         async def counting_send(message: Message) -> None:
             nonlocal status, request_id
@@ -86,14 +87,20 @@ class _AccessLog:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            # NOTE: request_id is the engine's correlation id: it links this line
-            # to the request's actor-message trace.
+            # NOTE: request_id is the engine's correlation id (bound as
+            # correlation_id by the route): it links this line to the request's
+            # actor-message trace.
             _log.info("http.request", method=scope["method"], path=scope["path"],
                       status=status, request_id=request_id,
                       duration_ms=round((time.perf_counter() - started) * 1e3, 2))
+            # NOTE: one request's bindings must not leak into the next one
+            # served on this context (keep-alive connections, in-process tests).
+            structlog.contextvars.clear_contextvars()
+            structlog.contextvars.bind_contextvars(**saved)
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
+_Gen = TypeVar("_Gen", bound=_SamplingFields)
 
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
@@ -172,11 +179,7 @@ def create_app(
               openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions, streamed (SSE) or not."""
-        check_admission_open()
-        body = await _parse(request, ChatCompletionRequest)
-        model = resolve_model(body.model, engine.model_id, settings.model_aliases)
-        params = to_params(body, settings.defaults)
-        rid = f"chatcmpl-{st.new_id()}"
+        body, rid, model, params = await _accept(request, ChatCompletionRequest, "chatcmpl")
         stream = engine.chat(chat_messages(body), params, request_id=rid)
         return await _respond(stream, body, request, rid, model, "chat")
 
@@ -184,31 +187,31 @@ def create_app(
               openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed (SSE) or not."""
-        check_admission_open()
-        body = await _parse(request, CompletionRequest)
-        model = resolve_model(body.model, engine.model_id, settings.model_aliases)
-        params = to_params(body, settings.defaults)
-        rid = f"cmpl-{st.new_id()}"
+        body, rid, model, params = await _accept(request, CompletionRequest, "cmpl")
         stream = engine.generate(body.prompt_value(), params, request_id=rid)
         return await _respond(stream, body, request, rid, model, "completion")
 
     # ------------------------------------------------------------ plumbing
 
-    async def _admit(stream: StreamPort, kind: _Kind) -> None:
-        """Admit, and apply the prompt-length bound; on any refusal release the stream."""
+    async def _accept(request: Request, schema: type[_Gen],
+                      prefix: str) -> tuple[_Gen, str, str, GenerationParams]:
+        """Parse and check a generation body; name the request (body, id, model, params)."""
+        check_admission_open()
+        body = await _parse(request, schema)
+        model = resolve_model(body.model, engine.model_id, settings.model_aliases)
+        params = to_params(body, settings.defaults)
+        rid = f"{prefix}-{st.new_id()}"
+        # NOTE: the request id is also the engine's correlation id: binding it
+        # here puts it on every log line of this request (the access log, the
+        # SSE body task, which copies this context), next to the actors' events.
+        # _AccessLog restores the previous bindings when the response is done.
+        structlog.contextvars.bind_contextvars(correlation_id=rid)
+        return body, rid, model, params
+
+    async def _admit(stream: StreamPort) -> None:
+        """Admit (the engine refuses over-long prompts before admission); on refusal release the stream."""
         try:
             await stream.start()
-            limit = settings.defaults.max_prompt_tokens
-            if limit is not None and stream.prompt_tokens > limit:
-                # NOTE: the engine knows the token count only after admission;
-                # cancelling right away frees the lane before any decode step.
-                raise ApiError(
-                    400,
-                    f"The prompt has {stream.prompt_tokens} tokens; this server allows at "
-                    f"most {limit} (--max-prompt-tokens).",
-                    code="context_length_exceeded",
-                    param="messages" if kind == "chat" else "prompt",
-                )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
@@ -218,7 +221,7 @@ def create_app(
                        model: str, kind: _Kind) -> Response:
         st.enter()
         try:
-            await _admit(stream, kind)
+            await _admit(stream)
         except BaseException:
             st.leave()
             raise

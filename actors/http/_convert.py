@@ -54,7 +54,6 @@ class Defaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    max_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= self.max_tokens_limit:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
 
 from messages import Envelope
@@ -11,47 +13,32 @@ __all__ = ["dead_letter", "failed", "handled", "received", "sent"]
 _log = structlog.get_logger("kvtier.mailbox")
 
 
+def _ids(envelope: Envelope) -> dict[str, Any]:
+    """The fields every mailbox event carries: receiver, kind, the three ids, sender."""
+    return {
+        "actor": envelope.receiver,
+        "kind": envelope.body.kind,
+        "msg_id": envelope.msg_id,
+        "correlation_id": envelope.correlation_id,
+        "causation_id": envelope.causation_id,
+        "sender": envelope.sender,
+    }
+
+
 def sent(envelope: Envelope, depth: int) -> None:
     """``mailbox.sent``: the receiver's mailbox accepted ``envelope``."""
-    _log.debug(
-        "mailbox.sent",
-        actor=envelope.receiver,
-        kind=envelope.body.kind,
-        msg_id=envelope.msg_id,
-        correlation_id=envelope.correlation_id,
-        causation_id=envelope.causation_id,
-        sender=envelope.sender,
-        depth=depth,
-    )
+    _log.debug("mailbox.sent", **_ids(envelope), depth=depth)
 
 
 def received(envelope: Envelope, depth: int, waited: float) -> None:
     """``mailbox.received``: the actor took ``envelope`` out of its mailbox."""
-    _log.debug(
-        "mailbox.received",
-        actor=envelope.receiver,
-        kind=envelope.body.kind,
-        msg_id=envelope.msg_id,
-        correlation_id=envelope.correlation_id,
-        causation_id=envelope.causation_id,
-        sender=envelope.sender,
-        depth=depth,
-        time_in_mailbox=waited,
-    )
+    _log.debug("mailbox.received", **_ids(envelope), depth=depth, time_in_mailbox=waited)
 
 
 def handled(envelope: Envelope, depth: int, waited: float, took: float) -> None:
     """``mailbox.handled``: the handler returned normally."""
     _log.debug(
-        "mailbox.handled",
-        actor=envelope.receiver,
-        kind=envelope.body.kind,
-        msg_id=envelope.msg_id,
-        correlation_id=envelope.correlation_id,
-        causation_id=envelope.causation_id,
-        depth=depth,
-        time_in_mailbox=waited,
-        duration=took,
+        "mailbox.handled", **_ids(envelope), depth=depth, time_in_mailbox=waited, duration=took
     )
 
 
@@ -59,11 +46,7 @@ def failed(envelope: Envelope, depth: int, waited: float, error: BaseException, 
     """``mailbox.failed`` (warning level, always emitted): the handler raised."""
     _log.warning(
         "mailbox.failed",
-        actor=envelope.receiver,
-        kind=envelope.body.kind,
-        msg_id=envelope.msg_id,
-        correlation_id=envelope.correlation_id,
-        causation_id=envelope.causation_id,
+        **_ids(envelope),
         depth=depth,
         time_in_mailbox=waited,
         error=type(error).__name__,
@@ -74,13 +57,4 @@ def failed(envelope: Envelope, depth: int, waited: float, error: BaseException, 
 
 def dead_letter(envelope: Envelope, reason: str) -> None:
     """``mailbox.dead_letter``: ``envelope`` could not be delivered."""
-    _log.debug(
-        "mailbox.dead_letter",
-        actor=envelope.receiver,
-        kind=envelope.body.kind,
-        msg_id=envelope.msg_id,
-        correlation_id=envelope.correlation_id,
-        causation_id=envelope.causation_id,
-        sender=envelope.sender,
-        reason=reason,
-    )
+    _log.debug("mailbox.dead_letter", **_ids(envelope), reason=reason)

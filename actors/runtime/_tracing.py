@@ -15,7 +15,10 @@ from typing import Any, Literal, TextIO
 
 import structlog
 
-__all__ = ["TRACE", "TraceSwitch", "configure_logging", "get_logger", "set_tracing"]
+__all__ = ["KVTIER_HANDLER", "TRACE", "TraceSwitch", "configure_logging", "get_logger", "set_tracing"]
+
+KVTIER_HANDLER = "kvtier_handler"
+"""Attribute marking the stdlib ``logging`` handler that ``configure_logging`` installs."""
 
 LogFormat = Literal["console", "json"]
 
@@ -62,6 +65,10 @@ def configure_logging(
     are not even built. Context bound with ``structlog.contextvars`` (the
     runtime binds ``correlation_id`` and ``actor`` while a message is handled)
     is merged into every event, including the user's own log lines.
+
+    Records of the standard ``logging`` module (uvicorn, libraries) are
+    rendered by the same renderer on the same stream, at ``level`` but never
+    below info, so a JSON log stays one JSON object per line.
     """
     fmt = format or os.environ.get("KVTIER_LOG_FORMAT", "console")
     if fmt not in ("console", "json"):
@@ -80,10 +87,31 @@ def configure_logging(
     if fmt == "json":
         processors.append(structlog.processors.format_exc_info)
     processors.append(renderer)
+    out = stream or sys.stderr
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib_logging(processors[:-1], renderer, out, max(numeric, logging.INFO))
     set_tracing(numeric <= logging.DEBUG)
+
+
+def _route_stdlib_logging(chain: list[Any], renderer: Any, stream: TextIO, level: int) -> None:
+    """Render stdlib ``logging`` records like structlog events (replacing our earlier handler)."""
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, KVTIER_HANDLER, False)]:
+        root.removeHandler(old)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *chain],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    # NOTE: marked so a second configure_logging replaces it and tests can remove it;
+    # other handlers (pytest's capture) stay.
+    setattr(handler, KVTIER_HANDLER, True)
+    root.addHandler(handler)
+    root.setLevel(level)

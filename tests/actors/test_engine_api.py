@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -10,6 +11,7 @@ import pytest
 from mlx_lm import stream_generate
 
 from actors.engine import (
+    ContextTooLong,
     DoneEvent,
     Engine,
     EngineNotStarted,
@@ -209,14 +211,44 @@ async def test_invalid_and_unstarted_requests_raise_typed_errors(model: Any, tok
             started.chat([])
 
 
+async def test_prompt_over_max_prompt_tokens_is_refused_before_admission(model: Any, tok: Any) -> None:
+    """A prompt longer than max_prompt_tokens raises ContextTooLong without being admitted; one at the cap runs."""
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0,
+                                  max_prompt_tokens=8) as eng:
+        with pytest.raises(ContextTooLong, match="max_prompt_tokens is 8") as info:
+            await eng.generate(list(range(3, 12)), GenerationParams(max_tokens=2)).start()
+        assert (info.value.prompt_tokens, info.value.limit) == (9, 8)
+        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 0
+        done = await eng.complete_prompt(list(range(3, 11)), GenerationParams(max_tokens=2))
+        assert done.usage.prompt_tokens == 8
+        assert done.finish_reason == "length"
+        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 1
+
+
+async def test_prompt_plus_max_tokens_over_the_context_is_refused(model: Any, tok: Any) -> None:
+    """prompt + max_tokens past the model's context is ContextTooLong before admission; fitting exactly runs."""
+    prompt = encode_prompt(tok, PROMPT)
+    context = len(prompt) + 8
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0,
+                                  max_context=context) as eng:
+        with pytest.raises(ContextTooLong, match="context") as info:
+            await eng.generate(prompt, GenerationParams(max_tokens=9)).start()
+        assert (info.value.prompt_tokens, info.value.max_tokens) == (len(prompt), 9)
+        assert info.value.limit == context
+        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 0
+        done = await eng.complete_prompt(prompt, GenerationParams(max_tokens=8))
+        assert len(done.token_ids) == 8
+        assert done.usage.prompt_tokens + done.usage.completion_tokens == context
+
+
 @pytest.mark.model
-async def test_default_model_chat_streams_and_matches_mlx_lm_greedy() -> None:
+async def test_default_model_chat_streams_and_matches_mlx_lm_greedy(default_model_path: Path) -> None:
     """Engine() on the real default model streams a chat whose greedy tokens and text equal mlx_lm's."""
     from mlx_lm import generate
 
     import kernels
 
-    loaded = kernels.load_model(kernels.ensure_default_model())
+    loaded = kernels.load_model(default_model_path)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = kernels.render_chat(loaded.tokenizer, messages)
     reference = [r.token for r in stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=24)]
@@ -288,3 +320,16 @@ async def test_engine_failure_mid_stream_raises_generation_failed_and_frees_lane
         after = await eng.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
         assert after.finish_reason == "length"
         assert eng.stats()["gateway"]["token"]["requests"]["failed"] == 1
+
+
+@pytest.mark.model
+def test_docs_embedding_example_runs(default_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/examples/embed.py runs as documented: it streams an answer and its follow-up reuses the prompt cache."""
+    import runpy
+
+    example = Path(__file__).resolve().parents[2] / "docs" / "examples" / "embed.py"
+    runpy.run_path(str(example), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "[length]" in out or "[stop]" in out
+    cached = next(line for line in out.splitlines() if line.startswith("cached prompt tokens:"))
+    assert int(cached.split()[3]) > 0

@@ -41,6 +41,31 @@ async def test_interleavings_differ_across_seeds() -> None:
     assert len(orders) > 1
 
 
+async def test_turns_and_stream_events_carry_their_requests_correlation_id() -> None:
+    """Whatever message the gateway handled when it granted a turn, the turn and its stream events keep the request's correlation id."""
+    checked = 0
+    for seed in range(6):
+        lines = await record_trace(SCENARIO, seed=seed)
+        records = [json.loads(line) for line in lines[1:-1]]
+        origin = {
+            r["body"]["request_id"]: r["correlation_id"]
+            for r in records
+            if r["body"]["kind"] == "gateway.generate"
+        }
+        assert len(set(origin.values())) == len(origin)
+        for r in records:
+            body = r["body"]
+            if body["kind"] == "gateway.run_turn" and body["owner"] == "request":
+                rid = body["ident"]
+            elif body["kind"] in ("gateway.token", "gateway.done", "gateway.end_request"):
+                rid = body["request_id"]
+            else:
+                continue
+            assert r["correlation_id"] == origin[rid], (seed, r)
+            checked += 1
+    assert checked > 100
+
+
 async def test_committed_gateway_trace_replays_and_matches_a_fresh_recording() -> None:
     """The committed trace replays exactly and equals what the current code records for its seed."""
     lines = TRACE.read_text(encoding="utf-8").splitlines()

@@ -67,6 +67,19 @@ def test_take_returns_longest_usable_prefix() -> None:
     assert core.stats(state).hits == 1
 
 
+def test_take_ties_go_to_the_shorter_then_the_most_recent_entry() -> None:
+    """Equal usable prefixes: the entry needing the smaller trim wins, then the most recently used."""
+    state = core.CoreState(cap_bytes=1000)
+    _put(state, "long", (1, 2, 3, 4))
+    _put(state, "short", (1, 2, 9))  # not an ancestor: both stay
+    res = _take(state, (1, 2, 7, 7))
+    assert (res.handle, res.cached_tokens) == ("short", 2)
+    _put(state, "sibling", (1, 2, 3, 8))  # same length as "long"
+    assert _take(state, (1, 2, 3, 5)).handle == "sibling"  # the newer of two equals
+    assert _take(state, (1, 2, 3, 4, 1)).handle == "long"  # touches "long"
+    assert _take(state, (1, 2, 3, 5)).handle == "long"  # now "long" is the more recent
+
+
 def test_take_caps_at_prompt_length_minus_one() -> None:
     """An exact repeat serves len(prompt) - 1 tokens (one token is always forwarded)."""
     state = core.CoreState(cap_bytes=1000)
@@ -174,22 +187,51 @@ def test_disabled_cache_disposes_every_put() -> None:
 
 
 def test_leased_entry_is_pinned_until_release() -> None:
-    """An evicted entry held by a lease is disposed only at its last release."""
-    state = core.CoreState(cap_bytes=10, spill_enabled=True)
+    """A replaced entry held by leases stays alive (pinned, counted) until its last release."""
+    state = core.CoreState(cap_bytes=25, spill_enabled=True)
     _put(state, "a", (1, 2), nbytes=10)
     lease1 = _take(state, (1, 2, 3)).lease_id
     lease2 = _take(state, (1, 2, 4)).lease_id
     assert lease1 is not None
     assert lease2 is not None
-    effects = _put(state, "b", (5, 6), nbytes=10)
+    effects = _put(state, "a2", (1, 2), nbytes=10)  # an exact duplicate replaces "a"
     assert [e for e in effects if not isinstance(e, core.Reply)] == []
     stats = core.stats(state)
     assert (stats.entries, stats.pinned_entries, stats.pinned_bytes, stats.bytes) == (1, 1, 10, 10)
+    assert stats.retained_bytes == 20
     assert core.release(state, Release(lease_id=lease1)) == []
-    (spill,) = core.release(state, Release(lease_id=lease2))
-    assert isinstance(spill, core.Spill)
-    assert (spill.handle, spill.tokens) == ("a", (1, 2))
+    # replaced entries are disposed, never spilled (the newer entry covers them)
+    assert core.release(state, Release(lease_id=lease2)) == [core.Dispose("a")]
     assert core.release(state, Release(lease_id=lease2)) == []  # idempotent
+    assert core.stats(state).retained_bytes == 10
+
+
+def test_leased_bytes_count_against_the_cap() -> None:
+    """Eviction skips leased entries; a put that cannot fit beside leased bytes is refused."""
+    state = core.CoreState(cap_bytes=30)
+    _put(state, "old", (1,), nbytes=10)
+    _put(state, "mid", (2,), nbytes=10)
+    lease = _take(state, (1, 5)).lease_id  # "old" is leased (and now most recent)
+    assert lease is not None
+    _take(state, (2, 5))  # "mid" leased too, touched last
+    effects = _put(state, "c", (3,), nbytes=10)
+    assert _disposed(effects) == []
+    effects = _put(state, "d", (4,), nbytes=10)
+    # the LRU entry would be "old" or "mid", but both are leased: "c" goes instead
+    assert _disposed(effects) == ["c"]
+    assert _indexed(state) == {"old", "mid", "d"}
+    effects = _put(state, "e", (5,), nbytes=15)  # 20 leased + 15 > 30
+    assert _disposed(effects) == ["e"]
+    assert isinstance(effects[-1], core.Reply)
+    assert effects[-1].body == PutResult(stored=False, reason="no_room")
+    assert _indexed(state) == {"old", "mid", "d"}  # nothing was displaced for a refused put
+    stats = core.stats(state)
+    assert stats.rejected_no_room == 1
+    assert stats.retained_bytes == 30 <= stats.cap_bytes
+    core.release(state, Release(lease_id=lease))
+    effects = _put(state, "e2", (5,), nbytes=15)
+    assert _disposed(effects) == ["old", "d"]  # unleased again, "old" is the least recent
+    assert _indexed(state) == {"mid", "e2"}
 
 
 def test_invalid_put_is_refused() -> None:

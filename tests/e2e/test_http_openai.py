@@ -21,6 +21,8 @@ KEY = "e2e-secret"
 STORY: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Write a long story about a dragon."}]
 REF_TOKENS = 12
+MAX_PROMPT = 300
+CONTEXT = 8192  # NOTE: SmolLM2-135M's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +30,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One server for the whole module (model load is the expensive part)."""
     srv = ServerProcess(
         tmp_path_factory.mktemp("serve"),
-        "--api-key", KEY, "--max-tokens", "16", "--max-tokens-limit", "4096",
+        "--api-key", KEY, "--max-tokens", "16", "--max-tokens-limit", "10000",
         "--max-body-bytes", "65536", "--max-queue", "4", "--prompt-cache", "0.2",
+        "--max-prompt-tokens", str(MAX_PROMPT),
     )
     yield srv
     assert srv.stop() == 0, srv.logs()
@@ -268,3 +271,30 @@ def test_openai_client_sees_typed_errors(server: ServerProcess, client: openai.O
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def _admitted(server: ServerProcess) -> int:
+    stats = httpx.get(f"{server.url}/stats", headers=_auth(), timeout=10).json()
+    return int(stats["engine"]["gateway"]["token"]["requests"]["admitted"])
+
+
+@pytest.mark.parametrize("case", ["max_prompt_tokens", "context"])
+def test_prompt_over_a_limit_is_400_before_admission(server: ServerProcess, client: openai.OpenAI,
+                                                     case: str) -> None:
+    """A prompt over --max-prompt-tokens, or prompt + max_tokens over the model's context, is a 400 and is never admitted."""
+    if case == "max_prompt_tokens":
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "hello " * (MAX_PROMPT + 50)}]
+        max_tokens = 4
+    else:
+        messages = STORY
+        max_tokens = CONTEXT - 10
+    before = _admitted(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens)
+    assert info.value.code == "context_length_exceeded"
+    assert ("max_prompt_tokens" if case == "max_prompt_tokens" else "context") in info.value.message
+    assert _admitted(server) == before
+    r = client.chat.completions.create(model="default", messages=STORY, max_tokens=2)
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 2

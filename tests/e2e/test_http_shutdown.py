@@ -1,4 +1,9 @@
-"""End to end: SIGTERM during a stream drains it, refuses new work with 503, and exits 0."""
+"""End to end: SIGTERM or SIGINT during a stream drains it, refuses new work with 503, and exits 0.
+
+The server logs JSON at debug level, so the same run also proves that one
+request can be followed through the logs by its correlation id (the
+``X-Request-Id`` the client got), from the HTTP edge through the actors.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,29 +23,33 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A server of its own: this module shuts it down."""
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-shutdown"), "--shutdown-timeout", "60")
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server of its own (the test shuts it down), logging JSON at debug level."""
+    srv = ServerProcess(tmp_path, "--shutdown-timeout", "60", "--log-format", "json",
+                        "--log-level", "debug", "--prompt-cache", "0")
     yield srv
     srv.stop(timeout=10)
 
 
-def test_sigterm_drains_stream_refuses_new_and_exits_zero(server: ServerProcess) -> None:
-    """SIGTERM mid-stream: /health and new requests get 503, the stream finishes, exit code 0."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_drains_stream_refuses_new_and_exits_zero(server: ServerProcess,
+                                                         signum: signal.Signals) -> None:
+    """A signal mid-stream: /health and new requests get 503, the stream finishes, exit code 0; the logs follow the request."""
     body = {"messages": STORY, "max_tokens": 24, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     events: list[str] = []
     with httpx.Client(base_url=server.url, timeout=60) as http, \
             http.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
+        request_id = resp.headers["x-request-id"]
         lines = resp.iter_lines()
         for line in lines:
             if line.startswith("data: "):
                 events.append(line[6:])
                 if '"content":"' in line and '"content":""' not in line:
                     break
-        server.signal(signal.SIGTERM)
+        server.signal(signum)
         # NOTE: wait until the signal is handled; from then on admission is closed.
         deadline = time.monotonic() + 20
         health = httpx.get(f"{server.url}/health", timeout=10)
@@ -59,3 +69,27 @@ def test_sigterm_drains_stream_refuses_new_and_exits_zero(server: ServerProcess)
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length"
     assert server.wait(timeout=60) == 0, server.logs()
+    _check_logs(server, request_id, signum)
+
+
+def _check_logs(server: ServerProcess, request_id: str, signum: signal.Signals) -> None:
+    """Every stderr line is JSON; the request's correlation id ties its HTTP line to its actor messages."""
+    logs = [json.loads(line) for line in server.stderr_path.read_text().splitlines() if line]
+    events = {e["event"] for e in logs}
+    assert "serve.shutdown_begun" in events
+    begun = next(e for e in logs if e["event"] == "serve.shutdown_begun")
+    assert begun["signal"] == signum.name
+    mine = [e for e in logs if e.get("correlation_id") == request_id]
+    seen = {(e["event"], e.get("actor"), e.get("kind")) for e in mine}
+    # The HTTP edge, admission at the gateway, the turns at the runner, the
+    # tokens into the request's stream: all under the one id.
+    assert ("http.request", None, None) in seen
+    assert ("mailbox.handled", "gateway", "gateway.generate") in seen
+    assert ("mailbox.handled", "gateway.runner", "gateway.run_turn") in seen
+    assert ("mailbox.handled", "gateway", "gateway.request_turn_report") in seen
+    tokens = [e for e in mine if e["event"] == "mailbox.sent" and e["kind"] == "gateway.token"]
+    assert len(tokens) == 24
+    assert all(e["actor"].startswith("stream-") for e in tokens)
+    # Nothing of another request's turns wears this id.
+    turns = [e for e in logs if e["event"] == "mailbox.handled" and e.get("kind") == "gateway.run_turn"]
+    assert all(e["correlation_id"] == request_id for e in turns)

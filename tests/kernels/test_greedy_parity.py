@@ -21,11 +21,8 @@ from kernels import (
     render_chat,
     run_generation,
 )
-from tests.model_fixtures import default_model_path
 
 pytestmark = pytest.mark.model
-
-__all__ = ["default_model_path"]
 
 MAX_TOKENS = 16
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]

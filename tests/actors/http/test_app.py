@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,9 +10,11 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import structlog
 
 from actors._errors import ContextTooLong, InvalidRequest, QueueFull, ServerShuttingDown
 from actors.http import Defaults, HttpSettings, HttpState, begin_shutdown, create_app
+from actors.runtime import configure_logging
 
 from .fake_engine import FakeEngine, Script
 
@@ -304,7 +307,8 @@ async def test_api_key() -> None:
         (QueueFull(4, 4), 429, "queue_full"),
         (ServerShuttingDown(), 503, "shutting_down"),
         (InvalidRequest("empty prompt"), 400, "invalid_request"),
-        (ContextTooLong(5000, 2048), 400, "context_length_exceeded"),
+        (ContextTooLong(5000, 2048, max_tokens=16, limit_name="the model's context"), 400,
+         "context_length_exceeded"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -318,20 +322,6 @@ async def test_admission_errors_map_to_status(error: Exception, status: int, cod
     if status == 429:
         assert r.headers["retry-after"] == "1"
     assert engine.calls[0].closed
-
-
-async def test_max_prompt_tokens_refuses_and_releases() -> None:
-    """A prompt over --max-prompt-tokens is a 400 and its admitted stream is released at once."""
-    settings = HttpSettings(defaults=Defaults(max_prompt_tokens=5))
-    engine = FakeEngine(scripts=[Script(prompt_tokens=6), Script(prompt_tokens=5)])
-    async with _client(engine, settings) as c:
-        r = await c.post(CHAT, json={**HELLO, "stream": True})
-        ok = await c.post(CHAT, json=HELLO)
-    _assert_openai_error(r, 400, "context_length_exceeded")
-    assert engine.calls[0].closed
-    assert engine.calls[0].events == 0
-    assert ok.status_code == 200
-    assert engine.active == 0
 
 
 async def test_generation_failure_mid_stream_is_an_error_event() -> None:
@@ -388,3 +378,27 @@ async def test_in_flight_counts_a_held_stream() -> None:
     assert result["r"].status_code == 200
     assert state.in_flight == 0
     assert engine.calls[0].closed
+
+
+@pytest.mark.usefixtures("restore_structlog")
+async def test_request_log_lines_carry_the_request_id_as_correlation_id() -> None:
+    """Each request's access-log line carries its X-Request-Id as correlation_id; nothing leaks past it."""
+    out = io.StringIO()
+    configure_logging(format="json", level="info", stream=out)
+    ids = iter(["one", "two"])
+    state = HttpState(new_id=lambda: next(ids))
+    app = create_app(FakeEngine(), HttpSettings(), state=state)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        streamed = await c.post(CHAT, json={**HELLO, "stream": True})
+        plain = await c.post(COMPLETIONS, json={"prompt": "x"})
+        health = await c.get("/health")
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    access = [e for e in lines if e["event"] == "http.request"]
+    assert [(e["path"], e.get("correlation_id")) for e in access] == [
+        (CHAT, streamed.headers["x-request-id"]),
+        (COMPLETIONS, plain.headers["x-request-id"]),
+        ("/health", None),
+    ]
+    assert [e["correlation_id"] for e in access[:2]] == ["chatcmpl-one", "cmpl-two"]
+    assert health.status_code == 200
+    assert "correlation_id" not in structlog.contextvars.get_contextvars()

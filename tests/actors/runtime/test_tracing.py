@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import Iterator
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from actors.runtime import (
@@ -34,16 +34,6 @@ def tracing() -> Iterator[None]:
         yield
     finally:
         set_tracing(previous)
-
-
-@pytest.fixture
-def restore_structlog() -> Iterator[None]:
-    """Undo ``configure_logging`` after the test."""
-    try:
-        yield
-    finally:
-        structlog.reset_defaults()
-        set_tracing(False)
 
 
 @pytest.mark.usefixtures("tracing")
@@ -111,6 +101,22 @@ async def test_user_log_lines_inside_handlers_carry_the_correlation_id() -> None
     followed = [e["event"] for e in events if e.get("correlation_id") == "req-7"]
     assert followed.count("mailbox.handled") == 2
     assert "http.request" in followed
+
+
+@pytest.mark.usefixtures("restore_structlog")
+def test_stdlib_logging_records_join_the_json_stream() -> None:
+    """With JSON logs a stdlib ``logging`` record (uvicorn's) is one JSON line too; stdlib debug stays filtered."""
+    out = io.StringIO()
+    configure_logging(format="json", level="debug", stream=out)
+    configure_logging(format="json", level="debug", stream=out)
+    with use_correlation("req-9"):
+        logging.getLogger("uvicorn.error").warning("Invalid HTTP request %s", "received.")
+    logging.getLogger("noisy.lib").debug("not shown")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1
+    event = json.loads(lines[0])
+    assert event["event"] == "Invalid HTTP request received."
+    assert (event["level"], event["logger"], event["correlation_id"]) == ("warning", "uvicorn.error", "req-9")
 
 
 @pytest.mark.usefixtures("restore_structlog")
