@@ -38,7 +38,10 @@ def _load(module: str) -> _Subcommand:
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """Build the parser; only the chosen subcommand's module is imported."""
-    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description="kvtier: serve MLX language models with a tiered KV cache.",
+    )
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in _SUBCOMMANDS.items():

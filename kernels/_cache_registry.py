@@ -204,6 +204,11 @@ class CacheRegistry:
             raise UnknownCacheHandle(handle)
         return slot.meta
 
+    def entries(self) -> dict[str, EntryMeta]:
+        """Every live handle and its :class:`EntryMeta` (a copy; any thread)."""
+        with self._lock:
+            return {handle: slot.meta for handle, slot in self._slots.items()}
+
     def __contains__(self, handle: object) -> bool:
         with self._lock:
             return handle in self._slots

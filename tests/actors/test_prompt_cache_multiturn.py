@@ -8,12 +8,14 @@ import pytest
 
 from actors.engine import Engine, GenerationParams
 from kernels import render_chat
-from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_tokenizer
+from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
 SYSTEM = "you are a terse assistant that answers in a few words only"
 PARAMS = GenerationParams(max_tokens=6)
+TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "name a color"}]
+ARCHS = ["llama", "gemma3-wrapped", "mamba"]
 
 
 @pytest.fixture(scope="module")
@@ -22,29 +24,38 @@ def tok() -> Any:
     return tiny_tokenizer()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3-wrapped"])
-async def test_second_turn_reuses_the_first_turn_prompt(arch: str, tok: Any) -> None:
-    """Turn 2 (turn 1 + reply + new user message) gets a hit covering turn 1's prompt.
-
-    For a full-attention model the completion entry is trimmed to the shared
-    prefix; for a sliding-window model whose ring wrapped (untrimmable), the
-    prompt-boundary snapshot is what serves it.
-    """
+def _model(arch: str, tok: Any) -> Any:
     if arch == "llama":
-        model = tiny_llama(vocab_size=len(tok))
-    else:
-        model = tiny_gemma3(vocab_size=len(tok), sliding_window=16)
-    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "name a color"}]
-    p1 = render_chat(tok, turn1)
-    assert len(p1) > 16  # the ring wraps during turn 1
+        return tiny_llama(vocab_size=len(tok))
+    if arch == "mamba":
+        return tiny_mamba(vocab_size=len(tok))
+    return tiny_gemma3(vocab_size=len(tok), sliding_window=16)
+
+
+def _rewritten(reply: str) -> str:
+    """The reply as a client might send it back: not what the model generated.
+
+    NOTE: its first character differs from the generated text's, so turn 2's
+    prompt leaves the completion entry inside the reply (a BPE re-encoding
+    that merges differently, a client that strips or edits, a template that
+    drops reasoning: all diverge the same way).
+    """
+    return ("Y" if reply.startswith("X") else "X") + reply
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_second_turn_reuses_the_first_turn_prompt(arch: str, tok: Any) -> None:
+    """Turn 2 (turn 1 + the exact reply + a new user message) hits at least turn 1's prompt."""
+    p1 = render_chat(tok, TURN1)
+    assert len(p1) > 16  # the gemma ring wraps during turn 1
     async with Engine.from_loaded(
-        model, tok, model_id=arch, prompt_cache_bytes=1 << 26, snapshot_min_new_tokens=1
+        _model(arch, tok), tok, model_id=arch, prompt_cache_bytes=1 << 26, snapshot_min_new_tokens=1
     ) as engine:
-        first = await engine.complete(turn1, PARAMS)
+        first = await engine.complete(TURN1, PARAMS)
         assert first.usage.cached_tokens == 0
         assert first.usage.prompt_tokens == len(p1)
         turn2 = [
-            *turn1,
+            *TURN1,
             {"role": "assistant", "content": first.text},
             {"role": "user", "content": "and another one"},
         ]
@@ -52,7 +63,43 @@ async def test_second_turn_reuses_the_first_turn_prompt(arch: str, tok: Any) -> 
     p2 = render_chat(tok, turn2)
     assert p2[: len(p1)] == p1
     # NOTE: the snapshot holds the prompt minus its last token (that token is
-    # forwarded by the first decode step), so a ring model reuses len(p1) - 1.
-    floor = len(p1) if arch == "llama" else len(p1) - 1
-    assert second.usage.cached_tokens >= floor
+    # forwarded by the first decode step), so it alone reuses len(p1) - 1.
+    assert second.usage.cached_tokens >= len(p1) - 1
     assert second.usage.cached_tokens <= second.usage.prompt_tokens - 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("snapshot", [True, False])
+async def test_a_reply_sent_back_differently_still_hits(arch: str, snapshot: bool, tok: Any) -> None:
+    """When the client's copy of the reply differs from the generated tokens, turn 2 still
+    reuses turn 1's prompt: a trimmable completion entry is cut back to it; an untrimmable
+    one (wrapped ring, recurrent state) cannot be, and only the prompt-boundary snapshot
+    serves (without the snapshot those models miss entirely).
+    """
+    p1 = render_chat(tok, TURN1)
+    async with Engine.from_loaded(
+        _model(arch, tok),
+        tok,
+        model_id=arch,
+        prompt_cache_bytes=1 << 26,
+        snapshot_min_new_tokens=1 if snapshot else 1 << 30,
+    ) as engine:
+        first = await engine.complete(TURN1, PARAMS)
+        turn2 = [
+            *TURN1,
+            {"role": "assistant", "content": _rewritten(first.text)},
+            {"role": "user", "content": "and another one"},
+        ]
+        second = await engine.complete(turn2, PARAMS)
+        stats = engine.stats()["prompt_cache"]
+    p2 = render_chat(tok, turn2)
+    assert p2[: len(p1)] == p1
+    if arch == "llama":
+        # the completion entry (prompt + reply) trims back to the divergence point
+        assert second.usage.cached_tokens == len(p1)
+    elif snapshot:
+        assert second.usage.cached_tokens == len(p1) - 1
+    else:
+        assert second.usage.cached_tokens == 0
+        assert stats["misses"] == 2
+    assert stats["bytes"] <= stats["cap_bytes"]

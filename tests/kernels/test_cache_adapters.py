@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ChunkedKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from kernels import (
     CacheNotTrimmable,
@@ -41,6 +42,36 @@ def _filled(model: Any, n: int, *, start: int = 1) -> list[Any]:
     return cache
 
 
+def _quantized(model: Any, n: int) -> list[Any]:
+    """``n`` tokens prefilled, then every layer converted to 8-bit (groups of 32)."""
+    cache = _filled(model, n)
+    out: list[Any] = [c.to_quantized(group_size=32, bits=8) for c in cache]
+    mx.eval(*cache_arrays(out))
+    return out
+
+
+@pytest.fixture
+def no_buffer_cache() -> Iterator[None]:
+    """MLX's buffer cache off for the test, so every array gets a buffer of its own size.
+
+    NOTE: with the cache on, an allocation may reuse a larger freed buffer
+    (and active memory counts the larger size), which makes memory deltas
+    depend on what earlier tests left in the cache.
+    """
+    mx.clear_cache()
+    previous = mx.set_cache_limit(0)
+    yield
+    mx.set_cache_limit(previous)
+
+
+def _settled_active_memory() -> int:
+    """MLX's active bytes once garbage is collected and queued work has released its inputs."""
+    gc.collect()
+    mx.synchronize()
+    gc.collect()
+    return int(mx.get_active_memory())
+
+
 def _host(caches: list[Any]) -> list[np.ndarray]:
     return [np.array(a) for a in cache_arrays(caches)]
 
@@ -49,6 +80,12 @@ def _host(caches: list[Any]) -> list[np.ndarray]:
 def llama() -> Any:
     """A tiny fp32 Llama (plain KVCache layers)."""
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def llama32() -> Any:
+    """A tiny fp32 Llama with head_dim 32, so its K/V quantize in groups of 32."""
+    return tiny_llama(head_dim=32)
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +127,16 @@ def test_unknown_cache_class_is_an_error_not_a_route() -> None:
 
 
 def test_trim_rules_per_kind(llama: Any, gemma: Any, mamba: Any) -> None:
-    """Plain KV always trims; a ring trims only before it wraps; recurrent state never trims."""
+    """Plain and quantized KV always trim; a ring trims only before it wraps; recurrent state never trims."""
     kv = _filled(llama, 5)
     assert caches_trimmable(kv)
     assert trim_caches(kv, 2) == 2
     assert caches_offset(kv) == 3
+
+    quant = _quantized(tiny_llama(head_dim=32), 5)
+    assert caches_trimmable(quant)
+    assert trim_caches(quant, 2) == 2
+    assert caches_offset(quant) == 3
 
     ring = _filled(gemma, WINDOW - 2)
     assert caches_trimmable(ring)
@@ -114,16 +156,31 @@ def test_trim_rules_per_kind(llama: Any, gemma: Any, mamba: Any) -> None:
     assert trim_caches(ssm, 0) == 0
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma_prewrap", "gemma_wrapped", "mamba"])
+_CLONE_CASES = [
+    *((kind, False) for kind in ("llama", "llama_kv8", "gemma_prewrap", "gemma_wrapped", "mamba")),
+    # only trimmable kinds may be cloned shorter than they are
+    *((kind, True) for kind in ("llama", "llama_kv8", "gemma_prewrap")),
+]
+
+
+@pytest.mark.parametrize(("kind", "shorten"), _CLONE_CASES)
 def test_clone_writes_never_reach_the_donor(
-    kind: str, llama: Any, gemma: Any, mamba: Any
+    kind: str, shorten: bool, llama: Any, llama32: Any, gemma: Any, mamba: Any
 ) -> None:
-    """Decoding on a clone (zero-copy views) leaves every donor array bit-identical."""
-    model = {"llama": llama, "gemma_prewrap": gemma, "gemma_wrapped": gemma, "mamba": mamba}[kind]
+    """Decoding on a clone (zero-copy views, whole or shortened) leaves the donor bit-identical."""
+    model = {
+        "llama": llama,
+        "llama_kv8": llama32,
+        "gemma_prewrap": gemma,
+        "gemma_wrapped": gemma,
+        "mamba": mamba,
+    }[kind]
     n = WINDOW + 4 if kind == "gemma_wrapped" else 6
-    donor = _filled(model, n)
+    donor = _quantized(model, n) if kind == "llama_kv8" else _filled(model, n)
     before = _host(donor)
-    clone = clone_caches(donor)
+    clone = clone_caches(donor, n - 2) if shorten else clone_caches(donor)
+    if kind == "llama_kv8":
+        assert all(type(c) is QuantizedKVCache for c in clone)
     for tok in (7, 9, 11):
         _forward(model, [tok], clone)
     _forward(model, [3, 4, 5], clone)
@@ -133,7 +190,7 @@ def test_clone_writes_never_reach_the_donor(
         np.testing.assert_array_equal(a, b)
     if kind != "mamba":
         assert caches_offset(donor) == n
-        assert caches_offset(clone) == n + 6
+        assert caches_offset(clone) == (n - 2 if shorten else n) + 6
 
 
 def test_clone_is_zero_copy(llama: Any) -> None:
@@ -179,35 +236,40 @@ def test_clone_refuses_to_shorten_untrimmable_or_below_minimum(gemma: Any, llama
         clone_caches(kv, 5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma", "mamba"])
-def test_registry_bytes_equal_memory_released(kind: str, llama: Any, gemma: Any, mamba: Any) -> None:
+@pytest.mark.parametrize("kind", ["llama", "llama_kv8", "gemma", "mamba"])
+@pytest.mark.usefixtures("no_buffer_cache")
+def test_registry_bytes_equal_memory_released(
+    kind: str, llama: Any, llama32: Any, gemma: Any, mamba: Any
+) -> None:
     """An entry's meta.nbytes equals the active memory released when it is disposed and drained."""
-    model = {"llama": llama, "gemma": gemma, "mamba": mamba}[kind]
+    model = {"llama": llama, "llama_kv8": llama32, "gemma": gemma, "mamba": mamba}[kind]
     registry = CacheRegistry()
     # NOTE: Mamba slices its conv state out of the whole padded input, so a long
     # prompt makes an uncompacted state pin ~100x its size.
     n = 1024 if kind == "mamba" else 16
     cache = make_prompt_cache(model)
     _forward(model, [i % 200 + 1 for i in range(n)], cache)
+    if kind == "llama_kv8":
+        cache = [c.to_quantized(group_size=32, bits=8) for c in cache]
+        mx.eval(*cache_arrays(cache))
+        assert [cache_signature(c) for c in cache] == ["kv:quant:8:32"] * 2
     reg = registry.register(cache, offset=n)
     assert reg.meta.nbytes == caches_nbytes(cache) > 0
     n_arrays = len(cache_arrays(cache))
     del cache
-    gc.collect()
-    before = mx.get_active_memory()
+    before = _settled_active_memory()
     registry.dispose(reg.handle)
     assert registry.drain() == 1
-    gc.collect()
-    freed = before - mx.get_active_memory()
-    # NOTE: MLX's global counter also sees allocator rounding of small buffers
-    # and stray frees (a few KiB); counting views instead of whole buffers
-    # would be off by >= 100 KiB here (a 256-token slab, a Mamba input buffer).
-    assert abs(freed - reg.meta.nbytes) <= 4096
+    freed = before - _settled_active_memory()
+    # NOTE: exact with MLX's buffer cache off; counting views instead of whole
+    # buffers would be off by >= 100 KiB here (a 256-token slab, a Mamba input buffer).
+    assert freed == reg.meta.nbytes
     assert n_arrays > 0
     with pytest.raises(UnknownCacheHandle):
         registry.materialize(reg.handle, 4)
 
 
+@pytest.mark.usefixtures("no_buffer_cache")
 def test_snapshot_bills_the_whole_live_buffers(llama: Any) -> None:
     """A snapshot of a live cache counts the full 256-token slabs its views keep alive."""
     registry = CacheRegistry()
@@ -219,12 +281,10 @@ def test_snapshot_bills_the_whole_live_buffers(llama: Any) -> None:
     assert caches_nbytes(registry.get(snap.handle)) < slab_bytes  # views are shorter
     _forward(llama, [1, 2], live)  # the live cache copies away from the shared slabs
     del live
-    gc.collect()
-    before = mx.get_active_memory()
+    before = _settled_active_memory()
     registry.dispose(snap.handle)
     registry.drain()
-    gc.collect()
-    assert abs(before - mx.get_active_memory() - snap.meta.nbytes) <= 4096  # see above
+    assert before - _settled_active_memory() == snap.meta.nbytes
 
 
 def test_unchanged_materialized_views_are_billed_at_their_buffers(llama: Any) -> None:

@@ -157,3 +157,24 @@ def test_geometry_bytes_match_real_caches(bits: int | None) -> None:
     state = _prefill(tiny_mamba(), 4)
     g = KvGeometry.from_caches(state)
     assert g.bytes_at(1) == g.bytes_at(10_000) == caches_nbytes(state)
+
+
+def test_conversion_happens_after_the_first_prefill_chunk() -> None:
+    """With the scheme as the cache hook, the first prefill chunk leaves every layer quantized."""
+    tok = tiny_tokenizer()
+    model = tiny_llama(vocab_size=len(tok), head_dim=32)
+    prompt = [int(t) for t in tok.encode("a prompt of more than one chunk")]
+
+    def quantize(caches: list[Any]) -> None:
+        convert_caches(caches, KV8)
+
+    gen = Generation(
+        model, tok, prompt, SamplingParams(max_tokens=2), prefill_step_size=5, cache_hook=quantize
+    )
+    assert all(type(c) is KVCache for c in gen.cache)
+    gen.prefill_step()
+    assert [type(c) for c in gen.cache] == [QuantizedKVCache, QuantizedKVCache]
+    assert [c.offset for c in gen.cache] == [5, 5]
+    run_generation(gen)
+    assert [cache_signature(c) for c in gen.cache] == ["kv:quant:8:32"] * 2
+    assert gen.cache[0].offset == len(gen.cache_tokens)
