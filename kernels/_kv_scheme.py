@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 from ._cache_adapters import UnsupportedCacheKind, adapter_for
 
@@ -207,7 +213,8 @@ def convert_caches(caches: MutableSequence[Any], scheme: KvScheme) -> int:
     Engine thread only. Called by the generation after its first prefill (and
     harmlessly after every later step): empty layers (``offset < scheme.start``
     or no tokens yet), already-quantized layers, rotating rings and recurrent
-    state are left as they are. Each converted layer is evaluated before the
+    state (and ``CacheList`` groups) are left as they are; an unknown class
+    raises :class:`UnsupportedCacheKind`. Each converted layer is evaluated before the
     next one converts so its plain buffers are released first.
     """
     global _warned_rotating
@@ -232,10 +239,11 @@ def convert_caches(caches: MutableSequence[Any], scheme: KvScheme) -> int:
             if not _warned_rotating:
                 _warned_rotating = True
                 _log.warning("KV scheme: sliding-window (rotating) layers stay unquantized")
-        elif kind in (QuantizedKVCache, ArraysCache):
+        elif kind in (QuantizedKVCache, ArraysCache, CacheList):
+            # NOTE: CacheList has no to_quantized in mlx-lm either (its
+            # maybe_quantize_kv_cache leaves it), so it stays as it is.
             continue
         else:
-            adapter_for(cache)  # raises UnsupportedCacheKind for unknown classes
             raise UnsupportedCacheKind(cache)
     return converted
 

@@ -11,7 +11,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from kernels import (
     Generation,
@@ -20,6 +27,7 @@ from kernels import (
     KvScheme,
     LayerQuant,
     SamplingParams,
+    UnsupportedCacheKind,
     cache_arrays,
     cache_signature,
     caches_nbytes,
@@ -101,6 +109,11 @@ def test_convert_matches_mlx_lm_and_skips_other_kinds() -> None:
     assert [type(c) for c in gemma] == [RotatingKVCache, RotatingKVCache, QuantizedKVCache]
     state = _prefill(tiny_mamba(), 6)
     assert convert_caches(state, KV8) == 0
+    grouped = [CacheList(*_prefill(model, 4))]
+    assert convert_caches(grouped, KV8) == 0  # mlx-lm leaves CacheList alone too
+    assert type(grouped[0]) is CacheList
+    with pytest.raises(UnsupportedCacheKind):
+        convert_caches([ChunkedKVCache(16)], KV8)
 
 
 def test_conversion_frees_each_layer_before_the_next() -> None:

@@ -26,6 +26,13 @@ Per shape, in one process:
    warm/cold ratios (issue #4 target <= 0.02). ``stream_generate``'s TTFT
    on the cold prompt is printed as the no-cache floor.
 
+``--anatomy`` (diagnostic, instead of 1 and 2): wraps ``mx.async_eval``,
+``MlxBackend.open/step``, ``CacheRegistry.materialize`` and
+``kernels.render_chat`` with timers, then prints where the time of a decode
+token goes (CPU time inside ``async_eval``, i.e. building and launching the
+step; the Engine's step time and the hand-off gap between its steps) and a
+timeline of cold / shared-prefix / repeat requests.
+
 GPU (see docs/benchmarks/gpu.md for the two-call recipe)::
 
     PYTHONUNBUFFERED=1 python3 tools/bench/gpu_engine.py --tok-dir .gpu/tok --json $OUT/gpu_engine.json
@@ -433,6 +440,136 @@ async def run_prompt_cache(
     out()
 
 
+class _Timers:
+    """Diagnostic instrumentation: timestamps and durations around named calls."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, str]] = []
+        self.durations: dict[str, list[float]] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, name: str, *, marks: bool = True) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            if marks:
+                self.marks.append((t0, name + ">"))
+            try:
+                return original(*a, **k)
+            finally:
+                t1 = time.perf_counter()
+                self.durations.setdefault(name, []).append(t1 - t0)
+                if marks:
+                    self.marks.append((t1, name + "<"))
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original))
+
+    def reset(self) -> None:
+        self.marks.clear()
+        self.durations.clear()
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
+
+
+def _ms(xs: list[float], q: float = 0.5) -> str:
+    if not xs:
+        return "-"
+    ys = sorted(xs)
+    return f"{ys[min(len(ys) - 1, int(q * len(ys)))] * 1e3:.3f}"
+
+
+async def run_anatomy(
+    model: Any, tok: Any, args: argparse.Namespace, res: ShapeResult, out: Report
+) -> None:
+    """Diagnostic: per-token CPU launch cost and Engine hand-off gaps; warm-request timeline."""
+    import kernels
+    from actors import _backend
+
+    timers = _Timers()
+    timers.wrap(mx, "async_eval", "async_eval", marks=False)
+    timers.wrap(_backend.MlxBackend, "open", "open")
+    timers.wrap(_backend.MlxBackend, "step", "step")
+    timers.wrap(kernels.CacheRegistry, "materialize", "materialize")
+    timers.wrap(kernels, "render_chat", "render")
+    try:
+        prompt = filler_ids(tok, args.decode_prompt_tokens, "decode")
+        n = args.max_tokens
+        out(f"## {res.shape}: anatomy of a decode token ({n} tokens; medians, p90 in brackets, ms)")
+        stream_generate_sample(model, tok, prompt, 8)
+        timers.reset()
+        sg = stream_generate_sample(model, tok, prompt, n)
+        ae = list(timers.durations.get("async_eval", []))
+        out(
+            f"stream_generate   per token {1e3 / sg.decode_tps:.3f}   async_eval call {_ms(ae)} [{_ms(ae, 0.9)}]"
+        )
+        params = kernels.SamplingParams(max_tokens=n)
+        kernels.run_generation(kernels.Generation(model, tok, prompt, params))
+        timers.reset()
+        t0 = time.perf_counter()
+        kernels.run_generation(kernels.Generation(model, tok, prompt, params))
+        direct = (time.perf_counter() - t0) / n
+        ae = list(timers.durations.get("async_eval", []))
+        out(
+            f"Generation loop   per token {direct * 1e3:.3f}   async_eval call {_ms(ae)} [{_ms(ae, 0.9)}]"
+        )
+        async with Engine.from_loaded(
+            model,
+            tok,
+            model_id=res.shape,
+            prompt_cache_bytes=int(args.prompt_cache_gb * 1e9),
+            prefill_step_size=args.prefill_step_size,
+            max_queue=4,
+        ) as engine:
+            gp = GenerationParams(max_tokens=n)
+            await engine_sample(engine, GenerationParams(max_tokens=8), prompt=prompt)
+            timers.reset()
+            en = await engine_sample(engine, gp, prompt=[*prompt, 7])
+            ae = list(timers.durations.get("async_eval", []))
+            steps = timers.durations.get("step", [])[2:]
+            ends = [t for t, m in timers.marks if m == "step<"]
+            starts = [t for t, m in timers.marks if m == "step>"]
+            gaps = [b - a for a, b in zip(ends[1:], starts[2:], strict=False)]
+            out(
+                f"Engine            per token {1e3 / en.decode_tps:.3f}   async_eval call {_ms(ae)} [{_ms(ae, 0.9)}]"
+                f"   step {_ms(steps)} [{_ms(steps, 0.9)}]   hand-off gap {_ms(gaps)} [{_ms(gaps, 0.9)}]"
+            )
+            out()
+            out(
+                f"## {res.shape}: request timeline, {args.long_tokens}-token system prompt "
+                "(ms from the client's call; last of 2 rounds)"
+            )
+            cp = GenerationParams(max_tokens=args.cache_max_tokens)
+            for r in range(2):
+                system = system_text(tok, args.long_tokens, f"anatomy-{res.shape}-{r}")
+                first = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": "Summarize rule 3."},
+                ]
+                second = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": "What is rule 7?"},
+                ]
+                for label, msgs in (("cold", first), ("shared", second), ("repeat", second)):
+                    timers.reset()
+                    t0 = time.perf_counter()
+                    sample = await engine_sample(engine, cp, messages=msgs)
+                    if r == 0:
+                        continue
+                    line = " ".join(f"{m}@{(t - t0) * 1e3:.1f}" for t, m in timers.marks[:14])
+                    out(
+                        f"{label:<7} TTFT {sample.ttft_s * 1e3:.1f} (engine {1e3 * (sample.engine_ttft_s or 0):.1f}), "
+                        f"cached {sample.cached_tokens}: {line}"
+                    )
+    finally:
+        timers.restore()
+    out()
+
+
 def _device_line() -> str:
     try:
         info = mx.device_info()
@@ -464,6 +601,9 @@ def main() -> int:
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--prompt-cache-gb", type=float, default=16.0)
     parser.add_argument("--skip-cache", action="store_true")
+    parser.add_argument(
+        "--anatomy", action="store_true", help="diagnostic timers instead of the benchmark"
+    )
     parser.add_argument(
         "--json", type=Path, default=None, help="write every sample and the text here"
     )
@@ -501,8 +641,11 @@ def main() -> int:
             f"built in {res.build_s:.1f} s, active memory {mx.get_active_memory() / 2**30:.1f} GiB"
         )
         try:
-            anyio.run(run_decode, model, tok, args, res, out, default_cache_limit)
-            if not args.skip_cache:
+            if args.anatomy:
+                anyio.run(run_anatomy, model, tok, args, res, out)
+            else:
+                anyio.run(run_decode, model, tok, args, res, out, default_cache_limit)
+            if not args.skip_cache and not args.anatomy:
                 anyio.run(run_prompt_cache, model, tok, args, res, out)
         except Exception as exc:  # noqa: BLE001 - keep the other shapes' figures
             out(f"!! {shape} failed: {exc!r}")
