@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from kernels import (
     CacheRegistry,
     Generation,
@@ -18,6 +20,8 @@ from kernels import (
 from messages._gateway import Generate
 
 from ._turn import Registered, StepResult, StepToken
+
+_log = structlog.get_logger("kvtier.backend")
 
 __all__ = ["MlxBackend", "to_sampling_params"]
 
@@ -53,7 +57,11 @@ class MlxBackend:
         """A generation for ``request``; with ``handle``, its first ``cached_tokens`` are reused."""
         cache: list[Any] | None = None
         if handle is not None and cached_tokens > 0 and self._registry is not None:
-            cache = self._registry.materialize(handle, cached_tokens)
+            try:
+                cache = self._registry.materialize(handle, cached_tokens)
+            except Exception as exc:  # noqa: BLE001 - NOTE: a cache-tier failure is a miss.
+                _log.warning("prompt_cache.materialize_failed", handle=handle, error=repr(exc))
+                cache, cached_tokens = None, 0
         else:
             cached_tokens = 0
         return Generation(

@@ -117,7 +117,12 @@ class Backend(Protocol):
     """The engine-thread half of request turns. Every method runs ON the engine thread."""
 
     def open(self, request: Generate, handle: str | None, cached_tokens: int) -> Any:
-        """A fresh generation state for ``request`` (reusing ``handle``'s first tokens if given)."""
+        """A fresh generation state for ``request`` (reusing ``handle``'s first tokens if given).
+
+        The state's ``cached_tokens`` says how many prompt tokens it really
+        reused: a backend that cannot materialize the entry falls back to a
+        cold prefill (0), because a cache-tier failure is a miss.
+        """
         ...
 
     def step(self, gen: Any) -> StepResult:
@@ -337,7 +342,8 @@ class TurnRunner(Actor):
     # (owned by this actor, which awaits the job) and the backend.
     def _open_job(self, live: _Live, handle: str | None, cached: int) -> StepResult:
         live.gen = self._backend.open(live.request, handle, cached if handle else 0)
-        live.cached_tokens = cached if handle else 0
+        # NOTE: the backend may have fallen back to a cold prefill; report what it reused.
+        live.cached_tokens = live.gen.cached_tokens
         return self._turn_job(live)
 
     def _turn_job(self, live: _Live) -> StepResult:

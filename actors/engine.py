@@ -471,7 +471,7 @@ class Engine(_StartClose):
                 self._max_context = _context_limit(loaded.config)
             await thread.run(kernels.configure_mlx_memory)
             scheme = kernels.resolve_kv_scheme(
-                self._kv_quant, self._model_dir, missing_config="bf16"
+                self._kv_quant, self._model_dir, missing_config="error"
             )
             cap = self._prompt_cache_bytes
             if cap is None:

@@ -62,6 +62,7 @@ class _FakeGen:
     max_tokens: int
     cursor: int = 0
     emitted: int = 0
+    cached_tokens: int = 0
 
 
 class ScriptedBackend:

@@ -112,6 +112,22 @@ async def test_prompt_cache_hit_reports_cached_tokens_and_same_output(engine: En
     assert second.text == first.text
 
 
+async def test_failed_materialize_degrades_to_a_cold_prefill(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache hit whose arrays cannot be materialized is served cold: same text, cached_tokens 0."""
+    first = await engine.complete(CHAT, GenerationParams(max_tokens=6))
+
+    def broken(handle: str, n: int) -> Any:
+        raise RuntimeError(f"simulated registry failure for {handle}:{n}")
+
+    monkeypatch.setattr(engine.cache_registry, "materialize", broken)
+    second = await engine.complete(CHAT, GenerationParams(max_tokens=6))
+    assert engine.stats()["prompt_cache"]["hits"] >= 1
+    assert second.usage.cached_tokens == 0
+    assert second.text == first.text
+
+
 async def test_cancel_mid_stream_frees_the_lane_within_one_step(engine: Engine) -> None:
     """Closing a stream mid-generation lets the queued request run; the cancelled one gets at most one more decode turn."""
     long = engine.chat(CHAT, GenerationParams(max_tokens=100_000))
