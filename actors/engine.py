@@ -214,12 +214,14 @@ class GenerationStream(_StartClose):
         params: GenerationParams,
         *,
         chat: bool,
+        fit_context: bool = False,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
         self._prepare = prepare
         self._params = params
         self._chat = chat
+        self._fit_context = fit_context
         self._inbox: Inbox | None = None
         self._prompt_tokens: int | None = None
         self._started = False
@@ -242,6 +244,8 @@ class GenerationStream(_StartClose):
         except Exception as exc:
             self._finished = True
             raise InvalidRequest(f"cannot render the prompt: {exc}") from exc
+        if self._fit_context:
+            self._params = engine._fit_to_context(tokens, self._params)
         engine._validate_prompt(tokens, self._params)
         self._prompt_tokens = len(tokens)
         engine._check_open()
@@ -629,10 +633,14 @@ class Engine(_StartClose):
         request_id: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        fit_context: bool = False,
     ) -> GenerationStream:
         """A stream for a chat request (rendered with the model's chat template).
 
-        Nothing happens until the stream is entered or iterated.
+        Nothing happens until the stream is entered or iterated. With
+        ``fit_context``, ``params.max_tokens`` is an upper bound that shrinks
+        to the context the prompt leaves (what OpenAI does when a request
+        names no ``max_tokens``) instead of refusing with ``ContextTooLong``.
         """
         if not messages:
             raise InvalidRequest("messages must not be empty")
@@ -646,7 +654,12 @@ class Engine(_StartClose):
             return render_chat(self._tokenizer, msgs, tools=tool_list, **kwargs)
 
         return GenerationStream(
-            self, request_id or self._new_id(), prepare, params or GenerationParams(), chat=True
+            self,
+            request_id or self._new_id(),
+            prepare,
+            params or GenerationParams(),
+            chat=True,
+            fit_context=fit_context,
         )
 
     def generate(
@@ -655,8 +668,12 @@ class Engine(_StartClose):
         params: GenerationParams | None = None,
         *,
         request_id: str | None = None,
+        fit_context: bool = False,
     ) -> GenerationStream:
-        """A stream for a raw completion of ``prompt`` (text, or token ids used verbatim)."""
+        """A stream for a raw completion of ``prompt`` (text, or token ids used verbatim).
+
+        ``fit_context`` as in :meth:`chat`.
+        """
         if isinstance(prompt, str):
             text = prompt
 
@@ -672,7 +689,12 @@ class Engine(_StartClose):
                 return ids
 
         return GenerationStream(
-            self, request_id or self._new_id(), prepare, params or GenerationParams(), chat=False
+            self,
+            request_id or self._new_id(),
+            prepare,
+            params or GenerationParams(),
+            chat=False,
+            fit_context=fit_context,
         )
 
     async def complete(
@@ -681,9 +703,12 @@ class Engine(_StartClose):
         params: GenerationParams | None = None,
         *,
         request_id: str | None = None,
+        fit_context: bool = False,
     ) -> Completion:
         """Run a chat request to the end and return the whole text (non-streaming)."""
-        return await self._collect(self.chat(messages, params, request_id=request_id))
+        return await self._collect(
+            self.chat(messages, params, request_id=request_id, fit_context=fit_context)
+        )
 
     async def complete_prompt(
         self,
@@ -691,9 +716,12 @@ class Engine(_StartClose):
         params: GenerationParams | None = None,
         *,
         request_id: str | None = None,
+        fit_context: bool = False,
     ) -> Completion:
         """Run a raw completion to the end and return the whole text (non-streaming)."""
-        return await self._collect(self.generate(prompt, params, request_id=request_id))
+        return await self._collect(
+            self.generate(prompt, params, request_id=request_id, fit_context=fit_context)
+        )
 
     async def _collect(self, stream: GenerationStream) -> Completion:
         parts: list[str] = []
@@ -795,10 +823,37 @@ class Engine(_StartClose):
             raise EngineNotStarted("start the engine first")
         return self._gateway_ref
 
+    def _vocab_size(self) -> int | None:
+        # NOTE: plain attribute reads (no MLX): mlx-lm models keep their
+        # ModelArgs; fall back to the tokenizer's size.
+        size = getattr(getattr(self._model, "args", None), "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+        try:
+            return len(self._tokenizer) if self._tokenizer is not None else None
+        except TypeError:
+            return None
+
+    def _fit_to_context(self, tokens: Sequence[int], params: GenerationParams) -> GenerationParams:
+        context = self._max_context
+        if context is None or len(tokens) >= context:
+            return params
+        room = context - len(tokens)
+        if params.max_tokens <= room:
+            return params
+        return params.model_copy(update={"max_tokens": room})
+
     def _validate_prompt(self, tokens: Sequence[int], params: GenerationParams) -> None:
         # NOTE: runs before admission, so a refused prompt never queues or takes a turn.
         if not tokens:
             raise InvalidRequest("the prompt has no tokens")
+        vocab = self._vocab_size()
+        if vocab is not None:
+            ids = [*tokens, *(params.logit_bias or {}), *params.stop_token_ids]
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                # NOTE: an out-of-range id would fail inside an engine turn instead.
+                raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         cap = self._max_prompt_tokens
         if cap is not None and len(tokens) > cap:
             raise ContextTooLong(len(tokens), cap, limit_name="max_prompt_tokens")

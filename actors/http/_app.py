@@ -180,7 +180,8 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions, streamed (SSE) or not."""
         body, rid, model, params = await _accept(request, ChatCompletionRequest, "chatcmpl")
-        stream = engine.chat(chat_messages(body), params, request_id=rid)
+        stream = engine.chat(chat_messages(body), params, request_id=rid,
+                             fit_context=body.requested_max_tokens() is None)
         return await _respond(stream, body, request, rid, model, "chat")
 
     @app.post("/v1/completions", response_model=None,
@@ -188,7 +189,8 @@ def create_app(
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed (SSE) or not."""
         body, rid, model, params = await _accept(request, CompletionRequest, "cmpl")
-        stream = engine.generate(body.prompt_value(), params, request_id=rid)
+        stream = engine.generate(body.prompt_value(), params, request_id=rid,
+                                 fit_context=body.requested_max_tokens() is None)
         return await _respond(stream, body, request, rid, model, "completion")
 
     # ------------------------------------------------------------ plumbing

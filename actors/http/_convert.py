@@ -88,10 +88,6 @@ def to_params(body: _SamplingFields, defaults: Defaults) -> GenerationParams:
             code="invalid_value",
             param=param,
         )
-    if body.logit_bias:
-        # NOTE: GenerationParams has no logit bias yet; refusing beats silently ignoring it.
-        raise ApiError(400, "logit_bias is not supported by this server", code="unsupported",
-                       param="logit_bias")
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": defaults.temperature if body.temperature is None else body.temperature,
@@ -99,6 +95,12 @@ def to_params(body: _SamplingFields, defaults: Defaults) -> GenerationParams:
         "top_k": defaults.top_k if body.top_k is None else body.top_k,
         "min_p": defaults.min_p if body.min_p is None else body.min_p,
         "repetition_penalty": body.repetition_penalty,
+        # NOTE: 0 is OpenAI's "off"; None keeps the processor out of the loop entirely.
+        "presence_penalty": body.presence_penalty or None,
+        "frequency_penalty": body.frequency_penalty or None,
+        "logit_bias": (
+            {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
+        ),
         "stop": tuple(body.stop_list()),
         "seed": body.seed,
     }

@@ -60,6 +60,7 @@ class EnginePort(Protocol):
         params: GenerationParams | None = None,
         *,
         request_id: str | None = None,
+        fit_context: bool = False,
     ) -> StreamPort:
         """A not-yet-admitted chat stream."""
         ...
@@ -70,6 +71,7 @@ class EnginePort(Protocol):
         params: GenerationParams | None = None,
         *,
         request_id: str | None = None,
+        fit_context: bool = False,
     ) -> StreamPort:
         """A not-yet-admitted raw completion stream."""
         ...

@@ -98,8 +98,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
 
     @field_validator("stop")
@@ -110,13 +110,6 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {_STOP_MAX} stop sequences are allowed")
         if any(not s or len(s) > _STOP_LEN_MAX for s in stops):
             raise ValueError(f"stop sequences must be 1..{_STOP_LEN_MAX} characters")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _neutral_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0.0):
-            raise ValueError("only 0 is supported (use repetition_penalty)")
         return v
 
     @field_validator("logit_bias")

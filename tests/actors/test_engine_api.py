@@ -257,6 +257,43 @@ async def test_prompt_plus_max_tokens_over_the_context_is_refused(model: Any, to
         assert done.usage.prompt_tokens + done.usage.completion_tokens == context
 
 
+
+async def test_fit_context_shortens_max_tokens_to_the_room_left(model: Any, tok: Any) -> None:
+    """With fit_context, a max_tokens past the context shrinks to the room the prompt leaves."""
+    prompt = encode_prompt(tok, PROMPT)
+    context = len(prompt) + 5
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0,
+                                  max_context=context) as eng:
+        done = await eng.complete_prompt(prompt, GenerationParams(max_tokens=64), fit_context=True)
+    assert done.usage.completion_tokens <= 5
+    assert done.usage.prompt_tokens + done.usage.completion_tokens <= context
+
+
+async def test_out_of_vocabulary_ids_are_invalid_before_admission(model: Any, tok: Any) -> None:
+    """Prompt ids, logit_bias keys or stop ids outside the vocabulary are InvalidRequest, never admitted."""
+    vocab = model.args.vocab_size
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0) as eng:
+        for prompt, params in [
+            ([3, vocab], GenerationParams(max_tokens=2)),
+            ([3, 4], GenerationParams(max_tokens=2, logit_bias={vocab + 7: 1.0})),
+            ([3, 4], GenerationParams(max_tokens=2, stop_token_ids=(vocab,))),
+        ]:
+            with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+                await eng.generate(prompt, params).start()
+        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 0
+
+
+async def test_logit_bias_steers_greedy_decoding(model: Any, tok: Any) -> None:
+    """A -100 bias on the greedy first token makes greedy decoding pick another one."""
+    prompt = encode_prompt(tok, PROMPT)
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0) as eng:
+        plain = await eng.complete_prompt(prompt, GenerationParams(max_tokens=1))
+        first = plain.token_ids[0]
+        biased = await eng.complete_prompt(
+            prompt, GenerationParams(max_tokens=1, logit_bias={first: -100.0})
+        )
+    assert biased.token_ids[0] != first
+
 @pytest.mark.model
 async def test_default_model_chat_streams_and_matches_mlx_lm_greedy(default_model_path: Path) -> None:
     """Engine() on the real default model streams a chat whose greedy tokens and text equal mlx_lm's."""

@@ -125,6 +125,7 @@ class FakeEngine:
     calls: list[Call] = field(default_factory=list)
     shutting_down: bool = False
     active: int = 0
+    fit_context: list[bool] = field(default_factory=list)
 
     def _next(self, kind: str, payload: Any, params: GenerationParams | None,
               request_id: str | None) -> FakeStream:
@@ -134,11 +135,13 @@ class FakeEngine:
         return FakeStream(self, script, call)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], params: GenerationParams | None = None,
-             *, request_id: str | None = None) -> FakeStream:
+             *, request_id: str | None = None, fit_context: bool = False) -> FakeStream:
+        self.fit_context.append(fit_context)
         return self._next("chat", [dict(m) for m in messages], params, request_id)
 
     def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
-                 *, request_id: str | None = None) -> FakeStream:
+                 *, request_id: str | None = None, fit_context: bool = False) -> FakeStream:
+        self.fit_context.append(fit_context)
         return self._next("generate", prompt, params, request_id)
 
     def stats(self) -> dict[str, Any]:

@@ -96,6 +96,22 @@ async def test_chat_params_and_defaults_reach_engine() -> None:
     assert (p2.max_tokens, p2.temperature, p2.stop) == (7, 0.0, ("a", "b"))
     assert engine.calls[1].payload == [{"role": "system", "content": "be brief"},
                                        {"role": "user", "content": "q"}]
+    # NOTE: only a request that names no length may be shortened to fit the context.
+    assert engine.fit_context == [True, False]
+
+
+async def test_logit_bias_and_penalties_reach_engine() -> None:
+    """OpenAI's logit_bias (string keys) and presence/frequency penalties map onto GenerationParams."""
+    engine = FakeEngine()
+    async with _client(engine) as c:
+        r = await c.post(CHAT, json={**HELLO, "logit_bias": {"5": -100, "17": 2.5},
+                                     "presence_penalty": 0.5, "frequency_penalty": 0})
+    assert r.status_code == 200
+    params = engine.calls[0].params
+    assert params is not None
+    assert params.logit_bias == {5: -100.0, 17: 2.5}
+    assert params.presence_penalty == 0.5
+    assert params.frequency_penalty is None
 
 
 async def test_chat_streaming_sse_with_usage() -> None:
@@ -190,9 +206,11 @@ async def test_models_health_stats() -> None:
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "bogus": 1}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "stop": [""]}', "invalid_value"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 3}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": -2.5}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000000000}', "invalid_value"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}}', "unsupported"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"word": 1}}', "invalid_value"),
     ],
 )
 async def test_bad_chat_input_is_400(content: bytes, code: str | None) -> None:
