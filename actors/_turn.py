@@ -350,7 +350,7 @@ class TurnRunner(Actor):
         try:
             result = self._backend.step(live.gen)
             if result.prefill_complete and self._wants_snapshot(live):
-                snap = self._backend.snapshot(live.gen)
+                snap = self._cache_call("snapshot", live, self._backend.snapshot)
                 if snap is not None:
                     live.puts.append(("snapshot", snap))
             if result.finish_reason is not None:
@@ -358,13 +358,27 @@ class TurnRunner(Actor):
                     # NOTE: nobody would own a registered entry: drop the arrays here.
                     self._backend.discard(live.gen)
                 else:
-                    entry = self._backend.register(live.gen)
+                    entry = self._cache_call("register", live, self._backend.register)
                     if entry is not None:
                         live.puts.append(("completion", entry))
                 live.gen = None
             return result
         finally:
             self._backend.end_turn()
+
+    @staticmethod
+    def _cache_call(
+        what: str, live: _Live, fn: Callable[[Any], Registered | None]
+    ) -> Registered | None:
+        # NOTE: keeping an entry is an optimisation: a failure here is a future
+        # miss, never a failed request (the tokens were already produced).
+        try:
+            return fn(live.gen)
+        except Exception as exc:  # noqa: BLE001
+            _log.warning(
+                f"prompt_cache.{what}_failed", request_id=live.request.request_id, error=repr(exc)
+            )
+            return None
 
     def _wants_snapshot(self, live: _Live) -> bool:
         request = live.request

@@ -128,6 +128,25 @@ async def test_failed_materialize_degrades_to_a_cold_prefill(
     assert second.text == first.text
 
 
+async def test_failed_register_still_completes_the_request(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry that cannot keep the finished cache costs a future miss, not the answer."""
+    reference = await engine.complete(CHAT, GenerationParams(max_tokens=6))
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("simulated registry failure")
+
+    monkeypatch.setattr(engine.cache_registry, "register", broken)
+    monkeypatch.setattr(engine.cache_registry, "snapshot", broken)
+    other = [{"role": "user", "content": "a different question about the mat"}]
+    done = await engine.complete(other, GenerationParams(max_tokens=6))
+    assert done.finish_reason in ("length", "stop")
+    assert done.usage.completion_tokens >= 1
+    again = await engine.complete(CHAT, GenerationParams(max_tokens=6))
+    assert again.text == reference.text
+
+
 async def test_cancel_mid_stream_frees_the_lane_within_one_step(engine: Engine) -> None:
     """Closing a stream mid-generation lets the queued request run; the cancelled one gets at most one more decode turn."""
     long = engine.chat(CHAT, GenerationParams(max_tokens=100_000))
