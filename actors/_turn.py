@@ -22,7 +22,7 @@ the runner's handler still raises, the runtime answers the gateway's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -54,6 +54,7 @@ __all__ = [
     "Registered",
     "StepResult",
     "StepToken",
+    "TurnControl",
     "TurnRunner",
     "end_stream",
 ]
@@ -64,11 +65,43 @@ _log = structlog.get_logger("kvtier.gateway")
 
 
 class Executor(Protocol):
-    """Runs a callable on the engine thread (``kernels.EngineThread.run``)."""
+    """Runs a callable on the engine thread (``kernels.EngineThread``)."""
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the engine thread; its exception re-raised here."""
         ...
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Queue ``fn(*args)`` NOW; awaiting the result yields its value (or raises its error)."""
+        ...
+
+
+class TurnControl:
+    """Burst preemption flags shared by the gateway and the runner (both on the event loop).
+
+    The gateway marks a request whose burst must end after the step in
+    flight (its requester cancelled); the runner reads the mark between
+    steps. NOTE: plain state, not a message: the runner is busy inside its
+    burst handler and reads no mail until the burst ends.
+    """
+
+    def __init__(self) -> None:
+        self._preempted: set[str] = set()
+
+    def preempt(self, request_id: str) -> None:
+        """End ``request_id``'s burst after the step in flight."""
+        self._preempted.add(request_id)
+
+    def preempted(self, request_id: str) -> bool:
+        """True when ``request_id``'s burst must not start another step."""
+        return request_id in self._preempted
+
+    def clear(self, request_id: str) -> None:
+        """Forget ``request_id``'s mark (a new grant, or the request ended)."""
+        self._preempted.discard(request_id)
+
+    def __len__(self) -> int:
+        return len(self._preempted)
 
 
 def end_stream(ctx: Context, address: str) -> None:
@@ -77,12 +110,35 @@ def end_stream(ctx: Context, address: str) -> None:
         ctx.end_stream(address)
 
 
+class _Settled:
+    """An awaitable over an outcome that is already known (``InlineExecutor.submit``)."""
+
+    __slots__ = ("_error", "_result")
+
+    def __init__(self, result: Any, error: BaseException | None) -> None:
+        self._result = result
+        self._error = error
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._error is not None:
+            raise self._error
+        return self._result
+        yield  # pragma: no cover - makes this a generator; never reached
+
+
 class InlineExecutor:
     """Runs jobs inline on the caller's thread (simulation and scripted tests only)."""
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Call ``fn(*args)`` now."""
         return fn(*args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Call ``fn(*args)`` now; the awaitable hands back its outcome."""
+        try:
+            return _Settled(fn(*args), None)
+        except Exception as exc:  # noqa: BLE001 - re-raised when awaited, like the engine thread
+            return _Settled(None, exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +265,16 @@ class _Live:
     puts: list[tuple[Literal["completion", "snapshot"], Registered]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Burst:
+    """One granted request turn in progress: steps run so far and the step queued next."""
+
+    max_steps: int
+    steps: int = 0
+    phase: Literal["prefill", "decode"] = "prefill"
+    pending: Awaitable[StepResult] | None = None
+
+
 class TurnRunner(Actor):
     """Performs the engine turns the gateway grants and reports each one back to it."""
 
@@ -222,8 +288,10 @@ class TurnRunner(Actor):
         prompt_cache: str | None = None,
         snapshot_min_new_tokens: int = 64,
         ask_timeout_s: float = 30.0,
+        control: TurnControl | None = None,
     ) -> None:
         self._gateway = gateway
+        self._control = control if control is not None else TurnControl()
         self._executor = executor
         self._backend = backend
         self._steps = steps
@@ -286,13 +354,24 @@ class TurnRunner(Actor):
                 raise RuntimeError(f"turn for unknown request {rid!r}")
             live = _Live(request=body.start, admitted_at=body.admitted_at)
             self._live[rid] = live
+        burst = _Burst(max_steps=body.max_steps)
         try:
-            await self._perform_request_turn(live, ctx)
+            await self._perform_request_turn(live, burst, ctx)
         except Exception as exc:  # noqa: BLE001 - a bug fails this request, not the lane
             _log.error("gateway.turn_bug", request_id=rid, error=repr(exc))
-            await self._fail(live, ctx, exc)
+            await self._settle_quietly(burst, rid)
+            await self._fail(live, ctx, exc, burst.steps)
 
-    async def _perform_request_turn(self, live: _Live, ctx: Context) -> None:
+    async def _perform_request_turn(self, live: _Live, burst: _Burst, ctx: Context) -> None:
+        """One granted turn: one step, or a burst of decode steps while the grant and the request last.
+
+        NOTE: within a burst the next decode step is queued on the engine
+        thread BEFORE this step's token is streamed, so the loop's work per
+        token (event, mailbox, wake-ups) overlaps the next step instead of
+        sitting between steps. The grant is checked before each queueing:
+        a preempted (cancelled) request runs at most the one step already
+        queued, so its lane is still free within one step.
+        """
         rid = live.request.request_id
         clock = ctx.clock
         began = clock.now()
@@ -305,17 +384,48 @@ class TurnRunner(Actor):
                 result = await self._executor.run(self._turn_job, live)
         except Exception as exc:  # noqa: BLE001 - one request fails, the gateway goes on
             _log.warning("gateway.turn_failed", request_id=rid, error=repr(exc))
-            await self._fail(live, ctx, exc)
+            await self._fail(live, ctx, exc, max(1, burst.steps))
             return
-        spent = clock.now() - began
-        if result.phase == "prefill":
-            live.prefill_s += spent
-        else:
-            live.decode_s += spent
-        outcome = await self._deliver(live, result, ctx)
+        while True:
+            now = clock.now()
+            if result.phase == "prefill":
+                live.prefill_s += now - began
+            else:
+                live.decode_s += now - began
+            began = now
+            burst.steps += 1
+            burst.phase = result.phase
+            if (
+                result.phase == "decode"
+                and result.finish_reason is None
+                and burst.steps < burst.max_steps
+                and not self._control.preempted(rid)
+            ):
+                burst.pending = self._executor.submit(self._turn_job, live)
+            outcome = await self._deliver(live, result, ctx, burst)
+            pending, burst.pending = burst.pending, None
+            if outcome != "continue" or pending is None:
+                break
+            try:
+                result = await pending
+            except Exception as exc:  # noqa: BLE001 - one request fails, the gateway goes on
+                _log.warning("gateway.turn_failed", request_id=rid, error=repr(exc))
+                await self._fail(live, ctx, exc, burst.steps + 1)
+                return
         await ctx.tell(
-            self._gateway, RequestTurnReport(request_id=rid, phase=result.phase, outcome=outcome)
+            self._gateway,
+            RequestTurnReport(request_id=rid, phase=burst.phase, outcome=outcome, steps=burst.steps),
         )
+
+    async def _settle_quietly(self, burst: _Burst, rid: str) -> None:
+        """Wait for a queued step whose result nobody will use (its request stopped)."""
+        pending, burst.pending = burst.pending, None
+        if pending is None:
+            return
+        try:
+            await pending
+        except Exception as exc:  # noqa: BLE001 - the request is ending anyway
+            _log.warning("gateway.turn_failed", request_id=rid, error=repr(exc))
 
     async def _first_turn(self, live: _Live, ctx: Context) -> StepResult:
         request = live.request
@@ -385,7 +495,7 @@ class TurnRunner(Actor):
                 live.puts.append(("completion", entry))
         self._backend.end_turn()
 
-    async def _deliver(self, live: _Live, result: StepResult, ctx: Context) -> TurnOutcome:
+    async def _deliver(self, live: _Live, result: StepResult, ctx: Context, burst: _Burst) -> TurnOutcome:
         await self._flush_puts(live, ctx)
         request = live.request
         token = result.token
@@ -408,8 +518,10 @@ class TurnRunner(Actor):
                 return "finished"
         except (MailboxClosed, UnknownAddress):
             # NOTE: the requester closed its stream (client left): stop now,
-            # keep what was computed for the prompt cache.
+            # keep what was computed for the prompt cache (after the step
+            # already queued, so the engine thread never holds two jobs).
             self._live.pop(request.request_id, None)
+            await self._settle_quietly(burst, request.request_id)
             await self._keep_or_discard(live, ctx, keep=True)
             return "cancelled"
         return "continue"
@@ -444,7 +556,7 @@ class TurnRunner(Actor):
             pass
         end_stream(ctx, request.stream_to)
 
-    async def _fail(self, live: _Live, ctx: Context, exc: Exception) -> None:
+    async def _fail(self, live: _Live, ctx: Context, exc: Exception, steps: int = 1) -> None:
         request = live.request
         self._live.pop(request.request_id, None)
         try:
@@ -461,7 +573,7 @@ class TurnRunner(Actor):
         phase: Literal["prefill", "decode"] = "decode" if live.emitted else "prefill"
         await ctx.tell(
             self._gateway,
-            RequestTurnReport(request_id=request.request_id, phase=phase, outcome="failed"),
+            RequestTurnReport(request_id=request.request_id, phase=phase, outcome="failed", steps=max(1, steps)),
         )
 
     async def _keep_or_discard(self, live: _Live, ctx: Context, *, keep: bool) -> None:

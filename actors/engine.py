@@ -65,7 +65,7 @@ from ._errors import (
     TurnUnavailable,
 )
 from ._prompt_cache_core import stats as prompt_cache_stats
-from ._turn import BackgroundSteps, TurnRunner
+from ._turn import BackgroundSteps, TurnControl, TurnRunner
 from .gateway import Gateway
 from .prompt_cache import PromptCache
 from .runtime import (
@@ -366,7 +366,9 @@ class Engine(_StartClose):
     model's context (``max_position_embeddings``); ``stream_buffer`` bounds each request's event inbox; ``ask_timeout_s``
     is the deadline on every internal ask (admission included);
     ``drain_timeout_s`` bounds how long :meth:`aclose` waits for in-flight
-    requests.
+    requests; ``max_burst`` decode steps may run per engine turn while the
+    request keeps the lane (1: a gateway round trip per token; a cancel
+    still frees the lane within one step, see docs/engine-turn.md).
 
     ``start()`` and ``aclose()`` must run in the same task (``async with``
     does that): the actor system's task group lives between them.
@@ -385,7 +387,10 @@ class Engine(_StartClose):
         ask_timeout_s: float = 30.0,
         drain_timeout_s: float = 120.0,
         snapshot_min_new_tokens: int = 64,
+        max_burst: int = 16,
     ) -> None:
+        if max_burst < 1:
+            raise ValueError("max_burst must be >= 1")
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if prefill_step_size < 1:
@@ -404,6 +409,7 @@ class Engine(_StartClose):
         self._ask_timeout = ask_timeout_s
         self._drain_timeout = drain_timeout_s
         self._snapshot_min = snapshot_min_new_tokens
+        self._max_burst = max_burst
         self._model: Any = None
         self._tokenizer: Any = None
         self._model_id = "" if model is None else str(model)
@@ -499,8 +505,12 @@ class Engine(_StartClose):
                 supervision=Supervision("resume"),
             )
             prompt_cache = _PROMPT_CACHE
-        gateway = Gateway(runner=_RUNNER, max_queue=self._max_queue)
+        control = TurnControl()
+        gateway = Gateway(
+            runner=_RUNNER, max_queue=self._max_queue, max_burst=self._max_burst, control=control
+        )
         runner = TurnRunner(
+            control=control,
             gateway=_GATEWAY,
             executor=thread,
             backend=backend,
