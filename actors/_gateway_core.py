@@ -39,8 +39,8 @@ __all__ = [
     "Drained",
     "Effect",
     "FinishRequest",
-    "PreemptTurn",
     "GatewayCore",
+    "PreemptTurn",
     "RefuseBackground",
     "RejectRequest",
     "RequestAdmitted",
@@ -411,10 +411,10 @@ class GatewayCore:
         turn = self.turn
         if turn is None or turn.owner != "request" or turn.ident != ev.request_id:
             raise ValueError(f"request turn report for {ev.request_id!r} but holder is {self.holder()!r}")
-        self.turn = None
-        self.stats.request_held_s += max(0.0, ev.now - turn.started)
         if not 1 <= ev.steps <= turn.max_steps:
             raise ValueError(f"turn of {ev.request_id!r} ran {ev.steps} steps, granted {turn.max_steps}")
+        self.turn = None
+        self.stats.request_held_s += max(0.0, ev.now - turn.started)
         self.stats.max_burst_steps = max(self.stats.max_burst_steps, ev.steps)
         if ev.phase == "prefill":
             self.stats.prefill_turns += ev.steps

@@ -113,7 +113,13 @@ class Gateway(Actor):
             self._admitted[body.request_id] = _Admitted(body, now, envelope.correlation_id)
             event = core.AdmitRequest(body.request_id, now)
         elif isinstance(body, CancelGeneration):
-            event = core.CancelRequest(body.request_id, now)
+            await self._perform(self.core.handle(core.CancelRequest(body.request_id, now)), envelope, ctx)
+            if self.core.lane != body.request_id:
+                # NOTE: the request is gone (or was never here): drop a preempt
+                # mark its requester may have set; a lane holder keeps its mark
+                # until its burst reports.
+                self._control.clear(body.request_id)
+            return
         elif isinstance(body, RunWhenIdle):
             if body.step_id in self._askers:
                 await ctx.reply(
@@ -233,7 +239,6 @@ class Gateway(Actor):
                         entry.started = True
                         start = entry.request
                         admitted_at = entry.admitted_at
-                self._control.clear(effect.request_id)
                 turn = RunTurn(
                     owner="request",
                     ident=effect.request_id,

@@ -259,7 +259,7 @@ class RunTurn(Request):
     ``max_steps`` > 1 (requests only) grants a burst: the runner may run up
     to that many decode steps back to back, streaming each token as it is
     produced, and reports once; it stops early when the gateway preempts the
-    burst (``actors.TurnControl``: the requester cancelled).
+    burst (``actors._turn.TurnControl``: the requester cancelled).
     """
 
     kind: Literal["gateway.run_turn"] = "gateway.run_turn"
