@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: SmolLM2-135M-Instruct, fetched and converted on first use)")
     m.add_argument("--prefill-step-size", type=int, default=512,
                    help="prompt tokens per prefill engine turn (default: 512)")
+    m.add_argument("--max-burst", type=int, default=64,
+                   help="decode steps per engine turn while a request holds the lane; "
+                        "1 = one gateway turn per token (default: 64)")
     m.add_argument("--prompt-cache", type=float, default=None, metavar="GB",
                    help="RAM prompt-cache cap in decimal GB; 0 disables "
                         "(default: $KVTIER_PROMPT_CACHE_GB or a quarter of available memory)")
@@ -84,7 +87,7 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--port must be 0..65535"
     positive = {"--max-tokens": args.max_tokens, "--max-tokens-limit": args.max_tokens_limit,
                 "--prefill-step-size": args.prefill_step_size,
-                "--max-body-bytes": args.max_body_bytes}
+                "--max-body-bytes": args.max_body_bytes, "--max-burst": args.max_burst}
     for flag, value in positive.items():
         if value < 1:
             return f"{flag} must be >= 1"
@@ -148,6 +151,7 @@ async def _serve(args: argparse.Namespace, aliases: tuple[str, ...]) -> int:
         "prompt_cache_bytes": None if args.prompt_cache is None else int(args.prompt_cache * _GB),
         "kv_quant": args.kv_quant,
         "max_prompt_tokens": args.max_prompt_tokens,
+        "max_burst": args.max_burst,
     }
     settings = HttpSettings(
         defaults=Defaults(max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,

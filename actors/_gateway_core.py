@@ -16,6 +16,12 @@ Invariants (checked by the tests):
   arrives during a background step waits for that one step only.
 - A cancelled queued request leaves the queue at once; a cancelled lane
   holder is finished when its in-flight turn ends (within one step).
+- A request turn may be a *burst* of up to ``max_burst`` steps (the runner
+  runs them back to back without a report per step). Rule 3 makes that
+  equivalent to granting the steps one by one: nobody else could get the
+  turn before the lane holder ends anyway. Only a cancel of the holder must
+  cut a burst short, so the core then emits ``PreemptTurn`` (the runner
+  stops after the step in flight: the lane is still free within one step).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ __all__ = [
     "Effect",
     "FinishRequest",
     "GatewayCore",
+    "PreemptTurn",
     "RefuseBackground",
     "RejectRequest",
     "RequestAdmitted",
@@ -78,12 +85,16 @@ class WantBackgroundTurn:
 
 @dataclass(frozen=True, slots=True)
 class RequestTurnDone:
-    """The lane holder's engine turn ended; ``outcome`` says whether more turns are needed."""
+    """The lane holder's engine turn ended; ``outcome`` says whether more turns are needed.
+
+    ``steps`` is how many steps (all of ``phase``) the turn ran: 1, or more for a burst.
+    """
 
     request_id: str
     phase: Phase
     outcome: RequestOutcome
     now: float
+    steps: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +153,19 @@ class RejectRequest:
 
 @dataclass(frozen=True, slots=True)
 class RunRequestTurn:
-    """Run the lane holder's next step (one prefill chunk or one decode step) on the engine."""
+    """Run the lane holder's next step (one prefill chunk or one decode step) on the engine.
+
+    ``max_steps`` > 1 grants a burst: up to that many decode steps back to
+    back, ended early by ``PreemptTurn`` (or the request's end).
+    """
+
+    request_id: str
+    max_steps: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptTurn:
+    """End the lane holder's burst after the step in flight (its requester cancelled)."""
 
     request_id: str
 
@@ -180,6 +203,7 @@ Effect = (
     | RejectRequest
     | RunRequestTurn
     | FinishRequest
+    | PreemptTurn
     | RunBackgroundTurn
     | RefuseBackground
     | Drained
@@ -194,6 +218,9 @@ class TokenStats:
     """Counters of the engine-turn token (all times in clock seconds)."""
 
     request_turns: int = 0
+    burst_turns: int = 0
+    max_burst_steps: int = 0
+    preempted: int = 0
     prefill_turns: int = 0
     decode_turns: int = 0
     background_turns: int = 0
@@ -215,6 +242,7 @@ class _Turn:
     owner: Literal["request", "background"]
     ident: str
     started: float
+    max_steps: int = 1
 
 
 @dataclass(slots=True)
@@ -222,6 +250,7 @@ class GatewayCore:
     """The gateway's decision state; feed events with :meth:`handle`, perform the effects."""
 
     max_queue: int
+    max_burst: int = 1
     lane: str | None = None
     lane_had_turns: bool = False
     lane_cancelled: bool = False
@@ -236,6 +265,8 @@ class GatewayCore:
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.max_burst < 1:
+            raise ValueError("max_burst must be >= 1")
 
     # NOTE: one entry point keeps the shell trivial and the trace complete:
     # every state change is caused by exactly one recorded event.
@@ -306,6 +337,12 @@ class GatewayCore:
                 "decode": s.decode_turns,
                 "background": s.background_turns,
             },
+            "bursts": {
+                "granted": s.burst_turns,
+                "max_steps": self.max_burst,
+                "longest": s.max_burst_steps,
+                "preempted": s.preempted,
+            },
             "held_s": {"request": s.request_held_s, "background": s.background_held_s},
             "background_wait_s": {
                 "total": s.background_wait_s,
@@ -359,6 +396,10 @@ class GatewayCore:
             if self.turn is not None and self.turn.owner == "request":
                 # NOTE: a step in flight on the engine thread cannot be
                 # interrupted; the holder is finished when it reports back.
+                # A burst must not start another step after this one.
+                if not self.lane_cancelled and self.turn.max_steps > 1:
+                    self.stats.preempted += 1
+                    out.append(PreemptTurn(rid))
                 self.lane_cancelled = True
             else:
                 self.stats.cancelled += 1
@@ -370,12 +411,15 @@ class GatewayCore:
         turn = self.turn
         if turn is None or turn.owner != "request" or turn.ident != ev.request_id:
             raise ValueError(f"request turn report for {ev.request_id!r} but holder is {self.holder()!r}")
+        if not 1 <= ev.steps <= turn.max_steps:
+            raise ValueError(f"turn of {ev.request_id!r} ran {ev.steps} steps, granted {turn.max_steps}")
         self.turn = None
         self.stats.request_held_s += max(0.0, ev.now - turn.started)
+        self.stats.max_burst_steps = max(self.stats.max_burst_steps, ev.steps)
         if ev.phase == "prefill":
-            self.stats.prefill_turns += 1
+            self.stats.prefill_turns += ev.steps
         else:
-            self.stats.decode_turns += 1
+            self.stats.decode_turns += ev.steps
         if ev.outcome == "finished":
             self.stats.completed += 1
             self._free_lane()
@@ -419,10 +463,12 @@ class GatewayCore:
         if self.lane is None and self.queue:
             self._take_lane(self.queue.popleft())
         if self.lane is not None:
-            self.turn = _Turn("request", self.lane, now)
+            self.turn = _Turn("request", self.lane, now, self.max_burst)
             self.lane_had_turns = True
             self.stats.request_turns += 1
-            out.append(RunRequestTurn(self.lane))
+            if self.max_burst > 1:
+                self.stats.burst_turns += 1
+            out.append(RunRequestTurn(self.lane, self.max_burst))
             return
         if self.background and not self.stopped:
             step_id, asked = self.background.popleft()

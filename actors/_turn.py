@@ -22,7 +22,9 @@ the runner's handler still raises, the runtime answers the gateway's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -54,21 +56,60 @@ __all__ = [
     "Registered",
     "StepResult",
     "StepToken",
+    "TurnControl",
     "TurnRunner",
     "end_stream",
 ]
 
 T = TypeVar("T")
 
+# NOTE: how many steps a burst's chain job may run ahead of the tokens the
+# loop has streamed; bounds the results held when the consumer is slow.
+_AHEAD = 4
+
 _log = structlog.get_logger("kvtier.gateway")
 
 
 class Executor(Protocol):
-    """Runs a callable on the engine thread (``kernels.EngineThread.run``)."""
+    """Runs a callable on the engine thread (``kernels.EngineThread``)."""
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the engine thread; its exception re-raised here."""
         ...
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Queue ``fn(*args)`` NOW; awaiting the result yields its value (or raises its error)."""
+        ...
+
+
+class TurnControl:
+    """Burst preemption marks shared by the gateway, the runner and the Engine's streams.
+
+    The gateway (on a cancel) or a closing ``GenerationStream`` marks a
+    request whose burst must end after the step in flight; the runner's
+    chain job reads the mark on the engine thread before every step. NOTE:
+    plain state, not a message: the runner is busy inside its burst and
+    reads no mail until it ends. Marks are set and cleared on the event
+    loop only; the engine thread only tests membership (atomic under the GIL).
+    """
+
+    def __init__(self) -> None:
+        self._preempted: set[str] = set()
+
+    def preempt(self, request_id: str) -> None:
+        """End ``request_id``'s burst after the step in flight."""
+        self._preempted.add(request_id)
+
+    def preempted(self, request_id: str) -> bool:
+        """True when ``request_id``'s burst must not start another step."""
+        return request_id in self._preempted
+
+    def clear(self, request_id: str) -> None:
+        """Forget ``request_id``'s mark (the request ended or is gone)."""
+        self._preempted.discard(request_id)
+
+    def __len__(self) -> int:
+        return len(self._preempted)
 
 
 def end_stream(ctx: Context, address: str) -> None:
@@ -77,12 +118,37 @@ def end_stream(ctx: Context, address: str) -> None:
         ctx.end_stream(address)
 
 
+class _Settled:
+    """An awaitable over an outcome that is already known (``InlineExecutor.submit``)."""
+
+    __slots__ = ("_error", "_result")
+
+    def __init__(self, result: Any, error: BaseException | None) -> None:
+        self._result = result
+        self._error = error
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._outcome().__await__()
+
+    async def _outcome(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 class InlineExecutor:
     """Runs jobs inline on the caller's thread (simulation and scripted tests only)."""
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Call ``fn(*args)`` now."""
         return fn(*args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Call ``fn(*args)`` now; the awaitable hands back its outcome."""
+        try:
+            return _Settled(fn(*args), None)
+        except Exception as exc:  # noqa: BLE001 - re-raised when awaited, like the engine thread
+            return _Settled(None, exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +275,49 @@ class _Live:
     puts: list[tuple[Literal["completion", "snapshot"], Registered]] = field(default_factory=list)
 
 
+class _Burst:
+    """One granted request turn in progress, shared by the runner (loop) and its chain job (engine thread).
+
+    NOTE: the engine thread appends to ``results`` and reads ``stop``,
+    ``steps`` and the preempt mark; the loop pops ``results`` and sets
+    ``stop``. Each is a single attribute/deque operation, atomic under the
+    GIL; ``wake`` crosses threads only through ``call_soon_threadsafe``.
+    """
+
+    __slots__ = ("consumed", "done", "loop", "max_steps", "phase", "results", "steps", "stop", "waiter")
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        self.steps = 0  # steps run (engine side)
+        self.consumed = 0  # steps streamed (loop side)
+        self.phase: Literal["prefill", "decode"] = "prefill"
+        self.results: deque[StepResult] = deque()
+        self.stop = False
+        self.done = True  # no chain job in flight
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        """Engine thread: tell the waiting runner a result (or the chain's end) is there.
+
+        NOTE: only a runner that is waiting is woken; one that is busy
+        streaming re-checks ``results``/``done`` after setting its waiter,
+        and the engine thread appends BEFORE it reads ``waiter``, so no
+        wake-up is lost and a busy loop gets no self-pipe write per token.
+        """
+        loop = self.loop
+        if loop is not None and self.waiter is not None:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:
+                pass  # NOTE: the loop is closed; nobody waits any more.
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
 class TurnRunner(Actor):
     """Performs the engine turns the gateway grants and reports each one back to it."""
 
@@ -222,8 +331,10 @@ class TurnRunner(Actor):
         prompt_cache: str | None = None,
         snapshot_min_new_tokens: int = 64,
         ask_timeout_s: float = 30.0,
+        control: TurnControl | None = None,
     ) -> None:
         self._gateway = gateway
+        self._control = control if control is not None else TurnControl()
         self._executor = executor
         self._backend = backend
         self._steps = steps
@@ -231,6 +342,12 @@ class TurnRunner(Actor):
         self._snapshot_min = snapshot_min_new_tokens
         self._ask_timeout = ask_timeout_s
         self._live: dict[str, _Live] = {}
+        self._decode_steps = 0
+
+    @property
+    def decode_steps_run(self) -> int:
+        """Decode steps run on the engine thread so far (all requests)."""
+        return self._decode_steps
 
     @property
     def live_requests(self) -> int:
@@ -286,13 +403,29 @@ class TurnRunner(Actor):
                 raise RuntimeError(f"turn for unknown request {rid!r}")
             live = _Live(request=body.start, admitted_at=body.admitted_at)
             self._live[rid] = live
+        burst = _Burst(max_steps=body.max_steps)
         try:
-            await self._perform_request_turn(live, ctx)
+            await self._perform_request_turn(live, burst, ctx)
         except Exception as exc:  # noqa: BLE001 - a bug fails this request, not the lane
             _log.error("gateway.turn_bug", request_id=rid, error=repr(exc))
-            await self._fail(live, ctx, exc)
+            # NOTE: a chain job still running stops after its step; the
+            # discard job _fail queues runs after it (one FIFO engine thread).
+            burst.stop = True
+            await self._fail(live, ctx, exc, burst.steps)
 
-    async def _perform_request_turn(self, live: _Live, ctx: Context) -> None:
+    async def _perform_request_turn(self, live: _Live, burst: _Burst, ctx: Context) -> None:
+        """One granted turn: one step, or a burst of decode steps while the grant and the request last.
+
+        NOTE: a burst's decode steps are chained ON the engine thread (one
+        job, ``_chain_job``): the engine starts the next step as soon as one
+        ends, without waiting for the event loop, which streams each token
+        as it arrives. Between steps the job checks the gateway's preempt
+        mark (a cancel) and ``stop`` (the stream is gone), so a cancelled
+        request runs at most the step already running: its lane is still
+        free within one step. The job also stops ``_AHEAD`` tokens ahead of
+        the stream (a slow consumer's backpressure stays bounded); the
+        runner then queues the next chain job after streaming.
+        """
         rid = live.request.request_id
         clock = ctx.clock
         began = clock.now()
@@ -300,22 +433,121 @@ class TurnRunner(Actor):
             live.started_at = began
         try:
             if live.gen is None:
-                result = await self._first_turn(live, ctx)
+                first = await self._first_turn(live, ctx)
             else:
-                result = await self._executor.run(self._turn_job, live)
+                first = await self._executor.run(self._turn_job, live)
         except Exception as exc:  # noqa: BLE001 - one request fails, the gateway goes on
             _log.warning("gateway.turn_failed", request_id=rid, error=repr(exc))
-            await self._fail(live, ctx, exc)
+            await self._fail(live, ctx, exc, 1)
             return
-        spent = clock.now() - began
-        if result.phase == "prefill":
-            live.prefill_s += spent
-        else:
-            live.decode_s += spent
-        outcome = await self._deliver(live, result, ctx)
-        await ctx.tell(
-            self._gateway, RequestTurnReport(request_id=rid, phase=result.phase, outcome=outcome)
+        burst.steps = 1
+        burst.results.append(first)
+        try:
+            await self._stream_burst(live, burst, began, ctx)
+        except BaseException:
+            # NOTE: the runner itself is being cancelled or hit a bug: a chain
+            # job still running must not go on stepping this request.
+            burst.stop = True
+            raise
+
+    async def _stream_burst(self, live: _Live, burst: _Burst, began: float, ctx: Context) -> None:
+        """Stream the burst's results as they arrive; queue (and re-queue) its chain job; report."""
+        rid = live.request.request_id
+        clock = ctx.clock
+        pending: Awaitable[None] | None = None
+        outcome: TurnOutcome = "continue"
+        last = burst.results[0]
+        while True:
+            if burst.results:
+                result = burst.results.popleft()
+                burst.consumed += 1
+                now = clock.now()
+                if result.phase == "prefill":
+                    live.prefill_s += now - began
+                else:
+                    live.decode_s += now - began
+                began = now
+                burst.phase = result.phase
+                last = result
+                if pending is None and self._may_chain(burst, result, rid):
+                    burst.done = False
+                    burst.loop = asyncio.get_running_loop()
+                    pending = self._executor.submit(self._chain_job, live, burst)
+                outcome = await self._deliver(live, result, ctx, burst, pending)
+                if outcome != "continue":
+                    await self._settle_quietly(pending, burst, rid)
+                    break
+                continue
+            if pending is None:
+                break
+            if not burst.done:
+                waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                burst.waiter = waiter
+                if not burst.results and not burst.done:
+                    await waiter
+                burst.waiter = None
+                continue
+            job, pending = pending, None
+            try:
+                await job
+            except Exception as exc:  # noqa: BLE001 - one request fails, the gateway goes on
+                _log.warning("gateway.turn_failed", request_id=rid, error=repr(exc))
+                await self._fail(live, ctx, exc, min(burst.steps + 1, burst.max_steps))
+                return
+            # NOTE: the job stopped ahead of the stream or on a preempt mark;
+            # streaming what it left re-queues the chain if the grant allows.
+            if not burst.results and self._may_chain(burst, last, rid):
+                burst.done = False
+                pending = self._executor.submit(self._chain_job, live, burst)
+        await self._report(rid, burst, outcome, ctx)
+
+    def _may_chain(self, burst: _Burst, result: StepResult, rid: str) -> bool:
+        """Whether the grant allows another step after ``result`` (checked on the loop)."""
+        return (
+            result.phase == "decode"
+            and result.finish_reason is None
+            and burst.steps < burst.max_steps
+            and not burst.stop
+            and not self._control.preempted(rid)
         )
+
+    # NOTE: runs ON the engine thread (see _perform_request_turn). The only
+    # put a chained step makes is the completion entry of the final step,
+    # after which the job ends, so the loop's _flush_puts never races an append.
+    def _chain_job(self, live: _Live, burst: _Burst) -> None:
+        rid = live.request.request_id
+        try:
+            while (
+                burst.steps < burst.max_steps
+                and not burst.stop
+                and not self._control.preempted(rid)
+                and burst.steps - burst.consumed < _AHEAD
+            ):
+                result = self._turn_job(live)
+                burst.steps += 1
+                burst.results.append(result)
+                burst.wake()
+                if result.phase != "decode" or result.finish_reason is not None:
+                    break
+        finally:
+            burst.done = True
+            burst.wake()
+
+    async def _report(self, rid: str, burst: _Burst, outcome: TurnOutcome, ctx: Context) -> None:
+        await ctx.tell(
+            self._gateway,
+            RequestTurnReport(request_id=rid, phase=burst.phase, outcome=outcome, steps=burst.steps),
+        )
+
+    async def _settle_quietly(self, pending: Awaitable[None] | None, burst: _Burst, rid: str) -> None:
+        """Stop the chain job and wait for it: its results will not be used (the request stopped)."""
+        burst.stop = True
+        if pending is None:
+            return
+        try:
+            await pending
+        except Exception as exc:  # noqa: BLE001 - the request is ending anyway
+            _log.warning("gateway.turn_failed", request_id=rid, error=repr(exc))
 
     async def _first_turn(self, live: _Live, ctx: Context) -> StepResult:
         request = live.request
@@ -349,6 +581,9 @@ class TurnRunner(Actor):
     def _turn_job(self, live: _Live) -> StepResult:
         try:
             result = self._backend.step(live.gen)
+            if result.phase == "decode":
+                # NOTE: written on the engine thread only; an int read elsewhere is atomic.
+                self._decode_steps += 1
             if result.prefill_complete and self._wants_snapshot(live):
                 snap = self._cache_call("snapshot", live, self._backend.snapshot)
                 if snap is not None:
@@ -399,7 +634,14 @@ class TurnRunner(Actor):
                 live.puts.append(("completion", entry))
         self._backend.end_turn()
 
-    async def _deliver(self, live: _Live, result: StepResult, ctx: Context) -> TurnOutcome:
+    async def _deliver(
+        self,
+        live: _Live,
+        result: StepResult,
+        ctx: Context,
+        burst: _Burst,
+        pending: Awaitable[None] | None,
+    ) -> TurnOutcome:
         await self._flush_puts(live, ctx)
         request = live.request
         token = result.token
@@ -422,8 +664,10 @@ class TurnRunner(Actor):
                 return "finished"
         except (MailboxClosed, UnknownAddress):
             # NOTE: the requester closed its stream (client left): stop now,
-            # keep what was computed for the prompt cache.
+            # keep what was computed for the prompt cache (after the step
+            # already queued, so the engine thread never holds two jobs).
             self._live.pop(request.request_id, None)
+            await self._settle_quietly(pending, burst, request.request_id)
             await self._keep_or_discard(live, ctx, keep=True)
             return "cancelled"
         return "continue"
@@ -458,7 +702,7 @@ class TurnRunner(Actor):
             pass
         end_stream(ctx, request.stream_to)
 
-    async def _fail(self, live: _Live, ctx: Context, exc: Exception) -> None:
+    async def _fail(self, live: _Live, ctx: Context, exc: Exception, steps: int = 1) -> None:
         request = live.request
         self._live.pop(request.request_id, None)
         try:
@@ -475,7 +719,7 @@ class TurnRunner(Actor):
         phase: Literal["prefill", "decode"] = "decode" if live.emitted else "prefill"
         await ctx.tell(
             self._gateway,
-            RequestTurnReport(request_id=request.request_id, phase=phase, outcome="failed"),
+            RequestTurnReport(request_id=request.request_id, phase=phase, outcome="failed", steps=max(1, steps)),
         )
 
     async def _keep_or_discard(self, live: _Live, ctx: Context, *, keep: bool) -> None:

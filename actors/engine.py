@@ -65,7 +65,7 @@ from ._errors import (
     TurnUnavailable,
 )
 from ._prompt_cache_core import stats as prompt_cache_stats
-from ._turn import BackgroundSteps, TurnRunner
+from ._turn import BackgroundSteps, TurnControl, TurnRunner
 from .gateway import Gateway
 from .prompt_cache import PromptCache
 from .runtime import (
@@ -150,11 +150,13 @@ class Completion:
     timings: Timings
 
 
-def _abandon(system: ActorSystem, inbox: Inbox, request_id: str) -> None:
+def _abandon(system: ActorSystem, control: TurnControl, inbox: Inbox, request_id: str) -> None:
     # NOTE: runs on the loop. Closing the inbox unblocks a runner waiting on
-    # a full stream (it then stops the request); the cancel covers a request
+    # a full stream (it then stops the request); the preempt mark stops a
+    # running burst after its current step; the cancel covers a request
     # that is still queued.
     inbox.close()
+    control.preempt(request_id)
     try:
         system.try_tell(_GATEWAY, CancelGeneration(request_id=request_id), correlation_id=request_id)
     except RuntimeFailure:
@@ -162,12 +164,16 @@ def _abandon(system: ActorSystem, inbox: Inbox, request_id: str) -> None:
 
 
 def _abandon_soon(
-    loop: asyncio.AbstractEventLoop, system: ActorSystem, inbox: Inbox, request_id: str
+    loop: asyncio.AbstractEventLoop,
+    system: ActorSystem,
+    control: TurnControl,
+    inbox: Inbox,
+    request_id: str,
 ) -> None:
     # NOTE: weakref finalizer of a stream dropped unfinished; the garbage
     # collector may run it on any thread, so hop to the loop.
     try:
-        loop.call_soon_threadsafe(_abandon, system, inbox, request_id)
+        loop.call_soon_threadsafe(_abandon, system, control, inbox, request_id)
     except RuntimeError:
         pass  # the loop is closed: nothing left to cancel
 
@@ -285,7 +291,13 @@ class GenerationStream(_StartClose):
             raise error(reply.detail or reply.error_code)
         self._inbox = inbox
         self._finalizer = weakref.finalize(
-            self, _abandon_soon, asyncio.get_running_loop(), system, inbox, self.request_id
+            self,
+            _abandon_soon,
+            asyncio.get_running_loop(),
+            system,
+            engine._control,
+            inbox,
+            self.request_id,
         )
 
     def __aiter__(self) -> Self:
@@ -322,6 +334,9 @@ class GenerationStream(_StartClose):
             return
         request_id = self.request_id
         self._close_inbox()
+        # NOTE: marks a running burst at once (same loop thread), so the
+        # engine thread starts no further step for this request.
+        self._engine._control.preempt(request_id)
         system = self._engine._system
         if system is not None:
             with anyio.CancelScope(shield=True):
@@ -370,7 +385,9 @@ class Engine(_StartClose):
     model's context (``max_position_embeddings``); ``stream_buffer`` bounds each request's event inbox; ``ask_timeout_s``
     is the deadline on every internal ask (admission included);
     ``drain_timeout_s`` bounds how long :meth:`aclose` waits for in-flight
-    requests.
+    requests; ``max_burst`` decode steps may run per engine turn while the
+    request keeps the lane (1: a gateway round trip per token; a cancel
+    still frees the lane within one step, see docs/engine-turn.md).
 
     ``start()`` and ``aclose()`` must run in the same task (``async with``
     does that): the actor system's task group lives between them.
@@ -389,7 +406,10 @@ class Engine(_StartClose):
         ask_timeout_s: float = 30.0,
         drain_timeout_s: float = 120.0,
         snapshot_min_new_tokens: int = 64,
+        max_burst: int = 64,
     ) -> None:
+        if max_burst < 1:
+            raise ValueError("max_burst must be >= 1")
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if prefill_step_size < 1:
@@ -408,6 +428,8 @@ class Engine(_StartClose):
         self._ask_timeout = ask_timeout_s
         self._drain_timeout = drain_timeout_s
         self._snapshot_min = snapshot_min_new_tokens
+        self._max_burst = max_burst
+        self._control = TurnControl()
         self._model: Any = None
         self._tokenizer: Any = None
         self._model_id = "" if model is None else str(model)
@@ -503,8 +525,12 @@ class Engine(_StartClose):
                 supervision=Supervision("resume"),
             )
             prompt_cache = _PROMPT_CACHE
-        gateway = Gateway(runner=_RUNNER, max_queue=self._max_queue)
+        control = self._control
+        gateway = Gateway(
+            runner=_RUNNER, max_queue=self._max_queue, max_burst=self._max_burst, control=control
+        )
         runner = TurnRunner(
+            control=control,
             gateway=_GATEWAY,
             executor=thread,
             backend=backend,
@@ -776,6 +802,7 @@ class Engine(_StartClose):
             out["gateway"] = {"token": self._gateway_actor.snapshot()}
         if self._runner_actor is not None:
             out["gateway"]["live_requests"] = self._runner_actor.live_requests
+            out["gateway"]["decode_steps_run"] = self._runner_actor.decode_steps_run
         if self._engine_thread is not None:
             es = self._engine_thread.statistics()
             out["engine_thread"] = {

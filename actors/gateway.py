@@ -42,7 +42,7 @@ from messages._gateway import (
 )
 
 from . import _gateway_core as core
-from ._turn import end_stream
+from ._turn import TurnControl, end_stream
 from .runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
 
 __all__ = ["Gateway"]
@@ -61,12 +61,25 @@ class Gateway(Actor):
     """Admits requests into the serial lane and hands out engine turns one at a time.
 
     ``runner`` is the address of the turn runner; ``max_queue`` requests may
-    wait behind the one holding the lane.
+    wait behind the one holding the lane. ``max_burst`` > 1 grants the lane
+    holder bursts of up to that many decode steps per turn; ``control`` (the
+    same object the runner reads) is then required: it is how a cancel ends
+    a burst after the step in flight.
     """
 
-    def __init__(self, *, runner: str, max_queue: int) -> None:
+    def __init__(
+        self,
+        *,
+        runner: str,
+        max_queue: int,
+        max_burst: int = 1,
+        control: TurnControl | None = None,
+    ) -> None:
+        if max_burst > 1 and control is None:
+            raise ValueError("bursts (max_burst > 1) need the TurnControl shared with the runner")
         self._runner = runner
-        self.core = core.GatewayCore(max_queue=max_queue)
+        self._control = control if control is not None else TurnControl()
+        self.core = core.GatewayCore(max_queue=max_queue, max_burst=max_burst)
         self._admitted: dict[str, _Admitted] = {}
         self._askers: dict[str, Envelope] = {}
         self._drain_waiters: list[Envelope] = []
@@ -100,7 +113,13 @@ class Gateway(Actor):
             self._admitted[body.request_id] = _Admitted(body, now, envelope.correlation_id)
             event = core.AdmitRequest(body.request_id, now)
         elif isinstance(body, CancelGeneration):
-            event = core.CancelRequest(body.request_id, now)
+            await self._perform(self.core.handle(core.CancelRequest(body.request_id, now)), envelope, ctx)
+            if self.core.lane != body.request_id:
+                # NOTE: the request is gone (or was never here): drop a preempt
+                # mark its requester may have set; a lane holder keeps its mark
+                # until its burst reports.
+                self._control.clear(body.request_id)
+            return
         elif isinstance(body, RunWhenIdle):
             if body.step_id in self._askers:
                 await ctx.reply(
@@ -113,9 +132,10 @@ class Gateway(Actor):
         elif isinstance(body, RequestTurnReport):
             if body.outcome != "continue":
                 self._admitted.pop(body.request_id, None)
+                self._control.clear(body.request_id)
             elif (entry := self._admitted.get(body.request_id)) is not None:
                 entry.phase = body.phase
-            event = core.RequestTurnDone(body.request_id, body.phase, body.outcome, now)
+            event = core.RequestTurnDone(body.request_id, body.phase, body.outcome, now, body.steps)
         elif isinstance(body, BackgroundTurnReport):
             asker = self._askers.pop(body.step_id, None)
             if asker is not None:
@@ -225,9 +245,13 @@ class Gateway(Actor):
                     start=start,
                     admitted_at=admitted_at,
                     reply_to=ctx.name,
+                    max_steps=effect.max_steps,
                 )
                 await self._run_turn(turn, correlation, envelope, ctx)
+            elif isinstance(effect, core.PreemptTurn):
+                self._control.preempt(effect.request_id)
             elif isinstance(effect, core.FinishRequest):
+                self._control.clear(effect.request_id)
                 await self._finish(effect, ctx)
             elif isinstance(effect, core.RunBackgroundTurn):
                 asker = self._askers.get(effect.step_id)

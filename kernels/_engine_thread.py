@@ -144,6 +144,27 @@ class EngineThread:
         """
         if kwargs:
             raise TypeError("EngineThread.run takes positional arguments only")
+        future, job = self._submit_async(fn, args)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(job)
+            raise
+
+    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[T]:
+        """Queue ``fn(*args)`` now (from the event loop) and return a future of its outcome.
+
+        Lets a caller overlap its own work with the job (e.g. stream a token
+        while the next decode step runs). Errors as in :meth:`run`. NOTE:
+        cancelling the returned future never skips or interrupts the job;
+        await it to know the engine thread is done with the job's inputs.
+        """
+        if kwargs:
+            raise TypeError("EngineThread.submit takes positional arguments only")
+        future, _ = self._submit_async(fn, args)
+        return future
+
+    def _submit_async(self, fn: Callable[..., T], args: tuple[Any, ...]) -> tuple[asyncio.Future[T], _Job[T]]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
@@ -164,11 +185,7 @@ class EngineThread:
                 pass
 
         job = self._submit(fn, args, deliver)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._cancel(job)
-            raise
+        return future, job
 
     def sync_run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Blocking variant of :meth:`run` for tests, tools and non-async callers.

@@ -255,6 +255,11 @@ class RunTurn(Request):
     ``reply_to`` (the gateway) is there so that, should the runner's handler
     raise instead, the runtime's ``Failure`` reply reaches the gateway, which
     then fails the turn instead of waiting for a report that never comes.
+
+    ``max_steps`` > 1 (requests only) grants a burst: the runner may run up
+    to that many decode steps back to back, streaming each token as it is
+    produced, and reports once; it stops early when the gateway preempts the
+    burst (``actors._turn.TurnControl``: the requester cancelled).
     """
 
     kind: Literal["gateway.run_turn"] = "gateway.run_turn"
@@ -262,19 +267,22 @@ class RunTurn(Request):
     ident: str
     start: Generate | None = None
     admitted_at: float = 0.0
+    max_steps: int = Field(default=1, ge=1)
 
 
 class RequestTurnReport(Body):
     """Runner -> gateway: a request turn ended; ``outcome`` says whether more turns are needed.
 
     ``cancelled`` means the requester's stream was gone when the runner
-    delivered (the runner already cleaned up).
+    delivered (the runner already cleaned up). ``steps``: how many steps of
+    ``phase`` the turn ran (more than one only in a granted burst).
     """
 
     kind: Literal["gateway.request_turn_report"] = "gateway.request_turn_report"
     request_id: str
     phase: TurnPhase
     outcome: TurnOutcome
+    steps: int = Field(default=1, ge=1)
 
 
 class BackgroundTurnReport(Body):

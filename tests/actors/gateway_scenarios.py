@@ -18,6 +18,7 @@ from actors._turn import (
     Registered,
     StepResult,
     StepToken,
+    TurnControl,
     TurnRunner,
 )
 from actors.gateway import Gateway
@@ -47,12 +48,13 @@ class Seen:
     lane: str | None
     queued: int
     lane_had_turns: bool
+    lane_cancelled: bool = False
 
 
 def observe(gateway: Gateway, owner: str) -> Seen:
     """Snapshot the core from inside a running turn."""
     core = gateway.core
-    return Seen(owner, core.holder(), core.lane, len(core.queue), core.lane_had_turns)
+    return Seen(owner, core.holder(), core.lane, len(core.queue), core.lane_had_turns, core.lane_cancelled)
 
 
 @dataclass
@@ -189,6 +191,9 @@ def check(out: Outcomes, log: list[Seen]) -> None:
                 assert log[i + 1].owner == f"request:{seen.lane}", f"{seen.lane} waited past {seen.owner}"
         else:
             assert seen.owner == f"request:{seen.lane}", f"{seen.owner} ran but the lane is {seen.lane}"
+    # A cancelled lane holder (bursts included) runs at most the one step in flight.
+    after_cancel = [s.owner for s in log if s.owner.startswith("request:") and s.lane_cancelled]
+    assert len(after_cancel) == len(set(after_cancel)), f"steps after a cancel: {after_cancel}"
     for rid, reply in out.admissions.items():
         events = out.events.get(rid, [])
         if not reply.accepted:
@@ -209,19 +214,26 @@ async def token_protocol(
     requests: int = 4,
     background: int = 4,
     max_queue: int = 2,
-    max_tokens: int = 5,
+    max_tokens: int = 8,
     cancel_after: int = 2,
+    max_burst: int = 3,
 ) -> None:
-    """Clients, a background writer, a client disconnect and a drain race through the gateway."""
+    """Clients, a background writer, a client disconnect and a drain race through the gateway.
+
+    Decode turns are bursts of up to ``max_burst`` steps (1: one step per turn).
+    """
     out = Outcomes()
     log: list[Seen] = []
     steps = BackgroundSteps()
-    gateway = Gateway(runner="runner", max_queue=max_queue)
+    control = TurnControl()
+    gateway = Gateway(runner="runner", max_queue=max_queue, max_burst=max_burst, control=control)
     backend = ScriptedBackend(gateway, log)
     system.spawn("gateway", lambda: gateway, capacity=32)
     system.spawn(
         "runner",
-        lambda: TurnRunner(gateway="gateway", executor=InlineExecutor(), backend=backend, steps=steps),
+        lambda: TurnRunner(
+            gateway="gateway", executor=InlineExecutor(), backend=backend, steps=steps, control=control
+        ),
         capacity=16,
     )
 

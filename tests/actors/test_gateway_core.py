@@ -15,6 +15,7 @@ from actors._gateway_core import (
     Effect,
     FinishRequest,
     GatewayCore,
+    PreemptTurn,
     RefuseBackground,
     RejectRequest,
     RequestAdmitted,
@@ -161,6 +162,46 @@ def test_turn_report_from_a_non_holder_is_a_bug() -> None:
         core.handle(BackgroundTurnDone("bg", now=0.1))
 
 
+def test_bursts_are_granted_to_the_lane_holder_and_a_cancel_preempts_one() -> None:
+    """With max_burst > 1 every request turn is a burst grant; a cancel while one runs emits PreemptTurn once and finishes the request when it reports."""
+    core = GatewayCore(max_queue=2, max_burst=8)
+    assert core.handle(AdmitRequest("r1", now=0.0)) == [RequestAdmitted("r1", 0), RunRequestTurn("r1", 8)]
+    assert core.handle(AdmitRequest("r2", now=0.1)) == [RequestAdmitted("r2", 1)]
+    assert core.handle(RequestTurnDone("r1", "decode", "continue", now=0.2, steps=8)) == [RunRequestTurn("r1", 8)]
+    assert core.handle(CancelRequest("r1", now=0.3)) == [PreemptTurn("r1")]
+    assert core.handle(CancelRequest("r1", now=0.35)) == []
+    assert core.handle(RequestTurnDone("r1", "decode", "continue", now=0.4, steps=3)) == [
+        FinishRequest("r1", "cancelled", had_turns=True),
+        RunRequestTurn("r2", 8),
+    ]
+    snap = core.snapshot(now=0.4)
+    assert snap["grants"] == {"request": 3, "prefill": 0, "decode": 11, "background": 0}
+    assert snap["bursts"] == {"granted": 3, "max_steps": 8, "longest": 8, "preempted": 1}
+    assert snap["requests"]["cancelled"] == 1  # type: ignore[index]
+
+
+def test_single_step_turns_are_never_preempted() -> None:
+    """With max_burst 1 (one step per turn) a cancel in flight only marks the holder, as before bursts existed."""
+    core = GatewayCore(max_queue=1)
+    core.handle(AdmitRequest("r1", now=0.0))
+    assert core.handle(CancelRequest("r1", now=0.1)) == []
+    assert core.handle(RequestTurnDone("r1", "decode", "continue", now=0.2)) == [
+        FinishRequest("r1", "cancelled", had_turns=True)
+    ]
+
+
+def test_a_report_of_more_steps_than_granted_is_a_bug() -> None:
+    """A runner that reports more steps than its grant (or none) is refused instead of skewing the statistics."""
+    core = GatewayCore(max_queue=1, max_burst=4)
+    core.handle(AdmitRequest("r1", now=0.0))
+    with pytest.raises(ValueError, match="granted 4"):
+        core.handle(RequestTurnDone("r1", "decode", "continue", now=0.1, steps=5))
+    with pytest.raises(ValueError, match="granted 4"):
+        core.handle(RequestTurnDone("r1", "decode", "continue", now=0.1, steps=0))
+    with pytest.raises(ValueError, match="max_burst"):
+        GatewayCore(max_queue=1, max_burst=0)
+
+
 _EVENT = st.one_of(
     st.tuples(st.just("admit"), st.integers(0, 5)),
     st.tuples(st.just("cancel"), st.integers(0, 5)),
@@ -171,10 +212,12 @@ _EVENT = st.one_of(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(_EVENT, max_size=60), st.integers(0, 3))
-def test_invariants_hold_for_any_event_sequence(script: list[tuple[str, object]], max_queue: int) -> None:
-    """For random event sequences: one turn at a time, background only when no request waits, bounded queue."""
-    core = GatewayCore(max_queue=max_queue)
+@given(st.lists(_EVENT, max_size=60), st.integers(0, 3), st.sampled_from([1, 4]))
+def test_invariants_hold_for_any_event_sequence(
+    script: list[tuple[str, object]], max_queue: int, max_burst: int
+) -> None:
+    """For random event sequences (single steps or bursts): one turn at a time, background only when no request waits, bounded queue."""
+    core = GatewayCore(max_queue=max_queue, max_burst=max_burst)
     now = 0.0
     bg_seq = 0
     for op, arg in script:
@@ -194,12 +237,19 @@ def test_invariants_hold_for_any_event_sequence(script: list[tuple[str, object]]
             if core.turn.owner == "request":
                 outcome = arg if isinstance(arg, str) else "continue"
                 effects = core.handle(
-                    RequestTurnDone(core.turn.ident, "decode", outcome, now=now)  # type: ignore[arg-type]
+                    RequestTurnDone(core.turn.ident, "decode", outcome, now=now, steps=core.turn.max_steps)  # type: ignore[arg-type]
                 )
             else:
                 effects = core.handle(BackgroundTurnDone(core.turn.ident, now=now))
         runs = _runs(effects)
         assert len(runs) <= 1
+        for effect in effects:
+            if isinstance(effect, PreemptTurn):
+                # NOTE: only a running burst of the cancelled lane holder is preempted.
+                assert max_burst > 1
+                assert core.turn is not None
+                assert core.turn.ident == effect.request_id == core.lane
+                assert core.lane_cancelled
         for run in runs:
             if isinstance(run, RunBackgroundTurn):
                 assert core.lane is None

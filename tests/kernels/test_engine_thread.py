@@ -85,6 +85,26 @@ async def test_job_error_comes_back_with_its_original_type(engine: EngineThread)
     assert (stats.jobs_failed, stats.jobs_run) == (1, 1)
 
 
+async def test_submit_queues_at_once_and_its_future_carries_the_outcome(engine: EngineThread) -> None:
+    """``submit`` starts the job before anyone awaits it; the future yields its value, or its error unchanged."""
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+    future = engine.submit(_blocking_job, started, release, ran, "a")
+    # NOTE: nothing awaited the future yet, and the job is already running.
+    await _wait_for(started)
+    assert not future.done()
+    release.set()
+    assert await future == "a"
+
+    def failing() -> None:
+        raise JobFailed(3)
+
+    with pytest.raises(JobFailed) as info:
+        await engine.submit(failing)
+    assert info.value.code == 3
+    assert ran == ["a"]
+
+
 async def test_job_cancelled_before_start_is_skipped(engine: EngineThread) -> None:
     """A job whose waiter is cancelled while it is still queued never runs."""
     started, release = threading.Event(), threading.Event()

@@ -18,6 +18,9 @@ Per shape, in one process:
    from issue #3: Engine decode >= 0.95 x stream_generate. A reference row
    runs stream_generate before the Engine starts, under MLX's own
    buffer-cache limit (the Engine sets kvtier's 16 MiB limit process-wide).
+   The Engine runs decode bursts of ``--max-burst`` steps per turn;
+   ``--with-single-step`` adds an ``Engine(max_burst=1)`` row (one gateway
+   turn per token, the protocol before bursts) to the same rounds.
 2. *Prompt cache*: TTFT of chat requests through an Engine with the RAM
    prompt cache on, over a ``--long-tokens`` system prompt: cold (fresh
    system prompt), shared-prefix (same system prompt, another user
@@ -46,6 +49,7 @@ CPU check::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -290,6 +294,8 @@ async def run_decode(
         "stream_generate": [],
         "engine": [],
     }
+    if args.with_single_step:
+        runs["engine max_burst=1"] = []
 
     # NOTE: reference row under MLX's default buffer-cache limit; the Engine
     # below sets kvtier's limit for the whole process.
@@ -301,21 +307,33 @@ async def run_decode(
         )
 
     params = GenerationParams(max_tokens=args.max_tokens)
-    async with Engine.from_loaded(
-        model,
-        tok,
-        model_id=res.shape,
-        prompt_cache_bytes=0,
-        prefill_step_size=args.prefill_step_size,
-        max_queue=4,
-    ) as engine:
-        await engine_sample(engine, GenerationParams(max_tokens=8), prompt=prompt)
+    async with contextlib.AsyncExitStack() as stack:
+        engines: dict[str, Engine] = {}
+        # NOTE: "engine" uses decode bursts (--max-burst); the optional
+        # "engine max_burst=1" row is the one-gateway-turn-per-token protocol,
+        # measured in the same rounds.
+        for name, burst in (("engine", args.max_burst), ("engine max_burst=1", 1)):
+            if name in runs:
+                engines[name] = await stack.enter_async_context(
+                    Engine.from_loaded(
+                        model,
+                        tok,
+                        model_id=res.shape,
+                        prompt_cache_bytes=0,
+                        prefill_step_size=args.prefill_step_size,
+                        max_queue=4,
+                        max_burst=burst,
+                    )
+                )
+        for engine in engines.values():
+            await engine_sample(engine, GenerationParams(max_tokens=8), prompt=prompt)
         stream_generate_sample(model, tok, prompt, 8)
         for r in range(args.rounds):
-            order = ("stream_generate", "engine") if r % 2 == 0 else ("engine", "stream_generate")
+            names = ["stream_generate", *engines]
+            order = names if r % 2 == 0 else names[::-1]
             for name in order:
-                if name == "engine":
-                    runs[name].append(await engine_sample(engine, params, prompt=prompt))
+                if name in engines:
+                    runs[name].append(await engine_sample(engines[name], params, prompt=prompt))
                 else:
                     runs[name].append(stream_generate_sample(model, tok, prompt, args.max_tokens))
 
@@ -351,6 +369,11 @@ async def run_decode(
         f"per round {min(per_round):.3f}..{max(per_round):.3f}"
     )
     out(f"Engine extra time per token: {per_token_us:.0f} µs")
+    if "engine max_burst=1" in runs:
+        single = runs["engine max_burst=1"]
+        single_ratio = _med(single, "decode_tps") / _med(sg, "decode_tps")
+        res.summary["decode_ratio_max_burst_1"] = single_ratio
+        out(f"ratio Engine max_burst=1 / stream_generate decode: {single_ratio:.3f} (the same rounds)")
     out(f"ratio Engine / stream_generate TTFT: {ttft_ratio:.3f}")
     out()
 
@@ -601,6 +624,12 @@ def main() -> int:
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--prompt-cache-gb", type=float, default=16.0)
     parser.add_argument("--skip-cache", action="store_true")
+    parser.add_argument("--max-burst", type=int, default=64, help="decode steps per engine turn")
+    parser.add_argument(
+        "--with-single-step",
+        action="store_true",
+        help="also run an Engine with max_burst=1 (one gateway turn per token) in the same rounds",
+    )
     parser.add_argument(
         "--anatomy", action="store_true", help="diagnostic timers instead of the benchmark"
     )

@@ -15,13 +15,15 @@ def test_flags_parse_with_mlx_lm_names() -> None:
             "--temp", "0.5", "--top-p", "0.9", "--top-k", "4", "--min-p", "0.1",
             "--prefill-step-size", "64", "--log-level", "DEBUG", "--max-queue", "2",
             "--api-key", "k", "--log-format", "json", "--max-body-bytes", "100",
-            "--max-prompt-tokens", "50", "--prompt-cache", "0.5", "--kv-quant", "8"]
+            "--max-prompt-tokens", "50", "--prompt-cache", "0.5", "--kv-quant", "8",
+            "--max-burst", "3"]
     args = build_parser(argv).parse_args(argv)
     assert (args.model, args.host, args.port, args.max_tokens) == ("m", "0.0.0.0", 9, 5)
     assert (args.temp, args.top_p, args.top_k, args.min_p) == (0.5, 0.9, 4, 0.1)
     assert (args.prefill_step_size, args.log_level, args.max_queue) == (64, "debug", 2)
     assert (args.api_key, args.log_format, args.max_body_bytes) == ("k", "json", 100)
     assert (args.max_prompt_tokens, args.prompt_cache, args.kv_quant) == (50, 0.5, "8")
+    assert args.max_burst == 3
 
 
 def test_defaults_bind_loopback() -> None:
@@ -44,6 +46,7 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--max-tokens", "0"],
         ["--max-tokens", "100", "--max-tokens-limit", "10"],
         ["--max-queue", "-1"],
+        ["--max-burst", "0"],
         ["--max-prompt-tokens", "0"],
         ["--prompt-cache", "-1"],
         ["--top-p", "0"],

@@ -1,0 +1,207 @@
+"""Decode bursts on a real engine thread: tokens stream per step, a cancel stops the burst after the running step, a slow consumer bounds it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import pytest
+
+from actors._turn import BackgroundSteps, Registered, StepResult, StepToken, TurnControl, TurnRunner
+from actors.gateway import Gateway
+from actors.runtime import ActorSystem, Inbox, MailboxClosed, Supervision
+from kernels import EngineThread
+from messages import Body
+from messages._gateway import (
+    AdmissionReply,
+    CancelGeneration,
+    DoneEvent,
+    Generate,
+    GenerationParams,
+    TokenEvent,
+)
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = (1, 2, 3, 4, 5)
+
+
+@dataclass
+class _Gen:
+    max_tokens: int
+    prefilled: bool = False
+    emitted: int = 0
+    cached_tokens: int = 0
+
+
+class GatedBackend:
+    """A fake engine: one prefill chunk, then token ``i + 1`` per decode step (never EOS).
+
+    Decode step ``gate_at`` (0-based) blocks on the engine thread until the
+    test releases it, so the test can act while that exact step runs.
+    ``decode_steps`` counts decode steps run (written on the engine thread).
+    """
+
+    def __init__(self, gate_at: int | None = None) -> None:
+        self.gate_at = gate_at
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.decode_steps = 0
+        self.threads: set[str] = set()
+
+    def open(self, request: Generate, handle: str | None, cached_tokens: int) -> _Gen:
+        """A fresh fake generation."""
+        return _Gen(request.params.max_tokens)
+
+    def step(self, gen: _Gen) -> StepResult:
+        """The prefill chunk first, then one decode step (gated at ``gate_at``)."""
+        self.threads.add(threading.current_thread().name)
+        if not gen.prefilled:
+            gen.prefilled = True
+            return StepResult(phase="prefill", prefill_complete=True)
+        if gen.emitted == self.gate_at:
+            self.entered.set()
+            assert self.release.wait(10), "the test never released the gated step"
+        gen.emitted += 1
+        self.decode_steps += 1
+        finish: Any = "length" if gen.emitted >= gen.max_tokens else None
+        return StepResult(phase="decode", token=StepToken(gen.emitted, f"<{gen.emitted}>"), finish_reason=finish)
+
+    def snapshot(self, gen: _Gen) -> Registered | None:
+        """No prompt cache here."""
+        return None
+
+    def register(self, gen: _Gen) -> Registered | None:
+        """No prompt cache here."""
+        return None
+
+    def discard(self, gen: _Gen) -> None:
+        """Nothing to free."""
+
+    def end_turn(self) -> None:
+        """Nothing to drain."""
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(2000):
+        if check():
+            return
+        await anyio.sleep(0.005)
+    raise AssertionError("not reached within 10 s")
+
+
+async def _stream(inbox: Inbox) -> list[Body]:
+    out: list[Body] = []
+    with anyio.fail_after(10):
+        while True:
+            try:
+                out.append((await inbox.receive()).body)
+            except MailboxClosed:
+                return out
+
+
+class _Rig:
+    """Gateway + runner on a real ``EngineThread``, bursts of ``max_burst`` steps."""
+
+    def __init__(self, system: ActorSystem, backend: GatedBackend, max_burst: int) -> None:
+        self.system = system
+        self.control = TurnControl()
+        self.gateway = Gateway(runner="runner", max_queue=2, max_burst=max_burst, control=self.control)
+        self.thread = EngineThread(name="kvtier-engine-test", max_queue=2)
+        runner = TurnRunner(
+            gateway="gateway",
+            executor=self.thread,
+            backend=backend,
+            steps=BackgroundSteps(),
+            control=self.control,
+        )
+        system.spawn("gateway", lambda: self.gateway, supervision=Supervision("resume"))
+        system.spawn("runner", lambda: runner, supervision=Supervision("resume"))
+
+    async def admit(self, request_id: str, max_tokens: int, capacity: int) -> Inbox:
+        inbox = self.system.open_inbox(capacity, prefix=f"stream-{request_id}-")
+        request = Generate(
+            request_id=request_id,
+            prompt_tokens=PROMPT,
+            params=GenerationParams(max_tokens=max_tokens),
+            stream_to=inbox.address,
+        )
+        reply = await self.system.ask("gateway", request, timeout=5, expect=AdmissionReply)
+        assert reply.accepted, reply
+        return inbox
+
+
+async def test_tokens_stream_one_by_one_while_the_burst_still_runs() -> None:
+    """Every token reaches the stream as its step ends, while the burst (one grant, no report yet) goes on on the engine thread."""
+    backend = GatedBackend(gate_at=5)
+    async with ActorSystem() as system:
+        rig = _Rig(system, backend, max_burst=64)
+        inbox = await rig.admit("r", max_tokens=20, capacity=64)
+        await _until(backend.entered.is_set)
+        early = [(await inbox.receive()).body for _ in range(5)]
+        stats = rig.gateway.core.stats
+        # NOTE: one prefill turn reported, one decode burst granted and still running.
+        grants, decode_reported = stats.request_turns, stats.decode_turns
+        backend.release.set()
+        rest = await _stream(inbox)
+        await _until(lambda: rig.gateway.core.idle)
+        await rig.thread.aclose()
+    assert [e.index for e in early if isinstance(e, TokenEvent)] == [0, 1, 2, 3, 4]
+    assert (grants, decode_reported) == (2, 0)
+    tokens = [e for e in early + rest if isinstance(e, TokenEvent)]
+    assert [t.token_id for t in tokens] == list(range(1, 21))
+    done = rest[-1]
+    assert isinstance(done, DoneEvent)
+    assert done.finish_reason == "length"
+    assert rig.gateway.core.stats.decode_turns == 20
+    assert rig.gateway.core.stats.request_turns == 2
+    assert backend.threads == {"kvtier-engine-test"}
+
+
+async def test_cancel_during_a_burst_stops_it_after_the_running_step() -> None:
+    """A cancel that reaches the gateway while decode step k runs ends the burst with step k: k + 1 steps in all, the lane is free, the stream ends cancelled."""
+    backend = GatedBackend(gate_at=7)
+    async with ActorSystem() as system:
+        rig = _Rig(system, backend, max_burst=1000)
+        inbox = await rig.admit("r", max_tokens=1000, capacity=64)
+        await _until(backend.entered.is_set)
+        await system.tell("gateway", CancelGeneration(request_id="r"))
+        await _until(lambda: rig.control.preempted("r"))
+        backend.release.set()
+        events = await _stream(inbox)
+        await _until(lambda: rig.gateway.core.idle)
+        await rig.thread.aclose()
+        marks = len(rig.control)
+    assert backend.decode_steps == 8
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.index for t in tokens] == list(range(8))
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    assert done.finish_reason == "cancelled"
+    stats = rig.gateway.core.stats
+    assert (stats.cancelled, stats.preempted, stats.decode_turns) == (1, 1, 8)
+    assert rig.gateway.core.lane is None
+    assert marks == 0
+
+
+async def test_a_slow_consumer_holds_the_burst_a_few_steps_ahead() -> None:
+    """While nobody reads a full stream the engine thread stops a bounded number of steps ahead; reading resumes it and every token arrives in order."""
+    backend = GatedBackend()
+    async with ActorSystem() as system:
+        rig = _Rig(system, backend, max_burst=1000)
+        inbox = await rig.admit("r", max_tokens=60, capacity=2)
+        await _until(lambda: backend.decode_steps > 0)
+        await anyio.sleep(0.3)
+        parked = backend.decode_steps
+        events = await _stream(inbox)
+        await _until(lambda: rig.gateway.core.idle)
+        await rig.thread.aclose()
+    # NOTE: 2 in the stream + 1 the runner holds + at most 4 run ahead.
+    assert parked <= 2 + 1 + 4
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.token_id for t in tokens] == list(range(1, 61))
+    assert isinstance(events[-1], DoneEvent)
+    assert rig.gateway.core.stats.decode_turns == 60
