@@ -71,6 +71,7 @@ from ._kv_scheme import (
 )
 from ._memory import (
     DEFAULT_MLX_CACHE_LIMIT_BYTES,
+    GPU_MLX_CACHE_LIMIT_BYTES,
     MemorySettings,
     available_memory_bytes,
     configure_mlx_memory,
@@ -94,6 +95,7 @@ __all__ = [
     "DEFAULT_MLX_CACHE_LIMIT_BYTES",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_PACKAGE",
+    "GPU_MLX_CACHE_LIMIT_BYTES",
     "KV_CONFIG_FILE",
     "CacheAdapter",
     "CacheHook",

@@ -6,6 +6,8 @@ import mlx.core as mx
 import pytest
 
 from kernels import (
+    DEFAULT_MLX_CACHE_LIMIT_BYTES,
+    GPU_MLX_CACHE_LIMIT_BYTES,
     configure_mlx_memory,
     default_mlx_cache_limit_bytes,
     default_prompt_cache_bytes,
@@ -43,3 +45,12 @@ def test_configure_sets_and_reports_the_cache_limit(monkeypatch: pytest.MonkeyPa
         assert kept.cache_limit_bytes == 8 * 1024**2
     finally:
         mx.set_cache_limit(original.cache_limit_bytes)
+
+
+def test_default_cache_limit_is_larger_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the env var the bound is 16 MiB on the CPU and 2 GiB on a GPU; the env var wins on both."""
+    monkeypatch.delenv("KVTIER_MLX_CACHE_LIMIT_MB", raising=False)
+    assert default_mlx_cache_limit_bytes() == DEFAULT_MLX_CACHE_LIMIT_BYTES == 16 * 1024**2
+    assert default_mlx_cache_limit_bytes(gpu=True) == GPU_MLX_CACHE_LIMIT_BYTES == 2 * GIB
+    monkeypatch.setenv("KVTIER_MLX_CACHE_LIMIT_MB", "64")
+    assert default_mlx_cache_limit_bytes(gpu=True) == 64 * 1024**2
