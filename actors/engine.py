@@ -438,6 +438,7 @@ class Engine(_StartClose):
         self._max_context: int | None = None
         self._engine_thread: Any = None
         self._registry: Any = None
+        self._owns_model = True
         self._prompt_cache_actor: PromptCache | None = None
         self._system: ActorSystem | None = None
         self._gateway_actor: Gateway | None = None
@@ -466,6 +467,7 @@ class Engine(_StartClose):
         checked); ``options`` are :class:`Engine`'s.
         """
         engine = cls(None, **options)
+        engine._owns_model = False
         engine._model = model
         engine._tokenizer = tokenizer
         engine._model_id = model_id
@@ -615,7 +617,36 @@ class Engine(_StartClose):
             self._system = None
             if self._engine_thread is not None:
                 with anyio.CancelScope(shield=True):
+                    try:
+                        await self._engine_thread.run(self._release_mlx_state)
+                    except Exception as exc:  # noqa: BLE001 - closing must go on
+                        _log.warning("engine.release_failed", error=repr(exc))
                     await self._engine_thread.aclose()
+
+    def _release_mlx_state(self) -> None:
+        """Drop every MLX array this engine owns, ON the engine thread.
+
+        NOTE: arrays freed later by interpreter finalization on the main
+        thread, after the engine thread (whose stream made them) is gone,
+        could abort the process at exit ("terminate called without an
+        active exception"). A model passed to ``from_loaded`` stays alive:
+        its caller owns it.
+        """
+        registry = self._registry
+        if registry is not None:
+            for handle in list(registry.entries()):
+                registry.dispose(handle)
+            registry.drain()
+        self._gateway_actor = None
+        self._runner_actor = None
+        self._prompt_cache_actor = None
+        self._gateway_ref = None
+        self._registry = None
+        if self._owns_model:
+            self._model = None
+        from kernels import release_mlx_memory
+
+        release_mlx_memory()
 
     # --- identity ----------------------------------------------------------
 

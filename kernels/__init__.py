@@ -78,6 +78,7 @@ from ._memory import (
     default_mlx_cache_limit_bytes,
     default_prompt_cache_bytes,
     gb_to_bytes,
+    release_mlx_memory,
 )
 from ._models import (
     LoadedModel,
@@ -159,6 +160,7 @@ __all__ = [
     "make_request_processors",
     "make_request_sampler",
     "on_engine_thread",
+    "release_mlx_memory",
     "render_chat",
     "require_engine_thread",
     "resolve_kv_scheme",

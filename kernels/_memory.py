@@ -7,6 +7,7 @@ stays within model + cap + MLX cache limit + working set.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,3 +117,14 @@ def configure_mlx_memory(
         previous_cache = int(mx.set_cache_limit(0))
         mx.set_cache_limit(previous_cache)
     return MemorySettings(cache_limit_bytes=previous_cache, memory_limit_bytes=previous_memory)
+
+
+def release_mlx_memory() -> None:
+    """Collect dropped arrays, wait for queued work, empty MLX's buffer cache.
+
+    Call on the engine thread after dropping references to arrays, so they
+    are freed there and nothing is left in flight when the thread ends.
+    """
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
