@@ -14,7 +14,6 @@ from kernels import (
     CacheRegistry,
     Generation,
     KvScheme,
-    SamplingParams,
     convert_caches,
 )
 from messages._gateway import Generate
@@ -23,12 +22,7 @@ from ._turn import Registered, StepResult, StepToken
 
 _log = structlog.get_logger("kvtier.backend")
 
-__all__ = ["MlxBackend", "to_sampling_params"]
-
-
-def to_sampling_params(params: Any) -> SamplingParams:
-    """``messages.GenerationParams`` -> ``kernels.SamplingParams`` (same fields, same names)."""
-    return SamplingParams.model_validate(params.model_dump())
+__all__ = ["MlxBackend"]
 
 
 class MlxBackend:
@@ -68,7 +62,7 @@ class MlxBackend:
             self._model,
             self._tokenizer,
             request.prompt_tokens,
-            to_sampling_params(request.params),
+            request.params,
             prefill_step_size=self._step_size,
             cache=cache,
             cached_tokens=cached_tokens,

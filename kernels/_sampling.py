@@ -26,7 +26,8 @@ from mlx_lm.sample_utils import (
     categorical_sampling,
     make_logits_processors,
 )
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from messages._gateway import GenerationParams
 
 __all__ = [
     "LogitsProcessor",
@@ -43,59 +44,11 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """Maps (token history, logits) to adjusted logits (mlx-lm's processor shape)."""
 
 
-class SamplingParams(BaseModel):
-    """How one request samples and when it stops (mlx-lm sampler options).
-
-    ``temperature == 0`` is greedy argmax; ``top_p == 1``, ``top_k == 0``,
-    ``min_p == 0`` and ``xtc_probability == 0`` disable those filters. Penalties
-    are off when ``None``; each looks at the last ``*_context_size`` tokens of
-    the full history (whole prompt, reused prefix included, plus the output).
-    ``stop`` strings are matched on the detokenized text and never emitted;
-    ``stop_token_ids`` end the generation like EOS. ``logprobs`` asks each
-    step for the chosen token's log-probability.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    min_tokens_to_keep: int = Field(default=1, ge=1)
-    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
-    xtc_threshold: float = Field(default=0.1, ge=0.0, le=0.5)
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    repetition_context_size: int = Field(default=20, ge=1)
-    presence_penalty: float | None = None
-    presence_context_size: int = Field(default=20, ge=1)
-    frequency_penalty: float | None = None
-    frequency_context_size: int = Field(default=20, ge=1)
-    logit_bias: dict[int, float] | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
-        if any(s == "" for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        return stop
-
-    @model_validator(mode="after")
-    def _consistent(self) -> SamplingParams:
-        if self.logit_bias is not None and any(k < 0 for k in self.logit_bias):
-            raise ValueError("logit_bias keys must be token ids (>= 0)")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be token ids (>= 0)")
-        return self
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling is argmax (temperature 0)."""
-        return self.temperature == 0.0
+# NOTE: one definition of a request's sampling parameters, in `messages`
+# (which may not import kernels; kernels may import messages): the gateway
+# hands the message's value to the kernel unchanged.
+SamplingParams = GenerationParams
+"""How one request samples and when it stops: :class:`messages.GenerationParams`."""
 
 
 def _argmax(logprobs: mx.array) -> mx.array:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._base import Body, Request
 
@@ -50,13 +50,15 @@ class _Data(BaseModel):
 class GenerationParams(_Data):
     """Sampling and stopping parameters of one request (OpenAI / mlx-lm names).
 
-    Field for field the same as ``kernels.SamplingParams`` (the gateway
-    converts one into the other), kept here because messages never import
-    kernels. ``temperature == 0`` means greedy (argmax); ``top_k == 0``,
-    ``top_p == 1``, ``min_p == 0``, ``xtc_probability == 0`` disable those
-    filters; penalties are off when ``None``. ``stop`` strings are matched on
-    the detokenized text and never emitted; ``stop_token_ids`` end the
-    generation like EOS; ``logprobs`` fills ``TokenEvent.logprob``.
+    The one definition: ``kernels.SamplingParams`` is this class, so the
+    gateway hands it to the generation kernel unchanged. ``temperature == 0``
+    means greedy (argmax); ``top_k == 0``, ``top_p == 1``, ``min_p == 0``,
+    ``xtc_probability == 0`` disable those filters; penalties are off when
+    ``None`` and each looks at the last ``*_context_size`` tokens of the full
+    history (the whole prompt, a reused prefix included, plus the output).
+    ``stop`` strings are matched on the detokenized text and never emitted;
+    ``stop_token_ids`` end the generation like EOS; ``logprobs`` fills
+    ``TokenEvent.logprob``.
     """
 
     max_tokens: int = Field(default=256, ge=1)
@@ -78,6 +80,26 @@ class GenerationParams(_Data):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _token_ids_are_ids(self) -> GenerationParams:
+        if self.logit_bias is not None and any(k < 0 for k in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids (>= 0)")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0)."""
+        return self.temperature == 0.0
 
 
 class Usage(_Data):

@@ -366,7 +366,7 @@ def test_sampling_params_validate() -> None:
     """Out-of-range sampling parameters and empty stop strings are rejected before any MLX work."""
     from pydantic import ValidationError
 
-    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"stop": [""]}, {"stop_token_ids": [-1]}, {"seed": -1}, {"seed": 2**64}):
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"stop": [""]}, {"stop_token_ids": [-1]}, {"seed": -1}, {"seed": 2**63}):
         with pytest.raises(ValidationError):
             SamplingParams(**bad)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
