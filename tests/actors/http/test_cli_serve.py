@@ -80,3 +80,34 @@ def test_busy_port_exits_1_before_loading(capsys: pytest.CaptureFixture[str],
         rc = main(["serve", "--model", "/nonexistent", "--port", str(port)])
     assert rc == 1
     assert "cannot bind" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_accepted_connections_disable_nagle() -> None:
+    """Connections accepted on the serve socket have TCP_NODELAY (no 40 ms delayed-ACK stalls)."""
+    import asyncio
+
+    from actors._cli_serve import _bind
+
+    seen: list[int] = []
+
+    def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = writer.get_extra_info("socket")
+        seen.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    sock = _bind("127.0.0.1", 0)
+    server = await asyncio.start_server(on_connect, sock=sock)
+    try:
+        port = sock.getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert seen
+    assert seen[0] != 0
