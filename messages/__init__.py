@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ._base import Body, Request
 from ._envelope import EXTERNAL, Envelope, EnvelopeRecord, envelope_from_json, envelope_to_json
-from ._prompt_cache import (
+from ._union import AnyBody, body_adapter, body_classes, parse_body
+from .prompt_cache import (
     EntryMeta,
     EntryRole,
     PromptCacheStats,
@@ -15,8 +16,7 @@ from ._prompt_cache import (
     Take,
     TakeResult,
 )
-from ._runtime import Add, Count, Failure, GetTotal, Ping, Pong, Total, Work, WorkDone
-from ._union import AnyBody, body_adapter, body_classes, parse_body
+from .runtime import Add, Count, Failure, GetTotal, Ping, Pong, Total, Work, WorkDone
 
 __all__ = [
     "EXTERNAL",

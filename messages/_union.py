@@ -24,9 +24,9 @@ __all__ = ["AnyBody", "body_adapter", "body_classes", "parse_body"]
 
 # One line per message module (keep others' lines when adding yours).
 _MODULES: tuple[str, ...] = (
-    "messages._runtime",
-    "messages._gateway",
-    "messages._prompt_cache",
+    "messages.runtime",
+    "messages.gateway",
+    "messages.prompt_cache",
 )
 
 

@@ -1,7 +1,7 @@
 """kvtier's OpenAI-compatible HTTP server (FastAPI), built on :class:`actors.engine.Engine`.
 
 ``create_app(engine, settings)`` returns the ASGI app; ``kvtier serve``
-(``actors._cli_serve``) runs it under uvicorn with graceful shutdown.
+(``actors.cli.serve``) runs it under uvicorn with graceful shutdown.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
-from messages._gateway import DoneEvent, GenerationParams, TokenEvent
+from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
+from messages.gateway import DoneEvent, GenerationParams, TokenEvent
 
 from ._convert import (
     chat_chunk,

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from messages._gateway import DoneEvent, GenerationParams, Usage
+from messages.gateway import DoneEvent, GenerationParams, Usage
 
 from ._errors import ApiError
 from ._schemas import (

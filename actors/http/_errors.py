@@ -35,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors._errors import (
+from actors.errors import (
     EngineClosed,
     EngineNotStarted,
     InvalidRequest,

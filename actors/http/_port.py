@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, Self
 
-from messages._gateway import GenerationEvent, GenerationParams
+from messages.gateway import GenerationEvent, GenerationParams
 
 __all__ = ["EnginePort", "StreamPort"]
 

@@ -12,7 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors._turn import (
+from actors.gateway import Gateway
+from actors.gateway.runner import (
     BackgroundSteps,
     InlineExecutor,
     Registered,
@@ -21,10 +22,9 @@ from actors._turn import (
     TurnControl,
     TurnRunner,
 )
-from actors.gateway import Gateway
 from actors.runtime import Actor, Context, SimulatedSystem
 from messages import Body, Count, Envelope, Ping, Pong
-from messages._gateway import (
+from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
     BeginShutdown,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors._gateway_core import (
+from actors.gateway.core import (
     AdmitRequest,
     BackgroundTurnDone,
     BeginDrain,

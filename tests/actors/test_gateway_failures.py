@@ -8,11 +8,11 @@ from typing import Any
 import anyio
 import pytest
 
-from actors._turn import BackgroundSteps, InlineExecutor, StepResult, StepToken, TurnRunner
 from actors.gateway import Gateway
+from actors.gateway.runner import BackgroundSteps, InlineExecutor, StepResult, StepToken, TurnRunner
 from actors.runtime import Actor, ActorSystem, Context, Inbox, MailboxClosed, Supervision
 from messages import Body, Envelope
-from messages._gateway import (
+from messages.gateway import (
     AdmissionReply,
     DoneEvent,
     ErrorEvent,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors import _prompt_cache_core as core
+from actors.prompt_cache import core as core
 from messages import EntryMeta, PromptCacheStatsRequest, Put, PutResult, Release, Take, TakeResult
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from actors import _prompt_cache_core as core
+from actors.prompt_cache import core as core
 from kernels import CacheRegistry, Generation, SamplingParams, run_generation
 from messages import Put, Release, Take, TakeResult
 from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba, tiny_tokenizer

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from actors import _prompt_cache_core as core
+from actors.prompt_cache import core as core
 from messages import EntryMeta, Put, PutResult, Release, Take, TakeResult
 
 CAP = 100

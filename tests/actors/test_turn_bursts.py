@@ -10,12 +10,19 @@ from typing import Any
 import anyio
 import pytest
 
-from actors._turn import BackgroundSteps, Registered, StepResult, StepToken, TurnControl, TurnRunner
 from actors.gateway import Gateway
+from actors.gateway.runner import (
+    BackgroundSteps,
+    Registered,
+    StepResult,
+    StepToken,
+    TurnControl,
+    TurnRunner,
+)
 from actors.runtime import ActorSystem, Inbox, MailboxClosed, Supervision
 from kernels import EngineThread
 from messages import Body
-from messages._gateway import (
+from messages.gateway import (
     AdmissionReply,
     CancelGeneration,
     DoneEvent,

@@ -24,7 +24,7 @@ from kernels import (
     kvtier_home,
     load_model,
 )
-from kernels._gguf import COMPLETE_MARKER, permute_rope_rows
+from kernels.model._gguf import COMPLETE_MARKER, permute_rope_rows
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 

@@ -12,7 +12,7 @@ from mlx_lm import load as mlx_load
 from tokenizers import Tokenizer
 
 from kernels import ModelConversionError, convert_gguf, is_converted_dir
-from kernels._gguf import (
+from kernels.model._gguf import (
     COMPLETE_MARKER,
     gguf_to_hf_name,
     llama_config_from_metadata,

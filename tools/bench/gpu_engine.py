@@ -511,7 +511,7 @@ async def run_anatomy(
 ) -> None:
     """Diagnostic: per-token CPU launch cost and Engine hand-off gaps; warm-request timeline."""
     import kernels
-    from actors import _backend
+    from actors.backend import mlx as _backend
 
     timers = _Timers()
     timers.wrap(mx, "async_eval", "async_eval", marks=False)

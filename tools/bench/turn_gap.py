@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import kernels  # noqa: E402
-from actors import _backend  # noqa: E402
+from actors.backend import mlx as _backend  # noqa: E402
 from actors.engine import Engine, GenerationParams  # noqa: E402
 
 _marks: list[tuple[float, float]] = []

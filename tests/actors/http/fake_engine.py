@@ -16,8 +16,8 @@ from typing import Any, Self
 import anyio
 import anyio.lowlevel
 
-from actors._errors import GenerationFailed, KvtierError, ServerShuttingDown
-from messages._gateway import DoneEvent, GenerationEvent, GenerationParams, TokenEvent, Usage
+from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
+from messages.gateway import DoneEvent, GenerationEvent, GenerationParams, TokenEvent, Usage
 
 
 @dataclass

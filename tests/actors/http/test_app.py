@@ -12,7 +12,7 @@ import httpx
 import pytest
 import structlog
 
-from actors._errors import ContextTooLong, InvalidRequest, QueueFull, ServerShuttingDown
+from actors.errors import ContextTooLong, InvalidRequest, QueueFull, ServerShuttingDown
 from actors.http import Defaults, HttpSettings, HttpState, begin_shutdown, create_app
 from actors.runtime import configure_logging
 

@@ -87,7 +87,7 @@ async def test_accepted_connections_disable_nagle() -> None:
     """Connections accepted on the serve socket have TCP_NODELAY (no 40 ms delayed-ACK stalls)."""
     import asyncio
 
-    from actors._cli_serve import _bind
+    from actors.cli.serve import _bind
 
     seen: list[int] = []
 

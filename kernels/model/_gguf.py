@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._errors import KernelError
+from kernels._errors import KernelError
 
 __all__ = [
     "COMPLETE_MARKER",

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from actors.runtime import Actor, ActorRef, ActorSystem, Context, Supervision, get_logger
 from messages import EntryMeta, Envelope, Request
 
-from . import _prompt_cache_core as core
-from .runtime import Actor, ActorRef, ActorSystem, Context, Supervision, get_logger
+from . import core
 
 __all__ = [
     "PROMPT_CACHE_ADDRESS",

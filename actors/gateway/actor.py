@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
 from messages import Envelope, Failure
-from messages._gateway import (
+from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
     BackgroundTurnReport,
@@ -41,9 +42,8 @@ from messages._gateway import (
     Usage,
 )
 
-from . import _gateway_core as core
-from ._turn import TurnControl, end_stream
-from .runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
+from . import core
+from .runner import TurnControl, end_stream
 
 __all__ = ["Gateway"]
 

@@ -27,7 +27,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from messages._gateway import GenerationParams
+from messages.gateway import GenerationParams
 
 __all__ = [
     "LogitsProcessor",

@@ -21,8 +21,9 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from kernels._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
+
 from ._detokenize import TextStream
-from ._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 
 __all__ = [

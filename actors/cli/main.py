@@ -23,12 +23,12 @@ class _Subcommand(Protocol):
 
 # name -> (owning module, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("actors._cli_serve", "serve a model over an OpenAI-compatible HTTP API"),
+    "serve": ("actors.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "fetch-default-model": (
-        "actors._cli_fetch",
+        "actors.cli.fetch",
         "download and convert the default model (SmolLM2-135M-Instruct)",
     ),
-    "replay": ("actors.runtime._cli_replay", "replay a recorded JSONL trace and compare it"),
+    "replay": ("actors.cli.replay", "replay a recorded JSONL trace and compare it"),
 }
 
 

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from ._cache_adapters import UnsupportedCacheKind, adapter_for
+from ._adapters import UnsupportedCacheKind, adapter_for
 
 __all__ = [
     "KV_CONFIG_FILE",

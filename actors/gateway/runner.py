@@ -30,8 +30,9 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import structlog
 
+from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
 from messages import Envelope
-from messages._gateway import (
+from messages.gateway import (
     BackgroundTurnReport,
     DoneEvent,
     EndRequest,
@@ -44,9 +45,7 @@ from messages._gateway import (
     TurnOutcome,
     Usage,
 )
-from messages._prompt_cache import EntryMeta, Put, Release, Take, TakeResult
-
-from .runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
+from messages.prompt_cache import EntryMeta, Put, Release, Take, TakeResult
 
 __all__ = [
     "Backend",

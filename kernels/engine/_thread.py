@@ -31,7 +31,7 @@ from typing import Any, Final, Generic, Literal, ParamSpec, Self, TypeVar
 
 import anyio.to_thread
 
-from ._errors import EngineClosed, EngineQueueFull, EngineThreadDead, NotOnEngineThread
+from kernels._errors import EngineClosed, EngineQueueFull, EngineThreadDead, NotOnEngineThread
 
 __all__ = [
     "EngineStats",

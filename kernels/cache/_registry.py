@@ -21,7 +21,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList
 
 from messages import EntryMeta
 
-from ._cache_adapters import (
+from ._adapters import (
     adapter_for,
     cache_arrays,
     caches_min_reusable_offset,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import anyio
 
-from ._replay import record_trace, replay_trace
+from actors.runtime import record_trace, replay_trace
 
 __all__ = ["add_arguments", "run"]
 

@@ -34,8 +34,33 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from actors.errors import (
+    ContextTooLong,
+    EngineClosed,
+    EngineNotStarted,
+    GenerationFailed,
+    InvalidRequest,
+    KvtierError,
+    QueueFull,
+    ServerShuttingDown,
+    TurnUnavailable,
+)
+from actors.gateway import Gateway
+from actors.gateway.runner import BackgroundSteps, TurnControl, TurnRunner
+from actors.prompt_cache import PromptCache
+from actors.prompt_cache.core import stats as prompt_cache_stats
+from actors.runtime import (
+    ActorRef,
+    ActorSystem,
+    AskTimeout,
+    Inbox,
+    MailboxClosed,
+    RuntimeFailure,
+    Supervision,
+    use_correlation,
+)
 from messages import Envelope
-from messages._gateway import (
+from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
     BeginShutdown,
@@ -51,32 +76,6 @@ from messages._gateway import (
     TokenEvent,
     TurnDone,
     Usage,
-)
-
-from ._errors import (
-    ContextTooLong,
-    EngineClosed,
-    EngineNotStarted,
-    GenerationFailed,
-    InvalidRequest,
-    KvtierError,
-    QueueFull,
-    ServerShuttingDown,
-    TurnUnavailable,
-)
-from ._prompt_cache_core import stats as prompt_cache_stats
-from ._turn import BackgroundSteps, TurnControl, TurnRunner
-from .gateway import Gateway
-from .prompt_cache import PromptCache
-from .runtime import (
-    ActorRef,
-    ActorSystem,
-    AskTimeout,
-    Inbox,
-    MailboxClosed,
-    RuntimeFailure,
-    Supervision,
-    use_correlation,
 )
 
 __all__ = [
@@ -934,7 +933,7 @@ def _context_limit(config: Mapping[str, Any]) -> int | None:
 
 
 def _make_backend(model: Any, tokenizer: Any, step: int, scheme: Any, registry: Any) -> Any:
-    from ._backend import MlxBackend
+    from actors.backend import MlxBackend
 
     return MlxBackend(
         model, tokenizer, prefill_step_size=step, kv_scheme=scheme, registry=registry

@@ -1,0 +1,7 @@
+"""The MLX backend the turn runner drives: one ``kernels.Generation`` step per turn."""
+
+from __future__ import annotations
+
+from .mlx import MlxBackend
+
+__all__ = ["MlxBackend"]
