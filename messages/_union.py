@@ -27,6 +27,8 @@ _MODULES: tuple[str, ...] = (
     "messages.runtime",
     "messages.gateway",
     "messages.prompt_cache",
+    "messages.spill_queue",
+    "messages.ssd_writer",
 )
 
 

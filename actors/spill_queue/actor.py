@@ -1,0 +1,162 @@
+"""The spill queue actor: a thin shell over ``actors.spill_queue.core``.
+
+The shell keeps the core's state, handles one message at a time and
+performs the core's effects: ``Store`` tells to the SSD writer (answered to
+this actor's own address, so the queue keeps accepting and dropping while a
+store runs), handle disposals through the registry's thread-safe
+``dispose``, and replies. It never awaits the writer's work.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Protocol, assert_never
+
+from actors.runtime import (
+    Actor,
+    ActorRef,
+    ActorStopped,
+    ActorSystem,
+    Context,
+    MailboxClosed,
+    Supervision,
+    UnknownAddress,
+    get_logger,
+)
+from messages import Envelope, Store
+
+from . import core
+
+__all__ = [
+    "SPILL_QUEUE_ADDRESS",
+    "HandleReleaser",
+    "SpillQueue",
+    "cap_bytes_from_env",
+    "spawn_spill_queue",
+]
+
+SPILL_QUEUE_ADDRESS = "spill_queue"
+"""The conventional actor name of the spill queue."""
+
+_SSD_WRITER_ADDRESS = "ssd_writer"
+_ENV_CAP = "KVTIER_SSD_SPILL_QUEUE_GB"
+
+_log = get_logger("kvtier.spill_queue")
+
+
+class HandleReleaser(Protocol):
+    """Where released handles go: ``kernels.CacheRegistry`` (thread-safe ``dispose``)."""
+
+    def dispose(self, handle: str) -> None:
+        """Forget ``handle``; its arrays are dropped later on the engine thread."""
+        ...
+
+
+def cap_bytes_from_env(environ: Mapping[str, str], default: int = core.DEFAULT_CAP_BYTES) -> int:
+    """The queue's byte cap from ``KVTIER_SSD_SPILL_QUEUE_GB`` (GB may be fractional; 0 allowed).
+
+    Raises ``ValueError`` for a value that is not a finite number >= 0.
+    """
+    raw = environ.get(_ENV_CAP)
+    if raw is None or raw.strip() == "":
+        return default
+    gb = float(raw)
+    if not gb >= 0 or gb == float("inf"):
+        raise ValueError(f"{_ENV_CAP} must be a finite number >= 0, got {raw!r}")
+    return int(gb * 1024**3)
+
+
+class SpillQueue(Actor):
+    """One serial, byte-capped queue of entries waiting to be written to SSD."""
+
+    def __init__(
+        self,
+        *,
+        state: core.QueueState,
+        releaser: HandleReleaser,
+        writer: str = _SSD_WRITER_ADDRESS,
+    ) -> None:
+        self.state = state
+        self._releaser = releaser
+        self._writer = writer
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Apply the rules to one message and perform their effects in order."""
+        self.state, effects = core.handle(self.state, envelope)
+        await self._perform(effects, ctx)
+
+    async def stopped(self, ctx: Context) -> None:
+        """Release every handle still owned (queued and in flight)."""
+        self.state, effects = core.stop(self.state)
+        await self._perform(effects, ctx)
+
+    async def _perform(self, effects: Sequence[core.Effect], ctx: Context) -> None:
+        work = collections.deque(effects)
+        while work:
+            effect = work.popleft()
+            if isinstance(effect, core.SendStore):
+                work.extend(await self._send_store(effect.item, ctx))
+            elif isinstance(effect, core.ReleaseHandle):
+                self._release(effect.handle)
+            elif isinstance(effect, core.Answer):
+                await ctx.reply(effect.request, effect.body)
+            else:
+                assert_never(effect)
+
+    async def _send_store(self, item: core.Item, ctx: Context) -> list[core.Effect]:
+        body = Store(
+            handle=item.handle,
+            namespace=item.namespace,
+            tokens=item.tokens,
+            meta=item.meta,
+            source=item.source,
+            reply_to=ctx.name,
+        )
+        try:
+            await ctx.ref(self._writer).tell(body, correlation_id=item.correlation_id)
+        except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
+            _log.warning(
+                "spill_queue.writer_unavailable", handle=item.handle, error=type(exc).__name__
+            )
+            self.state, more = core.store_unavailable(self.state, item.handle, "writer_unavailable")
+            return more
+        return []
+
+    def _release(self, handle: str) -> None:
+        try:
+            self._releaser.dispose(handle)
+        except KeyError:
+            # NOTE: the registry raises UnknownCacheHandle (a KeyError) for a
+            # handle it no longer knows; there is nothing left to free.
+            _log.warning("spill_queue.release_unknown", handle=handle)
+
+
+def spawn_spill_queue(
+    system: ActorSystem,
+    *,
+    releaser: HandleReleaser,
+    cap_bytes: int = core.DEFAULT_CAP_BYTES,
+    writer: str = _SSD_WRITER_ADDRESS,
+    name: str = SPILL_QUEUE_ADDRESS,
+    capacity: int = 256,
+    state: core.QueueState | None = None,
+) -> ActorRef:
+    """Spawn the spill queue with one shared state that survives restarts.
+
+    Pass ``state`` to read statistics directly (``core.stats(state)``)
+    without asking; it then supplies the cap and ``cap_bytes`` is ignored.
+
+    NOTE: the state is built once and handed to every instance, so a
+    restart after a failing message does not orphan the handles the queue
+    owns (they would never be released otherwise).
+    """
+    if state is None:
+        state = core.QueueState(cap_bytes=cap_bytes)
+    shared = state
+    return system.spawn(
+        name,
+        lambda: SpillQueue(state=shared, releaser=releaser, writer=writer),
+        capacity=capacity,
+        supervision=Supervision(on_failure="restart", max_restarts=10, within=60.0),
+    )

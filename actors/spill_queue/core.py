@@ -1,0 +1,363 @@
+"""The spill queue's rules as a sans-IO core: ``handle(state, envelope) -> (state, effects)``.
+
+Pure Python over metadata: no arrays, no I/O, no clock. The shell
+(``actors/spill_queue/actor.py``) performs the effects: :class:`SendStore`
+hands the in-flight item to the SSD writer, :class:`ReleaseHandle` disposes a
+handle through the registry, :class:`Answer` replies to a waiting request.
+
+Invariants kept by every function here (``tests/actors/spill_queue`` checks
+them on random sequences):
+
+- every accepted handle is released exactly once, on whichever path its item
+  settles (stored, failed, dropped, dropped at stop); a handle is never
+  released while the writer may still read it, except at stop;
+- at most one item is in flight; items start in arrival order;
+- after an enqueue, ``pending_bytes <= cap_bytes`` unless the only queued
+  item is the one just enqueued (the soft cap: the newest item is never its
+  own victim, and the in-flight item is never a victim);
+- a dropped item is always the oldest queued one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from messages import (
+    Body,
+    DrainSpills,
+    Enqueue,
+    EntryMeta,
+    Envelope,
+    Failure,
+    SpillOutcome,
+    SpillQueueStats,
+    SpillQueueStatsRequest,
+    SpillsDrained,
+    SpillSettled,
+    SpillSource,
+    StoreResult,
+)
+
+__all__ = [
+    "DEFAULT_CAP_BYTES",
+    "Answer",
+    "Effect",
+    "Item",
+    "QueueState",
+    "ReleaseHandle",
+    "SendStore",
+    "UnknownSpillQueueMessage",
+    "drained",
+    "handle",
+    "pending_bytes",
+    "stats",
+    "stop",
+    "store_unavailable",
+]
+
+DEFAULT_CAP_BYTES = 2 * 1024**3
+"""Default byte cap of the queue (2 GiB; ``KVTIER_SSD_SPILL_QUEUE_GB``)."""
+
+
+class UnknownSpillQueueMessage(TypeError):
+    """A body the spill queue has no rule for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One queued entry; the queue owns ``handle`` until the item settles.
+
+    ``notify`` is the ``Enqueue`` envelope when its sender asked to hear the
+    outcome; ``correlation_id`` is the producer's, carried to the writer.
+    """
+
+    seq: int
+    handle: str
+    namespace: str
+    tokens: tuple[int, ...]
+    meta: EntryMeta
+    source: SpillSource
+    correlation_id: str
+    notify: Envelope | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the item pins in memory until it settles."""
+        return self.meta.nbytes
+
+
+# --- effects (core -> shell) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendStore:
+    """Hand ``item`` to the SSD writer (``Store``, answered to this queue)."""
+
+    item: Item
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseHandle:
+    """Dispose ``handle`` (the queue owned it; nothing reads it any more)."""
+
+    handle: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Reply ``body`` to the waiting ``request``."""
+
+    request: Envelope
+    body: Body
+
+
+Effect = SendStore | ReleaseHandle | Answer
+
+
+@dataclass
+class QueueState:
+    """Everything the rules know (mutated in place and returned by :func:`handle`)."""
+
+    cap_bytes: int = DEFAULT_CAP_BYTES
+    queued: deque[Item] = field(default_factory=deque)
+    queued_bytes: int = 0
+    in_flight: Item | None = None
+    stopping: bool = False
+    drain_waiters: list[Envelope] = field(default_factory=list)
+    seq: int = 0
+    enqueued: int = 0
+    stored: int = 0
+    dropped: int = 0
+    dropped_bytes: int = 0
+    failed: int = 0
+    refused: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cap_bytes < 0:
+            raise ValueError("cap_bytes cannot be negative")
+
+
+def pending_bytes(state: QueueState) -> int:
+    """Bytes pinned by queued items plus the in-flight one."""
+    flying = state.in_flight.nbytes if state.in_flight is not None else 0
+    return state.queued_bytes + flying
+
+
+def _owned(state: QueueState, handle_id: str) -> bool:
+    if state.in_flight is not None and state.in_flight.handle == handle_id:
+        return True
+    return any(item.handle == handle_id for item in state.queued)
+
+
+def _settle(state: QueueState, item: Item, outcome: SpillOutcome, reason: str) -> list[Effect]:
+    """Release ``item``'s handle and tell its producer how it ended."""
+    effects: list[Effect] = [ReleaseHandle(item.handle)]
+    if item.notify is not None:
+        effects.append(
+            Answer(
+                item.notify,
+                SpillSettled(
+                    handle=item.handle,
+                    source=item.source,
+                    outcome=outcome,
+                    reason=reason,
+                    tokens=len(item.tokens),
+                    namespace=item.namespace,
+                ),
+            )
+        )
+    return effects
+
+
+def _refuse(
+    state: QueueState, envelope: Envelope, msg: Enqueue, reason: str, *, release: bool
+) -> list[Effect]:
+    state.refused += 1
+    effects: list[Effect] = [ReleaseHandle(msg.handle)] if release else []
+    if msg.reply_to:
+        effects.append(
+            Answer(
+                envelope,
+                SpillSettled(
+                    handle=msg.handle,
+                    source=msg.source,
+                    outcome="refused",
+                    reason=reason,
+                    tokens=len(msg.tokens),
+                    namespace=msg.namespace,
+                ),
+            )
+        )
+    return effects
+
+
+def _drained_body(state: QueueState) -> SpillsDrained:
+    return SpillsDrained(
+        enqueued=state.enqueued,
+        stored=state.stored,
+        dropped=state.dropped,
+        failed=state.failed,
+        refused=state.refused,
+    )
+
+
+def drained(state: QueueState) -> bool:
+    """Nothing queued and nothing in flight."""
+    return state.in_flight is None and not state.queued
+
+
+def _after_settle(state: QueueState) -> list[Effect]:
+    """Start the next item, or answer drain waiters once idle."""
+    if state.in_flight is None and state.queued and not state.stopping:
+        item = state.queued.popleft()
+        state.queued_bytes -= item.nbytes
+        state.in_flight = item
+        return [SendStore(item)]
+    if drained(state) and state.drain_waiters:
+        body = _drained_body(state)
+        waiters, state.drain_waiters = state.drain_waiters, []
+        return [Answer(w, body) for w in waiters]
+    return []
+
+
+def enqueue(state: QueueState, envelope: Envelope, msg: Enqueue) -> list[Effect]:
+    """Accept ``msg``'s item; drop the oldest queued items while over the cap; start if idle."""
+    if _owned(state, msg.handle):
+        # NOTE: already ours; releasing it again would double-dispose it.
+        return _refuse(state, envelope, msg, "duplicate_handle", release=False)
+    if state.stopping:
+        return _refuse(state, envelope, msg, "stopping", release=True)
+    if not msg.tokens or len(msg.tokens) != msg.meta.offset:
+        state.enqueued += 1
+        state.failed += 1
+        bad = Item(
+            seq=-1,
+            handle=msg.handle,
+            namespace=msg.namespace,
+            tokens=msg.tokens,
+            meta=msg.meta,
+            source=msg.source,
+            correlation_id=envelope.correlation_id,
+            notify=envelope if msg.reply_to else None,
+        )
+        return _settle(state, bad, "failed", "invalid")
+    state.seq += 1
+    state.enqueued += 1
+    item = Item(
+        seq=state.seq,
+        handle=msg.handle,
+        namespace=msg.namespace,
+        tokens=msg.tokens,
+        meta=msg.meta,
+        source=msg.source,
+        correlation_id=envelope.correlation_id,
+        notify=envelope if msg.reply_to else None,
+    )
+    state.queued.append(item)
+    state.queued_bytes += item.nbytes
+    effects: list[Effect] = []
+    # NOTE: len > 1 keeps the item just enqueued (always the last) out of
+    # reach; the in-flight item is not in ``queued`` at all.
+    while pending_bytes(state) > state.cap_bytes and len(state.queued) > 1:
+        victim = state.queued.popleft()
+        state.queued_bytes -= victim.nbytes
+        state.dropped += 1
+        state.dropped_bytes += victim.nbytes
+        effects += _settle(state, victim, "dropped", "over_cap")
+    effects += _after_settle(state)
+    return effects
+
+
+def store_result(state: QueueState, msg: StoreResult) -> list[Effect]:
+    """Settle the in-flight item with the writer's answer and start the next."""
+    item = state.in_flight
+    if item is None or item.handle != msg.handle:
+        return []  # NOTE: a stale answer for an item already settled otherwise.
+    state.in_flight = None
+    if msg.stored:
+        state.stored += 1
+        effects = _settle(state, item, "stored", "")
+    else:
+        state.failed += 1
+        effects = _settle(state, item, "failed", msg.reason)
+    return effects + _after_settle(state)
+
+
+def store_unavailable(
+    state: QueueState, handle_id: str, reason: str
+) -> tuple[QueueState, list[Effect]]:
+    """The writer cannot take or answer the in-flight item: it failed."""
+    item = state.in_flight
+    if item is None or item.handle != handle_id:
+        return state, []
+    state.in_flight = None
+    state.failed += 1
+    return state, _settle(state, item, "failed", reason) + _after_settle(state)
+
+
+def stop(state: QueueState) -> tuple[QueueState, list[Effect]]:
+    """The queue stops: release every item (queued and in flight), answer drain waiters.
+
+    NOTE: the in-flight item is released too: a writer still reading it then
+    fails that store (its handle is gone), which is a miss, never a wrong file.
+    Flush before stopping to keep queued work.
+    """
+    state.stopping = True
+    effects: list[Effect] = []
+    while state.queued:
+        item = state.queued.popleft()
+        state.queued_bytes -= item.nbytes
+        state.dropped += 1
+        state.dropped_bytes += item.nbytes
+        effects += _settle(state, item, "dropped", "stopping")
+    if state.in_flight is not None:
+        item, state.in_flight = state.in_flight, None
+        state.failed += 1
+        effects += _settle(state, item, "failed", "stopping")
+    if state.drain_waiters:
+        body = _drained_body(state)
+        waiters, state.drain_waiters = state.drain_waiters, []
+        effects += [Answer(w, body) for w in waiters]
+    return state, effects
+
+
+def stats(state: QueueState) -> SpillQueueStats:
+    """The stats snapshot of ``state``."""
+    flying = state.in_flight.nbytes if state.in_flight is not None else 0
+    return SpillQueueStats(
+        cap_bytes=state.cap_bytes,
+        pending=len(state.queued) + (state.in_flight is not None),
+        pending_bytes=state.queued_bytes + flying,
+        in_flight=state.in_flight is not None,
+        in_flight_bytes=flying,
+        enqueued=state.enqueued,
+        stored=state.stored,
+        dropped=state.dropped,
+        dropped_bytes=state.dropped_bytes,
+        failed=state.failed,
+        refused=state.refused,
+    )
+
+
+def handle(state: QueueState, envelope: Envelope) -> tuple[QueueState, list[Effect]]:
+    """Apply one message to ``state``; return it with the effects to perform, in order."""
+    body = envelope.body
+    if isinstance(body, Enqueue):
+        return state, enqueue(state, envelope, body)
+    if isinstance(body, StoreResult):
+        return state, store_result(state, body)
+    if isinstance(body, Failure):
+        # NOTE: the runtime answers a Store whose handler raised with a Failure;
+        # only one Store is ever outstanding, so it is the in-flight item's.
+        if state.in_flight is None:
+            return state, []
+        return store_unavailable(state, state.in_flight.handle, "writer_failed")
+    if isinstance(body, DrainSpills):
+        if drained(state):
+            return state, [Answer(envelope, _drained_body(state))]
+        state.drain_waiters.append(envelope)
+        return state, []
+    if isinstance(body, SpillQueueStatsRequest):
+        return state, [Answer(envelope, stats(state))]
+    raise UnknownSpillQueueMessage(f"spill queue has no rule for {body.kind!r}")

@@ -1,0 +1,307 @@
+"""Messages of the SSD cold tier (``actors.ssd_writer``).
+
+The tier is three actors: ``ssd_writer`` keeps the in-memory index of the
+files on disk and decides (find, cap, supersession, restore-or-recompute);
+``ssd_writer.store`` writes one file at a time; ``ssd_writer.read`` reads
+files back. Only the index actor is addressed from outside; the other two
+speak the internal messages at the end of this module.
+
+Tensors never travel here. A store names the cache ``handle`` whose tensors
+the writer reads back one engine turn at a time (through the ``TensorSource``
+port); a restore answers with a ``staging_id`` under which the file's bytes
+wait in host memory (``actors.ssd_writer.HostStaging``) until the caller
+turns them into MLX arrays in an engine turn.
+
+Public protocol (``docs/cold-tier.md``):
+
+- ``Find`` (ask): the longest usable prefix on disk -> ``FindResult``, with
+  the restore-or-recompute advice. Index only; no file is touched.
+- ``Restore`` (ask): read a found file into host buffers -> ``RestoreResult``.
+- ``Store`` (ask, sent by the spill queue): write an entry -> ``StoreResult``.
+  The writer never disposes the handle; the spill queue owns it.
+- ``Covers`` (ask): is this exact prefix servable from disk? -> ``CoversResult``.
+- ``ObservePrefill`` (tell): a measured prefill, feeding the estimator.
+- ``SsdStatsRequest`` (ask) -> ``SsdStats``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ._base import Body, Request
+from .prompt_cache import EntryMeta
+from .spill_queue import SpillSource
+
+__all__ = [
+    "Covers",
+    "CoversResult",
+    "EntryWritten",
+    "Find",
+    "FindResult",
+    "ObservePrefill",
+    "ReadEntry",
+    "ReserveSpace",
+    "Restore",
+    "RestoreChoice",
+    "RestoreReport",
+    "RestoreResult",
+    "SpaceReserved",
+    "SsdStats",
+    "SsdStatsRequest",
+    "Store",
+    "StoreResult",
+    "WriteCommitted",
+    "WriteEntry",
+]
+
+RestoreChoice = Literal["restore", "recompute", "miss"]
+"""``miss``: no usable file; ``restore``: read it (predicted faster, or no
+estimate yet); ``recompute``: a file exists but prefilling is predicted faster."""
+
+
+# --- public protocol ----------------------------------------------------------
+
+
+class Find(Request):
+    """Ask for the longest usable prefix of ``tokens`` on disk (index only).
+
+    ``better_than``: usable tokens the caller already has (from the RAM
+    tier); only a strictly longer file prefix counts, and the estimator
+    weighs restoring it against prefilling the extra tokens only.
+    """
+
+    kind: Literal["ssd_writer.find"] = "ssd_writer.find"
+    tokens: tuple[int, ...]
+    namespace: str = ""
+    better_than: int = Field(default=0, ge=0)
+
+
+class FindResult(Body):
+    """Answer to :class:`Find`.
+
+    ``cached_tokens`` (<= len(prompt) - 1) is the usable prefix of the file at
+    ``path``, whose entry covers ``entry_tokens`` tokens (more means a trim
+    after restore). ``choice`` is the estimator's advice; ``recompute`` still
+    names the file so a caller may decide otherwise.
+    """
+
+    kind: Literal["ssd_writer.find_result"] = "ssd_writer.find_result"
+    choice: RestoreChoice = "miss"
+    path: str | None = None
+    cached_tokens: int = Field(default=0, ge=0)
+    entry_tokens: int = Field(default=0, ge=0)
+    file_bytes: int = Field(default=0, ge=0)
+    predicted_restore_s: float | None = None
+    predicted_prefill_s: float | None = None
+
+
+class Restore(Request):
+    """Read the file at ``path`` (from a :class:`FindResult`) into host buffers."""
+
+    kind: Literal["ssd_writer.restore"] = "ssd_writer.restore"
+    path: str
+
+
+class RestoreResult(Body):
+    """Answer to :class:`Restore`.
+
+    On success the bytes wait under ``staging_id`` in the tier's
+    ``HostStaging``; the caller takes them (once) and materializes them in an
+    engine turn. On failure ``reason`` is ``gone`` (no longer indexed or
+    removed meanwhile), ``corrupt`` (the file failed a check and was
+    removed), ``io_error``; every failure is a cache miss, never an error.
+    """
+
+    kind: Literal["ssd_writer.restore_result"] = "ssd_writer.restore_result"
+    ok: bool
+    path: str
+    staging_id: str | None = None
+    entry_tokens: int = Field(default=0, ge=0)
+    bytes: int = Field(default=0, ge=0)
+    read_s: float = Field(default=0.0, ge=0.0)
+    reason: str = ""
+
+
+class Store(Request):
+    """Persist the entry behind ``handle`` (reads its tensors in engine turns).
+
+    Sent by the spill queue, which keeps the handle's ownership: the writer
+    reads the tensors but never disposes the handle. Reply: :class:`StoreResult`.
+    """
+
+    kind: Literal["ssd_writer.store"] = "ssd_writer.store"
+    handle: str
+    namespace: str = ""
+    tokens: tuple[int, ...]
+    meta: EntryMeta
+    source: SpillSource = "evict"
+
+
+class StoreResult(Body):
+    """Answer to :class:`Store` (for ``handle``): ``stored``, or why not (never an error).
+
+    Reasons when not stored: ``read_only`` (another server holds the
+    directory), ``disabled``, ``invalid``, ``too_large`` (the file alone
+    exceeds the cap), ``disk_full``, ``io_error``, ``fsync_failed``,
+    ``source_failed`` (the tensors could not be read back), ``evict_failed``.
+    """
+
+    kind: Literal["ssd_writer.store_result"] = "ssd_writer.store_result"
+    handle: str
+    stored: bool
+    reason: str = "stored"
+    path: str | None = None
+    file_bytes: int = Field(default=0, ge=0)
+    replaced: int = Field(default=0, ge=0)
+    superseded: int = Field(default=0, ge=0)
+    evicted: int = Field(default=0, ge=0)
+
+
+class Covers(Request):
+    """Is the exact prefix ``tokens`` servable from a committed file? (durability checks)."""
+
+    kind: Literal["ssd_writer.covers"] = "ssd_writer.covers"
+    tokens: tuple[int, ...]
+    namespace: str = ""
+
+
+class CoversResult(Body):
+    """Answer to :class:`Covers`; ``entry_tokens`` is the covering entry's length (0 if none)."""
+
+    kind: Literal["ssd_writer.covers_result"] = "ssd_writer.covers_result"
+    covered: bool
+    entry_tokens: int = Field(default=0, ge=0)
+
+
+class ObservePrefill(Body):
+    """A measured prefill: ``tokens`` computed in ``seconds`` (feeds restore-or-recompute)."""
+
+    kind: Literal["ssd_writer.observe_prefill"] = "ssd_writer.observe_prefill"
+    tokens: int = Field(ge=0)
+    seconds: float = Field(ge=0.0)
+
+
+class SsdStatsRequest(Request):
+    """Ask for :class:`SsdStats`."""
+
+    kind: Literal["ssd_writer.stats_request"] = "ssd_writer.stats_request"
+
+
+class SsdStats(Body):
+    """Gauges and lifetime counters of the cold tier's index and writer.
+
+    ``bytes`` counts committed files; ``reserved_bytes`` the temp file being
+    written; their sum never exceeds ``max_bytes``. ``restore_ms_last`` is
+    the file read of the last restore (materializing is the caller's).
+    ``choices_*`` count the restore-or-recompute advice given by ``Find``.
+    """
+
+    kind: Literal["ssd_writer.stats"] = "ssd_writer.stats"
+    ready: bool
+    read_only: bool
+    entries: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    reserved_bytes: int = Field(ge=0)
+    max_bytes: int = Field(ge=0)
+    finds: int = Field(ge=0)
+    restores: int = Field(ge=0)
+    restore_failures: int = Field(ge=0)
+    restore_ms_last: float = Field(ge=0.0)
+    spills: int = Field(ge=0)
+    store_failures: int = Field(ge=0)
+    too_large: int = Field(ge=0)
+    disk_full: int = Field(ge=0)
+    evicted: int = Field(ge=0)
+    replaced: int = Field(ge=0)
+    superseded: int = Field(ge=0)
+    corrupt_removed: int = Field(ge=0)
+    orphans_reaped: int = Field(ge=0)
+    foreign_dirs: int = Field(ge=0)
+    choices_restore: int = Field(ge=0)
+    choices_recompute: int = Field(ge=0)
+    disk_read_gbps: float | None = None
+    prefill_tok_s: float | None = None
+    longest_entry_tokens: int = Field(default=0, ge=0)
+
+
+# --- internal: index <-> store worker / reader --------------------------------
+
+
+class WriteEntry(Body):
+    """Index -> store worker: write job ``job_id`` into ``directory``."""
+
+    kind: Literal["ssd_writer.write_entry"] = "ssd_writer.write_entry"
+    job_id: str
+    handle: str
+    namespace: str
+    tokens: tuple[int, ...]
+    directory: str
+
+
+class ReserveSpace(Request):
+    """Store worker -> index: the planned file needs ``file_bytes``; make room under the cap."""
+
+    kind: Literal["ssd_writer.reserve"] = "ssd_writer.reserve"
+    job_id: str
+    file_bytes: int = Field(ge=0)
+
+
+class SpaceReserved(Body):
+    """Index -> store worker: write (``ok``) after unlinking ``evict``, or give up (``reason``)."""
+
+    kind: Literal["ssd_writer.reserved"] = "ssd_writer.reserved"
+    ok: bool
+    reason: str = ""
+    evict: tuple[str, ...] = ()
+
+
+class EntryWritten(Request):
+    """Store worker -> index: job ``job_id`` ended (committed at ``path``, or ``reason``).
+
+    ``unremoved``: eviction victims whose unlink failed (still on disk).
+    """
+
+    kind: Literal["ssd_writer.entry_written"] = "ssd_writer.entry_written"
+    job_id: str
+    ok: bool
+    reason: str = ""
+    path: str | None = None
+    file_bytes: int = Field(default=0, ge=0)
+    mtime_ns: int = Field(default=0, ge=0)
+    trimmable: bool = False
+    min_reusable_offset: int = Field(default=0, ge=0)
+    unremoved: tuple[str, ...] = ()
+
+
+class WriteCommitted(Body):
+    """Index -> store worker: the job is settled; unlink ``remove`` (superseded files)."""
+
+    kind: Literal["ssd_writer.write_committed"] = "ssd_writer.write_committed"
+    remove: tuple[str, ...] = ()
+
+
+class ReadEntry(Request):
+    """Index -> reader: read ``path``; reply to the ``Restore`` asker's slot (``reply_to``)."""
+
+    kind: Literal["ssd_writer.read_entry"] = "ssd_writer.read_entry"
+    path: str
+    namespace: str
+    tokens: tuple[int, ...]
+
+
+class RestoreReport(Body):
+    """Reader -> index: how a read went (feeds the index, the estimator and the counters).
+
+    ``removed``: the reader found the file corrupt or mismatched and unlinked it.
+    """
+
+    kind: Literal["ssd_writer.restore_report"] = "ssd_writer.restore_report"
+    path: str
+    ok: bool
+    reason: str = ""
+    bytes: int = Field(default=0, ge=0)
+    seconds: float = Field(default=0.0, ge=0.0)
+    mtime_ns: int = Field(default=0, ge=0)
+    removed: bool = False
