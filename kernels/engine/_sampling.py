@@ -5,27 +5,29 @@ check a request before admission. ``make_request_sampler`` and
 ``make_request_processors`` build the MLX side; call them on the engine
 thread.
 
-Seeded sampling uses a per-request PRNG key: each sampled token splits the
-request's own key, exactly as MLX splits its global key, so a seeded request
-gives the same tokens whatever else the engine thread did in between (other
-requests, background turns), and the same tokens as ``mlx_lm`` after
-``mx.random.seed(seed)``. An unseeded request draws from the engine thread's
-global MLX key, as ``mlx_lm`` does.
+Every sampled request owns its PRNG key: each sampled token splits the
+request's key exactly as MLX splits its global key, so a seeded request gives
+the same tokens whatever else the engine thread did in between, and the same
+tokens as ``mlx_lm`` after ``mx.random.seed(seed)``. An unseeded request
+draws its key's seed from an entropy port (``secrets`` by default).
+
+NOTE: nothing here touches MLX's global random state, and the filters are
+plain functions. mlx-lm's filters are ``mx.compile``d with
+``inputs=outputs=mx.random.state``: when tracing one raises (``top_k`` at or
+above the vocabulary size did), the global key is left holding a tracer
+without a primitive, and every later draw from it fails with "Attempting to
+eval an array without a primitive" until the process restarts. With no
+shared state, a request that fails can only fail itself.
 """
 
 from __future__ import annotations
 
+import math
+import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    apply_xtc,
-    categorical_sampling,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import make_logits_processors
 
 from messages.gateway import GenerationParams
 
@@ -33,6 +35,7 @@ __all__ = [
     "LogitsProcessor",
     "Sampler",
     "SamplingParams",
+    "SeedSource",
     "make_request_processors",
     "make_request_sampler",
 ]
@@ -43,6 +46,9 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """Maps (token history, logits) to adjusted logits (mlx-lm's processor shape)."""
 
+SeedSource = Callable[[], int]
+"""Returns a fresh seed in ``[0, 2**63)`` for a request that names none."""
+
 
 # NOTE: one definition of a request's sampling parameters, in `messages`
 # (which may not import kernels; kernels may import messages): the gateway
@@ -50,18 +56,57 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 SamplingParams = GenerationParams
 """How one request samples and when it stops: :class:`messages.GenerationParams`."""
 
+_Filter = Callable[[mx.array], mx.array]
+
+
+def _fresh_seed() -> int:
+    return secrets.randbits(63)
+
 
 def _argmax(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-class _KeyedSampler:
-    """mlx-lm's sampler chain with an explicit per-request PRNG key."""
+# The filters below compute what mlx-lm's apply_top_p / apply_min_p /
+# apply_top_k / apply_xtc compute (same operations in the same order, so a
+# seeded request still reproduces mlx-lm), without the compiled global state.
 
-    def __init__(self, params: SamplingParams, filters: list[Callable[[mx.array], mx.array]]) -> None:
-        assert params.seed is not None
-        self._key = mx.random.key(params.seed)
-        self._inv_temp = 1.0 / params.temperature
+
+def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    sorted_logprobs = mx.sort(logprobs, axis=-1)
+    sorted_probs = mx.exp(sorted_logprobs.astype(mx.float32))
+    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
+    total_mass = mass_above[..., :1] + sorted_probs[..., :1]
+    num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def _min_p(logprobs: mx.array, min_p: float, min_tokens_to_keep: int) -> mx.array:
+    top_logprobs = mx.max(logprobs, axis=-1, keepdims=True)
+    tokens_to_remove = logprobs < top_logprobs + math.log(min_p)
+    keep = min(min_tokens_to_keep, logprobs.shape[-1])
+    if keep > 1:
+        top = mx.argpartition(logprobs, kth=-keep, axis=-1)[..., -keep:]
+        tokens_to_remove = mx.put_along_axis(tokens_to_remove, top, mx.array(False), axis=-1)
+    return mx.where(tokens_to_remove, -float("inf"), logprobs)
+
+
+def _top_k(logprobs: mx.array, top_k: int) -> mx.array:
+    # NOTE: k at or above the vocabulary keeps every token: no filter at all
+    # (argpartition would refuse such a k).
+    if top_k >= logprobs.shape[-1]:
+        return logprobs
+    mask_idx = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(logprobs, mask_idx, mx.array(-float("inf"), logprobs.dtype), axis=-1)
+
+
+class _KeyedSampler:
+    """mlx-lm's sampler chain with the request's own PRNG key."""
+
+    def __init__(self, seed: int, temperature: float, filters: list[_Filter]) -> None:
+        self._key = mx.random.key(seed)
+        self._inv_temp = 1.0 / temperature
         # NOTE: shared list; make_request_sampler inserts the keyed XTC filter later.
         self._filters = filters
 
@@ -78,7 +123,7 @@ class _KeyedSampler:
         return mx.random.categorical(logprobs * self._inv_temp, key=self.next_key())
 
 
-def _keyed_xtc(sampler: _KeyedSampler, params: SamplingParams, special: list[int]) -> Callable[[mx.array], mx.array]:
+def _keyed_xtc(sampler: _KeyedSampler, params: SamplingParams, special: list[int]) -> _Filter:
     def xtc(logits: mx.array) -> mx.array:
         probs = mx.softmax(logits, -1)
         mask = probs > mx.where(probs > params.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
@@ -90,44 +135,38 @@ def _keyed_xtc(sampler: _KeyedSampler, params: SamplingParams, special: list[int
     return xtc
 
 
-def make_request_sampler(params: SamplingParams, *, xtc_special_tokens: list[int] | None = None) -> Sampler:
-    """The sampler for one request (engine thread): mlx-lm's chain, keyed when seeded.
+def make_request_sampler(
+    params: SamplingParams,
+    *,
+    xtc_special_tokens: list[int] | None = None,
+    seed_source: SeedSource = _fresh_seed,
+) -> Sampler:
+    """The sampler for one request (engine thread): mlx-lm's chain with the request's own key.
 
     The chain order is mlx-lm's: top-p, min-p, XTC, top-k, then a categorical
     draw at ``temperature``. ``xtc_special_tokens`` (usually EOS and newline
-    ids) are never removed by XTC.
+    ids) are never removed by XTC. ``seed_source`` seeds a request that names
+    no ``seed``; a ``top_k`` at or above the vocabulary size filters nothing.
     """
     if params.greedy:
         return _argmax
-    special = list(xtc_special_tokens or [])
-    filters: list[Callable[[mx.array], mx.array]] = []
+    special = [int(t) for t in xtc_special_tokens or []]
+    filters: list[_Filter] = []
     if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
+        top_p = params.top_p
+        filters.append(lambda x: _top_p(x, top_p))
     if params.min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p, params.min_tokens_to_keep))
+        min_p, keep = params.min_p, params.min_tokens_to_keep
+        filters.append(lambda x: _min_p(x, min_p, keep))
     xtc_index = len(filters) if params.xtc_probability > 0.0 else -1
     if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-
-    if params.seed is None:
-        if xtc_index >= 0:
-            filters.insert(
-                xtc_index,
-                lambda x: apply_xtc(x, params.xtc_probability, params.xtc_threshold, special),
-            )
-        temp = params.temperature
-
-        def global_sampler(logprobs: mx.array) -> mx.array:
-            for method in filters:
-                logprobs = method(logprobs)
-            return categorical_sampling(logprobs, temp)
-
-        return global_sampler
-
-    keyed = _KeyedSampler(params, filters)
+        top_k = params.top_k
+        filters.append(lambda x: _top_k(x, top_k))
+    seed = params.seed if params.seed is not None else seed_source()
+    sampler = _KeyedSampler(seed, params.temperature, filters)
     if xtc_index >= 0:
-        filters.insert(xtc_index, _keyed_xtc(keyed, params, special))
-    return keyed
+        filters.insert(xtc_index, _keyed_xtc(sampler, params, special))
+    return sampler
 
 
 def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:
