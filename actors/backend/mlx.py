@@ -17,6 +17,7 @@ from kernels import (
     KvScheme,
     convert_caches,
 )
+from kernels.cache import CacheOffsetMismatch
 from messages.gateway import Generate
 
 _log = structlog.get_logger("kvtier.backend")
@@ -89,21 +90,26 @@ class MlxBackend:
         if self._registry is None:
             return None
         tokens = gen.cache_tokens
-        reg = self._registry.snapshot(gen.cache, offset=len(tokens))
-        return Registered(reg.handle, reg.meta, tokens[: reg.meta.offset])
+        try:
+            reg = self._registry.snapshot(gen.cache, offset=len(tokens))
+        except CacheOffsetMismatch as exc:
+            _log.warning("prompt_cache.snapshot_refused", error=str(exc))
+            return None
+        return Registered(reg.handle, reg.meta, tokens)
 
     def register(self, gen: Generation) -> Registered | None:
         """Hand the live cache to the registry as an entry (``None`` if it holds nothing)."""
         if self._registry is None or not gen.cache_tokens:
             return None
         covered = gen.cache_tokens
-        reg = self._registry.register(gen.cache, offset=len(covered))
-        tokens = covered[: reg.meta.offset]
-        if len(tokens) != reg.meta.offset:
-            # NOTE: the cache and its token record disagree; never index a lie.
-            self._registry.dispose(reg.handle)
+        try:
+            # NOTE: the registry compares every layer's real offset with the
+            # token record; a disagreement is never indexed (a future miss).
+            reg = self._registry.register(gen.cache, offset=len(covered))
+        except CacheOffsetMismatch as exc:
+            _log.warning("prompt_cache.register_refused", error=str(exc))
             return None
-        return Registered(reg.handle, reg.meta, tokens)
+        return Registered(reg.handle, reg.meta, covered)
 
     def discard(self, gen: Generation) -> None:
         """Nothing to keep: the caller drops its reference here, on the engine thread."""

@@ -18,6 +18,8 @@ from ._adapters import (
     caches_offset,
     caches_trimmable,
     clone_caches,
+    declare_min_reusable_offset,
+    declared_min_reusable_offset,
     trim_caches,
 )
 from ._kv_scheme import (
@@ -28,10 +30,12 @@ from ._kv_scheme import (
     KvSchemeKind,
     LayerGeometry,
     LayerQuant,
+    check_kv_scheme,
     convert_caches,
     resolve_kv_scheme,
 )
 from ._registry import (
+    CacheOffsetMismatch,
     CacheRegistry,
     RegisteredCache,
     RegistryStats,
@@ -42,6 +46,7 @@ __all__ = [
     "KV_CONFIG_FILE",
     "CacheAdapter",
     "CacheNotTrimmable",
+    "CacheOffsetMismatch",
     "CacheRegistry",
     "InvalidKvScheme",
     "KvGeometry",
@@ -60,8 +65,11 @@ __all__ = [
     "caches_nbytes",
     "caches_offset",
     "caches_trimmable",
+    "check_kv_scheme",
     "clone_caches",
     "convert_caches",
+    "declare_min_reusable_offset",
+    "declared_min_reusable_offset",
     "resolve_kv_scheme",
     "trim_caches",
 ]

@@ -48,6 +48,8 @@ __all__ = [
     "caches_offset",
     "caches_trimmable",
     "clone_caches",
+    "declare_min_reusable_offset",
+    "declared_min_reusable_offset",
     "trim_caches",
 ]
 
@@ -98,14 +100,27 @@ class CacheAdapter:
 
     def minimum_reusable_offset(self, cache: Any) -> int:
         """The shortest prefix this cache may be trimmed to and still be valid."""
-        declared = int(getattr(cache, _MIN_OFFSET_ATTR, 0))
-        return max(declared, self.natural_min_offset(cache))
+        return max(declared_min_reusable_offset(cache), self.natural_min_offset(cache))
 
 
 def _copy_min_offset(src: Any, dst: Any) -> Any:
     if hasattr(src, _MIN_OFFSET_ATTR):
         setattr(dst, _MIN_OFFSET_ATTR, getattr(src, _MIN_OFFSET_ATTR))
     return dst
+
+
+def declared_min_reusable_offset(cache: object) -> int:
+    """The bound an irreversible transition declared on ``cache`` (0 when none did)."""
+    return int(getattr(cache, _MIN_OFFSET_ATTR, 0))
+
+
+def declare_min_reusable_offset(cache: object, offset: int) -> None:
+    """Raise ``cache``'s minimum reusable offset to at least ``offset`` (never lowers it).
+
+    For irreversible transitions (a delayed KV conversion): a prefix shorter
+    than ``offset`` no longer has the representation a fresh run would give it.
+    """
+    setattr(cache, _MIN_OFFSET_ATTR, max(declared_min_reusable_offset(cache), offset))
 
 
 def _plain_trim(cache: Any, n: int) -> int:

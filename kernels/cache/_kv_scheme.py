@@ -22,6 +22,7 @@ so each layer's plain source is freed before the next converts. Rotating
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -38,9 +39,15 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
+    make_prompt_cache,
 )
 
-from ._adapters import UnsupportedCacheKind, adapter_for
+from ._adapters import (
+    UnsupportedCacheKind,
+    adapter_for,
+    declare_min_reusable_offset,
+    declared_min_reusable_offset,
+)
 
 __all__ = [
     "KV_CONFIG_FILE",
@@ -50,6 +57,7 @@ __all__ = [
     "KvSchemeKind",
     "LayerGeometry",
     "LayerQuant",
+    "check_kv_scheme",
     "convert_caches",
     "resolve_kv_scheme",
 ]
@@ -216,6 +224,12 @@ def convert_caches(caches: MutableSequence[Any], scheme: KvScheme) -> int:
     state (and ``CacheList`` groups) are left as they are; an unknown class
     raises :class:`UnsupportedCacheKind`. Each converted layer is evaluated before the
     next one converts so its plain buffers are released first.
+
+    A converted layer keeps the minimum reusable offset its plain form
+    declared. A delayed conversion (``scheme.start > 0``) is an irreversible
+    transition: a prefix shorter than the offset at conversion would have
+    stayed plain in a fresh run, so the layer declares that offset as its
+    minimum (the prompt cache then never trims it below).
     """
     global _warned_rotating
     if not scheme.quantized:
@@ -231,6 +245,11 @@ def convert_caches(caches: MutableSequence[Any], scheme: KvScheme) -> int:
             if cache.keys is None or cache.offset == 0 or cache.offset < scheme.start:
                 continue
             quant = cache.to_quantized(group_size=q.group_size, bits=q.bits)
+            # NOTE: to_quantized builds a fresh object: carry the declared bound over.
+            floor = declared_min_reusable_offset(cache)
+            if scheme.start > 0:
+                floor = max(floor, int(cache.offset))
+            declare_min_reusable_offset(quant, floor)
             caches[index] = quant
             del cache
             mx.eval(*quant.keys, *quant.values)
@@ -246,6 +265,55 @@ def convert_caches(caches: MutableSequence[Any], scheme: KvScheme) -> int:
         else:
             raise UnsupportedCacheKind(cache)
     return converted
+
+
+_KNOWN_KINDS = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache, CacheList)
+
+
+def check_kv_scheme(model: Any, scheme: KvScheme) -> None:
+    """Refuse (:class:`InvalidKvScheme`) a quantizing ``scheme`` this model's cache cannot take.
+
+    Engine thread only (it runs one token through ``model``). Checked per
+    layer the scheme converts: the cache class must be one kvtier knows, and
+    a plain ``KVCache``'s key and value head dimensions must divide into the
+    layer's group size. A trial conversion of the one-token cache then
+    catches anything else ``mx.quantize`` would refuse. NOTE: without this
+    check the server starts and every request fails in its first prefill.
+    """
+    if not scheme.quantized:
+        return
+    caches = make_prompt_cache(model)
+    for index, cache in enumerate(caches):
+        if scheme.layer_quant(index) is not None and type(cache) not in _KNOWN_KINDS:
+            cls = type(cache)
+            raise InvalidKvScheme(
+                f"--kv-quant {scheme.cache_key}: layer {index} uses the cache class "
+                f"{cls.__module__}.{cls.__qualname__}, which kvtier cannot convert; "
+                "serve this model with --kv-quant off"
+            )
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    for index, cache in enumerate(caches):
+        q = scheme.layer_quant(index)
+        if q is None or type(cache) is not KVCache:
+            continue
+        keys, values = cache.keys, cache.values
+        if keys is None or values is None:
+            continue
+        dims = {"key": int(keys.shape[-1]), "value": int(values.shape[-1])}
+        for name, dim in dims.items():
+            if dim % q.group_size != 0:
+                raise InvalidKvScheme(
+                    f"--kv-quant {scheme.cache_key}: layer {index}'s {name} head dimension "
+                    f"({dim}) is not divisible by the group size {q.group_size}; "
+                    "choose a group size that divides it, or --kv-quant off"
+                )
+    try:
+        convert_caches(caches, dataclasses.replace(scheme, start=0))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        # NOTE: whatever mx.quantize refuses becomes one clear startup error.
+        raise InvalidKvScheme(
+            f"--kv-quant {scheme.cache_key}: this model's KV cache cannot be converted ({exc})"
+        ) from exc
 
 
 # --- byte accounting per layer kind -------------------------------------------

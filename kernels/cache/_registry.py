@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from messages import EntryMeta
 
@@ -30,11 +30,25 @@ from ._adapters import (
     clone_caches,
 )
 
-__all__ = ["CacheRegistry", "RegisteredCache", "RegistryStats", "UnknownCacheHandle"]
+__all__ = [
+    "CacheOffsetMismatch",
+    "CacheRegistry",
+    "RegisteredCache",
+    "RegistryStats",
+    "UnknownCacheHandle",
+]
 
 
 class UnknownCacheHandle(KeyError):
     """A handle that was never registered here, or was already disposed."""
+
+
+class CacheOffsetMismatch(ValueError):
+    """A layer holds a different number of tokens than the caller says the cache covers.
+
+    NOTE: indexing such an entry under the caller's tokens would serve KV of
+    other tokens; the registry refuses it instead (the entry is a future miss).
+    """
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,73 @@ def _is_recurrent(cache: Any) -> bool:
     return type(cache) is ArraysCache
 
 
+def _token_layers(caches: Sequence[Any]) -> list[Any]:
+    """Every layer with a token axis (recurrent state has none), CacheList members included."""
+    return [c for c in _all_layers(caches) if not _is_recurrent(c)]
+
+
+def _all_layers(caches: Sequence[Any]) -> list[Any]:
+    """Every layer, ``CacheList`` members in place of their list."""
+    out: list[Any] = []
+    for c in caches:
+        out += _all_layers(c.caches) if type(c) is CacheList else [c]
+    return out
+
+
+def _check_offsets(caches: Sequence[Any], offset: int) -> None:
+    for index, layer in enumerate(_token_layers(caches)):
+        held = adapter_for(layer).offset(layer)
+        if held != offset:
+            raise CacheOffsetMismatch(
+                f"cache layer {index} holds {held} tokens but the entry is said to cover {offset}"
+            )
+
+
+# NOTE: a layer is copied out to its real length when its buffers waste more
+# than this fraction of the bytes its tokens use (mlx-lm grows KV in 256-token
+# slabs, so short entries are mostly slack; long ones waste < 1/8 and are kept
+# as they are, sparing the copy).
+_SLACK_DIVISOR = 8
+
+
+def _copy(a: mx.array) -> mx.array:
+    # NOTE: mx.array(view) materializes a new buffer of the view's own size
+    # (measured: a 9-token slice of a 1024-token buffer retains 9 tokens).
+    return mx.array(a)
+
+
+def _compact_layer(c: Any) -> bool:
+    """Copy a KV layer's arrays out to its real length, in place; whether it applies.
+
+    Plain and quantized KV layers, and rotating rings before they wrap (their
+    slots are then in temporal order from 0); a wrapped ring has no slack.
+    """
+    kind = type(c)
+    if c.keys is None:
+        return False
+    n = int(c.offset)
+    if kind is KVCache:
+        c.keys, c.values = _copy(c.keys[..., :n, :]), _copy(c.values[..., :n, :])
+    elif kind is QuantizedKVCache:
+        c.keys = tuple(_copy(a[..., :n, :]) for a in c.keys)
+        c.values = tuple(_copy(a[..., :n, :]) for a in c.values)
+    elif kind is RotatingKVCache and n < c.max_size and c._idx == n:
+        c.keys, c.values = _copy(c.keys[..., :n, :]), _copy(c.values[..., :n, :])
+    else:
+        return False
+    return True
+
+
+def _used_bytes(c: Any) -> int:
+    """Bytes of a token-axis layer's first ``offset`` tokens (what compaction keeps)."""
+    n = int(c.offset)
+    total = 0
+    for a in adapter_for(c).arrays(c):
+        slots = int(a.shape[-2])
+        total += a.nbytes * min(n, slots) // max(slots, 1)
+    return total
+
+
 def _stamp_recurrent_offset(caches: Sequence[Any], offset: int) -> None:
     # NOTE: recurrent state has no token axis; the offset stamped here lets
     # the adapters report it, so the rules treat such a layer as exact-only.
@@ -116,34 +197,42 @@ class CacheRegistry:
     def register(self, caches: Sequence[Any], *, offset: int | None = None) -> RegisteredCache:
         """Take ``caches`` over and return its handle and :class:`EntryMeta`.
 
-        ``offset`` (tokens covered) is needed only for models whose every
-        layer is recurrent; otherwise it comes from the attention layers.
+        ``offset`` (tokens covered) is needed for models whose every layer is
+        recurrent; when given, every layer with a token axis must hold exactly
+        that many tokens (:class:`CacheOffsetMismatch` otherwise). A layer
+        whose buffers are mostly slack is copied out to its real length.
         """
         self.drain()
         owned = list(caches)
+        if offset is not None:
+            _check_offsets(owned, offset)
         _compact_recurrent(owned)
-        meta = self._measure(owned, offset, retained=None)
+        retained = self._compact(owned, always=False)
+        meta = self._measure(owned, offset, retained=retained)
         return self._insert(owned, meta)
 
     def snapshot(self, caches: Sequence[Any], *, offset: int | None = None) -> RegisteredCache:
-        """Register zero-copy views of a live cache that the caller keeps using.
+        """Register a copy of a live cache that the caller keeps using.
 
-        The live cache's next write copies its buffer (MLX never writes a
-        shared buffer in place), so the snapshot keeps the current buffers;
-        ``meta.nbytes`` bills those whole buffers, not the view lengths.
+        KV layers are copied out to their real length (compact; the live
+        cache then keeps writing its own buffer in place). A wrapped rotating
+        ring stays a zero-copy view: the live ring's next write copies away
+        from it (MLX never writes a shared buffer in place), and
+        ``meta.nbytes`` bills the whole ring it keeps.
         """
         self.drain()
         live = list(caches)
+        if offset is not None:
+            _check_offsets(live, offset)
         covered = offset if offset is not None else caches_offset(live)
         mx.eval(*cache_arrays(live))
         # NOTE: the live list is never stamped or trimmed; every layer is cloned
         # whole at its own offset, and recurrent layers are compacted copies.
+        donor_bytes = {id(a): self._retained_bytes(a) for a in cache_arrays(live)}
         views = clone_caches(live)
+        self._remember_views(views, live, donor_bytes)
         _compact_recurrent(views)
-        retained = 0
-        for live_layer, view_layer in zip(live, views, strict=True):
-            source = view_layer if _is_recurrent(view_layer) else live_layer
-            retained += sum(self._retained_bytes(a) for a in adapter_for(source).arrays(source))
+        retained = self._compact(views, always=True)
         meta = self._measure(views, covered, retained=retained)
         return self._insert(views, meta)
 
@@ -238,15 +327,33 @@ class CacheRegistry:
             self._registered += 1
         return RegisteredCache(handle=handle, meta=meta)
 
-    def _measure(self, caches: list[Any], offset: int | None, *, retained: int | None) -> EntryMeta:
+    def _compact(self, caches: list[Any], *, always: bool) -> int:
+        """Copy out slack-heavy KV layers (every one with slack if ``always``); retained bytes.
+
+        The returned figure is what the entry keeps alive: a copied layer its
+        own arrays, any other layer the whole buffers behind its arrays
+        (a view issued by :meth:`materialize` or :meth:`snapshot` is billed at
+        its donor's buffer).
+        """
+        retained = 0
+        for layer in _all_layers(caches):
+            adapter = adapter_for(layer)
+            held = sum(self._retained_bytes(a) for a in adapter.arrays(layer))
+            if not _is_recurrent(layer):
+                used = _used_bytes(layer)
+                wasteful = held > used if always else held - used > used // _SLACK_DIVISOR
+                if wasteful and _compact_layer(layer):
+                    held = sum(a.nbytes for a in adapter.arrays(layer))
+            retained += held
+        return retained
+
+    def _measure(self, caches: list[Any], offset: int | None, *, retained: int) -> EntryMeta:
         covered = offset if offset is not None else caches_offset(caches)
         _stamp_recurrent_offset(caches, covered)
-        arrays = cache_arrays(caches)
-        mx.eval(*arrays)
-        nbytes = retained if retained is not None else sum(self._retained_bytes(a) for a in arrays)
+        mx.eval(*cache_arrays(caches))
         return EntryMeta(
             offset=covered,
-            nbytes=nbytes,
+            nbytes=retained,
             trimmable=caches_trimmable(caches),
             min_reusable_offset=min(caches_min_reusable_offset(caches), covered),
             signatures=tuple(adapter_for(c).signature(c) for c in caches),

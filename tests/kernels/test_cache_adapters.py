@@ -25,6 +25,7 @@ from kernels import (
     clone_caches,
     trim_caches,
 )
+from kernels.cache import CacheOffsetMismatch
 from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba
 
 WINDOW = 8
@@ -269,17 +270,29 @@ def test_registry_bytes_equal_memory_released(
         registry.materialize(reg.handle, 4)
 
 
+def _token_bytes(caches: list[Any]) -> int:
+    """Bytes of the tokens a KV cache list really holds (its slabs sliced to ``offset``)."""
+    return sum(
+        a[..., : c.offset, :].nbytes for c in caches for a in (c.keys, c.values) if c.keys is not None
+    )
+
+
 @pytest.mark.usefixtures("no_buffer_cache")
-def test_snapshot_bills_the_whole_live_buffers(llama: Any) -> None:
-    """A snapshot of a live cache counts the full 256-token slabs its views keep alive."""
+def test_snapshot_is_a_compact_copy_and_the_live_cache_writes_in_place(llama: Any) -> None:
+    """A snapshot keeps exactly its tokens' bytes (not the live 256-token slab), frees
+    exactly that, and leaves the live slab unshared so its next write needs no copy."""
     registry = CacheRegistry()
     live = _filled(llama, 10)
-    snap = registry.snapshot(live)
+    slab = sum(a.nbytes for a in cache_arrays(live))
+    snap = registry.snapshot(live, offset=10)
     assert snap.meta.offset == 10
-    slab_bytes = sum(a.nbytes for a in cache_arrays(live))
-    assert snap.meta.nbytes == slab_bytes
-    assert caches_nbytes(registry.get(snap.handle)) < slab_bytes  # views are shorter
-    _forward(llama, [1, 2], live)  # the live cache copies away from the shared slabs
+    assert snap.meta.nbytes == _token_bytes(live) == caches_nbytes(registry.get(snap.handle))
+    assert snap.meta.nbytes * 20 < slab
+    before_write = _settled_active_memory()
+    _forward(llama, [1], live)
+    # NOTE: a shared slab would be copied whole here (+slab bytes); unshared, the
+    # write lands in place and only the step's small activations come and go.
+    assert _settled_active_memory() - before_write < slab // 4
     del live
     before = _settled_active_memory()
     registry.dispose(snap.handle)
@@ -287,14 +300,67 @@ def test_snapshot_bills_the_whole_live_buffers(llama: Any) -> None:
     assert before - _settled_active_memory() == snap.meta.nbytes
 
 
-def test_unchanged_materialized_views_are_billed_at_their_buffers(llama: Any) -> None:
-    """Registering a lease's untouched views counts the donor buffers they pin, not the views."""
+@pytest.mark.usefixtures("no_buffer_cache")
+def test_short_entries_are_stored_compactly_and_billed_at_what_they_retain(llama: Any) -> None:
+    """A 9-token entry keeps 9 tokens of KV, not mlx-lm's 256-token slab, and disposing it
+    releases exactly its billed bytes."""
     registry = CacheRegistry()
-    donor = registry.register(_filled(llama, 20))
+    cache = _filled(llama, 9)
+    slab = sum(a.nbytes for a in cache_arrays(cache))
+    reg = registry.register(cache, offset=9)
+    stored = list(registry.get(reg.handle))
+    assert reg.meta.nbytes == _token_bytes(stored) == caches_nbytes(stored)
+    assert reg.meta.nbytes * 20 < slab  # 9 of 256 slots
+    del cache, stored
+    before = _settled_active_memory()
+    registry.dispose(reg.handle)
+    registry.drain()
+    assert before - _settled_active_memory() == reg.meta.nbytes
+
+
+def test_long_entries_with_little_slack_are_not_copied(llama: Any) -> None:
+    """An entry whose slab is nearly full keeps its own buffers (no copy) and is billed at them."""
+    registry = CacheRegistry()
+    cache = _filled(llama, 250)
+    arrays = cache_arrays(cache)
+    reg = registry.register(cache, offset=250)
+    stored = cache_arrays(list(registry.get(reg.handle)))
+    assert all(a is b for a, b in zip(arrays, stored, strict=True))
+    assert reg.meta.nbytes == sum(a.nbytes for a in arrays)
+
+
+def test_untouched_materialized_views_are_copied_out_of_a_larger_donor(llama: Any) -> None:
+    """Registering a lease's untouched 5-token views of a 20-token donor keeps 5 tokens of
+    its own instead of pinning the donor (billed at the donor's size before compaction)."""
+    registry = CacheRegistry()
+    donor = registry.register(_filled(llama, 20), offset=20)
     views = registry.materialize(donor.handle, 5)
-    again = registry.register(views)
+    again = registry.register(views, offset=5)
     assert again.meta.offset == 5
+    assert again.meta.nbytes == donor.meta.nbytes * 5 // 20
+    stored = cache_arrays(list(registry.get(again.handle)))
+    assert all(a.shape[-2] == 5 for a in stored)
+
+
+def test_a_long_view_of_a_donor_is_billed_at_the_donor_buffer(llama: Any) -> None:
+    """Views that use most of their donor are kept as views and billed at the whole donor."""
+    registry = CacheRegistry()
+    donor = registry.register(_filled(llama, 250), offset=250)
+    again = registry.register(registry.materialize(donor.handle, 240), offset=240)
     assert again.meta.nbytes == donor.meta.nbytes
+
+
+def test_register_and_snapshot_refuse_a_wrong_offset(llama: Any, mamba: Any) -> None:
+    """A cache whose layers hold a different token count than the caller claims is never
+    registered (indexing it would serve KV of other tokens)."""
+    registry = CacheRegistry()
+    with pytest.raises(CacheOffsetMismatch):
+        registry.register(_filled(llama, 6), offset=5)
+    with pytest.raises(CacheOffsetMismatch):
+        registry.snapshot(_filled(llama, 6), offset=7)
+    assert len(registry) == 0
+    # recurrent layers have no token axis: the caller's offset is the only record
+    assert registry.register(_filled(mamba, 6), offset=6).meta.offset == 6
 
 
 def test_registry_meta_for_each_kind(llama: Any, gemma: Any, mamba: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 from pathlib import Path
@@ -34,6 +35,12 @@ from kernels import (
     convert_caches,
     resolve_kv_scheme,
     run_generation,
+)
+from kernels.cache import (
+    CacheRegistry,
+    caches_min_reusable_offset,
+    check_kv_scheme,
+    declare_min_reusable_offset,
 )
 from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba, tiny_tokenizer
 
@@ -191,3 +198,53 @@ def test_conversion_happens_after_the_first_prefill_chunk() -> None:
     run_generation(gen)
     assert [cache_signature(c) for c in gen.cache] == ["kv:quant:8:32"] * 2
     assert gen.cache[0].offset == len(gen.cache_tokens)
+
+
+def test_conversion_keeps_the_declared_minimum_reusable_offset() -> None:
+    """A layer that declared a minimum reusable offset keeps it after quantizing, and the
+    registry's entry still refuses trims below it."""
+    model = tiny_llama(head_dim=32)
+    cache = _prefill(model, 12)
+    declare_min_reusable_offset(cache[0], 7)
+    assert convert_caches(cache, KV8) == 2
+    assert type(cache[0]) is QuantizedKVCache
+    assert caches_min_reusable_offset(cache) == 7
+    meta = CacheRegistry().register(cache, offset=12).meta
+    assert meta.min_reusable_offset == 7
+
+
+def test_a_delayed_conversion_sets_the_minimum_reusable_offset() -> None:
+    """Converting only once ``start`` tokens are held is irreversible: the layer may not be
+    trimmed below the offset at which it converted (a shorter prefix would have stayed plain)."""
+    model = tiny_llama(head_dim=32)
+    delayed = dataclasses.replace(KV8, start=8)
+    cache = _prefill(model, 5)
+    assert convert_caches(cache, delayed) == 0  # below start: stays plain, no bound
+    assert caches_min_reusable_offset(cache) == 0
+    mx.eval(model(mx.array([[7] * 6]), cache=cache), *cache_arrays(cache))
+    assert convert_caches(cache, delayed) == 2
+    assert caches_min_reusable_offset(cache) == 11
+    undelayed = _prefill(model, 11)
+    assert convert_caches(undelayed, KV8) == 2  # start 0: no bound (docs/prompt-cache.md)
+    assert caches_min_reusable_offset(undelayed) == 0
+
+
+def test_check_kv_scheme_refuses_what_conversion_would_fail() -> None:
+    """A head dimension the group size does not divide, or a cache class without an adapter,
+    is refused up front with a message naming the layer; a fitting model passes."""
+    kv8_64 = resolve_kv_scheme(8)
+    with pytest.raises(InvalidKvScheme, match=r"head dimension \(16\) is not divisible by the group size 64"):
+        check_kv_scheme(tiny_llama(), kv8_64)  # head_dim 16
+    check_kv_scheme(tiny_llama(head_dim=64), kv8_64)
+    check_kv_scheme(tiny_llama(), KvScheme())  # off: nothing to check
+    check_kv_scheme(tiny_gemma3(sliding_window=8), KV8)  # rings stay plain, the full layer fits
+    check_kv_scheme(tiny_mamba(), KV8)  # recurrent state is never converted
+
+    class ChunkedModel:
+        """A model whose cache class kvtier has no adapter for."""
+
+        def make_cache(self) -> list[Any]:
+            return [ChunkedKVCache(16)]
+
+    with pytest.raises(InvalidKvScheme, match="ChunkedKVCache"):
+        check_kv_scheme(ChunkedModel(), KV8)
