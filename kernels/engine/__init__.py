@@ -6,6 +6,23 @@ the engine thread.
 
 from __future__ import annotations
 
+from ._batch import (
+    BATCH_SSM_ENV,
+    BatchFull,
+    BatchGate,
+    BatchGeneration,
+    BatchRefusal,
+    BatchStep,
+    LayerKind,
+    RowExit,
+    RowExitReason,
+    RowSnapshot,
+    RowToken,
+    UnknownRow,
+    batch_gate,
+    batch_ssm_enabled,
+    model_batch_gate,
+)
 from ._detokenize import (
     TextStream,
 )
@@ -31,17 +48,32 @@ from ._thread import (
 )
 
 __all__ = [
+    "BATCH_SSM_ENV",
+    "BatchFull",
+    "BatchGate",
+    "BatchGeneration",
+    "BatchRefusal",
+    "BatchStep",
     "CacheHook",
     "EngineStats",
     "EngineThread",
     "Generation",
     "KernelFinishReason",
+    "LayerKind",
+    "RowExit",
+    "RowExitReason",
+    "RowSnapshot",
+    "RowToken",
     "SamplingParams",
     "StepOutput",
     "TextStream",
+    "UnknownRow",
+    "batch_gate",
+    "batch_ssm_enabled",
     "encode_prompt",
     "make_request_processors",
     "make_request_sampler",
+    "model_batch_gate",
     "on_engine_thread",
     "render_chat",
     "require_engine_thread",

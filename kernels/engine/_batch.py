@@ -1,0 +1,613 @@
+"""Continuous batching on the engine thread: many requests' rows, one forward per turn.
+
+Built on mlx-lm's batch generation (``mlx_lm.generate.PromptProcessingBatch``
+and ``GenerationBatch``) and its batch caches (``BatchKVCache``,
+``BatchRotatingKVCache``, ``ArraysCache`` / ``CacheList`` merge, extend,
+filter and extract). kvtier adds what its engine turn and prompt cache need:
+
+- **Rows join with a cached prefix.** A row brings the per-layer caches the
+  prompt cache lent it (or none) and only the uncached suffix is forwarded.
+- **Prefill one row at a time, decode together.** A joining row's suffix is
+  forwarded alone (batch of one, the serial lane's chunks), then its last
+  prompt token enters the decode batch. No row is ever padded during a
+  prefill, so recurrent state (which has no mask) never sees a pad token and
+  a row's prefill arithmetic is a lone row's. Each turn forwards at most
+  ``prefill_step_size`` prompt tokens, so active rows never wait for more
+  than one chunk.
+- **One step is one engine turn**: every decoding row advances by exactly
+  one token (``GenerationBatch.next``), then pending rows prefill within the
+  turn's budget.
+- **Per-row sampling and stops**: each row has its own sampler and logits
+  processors (:func:`make_request_sampler` / :func:`make_request_processors`,
+  so seeded rows draw from their own key), EOS / stop token ids and
+  ``max_tokens`` end a row inside mlx-lm, stop strings are matched on each
+  row's own :class:`TextStream`.
+- **Rows leave through per-row extraction before the batch is filtered**:
+  a finished or cancelled row hands back a plain per-layer cache list
+  (``KVCache`` / ``RotatingKVCache`` / ``ArraysCache``), together with the
+  exact token ids it holds, ready for the prompt cache's ``Put`` like the
+  serial lane's. A row can also hand back a prompt-boundary snapshot (its
+  cache after ``prompt[:-1]``).
+
+:func:`batch_gate` says whether a model's cache kinds and KV scheme can be
+batched, and why not (design 2.3). Everything that touches arrays here runs
+on the engine thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm.generate import (
+    PromptProcessingBatch,
+    StopSequences,
+    generation_stream,
+)
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from kernels._errors import InvalidPrompt, KernelError
+from kernels.cache import KvScheme
+
+from ._detokenize import TextStream
+from ._generation import KernelFinishReason, StepOutput, _check_cache_offset
+from ._sampling import SamplingParams, make_request_processors, make_request_sampler
+
+__all__ = [
+    "BATCH_SSM_ENV",
+    "BatchFull",
+    "BatchGate",
+    "BatchGeneration",
+    "BatchRefusal",
+    "BatchStep",
+    "LayerKind",
+    "RowExit",
+    "RowExitReason",
+    "RowSnapshot",
+    "RowToken",
+    "UnknownRow",
+    "batch_gate",
+    "batch_ssm_enabled",
+    "model_batch_gate",
+]
+
+BATCH_SSM_ENV = "KVTIER_BATCH_SSM"
+"""Environment switch: ``0`` keeps models with recurrent state on the serial lane."""
+
+LayerKind = Literal["full", "rotating", "recurrent", "list"]
+"""How a layer's cache joins, filters and extracts in a batch.
+
+``full``: ``KVCache`` (left-padded ``BatchKVCache``); ``rotating``:
+``RotatingKVCache`` (``BatchRotatingKVCache``, merged in temporal order);
+``recurrent``: ``ArraysCache`` (rows stacked, no token axis); ``list``:
+``CacheList`` whose members are all batchable.
+"""
+
+BatchRefusal = Literal[
+    "unknown_cache_kind",
+    "quantized_cache",
+    "rotating_keep",
+    "recurrent_disabled",
+    "quantized_kv",
+]
+"""Why a model (or a row's cache) cannot join the batch.
+
+``unknown_cache_kind``: a layer class kvtier declares no batch rule for;
+``quantized_cache``: a layer already holds quantized KV (mlx-lm has no
+batched quantized cache); ``rotating_keep``: a sliding-window ring that
+keeps leading tokens (mlx-lm's batched ring has no ``keep``);
+``recurrent_disabled``: recurrent state with ``KVTIER_BATCH_SSM=0``;
+``quantized_kv``: the server's KV scheme quantizes, and rows that start
+plain and convert independently are not implemented.
+"""
+
+RowExitReason = Literal["stop", "length", "cancelled"]
+"""Why a row left: EOS / stop token / stop string, ``max_tokens``, or a cancel."""
+
+# NOTE: mlx-lm clears MLX's buffer cache every 256 decode steps; same cadence.
+_CLEAR_EVERY = 256
+
+
+class BatchFull(KernelError):
+    """A row cannot join: the batch already holds ``max_rows`` rows."""
+
+
+class UnknownRow(KernelError, KeyError):
+    """No row with this id is in the batch (never joined, or already left)."""
+
+
+# --- gates --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchGate:
+    """Whether a cache layout (and KV scheme) can be batched; the layer kinds when it can."""
+
+    kinds: tuple[LayerKind, ...] = ()
+    refusal: BatchRefusal | None = None
+    detail: str = ""
+
+    @property
+    def batchable(self) -> bool:
+        """True when rows with this layout may join a batch."""
+        return self.refusal is None
+
+    @property
+    def recurrent(self) -> bool:
+        """True when some layer holds recurrent state."""
+        return "recurrent" in self.kinds or "list" in self.kinds
+
+
+def batch_ssm_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """False when ``KVTIER_BATCH_SSM`` is ``0``/``false``/``off``/``no`` (default: enabled)."""
+    value = (os.environ if env is None else env).get(BATCH_SSM_ENV, "1").strip().lower()
+    return value not in {"0", "false", "off", "no"}
+
+
+class _Refused(Exception):
+    def __init__(self, refusal: BatchRefusal, detail: str) -> None:
+        super().__init__(detail)
+        self.refusal: BatchRefusal = refusal
+        self.detail = detail
+
+
+def _layer_kind(cache: object, index: str, batch_ssm: bool) -> tuple[LayerKind, bool]:
+    """The batch kind of one layer and whether it (or a member) is recurrent."""
+    # NOTE: exact classes, never isinstance: a subclass nobody declared a rule
+    # for is refused, not routed ("unknown is a bug, not a route").
+    kind = type(cache)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if kind is KVCache:
+        return "full", False
+    if kind is RotatingKVCache:
+        keep = int(getattr(cache, "keep", 0))
+        if keep != 0:
+            raise _Refused(
+                "rotating_keep", f"layer {index}: sliding-window ring keeps {keep} tokens"
+            )
+        return "rotating", False
+    if kind is ArraysCache:
+        if not batch_ssm:
+            raise _Refused(
+                "recurrent_disabled", f"layer {index}: recurrent state and {BATCH_SSM_ENV}=0"
+            )
+        return "recurrent", True
+    if kind is CacheList:
+        recurrent = False
+        for j, member in enumerate(cache.caches):  # type: ignore[attr-defined]
+            _, r = _layer_kind(member, f"{index}.{j}", batch_ssm)
+            recurrent = recurrent or r
+        return "list", recurrent
+    if kind is QuantizedKVCache:
+        raise _Refused("quantized_cache", f"layer {index}: {name} holds quantized KV")
+    raise _Refused("unknown_cache_kind", f"layer {index}: no batch rule for {name}")
+
+
+def batch_gate(
+    caches: Sequence[object],
+    scheme: KvScheme | None = None,
+    *,
+    batch_ssm: bool | None = None,
+) -> BatchGate:
+    """Can rows whose per-layer caches look like ``caches`` be batched under ``scheme``?
+
+    Checks every layer's exact class (:data:`LayerKind`), then the scheme: a
+    quantizing scheme is refused (rows that start plain and convert on their
+    own are not implemented). ``batch_ssm`` defaults to
+    :func:`batch_ssm_enabled`. Pure inspection of classes: safe anywhere.
+    """
+    ssm = batch_ssm_enabled() if batch_ssm is None else batch_ssm
+    kinds: list[LayerKind] = []
+    try:
+        for i, cache in enumerate(caches):
+            kinds.append(_layer_kind(cache, str(i), ssm)[0])
+    except _Refused as refused:
+        return BatchGate(tuple(kinds), refused.refusal, refused.detail)
+    if scheme is not None and scheme.quantized:
+        return BatchGate(
+            tuple(kinds),
+            "quantized_kv",
+            f"KV scheme {scheme.cache_key}: rows that convert to quantized storage on their own are not implemented",
+        )
+    return BatchGate(tuple(kinds))
+
+
+def model_batch_gate(
+    model: Any, scheme: KvScheme | None = None, *, batch_ssm: bool | None = None
+) -> BatchGate:
+    """:func:`batch_gate` over the model's fresh cache list (engine thread: builds caches)."""
+    return batch_gate(make_prompt_cache(model), scheme, batch_ssm=batch_ssm)
+
+
+# --- step results -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RowToken:
+    """One token of one row; ``index`` counts the row's tokens from 0."""
+
+    row_id: str
+    index: int
+    output: StepOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RowExit:
+    """A row that left the batch, with its extracted cache (owned by the caller now).
+
+    ``cache`` is a plain per-layer list holding exactly ``cache_tokens`` (the
+    prompt, then every forwarded output token), usable by the prompt cache
+    like the serial lane's ``Generation.cache``.
+    """
+
+    row_id: str
+    reason: RowExitReason
+    cache: list[Any]
+    cache_tokens: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowSnapshot:
+    """A row's prompt-boundary cache: an owned copy holding ``cache_tokens`` (the prompt but its last token)."""
+
+    row_id: str
+    cache: list[Any]
+    cache_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStep:
+    """What one :meth:`BatchGeneration.step` did.
+
+    ``tokens``: one per decoding row, in batch order; ``exits``: rows that
+    finished in this step (their last token is in ``tokens``);
+    ``snapshots``: prompt-boundary caches of rows that asked for one;
+    ``decode_rows``: rows the decode forward covered; ``prefill_tokens``:
+    prompt tokens forwarded for joining rows; ``joined``: rows that entered
+    the decode batch (their first token comes with the next step).
+    """
+
+    tokens: tuple[RowToken, ...] = ()
+    exits: tuple[RowExit, ...] = ()
+    snapshots: tuple[RowSnapshot, ...] = ()
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    joined: tuple[str, ...] = ()
+
+
+# --- rows ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Row:
+    row_id: str
+    uid: int
+    prompt: list[int]
+    params: SamplingParams
+    cached_tokens: int
+    cache: list[Any] | None
+    sampler: Any
+    processors: list[Any]
+    stop_ids: frozenset[int]
+    text: TextStream
+    snapshot: bool
+    cursor: int
+    prefill: Any = None
+    """The row's batch-of-one ``PromptProcessingBatch`` while its suffix is forwarded."""
+    generated: list[int] = field(default_factory=list)
+
+
+class BatchGeneration:
+    """The rows of one batch and their shared forward passes (engine thread only).
+
+    ``max_rows`` bounds the rows held (pending and decoding);
+    ``prefill_step_size`` is both a joining row's chunk size (the serial
+    lane's) and the most prompt tokens one :meth:`step` forwards. Call
+    :meth:`close` when done.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_rows: int = 8,
+        prefill_step_size: int = 2048,
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        self._model = model
+        self._tokenizer = tokenizer
+        self._max_rows = max_rows
+        self._step_size = prefill_step_size
+        self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
+        self._rows: dict[str, _Row] = {}
+        self._by_uid: dict[int, _Row] = {}
+        self._pending: deque[_Row] = deque()
+        self._batch: Any = None
+        """mlx-lm's ``GenerationBatch`` of the decoding rows, ``None`` while none decode."""
+        self._next_uid = 0
+        self._steps = 0
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows this batch holds."""
+        return self._max_rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, row_id: object) -> bool:
+        return row_id in self._rows
+
+    @property
+    def row_ids(self) -> tuple[str, ...]:
+        """Every row held, pending first (in join order), then decoding rows."""
+        return tuple(r.row_id for r in self._pending) + self.decoding
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        """Rows still forwarding their prompt, in join order."""
+        return tuple(r.row_id for r in self._pending)
+
+    @property
+    def decoding(self) -> tuple[str, ...]:
+        """Rows in the decode batch, in batch order."""
+        if self._batch is None:
+            return ()
+        return tuple(self._by_uid[uid].row_id for uid in self._batch.uids)
+
+    @property
+    def idle(self) -> bool:
+        """True when no row is held (nothing for :meth:`step` to do)."""
+        return not self._rows
+
+    def _row(self, row_id: str) -> _Row:
+        try:
+            return self._rows[row_id]
+        except KeyError:
+            raise UnknownRow(row_id) from None
+
+    # -- join / cancel -------------------------------------------------------
+
+    def join(
+        self,
+        row_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache: list[Any] | None = None,
+        cached_tokens: int = 0,
+        snapshot: bool = False,
+    ) -> None:
+        """Add a row; it starts forwarding its uncached suffix at the next :meth:`step`.
+
+        ``cache`` holds the KV of ``prompt[:cached_tokens]`` (lent by the
+        prompt cache; it is copied into the batch, never written). An empty
+        list or ``None`` means a cold row. ``snapshot`` asks for a
+        :class:`RowSnapshot` when the row's prompt but its last token is in
+        the cache (only when that adds tokens to ``cached_tokens``).
+        """
+        if row_id in self._rows:
+            raise InvalidPrompt(f"row {row_id!r} is already in the batch")
+        if len(self._rows) >= self._max_rows:
+            raise BatchFull(f"the batch holds {self._max_rows} rows")
+        if len(prompt) == 0:
+            raise InvalidPrompt("the prompt has no tokens")
+        if not cache:
+            if cached_tokens != 0:
+                raise InvalidPrompt("cached_tokens > 0 needs the cache that holds them")
+            cache = None
+        if not 0 <= cached_tokens < len(prompt):
+            raise InvalidPrompt(
+                f"cached_tokens={cached_tokens} must leave at least one of the "
+                f"{len(prompt)} prompt tokens to forward"
+            )
+        if cache is not None:
+            gate = batch_gate(cache, batch_ssm=True)
+            if not gate.batchable:
+                raise InvalidPrompt(f"the row's cache cannot join a batch: {gate.detail}")
+            _check_cache_offset(cache, cached_tokens)
+        stop_ids = self._eos | frozenset(params.stop_token_ids)
+        row = _Row(
+            row_id=row_id,
+            uid=self._next_uid,
+            prompt=[int(t) for t in prompt],
+            params=params,
+            cached_tokens=cached_tokens,
+            cache=cache,
+            sampler=make_request_sampler(params, xtc_special_tokens=sorted(stop_ids)),
+            processors=make_request_processors(params),
+            stop_ids=stop_ids,
+            text=TextStream(self._tokenizer.detokenizer, params.stop),
+            snapshot=snapshot,
+            cursor=cached_tokens,
+        )
+        self._next_uid += 1
+        self._rows[row_id] = row
+        self._by_uid[row.uid] = row
+        self._pending.append(row)
+
+    def cancel(self, row_id: str) -> RowExit:
+        """Remove a row now; its cache is extracted before the batch is filtered."""
+        row = self._row(row_id)
+        with mx.stream(generation_stream):
+            if row in self._pending:
+                self._pending.remove(row)
+                if row.prefill is not None:
+                    cache = row.prefill.extract_cache(0)
+                    tokens = list(row.prefill.tokens[0])
+                else:
+                    cache = row.cache if row.cache is not None else []
+                    tokens = row.prompt[: row.cached_tokens]
+                row.prefill = None
+            else:
+                cache, tokens = self._remove_decoding(row)
+        return self._leave(row, "cancelled", cache, tokens)
+
+    def close(self) -> None:
+        """Drop every row and array reference (engine thread)."""
+        self._rows.clear()
+        self._by_uid.clear()
+        self._pending.clear()
+        self._batch = None
+
+    # -- the step ------------------------------------------------------------
+
+    def step(self) -> BatchStep:
+        """One engine turn: one token for every decoding row, then prefill within the budget."""
+        with mx.stream(generation_stream):
+            tokens, exits, decode_rows = self._decode()
+            snapshots, prefilled, joined = self._prefill()
+        self._steps += 1
+        if self._steps % _CLEAR_EVERY == 0:
+            mx.clear_cache()
+        return BatchStep(
+            tokens=tuple(tokens),
+            exits=tuple(exits),
+            snapshots=tuple(snapshots),
+            decode_rows=decode_rows,
+            prefill_tokens=prefilled,
+            joined=tuple(joined),
+        )
+
+    def _decode(self) -> tuple[list[RowToken], list[RowExit], int]:
+        if self._batch is None:
+            return [], [], 0
+        decode_rows = len(self._batch)
+        # NOTE: mlx-lm extracts every row it finishes (EOS / stop id / length)
+        # before it filters the batch; stop strings are ours and leave below.
+        responses = self._batch.next()
+        tokens: list[RowToken] = []
+        exits: list[RowExit] = []
+        stopped_by_text: list[_Row] = []
+        for response in responses:
+            row = self._by_uid[response.uid]
+            token = int(response.token)
+            index = len(row.generated)
+            row.generated.append(token)
+            logprob = float(response.logprobs[token].item()) if row.params.logprobs else None
+            finish: KernelFinishReason | None = None
+            if token in row.stop_ids:
+                finish = "stop"
+                text = row.text.finish()
+            else:
+                text = row.text.add(token)
+                if row.text.finished:
+                    finish = "stop"
+                elif response.finish_reason is not None:
+                    finish = "length"
+                    text += row.text.finish()
+            tokens.append(RowToken(row.row_id, index, StepOutput(token, text, finish, logprob)))
+            if response.finish_reason is not None:
+                assert finish is not None, "mlx-lm finished a row kvtier did not"
+                exits.append(self._leave(row, finish, response.prompt_cache, response.all_tokens))
+            elif finish is not None:
+                stopped_by_text.append(row)
+        for row in stopped_by_text:
+            cache, cache_tokens = self._remove_decoding(row)
+            exits.append(self._leave(row, "stop", cache, cache_tokens))
+        if self._batch is not None and len(self._batch) == 0:
+            self._batch = None
+        return tokens, exits, decode_rows
+
+    def _prefill(self) -> tuple[list[RowSnapshot], int, list[str]]:
+        snapshots: list[RowSnapshot] = []
+        joined: list[str] = []
+        used = 0
+        while self._pending:
+            row = self._pending[0]
+            if row.prefill is None:
+                row.prefill = self._start_prefill(row)
+            # NOTE: every chunk is the serial lane's chunk (prefill_step_size from
+            # the row's cached offset), so a row's prefill arithmetic does not
+            # depend on who else joins; the turn's budget only decides when.
+            while len(row.prompt) - row.cursor > 1:
+                n = min(self._step_size, len(row.prompt) - row.cursor - 1)
+                if used > 0 and used + n > self._step_size:
+                    return snapshots, used, joined
+                row.prefill.prompt([row.prompt[row.cursor : row.cursor + n]])
+                row.cursor += n
+                used += n
+                if len(row.prompt) - row.cursor == 1 and row.snapshot:
+                    snapshots.append(
+                        RowSnapshot(
+                            row.row_id, row.prefill.extract_cache(0), tuple(row.prefill.tokens[0])
+                        )
+                    )
+            # NOTE: generate() forwards the last prompt token (its sample is
+            # queued, read by the next step) and hands the row's caches over.
+            ready = row.prefill.generate([row.prompt[-1:]])
+            row.prefill = None
+            row.cache = None
+            row.cursor = len(row.prompt)
+            self._pending.popleft()
+            if self._batch is None:
+                self._batch = ready
+            else:
+                self._batch.extend(ready)
+            joined.append(row.row_id)
+        return snapshots, used, joined
+
+    def _start_prefill(self, row: _Row) -> Any:
+        cache = row.cache if row.cache is not None else make_prompt_cache(self._model)
+        stop = StopSequences([(t,) for t in sorted(row.stop_ids)] or None)
+        return PromptProcessingBatch(
+            self._model,
+            [row.uid],
+            [cache],
+            tokens=[row.prompt[: row.cached_tokens]],
+            prefill_step_size=self._step_size,
+            samplers=[row.sampler],
+            fallback_sampler=row.sampler,
+            logits_processors=[row.processors],
+            stop_sequences=[stop],
+            max_tokens=[row.params.max_tokens],
+        )
+
+    def _remove_decoding(self, row: _Row) -> tuple[list[Any], list[int]]:
+        assert self._batch is not None
+        index = self._batch.uids.index(row.uid)
+        # NOTE: extract before filter: filter rebuilds the batched arrays without the row.
+        cache = self._batch.extract_cache(index)
+        tokens = list(self._batch.tokens[index])
+        keep = [i for i in range(len(self._batch)) if i != index]
+        self._batch.filter(keep)
+        if not keep:
+            self._batch = None
+        return cache, tokens
+
+    def _leave(
+        self, row: _Row, reason: RowExitReason, cache: list[Any], tokens: Iterable[int]
+    ) -> RowExit:
+        del self._rows[row.row_id]
+        del self._by_uid[row.uid]
+        row.cache = None
+        row.prefill = None
+        return RowExit(
+            row_id=row.row_id,
+            reason=reason,
+            cache=cache,
+            cache_tokens=tuple(int(t) for t in tokens),
+            prompt_tokens=len(row.prompt),
+            completion_tokens=len(row.generated),
+            cached_tokens=row.cached_tokens,
+        )
