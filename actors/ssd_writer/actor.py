@@ -1,0 +1,518 @@
+"""The cold tier's actors: thin shells over ``actors.ssd_writer.core``.
+
+Three actors share one :class:`ColdTier` (state, file port, worker-thread
+limiter, host staging):
+
+- ``ssd_writer`` (:class:`SsdWriter`): owns the index. Its startup hook
+  takes the fingerprint directory's lock and scans the headers; afterwards
+  it only decides (``core.handle``) and never waits on a file or an engine
+  turn, so ``Find`` answers stay immediate while a store or a restore runs.
+- ``ssd_writer.store`` (:class:`StoreWorker`): writes one entry at a time:
+  plan (engine turn), reserve room (asks the index), unlink LRU victims,
+  temp file, one engine turn + one positional write per tensor, commit
+  (fsync, rename, directory fsync), then reports (asks the index) and
+  unlinks what the new file superseded.
+- ``ssd_writer.read`` (:class:`Reader`): reads a file into host buffers
+  (hashes verified in the same pass), answers the ``Restore`` asker
+  directly, and reports to the index. Separate from the store worker so a
+  restore never waits behind a store that waits for an idle engine turn
+  (which a request waiting for its restore would never give it).
+
+All file work runs on worker threads through ``anyio.to_thread`` with one
+shared ``CapacityLimiter`` (the bounded pool): never on the loop, never on
+the engine thread. ``aiofiles`` has no positional writes, ``fsync`` of
+directories, ``O_EXCL|O_NOFOLLOW`` creation or ``flock``; every call here
+goes through the injectable ``FilePort`` instead, on the same kind of pool.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, assert_never
+
+import anyio
+
+from actors.runtime import (
+    Actor,
+    ActorStopped,
+    ActorSystem,
+    Context,
+    MailboxClosed,
+    Supervision,
+    UnknownAddress,
+    get_logger,
+)
+from kernels.cache._file_port import FileLock, FilePort, OsFilePort
+from kernels.cache._kv_file import (
+    DEFAULT_MAX_HEADER_BYTES,
+    TEMP_SUFFIX,
+    CacheFileCorrupt,
+    CacheFileIncompatible,
+    EntryPlan,
+    KvFileWriter,
+)
+from kernels.cache._kv_file import (
+    WriterState as FileWriterState,
+)
+from messages import (
+    EntryWritten,
+    Envelope,
+    ReadEntry,
+    ReserveSpace,
+    Restore,
+    RestoreReport,
+    RestoreResult,
+    SpaceReserved,
+    SpillQueueStats,
+    SsdStats,
+    WriteCommitted,
+    WriteEntry,
+)
+
+from . import core, io
+from .ports import FileIdentity, HostStaging, StagedEntry, TensorSource
+
+__all__ = [
+    "SSD_WRITER_ADDRESS",
+    "ColdTier",
+    "Reader",
+    "SsdWriter",
+    "SsdWriterConfig",
+    "StoreWorker",
+    "cold_tier_stats",
+    "spawn_ssd_writer",
+]
+
+SSD_WRITER_ADDRESS = "ssd_writer"
+"""The conventional actor name of the cold tier's index (the one addressed from outside)."""
+
+T = TypeVar("T")
+
+_log = get_logger("kvtier.ssd_writer")
+
+
+@dataclass(frozen=True)
+class SsdWriterConfig:
+    """Settings of the cold tier.
+
+    ``root``: the cache directory (``--ssd-cache DIR``); files live under
+    ``<root>/<identity.fingerprint>/<namespace digest>/``. ``max_bytes``:
+    the byte cap (``--ssd-cache-max``), temp files included. ``verify``:
+    check every tensor's hash on restore (``--ssd-cache-verify``).
+    ``io_threads``: the worker-thread pool shared by the tier's file work.
+    ``ask_timeout``: deadline of the store worker's asks to the index.
+    """
+
+    root: str
+    identity: FileIdentity
+    max_bytes: int
+    verify: bool = True
+    io_threads: int = 2
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    ask_timeout: float = 30.0
+    staging_entries: int = 4
+
+
+@dataclass
+class ColdTier:
+    """What the three actors share (built once by :func:`spawn_ssd_writer`, survives restarts).
+
+    ``state`` may be read directly for statistics (``core.stats(tier.state)``);
+    ``staging`` is where restored bytes wait for their caller.
+    """
+
+    config: SsdWriterConfig
+    port: FilePort
+    source: TensorSource
+    state: core.IndexState
+    staging: HostStaging
+    name: str = SSD_WRITER_ADDRESS
+    lock: FileLock | None = None
+    _limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
+
+    @property
+    def store_address(self) -> str:
+        """The store worker's address."""
+        return f"{self.name}.store"
+
+    @property
+    def read_address(self) -> str:
+        """The reader's address."""
+        return f"{self.name}.read"
+
+    def stats(self) -> SsdStats:
+        """The index's statistics, read without asking."""
+        return core.stats(self.state)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking ``fn`` on the tier's bounded worker-thread pool."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.config.io_threads)
+        call = functools.partial(fn, *args, **kwargs)
+        return await anyio.to_thread.run_sync(call, limiter=self._limiter)
+
+    def release_lock(self) -> None:
+        """Drop the directory lock (the tier's actors have stopped)."""
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()
+
+
+def cold_tier_stats(ssd: SsdStats, queue: SpillQueueStats) -> dict[str, Any]:
+    """The ``/stats`` ``ssd_cache`` section: the index's figures plus the spill queue's."""
+    out: dict[str, Any] = ssd.model_dump(exclude={"kind"})
+    out.update(
+        pending_spills=queue.pending,
+        pending_spill_bytes=queue.pending_bytes,
+        dropped_spills=queue.dropped,
+        failed_spills=queue.failed,
+        spill_queue_cap_bytes=queue.cap_bytes,
+    )
+    return out
+
+
+# --- the index ----------------------------------------------------------------------
+
+
+class SsdWriter(Actor):
+    """The index actor: scan at start, then ``core.handle`` for every message."""
+
+    def __init__(self, tier: ColdTier) -> None:
+        self._tier = tier
+
+    async def started(self, ctx: Context) -> None:
+        """Lock the fingerprint directory and scan it (once; a restart keeps the index)."""
+        if not self._tier.state.ready:
+            await self._load(ctx)
+
+    async def stopped(self, ctx: Context) -> None:
+        """Release the directory lock."""
+        self._tier.release_lock()
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Apply the rules to one message and perform their effects in order."""
+        tier = self._tier
+        tier.state, effects = core.handle(tier.state, envelope)
+        await self._perform(effects, ctx)
+
+    async def _load(self, ctx: Context) -> None:
+        tier, state = self._tier, self._tier.state
+        try:
+            tier.lock = await tier.run(io.lock_directory, tier.port, state.fingerprint_dir)
+        except OSError as exc:
+            state.read_only = True
+            _log.warning(
+                "ssd_cache.unavailable",
+                directory=state.fingerprint_dir,
+                error=str(exc),
+                detail="the SSD cache directory cannot be created or locked; "
+                "the cold tier stores nothing in this run",
+            )
+        else:
+            if tier.lock is None:
+                state.read_only = True
+                _log.warning(
+                    "ssd_cache.read_only",
+                    directory=state.fingerprint_dir,
+                    detail="another kvtier server holds this SSD cache directory; this one "
+                    "restores from it but writes and removes nothing",
+                )
+        try:
+            scan = await tier.run(
+                io.scan,
+                tier.port,
+                state.root,
+                state.fingerprint,
+                tokenizer_hash=tier.config.identity.tokenizer_hash,
+                max_header_bytes=tier.config.max_header_bytes,
+            )
+        except OSError as exc:
+            _log.warning("ssd_cache.scan_failed", root=state.root, error=str(exc))
+            scan = core.ScanResult()
+        tier.state, effects = core.load_scan(state, scan)
+        await self._perform(effects, ctx)
+        _log.info(
+            "ssd_cache.ready",
+            directory=state.fingerprint_dir,
+            entries=len(state.entries),
+            bytes=state.indexed_bytes,
+            max_bytes=state.max_bytes,
+            read_only=state.read_only,
+            corrupt_removed=state.corrupt_removed,
+            orphans_reaped=state.orphans_reaped,
+            foreign_dirs=state.foreign_dirs,
+        )
+
+    async def _perform(self, effects: Sequence[core.Effect], ctx: Context) -> None:
+        tier = self._tier
+        work = list(effects)
+        while work:
+            effect = work.pop(0)
+            if isinstance(effect, core.Answer):
+                await ctx.reply(effect.request, effect.body)
+            elif isinstance(effect, core.StartWrite):
+                body = WriteEntry(
+                    job_id=effect.job_id,
+                    handle=effect.handle,
+                    namespace=effect.namespace,
+                    tokens=effect.tokens,
+                    directory=effect.directory,
+                )
+                try:
+                    await ctx.ref(tier.store_address).tell(
+                        body, correlation_id=effect.correlation_id
+                    )
+                except (ActorStopped, MailboxClosed, UnknownAddress):
+                    work[:0] = core.abandon_job(tier.state, effect.job_id, "writer_unavailable")
+            elif isinstance(effect, core.StartRead):
+                request = effect.request
+                assert isinstance(request.body, Restore)
+                read = ReadEntry(
+                    path=effect.path,
+                    namespace=effect.namespace,
+                    tokens=effect.tokens,
+                    reply_to=request.body.reply_to,
+                )
+                try:
+                    await ctx.tell(tier.read_address, read)
+                except (ActorStopped, MailboxClosed, UnknownAddress):
+                    await ctx.reply(
+                        request,
+                        RestoreResult(ok=False, path=effect.path, reason="reader_unavailable"),
+                    )
+            elif isinstance(effect, core.RemoveFiles):
+                left = await tier.run(io.remove_files, tier.port, effect.paths)
+                _log.info(
+                    "ssd_cache.removed",
+                    reason=effect.reason,
+                    removed=len(effect.paths) - len(left),
+                    failed=len(left),
+                )
+            elif isinstance(effect, core.Log):
+                _log.warning(effect.event, detail=effect.detail)
+            else:
+                assert_never(effect)
+
+
+# --- the store worker -------------------------------------------------------------------
+
+
+class _SourceFailed(Exception):
+    """The tensor source could not plan or read back the entry (a soft store failure)."""
+
+
+class StoreWorker(Actor):
+    """Writes one entry per ``WriteEntry``; always reports back to the index."""
+
+    def __init__(self, tier: ColdTier) -> None:
+        self._tier = tier
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Write the job, report it, unlink what it superseded."""
+        body = envelope.body
+        if not isinstance(body, WriteEntry):
+            raise TypeError(f"store worker has no rule for {body.kind!r}")
+        tier = self._tier
+        try:
+            report = await self._write(body, ctx)
+        except Exception as exc:  # noqa: BLE001 - NOTE: liveness: a Store must always be answered.
+            # An unexpected error is logged with its traceback and counted as a
+            # failed store; the spill queue would otherwise wait for ever.
+            _log.exception("ssd_cache.store_crashed", job=body.job_id, error=type(exc).__name__)
+            report = EntryWritten(job_id=body.job_id, ok=False, reason="internal_error")
+        committed = await ctx.ask(
+            tier.name, report, timeout=tier.config.ask_timeout, expect=WriteCommitted
+        )
+        if committed.remove:
+            left = await tier.run(io.remove_files, tier.port, committed.remove)
+            if left:
+                _log.warning("ssd_cache.supersede_unlink_failed", paths=list(left))
+
+    async def _source(self, pending: Awaitable[T]) -> T:
+        try:
+            return await pending
+        except Exception as exc:
+            _log.warning("ssd_cache.source_failed", error=type(exc).__name__, detail=str(exc))
+            raise _SourceFailed(str(exc)) from exc
+
+    async def _write(self, job: WriteEntry, ctx: Context) -> EntryWritten:
+        tier = self._tier
+        source, port = tier.source, tier.port
+        plan: EntryPlan | None = None
+        writer: KvFileWriter | None = None
+        unremoved: tuple[str, ...] = ()
+        try:
+            plan = await self._source(
+                source.plan(job.handle, namespace=job.namespace, tokens=job.tokens)
+            )
+            reserved = await ctx.ask(
+                tier.name,
+                ReserveSpace(job_id=job.job_id, file_bytes=plan.file_size),
+                timeout=tier.config.ask_timeout,
+                expect=SpaceReserved,
+            )
+            if not reserved.ok:
+                return EntryWritten(job_id=job.job_id, ok=False, reason=reserved.reason)
+            unremoved = await tier.run(io.remove_files, port, reserved.evict)
+            if unremoved:
+                return EntryWritten(
+                    job_id=job.job_id, ok=False, reason="evict_failed", unremoved=unremoved
+                )
+            await tier.run(port.makedirs, job.directory)
+            writer = KvFileWriter(port, plan)
+            temp = await tier.run(writer.begin, job.directory)
+            for i in range(len(plan.tensors)):
+                data = await self._source(source.tensor(plan, i))
+                await tier.run(writer.write_tensor, i, data)
+                # NOTE: drop our reference before the next turn so the source
+                # frees the MLX buffer behind it on the engine thread.
+                del data
+            final = temp[: -len(TEMP_SUFFIX)] + core.ENTRY_SUFFIX
+            await tier.run(writer.commit, final)
+            try:
+                mtime_ns = (await tier.run(port.stat, final)).mtime_ns
+            except OSError:
+                mtime_ns = 0
+            header = plan.header
+            return EntryWritten(
+                job_id=job.job_id,
+                ok=True,
+                path=final,
+                file_bytes=plan.file_size,
+                mtime_ns=mtime_ns,
+                trimmable=header.trimmable,
+                min_reusable_offset=header.min_reusable_offset,
+            )
+        except _SourceFailed:
+            return EntryWritten(
+                job_id=job.job_id, ok=False, reason="source_failed", unremoved=unremoved
+            )
+        except OSError as exc:
+            # NOTE: CacheFileWriteError is an OSError; the writer already
+            # discarded its temp file (and the final one after a failed
+            # directory fsync). A failed fsync is never retried as success.
+            reason = io.store_failure_reason(exc)
+            _log.warning("ssd_cache.store_failed", reason=reason, error=str(exc))
+            return EntryWritten(job_id=job.job_id, ok=False, reason=reason, unremoved=unremoved)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if writer is not None and writer.state is not FileWriterState.COMMITTED:
+                    await tier.run(writer.abort)
+                if plan is not None:
+                    await self._finish(plan)
+
+    async def _finish(self, plan: EntryPlan) -> None:
+        try:
+            await self._tier.source.finish(plan)
+        except Exception as exc:  # noqa: BLE001 - NOTE: the store's outcome is already decided.
+            _log.warning("ssd_cache.source_finish_failed", error=type(exc).__name__)
+
+
+# --- the reader --------------------------------------------------------------------------
+
+
+class Reader(Actor):
+    """Reads one file per ``ReadEntry`` into host staging; answers the ``Restore`` asker."""
+
+    def __init__(self, tier: ColdTier) -> None:
+        self._tier = tier
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Read, stage, answer the asker, report to the index."""
+        body = envelope.body
+        if not isinstance(body, ReadEntry):
+            raise TypeError(f"reader has no rule for {body.kind!r}")
+        tier = self._tier
+        state = tier.state
+        started = ctx.clock.now()
+        staging_id: str | None = None
+        try:
+            out = await tier.run(
+                io.read_entry,
+                tier.port,
+                body.path,
+                fingerprint=state.fingerprint,
+                namespace=body.namespace,
+                tokens=body.tokens,
+                verify=tier.config.verify,
+                max_header_bytes=tier.config.max_header_bytes,
+                touch=not state.read_only,
+            )
+        except (CacheFileCorrupt, CacheFileIncompatible) as exc:
+            removed = False
+            if not state.read_only:
+                removed = not await tier.run(io.remove_files, tier.port, (body.path,))
+            _log.warning("ssd_cache.corrupt", path=body.path, error=str(exc), removed=removed)
+            result = RestoreResult(ok=False, path=body.path, reason="corrupt")
+            report = RestoreReport(path=body.path, ok=False, reason="corrupt", removed=removed)
+        except FileNotFoundError:
+            result = RestoreResult(ok=False, path=body.path, reason="gone")
+            report = RestoreReport(path=body.path, ok=False, reason="gone")
+        except OSError as exc:
+            _log.warning("ssd_cache.read_failed", path=body.path, error=str(exc))
+            result = RestoreResult(ok=False, path=body.path, reason="io_error")
+            report = RestoreReport(path=body.path, ok=False, reason="io_error")
+        else:
+            seconds = max(0.0, ctx.clock.now() - started)
+            staging_id = ctx.ids.new_id("restore-")
+            tier.staging.put(staging_id, StagedEntry(body.path, out.header, out.host))
+            result = RestoreResult(
+                ok=True,
+                path=body.path,
+                staging_id=staging_id,
+                entry_tokens=len(out.header.tokens),
+                bytes=out.host.nbytes,
+                read_s=seconds,
+            )
+            report = RestoreReport(
+                path=body.path,
+                ok=True,
+                bytes=out.host.nbytes,
+                seconds=seconds,
+                mtime_ns=out.mtime_ns,
+            )
+        delivered = await ctx.reply(envelope, result)
+        if not delivered and staging_id is not None:
+            tier.staging.discard(staging_id)  # NOTE: the asker left; free the bytes now.
+        await ctx.tell(tier.name, report)
+
+
+# --- spawning -----------------------------------------------------------------------------
+
+
+def spawn_ssd_writer(
+    system: ActorSystem,
+    *,
+    config: SsdWriterConfig,
+    source: TensorSource,
+    port: FilePort | None = None,
+    name: str = SSD_WRITER_ADDRESS,
+    capacity: int = 256,
+) -> ColdTier:
+    """Spawn the index, the store worker and the reader over one shared :class:`ColdTier`.
+
+    The index scans the directory before it handles its first message (a
+    ``Find`` sent meanwhile waits in its mailbox). Stop order (reverse spawn
+    order) stops the reader and the store worker before the index, so a
+    write in progress can still report.
+    """
+    state = core.IndexState(
+        root=config.root, fingerprint=config.identity.fingerprint, max_bytes=config.max_bytes
+    )
+    tier = ColdTier(
+        config=config,
+        port=port if port is not None else OsFilePort(),
+        source=source,
+        state=state,
+        staging=HostStaging(max_entries=config.staging_entries),
+        name=name,
+    )
+    supervision = Supervision(on_failure="restart", max_restarts=10, within=60.0)
+    system.spawn(name, lambda: SsdWriter(tier), capacity=capacity, supervision=supervision)
+    system.spawn(
+        tier.store_address, lambda: StoreWorker(tier), capacity=64, supervision=supervision
+    )
+    system.spawn(tier.read_address, lambda: Reader(tier), capacity=64, supervision=supervision)
+    return tier

@@ -1,0 +1,731 @@
+"""The cold tier's index and rules as a sans-IO core: ``handle(state, envelope) -> (state, effects)``.
+
+Pure Python over file metadata: no file access, no clock, no arrays. The
+shell (``actors/ssd_writer/actor.py``) performs the effects and feeds back
+what its worker actors observed (``ReserveSpace``, ``EntryWritten``,
+``RestoreReport``, the startup :class:`ScanResult`).
+
+Invariants kept here (``tests/actors/ssd_writer/test_core.py`` checks them
+against a simple model):
+
+- committed bytes plus the reservation of the file being written never
+  exceed ``max_bytes`` once a write is allowed to start (victims are taken
+  out of the index before the writer may create its temp file);
+- at most one indexed file per (namespace, exact tokens);
+- a newly committed entry supersedes its strict prefix ancestors only when
+  it is trimmable and may be trimmed down to the ancestor's length
+  (``min_reusable_offset <= len(ancestor)``);
+- ``Find`` never offers more than ``len(prompt) - 1`` tokens, nor an entry
+  that would need a trim it cannot do;
+- every removal the rules decide is reported to the shell exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from actors.prompt_cache.core import common_prefix_len
+from messages import (
+    Body,
+    Covers,
+    CoversResult,
+    EntryWritten,
+    Envelope,
+    Find,
+    FindResult,
+    ObservePrefill,
+    ReserveSpace,
+    Restore,
+    RestoreChoice,
+    RestoreReport,
+    RestoreResult,
+    SpaceReserved,
+    SsdStats,
+    SsdStatsRequest,
+    Store,
+    StoreResult,
+    WriteCommitted,
+)
+
+__all__ = [
+    "ENTRY_SUFFIX",
+    "Answer",
+    "Effect",
+    "Estimator",
+    "IndexEntry",
+    "IndexState",
+    "Log",
+    "RemoveFiles",
+    "ScanResult",
+    "ScannedFile",
+    "StartRead",
+    "StartWrite",
+    "StoreJob",
+    "UnknownSsdWriterMessage",
+    "abandon_job",
+    "covers",
+    "find",
+    "handle",
+    "load_scan",
+    "namespace_dir",
+    "stats",
+    "usable_tokens",
+]
+
+ENTRY_SUFFIX = ".kvt"
+"""Committed entry files end with this; temp files end with ``.kvt.tmp``."""
+
+
+class UnknownSsdWriterMessage(TypeError):
+    """A body the SSD writer's index has no rule for."""
+
+
+def namespace_dir(namespace: str) -> str:
+    """The directory name of ``namespace`` under the fingerprint directory (16 hex digits).
+
+    NOTE: a digest, not the namespace itself: adapter names may hold path
+    separators or be long; the header keeps the namespace and the scan checks
+    that it hashes to the directory it was found in.
+    """
+    return hashlib.blake2b(namespace.encode("utf-8"), digest_size=8).hexdigest()
+
+
+@dataclass
+class IndexEntry:
+    """One committed file: what the rules need without opening it."""
+
+    path: str
+    namespace: str
+    tokens: tuple[int, ...]
+    file_bytes: int
+    mtime_ns: int
+    trimmable: bool
+    min_reusable_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedFile:
+    """One ``*.kvt`` file the startup scan read a header from (or failed to).
+
+    ``problem`` is ``None`` for a valid header, ``corrupt`` or ``incompatible``
+    (with ``reason``) otherwise; for a valid header ``entry`` holds its facts.
+    """
+
+    path: str
+    directory: str
+    problem: Literal["corrupt", "incompatible"] | None
+    reason: str = ""
+    entry: IndexEntry | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    """What the startup scan observed in ``<root>``.
+
+    ``foreign_dirs``: fingerprint directories other than ours (never touched).
+    ``orphans``: ``*.tmp`` files in our namespace directories.
+    """
+
+    files: tuple[ScannedFile, ...] = ()
+    orphans: tuple[str, ...] = ()
+    foreign_dirs: int = 0
+
+
+class Estimator:
+    """Running estimates of disk read speed and prefill speed; restore or recompute?
+
+    Exponentially weighted averages (``alpha`` on the newest sample). Until
+    both are known the advice is to restore: reading is the only way to
+    learn the disk's speed, and a wrong restore costs one read.
+    """
+
+    def __init__(self, *, alpha: float = 0.3, overhead_s: float = 0.0) -> None:
+        self.alpha = alpha
+        self.overhead_s = overhead_s
+        self.disk_bps: float | None = None
+        self.prefill_tps: float | None = None
+
+    def _mix(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self.alpha * (sample - old)
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """A file read of ``nbytes`` took ``seconds``."""
+        if nbytes > 0 and seconds > 0:
+            self.disk_bps = self._mix(self.disk_bps, nbytes / seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` took ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
+
+    def choose(
+        self, file_bytes: int, saved_tokens: int
+    ) -> tuple[RestoreChoice, float | None, float | None]:
+        """Advice for reading ``file_bytes`` to save prefilling ``saved_tokens``.
+
+        Returns the choice and the two predictions (``None`` while unknown).
+        """
+        if self.disk_bps is None or self.prefill_tps is None:
+            return "restore", None, None
+        restore_s = file_bytes / self.disk_bps + self.overhead_s
+        prefill_s = saved_tokens / self.prefill_tps
+        return ("restore" if restore_s < prefill_s else "recompute"), restore_s, prefill_s
+
+
+@dataclass
+class StoreJob:
+    """A ``Store`` being written by the store worker (its ask waits in ``request``)."""
+
+    job_id: str
+    request: Envelope
+    handle: str
+    namespace: str
+    tokens: tuple[int, ...]
+    reserved: int = 0
+    evicting: list[IndexEntry] = field(default_factory=list)
+
+
+# --- effects (core -> shell) ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Reply ``body`` to ``request``."""
+
+    request: Envelope
+    body: Body
+
+
+@dataclass(frozen=True, slots=True)
+class StartWrite:
+    """Tell the store worker to write job ``job_id`` (the handle's tensors, into ``directory``)."""
+
+    job_id: str
+    handle: str
+    namespace: str
+    tokens: tuple[int, ...]
+    directory: str
+    correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartRead:
+    """Tell the reader to read ``path``, answering the ``Restore`` in ``request`` itself."""
+
+    request: Envelope
+    path: str
+    namespace: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveFiles:
+    """Unlink ``paths`` (startup scan decisions only; ``reason`` for the log)."""
+
+    paths: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """Write one warning (``event`` with ``detail``)."""
+
+    event: str
+    detail: str
+
+
+Effect = Answer | StartWrite | StartRead | RemoveFiles | Log
+
+
+@dataclass
+class IndexState:
+    """The index and the counters (mutated in place and returned by :func:`handle`)."""
+
+    root: str
+    fingerprint: str
+    max_bytes: int
+    read_only: bool = False
+    ready: bool = False
+    entries: dict[str, IndexEntry] = field(default_factory=dict)
+    by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
+    indexed_bytes: int = 0
+    reserved_bytes: int = 0
+    jobs: dict[str, StoreJob] = field(default_factory=dict)
+    estimator: Estimator = field(default_factory=Estimator)
+    warned_disk_full: bool = False
+    finds: int = 0
+    restores: int = 0
+    restore_failures: int = 0
+    restore_ms_last: float = 0.0
+    spills: int = 0
+    store_failures: int = 0
+    too_large: int = 0
+    disk_full: int = 0
+    evicted: int = 0
+    replaced: int = 0
+    superseded: int = 0
+    duplicates_skipped: int = 0
+    corrupt_removed: int = 0
+    orphans_reaped: int = 0
+    foreign_dirs: int = 0
+    choices_restore: int = 0
+    choices_recompute: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 0:
+            raise ValueError("max_bytes cannot be negative")
+
+    @property
+    def fingerprint_dir(self) -> str:
+        """``<root>/<fingerprint>``."""
+        return os.path.join(self.root, self.fingerprint)
+
+    def directory_of(self, namespace: str) -> str:
+        """``<root>/<fingerprint>/<namespace digest>``."""
+        return os.path.join(self.fingerprint_dir, namespace_dir(namespace))
+
+
+# --- index bookkeeping ---------------------------------------------------------
+
+
+def _index(state: IndexState, entry: IndexEntry) -> None:
+    state.entries[entry.path] = entry
+    state.by_namespace.setdefault(entry.namespace, {})[entry.tokens] = entry.path
+    state.indexed_bytes += entry.file_bytes
+
+
+def _unindex(state: IndexState, entry: IndexEntry) -> None:
+    del state.entries[entry.path]
+    same_ns = state.by_namespace[entry.namespace]
+    if same_ns.get(entry.tokens) == entry.path:
+        del same_ns[entry.tokens]
+    if not same_ns:
+        del state.by_namespace[entry.namespace]
+    state.indexed_bytes -= entry.file_bytes
+
+
+def _lru(state: IndexState, *, exclude: str | None = None) -> list[IndexEntry]:
+    """Indexed entries, least recently used (oldest mtime) first."""
+    return sorted(
+        (e for e in state.entries.values() if e.path != exclude),
+        key=lambda e: (e.mtime_ns, e.path),
+    )
+
+
+# --- find / covers ----------------------------------------------------------------
+
+
+def usable_tokens(entry: IndexEntry, prompt: tuple[int, ...]) -> int:
+    """Tokens ``entry`` can serve for ``prompt`` (0 when it cannot serve).
+
+    At most ``len(prompt) - 1`` (one token is left to compute the next
+    logits); shorter than the entry only when the entry can be trimmed and
+    not below its minimum reusable offset.
+    """
+    usable = min(common_prefix_len(entry.tokens, prompt), len(prompt) - 1)
+    if usable <= 0:
+        return 0
+    if usable < len(entry.tokens) and (not entry.trimmable or usable < entry.min_reusable_offset):
+        return 0
+    return usable
+
+
+def find(state: IndexState, msg: Find) -> FindResult:
+    """The longest usable prefix in ``msg.namespace`` beyond ``msg.better_than``, with advice."""
+    state.finds += 1
+    best: IndexEntry | None = None
+    best_usable = msg.better_than
+    paths = state.by_namespace.get(msg.namespace, {})
+    if len(msg.tokens) > 1:
+        for path in paths.values():
+            entry = state.entries[path]
+            usable = usable_tokens(entry, msg.tokens)
+            if usable <= msg.better_than:
+                continue
+            # NOTE: ties prefer the smaller file (less to read), then the newer.
+            if best is None or (usable, -entry.file_bytes, entry.mtime_ns) > (
+                best_usable,
+                -best.file_bytes,
+                best.mtime_ns,
+            ):
+                best, best_usable = entry, usable
+    if best is None:
+        return FindResult()
+    choice, restore_s, prefill_s = state.estimator.choose(
+        best.file_bytes, best_usable - msg.better_than
+    )
+    if choice == "restore":
+        state.choices_restore += 1
+    else:
+        state.choices_recompute += 1
+    return FindResult(
+        choice=choice,
+        path=best.path,
+        cached_tokens=best_usable,
+        entry_tokens=len(best.tokens),
+        file_bytes=best.file_bytes,
+        predicted_restore_s=restore_s,
+        predicted_prefill_s=prefill_s,
+    )
+
+
+def covers(state: IndexState, msg: Covers) -> CoversResult:
+    """Whether a committed file serves exactly ``msg.tokens`` (itself or a trimmable descendant)."""
+    n = len(msg.tokens)
+    if n == 0:
+        return CoversResult(covered=False)
+    paths = state.by_namespace.get(msg.namespace, {})
+    exact = paths.get(msg.tokens)
+    if exact is not None:
+        return CoversResult(covered=True, entry_tokens=n)
+    best = 0
+    for tokens, path in paths.items():
+        entry = state.entries[path]
+        if (
+            len(tokens) > n
+            and entry.trimmable
+            and entry.min_reusable_offset <= n
+            and tokens[:n] == msg.tokens
+            and (best == 0 or len(tokens) < best)
+        ):
+            best = len(tokens)
+    return CoversResult(covered=best > 0, entry_tokens=best)
+
+
+# --- store ----------------------------------------------------------------------
+
+
+def _store_refused(envelope: Envelope, msg: Store, reason: str) -> list[Effect]:
+    return [Answer(envelope, StoreResult(handle=msg.handle, stored=False, reason=reason))]
+
+
+def store(state: IndexState, envelope: Envelope, msg: Store) -> list[Effect]:
+    """Start writing ``msg``'s entry, or answer why not at once."""
+    if not msg.tokens or len(msg.tokens) != msg.meta.offset:
+        state.store_failures += 1
+        return _store_refused(envelope, msg, "invalid")
+    if state.read_only:
+        return _store_refused(envelope, msg, "read_only")
+    if state.max_bytes == 0:
+        return _store_refused(envelope, msg, "disabled")
+    existing = state.by_namespace.get(msg.namespace, {}).get(msg.tokens)
+    if existing is not None:
+        # NOTE: the same tokens under the same fingerprint are the same KV;
+        # rewriting the file would cost a full write for nothing (an
+        # eviction spill of an entry write-behind already persisted is the
+        # common case). The committed file already is the durable copy.
+        state.duplicates_skipped += 1
+        return [
+            Answer(
+                envelope,
+                StoreResult(
+                    handle=msg.handle,
+                    stored=True,
+                    reason="duplicate",
+                    path=existing,
+                    file_bytes=state.entries[existing].file_bytes,
+                ),
+            )
+        ]
+    job = StoreJob(
+        job_id=envelope.msg_id,
+        request=envelope,
+        handle=msg.handle,
+        namespace=msg.namespace,
+        tokens=msg.tokens,
+    )
+    state.jobs[job.job_id] = job
+    return [
+        StartWrite(
+            job_id=job.job_id,
+            handle=msg.handle,
+            namespace=msg.namespace,
+            tokens=msg.tokens,
+            directory=state.directory_of(msg.namespace),
+            correlation_id=envelope.correlation_id,
+        )
+    ]
+
+
+def reserve(state: IndexState, envelope: Envelope, msg: ReserveSpace) -> list[Effect]:
+    """Make room for a planned file: take LRU victims out of the index, then reserve its bytes."""
+    job = state.jobs.get(msg.job_id)
+    if job is None:
+        return [Answer(envelope, SpaceReserved(ok=False, reason="unknown_job"))]
+    if job.reserved:
+        return [Answer(envelope, SpaceReserved(ok=False, reason="already_reserved"))]
+    if msg.file_bytes > state.max_bytes:
+        state.too_large += 1
+        return [Answer(envelope, SpaceReserved(ok=False, reason="too_large"))]
+    victims: list[IndexEntry] = []
+    lru = iter(_lru(state))
+    while state.indexed_bytes + state.reserved_bytes + msg.file_bytes > state.max_bytes:
+        victim = next(lru, None)
+        if victim is None:
+            break
+        _unindex(state, victim)
+        victims.append(victim)
+    if state.indexed_bytes + state.reserved_bytes + msg.file_bytes > state.max_bytes:
+        # NOTE: only other reservations can be left (not with one store worker);
+        # put the victims back rather than delete files for nothing.
+        for victim in victims:
+            _index(state, victim)
+        return [Answer(envelope, SpaceReserved(ok=False, reason="no_room"))]
+    job.reserved = msg.file_bytes
+    job.evicting = victims
+    state.reserved_bytes += msg.file_bytes
+    return [Answer(envelope, SpaceReserved(ok=True, evict=tuple(v.path for v in victims)))]
+
+
+def _supersede(state: IndexState, new: IndexEntry) -> tuple[list[IndexEntry], list[IndexEntry]]:
+    """Entries ``new`` displaces: its exact duplicate and the ancestors it can serve."""
+    same_ns = state.by_namespace.get(new.namespace, {})
+    duplicates = [state.entries[p] for t, p in same_ns.items() if t == new.tokens]
+    ancestors: list[IndexEntry] = []
+    if new.trimmable:
+        # NOTE: mirrors Put in the RAM tier: only a trimmable descendant that
+        # may be cut down to the ancestor's length serves every prompt the
+        # ancestor could; otherwise the ancestor (a prompt boundary) stays.
+        for tokens, path in same_ns.items():
+            if (
+                len(tokens) < len(new.tokens)
+                and new.min_reusable_offset <= len(tokens)
+                and new.tokens[: len(tokens)] == tokens
+            ):
+                ancestors.append(state.entries[path])
+    return duplicates, ancestors
+
+
+def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> list[Effect]:
+    """Settle a write job: index the new file and supersede, or count the failure."""
+    job = state.jobs.pop(msg.job_id, None)
+    if job is None:
+        return [Answer(envelope, WriteCommitted())]
+    state.reserved_bytes -= job.reserved
+    unremoved = set(msg.unremoved)
+    for victim in job.evicting:
+        if victim.path in unremoved:
+            _index(state, victim)  # NOTE: still on disk, still valid: keep serving it.
+        else:
+            state.evicted += 1
+    effects: list[Effect] = []
+    store_body = StoreResult(handle=job.handle, stored=False, reason=msg.reason or "io_error")
+    remove: list[str] = []
+    if msg.ok and msg.path is not None:
+        new = IndexEntry(
+            path=msg.path,
+            namespace=job.namespace,
+            tokens=job.tokens,
+            file_bytes=msg.file_bytes,
+            mtime_ns=msg.mtime_ns,
+            trimmable=msg.trimmable,
+            min_reusable_offset=msg.min_reusable_offset,
+        )
+        duplicates, ancestors = _supersede(state, new)
+        for old in (*duplicates, *ancestors):
+            _unindex(state, old)
+            remove.append(old.path)
+        _index(state, new)
+        evicted = len(job.evicting) - len(unremoved)
+        # NOTE: the reservation already made room for the planned size; this
+        # only matters if the committed file came out larger than planned.
+        for victim in _lru(state, exclude=new.path):
+            if state.indexed_bytes <= state.max_bytes:
+                break
+            _unindex(state, victim)
+            remove.append(victim.path)
+            state.evicted += 1
+            evicted += 1
+        state.spills += 1
+        state.replaced += len(duplicates)
+        state.superseded += len(ancestors)
+        store_body = StoreResult(
+            handle=job.handle,
+            stored=True,
+            path=new.path,
+            file_bytes=new.file_bytes,
+            replaced=len(duplicates),
+            superseded=len(ancestors),
+            evicted=evicted,
+        )
+    else:
+        state.store_failures += 1
+        if msg.reason == "disk_full":
+            state.disk_full += 1
+            if not state.warned_disk_full:
+                state.warned_disk_full = True
+                effects.append(
+                    Log(
+                        "ssd_cache.disk_full",
+                        f"the cold tier's disk is full under {state.root}; entries are not "
+                        "stored until space frees up (warned once)",
+                    )
+                )
+    effects.append(Answer(job.request, store_body))
+    effects.append(Answer(envelope, WriteCommitted(remove=tuple(remove))))
+    return effects
+
+
+def abandon_job(state: IndexState, job_id: str, reason: str) -> list[Effect]:
+    """The store worker never got job ``job_id`` (it is gone): settle the ``Store`` as failed."""
+    job = state.jobs.pop(job_id, None)
+    if job is None:
+        return []
+    state.reserved_bytes -= job.reserved
+    for victim in job.evicting:
+        _index(state, victim)
+    state.store_failures += 1
+    return [Answer(job.request, StoreResult(handle=job.handle, stored=False, reason=reason))]
+
+
+# --- restore ----------------------------------------------------------------------
+
+
+def restore(state: IndexState, envelope: Envelope, msg: Restore) -> list[Effect]:
+    """Hand an indexed file to the reader (it answers the asker), or answer ``gone``."""
+    if not msg.reply_to:
+        return []  # NOTE: a told Restore has no one to hand the bytes to.
+    entry = state.entries.get(msg.path)
+    if entry is None:
+        state.restore_failures += 1
+        return [Answer(envelope, RestoreResult(ok=False, path=msg.path, reason="gone"))]
+    return [StartRead(envelope, entry.path, entry.namespace, entry.tokens)]
+
+
+def restore_report(state: IndexState, msg: RestoreReport) -> list[Effect]:
+    """Account for a finished read: counters, estimator, LRU time, removals."""
+    entry = state.entries.get(msg.path)
+    if msg.ok:
+        state.restores += 1
+        state.restore_ms_last = msg.seconds * 1000.0
+        state.estimator.observe_read(msg.bytes, msg.seconds)
+        if entry is not None and msg.mtime_ns:
+            entry.mtime_ns = msg.mtime_ns
+        return []
+    state.restore_failures += 1
+    if msg.removed:
+        state.corrupt_removed += 1
+    if entry is not None and (msg.removed or msg.reason == "gone"):
+        _unindex(state, entry)
+    return []
+
+
+# --- startup scan -------------------------------------------------------------------
+
+
+def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Effect]]:
+    """Build the index from the startup scan; decide which files go.
+
+    Corrupt files, mismatches (another fingerprint or a namespace that does
+    not hash to its directory) and temp orphans are removed and counted; of
+    two files with the same tokens the newer stays; over the cap the least
+    recently used go. A read-only tier (another server holds the directory)
+    removes nothing and indexes only valid files.
+    """
+    state.foreign_dirs = scan.foreign_dirs
+    corrupt: list[str] = []
+    duplicates: list[str] = []
+    for f in scan.files:
+        entry = f.entry
+        if f.problem is not None or entry is None:
+            corrupt.append(f.path)
+            continue
+        if namespace_dir(entry.namespace) != os.path.basename(f.directory):
+            corrupt.append(f.path)
+            continue
+        existing_path = state.by_namespace.get(entry.namespace, {}).get(entry.tokens)
+        if existing_path is not None:
+            existing = state.entries[existing_path]
+            if (existing.mtime_ns, existing.path) >= (entry.mtime_ns, entry.path):
+                duplicates.append(entry.path)
+                continue
+            _unindex(state, existing)
+            duplicates.append(existing.path)
+        _index(state, entry)
+    effects: list[Effect] = []
+    if state.read_only:
+        state.ready = True
+        return state, effects
+    over_cap: list[str] = []
+    for victim in _lru(state):
+        if state.indexed_bytes <= state.max_bytes:
+            break
+        _unindex(state, victim)
+        over_cap.append(victim.path)
+    state.evicted += len(over_cap)
+    state.replaced += len(duplicates)
+    state.corrupt_removed += len(corrupt)
+    state.orphans_reaped += len(scan.orphans)
+    for paths, reason in (
+        (corrupt, "corrupt"),
+        (list(scan.orphans), "orphan"),
+        (duplicates, "duplicate"),
+        (over_cap, "over_cap"),
+    ):
+        if paths:
+            effects.append(RemoveFiles(tuple(paths), reason))
+    state.ready = True
+    return state, effects
+
+
+# --- stats and dispatch ---------------------------------------------------------------
+
+
+def stats(state: IndexState) -> SsdStats:
+    """The stats snapshot of ``state``."""
+    est = state.estimator
+    return SsdStats(
+        ready=state.ready,
+        read_only=state.read_only,
+        entries=len(state.entries),
+        bytes=state.indexed_bytes,
+        reserved_bytes=state.reserved_bytes,
+        max_bytes=state.max_bytes,
+        finds=state.finds,
+        restores=state.restores,
+        restore_failures=state.restore_failures,
+        restore_ms_last=state.restore_ms_last,
+        spills=state.spills,
+        store_failures=state.store_failures,
+        too_large=state.too_large,
+        disk_full=state.disk_full,
+        evicted=state.evicted,
+        replaced=state.replaced,
+        superseded=state.superseded,
+        corrupt_removed=state.corrupt_removed,
+        orphans_reaped=state.orphans_reaped,
+        foreign_dirs=state.foreign_dirs,
+        choices_restore=state.choices_restore,
+        choices_recompute=state.choices_recompute,
+        disk_read_gbps=None if est.disk_bps is None else est.disk_bps / 1e9,
+        prefill_tok_s=est.prefill_tps,
+        longest_entry_tokens=max((len(e.tokens) for e in state.entries.values()), default=0),
+    )
+
+
+def handle(state: IndexState, envelope: Envelope) -> tuple[IndexState, list[Effect]]:
+    """Apply one message to ``state``; return it with the effects to perform, in order."""
+    body = envelope.body
+    if isinstance(body, Find):
+        return state, [Answer(envelope, find(state, body))]
+    if isinstance(body, Covers):
+        return state, [Answer(envelope, covers(state, body))]
+    if isinstance(body, Restore):
+        return state, restore(state, envelope, body)
+    if isinstance(body, Store):
+        return state, store(state, envelope, body)
+    if isinstance(body, ReserveSpace):
+        return state, reserve(state, envelope, body)
+    if isinstance(body, EntryWritten):
+        return state, entry_written(state, envelope, body)
+    if isinstance(body, RestoreReport):
+        return state, restore_report(state, body)
+    if isinstance(body, ObservePrefill):
+        state.estimator.observe_prefill(body.tokens, body.seconds)
+        return state, []
+    if isinstance(body, SsdStatsRequest):
+        return state, [Answer(envelope, stats(state))]
+    raise UnknownSsdWriterMessage(f"ssd writer has no rule for {body.kind!r}")

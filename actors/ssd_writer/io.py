@@ -1,0 +1,199 @@
+"""Blocking file work of the cold tier, run on worker threads only.
+
+Every function here goes through a :class:`FilePort` (so tests inject
+faults) and is called through ``anyio.to_thread.run_sync`` with the tier's
+capacity limiter: never on the event loop, never on the engine thread. The
+decisions (what to index, what to remove) belong to ``core``; these
+functions only observe and act.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from kernels.cache._file_port import FileLock, FilePort, LockUnavailable
+from kernels.cache._kv_file import (
+    TEMP_SUFFIX,
+    CacheFileCorrupt,
+    CacheFileIncompatible,
+    CacheFileWriteError,
+    HostEntry,
+    KvFileHeader,
+    read_header,
+    read_tensors,
+)
+
+from .core import ENTRY_SUFFIX, IndexEntry, ScannedFile, ScanResult
+
+__all__ = [
+    "LOCK_NAME",
+    "ReadOutcome",
+    "lock_directory",
+    "read_entry",
+    "remove_files",
+    "scan",
+    "store_failure_reason",
+]
+
+LOCK_NAME = "lock"
+"""The advisory lock file inside ``<root>/<fingerprint>`` (no entry suffix: never scanned)."""
+
+
+def lock_directory(port: FilePort, fingerprint_dir: str) -> FileLock | None:
+    """Create ``fingerprint_dir`` and take its exclusive lock; ``None`` if another owner holds it."""
+    port.makedirs(fingerprint_dir)
+    try:
+        return port.lock(os.path.join(fingerprint_dir, LOCK_NAME))
+    except LockUnavailable:
+        return None
+
+
+def _dirs(port: FilePort, path: str) -> list[tuple[str, str]]:
+    try:
+        entries = port.scandir(path)
+    except FileNotFoundError:
+        return []
+    return [(e.name, e.path) for e in entries if e.is_dir and not e.is_symlink]
+
+
+def scan(
+    port: FilePort,
+    root: str,
+    fingerprint: str,
+    *,
+    tokenizer_hash: str | None,
+    max_header_bytes: int,
+) -> ScanResult:
+    """Header-only scan of ``<root>/<fingerprint>/*/``: entries, problems, orphans, foreign dirs.
+
+    A file that cannot be read for an OS reason (permissions, EIO) is left
+    alone and not indexed: that is not proof of corruption.
+    """
+    foreign = sum(1 for name, _ in _dirs(port, root) if name != fingerprint)
+    files: list[ScannedFile] = []
+    orphans: list[str] = []
+    for _, directory in _dirs(port, os.path.join(root, fingerprint)):
+        try:
+            listing = port.scandir(directory)
+        except OSError:
+            continue
+        for e in listing:
+            if e.is_symlink or not e.is_file:
+                continue  # NOTE: never follow or delete what we did not write.
+            if e.name.endswith(TEMP_SUFFIX):
+                orphans.append(e.path)
+            elif e.name.endswith(ENTRY_SUFFIX):
+                scanned = _scan_file(
+                    port,
+                    e.path,
+                    directory,
+                    e.mtime_ns,
+                    fingerprint,
+                    tokenizer_hash,
+                    max_header_bytes,
+                )
+                if scanned is not None:
+                    files.append(scanned)
+    return ScanResult(files=tuple(files), orphans=tuple(orphans), foreign_dirs=foreign)
+
+
+def _scan_file(
+    port: FilePort,
+    path: str,
+    directory: str,
+    mtime_ns: int,
+    fingerprint: str,
+    tokenizer_hash: str | None,
+    max_header_bytes: int,
+) -> ScannedFile | None:
+    try:
+        header = read_header(
+            port, path, max_header_bytes=max_header_bytes, expected_fingerprint=fingerprint
+        )
+    except CacheFileCorrupt as exc:
+        return ScannedFile(path, directory, "corrupt", exc.reason)
+    except CacheFileIncompatible as exc:
+        return ScannedFile(path, directory, "incompatible", exc.reason)
+    except OSError:
+        return None  # NOTE: vanished or unreadable: not indexed, not deleted.
+    if tokenizer_hash is not None and header.tokenizer_hash != tokenizer_hash:
+        return ScannedFile(path, directory, "incompatible", "tokenizer hash differs")
+    entry = IndexEntry(
+        path=path,
+        namespace=header.namespace,
+        tokens=header.tokens,
+        file_bytes=header.file_size,
+        mtime_ns=mtime_ns,
+        trimmable=header.trimmable,
+        min_reusable_offset=header.min_reusable_offset,
+    )
+    return ScannedFile(path, directory, None, entry=entry)
+
+
+def remove_files(port: FilePort, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Unlink ``paths``; returns those still on disk (a vanished file counts as removed)."""
+    left: list[str] = []
+    for path in paths:
+        try:
+            port.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            left.append(path)
+    return tuple(left)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOutcome:
+    """A read file: its header, host bytes and mtime after the LRU touch (0 if not touched)."""
+
+    header: KvFileHeader
+    host: HostEntry
+    mtime_ns: int
+
+
+def read_entry(
+    port: FilePort,
+    path: str,
+    *,
+    fingerprint: str,
+    namespace: str,
+    tokens: tuple[int, ...],
+    verify: bool,
+    max_header_bytes: int,
+    touch: bool,
+) -> ReadOutcome:
+    """Read and check one file against what the index knows, then touch it for LRU.
+
+    Raises :class:`CacheFileCorrupt` when the header or any tensor fails its
+    checks or the file is not the entry the index expects.
+    """
+    header = read_header(
+        port, path, max_header_bytes=max_header_bytes, expected_fingerprint=fingerprint
+    )
+    if header.namespace != namespace or header.tokens != tokens:
+        raise CacheFileCorrupt("header does not match the indexed entry")
+    host = read_tensors(port, path, header, verify=verify)
+    mtime_ns = 0
+    if touch:
+        try:
+            port.utime(path)
+            mtime_ns = port.stat(path).mtime_ns
+        except OSError:
+            mtime_ns = 0  # NOTE: the LRU touch is best effort; the read stands.
+    return ReadOutcome(header=header, host=host, mtime_ns=mtime_ns)
+
+
+def store_failure_reason(exc: BaseException) -> str:
+    """The ``StoreResult.reason`` for a failed write."""
+    if isinstance(exc, CacheFileWriteError):
+        if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
+            return "disk_full"
+        if exc.fsync_failed:
+            return "fsync_failed"
+        return "io_error"
+    if isinstance(exc, OSError):
+        return "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
+    return "source_failed"

@@ -1,0 +1,585 @@
+"""The cold tier's index and rules (sans-IO core), by plain calls and against a simple model."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from actors.ssd_writer import core
+from messages import (
+    Body,
+    Covers,
+    CoversResult,
+    EntryMeta,
+    EntryWritten,
+    Envelope,
+    Find,
+    FindResult,
+    ObservePrefill,
+    ReserveSpace,
+    Restore,
+    RestoreReport,
+    RestoreResult,
+    SpaceReserved,
+    SsdStats,
+    SsdStatsRequest,
+    Store,
+    StoreResult,
+    WriteCommitted,
+)
+
+ROOT = "/cache"
+FP = "fp0"
+_ids = itertools.count()
+
+
+def env(body: Body, correlation: str = "c") -> Envelope:
+    """An envelope around ``body`` as delivered to the index."""
+    return Envelope(f"m-{next(_ids)}", correlation, None, "x", "ssd_writer", 0.0, body)
+
+
+def new_state(max_bytes: int = 1000, *, read_only: bool = False) -> core.IndexState:
+    """An empty, ready index."""
+    state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=max_bytes, read_only=read_only)
+    core.load_scan(state, core.ScanResult())
+    return state
+
+
+def entry(
+    tokens: tuple[int, ...],
+    *,
+    ns: str = "",
+    nbytes: int = 10,
+    mtime: int = 1,
+    trimmable: bool = True,
+    min_offset: int = 0,
+    name: str | None = None,
+) -> core.IndexEntry:
+    """An index entry at its canonical path."""
+    directory = os.path.join(ROOT, FP, core.namespace_dir(ns))
+    path = os.path.join(directory, f"{name or '-'.join(map(str, tokens)) or 'empty'}.kvt")
+    return core.IndexEntry(path, ns, tokens, nbytes, mtime, trimmable, min_offset)
+
+
+def loaded(*entries: core.IndexEntry, max_bytes: int = 1000) -> core.IndexState:
+    """An index loaded from a scan of ``entries``."""
+    state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=max_bytes)
+    files = tuple(core.ScannedFile(e.path, os.path.dirname(e.path), None, entry=e) for e in entries)
+    core.load_scan(state, core.ScanResult(files=files))
+    return state
+
+
+def answer(effects: list[core.Effect], request: Envelope | None = None) -> Body:
+    """The one answer among ``effects`` (to ``request`` when given)."""
+    bodies = [
+        e.body
+        for e in effects
+        if isinstance(e, core.Answer) and (request is None or e.request is request)
+    ]
+    assert len(bodies) == 1, effects
+    return bodies[0]
+
+
+def find(
+    state: core.IndexState, prompt: tuple[int, ...], ns: str = "", better: int = 0
+) -> FindResult:
+    """Ask the core for ``prompt``."""
+    _, fx = core.handle(state, env(Find(tokens=prompt, namespace=ns, better_than=better)))
+    body = answer(fx)
+    assert isinstance(body, FindResult)
+    return body
+
+
+def store_msg(tokens: tuple[int, ...], ns: str = "", handle: str = "h") -> Store:
+    """A Store for ``tokens``."""
+    meta = EntryMeta(offset=len(tokens), nbytes=1, trimmable=True, min_reusable_offset=0)
+    return Store(handle=handle, namespace=ns, tokens=tokens, meta=meta, reply_to="q")
+
+
+@dataclass
+class Written:
+    """The outcome of driving one store through the core like the store worker would."""
+
+    result: StoreResult
+    reserved: SpaceReserved | None
+    remove: tuple[str, ...]
+
+
+def drive_store(
+    state: core.IndexState,
+    tokens: tuple[int, ...],
+    *,
+    ns: str = "",
+    nbytes: int = 10,
+    trimmable: bool = True,
+    min_offset: int = 0,
+    mtime: int = 100,
+    fail: str = "",
+) -> Written:
+    """Store -> ReserveSpace -> EntryWritten, as the worker does; returns what was answered."""
+    request = env(store_msg(tokens, ns))
+    _, fx = core.handle(state, request)
+    starts = [e for e in fx if isinstance(e, core.StartWrite)]
+    if not starts:
+        body = answer(fx, request)
+        assert isinstance(body, StoreResult)
+        return Written(body, None, ())
+    (start,) = starts
+    assert start.directory == os.path.join(ROOT, FP, core.namespace_dir(ns))
+    _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
+    reserved = answer(fx)
+    assert isinstance(reserved, SpaceReserved)
+    assert state.indexed_bytes + state.reserved_bytes <= state.max_bytes or not reserved.ok
+    path = os.path.join(start.directory, f"new-{next(_ids)}.kvt")
+    report = env(
+        EntryWritten(
+            job_id=start.job_id,
+            ok=reserved.ok and not fail,
+            reason=fail or reserved.reason,
+            path=path if reserved.ok and not fail else None,
+            file_bytes=nbytes,
+            mtime_ns=mtime,
+            trimmable=trimmable,
+            min_reusable_offset=min_offset,
+        )
+    )
+    _, fx = core.handle(state, report)
+    result = answer(fx, request)
+    committed = answer(fx, report)
+    assert isinstance(result, StoreResult)
+    assert isinstance(committed, WriteCommitted)
+    return Written(result, reserved, committed.remove)
+
+
+# --- find ------------------------------------------------------------------------------
+
+
+def test_find_returns_the_longest_usable_prefix_capped_at_prompt_minus_one() -> None:
+    """An entry equal to the prompt serves len - 1 tokens; the longest candidate wins."""
+    state = loaded(entry((1, 2)), entry((1, 2, 3, 4)), entry((9, 9, 9)))
+    got = find(state, (1, 2, 3, 4))
+    assert (got.choice, got.cached_tokens, got.entry_tokens) == ("restore", 3, 4)
+    assert got.path is not None
+    assert got.path.endswith("1-2-3-4.kvt")
+
+
+def test_find_skips_untrimmable_entries_that_would_need_a_trim() -> None:
+    """An untrimmable longer entry is passed over for an exact shorter prefix."""
+    state = loaded(entry((1, 2, 3, 4, 5), trimmable=False), entry((1, 2)))
+    got = find(state, (1, 2, 3, 9))
+    assert (got.cached_tokens, got.entry_tokens) == (2, 2)
+
+
+def test_find_never_cuts_below_the_minimum_reusable_offset() -> None:
+    """A trimmable entry cannot serve a prefix shorter than its minimum reusable offset."""
+    state = loaded(entry((1, 2, 3, 4, 5, 6), min_offset=5))
+    assert find(state, (1, 2, 3, 7)).choice == "miss"
+    assert find(state, (1, 2, 3, 4, 5, 9)).cached_tokens == 5
+
+
+def test_find_keeps_namespaces_apart_and_needs_more_than_better_than() -> None:
+    """Another namespace never serves; a prefix not longer than the RAM hit is no candidate."""
+    state = loaded(entry((1, 2, 3), ns="lora"))
+    assert find(state, (1, 2, 3, 4)).choice == "miss"
+    assert find(state, (1, 2, 3, 4), ns="lora").cached_tokens == 3
+    assert find(state, (1, 2, 3, 4), ns="lora", better=3).choice == "miss"
+
+
+def test_find_on_a_one_token_prompt_is_a_miss() -> None:
+    """Nothing can be reused when only one token is to be computed."""
+    assert find(loaded(entry((1,))), (1,)).choice == "miss"
+
+
+def test_covers_exact_or_a_trimmable_descendant_that_may_be_cut_there() -> None:
+    """Covers holds for an exact file or a trimmable descendant whose bound allows the cut."""
+    state = loaded(
+        entry((1, 2, 3, 4), min_offset=3),
+        entry((5, 6, 7), trimmable=False),
+    )
+
+    def covered(tokens: tuple[int, ...]) -> bool:
+        _, fx = core.handle(state, env(Covers(tokens=tokens)))
+        body = answer(fx)
+        assert isinstance(body, CoversResult)
+        return body.covered
+
+    assert covered((1, 2, 3, 4))
+    assert covered((1, 2, 3))
+    assert not covered((1, 2))
+    assert covered((5, 6, 7))
+    assert not covered((5, 6))
+    assert not covered(())
+
+
+# --- restore-or-recompute ---------------------------------------------------------------
+
+
+def test_estimator_restores_until_it_knows_both_rates_then_picks_the_faster() -> None:
+    """No estimate -> restore; then restore only when reading beats prefilling the saved tokens."""
+    state = loaded(entry(tuple(range(100)), nbytes=1_000_000), max_bytes=10**9)
+    prompt = (*range(100), 7)
+    assert find(state, prompt).choice == "restore"
+    core.handle(state, env(ObservePrefill(tokens=1000, seconds=1.0)))  # 1000 tok/s
+    core.handle(
+        state,
+        env(RestoreReport(path="elsewhere", ok=True, bytes=10_000_000, seconds=1.0)),
+    )  # 10 MB/s
+    got = find(state, prompt)  # 0.1 s to read vs 0.1 s to prefill 100 tokens: not faster
+    assert got.choice == "recompute"
+    assert got.predicted_restore_s is not None
+    assert got.predicted_prefill_s is not None
+    core.handle(state, env(ObservePrefill(tokens=10, seconds=1.0)))  # prefill slows down
+    assert find(state, prompt).choice == "restore"
+    stats = core.stats(state)
+    assert (stats.choices_restore, stats.choices_recompute) == (2, 1)
+
+
+# --- store, cap, supersession -------------------------------------------------------------
+
+
+def test_store_reserves_evicting_lru_and_answers_stored() -> None:
+    """Room is made by evicting the oldest files before the write; the cap always holds."""
+    state = loaded(entry((1,), nbytes=40, mtime=1), entry((2,), nbytes=40, mtime=2), max_bytes=100)
+    w = drive_store(state, (3, 3), nbytes=50)
+    assert w.reserved is not None
+    assert len(w.reserved.evict) == 1
+    assert w.reserved.evict[0].endswith("/1.kvt")
+    assert w.result.stored
+    assert w.result.evicted == 1
+    assert state.indexed_bytes == 90
+    assert core.stats(state).reserved_bytes == 0
+
+
+def test_an_entry_larger_than_the_cap_is_not_stored_and_nothing_is_evicted() -> None:
+    """too_large leaves the index untouched."""
+    state = loaded(entry((1,), nbytes=40), max_bytes=100)
+    w = drive_store(state, (2, 2), nbytes=101)
+    assert (w.result.stored, w.result.reason) == (False, "too_large")
+    assert len(state.entries) == 1
+    assert core.stats(state).too_large == 1
+
+
+def test_a_trimmable_descendant_supersedes_ancestors_it_can_serve() -> None:
+    """Ancestors at or above the new entry's minimum reusable offset are removed; others stay."""
+    state = loaded(entry((1, 2)), entry((1, 2, 3, 4)), entry((1, 9)))
+    w = drive_store(state, (1, 2, 3, 4, 5, 6), min_offset=3)
+    assert sorted(os.path.basename(p) for p in w.remove) == ["1-2-3-4.kvt"]
+    assert w.result.superseded == 1
+    assert {e.tokens for e in state.entries.values()} == {(1, 2), (1, 9), (1, 2, 3, 4, 5, 6)}
+
+
+def test_an_untrimmable_entry_supersedes_nothing() -> None:
+    """The prompt-boundary snapshot stays beside an untrimmable completion."""
+    state = loaded(entry((1, 2)))
+    w = drive_store(state, (1, 2, 3), trimmable=False)
+    assert w.remove == ()
+    assert len(state.entries) == 2
+
+
+def test_an_exact_duplicate_already_on_disk_is_not_written_again() -> None:
+    """A Store of tokens already committed answers stored (duplicate) without a write."""
+    state = loaded(entry((1, 2, 3)))
+    w = drive_store(state, (1, 2, 3))
+    assert w.reserved is None
+    assert (w.result.stored, w.result.reason) == (True, "duplicate")
+
+
+def test_a_duplicate_committed_meanwhile_is_replaced() -> None:
+    """Two stores of the same tokens racing: the second commit replaces the first file."""
+    state = new_state()
+    r1, r2 = env(store_msg((4, 5), handle="a")), env(store_msg((4, 5), handle="b"))
+    _, fx1 = core.handle(state, r1)
+    _, fx2 = core.handle(state, r2)
+    jobs = [e.job_id for e in (*fx1, *fx2) if isinstance(e, core.StartWrite)]
+    assert len(jobs) == 2
+    paths = []
+    for job in jobs:
+        core.handle(state, env(ReserveSpace(job_id=job, file_bytes=10)))
+        path = f"{ROOT}/{FP}/{core.namespace_dir('')}/{job}.kvt"
+        paths.append(path)
+        _, fx = core.handle(
+            state,
+            env(
+                EntryWritten(
+                    job_id=job, ok=True, path=path, file_bytes=10, mtime_ns=5, trimmable=True
+                )
+            ),
+        )
+    committed = [
+        e.body for e in fx if isinstance(e, core.Answer) and isinstance(e.body, WriteCommitted)
+    ]
+    assert committed == [WriteCommitted(remove=(paths[0],))]
+    assert list(state.entries) == [paths[1]]
+    assert core.stats(state).replaced == 1
+
+
+def test_disk_full_is_a_soft_failure_warned_once() -> None:
+    """Two disk-full stores: both answered not stored, one warning, the index unchanged."""
+    state = new_state()
+    logs = 0
+    for _ in range(2):
+        request = env(store_msg((7, 7)))
+        _, fx = core.handle(state, request)
+        (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
+        core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=10)))
+        _, fx = core.handle(
+            state, env(EntryWritten(job_id=start.job_id, ok=False, reason="disk_full"))
+        )
+        logs += sum(isinstance(e, core.Log) for e in fx)
+        result = answer(fx, request)
+        assert isinstance(result, StoreResult)
+        assert (result.stored, result.reason) == (False, "disk_full")
+    assert logs == 1
+    stats = core.stats(state)
+    assert (stats.disk_full, stats.store_failures, stats.entries, stats.reserved_bytes) == (
+        2,
+        2,
+        0,
+        0,
+    )
+
+
+def test_victims_that_could_not_be_unlinked_are_indexed_again() -> None:
+    """An eviction unlink that failed leaves that file indexed (it is still valid and on disk)."""
+    state = loaded(entry((1,), nbytes=60), max_bytes=100)
+    request = env(store_msg((2, 2)))
+    _, fx = core.handle(state, request)
+    (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
+    _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=60)))
+    reserved = answer(fx)
+    assert isinstance(reserved, SpaceReserved)
+    assert len(reserved.evict) == 1
+    core.handle(
+        state,
+        env(
+            EntryWritten(
+                job_id=start.job_id, ok=False, reason="evict_failed", unremoved=reserved.evict
+            )
+        ),
+    )
+    assert list(state.entries) == list(reserved.evict)
+    assert state.indexed_bytes == 60
+
+
+def test_abandoned_job_answers_the_store_and_restores_victims() -> None:
+    """A job the store worker never got is answered as failed, its victims indexed again."""
+    state = new_state()
+    request = env(store_msg((3,)))
+    _, fx = core.handle(state, request)
+    (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
+    fx = core.abandon_job(state, start.job_id, "writer_unavailable")
+    result = answer(fx, request)
+    assert isinstance(result, StoreResult)
+    assert (result.stored, result.reason) == (False, "writer_unavailable")
+    assert state.jobs == {}
+
+
+def test_read_only_and_disabled_tiers_refuse_stores() -> None:
+    """read_only (another server owns the directory) and max_bytes 0 never start a write."""
+    assert drive_store(new_state(read_only=True), (1, 2)).result.reason == "read_only"
+    assert drive_store(new_state(max_bytes=0), (1, 2)).result.reason == "disabled"
+
+
+# --- restore --------------------------------------------------------------------------------
+
+
+def test_restore_of_an_unindexed_path_is_gone_and_an_indexed_one_goes_to_the_reader() -> None:
+    """Restore answers gone at once, or hands the entry's facts to the reader."""
+    e = entry((1, 2, 3))
+    state = loaded(e)
+    request = env(Restore(path="/nope", reply_to="r"))
+    _, fx = core.handle(state, request)
+    body = answer(fx, request)
+    assert isinstance(body, RestoreResult)
+    assert (body.ok, body.reason) == (False, "gone")
+    request = env(Restore(path=e.path, reply_to="r"))
+    _, fx = core.handle(state, request)
+    assert fx == [core.StartRead(request, e.path, "", (1, 2, 3))]
+
+
+def test_restore_reports_update_lru_time_and_remove_corrupt_files() -> None:
+    """A good read refreshes mtime and the figures; a corrupt one drops the entry and counts."""
+    a, b = entry((1,), mtime=1), entry((2,), mtime=2)
+    state = loaded(a, b)
+    core.handle(state, env(RestoreReport(path=a.path, ok=True, bytes=10, seconds=0.5, mtime_ns=99)))
+    assert state.entries[a.path].mtime_ns == 99
+    core.handle(state, env(RestoreReport(path=b.path, ok=False, reason="corrupt", removed=True)))
+    assert list(state.entries) == [a.path]
+    _, fx = core.handle(state, env(SsdStatsRequest(reply_to="s")))
+    stats = answer(fx)
+    assert isinstance(stats, SsdStats)
+    assert (stats.restores, stats.restore_failures, stats.corrupt_removed) == (1, 1, 1)
+    assert stats.restore_ms_last == 500.0
+
+
+# --- startup scan -------------------------------------------------------------------------
+
+
+def test_scan_removes_corrupt_mismatched_orphans_duplicates_and_over_cap() -> None:
+    """Every bad or redundant file is removed and counted; foreign dirs only counted."""
+    good = entry((1, 2), nbytes=30, mtime=5)
+    older_dup = entry((1, 2), nbytes=30, mtime=1, name="dup")
+    lru = entry((3,), nbytes=30, mtime=2)
+    newest = entry((4,), nbytes=30, mtime=9)
+    wrong_dir = core.ScannedFile(
+        "/cache/fp0/0000/x.kvt", "/cache/fp0/0000", None, entry=entry((5,), ns="lora")
+    )
+    files = (
+        *(
+            core.ScannedFile(e.path, os.path.dirname(e.path), None, entry=e)
+            for e in (good, older_dup, lru, newest)
+        ),
+        core.ScannedFile("/cache/fp0/d/bad.kvt", "/cache/fp0/d", "corrupt", "bad magic"),
+        core.ScannedFile(
+            "/cache/fp0/d/other.kvt", "/cache/fp0/d", "incompatible", "fingerprint differs"
+        ),
+        wrong_dir,
+    )
+    state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=60)
+    _, fx = core.load_scan(
+        state, core.ScanResult(files=files, orphans=("/cache/fp0/d/t.kvt.tmp",), foreign_dirs=2)
+    )
+    removed = {e.reason: set(e.paths) for e in fx if isinstance(e, core.RemoveFiles)}
+    assert removed == {
+        "corrupt": {"/cache/fp0/d/bad.kvt", "/cache/fp0/d/other.kvt", "/cache/fp0/0000/x.kvt"},
+        "orphan": {"/cache/fp0/d/t.kvt.tmp"},
+        "duplicate": {older_dup.path},
+        "over_cap": {lru.path},
+    }
+    assert set(state.entries) == {good.path, newest.path}
+    stats = core.stats(state)
+    assert (stats.corrupt_removed, stats.orphans_reaped, stats.foreign_dirs) == (3, 1, 2)
+    assert stats.ready
+
+
+def test_a_read_only_scan_removes_nothing() -> None:
+    """A second server on the directory indexes valid files and deletes nothing."""
+    good = entry((1, 2))
+    files = (
+        core.ScannedFile(good.path, os.path.dirname(good.path), None, entry=good),
+        core.ScannedFile("/cache/fp0/d/bad.kvt", "/cache/fp0/d", "corrupt", "bad magic"),
+    )
+    state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=1, read_only=True)
+    _, fx = core.load_scan(state, core.ScanResult(files=files, orphans=("/x.kvt.tmp",)))
+    assert fx == []
+    assert list(state.entries) == [good.path]
+
+
+# --- the rules against a simple model ----------------------------------------------------
+
+
+@dataclass
+class RefFile:
+    """The model's view of one file on disk."""
+
+    ns: str
+    tokens: tuple[int, ...]
+    nbytes: int
+    mtime: int
+    trimmable: bool
+    min_offset: int
+
+
+def ref_usable(f: RefFile, prompt: tuple[int, ...]) -> int:
+    """The longest k <= len(prompt) - 1 that ``f`` can serve, by trying every k."""
+    best = 0
+    for k in range(1, len(prompt)):
+        if f.tokens[:k] != prompt[:k]:
+            break
+        if k == len(f.tokens) or (f.trimmable and k >= f.min_offset):
+            best = k
+    return best
+
+
+tokens_st = st.lists(st.integers(0, 1), min_size=1, max_size=5).map(tuple)
+ns_st = st.sampled_from(["", "lora"])
+CAP = 100
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Stores and finds on the core and on a brute-force model; they must agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = new_state(CAP)
+        self.files: list[RefFile] = []
+        self.clock = 0
+
+    @rule(
+        tokens=tokens_st,
+        ns=ns_st,
+        nbytes=st.integers(1, 120),
+        trimmable=st.booleans(),
+        min_offset=st.integers(0, 5),
+    )
+    def store(
+        self, tokens: tuple[int, ...], ns: str, nbytes: int, trimmable: bool, min_offset: int
+    ) -> None:
+        """Store through the core; apply the documented rules to the model."""
+        min_offset = min(min_offset, len(tokens))
+        self.clock += 1
+        w = drive_store(
+            self.state,
+            tokens,
+            ns=ns,
+            nbytes=nbytes,
+            trimmable=trimmable,
+            min_offset=min_offset,
+            mtime=self.clock,
+        )
+        if any(f.ns == ns and f.tokens == tokens for f in self.files):
+            assert w.result.reason == "duplicate"
+            return
+        if nbytes > CAP:
+            assert w.result.reason == "too_large"
+            return
+        assert w.result.stored
+        lru = sorted(self.files, key=lambda f: f.mtime)
+        while sum(f.nbytes for f in self.files) + nbytes > CAP:
+            self.files.remove(lru.pop(0))
+        if trimmable:
+            self.files = [
+                f
+                for f in self.files
+                if not (
+                    f.ns == ns
+                    and len(f.tokens) < len(tokens)
+                    and min_offset <= len(f.tokens)
+                    and tokens[: len(f.tokens)] == f.tokens
+                )
+            ]
+        self.files.append(RefFile(ns, tokens, nbytes, self.clock, trimmable, min_offset))
+
+    @rule(prompt=tokens_st, ns=ns_st)
+    def find(self, prompt: tuple[int, ...], ns: str) -> None:
+        """Find agrees with the brute-force best (longest, then smallest, then newest)."""
+        got = find(self.state, prompt, ns)
+        scored = [(ref_usable(f, prompt), -f.nbytes, f.mtime, f) for f in self.files if f.ns == ns]
+        scored = [s for s in scored if s[0] > 0]
+        if not scored:
+            assert got.choice == "miss"
+            return
+        best = max(scored, key=lambda s: s[:3])
+        assert (got.cached_tokens, got.entry_tokens) == (best[0], len(best[3].tokens))
+
+    @invariant()
+    def index_matches_model_and_cap(self) -> None:
+        """Same files, bytes within the cap, nothing reserved between stores."""
+        have = sorted((e.namespace, e.tokens) for e in self.state.entries.values())
+        assert have == sorted((f.ns, f.tokens) for f in self.files)
+        assert self.state.indexed_bytes == sum(f.nbytes for f in self.files) <= CAP
+        assert self.state.reserved_bytes == 0
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
