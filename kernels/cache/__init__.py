@@ -1,4 +1,5 @@
-"""KV caches: adapters over mlx-lm's cache classes, the engine-owned registry, KV schemes.
+"""KV caches: adapters over mlx-lm's cache classes, the engine-owned registry, KV schemes,
+the KV file codec (``_kv_file``) and the file port it writes through (``_file_port``).
 
 Every name is re-exported from a private module. All MLX work here runs on
 the engine thread.
@@ -22,6 +23,37 @@ from ._adapters import (
     declared_min_reusable_offset,
     trim_caches,
 )
+from ._file_port import (
+    DirEntryInfo,
+    FileLock,
+    FilePort,
+    FileStat,
+    LockUnavailable,
+    OsFilePort,
+    ShortRead,
+    full_fsync,
+)
+from ._kv_file import (
+    ALIGNMENT,
+    FORMAT_VERSION,
+    MAGIC,
+    TEMP_SUFFIX,
+    CacheFileCorrupt,
+    CacheFileIncompatible,
+    CacheFileWriteError,
+    CacheKindUnsupported,
+    EntryPlan,
+    HostEntry,
+    KvFileHeader,
+    KvFileWriter,
+    LayerRecord,
+    TensorRecord,
+    materialize,
+    plan_entry,
+    read_header,
+    read_tensors,
+    tensor_bytes,
+)
 from ._kv_scheme import (
     KV_CONFIG_FILE,
     InvalidKvScheme,
@@ -43,19 +75,40 @@ from ._registry import (
 )
 
 __all__ = [
+    "ALIGNMENT",
+    "FORMAT_VERSION",
     "KV_CONFIG_FILE",
+    "MAGIC",
+    "TEMP_SUFFIX",
     "CacheAdapter",
+    "CacheFileCorrupt",
+    "CacheFileIncompatible",
+    "CacheFileWriteError",
+    "CacheKindUnsupported",
     "CacheNotTrimmable",
     "CacheOffsetMismatch",
     "CacheRegistry",
+    "DirEntryInfo",
+    "EntryPlan",
+    "FileLock",
+    "FilePort",
+    "FileStat",
+    "HostEntry",
     "InvalidKvScheme",
+    "KvFileHeader",
+    "KvFileWriter",
     "KvGeometry",
     "KvScheme",
     "KvSchemeKind",
     "LayerGeometry",
     "LayerQuant",
+    "LayerRecord",
+    "LockUnavailable",
+    "OsFilePort",
     "RegisteredCache",
     "RegistryStats",
+    "ShortRead",
+    "TensorRecord",
     "UnknownCacheHandle",
     "UnsupportedCacheKind",
     "adapter_for",
@@ -70,6 +123,12 @@ __all__ = [
     "convert_caches",
     "declare_min_reusable_offset",
     "declared_min_reusable_offset",
+    "full_fsync",
+    "materialize",
+    "plan_entry",
+    "read_header",
+    "read_tensors",
     "resolve_kv_scheme",
+    "tensor_bytes",
     "trim_caches",
 ]
