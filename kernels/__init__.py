@@ -26,7 +26,6 @@ from ._memory import (
     configure_mlx_memory,
     default_mlx_cache_limit_bytes,
     default_prompt_cache_bytes,
-    gb_to_bytes,
     release_mlx_memory,
 )
 from .cache import (
@@ -156,7 +155,6 @@ __all__ = [
     "encode_prompt",
     "ensure_default_model",
     "fetch_default_wheel",
-    "gb_to_bytes",
     "is_converted_dir",
     "kvtier_home",
     "load_model",

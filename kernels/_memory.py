@@ -3,6 +3,11 @@
 The prompt cache's cap counts what its entries retain; MLX's own buffer cache
 (freed buffers kept for reuse) is bounded separately here, so a long workload
 stays within model + cap + MLX cache limit + working set.
+
+NOTE: no environment variable is read here: ``KVTIER_PROMPT_CACHE_GB`` and
+``KVTIER_MLX_CACHE_LIMIT_MB`` are ``EngineConfig`` settings
+(``actors/engine/config.py``), which also owns the GB (GiB) conversion; these
+functions give the defaults used when the setting is unset.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ __all__ = [
     "configure_mlx_memory",
     "default_mlx_cache_limit_bytes",
     "default_prompt_cache_bytes",
-    "gb_to_bytes",
 ]
 
 GIB = 1024**3
@@ -46,13 +50,6 @@ class MemorySettings:
     memory_limit_bytes: int
 
 
-def gb_to_bytes(gb: float) -> int:
-    """``--prompt-cache GB`` to bytes (decimal GB: 0.1 -> 100,000,000; 0 disables)."""
-    if gb < 0:
-        raise ValueError("a byte cap cannot be negative")
-    return int(gb * 1_000_000_000)
-
-
 def available_memory_bytes() -> int:
     """Memory available to new allocations (Linux ``MemAvailable``; else physical size)."""
     meminfo = Path("/proc/meminfo")
@@ -69,11 +66,8 @@ def available_memory_bytes() -> int:
 def default_prompt_cache_bytes(available: int | None = None) -> int:
     """The default RAM-tier cap: a quarter of available memory, in [256 MiB, 8 GiB].
 
-    ``KVTIER_PROMPT_CACHE_GB`` overrides it (decimal GB; 0 disables).
+    Used when ``EngineConfig.prompt_cache_bytes`` is unset.
     """
-    env = os.environ.get("KVTIER_PROMPT_CACHE_GB")
-    if env is not None and env.strip():
-        return gb_to_bytes(float(env))
     avail = available_memory_bytes() if available is None else available
     return max(_MIN_DEFAULT_PROMPT_CACHE_BYTES, min(MAX_DEFAULT_PROMPT_CACHE_BYTES, avail // 4))
 
@@ -87,10 +81,7 @@ quarter of its decode rate at 1B, while 2 GiB matched MLX's own default
 
 
 def default_mlx_cache_limit_bytes(*, gpu: bool = False) -> int:
-    """``KVTIER_MLX_CACHE_LIMIT_MB`` (MiB) if set, else the CPU or GPU default."""
-    env = os.environ.get("KVTIER_MLX_CACHE_LIMIT_MB")
-    if env is not None and env.strip():
-        return int(float(env) * 1024**2)
+    """The CPU or GPU default bound (used when ``EngineConfig.mlx_cache_limit_bytes`` is unset)."""
     return GPU_MLX_CACHE_LIMIT_BYTES if gpu else DEFAULT_MLX_CACHE_LIMIT_BYTES
 
 

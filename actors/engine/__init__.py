@@ -26,14 +26,17 @@ from .api import (
     TurnUnavailable,
     Usage,
 )
+from .config import ConfigError, EngineConfig
 
 __all__ = [
     "ChatMessage",
     "Completion",
+    "ConfigError",
     "ContextTooLong",
     "DoneEvent",
     "Engine",
     "EngineClosed",
+    "EngineConfig",
     "EngineNotStarted",
     "EngineOptions",
     "GenerationEvent",

@@ -23,6 +23,7 @@ one decode step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,10 +46,7 @@ from actors.errors import (
     ServerShuttingDown,
     TurnUnavailable,
 )
-from actors.gateway import Gateway
-from actors.gateway.runner import BackgroundSteps, TurnControl, TurnRunner
-from actors.prompt_cache import PromptCache
-from actors.prompt_cache.core import stats as prompt_cache_stats
+from actors.gateway import BackgroundSteps
 from actors.runtime import (
     ActorRef,
     ActorSystem,
@@ -56,7 +54,6 @@ from actors.runtime import (
     Inbox,
     MailboxClosed,
     RuntimeFailure,
-    Supervision,
     use_correlation,
 )
 from messages import Envelope
@@ -77,6 +74,9 @@ from messages.gateway import (
     TurnDone,
     Usage,
 )
+
+from . import wiring
+from .config import ConfigError, EngineConfig, option_names
 
 __all__ = [
     "ChatMessage",
@@ -112,9 +112,7 @@ T = TypeVar("T")
 
 _log = structlog.get_logger("kvtier.engine")
 
-_GATEWAY = "gateway"
-_RUNNER = "gateway.runner"
-_PROMPT_CACHE = "prompt_cache"
+_GATEWAY = wiring.GATEWAY
 
 _ADMISSION_ERRORS: dict[str, type[KvtierError]] = {
     "queue_full": QueueFull,
@@ -124,17 +122,53 @@ _ADMISSION_ERRORS: dict[str, type[KvtierError]] = {
 
 
 class EngineOptions(TypedDict, total=False):
-    """The keyword options of :class:`Engine` (``Engine.from_loaded`` takes the same)."""
+    """The keyword options of :class:`Engine` (``Engine.from_loaded`` takes the same).
+
+    Exactly the engine, sampling and SSD fields of :class:`EngineConfig`
+    (``model`` is ``Engine``'s positional argument); defaults, bounds and
+    units are documented there. A test keeps the two in step.
+    """
 
     max_queue: int
     prefill_step_size: int
+    max_burst: int
+    max_batch: int
     prompt_cache_bytes: int | None
     kv_quant: KvQuant | None
     max_prompt_tokens: int | None
     stream_buffer: int
-    ask_timeout_s: float
-    drain_timeout_s: float
     snapshot_min_new_tokens: int
+    ask_timeout_s: float
+    stats_timeout_s: float
+    shutdown_timeout: float
+    mlx_cache_limit_bytes: int | None
+    max_tokens: int
+    max_tokens_limit: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    ssd_cache: str | Path | None
+    ssd_cache_max_bytes: int | None
+    ssd_cache_verify: bool
+    ssd_demote_idle: float
+    ssd_writebehind: bool
+    ssd_spill_queue_bytes: int
+
+
+_SERVER_OPTIONS = frozenset(option_names("server"))
+
+
+def _engine_config(config: EngineConfig | None, options: Mapping[str, Any]) -> EngineConfig:
+    """``config`` (or defaults and ``KVTIER_*`` variables) with ``options`` applied, validated."""
+    server = sorted(k for k in options if k in _SERVER_OPTIONS)
+    if server:
+        raise ConfigError(
+            f"{', '.join(map(repr, server))}: `kvtier serve` option(s), not Engine options"
+        )
+    if config is None:
+        return EngineConfig.from_env(**options)
+    return config.replace(**options) if options else config
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,13 +183,12 @@ class Completion:
     timings: Timings
 
 
-def _abandon(system: ActorSystem, control: TurnControl, inbox: Inbox, request_id: str) -> None:
+def _abandon(system: ActorSystem, inbox: Inbox, request_id: str) -> None:
     # NOTE: runs on the loop. Closing the inbox unblocks a runner waiting on
-    # a full stream (it then stops the request); the preempt mark stops a
-    # running burst after its current step; the cancel covers a request
-    # that is still queued.
+    # a full stream (it then stops the request); the cancel makes the
+    # gateway drop a queued request or stop a running burst (StopBurst to
+    # the runner) after its current step.
     inbox.close()
-    control.preempt(request_id)
     try:
         system.try_tell(_GATEWAY, CancelGeneration(request_id=request_id), correlation_id=request_id)
     except RuntimeFailure:
@@ -165,14 +198,13 @@ def _abandon(system: ActorSystem, control: TurnControl, inbox: Inbox, request_id
 def _abandon_soon(
     loop: asyncio.AbstractEventLoop,
     system: ActorSystem,
-    control: TurnControl,
     inbox: Inbox,
     request_id: str,
 ) -> None:
     # NOTE: weakref finalizer of a stream dropped unfinished; the garbage
     # collector may run it on any thread, so hop to the loop.
     try:
-        loop.call_soon_threadsafe(_abandon, system, control, inbox, request_id)
+        loop.call_soon_threadsafe(_abandon, system, inbox, request_id)
     except RuntimeError:
         pass  # the loop is closed: nothing left to cancel
 
@@ -294,7 +326,6 @@ class GenerationStream(_StartClose):
             _abandon_soon,
             asyncio.get_running_loop(),
             system,
-            engine._control,
             inbox,
             self.request_id,
         )
@@ -332,10 +363,10 @@ class GenerationStream(_StartClose):
             self._finished = True
             return
         request_id = self.request_id
+        # NOTE: closing the inbox first makes a runner blocked on this full
+        # stream stop the request at once; the cancel reaches a running burst
+        # as StopBurst (gateway -> runner) within the step in flight.
         self._close_inbox()
-        # NOTE: marks a running burst at once (same loop thread), so the
-        # engine thread starts no further step for this request.
-        self._engine._control.preempt(request_id)
         system = self._engine._system
         if system is not None:
             with anyio.CancelScope(shield=True):
@@ -372,21 +403,26 @@ class Engine(_StartClose):
     """One model, one engine thread, one actor system: kvtier embedded in an async app.
 
     ``model``: a local mlx-lm model directory or a Hugging Face id; ``None``
-    means kvtier's default model (SmolLM2-135M-Instruct, fetched and converted
-    on first use). Options: ``max_queue`` requests may wait behind the one
-    generating (more → ``QueueFull``); ``prefill_step_size`` tokens per
-    prefill engine turn; ``prompt_cache_bytes`` caps the RAM prompt cache
-    (0 disables it, ``None`` takes ``kernels.default_prompt_cache_bytes()``,
-    i.e. ``KVTIER_PROMPT_CACHE_GB`` or a quarter of free memory);
-    ``kv_quant`` stores KV in affine 4/8-bit (``"off"``, 4, 8, ``"config"``);
-    ``max_prompt_tokens`` refuses longer prompts (``ContextTooLong``) before
-    admission, as does a prompt whose ``max_tokens`` would run past the
-    model's context (``max_position_embeddings``); ``stream_buffer`` bounds each request's event inbox; ``ask_timeout_s``
-    is the deadline on every internal ask (admission included);
-    ``drain_timeout_s`` bounds how long :meth:`aclose` waits for in-flight
-    requests; ``max_burst`` decode steps may run per engine turn while the
-    request keeps the lane (1: a gateway round trip per token; a cancel
-    still frees the lane within one step, see docs/engine-turn.md).
+    takes ``config.model``, else kvtier's default model (SmolLM2-135M-Instruct,
+    fetched and converted on first use).
+
+    Options come from ONE settings model, :class:`EngineConfig` (defaults,
+    bounds, units, ``KVTIER_*`` variables: docs/engine.md). Pass
+    ``config=EngineConfig(...)``, or keyword options (:class:`EngineOptions`),
+    or both (the keywords override the config). Without ``config`` the
+    ``KVTIER_*`` variables apply under the keywords. An unknown or invalid
+    option, or a ``kvtier serve``-only one (``host``, ``port``, ...), raises
+    ``ConfigError`` (a ``ValueError``) naming it.
+
+    The most used: ``max_queue`` requests may wait behind the one generating
+    (more → ``QueueFull``); ``prompt_cache_bytes`` caps the RAM prompt cache
+    (0 disables it, ``None``: a quarter of available memory); ``max_prompt_tokens``
+    refuses longer prompts (``ContextTooLong``) before admission, as does a
+    prompt whose ``max_tokens`` would run past the model's context;
+    ``max_burst`` decode steps may run per engine turn (docs/engine-turn.md);
+    ``shutdown_timeout`` bounds how long :meth:`aclose` waits for in-flight
+    requests. The sampling fields (``max_tokens``, ``temperature``, ...) are
+    the parameters of a request that passes none.
 
     ``start()`` and ``aclose()`` must run in the same task (``async with``
     does that): the actor system's task group lives between them.
@@ -396,39 +432,19 @@ class Engine(_StartClose):
         self,
         model: str | Path | None = None,
         *,
-        max_queue: int = 16,
-        prefill_step_size: int = 512,
-        prompt_cache_bytes: int | None = None,
-        kv_quant: KvQuant | None = None,
-        max_prompt_tokens: int | None = None,
-        stream_buffer: int = 64,
-        ask_timeout_s: float = 30.0,
-        drain_timeout_s: float = 120.0,
-        snapshot_min_new_tokens: int = 64,
-        max_burst: int = 64,
+        config: EngineConfig | None = None,
+        **options: Unpack[EngineOptions],
     ) -> None:
-        if max_burst < 1:
-            raise ValueError("max_burst must be >= 1")
-        if max_queue < 0:
-            raise ValueError("max_queue must be >= 0")
-        if prefill_step_size < 1:
-            raise ValueError("prefill_step_size must be >= 1")
-        if stream_buffer < 1:
-            raise ValueError("stream_buffer must be >= 1")
-        if max_prompt_tokens is not None and max_prompt_tokens < 1:
-            raise ValueError("max_prompt_tokens must be >= 1")
+        cfg = _engine_config(config, options)
+        self._config = cfg
+        if model is None and cfg.model is not None:
+            model = cfg.model
         self._model_arg = model
-        self._max_queue = max_queue
-        self._prefill_step_size = prefill_step_size
-        self._prompt_cache_bytes = prompt_cache_bytes
-        self._kv_quant = kv_quant
-        self._max_prompt_tokens = max_prompt_tokens
-        self._stream_buffer = stream_buffer
-        self._ask_timeout = ask_timeout_s
-        self._drain_timeout = drain_timeout_s
-        self._snapshot_min = snapshot_min_new_tokens
-        self._max_burst = max_burst
-        self._control = TurnControl()
+        self._max_queue = cfg.max_queue
+        self._max_prompt_tokens = cfg.max_prompt_tokens
+        self._stream_buffer = cfg.stream_buffer
+        self._ask_timeout = cfg.ask_timeout_s
+        self._drain_timeout = cfg.shutdown_timeout
         self._model: Any = None
         self._tokenizer: Any = None
         self._model_id = "" if model is None else str(model)
@@ -438,10 +454,8 @@ class Engine(_StartClose):
         self._engine_thread: Any = None
         self._registry: Any = None
         self._owns_model = True
-        self._prompt_cache_actor: PromptCache | None = None
         self._system: ActorSystem | None = None
-        self._gateway_actor: Gateway | None = None
-        self._runner_actor: TurnRunner | None = None
+        self._wired: wiring.Wired | None = None
         self._gateway_ref: ActorRef | None = None
         self._steps = BackgroundSteps()
         self._state = "new"
@@ -456,6 +470,7 @@ class Engine(_StartClose):
         model_id: str,
         identity: Any = None,
         max_context: int | None = None,
+        config: EngineConfig | None = None,
         **options: Unpack[EngineOptions],
     ) -> Engine:
         """An engine over an already-built mlx-lm model and tokenizer (tests, custom loaders).
@@ -463,9 +478,10 @@ class Engine(_StartClose):
         ``tokenizer`` must be mlx-lm's ``TokenizerWrapper``. The model must not
         be used from any other thread afterwards: the engine thread owns it.
         ``max_context`` is the model's context length in tokens (``None``: not
-        checked); ``options`` are :class:`Engine`'s.
+        checked); ``config`` and ``options`` are :class:`Engine`'s
+        (``config.model`` is not used).
         """
-        engine = cls(None, **options)
+        engine = cls(None, config=config, **options)
         engine._owns_model = False
         engine._model = model
         engine._tokenizer = tokenizer
@@ -496,17 +512,26 @@ class Engine(_StartClose):
                 self._model_dir = loaded.path
                 self._model_id = loaded.identity.name if self._model_arg is None else str(self._model_arg)
                 self._max_context = _context_limit(loaded.config)
-            await thread.run(kernels.configure_mlx_memory)
-            scheme = kernels.resolve_kv_scheme(
-                self._kv_quant, self._model_dir, missing_config="error"
+            cfg = self._config
+            limit = cfg.mlx_cache_limit_bytes
+            await thread.run(
+                functools.partial(
+                    kernels.configure_mlx_memory,
+                    cache_limit_bytes="default" if limit is None else limit,
+                )
             )
-            cap = self._prompt_cache_bytes
+            scheme = kernels.resolve_kv_scheme(
+                cfg.kv_quant, self._model_dir, missing_config="error"
+            )
+            # NOTE: refuse a scheme this model's cache cannot take now, not in every request.
+            await thread.run(kernels.cache.check_kv_scheme, self._model, scheme)
+            cap = cfg.prompt_cache_bytes
             if cap is None:
                 cap = kernels.default_prompt_cache_bytes()
             registry = kernels.CacheRegistry() if cap > 0 else None
             self._registry = registry
             backend = _make_backend(
-                self._model, self._tokenizer, self._prefill_step_size, scheme, registry
+                self._model, self._tokenizer, cfg.prefill_step_size, scheme, registry
             )
             system = ActorSystem()
             await system.__aenter__()
@@ -515,47 +540,16 @@ class Engine(_StartClose):
             await thread.aclose()
             raise
         self._system = system
-        prompt_cache: str | None = None
-        if registry is not None:
-            cache_actor = PromptCache(cap_bytes=cap, registry=registry)
-            self._prompt_cache_actor = cache_actor
-            system.spawn(
-                _PROMPT_CACHE,
-                lambda: cache_actor,
-                capacity=256,
-                supervision=Supervision("resume"),
-            )
-            prompt_cache = _PROMPT_CACHE
-        control = self._control
-        gateway = Gateway(
-            runner=_RUNNER, max_queue=self._max_queue, max_burst=self._max_burst, control=control
-        )
-        runner = TurnRunner(
-            control=control,
-            gateway=_GATEWAY,
+        parts = wiring.Parts(
+            config=cfg,
             executor=thread,
             backend=backend,
+            registry=registry,
+            prompt_cache_bytes=cap,
             steps=self._steps,
-            prompt_cache=prompt_cache,
-            snapshot_min_new_tokens=self._snapshot_min,
-            ask_timeout_s=self._ask_timeout,
         )
-        self._gateway_actor = gateway
-        self._runner_actor = runner
-        # NOTE: "resume" keeps the one instance (and its core state) if a
-        # handler raises; the factories therefore return that instance.
-        self._gateway_ref = system.spawn(
-            _GATEWAY,
-            lambda: gateway,
-            capacity=max(64, 2 * self._max_queue + 16),
-            supervision=Supervision("resume", max_restarts=100, within=1.0),
-        )
-        system.spawn(
-            _RUNNER,
-            lambda: runner,
-            capacity=self._max_queue + 16,
-            supervision=Supervision("resume", max_restarts=100, within=1.0),
-        )
+        self._wired = wiring.start(system, parts)
+        self._gateway_ref = self._wired.ref(wiring.GATEWAY)
         self._state = "running"
 
     def _load(self) -> Any:
@@ -636,9 +630,7 @@ class Engine(_StartClose):
             for handle in list(registry.entries()):
                 registry.dispose(handle)
             registry.drain()
-        self._gateway_actor = None
-        self._runner_actor = None
-        self._prompt_cache_actor = None
+        self._wired = None
         self._gateway_ref = None
         self._registry = None
         if self._owns_model:
@@ -665,13 +657,23 @@ class Engine(_StartClose):
         return self._tokenizer
 
     @property
+    def vocab_size(self) -> int | None:
+        """Token ids run ``0..vocab_size - 1`` (``None`` before the model is loaded)."""
+        return self._vocab_size()
+
+    @property
+    def config(self) -> EngineConfig:
+        """The validated settings this engine runs with."""
+        return self._config
+
+    @property
     def system(self) -> ActorSystem | None:
         """The running actor system (to spawn more actors next to the gateway), or ``None``."""
         return self._system
 
     @property
     def background_steps(self) -> BackgroundSteps:
-        """Where actors register the callables of their ``RunWhenIdle`` steps."""
+        """The turn runner's step registry: actors ``register`` their ``RunWhenIdle`` callables here."""
         return self._steps
 
     @property
@@ -713,7 +715,7 @@ class Engine(_StartClose):
             self,
             request_id or self._new_id(),
             prepare,
-            params or GenerationParams(),
+            params or self._config.default_params(),
             chat=True,
             fit_context=fit_context,
         )
@@ -748,7 +750,7 @@ class Engine(_StartClose):
             self,
             request_id or self._new_id(),
             prepare,
-            params or GenerationParams(),
+            params or self._config.default_params(),
             chat=False,
             fit_context=fit_context,
         )
@@ -806,33 +808,36 @@ class Engine(_StartClose):
         ``TurnUnavailable`` once the engine stops granting turns, and
         ``fn``'s own exception if it raised.
         """
-        self._require_system()
-        step_id = self._new_id("step-")
-        self._steps.add(step_id, fn)
+        system = self._require_system()
+        step = self._steps.add(self._new_id("step-"), fn)
+        wait = self._drain_timeout if timeout is None else timeout
+        # NOTE: the deadline tells the gateway when this ask stops waiting, so
+        # a step that times out here is never granted later.
+        ask = RunWhenIdle(step_id=step.step_id, deadline=system.clock.now() + wait)
         try:
-            reply = await self._gateway().ask(
-                RunWhenIdle(step_id=step_id),
-                timeout=self._drain_timeout if timeout is None else timeout,
-                expect=TurnDone,
-            )
+            reply = await self._gateway().ask(ask, timeout=wait, expect=TurnDone)
         finally:
-            ran, result, error = self._steps.pop(step_id)
-        if error is not None:
-            raise error
-        if not reply.ok or not ran:
-            raise TurnUnavailable(reply.detail or reply.error_code or "the step did not run")
-        return result  # type: ignore[no-any-return]
+            step.withdraw()
+        if step.ran:
+            return step.result()  # NOTE: fn's value, or its exception re-raised.
+        raise TurnUnavailable(reply.detail or reply.error_code or "the step did not run")
 
     # --- observability -----------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """A JSON-ready snapshot: gateway (queue, lane, requests), engine-turn token, mailboxes."""
+    async def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """A JSON-ready snapshot: gateway (queue, lane, requests, engine-turn token),
+        prompt cache, engine thread, cache registry, mailboxes.
+
+        The actors are ASKED (each with ``timeout``, default
+        ``config.stats_timeout_s``, all at once); one that does not answer in
+        time (the turn runner answers between turns) is listed under
+        ``unavailable`` instead of delaying the snapshot. The engine thread's
+        and the registry's counters are thread-safe reads.
+        """
         out: dict[str, Any] = {"model": self._model_id, "state": self._state}
-        if self._gateway_actor is not None:
-            out["gateway"] = {"token": self._gateway_actor.snapshot()}
-        if self._runner_actor is not None:
-            out["gateway"]["live_requests"] = self._runner_actor.live_requests
-            out["gateway"]["decode_steps_run"] = self._runner_actor.decode_steps_run
+        wired = self._wired
+        if wired is not None:
+            out.update(await wired.stats(timeout))
         if self._engine_thread is not None:
             es = self._engine_thread.statistics()
             out["engine_thread"] = {
@@ -845,12 +850,6 @@ class Engine(_StartClose):
         if self._registry is not None:
             rs = self._registry.statistics()
             out["cache_registry"] = {"entries": rs.entries, "nbytes": rs.nbytes}
-        if self._prompt_cache_actor is not None:
-            # NOTE: read on the loop thread that runs the actor, between its
-            # messages, so the snapshot is consistent without an ask.
-            out["prompt_cache"] = prompt_cache_stats(self._prompt_cache_actor.state).model_dump(
-                exclude={"kind", "reply_to"}
-            )
         if self._system is not None:
             out["mailboxes"] = self._system.statistics().as_dict()
         return out
@@ -911,6 +910,10 @@ class Engine(_StartClose):
             if bad is not None:
                 # NOTE: an out-of-range id would fail inside an engine turn instead.
                 raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            if params.top_k > vocab:
+                raise InvalidRequest(
+                    f"top_k {params.top_k} is larger than the vocabulary ({vocab} tokens)"
+                )
         cap = self._max_prompt_tokens
         if cap is not None and len(tokens) > cap:
             raise ContextTooLong(len(tokens), cap, limit_name="max_prompt_tokens")

@@ -11,6 +11,8 @@ from typing import Any
 
 import anyio
 
+from actors.engine.config import EngineConfig
+
 from ._convert import Defaults
 
 __all__ = ["HttpSettings", "HttpState"]
@@ -28,7 +30,19 @@ class HttpSettings:
     defaults: Defaults = field(default_factory=Defaults)
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = EngineConfig().max_body_bytes
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, *, model_aliases: tuple[str, ...] = ()
+    ) -> HttpSettings:
+        """The HTTP settings of ``config`` (``kvtier serve`` builds them from its flags)."""
+        return cls(
+            defaults=Defaults.from_config(config),
+            model_aliases=model_aliases,
+            api_key=config.api_key,
+            max_body_bytes=config.max_body_bytes,
+        )
 
 
 def _new_id() -> str:

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import pytest
 from mlx_lm import stream_generate
 
@@ -123,7 +125,7 @@ async def test_failed_materialize_degrades_to_a_cold_prefill(
 
     monkeypatch.setattr(engine.cache_registry, "materialize", broken)
     second = await engine.complete(CHAT, GenerationParams(max_tokens=6))
-    assert engine.stats()["prompt_cache"]["hits"] >= 1
+    assert (await engine.stats())["prompt_cache"]["hits"] >= 1
     assert second.usage.cached_tokens == 0
     assert second.text == first.text
 
@@ -161,7 +163,7 @@ async def test_cancel_mid_stream_frees_the_lane_within_one_step(engine: Engine) 
     await waiting.start()
     await long.aclose()
     # NOTE: steps run on the engine thread (a burst reports its steps only when it ends).
-    decode_at_cancel = engine.stats()["gateway"]["decode_steps_run"]
+    decode_at_cancel = (await engine.stats())["gateway"]["decode_steps_run"]
     events = await _events(waiting)
     done = events[-1]
     assert isinstance(done, DoneEvent)
@@ -169,14 +171,14 @@ async def test_cancel_mid_stream_frees_the_lane_within_one_step(engine: Engine) 
     # NOTE: the lane is released when the runner's report reaches the gateway,
     # just after the DoneEvent; give it a few loop iterations.
     for _ in range(500):
-        if engine.stats()["gateway"]["token"]["lane"] is None:
+        if (await engine.stats())["gateway"]["token"]["lane"] is None:
             break
         await anyio.sleep(0.01)
-    token = engine.stats()["gateway"]["token"]
+    token = (await engine.stats())["gateway"]["token"]
     assert token["requests"]["cancelled"] == 1
-    extra = engine.stats()["gateway"]["decode_steps_run"] - decode_at_cancel - done.usage.completion_tokens
+    extra = (await engine.stats())["gateway"]["decode_steps_run"] - decode_at_cancel - done.usage.completion_tokens
     assert 0 <= extra <= 1
-    assert token["grants"]["decode"] == engine.stats()["gateway"]["decode_steps_run"]
+    assert token["grants"]["decode"] == (await engine.stats())["gateway"]["decode_steps_run"]
 
 
 async def test_queue_overflow_raises_queue_full_before_any_event(engine: Engine) -> None:
@@ -188,7 +190,7 @@ async def test_queue_overflow_raises_queue_full_before_any_event(engine: Engine)
     overflow = engine.chat(CHAT, GenerationParams(max_tokens=2))
     with pytest.raises(QueueFull):
         await overflow.start()
-    assert engine.stats()["gateway"]["token"]["requests"]["rejected_queue_full"] == 1
+    assert (await engine.stats())["gateway"]["token"]["requests"]["rejected_queue_full"] == 1
     await running.aclose()
     events = await _events(queued)
     assert isinstance(events[-1], DoneEvent)
@@ -207,17 +209,19 @@ async def test_shutdown_refuses_new_requests_and_drains_in_flight(model: Any, to
         assert isinstance(events[-1], DoneEvent)
         assert events[-1].usage.completion_tokens == 12
         await eng.drain()
-    assert eng.stats()["state"] == "closed"
+    assert (await eng.stats())["state"] == "closed"
 
 
 async def test_background_turn_runs_on_engine_thread_only_when_lane_is_free(engine: Engine) -> None:
-    """run_when_idle runs its step on the engine thread, never while a request holds or waits for the lane."""
-    gateway = engine._gateway_actor
-    assert gateway is not None
-    observed: list[tuple[bool, str | None, int]] = []
+    """run_when_idle runs its step on the engine thread, never after the lane holder's first turn while it holds the lane."""
+    loop = anyio.lowlevel.current_token()
+    received: list[TokenEvent | DoneEvent] = []
+    observed: list[tuple[bool, object, object, int]] = []
 
     def step() -> int:
-        observed.append((on_engine_thread(), gateway.core.lane, len(gateway.core.queue)))
+        # NOTE: asks the gateway (on the loop) from inside the background turn.
+        token = anyio.from_thread.run(engine.stats, token=loop)["gateway"]["token"]
+        observed.append((on_engine_thread(), token["lane"], token["queued"], len(received)))
         return 42
 
     stream = engine.chat(CHAT, GenerationParams(max_tokens=30))
@@ -229,11 +233,18 @@ async def test_background_turn_runs_on_engine_thread_only_when_lane_is_free(engi
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(background)
-        events = await _events(stream)
-    assert isinstance(events[-1], DoneEvent)
+        async with stream:
+            async for event in stream:
+                received.append(event)
+    assert isinstance(received[-1], DoneEvent)
     assert results == [42]
-    assert observed == [(True, None, 0)]
-    assert engine.stats()["gateway"]["token"]["grants"]["background"] == 1
+    [(on_thread, lane, queued, seen)] = observed
+    assert on_thread
+    assert queued == 0
+    # NOTE: a background turn may use the wait for the holder's first turn
+    # (its prompt-cache lookup); never the time between its turns.
+    assert lane is None or (lane == stream.request_id and seen == 0)
+    assert (await engine.stats())["gateway"]["token"]["grants"]["background"] == 1
 
 
 async def test_invalid_and_unstarted_requests_raise_typed_errors(model: Any, tok: Any) -> None:
@@ -255,11 +266,11 @@ async def test_prompt_over_max_prompt_tokens_is_refused_before_admission(model: 
         with pytest.raises(ContextTooLong, match="max_prompt_tokens is 8") as info:
             await eng.generate(list(range(3, 12)), GenerationParams(max_tokens=2)).start()
         assert (info.value.prompt_tokens, info.value.limit) == (9, 8)
-        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 0
+        assert (await eng.stats())["gateway"]["token"]["requests"]["admitted"] == 0
         done = await eng.complete_prompt(list(range(3, 11)), GenerationParams(max_tokens=2))
         assert done.usage.prompt_tokens == 8
         assert done.finish_reason == "length"
-        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 1
+        assert (await eng.stats())["gateway"]["token"]["requests"]["admitted"] == 1
 
 
 async def test_prompt_plus_max_tokens_over_the_context_is_refused(model: Any, tok: Any) -> None:
@@ -272,7 +283,7 @@ async def test_prompt_plus_max_tokens_over_the_context_is_refused(model: Any, to
             await eng.generate(prompt, GenerationParams(max_tokens=9)).start()
         assert (info.value.prompt_tokens, info.value.max_tokens) == (len(prompt), 9)
         assert info.value.limit == context
-        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 0
+        assert (await eng.stats())["gateway"]["token"]["requests"]["admitted"] == 0
         done = await eng.complete_prompt(prompt, GenerationParams(max_tokens=8))
         assert len(done.token_ids) == 8
         assert done.usage.prompt_tokens + done.usage.completion_tokens == context
@@ -301,7 +312,7 @@ async def test_out_of_vocabulary_ids_are_invalid_before_admission(model: Any, to
         ]:
             with pytest.raises(InvalidRequest, match="outside the vocabulary"):
                 await eng.generate(prompt, params).start()
-        assert eng.stats()["gateway"]["token"]["requests"]["admitted"] == 0
+        assert (await eng.stats())["gateway"]["token"]["requests"]["admitted"] == 0
 
 
 async def test_logit_bias_steers_greedy_decoding(model: Any, tok: Any) -> None:
@@ -355,7 +366,7 @@ async def test_abandoned_stream_is_cancelled_when_collected(engine: Engine) -> N
     with anyio.fail_after(30):
         after = await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
     assert after.finish_reason == "length"
-    assert engine.stats()["gateway"]["token"]["requests"]["cancelled"] == 1
+    assert (await engine.stats())["gateway"]["token"]["requests"]["cancelled"] == 1
 
 
 class _FailingModel:
@@ -393,7 +404,7 @@ async def test_engine_failure_mid_stream_raises_generation_failed_and_frees_lane
         assert 0 < len(got) < 10
         after = await eng.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
         assert after.finish_reason == "length"
-        assert eng.stats()["gateway"]["token"]["requests"]["failed"] == 1
+        assert (await eng.stats())["gateway"]["token"]["requests"]["failed"] == 1
 
 
 @pytest.mark.model
@@ -407,3 +418,24 @@ def test_docs_embedding_example_runs(default_model_path: Path, capsys: pytest.Ca
     assert "[length]" in out or "[stop]" in out
     cached = next(line for line in out.splitlines() if line.startswith("cached prompt tokens:"))
     assert int(cached.split()[3]) > 0
+
+
+async def test_requests_without_params_take_the_config_defaults(model: Any, tok: Any) -> None:
+    """A request that passes no GenerationParams runs with the engine config's max_tokens."""
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0, max_tokens=3) as eng:
+        done = await eng.complete_prompt(PROMPT)
+        assert eng.config.default_params().max_tokens == 3
+    assert (len(done.token_ids), done.finish_reason) == (3, "length")
+
+
+async def test_engine_spawns_the_wired_actors_and_asks_their_stats(engine: Engine) -> None:
+    """The engine runs the wiring's actors in table order and /stats sections come from their answers."""
+    from actors.engine import wiring
+
+    assert engine.system is not None
+    assert engine.system.actors() == tuple(spec.name for spec in wiring.ACTORS)
+    stats = await engine.stats()
+    assert "unavailable" not in stats
+    assert stats["gateway"]["admitted_requests"] == 0
+    assert stats["gateway"]["live_requests"] == 0
+    assert stats["prompt_cache"]["entries"] == 0

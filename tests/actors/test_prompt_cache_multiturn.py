@@ -91,7 +91,7 @@ async def test_a_reply_sent_back_differently_still_hits(arch: str, snapshot: boo
             {"role": "user", "content": "and another one"},
         ]
         second = await engine.complete(turn2, PARAMS)
-        stats = engine.stats()["prompt_cache"]
+        stats = (await engine.stats())["prompt_cache"]
     p2 = render_chat(tok, turn2)
     assert p2[: len(p1)] == p1
     if arch == "llama":

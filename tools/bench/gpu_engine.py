@@ -426,7 +426,7 @@ async def run_prompt_cache(
                 ("stream_generate cold", floor),
             ):
                 runs[name].append(s)
-        stats = engine.stats().get("prompt_cache", {})
+        stats = (await engine.stats()).get("prompt_cache", {})
 
     out(
         f"## {res.shape}: prompt cache, chat prompt {prompt_len} tokens, prefill chunk "

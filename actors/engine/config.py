@@ -1,0 +1,574 @@
+"""``EngineConfig``: every engine and server option, defined once.
+
+Each field carries its default, its bounds, its unit (in the description)
+and a :class:`Setting`: the ``KVTIER_...`` environment variable, the
+``kvtier serve`` flag, and the factor between the flag/env unit and the
+field's own unit (byte caps are bytes in the config, GB on the command line).
+``kvtier serve`` builds its flags from these fields (:func:`add_flags`),
+``Engine(...)`` validates its keyword options through this model, and the
+HTTP layer takes its request defaults from it.
+
+Sources, lowest precedence first: the field default, the environment
+(:meth:`EngineConfig.from_env`), explicit values (keyword options or flags).
+``EngineConfig(...)`` itself never reads the environment: a value built in
+code means what it says; ``Engine(**options)`` and ``kvtier serve`` read it.
+
+Units: "GB" in a flag or variable name means GiB (2**30 bytes) everywhere,
+the unit of the default caps (prompt cache: a quarter of available memory in
+[256 MiB, 8 GiB]; spill queue: 2 GiB), so ``--prompt-cache 8`` is exactly the
+largest default. "MB" (``KVTIER_MLX_CACHE_LIMIT_MB``) means MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from messages.gateway import GenerationParams
+
+__all__ = [
+    "GIB",
+    "MIB",
+    "ConfigError",
+    "EngineConfig",
+    "Scope",
+    "Setting",
+    "add_flags",
+    "config_from_flags",
+    "env_values",
+    "flag_dest",
+    "gb_to_bytes",
+    "option_names",
+]
+
+GIB = 1024**3
+MIB = 1024**2
+
+Scope = Literal["engine", "sampling", "server", "ssd"]
+"""Who reads a field: the engine, request sampling defaults, the HTTP server,
+or the SSD tier (defined now, consumed by the cold tier)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """Where a field comes from besides code: its variable, its flag, its edge unit.
+
+    ``scale``: the flag/env value times ``scale`` is the field value (GiB →
+    bytes: ``GIB``). ``shown_default``: what help says when the default is
+    not a plain value.
+    """
+
+    env: str
+    flag: str
+    scope: Scope = "engine"
+    unit: str = ""
+    scale: int = 1
+    metavar: str | None = None
+    shown_default: str | None = None
+
+
+class ConfigError(ValueError):
+    """An option has a bad value, or an unknown option was given (message names it and its source)."""
+
+
+_DEFAULT_PARAMS = GenerationParams()
+
+
+def gb_to_bytes(gb: float, *, unit: int = GIB) -> int:
+    """A size in GB (GiB: 2**30 bytes; ``unit`` for MiB) to bytes; non-finite or negative is a ``ConfigError``."""
+    if isinstance(gb, bool) or not isinstance(gb, int | float) or not math.isfinite(gb) or gb < 0:
+        raise ConfigError(f"a size must be a finite number >= 0, got {gb!r}")
+    return int(gb * unit)
+
+
+def _off_is_none(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lower() in ("", "off", "none"):
+        return None
+    return value
+
+
+class EngineConfig(BaseModel):
+    """Every option of an ``Engine`` and of ``kvtier serve``: default, bounds, unit, variable.
+
+    Frozen, unknown keys rejected, non-finite floats rejected. See the module
+    docstring for sources and units, and docs/engine.md for the table.
+    """
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", allow_inf_nan=False, validate_default=True
+    )
+
+    # --- engine -------------------------------------------------------------
+    model: Annotated[
+        str | None,
+        Field(description="local mlx-lm model directory or Hugging Face id; "
+                          "None = the default model (SmolLM2-135M-Instruct, fetched on first use)"),
+        Setting("KVTIER_MODEL", "--model", metavar="PATH|ID",
+                shown_default="SmolLM2-135M-Instruct"),
+    ] = None
+    max_queue: Annotated[
+        int,
+        Field(ge=0, description="requests that may wait behind the generating one; "
+                                "more are refused (QueueFull, HTTP 429)"),
+        Setting("KVTIER_MAX_QUEUE", "--max-queue", unit="requests"),
+    ] = 16
+    prefill_step_size: Annotated[
+        int,
+        Field(ge=1, description="prompt tokens per prefill engine turn"),
+        Setting("KVTIER_PREFILL_STEP_SIZE", "--prefill-step-size", unit="tokens"),
+    ] = 512
+    max_burst: Annotated[
+        int,
+        Field(ge=1, description="decode steps per engine turn while a request holds the lane; "
+                                "1 = one gateway turn per token (a cancel still frees the lane "
+                                "within one step)"),
+        Setting("KVTIER_MAX_BURST", "--max-burst", unit="steps"),
+    ] = 64
+    max_batch: Annotated[
+        int,
+        Field(ge=1, le=1, description="rows decoded together; 1 = the serial lane only "
+                                      "(larger values arrive with the batch scheduler)"),
+        Setting("KVTIER_MAX_BATCH", "--max-batch", unit="rows"),
+    ] = 1
+    prompt_cache_bytes: Annotated[
+        int | None,
+        Field(ge=0, description="RAM prompt-cache cap in bytes (flag and variable in GiB); "
+                                "0 disables it; None = a quarter of available memory, "
+                                "within [256 MiB, 8 GiB]"),
+        Setting("KVTIER_PROMPT_CACHE_GB", "--prompt-cache", unit="GiB", scale=GIB, metavar="GB",
+                shown_default="a quarter of available memory, within 0.25..8 GiB"),
+    ] = None
+    kv_quant: Annotated[
+        Literal["off", "4", "8", "config"],
+        Field(description="KV storage: off (model dtype), 4 / 8 (affine bits), "
+                          "config (per-layer kv_config.json in the model directory)"),
+        Setting("KVTIER_KV_QUANT", "--kv-quant"),
+    ] = "off"
+    max_prompt_tokens: Annotated[
+        int | None,
+        Field(ge=1, description="longest prompt; longer ones are refused before admission "
+                                "(ContextTooLong, HTTP 400); None = only the model's context"),
+        Setting("KVTIER_MAX_PROMPT_TOKENS", "--max-prompt-tokens", unit="tokens",
+                shown_default="the model's context"),
+    ] = None
+    stream_buffer: Annotated[
+        int,
+        Field(ge=1, description="events a request's stream holds before the runner waits "
+                                "for the reader"),
+        Setting("KVTIER_STREAM_BUFFER", "--stream-buffer", unit="events"),
+    ] = 64
+    snapshot_min_new_tokens: Annotated[
+        int,
+        Field(ge=0, description="uncached prompt tokens a chat request needs before its "
+                                "prompt-boundary snapshot is kept"),
+        Setting("KVTIER_SNAPSHOT_MIN_NEW_TOKENS", "--snapshot-min-new-tokens", unit="tokens"),
+    ] = 64
+    ask_timeout_s: Annotated[
+        float,
+        Field(gt=0, description="deadline on every internal ask, admission included"),
+        Setting("KVTIER_ASK_TIMEOUT", "--ask-timeout", unit="s"),
+    ] = 30.0
+    stats_timeout_s: Annotated[
+        float,
+        Field(gt=0, description="deadline on each actor's answer to a statistics ask; a busy "
+                                "actor's section then reads {\"unavailable\": ...} instead of "
+                                "holding /stats"),
+        Setting("KVTIER_STATS_TIMEOUT", "--stats-timeout", unit="s"),
+    ] = 0.5
+    shutdown_timeout: Annotated[
+        float,
+        Field(ge=0, description="how long in-flight requests may take to finish once shutdown "
+                                "begins (SIGTERM, Engine.aclose)"),
+        Setting("KVTIER_SHUTDOWN_TIMEOUT", "--shutdown-timeout", unit="s"),
+    ] = 120.0
+    mlx_cache_limit_bytes: Annotated[
+        int | None,
+        Field(ge=0, description="MLX buffer-cache bound in bytes (variable in MiB); "
+                                "None = 16 MiB on the CPU, 2 GiB on a GPU"),
+        Setting("KVTIER_MLX_CACHE_LIMIT_MB", "--mlx-cache-limit", unit="MiB", scale=MIB,
+                metavar="MB", shown_default="16 MiB on the CPU, 2048 MiB on a GPU"),
+    ] = None
+
+    # --- sampling defaults (a request's own fields win) -----------------------
+    max_tokens: Annotated[
+        int,
+        Field(ge=1, description="completion tokens when a request names none"),
+        Setting("KVTIER_MAX_TOKENS", "--max-tokens", scope="sampling", unit="tokens"),
+    ] = _DEFAULT_PARAMS.max_tokens
+    max_tokens_limit: Annotated[
+        int,
+        Field(ge=1, description="largest max_tokens an HTTP request may ask for (more: 400)"),
+        Setting("KVTIER_MAX_TOKENS_LIMIT", "--max-tokens-limit", scope="sampling", unit="tokens"),
+    ] = 32768
+    temperature: Annotated[
+        float,
+        Field(ge=0, description="sampling temperature; 0 = greedy"),
+        Setting("KVTIER_TEMPERATURE", "--temp", scope="sampling"),
+    ] = _DEFAULT_PARAMS.temperature
+    top_p: Annotated[
+        float,
+        Field(gt=0, le=1, description="nucleus sampling mass; 1 = off"),
+        Setting("KVTIER_TOP_P", "--top-p", scope="sampling"),
+    ] = _DEFAULT_PARAMS.top_p
+    top_k: Annotated[
+        int,
+        Field(ge=0, description="top-k sampling; 0 = off"),
+        Setting("KVTIER_TOP_K", "--top-k", scope="sampling", unit="tokens"),
+    ] = _DEFAULT_PARAMS.top_k
+    min_p: Annotated[
+        float,
+        Field(ge=0, le=1, description="min-p sampling; 0 = off"),
+        Setting("KVTIER_MIN_P", "--min-p", scope="sampling"),
+    ] = _DEFAULT_PARAMS.min_p
+
+    # --- HTTP server ------------------------------------------------------------
+    host: Annotated[
+        str,
+        Field(min_length=1, description="bind address (loopback only unless changed)"),
+        Setting("KVTIER_HOST", "--host", scope="server"),
+    ] = "127.0.0.1"
+    port: Annotated[
+        int,
+        Field(ge=0, le=65535, description="bind port; 0 picks a free one"),
+        Setting("KVTIER_PORT", "--port", scope="server"),
+    ] = 8080
+    api_key: Annotated[
+        str | None,
+        Field(repr=False, description="require 'Authorization: Bearer KEY' on every route but "
+                                      "/health; None = no auth (prefer the variable: flags "
+                                      "show in ps)"),
+        Setting("KVTIER_API_KEY", "--api-key", scope="server", metavar="KEY",
+                shown_default="no auth"),
+    ] = None
+    max_body_bytes: Annotated[
+        int,
+        Field(ge=1, description="largest request body; more gets 413"),
+        Setting("KVTIER_MAX_BODY_BYTES", "--max-body-bytes", scope="server", unit="bytes"),
+    ] = 4 * MIB
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error", "critical"],
+        Field(description="log level; debug also traces every actor message"),
+        Setting("KVTIER_LOG_LEVEL", "--log-level", scope="server"),
+    ] = "info"
+    log_format: Annotated[
+        Literal["console", "json"],
+        Field(description="console (readable) or json (one object per line)"),
+        Setting("KVTIER_LOG_FORMAT", "--log-format", scope="server"),
+    ] = "console"
+
+    # --- SSD cold tier (defined here; the tier consumes them) --------------------
+    ssd_cache: Annotated[
+        Path | None,
+        Field(description="SSD cold-tier directory; None/off = no cold tier "
+                          "(kvtier serve defaults to $KVTIER_HOME/kv, the Engine to off)"),
+        Setting("KVTIER_SSD_CACHE", "--ssd-cache", scope="ssd", metavar="DIR|off"),
+    ] = None
+    ssd_cache_max_bytes: Annotated[
+        int | None,
+        Field(ge=0, description="SSD tier byte cap (flag and variable in GiB); "
+                                "None = the smaller of 32 GiB and a quarter of the free space"),
+        Setting("KVTIER_SSD_CACHE_MAX_GB", "--ssd-cache-max", scope="ssd", unit="GiB",
+                scale=GIB, metavar="GB",
+                shown_default="the smaller of 32 GiB and a quarter of the free space"),
+    ] = None
+    ssd_cache_verify: Annotated[
+        bool,
+        Field(description="verify every tensor's hash on restore (the header hash is always "
+                          "verified)"),
+        Setting("KVTIER_SSD_CACHE_VERIFY", "--ssd-cache-verify", scope="ssd", metavar="on|off"),
+    ] = True
+    ssd_demote_idle: Annotated[
+        float,
+        Field(ge=0, description="RAM entries unused this long move to the SSD tier; 0 = never"),
+        Setting("KVTIER_SSD_DEMOTE_IDLE", "--ssd-demote-idle", scope="ssd", unit="s"),
+    ] = 300.0
+    ssd_writebehind: Annotated[
+        bool,
+        Field(description="write a debounced snapshot to SSD after each put (restart survival "
+                          "without waiting for eviction)"),
+        Setting("KVTIER_SSD_WRITEBEHIND", "--ssd-writebehind", scope="ssd", metavar="on|off"),
+    ] = True
+    ssd_spill_queue_bytes: Annotated[
+        int,
+        Field(ge=0, description="byte cap of clones waiting to be written to SSD (flag and "
+                                "variable in GiB); 0 keeps only the newest and the one in flight"),
+        Setting("KVTIER_SSD_SPILL_QUEUE_GB", "--ssd-spill-queue", scope="ssd", unit="GiB",
+                scale=GIB, metavar="GB"),
+    ] = 2 * GIB
+
+    @field_validator("kv_quant", mode="before")
+    @classmethod
+    def _kv_quant_text(cls, value: Any) -> Any:
+        # NOTE: the Engine API took 4 / 8 as ints and None as "off".
+        if value is None:
+            return "off"
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("ssd_cache", "api_key", "model", mode="before")
+    @classmethod
+    def _off(cls, value: Any) -> Any:
+        return _off_is_none(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.max_tokens > self.max_tokens_limit:
+            raise ValueError("max_tokens (--max-tokens) must not exceed max_tokens_limit "
+                             "(--max-tokens-limit)")
+        if self.ssd_cache is not None and self.prompt_cache_bytes == 0:
+            raise ValueError("the SSD tier (--ssd-cache) needs the RAM prompt cache: "
+                             "--prompt-cache 0 with --ssd-cache set is not allowed "
+                             "(pass --ssd-cache off, or a non-zero --prompt-cache)")
+        return self
+
+    # --- construction -----------------------------------------------------------
+
+    def __init__(self, **values: Any) -> None:
+        """Validate ``values``; any problem is one ``ConfigError`` naming each option."""
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, "option")) from None
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any], *, source: str = "option") -> Self:
+        """Validate ``values``; any problem is one ``ConfigError`` naming each option and its flag/variable."""
+        try:
+            return cls.model_validate(dict(values))
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, source)) from None
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, /, **values: Any
+    ) -> Self:
+        """Defaults, then ``KVTIER_*`` variables, then ``values`` (explicit values win)."""
+        merged = env_values(os.environ if environ is None else environ)
+        merged.update(values)
+        return cls.build(merged)
+
+    def replace(self, **values: Any) -> Self:
+        """A validated copy with ``values`` changed (``ConfigError`` on a bad or unknown one)."""
+        return type(self).build({**self.model_dump(exclude_unset=True), **values})
+
+    # --- derived values ---------------------------------------------------------
+
+    def default_params(self) -> GenerationParams:
+        """The sampling parameters of a request that names none of its own."""
+        return GenerationParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+        )
+
+
+def _settings() -> dict[str, Setting]:
+    out: dict[str, Setting] = {}
+    for name, info in EngineConfig.model_fields.items():
+        setting = next((m for m in info.metadata if isinstance(m, Setting)), None)
+        assert setting is not None, f"EngineConfig.{name} has no Setting"
+        out[name] = setting
+    return out
+
+
+SETTINGS: dict[str, Setting] = _settings()
+"""Each ``EngineConfig`` field's :class:`Setting`, in declaration order."""
+
+
+def option_names(*scopes: Scope) -> tuple[str, ...]:
+    """The field names of ``scopes`` (all fields when none is given)."""
+    return tuple(n for n, s in SETTINGS.items() if not scopes or s.scope in scopes)
+
+
+def _label(name: str) -> str:
+    s = SETTINGS.get(name)
+    if s is None:
+        return name
+    return f"{name} ({s.flag}, {s.env})"
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines: list[str] = []
+    for err in exc.errors():
+        loc = err.get("loc", ())
+        name = str(loc[0]) if loc else ""
+        if err.get("type") == "extra_forbidden":
+            close = difflib.get_close_matches(name, list(SETTINGS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"unknown {source} {name!r}{hint}")
+        elif name:
+            lines.append(f"{_label(name)}: {err.get('msg')} (got {err.get('input')!r})"
+                         if name != "api_key" else f"{_label(name)}: {err.get('msg')}")
+        else:
+            lines.append(str(err.get("msg")).removeprefix("Value error, "))
+    return "; ".join(lines)
+
+
+def _edge_value(name: str, raw: Any, origin: str) -> Any:
+    """A flag or variable value in its edge unit, as the field's value."""
+    setting = SETTINGS[name]
+    if setting.scale == 1 or raw is None:
+        return raw
+    try:
+        number = float(raw)
+        return gb_to_bytes(number, unit=setting.scale)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{origin}: expected a finite number of {setting.unit} >= 0, got {raw!r}"
+        ) from exc
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The fields set by ``KVTIER_*`` variables in ``environ`` (empty values are unset)."""
+    out: dict[str, Any] = {}
+    for name, setting in SETTINGS.items():
+        raw = environ.get(setting.env)
+        if raw is None or not raw.strip():
+            continue
+        out[name] = _edge_value(name, raw.strip(), setting.env)
+    return out
+
+
+# --- kvtier serve flags -----------------------------------------------------------
+
+_GROUPS: dict[Scope, str] = {
+    "engine": "engine",
+    "sampling": "sampling defaults (a request's own fields win)",
+    "server": "server",
+    "ssd": "SSD cold tier",
+}
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("on", "true", "1", "yes"):
+        return True
+    if low in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def _shown_default(name: str, serve_defaults: Mapping[str, str]) -> str:
+    if name in serve_defaults:
+        return serve_defaults[name]
+    info = EngineConfig.model_fields[name]
+    setting = SETTINGS[name]
+    if setting.shown_default is not None:
+        return setting.shown_default
+    value = info.default
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if setting.scale != 1 and isinstance(value, int):
+        return f"{value / setting.scale:g}"
+    return str(value)
+
+
+def flag_dest(name: str) -> str:
+    """The ``argparse`` attribute of a field's flag (``--prompt-cache`` → ``prompt_cache``)."""
+    return SETTINGS[name].flag.removeprefix("--").replace("-", "_")
+
+
+def _edge_default(name: str) -> Any:
+    """The field default in its flag's unit (what ``args`` holds when the flag is left out)."""
+    value = EngineConfig.model_fields[name].default
+    scale = SETTINGS[name].scale
+    if scale != 1 and isinstance(value, int):
+        return value / scale
+    return str(value) if isinstance(value, Path) else value
+
+
+def _flag_type(name: str) -> dict[str, Any]:
+    annotation = EngineConfig.model_fields[name].annotation
+    if get_origin(annotation) is Literal:
+        return {"choices": list(get_args(annotation)), "type": str.lower}
+    if SETTINGS[name].scale != 1:
+        return {"type": float}
+    args = tuple(a for a in get_args(annotation) if a is not type(None))
+    base = args[0] if args else annotation
+    if base is bool:
+        return {"type": _parse_bool}
+    if base in (int, float):
+        return {"type": base}
+    return {"type": str}
+
+
+def _metavar(name: str) -> str | None:
+    setting = SETTINGS[name]
+    if get_origin(EngineConfig.model_fields[name].annotation) is Literal:
+        return None  # NOTE: argparse shows the choices
+    if setting.unit == "s":
+        return "SEC"
+    return "N" if _flag_type(name)["type"] in (int, float) else None
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    serve_defaults: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Add one flag per ``EngineConfig`` field; help shows the default, its unit and the variable.
+
+    A flag left out takes its ``KVTIER_*`` variable (parsed like the flag),
+    else the field default (in the flag's unit). ``serve_defaults`` names
+    fields whose ``kvtier serve`` default differs, with the text help shows;
+    their flags default to ``None`` so :func:`config_from_flags` can fill them.
+    """
+    env = os.environ if environ is None else environ
+    shown = dict(serve_defaults or {})
+    groups: dict[Scope, argparse._ArgumentGroup] = {}
+    for name, setting in SETTINGS.items():
+        group = groups.get(setting.scope)
+        if group is None:
+            group = groups[setting.scope] = parser.add_argument_group(_GROUPS[setting.scope])
+        info = EngineConfig.model_fields[name]
+        kwargs: dict[str, Any] = {"dest": flag_dest(name), **_flag_type(name)}
+        kwargs["default"] = None if name in shown else _edge_default(name)
+        raw = env.get(setting.env)
+        if raw is not None and raw.strip():
+            # NOTE: a string default goes through `type` like a typed flag, so a
+            # bad variable is reported the way a bad flag is (exit 2).
+            kwargs["default"] = raw.strip()
+        kwargs["metavar"] = setting.metavar or _metavar(name)
+        unit = f" {setting.unit}" if setting.unit and setting.shown_default is None else ""
+        kwargs["help"] = (
+            f"{info.description} (default: {_shown_default(name, shown)}{unit}; "
+            f"env {setting.env})"
+        ).replace("%", "%%")
+        group.add_argument(setting.flag, **kwargs)
+
+
+def config_from_flags(
+    args: argparse.Namespace, *, serve_defaults: Mapping[str, Any] | None = None
+) -> EngineConfig:
+    """The ``EngineConfig`` of flags parsed by :func:`add_flags` (variables already folded in).
+
+    ``serve_defaults`` fills the fields whose flag and variable were both
+    absent (``None`` in ``args``). Raises ``ConfigError``.
+    """
+    values: dict[str, Any] = {}
+    for name, setting in SETTINGS.items():
+        raw = getattr(args, flag_dest(name), None)
+        if raw is not None:
+            values[name] = _edge_value(name, raw, setting.flag)
+    for name, value in (serve_defaults or {}).items():
+        values.setdefault(name, value)
+    return EngineConfig.build(values, source="flag")
