@@ -230,14 +230,14 @@ class SsdStats(Body):
 
 
 class WriteEntry(Body):
-    """Index -> store worker: write job ``job_id`` into ``directory``."""
+    """Index -> store worker: write job ``job_id`` to ``path`` (through a temp file beside it)."""
 
     kind: Literal["ssd_writer.write_entry"] = "ssd_writer.write_entry"
     job_id: str
     handle: str
     namespace: str
     tokens: tuple[int, ...]
-    directory: str
+    path: str
 
 
 class ReserveSpace(Request):

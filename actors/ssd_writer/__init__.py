@@ -24,8 +24,10 @@ from .ports import (
     EngineTurns,
     FileIdentity,
     HostStaging,
+    RearmingTurns,
     StagedEntry,
     TensorSource,
+    TimedEngineTurns,
 )
 
 __all__ = [
@@ -40,11 +42,13 @@ __all__ = [
     "IndexEntry",
     "IndexState",
     "Reader",
+    "RearmingTurns",
     "SsdWriter",
     "SsdWriterConfig",
     "StagedEntry",
     "StoreWorker",
     "TensorSource",
+    "TimedEngineTurns",
     "cold_tier_stats",
     "core",
     "namespace_dir",

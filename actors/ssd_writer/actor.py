@@ -28,6 +28,7 @@ goes through the injectable ``FilePort`` instead, on the same kind of pool.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, assert_never
@@ -47,7 +48,6 @@ from actors.runtime import (
 from kernels.cache._file_port import FileLock, FilePort, OsFilePort
 from kernels.cache._kv_file import (
     DEFAULT_MAX_HEADER_BYTES,
-    TEMP_SUFFIX,
     CacheFileCorrupt,
     CacheFileIncompatible,
     EntryPlan,
@@ -258,7 +258,7 @@ class SsdWriter(Actor):
                     handle=effect.handle,
                     namespace=effect.namespace,
                     tokens=effect.tokens,
-                    directory=effect.directory,
+                    path=effect.path,
                 )
                 try:
                     await ctx.ref(tier.store_address).tell(
@@ -360,16 +360,17 @@ class StoreWorker(Actor):
                 return EntryWritten(
                     job_id=job.job_id, ok=False, reason="evict_failed", unremoved=unremoved
                 )
-            await tier.run(port.makedirs, job.directory)
+            directory = os.path.dirname(job.path)
+            await tier.run(port.makedirs, directory)
             writer = KvFileWriter(port, plan)
-            temp = await tier.run(writer.begin, job.directory)
+            await tier.run(writer.begin, directory)
             for i in range(len(plan.tensors)):
                 data = await self._source(source.tensor(plan, i))
                 await tier.run(writer.write_tensor, i, data)
                 # NOTE: drop our reference before the next turn so the source
                 # frees the MLX buffer behind it on the engine thread.
                 del data
-            final = temp[: -len(TEMP_SUFFIX)] + core.ENTRY_SUFFIX
+            final = job.path
             await tier.run(writer.commit, final)
             try:
                 mtime_ns = (await tier.run(port.stat, final)).mtime_ns

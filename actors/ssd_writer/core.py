@@ -67,6 +67,7 @@ __all__ = [
     "UnknownSsdWriterMessage",
     "abandon_job",
     "covers",
+    "entry_name",
     "find",
     "handle",
     "load_scan",
@@ -91,6 +92,19 @@ def namespace_dir(namespace: str) -> str:
     that it hashes to the directory it was found in.
     """
     return hashlib.blake2b(namespace.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def entry_name(tokens: tuple[int, ...]) -> str:
+    """The file name of the entry for ``tokens``: a 128-bit digest of the ids, plus ``.kvt``.
+
+    NOTE: derived from the tokens rather than random (a uuid): the same
+    entry always gets the same name, so a rewrite replaces the old file
+    atomically (``rename`` over it) instead of leaving two, and a recorded
+    trace (paths travel in messages) replays exactly. The header still
+    carries the tokens, and every read checks them against the index.
+    """
+    raw = b"".join(t.to_bytes(8, "little") for t in tokens)
+    return hashlib.blake2b(raw, digest_size=16).hexdigest() + ENTRY_SUFFIX
 
 
 @dataclass
@@ -201,13 +215,13 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class StartWrite:
-    """Tell the store worker to write job ``job_id`` (the handle's tensors, into ``directory``)."""
+    """Tell the store worker to write job ``job_id`` (the handle's tensors) to ``path``."""
 
     job_id: str
     handle: str
     namespace: str
     tokens: tuple[int, ...]
-    directory: str
+    path: str
     correlation_id: str
 
 
@@ -286,6 +300,10 @@ class IndexState:
     def directory_of(self, namespace: str) -> str:
         """``<root>/<fingerprint>/<namespace digest>``."""
         return os.path.join(self.fingerprint_dir, namespace_dir(namespace))
+
+    def path_of(self, namespace: str, tokens: tuple[int, ...]) -> str:
+        """``<root>/<fingerprint>/<namespace digest>/<tokens digest>.kvt``."""
+        return os.path.join(self.directory_of(namespace), entry_name(tokens))
 
 
 # --- index bookkeeping ---------------------------------------------------------
@@ -444,7 +462,7 @@ def store(state: IndexState, envelope: Envelope, msg: Store) -> list[Effect]:
             handle=msg.handle,
             namespace=msg.namespace,
             tokens=msg.tokens,
-            directory=state.directory_of(msg.namespace),
+            path=state.path_of(msg.namespace, msg.tokens),
             correlation_id=envelope.correlation_id,
         )
     ]
@@ -527,7 +545,8 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
         duplicates, ancestors = _supersede(state, new)
         for old in (*duplicates, *ancestors):
             _unindex(state, old)
-            remove.append(old.path)
+            if old.path != new.path:
+                remove.append(old.path)  # NOTE: the same name was replaced by the rename.
         _index(state, new)
         evicted = len(job.evicting) - len(unremoved)
         # NOTE: the reservation already made room for the planned size; this

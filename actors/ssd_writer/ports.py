@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from actors.runtime import AskTimeout, get_logger
 from kernels.cache._file_port import BytesLike
 from kernels.cache._kv_file import EntryPlan, HostEntry, KvFileHeader, plan_entry, tensor_bytes
 
@@ -28,11 +29,15 @@ __all__ = [
     "EngineTurns",
     "FileIdentity",
     "HostStaging",
+    "RearmingTurns",
     "StagedEntry",
     "TensorSource",
+    "TimedEngineTurns",
 ]
 
 T = TypeVar("T")
+
+_log = get_logger("kvtier.ssd_writer")
 
 
 class TensorSource(Protocol):
@@ -63,6 +68,49 @@ class EngineTurns(Protocol):
     async def run_when_idle(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on the engine thread in one idle turn; its result or exception."""
         ...
+
+
+class TimedEngineTurns(Protocol):
+    """``run_when_idle`` with a deadline on the wait (``actors.engine.Engine`` has this shape)."""
+
+    async def run_when_idle(self, fn: Callable[[], T], *, timeout: float | None = None) -> T:
+        """Run ``fn()`` in one idle turn; ``AskTimeout`` when no turn came in time."""
+        ...
+
+
+class RearmingTurns:
+    """:class:`EngineTurns` that waits out a busy engine instead of failing (design 5.4).
+
+    Each wait for an idle turn has a deadline (``wait_s``); when it passes
+    because requests keep the engine busy, the step is asked for again
+    (re-armed) rather than failed: a late tensor read-back is as valid as an
+    early one, and background work must never push a request aside.
+    ``max_wait_s`` (``None``: no limit) bounds the total wait; the inner
+    port's other errors (turns stopped at shutdown) pass through at once.
+    """
+
+    def __init__(
+        self, inner: TimedEngineTurns, *, wait_s: float = 5.0, max_wait_s: float | None = None
+    ) -> None:
+        if wait_s <= 0:
+            raise ValueError("wait_s must be positive")
+        self._inner = inner
+        self._wait_s = wait_s
+        self._max_wait_s = max_wait_s
+        self.rearmed = 0
+
+    async def run_when_idle(self, fn: Callable[[], T]) -> T:
+        """See :meth:`EngineTurns.run_when_idle`."""
+        waited = 0.0
+        while True:
+            try:
+                return await self._inner.run_when_idle(fn, timeout=self._wait_s)
+            except AskTimeout:
+                waited += self._wait_s
+                if self._max_wait_s is not None and waited >= self._max_wait_s:
+                    raise
+                self.rearmed += 1
+                _log.debug("ssd_cache.turn_rearmed", waited_s=waited)
 
 
 class CacheSource(Protocol):

@@ -130,12 +130,12 @@ def drive_store(
         assert isinstance(body, StoreResult)
         return Written(body, None, ())
     (start,) = starts
-    assert start.directory == os.path.join(ROOT, FP, core.namespace_dir(ns))
+    assert os.path.dirname(start.path) == os.path.join(ROOT, FP, core.namespace_dir(ns))
     _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
     reserved = answer(fx)
     assert isinstance(reserved, SpaceReserved)
     assert state.indexed_bytes + state.reserved_bytes <= state.max_bytes or not reserved.ok
-    path = os.path.join(start.directory, f"new-{next(_ids)}.kvt")
+    path = start.path
     report = env(
         EntryWritten(
             job_id=start.job_id,
@@ -289,33 +289,41 @@ def test_an_exact_duplicate_already_on_disk_is_not_written_again() -> None:
     assert (w.result.stored, w.result.reason) == (True, "duplicate")
 
 
-def test_a_duplicate_committed_meanwhile_is_replaced() -> None:
-    """Two stores of the same tokens racing: the second commit replaces the first file."""
+def test_a_duplicate_committed_meanwhile_replaces_the_file_of_the_same_name() -> None:
+    """Two racing stores of the same tokens target one name; the second rename replaces the
+    first file, so nothing is unlinked and one entry stays indexed."""
     state = new_state()
     r1, r2 = env(store_msg((4, 5), handle="a")), env(store_msg((4, 5), handle="b"))
     _, fx1 = core.handle(state, r1)
     _, fx2 = core.handle(state, r2)
-    jobs = [e.job_id for e in (*fx1, *fx2) if isinstance(e, core.StartWrite)]
-    assert len(jobs) == 2
-    paths = []
-    for job in jobs:
-        core.handle(state, env(ReserveSpace(job_id=job, file_bytes=10)))
-        path = f"{ROOT}/{FP}/{core.namespace_dir('')}/{job}.kvt"
-        paths.append(path)
-        _, fx = core.handle(
-            state,
-            env(
-                EntryWritten(
-                    job_id=job, ok=True, path=path, file_bytes=10, mtime_ns=5, trimmable=True
-                )
-            ),
+    starts = [e for e in (*fx1, *fx2) if isinstance(e, core.StartWrite)]
+    assert len(starts) == 2
+    assert starts[0].path == starts[1].path == state.path_of("", (4, 5))
+    for start in starts:
+        core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=10)))
+        report = env(
+            EntryWritten(
+                job_id=start.job_id,
+                ok=True,
+                path=start.path,
+                file_bytes=10,
+                mtime_ns=5,
+                trimmable=True,
+            )
         )
-    committed = [
-        e.body for e in fx if isinstance(e, core.Answer) and isinstance(e.body, WriteCommitted)
-    ]
-    assert committed == [WriteCommitted(remove=(paths[0],))]
-    assert list(state.entries) == [paths[1]]
+        _, fx = core.handle(state, report)
+        assert answer(fx, report) == WriteCommitted(remove=())
+    assert list(state.entries) == [starts[0].path]
+    assert state.indexed_bytes == 10
     assert core.stats(state).replaced == 1
+
+
+def test_entry_names_are_stable_digests_of_the_tokens() -> None:
+    """The same tokens always get the same file name; different tokens a different one."""
+    assert core.entry_name((1, 2, 3)) == core.entry_name((1, 2, 3))
+    assert core.entry_name((1, 2, 3)) != core.entry_name((1, 2, 4))
+    assert core.entry_name((1, 2, 3)) != core.entry_name((1, 2, 3, 0))
+    assert core.entry_name((1, 2, 3)).endswith(".kvt")
 
 
 def test_disk_full_is_a_soft_failure_warned_once() -> None:
