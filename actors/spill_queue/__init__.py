@@ -10,7 +10,6 @@ from .actor import (
     SPILL_QUEUE_ADDRESS,
     HandleReleaser,
     SpillQueue,
-    cap_bytes_from_env,
     spawn_spill_queue,
 )
 from .core import DEFAULT_CAP_BYTES, QueueState
@@ -21,7 +20,6 @@ __all__ = [
     "HandleReleaser",
     "QueueState",
     "SpillQueue",
-    "cap_bytes_from_env",
     "core",
     "spawn_spill_queue",
 ]

@@ -10,7 +10,7 @@ store runs), handle disposals through the registry's thread-safe
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol, assert_never
 
 from actors.runtime import (
@@ -32,7 +32,6 @@ __all__ = [
     "SPILL_QUEUE_ADDRESS",
     "HandleReleaser",
     "SpillQueue",
-    "cap_bytes_from_env",
     "spawn_spill_queue",
 ]
 
@@ -40,7 +39,6 @@ SPILL_QUEUE_ADDRESS = "spill_queue"
 """The conventional actor name of the spill queue."""
 
 _SSD_WRITER_ADDRESS = "ssd_writer"
-_ENV_CAP = "KVTIER_SSD_SPILL_QUEUE_GB"
 
 _log = get_logger("kvtier.spill_queue")
 
@@ -51,20 +49,6 @@ class HandleReleaser(Protocol):
     def dispose(self, handle: str) -> None:
         """Forget ``handle``; its arrays are dropped later on the engine thread."""
         ...
-
-
-def cap_bytes_from_env(environ: Mapping[str, str], default: int = core.DEFAULT_CAP_BYTES) -> int:
-    """The queue's byte cap from ``KVTIER_SSD_SPILL_QUEUE_GB`` (GB may be fractional; 0 allowed).
-
-    Raises ``ValueError`` for a value that is not a finite number >= 0.
-    """
-    raw = environ.get(_ENV_CAP)
-    if raw is None or raw.strip() == "":
-        return default
-    gb = float(raw)
-    if not gb >= 0 or gb == float("inf"):
-        raise ValueError(f"{_ENV_CAP} must be a finite number >= 0, got {raw!r}")
-    return int(gb * 1024**3)
 
 
 class SpillQueue(Actor):

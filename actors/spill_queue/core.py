@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 DEFAULT_CAP_BYTES = 2 * 1024**3
-"""Default byte cap of the queue (2 GiB; ``KVTIER_SSD_SPILL_QUEUE_GB``)."""
+"""Default byte cap of the queue (2 GiB; ``EngineConfig.ssd_spill_queue_bytes``)."""
 
 
 class UnknownSpillQueueMessage(TypeError):

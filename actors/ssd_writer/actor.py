@@ -45,16 +45,14 @@ from actors.runtime import (
     UnknownAddress,
     get_logger,
 )
-from kernels.cache._file_port import FileLock, FilePort, OsFilePort
-from kernels.cache._kv_file import (
-    DEFAULT_MAX_HEADER_BYTES,
+from kernels.cache import (
     CacheFileCorrupt,
     CacheFileIncompatible,
     EntryPlan,
+    FileLock,
+    FilePort,
     KvFileWriter,
-)
-from kernels.cache._kv_file import (
-    WriterState as FileWriterState,
+    OsFilePort,
 )
 from messages import (
     EntryWritten,
@@ -103,6 +101,8 @@ class SsdWriterConfig:
     check every tensor's hash on restore (``--ssd-cache-verify``).
     ``io_threads``: the worker-thread pool shared by the tier's file work.
     ``ask_timeout``: deadline of the store worker's asks to the index.
+    ``max_header_bytes``: the largest header a reader accepts (``None``: the
+    codec's default).
     """
 
     root: str
@@ -110,7 +110,7 @@ class SsdWriterConfig:
     max_bytes: int
     verify: bool = True
     io_threads: int = 2
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_header_bytes: int | None = None
     ask_timeout: float = 30.0
     staging_entries: int = 4
 
@@ -399,8 +399,8 @@ class StoreWorker(Actor):
             return EntryWritten(job_id=job.job_id, ok=False, reason=reason, unremoved=unremoved)
         finally:
             with anyio.CancelScope(shield=True):
-                if writer is not None and writer.state is not FileWriterState.COMMITTED:
-                    await tier.run(writer.abort)
+                if writer is not None:
+                    await tier.run(writer.abort)  # NOTE: a no-op once committed.
                 if plan is not None:
                     await self._finish(plan)
 

@@ -13,14 +13,16 @@ import errno
 import os
 from dataclasses import dataclass
 
-from kernels.cache._file_port import FileLock, FilePort, LockUnavailable
-from kernels.cache._kv_file import (
+from kernels.cache import (
     TEMP_SUFFIX,
     CacheFileCorrupt,
     CacheFileIncompatible,
     CacheFileWriteError,
+    FileLock,
+    FilePort,
     HostEntry,
     KvFileHeader,
+    LockUnavailable,
     read_header,
     read_tensors,
 )
@@ -64,7 +66,7 @@ def scan(
     fingerprint: str,
     *,
     tokenizer_hash: str | None,
-    max_header_bytes: int,
+    max_header_bytes: int | None,
 ) -> ScanResult:
     """Header-only scan of ``<root>/<fingerprint>/*/``: entries, problems, orphans, foreign dirs.
 
@@ -106,12 +108,10 @@ def _scan_file(
     mtime_ns: int,
     fingerprint: str,
     tokenizer_hash: str | None,
-    max_header_bytes: int,
+    max_header_bytes: int | None,
 ) -> ScannedFile | None:
     try:
-        header = read_header(
-            port, path, max_header_bytes=max_header_bytes, expected_fingerprint=fingerprint
-        )
+        header = _read_header(port, path, fingerprint, max_header_bytes)
     except CacheFileCorrupt as exc:
         return ScannedFile(path, directory, "corrupt", exc.reason)
     except CacheFileIncompatible as exc:
@@ -130,6 +130,16 @@ def _scan_file(
         min_reusable_offset=header.min_reusable_offset,
     )
     return ScannedFile(path, directory, None, entry=entry)
+
+
+def _read_header(
+    port: FilePort, path: str, fingerprint: str, max_header_bytes: int | None
+) -> KvFileHeader:
+    if max_header_bytes is None:
+        return read_header(port, path, expected_fingerprint=fingerprint)
+    return read_header(
+        port, path, max_header_bytes=max_header_bytes, expected_fingerprint=fingerprint
+    )
 
 
 def remove_files(port: FilePort, paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -162,7 +172,7 @@ def read_entry(
     namespace: str,
     tokens: tuple[int, ...],
     verify: bool,
-    max_header_bytes: int,
+    max_header_bytes: int | None,
     touch: bool,
 ) -> ReadOutcome:
     """Read and check one file against what the index knows, then touch it for LRU.
@@ -170,9 +180,7 @@ def read_entry(
     Raises :class:`CacheFileCorrupt` when the header or any tensor fails its
     checks or the file is not the entry the index expects.
     """
-    header = read_header(
-        port, path, max_header_bytes=max_header_bytes, expected_fingerprint=fingerprint
-    )
+    header = _read_header(port, path, fingerprint, max_header_bytes)
     if header.namespace != namespace or header.tokens != tokens:
         raise CacheFileCorrupt("header does not match the indexed entry")
     host = read_tensors(port, path, header, verify=verify)

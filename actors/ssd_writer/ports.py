@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from actors.runtime import AskTimeout, get_logger
-from kernels.cache._file_port import BytesLike
-from kernels.cache._kv_file import EntryPlan, HostEntry, KvFileHeader, plan_entry, tensor_bytes
+from kernels.cache import EntryPlan, HostEntry, KvFileHeader, plan_entry, tensor_bytes
 
 __all__ = [
     "CacheSource",
@@ -36,6 +35,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+BytesLike = bytes | bytearray | memoryview
+"""Host bytes of one tensor (what ``KvFileWriter.write_tensor`` takes)."""
 
 _log = get_logger("kvtier.ssd_writer")
 
