@@ -143,6 +143,14 @@ class PromptCacheStats(Body):
     evicted or replaced but still held by a lease (they are disposed on
     ``Release``); ``retained_bytes`` is their sum, which never exceeds
     ``cap_bytes``. ``hits``/``misses`` count ``Take`` answers.
+
+    ``pending_disposals``/``pending_disposal_bytes``: entries the cache gave
+    up whose arrays no confirmed engine turn has dropped yet (outside the
+    cap; a background turn is requested at once, so this returns to 0 on an
+    idle server). ``leases_expired``: leases ended by their deadline;
+    ``leases_undelivered``: leases whose ``TakeResult`` reached nobody (both
+    would otherwise pin their entry forever). ``spills_undelivered``: spills
+    the cold tier's queue could not take (disposed instead).
     """
 
     kind: Literal["prompt_cache.stats"] = "prompt_cache.stats"
@@ -165,3 +173,9 @@ class PromptCacheStats(Body):
     evicted: int
     spilled: int
     disposed: int
+    pending_disposals: int = 0
+    pending_disposal_bytes: int = 0
+    leases_expired: int = 0
+    leases_undelivered: int = 0
+    spills_undelivered: int = 0
+    drains_requested: int = 0

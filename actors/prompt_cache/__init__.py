@@ -4,19 +4,15 @@ the actor shell in ``actor``)."""
 from __future__ import annotations
 
 from .actor import (
+    DRAIN_STEP,
     PROMPT_CACHE_ADDRESS,
     HandleDisposer,
     PromptCache,
-    SpilledEntry,
-    SpillSink,
-    spawn_prompt_cache,
 )
 
 __all__ = [
+    "DRAIN_STEP",
     "PROMPT_CACHE_ADDRESS",
     "HandleDisposer",
     "PromptCache",
-    "SpillSink",
-    "SpilledEntry",
-    "spawn_prompt_cache",
 ]

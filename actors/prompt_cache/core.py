@@ -1,10 +1,14 @@
-"""The RAM prompt cache's rules as a sans-IO core: state + message -> effects.
+"""The RAM prompt cache's rules as a sans-IO core: ``handle(state, message, now) -> (state, effects)``.
 
 Pure Python over token tuples and :class:`messages.EntryMeta`; no arrays, no
-I/O, no clock. The actor shell (``actors/prompt_cache.py``) performs the
-effects: :class:`Reply` answers the request, :class:`Dispose` hands a handle
-back to the registry, :class:`Spill` hands it to the cold tier (which then
-owns its disposal). The rules are written down in ``docs/prompt-cache.md``.
+I/O, no clock (the shell passes ``now`` from the injected clock). The actor
+shell (``actors/prompt_cache/actor.py``) performs the effects: :class:`Reply`
+answers the request, :class:`Dispose` hands a handle back to the registry,
+:class:`Spill` sends the entry to the cold tier's queue (which then owns its
+disposal), :class:`RequestDrain` asks the gateway for a background engine
+turn that drops disposed arrays. The shell reports what it could not do as
+events (:class:`LeaseUndelivered`, :class:`SpillUndelivered`). The rules are
+written down in ``docs/prompt-cache.md``.
 
 Invariants kept by every function here:
 
@@ -17,7 +21,10 @@ Invariants kept by every function here:
 - a leased entry is never chosen for eviction (evicting it would free
   nothing until its release);
 - a handle is disposed or spilled exactly once, and never while leased;
-- entries of different namespaces never serve each other.
+- entries of different namespaces never serve each other;
+- a lease ends exactly once: by ``Release``, when its ``TakeResult`` could
+  not be delivered, or when its deadline (``lease_ttl_s`` after the
+  ``Take``) has passed.
 """
 
 from __future__ import annotations
@@ -36,17 +43,26 @@ from messages import (
     Take,
     TakeResult,
 )
+from messages.gateway import TurnDone
+from messages.spill_queue import Enqueue
 
 __all__ = [
+    "DEFAULT_LEASE_TTL_S",
     "CoreState",
     "Dispose",
     "Effect",
     "Entry",
+    "Event",
+    "Lease",
+    "LeaseUndelivered",
     "Reply",
+    "RequestDrain",
     "Spill",
+    "SpillUndelivered",
     "UnknownPromptCacheMessage",
     "common_prefix_len",
     "dispose_all",
+    "expire_leases",
     "handle",
     "pinned_bytes",
     "put",
@@ -56,6 +72,9 @@ __all__ = [
     "take",
 ]
 
+DEFAULT_LEASE_TTL_S = 300.0
+"""How long a lease may live before the cache ends it (see :class:`Lease`)."""
+
 
 class UnknownPromptCacheMessage(TypeError):
     """A body the prompt cache has no rule for."""
@@ -63,7 +82,11 @@ class UnknownPromptCacheMessage(TypeError):
 
 @dataclass(frozen=True)
 class Reply:
-    """Answer the request being handled with ``body`` (dropped when it was a tell)."""
+    """Answer the request being handled with ``body``.
+
+    A ``TakeResult`` holding a lease that cannot be delivered (the asker's
+    deadline passed, or the Take was a tell) comes back as :class:`LeaseUndelivered`.
+    """
 
     body: Body
 
@@ -77,15 +100,66 @@ class Dispose:
 
 @dataclass(frozen=True)
 class Spill:
-    """Hand an evicted entry to the cold tier, which now owns ``handle``'s disposal."""
+    """Send ``message`` to the cold tier's queue; its ``handle``'s ownership goes with it.
+
+    If the queue cannot take the message now, the shell reports
+    :class:`SpillUndelivered` and the entry is disposed instead.
+    """
+
+    message: Enqueue
+
+    @property
+    def handle(self) -> str:
+        """The handle whose ownership the message carries."""
+        return self.message.handle
+
+
+@dataclass(frozen=True)
+class RequestDrain:
+    """Ask for one background engine turn that drops the arrays of disposed handles.
+
+    The shell sends ``RunWhenIdle(step_id)`` to the gateway with this actor
+    as the reply address (the wiring registered the registry's ``drain`` as
+    that standing background step); the ``TurnDone`` comes back here.
+    """
+
+    step_id: str
+
+
+Effect = Reply | Dispose | Spill | RequestDrain
+
+
+@dataclass(frozen=True)
+class LeaseUndelivered:
+    """Shell event: the ``TakeResult`` granting ``lease_id`` reached nobody."""
+
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class SpillUndelivered:
+    """Shell event: the cold tier's queue did not take ``message`` (full, stopped, gone)."""
+
+    message: Enqueue
+
+
+Event = Body | LeaseUndelivered | SpillUndelivered
+"""What :func:`handle` accepts: a message body, or a fact the shell reports."""
+
+
+@dataclass
+class Lease:
+    """One lease on an entry. ``deadline``: when the cache ends it if nobody released it.
+
+    NOTE: a lease lives from ``Take`` until the holder materialized its views
+    (or failed). A holder that died (its task cancelled, its actor restarted)
+    never releases; the deadline bounds how long such a lease pins its entry.
+    Ending a lease early is safe: the holder's later ``materialize`` finds
+    the handle gone and serves a miss, never wrong KV.
+    """
 
     handle: str
-    namespace: str
-    tokens: tuple[int, ...]
-    meta: EntryMeta
-
-
-Effect = Reply | Dispose | Spill
+    deadline: float
 
 _Fate = Literal["dispose", "spill"]
 
@@ -107,13 +181,21 @@ class Entry:
 
 @dataclass
 class CoreState:
-    """Everything the rules know. ``spill_enabled``: a cold tier is attached."""
+    """Everything the rules know (mutated in place and returned by :func:`handle`).
+
+    ``spill_enabled``: a cold tier's queue receives spills (else they are
+    disposed). ``drain_step``: the background step that drops disposed
+    arrays (``None``: no drain is requested; the engine drains at its next
+    turn). ``lease_ttl_s``: how long a lease may live.
+    """
 
     cap_bytes: int
     spill_enabled: bool = False
+    drain_step: str | None = None
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     entries: dict[str, Entry] = field(default_factory=dict)
     by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
-    leases: dict[str, str] = field(default_factory=dict)
+    leases: dict[str, Lease] = field(default_factory=dict)
     indexed_bytes: int = 0
     tick: int = 0
     lease_seq: int = 0
@@ -129,10 +211,24 @@ class CoreState:
     evicted: int = 0
     spilled: int = 0
     disposed: int = 0
+    leases_expired: int = 0
+    leases_undelivered: int = 0
+    spills_undelivered: int = 0
+    # Disposed handles whose arrays no confirmed drain has dropped yet: those
+    # no drain was requested for, and those the drain in flight covers.
+    undrained: int = 0
+    undrained_bytes: int = 0
+    draining: int = 0
+    draining_bytes: int = 0
+    drain_in_flight: str | None = None
+    drains_requested: int = 0
+    drains_refused: int = 0
 
     def __post_init__(self) -> None:
         if self.cap_bytes < 0:
             raise ValueError("cap_bytes cannot be negative")
+        if self.lease_ttl_s <= 0:
+            raise ValueError("lease_ttl_s must be positive")
 
 
 def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -171,8 +267,11 @@ def _touch(state: CoreState, entry: Entry) -> None:
     entry.last_used = state.tick
 
 
-def take(state: CoreState, msg: Take) -> list[Effect]:
-    """Lease the entry with the longest usable prefix of ``msg.tokens`` (or miss)."""
+def take(state: CoreState, msg: Take, now: float = 0.0) -> list[Effect]:
+    """Lease the entry with the longest usable prefix of ``msg.tokens`` (or miss).
+
+    The lease ends by ``Release``, or ``state.lease_ttl_s`` after ``now``.
+    """
     best: Entry | None = None
     best_usable = 0
     candidates = state.by_namespace.get(msg.namespace, {})
@@ -195,7 +294,7 @@ def take(state: CoreState, msg: Take) -> list[Effect]:
     state.cached_tokens_served += best_usable
     state.lease_seq += 1
     lease_id = f"lease-{state.lease_seq}"
-    state.leases[lease_id] = best.handle
+    state.leases[lease_id] = Lease(best.handle, now + state.lease_ttl_s)
     best.leases += 1
     _touch(state, best)
     return [
@@ -210,14 +309,30 @@ def take(state: CoreState, msg: Take) -> list[Effect]:
     ]
 
 
+def _dispose(state: CoreState, handle_id: str, nbytes: int) -> Dispose:
+    """Count a disposal (and its arrays, until a drain drops them)."""
+    state.disposed += 1
+    if state.drain_step is not None:
+        state.undrained += 1
+        state.undrained_bytes += nbytes
+    return Dispose(handle_id)
+
+
+def _spill(
+    state: CoreState, handle_id: str, namespace: str, tokens: tuple[int, ...], meta: EntryMeta
+) -> Spill:
+    state.spilled += 1
+    return Spill(
+        Enqueue(handle=handle_id, namespace=namespace, tokens=tokens, meta=meta, source="evict")
+    )
+
+
 def _finish(state: CoreState, entry: Entry) -> list[Effect]:
     """Dispose or spill an entry that left the index and holds no lease."""
     del state.entries[entry.handle]
     if entry.fate == "spill" and state.spill_enabled:
-        state.spilled += 1
-        return [Spill(entry.handle, entry.namespace, entry.tokens, entry.meta)]
-    state.disposed += 1
-    return [Dispose(entry.handle)]
+        return [_spill(state, entry.handle, entry.namespace, entry.tokens, entry.meta)]
+    return [_dispose(state, entry.handle, entry.meta.nbytes)]
 
 
 def _unindex(state: CoreState, entry: Entry, fate: _Fate) -> list[Effect]:
@@ -239,13 +354,11 @@ def _reject(state: CoreState, msg: Put, reason: _RejectReason) -> list[Effect]:
     effects: list[Effect]
     if reason in ("too_large", "no_room") and state.spill_enabled:
         # NOTE: the cold tier may still keep what RAM cannot; it owns the handle now.
-        state.spilled += 1
-        effects = [Spill(msg.handle, msg.namespace, msg.tokens, msg.meta)]
+        effects = [_spill(state, msg.handle, msg.namespace, msg.tokens, msg.meta)]
     elif reason == "invalid" and msg.handle in state.entries:
         effects = []  # NOTE: already ours; disposing it here would double-dispose.
     else:
-        state.disposed += 1
-        effects = [Dispose(msg.handle)]
+        effects = [_dispose(state, msg.handle, msg.meta.nbytes)]
     if reason == "too_large":
         state.rejected_too_large += 1
     elif reason == "no_room":
@@ -350,19 +463,81 @@ def put(state: CoreState, msg: Put) -> list[Effect]:
 
 def release(state: CoreState, msg: Release) -> list[Effect]:
     """End a lease; an entry already out of the index is finished on its last release."""
-    handle_id = state.leases.pop(msg.lease_id, None)
-    if handle_id is None:
-        return []  # NOTE: unknown or already released: releasing is idempotent.
-    entry = state.entries[handle_id]
+    lease = state.leases.pop(msg.lease_id, None)
+    if lease is None:
+        return []  # NOTE: unknown, expired or already released: releasing is idempotent.
+    entry = state.entries[lease.handle]
     entry.leases -= 1
     if entry.leases == 0 and not entry.indexed:
         return _finish(state, entry)
     return []
 
 
+def expire_leases(state: CoreState, now: float) -> list[Effect]:
+    """End every lease whose deadline is ``now`` or earlier (its holder never released it)."""
+    expired = [lease_id for lease_id, lease in state.leases.items() if lease.deadline <= now]
+    effects: list[Effect] = []
+    for lease_id in expired:
+        state.leases_expired += 1
+        effects += release(state, Release(lease_id=lease_id))
+    return effects
+
+
+def lease_undelivered(state: CoreState, event: LeaseUndelivered) -> list[Effect]:
+    """The lease's grant reached nobody, so nobody will release it: end it now."""
+    if event.lease_id in state.leases:
+        state.leases_undelivered += 1
+    return release(state, Release(lease_id=event.lease_id))
+
+
+def spill_undelivered(state: CoreState, event: SpillUndelivered) -> list[Effect]:
+    """The cold tier's queue did not take the entry: ownership stayed here, dispose it."""
+    state.spilled -= 1
+    state.spills_undelivered += 1
+    return [_dispose(state, event.message.handle, event.message.meta.nbytes)]
+
+
+def drain_done(state: CoreState, msg: TurnDone) -> list[Effect]:
+    """The gateway answered a drain request: the arrays it covered are gone (if it ran)."""
+    if state.drain_in_flight is None or msg.step_id != state.drain_in_flight:
+        return []
+    state.drain_in_flight = None
+    if not msg.ok:
+        # NOTE: not re-requested now (turns may be stopped for good); the next
+        # disposal asks again, and every request turn drains as well.
+        state.drains_refused += 1
+        state.undrained += state.draining
+        state.undrained_bytes += state.draining_bytes
+        state.draining = state.draining_bytes = 0
+        return []
+    state.draining = state.draining_bytes = 0
+    # NOTE: disposals made after the request may have missed the drain that ran.
+    return _start_drain(state) if state.undrained else []
+
+
+def _request_drain(state: CoreState, requested_before: int) -> list[Effect]:
+    """Ask for a drain when this message disposed something and none is in flight."""
+    if state.drain_in_flight is not None or state.disposed == requested_before:
+        return []
+    return _start_drain(state) if state.undrained else []
+
+
+def _start_drain(state: CoreState) -> list[Effect]:
+    if state.drain_step is None:
+        return []
+    state.drains_requested += 1
+    step_id = state.drain_step
+    state.drain_in_flight = step_id
+    state.draining, state.draining_bytes = state.undrained, state.undrained_bytes
+    state.undrained = state.undrained_bytes = 0
+    return [RequestDrain(step_id)]
+
+
 def stats(state: CoreState) -> PromptCacheStats:
     """The stats snapshot of ``state``."""
     pinned = [e for e in state.entries.values() if not e.indexed]
+    pending = state.undrained + state.draining
+    pending_bytes = state.undrained_bytes + state.draining_bytes
     return PromptCacheStats(
         cap_bytes=state.cap_bytes,
         entries=len(state.entries) - len(pinned),
@@ -383,6 +558,12 @@ def stats(state: CoreState) -> PromptCacheStats:
         evicted=state.evicted,
         spilled=state.spilled,
         disposed=state.disposed,
+        pending_disposals=pending,
+        pending_disposal_bytes=pending_bytes,
+        leases_expired=state.leases_expired,
+        leases_undelivered=state.leases_undelivered,
+        spills_undelivered=state.spills_undelivered,
+        drains_requested=state.drains_requested,
     )
 
 
@@ -396,14 +577,30 @@ def dispose_all(state: CoreState) -> list[Effect]:
     return effects
 
 
-def handle(state: CoreState, body: Body) -> list[Effect]:
-    """Apply one message to ``state`` and return the effects to perform, in order."""
-    if isinstance(body, Take):
-        return take(state, body)
-    if isinstance(body, Put):
-        return put(state, body)
-    if isinstance(body, Release):
-        return release(state, body)
-    if isinstance(body, PromptCacheStatsRequest):
-        return [Reply(stats(state))]
-    raise UnknownPromptCacheMessage(f"prompt cache has no rule for {body.kind!r}")
+def handle(state: CoreState, message: Event, now: float) -> tuple[CoreState, list[Effect]]:
+    """Apply one message (or shell event) at time ``now``; return the state and effects, in order.
+
+    Leases past their deadline end first. A message that disposed something
+    ends with :class:`RequestDrain` when no drain is in flight (and the
+    state names a drain step), so disposed arrays do not wait for a request.
+    """
+    before = state.disposed
+    effects = expire_leases(state, now)
+    if isinstance(message, Take):
+        effects += take(state, message, now)
+    elif isinstance(message, Put):
+        effects += put(state, message)
+    elif isinstance(message, Release):
+        effects += release(state, message)
+    elif isinstance(message, PromptCacheStatsRequest):
+        effects.append(Reply(stats(state)))
+    elif isinstance(message, TurnDone):
+        effects += drain_done(state, message)
+    elif isinstance(message, LeaseUndelivered):
+        effects += lease_undelivered(state, message)
+    elif isinstance(message, SpillUndelivered):
+        effects += spill_undelivered(state, message)
+    else:
+        raise UnknownPromptCacheMessage(f"prompt cache has no rule for {message.kind!r}")
+    effects += _request_drain(state, before)
+    return state, effects

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from actors.prompt_cache import core as core
 from messages import EntryMeta, PromptCacheStatsRequest, Put, PutResult, Release, Take, TakeResult
+from messages.gateway import TurnDone
+from messages.spill_queue import Enqueue
 
 
 def _meta(n: int, nbytes: int = 10, *, trimmable: bool = True, min_offset: int = 0) -> EntryMeta:
@@ -249,9 +251,100 @@ def test_stats_request_and_dispose_all() -> None:
     state = core.CoreState(cap_bytes=100)
     _put(state, "a", (1,), nbytes=7)
     _put(state, "b", (2,), nbytes=8)
-    (reply,) = core.handle(state, PromptCacheStatsRequest())
+    _, (reply,) = core.handle(state, PromptCacheStatsRequest(), 0.0)
     assert isinstance(reply, core.Reply)
     assert (reply.body.entries, reply.body.bytes) == (2, 15)  # type: ignore[attr-defined]
     assert sorted(_disposed(core.dispose_all(state))) == ["a", "b"]
     assert core.stats(state).entries == 0
     assert core.stats(state).disposed == 2
+
+
+def _handle(state: core.CoreState, message: core.Event, now: float = 0.0) -> list[core.Effect]:
+    _, effects = core.handle(state, message, now)
+    return effects
+
+
+def _put_msg(handle: str, tokens: tuple[int, ...], nbytes: int = 10) -> Put:
+    return Put(tokens=tokens, handle=handle, meta=_meta(len(tokens), nbytes))
+
+
+def test_leases_expire_at_their_deadline() -> None:
+    """A lease nobody released ends once ``lease_ttl_s`` has passed since its Take, and the
+    pinned entry it held is disposed then; releasing it afterwards does nothing."""
+    state = core.CoreState(cap_bytes=100, lease_ttl_s=10.0)
+    _handle(state, _put_msg("a", (1, 2)))
+    (reply,) = _handle(state, Take(tokens=(1, 2, 3)), now=5.0)
+    assert isinstance(reply, core.Reply)
+    assert isinstance(reply.body, TakeResult)
+    lease = reply.body.lease_id
+    assert lease is not None
+    _handle(state, _put_msg("a2", (1, 2)), now=6.0)  # "a" is replaced while leased: pinned
+    assert core.stats(state).pinned_entries == 1
+    assert _disposed(_handle(state, PromptCacheStatsRequest(), now=14.9)) == []
+    assert _disposed(_handle(state, PromptCacheStatsRequest(), now=15.0)) == ["a"]
+    assert _handle(state, Release(lease_id=lease), now=16.0) == []
+    stats = core.stats(state)
+    assert (stats.active_leases, stats.leases_expired, stats.pinned_entries) == (0, 1, 0)
+
+
+def test_an_undelivered_lease_is_released() -> None:
+    """A lease whose grant reached nobody ends at once (once: a repeat is ignored)."""
+    state = core.CoreState(cap_bytes=100)
+    _handle(state, _put_msg("a", (1, 2)))
+    take = _take(state, (1, 2, 3))
+    assert take.lease_id is not None
+    _handle(state, _put_msg("b", (1, 2)))  # replaces "a" while leased
+    assert _disposed(_handle(state, core.LeaseUndelivered(take.lease_id))) == ["a"]
+    assert _handle(state, core.LeaseUndelivered(take.lease_id)) == []
+    assert (core.stats(state).leases_undelivered, core.stats(state).active_leases) == (1, 0)
+
+
+def test_disposals_ask_for_one_drain_turn_at_a_time() -> None:
+    """The first disposal asks for a drain; more disposals wait for its answer, after which
+    the ones it may have missed ask again; a refused drain waits for the next disposal."""
+    state = core.CoreState(cap_bytes=100, drain_step="drain")
+    _handle(state, _put_msg("a", (1,)))
+    effects = _handle(state, _put_msg("a2", (1,), nbytes=7))  # replaces "a"
+    assert _disposed(effects) == ["a"]
+    assert effects[-1] == core.RequestDrain("drain")  # after the Put's reply
+    _handle(state, _put_msg("b", (2,)))
+    effects = _handle(state, _put_msg("b2", (2,)))
+    assert _disposed(effects) == ["b"]
+    assert not any(isinstance(e, core.RequestDrain) for e in effects)  # one in flight
+    assert (core.stats(state).pending_disposals, core.stats(state).pending_disposal_bytes) == (2, 20)
+    assert _handle(state, TurnDone(step_id="other", ok=True)) == []  # not ours
+    assert _handle(state, TurnDone(step_id="drain", ok=True)) == [core.RequestDrain("drain")]
+    assert core.stats(state).pending_disposals == 1  # "b" may have missed the first drain
+    assert _handle(state, TurnDone(step_id="drain", ok=False)) == []
+    assert core.stats(state).pending_disposals == 1
+    effects = _handle(state, _put_msg("c", (1,)))  # replaces "a2": a new disposal asks again
+    assert effects[-1] == core.RequestDrain("drain")
+    assert _handle(state, TurnDone(step_id="drain", ok=True)) == []
+    stats = core.stats(state)
+    assert (stats.pending_disposals, stats.pending_disposal_bytes, stats.drains_requested) == (0, 0, 3)
+
+
+def test_without_a_drain_step_nothing_is_requested() -> None:
+    """A cache wired without a gateway asks for no turns (the engine drains at its next turn)."""
+    state = core.CoreState(cap_bytes=100)
+    _handle(state, _put_msg("a", (1,)))
+    effects = _handle(state, _put_msg("a2", (1,)))
+    assert _disposed(effects) == ["a"]
+    assert not any(isinstance(e, core.RequestDrain) for e in effects)
+
+
+def test_evictions_become_enqueue_messages_and_undelivered_ones_are_disposed() -> None:
+    """With a cold tier, an evicted entry leaves as an Enqueue carrying its handle and
+    metadata; if the queue cannot take it, the entry is disposed (and asks for a drain)."""
+    state = core.CoreState(cap_bytes=10, spill_enabled=True, drain_step="drain")
+    _handle(state, _put_msg("a", (1, 2)))
+    effects = _handle(state, _put_msg("b", (3,)))
+    spills = [e for e in effects if isinstance(e, core.Spill)]
+    assert [s.message for s in spills] == [
+        Enqueue(handle="a", tokens=(1, 2), meta=_meta(2), source="evict")
+    ]
+    assert not any(isinstance(e, core.RequestDrain) for e in effects)  # nothing disposed here
+    effects = _handle(state, core.SpillUndelivered(spills[0].message))
+    assert effects == [core.Dispose("a"), core.RequestDrain("drain")]
+    stats = core.stats(state)
+    assert (stats.spilled, stats.spills_undelivered, stats.disposed) == (0, 1, 1)

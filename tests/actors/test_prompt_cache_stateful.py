@@ -19,6 +19,7 @@ from actors.prompt_cache import core as core
 from messages import EntryMeta, Put, PutResult, Release, Take, TakeResult
 
 CAP = 100
+TTL = 10.0
 tokens_st = st.lists(st.integers(0, 1), min_size=1, max_size=6).map(tuple)
 ns_st = st.sampled_from(["", "lora"])
 
@@ -60,13 +61,15 @@ class PromptCacheMachine(RuleBasedStateMachine):
         self.recency: list[str] = []  # indexed handles, least recently used first
         self.next_handle = 0
         self.leases: dict[str, str] = {}
+        self.deadlines: dict[str, float] = {}
+        self.now = 0.0
         self.finished: set[str] = set()
 
     @initialize(spill=st.booleans())
     def start(self, spill: bool) -> None:
-        """Start with or without a cold tier behind the spill hook."""
+        """Start with or without a cold tier's queue to spill to."""
         self.spill = spill
-        self.state = core.CoreState(cap_bytes=CAP, spill_enabled=spill)
+        self.state = core.CoreState(cap_bytes=CAP, spill_enabled=spill, lease_ttl_s=TTL)
 
     # -- reference helpers -------------------------------------------------------
 
@@ -186,7 +189,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
     @rule(prompt=tokens_st, ns=ns_st)
     def take(self, prompt: tuple[int, ...], ns: str) -> None:
         """Take serves the longest usable prefix; ties go to the shorter, then the newer entry."""
-        (reply,) = core.take(self.state, Take(tokens=prompt, namespace=ns))
+        self.now += 1.0
+        (reply,) = core.take(self.state, Take(tokens=prompt, namespace=ns), self.now)
         assert isinstance(reply, core.Reply)
         result = reply.body
         assert isinstance(result, TakeResult)
@@ -207,22 +211,41 @@ class PromptCacheMachine(RuleBasedStateMachine):
         self.recency.remove(expected)
         self.recency.append(expected)
         self.leases[result.lease_id] = expected
+        self.deadlines[result.lease_id] = self.now + TTL
 
-    @precondition(lambda self: bool(self.leases))
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
-        """Releasing finishes an entry only when it left the index and this was its last lease."""
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+    def _end_lease(self, lease_id: str, expect: dict[str, str]) -> None:
         handle = self.leases.pop(lease_id)
-        effects = core.release(self.state, Release(lease_id=lease_id))
+        del self.deadlines[lease_id]
         e = self.ref[handle]
         e.leases -= 1
-        expect: dict[str, str] = {}
         if e.leases == 0 and not e.indexed:
             del self.ref[handle]
             expect[handle] = "spill" if e.fate == "spill" and self.spill else "dispose"
+
+    @precondition(lambda self: bool(self.leases))
+    @rule(data=st.data(), how=st.sampled_from(["release", "undelivered"]))
+    def release(self, data: st.DataObject, how: str) -> None:
+        """Releasing (or a grant that reached nobody) finishes an entry only when it left the
+        index and this was its last lease."""
+        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        if how == "release":
+            effects = core.release(self.state, Release(lease_id=lease_id))
+        else:
+            effects = core.lease_undelivered(self.state, core.LeaseUndelivered(lease_id))
+        expect: dict[str, str] = {}
+        self._end_lease(lease_id, expect)
         self._check_effects(effects, expect)
         assert core.release(self.state, Release(lease_id=lease_id)) == []  # idempotent
+
+    @rule(dt=st.floats(0.0, 2 * TTL))
+    def advance(self, dt: float) -> None:
+        """Time passes: every lease past its deadline ends, as if released."""
+        self.now += dt
+        effects = core.expire_leases(self.state, self.now)
+        expect: dict[str, str] = {}
+        for lease_id in [k for k, d in self.deadlines.items() if d <= self.now]:
+            self._end_lease(lease_id, expect)
+        self._check_effects(effects, expect)
 
     # -- invariants ----------------------------------------------------------------
 
