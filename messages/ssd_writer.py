@@ -269,7 +269,6 @@ class EntryWritten(Request):
     reason: str = ""
     path: str | None = None
     file_bytes: int = Field(default=0, ge=0)
-    mtime_ns: int = Field(default=0, ge=0)
     trimmable: bool = False
     min_reusable_offset: int = Field(default=0, ge=0)
     unremoved: tuple[str, ...] = ()
@@ -294,6 +293,7 @@ class ReadEntry(Request):
 class RestoreReport(Body):
     """Reader -> index: how a read went (feeds the index, the estimator and the counters).
 
+    ``touched``: the reader set the file's mtime to now (the LRU touch of a hit).
     ``removed``: the reader found the file corrupt or mismatched and unlinked it.
     """
 
@@ -303,5 +303,5 @@ class RestoreReport(Body):
     reason: str = ""
     bytes: int = Field(default=0, ge=0)
     seconds: float = Field(default=0.0, ge=0.0)
-    mtime_ns: int = Field(default=0, ge=0)
+    touched: bool = False
     removed: bool = False

@@ -372,17 +372,12 @@ class StoreWorker(Actor):
                 del data
             final = job.path
             await tier.run(writer.commit, final)
-            try:
-                mtime_ns = (await tier.run(port.stat, final)).mtime_ns
-            except OSError:
-                mtime_ns = 0
             header = plan.header
             return EntryWritten(
                 job_id=job.job_id,
                 ok=True,
                 path=final,
                 file_bytes=plan.file_size,
-                mtime_ns=mtime_ns,
                 trimmable=header.trimmable,
                 min_reusable_offset=header.min_reusable_offset,
             )
@@ -472,7 +467,7 @@ class Reader(Actor):
                 ok=True,
                 bytes=out.host.nbytes,
                 seconds=seconds,
-                mtime_ns=out.mtime_ns,
+                touched=out.touched,
             )
         delivered = await ctx.reply(envelope, result)
         if not delivered and staging_id is not None:

@@ -109,13 +109,21 @@ def entry_name(tokens: tuple[int, ...]) -> str:
 
 @dataclass
 class IndexEntry:
-    """One committed file: what the rules need without opening it."""
+    """One committed file: what the rules need without opening it.
+
+    ``last_used`` orders the LRU: the file's mtime (ns) as scanned at start,
+    then the index's counter, which starts above every scanned mtime and
+    advances on each store and restore. NOTE: the files' mtimes follow the
+    same order (a commit and the reader's ``utime`` on a hit set them to
+    now), so the order survives a restart without wall-clock times ever
+    travelling in a message (a recorded trace replays exactly).
+    """
 
     path: str
     namespace: str
     tokens: tuple[int, ...]
     file_bytes: int
-    mtime_ns: int
+    last_used: int
     trimmable: bool
     min_reusable_offset: int
 
@@ -270,6 +278,7 @@ class IndexState:
     jobs: dict[str, StoreJob] = field(default_factory=dict)
     estimator: Estimator = field(default_factory=Estimator)
     warned_disk_full: bool = False
+    clock: int = 0
     finds: int = 0
     restores: int = 0
     restore_failures: int = 0
@@ -326,11 +335,16 @@ def _unindex(state: IndexState, entry: IndexEntry) -> None:
 
 
 def _lru(state: IndexState, *, exclude: str | None = None) -> list[IndexEntry]:
-    """Indexed entries, least recently used (oldest mtime) first."""
+    """Indexed entries, least recently used first."""
     return sorted(
         (e for e in state.entries.values() if e.path != exclude),
-        key=lambda e: (e.mtime_ns, e.path),
+        key=lambda e: (e.last_used, e.path),
     )
+
+
+def _tick(state: IndexState) -> int:
+    state.clock += 1
+    return state.clock
 
 
 # --- find / covers ----------------------------------------------------------------
@@ -364,10 +378,10 @@ def find(state: IndexState, msg: Find) -> FindResult:
             if usable <= msg.better_than:
                 continue
             # NOTE: ties prefer the smaller file (less to read), then the newer.
-            if best is None or (usable, -entry.file_bytes, entry.mtime_ns) > (
+            if best is None or (usable, -entry.file_bytes, entry.last_used) > (
                 best_usable,
                 -best.file_bytes,
-                best.mtime_ns,
+                best.last_used,
             ):
                 best, best_usable = entry, usable
     if best is None:
@@ -538,7 +552,7 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
             namespace=job.namespace,
             tokens=job.tokens,
             file_bytes=msg.file_bytes,
-            mtime_ns=msg.mtime_ns,
+            last_used=_tick(state),
             trimmable=msg.trimmable,
             min_reusable_offset=msg.min_reusable_offset,
         )
@@ -621,8 +635,8 @@ def restore_report(state: IndexState, msg: RestoreReport) -> list[Effect]:
         state.restores += 1
         state.restore_ms_last = msg.seconds * 1000.0
         state.estimator.observe_read(msg.bytes, msg.seconds)
-        if entry is not None and msg.mtime_ns:
-            entry.mtime_ns = msg.mtime_ns
+        if entry is not None and msg.touched:
+            entry.last_used = _tick(state)
         return []
     state.restore_failures += 1
     if msg.removed:
@@ -658,12 +672,13 @@ def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Eff
         existing_path = state.by_namespace.get(entry.namespace, {}).get(entry.tokens)
         if existing_path is not None:
             existing = state.entries[existing_path]
-            if (existing.mtime_ns, existing.path) >= (entry.mtime_ns, entry.path):
+            if (existing.last_used, existing.path) >= (entry.last_used, entry.path):
                 duplicates.append(entry.path)
                 continue
             _unindex(state, existing)
             duplicates.append(existing.path)
         _index(state, entry)
+    state.clock = max([state.clock, *(e.last_used for e in state.entries.values())])
     effects: list[Effect] = []
     if state.read_only:
         state.ready = True

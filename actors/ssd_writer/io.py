@@ -125,7 +125,7 @@ def _scan_file(
         namespace=header.namespace,
         tokens=header.tokens,
         file_bytes=header.file_size,
-        mtime_ns=mtime_ns,
+        last_used=mtime_ns,
         trimmable=header.trimmable,
         min_reusable_offset=header.min_reusable_offset,
     )
@@ -157,11 +157,11 @@ def remove_files(port: FilePort, paths: tuple[str, ...]) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class ReadOutcome:
-    """A read file: its header, host bytes and mtime after the LRU touch (0 if not touched)."""
+    """A read file: its header, host bytes, and whether its mtime was set to now (LRU touch)."""
 
     header: KvFileHeader
     host: HostEntry
-    mtime_ns: int
+    touched: bool
 
 
 def read_entry(
@@ -184,14 +184,14 @@ def read_entry(
     if header.namespace != namespace or header.tokens != tokens:
         raise CacheFileCorrupt("header does not match the indexed entry")
     host = read_tensors(port, path, header, verify=verify)
-    mtime_ns = 0
+    touched = False
     if touch:
         try:
             port.utime(path)
-            mtime_ns = port.stat(path).mtime_ns
+            touched = True
         except OSError:
-            mtime_ns = 0  # NOTE: the LRU touch is best effort; the read stands.
-    return ReadOutcome(header=header, host=host, mtime_ns=mtime_ns)
+            touched = False  # NOTE: the LRU touch is best effort; the read stands.
+    return ReadOutcome(header=header, host=host, touched=touched)
 
 
 def store_failure_reason(exc: BaseException) -> str:

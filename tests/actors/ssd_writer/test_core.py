@@ -118,7 +118,6 @@ def drive_store(
     nbytes: int = 10,
     trimmable: bool = True,
     min_offset: int = 0,
-    mtime: int = 100,
     fail: str = "",
 ) -> Written:
     """Store -> ReserveSpace -> EntryWritten, as the worker does; returns what was answered."""
@@ -143,7 +142,6 @@ def drive_store(
             reason=fail or reserved.reason,
             path=path if reserved.ok and not fail else None,
             file_bytes=nbytes,
-            mtime_ns=mtime,
             trimmable=trimmable,
             min_reusable_offset=min_offset,
         )
@@ -307,7 +305,6 @@ def test_a_duplicate_committed_meanwhile_replaces_the_file_of_the_same_name() ->
                 ok=True,
                 path=start.path,
                 file_bytes=10,
-                mtime_ns=5,
                 trimmable=True,
             )
         )
@@ -411,11 +408,13 @@ def test_restore_of_an_unindexed_path_is_gone_and_an_indexed_one_goes_to_the_rea
 
 
 def test_restore_reports_update_lru_time_and_remove_corrupt_files() -> None:
-    """A good read refreshes mtime and the figures; a corrupt one drops the entry and counts."""
+    """A good read makes the entry most recently used; a corrupt one drops it and counts."""
     a, b = entry((1,), mtime=1), entry((2,), mtime=2)
     state = loaded(a, b)
-    core.handle(state, env(RestoreReport(path=a.path, ok=True, bytes=10, seconds=0.5, mtime_ns=99)))
-    assert state.entries[a.path].mtime_ns == 99
+    core.handle(
+        state, env(RestoreReport(path=a.path, ok=True, bytes=10, seconds=0.5, touched=True))
+    )
+    assert state.entries[a.path].last_used > state.entries[b.path].last_used
     core.handle(state, env(RestoreReport(path=b.path, ok=False, reason="corrupt", removed=True)))
     assert list(state.entries) == [a.path]
     _, fx = core.handle(state, env(SsdStatsRequest(reply_to="s")))
@@ -538,7 +537,6 @@ class IndexMachine(RuleBasedStateMachine):
             nbytes=nbytes,
             trimmable=trimmable,
             min_offset=min_offset,
-            mtime=self.clock,
         )
         if any(f.ns == ns and f.tokens == tokens for f in self.files):
             assert w.result.reason == "duplicate"
