@@ -5,12 +5,24 @@ forward passes, cache clones/trims and tensor read-backs run on a single
 dedicated daemon thread. The event loop submits a callable with
 ``await engine.run(fn, *args)`` and awaits its result without blocking.
 
+Lifetime contract: the OS thread is started by the first ``EngineThread`` of
+the process and is never ended; every later ``EngineThread`` (every
+``Engine``) runs its jobs on it. Closing an ``EngineThread`` waits until its
+own jobs are done and parks the thread. NOTE: an OS thread that ends runs its
+C++ thread-local destructors after Python's ``join()`` has returned; MLX's
+per-thread compile cache holds Python objects, so its destructor takes the
+GIL, and if the main thread is finalizing the interpreter by then, taking the
+GIL ends the thread with ``pthread_exit`` inside that destructor, which
+aborts the process ("terminate called without an active exception"). A
+thread that never ends never runs those destructors (docs/engine-thread.md).
+
 Error contract (decided here, documented in ``docs/engine-thread.md``): an
 ``Exception`` raised by a job is re-raised in the awaiting task as the SAME
 exception object (original type, engine-thread traceback attached), so typed
 kernel errors cross the thread unchanged. A ``BaseException`` that is not an
-``Exception`` (``SystemExit``, ``KeyboardInterrupt``) kills the thread: the
-job's waiter and every later submission get ``EngineThreadDead``.
+``Exception`` (``SystemExit``, ``KeyboardInterrupt``) kills the
+``EngineThread``: the job's waiter and every later submission get
+``EngineThreadDead`` (the OS thread itself goes on serving other instances).
 
 Cancellation contract: cancelling the awaiting task never interrupts the
 thread. A job cancelled before it started is skipped; a job cancelled while
@@ -21,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
 import time
@@ -101,41 +114,87 @@ class _Job(Generic[T]):
         self.state: _JobState = "queued"
 
 
-_STOP: Final = object()
+_THREAD_NAME: Final = "kvtier-engine"
 
 
-def _settle_mlx() -> None:
-    """Wait for work this thread queued with ``mx.async_eval`` and never read.
+class _ParkedThread:
+    """The process's one engine OS thread: started on first use, parked between tasks, never ended.
+
+    Tasks are zero-argument callables queued by ``EngineThread`` instances,
+    run FIFO; each one is written so that it never raises (a job's errors go
+    to its waiter), so the loop below never ends.
+    """
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=_THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        _local.engine = True
+        while True:
+            self.tasks.get()()
+
+
+_parked: _ParkedThread | None = None
+_parked_lock = threading.Lock()
+
+
+def _engine_os_thread() -> _ParkedThread:
+    """The parked engine thread, started on the first call in this process."""
+    global _parked
+    with _parked_lock:
+        if _parked is None:
+            _parked = _ParkedThread()
+        return _parked
+
+
+def _forget_parked_thread() -> None:
+    """In a forked child: the parent's engine thread does not exist here."""
+    global _parked, _parked_lock
+    _parked = None
+    _parked_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parked_thread)
+
+
+def _settle_mlx() -> BaseException | None:
+    """Wait for work this thread queued with ``mx.async_eval`` and never read; return its error.
 
     NOTE: decode steps pipeline the next forward (``mx.async_eval``); a
-    generation that ends leaves that forward in flight on this thread's
-    stream. A thread that exits with such work pending made the process hang
-    or abort ("terminate called without an active exception") at exit, with
-    OpenBLAS preloaded (2 of 3 runs of a minimal script); synchronizing first
-    made every run exit cleanly.
+    generation that ends leaves that forward in flight on the engine thread's
+    stream. Closing an ``EngineThread`` waits for it, so an engine that closed
+    has nothing running and its arrays can be freed.
     """
-    try:
-        import mlx.core as mx
+    import mlx.core as mx
 
+    try:
         mx.synchronize()
-    except Exception:  # noqa: BLE001 - best effort on the way out
-        pass
+    except Exception as exc:  # noqa: BLE001 - handed to close(), which re-raises it
+        return exc
+    return None
 
 
 class EngineThread:
-    """A dedicated daemon thread that runs submitted callables one at a time, FIFO.
+    """A handle on the process's engine thread that runs submitted callables one at a time, FIFO.
 
-    ``max_queue`` bounds the jobs submitted but not yet finished; one more
-    raises ``EngineQueueFull`` immediately (the gateway hands out one turn at
-    a time, so a full queue signals a bug upstream, never normal load).
-    Use as a (sync or async) context manager, or call ``close()``/``aclose()``.
+    Every instance submits to the same OS thread (see the module docstring):
+    jobs of two open instances interleave in submission order. Each instance
+    has its own bound, counters and lifetime. ``max_queue`` bounds the jobs
+    submitted but not yet finished; one more raises ``EngineQueueFull``
+    immediately (the gateway hands out one turn at a time, so a full queue
+    signals a bug upstream, never normal load). ``name`` is the thread's name
+    while it runs this instance's jobs. Use as a (sync or async) context
+    manager, or call ``close()``/``aclose()``.
     """
 
-    def __init__(self, *, name: str = "kvtier-engine", max_queue: int = 64) -> None:
+    def __init__(self, *, name: str = _THREAD_NAME, max_queue: int = 64) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self._name = name
         self._max_queue = max_queue
-        self._queue: queue.SimpleQueue[_Job[Any] | object] = queue.SimpleQueue()
         # NOTE: one lock guards job state transitions and the counters, so a
         # cancel and the worker's "start" can never both win for one job.
         self._lock = threading.Lock()
@@ -147,8 +206,13 @@ class EngineThread:
         self._running = False
         self._closed = False
         self._dead = False
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
+        # NOTE: set on the engine thread once every job queued before close()
+        # is done and MLX's in-flight work has settled: what close() waits for,
+        # in place of joining a thread that must never end.
+        self._finished = threading.Event()
+        self._settle_error: BaseException | None = None
+        self._os = _engine_os_thread()
+        self._thread = self._os.thread
 
     # -- submission ---------------------------------------------------------
 
@@ -241,7 +305,9 @@ class EngineThread:
             if self._pending >= self._max_queue:
                 raise EngineQueueFull(f"{self._pending} engine jobs pending (max {self._max_queue})")
             self._pending += 1
-        self._queue.put(job)
+            # NOTE: queued under the lock, so a job accepted before close()
+            # always runs before that close's final task.
+            self._os.tasks.put(lambda: self._run_one(job))
         return job
 
     def _cancel(self, job: _Job[Any]) -> None:
@@ -249,30 +315,29 @@ class EngineThread:
             if job.state == "queued":
                 job.state = "cancelled"
 
-    # -- the thread ---------------------------------------------------------
+    # -- on the engine thread -----------------------------------------------
 
-    def _main(self) -> None:
-        _local.engine = True
-        try:
-            while True:
-                item = self._queue.get()
-                if item is _STOP:
-                    return
-                assert isinstance(item, _Job)
-                if not self._run_one(item):
-                    return
-        finally:
-            _settle_mlx()
-
-    def _run_one(self, job: _Job[Any]) -> bool:
-        """Run one job; False when the thread must die."""
+    def _run_one(self, job: _Job[Any]) -> None:
+        """Run one job of this instance; never raises (the parked thread must not end)."""
         with self._lock:
             if job.state == "cancelled":
                 self._jobs_skipped += 1
                 self._pending -= 1
-                return True
-            job.state = "running"
-            self._running = True
+                return
+            if self._dead:
+                # NOTE: queued before a fatal job of this instance; fail it typed.
+                self._pending -= 1
+                dead = True
+            else:
+                job.state = "running"
+                self._running = True
+                dead = False
+        if dead:
+            job.deliver(None, EngineThreadDead("the engine thread has exited abnormally"))
+            return
+        thread = threading.current_thread()
+        if thread.name != self._name:
+            thread.name = self._name
         started = time.perf_counter()
         result: Any = None
         error: BaseException | None = None
@@ -282,8 +347,9 @@ class EngineThread:
         except Exception as exc:  # noqa: BLE001 - any job error goes back to its waiter
             error = exc
         except BaseException as exc:  # noqa: BLE001 - see NOTE
-            # NOTE: SystemExit/KeyboardInterrupt inside a job: the thread stops,
-            # the waiter learns why, later submissions fail fast.
+            # NOTE: SystemExit/KeyboardInterrupt inside a job: this instance
+            # stops, the waiter learns why, later submissions fail fast. The
+            # OS thread stays parked for other instances (module docstring).
             error = EngineThreadDead(f"engine thread stopped by {type(exc).__name__}")
             error.__cause__ = exc
             fatal = True
@@ -300,29 +366,16 @@ class EngineThread:
             if fatal:
                 self._dead = True
         job.deliver(result, error)
-        if fatal:
-            self._fail_queued()
-        return not fatal
 
-    def _fail_queued(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Job):
-                with self._lock:
-                    self._pending -= 1
-                    skipped = item.state == "cancelled"
-                    if skipped:
-                        self._jobs_skipped += 1
-                if not skipped:
-                    item.deliver(None, EngineThreadDead("the engine thread has exited abnormally"))
+    def _finish(self) -> None:
+        """The last task of this instance: settle MLX, then release close()."""
+        self._settle_error = _settle_mlx()
+        self._finished.set()
 
     # -- introspection ------------------------------------------------------
 
     def is_engine_thread(self) -> bool:
-        """True when called on THIS engine thread."""
+        """True when called on the engine thread."""
         return threading.current_thread() is self._thread
 
     @property
@@ -331,7 +384,11 @@ class EngineThread:
         return self._thread.ident
 
     def statistics(self) -> EngineStats:
-        """Counters: jobs run/failed/skipped, busy time, queue depth."""
+        """Counters: jobs run/failed/skipped, busy time, queue depth.
+
+        ``alive`` is true until this instance is closed (its jobs done) or
+        killed by a fatal job; the OS thread itself stays parked.
+        """
         with self._lock:
             return EngineStats(
                 jobs_run=self._jobs_run,
@@ -341,23 +398,27 @@ class EngineThread:
                 queue_depth=self._pending,
                 max_queue=self._max_queue,
                 running=self._running,
-                alive=self._thread.is_alive(),
+                alive=not (self._dead or self._finished.is_set()) and self._thread.is_alive(),
             )
 
     # -- shutdown -----------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting jobs, let queued ones finish, join the thread (blocking).
+        """Stop accepting jobs, let queued ones finish, wait until they are done (blocking).
 
-        Idempotent. From async code use :meth:`aclose` instead.
+        Idempotent. The OS thread is parked, never ended (module docstring).
+        Re-raises an MLX error met while settling in-flight work. From async
+        code use :meth:`aclose` instead.
         """
         with self._lock:
             first = not self._closed
             self._closed = True
-        if first:
-            self._queue.put(_STOP)
-        if not self.is_engine_thread():
-            self._thread.join(timeout)
+            if first:
+                self._os.tasks.put(self._finish)
+        if self.is_engine_thread():
+            return
+        if self._finished.wait(timeout) and first and self._settle_error is not None:
+            raise self._settle_error
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop."""
@@ -365,7 +426,7 @@ class EngineThread:
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` was called (or the thread died)."""
+        """True once :meth:`close` was called (or a fatal job killed this instance)."""
         with self._lock:
             return self._closed or self._dead
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
@@ -22,6 +27,8 @@ from kernels import (
 )
 
 pytestmark = pytest.mark.anyio
+
+_REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -188,7 +195,7 @@ async def test_full_queue_raises_typed_error() -> None:
 
 
 async def test_close_drains_queued_jobs_then_rejects_new_ones() -> None:
-    """close() lets queued jobs finish, joins the thread, and later submissions fail typed."""
+    """close() lets queued jobs finish before it returns, and later submissions fail typed."""
     ran: list[int] = []
     eng = EngineThread()
     for i in range(3):
@@ -219,7 +226,7 @@ def test_require_engine_thread_and_inline_sync_run(engine: EngineThread) -> None
 
 
 async def test_base_exception_kills_thread_with_typed_error() -> None:
-    """A SystemExit inside a job ends the thread: its waiter and later callers get EngineThreadDead."""
+    """A SystemExit inside a job kills its EngineThread: its waiter and later callers get EngineThreadDead."""
     eng = EngineThread()
 
     def exit_job() -> None:
@@ -232,3 +239,108 @@ async def test_base_exception_kills_thread_with_typed_error() -> None:
         await eng.run(lambda: None)
     eng.close(timeout=5)
     assert not eng.statistics().alive
+
+
+async def test_fatal_job_kills_its_instance_only() -> None:
+    """After a SystemExit kills one EngineThread, another one still runs jobs on the same OS thread."""
+    doomed, other = EngineThread(), EngineThread()
+    try:
+        started, release = threading.Event(), threading.Event()
+        ran: list[str] = []
+
+        def exit_job() -> None:
+            raise SystemExit(1)
+
+        async with anyio.create_task_group() as tg:
+            # NOTE: the doomed instance has a second job queued behind the fatal one.
+            tg.start_soon(doomed.run, _blocking_job, started, release, ran, "first")
+            await _wait_for(started)
+            fatal = doomed.submit(exit_job)
+            queued = doomed.submit(ran.append, "never")
+            release.set()
+        with pytest.raises(EngineThreadDead):
+            await fatal
+        with pytest.raises(EngineThreadDead):
+            await queued
+        assert await other.run(threading.get_ident) == doomed.thread_ident
+        assert ran == ["first"]
+        assert other.statistics().alive
+        assert not doomed.statistics().alive
+    finally:
+        doomed.close(timeout=5)
+        other.close(timeout=5)
+
+
+def _job_thread(eng: EngineThread) -> threading.Thread:
+    return eng.sync_run(threading.current_thread)
+
+
+def test_close_parks_the_os_thread_and_the_next_engine_thread_reuses_it() -> None:
+    """Closing an EngineThread never ends its OS thread; a later EngineThread runs on that same thread."""
+    with EngineThread(name="first") as first:
+        thread = _job_thread(first)
+    assert first.closed
+    assert not first.statistics().alive
+    assert thread.is_alive(), "close() ended the engine OS thread"
+    with EngineThread(name="second") as second:
+        assert _job_thread(second) is thread
+        assert thread.name == "second"
+
+
+# NOTE: a child process that closes an EngineThread whose job used an
+# mx.compile'd function (MLX keeps a per-thread compile cache that holds
+# Python objects) and then finalizes the interpreter. The job also registers
+# a C thread-exit destructor that sleeps 200 ms (glibc runs thread-exit
+# destructors last-registered first), so an engine thread that ends on close
+# reaches MLX's destructor, which takes the GIL, only once the main thread is
+# finalizing: that aborts ("terminate called without an active exception",
+# SIGABRT) every time, where a race decides it without the sleep. A slow
+# __del__ keeps finalization going past that point.
+_EXIT_CHILD = """
+import ctypes, sys, time
+import mlx.core as mx
+from kernels import EngineThread
+
+@mx.compile
+def double_plus_one(x):
+    return x * 2 + 1
+
+libc = ctypes.CDLL(None)
+at_thread_exit = libc.__cxa_thread_atexit_impl
+at_thread_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+usleep = ctypes.cast(libc.usleep, ctypes.c_void_p).value
+
+def job():
+    mx.eval(double_plus_one(mx.ones((4,))))
+    at_thread_exit(usleep, 200_000, None)
+
+class SlowFinalizer:
+    def __del__(self):
+        time.sleep(1.0)
+
+slow = SlowFinalizer()
+with EngineThread() as eng:
+    eng.sync_run(job)
+print("closed", flush=True)
+"""
+
+
+def test_process_exits_cleanly_when_finalization_overlaps_engine_thread_teardown(tmp_path: Path) -> None:
+    """A process whose EngineThread used compiled MLX code exits 0 even when interpreter finalization races the thread's end."""
+    if not _glibc_thread_atexit():
+        pytest.skip("needs glibc's __cxa_thread_atexit_impl")
+    script = tmp_path / "exit_child.py"
+    script.write_text(_EXIT_CHILD)
+    env = dict(os.environ, PYTHONPATH=str(_REPO))
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=_REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout == "closed\n"
+    assert proc.returncode == 0, f"exit status {proc.returncode}; stderr tail:\n{proc.stderr[-2000:]}"
+
+
+def _glibc_thread_atexit() -> bool:
+    try:
+        return hasattr(ctypes.CDLL(None), "__cxa_thread_atexit_impl")
+    except OSError:
+        return False
