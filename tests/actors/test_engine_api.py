@@ -163,7 +163,7 @@ async def test_cancel_mid_stream_frees_the_lane_within_one_step(engine: Engine) 
     await waiting.start()
     await long.aclose()
     # NOTE: steps run on the engine thread (a burst reports its steps only when it ends).
-    decode_at_cancel = (await engine.stats())["gateway"]["decode_steps_run"]
+    decode_at_cancel = (await engine.stats(timeout=30))["gateway"]["decode_steps_run"]
     events = await _events(waiting)
     done = events[-1]
     assert isinstance(done, DoneEvent)
@@ -176,9 +176,9 @@ async def test_cancel_mid_stream_frees_the_lane_within_one_step(engine: Engine) 
         await anyio.sleep(0.01)
     token = (await engine.stats())["gateway"]["token"]
     assert token["requests"]["cancelled"] == 1
-    extra = (await engine.stats())["gateway"]["decode_steps_run"] - decode_at_cancel - done.usage.completion_tokens
+    extra = (await engine.stats(timeout=30))["gateway"]["decode_steps_run"] - decode_at_cancel - done.usage.completion_tokens
     assert 0 <= extra <= 1
-    assert token["grants"]["decode"] == (await engine.stats())["gateway"]["decode_steps_run"]
+    assert token["grants"]["decode"] == (await engine.stats(timeout=30))["gateway"]["decode_steps_run"]
 
 
 async def test_queue_overflow_raises_queue_full_before_any_event(engine: Engine) -> None:

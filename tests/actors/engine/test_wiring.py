@@ -102,6 +102,9 @@ async def test_spawn_prompt_cache_uses_the_production_spec() -> None:
         def dispose(self, handle: str) -> None:
             raise KeyError(handle)
 
+        def drain(self) -> int:
+            return 0
+
     async with ActorSystem() as system:
         ref = wiring.spawn_prompt_cache(system, cap_bytes=1000, registry=_Registry())
         assert ref.name == wiring.PROMPT_CACHE
