@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from actors.engine import Engine, GenerationParams
+from kernels.cache import InvalidKvScheme
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -39,3 +40,15 @@ async def test_engine_stores_entries_in_its_kv_scheme(kv_quant: Any, signature: 
     assert entries
     for meta in entries.values():
         assert set(meta.signatures) == {signature}
+
+
+async def test_a_scheme_the_model_cannot_take_is_refused_at_start() -> None:
+    """``kv_quant=8`` (groups of 64) on a model with 16-wide heads fails ``start()`` with a
+    clear message instead of starting a server whose every request would fail."""
+    tok = tiny_tokenizer()
+    engine = Engine.from_loaded(
+        tiny_llama(vocab_size=len(tok)), tok, model_id="tiny", prompt_cache_bytes=1 << 26, kv_quant=8
+    )
+    with pytest.raises(InvalidKvScheme, match="not divisible by the group size 64"):
+        await engine.start()
+    await engine.aclose()
