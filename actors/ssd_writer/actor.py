@@ -55,6 +55,7 @@ from kernels.cache import (
     OsFilePort,
 )
 from messages import (
+    Body,
     EntryWritten,
     Envelope,
     ReadEntry,
@@ -112,7 +113,7 @@ class SsdWriterConfig:
     io_threads: int = 2
     max_header_bytes: int | None = None
     ask_timeout: float = 30.0
-    staging_entries: int = 4
+    staging_entries: int = 2
 
 
 @dataclass
@@ -260,11 +261,10 @@ class SsdWriter(Actor):
                     tokens=effect.tokens,
                     path=effect.path,
                 )
-                try:
-                    await ctx.ref(tier.store_address).tell(
-                        body, correlation_id=effect.correlation_id
-                    )
-                except (ActorStopped, MailboxClosed, UnknownAddress):
+                # NOTE: never wait on a worker's mailbox: the worker asks this
+                # actor (ReserveSpace, EntryWritten), so blocking here could
+                # deadlock both until the ask deadline.
+                if not _try_tell(ctx, tier.store_address, body, effect.correlation_id):
                     work[:0] = core.abandon_job(tier.state, effect.job_id, "writer_unavailable")
             elif isinstance(effect, core.StartRead):
                 request = effect.request
@@ -275,9 +275,7 @@ class SsdWriter(Actor):
                     tokens=effect.tokens,
                     reply_to=request.body.reply_to,
                 )
-                try:
-                    await ctx.tell(tier.read_address, read)
-                except (ActorStopped, MailboxClosed, UnknownAddress):
+                if not _try_tell(ctx, tier.read_address, read, request.correlation_id):
                     await ctx.reply(
                         request,
                         RestoreResult(ok=False, path=effect.path, reason="reader_unavailable"),
@@ -294,6 +292,14 @@ class SsdWriter(Actor):
                 _log.warning(effect.event, detail=effect.detail)
             else:
                 assert_never(effect)
+
+
+def _try_tell(ctx: Context, address: str, body: Body, correlation_id: str) -> bool:
+    """Send without waiting; ``False`` when the worker is gone or its mailbox is full."""
+    try:
+        return ctx.ref(address).try_tell(body, correlation_id=correlation_id)
+    except (ActorStopped, MailboxClosed, UnknownAddress):
+        return False
 
 
 # --- the store worker -------------------------------------------------------------------
