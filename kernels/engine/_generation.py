@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
+from jinja2 import TemplateError
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -30,8 +31,10 @@ __all__ = [
     "CacheHook",
     "Generation",
     "KernelFinishReason",
+    "SnapshotBoundary",
     "StepOutput",
     "encode_prompt",
+    "probe_snapshot_boundary",
     "render_chat",
     "run_generation",
 ]
@@ -179,19 +182,22 @@ class Generation:
 
     # -- steps --------------------------------------------------------------
 
-    def prefill_step(self) -> bool:
-        """Forward one chunk of at most ``prefill_step_size`` prompt tokens.
+    def prefill_step(self, limit: int | None = None) -> bool:
+        """Forward one chunk of at most ``prefill_step_size`` prompt tokens (and at most ``limit``).
 
         Returns True when everything but the last prompt token is in the
         cache (then call :meth:`decode_step`); a call after that returns True
         without work. Mirrors mlx-lm's prefill loop: chunk, hook, evaluate the
-        cache state, release MLX's buffer cache.
+        cache state, release MLX's buffer cache. ``limit`` (>= 1) ends the
+        chunk early, e.g. exactly at a prompt-boundary snapshot point.
         """
         if self._prefill_done:
             return True
+        if limit is not None and limit < 1:
+            raise InvalidPrompt(f"a prefill chunk limit must be >= 1, got {limit}")
         remaining = len(self._prompt) - self._cursor
         if remaining > 1:
-            n = min(self._step_size, remaining - 1)
+            n = min(self._step_size, remaining - 1, limit if limit is not None else remaining)
             chunk = self._prompt[self._cursor : self._cursor + n]
             with mx.stream(generation_stream):
                 self._model(mx.array(chunk)[None], cache=self._cache)
@@ -321,6 +327,80 @@ def render_chat(
         # NOTE: bare transformers tokenizers may return a BatchEncoding.
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+# NOTE: plain words that start with a letter, like most replies, so the probe
+# sees the same token merges at the header/content junction as real turns do.
+_PROBE_SYSTEM = "You are a helpful assistant."
+_PROBE_HISTORY = (
+    {"role": "user", "content": "Name a colour of the sea."},
+    {"role": "assistant", "content": "Blue, mostly."},
+)
+_PROBE_ASK = {"role": "user", "content": "And at night?"}
+_PROBE_NEXT = (
+    {"role": "assistant", "content": "Almost black."},
+    {"role": "user", "content": "Thank you."},
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotBoundary:
+    """Which tail of a rendered chat prompt the next turn's rendering does not repeat.
+
+    ``unstable``: token tails the chat template appends for generation that
+    history renders differently (longest first), e.g. the ``<think>`` opener
+    of a thinking template that strips reasoning from past assistant turns.
+    Empty when the generation prompt reappears verbatim (ChatML and most
+    templates). Made by :func:`probe_snapshot_boundary`.
+    """
+
+    unstable: tuple[tuple[int, ...], ...] = ()
+
+    def stable_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt`` the next turn repeats: the snapshot point.
+
+        At most ``len(prompt) - 1`` (the last prompt token is forwarded by the
+        first decode step). A prompt that does not end with a probed tail
+        (its template was rendered with other options) falls back to that.
+        """
+        n = len(prompt)
+        for tail in self.unstable:
+            if n > len(tail) and tuple(prompt[n - len(tail) :]) == tail:
+                return min(n - len(tail), n - 1)
+        return max(0, n - 1)
+
+
+def probe_snapshot_boundary(tokenizer: Any, **template_kwargs: Any) -> SnapshotBoundary:
+    """Find the prompt tail that the next chat turn re-renders, by rendering probe conversations.
+
+    Each probe (a first turn, and a turn with history, each with and without a
+    system message) is rendered ready to generate, then again followed by an
+    assistant reply and a new user message, as the next turn would send it.
+    The first rendering's tokens past the two renderings' common prefix are
+    the tail that does not survive. A probe the template refuses (a role it
+    does not know) is skipped. Pure tokenizer work, no MLX.
+    """
+    probes = (
+        [_PROBE_ASK],
+        [{"role": "system", "content": _PROBE_SYSTEM}, _PROBE_ASK],
+        [*_PROBE_HISTORY, _PROBE_ASK],
+        [{"role": "system", "content": _PROBE_SYSTEM}, *_PROBE_HISTORY, _PROBE_ASK],
+    )
+    tails: set[tuple[int, ...]] = set()
+    for probe in probes:
+        try:
+            now = render_chat(tokenizer, probe, **template_kwargs)
+            later = render_chat(tokenizer, [*probe, *_PROBE_NEXT], **template_kwargs)
+        except (ValueError, TypeError, KeyError, IndexError, TemplateError):
+            continue
+        shared = 0
+        for a, b in zip(now, later, strict=False):
+            if a != b:
+                break
+            shared += 1
+        if shared < len(now):
+            tails.add(tuple(now[shared:]))
+    return SnapshotBoundary(tuple(sorted(tails, key=len, reverse=True)))
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
