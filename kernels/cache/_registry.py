@@ -66,6 +66,7 @@ class RegistryStats:
     entries: int
     nbytes: int
     pending_dispose: int
+    pending_bytes: int
     registered: int
     disposed: int
     materialized: int
@@ -307,12 +308,13 @@ class CacheRegistry:
             return len(self._slots)
 
     def statistics(self) -> RegistryStats:
-        """Entries, retained bytes, queued disposals and lifetime counters."""
+        """Entries, retained bytes, disposals whose arrays the next drain drops, lifetime counters."""
         with self._lock:
             return RegistryStats(
                 entries=len(self._slots),
                 nbytes=sum(s.meta.nbytes for s in self._slots.values()),
                 pending_dispose=len(self._pending),
+                pending_bytes=sum(s.meta.nbytes for s in self._pending),
                 registered=self._registered,
                 disposed=self._disposed,
                 materialized=self._materialized,
