@@ -849,7 +849,13 @@ class Engine(_StartClose):
             }
         if self._registry is not None:
             rs = self._registry.statistics()
-            out["cache_registry"] = {"entries": rs.entries, "nbytes": rs.nbytes}
+            out["cache_registry"] = {
+                "entries": rs.entries,
+                "nbytes": rs.nbytes,
+                # NOTE: disposed entries whose arrays are still alive (outside the cap).
+                "pending_dispose": rs.pending_dispose,
+                "pending_bytes": rs.pending_bytes,
+            }
         if self._system is not None:
             out["mailboxes"] = self._system.statistics().as_dict()
         return out
