@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
-from ._app import begin_shutdown, create_app
+from ._app import begin_shutdown, create_app, cut_streams
 from ._convert import Defaults
 from ._errors import ApiError
 from ._middleware import BodyTooLarge
 from ._port import EnginePort, StreamPort
+from ._server import ServerLimits, exposure_warning, serve
 from ._state import HttpSettings, HttpState
 
 __all__ = [
@@ -20,7 +21,11 @@ __all__ = [
     "EnginePort",
     "HttpSettings",
     "HttpState",
+    "ServerLimits",
     "StreamPort",
     "begin_shutdown",
     "create_app",
+    "cut_streams",
+    "exposure_warning",
+    "serve",
 ]

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
+import anyio.to_thread
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
@@ -26,6 +29,7 @@ from ._convert import (
     chat_chunk,
     chat_messages,
     chat_response,
+    check_against_vocab,
     completion_chunk,
     completion_response,
     resolve_model,
@@ -38,7 +42,7 @@ from ._errors import (
     kvtier_error_to_api,
     validation_to_api,
 )
-from ._middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from ._middleware import ApiKeyMiddleware, BodyLimitMiddleware, TrailingSlashMiddleware
 from ._port import EnginePort, StreamPort
 from ._schemas import (
     ChatCompletion,
@@ -52,15 +56,41 @@ from ._schemas import (
 from ._sse import DONE, EventStreamResponse, sse_json
 from ._state import HttpSettings, HttpState
 
-__all__ = ["begin_shutdown", "create_app"]
+__all__ = ["begin_shutdown", "create_app", "cut_streams"]
 
 _log = structlog.get_logger("kvtier.http")
 
 _Kind = Literal["chat", "completion"]
 
 
+@dataclass
+class _RequestId:
+    """The id of the request being served: ``req-<hex>``, renamed by a generation route."""
+
+    hex: str
+    value: str
+
+
+_REQUEST_ID = "kvtier.request_id"
+"""Scope key of the request's :class:`_RequestId`."""
+
+
+def _request_id(scope: Scope) -> _RequestId:
+    rid = scope.get(_REQUEST_ID)
+    assert isinstance(rid, _RequestId), "_AccessLog must wrap the app"
+    return rid
+
+
 class _AccessLog:
-    """Counts response statuses and logs one structlog event per request."""
+    """Names every request, logs one structlog event for it and counts statuses.
+
+    Every response carries ``X-Request-Id`` (errors included), and every log
+    line of the request carries the same id as ``correlation_id``.
+    NOTE: bound with tokens and reset after the response: a request never
+    sees a binding made by another one (uvicorn may create the next request's
+    task from inside this one's, copying its context; the server also gives
+    each request a fresh context, see ``_server``).
+    """
 
     def __init__(self, app: ASGIApp, state: HttpState) -> None:
         self.app = app
@@ -71,32 +101,31 @@ class _AccessLog:
             await self.app(scope, receive, send)
             return
         status = 0
-        request_id: str | None = None
         started = time.perf_counter()
-        saved = structlog.contextvars.get_contextvars()
+        hex_id = self.state.new_id()
+        rid = _RequestId(hex=hex_id, value=f"req-{hex_id}")
+        scope = {**scope, _REQUEST_ID: rid}
+        tokens = structlog.contextvars.bind_contextvars(correlation_id=rid.value)
 
         async def counting_send(message: Message) -> None:
-            nonlocal status, request_id
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 self.state.statuses[status] += 1
-                rid = dict(message.get("headers", ())).get(b"x-request-id")
-                request_id = rid.decode() if rid else None
+                headers = [(k, v) for k, v in message.get("headers", ()) if k != b"x-request-id"]
+                headers.append((b"x-request-id", rid.value.encode()))
+                message = {**message, "headers": headers}
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            # NOTE: request_id is the engine's correlation id (bound as
-            # correlation_id by the route): it links this line to the request's
-            # actor-message trace.
+            # NOTE: request_id is the engine's correlation id for generation
+            # requests: it links this line to the request's actor-message trace.
             _log.info("http.request", method=scope["method"], path=scope["path"],
-                      status=status, request_id=request_id,
+                      status=status, request_id=rid.value, correlation_id=rid.value,
                       duration_ms=round((time.perf_counter() - started) * 1e3, 2))
-            # NOTE: one request's bindings must not leak into the next one
-            # served on this context (keep-alive connections, in-process tests).
-            structlog.contextvars.clear_contextvars()
-            structlog.contextvars.bind_contextvars(**saved)
+            structlog.contextvars.reset_contextvars(**tokens)
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -109,13 +138,52 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
     NOTE: read here rather than by FastAPI's body parameters so that a bad
     body yields OpenAI's 400 shapes and the size cap applies while reading.
     """
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise _ClientLeft() from None
     if not raw.strip():
         raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
     try:
-        return model.model_validate_json(raw)
+        if len(raw) <= _INLINE_PARSE_BYTES:
+            return model.model_validate_json(raw)
+        # NOTE: a large body (thousands of messages) takes milliseconds to
+        # validate; a worker thread keeps /health and streams responsive.
+        return await anyio.to_thread.run_sync(model.model_validate_json, raw)
     except ValidationError as exc:
         raise validation_to_api(exc.errors()) from None
+
+
+_INLINE_PARSE_BYTES = 64 * 1024
+"""Bodies up to this size are validated on the event loop (cheaper than a thread hop)."""
+
+
+class _ClientLeft(Exception):
+    """The client disconnected while its body was being read (nobody reads the answer)."""
+
+
+class _Cut:
+    """Fires once, when the server cuts the responses still running (its shutdown budget is spent)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._event: anyio.Event | None = None
+
+    def fire(self) -> None:
+        self.fired = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if self.fired:
+            return
+        if self._event is None:
+            # NOTE: created on first use: an anyio.Event needs the running loop.
+            self._event = anyio.Event()
+        await self._event.wait()
+
+
+_CUT_MESSAGE = "The server is shutting down; this response was cut before its end."
 
 
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -138,10 +206,21 @@ def create_app(
     """
     settings = settings or HttpSettings()
     st = state or HttpState()
-    app = FastAPI(title="kvtier", version="0.1.0", docs_url=None, redoc_url=None)
+    # NOTE: no slash redirects: a 307 makes clients drop or re-send a POST;
+    # TrailingSlashMiddleware routes "/v1/chat/completions/" directly.
+    app = FastAPI(title="kvtier", version="0.1.0", docs_url=None, redoc_url=None,
+                  redirect_slashes=False)
     app.state.http = st
     app.state.engine = engine
+    cut = _Cut()
+    app.state.cut = cut
     install_error_handlers(app)
+
+    async def on_client_left(_request: Request, _exc: Exception) -> Response:
+        st.disconnects += 1
+        return Response(status_code=499)
+
+    app.add_exception_handler(_ClientLeft, on_client_left)
 
     def created() -> int:
         return int(st.clock())
@@ -152,7 +231,7 @@ def create_app(
 
     # --------------------------------------------------------------- routes
 
-    @app.get("/health", response_model=None)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)
     async def health() -> JSONResponse:
         """Liveness; 503 ``draining`` once shutdown began (no auth needed)."""
         if st.shutting_down:
@@ -173,7 +252,7 @@ def create_app(
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         """Gateway, engine-turn token and mailbox statistics, plus the HTTP layer's own."""
-        return {"engine": engine.stats(), "http": st.snapshot()}
+        return {"engine": await engine.stats(), "http": st.snapshot()}
 
     @app.post("/v1/chat/completions", response_model=None,
               openapi_extra=_json_body(ChatCompletionRequest))
@@ -202,11 +281,13 @@ def create_app(
         body = await _parse(request, schema)
         model = resolve_model(body.model, engine.model_id, settings.model_aliases)
         params = to_params(body, settings.defaults)
-        rid = f"{prefix}-{st.new_id()}"
+        check_against_vocab(body, params, engine.vocab_size)
+        named = _request_id(request.scope)
+        named.value = rid = f"{prefix}-{named.hex}"
         # NOTE: the request id is also the engine's correlation id: binding it
         # here puts it on every log line of this request (the access log, the
         # SSE body task, which copies this context), next to the actors' events.
-        # _AccessLog restores the previous bindings when the response is done.
+        # _AccessLog resets the binding when the response is done.
         structlog.contextvars.bind_contextvars(correlation_id=rid)
         return body, rid, model, params
 
@@ -241,7 +322,10 @@ def create_app(
             st.leave()
 
         events = _sse_events(stream, rid, model, kind, body.include_usage())
-        return EventStreamResponse(events, on_close=release, headers=headers)
+        err = kvtier_error_to_api(ServerShuttingDown(_CUT_MESSAGE))
+        return EventStreamResponse(
+            events, on_close=release, headers=headers, cut=cut.wait,
+            cut_event=sse_json(error_body(err.message, err.type, err.code, err.param)))
 
     async def _collect(stream: StreamPort, request: Request, rid: str, model: str,
                        kind: _Kind, headers: dict[str, str]) -> Response:
@@ -259,7 +343,12 @@ def create_app(
                 st.disconnects += 1
                 tg.cancel_scope.cancel()
 
+            async def watch_cut() -> None:
+                await cut.wait()
+                tg.cancel_scope.cancel()
+
             tg.start_soon(watch_disconnect)
+            tg.start_soon(watch_cut)
             try:
                 async for event in stream:
                     if isinstance(event, TokenEvent):
@@ -272,6 +361,8 @@ def create_app(
             tg.cancel_scope.cancel()
         if failure is not None:
             raise failure
+        if done is None and cut.fired:
+            raise ServerShuttingDown(_CUT_MESSAGE)
         if done is None:
             # The client left; nobody reads this answer.
             return Response(status_code=499)
@@ -318,7 +409,7 @@ def create_app(
             yield sse_json(error_body(err.message, err.type, err.code, err.param))
             finished = True
         finally:
-            if not finished:
+            if not finished and not cut.fired:
                 st.disconnects += 1
 
     # ----------------------------------------------------------- middleware
@@ -326,6 +417,7 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(TrailingSlashMiddleware)
     app.add_middleware(_AccessLog, state=st)
     return app
 
@@ -336,3 +428,15 @@ def begin_shutdown(app: FastAPI) -> None:
     st.shutting_down = True
     engine: EnginePort = app.state.engine
     engine.begin_shutdown()
+
+
+def cut_streams(app: FastAPI) -> None:
+    """End every generation response still running, now (the shutdown budget is spent).
+
+    A stream ends with an OpenAI error event (``shutting_down``) and
+    ``data: [DONE]``; a non-streamed request answers 503 ``shutting_down``.
+    Each response then releases its engine request (cancelled within one
+    decode step). Call after :func:`begin_shutdown`.
+    """
+    cut: _Cut = app.state.cut
+    cut.fire()

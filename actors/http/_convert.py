@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from actors.engine.config import EngineConfig
 from messages.gateway import DoneEvent, GenerationParams, Usage
 
 from ._errors import ApiError
@@ -23,6 +24,7 @@ from ._schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionChoice,
+    CompletionRequest,
     CompletionResponse,
     Delta,
     PromptTokensDetails,
@@ -36,6 +38,7 @@ __all__ = [
     "chat_chunk",
     "chat_messages",
     "chat_response",
+    "check_against_vocab",
     "completion_chunk",
     "completion_response",
     "resolve_model",
@@ -44,20 +47,41 @@ __all__ = [
 ]
 
 
+_CONFIG = EngineConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class Defaults:
-    """Server-side defaults and bounds applied to every request (from ``kvtier serve`` flags)."""
+    """Server-side defaults and bounds applied to every request.
 
-    max_tokens: int = 512
-    max_tokens_limit: int = 32768
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    The values (and their bounds) are ``EngineConfig``'s sampling fields:
+    :meth:`from_config` is how ``kvtier serve`` builds them; the field
+    defaults are ``EngineConfig()``'s, so they cannot drift apart.
+    """
+
+    max_tokens: int = _CONFIG.max_tokens
+    max_tokens_limit: int = _CONFIG.max_tokens_limit
+    temperature: float = _CONFIG.temperature
+    top_p: float = _CONFIG.top_p
+    top_k: int = _CONFIG.top_k
+    min_p: float = _CONFIG.min_p
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_tokens <= self.max_tokens_limit:
-            raise ValueError("need 1 <= max_tokens <= max_tokens_limit")
+        # NOTE: the same validation as the flags (bounds, finiteness): a
+        # ConfigError (a ValueError) naming the option.
+        EngineConfig.build({f: getattr(self, f) for f in self.__dataclass_fields__})
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Defaults:
+        """The request defaults of ``config``."""
+        return cls(
+            max_tokens=config.max_tokens,
+            max_tokens_limit=config.max_tokens_limit,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            min_p=config.min_p,
+        )
 
 
 def resolve_model(requested: str | None, served: str, aliases: Sequence[str]) -> str:
@@ -111,6 +135,32 @@ def to_params(body: _SamplingFields, defaults: Defaults) -> GenerationParams:
         loc = ".".join(str(p) for p in first.get("loc", ()))
         raise ApiError(400, f"Invalid value for '{loc}': {first.get('msg')}",
                        code="invalid_value", param=loc or None) from None
+
+
+def check_against_vocab(body: _SamplingFields, params: GenerationParams,
+                        vocab: int | None) -> None:
+    """Refuse (400 naming the field) token ids and ``top_k`` the model's vocabulary cannot take.
+
+    NOTE: the engine checks the same before admission (embedders call it
+    directly); here the error can name the request field.
+    """
+    if vocab is None:
+        return
+    if params.top_k > vocab:
+        raise ApiError(400, f"top_k is {params.top_k}, larger than the model's vocabulary "
+                            f"({vocab} tokens).", code="invalid_value", param="top_k")
+    bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias names token id {bad}, outside the model's vocabulary "
+                            f"(0..{vocab - 1}).", code="invalid_value", param="logit_bias")
+    if isinstance(body, CompletionRequest):
+        prompt = body.prompt_value()
+        if not isinstance(prompt, str):
+            bad = next((t for t in prompt if t >= vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt holds token id {bad}, outside the model's "
+                                    f"vocabulary (0..{vocab - 1}).",
+                               code="invalid_value", param="prompt")
 
 
 _ROLE_FOR_TEMPLATE = {"developer": "system"}

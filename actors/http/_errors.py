@@ -13,6 +13,7 @@ missing / wrong API key                   401     invalid_request_error / invali
 unknown model                             404     invalid_request_error / model_not_found
 unknown route                             404     invalid_request_error / not_found
 wrong method                              405     invalid_request_error / method_not_allowed
+body not received in time                408     invalid_request_error / request_timeout
 body larger than ``--max-body-bytes``     413     invalid_request_error / request_too_large
 ``QueueFull``                             429     rate_limit_exceeded / queue_full
 ``ServerShuttingDown``, engine not ready  503     server_error / shutting_down ...
@@ -131,6 +132,7 @@ _HTTP_CODES: dict[int, str] = {
     400: "invalid_request",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "request_too_large",
 }
 

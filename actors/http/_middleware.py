@@ -1,22 +1,34 @@
-"""Pure-ASGI middleware: API-key check and the request-body size cap.
+"""Pure-ASGI middleware: API key, body size cap, body read deadline, trailing slashes.
 
-Both run before FastAPI reads anything: a wrong key is refused without
-reading the body, and an oversized body is refused by its declared
+They run before FastAPI reads anything: a wrong key is refused without
+reading the body; an oversized body is refused by its declared
 ``Content-Length`` or, for chunked uploads, the moment the bytes received
-pass the cap (the rest is never buffered).
+pass the cap (the rest is never buffered); a body that does not arrive in
+time (a ``Content-Length`` larger than what is sent, a client dripping
+bytes) is answered with 408 instead of holding the request forever.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
 
+import anyio
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._errors import ApiError, error_body
 
-__all__ = ["ApiKeyMiddleware", "BodyLimitMiddleware", "BodyTooLarge", "send_api_error"]
+__all__ = [
+    "ApiKeyMiddleware",
+    "BodyLimitMiddleware",
+    "BodyTimeout",
+    "BodyTimeoutMiddleware",
+    "BodyTooLarge",
+    "TrailingSlashMiddleware",
+    "send_api_error",
+]
 
 UNAUTHENTICATED_PATHS = frozenset({"/health"})
 
@@ -97,3 +109,66 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class BodyTimeout(HTTPException):
+    """The request body did not arrive within the body deadline (HTTP 408; the connection closes)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"The request body did not arrive within {seconds:g} s.",
+                         headers={"Connection": "close"})
+
+
+class BodyTimeoutMiddleware:
+    """Bounds the time from a request's head to the end of its body.
+
+    NOTE: a total deadline, not a per-read one: a client that drips one byte
+    at a time would pass any per-read timeout. Receives after the body ended
+    (disconnect watchers) are not bounded.
+    """
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not math.isfinite(self.timeout_s):
+            await self.app(scope, receive, send)
+            return
+        deadline = anyio.current_time() + self.timeout_s
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    body_done = True
+                return message
+            # NOTE: raised inside FastAPI's body read, rendered by the error edge.
+            raise BodyTimeout(self.timeout_s)
+
+        await self.app(scope, timed_receive, send)
+
+
+class TrailingSlashMiddleware:
+    """Routes ``/v1/chat/completions/`` like ``/v1/chat/completions`` (no 307 redirect).
+
+    NOTE: a redirect makes most clients drop a POST body or re-send it; the
+    slash carries no meaning here.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            stripped = path.rstrip("/") or "/"
+            scope = {**scope, "path": stripped}
+            raw = scope.get("raw_path")
+            if isinstance(raw, bytes):
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)

@@ -54,6 +54,11 @@ class EnginePort(Protocol):
         """The served model's id."""
         ...
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids run ``0..vocab_size - 1`` (``None``: unknown, not checked at the edge)."""
+        ...
+
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -76,8 +81,8 @@ class EnginePort(Protocol):
         """A not-yet-admitted raw completion stream."""
         ...
 
-    def stats(self) -> dict[str, Any]:
-        """JSON-ready statistics."""
+    async def stats(self) -> dict[str, Any]:
+        """JSON-ready statistics (asked from the actors with a short deadline)."""
         ...
 
     def begin_shutdown(self) -> None:

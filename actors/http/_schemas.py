@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2).
 
 Requests reject unknown fields (OpenAI answers "Unrecognized request
-argument" with a 400). Parameters OpenAI defines but kvtier does not
+argument" with a 400) and validate strictly: ``"max_tokens": "10"``,
+``"max_tokens": true`` or ``"stream": "yes"`` are 400s, as OpenAI answers,
+never coerced; ``NaN``/``Infinity`` are refused for every number. Parameters OpenAI defines but kvtier does not
 implement are accepted only at their neutral value (``n=1``,
 ``logprobs=false``, penalties ``0``...), so a client that sends the default
 works and a client that relies on the feature gets a clear 400 instead of a
@@ -41,12 +43,17 @@ __all__ = [
     "UsageBody",
 ]
 
+MAX_MESSAGES = 2048
+"""Most messages one chat request may carry (more is a 400 before any rendering)."""
+
 _STOP_MAX = 16
 _STOP_LEN_MAX = 256
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NOTE: strict: JSON types must match (an int field takes no string or
+    # bool); a float field still takes a JSON integer, as OpenAI's does.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -138,7 +145,7 @@ class _SamplingFields(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: Literal[False] | None = None
     response_format: dict[str, Any] | None = None

@@ -1,9 +1,13 @@
 """Server-sent events: framing and a response that always releases its stream.
 
 Invariant: whatever ends the response (the last event, a client that
-disconnects, a cancelled task, a failed ``send``), ``on_close`` runs exactly
-once, shielded from cancellation, so the engine request behind the stream
-is cancelled and its lane freed.
+disconnects, a cancelled task, a failed ``send``, a shutdown cut), ``on_close``
+runs exactly once, shielded from cancellation, so the engine request behind
+the stream is cancelled and its lane freed.
+
+A stream cut by the server (``cut`` fires: the shutdown budget ran out, or a
+second signal) ends with ``cut_event`` and ``data: [DONE]``, so a client
+can tell a cut answer from a complete one and still sees a well-formed end.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 __all__ = ["DONE", "EventStreamResponse", "sse_data", "sse_json"]
 
@@ -54,11 +58,15 @@ class EventStreamResponse(StreamingResponse):
         *,
         on_close: Callable[[], Awaitable[None]],
         headers: dict[str, str] | None = None,
+        cut: Callable[[], Awaitable[None]] | None = None,
+        cut_event: bytes = b"",
     ) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={**_SSE_HEADERS, **(headers or {})})
         self._on_close = on_close
         self._closed = False
+        self._cut = cut
+        self._cut_event = cut_event
 
     async def close(self) -> None:
         """Run ``on_close`` once, shielded (it must finish even inside a cancelled scope)."""
@@ -75,6 +83,42 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if self._cut is None:
+                await super().__call__(scope, receive, send)
+            else:
+                await self._run_until_cut(self._cut, scope, receive, send)
         finally:
             await self.close()
+
+    async def _run_until_cut(self, cut: Callable[[], Awaitable[None]], scope: Scope,
+                             receive: Receive, send: Send) -> None:
+        started = finished = was_cut = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal was_cut
+                await cut()
+                was_cut = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            await super().__call__(scope, receive, tracking_send)
+            tg.cancel_scope.cancel()
+        if not was_cut or finished:
+            return
+        # NOTE: the generator is abandoned between two events (sends are whole
+        # events), so the stream stays well-formed: the error, then [DONE].
+        if not started:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self._cut_event + DONE,
+                    "more_body": False})

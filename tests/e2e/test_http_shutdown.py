@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -93,3 +93,73 @@ def _check_logs(server: ServerProcess, request_id: str, signum: signal.Signals) 
     # Nothing of another request's turns wears this id.
     turns = [e for e in logs if e["event"] == "mailbox.handled" and e.get("kind") == "gateway.run_turn"]
     assert all(e["correlation_id"] == request_id for e in turns)
+
+
+# NOTE: SmolLM2's EOS ids (<|endoftext|>, <|im_end|>) banned, so the stream
+# runs until it is cut.
+ENDLESS = {"messages": STORY, "max_tokens": 6000, "temperature": 0, "stream": True,
+           "logit_bias": {"0": -100, "2": -100}}
+
+
+def _stream_until_cut(server: ServerProcess, after_first_token: Callable[[], None]) -> tuple[list[str], float]:
+    """Open an endless stream, call ``after_first_token``, read to the end; (data payloads, seconds after the call)."""
+    events: list[str] = []
+    with httpx.Client(base_url=server.url, timeout=60) as http, \
+            http.stream("POST", "/v1/chat/completions", json=ENDLESS) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for line in lines:
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                break
+        after_first_token()
+        started = time.monotonic()
+        events.extend(line[6:] for line in lines if line.startswith("data: "))
+        return events, time.monotonic() - started
+
+
+def _assert_cut(events: list[str]) -> None:
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert all("error" not in json.loads(e) for e in events[:-2])
+
+
+def _assert_clean_log(server: ServerProcess) -> None:
+    err = server.stderr_path.read_text()
+    for bad in ("Traceback", "CancelledError", "KeyboardInterrupt", "Exception in ASGI"):
+        assert bad not in err, server.logs()
+
+
+@pytest.fixture
+def short_budget(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server whose shutdown budget is 3 s."""
+    srv = ServerProcess(tmp_path, "--shutdown-timeout", "3", "--prompt-cache", "0")
+    yield srv
+    srv.stop(timeout=10)
+
+
+def test_shutdown_timeout_is_the_whole_budget(short_budget: ServerProcess) -> None:
+    """With --shutdown-timeout 3 a stream still running is cut at 3 s with an error event and [DONE]; exit 0, no traces."""
+    events, took = _stream_until_cut(short_budget, lambda: short_budget.signal(signal.SIGTERM))
+    _assert_cut(events)
+    assert 2.5 < took < 4.5
+    assert short_budget.wait(timeout=30) == 0, short_budget.logs()
+    _assert_clean_log(short_budget)
+
+
+def test_second_signal_stops_now_and_third_is_quiet(server: ServerProcess) -> None:
+    """A second SIGTERM cuts the stream at once and the server exits 0; a third signal leaves no trace."""
+
+    def two_signals() -> None:
+        server.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{server.url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.signal(signal.SIGTERM)
+
+    events, took = _stream_until_cut(server, two_signals)
+    _assert_cut(events)
+    assert took < 3
+    server.signal(signal.SIGINT)
+    assert server.wait(timeout=30) == 0, server.logs()
+    _assert_clean_log(server)

@@ -121,6 +121,7 @@ class FakeEngine:
     """Scripted ``EnginePort``: pops one ``Script`` per request (the default when empty)."""
 
     model_id: str = "fake-model"
+    vocab_size: int | None = 1000
     scripts: list[Script] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     shutting_down: bool = False
@@ -144,7 +145,7 @@ class FakeEngine:
         self.fit_context.append(fit_context)
         return self._next("generate", prompt, params, request_id)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         return {"gateway": {"active": self.active}, "token": {"grants": 0}}
 
     def begin_shutdown(self) -> None:

@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from actors.errors import ContextTooLong, InvalidRequest, QueueFull, ServerShuttingDown
-from actors.http import Defaults, HttpSettings, HttpState, begin_shutdown, create_app
+from actors.http import Defaults, HttpSettings, HttpState, begin_shutdown, create_app, cut_streams
 from actors.runtime import configure_logging
 
 from .fake_engine import FakeEngine, Script
@@ -211,6 +211,17 @@ async def test_models_health_stats() -> None:
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000000000}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"word": 1}}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "0.5"}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_k": 1e30}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_k": 1000000000000000000000000000000}',
+         "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "seed": -1}', "invalid_value"),
     ],
 )
 async def test_bad_chat_input_is_400(content: bytes, code: str | None) -> None:
@@ -403,7 +414,7 @@ async def test_request_log_lines_carry_the_request_id_as_correlation_id() -> Non
     """Each request's access-log line carries its X-Request-Id as correlation_id; nothing leaks past it."""
     out = io.StringIO()
     configure_logging(format="json", level="info", stream=out)
-    ids = iter(["one", "two"])
+    ids = iter(["one", "two", "three"])
     state = HttpState(new_id=lambda: next(ids))
     app = create_app(FakeEngine(), HttpSettings(), state=state)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -412,11 +423,152 @@ async def test_request_log_lines_carry_the_request_id_as_correlation_id() -> Non
         health = await c.get("/health")
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     access = [e for e in lines if e["event"] == "http.request"]
-    assert [(e["path"], e.get("correlation_id")) for e in access] == [
-        (CHAT, streamed.headers["x-request-id"]),
-        (COMPLETIONS, plain.headers["x-request-id"]),
-        ("/health", None),
+    assert [(e["path"], e["correlation_id"], e["request_id"]) for e in access] == [
+        (CHAT, streamed.headers["x-request-id"], streamed.headers["x-request-id"]),
+        (COMPLETIONS, plain.headers["x-request-id"], plain.headers["x-request-id"]),
+        ("/health", health.headers["x-request-id"], health.headers["x-request-id"]),
     ]
-    assert [e["correlation_id"] for e in access[:2]] == ["chatcmpl-one", "cmpl-two"]
+    assert [e["correlation_id"] for e in access] == ["chatcmpl-one", "cmpl-two", "req-three"]
     assert health.status_code == 200
     assert "correlation_id" not in structlog.contextvars.get_contextvars()
+
+
+@pytest.mark.usefixtures("restore_structlog")
+async def test_error_responses_carry_their_own_request_id() -> None:
+    """Every response, errors included, has X-Request-Id; a refused request's id never leaks into the next."""
+    out = io.StringIO()
+    configure_logging(format="json", level="info", stream=out)
+    ids = iter(["a1", "b2", "c3", "d4", "e5"])
+    state = HttpState(new_id=lambda: next(ids))
+    engine = FakeEngine(scripts=[Script(admission_error=ContextTooLong(9000, 8192))])
+    app = create_app(engine, HttpSettings(api_key="k", max_body_bytes=100), state=state)
+    auth = {"Authorization": "Bearer k"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        refused = await c.post(CHAT, json=HELLO, headers=auth)
+        models = await c.get("/v1/models", headers=auth)
+        unauthorized = await c.get("/v1/models")
+        too_big = await c.post(CHAT, content=b"x" * 200, headers=auth)
+        missing = await c.get("/nope", headers=auth)
+    _assert_openai_error(refused, 400, "context_length_exceeded")
+    _assert_openai_error(unauthorized, 401, "invalid_api_key")
+    _assert_openai_error(too_big, 413, "request_too_large")
+    _assert_openai_error(missing, 404, "not_found")
+    responses = [refused, models, unauthorized, too_big, missing]
+    assert [r.headers["x-request-id"] for r in responses] == [
+        "chatcmpl-a1", "req-b2", "req-c3", "req-d4", "req-e5"]
+    access = [json.loads(line) for line in out.getvalue().splitlines()]
+    access = [e for e in access if e["event"] == "http.request"]
+    assert [e["correlation_id"] for e in access] == [r.headers["x-request-id"] for r in responses]
+    assert "correlation_id" not in structlog.contextvars.get_contextvars()
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"top_k": 1001}, "top_k"),
+        ({"top_k": 10**6, "temperature": 0.8}, "top_k"),
+        ({"logit_bias": {"1000": 5}}, "logit_bias"),
+    ],
+)
+async def test_sampling_fields_are_checked_against_the_vocabulary(extra: dict[str, Any],
+                                                                  param: str) -> None:
+    """top_k above the vocabulary or a logit_bias id outside it is a 400 naming the field, before the engine."""
+    engine = FakeEngine(vocab_size=1000)
+    async with _client(engine) as c:
+        r = await c.post(CHAT, json={**HELLO, **extra})
+        at_vocab = await c.post(CHAT, json={**HELLO, "top_k": 1000, "temperature": 0.8})
+    assert _assert_openai_error(r, 400, "invalid_value")["param"] == param
+    assert at_vocab.status_code == 200
+    assert len(engine.calls) == 1
+
+
+async def test_token_prompt_outside_the_vocabulary_names_prompt() -> None:
+    """A token-id prompt with an id outside the vocabulary is a 400 naming ``prompt``."""
+    engine = FakeEngine(vocab_size=1000)
+    async with _client(engine) as c:
+        r = await c.post(COMPLETIONS, json={"prompt": [1, 1000]})
+    assert _assert_openai_error(r, 400, "invalid_value")["param"] == "prompt"
+    assert engine.calls == []
+
+
+async def test_too_many_messages_is_400_before_the_engine() -> None:
+    """A chat with more messages than the bound is a 400 naming ``messages``; the engine never sees it."""
+    from actors.http._schemas import MAX_MESSAGES
+
+    engine = FakeEngine()
+    many = [{"role": "user", "content": "w"}] * (MAX_MESSAGES + 1)
+    async with _client(engine) as c:
+        r = await c.post(CHAT, json={"messages": many})
+        ok = await c.post(CHAT, json={"messages": many[:MAX_MESSAGES]})
+    assert _assert_openai_error(r, 400, "invalid_value")["param"] == "messages"
+    assert ok.status_code == 200
+    assert len(engine.calls) == 1
+
+
+async def test_head_health_and_trailing_slashes() -> None:
+    """HEAD /health answers 200; a POST with a trailing slash is served, not redirected."""
+    engine = FakeEngine()
+    async with _client(engine) as c:
+        head = await c.head("/health")
+        chat = await c.post(CHAT + "/", json=HELLO)
+        models = await c.get("/v1/models/")
+    assert head.status_code == 200
+    assert chat.status_code == 200
+    assert chat.json()["object"] == "chat.completion"
+    assert models.status_code == 200
+    assert len(engine.calls) == 1
+
+
+async def test_body_that_never_completes_times_out_with_408() -> None:
+    """A body that stops arriving (Content-Length larger than what is sent) is answered 408, not held."""
+    from actors.http._middleware import BodyTimeoutMiddleware
+
+    engine = FakeEngine()
+    app = BodyTimeoutMiddleware(create_app(engine, HttpSettings()), timeout_s=0.2)
+    stalled = anyio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"messages": [{"role": "user", '
+        await stalled.wait()  # NOTE: never set: the client sends nothing more.
+        yield b"}"
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        with anyio.fail_after(5):
+            r = await c.post(CHAT, content=body())
+    _assert_openai_error(r, 408, "request_timeout")
+    assert r.headers["connection"] == "close"
+    assert engine.calls == []
+
+
+async def test_cut_streams_end_with_an_error_event_and_done() -> None:
+    """After cut_streams, a running stream ends with a shutting_down error event then [DONE]; non-streamed is 503."""
+    gate, admitted_a, admitted_b = anyio.Event(), anyio.Event(), anyio.Event()
+    engine = FakeEngine(scripts=[Script(tokens=("a", "b", "c"), gate=gate, admitted=admitted_a),
+                                 Script(gate=gate, admitted=admitted_b)])
+    state = HttpState()
+    app = create_app(engine, HttpSettings(), state=state)
+    got: dict[str, httpx.Response] = {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+
+        async def streamed() -> None:
+            got["stream"] = await c.post(CHAT, json={**HELLO, "stream": True})
+
+        async def plain() -> None:
+            got["plain"] = await c.post(CHAT, json=HELLO)
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(streamed)
+                await admitted_a.wait()
+                tg.start_soon(plain)
+                await admitted_b.wait()
+                begin_shutdown(app)
+                cut_streams(app)
+    events = _sse(got["stream"].text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "shutting_down"
+    assert all("error" not in e for e in events[:-2])
+    _assert_openai_error(got["plain"], 503, "shutting_down")
+    assert all(call.closed and not call.finished for call in engine.calls)
+    assert state.in_flight == 0
+    assert state.disconnects == 0
