@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._base import Body, Request
+from .prompt_cache import TakeResult
 
 __all__ = [
     "AdmissionReply",
@@ -21,15 +22,22 @@ __all__ = [
     "DoneEvent",
     "Drained",
     "EndRequest",
+    "EngineWake",
     "ErrorEvent",
     "FinishReason",
+    "GatewayStats",
+    "GatewayStatsRequest",
     "Generate",
     "GenerationEvent",
     "GenerationParams",
     "RequestTurnReport",
     "RunTurn",
     "RunWhenIdle",
+    "RunnerStats",
+    "RunnerStatsRequest",
     "ShutdownStarted",
+    "StatValue",
+    "StopBurst",
     "StopTurns",
     "Timings",
     "TokenEvent",
@@ -61,7 +69,7 @@ class GenerationParams(_Data):
     ``TokenEvent.logprob``.
     """
 
-    max_tokens: int = Field(default=256, ge=1)
+    max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
@@ -221,15 +229,20 @@ GenerationEvent = TokenEvent | DoneEvent
 
 
 class RunWhenIdle(Request):
-    """Ask for ONE background engine turn, granted only while no request holds or waits for the lane.
+    """Ask for ONE background engine turn, granted only while no request can run.
 
-    ``step_id`` names a step callable the asker registered with the gateway
-    (tensors and callables never travel inside messages). Reply: ``TurnDone``.
+    ``step_id`` names a step callable the asker registered with the turn
+    runner's step registry (``actors.gateway.BackgroundSteps``; tensors and
+    callables never travel inside messages). Reply: ``TurnDone``.
+    ``deadline`` (clock seconds, the system's injected clock) is when the
+    asker stops waiting: a step still waiting then is dropped, never granted
+    (``None``: no deadline; a step whose reply slot is gone is dropped too).
     """
 
     kind: Literal["gateway.run_when_idle"] = "gateway.run_when_idle"
     step_id: str
     label: str = ""
+    deadline: float | None = None
 
 
 class TurnDone(Body):
@@ -260,6 +273,39 @@ class Drained(Body):
     kind: Literal["gateway.drained"] = "gateway.drained"
 
 
+class GatewayStatsRequest(Request):
+    """Ask the gateway for :class:`GatewayStats` (``Engine.stats()``, ``/stats``)."""
+
+    kind: Literal["gateway.stats_request"] = "gateway.stats_request"
+
+
+StatValue = str | int | float | bool | None | dict[str, int | float]
+"""One entry of a statistics snapshot: a scalar or one level of named numbers."""
+
+
+class GatewayStats(Body):
+    """The lane and the engine-turn token (``token``: holder, waiters, grants, time held,
+    request counters) and how many admitted requests have not ended."""
+
+    kind: Literal["gateway.stats"] = "gateway.stats"
+    token: dict[str, StatValue]
+    admitted_requests: int = Field(ge=0)
+
+
+class RunnerStatsRequest(Request):
+    """Ask the turn runner for :class:`RunnerStats` (answered between turns)."""
+
+    kind: Literal["gateway.runner_stats_request"] = "gateway.runner_stats_request"
+
+
+class RunnerStats(Body):
+    """Requests whose generation state the runner holds; decode steps run so far."""
+
+    kind: Literal["gateway.runner_stats"] = "gateway.runner_stats"
+    live_requests: int = Field(ge=0)
+    decode_steps_run: int = Field(ge=0)
+
+
 # --- gateway <-> turn runner (the one actor that submits engine jobs) ---------
 
 
@@ -280,8 +326,12 @@ class RunTurn(Request):
 
     ``max_steps`` > 1 (requests only) grants a burst: the runner may run up
     to that many decode steps back to back, streaming each token as it is
-    produced, and reports once; it stops early when the gateway preempts the
-    burst (``actors._turn.TurnControl``: the requester cancelled).
+    produced, and reports once; it stops early when the gateway sends
+    ``StopBurst`` (the requester cancelled).
+
+    ``lookup`` (first turn only) is the prompt-cache ``Take`` the gateway
+    made while the request waited for its turn: the turn only materializes
+    it (and releases its lease); ``None`` means no lookup (a cold prefill).
     """
 
     kind: Literal["gateway.run_turn"] = "gateway.run_turn"
@@ -290,6 +340,33 @@ class RunTurn(Request):
     start: Generate | None = None
     admitted_at: float = 0.0
     max_steps: int = Field(default=1, ge=1)
+    lookup: TakeResult | None = None
+
+
+class StopBurst(Body):
+    """Gateway -> runner: end ``request_id``'s burst after the step in flight (its requester cancelled).
+
+    The runner sets the stop flag its engine-thread chain checks before
+    every step, so the lane is free again within one step.
+    """
+
+    kind: Literal["gateway.stop_burst"] = "gateway.stop_burst"
+    request_id: str
+
+
+class EngineWake(Request):
+    """Runner -> itself: engine job ``job`` produced results or ended (posted from the loop).
+
+    Internal to the turn runner: an engine job's completion reaches the
+    runner as a message in its mailbox's reserved room, so the runner keeps
+    reading its mailbox (``StopBurst``, ``EndRequest``) while the engine
+    works. ``reply_to`` is the gateway: should the runner's handler raise
+    while handling it, the runtime's ``Failure`` reaches the gateway, which
+    fails the turn instead of waiting for a report.
+    """
+
+    kind: Literal["gateway.engine_wake"] = "gateway.engine_wake"
+    job: int = Field(ge=0)
 
 
 class RequestTurnReport(Body):

@@ -6,11 +6,12 @@ Every method runs ON the engine thread (the turn runner submits them through
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import structlog
 
-from actors.gateway.runner import Registered, StepResult, StepToken
+from actors.gateway.ports import Registered, StepResult, StepToken
 from kernels import (
     CacheRegistry,
     Generation,
@@ -18,6 +19,7 @@ from kernels import (
     convert_caches,
 )
 from kernels.cache import CacheOffsetMismatch
+from kernels.engine import SnapshotBoundary, probe_snapshot_boundary
 from messages.gateway import Generate
 
 _log = structlog.get_logger("kvtier.backend")
@@ -26,7 +28,14 @@ __all__ = ["MlxBackend"]
 
 
 class MlxBackend:
-    """Opens and steps ``kernels.Generation`` objects; registers their caches for the prompt cache."""
+    """Opens and steps ``kernels.Generation`` objects; registers their caches for the prompt cache.
+
+    Chat requests get a snapshot point: the prompt's stable boundary, found by
+    probing the chat template once (``kernels.probe_snapshot_boundary``, with
+    the template's default options). Prefill chunks end exactly there, and
+    that step reports ``snapshot_point`` so the runner snapshots the prompt
+    the next turn will repeat, even for caches that cannot be trimmed back.
+    """
 
     def __init__(
         self,
@@ -42,6 +51,18 @@ class MlxBackend:
         self._step_size = prefill_step_size
         self._scheme = kv_scheme if kv_scheme is not None and kv_scheme.quantized else None
         self._registry = registry
+        self._boundary: SnapshotBoundary | None = None
+        # NOTE: (snapshot point, prompt length) per open chat generation; weak so
+        # a generation dropped by any path leaves nothing behind.
+        self._points: weakref.WeakKeyDictionary[Generation, tuple[int, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def snapshot_boundary(self) -> SnapshotBoundary:
+        """The chat template's probed boundary (probed on first use; tokenizer work only)."""
+        if self._boundary is None:
+            self._boundary = probe_snapshot_boundary(self._tokenizer)
+        return self._boundary
 
     def _hook(self, caches: list[Any]) -> None:
         assert self._scheme is not None
@@ -58,7 +79,7 @@ class MlxBackend:
                 cache, cached_tokens = None, 0
         else:
             cached_tokens = 0
-        return Generation(
+        gen = Generation(
             self._model,
             self._tokenizer,
             request.prompt_tokens,
@@ -68,14 +89,30 @@ class MlxBackend:
             cached_tokens=cached_tokens,
             cache_hook=self._hook if self._scheme is not None else None,
         )
+        if request.chat and self._registry is not None:
+            point = self.snapshot_boundary().stable_prefix(request.prompt_tokens)
+            if point > cached_tokens:
+                self._points[gen] = (point, len(request.prompt_tokens))
+        return gen
 
     def step(self, gen: Generation) -> StepResult:
-        """One prefill chunk while prompt tokens remain, else one decode step."""
+        """One prefill chunk while prompt tokens remain, else one decode step.
+
+        A chat prompt's chunk never runs past its snapshot point; the step
+        that ends there reports ``snapshot_point=True``.
+        """
         if not gen.prefill_done:
             forwarded = gen.prefill_remaining > 1
-            done = gen.prefill_step()
+            target = self._points.get(gen)
+            limit: int | None = None
+            if target is not None:
+                point, length = target
+                held = length - gen.prefill_remaining
+                limit = point - held if point > held else None
+            done = gen.prefill_step(limit)
             if forwarded:
-                return StepResult(phase="prefill", prefill_complete=done)
+                reached = target is not None and target[1] - gen.prefill_remaining == target[0]
+                return StepResult(phase="prefill", prefill_complete=done, snapshot_point=reached)
             # NOTE: nothing was left to prefill (prompt suffix of one token):
             # do not waste a turn; decode right away.
         out = gen.decode_step()

@@ -1,27 +1,32 @@
 """The gateway actor: admission, the serial lane and the engine-turn token.
 
-A thin async shell over :class:`actors._gateway_core.GatewayCore`: it turns
+A thin async shell over the sans-IO core (``core.handle``): it turns
 messages into core events (stamped with the injected clock) and performs the
-core's effects as messages: admission replies, ``RunTurn`` to the turn runner
-(``actors._turn.TurnRunner``), ``TurnDone`` replies to background askers.
-It never awaits the engine itself, so admission and cancellation are handled
-while a turn runs. See docs/engine-turn.md.
+core's effects, matched exhaustively: admission replies, prompt-cache
+lookups (``Take`` sent as a request whose answer comes back to this
+mailbox), ``RunTurn``/``StopBurst``/``EndRequest`` to the turn runner,
+``TurnDone`` replies to background askers. It never awaits the engine or an
+answer, so admission, cancels and lookups are handled while a turn runs.
+See docs/engine-turn.md.
 
 A turn that fails without a report (the runner's handler raised: the runtime
-answers the ``RunTurn`` request with a ``Failure``; or the runner is gone and
-the ``RunTurn`` cannot be sent) fails the request holding it with an
-``ErrorEvent`` (code ``turn_failed``) and frees the lane, or answers the
-background asker ``TurnDone(ok=False)``: the gateway never waits forever for
-a report.
+answers the ``RunTurn`` (or the runner's ``EngineWake``) with a ``Failure``
+in this mailbox's reserved room; or the runner is gone and ``RunTurn``
+cannot be sent) fails the request holding it with an ``ErrorEvent`` (code
+``turn_failed``) and frees the lane, or answers the background asker
+``TurnDone(ok=False)``: the gateway never waits forever for a report.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, assert_never
 
-from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
-from messages import Envelope, Failure
+import structlog
+
+from actors.runtime import Actor, Context, RuntimeFailure
+from messages import Envelope, Failure, Release, Take, TakeResult
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -32,20 +37,24 @@ from messages.gateway import (
     Drained,
     EndRequest,
     ErrorEvent,
+    GatewayStats,
+    GatewayStatsRequest,
     Generate,
     RequestTurnReport,
     RunTurn,
     RunWhenIdle,
     ShutdownStarted,
+    StopBurst,
     StopTurns,
     TurnDone,
     Usage,
 )
 
 from . import core
-from .runner import TurnControl, end_stream
 
 __all__ = ["Gateway"]
+
+_log = structlog.get_logger("kvtier.gateway")
 
 
 @dataclass(slots=True)
@@ -55,6 +64,8 @@ class _Admitted:
     correlation_id: str
     started: bool = False
     phase: Literal["prefill", "decode"] = "prefill"
+    lookup: TakeResult | None = None
+    """The answered lookup; its lease is the gateway's until the first ``RunTurn`` carries it."""
 
 
 class Gateway(Actor):
@@ -62,9 +73,10 @@ class Gateway(Actor):
 
     ``runner`` is the address of the turn runner; ``max_queue`` requests may
     wait behind the one holding the lane. ``max_burst`` > 1 grants the lane
-    holder bursts of up to that many decode steps per turn; ``control`` (the
-    same object the runner reads) is then required: it is how a cancel ends
-    a burst after the step in flight.
+    holder bursts of up to that many decode steps per turn (a cancel ends
+    one with ``StopBurst`` to the runner). ``prompt_cache`` (an address, or
+    ``None`` for none) is where each request's lookup is made while it waits
+    for its turn.
     """
 
     def __init__(
@@ -73,14 +85,15 @@ class Gateway(Actor):
         runner: str,
         max_queue: int,
         max_burst: int = 1,
-        control: TurnControl | None = None,
+        prompt_cache: str | None = None,
     ) -> None:
-        if max_burst > 1 and control is None:
-            raise ValueError("bursts (max_burst > 1) need the TurnControl shared with the runner")
         self._runner = runner
-        self._control = control if control is not None else TurnControl()
-        self.core = core.GatewayCore(max_queue=max_queue, max_burst=max_burst)
+        self._prompt_cache = prompt_cache
+        self.state = core.GatewayState(
+            max_queue=max_queue, max_burst=max_burst, lookups=prompt_cache is not None
+        )
         self._admitted: dict[str, _Admitted] = {}
+        self._lookups: dict[str, str] = {}  # Take msg_id -> request id
         self._askers: dict[str, Envelope] = {}
         self._drain_waiters: list[Envelope] = []
         self._drained = False
@@ -88,7 +101,7 @@ class Gateway(Actor):
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready statistics of the lane and the engine-turn token."""
-        snap = self.core.snapshot(self._now)
+        snap = self.state.snapshot(self._now)
         snap["background_asks_open"] = len(self._askers)
         return snap
 
@@ -113,13 +126,21 @@ class Gateway(Actor):
             self._admitted[body.request_id] = _Admitted(body, now, envelope.correlation_id)
             event = core.AdmitRequest(body.request_id, now)
         elif isinstance(body, CancelGeneration):
-            await self._perform(self.core.handle(core.CancelRequest(body.request_id, now)), envelope, ctx)
-            if self.core.lane != body.request_id:
-                # NOTE: the request is gone (or was never here): drop a preempt
-                # mark its requester may have set; a lane holder keeps its mark
-                # until its burst reports.
-                self._control.clear(body.request_id)
-            return
+            event = core.CancelRequest(body.request_id, now)
+        elif isinstance(body, TakeResult):
+            rid = self._lookups.pop(envelope.causation_id or "", None)
+            entry = None if rid is None else self._admitted.get(rid)
+            if rid is None or entry is None:
+                # NOTE: the request left while its lookup ran: the lease is ours to give back.
+                await self._release(body, ctx)
+                return
+            entry.lookup = body
+            event = core.LookupDone(rid, now)
+        elif isinstance(body, Failure) and envelope.causation_id in self._lookups:
+            # NOTE: a prompt cache that cannot answer is a miss, never a failed request.
+            rid = self._lookups.pop(envelope.causation_id or "")
+            _log.warning("gateway.lookup_failed", request_id=rid, error=f"{body.error}: {body.message}")
+            event = core.LookupDone(rid, now)
         elif isinstance(body, RunWhenIdle):
             if body.step_id in self._askers:
                 await ctx.reply(
@@ -128,18 +149,17 @@ class Gateway(Actor):
                 )
                 return
             self._askers[body.step_id] = envelope
-            event = core.WantBackgroundTurn(body.step_id, now)
+            event = core.WantBackgroundTurn(body.step_id, now, body.deadline)
         elif isinstance(body, RequestTurnReport):
             if body.outcome != "continue":
                 self._admitted.pop(body.request_id, None)
-                self._control.clear(body.request_id)
             elif (entry := self._admitted.get(body.request_id)) is not None:
                 entry.phase = body.phase
             event = core.RequestTurnDone(body.request_id, body.phase, body.outcome, now, body.steps)
         elif isinstance(body, BackgroundTurnReport):
             asker = self._askers.pop(body.step_id, None)
             if asker is not None:
-                await ctx.reply(
+                await self._answer(
                     asker,
                     TurnDone(
                         step_id=body.step_id,
@@ -147,17 +167,17 @@ class Gateway(Actor):
                         error_code=body.error_code,
                         detail=body.detail,
                     ),
+                    ctx,
                 )
             event = core.BackgroundTurnDone(body.step_id, now)
         elif isinstance(body, BeginShutdown):
             event = core.BeginDrain(now)
-            effects = self.core.handle(event)
+            self.state, effects = core.handle(self.state, event)
             if body.reply_to:
+                lane = self.state.lane
                 await ctx.reply(
                     envelope,
-                    ShutdownStarted(
-                        in_flight=0 if self.core.lane is None else 1, queued=len(self.core.queue)
-                    ),
+                    ShutdownStarted(in_flight=0 if lane is None else 1, queued=len(self.state.queue)),
                 )
             await self._perform(effects, envelope, ctx)
             return
@@ -167,6 +187,10 @@ class Gateway(Actor):
             else:
                 self._drain_waiters.append(envelope)
             return
+        elif isinstance(body, GatewayStatsRequest):
+            stats = GatewayStats(token=self.snapshot(), admitted_requests=len(self._admitted))
+            await ctx.reply(envelope, stats)
+            return
         elif isinstance(body, StopTurns):
             event = core.StopTurns(now)
         elif isinstance(body, Failure) and body.actor == self._runner:
@@ -174,107 +198,203 @@ class Gateway(Actor):
             return
         else:
             return
-        await self._perform(self.core.handle(event), envelope, ctx)
+        await self._feed(event, envelope, ctx)
 
-    async def _run_turn(self, turn: RunTurn, correlation_id: str, envelope: Envelope, ctx: Context) -> None:
-        """Send ``turn`` to the runner under the owner's correlation id; a runner that is gone fails it."""
-        # NOTE: the explicit correlation id keeps every turn (and the tokens the
-        # runner streams from it) on its request's id, whichever message the
-        # gateway happened to be handling when it granted the turn.
-        try:
-            await ctx.ref(self._runner).tell(turn, correlation_id=correlation_id)
-        except RuntimeFailure as exc:
-            await self._turn_failed(f"the turn runner is unavailable ({exc!r})", envelope, ctx)
+    # --- the core ----------------------------------------------------------------
 
-    async def _turn_failed(self, detail: str, envelope: Envelope, ctx: Context) -> None:
-        """The turn in flight ended without a report: fail its owner and go on with the next."""
-        turn = self.core.turn
-        now = ctx.clock.now()
-        if turn is None:
-            return  # NOTE: nothing in flight: a stale failure changes nothing.
-        if turn.owner == "request":
-            entry = self._admitted.pop(turn.ident, None)
-            phase: Literal["prefill", "decode"] = "prefill" if entry is None else entry.phase
-            if entry is not None:
-                stream_to = entry.request.stream_to
-                error = ErrorEvent(request_id=turn.ident, error_code="turn_failed", detail=detail)
-                try:
-                    ctx.try_tell(stream_to, error)
-                except (MailboxClosed, UnknownAddress):
-                    pass
-                end_stream(ctx, stream_to)
-                if entry.started:
-                    # NOTE: lets a live runner drop the request's state; a dead one cannot.
-                    end = EndRequest(request_id=turn.ident, reason="failed")
-                    await self._tell_runner(end, entry.correlation_id, ctx)
-            event: core.CoreEvent = core.RequestTurnDone(turn.ident, phase, "failed", now)
-        else:
-            asker = self._askers.pop(turn.ident, None)
-            if asker is not None:
-                await ctx.reply(
-                    asker,
-                    TurnDone(step_id=turn.ident, ok=False, error_code="turn_failed", detail=detail),
-                )
-            event = core.BackgroundTurnDone(turn.ident, now)
-        await self._perform(self.core.handle(event), envelope, ctx)
-
-    async def _tell_runner(self, body: EndRequest, correlation_id: str | None, ctx: Context) -> None:
-        try:
-            await ctx.ref(self._runner).tell(body, correlation_id=correlation_id)
-        except RuntimeFailure:
-            pass  # NOTE: the runner is gone; it holds no state any more.
+    async def _feed(self, event: core.CoreEvent, envelope: Envelope, ctx: Context) -> None:
+        self.state, effects = core.handle(self.state, event)
+        await self._perform(effects, envelope, ctx)
 
     async def _perform(self, effects: list[core.Effect], envelope: Envelope, ctx: Context) -> None:
-        for effect in effects:
-            if isinstance(effect, core.RequestAdmitted | core.RejectRequest):
-                await self._answer_admission(effect, envelope, ctx)
-            elif isinstance(effect, core.RunRequestTurn):
-                entry = self._admitted.get(effect.request_id)
-                start: Generate | None = None
-                admitted_at = 0.0
-                correlation = envelope.correlation_id
-                if entry is not None:
-                    correlation = entry.correlation_id
-                    if not entry.started:
-                        entry.started = True
-                        start = entry.request
-                        admitted_at = entry.admitted_at
-                turn = RunTurn(
-                    owner="request",
-                    ident=effect.request_id,
-                    start=start,
-                    admitted_at=admitted_at,
-                    reply_to=ctx.name,
-                    max_steps=effect.max_steps,
-                )
-                await self._run_turn(turn, correlation, envelope, ctx)
-            elif isinstance(effect, core.PreemptTurn):
-                self._control.preempt(effect.request_id)
-            elif isinstance(effect, core.FinishRequest):
-                self._control.clear(effect.request_id)
-                await self._finish(effect, ctx)
-            elif isinstance(effect, core.RunBackgroundTurn):
-                asker = self._askers.get(effect.step_id)
-                correlation = envelope.correlation_id if asker is None else asker.correlation_id
-                turn = RunTurn(owner="background", ident=effect.step_id, reply_to=ctx.name)
-                await self._run_turn(turn, correlation, envelope, ctx)
-            elif isinstance(effect, core.RefuseBackground):
-                asker = self._askers.pop(effect.step_id, None)
-                if asker is not None:
-                    await ctx.reply(
-                        asker,
-                        TurnDone(
+        """Perform ``effects`` in order; an effect that answers the core at once queues what follows from it."""
+        todo = deque(effects)
+        while todo:
+            effect = todo.popleft()
+            follow_up: core.CoreEvent | None = None
+            match effect:
+                case core.RequestAdmitted() | core.RejectRequest():
+                    await self._answer_admission(effect, envelope, ctx)
+                case core.StartLookup():
+                    follow_up = await self._start_lookup(effect.request_id, ctx)
+                case core.RunRequestTurn():
+                    follow_up = await self._run_request_turn(effect, envelope, ctx)
+                case core.PreemptTurn():
+                    entry = self._admitted.get(effect.request_id)
+                    correlation = None if entry is None else entry.correlation_id
+                    await self._tell_runner(StopBurst(request_id=effect.request_id), correlation, ctx)
+                case core.FinishRequest():
+                    await self._finish(effect, ctx)
+                case core.RunBackgroundTurn():
+                    follow_up = await self._run_background_turn(effect.step_id, envelope, ctx)
+                case core.RefuseBackground():
+                    asker = self._askers.pop(effect.step_id, None)
+                    if asker is not None:
+                        refusal = TurnDone(
                             step_id=effect.step_id,
                             ok=False,
                             error_code="turn_unavailable",
                             detail="the gateway grants no more turns",
-                        ),
-                    )
-            else:
-                self._drained = True
-                waiters, self._drain_waiters = self._drain_waiters, []
-                for waiter in waiters:
-                    await ctx.reply(waiter, Drained())
+                        )
+                        await self._answer(asker, refusal, ctx)
+                case core.ExpireBackground():
+                    asker = self._askers.pop(effect.step_id, None)
+                    if asker is not None:
+                        expired = TurnDone(
+                            step_id=effect.step_id,
+                            ok=False,
+                            error_code="expired",
+                            detail="the step was not granted before its deadline",
+                        )
+                        await self._answer(asker, expired, ctx)
+                case core.Drained():
+                    self._drained = True
+                    waiters, self._drain_waiters = self._drain_waiters, []
+                    for waiter in waiters:
+                        await ctx.reply(waiter, Drained())
+                case _:
+                    assert_never(effect)
+            if follow_up is not None:
+                self.state, more = core.handle(self.state, follow_up)
+                todo.extend(more)
+
+    # --- lookups -------------------------------------------------------------------
+
+    async def _start_lookup(self, rid: str, ctx: Context) -> core.CoreEvent | None:
+        """Send ``rid``'s ``Take``; the answer comes back to this mailbox (``None``), or a miss now."""
+        entry = self._admitted.get(rid)
+        now = ctx.clock.now()
+        if entry is None or self._prompt_cache is None:
+            return core.LookupDone(rid, now)
+        request = entry.request
+        if len(request.prompt_tokens) <= 1:
+            return core.LookupDone(rid, now)  # NOTE: nothing shorter than the prompt to reuse.
+        take = Take(tokens=request.prompt_tokens, namespace=request.namespace)
+        try:
+            msg_id = await ctx.request(self._prompt_cache, take, correlation_id=entry.correlation_id)
+        except RuntimeFailure as exc:
+            # NOTE: a prompt cache that is gone is a miss, not a failure.
+            _log.warning("gateway.lookup_failed", request_id=rid, error=repr(exc))
+            return core.LookupDone(rid, now)
+        self._lookups[msg_id] = rid
+        return None
+
+    async def _release(self, lookup: TakeResult | None, ctx: Context) -> None:
+        """Give a lookup's lease back to the prompt cache (nothing to do for a miss)."""
+        if lookup is None or lookup.lease_id is None or self._prompt_cache is None:
+            return
+        try:
+            await ctx.tell(self._prompt_cache, Release(lease_id=lookup.lease_id))
+        except RuntimeFailure as exc:
+            _log.warning("gateway.release_failed", lease_id=lookup.lease_id, error=repr(exc))
+
+    # --- turns ---------------------------------------------------------------------
+
+    async def _run_request_turn(
+        self, effect: core.RunRequestTurn, envelope: Envelope, ctx: Context
+    ) -> core.CoreEvent | None:
+        entry = self._admitted.get(effect.request_id)
+        start: Generate | None = None
+        lookup: TakeResult | None = None
+        admitted_at = 0.0
+        correlation = envelope.correlation_id
+        if entry is not None:
+            correlation = entry.correlation_id
+            if not entry.started:
+                start, admitted_at, lookup = entry.request, entry.admitted_at, entry.lookup
+        turn = RunTurn(
+            owner="request",
+            ident=effect.request_id,
+            start=start,
+            admitted_at=admitted_at,
+            reply_to=ctx.name,
+            max_steps=effect.max_steps,
+            lookup=lookup,
+        )
+        if not await self._send_turn(turn, correlation, ctx):
+            return await self._turn_lost("the turn runner is unavailable", ctx)
+        if entry is not None and start is not None:
+            # NOTE: the runner owns the lookup's lease from here (it releases it after materializing).
+            entry.started, entry.lookup = True, None
+        return None
+
+    async def _run_background_turn(
+        self, step_id: str, envelope: Envelope, ctx: Context
+    ) -> core.CoreEvent | None:
+        asker = self._askers.get(step_id)
+        if asker is None or not self._waiting(asker, ctx):
+            # NOTE: nobody waits for this step any more (its ask timed out):
+            # take the grant back before it reaches the engine.
+            return core.WithdrawBackground(step_id, ctx.clock.now())
+        turn = RunTurn(owner="background", ident=step_id, reply_to=ctx.name)
+        if not await self._send_turn(turn, asker.correlation_id, ctx):
+            return await self._turn_lost("the turn runner is unavailable", ctx)
+        return None
+
+    async def _send_turn(self, turn: RunTurn, correlation_id: str, ctx: Context) -> bool:
+        """Send ``turn`` to the runner under its owner's correlation id; ``False`` if the runner is gone."""
+        # NOTE: the explicit correlation id keeps every turn (and the tokens the
+        # runner streams from it) on its request's id, whichever message the
+        # gateway happened to be handling when it granted the turn.
+        try:
+            await ctx.tell(self._runner, turn, correlation_id=correlation_id)
+        except RuntimeFailure as exc:
+            _log.warning("gateway.runner_unavailable", turn=turn.ident, error=repr(exc))
+            return False
+        return True
+
+    async def _turn_failed(self, detail: str, envelope: Envelope, ctx: Context) -> None:
+        """The turn in flight ended without a report: fail its owner and go on with the next."""
+        event = await self._turn_lost(detail, ctx)
+        if event is not None:
+            await self._feed(event, envelope, ctx)
+
+    async def _turn_lost(self, detail: str, ctx: Context) -> core.CoreEvent | None:
+        """Fail the owner of the turn in flight; the event that ends the turn (``None``: nothing runs)."""
+        turn = self.state.turn
+        now = ctx.clock.now()
+        if turn is None:
+            return None  # NOTE: nothing in flight: a stale failure changes nothing.
+        if turn.owner == "background":
+            asker = self._askers.pop(turn.ident, None)
+            if asker is not None:
+                failed = TurnDone(step_id=turn.ident, ok=False, error_code="turn_failed", detail=detail)
+                await self._answer(asker, failed, ctx)
+            return core.BackgroundTurnDone(turn.ident, now)
+        entry = self._admitted.pop(turn.ident, None)
+        phase: Literal["prefill", "decode"] = "prefill" if entry is None else entry.phase
+        if entry is not None:
+            error = ErrorEvent(request_id=turn.ident, error_code="turn_failed", detail=detail)
+            ctx.end_stream(entry.request.stream_to, error, correlation_id=entry.correlation_id)
+            # NOTE: a lookup the runner never received is still ours to release.
+            await self._release(entry.lookup, ctx)
+            if entry.started:
+                # NOTE: lets a live runner drop the request's state; a dead one cannot.
+                end = EndRequest(request_id=turn.ident, reason="failed")
+                await self._tell_runner(end, entry.correlation_id, ctx)
+        return core.RequestTurnDone(turn.ident, phase, "failed", now)
+
+    async def _tell_runner(
+        self, body: EndRequest | StopBurst, correlation_id: str | None, ctx: Context
+    ) -> None:
+        try:
+            await ctx.tell(self._runner, body, correlation_id=correlation_id)
+        except RuntimeFailure:
+            pass  # NOTE: the runner is gone; it holds no state any more.
+
+    # --- answers -------------------------------------------------------------------
+
+    @staticmethod
+    def _waiting(asker: Envelope, ctx: Context) -> bool:
+        """Whether the asker of a ``RunWhenIdle`` still waits (a told one, with no reply slot, always does)."""
+        body = asker.body
+        reply_to = body.reply_to if isinstance(body, RunWhenIdle) else ""
+        return not reply_to or ctx.system.is_open(reply_to)
+
+    async def _answer(self, asker: Envelope, answer: TurnDone, ctx: Context) -> None:
+        body = asker.body
+        if isinstance(body, RunWhenIdle) and body.reply_to and ctx.system.is_open(body.reply_to):
+            await ctx.reply(asker, answer)
 
     async def _answer_admission(
         self, effect: core.RequestAdmitted | core.RejectRequest, envelope: Envelope, ctx: Context
@@ -302,15 +422,14 @@ class Gateway(Actor):
             return
         if entry is None:
             return
-        # NOTE: never started: the gateway closes the stream itself.
+        # NOTE: never started: the gateway gives the lookup's lease back (a
+        # lookup still running is released when its answer comes) and closes
+        # the stream itself.
+        await self._release(entry.lookup, ctx)
         request = entry.request
         done = DoneEvent(
             request_id=request.request_id,
             finish_reason="cancelled",
             usage=Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=0),
         )
-        try:
-            ctx.try_tell(request.stream_to, done)
-        except (MailboxClosed, UnknownAddress):
-            pass
-        end_stream(ctx, request.stream_to)
+        ctx.end_stream(request.stream_to, done, correlation_id=entry.correlation_id)

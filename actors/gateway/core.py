@@ -1,34 +1,43 @@
 """Sans-IO core of the gateway: admission queue, serial lane, engine-turn token.
 
-The core never awaits, never reads a clock and never touches MLX: the shell
-feeds it events (each carrying ``now`` from the injected clock) and performs
-the effects it returns, in order. That makes the turn protocol testable with
-plain function calls and replayable from a trace.
+``handle(state, event) -> (state, effects)`` is the whole decision logic. It
+never awaits, never reads a clock and never touches MLX: the shell
+(``actor.py``) feeds it events (each carrying ``now`` from the injected
+clock) and performs the effects it returns, in order, matching them
+exhaustively. That makes the turn protocol testable with plain function
+calls and replayable from a trace (docs/architecture.md, "Sans-IO
+convention").
 
 Invariants (checked by the tests):
 
 - At most one engine turn is in flight (``turn`` is ``None`` or one owner).
-- A background turn is granted only when the lane is free AND no request
-  waits in the queue; so a background step never runs while a request is
-  active or queued.
-- The lane holder takes its turns back to back; when a turn ends the next
-  owner is chosen lane-first, then queue, then background. So a request that
-  arrives during a background step waits for that one step only.
+- A request takes its first turn only once its prompt-cache lookup is done
+  (``StartLookup`` ... ``LookupDone``): the lookup runs while the request
+  waits, never inside a granted turn. It starts when the request becomes
+  the next to run (it takes the lane, or it heads the queue).
+- A background turn is granted only when no request can run: the lane is
+  free and nobody queues, or the lane holder has had no turn yet and still
+  waits for its lookup. So a background step never runs while a request is
+  active, and a request that becomes ready during a background step waits
+  for that one step only (the lane holder goes first when the turn ends).
+- A background waiter whose deadline passed (or whose asker is gone) is
+  dropped, never granted.
+- The lane holder takes its turns back to back; the next owner is chosen
+  lane first, then queue, then background.
 - A cancelled queued request leaves the queue at once; a cancelled lane
   holder is finished when its in-flight turn ends (within one step).
-- A request turn may be a *burst* of up to ``max_burst`` steps (the runner
-  runs them back to back without a report per step). Rule 3 makes that
-  equivalent to granting the steps one by one: nobody else could get the
-  turn before the lane holder ends anyway. Only a cancel of the holder must
-  cut a burst short, so the core then emits ``PreemptTurn`` (the runner
-  stops after the step in flight: the lane is still free within one step).
+- A request turn may be a *burst* of up to ``max_burst`` steps. Rule "lane
+  first" makes that equivalent to granting the steps one by one: nobody
+  else could get the turn before the lane holder ends anyway. Only a cancel
+  of the holder must cut a burst short, so the core then emits
+  ``PreemptTurn`` (the runner stops after the step in flight).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, assert_never
 
 __all__ = [
     "AdmitRequest",
@@ -38,8 +47,10 @@ __all__ = [
     "CoreEvent",
     "Drained",
     "Effect",
+    "ExpireBackground",
     "FinishRequest",
-    "GatewayCore",
+    "GatewayState",
+    "LookupDone",
     "PreemptTurn",
     "RefuseBackground",
     "RejectRequest",
@@ -47,9 +58,12 @@ __all__ = [
     "RequestTurnDone",
     "RunBackgroundTurn",
     "RunRequestTurn",
+    "StartLookup",
     "StopTurns",
     "TokenStats",
     "WantBackgroundTurn",
+    "WithdrawBackground",
+    "handle",
 ]
 
 Phase = Literal["prefill", "decode"]
@@ -76,8 +90,25 @@ class CancelRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class LookupDone:
+    """The prompt-cache lookup of ``request_id`` answered (hit, miss or failure: all are ready)."""
+
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class WantBackgroundTurn:
-    """A background actor asks for one engine turn (``RunWhenIdle``)."""
+    """A background actor asks for one engine turn (``RunWhenIdle``); ``deadline``: when it stops waiting."""
+
+    step_id: str
+    now: float
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WithdrawBackground:
+    """The asker of ``step_id`` is gone: drop its wait, or its grant if not yet sent to the runner."""
 
     step_id: str
     now: float
@@ -122,7 +153,9 @@ class StopTurns:
 CoreEvent = (
     AdmitRequest
     | CancelRequest
+    | LookupDone
     | WantBackgroundTurn
+    | WithdrawBackground
     | RequestTurnDone
     | BackgroundTurnDone
     | BeginDrain
@@ -149,6 +182,13 @@ class RejectRequest:
     reason: Literal["queue_full", "shutting_down", "duplicate_id"]
     queued: int
     max_queue: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartLookup:
+    """Ask the prompt cache for ``request_id``'s longest usable prefix; answer with ``LookupDone``."""
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +234,13 @@ class RefuseBackground:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpireBackground:
+    """Forget a ``RunWhenIdle`` ask without running it: its deadline passed or its asker is gone."""
+
+    step_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Drained:
     """Draining and nothing is running or queued any more."""
 
@@ -201,11 +248,13 @@ class Drained:
 Effect = (
     RequestAdmitted
     | RejectRequest
+    | StartLookup
     | RunRequestTurn
     | FinishRequest
     | PreemptTurn
     | RunBackgroundTurn
     | RefuseBackground
+    | ExpireBackground
     | Drained
 )
 
@@ -235,28 +284,48 @@ class TokenStats:
     failed: int = 0
     cancelled: int = 0
     background_refused: int = 0
+    background_expired: int = 0
+    lookups: int = 0
 
 
 @dataclass(frozen=True, slots=True)
-class _Turn:
+class Turn:
+    """The one engine turn in flight: whose, since when, and how many steps it may run."""
+
     owner: Literal["request", "background"]
     ident: str
     started: float
     max_steps: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class BackgroundWait:
+    """A ``RunWhenIdle`` waiting for the engine: asked at ``asked``, given up at ``deadline``."""
+
+    step_id: str
+    asked: float
+    deadline: float | None
+
+
 @dataclass(slots=True)
-class GatewayCore:
-    """The gateway's decision state; feed events with :meth:`handle`, perform the effects."""
+class GatewayState:
+    """The gateway's decision state; :func:`handle` is the only thing that changes it.
+
+    ``lookups``: a prompt cache is attached, so every request's first turn
+    waits for its lookup. ``lookup`` holds, for the requests whose lookup
+    started, ``pending`` or ``ready``.
+    """
 
     max_queue: int
     max_burst: int = 1
+    lookups: bool = False
     lane: str | None = None
     lane_had_turns: bool = False
     lane_cancelled: bool = False
     queue: deque[str] = field(default_factory=deque)
-    background: deque[tuple[str, float]] = field(default_factory=deque)
-    turn: _Turn | None = None
+    lookup: dict[str, Literal["pending", "ready"]] = field(default_factory=dict)
+    background: deque[BackgroundWait] = field(default_factory=deque)
+    turn: Turn | None = None
     draining: bool = False
     stopped: bool = False
     drained_reported: bool = False
@@ -268,49 +337,21 @@ class GatewayCore:
         if self.max_burst < 1:
             raise ValueError("max_burst must be >= 1")
 
-    # NOTE: one entry point keeps the shell trivial and the trace complete:
-    # every state change is caused by exactly one recorded event.
-    def handle(self, event: CoreEvent) -> list[Effect]:
-        """Apply one event and return the effects to perform, in order."""
-        effects: list[Effect] = []
-        match event:
-            case AdmitRequest():
-                self._admit(event, effects)
-            case CancelRequest():
-                self._cancel(event, effects)
-            case WantBackgroundTurn():
-                if self.stopped:
-                    self.stats.background_refused += 1
-                    effects.append(RefuseBackground(event.step_id))
-                else:
-                    self.background.append((event.step_id, event.now))
-            case RequestTurnDone():
-                self._request_turn_done(event, effects)
-            case BackgroundTurnDone():
-                self._background_turn_done(event)
-            case BeginDrain():
-                self.draining = True
-            case StopTurns():
-                self.stopped = True
-                self.draining = True
-                while self.background:
-                    step_id, _ = self.background.popleft()
-                    self.stats.background_refused += 1
-                    effects.append(RefuseBackground(step_id))
-        self._dispatch(event.now, effects)
-        return effects
-
-    # --- queries -------------------------------------------------------------
+    # --- queries (pure reads) --------------------------------------------------
 
     @property
     def busy(self) -> bool:
-        """True while a request holds or waits for the lane (background must wait)."""
+        """True while a request holds or waits for the lane."""
         return self.lane is not None or bool(self.queue)
 
     @property
     def idle(self) -> bool:
         """True when no turn runs and nobody waits: nothing to drain."""
         return self.turn is None and not self.busy and not self.background
+
+    def ready(self, request_id: str) -> bool:
+        """Whether ``request_id`` may take a turn (its lookup, if any, has answered)."""
+        return not self.lookups or self.lookup.get(request_id) == "ready"
 
     def holder(self) -> str | None:
         """Who holds the engine turn now: ``request:<id>``, ``background:<id>`` or None."""
@@ -329,6 +370,7 @@ class GatewayCore:
             "queued": len(self.queue),
             "max_queue": self.max_queue,
             "background_waiting": len(self.background),
+            "lookups_pending": sum(1 for v in self.lookup.values() if v == "pending"),
             "draining": self.draining,
             "stopped": self.stopped,
             "grants": {
@@ -356,125 +398,235 @@ class GatewayCore:
                 "rejected_queue_full": s.rejected_queue_full,
                 "rejected_shutting_down": s.rejected_shutting_down,
             },
+            "lookups": s.lookups,
             "background_refused": s.background_refused,
+            "background_expired": s.background_expired,
         }
 
-    # --- transitions ---------------------------------------------------------
 
-    def _admit(self, ev: AdmitRequest, out: list[Effect]) -> None:
-        rid = ev.request_id
-        if rid == self.lane or rid in self.queue:
-            out.append(RejectRequest(rid, "duplicate_id", len(self.queue), self.max_queue))
-            return
-        if self.draining:
-            self.stats.rejected_shutting_down += 1
-            out.append(RejectRequest(rid, "shutting_down", len(self.queue), self.max_queue))
-            return
-        if self.lane is None and not self.queue:
-            # NOTE: the lane is reserved even while a background turn runs; the
-            # request then waits for that one step only (dispatch picks the
-            # lane before background when the turn ends).
-            self._take_lane(rid)
-            self.stats.admitted += 1
-            out.append(RequestAdmitted(rid, 0))
-            return
-        if len(self.queue) >= self.max_queue:
-            self.stats.rejected_queue_full += 1
-            out.append(RejectRequest(rid, "queue_full", len(self.queue), self.max_queue))
-            return
-        self.queue.append(rid)
-        self.stats.admitted += 1
-        out.append(RequestAdmitted(rid, len(self.queue)))
+# --- the core -----------------------------------------------------------------
 
-    def _cancel(self, ev: CancelRequest, out: list[Effect]) -> None:
-        rid = ev.request_id
-        if rid in self.queue:
-            self.queue.remove(rid)
-            self.stats.cancelled += 1
-            out.append(FinishRequest(rid, "cancelled", had_turns=False))
-        elif rid == self.lane:
-            if self.turn is not None and self.turn.owner == "request":
-                # NOTE: a step in flight on the engine thread cannot be
-                # interrupted; the holder is finished when it reports back.
-                # A burst must not start another step after this one.
-                if not self.lane_cancelled and self.turn.max_steps > 1:
-                    self.stats.preempted += 1
-                    out.append(PreemptTurn(rid))
-                self.lane_cancelled = True
+
+def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Effect]]:
+    """Apply one event; return the next state and the effects to perform, in order.
+
+    NOTE: the state is updated in place and returned (the shell keeps only
+    what is returned). An event that does not fit the state (a report from
+    a non-holder) raises ``ValueError`` before anything changes.
+    """
+    effects: list[Effect] = []
+    match event:
+        case AdmitRequest():
+            _admit(state, event, effects)
+        case CancelRequest():
+            _cancel(state, event, effects)
+        case LookupDone():
+            if state.lookup.get(event.request_id) == "pending":
+                state.lookup[event.request_id] = "ready"
+            # NOTE: an unknown id is a request cancelled while its lookup ran.
+        case WantBackgroundTurn():
+            if state.stopped:
+                state.stats.background_refused += 1
+                effects.append(RefuseBackground(event.step_id))
             else:
-                self.stats.cancelled += 1
-                out.append(FinishRequest(rid, "cancelled", had_turns=self.lane_had_turns))
-                self._free_lane()
-        # NOTE: unknown ids are ignored: a cancel may race the request's own end.
+                state.background.append(BackgroundWait(event.step_id, event.now, event.deadline))
+        case WithdrawBackground():
+            _withdraw(state, event, effects)
+        case RequestTurnDone():
+            _request_turn_done(state, event, effects)
+        case BackgroundTurnDone():
+            _background_turn_done(state, event)
+        case BeginDrain():
+            state.draining = True
+        case StopTurns():
+            state.stopped = True
+            state.draining = True
+            while state.background:
+                wait = state.background.popleft()
+                state.stats.background_refused += 1
+                effects.append(RefuseBackground(wait.step_id))
+        case _:
+            assert_never(event)
+    _dispatch(state, event.now, effects)
+    return state, effects
 
-    def _request_turn_done(self, ev: RequestTurnDone, out: list[Effect]) -> None:
-        turn = self.turn
-        if turn is None or turn.owner != "request" or turn.ident != ev.request_id:
-            raise ValueError(f"request turn report for {ev.request_id!r} but holder is {self.holder()!r}")
-        if not 1 <= ev.steps <= turn.max_steps:
-            raise ValueError(f"turn of {ev.request_id!r} ran {ev.steps} steps, granted {turn.max_steps}")
-        self.turn = None
-        self.stats.request_held_s += max(0.0, ev.now - turn.started)
-        self.stats.max_burst_steps = max(self.stats.max_burst_steps, ev.steps)
-        if ev.phase == "prefill":
-            self.stats.prefill_turns += ev.steps
+
+def _admit(state: GatewayState, ev: AdmitRequest, out: list[Effect]) -> None:
+    rid = ev.request_id
+    if rid == state.lane or rid in state.queue:
+        out.append(RejectRequest(rid, "duplicate_id", len(state.queue), state.max_queue))
+        return
+    if state.draining:
+        state.stats.rejected_shutting_down += 1
+        out.append(RejectRequest(rid, "shutting_down", len(state.queue), state.max_queue))
+        return
+    if state.lane is None and not state.queue:
+        # NOTE: the lane is reserved even while a background turn runs; the
+        # request then waits for that one step only (dispatch picks the
+        # lane before background when the turn ends).
+        _take_lane(state, rid)
+        state.stats.admitted += 1
+        out.append(RequestAdmitted(rid, 0))
+        return
+    if len(state.queue) >= state.max_queue:
+        state.stats.rejected_queue_full += 1
+        out.append(RejectRequest(rid, "queue_full", len(state.queue), state.max_queue))
+        return
+    state.queue.append(rid)
+    state.stats.admitted += 1
+    out.append(RequestAdmitted(rid, len(state.queue)))
+
+
+def _cancel(state: GatewayState, ev: CancelRequest, out: list[Effect]) -> None:
+    rid = ev.request_id
+    if rid in state.queue:
+        state.queue.remove(rid)
+        state.lookup.pop(rid, None)
+        state.stats.cancelled += 1
+        out.append(FinishRequest(rid, "cancelled", had_turns=False))
+    elif rid == state.lane:
+        turn = state.turn
+        if turn is not None and turn.owner == "request":
+            # NOTE: a step in flight on the engine thread cannot be
+            # interrupted; the holder is finished when it reports back.
+            # A burst must not start another step after this one.
+            if not state.lane_cancelled and turn.max_steps > 1:
+                state.stats.preempted += 1
+                out.append(PreemptTurn(rid))
+            state.lane_cancelled = True
         else:
-            self.stats.decode_turns += ev.steps
-        if ev.outcome == "finished":
-            self.stats.completed += 1
-            self._free_lane()
-        elif ev.outcome == "failed":
-            self.stats.failed += 1
-            self._free_lane()
-        elif ev.outcome == "cancelled":
-            # NOTE: the runner found the stream gone and already cleaned up.
-            self.stats.cancelled += 1
-            self._free_lane()
-        elif self.lane_cancelled:
-            self.stats.cancelled += 1
-            out.append(FinishRequest(ev.request_id, "cancelled", had_turns=True))
-            self._free_lane()
+            state.stats.cancelled += 1
+            out.append(FinishRequest(rid, "cancelled", had_turns=state.lane_had_turns))
+            _free_lane(state)
+    # NOTE: unknown ids are ignored: a cancel may race the request's own end.
 
-    def _background_turn_done(self, ev: BackgroundTurnDone) -> None:
-        turn = self.turn
-        if turn is None or turn.owner != "background" or turn.ident != ev.step_id:
-            raise ValueError(f"background turn report for {ev.step_id!r} but holder is {self.holder()!r}")
-        self.turn = None
-        self.stats.background_held_s += max(0.0, ev.now - turn.started)
 
-    def _take_lane(self, rid: str) -> None:
-        self.lane = rid
-        self.lane_had_turns = False
-        self.lane_cancelled = False
-
-    def _free_lane(self) -> None:
-        self.lane = None
-        self.lane_had_turns = False
-        self.lane_cancelled = False
-
-    def _dispatch(self, now: float, out: list[Effect]) -> None:
-        if self.draining and not self.drained_reported and not self.busy:
-            # NOTE: drained means "no request runs or waits"; background turns
-            # keep running during a drain (a shutdown flush needs them).
-            self.drained_reported = True
-            out.append(Drained())
-        if self.turn is not None:
+def _withdraw(state: GatewayState, ev: WithdrawBackground, out: list[Effect]) -> None:
+    turn = state.turn
+    if turn is not None and turn.owner == "background" and turn.ident == ev.step_id:
+        # NOTE: only for a grant the shell has not sent to the runner yet:
+        # the step never reached the engine, so the grant is taken back.
+        state.turn = None
+        state.stats.background_turns -= 1
+        state.stats.background_expired += 1
+        out.append(ExpireBackground(ev.step_id))
+        return
+    for wait in state.background:
+        if wait.step_id == ev.step_id:
+            state.background.remove(wait)
+            state.stats.background_expired += 1
+            out.append(ExpireBackground(ev.step_id))
             return
-        if self.lane is None and self.queue:
-            self._take_lane(self.queue.popleft())
-        if self.lane is not None:
-            self.turn = _Turn("request", self.lane, now, self.max_burst)
-            self.lane_had_turns = True
-            self.stats.request_turns += 1
-            if self.max_burst > 1:
-                self.stats.burst_turns += 1
-            out.append(RunRequestTurn(self.lane, self.max_burst))
-            return
-        if self.background and not self.stopped:
-            step_id, asked = self.background.popleft()
-            waited = max(0.0, now - asked)
-            self.stats.background_wait_s += waited
-            self.stats.max_background_wait_s = max(self.stats.max_background_wait_s, waited)
-            self.stats.background_turns += 1
-            self.turn = _Turn("background", step_id, now)
-            out.append(RunBackgroundTurn(step_id))
+
+
+def _request_turn_done(state: GatewayState, ev: RequestTurnDone, out: list[Effect]) -> None:
+    turn = state.turn
+    if turn is None or turn.owner != "request" or turn.ident != ev.request_id:
+        raise ValueError(
+            f"request turn report for {ev.request_id!r} but holder is {state.holder()!r}"
+        )
+    if not 1 <= ev.steps <= turn.max_steps:
+        raise ValueError(f"turn of {ev.request_id!r} ran {ev.steps} steps, granted {turn.max_steps}")
+    stats = state.stats
+    state.turn = None
+    stats.request_held_s += max(0.0, ev.now - turn.started)
+    stats.max_burst_steps = max(stats.max_burst_steps, ev.steps)
+    if ev.phase == "prefill":
+        stats.prefill_turns += ev.steps
+    else:
+        stats.decode_turns += ev.steps
+    if ev.outcome == "finished":
+        stats.completed += 1
+        _free_lane(state)
+    elif ev.outcome == "failed":
+        stats.failed += 1
+        _free_lane(state)
+    elif ev.outcome == "cancelled":
+        # NOTE: the runner found the stream gone and already cleaned up.
+        stats.cancelled += 1
+        _free_lane(state)
+    elif state.lane_cancelled:
+        stats.cancelled += 1
+        out.append(FinishRequest(ev.request_id, "cancelled", had_turns=True))
+        _free_lane(state)
+
+
+def _background_turn_done(state: GatewayState, ev: BackgroundTurnDone) -> None:
+    turn = state.turn
+    if turn is None or turn.owner != "background" or turn.ident != ev.step_id:
+        raise ValueError(
+            f"background turn report for {ev.step_id!r} but holder is {state.holder()!r}"
+        )
+    state.turn = None
+    state.stats.background_held_s += max(0.0, ev.now - turn.started)
+
+
+def _take_lane(state: GatewayState, rid: str) -> None:
+    state.lane = rid
+    state.lane_had_turns = False
+    state.lane_cancelled = False
+
+
+def _free_lane(state: GatewayState) -> None:
+    if state.lane is not None:
+        state.lookup.pop(state.lane, None)
+    state.lane = None
+    state.lane_had_turns = False
+    state.lane_cancelled = False
+
+
+def _start_lookups(state: GatewayState, out: list[Effect]) -> None:
+    """Start the lookup of whoever runs next: the lane holder before its first turn, the queue head."""
+    if not state.lookups:
+        return
+    for rid in (state.lane, state.queue[0] if state.queue else None):
+        if rid is not None and rid not in state.lookup:
+            state.lookup[rid] = "pending"
+            state.stats.lookups += 1
+            out.append(StartLookup(rid))
+
+
+def _expire_background(state: GatewayState, now: float, out: list[Effect]) -> None:
+    if not any(w.deadline is not None and w.deadline <= now for w in state.background):
+        return
+    kept: deque[BackgroundWait] = deque()
+    for wait in state.background:
+        if wait.deadline is not None and wait.deadline <= now:
+            state.stats.background_expired += 1
+            out.append(ExpireBackground(wait.step_id))
+        else:
+            kept.append(wait)
+    state.background = kept
+
+
+def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
+    if state.draining and not state.drained_reported and not state.busy:
+        # NOTE: drained means "no request runs or waits"; background turns
+        # keep running during a drain (a shutdown flush needs them).
+        state.drained_reported = True
+        out.append(Drained())
+    _expire_background(state, now, out)
+    if state.turn is None and state.lane is None and state.queue:
+        _take_lane(state, state.queue.popleft())
+    _start_lookups(state, out)
+    if state.turn is not None:
+        return
+    lane = state.lane
+    if lane is not None and state.ready(lane):
+        state.turn = Turn("request", lane, now, state.max_burst)
+        state.lane_had_turns = True
+        state.stats.request_turns += 1
+        if state.max_burst > 1:
+            state.stats.burst_turns += 1
+        out.append(RunRequestTurn(lane, state.max_burst))
+        return
+    # NOTE: here no request can run: the lane is free (and so is the queue),
+    # or its holder has had no turn and still waits for its lookup.
+    if state.background and not state.stopped:
+        wait = state.background.popleft()
+        waited = max(0.0, now - wait.asked)
+        state.stats.background_wait_s += waited
+        state.stats.max_background_wait_s = max(state.stats.max_background_wait_s, waited)
+        state.stats.background_turns += 1
+        state.turn = Turn("background", wait.step_id, now)
+        out.append(RunBackgroundTurn(wait.step_id))

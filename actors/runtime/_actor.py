@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, assert_never, overload
 
 from messages import Body, Envelope, Request
 
@@ -94,9 +94,26 @@ class Context:
         """A reference to the actor or inbox at ``address``."""
         return self._system.ref(address)
 
-    async def tell(self, to: ActorRef | str, body: Body) -> None:
-        """Send ``body`` to ``to``, waiting while its mailbox is full (backpressure)."""
-        await self._resolve(to).tell(body)
+    async def tell(
+        self, to: ActorRef | str, body: Body, *, correlation_id: str | None = None
+    ) -> str:
+        """Send ``body`` to ``to``, waiting while its mailbox is full (backpressure); its ``msg_id``."""
+        return await self._resolve(to).tell(body, correlation_id=correlation_id)
+
+    async def request(
+        self, to: ActorRef | str, body: Request, *, correlation_id: str | None = None
+    ) -> str:
+        """Send ``body`` with THIS actor as its reply slot, without waiting for the answer.
+
+        The answer (or the runtime's ``Failure`` if the handler raises or
+        the target stops) arrives later in this actor's mailbox, in its
+        reserved room, with ``causation_id`` equal to the returned
+        ``msg_id``. For an actor that must keep reading its mailbox while a
+        request is outstanding; keep at most ``reserve`` outstanding.
+        """
+        return await self._resolve(to).tell(
+            body.model_copy(update={"reply_to": self.name}), correlation_id=correlation_id
+        )
 
     def try_tell(self, to: ActorRef | str, body: Body) -> bool:
         """Send without waiting; ``False`` when the mailbox is full."""
@@ -133,23 +150,30 @@ class Context:
         """Answer without waiting; ``False`` (dead letter) if the slot is gone or full."""
         return self._system.reply_nowait(request, body)
 
-    def end_stream(self, address: str) -> None:
-        """Close the sending side of the inbox at ``address`` once it drains.
+    def end_stream(
+        self, address: str, final: Body | None = None, *, correlation_id: str | None = None
+    ) -> bool:
+        """End the stream to ``address``, ``final`` its last message; whether ``final`` arrived.
 
-        The inbox's reader sees every message already sent, then the end of
-        the stream; later sends to it become dead letters.
+        ``final`` uses the room reserved for it, so a full stream still gets
+        it. An inbox's reader then sees every message already sent, ``final``
+        and the end of the stream; later sends to it become dead letters. An
+        actor consumer only receives ``final`` (its mailbox stays open).
         """
-        self._system.end_stream(address)
+        return self._system.end_stream(address, final, correlation_id=correlation_id)
 
     async def perform(self, effects: Sequence[Effect]) -> None:
         """Carry out the effects returned by a sans-IO core, in order."""
         for effect in effects:
-            if isinstance(effect, Tell):
-                await self.tell(effect.to, effect.body)
-            elif isinstance(effect, Reply):
-                await self.reply(effect.request, effect.body)
-            else:
-                self.end_stream(effect.address)
+            match effect:
+                case Tell():
+                    await self.tell(effect.to, effect.body)
+                case Reply():
+                    await self.reply(effect.request, effect.body)
+                case EndStream():
+                    self.end_stream(effect.address, effect.final)
+                case _:
+                    assert_never(effect)
 
     def _resolve(self, to: ActorRef | str) -> ActorRef:
         return self._system.ref(to) if isinstance(to, str) else to
@@ -173,9 +197,10 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class EndStream:
-    """Effect: end the stream to the inbox at ``address``."""
+    """Effect: end the stream to ``address``, ``final`` its last message (see ``Context.end_stream``)."""
 
     address: str
+    final: Body | None = None
 
 
 Effect = Tell | Reply | EndStream
@@ -186,7 +211,10 @@ class CoreActor(Actor, Generic[S]):
 
     ``handle`` returns the next state and the effects to perform; the shell
     (this class) keeps the state and performs the effects through the
-    ``Context``. Test the core without any runtime; run it in one.
+    ``Context`` (an exhaustive ``match`` over the closed ``Effect`` union).
+    Test the core without any runtime; run it in one. The convention every
+    actor follows is written down in docs/architecture.md ("Sans-IO
+    convention").
     """
 
     def __init__(self) -> None:

@@ -1,15 +1,24 @@
 """Mailbox endpoints: where messages for one address wait to be received.
 
 Three real kinds: an actor's mailbox and a non-actor ``Inbox`` (both bounded
-anyio memory object streams) and a one-shot reply slot for ``ask`` (an event
-and one value; cheaper than a stream). The simulated runtime supplies its own
-endpoints with the same interface.
+FIFO buffers) and a one-shot reply slot for ``ask`` (an event and one value).
+The simulated runtime supplies its own endpoints with the same interface.
+
+Every mailbox holds ``capacity`` messages for ordinary sends plus ``reserve``
+more that only *reserved* sends may use: replies (an answer must not be lost
+or wait behind the traffic it answers), an actor's notes to itself, and the
+final message of a stream. NOTE: the reserve is what makes "a reply always
+arrives" true with bounded mailboxes: an actor that keeps at most
+``reserve`` requests (replying to itself) outstanding always finds room for
+their answers, however many ordinary messages fill its mailbox.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.lowlevel import checkpoint
 
 from messages import Envelope
 
@@ -21,24 +30,35 @@ __all__ = ["Endpoint", "SlotEndpoint", "StreamEndpoint"]
 class Endpoint:
     """The receiving side of one address (actor mailbox, inbox or reply slot)."""
 
-    __slots__ = ("address", "capacity", "is_actor")
+    __slots__ = ("address", "capacity", "is_actor", "reserve")
 
-    def __init__(self, address: str, capacity: int, *, is_actor: bool) -> None:
+    def __init__(self, address: str, capacity: int, *, is_actor: bool, reserve: int = 0) -> None:
         if capacity < 1:
             raise ValueError("a mailbox holds at least one message")
+        if reserve < 0:
+            raise ValueError("a mailbox's reserve cannot be negative")
         self.address = address
         self.capacity = capacity
         self.is_actor = is_actor
+        self.reserve = reserve
+
+    def limit(self, reserved: bool) -> int:
+        """How many messages the buffer may hold when a send of this kind is accepted."""
+        return self.capacity + self.reserve if reserved else self.capacity
 
     def closed_error(self) -> MailboxClosed:
         """The error a sender gets once this endpoint is closed."""
         return ActorStopped(self.address) if self.is_actor else MailboxClosed(self.address)
 
-    async def put(self, envelope: Envelope) -> None:
-        """Accept ``envelope``, waiting while full; raises ``MailboxClosed`` once closed."""
+    async def put(self, envelope: Envelope, *, reserved: bool = False) -> None:
+        """Accept ``envelope``, waiting while full; raises ``MailboxClosed`` once closed.
+
+        ``reserved`` sends may also use the ``reserve`` room (replies, notes
+        to self, a stream's final message).
+        """
         raise NotImplementedError
 
-    def put_nowait(self, envelope: Envelope) -> bool:
+    def put_nowait(self, envelope: Envelope, *, reserved: bool = False) -> bool:
         """Accept without waiting; ``False`` when full; raises ``MailboxClosed`` once closed."""
         raise NotImplementedError
 
@@ -72,66 +92,123 @@ class Endpoint:
         raise NotImplementedError
 
 
-class StreamEndpoint(Endpoint):
-    """A bounded anyio memory object stream (actor mailboxes and inboxes).
+class _BlockedSend:
+    """A sender waiting for room; ``accepted`` once its envelope moved into the buffer."""
 
-    NOTE: closing withdraws senders still blocked on a full stream (they get
-    ``MailboxClosed``/``ActorStopped``): "accepted" means "in the buffer".
+    __slots__ = ("accepted", "envelope", "event")
+
+    def __init__(self, envelope: Envelope) -> None:
+        self.envelope = envelope
+        self.event = anyio.Event()
+        self.accepted = False
+
+
+class StreamEndpoint(Endpoint):
+    """A bounded FIFO buffer (actor mailboxes and inboxes) with reserved room.
+
+    Senders blocked on a full buffer wait in FIFO order; a receive moves the
+    first of them into the buffer at once (reserved senders first), so a new
+    send never overtakes a blocked one. NOTE: closing withdraws senders still
+    blocked (they get ``MailboxClosed``/``ActorStopped``): "accepted" means
+    "in the buffer".
     """
 
-    __slots__ = ("_closed", "_recv", "_send")
+    __slots__ = ("_blocked", "_blocked_reserved", "_buffer", "_closed", "_readers")
 
-    def __init__(self, address: str, capacity: int, *, is_actor: bool) -> None:
-        super().__init__(address, capacity, is_actor=is_actor)
-        send, recv = anyio.create_memory_object_stream[Envelope](capacity)
-        self._send: MemoryObjectSendStream[Envelope] = send
-        self._recv: MemoryObjectReceiveStream[Envelope] = recv
+    def __init__(self, address: str, capacity: int, *, is_actor: bool, reserve: int = 0) -> None:
+        super().__init__(address, capacity, is_actor=is_actor, reserve=reserve)
+        self._buffer: deque[Envelope] = deque()
+        self._blocked: deque[_BlockedSend] = deque()
+        self._blocked_reserved: deque[_BlockedSend] = deque()
+        self._readers: deque[anyio.Event] = deque()
         self._closed = False
 
-    async def put(self, envelope: Envelope) -> None:
+    async def put(self, envelope: Envelope, *, reserved: bool = False) -> None:
+        # NOTE: a checkpoint on every send (as anyio's memory streams do) keeps
+        # a sender that never blocks from starving the other tasks.
+        await checkpoint()
+        if self.put_nowait(envelope, reserved=reserved):
+            return
+        blocked = _BlockedSend(envelope)
+        queue = self._blocked_reserved if reserved else self._blocked
+        queue.append(blocked)
         try:
-            await self._send.send(envelope)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise self.closed_error() from None
+            await blocked.event.wait()
+        except BaseException:
+            if not blocked.accepted:
+                queue.remove(blocked)
+            raise
+        if not blocked.accepted:
+            raise self.closed_error()
 
-    def put_nowait(self, envelope: Envelope) -> bool:
-        try:
-            self._send.send_nowait(envelope)
-        except anyio.WouldBlock:
+    def put_nowait(self, envelope: Envelope, *, reserved: bool = False) -> bool:
+        if self._closed:
+            raise self.closed_error()
+        # NOTE: blocked senders exist only while the buffer is at their
+        # limit, so this check also keeps FIFO order with them.
+        if len(self._buffer) >= self.limit(reserved):
             return False
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise self.closed_error() from None
+        self._buffer.append(envelope)
+        if self._readers:
+            self._readers.popleft().set()
         return True
 
     async def get(self) -> Envelope | None:
-        try:
-            return await self._recv.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            return None
+        await checkpoint()
+        while True:
+            envelope = self.get_nowait()
+            if envelope is not None:
+                return envelope
+            if self._closed:
+                return None
+            event = anyio.Event()
+            self._readers.append(event)
+            try:
+                await event.wait()
+            finally:
+                if not event.is_set():
+                    self._readers.remove(event)
 
     def get_nowait(self) -> Envelope | None:
-        try:
-            return self._recv.receive_nowait()
-        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+        if not self._buffer:
             return None
+        envelope = self._buffer.popleft()
+        self._admit_blocked()
+        return envelope
+
+    def _admit_blocked(self) -> None:
+        buffer = self._buffer
+        for queue, limit in (
+            (self._blocked_reserved, self.limit(True)),
+            (self._blocked, self.limit(False)),
+        ):
+            while queue and len(buffer) < limit:
+                blocked = queue.popleft()
+                buffer.append(blocked.envelope)
+                blocked.accepted = True
+                blocked.event.set()
 
     def close(self) -> None:
         self._closed = True
-        self._send.close()
+        for queue in (self._blocked_reserved, self._blocked):
+            while queue:
+                queue.popleft().event.set()
+        while self._readers:
+            self._readers.popleft().set()
 
     def discard(self) -> None:
         self.close()
-        self._recv.close()
+        self._buffer.clear()
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def depth(self) -> int:
-        return self._send.statistics().current_buffer_used
+        return len(self._buffer)
 
     def waiting_senders(self) -> int:
-        return self._send.statistics().tasks_waiting_send
+        return len(self._blocked) + len(self._blocked_reserved)
 
 
 class SlotEndpoint(Endpoint):
@@ -145,13 +222,13 @@ class SlotEndpoint(Endpoint):
         self._value: Envelope | None = None
         self._closed = False
 
-    async def put(self, envelope: Envelope) -> None:
+    async def put(self, envelope: Envelope, *, reserved: bool = False) -> None:
         if not self.put_nowait(envelope):
             # NOTE: a second reply to one ask is a bug in the replier, not
             # backpressure: fail like a closed slot so it becomes a dead letter.
             raise MailboxClosed(self.address)
 
-    def put_nowait(self, envelope: Envelope) -> bool:
+    def put_nowait(self, envelope: Envelope, *, reserved: bool = False) -> bool:
         if self._closed:
             raise MailboxClosed(self.address)
         if self._value is not None:

@@ -84,8 +84,10 @@ class SimEndpoint(Endpoint):
 
     __slots__ = ("_blocked", "_closed", "_receiver", "_sched", "buffer", "pending")
 
-    def __init__(self, address: str, capacity: int, *, is_actor: bool, sched: _Scheduler) -> None:
-        super().__init__(address, capacity, is_actor=is_actor)
+    def __init__(
+        self, address: str, capacity: int, *, is_actor: bool, sched: _Scheduler, reserve: int = 0
+    ) -> None:
+        super().__init__(address, capacity, is_actor=is_actor, reserve=reserve)
         self._sched = sched
         self.pending: deque[Envelope] = deque()
         self.buffer: deque[Envelope] = deque()
@@ -95,16 +97,16 @@ class SimEndpoint(Endpoint):
 
     # -- senders ------------------------------------------------------------
 
-    def put_nowait(self, envelope: Envelope) -> bool:
+    def put_nowait(self, envelope: Envelope, *, reserved: bool = False) -> bool:
         if self._closed:
             raise self.closed_error()
-        if len(self.pending) + len(self.buffer) >= self.capacity:
+        if len(self.pending) + len(self.buffer) >= self.limit(reserved):
             return False
         self.pending.append(envelope)
         return True
 
-    async def put(self, envelope: Envelope) -> None:
-        while not self.put_nowait(envelope):
+    async def put(self, envelope: Envelope, *, reserved: bool = False) -> None:
+        while not self.put_nowait(envelope, reserved=reserved):
             event = anyio.Event()
             self._blocked.append(event)
             await self._park(event)
@@ -321,8 +323,12 @@ class SimulatedSystem(ActorSystem):
 
     # -- hooks into ActorSystem ---------------------------------------------
 
-    def _new_mailbox(self, address: str, capacity: int, *, is_actor: bool) -> Endpoint:
-        endpoint = SimEndpoint(address, capacity, is_actor=is_actor, sched=self._sched)
+    def _new_mailbox(
+        self, address: str, capacity: int, *, is_actor: bool, reserve: int = 0
+    ) -> Endpoint:
+        endpoint = SimEndpoint(
+            address, capacity, is_actor=is_actor, sched=self._sched, reserve=reserve
+        )
         self._sim_endpoints.append(endpoint)
         return endpoint
 

@@ -63,15 +63,17 @@ class ActorRef:
     def __repr__(self) -> str:
         return f"ActorRef({self.name!r})"
 
-    async def tell(self, body: Body, *, correlation_id: str | None = None) -> None:
-        """Send ``body``; waits while the mailbox is full (backpressure).
+    async def tell(self, body: Body, *, correlation_id: str | None = None) -> str:
+        """Send ``body``; waits while the mailbox is full (backpressure); returns its ``msg_id``.
 
         Raises ``ActorStopped``/``MailboxClosed`` (and records a dead letter)
-        once the target no longer accepts messages.
+        once the target no longer accepts messages. A reply to a request sent
+        this way names the returned ``msg_id`` as its ``causation_id``.
         """
         system = self._system
         envelope = system._envelope(self.name, body, correlation_id, ())
         await system._put(self._endpoint, envelope)
+        return envelope.msg_id
 
     def try_tell(self, body: Body, *, correlation_id: str | None = None) -> bool:
         """Send without waiting; ``False`` when the mailbox is full (nothing sent)."""
@@ -83,6 +85,17 @@ class ActorRef:
         """Send without waiting; raises ``MailboxFull`` when the mailbox is full."""
         if not self.try_tell(body, correlation_id=correlation_id):
             raise MailboxFull(self.name, self._endpoint.capacity)
+
+    def post(self, body: Body, *, correlation_id: str | None = None) -> bool:
+        """Send without waiting into the mailbox's reserved room; ``False`` if even that is full.
+
+        For an actor's notes to itself (e.g. "an engine job ended", posted
+        from a loop callback): ordinary traffic cannot crowd them out. Keep
+        at most ``reserve`` such notes and replies outstanding.
+        """
+        system = self._system
+        envelope = system._envelope(self.name, body, correlation_id, ())
+        return system._put_nowait(self._endpoint, envelope, reserved=True)
 
     @overload
     async def ask(
@@ -126,7 +139,9 @@ class Inbox:
 
     Actors send to ``inbox.address`` (e.g. as a request's ``reply_to``) like
     to any actor; the owner iterates it. The stream ends when an actor calls
-    ``ctx.end_stream(address)`` or the owner closes the inbox.
+    ``ctx.end_stream(address, final)`` (``final`` uses the room reserved for
+    it, so it arrives even when the inbox is full) or the owner closes the
+    inbox.
     """
 
     __slots__ = ("_endpoint", "_system", "address")
@@ -299,13 +314,17 @@ class ActorSystem:
         factory: Callable[[], Actor],
         *,
         capacity: int = 64,
+        reserve: int = 8,
         supervision: Supervision | None = None,
     ) -> ActorRef:
         """Start an actor named ``name`` with a mailbox of ``capacity`` messages.
 
-        ``factory`` builds the instance (called again on each restart).
-        Messages can be told to the returned ref at once; they wait in the
-        mailbox until the actor's ``started`` hook has run.
+        ``reserve`` more messages fit for replies and the actor's notes to
+        itself (``ActorRef.post``) only, so an answer is never dropped or
+        held up by a mailbox that ordinary traffic filled. ``factory``
+        builds the instance (called again on each restart). Messages can be
+        told to the returned ref at once; they wait in the mailbox until the
+        actor's ``started`` hook has run.
         """
         if self._tg is None:
             raise RuntimeError("spawn inside `async with ActorSystem()`")
@@ -313,7 +332,7 @@ class ActorSystem:
             raise ActorStopped(name)
         if name in self._endpoints:
             raise ValueError(f"address {name!r} is already in use")
-        endpoint = self._new_mailbox(name, capacity, is_actor=True)
+        endpoint = self._new_mailbox(name, capacity, is_actor=True, reserve=reserve)
         ref = ActorRef(self, endpoint)
         counters = _Counters()
         counters.state = "running"
@@ -368,19 +387,23 @@ class ActorSystem:
         """Names of all spawned actors, in spawn order."""
         return tuple(self._cells)
 
-    def open_inbox(self, capacity: int = 64, *, prefix: str = "inbox-") -> Inbox:
-        """A new bounded inbox for non-actor code; close it (or ``async with`` it) when done."""
+    def open_inbox(self, capacity: int = 64, *, prefix: str = "inbox-", reserve: int = 1) -> Inbox:
+        """A new bounded inbox for non-actor code; close it (or ``async with`` it) when done.
+
+        ``reserve`` more messages fit for replies and a stream's final
+        message (``end_stream(address, final)``).
+        """
         address = self.ids.new_id(prefix)
-        endpoint = self._new_mailbox(address, capacity, is_actor=False)
+        endpoint = self._new_mailbox(address, capacity, is_actor=False, reserve=reserve)
         self._endpoints[address] = endpoint
         self._counters[address] = _Counters()
         return Inbox(self, endpoint)
 
     async def tell(
         self, to: str, body: Body, *, correlation_id: str | None = None
-    ) -> None:
-        """``ref(to).tell(body)``; a message to an unknown address is a dead letter."""
-        await self._ref_or_dead(to, body, correlation_id).tell(body, correlation_id=correlation_id)
+    ) -> str:
+        """``ref(to).tell(body)`` (its ``msg_id``); a message to an unknown address is a dead letter."""
+        return await self._ref_or_dead(to, body, correlation_id).tell(body, correlation_id=correlation_id)
 
     def try_tell(self, to: str, body: Body, *, correlation_id: str | None = None) -> bool:
         """``ref(to).try_tell(body)``."""
@@ -416,41 +439,72 @@ class ActorSystem:
         return await self._ask(ref, body, timeout, expect, correlation_id)
 
     async def reply(self, request: Envelope, body: Body) -> bool:
-        """Send ``body`` to ``request``'s reply slot; ``False`` (dead letter) if it is gone."""
+        """Send ``body`` to ``request``'s reply slot; ``False`` (dead letter) if it is gone.
+
+        A reply uses the slot's reserved room (an actor mailbox's
+        ``reserve``), so it waits only when even that is full.
+        """
         envelope = self._reply_envelope(request, body)
         endpoint = self._endpoints.get(envelope.receiver)
         if endpoint is None:
             self._dead_letter(envelope, "no such address")
             return False
         try:
-            await self._put(endpoint, envelope)
+            await self._put(endpoint, envelope, reserved=True)
         except MailboxClosed:
             return False
         return True
 
     def reply_nowait(self, request: Envelope, body: Body) -> bool:
-        """Like ``reply`` without waiting; a full slot also makes a dead letter."""
+        """Like ``reply`` without waiting; a slot whose reserved room is full makes a dead letter."""
         envelope = self._reply_envelope(request, body)
         endpoint = self._endpoints.get(envelope.receiver)
         if endpoint is None:
             self._dead_letter(envelope, "no such address")
             return False
         try:
-            if self._put_nowait(endpoint, envelope):
+            if self._put_nowait(endpoint, envelope, reserved=True):
                 return True
         except MailboxClosed:
             return False
         self._dead_letter(envelope, "reply slot full")
         return False
 
-    def end_stream(self, address: str) -> None:
-        """End the stream to inbox ``address`` after its queued messages (no-op if gone)."""
+    def end_stream(
+        self, address: str, final: Body | None = None, *, correlation_id: str | None = None
+    ) -> bool:
+        """End the stream to ``address`` with ``final`` as its last message.
+
+        ``final`` goes into the reserved room, so it is delivered even when
+        the stream's buffer is full (a slow reader still learns how its
+        stream ended). An inbox then closes: its reader sees every message
+        already sent, then the end; later sends are dead letters. An actor
+        consumer (its mailbox) only receives ``final``. Returns whether
+        ``final`` was delivered (``True`` when there is none); to a gone or
+        closed stream it is a dead letter.
+        """
         endpoint = self._endpoints.get(address)
-        if endpoint is None:
-            return
-        if endpoint.is_actor:
-            raise ValueError(f"{address!r} is an actor; stop it through the system")
-        endpoint.close()
+        delivered = True
+        if final is not None:
+            envelope = self._envelope(address, final, correlation_id, ())
+            if endpoint is None:
+                self._dead_letter(envelope, "no such address")
+                return False
+            try:
+                delivered = self._put_nowait(endpoint, envelope, reserved=True)
+            except MailboxClosed:
+                delivered = False
+            else:
+                if not delivered:
+                    self._dead_letter(envelope, "stream reserve full")
+        if endpoint is not None and not endpoint.is_actor:
+            endpoint.close()
+        return delivered
+
+    def is_open(self, address: str) -> bool:
+        """Whether ``address`` exists and still accepts messages (e.g. an ask's reply slot)."""
+        endpoint = self._endpoints.get(address)
+        return endpoint is not None and not endpoint.closed
 
     # -- observation -------------------------------------------------------
 
@@ -471,8 +525,10 @@ class ActorSystem:
 
     # -- internals (also the simulated runtime's hooks) ----------------------
 
-    def _new_mailbox(self, address: str, capacity: int, *, is_actor: bool) -> Endpoint:
-        return StreamEndpoint(address, capacity, is_actor=is_actor)
+    def _new_mailbox(
+        self, address: str, capacity: int, *, is_actor: bool, reserve: int = 0
+    ) -> Endpoint:
+        return StreamEndpoint(address, capacity, is_actor=is_actor, reserve=reserve)
 
     def _new_slot(self, address: str) -> Endpoint:
         return SlotEndpoint(address)
@@ -527,9 +583,9 @@ class ActorSystem:
             (),
         )
 
-    async def _put(self, endpoint: Endpoint, envelope: Envelope) -> None:
+    async def _put(self, endpoint: Endpoint, envelope: Envelope, *, reserved: bool = False) -> None:
         try:
-            await endpoint.put(envelope)
+            await endpoint.put(envelope, reserved=reserved)
         except MailboxClosed as exc:
             self._dead_letter(envelope, type(exc).__name__)
             raise
@@ -539,9 +595,9 @@ class ActorSystem:
         if TRACE.on:
             events.sent(envelope, endpoint.depth())
 
-    def _put_nowait(self, endpoint: Endpoint, envelope: Envelope) -> bool:
+    def _put_nowait(self, endpoint: Endpoint, envelope: Envelope, *, reserved: bool = False) -> bool:
         try:
-            accepted = endpoint.put_nowait(envelope)
+            accepted = endpoint.put_nowait(envelope, reserved=reserved)
         except MailboxClosed as exc:
             self._dead_letter(envelope, type(exc).__name__)
             raise

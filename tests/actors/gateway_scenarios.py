@@ -1,9 +1,10 @@
 """Gateway scenarios for the simulated runtime (``module:function`` for record/replay).
 
-The engine here is a scripted fake on purpose: the subject is the turn
-protocol (admission, lane, engine-turn token, cancellation, drain), not the
-model. Every turn the fake runs checks the token invariants against the
-gateway's live core state, so a bad interleaving fails the scenario.
+The engine and the prompt cache here are scripted fakes on purpose: the
+subject is the turn protocol (admission, lookups, lane, engine-turn token,
+cancellation, drain), not the model. Every turn the fake runs records the
+gateway's live core state, and the scenario checks the invariants over the
+whole run, so a bad interleaving fails it.
 """
 
 from __future__ import annotations
@@ -12,18 +13,18 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.gateway import Gateway
-from actors.gateway.runner import (
+from actors.gateway import (
     BackgroundSteps,
+    Gateway,
     InlineExecutor,
     Registered,
+    StepHandle,
     StepResult,
     StepToken,
-    TurnControl,
     TurnRunner,
 )
 from actors.runtime import Actor, Context, SimulatedSystem
-from messages import Body, Count, Envelope, Ping, Pong
+from messages import Body, Count, Envelope, Ping, Pong, Release, Take, TakeResult
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -49,12 +50,22 @@ class Seen:
     queued: int
     lane_had_turns: bool
     lane_cancelled: bool = False
+    lane_ready: bool = False
 
 
 def observe(gateway: Gateway, owner: str) -> Seen:
     """Snapshot the core from inside a running turn."""
-    core = gateway.core
-    return Seen(owner, core.holder(), core.lane, len(core.queue), core.lane_had_turns, core.lane_cancelled)
+    state = gateway.state
+    lane = state.lane
+    return Seen(
+        owner,
+        state.holder(),
+        lane,
+        len(state.queue),
+        state.lane_had_turns,
+        state.lane_cancelled,
+        lane is not None and state.ready(lane),
+    )
 
 
 @dataclass
@@ -81,8 +92,10 @@ class ScriptedBackend:
         self._chunk = chunk
 
     def open(self, request: Generate, handle: str | None, cached_tokens: int) -> _FakeGen:
-        """A fake generation state for ``request``."""
-        return _FakeGen(request.request_id, request.prompt_tokens, request.params.max_tokens)
+        """A fake generation state for ``request`` (it "reuses" what the lookup found)."""
+        gen = _FakeGen(request.request_id, request.prompt_tokens, request.params.max_tokens)
+        gen.cursor = gen.cached_tokens = cached_tokens if handle else 0
+        return gen
 
     def step(self, gen: _FakeGen) -> StepResult:
         """One scripted prefill chunk or decode step."""
@@ -117,11 +130,34 @@ class ScriptedBackend:
 
 @dataclass
 class Outcomes:
-    """What every client saw, by request id (filled by the ``Client`` actors)."""
+    """What every client saw, by request id (filled by the ``Client`` actors), and the leases."""
 
     admissions: dict[str, AdmissionReply] = field(default_factory=dict)
     events: dict[str, list[Body]] = field(default_factory=lambda: defaultdict(list))
     turn_done: list[TurnDone] = field(default_factory=list)
+    steps: dict[str, StepHandle[str]] = field(default_factory=dict)
+    leases: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+
+
+class FakePromptCache(Actor):
+    """Answers each ``Take`` at once: a hit (a lease on 2 tokens) for odd-length prompts, else a miss."""
+
+    def __init__(self, out: Outcomes) -> None:
+        self._out = out
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Answer lookups; record releases."""
+        body = envelope.body
+        if isinstance(body, Take):
+            result = TakeResult()
+            if len(body.tokens) % 2:
+                lease = f"lease-{len(self._out.leases)}"
+                self._out.leases.append(lease)
+                result = TakeResult(lease_id=lease, handle=f"h-{lease}", cached_tokens=2, entry_tokens=2)
+            await ctx.reply(envelope, result)
+        elif isinstance(body, Release):
+            self._out.released.append(body.lease_id)
 
 
 class Client(Actor):
@@ -169,11 +205,10 @@ class Writer(Actor):
         body = envelope.body
         if isinstance(body, TurnDone):
             self._out.turn_done.append(body)
-            self._steps.pop(body.step_id)
         if isinstance(body, Count | TurnDone) and self._next < self._total:
             step_id = f"bg-{self._next}"
             self._next += 1
-            self._steps.add(step_id, self._make_step(step_id))
+            self._out.steps[step_id] = self._steps.add(step_id, self._make_step(step_id))
             await ctx.tell("gateway", RunWhenIdle(step_id=step_id, reply_to=ctx.name))
 
 
@@ -183,12 +218,13 @@ def check(out: Outcomes, log: list[Seen]) -> None:
         # One turn at a time: whoever runs holds the token.
         assert seen.holder == seen.owner, f"{seen.owner} ran but the holder is {seen.holder}"
         if seen.owner.startswith("background:"):
-            # Never while a request is active; a request may have arrived
-            # during this step (lane reserved, no turn yet) ...
+            # Never while a request is active; a request may have arrived (or
+            # finished its lookup) during this step (lane reserved, no turn yet) ...
             assert not seen.lane_had_turns, f"{seen.owner} ran inside request {seen.lane}"
-            # ... and then it waits for this one step only.
-            if seen.lane is not None and i + 1 < len(log):
-                assert log[i + 1].owner == f"request:{seen.lane}", f"{seen.lane} waited past {seen.owner}"
+            # ... and once ready it waits for this one step only.
+            following = log[i + 1] if i + 1 < len(log) else None
+            if seen.lane_ready and following is not None and following.lane == seen.lane:
+                assert following.owner == f"request:{seen.lane}", f"{seen.lane} waited past {seen.owner}"
         else:
             assert seen.owner == f"request:{seen.lane}", f"{seen.owner} ran but the lane is {seen.lane}"
     # A cancelled lane holder (bursts included) runs at most the one step in flight.
@@ -206,6 +242,11 @@ def check(out: Outcomes, log: list[Seen]) -> None:
         assert [t.index for t in tokens] == list(range(len(tokens)))
         assert events[-1].usage.completion_tokens == len(tokens)
     assert all(t.ok for t in out.turn_done)
+    # Every step that was granted ran once, and its asker's handle holds the outcome.
+    for done in out.turn_done:
+        assert out.steps[done.step_id].result() == done.step_id
+    # Every lease a lookup took was given back exactly once.
+    assert sorted(out.released) == sorted(out.leases), (out.leases, out.released)
 
 
 async def token_protocol(
@@ -225,14 +266,21 @@ async def token_protocol(
     out = Outcomes()
     log: list[Seen] = []
     steps = BackgroundSteps()
-    control = TurnControl()
-    gateway = Gateway(runner="runner", max_queue=max_queue, max_burst=max_burst, control=control)
+    gateway = Gateway(
+        runner="runner", max_queue=max_queue, max_burst=max_burst, prompt_cache="prompt_cache"
+    )
     backend = ScriptedBackend(gateway, log)
+    system.spawn("prompt_cache", lambda: FakePromptCache(out), capacity=16)
     system.spawn("gateway", lambda: gateway, capacity=32)
     system.spawn(
         "runner",
         lambda: TurnRunner(
-            gateway="gateway", executor=InlineExecutor(), backend=backend, steps=steps, control=control
+            gateway="gateway",
+            executor=InlineExecutor(),
+            backend=backend,
+            steps=steps,
+            prompt_cache="prompt_cache",
+            chain_steps=False,
         ),
         capacity=16,
     )

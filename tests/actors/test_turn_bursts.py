@@ -10,13 +10,13 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.gateway import Gateway
-from actors.gateway.runner import (
+from actors.gateway import (
+    AHEAD,
     BackgroundSteps,
+    Gateway,
     Registered,
     StepResult,
     StepToken,
-    TurnControl,
     TurnRunner,
 )
 from actors.runtime import ActorSystem, Inbox, MailboxClosed, Supervision
@@ -115,18 +115,21 @@ class _Rig:
 
     def __init__(self, system: ActorSystem, backend: GatedBackend, max_burst: int) -> None:
         self.system = system
-        self.control = TurnControl()
-        self.gateway = Gateway(runner="runner", max_queue=2, max_burst=max_burst, control=self.control)
+        self.gateway = Gateway(runner="runner", max_queue=2, max_burst=max_burst)
         self.thread = EngineThread(name="kvtier-engine-test", max_queue=2)
-        runner = TurnRunner(
+        self.runner = TurnRunner(
             gateway="gateway",
             executor=self.thread,
             backend=backend,
             steps=BackgroundSteps(),
-            control=self.control,
         )
         system.spawn("gateway", lambda: self.gateway, supervision=Supervision("resume"))
-        system.spawn("runner", lambda: runner, supervision=Supervision("resume"))
+        system.spawn("runner", lambda: self.runner, supervision=Supervision("resume"))
+
+    def stopping(self) -> bool:
+        """Whether the runner has set its running burst's stop flag (it handled StopBurst)."""
+        turn = self.runner.state.turn
+        return turn is not None and turn.stop
 
     async def admit(self, request_id: str, max_tokens: int, capacity: int) -> Inbox:
         inbox = self.system.open_inbox(capacity, prefix=f"stream-{request_id}-")
@@ -149,12 +152,12 @@ async def test_tokens_stream_one_by_one_while_the_burst_still_runs() -> None:
         inbox = await rig.admit("r", max_tokens=20, capacity=64)
         await _until(backend.entered.is_set)
         early = [(await inbox.receive()).body for _ in range(5)]
-        stats = rig.gateway.core.stats
+        stats = rig.gateway.state.stats
         # NOTE: one prefill turn reported, one decode burst granted and still running.
         grants, decode_reported = stats.request_turns, stats.decode_turns
         backend.release.set()
         rest = await _stream(inbox)
-        await _until(lambda: rig.gateway.core.idle)
+        await _until(lambda: rig.gateway.state.idle)
         await rig.thread.aclose()
     assert [e.index for e in early if isinstance(e, TokenEvent)] == [0, 1, 2, 3, 4]
     assert (grants, decode_reported) == (2, 0)
@@ -163,8 +166,8 @@ async def test_tokens_stream_one_by_one_while_the_burst_still_runs() -> None:
     done = rest[-1]
     assert isinstance(done, DoneEvent)
     assert done.finish_reason == "length"
-    assert rig.gateway.core.stats.decode_turns == 20
-    assert rig.gateway.core.stats.request_turns == 2
+    assert rig.gateway.state.stats.decode_turns == 20
+    assert rig.gateway.state.stats.request_turns == 2
     assert backend.threads == {"kvtier-engine-test"}
 
 
@@ -176,39 +179,48 @@ async def test_cancel_during_a_burst_stops_it_after_the_running_step() -> None:
         inbox = await rig.admit("r", max_tokens=1000, capacity=64)
         await _until(backend.entered.is_set)
         await system.tell("gateway", CancelGeneration(request_id="r"))
-        await _until(lambda: rig.control.preempted("r"))
+        # NOTE: the cancel travels as messages (gateway -> StopBurst -> runner)
+        # while step 7 runs; the runner's stop flag is set before the step ends.
+        await _until(rig.stopping)
         backend.release.set()
         events = await _stream(inbox)
-        await _until(lambda: rig.gateway.core.idle)
+        await _until(lambda: rig.gateway.state.idle)
         await rig.thread.aclose()
-        marks = len(rig.control)
+        leftover = (rig.runner.state.turn, rig.runner.state.live, rig.runner.state.running)
     assert backend.decode_steps == 8
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert [t.index for t in tokens] == list(range(8))
     done = events[-1]
     assert isinstance(done, DoneEvent)
     assert done.finish_reason == "cancelled"
-    stats = rig.gateway.core.stats
+    stats = rig.gateway.state.stats
     assert (stats.cancelled, stats.preempted, stats.decode_turns) == (1, 1, 8)
-    assert rig.gateway.core.lane is None
-    assert marks == 0
+    assert rig.gateway.state.lane is None
+    assert leftover == (None, {}, None)
 
 
-async def test_a_slow_consumer_holds_the_burst_a_few_steps_ahead() -> None:
-    """While nobody reads a full stream the engine thread stops a bounded number of steps ahead; reading resumes it and every token arrives in order."""
+async def test_a_slow_consumer_parks_the_burst_exactly_within_its_look_ahead() -> None:
+    """While nobody reads a full stream the engine thread runs ahead of the stream by at least one and at most AHEAD steps, then parks (no job left); reading resumes it and every token arrives in order."""
     backend = GatedBackend()
     async with ActorSystem() as system:
         rig = _Rig(system, backend, max_burst=1000)
         inbox = await rig.admit("r", max_tokens=60, capacity=2)
-        await _until(lambda: backend.decode_steps > 0)
-        await anyio.sleep(0.3)
-        parked = backend.decode_steps
+
+        def parked() -> bool:
+            # NOTE: the stream is full and the engine thread holds no job: the
+            # runner is blocked handing over the next token and starts nothing.
+            return inbox.statistics().depth == 2 and rig.thread.statistics().queue_depth == 0
+
+        await _until(parked)
+        steps_parked = backend.decode_steps
+        taken = inbox.statistics().depth + 1  # NOTE: 2 in the stream, 1 the runner holds.
         events = await _stream(inbox)
-        await _until(lambda: rig.gateway.core.idle)
+        await _until(lambda: rig.gateway.state.idle)
         await rig.thread.aclose()
-    # NOTE: 2 in the stream + 1 the runner holds + at most 4 run ahead.
-    assert parked <= 2 + 1 + 4
+    # NOTE: the chain ends once it is AHEAD steps past what the runner took;
+    # the runner took at most `taken`, and at least nothing, when it ended.
+    assert AHEAD <= steps_parked <= taken + AHEAD
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert [t.token_id for t in tokens] == list(range(1, 61))
     assert isinstance(events[-1], DoneEvent)
-    assert rig.gateway.core.stats.decode_turns == 60
+    assert rig.gateway.state.stats.decode_turns == 60

@@ -6,10 +6,12 @@ import anyio
 import pytest
 
 from actors.runtime import (
+    Actor,
     ActorStopped,
     ActorSystem,
     AskCycle,
     AskTimeout,
+    Context,
     HandlerFailed,
     MailboxClosed,
     MailboxFull,
@@ -187,3 +189,112 @@ async def test_an_error_in_the_system_block_propagates_unwrapped() -> None:
 
     with pytest.raises(KeyError):
         await failing_block()
+
+
+class _Requester(Actor):
+    """On ``Count`` sends ``Ping`` to ``echo`` with itself as the reply slot; records what comes back."""
+
+    def __init__(self, sent: list[str], answers: list[Envelope], arrived: anyio.Event) -> None:
+        self.sent = sent
+        self.answers = answers
+        self.arrived = arrived
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        if isinstance(envelope.body, Count):
+            self.sent.append(await ctx.request("echo", Ping(n=envelope.body.n)))
+        elif isinstance(envelope.body, Pong):
+            self.answers.append(envelope)
+            self.arrived.set()
+
+
+async def test_replies_and_notes_to_self_use_the_reserved_room_of_a_full_mailbox() -> None:
+    """Ordinary sends stop at ``capacity``; replies and ``post`` still fit, up to ``reserve`` more, and are received in order."""
+    gate = anyio.Event()
+    seen: list[Envelope] = []
+    async with ActorSystem() as system:
+        ref = system.spawn("gate", lambda: Gate(gate, seen), capacity=2, reserve=2)
+        await ref.tell(Add(amount=0))
+        await anyio.wait_all_tasks_blocked()  # the actor holds message 0 at the gate
+        await ref.tell(Add(amount=1))
+        await ref.tell(Add(amount=2))
+        assert ref.try_tell(Add(amount=99)) is False
+        request = Envelope("m-x", "c-x", None, "external", "other", 0.0, Ping(n=1, reply_to="gate"))
+        assert system.reply_nowait(request, Pong(n=1)) is True
+        assert ref.post(Count(n=3)) is True
+        assert system.reply_nowait(request, Pong(n=2)) is False  # NOTE: the reserve is used up
+        assert ref.statistics().depth == 4
+        gate.set()
+    handled = [e.body for e in seen]
+    assert handled == [Add(amount=0), Add(amount=1), Add(amount=2), Pong(n=1), Count(n=3)]
+    assert [d.reason for d in system.dead_letters()] == ["reply slot full"]
+
+
+async def test_end_stream_delivers_its_final_message_into_a_full_inbox() -> None:
+    """A stream whose buffer is full still gets its final message (the reserved slot), then ends; a second final is a dead letter."""
+    async with ActorSystem() as system:
+        inbox = system.open_inbox(2)
+        assert system.try_tell(inbox.address, Add(amount=1))
+        assert system.try_tell(inbox.address, Add(amount=2))
+        assert not system.try_tell(inbox.address, Add(amount=3))
+        assert system.end_stream(inbox.address, Total(total=3, count=2)) is True
+        assert system.end_stream(inbox.address, Total(total=0, count=0)) is False
+        bodies = [e.body async for e in inbox]
+    assert bodies == [Add(amount=1), Add(amount=2), Total(total=3, count=2)]
+
+
+async def test_request_answers_arrive_in_the_mailbox_named_by_their_causation_id() -> None:
+    """``ctx.request`` returns the request's msg_id; the answer lands in the sender's own mailbox carrying it as causation_id."""
+    sent: list[str] = []
+    answers: list[Envelope] = []
+    arrived = anyio.Event()
+    async with ActorSystem() as system:
+        system.spawn("echo", Echo)
+        ref = system.spawn("asker", lambda: _Requester(sent, answers, arrived))
+        await ref.tell(Count(n=7))
+        with anyio.fail_after(5):
+            await arrived.wait()
+        assert system.is_open("asker")
+        assert not system.is_open("nowhere")
+    assert [a.causation_id for a in answers] == sent
+    assert answers[0].body == Pong(n=7)
+
+
+async def test_blocked_senders_enter_in_order() -> None:
+    """Senders blocked on a full mailbox are admitted first come first served as it drains, never overtaken by a new send."""
+    gate = anyio.Event()
+    seen: list[Envelope] = []
+    async with ActorSystem() as system:
+        ref = system.spawn("gate", lambda: Gate(gate, seen), capacity=1)
+        await ref.tell(Add(amount=0))
+        await anyio.wait_all_tasks_blocked()
+        await ref.tell(Add(amount=1))
+        async with anyio.create_task_group() as tg:
+            for n in (2, 3, 4):
+                tg.start_soon(ref.tell, Add(amount=n))
+                await anyio.wait_all_tasks_blocked()
+            assert ref.statistics().waiting_senders == 3
+            assert not ref.try_tell(Add(amount=99))
+            gate.set()
+    assert [e.body.amount for e in seen if isinstance(e.body, Add)] == [0, 1, 2, 3, 4]
+
+
+async def test_closing_a_stream_refuses_its_blocked_senders() -> None:
+    """A sender blocked on a full inbox gets MailboxClosed when the stream ends; what was accepted is still read."""
+    refused: list[str] = []
+    async with ActorSystem() as system:
+        inbox = system.open_inbox(1)
+        await system.tell(inbox.address, Add(amount=1))
+
+        async def blocked() -> None:
+            try:
+                await system.tell(inbox.address, Add(amount=2))
+            except MailboxClosed:
+                refused.append("closed")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(blocked)
+            await anyio.wait_all_tasks_blocked()
+            system.end_stream(inbox.address)
+        bodies = [e.body async for e in inbox]
+    assert refused == ["closed"]
+    assert bodies == [Add(amount=1)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import anyio.lowlevel
 import pytest
@@ -131,9 +133,7 @@ async def test_stop_handles_every_accepted_message_in_reverse_spawn_order() -> N
     handled: list[str] = []
     async with ActorSystem() as system:
         for name in ("first", "second", "third"):
-            ref = system.spawn(
-                name, lambda name=name: _Recorder(name, stops, handled), capacity=50
-            )
+            ref = system.spawn(name, functools.partial(_Recorder, name, stops, handled), capacity=50)
             for i in range(50):
                 ref.tell_nowait(Add(amount=i))
     assert stops == ["third", "second", "first"]
@@ -146,7 +146,7 @@ async def test_stop_with_explicit_order() -> None:
     stops: list[str] = []
     async with ActorSystem() as system:
         for name in ("a", "b", "c"):
-            system.spawn(name, lambda name=name: _Recorder(name, stops, []))
+            system.spawn(name, functools.partial(_Recorder, name, stops, []))
         await system.stop(order=["a"])
     assert stops == ["a", "c", "b"]
 

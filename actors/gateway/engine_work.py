@@ -1,0 +1,125 @@
+"""What the turn runner's engine jobs do ON the engine thread.
+
+:class:`EngineWork` keeps each started request's generation state (the
+backend's object, by request id) and performs the three kinds of request
+work: a step (opening the generation on the first one), keeping a stopped
+request's cache as a prompt-cache entry, and dropping it.
+
+NOTE: every method runs ON the engine thread, one job at a time (the runner
+never has two jobs in flight), so ``_gens`` needs no lock; the loop reads
+only ``decode_steps`` (an int, atomic to read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from messages.gateway import Generate
+from messages.prompt_cache import EntryRole
+
+from .burst import StepOutput
+from .ports import Backend, Registered
+
+__all__ = ["EngineWork", "Opening"]
+
+_log = structlog.get_logger("kvtier.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """How a request's first step opens its generation: the request and the lookup to materialize."""
+
+    request: Generate
+    handle: str | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Gen:
+    request: Generate
+    state: Any
+    cached_tokens: int
+
+
+class EngineWork:
+    """The engine-thread half of the runner over a :class:`~actors.gateway.ports.Backend`.
+
+    ``keep_entries``: a prompt cache takes registered entries (else a
+    finished request's arrays are simply dropped). A chat request whose
+    prefill completes with at least ``snapshot_min_new_tokens`` uncached
+    prompt tokens also registers a prompt-boundary snapshot.
+    """
+
+    def __init__(self, backend: Backend, *, keep_entries: bool, snapshot_min_new_tokens: int = 64) -> None:
+        self._backend = backend
+        self._keep = keep_entries
+        self._snapshot_min = snapshot_min_new_tokens
+        self._gens: dict[str, _Gen] = {}
+        self.decode_steps = 0
+
+    def step(self, request_id: str, opening: Opening | None) -> StepOutput:
+        """One prefill chunk or decode step of ``request_id`` (opening its generation first if asked)."""
+        backend = self._backend
+        try:
+            cached: int | None = None
+            if opening is not None:
+                reuse = opening.cached_tokens if opening.handle else 0
+                state = backend.open(opening.request, opening.handle, reuse)
+                # NOTE: the backend may have fallen back to a cold prefill; report what it reused.
+                cached = int(state.cached_tokens)
+                self._gens[request_id] = _Gen(opening.request, state, cached)
+            gen = self._gens[request_id]
+            result = backend.step(gen.state)
+            entries: list[tuple[EntryRole, Registered]] = []
+            if result.phase == "decode":
+                self.decode_steps += 1
+            point = result.prefill_complete if result.snapshot_point is None else result.snapshot_point
+            if point and self._wants_snapshot(gen):
+                snap = self._cache_call("snapshot", gen, backend.snapshot)
+                if snap is not None:
+                    entries.append(("snapshot", snap))
+            if result.finish_reason is not None:
+                del self._gens[request_id]
+                if self._keep:
+                    entry = self._cache_call("register", gen, backend.register)
+                    if entry is not None:
+                        entries.append(("completion", entry))
+                else:
+                    # NOTE: nobody would own a registered entry: drop the arrays here.
+                    backend.discard(gen.state)
+            return StepOutput(result, tuple(entries), cached)
+        finally:
+            backend.end_turn()
+
+    def drop(self, request_id: str, *, keep: bool) -> Registered | None:
+        """End ``request_id``'s generation: register its cache as an entry (``keep``) or free it."""
+        backend = self._backend
+        gen = self._gens.pop(request_id, None)
+        try:
+            if gen is None:
+                return None
+            if keep and self._keep:
+                return self._cache_call("register", gen, backend.register)
+            backend.discard(gen.state)
+            return None
+        finally:
+            backend.end_turn()
+
+    def _wants_snapshot(self, gen: _Gen) -> bool:
+        request = gen.request
+        new_tokens = len(request.prompt_tokens) - gen.cached_tokens
+        return self._keep and request.chat and new_tokens >= self._snapshot_min
+
+    @staticmethod
+    def _cache_call(what: str, gen: _Gen, fn: Callable[[Any], Registered | None]) -> Registered | None:
+        # NOTE: keeping an entry is an optimisation: a failure here is a future
+        # miss, never a failed request (the tokens were already produced).
+        try:
+            return fn(gen.state)
+        except Exception as exc:  # noqa: BLE001
+            _log.warning(f"prompt_cache.{what}_failed", request_id=gen.request.request_id, error=repr(exc))
+            return None

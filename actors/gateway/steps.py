@@ -1,0 +1,112 @@
+"""Background steps: the one place where a callable crosses from an asker to the engine thread.
+
+A background step (an SSD writer's tensor read-back, a snapshot clone) is a
+callable that must run ON the engine thread during a granted background
+turn. Callables never travel inside messages (traces stay serializable), so
+they cross through ONE owner: the turn runner's :class:`BackgroundSteps`.
+
+- The asker registers its callable (``add``) and gets a typed
+  :class:`StepHandle`, then asks the gateway for a turn with ``RunWhenIdle(step_id=handle.step_id)``.
+- The runner, and only the runner, takes the callable when the turn is
+  granted, runs it on the engine thread and settles the handle (on the
+  event loop) before it reports the turn; so once ``TurnDone`` arrives the
+  handle holds the outcome.
+- The asker reads the outcome from its handle (``result()``), or
+  ``withdraw()``s a step it no longer waits for; a withdrawn step is never
+  run (the runner reports it ``unknown_step``).
+
+Everything here runs on the event loop thread; nothing is shared with the
+engine thread except the callable itself, which only the runner's job calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+__all__ = ["BackgroundSteps", "StepHandle", "StepNotRun"]
+
+T = TypeVar("T")
+
+
+class StepNotRun(RuntimeError):
+    """A background step has no outcome: it was not granted, or was withdrawn."""
+
+
+class StepHandle(Generic[T]):
+    """The asker's side of one registered background step: its id and, once run, its outcome."""
+
+    __slots__ = ("_error", "_registry", "_result", "_settled", "step_id")
+
+    def __init__(self, registry: BackgroundSteps, step_id: str) -> None:
+        self._registry = registry
+        self.step_id = step_id
+        self._settled = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def ran(self) -> bool:
+        """Whether the step ran (successfully or not)."""
+        return self._settled
+
+    def result(self) -> T:
+        """The step's return value; re-raises its exception; ``StepNotRun`` if it did not run."""
+        if not self._settled:
+            raise StepNotRun(f"background step {self.step_id!r} did not run")
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[no-any-return]
+
+    def withdraw(self) -> None:
+        """Give up on the step: if it has not run yet, it never will."""
+        self._registry._withdraw(self.step_id)
+
+    def _settle(self, result: Any, error: BaseException | None) -> None:
+        self._settled, self._result, self._error = True, result, error
+
+
+class BackgroundSteps:
+    """The turn runner's registry of background step callables, keyed by ``RunWhenIdle.step_id``.
+
+    Askers call :meth:`add` only (and keep the handle); :meth:`take` and
+    :meth:`settle` are the runner's. A one-shot step is registered until it
+    is taken or withdrawn; a *standing* step (e.g. the prompt cache's
+    disposal drain, asked for again and again) stays registered until
+    withdrawn, and its handle holds the outcome of its latest run.
+    """
+
+    def __init__(self) -> None:
+        self._steps: dict[str, tuple[Callable[[], Any], StepHandle[Any], bool]] = {}
+        self._running: dict[str, StepHandle[Any]] = {}
+
+    def add(self, step_id: str, fn: Callable[[], T], *, standing: bool = False) -> StepHandle[T]:
+        """Register ``fn`` under ``step_id`` (unique among registered and running steps)."""
+        if step_id in self._steps or step_id in self._running:
+            raise ValueError(f"step {step_id!r} is already registered")
+        handle: StepHandle[T] = StepHandle(self, step_id)
+        self._steps[step_id] = (fn, handle, standing)
+        return handle
+
+    def take(self, step_id: str) -> Callable[[], Any] | None:
+        """Runner: the callable of a registered step, now running (``None``: unknown or withdrawn)."""
+        entry = self._steps.get(step_id)
+        if entry is None or step_id in self._running:
+            return None
+        fn, handle, standing = entry
+        if not standing:
+            del self._steps[step_id]
+        self._running[step_id] = handle
+        return fn
+
+    def settle(self, step_id: str, result: Any, error: BaseException | None) -> None:
+        """Runner: hand a taken step's outcome to its handle."""
+        handle = self._running.pop(step_id, None)
+        if handle is not None:
+            handle._settle(result, error)
+
+    def _withdraw(self, step_id: str) -> None:
+        self._steps.pop(step_id, None)
+
+    def __len__(self) -> int:
+        return len(self._steps) + sum(1 for s in self._running if s not in self._steps)

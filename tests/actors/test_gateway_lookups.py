@@ -1,0 +1,167 @@
+"""Prompt-cache lookups run while a request waits for its turn, never inside one; their leases never leak."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+from actors.gateway import BackgroundSteps, Gateway, InlineExecutor, TurnRunner
+from actors.runtime import Actor, ActorSystem, Context, Inbox, MailboxClosed, Supervision
+from messages import Body, Envelope, Release, Take, TakeResult
+from messages.gateway import (
+    AdmissionReply,
+    CancelGeneration,
+    DoneEvent,
+    Generate,
+    GenerationParams,
+    RunWhenIdle,
+    TurnDone,
+)
+
+from .gateway_scenarios import ScriptedBackend
+
+pytestmark = pytest.mark.anyio
+
+
+class SlowPromptCache(Actor):
+    """A prompt cache that holds every ``Take`` until the test answers it (``answer``), always with a hit."""
+
+    def __init__(self) -> None:
+        self.pending: list[Envelope] = []
+        self.takes = 0
+        self.released: list[str] = []
+        self.ctx: Context | None = None
+
+    async def started(self, ctx: Context) -> None:
+        """Keep the context so the test can answer from outside."""
+        self.ctx = ctx
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Hold lookups; record releases."""
+        body = envelope.body
+        if isinstance(body, Take):
+            self.takes += 1
+            self.pending.append(envelope)
+        elif isinstance(body, Release):
+            self.released.append(body.lease_id)
+
+    async def answer(self) -> str:
+        """Answer the oldest held lookup (waiting for one) with a hit on 2 tokens; its lease id."""
+        assert self.ctx is not None
+        await _until(lambda: bool(self.pending))
+        envelope = self.pending.pop(0)
+        lease = f"lease-{self.takes}-{len(self.pending)}"
+        await self.ctx.reply(envelope, TakeResult(lease_id=lease, handle="h", cached_tokens=2, entry_tokens=2))
+        return lease
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(2000):
+        if check():
+            return
+        await anyio.sleep(0.005)
+    raise AssertionError("not reached within 10 s")
+
+
+async def _stream(inbox: Inbox) -> list[Body]:
+    out: list[Body] = []
+    with anyio.fail_after(10):
+        while True:
+            try:
+                out.append((await inbox.receive()).body)
+            except MailboxClosed:
+                return out
+
+
+class _Rig:
+    """Gateway + runner (inline engine, scripted backend) + a slow prompt cache."""
+
+    def __init__(self, system: ActorSystem) -> None:
+        self.system = system
+        self.cache = SlowPromptCache()
+        self.gateway = Gateway(runner="runner", max_queue=2, prompt_cache="cache")
+        self.steps = BackgroundSteps()
+        runner = TurnRunner(
+            gateway="gateway",
+            executor=InlineExecutor(),
+            backend=ScriptedBackend(self.gateway, []),
+            steps=self.steps,
+            prompt_cache="cache",
+        )
+        system.spawn("cache", lambda: self.cache)
+        system.spawn("gateway", lambda: self.gateway, supervision=Supervision("resume"))
+        system.spawn("runner", lambda: runner, supervision=Supervision("resume"))
+
+    async def admit(self, request_id: str, capacity: int = 16) -> Inbox:
+        inbox = self.system.open_inbox(capacity, prefix=f"stream-{request_id}-")
+        request = Generate(
+            request_id=request_id,
+            prompt_tokens=(1, 2, 3, 4, 5),
+            params=GenerationParams(max_tokens=4),
+            stream_to=inbox.address,
+        )
+        reply = await self.system.ask("gateway", request, timeout=5, expect=AdmissionReply)
+        assert reply.accepted, reply
+        return inbox
+
+
+async def test_a_slow_lookup_does_not_hold_the_engine_turn() -> None:
+    """While a request's Take is unanswered no turn is held: a background step is granted and runs meanwhile; the request runs once its lookup answers and releases the lease."""
+    ran: list[str] = []
+    async with ActorSystem() as system:
+        rig = _Rig(system)
+        inbox = await rig.admit("r1")
+        await _until(lambda: len(rig.cache.pending) == 1)
+        rig.steps.add("bg", lambda: ran.append("bg"))
+        with anyio.fail_after(5):
+            done = await system.ask("gateway", RunWhenIdle(step_id="bg"), timeout=5, expect=TurnDone)
+        lookup_still_pending = len(rig.cache.pending)
+        lease = await rig.cache.answer()
+        events = await _stream(inbox)
+        await _until(lambda: rig.cache.released == [lease])
+    assert done.ok
+    assert ran == ["bg"]
+    assert lookup_still_pending == 1
+    final = events[-1]
+    assert isinstance(final, DoneEvent)
+    assert final.finish_reason in ("stop", "length")
+    assert final.usage.cached_tokens == 2
+
+
+async def test_the_next_request_looks_up_while_the_lane_holder_generates() -> None:
+    """A queued request's Take is sent while the request ahead of it still holds the lane, so the lookup overlaps its turns."""
+    async with ActorSystem() as system:
+        rig = _Rig(system)
+        first = await rig.admit("r1", capacity=1)
+        await rig.cache.answer()
+        # NOTE: r1's stream holds one event and is not read: r1 keeps the lane.
+        await _until(lambda: rig.gateway.state.lane_had_turns)
+        second = await rig.admit("r2")
+        await _until(lambda: rig.cache.takes == 2)
+        overlapped = rig.gateway.state.lane == "r1" and rig.gateway.state.turn is not None
+        await rig.cache.answer()
+        first_events = await _stream(first)
+        second_events = await _stream(second)
+    assert overlapped
+    assert isinstance(first_events[-1], DoneEvent)
+    assert isinstance(second_events[-1], DoneEvent)
+    assert len(rig.cache.released) == 2
+
+
+async def test_a_request_cancelled_during_its_lookup_gives_the_lease_back() -> None:
+    """A request cancelled while its Take is outstanding ends cancelled with no turn, and the lease of the late answer is released."""
+    async with ActorSystem() as system:
+        rig = _Rig(system)
+        inbox = await rig.admit("r1")
+        await _until(lambda: len(rig.cache.pending) == 1)
+        await system.tell("gateway", CancelGeneration(request_id="r1"))
+        events = await _stream(inbox)
+        lease = await rig.cache.answer()
+        await _until(lambda: rig.cache.released == [lease])
+        stats = rig.gateway.state.stats
+    assert len(events) == 1
+    assert isinstance(events[0], DoneEvent)
+    assert events[0].finish_reason == "cancelled"
+    assert (stats.request_turns, stats.cancelled) == (0, 1)
