@@ -13,6 +13,9 @@ run on the engine thread.
 
 from __future__ import annotations
 
+import functools
+import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -310,23 +313,113 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    allow_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, ready to generate.
 
     ``add_generation_prompt=True``; ``tools`` and extra keyword arguments go
     to the template. Pure tokenizer work (no MLX): safe off the engine thread.
+
+    Only the template makes control tokens: text in the messages (and in
+    ``tools``) that spells a special token, such as ``<|im_end|>``, is
+    tokenized as the plain text it is, so a message cannot close its own turn
+    and forge another. ``allow_special_tokens=True`` turns that off (the
+    caller trusts its messages).
     """
     kwargs: dict[str, Any] = dict(template_kwargs)
-    if tools is not None:
-        kwargs["tools"] = [dict(t) for t in tools]
-    ids = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, **kwargs
-    )
+    msgs: list[dict[str, Any]] = [dict(m) for m in messages]
+    tool_list = [dict(t) for t in tools] if tools is not None else None
+    pattern = None if allow_special_tokens else _special_pattern(_special_texts(tokenizer))
+    if pattern is not None:
+        escaper = _Escaper(pattern)
+        msgs = [{k: v if k == "role" else escaper.escape(v) for k, v in m.items()} for m in msgs]
+        tool_list = escaper.escape(tool_list)
+        if escaper.texts:
+            if tool_list is not None:
+                kwargs["tools"] = tool_list
+            text = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+            return escaper.encode(tokenizer, str(text))
+    if tool_list is not None:
+        kwargs["tools"] = tool_list
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kwargs)
     if isinstance(ids, Mapping):
         # NOTE: bare transformers tokenizers may return a BatchEncoding.
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def _special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The spellings of the tokenizer's special (control) tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if not isinstance(added, Mapping):
+        return ()
+    return tuple(sorted({str(t.content) for t in added.values()
+                         if getattr(t, "special", False) and str(getattr(t, "content", ""))}))
+
+
+@functools.lru_cache(maxsize=16)
+def _special_pattern(texts: tuple[str, ...]) -> re.Pattern[str] | None:
+    if not texts:
+        return None
+    # NOTE: longest first, so a special that extends another one wins.
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+class _Escaper:
+    """Swaps special-token spellings in message text for placeholders the template passes through.
+
+    A placeholder is a per-call random nonce and an index, in lowercase
+    letters and digits only, so it survives whatever the template does to
+    the text (``tojson``, ``repr``, ``trim``). Message text cannot guess a
+    nonce, and a guessed one would still map back to plain text only.
+    """
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        self._pattern = pattern
+        self._nonce = secrets.token_hex(8)
+        self._marker = re.compile(f"kvtier{self._nonce}s(\\d+)e")
+        self.texts: list[str] = []
+
+    def _placeholder(self, match: re.Match[str]) -> str:
+        self.texts.append(match.group(0))
+        return f"kvtier{self._nonce}s{len(self.texts) - 1}e"
+
+    def escape(self, value: Any) -> Any:
+        """``value`` with every special spelling in its strings replaced (dicts and lists walked)."""
+        if isinstance(value, str):
+            return self._pattern.sub(self._placeholder, value)
+        if isinstance(value, Mapping):
+            return {k: self.escape(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.escape(v) for v in value]
+        return value
+
+    def encode(self, tokenizer: Any, rendered: str) -> list[int]:
+        """Token ids of the rendered prompt: template specials as control tokens, escaped text as text.
+
+        NOTE: added tokens split the text before BPE runs, so encoding the
+        pieces between placeholders on their own gives the ids the whole
+        text would get; each escaped spelling is encoded with special
+        tokens split, as the characters it is made of.
+        """
+        ids: list[int] = []
+        pos = 0
+        for match in self._marker.finditer(rendered):
+            if match.start() > pos:
+                ids += tokenizer.encode(rendered[pos:match.start()], add_special_tokens=False)
+            ids += _encode_plain(tokenizer, self.texts[int(match.group(1))])
+            pos = match.end()
+        if pos < len(rendered):
+            ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
+        return [int(t) for t in ids]
+
+
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as ordinary tokens, never as the special token it spells."""
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False,
+                                             split_special_tokens=True)]
 
 
 # NOTE: plain words that start with a letter, like most replies, so the probe
