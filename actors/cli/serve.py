@@ -83,19 +83,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     else:
         aliases = (config.model, os.path.basename(config.model.rstrip("/")))
-    served: list[bool] = []
-    code = anyio.run(_serve, config, aliases, served, backend="asyncio")
-    if served:
-        # NOTE: the server ran and everything is drained and closed (engine
-        # thread joined, sockets closed). Interpreter finalization can still
-        # abort the process ("terminate called without an active exception",
-        # SIGABRT) when C++ runtimes' thread-local state (MLX streams, BLAS
-        # pools) is torn down after Python's; seen in 2 of 14 e2e runs. Skip
-        # finalization so a graceful stop reliably exits with its own code.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return anyio.run(_serve, config, aliases, backend="asyncio")
 
 
 def _url(host: str, port: int) -> str:
@@ -103,7 +91,7 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-async def _serve(config: EngineConfig, aliases: tuple[str, ...], served: list[bool]) -> int:
+async def _serve(config: EngineConfig, aliases: tuple[str, ...]) -> int:
     import structlog
 
     from actors.engine import Engine
@@ -130,7 +118,6 @@ async def _serve(config: EngineConfig, aliases: tuple[str, ...], served: list[bo
         except Exception as exc:  # noqa: BLE001 - report any construction failure as a startup error
             print(f"kvtier serve: cannot configure the engine: {exc}", file=sys.stderr)
             return 1
-        served.append(True)
         try:
             await engine.start()
         except Exception as exc:  # noqa: BLE001 - a model that fails to load is a startup error
