@@ -8,6 +8,7 @@ import pytest
 
 from actors.engine import Engine, GenerationParams
 from kernels import render_chat
+from tests.chat_templates import thinking_tokenizer
 from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -103,3 +104,28 @@ async def test_a_reply_sent_back_differently_still_hits(arch: str, snapshot: boo
         assert second.usage.cached_tokens == 0
         assert stats["misses"] == 2
     assert stats["bytes"] <= stats["cap_bytes"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_a_thinking_template_still_reuses_the_prompt(arch: str) -> None:
+    """With a template whose generation prompt opens a <think> block that history never
+    renders again, turn 2 reuses turn 1's prompt up to that opener, for untrimmable caches
+    too: the snapshot is taken at the probed stable boundary, not at the prompt's end."""
+    tok = thinking_tokenizer()
+    p1 = render_chat(tok, TURN1)
+    opener = len(tok.encode("<think>\n", add_special_tokens=False))
+    async with Engine.from_loaded(
+        _model(arch, tok), tok, model_id=arch, prompt_cache_bytes=1 << 26, snapshot_min_new_tokens=1
+    ) as engine:
+        first = await engine.complete(TURN1, PARAMS)
+        turn2 = [
+            *TURN1,
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "and another one"},
+        ]
+        second = await engine.complete(turn2, PARAMS)
+    p2 = render_chat(tok, turn2)
+    point = len(p1) - opener
+    assert p2[:point] == p1[:point]
+    assert p2[point] != p1[point]
+    assert second.usage.cached_tokens == point
