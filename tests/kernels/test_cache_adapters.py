@@ -32,7 +32,7 @@ WINDOW = 8
 
 
 def _forward(model: Any, tokens: list[int], cache: list[Any]) -> mx.array:
-    logits = model(mx.array([tokens]), cache=cache)
+    logits: mx.array = model(mx.array([tokens]), cache=cache)
     mx.eval(logits, *cache_arrays(cache))
     return logits
 
@@ -120,7 +120,7 @@ def test_unknown_cache_class_is_an_error_not_a_route() -> None:
     class MyKV(KVCache):
         pass
 
-    for cache in (ChunkedKVCache(16), MyKV(), object()):
+    for cache in (ChunkedKVCache(16), MyKV(), object()):  # type: ignore[no-untyped-call]
         with pytest.raises(UnsupportedCacheKind):
             cache_signature(cache)
         with pytest.raises(UnsupportedCacheKind):

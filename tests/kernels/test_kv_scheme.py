@@ -116,11 +116,11 @@ def test_convert_matches_mlx_lm_and_skips_other_kinds() -> None:
     assert [type(c) for c in gemma] == [RotatingKVCache, RotatingKVCache, QuantizedKVCache]
     state = _prefill(tiny_mamba(), 6)
     assert convert_caches(state, KV8) == 0
-    grouped = [CacheList(*_prefill(model, 4))]
+    grouped = [CacheList(*_prefill(model, 4))]  # type: ignore[no-untyped-call]
     assert convert_caches(grouped, KV8) == 0  # mlx-lm leaves CacheList alone too
     assert type(grouped[0]) is CacheList
     with pytest.raises(UnsupportedCacheKind):
-        convert_caches([ChunkedKVCache(16)], KV8)
+        convert_caches([ChunkedKVCache(16)], KV8)  # type: ignore[no-untyped-call]
 
 
 def test_conversion_frees_each_layer_before_the_next() -> None:
@@ -244,7 +244,7 @@ def test_check_kv_scheme_refuses_what_conversion_would_fail() -> None:
         """A model whose cache class kvtier has no adapter for."""
 
         def make_cache(self) -> list[Any]:
-            return [ChunkedKVCache(16)]
+            return [ChunkedKVCache(16)]  # type: ignore[no-untyped-call]
 
     with pytest.raises(InvalidKvScheme, match="ChunkedKVCache"):
         check_kv_scheme(ChunkedModel(), KV8)
