@@ -153,6 +153,16 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _count_first(cls, v: Any) -> Any:
+        # NOTE: before the items are validated: refusing 100,000 messages must
+        # not cost building 100,000 models first (pydantic checks max_length
+        # after the items).
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(v)}")
+        return v
+
     @field_validator("response_format")
     @classmethod
     def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
