@@ -5,6 +5,14 @@ from __future__ import annotations
 from ._base import Body, Request
 from ._envelope import EXTERNAL, Envelope, EnvelopeRecord, envelope_from_json, envelope_to_json
 from ._union import AnyBody, body_adapter, body_classes, parse_body
+from .durability import (
+    DurabilityStats,
+    DurabilityStatsRequest,
+    Flush,
+    FlushResult,
+    Schedule,
+    Wake,
+)
 from .prompt_cache import (
     EntryMeta,
     EntryRole,
@@ -58,6 +66,8 @@ __all__ = [
     "Covers",
     "CoversResult",
     "DrainSpills",
+    "DurabilityStats",
+    "DurabilityStatsRequest",
     "Enqueue",
     "EntryMeta",
     "EntryRole",
@@ -67,6 +77,8 @@ __all__ = [
     "Failure",
     "Find",
     "FindResult",
+    "Flush",
+    "FlushResult",
     "GetTotal",
     "ObservePrefill",
     "Ping",
@@ -83,6 +95,7 @@ __all__ = [
     "RestoreChoice",
     "RestoreReport",
     "RestoreResult",
+    "Schedule",
     "SpaceReserved",
     "SpillOutcome",
     "SpillQueueStats",
@@ -97,6 +110,7 @@ __all__ = [
     "Take",
     "TakeResult",
     "Total",
+    "Wake",
     "Work",
     "WorkDone",
     "WriteCommitted",

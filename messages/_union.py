@@ -29,6 +29,7 @@ _MODULES: tuple[str, ...] = (
     "messages.prompt_cache",
     "messages.spill_queue",
     "messages.ssd_writer",
+    "messages.durability",
 )
 
 

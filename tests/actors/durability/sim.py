@@ -1,0 +1,543 @@
+"""The durability protocol in the simulated runtime: scripted fakes, seeded faults, checks.
+
+One run (:func:`flush_protocol`) spawns the real ``DurabilityCoordinator``
+and the real ``SpillQueue`` between scripted fakes:
+
+- the scenario itself plays the prompt cache: it puts entries (RAM handles
+  in :class:`FakeRegistry`), replaces and supersedes them, evicts them
+  (disposed, or spilled through the queue) and tells the coordinator
+  ``Schedule`` for every put;
+- :class:`FakeGateway` grants ``RunWhenIdle`` turns (running the registered
+  clone step), or answers ``expired`` when "busy", sometimes late, and
+  sometimes reports a turn failed after the step ran;
+- :class:`FakeWriter` answers ``Covers`` / ``SsdStatsRequest`` from
+  :class:`FakeDisk` and ``Store`` after a seeded delay, failing it
+  (``fsync_failed``, ``io_error``, ``disk_full``), crashing (its handler
+  raises), or evicting another file for room.
+
+Time moves only when the scenario moves it (and by the runtime's tick per
+delivery); the coordinator's alarm is a :class:`SimAlarm` the scenario fires.
+
+Checks (``World.check_*``): ``durable`` implies every prefix dirty at the
+flush's start is covered on disk when it answers; no dirty record is ever
+lost (a record leaves the coordinator only when its prefix was on disk at
+some time after its latest put); no record version is snapshotted twice in
+one flush; no clone leaks or is disposed twice; and with faults off, a
+final flush writes everything RAM still holds and is durable exactly when
+no prefix gone from RAM is left uncovered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.durability import DurabilityConfig, DurabilityState, spawn_durability
+from actors.runtime import (
+    Actor,
+    Context,
+    ManualClock,
+    SimulatedSystem,
+    Supervision,
+)
+from actors.spill_queue import spawn_spill_queue
+from messages import (
+    Covers,
+    CoversResult,
+    Enqueue,
+    EntryMeta,
+    Envelope,
+    Ping,
+    SsdStatsRequest,
+    Store,
+    StoreResult,
+)
+from messages.durability import (
+    DurabilityStats,
+    DurabilityStatsRequest,
+    Flush,
+    FlushResult,
+    Schedule,
+)
+from messages.gateway import RunWhenIdle, TurnDone
+
+from .support import ssd_stats
+
+Key = tuple[str, tuple[int, ...]]
+
+
+# --- the RAM side ---------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    namespace: str
+    tokens: tuple[int, ...]
+    meta: EntryMeta
+    root: str
+    """The RAM handle a clone was made from (itself for a RAM handle)."""
+
+
+class FakeRegistry:
+    """RAM handles and their clones (the coordinator's Cloner, the queue's releaser)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.live: dict[str, _Entry] = {}
+        self.cached: set[str] = set()
+        """RAM handles the (scripted) prompt cache still owns: not disposed, not spilled."""
+        self.clones: list[tuple[float, str]] = []
+        self.double_disposals = 0
+        self._ids = itertools.count(1)
+
+    def put(self, namespace: str, tokens: tuple[int, ...], meta: EntryMeta) -> str:
+        """Register a RAM entry; its handle."""
+        handle = f"ram-{next(self._ids)}"
+        self.live[handle] = _Entry(namespace, tokens, meta, handle)
+        self.cached.add(handle)
+        return handle
+
+    def clone(self, handle: str) -> tuple[str, EntryMeta] | None:
+        """Cloner.clone: a new handle onto the same entry, or None when it is gone."""
+        entry = self.live.get(handle)
+        if entry is None:
+            return None
+        clone = f"clone-{next(self._ids)}"
+        self.live[clone] = _Entry(entry.namespace, entry.tokens, entry.meta, entry.root)
+        self.clones.append((self.clock.now(), entry.root))
+        return clone, entry.meta
+
+    def dispose(self, handle: str) -> None:
+        """Cloner.dispose / HandleReleaser.dispose: forget the handle (KeyError if unknown)."""
+        if self.live.pop(handle, None) is None:
+            self.double_disposals += 1
+            raise KeyError(handle)
+
+    def ram_handles(self) -> list[str]:
+        """Handles the prompt cache owns, in creation order."""
+        return [h for h in self.live if h in self.cached]
+
+    def give_up(self, handle: str) -> None:
+        """The prompt cache lets go of ``handle`` (disposed, or spilled to the queue)."""
+        self.cached.remove(handle)
+
+
+# --- the disk -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _File:
+    trimmable: bool
+    min_reusable: int
+
+
+def _covers(files: dict[Key, _File], key: Key) -> bool:
+    """The SSD index's rule: the exact tokens, or a trimmable descendant that may be cut to them."""
+    if key in files:
+        return True
+    ns, tokens = key
+    n = len(tokens)
+    return any(
+        fns == ns and len(ft) > n and f.trimmable and f.min_reusable <= n and ft[:n] == tokens
+        for (fns, ft), f in files.items()
+    )
+
+
+class FakeDisk:
+    """Committed files and the history of every change (to ask "covered at time t?")."""
+
+    def __init__(self) -> None:
+        self.files: dict[Key, _File] = {}
+        self.history: list[tuple[float, str, Key, _File | None]] = []
+
+    def commit(self, key: Key, file: _File, now: float) -> None:
+        """A new file: replaces its duplicate, supersedes the ancestors it serves (as the index)."""
+        if file.trimmable:
+            ns, tokens = key
+            for other in [k for k in self.files if k[0] == ns and len(k[1]) < len(tokens)]:
+                if tokens[: len(other[1])] == other[1] and file.min_reusable <= len(other[1]):
+                    self.remove(other, now)
+        self.files[key] = file
+        self.history.append((now, "add", key, file))
+
+    def remove(self, key: Key, now: float) -> None:
+        """A file leaves the index (superseded or evicted)."""
+        del self.files[key]
+        self.history.append((now, "remove", key, None))
+
+    def covers(self, key: Key) -> bool:
+        """Whether the index covers ``key`` now."""
+        return _covers(self.files, key)
+
+    def covered_between(self, key: Key, start: float, end: float) -> bool:
+        """Whether ``key`` was covered at some time in [start, end].
+
+        The state at time t is the one after every change made at or before t.
+        """
+        files: dict[Key, _File] = {}
+        seen_start = False
+        for at, group in itertools.groupby(self.history, key=lambda change: change[0]):
+            if at > start and not seen_start:
+                seen_start = True
+                if _covers(files, key):  # NOTE: the state at ``start``.
+                    return True
+            if at > end:
+                return False
+            for _, op, k, f in group:
+                if op == "add":
+                    assert f is not None
+                    files[k] = f
+                else:
+                    files.pop(k, None)
+            if at >= start:
+                seen_start = True
+                if _covers(files, key):
+                    return True
+        return not seen_start and _covers(files, key)
+
+    def covered_at(self, key: Key, at: float) -> bool:
+        """Whether ``key`` was covered at time ``at``."""
+        return self.covered_between(key, at, at)
+
+
+# --- faults ---------------------------------------------------------------------
+
+
+@dataclass
+class Faults:
+    """Per-run fault probabilities (all zero once ``off()``)."""
+
+    store_fail: float = 0.0
+    crash: float = 0.0
+    slow: float = 0.0
+    evict: float = 0.0
+    busy: float = 0.0
+    late_turn: float = 0.0
+    turn_failed: float = 0.0
+
+    def off(self) -> None:
+        """No more faults."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0.0)
+
+
+@dataclass
+class World:
+    """Everything a run shares: the fakes' state, the fault dice, the script's log."""
+
+    rng: random.Random
+    clock: ManualClock
+    faults: Faults
+    registry: FakeRegistry
+    disk: FakeDisk = field(default_factory=FakeDisk)
+    steps: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    scheduled: dict[Key, float] = field(default_factory=dict)
+    results: list[FlushResult] = field(default_factory=list)
+    state: DurabilityState | None = None
+
+    def roll(self, p: float) -> bool:
+        """True with probability ``p`` (the run's seeded dice)."""
+        return p > 0 and self.rng.random() < p
+
+    # -- checks ---------------------------------------------------------------
+
+    def check_nothing_lost(self, now: float) -> None:
+        """Every key ever put is still dirty, or was on disk at some time after its latest put."""
+        assert self.state is not None
+        for key, at in self.scheduled.items():
+            if key in self.state.records:
+                continue
+            assert self.disk.covered_between(key, at, now), f"dirty record lost: {key}"
+
+    def check_flush(self, result: FlushResult, scheduled_before: dict[Key, float]) -> None:
+        """``durable`` => every prefix dirty at the flush's start is on disk when it answered;
+        and no version was snapshotted twice during the flush."""
+        if result.durable:
+            for key, at in scheduled_before.items():
+                if self.disk.covered_between(key, at, result.started_at):
+                    continue  # NOTE: already on disk after its latest put: not dirty.
+                assert self.disk.covered_at(key, result.finished_at), (
+                    f"durable, but {key} is not on disk"
+                )
+        window = [
+            root
+            for at, root in self.registry.clones
+            if result.started_at <= at <= result.finished_at
+        ]
+        assert len(window) == len(set(window)), "a record version was written twice in one flush"
+
+
+class SimAlarm:
+    """The coordinator's alarm in a simulated run: the scenario fires it."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self._wake: Callable[[], None] | None = None
+
+    def set(self, at: float | None, wake: Callable[[], None]) -> None:
+        """Alarm.set."""
+        self.at, self._wake = at, wake
+
+    def fire(self) -> None:
+        """The alarm goes off (the coordinator gets a Wake)."""
+        wake, self.at, self._wake = self._wake, None, None
+        if wake is not None:
+            wake()
+
+
+class SimSteps:
+    """StepRegistry shared by the coordinator (add/discard) and the fake gateway (take)."""
+
+    def __init__(self, world: World) -> None:
+        self._steps = world.steps
+
+    def add(self, step_id: str, fn: Callable[[], Any]) -> object:
+        """StepRegistry.add."""
+        self._steps[step_id] = fn
+        return None
+
+    def discard(self, step_id: str) -> None:
+        """StepRegistry.discard."""
+        self._steps.pop(step_id, None)
+
+
+# --- the fake actors --------------------------------------------------------------
+
+
+class FakeGateway(Actor):
+    """Grants background turns (running the step), or answers ``expired`` when busy."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.delayed: dict[int, tuple[Envelope, int]] = {}
+        self._ids = itertools.count()
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        body = envelope.body
+        w = self.world
+        if isinstance(body, RunWhenIdle):
+            if w.roll(w.faults.late_turn):
+                n = next(self._ids)
+                self.delayed[n] = (envelope, w.rng.randrange(1, 8))
+                await ctx.tell(ctx.name, Ping(n=n))
+                return
+            await self._answer(envelope, ctx)
+        elif isinstance(body, Ping):
+            request, left = self.delayed[body.n]
+            if left > 0:
+                self.delayed[body.n] = (request, left - 1)
+                await ctx.tell(ctx.name, Ping(n=body.n))
+                return
+            del self.delayed[body.n]
+            await self._answer(request, ctx)
+
+    async def _answer(self, envelope: Envelope, ctx: Context) -> None:
+        body = envelope.body
+        assert isinstance(body, RunWhenIdle)
+        w = self.world
+        if body.deadline is not None and w.roll(w.faults.busy):
+            w.steps.pop(body.step_id, None)
+            done = TurnDone(step_id=body.step_id, ok=False, error_code="expired")
+        else:
+            fn = w.steps.pop(body.step_id, None)
+            if fn is None:
+                done = TurnDone(step_id=body.step_id, ok=False, error_code="unknown_step")
+            else:
+                fn()
+                failed = w.roll(w.faults.turn_failed)
+                done = TurnDone(
+                    step_id=body.step_id, ok=not failed, error_code="turn_failed" if failed else ""
+                )
+        await ctx.reply(envelope, done)
+
+
+class FakeWriter(Actor):
+    """The SSD index and store worker in one: Covers/SsdStats at once, Store after a delay."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.delayed: dict[int, tuple[Envelope, int]] = {}
+        self._ids = itertools.count()
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        body = envelope.body
+        w = self.world
+        if w.roll(w.faults.crash) and not isinstance(body, Ping):
+            raise RuntimeError("the writer crashed")
+        if isinstance(body, Covers):
+            covered = w.disk.covers((body.namespace, body.tokens))
+            await ctx.reply(envelope, CoversResult(covered=covered))
+        elif isinstance(body, SsdStatsRequest):
+            longest = max((len(k[1]) for k in w.disk.files), default=0)
+            await ctx.reply(envelope, ssd_stats(len(w.disk.files), longest))
+        elif isinstance(body, Store):
+            if w.roll(w.faults.slow):
+                n = next(self._ids)
+                self.delayed[n] = (envelope, w.rng.randrange(1, 12))
+                await ctx.tell(ctx.name, Ping(n=n))
+                return
+            await self._store(envelope, ctx)
+        elif isinstance(body, Ping):
+            request, left = self.delayed[body.n]
+            if left > 0:
+                self.delayed[body.n] = (request, left - 1)
+                await ctx.tell(ctx.name, Ping(n=body.n))
+                return
+            del self.delayed[body.n]
+            await self._store(request, ctx)
+
+    async def _store(self, envelope: Envelope, ctx: Context) -> None:
+        body = envelope.body
+        assert isinstance(body, Store)
+        w = self.world
+        now = ctx.clock.now()
+        if w.roll(w.faults.store_fail):
+            reason = w.rng.choice(("fsync_failed", "io_error", "disk_full"))
+            await ctx.reply(envelope, StoreResult(handle=body.handle, stored=False, reason=reason))
+            return
+        key = (body.namespace, body.tokens)
+        others = [k for k in w.disk.files if k != key]
+        if others and w.roll(w.faults.evict):
+            w.disk.remove(w.rng.choice(others), now)
+        meta = body.meta
+        w.disk.commit(key, _File(meta.trimmable, meta.min_reusable_offset), now)
+        await ctx.reply(envelope, StoreResult(handle=body.handle, stored=True))
+
+
+# --- the scenario -----------------------------------------------------------------
+
+
+def _faults(rng: random.Random) -> Faults:
+    level = rng.choice((0.0, 0.1, 0.25, 0.5))
+    return Faults(
+        store_fail=level * rng.random(),
+        crash=level * rng.random() * 0.3,
+        slow=level * rng.random() * 2,
+        evict=level * rng.random() * 0.5,
+        busy=level * rng.random() * 2,
+        late_turn=level * rng.random(),
+        turn_failed=level * rng.random() * 0.3,
+    )
+
+
+async def flush_protocol(
+    system: SimulatedSystem, *, seed: int, actions: int = 8, sink: list[World] | None = None
+) -> None:
+    """One seeded run: puts, evictions, time passing and flushes under faults, then a final flush."""
+    rng = random.Random(seed)
+    clock = system.clock
+    assert isinstance(clock, ManualClock)
+    world = World(rng, clock, _faults(rng), FakeRegistry(clock))
+    if sink is not None:
+        sink.append(world)
+    config = DurabilityConfig(
+        max_attempts=rng.choice((1, 2, 3)),
+        reply_timeout_s=rng.choice((2.0, 6.0, 30.0)),
+        max_records=10_000,
+    )
+    world.state = DurabilityState(config=config)
+    alarm = SimAlarm()
+    forever = Supervision("resume", max_restarts=1_000_000, within=1.0)
+    system.spawn("gateway", lambda: FakeGateway(world), capacity=256, supervision=forever)
+    system.spawn("ssd_writer", lambda: FakeWriter(world), capacity=256, supervision=forever)
+    spawn_spill_queue(system, releaser=world.registry, cap_bytes=rng.choice((0, 250, 10_000)))
+    coord = spawn_durability(
+        system, cloner=world.registry, steps=SimSteps(world), alarm=alarm, state=world.state
+    )
+    conversations: list[Key] = []
+    counter = itertools.count(100)
+
+    async def put(key: Key, trimmable: bool) -> None:
+        ns, tokens = key
+        n = len(tokens)
+        meta = EntryMeta(
+            offset=n,
+            nbytes=rng.randrange(50, 200),
+            trimmable=trimmable,
+            min_reusable_offset=rng.randrange(0, n + 1) if trimmable else n,
+        )
+        for handle in world.registry.ram_handles():
+            entry = world.registry.live[handle]
+            same = (entry.namespace, entry.tokens) == key
+            # NOTE: the prompt cache's Put: a duplicate is replaced, ancestors a
+            # trimmable descendant serves are superseded (both disposed).
+            ancestor = (
+                trimmable
+                and entry.namespace == ns
+                and len(entry.tokens) < n
+                and tokens[: len(entry.tokens)] == entry.tokens
+                and meta.min_reusable_offset <= len(entry.tokens)
+            )
+            if same or ancestor:
+                world.registry.give_up(handle)
+                world.registry.dispose(handle)
+        handle = world.registry.put(ns, tokens, meta)
+        world.scheduled[key] = clock.now()
+        await coord.tell(Schedule(namespace=ns, tokens=tokens, handle=handle))
+        conversations.append(key)
+
+    async def flush() -> None:
+        before = dict(world.scheduled)
+        result = await coord.ask(Flush(), timeout=60.0, expect=FlushResult)
+        world.results.append(result)
+        world.check_flush(result, before)
+        world.check_nothing_lost(clock.now())
+
+    for _ in range(actions):
+        action = rng.choices(("put", "evict", "time", "flush"), (45, 15, 25, 15))[0]
+        if action == "put":
+            ns = rng.choice(("", "b"))
+            trimmable = ns == ""
+            extend = [k for k in conversations if k[0] == ns]
+            if extend and rng.random() < 0.6:
+                base = rng.choice(extend)
+                grow = rng.choice((0, 1, 2))  # NOTE: 0 re-puts the same tokens.
+                key = (ns, base[1] + tuple(rng.randrange(8) for _ in range(grow)))
+            else:
+                key = (ns, (next(counter), *(rng.randrange(8) for _ in range(rng.randrange(1, 3)))))
+            await put(key, trimmable)
+        elif action == "evict":
+            handles = world.registry.ram_handles()
+            if handles:
+                handle = rng.choice(handles)
+                entry = world.registry.live[handle]
+                world.registry.give_up(handle)
+                if rng.random() < 0.5:
+                    world.registry.dispose(handle)
+                else:
+                    await system.tell(
+                        "spill_queue",
+                        Enqueue(
+                            handle=handle,
+                            namespace=entry.namespace,
+                            tokens=entry.tokens,
+                            meta=entry.meta,
+                            source="evict",
+                        ),
+                    )
+        elif action == "time":
+            step = rng.choice((0.3, 1.1, 5.5))
+            if alarm.at is not None and rng.random() < 0.7:
+                step = max(alarm.at - clock.now(), 0.0)
+            clock.advance(step)
+            if alarm.at is not None and alarm.at <= clock.now():
+                alarm.fire()
+        else:
+            await flush()
+        await coord.ask(DurabilityStatsRequest(), timeout=60.0, expect=DurabilityStats)
+    world.check_nothing_lost(clock.now())
+
+    # NOTE: faults off, then one more flush: everything RAM holds must reach disk.
+    world.faults.off()
+    await flush()
+    final = world.results[-1]
+    assert (final.pending, final.dropped, final.failed, final.lost) == (0, 0, 0, 0), final
+    assert final.durable == (final.uncovered == 0), final
+    for key, rec in world.state.records.items():
+        # NOTE: what is left dirty is gone from RAM and not on disk: nothing could write it.
+        assert rec.missing, key
+        assert rec.handle not in world.registry.live, key
+        assert not world.disk.covers(key), key
