@@ -29,6 +29,7 @@ from kernels._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
 
 from ._detokenize import TextStream
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
+from ._token_cache import piece_encoder
 
 __all__ = [
     "CacheHook",
@@ -343,11 +344,10 @@ def render_chat(
             return escaper.encode(tokenizer, str(text))
     if tool_list is not None:
         kwargs["tools"] = tool_list
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kwargs)
-    if isinstance(ids, Mapping):
-        # NOTE: bare transformers tokenizers may return a BatchEncoding.
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+    # NOTE: what ``tokenize=True`` would return, with the unchanged pieces of
+    # the conversation (split at control tokens) taken from a cache.
+    return piece_encoder(tokenizer).encode(str(text))
 
 
 def _special_texts(tokenizer: Any) -> tuple[str, ...]:
@@ -408,11 +408,11 @@ class _Escaper:
         pos = 0
         for match in self._marker.finditer(rendered):
             if match.start() > pos:
-                ids += tokenizer.encode(rendered[pos:match.start()], add_special_tokens=False)
+                ids += piece_encoder(tokenizer).encode(rendered[pos:match.start()])
             ids += _encode_plain(tokenizer, self.texts[int(match.group(1))])
             pos = match.end()
         if pos < len(rendered):
-            ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
+            ids += piece_encoder(tokenizer).encode(rendered[pos:])
         return [int(t) for t in ids]
 
 
