@@ -10,7 +10,15 @@ from __future__ import annotations
 from . import core
 from .actor import DURABILITY_ADDRESS, DurabilityCoordinator, DurabilityTargets, spawn_durability
 from .core import DurabilityConfig, DurabilityState
-from .ports import Alarm, Cloner, CloneSlot, LoopAlarm, RegistryCloner, StepRegistry
+from .ports import (
+    Alarm,
+    Cloner,
+    CloneSlot,
+    GatewaySteps,
+    LoopAlarm,
+    RegistryCloner,
+    StepRegistry,
+)
 
 __all__ = [
     "DURABILITY_ADDRESS",
@@ -21,6 +29,7 @@ __all__ = [
     "DurabilityCoordinator",
     "DurabilityState",
     "DurabilityTargets",
+    "GatewaySteps",
     "LoopAlarm",
     "RegistryCloner",
     "StepRegistry",

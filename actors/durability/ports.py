@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from actors.gateway import BackgroundSteps, StepHandle
 from actors.runtime import Clock
 from kernels.cache import CacheRegistry, UnknownCacheHandle
 from messages import EntryMeta
@@ -31,6 +32,7 @@ __all__ = [
     "Alarm",
     "CloneSlot",
     "Cloner",
+    "GatewaySteps",
     "LoopAlarm",
     "RegistryCloner",
     "StepRegistry",
@@ -135,6 +137,26 @@ class StepRegistry(Protocol):
     def discard(self, step_id: str) -> None:
         """Forget ``step_id``: if it has not run yet, it never will (no error if unknown)."""
         ...
+
+
+class GatewaySteps:
+    """:class:`StepRegistry` over the turn runner's ``BackgroundSteps`` (``actors.gateway``)."""
+
+    def __init__(self, steps: BackgroundSteps) -> None:
+        self._steps = steps
+        self._handles: dict[str, StepHandle[Any]] = {}
+
+    def add(self, step_id: str, fn: Callable[[], Any]) -> object:
+        """See :meth:`StepRegistry.add`."""
+        handle = self._steps.add(step_id, fn)
+        self._handles[step_id] = handle
+        return handle
+
+    def discard(self, step_id: str) -> None:
+        """See :meth:`StepRegistry.discard`."""
+        handle = self._handles.pop(step_id, None)
+        if handle is not None:
+            handle.withdraw()
 
 
 class Alarm(Protocol):

@@ -38,12 +38,13 @@ from typing import Any
 from actors.durability import DurabilityConfig, DurabilityState, spawn_durability
 from actors.runtime import (
     Actor,
+    Clock,
     Context,
     ManualClock,
     SimulatedSystem,
     Supervision,
 )
-from actors.spill_queue import spawn_spill_queue
+from actors.spill_queue import QueueState, SpillQueue
 from messages import (
     Covers,
     CoversResult,
@@ -84,7 +85,7 @@ class _Entry:
 class FakeRegistry:
     """RAM handles and their clones (the coordinator's Cloner, the queue's releaser)."""
 
-    def __init__(self, clock: ManualClock) -> None:
+    def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.live: dict[str, _Entry] = {}
         self.cached: set[str] = set()
@@ -229,7 +230,7 @@ class World:
     """Everything a run shares: the fakes' state, the fault dice, the script's log."""
 
     rng: random.Random
-    clock: ManualClock
+    clock: Clock
     faults: Faults
     registry: FakeRegistry
     disk: FakeDisk = field(default_factory=FakeDisk)
@@ -237,6 +238,13 @@ class World:
     scheduled: dict[Key, float] = field(default_factory=dict)
     results: list[FlushResult] = field(default_factory=list)
     state: DurabilityState | None = None
+    notify: Callable[[str], None] | None = None
+    """Told "committed" / "expired" when the writer commits / the gateway answers busy."""
+
+    def note(self, what: str) -> None:
+        """Tell ``notify`` (real-runtime tests wait on it)."""
+        if self.notify is not None:
+            self.notify(what)
 
     def roll(self, p: float) -> bool:
         """True with probability ``p`` (the run's seeded dice)."""
@@ -341,6 +349,7 @@ class FakeGateway(Actor):
         if body.deadline is not None and w.roll(w.faults.busy):
             w.steps.pop(body.step_id, None)
             done = TurnDone(step_id=body.step_id, ok=False, error_code="expired")
+            w.note("expired")
         else:
             fn = w.steps.pop(body.step_id, None)
             if fn is None:
@@ -404,6 +413,7 @@ class FakeWriter(Actor):
             w.disk.remove(w.rng.choice(others), now)
         meta = body.meta
         w.disk.commit(key, _File(meta.trimmable, meta.min_reusable_offset), now)
+        w.note("committed")
         await ctx.reply(envelope, StoreResult(handle=body.handle, stored=True))
 
 
@@ -443,7 +453,8 @@ async def flush_protocol(
     forever = Supervision("resume", max_restarts=1_000_000, within=1.0)
     system.spawn("gateway", lambda: FakeGateway(world), capacity=256, supervision=forever)
     system.spawn("ssd_writer", lambda: FakeWriter(world), capacity=256, supervision=forever)
-    spawn_spill_queue(system, releaser=world.registry, cap_bytes=rng.choice((0, 250, 10_000)))
+    queue = QueueState(cap_bytes=rng.choice((0, 250, 10_000)))
+    system.spawn("spill_queue", lambda: SpillQueue(state=queue, releaser=world.registry))
     coord = spawn_durability(
         system, cloner=world.registry, steps=SimSteps(world), alarm=alarm, state=world.state
     )
