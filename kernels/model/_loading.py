@@ -227,6 +227,10 @@ def resolve_model_path(path_or_hf_id: str | Path) -> Path:
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{p} is not an mlx-lm model directory (no config.json)")
         return p.resolve()
+    if _is_local_path(path_or_hf_id):
+        # NOTE: a path is never a Hub id; the Hub's "repo id must be ..." message
+        # would hide the real problem (a typo, a missing mount).
+        raise ModelLoadError(f"model directory not found: {p}")
     from mlx_lm.utils import _download
 
     try:
@@ -236,6 +240,20 @@ def resolve_model_path(path_or_hf_id: str | Path) -> Path:
     if not (local / "config.json").is_file():
         raise ModelLoadError(f"{path_or_hf_id!r} resolved to {local}, which has no config.json")
     return local
+
+
+def _is_local_path(path_or_hf_id: str | Path) -> bool:
+    """Whether the name can only be a filesystem path (a Hub id is ``name`` or ``owner/name``)."""
+    if isinstance(path_or_hf_id, Path):
+        return True
+    s = path_or_hf_id
+    if s.startswith(("/", "./", "../", "~", ".\\")) or s in (".", "..") or s.endswith("/"):
+        return True
+    if s.count("/") > 1 or "\\" in s:
+        return True
+    head, sep, _ = s.partition("/")
+    # NOTE: "models/smol" with a local ./models directory is a path with a typo.
+    return bool(sep) and Path(head).expanduser().is_dir()
 
 
 def load_model(path_or_hf_id: str | Path, *, lazy: bool = False) -> LoadedModel:
