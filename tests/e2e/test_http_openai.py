@@ -298,3 +298,52 @@ def test_prompt_over_a_limit_is_400_before_admission(server: ServerProcess, clie
     r = client.chat.completions.create(model="default", messages=STORY, max_tokens=2)
     assert r.usage is not None
     assert r.usage.completion_tokens == 2
+
+
+def test_top_k_over_vocabulary_is_400_and_sampling_keeps_working(server: ServerProcess) -> None:
+    """top_k past the vocabulary is a 400 naming top_k; unseeded sampled requests before and after it succeed."""
+
+    def chat(**fields: Any) -> httpx.Response:
+        body = {"messages": STORY, "max_tokens": 4, **fields}
+        return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=_auth(),
+                          timeout=60)
+
+    assert chat(temperature=0.7).status_code == 200
+    for top_k in (1_000_000, 10**30):
+        refused = chat(temperature=0.8, top_k=top_k)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "top_k"
+    at_vocab = chat(temperature=0.8, top_k=49152)
+    assert at_vocab.status_code == 200, at_vocab.text
+    for _ in range(3):
+        again = chat(temperature=0.7)
+        assert again.status_code == 200, again.text
+
+
+def test_small_http_contract_points(server: ServerProcess) -> None:
+    """HEAD /health is 200, a trailing slash is served (no 307), strict types are 400, errors carry X-Request-Id."""
+    head = httpx.head(f"{server.url}/health", timeout=10)
+    assert head.status_code == 200
+    slash = httpx.post(f"{server.url}/v1/chat/completions/", headers=_auth(), timeout=60,
+                       json={"messages": STORY, "max_tokens": 2})
+    assert slash.status_code == 200, slash.text
+    assert slash.json()["object"] == "chat.completion"
+    for field, value in (("max_tokens", "10"), ("max_tokens", True), ("stream", "yes")):
+        r = httpx.post(f"{server.url}/v1/chat/completions", headers=_auth(), timeout=30,
+                       json={"messages": STORY, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field
+        assert r.headers["x-request-id"].startswith("req-")
+
+
+def test_oversized_body_written_before_reading_gets_413(server: ServerProcess) -> None:
+    """urllib writes the whole oversized body before reading: it still receives the OpenAI 413."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{server.url}/v1/chat/completions", method="POST",
+                                 data=b"x" * (4 * 1024 * 1024), headers=_auth())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 413
+    assert json.loads(info.value.read())["error"]["code"] == "request_too_large"

@@ -363,3 +363,20 @@ def test_connection_cap_stays_below_the_descriptor_limit() -> None:
 def test_exposure_warning(host: str, key: str | None, warns: bool) -> None:
     """Binding beyond loopback without an API key is warned about; loopback or a key is not."""
     assert (exposure_warning(host, key) is not None) == warns
+
+
+def test_serve_warns_on_an_exposed_bind_and_names_a_missing_model_dir(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvtier serve on 0.0.0.0 without a key warns loudly; a missing --model path is 'model directory not found'."""
+    import actors.runtime
+    from actors.cli import main
+
+    # NOTE: keep the process-wide structlog setup untouched for the rest of the suite.
+    monkeypatch.setattr(actors.runtime, "configure_logging", lambda *a, **k: None)
+    monkeypatch.delenv("KVTIER_API_KEY", raising=False)
+    rc = main(["serve", "--model", "/nonexistent/kvtier-model", "--host", "0.0.0.0",
+               "--port", "0", "--prompt-cache", "0"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "WARNING: listening on 0.0.0.0 without an API key" in err
+    assert "model directory not found: /nonexistent/kvtier-model" in err
