@@ -1,0 +1,904 @@
+"""The exhaustive crash checker of the cold tier (the engine behind ``tests/crash``).
+
+A **workload** is a short sequence of steps run against the real SSD tier
+actors (``actors.ssd_writer``: index, store worker, reader) over a
+:class:`CrashFS`: store an entry, store a trimmable descendant (supersede),
+store past the byte cap (evict), scrub (read every entry back, verifying),
+restart (a clean stop and a new tier on the same files: a startup scan).
+The file system records every operation; after each one, every state a
+crash may leave (:meth:`CrashSpace.states`) is restarted the way the tier
+starts (directory lock, header scan, ``core.load_scan``, its removals) and
+checked:
+
+1. startup never fails;
+2. no temp file survives the startup;
+3. the files of our fingerprint directory fit the byte cap;
+4. no indexed file serves bytes that differ from what was stored (read with
+   hash verification OFF, so the write protocol alone must guarantee it;
+   verification is the second line of defence, not the first);
+5. every prefix acknowledged durable before the crash (a store answered
+   ``stored``) is served after it: by its own file or by a trimmable
+   descendant that may be cut to it — unless the tier evicted it (its file
+   was unlinked as an LRU victim) before the crash.
+
+The forward run itself is checked too (after every step, settled): no temp
+file left, the index equals the entry files on disk with their sizes, the
+cap holds on disk after every single file-system operation, every
+restored entry equals the original.
+
+The tier runs on the test's event loop with its worker-thread hops made
+inline (``ColdTier.run``), so the order of file operations is a pure
+function of the workload and runs are reproducible.
+
+Other workloads plug in as :class:`Step` objects (the durability
+coordinator's flush will be one: it acknowledges what it reports durable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import posixpath
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from actors.runtime import ActorSystem, AskTimeout, SequentialIds
+from actors.ssd_writer import FileIdentity, SsdWriterConfig, core, io, spawn_ssd_writer
+from actors.ssd_writer.actor import ColdTier
+from kernels.cache import (
+    TEMP_SUFFIX,
+    CacheFileCorrupt,
+    CacheFileIncompatible,
+    EntryPlan,
+    read_header,
+)
+from kernels.cache._crash_fs import CrashFS, CrashSpace, CrashState, Fault, FaultingPort, FaultKind
+from kernels.cache._file_port import FilePort
+from kernels.cache._kv_file import plan_entry, tensor_bytes
+from messages import (
+    EntryMeta,
+    Restore,
+    RestoreResult,
+    SsdStats,
+    SsdStatsRequest,
+    Store,
+    StoreResult,
+)
+
+T = TypeVar("T")
+
+ROOT = "/kv"
+IDENTITY = FileIdentity(model_id="crash-model", fingerprint="fp-crash", tokenizer_hash="tok-crash")
+FP_DIR = posixpath.join(ROOT, IDENTITY.fingerprint)
+CAP = 70_000
+"""Two entries fit (each ~32.8 KB on disk), a third evicts the least recently used."""
+ASK_S = 10.0
+ENTRY_SUFFIX = core.ENTRY_SUFFIX
+
+
+# --- entries -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """One prefix entry the workloads store: its identity, plan template and tensor bytes."""
+
+    name: str
+    namespace: str
+    tokens: tuple[int, ...]
+    header_len: int
+    plan: EntryPlan
+    tensors: tuple[bytes, ...]
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        """(namespace, tokens)."""
+        return (self.namespace, self.tokens)
+
+    @property
+    def path(self) -> str:
+        """Where the tier puts its file."""
+        return posixpath.join(
+            FP_DIR, core.namespace_dir(self.namespace), core.entry_name(self.tokens)
+        )
+
+    def fresh_plan(self) -> EntryPlan:
+        """A plan the store worker may consume (the template's header, no arrays)."""
+        return EntryPlan(
+            header=self.plan.header, header_len=self.header_len, _arrays=[None] * len(self.tensors)
+        )
+
+
+def _spec(name: str, namespace: str, tokens: tuple[int, ...], seed: int) -> EntrySpec:
+    n = len(tokens)
+    cache = KVCache()
+    keys = (mx.arange(n * 2, dtype=mx.float32) + seed).reshape(1, 1, n, 2)
+    cache.update_and_fetch(keys, keys + 0.5)
+    plan = plan_entry(
+        [cache],
+        model_id=IDENTITY.model_id,
+        fingerprint=IDENTITY.fingerprint,
+        namespace=namespace,
+        tokenizer_hash=IDENTITY.tokenizer_hash,
+        tokens=tokens,
+        created_at=1.0,
+    )
+    tensors = tuple(bytes(tensor_bytes(plan, i)) for i in range(len(plan.tensors)))
+    plan.release_arrays()
+    return EntrySpec(name, namespace, tokens, plan.header_len, plan, tensors)
+
+
+@functools.cache
+def entries() -> dict[str, EntrySpec]:
+    """The workloads' entries: A, its trimmable descendant A+, B (another namespace), C."""
+    specs = [
+        _spec("A", "", (1, 2, 3), 0),
+        _spec("A+", "", (1, 2, 3, 4), 0),
+        _spec("B", "ns-b", (7, 8, 9), 100),
+        _spec("C", "", (5, 6, 7), 200),
+    ]
+    return {s.name: s for s in specs}
+
+
+@functools.cache
+def originals() -> dict[tuple[str, tuple[int, ...]], tuple[bytes, ...]]:
+    """(namespace, tokens) -> the tensor bytes stored for it."""
+    return {s.key: s.tensors for s in entries().values()}
+
+
+class ScriptedSource:
+    """A :class:`TensorSource` over the prepared entries (no engine, no MLX at run time)."""
+
+    def __init__(self) -> None:
+        self._by_tokens = {(s.namespace, s.tokens): s for s in entries().values()}
+
+    async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
+        """The entry's plan."""
+        return self._by_tokens[(namespace, tokens)].fresh_plan()
+
+    async def tensor(self, plan: EntryPlan, index: int) -> bytes:
+        """Tensor ``index`` of the entry."""
+        return self._by_tokens[(plan.header.namespace, plan.header.tokens)].tensors[index]
+
+    async def finish(self, plan: EntryPlan) -> None:
+        """Nothing to release."""
+
+
+# --- traces and steps --------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """What a forward run did: acknowledgements, evictions, forward-run problems."""
+
+    fs: CrashFS
+    acks: list[tuple[tuple[str, tuple[int, ...]], int]] = field(default_factory=list)
+    ends: list[tuple[tuple[str, tuple[int, ...]], int]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    store_results: list[StoreResult] = field(default_factory=list)
+    untracked: list[tuple[str, str]] = field(default_factory=list)
+    fault_phase: str | None = None
+    fault_results: tuple[StoreResult, ...] = ()
+
+    def required_at(self, point: int) -> set[tuple[str, tuple[int, ...]]]:
+        """Prefixes a crash after ``point`` operations must not lose."""
+        events = sorted(
+            [(at, 0, key) for key, at in self.acks] + [(at, 1, key) for key, at in self.ends],
+            key=lambda e: (e[0], e[1]),
+        )
+        live: set[tuple[str, tuple[int, ...]]] = set()
+        for at, kind, key in events:
+            if at > point:
+                break
+            if kind == 0:
+                live.add(key)
+            else:
+                live.discard(key)
+        return live
+
+
+class Run:
+    """The live context of a forward run: the system, the tier, the trace."""
+
+    def __init__(self, system: ActorSystem, tier: ColdTier, trace: Trace) -> None:
+        self.system = system
+        self.tier = tier
+        self.trace = trace
+
+    async def ask(self, body: Any, expect: type[T]) -> T:
+        """Ask the tier's index."""
+        return await self.system.ask(self.tier.name, body, timeout=ASK_S, expect=expect)
+
+
+class Step(Protocol):
+    """One workload step."""
+
+    label: str
+    restarts: bool
+
+    async def run(self, run: Run) -> None:
+        """Perform the step (its effects settle before the next)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StoreStep:
+    """Store one entry; a ``stored`` answer acknowledges it durable."""
+
+    entry: str
+    restarts: bool = False
+
+    @property
+    def label(self) -> str:
+        """The entry's name."""
+        return self.entry
+
+    async def run(self, run: Run) -> None:
+        """Ask ``Store``; record the acknowledgement at the operation count of the answer."""
+        spec = entries()[self.entry]
+        meta = EntryMeta(
+            offset=len(spec.tokens), nbytes=sum(map(len, spec.tensors)), trimmable=True,
+            min_reusable_offset=0,
+        )  # fmt: skip
+        body = Store(
+            handle=f"h-{spec.name}", namespace=spec.namespace, tokens=spec.tokens, meta=meta
+        )
+        try:
+            res = await run.ask(body, StoreResult)
+        except AskTimeout:
+            run.trace.problems.append(f"store {spec.name} was never answered")
+            return
+        run.trace.store_results.append(res)
+        if res.stored:
+            run.trace.acks.append((spec.key, run.trace.fs.op_count))
+
+
+@dataclass(frozen=True)
+class ScrubStep:
+    """Read every indexed entry back through the tier's reader (hashes verified).
+
+    NOTE: issue 8's idle scrubber does not exist yet; this drives the same
+    verify-and-remove path (the reader) over every entry, as it will.
+    """
+
+    label: str = "scrub"
+    restarts: bool = False
+
+    async def run(self, run: Run) -> None:
+        """Restore each entry; compare the staged bytes with the originals."""
+        for path in sorted(run.tier.state.entries):
+            entry = run.tier.state.entries.get(path)
+            if entry is None:
+                continue
+            try:
+                res = await run.ask(Restore(path=path), RestoreResult)
+            except AskTimeout:
+                run.trace.problems.append(f"restore of {path} was never answered")
+                continue
+            if not res.ok or res.staging_id is None:
+                continue
+            staged = run.tier.staging.take(res.staging_id)
+            if staged is None:
+                run.trace.problems.append(f"restore of {path} staged nothing")
+                continue
+            want = originals().get((entry.namespace, entry.tokens))
+            if want is None or tuple(bytes(b) for b in staged.host.buffers) != want:
+                run.trace.problems.append(
+                    f"restore of {path} returned bytes that were never stored"
+                )
+
+
+@dataclass(frozen=True)
+class RestartStep:
+    """Stop the tier cleanly and start a new one on the same files (a startup scan)."""
+
+    label: str = "restart"
+    restarts: bool = True
+
+    async def run(self, run: Run) -> None:
+        """Nothing: the driver restarts between systems."""
+
+
+ALPHABET: tuple[Step, ...] = (
+    StoreStep("A"),
+    StoreStep("A+"),
+    StoreStep("B"),
+    StoreStep("C"),
+    ScrubStep(),
+    RestartStep(),
+)
+
+
+def workloads(max_len: int = 3, alphabet: Sequence[Step] = ALPHABET) -> list[tuple[Step, ...]]:
+    """Every sequence of 1..``max_len`` steps over ``alphabet``."""
+    out: list[tuple[Step, ...]] = []
+    for n in range(1, max_len + 1):
+        out.extend(itertools.product(alphabet, repeat=n))
+    return out
+
+
+def label(workload: Sequence[Step]) -> str:
+    """``A -> B -> scrub``."""
+    return " -> ".join(s.label for s in workload)
+
+
+# --- the forward run -------------------------------------------------------------------------
+
+
+async def _inline(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    return fn(*args, **kwargs)
+
+
+async def settle() -> None:
+    """Return once every other task waits on something (the tier is quiescent).
+
+    NOTE: ``anyio.wait_all_tasks_blocked`` sleeps 0.1 s per retry; this
+    yields instead (same test of asyncio's task waiters).
+    """
+    this = asyncio.current_task()
+    for _ in range(100_000):
+        await asyncio.sleep(0)
+        if all(
+            t is this or (t._fut_waiter is not None and not t._fut_waiter.done())  # type: ignore[attr-defined]
+            for t in asyncio.all_tasks()
+        ):
+            return
+    raise RuntimeError("the tier never settled")
+
+
+def _entry_files(fs: CrashFS) -> dict[str, int]:
+    return {p: n for p, n in fs.tree().items() if p.startswith(FP_DIR + "/")}
+
+
+def _disk_bytes(fs: CrashFS) -> int:
+    return sum(n for p, n in _entry_files(fs).items() if p.endswith((ENTRY_SUFFIX, TEMP_SUFFIX)))
+
+
+def _covered(entries_: Iterable[core.IndexEntry], key: tuple[str, tuple[int, ...]]) -> bool:
+    ns, tokens = key
+    n = len(tokens)
+    for e in entries_:
+        if e.namespace != ns or len(e.tokens) < n or e.tokens[:n] != tokens:
+            continue
+        if len(e.tokens) == n or (e.trimmable and e.min_reusable_offset <= n):
+            return True
+    return False
+
+
+def _valid_entry(fs: CrashFS, path: str) -> bool:
+    """Whether ``path`` holds a complete entry whose bytes are exactly what was stored."""
+    try:
+        header = read_header(fs, path, expected_fingerprint=IDENTITY.fingerprint)
+        out = io.read_entry(
+            fs, path, fingerprint=IDENTITY.fingerprint, namespace=header.namespace,
+            tokens=header.tokens, verify=True, max_header_bytes=None, touch=False,
+        )  # fmt: skip
+    except (OSError, CacheFileCorrupt, CacheFileIncompatible):
+        return False
+    want = originals().get((header.namespace, header.tokens))
+    return want == tuple(bytes(b) for b in out.host.buffers)
+
+
+def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
+    """The settled tier after a step: no temp file, index == entry files on disk, no reservation.
+
+    An entry file on disk that the index does not hold is a problem unless
+    it is a complete, exact entry: then it is recorded as *untracked* (it is
+    served correctly after the next startup, but its bytes are not counted
+    toward the cap until then) for the caller to judge.
+    """
+    problems = run.trace.problems
+    files = _entry_files(fs)
+    temps = sorted(p for p in files if p.endswith(TEMP_SUFFIX))
+    if temps:
+        problems.append(f"after {after}: temp files left: {temps}")
+    state = run.tier.state
+    on_disk = {p: n for p, n in files.items() if p.endswith(ENTRY_SUFFIX)}
+    indexed = {p: e.file_bytes for p, e in state.entries.items()}
+    for path in sorted(set(indexed) | set(on_disk)):
+        if path not in on_disk:
+            problems.append(f"after {after}: indexed {path} is not on disk")
+        elif path not in indexed:
+            if _valid_entry(fs, path):
+                run.trace.untracked.append((after, path))
+            else:
+                problems.append(f"after {after}: {path} is on disk, not indexed, and not valid")
+        elif indexed[path] != on_disk[path]:
+            problems.append(
+                f"after {after}: {path} has {on_disk[path]} bytes, indexed {indexed[path]}"
+            )
+    if state.indexed_bytes != sum(indexed.values()):
+        problems.append(f"after {after}: indexed_bytes {state.indexed_bytes} != sum of entries")
+    if state.reserved_bytes or state.jobs:
+        problems.append(
+            f"after {after}: reservations left {state.reserved_bytes} {list(state.jobs)}"
+        )
+
+
+def _extends(longer: tuple[str, tuple[int, ...]], key: tuple[str, tuple[int, ...]]) -> bool:
+    # NOTE: every workload entry is trimmable with no minimum reusable offset,
+    # so an entry serves each of its prefixes in its namespace.
+    return longer[0] == key[0] and longer[1][: len(key[1])] == key[1]
+
+
+def _settle_requirements(run: Run, start: int, live: set[tuple[str, tuple[int, ...]]]) -> None:
+    """Adjust the durability requirements of prefixes whose own file this step unlinked.
+
+    ``live``: the prefixes required when the step began. When a step
+    unlinks one's file at operation ``u``:
+
+    - if an entry stored (acknowledged) in this step covers it and was
+      acknowledged before ``u`` (supersession: the descendant is durable
+      before the ancestor goes), the requirement simply continues;
+    - otherwise the tier evicted it (an LRU victim under the cap, which a
+      cache may do): a crash after ``u`` may lose it. If an entry
+      acknowledged later in the step covers it again, it is required again
+      from that acknowledgement on.
+    """
+    trace = run.trace
+    ops = trace.fs.ops[start:]
+    step_acks = [(k, at) for k, at in trace.acks if at >= start]
+    specs = {s.key: s for s in entries().values()}
+    for key in sorted(live):
+        path = specs[key].path
+        unlink = next((op for op in ops if op.kind == "unlink" and op.path == path), None)
+        if unlink is None:
+            if not _covered(run.tier.state.entries.values(), key) and not _valid_entry(
+                trace.fs, path
+            ):
+                trace.problems.append(f"{key} left the index and its file is not valid")
+                trace.ends.append((key, trace.fs.op_count))
+            # NOTE: a valid file the index lost track of (an I/O error at the
+            # startup scan) stays required: a restart after a crash must find it.
+            continue
+        covering = [at for k, at in step_acks if _extends(k, key)]
+        if any(at <= unlink.index for at in covering):
+            continue
+        trace.ends.append((key, unlink.index + 1))
+        later = [at for at in covering if at > unlink.index]
+        if later and _covered(run.tier.state.entries.values(), key):
+            trace.acks.append((key, min(later)))
+
+
+def _note_fault(
+    trace: Trace, port: FilePort, phase: str, results: Sequence[StoreResult] = ()
+) -> None:
+    """Remember the phase (and store answers) of the step in which an injected fault fired."""
+    if trace.fault_phase is None and getattr(port, "fired", False):
+        trace.fault_phase = phase
+        trace.fault_results = tuple(results)
+
+
+async def forward(
+    workload: Sequence[Step],
+    *,
+    fs: CrashFS,
+    port: FilePort | None = None,
+    cap: int = CAP,
+) -> Trace:
+    """Run ``workload`` against the real tier actors over ``port`` (default: ``fs`` itself)."""
+    trace = Trace(fs)
+    port = fs if port is None else port
+    cap_seen = [0]
+
+    def probe(_: object) -> None:
+        cap_seen[0] = max(cap_seen[0], _disk_bytes(fs))
+
+    fs.on_change = probe
+    steps = list(workload)
+    i = 0
+    config = SsdWriterConfig(root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S)
+    while True:
+        async with ActorSystem(ids=SequentialIds()) as system:
+            tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(), port=port)
+            # NOTE: file work runs inline on the loop: the simulated port never
+            # blocks, and one thread makes the operation order deterministic
+            # (so "every task waits" means "settled").
+            tier.run = _inline  # type: ignore[method-assign]
+            run = Run(system, tier, trace)
+            try:
+                await run.ask(SsdStatsRequest(), SsdStats)
+            except AskTimeout:
+                trace.problems.append("the tier never became ready")
+            await settle()
+            _note_fault(trace, port, "startup")
+            _check_forward(run, fs, "startup")
+            while i < len(steps) and not steps[i].restarts:
+                start = fs.op_count
+                live = trace.required_at(start)
+                results = len(trace.store_results)
+                await steps[i].run(run)
+                await settle()
+                _note_fault(trace, port, steps[i].label, trace.store_results[results:])
+                _check_forward(run, fs, steps[i].label)
+                _settle_requirements(run, start, live)
+                i += 1
+        if i >= len(steps):
+            break
+        i += 1  # NOTE: a restart step: the next system starts on the same files.
+    fs.on_change = None
+    if cap_seen[0] > cap:
+        trace.problems.append(f"{cap_seen[0]} bytes on disk at one point, cap {cap}")
+    return trace
+
+
+def run_forward(workload: Sequence[Step], **kw: Any) -> Trace:
+    """:func:`forward` on a fresh event loop."""
+    return anyio.run(functools.partial(forward, workload, **kw))
+
+
+# --- restart after a crash ---------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What a restart on one crash state showed.
+
+    ``indexed``: the index's paths after the startup; ``files``: every file
+    left after its removals; ``servable``: the indexed entries that read
+    back exactly as stored.
+    """
+
+    problems: list[str]
+    servable: list[core.IndexEntry]
+    indexed: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    evicted_over_cap: bool = False
+
+
+def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple[Outcome, CrashFS]:
+    """Start the tier on ``state`` as its start hook does, then check what it would serve.
+
+    The same steps as ``SsdWriter._load``: lock the fingerprint directory,
+    scan the headers, ``core.load_scan``, perform its removals. With
+    ``record`` the returned file system holds the crash spaces of the
+    startup itself (a second crash during recovery).
+    """
+    fs = CrashFS.mount(state, record=record)
+    problems: list[str] = []
+    over_cap = False
+    index = core.IndexState(root=ROOT, fingerprint=IDENTITY.fingerprint, max_bytes=cap)
+    try:
+        lock = io.lock_directory(fs, index.fingerprint_dir)
+        if lock is None:
+            problems.append("startup: the directory lock is held after a crash")
+        scan = io.scan(
+            fs, ROOT, IDENTITY.fingerprint, tokenizer_hash=IDENTITY.tokenizer_hash,
+            max_header_bytes=None,
+        )  # fmt: skip
+        index, effects = core.load_scan(index, scan)
+        for effect in effects:
+            if isinstance(effect, core.RemoveFiles) and effect.reason == "over_cap":
+                over_cap = True
+            if isinstance(effect, core.RemoveFiles):
+                left = io.remove_files(fs, effect.paths)
+                if left:
+                    problems.append(f"startup could not remove {list(left)}")
+    except Exception as exc:  # noqa: BLE001 - NOTE: any escape is the violation "startup failed".
+        return Outcome([f"startup failed: {exc!r}"], []), fs
+    files = _entry_files(fs)
+    temps = sorted(p for p in fs.tree() if p.endswith(TEMP_SUFFIX))
+    if temps:
+        problems.append(f"temp files survived the startup: {temps}")
+    disk = sum(n for p, n in files.items() if p.endswith((ENTRY_SUFFIX, TEMP_SUFFIX)))
+    if disk > cap or index.indexed_bytes > cap:
+        problems.append(
+            f"{disk} bytes on disk ({index.indexed_bytes} indexed) after startup, cap {cap}"
+        )
+    servable: list[core.IndexEntry] = []
+    for entry in index.entries.values():
+        want = originals().get((entry.namespace, entry.tokens))
+        if want is None:
+            problems.append(f"indexed {entry.path} holds tokens that were never stored")
+            continue
+        try:
+            out = io.read_entry(
+                fs, entry.path, fingerprint=IDENTITY.fingerprint, namespace=entry.namespace,
+                tokens=entry.tokens, verify=False, max_header_bytes=None, touch=False,
+            )  # fmt: skip
+        except (CacheFileCorrupt, CacheFileIncompatible):
+            continue  # NOTE: the reader refuses it (and removes it): a miss, not a wrong answer.
+        except Exception as exc:  # noqa: BLE001 - NOTE: an escape from a read is a violation.
+            problems.append(f"reading {entry.path} raised {exc!r}")
+            continue
+        if tuple(bytes(b) for b in out.host.buffers) != want:
+            problems.append(f"{entry.path} serves bytes that differ from the stored ones")
+            continue
+        servable.append(entry)
+    outcome = Outcome(problems, servable, tuple(sorted(index.entries)), tuple(sorted(fs.tree())))
+    outcome.evicted_over_cap = over_cap
+    return outcome, fs
+
+
+@dataclass
+class ActorOutcome:
+    """What the real tier actors did on a crash state: index, files left, bytes each restore served."""
+
+    indexed: tuple[str, ...]
+    files: tuple[str, ...]
+    served: dict[str, tuple[bytes, ...] | None]
+
+
+async def actor_restart(state: CrashState, cap: int = CAP) -> ActorOutcome:
+    """Start the real tier actors on ``state`` and restore every entry they index."""
+    fs = CrashFS.mount(state)
+    config = SsdWriterConfig(root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S)
+    async with ActorSystem(ids=SequentialIds()) as system:
+        tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(), port=fs)
+        tier.run = _inline  # type: ignore[method-assign]
+        await system.ask(tier.name, SsdStatsRequest(), timeout=ASK_S, expect=SsdStats)
+        await settle()
+        indexed = tuple(sorted(tier.state.entries))
+        files = tuple(sorted(fs.tree()))
+        served: dict[str, tuple[bytes, ...] | None] = {}
+        for path in indexed:
+            res = await system.ask(
+                tier.name, Restore(path=path), timeout=ASK_S, expect=RestoreResult
+            )
+            staged = tier.staging.take(res.staging_id) if res.ok and res.staging_id else None
+            served[path] = None if staged is None else tuple(bytes(b) for b in staged.host.buffers)
+    return ActorOutcome(indexed, files, served)
+
+
+# --- the crash sweep -----------------------------------------------------------------------------
+
+
+def _observed(path: str) -> bool:
+    # NOTE: only entry files are ever read at startup or served. Temp files
+    # and the lock file are enumerated with one content each; the mounted
+    # file system raises if the restart reads one, so this cannot hide a bug.
+    return path.endswith(ENTRY_SUFFIX)
+
+
+def _state_key(state: CrashState) -> tuple[object, ...]:
+    observed: list[tuple[str, int, int]] = []
+    others: Counter[str] = Counter()
+    for f in state.files:
+        if f.observed:
+            observed.append((f.path, f.digest(), f.mtime_ns))
+        elif f.path.endswith(TEMP_SUFFIX):
+            # NOTE: temp names are random; only their directory matters.
+            others[posixpath.dirname(f.path) + "/*" + TEMP_SUFFIX] += 1
+        else:
+            others[f.path] += 1
+    return (state.dirs, tuple(observed), tuple(sorted(others.items())))
+
+
+@dataclass
+class Report:
+    """Totals of a sweep and every violation found."""
+
+    workloads: int = 0
+    ops: int = 0
+    crash_points: int = 0
+    states: int = 0
+    restarts: int = 0
+    recovery_states: int = 0
+    required_checks: int = 0
+    reduced_points: int = 0
+    violations: list[str] = field(default_factory=list)
+    untracked: list[str] = field(default_factory=list)
+
+    def add(self, other: Report) -> None:
+        """Accumulate ``other``."""
+        self.workloads += other.workloads
+        self.ops += other.ops
+        self.crash_points += other.crash_points
+        self.states += other.states
+        self.restarts += other.restarts
+        self.recovery_states += other.recovery_states
+        self.required_checks += other.required_checks
+        self.reduced_points += other.reduced_points
+        self.violations.extend(other.violations)
+        self.untracked.extend(other.untracked)
+
+    def summary(self) -> str:
+        """One line of totals."""
+        return (
+            f"{self.workloads} workloads, {self.crash_points} crash points, "
+            f"{self.states} crash states ({self.restarts} distinct restarts, "
+            f"{self.recovery_states} more states of a crash during recovery), "
+            f"{self.required_checks} acknowledged-prefix checks, "
+            f"{len(self.violations)} violations"
+        )
+
+
+class Sweeper:
+    """Checks every crash state of traces; caches restarts of identical states.
+
+    Each distinct crash state is restarted once with its own startup
+    recorded; every state a second crash during that startup may leave is
+    restarted too (recovery must survive a crash of its own), and the
+    invariants are checked on all of them.
+    """
+
+    def __init__(self, cap: int = CAP) -> None:
+        self.cap = cap
+        self._cache: dict[tuple[object, ...], list[Outcome]] = {}
+        self._plain: dict[tuple[object, ...], Outcome] = {}
+        self.recovery_states = 0
+
+    def _outcomes(self, state: CrashState, report: Report) -> list[Outcome]:
+        key = _state_key(state)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        report.restarts += 1
+        first, fs = restart(state, self.cap, record=True)
+        outcomes = [first]
+        # NOTE: spaces[0] is the mounted state itself; the rest follow each
+        # change the startup made (lock file, removals).
+        for space in fs.spaces[1:]:
+            for sub in space.states(observe=_observed):
+                sub_key = _state_key(sub)
+                again = self._plain.get(sub_key)
+                if again is None:
+                    again, _ = restart(sub, self.cap)
+                    self._plain[sub_key] = again
+                    self.recovery_states += 1
+                    report.recovery_states += 1
+                outcomes.append(again)
+        self._cache[key] = outcomes
+        return outcomes
+
+    def check(self, name: str, trace: Trace, spaces: Sequence[CrashSpace]) -> Report:
+        """Every crash point and state of one forward run."""
+        report = Report(workloads=1, ops=trace.fs.op_count)
+        report.violations.extend(f"{name}: forward run: {p}" for p in trace.problems)
+        report.untracked.extend(f"{name}: after {after}: {path}" for after, path in trace.untracked)
+        for space in spaces:
+            report.crash_points += 1
+            required = trace.required_at(space.point)
+            for state in space.states(observe=_observed):
+                report.states += 1
+                where = f"{name}: {state.describe()} (last op: {space.last_op})"
+                for depth, outcome in enumerate(self._outcomes(state, report)):
+                    tag = where if depth == 0 else f"{where}, then a crash during its startup"
+                    report.violations.extend(f"{tag}: {p}" for p in outcome.problems)
+                    why = " (the startup evicted over the cap)" if outcome.evicted_over_cap else ""
+                    for ns_tokens in sorted(required):
+                        report.required_checks += 1
+                        if not _covered(outcome.servable, ns_tokens):
+                            report.violations.append(
+                                f"{tag}: acknowledged prefix {ns_tokens} is not served{why}"
+                            )
+            if space.reduced:
+                report.reduced_points += 1
+        return report
+
+
+def sweep(
+    workload_list: Iterable[Sequence[Step]],
+    *,
+    make_port: Callable[[CrashFS], FilePort] | None = None,
+    sweeper: Sweeper | None = None,
+    max_violations: int = 50,
+) -> Report:
+    """Forward-run and crash-check every workload (``make_port`` wraps the file system)."""
+    sweeper = sweeper or Sweeper()
+    total = Report()
+
+    async def all_runs() -> None:
+        for workload in workload_list:
+            fs = CrashFS(record=True)
+            port = make_port(fs) if make_port is not None else fs
+            trace = await forward(workload, fs=fs, port=port, cap=sweeper.cap)
+            total.add(sweeper.check(label(workload), trace, fs.spaces))
+            if len(total.violations) >= max_violations:
+                return
+
+    anyio.run(all_runs)
+    return total
+
+
+# --- Nth-operation faults ------------------------------------------------------------------------
+
+_MUTATING = frozenset(
+    {"open_temp", "pwrite_all", "truncate", "fsync", "close", "replace", "fsync_dir", "unlink",
+     "utime", "makedirs", "lock"}
+)  # fmt: skip
+
+
+def fault_kinds(method: str) -> tuple[FaultKind, ...]:
+    """The faults injected into ``method``: ENOSPC only where space is used, short writes."""
+    kinds: tuple[FaultKind, ...] = ("eio", "eintr")
+    if method in _MUTATING:
+        kinds = ("enospc", *kinds)
+    if method == "pwrite_all":
+        kinds = (*kinds, "short")
+    return kinds
+
+
+async def count_calls(workload: Sequence[Step]) -> Counter[str]:
+    """Port calls of a clean run of ``workload``, by method."""
+    fs = CrashFS()
+    port = FaultingPort(fs)
+    await forward(workload, fs=fs, port=port)
+    return Counter(port.calls)
+
+
+async def fault_list(workload: Sequence[Step]) -> list[Fault]:
+    """Every (method, n, kind) of ``workload``: each call of each kind, each fault."""
+    calls = await count_calls(workload)
+    return [
+        Fault(method, n, kind)
+        for method in sorted(calls)
+        for n in range(1, calls[method] + 1)
+        for kind in fault_kinds(method)
+    ]
+
+
+STORE_FAILURE_REASONS = frozenset(
+    {"disk_full", "fsync_failed", "io_error", "evict_failed", "read_only", "source_failed"}
+)
+
+
+@dataclass(frozen=True)
+class FaultItem:
+    """One violation or untracked file of a faulted run, with the fault's context."""
+
+    fault: Fault
+    phase: str | None
+    results: tuple[StoreResult, ...]
+    untracked: bool
+    text: str
+
+
+async def check_fault(
+    workload: Sequence[Step], fault: Fault, sweeper: Sweeper
+) -> tuple[Report, list[FaultItem]]:
+    """One faulted run of ``workload``: its forward checks and the crash sweep of its trace."""
+    fs = CrashFS(record=True)
+    port = FaultingPort(fs, fault)
+    trace = await forward(workload, fs=fs, port=port, cap=sweeper.cap)
+    name = f"{label(workload)} with {fault.kind} on {fault.method} #{fault.n}"
+    if not port.fired:
+        trace.problems.append("the fault never fired (the run diverged)")
+    for res in trace.store_results:
+        if not res.stored and res.reason not in STORE_FAILURE_REASONS:
+            trace.problems.append(f"store failed with reason {res.reason!r}")
+    report = sweeper.check(name, trace, fs.spaces)
+    items = [
+        FaultItem(fault, trace.fault_phase, trace.fault_results, untracked, text)
+        for untracked, texts in ((False, report.violations), (True, report.untracked))
+        for text in texts
+    ]
+    return report, items
+
+
+def fault_sweep(
+    workload_list: Iterable[Sequence[Step]],
+    *,
+    sweeper: Sweeper | None = None,
+    max_items: int = 10_000,
+) -> tuple[Report, list[FaultItem], int]:
+    """Every Nth-call fault of every workload: forward checks plus the crash sweep of its trace.
+
+    Returns the totals, every violation and untracked file with the fault
+    that led to it, and the number of faulted runs.
+    """
+    sweeper = sweeper or Sweeper()
+    total = Report()
+    items: list[FaultItem] = []
+    runs = 0
+
+    async def all_runs() -> None:
+        nonlocal runs
+        for workload in workload_list:
+            for fault in await fault_list(workload):
+                report, found = await check_fault(workload, fault, sweeper)
+                runs += 1
+                total.add(report)
+                items.extend(found)
+                if len(items) >= max_items:
+                    return
+
+    anyio.run(all_runs)
+    return total, items, runs
