@@ -608,6 +608,12 @@ class Engine(_StartClose):
         finally:
             self._state = "closed"
             self._system = None
+            # NOTE: the stopped actor system is a reference cycle (refs <->
+            # cells) that still reaches the model and the cached KV through
+            # the actors; drop our last strong reference so that the
+            # collections on the engine thread (below, and when the
+            # EngineThread closes) free them now, there.
+            system = None
             if self._engine_thread is not None:
                 with anyio.CancelScope(shield=True):
                     try:
@@ -619,11 +625,13 @@ class Engine(_StartClose):
     def _release_mlx_state(self) -> None:
         """Drop every MLX array this engine owns, ON the engine thread.
 
-        NOTE: arrays freed later by interpreter finalization on the main
-        thread, after the engine thread (whose stream made them) is gone,
-        could abort the process at exit ("terminate called without an
-        active exception"). A model passed to ``from_loaded`` stays alive:
-        its caller owns it.
+        NOTE: the engine thread outlives the Engine (one parked thread per
+        process, docs/engine-thread.md), so whatever a closed Engine still
+        held would stay allocated until the application drops it or a later
+        collection finds it. ``release_mlx_memory`` collects and waits for
+        work still in flight; ``EngineThread.close()`` collects once more
+        (tests/actors/engine/test_engine_lifetime.py). A model passed to
+        ``from_loaded`` stays alive: its caller owns it.
         """
         registry = self._registry
         if registry is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import os
 import queue
 import threading
@@ -368,7 +369,15 @@ class EngineThread:
         job.deliver(result, error)
 
     def _finish(self) -> None:
-        """The last task of this instance: settle MLX, then release close()."""
+        """The last task of this instance: collect, settle MLX, then release close()."""
+        # NOTE: the engine thread outlives every instance, and the owner of
+        # the jobs may leave its arrays in reference cycles (a closed
+        # Engine's stopped actors still reach its model and cached KV). A
+        # collection here frees them now and on this thread; while an
+        # Engine's own release job ran, the loop could still hold a part of
+        # such a cycle for a moment, and the arrays then waited for a later
+        # collection on any thread (measured: kept alive in 6 of 18 closes).
+        gc.collect()
         self._settle_error = _settle_mlx()
         self._finished.set()
 
