@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ._base import Body, Request
 from ._envelope import EXTERNAL, Envelope, EnvelopeRecord, envelope_from_json, envelope_to_json
-from ._union import AnyBody, body_adapter, body_classes, parse_body
+from ._union import AnyBody, body_adapter, body_classes, parse_body, register_messages
 from .durability import (
     DurabilityStats,
     DurabilityStatsRequest,
@@ -24,7 +24,7 @@ from .prompt_cache import (
     Take,
     TakeResult,
 )
-from .runtime import Add, Count, Failure, GetTotal, Ping, Pong, Total, Work, WorkDone
+from .runtime import Failure
 from .spill_queue import (
     DrainSpills,
     Enqueue,
@@ -59,10 +59,8 @@ from .ssd_writer import (
 
 __all__ = [
     "EXTERNAL",
-    "Add",
     "AnyBody",
     "Body",
-    "Count",
     "Covers",
     "CoversResult",
     "DrainSpills",
@@ -79,10 +77,7 @@ __all__ = [
     "FindResult",
     "Flush",
     "FlushResult",
-    "GetTotal",
     "ObservePrefill",
-    "Ping",
-    "Pong",
     "PromptCacheStats",
     "PromptCacheStatsRequest",
     "Put",
@@ -109,10 +104,7 @@ __all__ = [
     "StoreResult",
     "Take",
     "TakeResult",
-    "Total",
     "Wake",
-    "Work",
-    "WorkDone",
     "WriteCommitted",
     "WriteEntry",
     "body_adapter",
@@ -120,4 +112,5 @@ __all__ = [
     "envelope_from_json",
     "envelope_to_json",
     "parse_body",
+    "register_messages",
 ]

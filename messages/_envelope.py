@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter
+from pydantic import BaseModel, ConfigDict, SerializeAsAny, TypeAdapter, field_validator
 
 from ._base import Body
-from ._union import AnyBody
+from ._union import body_adapter
 
 __all__ = ["EXTERNAL", "Envelope", "EnvelopeRecord", "envelope_from_json", "envelope_to_json"]
 
@@ -60,8 +60,15 @@ class EnvelopeRecord(BaseModel):
     sender: str
     receiver: str
     sent_at: float
-    body: AnyBody
+    body: SerializeAsAny[Body]
     call_chain: tuple[str, ...] = ()
+
+    @field_validator("body", mode="before")
+    @classmethod
+    def _by_kind(cls, value: Any) -> Any:
+        # NOTE: validated through the union as it is NOW (register_messages may
+        # have added bodies after this class was built), keyed by ``kind``.
+        return value if isinstance(value, Body) else body_adapter().validate_python(value)
 
     @classmethod
     def of(cls, envelope: Envelope) -> EnvelopeRecord:

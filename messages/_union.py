@@ -20,7 +20,7 @@ from pydantic import Field, TypeAdapter
 
 from ._base import Body
 
-__all__ = ["AnyBody", "body_adapter", "body_classes", "parse_body"]
+__all__ = ["AnyBody", "body_adapter", "body_classes", "parse_body", "register_messages"]
 
 # One line per message module (keep others' lines when adding yours).
 _MODULES: tuple[str, ...] = (
@@ -67,6 +67,22 @@ else:
     AnyBody = Annotated[Union[_CLASSES], Field(discriminator="kind")]  # noqa: UP007
 
 
+def register_messages(*module_names: str) -> None:
+    """Add message modules outside ``messages/`` (tests, plugins) to the union.
+
+    NOTE: for code that defines its own bodies without editing ``_MODULES``
+    (the runtime's demo messages live under tests/). Idempotent; a ``kind``
+    claimed twice still fails loudly.
+    """
+    global _MODULES, _CLASSES
+    new = tuple(m for m in module_names if m not in _MODULES)
+    if not new:
+        return
+    _MODULES = (*_MODULES, *new)
+    _CLASSES = _collect()
+    body_adapter.cache_clear()
+
+
 def body_classes() -> tuple[type[Body], ...]:
     """Every registered body class, in registration order."""
     return _CLASSES
@@ -75,7 +91,10 @@ def body_classes() -> tuple[type[Body], ...]:
 @cache
 def body_adapter() -> TypeAdapter[Any]:
     """The (cached) pydantic adapter validating any registered body by ``kind``."""
-    return TypeAdapter(AnyBody)
+    if len(_CLASSES) == 0:
+        raise TypeError("no message bodies are registered")
+    union: Any = Annotated[Union[_CLASSES], Field(discriminator="kind")]  # noqa: UP007
+    return TypeAdapter(union)
 
 
 def parse_body(data: str | bytes) -> Body:

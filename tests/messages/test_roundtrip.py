@@ -14,12 +14,12 @@ from pydantic import BaseModel, ValidationError
 from messages import (
     Body,
     Envelope,
-    Ping,
     body_classes,
     envelope_from_json,
     envelope_to_json,
     parse_body,
 )
+from tests.actors.runtime.demo_messages import Ping
 
 _TEXT = st.text(max_size=12)
 _FLOAT = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -76,7 +76,7 @@ _BODIES = st.one_of([_model(cls) for cls in body_classes()])
 
 
 def test_every_registered_module_contributes_bodies() -> None:
-    """The union holds the runtime's messages and each body kind once."""
+    """The union holds the runtime's messages, registered test messages, and each kind once."""
     kinds = [cls.model_fields["kind"].default for cls in body_classes()]
     assert "runtime.failure" in kinds
     assert "demo.ping" in kinds

@@ -5,7 +5,9 @@ from __future__ import annotations
 import anyio
 
 from actors.runtime import Actor, Context
-from messages import Add, Count, Envelope, GetTotal, Ping, Pong, Total, Work
+from messages import Envelope
+
+from .demo_messages import Add, Count, GetTotal, Ping, Pong, Total, Work
 
 
 class Gate(Actor):

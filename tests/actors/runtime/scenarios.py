@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from actors.runtime import AskCycle, SimulatedSystem
-from messages import Add, GetTotal, Ping, Pong, Total
 
 from ._actors import Echo, Forward, Fragile, Relay
+from .demo_messages import Add, GetTotal, Ping, Pong, Total
 
 
 async def fan_in(system: SimulatedSystem, *, senders: int = 3, each: int = 3) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from actors.runtime import ManualClock, Reply, SeededRng, SequentialIds, Tell
-from actors.runtime._demo import Coordinator
-from messages import Envelope, Work, WorkDone
+from messages import Envelope
+
+from .demo import Coordinator
+from .demo_messages import Work, WorkDone
 
 
 def _envelope(body: Work | WorkDone, msg_id: str = "m1") -> Envelope:

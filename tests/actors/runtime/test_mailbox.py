@@ -20,9 +20,10 @@ from actors.runtime import (
     UnknownAddress,
     use_correlation,
 )
-from messages import Add, Count, Envelope, GetTotal, Ping, Pong, Total, Work
+from messages import Envelope
 
 from ._actors import Echo, Forward, Fragile, Gate, Relay, Silent, Streamer
+from .demo_messages import Add, Count, GetTotal, Ping, Pong, Total, Work
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.anyio
 
 REPO = Path(__file__).resolve().parents[3]
 TRACE = REPO / "tests" / "data" / "runtime_demo_trace.jsonl"
-DEMO = "actors.runtime._demo:conversation"
+DEMO = "tests.actors.runtime.demo:conversation"
 
 
 async def test_same_seed_gives_byte_identical_traces() -> None:

@@ -18,9 +18,10 @@ from actors.runtime import (
     Supervision,
     SupervisionEscalated,
 )
-from messages import Add, Envelope, GetTotal, Total
+from messages import Envelope
 
 from ._actors import Fragile, Gate
+from .demo_messages import Add, GetTotal, Total
 
 pytestmark = pytest.mark.anyio
 

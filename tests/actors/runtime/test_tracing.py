@@ -19,9 +19,10 @@ from actors.runtime import (
     set_tracing,
     use_correlation,
 )
-from messages import Add, Envelope, Ping, Pong
+from messages import Envelope
 
 from ._actors import Echo, Forward
+from .demo_messages import Add, Ping, Pong
 
 pytestmark = pytest.mark.anyio
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from messages import Add, Envelope, GetTotal, Ping, Pong, Total, Work, WorkDone
+from actors.runtime import Actor, Context, CoreActor, Effect, Reply, SimulatedSystem, Tell
+from messages import Envelope
 
-from ._actor import Actor, Context, CoreActor, Effect, Reply, Tell
-from ._sim import SimulatedSystem
+from .demo_messages import Add, GetTotal, Ping, Pong, Total, Work, WorkDone
 
 __all__ = ["Coordinator", "Counter", "Worker", "conversation"]
 
