@@ -211,7 +211,8 @@ def main() -> int:
     p.add_argument("--drip", type=float, default=2.0, help="seconds between header bytes")
     p.add_argument("--server-nofile", type=int, default=1024)
     p.add_argument("--api-key", default="slowloris-test")
-    p.add_argument("--max-tokens", type=int, default=8, help="of each normal chat request")
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="of each normal chat request (1: the attack, not this CPU, is measured)")
     p.add_argument("--baseline", type=float, default=5.0,
                    help="seconds of normal traffic alone first (0: none)")
     args = p.parse_args()
@@ -229,7 +230,12 @@ def main() -> int:
             attack, client = asyncio.run(_run(args, url, port))
             elapsed = time.monotonic() - started
             alive = proc.poll() is None
-            health = httpx.get(f"{url}/health", timeout=10).status_code if alive else None
+            health: int | str | None = None
+            if alive:
+                try:
+                    health = httpx.get(f"{url}/health", timeout=10).status_code
+                except httpx.HTTPError as exc:
+                    health = type(exc).__name__
             log_growth = log.stat().st_size - log_before
             shed = [line for line in log.read_text(errors="replace").splitlines()
                     if "http.connections_shed" in line]
