@@ -30,6 +30,7 @@ _MODULES: tuple[str, ...] = (
     "messages.spill_queue",
     "messages.ssd_writer",
     "messages.durability",
+    "messages.batch_scheduler",
 )
 
 

@@ -134,8 +134,8 @@ class EngineConfig(BaseModel):
     ] = 64
     max_batch: Annotated[
         int,
-        Field(ge=1, le=1, description="rows decoded together; 1 = the serial lane only "
-                                      "(larger values arrive with the batch scheduler)"),
+        Field(ge=1, le=256, description="rows decoded together in the batch lane; 1 = the "
+                                        "serial lane only (docs/batching.md)"),
         Setting("KVTIER_MAX_BATCH", "--max-batch", unit="rows"),
     ] = 1
     prompt_cache_bytes: Annotated[

@@ -27,6 +27,7 @@ import structlog
 
 from actors.runtime import Actor, Context, RuntimeFailure
 from messages import Envelope, Failure, Release, Take, TakeResult
+from messages.batch_scheduler import BatchTurnReport, BatchWants, RunBatchStep
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -76,7 +77,10 @@ class Gateway(Actor):
     holder bursts of up to that many decode steps per turn (a cancel ends
     one with ``StopBurst`` to the runner). ``prompt_cache`` (an address, or
     ``None`` for none) is where each request's lookup is made while it waits
-    for its turn.
+    for its turn. ``batch`` (an address, or ``None``): the batch scheduler;
+    every request then goes to the batch lane (the wiring sets it only when
+    the model passes the batching gates), and the batch's steps share the
+    engine-turn token with the serial lane (docs/batching.md).
     """
 
     def __init__(
@@ -86,9 +90,12 @@ class Gateway(Actor):
         max_queue: int,
         max_burst: int = 1,
         prompt_cache: str | None = None,
+        batch: str | None = None,
     ) -> None:
         self._runner = runner
         self._prompt_cache = prompt_cache
+        self._batch = batch
+        self._batched: set[str] = set()  # request ids forwarded to the batch lane, until they end
         self.state = core.GatewayState(
             max_queue=max_queue, max_burst=max_burst, lookups=prompt_cache is not None
         )
@@ -112,6 +119,8 @@ class Gateway(Actor):
         body = envelope.body
         event: core.CoreEvent
         if isinstance(body, Generate):
+            if self._batch is not None and await self._route_to_batch(body, envelope, ctx):
+                return
             if body.request_id in self._admitted:
                 await ctx.reply(
                     envelope,
@@ -126,7 +135,26 @@ class Gateway(Actor):
             self._admitted[body.request_id] = _Admitted(body, now, envelope.correlation_id)
             event = core.AdmitRequest(body.request_id, now)
         elif isinstance(body, CancelGeneration):
+            if self._batch is not None and body.request_id in self._batched:
+                await self._tell_batch(body, envelope.correlation_id, ctx)
+                return
             event = core.CancelRequest(body.request_id, now)
+        elif isinstance(body, BatchWants):
+            self._batched.difference_update(body.left)
+            event = core.BatchStatus(body.busy, body.ready, now)
+        elif isinstance(body, BatchTurnReport):
+            self._batched.difference_update(body.left)
+            if self.state.turn is None or self.state.turn.owner != "batch":
+                return  # NOTE: a report of a turn already ended by a failure.
+            event = core.BatchTurnDone(body.busy, body.ready, now)
+        elif isinstance(body, Failure) and self._batch is not None and body.actor == self._batch:
+            # NOTE: the scheduler's handler raised: the batch turn (if one runs)
+            # ends here; the scheduler's next report or status tells the truth.
+            _log.error("gateway.batch_failed", error=f"{body.error}: {body.message}")
+            turn = self.state.turn
+            if turn is None or turn.owner != "batch":
+                return
+            event = core.BatchTurnDone(self.state.batch_busy, False, now)
         elif isinstance(body, TakeResult):
             rid = self._lookups.pop(envelope.causation_id or "", None)
             entry = None if rid is None else self._admitted.get(rid)
@@ -227,6 +255,10 @@ class Gateway(Actor):
                     await self._finish(effect, ctx)
                 case core.RunBackgroundTurn():
                     follow_up = await self._run_background_turn(effect.step_id, envelope, ctx)
+                case core.RunBatchTurn():
+                    step = RunBatchStep(turn=effect.turn, reply_to=ctx.name)
+                    if not await self._tell_batch(step, envelope.correlation_id, ctx):
+                        follow_up = core.BatchTurnDone(False, False, ctx.clock.now())
                 case core.RefuseBackground():
                     asker = self._askers.pop(effect.step_id, None)
                     if asker is not None:
@@ -257,6 +289,37 @@ class Gateway(Actor):
             if follow_up is not None:
                 self.state, more = core.handle(self.state, follow_up)
                 todo.extend(more)
+
+    # --- the batch lane ---------------------------------------------------------------
+
+    async def _route_to_batch(self, body: Generate, envelope: Envelope, ctx: Context) -> bool:
+        """Forward ``body`` (with its reply slot) to the batch lane; ``False``: serve it here instead."""
+        rid = body.request_id
+        if self.state.draining:
+            return False  # NOTE: the core refuses it (shutting_down) like any other.
+        if rid in self._batched or rid in self._admitted:
+            refusal = AdmissionReply(
+                request_id=rid,
+                accepted=False,
+                error_code="duplicate_id",
+                detail="a request with this id is already admitted",
+            )
+            if body.reply_to:
+                await ctx.reply(envelope, refusal)
+            return True
+        if not await self._tell_batch(body, envelope.correlation_id, ctx):
+            return False  # NOTE: a batch lane that is gone leaves the serial lane.
+        self._batched.add(rid)
+        return True
+
+    async def _tell_batch(self, body: Any, correlation_id: str, ctx: Context) -> bool:
+        assert self._batch is not None
+        try:
+            await ctx.tell(self._batch, body, correlation_id=correlation_id)
+        except RuntimeFailure as exc:
+            _log.warning("gateway.batch_unavailable", error=repr(exc))
+            return False
+        return True
 
     # --- lookups -------------------------------------------------------------------
 

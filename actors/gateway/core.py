@@ -42,6 +42,8 @@ from typing import Literal, assert_never
 __all__ = [
     "AdmitRequest",
     "BackgroundTurnDone",
+    "BatchStatus",
+    "BatchTurnDone",
     "BeginDrain",
     "CancelRequest",
     "CoreEvent",
@@ -57,6 +59,7 @@ __all__ = [
     "RequestAdmitted",
     "RequestTurnDone",
     "RunBackgroundTurn",
+    "RunBatchTurn",
     "RunRequestTurn",
     "StartLookup",
     "StopTurns",
@@ -137,6 +140,24 @@ class BackgroundTurnDone:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchStatus:
+    """The batch lane changed: rows exist (``busy``), a batch step has work (``ready``)."""
+
+    busy: bool
+    ready: bool
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTurnDone:
+    """The batch step in flight ended; ``busy``/``ready`` as after it."""
+
+    busy: bool
+    ready: bool
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class BeginDrain:
     """Stop admitting requests; queued and running ones finish; background still runs."""
 
@@ -158,6 +179,8 @@ CoreEvent = (
     | WithdrawBackground
     | RequestTurnDone
     | BackgroundTurnDone
+    | BatchStatus
+    | BatchTurnDone
     | BeginDrain
     | StopTurns
 )
@@ -227,6 +250,13 @@ class RunBackgroundTurn:
 
 
 @dataclass(frozen=True, slots=True)
+class RunBatchTurn:
+    """Run ONE batch step (the batch scheduler performs it, then ``BatchTurnDone``)."""
+
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
 class RefuseBackground:
     """Answer a ``RunWhenIdle`` ask without running it (turns are stopped)."""
 
@@ -253,6 +283,7 @@ Effect = (
     | FinishRequest
     | PreemptTurn
     | RunBackgroundTurn
+    | RunBatchTurn
     | RefuseBackground
     | ExpireBackground
     | Drained
@@ -273,6 +304,8 @@ class TokenStats:
     prefill_turns: int = 0
     decode_turns: int = 0
     background_turns: int = 0
+    batch_turns: int = 0
+    batch_held_s: float = 0.0
     request_held_s: float = 0.0
     background_held_s: float = 0.0
     background_wait_s: float = 0.0
@@ -292,7 +325,7 @@ class TokenStats:
 class Turn:
     """The one engine turn in flight: whose, since when, and how many steps it may run."""
 
-    owner: Literal["request", "background"]
+    owner: Literal["request", "background", "batch"]
     ident: str
     started: float
     max_steps: int = 1
@@ -329,6 +362,12 @@ class GatewayState:
     draining: bool = False
     stopped: bool = False
     drained_reported: bool = False
+    batch_busy: bool = False
+    """The batch lane holds rows (active, pending or waiting): the engine counts as busy."""
+    batch_ready: bool = False
+    """A batch step has work now."""
+    last_owner: str = ""
+    """Who had the last request or batch turn (both lanes with work alternate)."""
     stats: TokenStats = field(default_factory=TokenStats)
 
     def __post_init__(self) -> None:
@@ -341,8 +380,8 @@ class GatewayState:
 
     @property
     def busy(self) -> bool:
-        """True while a request holds or waits for the lane."""
-        return self.lane is not None or bool(self.queue)
+        """True while a request holds or waits for the lane, or the batch lane holds rows."""
+        return self.lane is not None or bool(self.queue) or self.batch_busy
 
     @property
     def idle(self) -> bool:
@@ -386,6 +425,9 @@ class GatewayState:
                 "preempted": s.preempted,
             },
             "held_s": {"request": s.request_held_s, "background": s.background_held_s},
+            "batch_lane": {"turns": s.batch_turns, "held_s": s.batch_held_s},
+            "batch_busy": self.batch_busy,
+            "batch_ready": self.batch_ready,
             "background_wait_s": {
                 "total": s.background_wait_s,
                 "max": s.max_background_wait_s,
@@ -436,6 +478,10 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
             _request_turn_done(state, event, effects)
         case BackgroundTurnDone():
             _background_turn_done(state, event)
+        case BatchStatus():
+            state.batch_busy, state.batch_ready = event.busy, event.ready
+        case BatchTurnDone():
+            _batch_turn_done(state, event)
         case BeginDrain():
             state.draining = True
         case StopTurns():
@@ -561,6 +607,15 @@ def _background_turn_done(state: GatewayState, ev: BackgroundTurnDone) -> None:
     state.stats.background_held_s += max(0.0, ev.now - turn.started)
 
 
+def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
+    turn = state.turn
+    if turn is None or turn.owner != "batch":
+        raise ValueError(f"batch turn report but holder is {state.holder()!r}")
+    state.turn = None
+    state.stats.batch_held_s += max(0.0, ev.now - turn.started)
+    state.batch_busy, state.batch_ready = ev.busy, ev.ready
+
+
 def _take_lane(state: GatewayState, rid: str) -> None:
     state.lane = rid
     state.lane_had_turns = False
@@ -612,17 +667,37 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
     if state.turn is not None:
         return
     lane = state.lane
-    if lane is not None and state.ready(lane):
-        state.turn = Turn("request", lane, now, state.max_burst)
+    lane_ok = lane is not None and state.ready(lane)
+    batch_ok = state.batch_ready
+    if lane_ok and batch_ok:
+        # NOTE: both lanes have work: they alternate turns, so neither starves.
+        if state.last_owner == "batch":
+            batch_ok = False
+        else:
+            lane_ok = False
+    if lane is not None and lane_ok:
+        # NOTE: while batch rows wait for steps, the lane holder gets one step
+        # per turn (a burst would hold every batch row for max_burst tokens).
+        steps = 1 if state.batch_ready else state.max_burst
+        state.turn = Turn("request", lane, now, steps)
         state.lane_had_turns = True
+        state.last_owner = "request"
         state.stats.request_turns += 1
-        if state.max_burst > 1:
+        if steps > 1:
             state.stats.burst_turns += 1
-        out.append(RunRequestTurn(lane, state.max_burst))
+        out.append(RunRequestTurn(lane, steps))
+        return
+    if batch_ok:
+        state.stats.batch_turns += 1
+        state.turn = Turn("batch", str(state.stats.batch_turns), now)
+        state.last_owner = "batch"
+        out.append(RunBatchTurn(state.stats.batch_turns))
         return
     # NOTE: here no request can run: the lane is free (and so is the queue),
-    # or its holder has had no turn and still waits for its lookup.
-    if state.background and not state.stopped:
+    # or its holder has had no turn and still waits for its lookup; and no
+    # batch step has work. Rows of the batch lane (even waiting ones) keep
+    # background work out: it never runs between the steps of active rows.
+    if state.background and not state.stopped and not state.batch_busy:
         wait = state.background.popleft()
         waited = max(0.0, now - wait.asked)
         state.stats.background_wait_s += waited

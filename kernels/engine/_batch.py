@@ -27,7 +27,8 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   (``KVCache`` / ``RotatingKVCache`` / ``ArraysCache``), together with the
   exact token ids it holds, ready for the prompt cache's ``Put`` like the
   serial lane's. A row can also hand back a prompt-boundary snapshot (its
-  cache after ``prompt[:-1]``).
+  cache at a prompt offset it names, where its prefill chunks end, as on the
+  serial lane).
 
 :func:`batch_gate` says whether a model's cache kinds and KV scheme can be
 batched, and why not (design 2.3). Everything that touches arrays here runs
@@ -304,7 +305,7 @@ class _Row:
     processors: list[Any]
     stop_ids: frozenset[int]
     text: TextStream
-    snapshot: bool
+    snapshot_at: int | None
     cursor: int
     prefill: Any = None
     """The row's batch-of-one ``PromptProcessingBatch`` while its suffix is forwarded."""
@@ -396,15 +397,17 @@ class BatchGeneration:
         *,
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
-        snapshot: bool = False,
+        snapshot_at: int | None = None,
     ) -> None:
         """Add a row; it starts forwarding its uncached suffix at the next :meth:`step`.
 
         ``cache`` holds the KV of ``prompt[:cached_tokens]`` (lent by the
         prompt cache; it is copied into the batch, never written). An empty
-        list or ``None`` means a cold row. ``snapshot`` asks for a
-        :class:`RowSnapshot` when the row's prompt but its last token is in
-        the cache (only when that adds tokens to ``cached_tokens``).
+        list or ``None`` means a cold row. ``snapshot_at`` asks for a
+        :class:`RowSnapshot` of the cache holding ``prompt[:snapshot_at]``
+        (the prompt's stable boundary; at most ``len(prompt) - 1``): the
+        row's prefill chunks end exactly there. Ignored unless it lies past
+        ``cached_tokens`` (nothing new to keep otherwise).
         """
         if row_id in self._rows:
             raise InvalidPrompt(f"row {row_id!r} is already in the batch")
@@ -420,6 +423,10 @@ class BatchGeneration:
             raise InvalidPrompt(
                 f"cached_tokens={cached_tokens} must leave at least one of the "
                 f"{len(prompt)} prompt tokens to forward"
+            )
+        if snapshot_at is not None and not 0 < snapshot_at < len(prompt):
+            raise InvalidPrompt(
+                f"snapshot_at={snapshot_at} must lie inside the prompt, before its last token"
             )
         if cache is not None:
             gate = batch_gate(cache, batch_ssm=True)
@@ -438,7 +445,9 @@ class BatchGeneration:
             processors=make_request_processors(params),
             stop_ids=stop_ids,
             text=TextStream(self._tokenizer.detokenizer, params.stop),
-            snapshot=snapshot,
+            snapshot_at=snapshot_at
+            if snapshot_at is not None and snapshot_at > cached_tokens
+            else None,
             cursor=cached_tokens,
         )
         self._next_uid += 1
@@ -542,12 +551,15 @@ class BatchGeneration:
             # depend on who else joins; the turn's budget only decides when.
             while len(row.prompt) - row.cursor > 1:
                 n = min(self._step_size, len(row.prompt) - row.cursor - 1)
+                point = row.snapshot_at
+                if point is not None and point > row.cursor:
+                    n = min(n, point - row.cursor)
                 if used > 0 and used + n > self._step_size:
                     return snapshots, used, joined
                 row.prefill.prompt([row.prompt[row.cursor : row.cursor + n]])
                 row.cursor += n
                 used += n
-                if len(row.prompt) - row.cursor == 1 and row.snapshot:
+                if row.cursor == point:
                     snapshots.append(
                         RowSnapshot(
                             row.row_id, row.prefill.extract_cache(0), tuple(row.prefill.tokens[0])

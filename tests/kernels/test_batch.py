@@ -100,7 +100,7 @@ class Plan:
     join_at: int = 0
     cache: list[Any] | None = None
     cached_tokens: int = 0
-    snapshot: bool = False
+    snapshot_at: int | None = None
     cancel_after: int | None = None
     """Cancel the row once it has this many tokens."""
 
@@ -140,7 +140,7 @@ def drive(batch: BatchGeneration, plans: Sequence[Plan], *, max_steps: int = 200
                 p.params,
                 cache=p.cache,
                 cached_tokens=p.cached_tokens,
-                snapshot=p.snapshot,
+                snapshot_at=p.snapshot_at,
             )
             run.outputs[p.row_id] = []
             run.joined_step[p.row_id] = step
@@ -345,15 +345,15 @@ def test_exit_cache_serves_the_serial_lane(model: Any, tok: Any) -> None:
     assert [o.token_id for o in warm] == cold
 
 
-def test_prompt_boundary_snapshot_holds_the_prompt_but_its_last_token(model: Any, tok: Any) -> None:
-    """A snapshot row reports its cache after prompt[:-1], equal to a serial prefill's, and it serves a later row."""
+def test_prompt_boundary_snapshot_at_the_named_offset(model: Any, tok: Any) -> None:
+    """Snapshots at prompt[:-1] and mid-prompt hold exactly those tokens (a serial prefill's KV) and serve a later row."""
     prompt = _prompts(len(tok), 1, seed=6, lo=40, hi=45)[0]
     params = SamplingParams(max_tokens=6)
     run = drive(
         BatchGeneration(model, tok, prefill_step_size=16),
         [
-            Plan("snap", prompt, params, snapshot=True),
-            Plan("other", prompt[:10], params, snapshot=True, cache=None),
+            Plan("snap", prompt, params, snapshot_at=len(prompt) - 1),
+            Plan("mid", prompt[:30], params, snapshot_at=20),
         ],
     )
     snap = run.snapshots["snap"]
@@ -365,10 +365,22 @@ def test_prompt_boundary_snapshot_holds_the_prompt_but_its_last_token(model: Any
     for ours, theirs in zip(snap.cache, gen.cache, strict=True):
         k = theirs.keys[..., : theirs.offset, :]
         assert mx.allclose(ours.keys, k, atol=1e-5).item()
-    assert "other" in run.snapshots
+    mid = run.snapshots["mid"]
+    assert mid.cache_tokens == tuple(prompt[:20])
+    _cache_holds(mid.cache, mid.cache_tokens)
+    assert run.ids("mid") == [o.token_id for o in _serial(model, tok, prompt[:30], params)]
     reuse = drive(
         BatchGeneration(model, tok),
-        [Plan("w", prompt, params, cache=snap.cache, cached_tokens=len(prompt) - 1, snapshot=True)],
+        [
+            Plan(
+                "w",
+                prompt,
+                params,
+                cache=snap.cache,
+                cached_tokens=len(prompt) - 1,
+                snapshot_at=len(prompt) - 1,
+            )
+        ],
     )
     assert reuse.ids("w") == run.ids("snap")
     assert reuse.snapshots == {}, (
@@ -544,6 +556,8 @@ def test_admission_errors(model: Any, tok: Any) -> None:
     quant = [QuantizedKVCache(), QuantizedKVCache()]
     with pytest.raises(InvalidPrompt, match="quantized"):
         small.join("x", [1, 2, 3, 4], SamplingParams(), cache=quant, cached_tokens=3)
+    with pytest.raises(InvalidPrompt, match="snapshot_at"):
+        small.join("x", [1, 2, 3], SamplingParams(), snapshot_at=3)
     assert small.idle
 
 

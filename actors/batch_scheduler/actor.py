@@ -1,0 +1,239 @@
+"""The batch scheduler actor: the batch lane's shell over its sans-IO core.
+
+It turns messages into core events (stamped with the injected clock) and
+performs the core's effects, matched exhaustively: admission answers to the
+forwarded ``Generate``, prompt-cache ``Take`` (sent as a request whose answer
+comes back here) and ``Release``, ``Put`` of every registered cache, token
+events and final events on each row's stream, ``BatchWants`` /
+``BatchTurnReport`` to the gateway, and the engine job of a granted step.
+
+It never awaits the engine: the step's job is submitted to the
+``Executor`` and its end comes back as a ``BatchWake`` posted to this
+mailbox's reserved room, so cancels and new admissions are handled while
+the engine computes. If the handler itself raises while handling a
+``RunBatchStep`` or a ``BatchWake``, the runtime answers the gateway with a
+``Failure`` (their reply slot), and the gateway ends the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, assert_never
+
+import structlog
+
+from actors.gateway.ports import Executor
+from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
+from messages import Envelope, Failure, Release, Take, TakeResult
+from messages.batch_scheduler import (
+    BatchStats,
+    BatchStatsRequest,
+    BatchWake,
+    BatchWants,
+    RunBatchStep,
+)
+from messages.gateway import AdmissionReply, BeginShutdown, CancelGeneration, Generate
+
+from . import core
+from .engine import BatchEngine
+
+__all__ = ["BatchScheduler"]
+
+_log = structlog.get_logger("kvtier.batch")
+
+
+class BatchScheduler(Actor):
+    """Runs the batch lane: rows join at step boundaries, one batch step per granted engine turn.
+
+    ``gateway``: where ``BatchWants``/``BatchTurnReport`` go (it holds the
+    engine-turn token); ``prompt_cache``: the address rows look up in and
+    put to (``None``: no prompt cache); ``engine``: the engine-thread half,
+    run through ``executor``.
+    """
+
+    def __init__(
+        self,
+        *,
+        gateway: str,
+        executor: Executor,
+        engine: BatchEngine,
+        max_rows: int,
+        max_queue: int,
+        prompt_cache: str | None = None,
+    ) -> None:
+        self._gateway = gateway
+        self._executor = executor
+        self._engine = engine
+        self._prompt_cache = prompt_cache
+        self.state = core.SchedulerState(
+            max_rows=max_rows, max_queue=max_queue, lookups=prompt_cache is not None
+        )
+        self._requests: dict[str, Envelope] = {}  # forwarded Generate envelopes, until answered
+        self._lookups: dict[str, str] = {}  # Take msg_id -> request id
+        self._job: tuple[int, asyncio.Future[core.StepOut]] | None = None
+
+    def snapshot(self) -> dict[str, int | bool | dict[str, int]]:
+        """JSON-ready statistics of the batch lane."""
+        return self.state.snapshot()
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Translate one message into a core event and perform the effects."""
+        now = ctx.clock.now()
+        body = envelope.body
+        event: core.Event
+        if isinstance(body, Generate):
+            self._requests[body.request_id] = envelope
+            event = core.Admit(body, envelope.correlation_id, now)
+        elif isinstance(body, CancelGeneration):
+            event = core.Cancel(body.request_id, now)
+        elif isinstance(body, TakeResult):
+            rid = self._lookups.pop(envelope.causation_id or "", None)
+            if rid is None:
+                await self._release(body.lease_id, ctx)
+                return
+            event = core.LookupAnswered(rid, body, now)
+        elif isinstance(body, Failure) and (envelope.causation_id or "") in self._lookups:
+            # NOTE: a prompt cache that cannot answer is a miss, never a failed request.
+            rid = self._lookups.pop(envelope.causation_id or "")
+            _log.warning(
+                "batch.lookup_failed", request_id=rid, error=f"{body.error}: {body.message}"
+            )
+            event = core.LookupAnswered(rid, None, now)
+        elif isinstance(body, RunBatchStep):
+            event = core.TurnGranted(body.turn, now)
+        elif isinstance(body, BatchWake):
+            job = self._job
+            if job is None or job[0] != body.turn or not job[1].done():
+                return  # NOTE: a late wake of a job already drained.
+            self._job = None
+            event = self._job_event(body.turn, job[1], now)
+        elif isinstance(body, BeginShutdown):
+            event = core.BeginDrain(now)
+        elif isinstance(body, BatchStatsRequest):
+            await ctx.reply(envelope, BatchStats(batch=self.snapshot()))
+            return
+        else:
+            return
+        await self._feed(event, ctx)
+
+    @staticmethod
+    def _job_event(turn: int, future: asyncio.Future[core.StepOut], now: float) -> core.Event:
+        exc = future.exception()
+        if exc is not None:
+            _log.warning("batch.step_failed", turn=turn, error=repr(exc))
+            return core.StepFailed(turn, "batch_step_failed", f"{type(exc).__name__}: {exc}", now)
+        return core.StepFinished(turn, future.result(), now)
+
+    # --- the core -------------------------------------------------------------------
+
+    async def _feed(self, event: core.Event, ctx: Context) -> None:
+        todo: deque[core.Event] = deque([event])
+        while todo:
+            self.state, effects = core.handle(self.state, todo.popleft())
+            for effect in effects:
+                follow_up = await self._perform(effect, ctx)
+                if follow_up is not None:
+                    todo.append(follow_up)
+
+    async def _perform(self, effect: core.Effect, ctx: Context) -> core.Event | None:
+        match effect:
+            case core.AnswerAdmission():
+                await self._answer(effect, ctx)
+            case core.StartLookup():
+                return await self._start_lookup(effect, ctx)
+            case core.ReleaseLease():
+                await self._release(effect.lease_id, ctx)
+            case core.SubmitStep():
+                return self._submit(effect, ctx)
+            case core.EmitToken():
+                try:
+                    await ctx.tell(
+                        effect.stream_to, effect.event, correlation_id=effect.correlation_id
+                    )
+                except (MailboxClosed, UnknownAddress):
+                    return core.StreamGone(effect.event.request_id, ctx.clock.now())
+            case core.EndStream():
+                ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)
+            case core.PutEntry():
+                if self._prompt_cache is not None:
+                    try:
+                        await ctx.tell(
+                            self._prompt_cache,
+                            effect.put,
+                            correlation_id=effect.correlation_id or None,
+                        )
+                    except RuntimeFailure as exc:
+                        _log.warning("batch.put_failed", handle=effect.put.handle, error=repr(exc))
+            case core.ReportTurn():
+                await self._tell_gateway(effect.report, ctx)
+            case core.Status():
+                await self._tell_gateway(BatchWants(busy=effect.busy, ready=effect.ready, left=effect.left), ctx)
+            case _:
+                assert_never(effect)
+        return None
+
+    async def _tell_gateway(self, body: Any, ctx: Context) -> None:
+        try:
+            await ctx.tell(self._gateway, body)
+        except RuntimeFailure as exc:
+            _log.warning("batch.gateway_unavailable", error=repr(exc))
+
+    async def _answer(self, effect: core.AnswerAdmission, ctx: Context) -> None:
+        envelope = self._requests.pop(effect.request_id, None)
+        if envelope is None:
+            return
+        body = envelope.body
+        if isinstance(body, Generate) and body.reply_to:
+            reply = AdmissionReply(
+                request_id=effect.request_id,
+                accepted=effect.accepted,
+                position=effect.position,
+                error_code=effect.error_code,
+                detail=effect.detail,
+            )
+            await ctx.reply(envelope, reply)
+
+    async def _start_lookup(self, effect: core.StartLookup, ctx: Context) -> core.Event | None:
+        request = effect.request
+        if self._prompt_cache is None:
+            return core.LookupAnswered(request.request_id, None, ctx.clock.now())
+        take = Take(tokens=request.prompt_tokens, namespace=request.namespace)
+        try:
+            msg_id = await ctx.request(
+                self._prompt_cache, take, correlation_id=effect.correlation_id
+            )
+        except RuntimeFailure as exc:
+            _log.warning("batch.lookup_failed", request_id=request.request_id, error=repr(exc))
+            return core.LookupAnswered(request.request_id, None, ctx.clock.now())
+        self._lookups[msg_id] = request.request_id
+        return None
+
+    async def _release(self, lease_id: str | None, ctx: Context) -> None:
+        if lease_id is None or self._prompt_cache is None:
+            return
+        try:
+            await ctx.tell(self._prompt_cache, Release(lease_id=lease_id))
+        except RuntimeFailure as exc:
+            _log.warning("batch.release_failed", lease_id=lease_id, error=repr(exc))
+
+    # --- the engine job ---------------------------------------------------------------
+
+    def _submit(self, effect: core.SubmitStep, ctx: Context) -> core.Event | None:
+        engine, joins, cancels = self._engine, effect.joins, effect.cancels
+        try:
+            future = self._executor.submit(engine.step, joins, cancels)
+        except Exception as exc:  # noqa: BLE001 - the engine refused the job: the step fails
+            _log.warning("batch.job_refused", turn=effect.turn, error=repr(exc))
+            return core.StepFailed(effect.turn, "engine_unavailable", repr(exc), ctx.clock.now())
+        self._job = (effect.turn, future)
+        wake = BatchWake(turn=effect.turn, reply_to=self._gateway)
+
+        def done(_: asyncio.Future[core.StepOut]) -> None:
+            try:
+                ctx.self_ref.post(wake)
+            except MailboxClosed:
+                pass  # NOTE: the scheduler is stopping: nobody is left to wake.
+
+        future.add_done_callback(done)
+        return None

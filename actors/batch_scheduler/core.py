@@ -1,0 +1,715 @@
+"""Sans-IO core of the batch scheduler: rows, lookups, one batch step per engine turn.
+
+``handle(state, event) -> (state, effects)`` decides; the shell
+(``actor.py``) performs the effects, matched exhaustively. The core never
+awaits, never reads a clock and never touches the engine: a step leaves as
+``SubmitStep`` and comes back as ``StepFinished`` / ``StepFailed`` carrying
+plain data (tokens, exits, registered cache handles).
+
+A request's life here: admitted (``Admit``) -> waiting for room (more than
+``max_rows`` rows) -> its prompt-cache lookup (``StartLookup`` ...
+``LookupAnswered``, made while it waits, never inside a step) -> ready ->
+joined by the next step (the lookup's handle is materialized on the engine
+thread, then its lease released) -> one token per step -> it leaves with its
+``DoneEvent``, its cache ``Put`` into the prompt cache.
+
+Invariants (checked by the tests):
+
+- at most one step in flight; a step runs only when the gateway granted it
+  (``TurnGranted``), and every granted turn is reported exactly once
+  (``ReportTurn``);
+- ``busy`` (told to the gateway with ``Status`` whenever it changes) is
+  true while any row exists, waiting ones included, so the gateway grants
+  no background step between the steps of active rows;
+- at most ``max_rows`` rows hold a lookup, wait to join or are joined; at
+  most ``max_queue`` more wait for room, later ones are refused
+  (``queue_full``);
+- a cancel of a row not yet joined ends its stream at once (its lease
+  released); a joined row is removed by the next step, before it decodes
+  (so within one step), and its cache is kept;
+- every lease is released exactly once; every registered entry is ``Put``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, assert_never
+
+from actors.gateway.ports import Registered
+from messages.batch_scheduler import BatchTurnReport
+from messages.gateway import (
+    DoneEvent,
+    ErrorEvent,
+    FinishReason,
+    Generate,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from messages.prompt_cache import EntryRole, Put, TakeResult
+
+__all__ = [
+    "Admit",
+    "AnswerAdmission",
+    "BeginDrain",
+    "Cancel",
+    "Effect",
+    "EmitToken",
+    "EndStream",
+    "Event",
+    "ExitOut",
+    "JoinRow",
+    "LookupAnswered",
+    "PutEntry",
+    "ReleaseLease",
+    "ReportTurn",
+    "SchedulerState",
+    "StartLookup",
+    "Status",
+    "StepFailed",
+    "StepFinished",
+    "StepOut",
+    "StreamGone",
+    "SubmitStep",
+    "TokenOut",
+    "TurnGranted",
+    "handle",
+]
+
+RowPhase = Literal["waiting", "lookup", "ready", "joined"]
+
+
+# --- what an engine step hands back (plain data) ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """One row's token of a step (``finish_reason`` on its last)."""
+
+    request_id: str
+    index: int
+    token_id: int
+    text: str
+    logprob: float | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExitOut:
+    """A row that left in a step, with its cache registered (``None``: nothing kept)."""
+
+    request_id: str
+    reason: FinishReason
+    completion_tokens: int
+    entry: Registered | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOut:
+    """What one batch step did on the engine thread.
+
+    ``joined``: (request id, prompt tokens really reused) of rows that
+    entered the batch this step (a lookup that could not be materialized
+    joins cold: 0).
+    """
+
+    tokens: tuple[TokenOut, ...] = ()
+    exits: tuple[ExitOut, ...] = ()
+    snapshots: tuple[tuple[str, Registered], ...] = ()
+    joined: tuple[tuple[str, int], ...] = ()
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRow:
+    """A row for the next step to join: the request and the lookup to materialize."""
+
+    request: Generate
+    handle: str | None = None
+    cached_tokens: int = 0
+
+
+# --- events (shell -> core) ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """A request the gateway routed to the batch lane."""
+
+    request: Generate
+    correlation_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAnswered:
+    """The prompt cache answered ``request_id``'s ``Take`` (``None``: it could not: a miss)."""
+
+    request_id: str
+    result: TakeResult | None
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """The requester left."""
+
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class StreamGone:
+    """Delivering to ``request_id``'s stream failed: its reader is gone (a cancel)."""
+
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class TurnGranted:
+    """The gateway granted batch step ``turn``."""
+
+    turn: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished:
+    """The engine job of step ``turn`` ended with ``out``."""
+
+    turn: int
+    out: StepOut
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailed:
+    """The engine job of step ``turn`` raised (or could not start); every joined row fails."""
+
+    turn: int
+    error_code: str
+    detail: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class BeginDrain:
+    """Stop admitting; rows already admitted finish."""
+
+    now: float
+
+
+Event = (
+    Admit
+    | LookupAnswered
+    | Cancel
+    | StreamGone
+    | TurnGranted
+    | StepFinished
+    | StepFailed
+    | BeginDrain
+)
+
+
+# --- effects (core -> shell) ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerAdmission:
+    """Answer the forwarded ``Generate`` (accepted with its position, or refused)."""
+
+    request_id: str
+    accepted: bool
+    position: int = 0
+    error_code: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StartLookup:
+    """Send ``request_id``'s ``Take`` to the prompt cache; answer with ``LookupAnswered``."""
+
+    request: Generate
+    correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseLease:
+    """Give a lookup's lease back to the prompt cache."""
+
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitStep:
+    """Run batch step ``turn`` on the engine: cancel ``cancels``, join ``joins``, then one step."""
+
+    turn: int
+    joins: tuple[JoinRow, ...]
+    cancels: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EmitToken:
+    """Send one token event to a row's stream."""
+
+    stream_to: str
+    event: TokenEvent
+    correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndStream:
+    """End a row's stream with its final event."""
+
+    stream_to: str
+    final: DoneEvent | ErrorEvent
+    correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PutEntry:
+    """Hand a registered cache to the prompt cache."""
+
+    put: Put
+    correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportTurn:
+    """Tell the gateway the granted step ended."""
+
+    report: BatchTurnReport
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Tell the gateway whether rows exist (``busy``), a step has work (``ready``), who ended (``left``)."""
+
+    busy: bool
+    ready: bool
+    left: tuple[str, ...] = ()
+
+
+Effect = (
+    AnswerAdmission
+    | StartLookup
+    | ReleaseLease
+    | SubmitStep
+    | EmitToken
+    | EndStream
+    | PutEntry
+    | ReportTurn
+    | Status
+)
+
+
+# --- state -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Row:
+    """One admitted request."""
+
+    request: Generate
+    correlation_id: str
+    admitted_at: float
+    phase: RowPhase = "waiting"
+    lookup: TakeResult | None = None
+    cancelled: bool = False
+    joined_at: float = 0.0
+    first_token_at: float = 0.0
+    tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the batch lane did so far."""
+
+    admitted: int = 0
+    rejected_queue_full: int = 0
+    rejected_shutting_down: int = 0
+    steps: int = 0
+    failed_steps: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    joined: int = 0
+    cached_tokens: int = 0
+    max_rows_decoded: int = 0
+    finished_stop: int = 0
+    finished_length: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    entries_put: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerState:
+    """The scheduler's decision state; :func:`handle` is the only thing that changes it.
+
+    ``lookups``: a prompt cache is attached (every row looks up before it joins).
+    """
+
+    max_rows: int
+    max_queue: int
+    lookups: bool = False
+    rows: dict[str, Row] = field(default_factory=dict)
+    waiting: deque[str] = field(default_factory=deque)
+    in_flight: int | None = None
+    """The turn whose engine job runs (``None``: none)."""
+    draining: bool = False
+    told: tuple[bool, bool] = (False, False)
+    """The last (busy, ready) told to the gateway."""
+    ended: list[str] = field(default_factory=list)
+    """Requests that ended (or were refused) since the gateway was last told."""
+    stats: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise ValueError("max_rows must be >= 1")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+
+    # --- queries -------------------------------------------------------------------
+
+    def placed(self) -> int:
+        """Rows that hold a lookup, wait to join or are joined (at most ``max_rows``)."""
+        return sum(1 for r in self.rows.values() if r.phase != "waiting")
+
+    @property
+    def busy(self) -> bool:
+        """Any admitted row (waiting ones too)."""
+        return bool(self.rows)
+
+    @property
+    def ready(self) -> bool:
+        """A step has work: a row joined (decoding, prefilling or to be cancelled) or ready to join."""
+        return any(r.phase in ("ready", "joined") for r in self.rows.values())
+
+    def snapshot(self) -> dict[str, int | bool | dict[str, int]]:
+        """JSON-ready statistics."""
+        by_phase = dict.fromkeys(("waiting", "lookup", "ready", "joined"), 0)
+        for r in self.rows.values():
+            by_phase[r.phase] += 1
+        s = self.stats
+        return {
+            "max_rows": self.max_rows,
+            "max_queue": self.max_queue,
+            "busy": self.busy,
+            "step_in_flight": self.in_flight is not None,
+            "rows": by_phase,
+            "requests": {
+                "admitted": s.admitted,
+                "rejected_queue_full": s.rejected_queue_full,
+                "rejected_shutting_down": s.rejected_shutting_down,
+                "finished_stop": s.finished_stop,
+                "finished_length": s.finished_length,
+                "cancelled": s.cancelled,
+                "failed": s.failed,
+            },
+            "steps": {
+                "run": s.steps,
+                "failed": s.failed_steps,
+                "tokens": s.tokens,
+                "prefill_tokens": s.prefill_tokens,
+                "max_rows_decoded": s.max_rows_decoded,
+            },
+            "joined": s.joined,
+            "cached_tokens": s.cached_tokens,
+            "entries_put": s.entries_put,
+        }
+
+
+# --- the core ----------------------------------------------------------------------------
+
+
+def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Effect]]:
+    """Apply one event; return the next state and the effects to perform, in order.
+
+    NOTE: the state is updated in place and returned. A report for a turn
+    that is not in flight raises ``ValueError`` before anything changes.
+    """
+    out: list[Effect] = []
+    match event:
+        case Admit():
+            _admit(state, event, out)
+        case LookupAnswered():
+            _lookup_answered(state, event, out)
+        case Cancel() | StreamGone():
+            _cancel(state, event.request_id, event.now, out)
+        case TurnGranted():
+            _turn_granted(state, event, out)
+        case StepFinished():
+            _step_finished(state, event, out)
+        case StepFailed():
+            _step_failed(state, event, out)
+        case BeginDrain():
+            state.draining = True
+        case _:
+            assert_never(event)
+    _place(state, out)
+    busy, ready = state.busy, state.ready
+    left = tuple(state.ended)
+    state.ended.clear()
+    reported = False
+    for i, effect in enumerate(out):
+        if isinstance(effect, ReportTurn):
+            # NOTE: the report carries the state after this event (rows placed)
+            # and every request that ended, so the gateway forgets their ids.
+            update = {"busy": busy, "ready": ready, "left": left}
+            out[i] = ReportTurn(effect.report.model_copy(update=update))
+            reported = True
+    if not reported and ((busy, ready) != state.told or left):
+        out.append(Status(busy, ready, left))
+    state.told = (busy, ready)
+    return state, out
+
+
+def _admit(state: SchedulerState, ev: Admit, out: list[Effect]) -> None:
+    rid = ev.request.request_id
+    if rid in state.rows:
+        out.append(
+            AnswerAdmission(rid, False, error_code="duplicate_id", detail="already admitted")
+        )
+        return
+    if state.draining:
+        state.ended.append(rid)
+        state.stats.rejected_shutting_down += 1
+        out.append(
+            AnswerAdmission(
+                rid, False, error_code="shutting_down", detail="the server is shutting down"
+            )
+        )
+        return
+    room = state.placed() < state.max_rows
+    if not room and len(state.waiting) >= state.max_queue:
+        state.ended.append(rid)
+        state.stats.rejected_queue_full += 1
+        out.append(
+            AnswerAdmission(
+                rid,
+                False,
+                position=len(state.waiting),
+                error_code="queue_full",
+                detail=f"{state.max_rows} rows in the batch, {len(state.waiting)} waiting, max_queue={state.max_queue}",
+            )
+        )
+        return
+    state.rows[rid] = Row(ev.request, ev.correlation_id, ev.now)
+    state.waiting.append(rid)
+    state.stats.admitted += 1
+    position = 0 if room else len(state.waiting)
+    out.append(AnswerAdmission(rid, True, position=position))
+
+
+def _place(state: SchedulerState, out: list[Effect]) -> None:
+    """Move waiting rows into the batch's room: start their lookups (or make them ready)."""
+    while state.waiting and state.placed() < state.max_rows:
+        rid = state.waiting.popleft()
+        row = state.rows[rid]
+        if state.lookups and len(row.request.prompt_tokens) > 1:
+            row.phase = "lookup"
+            out.append(StartLookup(row.request, row.correlation_id))
+        else:
+            row.phase = "ready"
+
+
+def _lookup_answered(state: SchedulerState, ev: LookupAnswered, out: list[Effect]) -> None:
+    row = state.rows.get(ev.request_id)
+    if row is None or row.phase != "lookup":
+        # NOTE: the row left while its lookup ran: the lease is ours to give back.
+        if ev.result is not None and ev.result.lease_id is not None:
+            out.append(ReleaseLease(ev.result.lease_id))
+        return
+    row.lookup = ev.result
+    row.phase = "ready"
+
+
+def _cancel(state: SchedulerState, rid: str, now: float, out: list[Effect]) -> None:
+    row = state.rows.get(rid)
+    if row is None:
+        return  # NOTE: a cancel may race the row's own end.
+    if row.phase == "joined":
+        # NOTE: the row is in the engine's batch: the next step removes it
+        # (before it decodes) and keeps its cache.
+        row.cancelled = True
+        return
+    if rid in state.waiting:
+        state.waiting.remove(rid)
+    if row.lookup is not None and row.lookup.lease_id is not None:
+        out.append(ReleaseLease(row.lookup.lease_id))
+    # NOTE: a lookup still running is released when its answer comes (row gone).
+    del state.rows[rid]
+    state.ended.append(rid)
+    state.stats.cancelled += 1
+    request = row.request
+    done = DoneEvent(
+        request_id=rid,
+        finish_reason="cancelled",
+        usage=Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=0),
+        timings=Timings(queued_s=max(0.0, now - row.admitted_at)),
+    )
+    out.append(EndStream(request.stream_to, done, row.correlation_id))
+
+
+def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> None:
+    if state.in_flight is not None:
+        raise ValueError(f"batch turn {ev.turn} granted while turn {state.in_flight} runs")
+    joins: list[JoinRow] = []
+    cancels: list[str] = []
+    for rid, row in state.rows.items():
+        if row.phase == "ready":
+            lookup = row.lookup
+            handle = None if lookup is None else lookup.handle
+            cached = 0 if lookup is None or handle is None else lookup.cached_tokens
+            joins.append(JoinRow(row.request, handle, cached))
+            row.phase = "joined"
+            row.joined_at = ev.now
+        elif row.phase == "joined" and row.cancelled:
+            cancels.append(rid)
+    if not joins and not any(r.phase == "joined" for r in state.rows.values()):
+        # NOTE: the work vanished between the grant and now (every row left).
+        out.append(ReportTurn(_report(state, ev.turn)))
+        return
+    state.in_flight = ev.turn
+    out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels)))
+
+
+def _check_turn(state: SchedulerState, turn: int) -> None:
+    if state.in_flight != turn:
+        raise ValueError(f"report of batch turn {turn} but turn {state.in_flight} is in flight")
+    state.in_flight = None
+
+
+def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -> None:
+    _check_turn(state, ev.turn)
+    step = ev.out
+    stats = state.stats
+    stats.steps += 1
+    stats.tokens += len(step.tokens)
+    stats.prefill_tokens += step.prefill_tokens
+    stats.max_rows_decoded = max(stats.max_rows_decoded, step.decode_rows)
+    for rid, cached in step.joined:
+        row = state.rows.get(rid)
+        if row is None:
+            continue
+        row.cached_tokens = cached
+        stats.joined += 1
+        stats.cached_tokens += cached
+        # NOTE: the handle was materialized on the engine thread: the lease ends.
+        if row.lookup is not None and row.lookup.lease_id is not None:
+            out.append(ReleaseLease(row.lookup.lease_id))
+        row.lookup = None
+    for tok in step.tokens:
+        row = state.rows.get(tok.request_id)
+        if row is None:
+            continue
+        if row.tokens == 0:
+            row.first_token_at = ev.now
+        row.tokens += 1
+        event = TokenEvent(
+            request_id=tok.request_id,
+            index=tok.index,
+            token_id=tok.token_id,
+            text=tok.text,
+            logprob=tok.logprob,
+        )
+        out.append(EmitToken(row.request.stream_to, event, row.correlation_id))
+    for rid, entry in step.snapshots:
+        row = state.rows.get(rid)
+        _put(state, row, entry, "snapshot", out)
+    for ex in step.exits:
+        row = state.rows.pop(ex.request_id, None)
+        if row is None:
+            continue
+        state.ended.append(ex.request_id)
+        if row.lookup is not None and row.lookup.lease_id is not None:
+            out.append(ReleaseLease(row.lookup.lease_id))
+        if ex.reason == "stop":
+            stats.finished_stop += 1
+        elif ex.reason == "length":
+            stats.finished_length += 1
+        else:
+            stats.cancelled += 1
+        _put(state, row, ex.entry, "completion", out)
+        request = row.request
+        done = DoneEvent(
+            request_id=ex.request_id,
+            finish_reason=ex.reason,
+            usage=Usage(
+                prompt_tokens=len(request.prompt_tokens),
+                completion_tokens=ex.completion_tokens,
+                cached_tokens=row.cached_tokens,
+            ),
+            timings=_timings(row, ev.now),
+        )
+        out.append(EndStream(request.stream_to, done, row.correlation_id))
+    out.append(ReportTurn(_report(state, ev.turn, step)))
+
+
+def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> None:
+    _check_turn(state, ev.turn)
+    state.stats.failed_steps += 1
+    # NOTE: a failed forward leaves the engine's batch in an unknown state:
+    # every joined row fails (the shell drops the engine batch); rows not yet
+    # joined are untouched and join a fresh batch.
+    for rid in [rid for rid, r in state.rows.items() if r.phase == "joined"]:
+        row = state.rows.pop(rid)
+        state.ended.append(rid)
+        state.stats.failed += 1
+        if row.lookup is not None and row.lookup.lease_id is not None:
+            out.append(ReleaseLease(row.lookup.lease_id))
+        error = ErrorEvent(request_id=rid, error_code=ev.error_code, detail=ev.detail)
+        out.append(EndStream(row.request.stream_to, error, row.correlation_id))
+    report = _report(state, ev.turn)
+    out.append(ReportTurn(report.model_copy(update={"ok": False, "error_code": ev.error_code})))
+
+
+def _put(
+    state: SchedulerState,
+    row: Row | None,
+    entry: Registered | None,
+    role: EntryRole,
+    out: list[Effect],
+) -> None:
+    if entry is None:
+        return
+    # NOTE: a registered handle must reach the prompt cache whatever became
+    # of its row (the cache owns it from the Put on).
+    request = None if row is None else row.request
+    put = Put(
+        tokens=entry.tokens,
+        namespace="" if request is None else request.namespace,
+        handle=entry.handle,
+        meta=entry.meta,
+        role=role,
+    )
+    state.stats.entries_put += 1
+    out.append(PutEntry(put, "" if row is None else row.correlation_id))
+
+
+def _timings(row: Row, now: float) -> Timings:
+    first = row.first_token_at or now
+    return Timings(
+        queued_s=max(0.0, row.joined_at - row.admitted_at),
+        ttft_s=max(0.0, first - row.admitted_at),
+        prefill_s=max(0.0, first - row.joined_at),
+        decode_s=max(0.0, now - first),
+    )
+
+
+def _report(state: SchedulerState, turn: int, step: StepOut | None = None) -> BatchTurnReport:
+    # NOTE: busy/ready are filled in by handle() once the event is applied.
+    return BatchTurnReport(
+        turn=turn,
+        busy=state.busy,
+        ready=state.ready,
+        decode_rows=0 if step is None else step.decode_rows,
+        tokens=0 if step is None else len(step.tokens),
+        prefill_tokens=0 if step is None else step.prefill_tokens,
+        joined=0 if step is None else len(step.joined),
+    )

@@ -1,0 +1,94 @@
+"""How the engine's wiring builds the batch lane (``actors/engine/wiring.py`` calls these).
+
+:func:`batch_refusal` decides whether the batch lane exists: ``max_batch``
+above 1 and the model's cache kinds and KV scheme passing the batching gates
+(``kernels.engine.batch_gate``). :func:`batch_factory` builds the scheduler
+from the engine's ``Parts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from kernels import CacheRegistry, KvScheme
+from kernels.engine import model_batch_gate
+
+from .actor import BatchScheduler
+from .engine import BatchEngine
+
+if TYPE_CHECKING:
+    from actors.engine.wiring import Parts
+
+__all__ = ["BATCH_ADDRESS", "batch_factory", "batch_refusal"]
+
+BATCH_ADDRESS = "batch"
+
+_log = structlog.get_logger("kvtier.batch")
+
+
+def _backend_parts(backend: object) -> tuple[Any, Any, CacheRegistry | None, int, KvScheme | None] | None:
+    """Model, tokenizer, registry, prefill step and KV scheme of the MLX backend (``None``: another backend)."""
+    from actors.backend.mlx import MlxBackend
+
+    if not isinstance(backend, MlxBackend):
+        return None
+    # NOTE: MlxBackend keeps these private; the batch lane serves the same
+    # model with the same options, so it reads them rather than have the
+    # engine pass each one twice.
+    return (
+        backend._model,
+        backend._tokenizer,
+        backend._registry,
+        int(backend._step_size),
+        backend._scheme,
+    )
+
+
+def batch_refusal(parts: Parts) -> str | None:
+    """Why the batch lane is off for these parts (``None``: it is on)."""
+    cfg = parts.config
+    if cfg.max_batch <= 1:
+        return "max_batch=1"
+    found = _backend_parts(parts.backend)
+    if found is None:
+        return "backend_not_mlx"
+    model, _, _, _, scheme = found
+    gate = model_batch_gate(model, scheme)
+    if gate.refusal is not None:
+        _log.warning("batch.refused", reason=gate.refusal, detail=gate.detail)
+        return gate.refusal
+    return None
+
+
+def batch_factory(parts: Parts, *, gateway: str, prompt_cache: str | None) -> Callable[[], BatchScheduler] | None:
+    """The batch scheduler's factory (``None`` when :func:`batch_refusal` says no)."""
+    if batch_refusal(parts) is not None:
+        return None
+    found = _backend_parts(parts.backend)
+    assert found is not None
+    model, tokenizer, registry, step, _ = found
+    cfg = parts.config
+    backend = parts.backend
+    point = backend.snapshot_boundary if hasattr(backend, "snapshot_boundary") else None
+    engine = BatchEngine(
+        model,
+        tokenizer,
+        max_rows=cfg.max_batch,
+        prefill_step_size=step,
+        registry=registry if prompt_cache is not None else None,
+        snapshot_point=None if point is None else (lambda prompt: point().stable_prefix(prompt)),
+        snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,
+    )
+    scheduler = BatchScheduler(
+        gateway=gateway,
+        executor=parts.executor,
+        engine=engine,
+        max_rows=cfg.max_batch,
+        max_queue=cfg.max_queue,
+        prompt_cache=prompt_cache,
+    )
+    # NOTE: "resume" keeps this one instance (its rows) when a handler raises.
+    return lambda: scheduler

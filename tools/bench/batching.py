@@ -1,0 +1,485 @@
+"""Continuous-batching throughput: kvtier vs mlx_lm.server, side by side in one run.
+
+Loads (every client sends one greedy chat request at the same moment,
+``--max-tokens`` new tokens each):
+
+- ``1``, ``4``, ``8``: that many clients, each with its own distinct prompt;
+- ``8-shared``: 8 clients whose prompts share a long system prompt
+  (``--system-tokens``) and differ in the user question.
+
+Every round uses fresh prompts (a per-round nonce) so no prompt cache carries
+work from one round to the next; within a round, the shared load's clients
+share their system prompt. Aggregate tok/s = completion tokens of all
+clients / seconds from the moment they all send to the last answer.
+
+Contenders, interleaved (each runs every load once per round, same requests):
+
+- ``mlx_lm.server``: a subprocess on the same model (its ``BatchGenerator``,
+  decode concurrency 32, prompt concurrency 8, its own prompt cache),
+  non-streaming OpenAI chat requests from one thread per client;
+- ``kvtier batch``: kvtier's batch kernel (``kernels.engine.BatchGeneration``)
+  driven in-process. NOTE (issue 10, phase 1): the BatchScheduler actor is
+  not integrated yet, so this measures the kernel with a small in-process
+  driver that plays the scheduler's part: it admits every request at once,
+  looks each one up in a longest-prefix store standing in for the prompt
+  cache (``Take``), stores every prompt-boundary snapshot and finished row
+  (``Put``), and lets a request whose prompt shares a longer prefix with a
+  row still prefilling wait for that row's snapshot instead of prefilling
+  the same tokens again. No HTTP, no actors;
+- ``kvtier serial``: kvtier's serial kernel (``kernels.Generation``), one
+  request after another (today's serving lane), on the ``1`` load only
+  (``--serial-all`` for every load).
+
+Prints every round, then median and min–max per load and contender, the
+kvtier/mlx_lm ratios, and writes a PNG (``--plot``, default
+``docs/benchmarks/batching.png``). Run from the repository root:
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/batching.py [--rounds 3] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+
+from prompt_cache import start_mlx_lm, system_prompt  # noqa: E402
+
+from kernels import (  # noqa: E402
+    Generation,
+    SamplingParams,
+    clone_caches,
+    ensure_default_model,
+    load_model,
+    render_chat,
+    run_generation,
+)
+from kernels.engine import BatchGeneration  # noqa: E402
+
+TOPICS = [
+    "a lighthouse keeper who finds a message in a bottle",
+    "the history of the bicycle in three short paragraphs",
+    "why bread rises, explained for a ten-year-old",
+    "a recipe for a simple tomato soup with one secret ingredient",
+    "the rules of chess for someone who has never played",
+    "a day in the life of a honeybee in early spring",
+    "how a rainbow forms after a summer storm",
+    "three tips for learning a new language as an adult",
+    "the journey of a letter through the postal system",
+    "what makes a good friend, with two short examples",
+]
+QUESTIONS = [
+    "Summarize rule 3 in one sentence.",
+    "What is rule 7 about?",
+    "List two rules that mention a river.",
+    "Which rule comes right after rule 11?",
+    "Give me a short title for these notes.",
+    "What does rule 2 say about lanterns?",
+    "How many rules mention copper?",
+    "Rewrite rule 5 as a question.",
+]
+LOADS = ("1", "4", "8", "8-shared")
+
+
+@dataclass
+class Result:
+    """One contender on one load in one round."""
+
+    tokens: int
+    seconds: float
+    prefill_tokens: int = 0
+
+    @property
+    def tps(self) -> float:
+        """Aggregate completion tokens per second."""
+        return self.tokens / self.seconds
+
+
+@dataclass
+class Table:
+    """Every round's result per (load, contender)."""
+
+    results: dict[tuple[str, str], list[Result]] = field(default_factory=dict)
+
+    def add(self, load: str, who: str, r: Result) -> None:
+        self.results.setdefault((load, who), []).append(r)
+
+    def tps(self, load: str, who: str) -> list[float]:
+        return [r.tps for r in self.results.get((load, who), [])]
+
+
+def conversations(load: str, nonce: str, system_tokens: int) -> list[list[dict[str, str]]]:
+    """The chat messages of each client of ``load`` for one round."""
+    if load == "8-shared":
+        system = system_prompt(system_tokens, nonce)
+        return [
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in QUESTIONS
+        ]
+    n = int(load)
+    return [
+        [{"role": "user", "content": f"[{nonce}-{i}] Write about {TOPICS[i % len(TOPICS)]}."}]
+        for i in range(n)
+    ]
+
+
+# --- mlx_lm.server ------------------------------------------------------------
+
+
+def run_http(
+    url: str, model: str, convs: Sequence[list[dict[str, str]]], max_tokens: int
+) -> Result:
+    """All clients send at once (one thread each); time to the last answer."""
+    tokens = [0] * len(convs)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(convs) + 1)
+
+    def client(i: int) -> None:
+        try:
+            with httpx.Client(timeout=900) as http:
+                barrier.wait()
+                body = {
+                    "model": model,
+                    "messages": convs[i],
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                }
+                resp = http.post(f"{url}/v1/chat/completions", json=body)
+                resp.raise_for_status()
+                tokens[i] = int(resp.json()["usage"]["completion_tokens"])
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread below.
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return Result(sum(tokens), seconds)
+
+
+# --- kvtier, in process ---------------------------------------------------------
+
+
+class PrefixStore:
+    """Stands in for the prompt cache: longest usable common prefix, zero-copy clones, LRU by count."""
+
+    def __init__(self, capacity: int = 32) -> None:
+        self._entries: list[tuple[tuple[int, ...], list[Any]]] = []
+        self._capacity = capacity
+
+    def take(self, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
+        best, best_n = None, 0
+        for tokens, caches in self._entries:
+            n = _common(tokens, prompt, len(prompt) - 1)
+            if n > best_n:
+                best, best_n = caches, n
+        if best is None or best_n == 0:
+            return None, 0
+        return clone_caches(best, best_n), best_n
+
+    def put(self, tokens: Sequence[int], caches: list[Any]) -> None:
+        key = tuple(tokens)
+        self._entries = [e for e in self._entries if e[0] != key]
+        self._entries.append((key, caches))
+        del self._entries[: -self._capacity]
+
+
+def _common(a: Sequence[int], b: Sequence[int], cap: int) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y or n >= cap:
+            break
+        n += 1
+    return n
+
+
+def run_batch_kernel(
+    lm: Any,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    *,
+    step_size: int,
+    max_rows: int,
+    store: PrefixStore,
+) -> Result:
+    """Admit every prompt at once into a BatchGeneration and step until all rows have left."""
+    params = SamplingParams(max_tokens=max_tokens)
+    batch = BatchGeneration(lm.model, lm.tokenizer, max_rows=max_rows, prefill_step_size=step_size)
+    tokens = 0
+    prefilled = 0
+    start = time.perf_counter()
+    waiting = list(enumerate(prompts))
+    # row -> the prompt tokens it is prefilling (until its snapshot is stored)
+    prefilling: dict[str, list[int]] = {}
+
+    def admit() -> None:
+        still: list[tuple[int, list[int]]] = []
+        for i, prompt in waiting:
+            cache, cached = store.take(prompt)
+            # NOTE: scheduler policy emulated here: if a row still prefilling
+            # covers a longer prefix of this prompt, wait for its snapshot.
+            shared = max(
+                (_common(p, prompt, len(prompt) - 1) for p in prefilling.values()), default=0
+            )
+            if shared > cached + 1 or len(batch) >= batch.max_rows:
+                still.append((i, prompt))
+                continue
+            batch.join(
+                str(i),
+                prompt,
+                params,
+                cache=cache,
+                cached_tokens=cached,
+                snapshot_at=len(prompt) - 1,
+            )
+            prefilling[str(i)] = prompt
+        waiting[:] = still
+
+    admit()
+    while not batch.idle or waiting:
+        step = batch.step()
+        tokens += len(step.tokens)
+        prefilled += step.prefill_tokens
+        for snap in step.snapshots:
+            store.put(snap.cache_tokens, snap.cache)
+        for row_id in step.joined:
+            prefilling.pop(row_id, None)
+        for e in step.exits:
+            store.put(e.cache_tokens, e.cache)
+        if waiting:
+            admit()
+    seconds = time.perf_counter() - start
+    batch.close()
+    return Result(tokens, seconds, prefilled)
+
+
+def run_serial(lm: Any, prompts: Sequence[list[int]], max_tokens: int, *, step_size: int) -> Result:
+    """One request after another through the serial kernel (no prompt cache)."""
+    params = SamplingParams(max_tokens=max_tokens)
+    start = time.perf_counter()
+    tokens = 0
+    for prompt in prompts:
+        tokens += len(
+            run_generation(
+                Generation(lm.model, lm.tokenizer, prompt, params, prefill_step_size=step_size)
+            )
+        )
+    return Result(tokens, time.perf_counter() - start, sum(len(p) for p in prompts))
+
+
+# --- report -----------------------------------------------------------------------
+
+
+def summarize(table: Table, contenders: Sequence[str]) -> list[str]:
+    lines = [f"{'load':<10}{'contender':<16}{'median tok/s':>14}{'min':>9}{'max':>9}{'rounds':>8}"]
+    for load in LOADS:
+        for who in contenders:
+            xs = table.tps(load, who)
+            if xs:
+                lines.append(
+                    f"{load:<10}{who:<16}{statistics.median(xs):>14.1f}{min(xs):>9.1f}{max(xs):>9.1f}{len(xs):>8}"
+                )
+    lines.append("")
+    for load in LOADS:
+        k, m, s = (
+            table.tps(load, "kvtier batch"),
+            table.tps(load, "mlx_lm.server"),
+            table.tps(load, "kvtier serial"),
+        )
+        if k and m:
+            per_round = [a / b for a, b in zip(k, m, strict=False)]
+            lines.append(
+                f"ratio kvtier batch / mlx_lm.server, load {load:<8}: median {statistics.median(k) / statistics.median(m):.3f}"
+                f" (per round {', '.join(f'{x:.2f}' for x in per_round)})"
+            )
+        if k and s:
+            lines.append(
+                f"ratio kvtier batch / kvtier serial,  load {load:<8}: median {statistics.median(k) / statistics.median(s):.3f}"
+            )
+    return lines
+
+
+def plot(table: Table, contenders: Sequence[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    width = 0.8 / len(contenders)
+    for j, who in enumerate(contenders):
+        xs, meds, lo, hi = [], [], [], []
+        for i, load in enumerate(LOADS):
+            vals = table.tps(load, who)
+            if not vals:
+                continue
+            med = statistics.median(vals)
+            xs.append(i + (j - (len(contenders) - 1) / 2) * width)
+            meds.append(med)
+            lo.append(med - min(vals))
+            hi.append(max(vals) - med)
+        bars = ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=who)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+    ax.set_xticks(
+        range(len(LOADS)), [f"{load} client{'s' if load != '1' else ''}" for load in LOADS]
+    )
+    ax.set_ylabel("aggregate completion tok/s (median, min–max)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def main() -> int:
+    """Run every contender on every load for ``--rounds`` rounds and report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model dir (default model if unset)"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--prefill-step-size", type=int, default=512)
+    parser.add_argument("--max-rows", type=int, default=8)
+    parser.add_argument(
+        "--loads", default=",".join(LOADS), help="comma-separated subset of " + ",".join(LOADS)
+    )
+    parser.add_argument(
+        "--serial-all", action="store_true", help="run the serial lane on every load"
+    )
+    parser.add_argument("--skip-mlx-lm", action="store_true")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "benchmarks" / "batching.png")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write every round's figures here"
+    )
+    args = parser.parse_args()
+    model_dir = args.model or ensure_default_model()
+    lm = load_model(model_dir)
+    contenders = ["mlx_lm.server", "kvtier batch", "kvtier serial"]
+    table = Table()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = None if args.skip_mlx_lm else start_mlx_lm(model_dir, Path(tmp))
+        try:
+            if server is not None:
+                run_http(server.url, str(model_dir), conversations("1", "warmup", 50), 8)
+            run_batch_kernel(
+                lm,
+                [render_chat(lm.tokenizer, conversations("1", "warmup", 50)[0])],
+                8,
+                step_size=args.prefill_step_size,
+                max_rows=args.max_rows,
+                store=PrefixStore(),
+            )
+            for r in range(args.rounds):
+                for load in args.loads.split(","):
+                    nonce = f"r{r}-{load}-{time.time_ns()}"
+                    convs = conversations(load, nonce, args.system_tokens)
+                    prompts = [render_chat(lm.tokenizer, c) for c in convs]
+                    runs: list[tuple[str, Callable[[], Result]]] = []
+                    if server is not None:
+                        runs.append(
+                            (
+                                "mlx_lm.server",
+                                partial(
+                                    run_http, server.url, str(model_dir), convs, args.max_tokens
+                                ),
+                            )
+                        )
+                    runs.append(
+                        (
+                            "kvtier batch",
+                            partial(
+                                run_batch_kernel,
+                                lm,
+                                prompts,
+                                args.max_tokens,
+                                step_size=args.prefill_step_size,
+                                max_rows=args.max_rows,
+                                store=PrefixStore(),
+                            ),
+                        )
+                    )
+                    if load == "1" or args.serial_all:
+                        runs.append(
+                            (
+                                "kvtier serial",
+                                partial(
+                                    run_serial,
+                                    lm,
+                                    prompts,
+                                    args.max_tokens,
+                                    step_size=args.prefill_step_size,
+                                ),
+                            )
+                        )
+                    # NOTE: alternate who goes first so load drift on the shared CPU cancels out.
+                    if r % 2 == 1:
+                        runs.reverse()
+                    for who, fn in runs:
+                        res = fn()
+                        table.add(load, who, res)
+                        print(
+                            f"round {r} load {load:<9}{who:<16}{res.tokens:>5} tok {res.seconds:>7.2f} s {res.tps:>7.1f} tok/s"
+                            f"  prompt {sum(len(p) for p in prompts)} tok"
+                            + (
+                                f", {res.prefill_tokens} forwarded"
+                                if who != "mlx_lm.server"
+                                else ""
+                            ),
+                            flush=True,
+                        )
+        finally:
+            if server is not None:
+                server.stop()
+    print()
+    for line in summarize(table, contenders):
+        print(line)
+    title = (
+        f"{model_dir.name}: {args.max_tokens} new tokens per client, {args.rounds} rounds; "
+        f"kvtier = batch kernel driven in-process (phase 1)"
+    )
+    plot(
+        table,
+        [c for c in contenders if any(table.tps(load, c) for load in LOADS)],
+        args.plot,
+        title,
+    )
+    print(f"plot: {args.plot}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    f"{load}|{who}": [r.__dict__ for r in rs]
+                    for (load, who), rs in table.results.items()
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
