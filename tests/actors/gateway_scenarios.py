@@ -24,7 +24,7 @@ from actors.gateway import (
     TurnRunner,
 )
 from actors.runtime import Actor, Context, SimulatedSystem
-from messages import Body, Count, Envelope, Ping, Pong, Release, Take, TakeResult
+from messages import Body, Envelope, Release, Take, TakeResult
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -38,6 +38,7 @@ from messages.gateway import (
     TokenEvent,
     TurnDone,
 )
+from tests.actors.runtime.demo_messages import Count, Ping, Pong
 
 
 @dataclass(frozen=True)
