@@ -354,7 +354,12 @@ class _HardenedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and not self.lingering and (
+        if self.lingering:
+            # NOTE: the linger timer closes this connection; uvicorn's
+            # keep-alive timer would try to close it a second time.
+            self._unset_keepalive_if_required()
+            return
+        if not self.transport.is_closing() and (
                 self.cycle is None or self.cycle.response_complete):
             self._await_head()
 

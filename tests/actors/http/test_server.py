@@ -111,6 +111,13 @@ async def _read_all(stream: anyio.abc.SocketStream, timeout: float = 5.0) -> byt
             data += chunk
 
 
+async def _keep_sending(conn: anyio.abc.SocketStream) -> None:
+    """Send until the peer's reset surfaces (a closed peer answers data with RST)."""
+    for _ in range(50):
+        await conn.send(b"x" * 1000)
+        await anyio.sleep(0.02)
+
+
 async def _until(condition: Callable[[], bool]) -> None:
     """Poll ``condition`` (state set by a signal handler has no event to wait on)."""
     while not condition():  # noqa: ASYNC110 - nothing to wait on but the flag
@@ -198,6 +205,22 @@ async def test_oversized_body_sent_before_reading_gets_the_413() -> None:
     async with running(settings=HttpSettings(max_body_bytes=1000)) as srv:
         raw = await anyio.to_thread.run_sync(_post_whole_body_then_read, srv.port, 8 * 1024 * 1024)
         _openai_error(raw, 413, "request_too_large")
+
+
+async def test_lingering_close_ends_when_the_client_goes_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    """After an early 413 the server drops the unread body, then closes after the linger time; no loop errors."""
+    limits = ServerLimits(header_timeout_s=30, body_timeout_s=30, keep_alive_s=1, linger_s=1.5)
+    async with running(settings=HttpSettings(max_body_bytes=1000), limits=limits) as srv, \
+            await anyio.connect_tcp("127.0.0.1", srv.port) as conn:
+        await conn.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 5000000\r\n\r\n" + b"x" * 100_000)
+        raw = await _read_all(conn)
+        await conn.send(b"x" * 1000)  # NOTE: still lingering: read and dropped.
+        await anyio.sleep(2.0)  # NOTE: past the linger and keep-alive timers.
+        with pytest.raises((anyio.BrokenResourceError, ConnectionResetError, BrokenPipeError)):
+            await _keep_sending(conn)
+    _openai_error(raw, 413, "request_too_large")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_connection_cap_displaces_idle_connections_first() -> None:
