@@ -49,7 +49,9 @@ import anyio
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from actors.runtime import ActorSystem, AskTimeout, SequentialIds
+from actors.durability import DurabilityConfig, spawn_durability
+from actors.runtime import Actor, ActorSystem, AskTimeout, Context, SequentialIds
+from actors.spill_queue import spawn_spill_queue
 from actors.ssd_writer import FileIdentity, SsdWriterConfig, core, io, spawn_ssd_writer
 from actors.ssd_writer.actor import ColdTier
 from kernels.cache import (
@@ -59,11 +61,20 @@ from kernels.cache import (
     EntryPlan,
     read_header,
 )
-from kernels.cache._crash_fs import CrashFS, CrashSpace, CrashState, Fault, FaultingPort, FaultKind
+from kernels.cache._crash_fs import (
+    CrashFS,
+    CrashSpace,
+    CrashState,
+    Fault,
+    FaultingPort,
+    FaultKind,
+    OpRecord,
+)
 from kernels.cache._file_port import FilePort
 from kernels.cache._kv_file import plan_entry, tensor_bytes
 from messages import (
     EntryMeta,
+    Envelope,
     Restore,
     RestoreResult,
     SsdStats,
@@ -71,6 +82,8 @@ from messages import (
     Store,
     StoreResult,
 )
+from messages.durability import Flush, FlushResult, Schedule
+from messages.gateway import RunWhenIdle, TurnDone
 
 T = TypeVar("T")
 
@@ -153,14 +166,66 @@ def originals() -> dict[tuple[str, tuple[int, ...]], tuple[bytes, ...]]:
     return {s.key: s.tensors for s in entries().values()}
 
 
-class ScriptedSource:
-    """A :class:`TensorSource` over the prepared entries (no engine, no MLX at run time)."""
+def _meta(spec: EntrySpec) -> EntryMeta:
+    # NOTE: every workload entry is a trimmable KV entry with no minimum
+    # reusable offset (plain KV caches).
+    return EntryMeta(
+        offset=len(spec.tokens), nbytes=sum(map(len, spec.tensors)), trimmable=True,
+        min_reusable_offset=0,
+    )  # fmt: skip
+
+
+class RamEntries:
+    """The RAM tier as the durability coordinator and the spill queue see it (scripted).
+
+    ``put`` registers an entry under a new handle; the coordinator's
+    :class:`Cloner` calls (``clone``/``dispose``) and the spill queue's
+    releases (``dispose``) keep the handle table exact, so a write of a
+    released clone is caught by :class:`ScriptedSource`.
+    """
 
     def __init__(self) -> None:
+        self.live: dict[str, EntrySpec] = {}
+        self._ids = itertools.count(1)
+
+    def put(self, spec: EntrySpec) -> str:
+        """A RAM entry for ``spec``; its handle."""
+        handle = f"ram-{spec.name}-{next(self._ids)}"
+        self.live[handle] = spec
+        return handle
+
+    def clone(self, handle: str) -> tuple[str, EntryMeta] | None:
+        """See ``actors.durability.Cloner.clone``."""
+        spec = self.live.get(handle)
+        if spec is None:
+            return None
+        copy = f"clone-{spec.name}-{next(self._ids)}"
+        self.live[copy] = spec
+        return copy, _meta(spec)
+
+    def dispose(self, handle: str) -> None:
+        """See ``Cloner.dispose`` / ``HandleReleaser.dispose`` (``KeyError`` when unknown)."""
+        del self.live[handle]
+
+
+class ScriptedSource:
+    """A :class:`TensorSource` over the prepared entries (no engine, no MLX at run time).
+
+    A handle registered in ``ram`` must still be live when it is planned (a
+    released clone is never written); other handles (direct ``Store`` steps)
+    are taken at their word.
+    """
+
+    def __init__(self, ram: RamEntries | None = None) -> None:
         self._by_tokens = {(s.namespace, s.tokens): s for s in entries().values()}
+        self._ram = ram
 
     async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
         """The entry's plan."""
+        if handle.startswith(("ram-", "clone-")) and (
+            self._ram is None or handle not in self._ram.live
+        ):
+            raise KeyError(f"handle {handle} is not live")
         return self._by_tokens[(namespace, tokens)].fresh_plan()
 
     async def tensor(self, plan: EntryPlan, index: int) -> bytes:
@@ -184,8 +249,23 @@ class Trace:
     problems: list[str] = field(default_factory=list)
     store_results: list[StoreResult] = field(default_factory=list)
     untracked: list[tuple[str, str]] = field(default_factory=list)
+    flushes: list[FlushResult] = field(default_factory=list)
+    bounds: list[tuple[str, int]] = field(default_factory=list)
     fault_phase: str | None = None
-    fault_results: tuple[StoreResult, ...] = ()
+    fault_superseded: bool = False
+
+    def prefix_at(self, point: int) -> tuple[str, ...]:
+        """Labels of the steps run up to the one a crash after ``point`` operations interrupts.
+
+        A crash point is a function of these steps alone (a run is
+        deterministic): two workloads that share them share the point.
+        """
+        labels: list[str] = []
+        for name, end in self.bounds:
+            labels.append(name)
+            if point <= end:
+                break
+        return tuple(labels)
 
     def required_at(self, point: int) -> set[tuple[str, tuple[int, ...]]]:
         """Prefixes a crash after ``point`` operations must not lose."""
@@ -205,16 +285,26 @@ class Trace:
 
 
 class Run:
-    """The live context of a forward run: the system, the tier, the trace."""
+    """The live context of a forward run: the system, the tier, the trace.
 
-    def __init__(self, system: ActorSystem, tier: ColdTier, trace: Trace) -> None:
+    ``ram``: the scripted RAM tier; ``dirty``: prefixes put since this
+    system's last durable flush (what the next durable flush acknowledges).
+    """
+
+    def __init__(self, system: ActorSystem, tier: ColdTier, trace: Trace, ram: RamEntries) -> None:
         self.system = system
         self.tier = tier
         self.trace = trace
+        self.ram = ram
+        self.dirty: set[tuple[str, tuple[int, ...]]] = set()
 
     async def ask(self, body: Any, expect: type[T]) -> T:
         """Ask the tier's index."""
         return await self.system.ask(self.tier.name, body, timeout=ASK_S, expect=expect)
+
+    async def ask_durability(self, body: Any, expect: type[T]) -> T:
+        """Ask the durability coordinator."""
+        return await self.system.ask("durability", body, timeout=ASK_S, expect=expect)
 
 
 class Step(Protocol):
@@ -243,10 +333,7 @@ class StoreStep:
     async def run(self, run: Run) -> None:
         """Ask ``Store``; record the acknowledgement at the operation count of the answer."""
         spec = entries()[self.entry]
-        meta = EntryMeta(
-            offset=len(spec.tokens), nbytes=sum(map(len, spec.tensors)), trimmable=True,
-            min_reusable_offset=0,
-        )  # fmt: skip
+        meta = _meta(spec)
         body = Store(
             handle=f"h-{spec.name}", namespace=spec.namespace, tokens=spec.tokens, meta=meta
         )
@@ -306,6 +393,50 @@ class RestartStep:
         """Nothing: the driver restarts between systems."""
 
 
+@dataclass(frozen=True)
+class PutStep:
+    """A put in the RAM tier: the durability coordinator gets ``Schedule`` (write-behind off)."""
+
+    entry: str
+    restarts: bool = False
+
+    @property
+    def label(self) -> str:
+        """``put A``."""
+        return f"put {self.entry}"
+
+    async def run(self, run: Run) -> None:
+        """Register the RAM entry and tell the coordinator the prefix is dirty."""
+        spec = entries()[self.entry]
+        handle = run.ram.put(spec)
+        await run.system.tell(
+            "durability", Schedule(namespace=spec.namespace, tokens=spec.tokens, handle=handle)
+        )
+        run.dirty.add(spec.key)
+
+
+@dataclass(frozen=True)
+class FlushStep:
+    """Flush to a durable boundary; ``durable: true`` acknowledges every prefix put before it."""
+
+    label: str = "flush"
+    restarts: bool = False
+
+    async def run(self, run: Run) -> None:
+        """Ask ``Flush``; on ``durable`` acknowledge the prefixes put since the last one."""
+        try:
+            res = await run.ask_durability(Flush(), FlushResult)
+        except AskTimeout:
+            run.trace.problems.append("flush was never answered")
+            return
+        run.trace.flushes.append(res)
+        if res.durable:
+            at = run.trace.fs.op_count
+            for key in sorted(run.dirty):
+                run.trace.acks.append((key, at))
+            run.dirty.clear()
+
+
 ALPHABET: tuple[Step, ...] = (
     StoreStep("A"),
     StoreStep("A+"),
@@ -314,6 +445,10 @@ ALPHABET: tuple[Step, ...] = (
     ScrubStep(),
     RestartStep(),
 )
+
+
+DURABLE_ALPHABET: tuple[Step, ...] = (*ALPHABET, PutStep("A"), PutStep("A+"), FlushStep())
+"""The cold tier's steps plus the durability coordinator's: put (write-behind off) and flush."""
 
 
 def workloads(max_len: int = 3, alphabet: Sequence[Step] = ALPHABET) -> list[tuple[Step, ...]]:
@@ -330,6 +465,42 @@ def label(workload: Sequence[Step]) -> str:
 
 
 # --- the forward run -------------------------------------------------------------------------
+
+
+class StepTable:
+    """The turn runner's background-step registry (``StepRegistry``), as a dict."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, Callable[[], Any]] = {}
+
+    def add(self, step_id: str, fn: Callable[[], Any]) -> object:
+        """Register ``fn`` under ``step_id``."""
+        self.steps[step_id] = fn
+        return None
+
+    def discard(self, step_id: str) -> None:
+        """Forget ``step_id``."""
+        self.steps.pop(step_id, None)
+
+
+class GatewayStub(Actor):
+    """Grants every ``RunWhenIdle`` at once: runs the registered step, answers ``TurnDone``."""
+
+    def __init__(self, table: StepTable) -> None:
+        self._table = table
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Run the step (the engine is always idle here)."""
+        body = envelope.body
+        if not isinstance(body, RunWhenIdle):
+            raise TypeError(f"gateway stub has no rule for {body.kind!r}")
+        fn = self._table.steps.pop(body.step_id, None)
+        if fn is None:
+            done = TurnDone(step_id=body.step_id, ok=False, error_code="unknown_step")
+        else:
+            fn()
+            done = TurnDone(step_id=body.step_id, ok=True)
+        await ctx.reply(envelope, done)
 
 
 async def _inline(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -467,13 +638,11 @@ def _settle_requirements(run: Run, start: int, live: set[tuple[str, tuple[int, .
             trace.acks.append((key, min(later)))
 
 
-def _note_fault(
-    trace: Trace, port: FilePort, phase: str, results: Sequence[StoreResult] = ()
-) -> None:
-    """Remember the phase (and store answers) of the step in which an injected fault fired."""
+def _note_fault(trace: Trace, port: FilePort, phase: str, superseded: bool = False) -> None:
+    """Remember the step in which an injected fault fired, and whether it superseded a file."""
     if trace.fault_phase is None and getattr(port, "fired", False):
         trace.fault_phase = phase
-        trace.fault_results = tuple(results)
+        trace.fault_superseded = superseded
 
 
 async def forward(
@@ -488,8 +657,10 @@ async def forward(
     port = fs if port is None else port
     cap_seen = [0]
 
-    def probe(_: object) -> None:
-        cap_seen[0] = max(cap_seen[0], _disk_bytes(fs))
+    def probe(op: OpRecord) -> None:
+        # NOTE: only these operations can add bytes on disk.
+        if op.kind in ("create", "write", "truncate"):
+            cap_seen[0] = max(cap_seen[0], _disk_bytes(fs))
 
     fs.on_change = probe
     steps = list(workload)
@@ -497,12 +668,23 @@ async def forward(
     config = SsdWriterConfig(root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S)
     while True:
         async with ActorSystem(ids=SequentialIds()) as system:
-            tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(), port=port)
+            ram = RamEntries()
+            tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(ram), port=port)
             # NOTE: file work runs inline on the loop: the simulated port never
             # blocks, and one thread makes the operation order deterministic
             # (so "every task waits" means "settled").
             tier.run = _inline  # type: ignore[method-assign]
-            run = Run(system, tier, trace)
+            if any(isinstance(step, PutStep | FlushStep) for step in steps):
+                # NOTE: the durability path: coordinator -> spill queue -> tier,
+                # with every engine turn granted at once (write-behind off, so
+                # no timer decides anything: a flush writes).
+                table = StepTable()
+                spawn_spill_queue(system, releaser=ram, writer=tier.name)
+                system.spawn("gateway", functools.partial(GatewayStub, table))
+                spawn_durability(
+                    system, cloner=ram, steps=table, config=DurabilityConfig(write_behind=False)
+                )
+            run = Run(system, tier, trace, ram)
             try:
                 await run.ask(SsdStatsRequest(), SsdStats)
             except AskTimeout:
@@ -510,15 +692,18 @@ async def forward(
             await settle()
             _note_fault(trace, port, "startup")
             _check_forward(run, fs, "startup")
+            # NOTE: a restart step ends once the new tier has started.
+            trace.bounds.append((steps[i - 1].label if i else "start", fs.op_count))
             while i < len(steps) and not steps[i].restarts:
                 start = fs.op_count
                 live = trace.required_at(start)
-                results = len(trace.store_results)
+                superseded = tier.state.superseded
                 await steps[i].run(run)
                 await settle()
-                _note_fault(trace, port, steps[i].label, trace.store_results[results:])
+                _note_fault(trace, port, steps[i].label, tier.state.superseded > superseded)
                 _check_forward(run, fs, steps[i].label)
                 _settle_requirements(run, start, live)
+                trace.bounds.append((steps[i].label, fs.op_count))
                 i += 1
         if i >= len(steps):
             break
@@ -678,6 +863,7 @@ class Report:
     workloads: int = 0
     ops: int = 0
     crash_points: int = 0
+    shared_points: int = 0
     states: int = 0
     restarts: int = 0
     recovery_states: int = 0
@@ -691,6 +877,7 @@ class Report:
         self.workloads += other.workloads
         self.ops += other.ops
         self.crash_points += other.crash_points
+        self.shared_points += other.shared_points
         self.states += other.states
         self.restarts += other.restarts
         self.recovery_states += other.recovery_states
@@ -702,7 +889,8 @@ class Report:
     def summary(self) -> str:
         """One line of totals."""
         return (
-            f"{self.workloads} workloads, {self.crash_points} crash points, "
+            f"{self.workloads} workloads, {self.crash_points} crash points "
+            f"({self.crash_points - self.shared_points} distinct), "
             f"{self.states} crash states ({self.restarts} distinct restarts, "
             f"{self.recovery_states} more states of a crash during recovery), "
             f"{self.required_checks} acknowledged-prefix checks, "
@@ -723,6 +911,7 @@ class Sweeper:
         self.cap = cap
         self._cache: dict[tuple[object, ...], list[Outcome]] = {}
         self._plain: dict[tuple[object, ...], Outcome] = {}
+        self._points: set[tuple[object, ...]] = set()
         self.recovery_states = 0
 
     def _outcomes(self, state: CrashState, report: Report) -> list[Outcome]:
@@ -748,13 +937,25 @@ class Sweeper:
         self._cache[key] = outcomes
         return outcomes
 
-    def check(self, name: str, trace: Trace, spaces: Sequence[CrashSpace]) -> Report:
-        """Every crash point and state of one forward run."""
+    def check(
+        self, name: str, trace: Trace, spaces: Sequence[CrashSpace], run_key: object = None
+    ) -> Report:
+        """Every crash point and state of one forward run.
+
+        ``run_key`` names what, besides its steps, decides a run (a fault);
+        a crash point reached by the same steps under the same key in an
+        earlier run is the same point and is not checked twice.
+        """
         report = Report(workloads=1, ops=trace.fs.op_count)
         report.violations.extend(f"{name}: forward run: {p}" for p in trace.problems)
         report.untracked.extend(f"{name}: after {after}: {path}" for after, path in trace.untracked)
         for space in spaces:
             report.crash_points += 1
+            point_key = (run_key, trace.prefix_at(space.point), space.point)
+            if point_key in self._points:
+                report.shared_points += 1
+                continue
+            self._points.add(point_key)
             required = trace.required_at(space.point)
             for state in space.states(observe=_observed):
                 report.states += 1
@@ -824,15 +1025,27 @@ async def count_calls(workload: Sequence[Step]) -> Counter[str]:
     return Counter(port.calls)
 
 
-async def fault_list(workload: Sequence[Step]) -> list[Fault]:
-    """Every (method, n, kind) of ``workload``: each call of each kind, each fault."""
+async def fault_list(
+    workload: Sequence[Step], *, every_kind: bool = True, turn: int = 0
+) -> list[Fault]:
+    """Faults for every call of every method of ``workload`` (a clean run counts them).
+
+    ``every_kind``: each call with each fault of :func:`fault_kinds`;
+    otherwise each call once, the fault kinds taken in turn along the calls
+    of a method, starting ``turn`` kinds further (a sweep passes each
+    workload's index, so over several workloads every kind meets every
+    position).
+    """
     calls = await count_calls(workload)
-    return [
-        Fault(method, n, kind)
-        for method in sorted(calls)
-        for n in range(1, calls[method] + 1)
-        for kind in fault_kinds(method)
-    ]
+    out: list[Fault] = []
+    for method in sorted(calls):
+        kinds = fault_kinds(method)
+        for n in range(1, calls[method] + 1):
+            if every_kind:
+                out.extend(Fault(method, n, kind) for kind in kinds)
+            else:
+                out.append(Fault(method, n, kinds[(n - 1 + turn) % len(kinds)]))
+    return out
 
 
 STORE_FAILURE_REASONS = frozenset(
@@ -846,7 +1059,7 @@ class FaultItem:
 
     fault: Fault
     phase: str | None
-    results: tuple[StoreResult, ...]
+    superseded: bool
     untracked: bool
     text: str
 
@@ -864,9 +1077,9 @@ async def check_fault(
     for res in trace.store_results:
         if not res.stored and res.reason not in STORE_FAILURE_REASONS:
             trace.problems.append(f"store failed with reason {res.reason!r}")
-    report = sweeper.check(name, trace, fs.spaces)
+    report = sweeper.check(name, trace, fs.spaces, run_key=fault)
     items = [
-        FaultItem(fault, trace.fault_phase, trace.fault_results, untracked, text)
+        FaultItem(fault, trace.fault_phase, trace.fault_superseded, untracked, text)
         for untracked, texts in ((False, report.violations), (True, report.untracked))
         for text in texts
     ]
@@ -876,6 +1089,7 @@ async def check_fault(
 def fault_sweep(
     workload_list: Iterable[Sequence[Step]],
     *,
+    every_kind: bool = True,
     sweeper: Sweeper | None = None,
     max_items: int = 10_000,
 ) -> tuple[Report, list[FaultItem], int]:
@@ -891,8 +1105,8 @@ def fault_sweep(
 
     async def all_runs() -> None:
         nonlocal runs
-        for workload in workload_list:
-            for fault in await fault_list(workload):
+        for turn, workload in enumerate(workload_list):
+            for fault in await fault_list(workload, every_kind=every_kind, turn=turn):
                 report, found = await check_fault(workload, fault, sweeper)
                 runs += 1
                 total.add(report)

@@ -11,10 +11,15 @@ from __future__ import annotations
 from kernels.cache._crash_fs import CrashFS, Fault, FaultingPort
 from kernels.cache._file_port import FilePort
 from tests.crash import checker
-from tests.crash.checker import StoreStep
+from tests.crash.checker import FlushStep, PutStep, StoreStep
 from tests.crash.ports import NoDirFsyncPort, RenameBeforeFsyncPort, TrustedRetryFsyncPort
 
-STORES = [(StoreStep("A"),), (StoreStep("B"),), (StoreStep("A"), StoreStep("A+"))]
+STORES = [
+    (StoreStep("A"),),
+    (StoreStep("B"),),
+    (StoreStep("A"), StoreStep("A+")),
+    (PutStep("A"), FlushStep()),
+]
 
 
 def _kinds(report: checker.Report) -> set[str]:
@@ -66,3 +71,19 @@ def test_the_real_writer_under_the_same_fsync_fault_loses_nothing() -> None:
 
     report = checker.sweep(STORES, make_port=real, max_violations=1000)
     assert report.violations == []
+
+
+def test_a_flush_after_a_failed_fsync_is_not_durable_until_the_entry_is_rewritten() -> None:
+    """fsyncgate at the flush: EIO on the write's fsync -> durable false; the next flush rewrites
+    the file and is durable; no crash state in between loses or invents an acknowledgement."""
+    workload = (PutStep("A"), FlushStep(), FlushStep())
+    fs = CrashFS(record=True)
+    port = FaultingPort(fs, Fault("fsync", 1, "eio"))
+    trace = checker.run_forward(workload, fs=fs, port=port)
+    first, second = trace.flushes
+    assert (first.durable, first.failed) == (False, 1)
+    assert (second.durable, second.written) == (True, 1)
+    assert [at for _, at in trace.acks] == [fs.op_count]
+    report = checker.Sweeper().check("put A -> flush -> flush", trace, fs.spaces)
+    assert report.violations == []
+    assert report.required_checks > 0
