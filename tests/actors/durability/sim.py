@@ -51,7 +51,6 @@ from messages import (
     Enqueue,
     EntryMeta,
     Envelope,
-    Ping,
     SsdStatsRequest,
     Store,
     StoreResult,
@@ -62,6 +61,7 @@ from messages.durability import (
     Flush,
     FlushResult,
     Schedule,
+    Wake,
 )
 from messages.gateway import RunWhenIdle, TurnDone
 
@@ -216,6 +216,8 @@ class Faults:
     slow: float = 0.0
     evict: float = 0.0
     busy: float = 0.0
+    burst: float = 0.0
+    """A burst of other spills reaches the queue as a store ends (items waiting get dropped)."""
     late_turn: float = 0.0
     turn_failed: float = 0.0
 
@@ -238,6 +240,10 @@ class World:
     scheduled: dict[Key, float] = field(default_factory=dict)
     results: list[FlushResult] = field(default_factory=list)
     state: DurabilityState | None = None
+    covers_log: list[tuple[float, Key, bool]] = field(default_factory=list)
+    """Every Covers the writer answered: (time, key, covered)."""
+    spilling: int = 0
+    """Evictions the Spiller still holds."""
     notify: Callable[[str], None] | None = None
     """Told "committed" / "expired" when the writer commits / the gateway answers busy."""
 
@@ -261,15 +267,23 @@ class World:
             assert self.disk.covered_between(key, at, now), f"dirty record lost: {key}"
 
     def check_flush(self, result: FlushResult, scheduled_before: dict[Key, float]) -> None:
-        """``durable`` => every prefix dirty at the flush's start is on disk when it answered;
-        and no version was snapshotted twice during the flush."""
+        """``durable`` => every prefix dirty at the flush's start was on disk when the flush
+        last looked (after its writes); and no version was snapshotted twice during the flush.
+
+        NOTE: "when it last looked": other producers' writes may evict a file
+        (the tier's cap) at any moment, even right after the check; the
+        disk's history must agree with that last answer.
+        """
         if result.durable:
+            start, end = result.started_at, result.finished_at
             for key, at in scheduled_before.items():
-                if self.disk.covered_between(key, at, result.started_at):
+                if self.disk.covered_between(key, at, start):
                     continue  # NOTE: already on disk after its latest put: not dirty.
-                assert self.disk.covered_at(key, result.finished_at), (
-                    f"durable, but {key} is not on disk"
-                )
+                answers = [(t, c) for t, k, c in self.covers_log if k == key and start <= t <= end]
+                assert answers, f"durable, but {key} was never checked"
+                last_at, last = answers[-1]
+                assert last, f"durable, but {key} was not on disk when last checked"
+                assert self.disk.covered_at(key, last_at), f"durable, but {key} is not on disk"
         window = [
             root
             for at, root in self.registry.clones
@@ -315,32 +329,51 @@ class SimSteps:
 # --- the fake actors --------------------------------------------------------------
 
 
+class Delays:
+    """Items an actor holds for a number of its own steps (one ``Wake`` to itself per step).
+
+    NOTE: ``durability.wake`` is reused as the fakes' step message (a body
+    every run can trace and replay); at most one is in flight per actor.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[list[Any]] = []
+
+    async def hold(self, item: Any, steps: int, ctx: Context) -> None:
+        """Release ``item`` after ``steps`` (>= 1) steps."""
+        self.items.append([item, steps])
+        if len(self.items) == 1:
+            await ctx.tell(ctx.name, Wake())
+
+    async def step(self, ctx: Context) -> list[Any]:
+        """One step passed: the items released now, in the order they were held."""
+        for entry in self.items:
+            entry[1] -= 1
+        ready = [item for item, left in self.items if left <= 0]
+        self.items = [e for e in self.items if e[1] > 0]
+        if self.items:
+            await ctx.tell(ctx.name, Wake())
+        return ready
+
+
 class FakeGateway(Actor):
     """Grants background turns (running the step), or answers ``expired`` when busy."""
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.delayed: dict[int, tuple[Envelope, int]] = {}
-        self._ids = itertools.count()
+        self.delays = Delays()
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         body = envelope.body
         w = self.world
         if isinstance(body, RunWhenIdle):
             if w.roll(w.faults.late_turn):
-                n = next(self._ids)
-                self.delayed[n] = (envelope, w.rng.randrange(1, 8))
-                await ctx.tell(ctx.name, Ping(n=n))
+                await self.delays.hold(envelope, w.rng.randrange(1, 8), ctx)
                 return
             await self._answer(envelope, ctx)
-        elif isinstance(body, Ping):
-            request, left = self.delayed[body.n]
-            if left > 0:
-                self.delayed[body.n] = (request, left - 1)
-                await ctx.tell(ctx.name, Ping(n=body.n))
-                return
-            del self.delayed[body.n]
-            await self._answer(request, ctx)
+        elif isinstance(body, Wake):
+            for request in await self.delays.step(ctx):
+                await self._answer(request, ctx)
 
     async def _answer(self, envelope: Envelope, ctx: Context) -> None:
         body = envelope.body
@@ -368,41 +401,57 @@ class FakeWriter(Actor):
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.delayed: dict[int, tuple[Envelope, int]] = {}
+        self.delays = Delays()
         self._ids = itertools.count()
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         body = envelope.body
         w = self.world
-        if w.roll(w.faults.crash) and not isinstance(body, Ping):
+        if w.roll(w.faults.crash) and not isinstance(body, Wake):
             raise RuntimeError("the writer crashed")
         if isinstance(body, Covers):
-            covered = w.disk.covers((body.namespace, body.tokens))
+            if w.roll(w.faults.burst):
+                await self._ghosts(1, ctx, "ghost-lead")
+            key = (body.namespace, body.tokens)
+            covered = w.disk.covers(key)
+            w.covers_log.append((ctx.clock.now(), key, covered))
             await ctx.reply(envelope, CoversResult(covered=covered))
         elif isinstance(body, SsdStatsRequest):
             longest = max((len(k[1]) for k in w.disk.files), default=0)
             await ctx.reply(envelope, ssd_stats(len(w.disk.files), longest))
         elif isinstance(body, Store):
-            if w.roll(w.faults.slow):
-                n = next(self._ids)
-                self.delayed[n] = (envelope, w.rng.randrange(1, 12))
-                await ctx.tell(ctx.name, Ping(n=n))
+            # NOTE: every write takes a few steps (a queue behind it fills up); slow ones many.
+            steps = w.rng.randrange(0, 4) + (w.rng.randrange(1, 16) if w.roll(w.faults.slow) else 0)
+            if steps:
+                await self.delays.hold(envelope, steps, ctx)
                 return
             await self._store(envelope, ctx)
-        elif isinstance(body, Ping):
-            request, left = self.delayed[body.n]
-            if left > 0:
-                self.delayed[body.n] = (request, left - 1)
-                await ctx.tell(ctx.name, Ping(n=body.n))
-                return
-            del self.delayed[body.n]
-            await self._store(request, ctx)
+        elif isinstance(body, Wake):
+            for request in await self.delays.step(ctx):
+                await self._store(request, ctx)
+
+    async def _ghosts(self, n: int, ctx: Context, namespace: str = "ghost") -> None:
+        """Other producers' spills (never scheduled): they fill the queue and push items out.
+
+        NOTE: a "ghost" store never bursts again (no chain reaction); a
+        "ghost-lead" one may, so a snapshot queued behind it can be pushed out.
+        """
+        w = self.world
+        for _ in range(n):
+            ghost = (namespace, (next(self._ids),))
+            meta = EntryMeta(offset=1, nbytes=100, trimmable=True, min_reusable_offset=0)
+            handle = w.registry.put(*ghost, meta)
+            w.registry.give_up(handle)
+            spill = Enqueue(handle=handle, namespace=ghost[0], tokens=ghost[1], meta=meta)
+            await ctx.tell("spill_queue", spill)
 
     async def _store(self, envelope: Envelope, ctx: Context) -> None:
         body = envelope.body
         assert isinstance(body, Store)
         w = self.world
         now = ctx.clock.now()
+        if body.namespace != "ghost" and w.roll(w.faults.burst):
+            await self._ghosts(2, ctx)
         if w.roll(w.faults.store_fail):
             reason = w.rng.choice(("fsync_failed", "io_error", "disk_full"))
             await ctx.reply(envelope, StoreResult(handle=body.handle, stored=False, reason=reason))
@@ -417,6 +466,28 @@ class FakeWriter(Actor):
         await ctx.reply(envelope, StoreResult(handle=body.handle, stored=True))
 
 
+class Spiller(Actor):
+    """Evictions on their way to the spill queue: each arrives there after a seeded delay.
+
+    NOTE: spills landing while a snapshot waits in the queue behind a slow
+    store are what the queue's cap drops (the oldest queued item first).
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.delays = Delays()
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        body = envelope.body
+        if isinstance(body, Enqueue):
+            self.world.spilling += 1
+            await self.delays.hold(body, self.world.rng.randrange(1, 12), ctx)
+        elif isinstance(body, Wake):
+            for spill in await self.delays.step(ctx):
+                self.world.spilling -= 1
+                await ctx.tell("spill_queue", spill)
+
+
 # --- the scenario -----------------------------------------------------------------
 
 
@@ -428,6 +499,7 @@ def _faults(rng: random.Random) -> Faults:
         slow=level * rng.random() * 2,
         evict=level * rng.random() * 0.5,
         busy=level * rng.random() * 2,
+        burst=rng.choice((0.0, 0.6)) * rng.random(),
         late_turn=level * rng.random(),
         turn_failed=level * rng.random() * 0.3,
     )
@@ -453,7 +525,8 @@ async def flush_protocol(
     forever = Supervision("resume", max_restarts=1_000_000, within=1.0)
     system.spawn("gateway", lambda: FakeGateway(world), capacity=256, supervision=forever)
     system.spawn("ssd_writer", lambda: FakeWriter(world), capacity=256, supervision=forever)
-    queue = QueueState(cap_bytes=rng.choice((0, 250, 10_000)))
+    system.spawn("spiller", lambda: Spiller(world), capacity=256)
+    queue = QueueState(cap_bytes=rng.choice((0, 0, 150, 10_000)))
     system.spawn("spill_queue", lambda: SpillQueue(state=queue, releaser=world.registry))
     coord = spawn_durability(
         system, cloner=world.registry, steps=SimSteps(world), alarm=alarm, state=world.state
@@ -498,7 +571,7 @@ async def flush_protocol(
         world.check_nothing_lost(clock.now())
 
     for _ in range(actions):
-        action = rng.choices(("put", "evict", "time", "flush"), (45, 15, 25, 15))[0]
+        action = rng.choices(("put", "evict", "time", "flush"), (40, 20, 25, 15))[0]
         if action == "put":
             ns = rng.choice(("", "b"))
             trimmable = ns == ""
@@ -511,24 +584,25 @@ async def flush_protocol(
                 key = (ns, (next(counter), *(rng.randrange(8) for _ in range(rng.randrange(1, 3)))))
             await put(key, trimmable)
         elif action == "evict":
+            # NOTE: up to three at once: spills arriving together are what the
+            # queue's cap drops (the oldest queued item first).
             handles = world.registry.ram_handles()
-            if handles:
-                handle = rng.choice(handles)
+            for handle in rng.sample(handles, min(len(handles), rng.randrange(1, 4))):
                 entry = world.registry.live[handle]
                 world.registry.give_up(handle)
-                if rng.random() < 0.5:
+                if rng.random() < 0.4:
                     world.registry.dispose(handle)
-                else:
-                    await system.tell(
-                        "spill_queue",
-                        Enqueue(
-                            handle=handle,
-                            namespace=entry.namespace,
-                            tokens=entry.tokens,
-                            meta=entry.meta,
-                            source="evict",
-                        ),
-                    )
+                    continue
+                await system.tell(
+                    "spiller",
+                    Enqueue(
+                        handle=handle,
+                        namespace=entry.namespace,
+                        tokens=entry.tokens,
+                        meta=entry.meta,
+                        source="evict",
+                    ),
+                )
         elif action == "time":
             step = rng.choice((0.3, 1.1, 5.5))
             if alarm.at is not None and rng.random() < 0.7:
@@ -538,11 +612,18 @@ async def flush_protocol(
                 alarm.fire()
         else:
             await flush()
-        await coord.ask(DurabilityStatsRequest(), timeout=60.0, expect=DurabilityStats)
+        if rng.random() < 0.6:
+            # NOTE: else the next action comes at the same instant, racing what this one started.
+            await coord.ask(DurabilityStatsRequest(), timeout=60.0, expect=DurabilityStats)
+    # NOTE: the coordinator's mailbox is FIFO: once this is answered it has every Schedule.
+    await coord.ask(DurabilityStatsRequest(), timeout=60.0, expect=DurabilityStats)
     world.check_nothing_lost(clock.now())
 
-    # NOTE: faults off, then one more flush: everything RAM holds must reach disk.
+    # NOTE: faults off and no eviction left on its way, then one more flush:
+    # everything RAM holds must reach disk.
     world.faults.off()
+    while world.spilling:
+        await coord.ask(DurabilityStatsRequest(), timeout=60.0, expect=DurabilityStats)
     await flush()
     final = world.results[-1]
     assert (final.pending, final.dropped, final.failed, final.lost) == (0, 0, 0, 0), final

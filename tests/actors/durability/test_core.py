@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.durability import core
-from messages import Covers, Enqueue, Ping
+from messages import Covers, Enqueue, Release
 from messages.durability import DurabilityStats, DurabilityStatsRequest
 
 from .support import Driver, cloned, only_clone, only_send, results, sends
@@ -369,7 +369,7 @@ def test_an_unknown_message_is_a_typed_error() -> None:
     """A body the coordinator has no rule for raises UnknownDurabilityMessage."""
     d = Driver()
     with pytest.raises(core.UnknownDurabilityMessage):
-        d.deliver(Ping())
+        d.deliver(Release(lease_id="l1"))
 
 
 @pytest.mark.parametrize(
