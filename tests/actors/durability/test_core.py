@@ -379,3 +379,24 @@ def test_config_rejects_values_that_cannot_work(bad: dict[str, float]) -> None:
     """Non-positive waits, no attempts or no records are refused at construction."""
     with pytest.raises(ValueError):
         core.DurabilityConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_a_replacement_put_during_a_forced_write_is_forced_in_the_same_flush() -> None:
+    """A new version of a key in scope, put while its write runs, gets its own forced attempt
+    before verification (and, finding the prefix on disk, writes nothing)."""
+    d = Driver()
+    d.schedule(T1, "h1")
+    _, effects = d.flush()
+    effects = d.drained(only_send(effects, "spill_queue.drain").ref)
+    turn = only_clone(d.covers(only_send(effects, "ssd_writer.covers").ref, False))
+    enq = only_send(d.turn(turn.ref, cloned("c1", 3)), "spill_queue.enqueue")
+    d.schedule(T1, "h2")
+    forced = only_send(d.settle(enq.ref, "c1", "stored"), "ssd_writer.covers")
+    assert d.state.outstanding[forced.ref].purpose == "attempt"
+    verify = only_send(d.covers(forced.ref, True), "ssd_writer.covers")
+    assert d.state.outstanding[verify.ref].purpose == "verify"
+    stats = only_send(d.covers(verify.ref, True), "ssd_writer.stats_request")
+    (result,) = results(d.stats_reply(stats.ref))
+    assert result.durable
+    assert result.written == 1
+    assert d.state.records == {}
