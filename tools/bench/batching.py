@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -59,7 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
-from prompt_cache import start_mlx_lm, system_prompt  # noqa: E402
+from prompt_cache import start_kvtier, start_mlx_lm, system_prompt  # noqa: E402
 
 from kernels import (  # noqa: E402
     Generation,
@@ -104,11 +105,18 @@ class Result:
     tokens: int
     seconds: float
     prefill_tokens: int = 0
+    cpu_s: float = 0.0
+    """CPU seconds the serving process used (all its threads) while the load ran."""
 
     @property
     def tps(self) -> float:
         """Aggregate completion tokens per second."""
         return self.tokens / self.seconds
+
+    @property
+    def tpc(self) -> float:
+        """Completion tokens per CPU second of the serving process (robust on a shared CPU)."""
+        return self.tokens / self.cpu_s if self.cpu_s > 0 else 0.0
 
 
 @dataclass
@@ -122,6 +130,9 @@ class Table:
 
     def tps(self, load: str, who: str) -> list[float]:
         return [r.tps for r in self.results.get((load, who), [])]
+
+    def tpc(self, load: str, who: str) -> list[float]:
+        return [r.tpc for r in self.results.get((load, who), [])]
 
 
 def conversations(load: str, nonce: str, system_tokens: int) -> list[list[dict[str, str]]]:
@@ -142,8 +153,14 @@ def conversations(load: str, nonce: str, system_tokens: int) -> list[list[dict[s
 # --- mlx_lm.server ------------------------------------------------------------
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_http(
-    url: str, model: str, convs: Sequence[list[dict[str, str]]], max_tokens: int
+    url: str, model: str, convs: Sequence[list[dict[str, str]]], max_tokens: int, pid: int
 ) -> Result:
     """All clients send at once (one thread each); time to the last answer."""
     tokens = [0] * len(convs)
@@ -169,14 +186,16 @@ def run_http(
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
     for t in threads:
         t.start()
+    cpu0 = _proc_cpu_s(pid)
     barrier.wait()
     start = time.perf_counter()
     for t in threads:
         t.join()
     seconds = time.perf_counter() - start
+    cpu = _proc_cpu_s(pid) - cpu0
     if errors:
         raise errors[0]
-    return Result(sum(tokens), seconds)
+    return Result(sum(tokens), seconds, cpu_s=cpu)
 
 
 # --- kvtier, in process ---------------------------------------------------------
@@ -229,6 +248,7 @@ def run_batch_kernel(
     batch = BatchGeneration(lm.model, lm.tokenizer, max_rows=max_rows, prefill_step_size=step_size)
     tokens = 0
     prefilled = 0
+    cpu0 = time.process_time()
     start = time.perf_counter()
     waiting = list(enumerate(prompts))
     # row -> the prompt tokens it is prefilling (until its snapshot is stored)
@@ -272,12 +292,13 @@ def run_batch_kernel(
             admit()
     seconds = time.perf_counter() - start
     batch.close()
-    return Result(tokens, seconds, prefilled)
+    return Result(tokens, seconds, prefilled, time.process_time() - cpu0)
 
 
 def run_serial(lm: Any, prompts: Sequence[list[int]], max_tokens: int, *, step_size: int) -> Result:
     """One request after another through the serial kernel (no prompt cache)."""
     params = SamplingParams(max_tokens=max_tokens)
+    cpu0 = time.process_time()
     start = time.perf_counter()
     tokens = 0
     for prompt in prompts:
@@ -286,68 +307,87 @@ def run_serial(lm: Any, prompts: Sequence[list[int]], max_tokens: int, *, step_s
                 Generation(lm.model, lm.tokenizer, prompt, params, prefill_step_size=step_size)
             )
         )
-    return Result(tokens, time.perf_counter() - start, sum(len(p) for p in prompts))
+    seconds = time.perf_counter() - start
+    return Result(tokens, seconds, sum(len(p) for p in prompts), time.process_time() - cpu0)
 
 
 # --- report -----------------------------------------------------------------------
 
 
+def _metric(table: Table, metric: str) -> Callable[[str, str], list[float]]:
+    return table.tps if metric == "tps" else table.tpc
+
+
 def summarize(table: Table, contenders: Sequence[str]) -> list[str]:
-    lines = [f"{'load':<10}{'contender':<16}{'median tok/s':>14}{'min':>9}{'max':>9}{'rounds':>8}"]
-    for load in LOADS:
-        for who in contenders:
-            xs = table.tps(load, who)
-            if xs:
-                lines.append(
-                    f"{load:<10}{who:<16}{statistics.median(xs):>14.1f}{min(xs):>9.1f}{max(xs):>9.1f}{len(xs):>8}"
-                )
-    lines.append("")
-    for load in LOADS:
-        k, m, s = (
-            table.tps(load, "kvtier batch"),
-            table.tps(load, "mlx_lm.server"),
-            table.tps(load, "kvtier serial"),
+    """Median and min–max per load and contender, for tok/s and tok per CPU second, and the ratios."""
+    lines: list[str] = []
+    for metric, label in (("tps", "tok/s (wall)"), ("tpc", "tok per CPU s")):
+        get = _metric(table, metric)
+        lines.append(f"{label}:")
+        lines.append(
+            f"{'load':<10}{'contender':<16}{'median':>10}{'min':>9}{'max':>9}{'rounds':>8}"
         )
-        if k and m:
-            per_round = [a / b for a, b in zip(k, m, strict=False)]
-            lines.append(
-                f"ratio kvtier batch / mlx_lm.server, load {load:<8}: median {statistics.median(k) / statistics.median(m):.3f}"
-                f" (per round {', '.join(f'{x:.2f}' for x in per_round)})"
-            )
-        if k and s:
-            lines.append(
-                f"ratio kvtier batch / kvtier serial,  load {load:<8}: median {statistics.median(k) / statistics.median(s):.3f}"
-            )
+        for load in LOADS:
+            for who in contenders:
+                xs = get(load, who)
+                if xs:
+                    med = statistics.median(xs)
+                    lines.append(
+                        f"{load:<10}{who:<16}{med:>10.1f}{min(xs):>9.1f}{max(xs):>9.1f}{len(xs):>8}"
+                    )
+        pairs = (
+            ("kvtier serve", "mlx_lm.server"),
+            ("kvtier batch", "mlx_lm.server"),
+            ("kvtier batch", "kvtier serial"),
+            ("kvtier serve", "kvtier serial"),
+        )
+        for load in LOADS:
+            for ours, theirs in pairs:
+                k, m = get(load, ours), get(load, theirs)
+                if k and m:
+                    per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(k, m, strict=False))
+                    ratio = statistics.median(k) / statistics.median(m)
+                    lines.append(
+                        f"  {ours} / {theirs}, load {load:<8}: {ratio:.3f} (per round {per_round})"
+                    )
+        lines.append("")
     return lines
 
 
 def plot(table: Table, contenders: Sequence[str], path: Path, title: str) -> None:
+    """Two panels (wall tok/s, tok per CPU s): median bars with min–max whiskers per load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
     width = 0.8 / len(contenders)
-    for j, who in enumerate(contenders):
-        xs, meds, lo, hi = [], [], [], []
-        for i, load in enumerate(LOADS):
-            vals = table.tps(load, who)
-            if not vals:
-                continue
-            med = statistics.median(vals)
-            xs.append(i + (j - (len(contenders) - 1) / 2) * width)
-            meds.append(med)
-            lo.append(med - min(vals))
-            hi.append(max(vals) - med)
-        bars = ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=who)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
-    ax.set_xticks(
-        range(len(LOADS)), [f"{load} client{'s' if load != '1' else ''}" for load in LOADS]
+    panels = (
+        ("tps", "aggregate completion tok/s (wall)"),
+        ("tpc", "completion tokens per CPU second"),
     )
-    ax.set_ylabel("aggregate completion tok/s (median, min–max)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    for ax, (metric, ylabel) in zip(axes, panels, strict=True):
+        get = _metric(table, metric)
+        for j, who in enumerate(contenders):
+            xs, meds, lo, hi = [], [], [], []
+            for i, load in enumerate(LOADS):
+                vals = get(load, who)
+                if not vals:
+                    continue
+                med = statistics.median(vals)
+                xs.append(i + (j - (len(contenders) - 1) / 2) * width)
+                meds.append(med)
+                lo.append(med - min(vals))
+                hi.append(max(vals) - med)
+            bars = ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=who)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+        ax.set_xticks(
+            range(len(LOADS)), [f"{load} client{'s' if load != '1' else ''}" for load in LOADS]
+        )
+        ax.set_ylabel(f"{ylabel}\n(median, min–max)", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -371,6 +411,11 @@ def main() -> int:
         "--serial-all", action="store_true", help="run the serial lane on every load"
     )
     parser.add_argument("--skip-mlx-lm", action="store_true")
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="also run `kvtier serve --max-batch <max-rows>` over HTTP (the batch lane's actors)",
+    )
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "benchmarks" / "batching.png")
     parser.add_argument(
         "--json", type=Path, default=None, help="also write every round's figures here"
@@ -378,13 +423,31 @@ def main() -> int:
     args = parser.parse_args()
     model_dir = args.model or ensure_default_model()
     lm = load_model(model_dir)
-    contenders = ["mlx_lm.server", "kvtier batch", "kvtier serial"]
+    contenders = ["mlx_lm.server", "kvtier serve", "kvtier batch", "kvtier serial"]
     table = Table()
     with tempfile.TemporaryDirectory() as tmp:
         server = None if args.skip_mlx_lm else start_mlx_lm(model_dir, Path(tmp))
+        serve = None
+        serve_model = ""
+        if args.serve:
+            serve = start_kvtier(
+                model_dir,
+                Path(tmp),
+                "--max-batch",
+                str(args.max_rows),
+                "--prefill-step-size",
+                str(args.prefill_step_size),
+            )
+            serve_model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
         try:
+            if serve is not None:
+                run_http(
+                    serve.url, serve_model, conversations("1", "warmup", 50), 8, serve.proc.pid
+                )
             if server is not None:
-                run_http(server.url, str(model_dir), conversations("1", "warmup", 50), 8)
+                run_http(
+                    server.url, str(model_dir), conversations("1", "warmup", 50), 8, server.proc.pid
+                )
             run_batch_kernel(
                 lm,
                 [render_chat(lm.tokenizer, conversations("1", "warmup", 50)[0])],
@@ -404,7 +467,26 @@ def main() -> int:
                             (
                                 "mlx_lm.server",
                                 partial(
-                                    run_http, server.url, str(model_dir), convs, args.max_tokens
+                                    run_http,
+                                    server.url,
+                                    str(model_dir),
+                                    convs,
+                                    args.max_tokens,
+                                    server.proc.pid,
+                                ),
+                            )
+                        )
+                    if serve is not None:
+                        runs.append(
+                            (
+                                "kvtier serve",
+                                partial(
+                                    run_http,
+                                    serve.url,
+                                    serve_model,
+                                    convs,
+                                    args.max_tokens,
+                                    serve.proc.pid,
                                 ),
                             )
                         )
@@ -454,12 +536,14 @@ def main() -> int:
         finally:
             if server is not None:
                 server.stop()
+            if serve is not None:
+                serve.stop()
     print()
     for line in summarize(table, contenders):
         print(line)
     title = (
         f"{model_dir.name}: {args.max_tokens} new tokens per client, {args.rounds} rounds; "
-        f"kvtier = batch kernel driven in-process (phase 1)"
+        "kvtier batch = kernel driven in-process; kvtier serve = the batch lane over HTTP"
     )
     plot(
         table,
