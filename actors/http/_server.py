@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import ipaddress
 import json
 import logging
@@ -155,7 +156,8 @@ class _RateLimit(logging.Filter):
         self._seen: dict[tuple[str, str], tuple[float, int, int]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, str(record.msg))
+        # NOTE: the first line only: asyncio appends per-event details (the socket) below it.
+        key = (record.name, str(record.msg).split("\n", 1)[0])
         now = self._clock()
         start, passed, dropped = self._seen.get(key, (now, 0, 0))
         if now - start >= self._window:
@@ -164,9 +166,27 @@ class _RateLimit(logging.Filter):
             start, passed, dropped = now, 0, 0
         if passed < self._burst:
             self._seen[key] = (start, passed + 1, dropped)
+            _shorten_resource_errors(record)
             return True
         self._seen[key] = (start, passed, dropped + 1)
         return False
+
+
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def _shorten_resource_errors(record: logging.LogRecord) -> None:
+    """Log "Too many open files" (and kin) as one line, without a traceback.
+
+    NOTE: the traceback says nothing the errno does not, and rendering it
+    needs descriptors (lazy imports) the process has just run out of.
+    """
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, OSError) and exc.errno in _OUT_OF_RESOURCES:
+        record.msg = f"{str(record.msg).splitlines()[0]}: {exc}"
+        record.args = None
+        record.exc_info = None
+        record.exc_text = None
 
 
 _NOISY_LOGGERS = ("uvicorn.error", "asyncio")

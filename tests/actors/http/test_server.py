@@ -369,6 +369,21 @@ def test_rate_limit_lets_a_burst_through_then_counts() -> None:
     assert "48 similar messages suppressed" in str(late.msg)
 
 
+def test_out_of_descriptors_is_one_line_without_a_traceback() -> None:
+    """An accept error for lack of descriptors is logged as one line (its errno), with no traceback."""
+    import errno
+
+    limiter = _RateLimit(window=10, burst=3)
+    exc = OSError(errno.EMFILE, "Too many open files")
+    record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1,
+                               "socket.accept() out of system resource\nsocket: <fd=7>", None,
+                               (OSError, exc, None))
+    assert limiter.filter(record)
+    assert record.exc_info is None
+    assert record.getMessage() == ("socket.accept() out of system resource: "
+                                   "[Errno 24] Too many open files")
+
+
 def test_connection_cap_stays_below_the_descriptor_limit() -> None:
     """The cap leaves a reserve of descriptors free and never exceeds the requested value."""
     assert connection_cap(soft_limit=1024) == 1024 - 128
