@@ -168,7 +168,9 @@ class BatchScheduler(Actor):
             case core.ReportTurn():
                 await self._tell_gateway(effect.report, ctx)
             case core.Status():
-                await self._tell_gateway(BatchWants(busy=effect.busy, ready=effect.ready, left=effect.left), ctx)
+                await self._tell_gateway(
+                    BatchWants(busy=effect.busy, ready=effect.ready, left=effect.left), ctx
+                )
             case _:
                 assert_never(effect)
         return None

@@ -77,7 +77,7 @@ __all__ = [
     "handle",
 ]
 
-RowPhase = Literal["waiting", "lookup", "ready", "joined"]
+RowPhase = Literal["waiting", "lookup", "ready", "deferred", "joined"]
 
 
 # --- what an engine step hands back (plain data) ---------------------------------
@@ -111,13 +111,15 @@ class StepOut:
 
     ``joined``: (request id, prompt tokens really reused) of rows that
     entered the batch this step (a lookup that could not be materialized
-    joins cold: 0).
+    joins cold: 0); ``prefilled``: rows whose prompt is now in the batch's
+    cache (they decode from the next step on).
     """
 
     tokens: tuple[TokenOut, ...] = ()
     exits: tuple[ExitOut, ...] = ()
     snapshots: tuple[tuple[str, Registered], ...] = ()
     joined: tuple[tuple[str, int], ...] = ()
+    prefilled: tuple[str, ...] = ()
     decode_rows: int = 0
     prefill_tokens: int = 0
 
@@ -324,6 +326,10 @@ class Row:
     first_token_at: float = 0.0
     tokens: int = 0
     cached_tokens: int = 0
+    prefilled: bool = False
+    relooked: bool = False
+    wait_for: str | None = None
+    """The row whose prompt-boundary snapshot this deferred row waits for."""
 
 
 @dataclass(slots=True)
@@ -340,6 +346,7 @@ class Counters:
     joined: int = 0
     cached_tokens: int = 0
     max_rows_decoded: int = 0
+    deferred: int = 0
     finished_stop: int = 0
     finished_length: int = 0
     cancelled: int = 0
@@ -357,6 +364,9 @@ class SchedulerState:
     max_rows: int
     max_queue: int
     lookups: bool = False
+    share_min: int = 64
+    """A ready row waits for a prefilling row's snapshot when their prompts share
+    at least this many tokens more than its own lookup found."""
     rows: dict[str, Row] = field(default_factory=dict)
     waiting: deque[str] = field(default_factory=deque)
     in_flight: int | None = None
@@ -392,7 +402,7 @@ class SchedulerState:
 
     def snapshot(self) -> dict[str, int | bool | dict[str, int]]:
         """JSON-ready statistics."""
-        by_phase = dict.fromkeys(("waiting", "lookup", "ready", "joined"), 0)
+        by_phase = dict.fromkeys(("waiting", "lookup", "ready", "deferred", "joined"), 0)
         for r in self.rows.values():
             by_phase[r.phase] += 1
         s = self.stats
@@ -419,6 +429,7 @@ class SchedulerState:
                 "max_rows_decoded": s.max_rows_decoded,
             },
             "joined": s.joined,
+            "deferred": s.deferred,
             "cached_tokens": s.cached_tokens,
             "entries_put": s.entries_put,
         }
@@ -451,6 +462,7 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
             state.draining = True
         case _:
             assert_never(event)
+    _wake_deferred(state, out)
     _place(state, out)
     busy, ready = state.busy, state.ready
     left = tuple(state.ended)
@@ -562,6 +574,8 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
     joins: list[JoinRow] = []
     cancels: list[str] = []
     for rid, row in state.rows.items():
+        if row.phase == "ready" and _defer(state, row, out):
+            continue
         if row.phase == "ready":
             lookup = row.lookup
             handle = None if lookup is None else lookup.handle
@@ -579,6 +593,66 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
     out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels)))
 
 
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _defer(state: SchedulerState, row: Row, out: list[Effect]) -> bool:
+    """Hold ``row`` back (True) when a row in the batch shares a much longer prefix than its lookup found.
+
+    NOTE: rows that arrive together with one long shared prefix (a system
+    prompt) would each prefill it. Instead the later ones wait until the
+    first has prefilled (its prompt-boundary snapshot is then in the prompt
+    cache), look up again and forward only their own suffix. A row whose
+    lookup predates such a snapshot looks up again at once (once).
+    """
+    if not state.lookups or not row.request.chat:
+        return False
+    lookup = row.lookup
+    cached = 0 if lookup is None or lookup.handle is None else lookup.cached_tokens
+    prompt = row.request.prompt_tokens
+    best, best_n = None, cached + state.share_min - 1
+    for rid, other in state.rows.items():
+        req = other.request
+        if other.phase != "joined" or not req.chat or req.namespace != row.request.namespace:
+            continue
+        n = _common(req.prompt_tokens, prompt)
+        if n > best_n:
+            best, best_n = rid, n
+    if best is None or (state.rows[best].prefilled and row.relooked):
+        return False
+    if lookup is not None and lookup.lease_id is not None:
+        out.append(ReleaseLease(lookup.lease_id))
+    row.lookup = None
+    if state.rows[best].prefilled:
+        row.relooked = True
+        row.phase = "lookup"
+        out.append(StartLookup(row.request, row.correlation_id))
+        return True
+    row.phase = "deferred"
+    row.wait_for = best
+    state.stats.deferred += 1
+    return True
+
+
+def _wake_deferred(state: SchedulerState, out: list[Effect]) -> None:
+    """Deferred rows whose awaited row has prefilled (or left) look up again."""
+    for row in state.rows.values():
+        if row.phase != "deferred":
+            continue
+        awaited = state.rows.get(row.wait_for or "")
+        if awaited is None or awaited.prefilled:
+            row.phase = "lookup"
+            row.wait_for = None
+            row.relooked = True
+            out.append(StartLookup(row.request, row.correlation_id))
+
+
 def _check_turn(state: SchedulerState, turn: int) -> None:
     if state.in_flight != turn:
         raise ValueError(f"report of batch turn {turn} but turn {state.in_flight} is in flight")
@@ -593,6 +667,9 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
     stats.tokens += len(step.tokens)
     stats.prefill_tokens += step.prefill_tokens
     stats.max_rows_decoded = max(stats.max_rows_decoded, step.decode_rows)
+    for rid in step.prefilled:
+        if (entered := state.rows.get(rid)) is not None:
+            entered.prefilled = True
     for rid, cached in step.joined:
         row = state.rows.get(rid)
         if row is None:

@@ -111,6 +111,7 @@ class BatchEngine:
                 exits=tuple(exits),
                 snapshots=tuple(snapshots),
                 joined=tuple(joined),
+                prefilled=result.joined,
                 decode_rows=result.decode_rows,
                 prefill_tokens=result.prefill_tokens,
             )

@@ -29,7 +29,9 @@ BATCH_ADDRESS = "batch"
 _log = structlog.get_logger("kvtier.batch")
 
 
-def _backend_parts(backend: object) -> tuple[Any, Any, CacheRegistry | None, int, KvScheme | None] | None:
+def _backend_parts(
+    backend: object,
+) -> tuple[Any, Any, CacheRegistry | None, int, KvScheme | None] | None:
     """Model, tokenizer, registry, prefill step and KV scheme of the MLX backend (``None``: another backend)."""
     from actors.backend.mlx import MlxBackend
 
@@ -63,7 +65,9 @@ def batch_refusal(parts: Parts) -> str | None:
     return None
 
 
-def batch_factory(parts: Parts, *, gateway: str, prompt_cache: str | None) -> Callable[[], BatchScheduler] | None:
+def batch_factory(
+    parts: Parts, *, gateway: str, prompt_cache: str | None
+) -> Callable[[], BatchScheduler] | None:
     """The batch scheduler's factory (``None`` when :func:`batch_refusal` says no)."""
     if batch_refusal(parts) is not None:
         return None

@@ -267,8 +267,11 @@ _IDS = ["a", "b", "c", "d", "e"]
     )
 )
 def test_random_events_keep_the_invariants(script: list[tuple[str, str]]) -> None:
-    """Any event order: one step at a time, rows within limits, every lease released once, busy told truthfully."""
-    core = Core(max_rows=2, max_queue=2, lookups=True)
+    """Any event order: rows within limits, every lease released once, busy told truthfully, no row stuck.
+
+    Rows are chat requests sharing an 80-token prefix, so later rows defer to a prefilling one.
+    """
+    core = Core(max_rows=3, max_queue=2, lookups=True)
     leases_out: set[str] = set()
     released: list[str] = []
     busy_told = False
@@ -278,7 +281,7 @@ def test_random_events_keep_the_invariants(script: list[tuple[str, str]]) -> Non
         now += 1.0
         effects: list[Effect] = []
         if what == "admit":
-            effects = core.handle(Admit(gen(rid), f"c-{rid}", now))
+            effects = core.handle(Admit(gen(rid, 80, chat=True), f"c-{rid}", now))
         elif what == "lookup":
             row = core.state.rows.get(rid)
             if row is not None and row.phase == "lookup":
@@ -301,9 +304,8 @@ def test_random_events_keep_the_invariants(script: list[tuple[str, str]]) -> Non
                     for r, row in core.state.rows.items()
                     if row.phase == "joined" and (row.cancelled or r == rid)
                 )
-                effects = core.handle(
-                    StepFinished(core.turn, StepOut(joined=joined, exits=exits), now)
-                )
+                step = StepOut(joined=joined, exits=exits, prefilled=submitted)
+                effects = core.handle(StepFinished(core.turn, step, now))
             else:
                 effects = core.handle(StepFailed(core.turn, "x", "y", now))
         released += [e.lease_id for e in of(effects, ReleaseLease)]
@@ -311,8 +313,16 @@ def test_random_events_keep_the_invariants(script: list[tuple[str, str]]) -> Non
             busy_told = e.busy
         for e in of(effects, ReportTurn):
             busy_told = e.report.busy
-        assert core.state.placed() <= 2
+        assert core.state.placed() <= 3
         assert len(core.state.waiting) <= 2
+        for row in core.state.rows.values():
+            if row.phase == "deferred":
+                awaited = core.state.rows.get(row.wait_for or "")
+                assert awaited is not None, "a deferred row waits for a row that left"
+                assert awaited.phase == "joined", (
+                    "a deferred row waits for a row that cannot progress"
+                )
+                assert not awaited.prefilled
         assert busy_told == core.state.busy
         assert len(released) == len(set(released)), "a lease released twice"
     # Every lease not held by a live row was released.
@@ -322,3 +332,50 @@ def test_random_events_keep_the_invariants(script: list[tuple[str, str]]) -> Non
         if r.lookup is not None and r.lookup.lease_id
     }
     assert leases_out == set(released) | held
+
+
+def _chat(rid: str, prompt: tuple[int, ...]) -> Generate:
+    return Generate(
+        request_id=rid,
+        prompt_tokens=prompt,
+        params=GenerationParams(max_tokens=4),
+        stream_to=f"inbox.{rid}",
+        chat=True,
+    )
+
+
+def test_a_row_sharing_a_long_prefix_waits_for_the_first_rows_snapshot() -> None:
+    """Two chat rows with a 100-token common prefix: the second waits, then looks up after the first's snapshot Put."""
+    shared = tuple(range(100, 200))
+    core = Core(max_rows=4, lookups=True)
+    core.handle(Admit(_chat("a", (*shared, 1, 2, 3)), "c-a", 0.0))
+    core.handle(Admit(_chat("b", (*shared, 4, 5, 6)), "c-b", 0.0))
+    core.handle(LookupAnswered("a", TakeResult(), 0.1))
+    core.handle(LookupAnswered("b", TakeResult(lease_id="Lb", handle="h0", cached_tokens=3), 0.1))
+    first = core.grant(1.0)
+    assert [j.request.request_id for j in of(first, SubmitStep)[0].joins] == ["a"]
+    assert ReleaseLease("Lb") in first, "the deferred row's short lookup is given back"
+    assert core.state.rows["b"].phase == "deferred"
+    snap = reg("snap-a", (*shared, 1, 2))
+    out = StepOut(
+        joined=(("a", 0),), prefilled=("a",), snapshots=(("a", snap),), prefill_tokens=102
+    )
+    effects = core.handle(StepFinished(1, out, 2.0))
+    put = next(i for i, e in enumerate(effects) if isinstance(e, PutEntry))
+    look = next(i for i, e in enumerate(effects) if isinstance(e, StartLookup))
+    assert put < look, "the new lookup must follow the snapshot's Put"
+    assert effects[look].request.request_id == "b"
+    assert core.state.stats.deferred == 1
+
+
+def test_rows_sharing_little_or_completion_rows_do_not_wait() -> None:
+    """A common prefix shorter than share_min beyond the lookup, or non-chat rows, join together."""
+    core = Core(max_rows=4, lookups=True)
+    core.handle(Admit(_chat("a", (*range(100, 130), 1)), "c-a", 0.0))
+    core.handle(Admit(_chat("b", (*range(100, 130), 2)), "c-b", 0.0))
+    core.handle(Admit(gen("c", 150), "c-c", 0.0))
+    core.handle(Admit(gen("d", 150), "c-d", 0.0))
+    for rid in "abcd":
+        core.handle(LookupAnswered(rid, None, 0.1))
+    joins = of(core.grant(), SubmitStep)[0].joins
+    assert [j.request.request_id for j in joins] == ["a", "b", "c", "d"]

@@ -164,3 +164,47 @@ async def test_batch_lane_refuses_past_rows_plus_queue(model: Any, tok: Any) -> 
                 pass
         for s in streams:
             await s.aclose()
+
+
+async def test_rows_sharing_a_system_prompt_prefill_it_once(model: Any, tok: Any) -> None:
+    """4 chat requests with one long system prompt, at once: later rows wait for the first's snapshot and reuse it."""
+    system = "You answer briefly. " * 12
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        for q in ("one", "two two", "three three three", "four")
+    ]
+    params = GenerationParams(max_tokens=8)
+
+    async def run(eng: Engine, messages: list[dict[str, str]]) -> tuple[list[int], DoneEvent]:
+        tokens: list[int] = []
+        done: DoneEvent | None = None
+        async with eng.chat(messages, params) as stream:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.token_id)
+                else:
+                    done = event
+        assert done is not None
+        return tokens, done
+
+    async with Engine.from_loaded(
+        model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=1
+    ) as serial:
+        expected = [(await run(serial, c))[0] for c in chats]
+    got: list[Any] = [None] * len(chats)
+    async with Engine.from_loaded(
+        model, tok, model_id="tiny", prompt_cache_bytes=1 << 26, max_batch=4
+    ) as eng:
+
+        async def one(i: int) -> None:
+            got[i] = await run(eng, chats[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(chats)):
+                tg.start_soon(one, i)
+        stats = await eng.stats()
+    assert [ids for ids, _ in got] == expected
+    reused = sorted(done.usage.cached_tokens for _, done in got)
+    assert reused[0] == 0, "the first row prefills the system prompt"
+    assert all(n >= 200 for n in reused[1:]), f"the others reuse it: {reused}"
+    assert stats["batch"]["batch"]["cached_tokens"] == sum(reused)
