@@ -32,6 +32,7 @@ __all__ = [
     "EntryRole",
     "PromptCacheStats",
     "PromptCacheStatsRequest",
+    "PromptCacheWake",
     "Put",
     "PutResult",
     "Release",
@@ -79,10 +80,20 @@ class Take(Request):
 class TakeResult(Body):
     """The answer to :class:`Take`.
 
-    On a miss ``lease_id`` and ``handle`` are ``None`` and ``cached_tokens`` is 0.
-    On a hit ``cached_tokens`` (>= 1, <= len(prompt) - 1) is the prefix length
-    to materialize from ``handle`` (``registry.materialize(handle, cached_tokens)``);
-    ``entry_tokens`` is the stored entry's length (> ``cached_tokens`` means a trim).
+    On a miss ``lease_id``, ``handle`` and ``staging_id`` are ``None`` and
+    ``cached_tokens`` is 0. On a hit ``cached_tokens`` (>= 1, <= len(prompt) - 1)
+    is the prefix length to reuse; ``entry_tokens`` is the stored entry's
+    length (> ``cached_tokens`` means a trim). ``tier`` says where it came from:
+
+    - ``ram``: materialize views of ``handle``
+      (``registry.materialize(handle, cached_tokens)``);
+    - ``ssd``: the cold tier read the entry's file into host memory, where it
+      waits under ``staging_id`` (``actors.ssd_writer.HostStaging``) to be
+      materialized into MLX arrays and trimmed in the request's first turn.
+
+    Either way the hit holds a lease: release it once (after materializing,
+    or on any failure before). Releasing an ``ssd`` lease drops the staged
+    bytes if nobody took them.
     """
 
     kind: Literal["prompt_cache.take_result"] = "prompt_cache.take_result"
@@ -90,6 +101,8 @@ class TakeResult(Body):
     handle: str | None = None
     cached_tokens: int = Field(default=0, ge=0)
     entry_tokens: int = Field(default=0, ge=0)
+    staging_id: str | None = None
+    tier: Literal["ram", "ssd"] | None = None
 
 
 class Release(Body):
@@ -151,6 +164,15 @@ class PromptCacheStats(Body):
     ``leases_undelivered``: leases whose ``TakeResult`` reached nobody (both
     would otherwise pin their entry forever). ``spills_undelivered``: spills
     the cold tier's queue could not take (disposed instead).
+
+    With a cold tier: ``hits``/``cached_tokens_served`` count the RAM tier's
+    hits, ``ssd_hits``/``ssd_cached_tokens_served`` the ones served by a file
+    (``misses``: neither). ``ssd_lookups``: takes that asked the SSD index;
+    ``ssd_recompute``: a longer file existed but prefilling was predicted
+    faster; ``ssd_failures``: a restore that failed (corrupt file, I/O error,
+    tier gone) and was served as a miss; ``ssd_timeouts``: lookups that ran
+    past their deadline (also served from RAM or as a miss). ``demotions``:
+    RAM entries idle for ``ssd_demote_idle`` seconds handed to the cold tier.
     """
 
     kind: Literal["prompt_cache.stats"] = "prompt_cache.stats"
@@ -179,3 +201,16 @@ class PromptCacheStats(Body):
     leases_undelivered: int = 0
     spills_undelivered: int = 0
     drains_requested: int = 0
+    ssd_hits: int = 0
+    ssd_cached_tokens_served: int = 0
+    ssd_lookups: int = 0
+    ssd_recompute: int = 0
+    ssd_failures: int = 0
+    ssd_timeouts: int = 0
+    demotions: int = 0
+
+
+class PromptCacheWake(Body):
+    """The prompt cache's alarm went off (sent to itself): idle demotions and lookup deadlines are due."""
+
+    kind: Literal["prompt_cache.wake"] = "prompt_cache.wake"

@@ -47,6 +47,10 @@ __all__ = [
     "RestoreChoice",
     "RestoreReport",
     "RestoreResult",
+    "ScrubPick",
+    "ScrubReport",
+    "ScrubTarget",
+    "ScrubWake",
     "SpaceReserved",
     "SsdStats",
     "SsdStatsRequest",
@@ -98,10 +102,15 @@ class FindResult(Body):
 
 
 class Restore(Request):
-    """Read the file at ``path`` (from a :class:`FindResult`) into host buffers."""
+    """Read the file at ``path`` (from a :class:`FindResult`) into host buffers.
+
+    ``ticket`` is the caller's and comes back in the :class:`RestoreResult`
+    (the reader answers, so the answer's causation is not this message).
+    """
 
     kind: Literal["ssd_writer.restore"] = "ssd_writer.restore"
     path: str
+    ticket: str = ""
 
 
 class RestoreResult(Body):
@@ -117,6 +126,7 @@ class RestoreResult(Body):
     kind: Literal["ssd_writer.restore_result"] = "ssd_writer.restore_result"
     ok: bool
     path: str
+    ticket: str = ""
     staging_id: str | None = None
     entry_tokens: int = Field(default=0, ge=0)
     bytes: int = Field(default=0, ge=0)
@@ -196,6 +206,9 @@ class SsdStats(Body):
     written; their sum never exceeds ``max_bytes``. ``restore_ms_last`` is
     the file read of the last restore (materializing is the caller's).
     ``choices_*`` count the restore-or-recompute advice given by ``Find``.
+    ``scrubbed``/``scrubbed_bytes``: files (bytes) the idle scrubber
+    re-verified; ``scrub_corrupt``: files it found bad (removed, and also
+    counted in ``corrupt_removed`` when the unlink succeeded).
     """
 
     kind: Literal["ssd_writer.stats"] = "ssd_writer.stats"
@@ -224,6 +237,9 @@ class SsdStats(Body):
     disk_read_gbps: float | None = None
     prefill_tok_s: float | None = None
     longest_entry_tokens: int = Field(default=0, ge=0)
+    scrubbed: int = Field(default=0, ge=0)
+    scrubbed_bytes: int = Field(default=0, ge=0)
+    scrub_corrupt: int = Field(default=0, ge=0)
 
 
 # --- internal: index <-> store worker / reader --------------------------------
@@ -288,6 +304,7 @@ class ReadEntry(Request):
     path: str
     namespace: str
     tokens: tuple[int, ...]
+    ticket: str = ""
 
 
 class RestoreReport(Body):
@@ -304,4 +321,44 @@ class RestoreReport(Body):
     bytes: int = Field(default=0, ge=0)
     seconds: float = Field(default=0.0, ge=0.0)
     touched: bool = False
+    removed: bool = False
+
+
+# --- internal: index <-> scrubber ---------------------------------------------
+
+
+class ScrubWake(Body):
+    """The scrubber's alarm went off (sent to itself)."""
+
+    kind: Literal["ssd_writer.scrub_wake"] = "ssd_writer.scrub_wake"
+
+
+class ScrubPick(Request):
+    """Scrubber -> index: which file to re-verify next? -> :class:`ScrubTarget`."""
+
+    kind: Literal["ssd_writer.scrub_pick"] = "ssd_writer.scrub_pick"
+
+
+class ScrubTarget(Body):
+    """Index -> scrubber: the next file in turn (``path`` ``None``: nothing to scrub)."""
+
+    kind: Literal["ssd_writer.scrub_target"] = "ssd_writer.scrub_target"
+    path: str | None = None
+    namespace: str = ""
+    tokens: tuple[int, ...] = ()
+    file_bytes: int = Field(default=0, ge=0)
+
+
+class ScrubReport(Body):
+    """Scrubber -> index: how the re-verification of ``path`` went.
+
+    ``reason``: ``ok``, ``corrupt`` (a check failed; ``removed`` says whether
+    the scrubber unlinked it), ``gone`` (no longer on disk), ``io_error``.
+    """
+
+    kind: Literal["ssd_writer.scrub_report"] = "ssd_writer.scrub_report"
+    path: str
+    ok: bool
+    reason: str = "ok"
+    bytes: int = Field(default=0, ge=0)
     removed: bool = False

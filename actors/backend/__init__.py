@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .mlx import MlxBackend
+from .mlx import MlxBackend, runtime_identity
 
-__all__ = ["MlxBackend"]
+__all__ = ["MlxBackend", "runtime_identity"]

@@ -7,7 +7,7 @@ Every method runs ON the engine thread (the turn runner submits them through
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -18,13 +18,58 @@ from kernels import (
     KvScheme,
     convert_caches,
 )
-from kernels.cache import CacheOffsetMismatch
+from kernels.cache import (
+    CacheOffsetMismatch,
+    HostEntry,
+    KvFileHeader,
+    caches_trimmable,
+    materialize,
+    trim_caches,
+)
 from kernels.engine import SnapshotBoundary, probe_snapshot_boundary
 from messages.gateway import Generate
 
 _log = structlog.get_logger("kvtier.backend")
 
-__all__ = ["MlxBackend"]
+__all__ = ["MlxBackend", "RestoredEntries", "StagedEntryLike", "runtime_identity"]
+
+
+class StagedEntryLike(Protocol):
+    """A restored file waiting in host memory (``actors.ssd_writer.StagedEntry``)."""
+
+    @property
+    def header(self) -> KvFileHeader:
+        """The file's validated header."""
+        ...
+
+    @property
+    def host(self) -> HostEntry:
+        """Its tensor bytes."""
+        ...
+
+
+class RestoredEntries(Protocol):
+    """Where restored entries wait (``actors.ssd_writer.HostStaging``); thread-safe."""
+
+    def take(self, staging_id: str) -> StagedEntryLike | None:
+        """Remove and return the entry (``None``: unknown, taken or pushed out)."""
+        ...
+
+
+def runtime_identity() -> str:
+    """The runtime's numerical identity: MLX version, device type and architecture (engine thread).
+
+    NOTE: part of the cold tier's fingerprint: KV computed by another MLX
+    release or on another device may differ in its last bits, so a runtime
+    change selects a new directory instead of reusing old files.
+    """
+    import mlx.core as mx
+
+    device = mx.default_device()
+    info = mx.device_info()
+    arch = info.get("architecture", "unknown") if isinstance(info, dict) else "unknown"
+    version = getattr(mx, "__version__", "unknown")
+    return f"mlx-{version}/{device.type}/{arch}"
 
 
 class MlxBackend:
@@ -45,8 +90,12 @@ class MlxBackend:
         prefill_step_size: int,
         kv_scheme: KvScheme | None = None,
         registry: CacheRegistry | None = None,
+        staging: RestoredEntries | None = None,
     ) -> None:
         self._model = model
+        self._staging = staging
+        self.restores = 0
+        self.restore_failures = 0
         self._tokenizer = tokenizer
         self._step_size = prefill_step_size
         self._scheme = kv_scheme if kv_scheme is not None and kv_scheme.quantized else None
@@ -68,10 +117,22 @@ class MlxBackend:
         assert self._scheme is not None
         convert_caches(caches, self._scheme)
 
-    def open(self, request: Generate, handle: str | None, cached_tokens: int) -> Generation:
-        """A generation for ``request``; with ``handle``, its first ``cached_tokens`` are reused."""
+    def open(
+        self,
+        request: Generate,
+        handle: str | None,
+        cached_tokens: int,
+        *,
+        staging_id: str | None = None,
+    ) -> Generation:
+        """A generation for ``request``; its first ``cached_tokens`` come from ``handle`` (RAM)
+        or from the restored SSD entry under ``staging_id``, if given."""
         cache: list[Any] | None = None
-        if handle is not None and cached_tokens > 0 and self._registry is not None:
+        if staging_id is not None and cached_tokens > 0:
+            cache = self._restore(request, staging_id, cached_tokens)
+            if cache is None:
+                cached_tokens = 0
+        elif handle is not None and cached_tokens > 0 and self._registry is not None:
             try:
                 cache = self._registry.materialize(handle, cached_tokens)
             except Exception as exc:  # noqa: BLE001 - NOTE: a cache-tier failure is a miss.
@@ -94,6 +155,44 @@ class MlxBackend:
             if point > cached_tokens:
                 self._points[gen] = (point, len(request.prompt_tokens))
         return gen
+
+    def _restore(self, request: Generate, staging_id: str, tokens: int) -> list[Any] | None:
+        """The restored entry's caches holding exactly the prompt's first ``tokens`` (or ``None``).
+
+        The host bytes become MLX arrays here (plain KV with step-rounded
+        slack, each host buffer freed as soon as it is copied), then the
+        caches are trimmed to ``tokens``. Any failure is a miss.
+        """
+        staged = self._staging.take(staging_id) if self._staging is not None else None
+        if staged is None:
+            self.restore_failures += 1
+            _log.warning("ssd_cache.restore_lost", staging_id=staging_id)
+            return None
+        header = staged.header
+        # NOTE: the index matched these tokens; checking again is cheap and a
+        # mismatch would mean KV of other tokens, never to be served.
+        if header.tokens[:tokens] != request.prompt_tokens[:tokens] or tokens > len(header.tokens):
+            self.restore_failures += 1
+            _log.warning("ssd_cache.restore_mismatch", staging_id=staging_id)
+            return None
+        extra = len(header.tokens) - tokens
+        if extra > 0 and (not header.trimmable or tokens < header.min_reusable_offset):
+            self.restore_failures += 1
+            _log.warning("ssd_cache.restore_untrimmable", staging_id=staging_id)
+            return None
+        try:
+            caches = materialize(header, staged.host, consume=True)
+            del staged
+            if extra > 0:
+                if not caches_trimmable(caches):
+                    raise ValueError("a restored layer cannot be trimmed")
+                trim_caches(caches, extra)
+        except Exception as exc:  # noqa: BLE001 - NOTE: a cache-tier failure is a miss.
+            self.restore_failures += 1
+            _log.warning("ssd_cache.materialize_failed", staging_id=staging_id, error=repr(exc))
+            return None
+        self.restores += 1
+        return caches
 
     def step(self, gen: Generation) -> StepResult:
         """One prefill chunk while prompt tokens remain, else one decode step.

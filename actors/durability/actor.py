@@ -27,7 +27,6 @@ from actors.runtime import (
     ActorSystem,
     Context,
     MailboxClosed,
-    Supervision,
     UnknownAddress,
     get_logger,
 )
@@ -197,7 +196,7 @@ def spawn_durability(
     capacity: int = 256,
     state: core.DurabilityState | None = None,
 ) -> ActorRef:
-    """Spawn the coordinator (one instance, resumed after a failing message).
+    """Spawn the coordinator (``actors.engine.wiring.spawn_durability``, kept here for callers).
 
     Pass ``state`` to read it directly (tests, statistics); it then supplies
     the configuration and ``config`` is ignored.
@@ -206,17 +205,16 @@ def spawn_durability(
     records survive a message whose handler raised; losing the records
     would make a later flush claim durability it does not have.
     """
-    shared = (
-        state
-        if state is not None
-        else core.DurabilityState(config=config or core.DurabilityConfig())
-    )
-    coordinator = DurabilityCoordinator(
-        state=shared, cloner=cloner, steps=steps, alarm=alarm, targets=targets
-    )
-    return system.spawn(
-        name,
-        lambda: coordinator,
+    from actors.engine import wiring
+
+    return wiring.spawn_durability(
+        system,
+        cloner=cloner,
+        steps=steps,
+        config=config,
+        alarm=alarm,
+        targets=targets,
+        name=name,
         capacity=capacity,
-        supervision=Supervision("resume", max_restarts=100, within=1.0),
+        state=state,
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ from actors.runtime import (
     RuntimeFailure,
     use_correlation,
 )
-from messages import Envelope
+from messages import DrainSpills, Envelope, SpillsDrained
+from messages.durability import Flush, FlushResult
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -455,6 +457,7 @@ class Engine(_StartClose):
         self._registry: Any = None
         self._owns_model = True
         self._system: ActorSystem | None = None
+        self._cold: Any = None
         self._wired: wiring.Wired | None = None
         self._gateway_ref: ActorRef | None = None
         self._steps = BackgroundSteps()
@@ -530,8 +533,14 @@ class Engine(_StartClose):
                 cap = kernels.default_prompt_cache_bytes()
             registry = kernels.CacheRegistry() if cap > 0 else None
             self._registry = registry
+            cold = await self._cold_settings(thread, scheme) if registry is not None else None
             backend = _make_backend(
-                self._model, self._tokenizer, cfg.prefill_step_size, scheme, registry
+                self._model,
+                self._tokenizer,
+                cfg.prefill_step_size,
+                scheme,
+                registry,
+                None if cold is None else cold.staging,
             )
             system = ActorSystem()
             await system.__aenter__()
@@ -540,6 +549,22 @@ class Engine(_StartClose):
             await thread.aclose()
             raise
         self._system = system
+        tier = None
+        cloner = None
+        if cold is not None and registry is not None:
+            from actors.durability import RegistryCloner
+
+            tier = wiring.cold_tier(
+                cfg,
+                root=cold.root,
+                identity=cold.identity,
+                max_bytes=cold.max_bytes,
+                turns=self,
+                caches=registry,
+                staging=cold.staging,
+            )
+            cloner = RegistryCloner(registry)
+        self._cold = tier
         parts = wiring.Parts(
             config=cfg,
             executor=thread,
@@ -547,10 +572,49 @@ class Engine(_StartClose):
             registry=registry,
             prompt_cache_bytes=cap,
             steps=self._steps,
+            cold=tier,
+            cloner=cloner,
         )
         self._wired = wiring.start(system, parts)
         self._gateway_ref = self._wired.ref(wiring.GATEWAY)
         self._state = "running"
+
+    async def _cold_settings(self, thread: Any, scheme: Any) -> _ColdSettings | None:
+        """Where and under which fingerprint the SSD tier keeps its files (``None``: tier off)."""
+        cfg = self._config
+        if cfg.ssd_cache is None:
+            return None
+        identity = self._identity
+        if identity is None:
+            raise ConfigError(
+                "the SSD tier (ssd_cache) needs the model's identity to key its files; "
+                "pass identity= to Engine.from_loaded, or leave ssd_cache off"
+            )
+        from actors.backend import runtime_identity
+        from actors.ssd_writer import FileIdentity, HostStaging, cold_fingerprint, default_max_bytes
+        from kernels.cache import FORMAT_VERSION
+
+        runtime = await thread.run(runtime_identity)
+        fingerprint = cold_fingerprint(
+            model=identity.fingerprint,
+            kv_scheme=scheme.cache_key,
+            runtime=runtime,
+            format_version=FORMAT_VERSION,
+        )
+        root = await anyio.to_thread.run_sync(os.path.expanduser, str(cfg.ssd_cache))
+        max_bytes = cfg.ssd_cache_max_bytes
+        if max_bytes is None:
+            max_bytes = await anyio.to_thread.run_sync(default_max_bytes, root)
+        return _ColdSettings(
+            root=root,
+            identity=FileIdentity(
+                model_id=str(identity.model_id),
+                fingerprint=fingerprint,
+                tokenizer_hash=str(identity.tokenizer_hash),
+            ),
+            max_bytes=max_bytes,
+            staging=HostStaging(max_entries=2),
+        )
 
     def _load(self) -> Any:
         import kernels
@@ -582,8 +646,39 @@ class Engine(_StartClose):
             await self._gateway().tell(BeginShutdown())
             await self._gateway().ask(AwaitDrained(), timeout=self._drain_timeout)
 
+    async def flush(self, *, timeout: float | None = None) -> FlushResult | None:
+        """Write every RAM entry the cold tier does not hold yet, and wait for the spill queue.
+
+        Asks the durability coordinator for a ``Flush`` (``FlushResult.durable``
+        says, with evidence, whether everything put so far is on disk), then
+        waits until the spill queue is empty. ``timeout`` (default:
+        ``shutdown_timeout``) bounds each wait. ``None`` without a cold tier.
+        """
+        wired = self._wired
+        if wired is None or self._cold is None:
+            return None
+        wait = self._drain_timeout if timeout is None else timeout
+        result: FlushResult | None = None
+        with use_correlation("engine-flush"):
+            if wiring.DURABILITY in wired.refs:
+                result = await wired.ref(wiring.DURABILITY).ask(
+                    Flush(), timeout=wait, expect=FlushResult
+                )
+            if wiring.SPILL_QUEUE in wired.refs:
+                await wired.ref(wiring.SPILL_QUEUE).ask(
+                    DrainSpills(), timeout=wait, expect=SpillsDrained
+                )
+        return result
+
     async def aclose(self) -> None:
-        """Begin shutdown, drain in-flight requests, stop the actors and the engine thread."""
+        """Begin shutdown, drain in-flight requests, flush the cold tier, stop the actors and the engine thread.
+
+        With a cold tier, queued spills (and, with write-behind, every entry
+        not yet on disk) get ``shutdown_timeout`` to reach it after the
+        requests drained; engine turns keep being granted meanwhile (the
+        store reads tensors back in idle turns). What is still queued then
+        is released by the spill queue as it stops.
+        """
         if self._state in ("closed", "closing"):
             return
         if self._state == "new":
@@ -598,6 +693,19 @@ class Engine(_StartClose):
                         await self.drain()
                     except RuntimeFailure as exc:
                         _log.warning("engine.drain_incomplete", error=repr(exc))
+                    try:
+                        flushed = await self.flush()
+                    except RuntimeFailure as exc:
+                        _log.warning("engine.flush_incomplete", error=repr(exc))
+                    else:
+                        if flushed is not None and not flushed.durable:
+                            _log.warning(
+                                "engine.flush_not_durable",
+                                pending=flushed.pending,
+                                dropped=flushed.dropped,
+                                failed=flushed.failed,
+                                uncovered=flushed.uncovered,
+                            )
                     try:
                         await system.tell(_GATEWAY, StopTurns())
                     except RuntimeFailure:
@@ -641,6 +749,7 @@ class Engine(_StartClose):
         self._wired = None
         self._gateway_ref = None
         self._registry = None
+        self._cold = None
         if self._owns_model:
             self._model = None
         from kernels import release_mlx_memory
@@ -949,9 +1058,26 @@ def _context_limit(config: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _make_backend(model: Any, tokenizer: Any, step: int, scheme: Any, registry: Any) -> Any:
+def _make_backend(
+    model: Any, tokenizer: Any, step: int, scheme: Any, registry: Any, staging: Any
+) -> Any:
     from actors.backend import MlxBackend
 
     return MlxBackend(
-        model, tokenizer, prefill_step_size=step, kv_scheme=scheme, registry=registry
+        model,
+        tokenizer,
+        prefill_step_size=step,
+        kv_scheme=scheme,
+        registry=registry,
+        staging=staging,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _ColdSettings:
+    """What ``Engine.start`` decided for the SSD tier before the wiring builds it."""
+
+    root: str
+    identity: Any
+    max_bytes: int
+    staging: Any

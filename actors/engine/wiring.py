@@ -14,8 +14,16 @@ at once, so ``/stats`` answers within one deadline even when an actor is busy
 (the turn runner answers only between turns); an actor that did not answer
 is listed under ``unavailable`` instead of holding the response.
 
-Tests spawn single actors through the same specs (:func:`spawn_prompt_cache`),
-so they run with production's mailbox size and supervision.
+Tests spawn single actors through the same specs (:func:`spawn_prompt_cache`,
+:func:`spawn_spill_queue`, :func:`spawn_ssd_writer`), so they run with
+production's mailbox size and supervision.
+
+The cold tier (``EngineConfig.ssd_cache`` set) adds five actors in front of
+the prompt cache: the SSD index and its store, read and scrub workers
+(``actors/ssd_writer``) and the spill queue (``actors/spill_queue``). They
+share one :class:`~actors.ssd_writer.ColdTier`, built by the engine before
+the wiring starts (:func:`cold_tier`), and the prompt cache then spills to
+the queue, asks the index in ``Take`` and demotes idle entries.
 """
 
 from __future__ import annotations
@@ -26,31 +34,96 @@ from typing import Any
 
 import anyio
 
+from actors.batch_scheduler import BATCH_ADDRESS, batch_factory, batch_refusal
+from actors.durability import (
+    DURABILITY_ADDRESS,
+    Cloner,
+    DurabilityConfig,
+    DurabilityCoordinator,
+    DurabilityState,
+    DurabilityTargets,
+)
+from actors.durability.ports import Alarm, GatewaySteps, StepRegistry
 from actors.gateway import Backend, BackgroundSteps, Executor, Gateway, TurnRunner
 from actors.prompt_cache import DRAIN_STEP, PROMPT_CACHE_ADDRESS, HandleDisposer, PromptCache
 from actors.prompt_cache import core as prompt_cache_core
 from actors.runtime import Actor, ActorRef, ActorSystem, RuntimeFailure, Supervision
-from messages import Body, PromptCacheStats, PromptCacheStatsRequest, Request
+from actors.spill_queue import SPILL_QUEUE_ADDRESS, HandleReleaser, SpillQueue
+from actors.spill_queue import core as spill_queue_core
+from actors.ssd_writer import (
+    SSD_WRITER_ADDRESS,
+    CacheSource,
+    ColdTier,
+    EngineTensorSource,
+    FileIdentity,
+    HostStaging,
+    Reader,
+    RearmingTurns,
+    Scrubber,
+    SsdWriter,
+    SsdWriterConfig,
+    StoreWorker,
+    TensorSource,
+    TimedEngineTurns,
+    build_cold_tier,
+)
+from kernels.cache import FilePort
+from messages import (
+    Body,
+    DurabilityStats,
+    DurabilityStatsRequest,
+    PromptCacheStats,
+    PromptCacheStatsRequest,
+    Request,
+    SpillQueueStats,
+    SpillQueueStatsRequest,
+    SsdStats,
+    SsdStatsRequest,
+)
+from messages.batch_scheduler import BatchStats, BatchStatsRequest
 from messages.gateway import GatewayStats, GatewayStatsRequest, RunnerStats, RunnerStatsRequest
 
 from .config import EngineConfig
 
 __all__ = [
     "ACTORS",
+    "DURABILITY",
     "GATEWAY",
     "PROMPT_CACHE",
     "RUNNER",
+    "SCRUB_GATE_STEP",
+    "SPILL_QUEUE",
+    "SSD_READ",
+    "SSD_SCRUB",
+    "SSD_STORE",
+    "SSD_WRITER",
     "ActorSpec",
     "Parts",
     "StatsAsk",
     "Wired",
+    "cold_tier",
+    "spawn_durability",
     "spawn_prompt_cache",
+    "spawn_spill_queue",
+    "spawn_ssd_writer",
     "start",
 ]
 
 GATEWAY = "gateway"
 RUNNER = "gateway.runner"
 PROMPT_CACHE = PROMPT_CACHE_ADDRESS
+SSD_WRITER = SSD_WRITER_ADDRESS
+SSD_STORE = f"{SSD_WRITER}.store"
+SSD_READ = f"{SSD_WRITER}.read"
+SSD_SCRUB = f"{SSD_WRITER}.scrub"
+SPILL_QUEUE = SPILL_QUEUE_ADDRESS
+DURABILITY = DURABILITY_ADDRESS
+
+SCRUB_INTERVAL_S = 60.0
+"""The idle scrubber re-verifies one stored file per minute (at most 32 MiB/s on average)."""
+
+SCRUB_GATE_STEP = "ssd_writer.scrub_gate"
+"""A standing no-op background step: its grant tells the scrubber the engine is idle."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +131,8 @@ class Parts:
     """What the actors are built from; ``Engine.start`` makes them.
 
     ``registry`` ``None`` means the prompt cache is off (``prompt_cache_bytes``
-    is then ignored). ``steps`` is the turn runner's background-step registry
+    is then ignored); the cold tier needs it (``EngineConfig`` refuses
+    ``--prompt-cache 0`` with ``--ssd-cache``). ``steps`` is the turn runner's background-step registry
     (the ``Engine`` registers ``run_when_idle`` callables there and keeps the
     typed handles; docs/engine-turn.md).
     """
@@ -69,6 +143,10 @@ class Parts:
     registry: HandleDisposer | None
     prompt_cache_bytes: int
     steps: BackgroundSteps = field(default_factory=BackgroundSteps)
+    cold: ColdTier | None = None
+    """The cold tier's shared state (:func:`cold_tier`); ``None``: no cold tier."""
+    cloner: Cloner | None = None
+    """Clones RAM entries for write-behind snapshots (``RegistryCloner``); with ``cold``."""
 
 
 Factory = Callable[[], Actor]
@@ -76,11 +154,21 @@ Factory = Callable[[], Actor]
 
 @dataclass(frozen=True, slots=True)
 class StatsAsk:
-    """How ``/stats`` asks an actor: the request, the expected reply, and the section it fills."""
+    """How ``/stats`` asks an actor: the request, the expected reply, and the section it fills.
+
+    ``render`` turns the reply into the section's fields (default: every field).
+    """
 
     request: Callable[[], Request]
     reply: type[Body]
     section: str
+    render: Callable[[Body], dict[str, Any]] | None = None
+
+    def fields(self, body: Body) -> dict[str, Any]:
+        """The section fields of ``body``."""
+        if self.render is not None:
+            return self.render(body)
+        return body.model_dump(mode="json", exclude={"kind", "reply_to"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,17 +194,38 @@ def _prompt_cache_factory(
     *,
     spill_to: str | None,
     turns: str | None,
+    cold: ColdTier | None = None,
+    config: EngineConfig | None = None,
+    durability: str | None = None,
 ) -> Factory:
     # NOTE: one state shared by every instance the factory makes, so a
     # restart after a failing message does not orphan the handles the cache
     # owns (they would never be disposed otherwise).
+    cfg = config or EngineConfig()
+    demote = cfg.ssd_demote_idle if cold is not None else 0.0
     state = prompt_cache_core.CoreState(
         cap_bytes=cap_bytes,
         spill_enabled=spill_to is not None,
         drain_step=DRAIN_STEP if turns is not None else None,
+        cold_lookups=cold is not None,
+        cold_timeout_s=cfg.ask_timeout_s,
+        demote_idle_s=demote,
+        # NOTE: one idle scan per quarter of the idle time (within 50 ms..30 s),
+        # a few entries per scan: the spill queue receives demotions gradually.
+        demote_scan_s=min(max(demote / 4, 0.05), 30.0),
     )
+    staging = cold.staging if cold is not None else None
+    cold_address = cold.name if cold is not None else None
+    state.notify_puts = durability is not None
     return lambda: PromptCache(
-        cap_bytes=cap_bytes, registry=registry, spill_to=spill_to, turns=turns, state=state
+        cap_bytes=cap_bytes,
+        registry=registry,
+        spill_to=spill_to,
+        turns=turns,
+        cold=cold_address,
+        staging=staging,
+        durability=durability,
+        state=state,
     )
 
 
@@ -127,11 +236,162 @@ def _prompt_cache(parts: Parts) -> Factory | None:
     # NOTE: after disposing entries the cache asks the gateway for this
     # standing background step (a RunWhenIdle message; the callable stays
     # with the runner's step registry), so their arrays go on an idle server
-    # too. No cold tier yet: spill_to None makes the cache dispose what it evicts.
+    # too. Without a cold tier spill_to is None: evictions are disposed.
     parts.steps.add(DRAIN_STEP, registry.drain, standing=True)
+    cold = parts.cold
     return _prompt_cache_factory(
-        parts.prompt_cache_bytes, registry, spill_to=None, turns=GATEWAY
+        parts.prompt_cache_bytes,
+        registry,
+        spill_to=SPILL_QUEUE if cold is not None else None,
+        turns=GATEWAY,
+        cold=cold,
+        config=parts.config,
+        durability=DURABILITY if _durable(parts) else None,
     )
+
+
+# --- the cold tier ---------------------------------------------------------------------
+
+
+def cold_tier(
+    config: EngineConfig,
+    *,
+    root: str,
+    identity: FileIdentity,
+    max_bytes: int,
+    turns: TimedEngineTurns,
+    caches: CacheSource,
+    staging: HostStaging,
+    port: FilePort | None = None,
+) -> ColdTier:
+    """The cold tier's shared state for :class:`Parts` (its actors are spawned by :func:`start`).
+
+    ``turns`` runs the store's tensor read-backs as idle engine turns
+    (``Engine.run_when_idle``; a busy engine re-arms the wait instead of
+    failing the store); ``caches`` is the registry whose handles the spill
+    queue carries; ``staging`` is where restored bytes wait for the
+    backend, which takes them in the request's first turn.
+    """
+    settings = SsdWriterConfig(
+        root=root,
+        identity=identity,
+        max_bytes=max_bytes,
+        verify=config.ssd_cache_verify,
+        ask_timeout=config.ask_timeout_s,
+        staging_entries=2,
+        scrub_interval_s=SCRUB_INTERVAL_S,
+    )
+    source = EngineTensorSource(RearmingTurns(turns), caches, identity)
+    return build_cold_tier(config=settings, source=source, port=port, staging=staging)
+
+
+def _ssd_writer(parts: Parts) -> Factory | None:
+    tier = parts.cold
+    return None if tier is None else lambda: SsdWriter(tier)
+
+
+def _ssd_store(parts: Parts) -> Factory | None:
+    tier = parts.cold
+    return None if tier is None else lambda: StoreWorker(tier)
+
+
+def _ssd_read(parts: Parts) -> Factory | None:
+    tier = parts.cold
+    return None if tier is None else lambda: Reader(tier)
+
+
+def _ssd_scrub(parts: Parts) -> Factory | None:
+    tier = parts.cold
+    if tier is None or tier.config.scrub_interval_s <= 0:
+        return None
+    # NOTE: a no-op step; the gateway grants it only when no request runs or waits.
+    parts.steps.add(SCRUB_GATE_STEP, _idle_gate, standing=True)
+    return lambda: Scrubber(tier, gateway=GATEWAY, gate_step=SCRUB_GATE_STEP)
+
+
+def _idle_gate() -> None:
+    return None
+
+
+def _spill_queue_factory(
+    state: spill_queue_core.QueueState, releaser: HandleReleaser, writer: str
+) -> Factory:
+    # NOTE: the state is built once and handed to every instance, so a
+    # restart after a failing message does not orphan the handles the queue
+    # owns (they would never be released otherwise).
+    return lambda: SpillQueue(state=state, releaser=releaser, writer=writer)
+
+
+def _spill_queue(parts: Parts) -> Factory | None:
+    if parts.cold is None or parts.registry is None:
+        return None
+    state = spill_queue_core.QueueState(cap_bytes=parts.config.ssd_spill_queue_bytes)
+    return _spill_queue_factory(state, parts.registry, parts.cold.name)
+
+
+def _spill_queue_fields(body: Body) -> dict[str, Any]:
+    assert isinstance(body, SpillQueueStats)
+    return {
+        "pending_spills": body.pending,
+        "pending_spill_bytes": body.pending_bytes,
+        "dropped_spills": body.dropped,
+        "failed_spills": body.failed,
+        "spill_queue_cap_bytes": body.cap_bytes,
+    }
+
+
+def _durable(parts: Parts) -> bool:
+    return parts.cold is not None and parts.cloner is not None
+
+
+def _durability_factory(
+    state: DurabilityState,
+    cloner: Cloner,
+    steps: StepRegistry,
+    *,
+    alarm: Alarm | None = None,
+    targets: DurabilityTargets | None = None,
+) -> Factory:
+    # NOTE: "resume" keeps this one instance (its clone slots, its dirty
+    # records) when a handler raises: losing records would let a later flush
+    # claim durability it does not have.
+    coordinator = DurabilityCoordinator(
+        state=state, cloner=cloner, steps=steps, alarm=alarm, targets=targets or _TARGETS
+    )
+    return lambda: coordinator
+
+
+_TARGETS = DurabilityTargets(ssd_writer=SSD_WRITER, spill_queue=SPILL_QUEUE, gateway=GATEWAY)
+
+
+def _durability(parts: Parts) -> Factory | None:
+    cloner = parts.cloner
+    if not _durable(parts) or cloner is None:
+        return None
+    config = DurabilityConfig(
+        write_behind=parts.config.ssd_writebehind,
+        # NOTE: a reply that never comes must not wedge a flush for longer
+        # than the engine's own deadline on asks.
+        reply_timeout_s=max(parts.config.ask_timeout_s, parts.config.shutdown_timeout),
+    )
+    return _durability_factory(DurabilityState(config=config), cloner, GatewaySteps(parts.steps))
+
+
+def _durability_fields(body: Body) -> dict[str, Any]:
+    assert isinstance(body, DurabilityStats)
+    last = body.last_flush
+    return {
+        "writebehind_dirty": body.dirty,
+        "pending_snapshots": body.pending_snapshots,
+        "writebehind_written": body.written,
+        "writebehind_stored": body.stored,
+        "flushes": body.flushes,
+        "last_flush_durable": None if last is None else last.durable,
+        "longest_durable_prefix_tokens": None if last is None else last.longest_durable_prefix_tokens,
+    }
+
+
+# --- the request path ----------------------------------------------------------------
 
 
 def _gateway(parts: Parts) -> Factory:
@@ -141,9 +401,15 @@ def _gateway(parts: Parts) -> Factory:
         max_queue=cfg.max_queue,
         max_burst=cfg.max_burst,
         prompt_cache=PROMPT_CACHE if parts.registry is not None else None,
+        batch=BATCH_ADDRESS if batch_refusal(parts) is None else None,
     )
     # NOTE: "resume" keeps this one instance (its core state) when a handler raises.
     return lambda: gateway
+
+
+def _batch(parts: Parts) -> Factory | None:
+    prompt_cache = PROMPT_CACHE if parts.registry is not None else None
+    return batch_factory(parts, gateway=GATEWAY, prompt_cache=prompt_cache)
 
 
 def _runner(parts: Parts) -> Factory:
@@ -155,13 +421,37 @@ def _runner(parts: Parts) -> Factory:
         steps=parts.steps,
         prompt_cache=PROMPT_CACHE if parts.registry is not None else None,
         snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,
+        observe_prefill=SSD_WRITER if parts.cold is not None else None,
     )
     return lambda: runner
 
 
 _TURN_ACTORS = Supervision("resume", max_restarts=100, within=1.0)
+_COLD_ACTORS = Supervision("restart", max_restarts=10, within=60.0)
 
 ACTORS: tuple[ActorSpec, ...] = (
+    # NOTE: the cold tier first: the prompt cache sends to it, and stop
+    # order (reverse) stops the reader and the store worker before the index,
+    # so a write in progress can still report.
+    ActorSpec(
+        SSD_WRITER,
+        _ssd_writer,
+        capacity=lambda cfg: 256,
+        supervision=_COLD_ACTORS,
+        stats=StatsAsk(SsdStatsRequest, SsdStats, "ssd_cache"),
+    ),
+    ActorSpec(SSD_STORE, _ssd_store, capacity=lambda cfg: 64, supervision=_COLD_ACTORS),
+    ActorSpec(SSD_READ, _ssd_read, capacity=lambda cfg: 64, supervision=_COLD_ACTORS),
+    ActorSpec(SSD_SCRUB, _ssd_scrub, capacity=lambda cfg: 4, supervision=_COLD_ACTORS),
+    ActorSpec(
+        SPILL_QUEUE,
+        _spill_queue,
+        capacity=lambda cfg: 256,
+        supervision=_COLD_ACTORS,
+        stats=StatsAsk(
+            SpillQueueStatsRequest, SpillQueueStats, "ssd_cache", render=_spill_queue_fields
+        ),
+    ),
     ActorSpec(
         PROMPT_CACHE,
         _prompt_cache,
@@ -184,6 +474,27 @@ ACTORS: tuple[ActorSpec, ...] = (
         capacity=lambda cfg: cfg.max_queue + 16,
         supervision=_TURN_ACTORS,
         stats=StatsAsk(RunnerStatsRequest, RunnerStats, "gateway"),
+    ),
+    # NOTE: the batch lane (docs/batching.md), only with max_batch > 1 and a
+    # model that passes the batching gates; room for every row's messages.
+    ActorSpec(
+        BATCH_ADDRESS,
+        _batch,
+        capacity=lambda cfg: max(64, 2 * (cfg.max_queue + cfg.max_batch) + 16),
+        supervision=_TURN_ACTORS,
+        stats=StatsAsk(BatchStatsRequest, BatchStats, "batch"),
+    ),
+    # NOTE: after the gateway, the spill queue and the SSD index, which it
+    # sends to (it stops first). The prompt cache tells it of every put;
+    # at shutdown those tells find it stopped, after the final flush.
+    ActorSpec(
+        DURABILITY,
+        _durability,
+        capacity=lambda cfg: 256,
+        supervision=Supervision("resume", max_restarts=100, within=1.0),
+        stats=StatsAsk(
+            DurabilityStatsRequest, DurabilityStats, "ssd_cache", render=_durability_fields
+        ),
     ),
 )
 """Every actor, in spawn order (stopped in reverse)."""
@@ -241,10 +552,29 @@ class Wired:
             if body is None or spec.stats is None:
                 continue
             section = out.setdefault(spec.stats.section, {})
-            section.update(body.model_dump(mode="json", exclude={"kind", "reply_to"}))
+            section.update(spec.stats.fields(body))
+        _cold_tier_view(out)
         if missing:
             out["unavailable"] = missing
         return out
+
+
+def _cold_tier_view(out: dict[str, Any]) -> None:
+    """Copy the RAM tier's cold-tier figures into the ``ssd_cache`` section."""
+    ssd, ram = out.get("ssd_cache"), out.get("prompt_cache")
+    if ssd is None or ram is None:
+        return
+    for key in (
+        "demotions",
+        "ssd_hits",
+        "ssd_cached_tokens_served",
+        "ssd_lookups",
+        "ssd_recompute",
+        "ssd_failures",
+        "ssd_timeouts",
+    ):
+        if key in ram:
+            ssd[key.removeprefix("ssd_")] = ram[key]
 
 
 def start(system: ActorSystem, parts: Parts) -> Wired:
@@ -273,5 +603,96 @@ def spawn_prompt_cache(
     queue and the gateway (``None``: none).
     """
     spec = _spec(PROMPT_CACHE)
-    factory = _prompt_cache_factory(cap_bytes, registry, spill_to=spill_to, turns=turns)
-    return _spawn(system, spec, factory, config or EngineConfig())
+    cfg = config or EngineConfig()
+    factory = _prompt_cache_factory(
+        cap_bytes, registry, spill_to=spill_to, turns=turns, config=cfg
+    )
+    return _spawn(system, spec, factory, cfg)
+
+
+def spawn_durability(
+    system: ActorSystem,
+    *,
+    cloner: Cloner,
+    steps: StepRegistry,
+    config: DurabilityConfig | None = None,
+    alarm: Alarm | None = None,
+    targets: DurabilityTargets | None = None,
+    name: str = DURABILITY,
+    capacity: int = 256,
+    state: DurabilityState | None = None,
+) -> ActorRef:
+    """Spawn the durability coordinator alone (same supervision as :func:`start`).
+
+    ``steps``: the background-step registry (``GatewaySteps`` over the
+    runner's in production). Pass ``state`` to read it directly (tests,
+    statistics); it then supplies the configuration and ``config`` is ignored.
+    """
+    spec = _spec(DURABILITY)
+    shared = state if state is not None else DurabilityState(config=config or DurabilityConfig())
+    return system.spawn(
+        name,
+        _durability_factory(shared, cloner, steps, alarm=alarm, targets=targets),
+        capacity=capacity,
+        supervision=spec.supervision,
+    )
+
+
+def spawn_spill_queue(
+    system: ActorSystem,
+    *,
+    releaser: HandleReleaser,
+    cap_bytes: int = spill_queue_core.DEFAULT_CAP_BYTES,
+    writer: str = SSD_WRITER,
+    name: str = SPILL_QUEUE,
+    capacity: int = 256,
+    state: spill_queue_core.QueueState | None = None,
+) -> ActorRef:
+    """Spawn the spill queue alone, with one state that survives restarts.
+
+    Pass ``state`` to read statistics directly (``core.stats(state)``)
+    without asking; it then supplies the cap and ``cap_bytes`` is ignored.
+    """
+    spec = _spec(SPILL_QUEUE)
+    shared = state if state is not None else spill_queue_core.QueueState(cap_bytes=cap_bytes)
+    return system.spawn(
+        name,
+        _spill_queue_factory(shared, releaser, writer),
+        capacity=capacity,
+        supervision=spec.supervision,
+    )
+
+
+def spawn_ssd_writer(
+    system: ActorSystem,
+    *,
+    config: SsdWriterConfig,
+    source: TensorSource,
+    port: FilePort | None = None,
+    name: str = SSD_WRITER,
+    capacity: int = 256,
+    staging: HostStaging | None = None,
+    gateway: str | None = None,
+) -> ColdTier:
+    """Spawn the cold tier's index, store worker and reader (and scrubber) over one ColdTier.
+
+    For tests and tools. The index scans the directory before it handles
+    its first message (a ``Find`` sent meanwhile waits in its mailbox). The
+    scrubber runs only with ``config.scrub_interval_s > 0``; ``gateway``
+    names the actor that grants its idle turns (``None``: no idleness check).
+    """
+    tier = build_cold_tier(config=config, source=source, port=port, name=name, staging=staging)
+    supervision = _spec(SSD_WRITER).supervision
+    system.spawn(name, lambda: SsdWriter(tier), capacity=capacity, supervision=supervision)
+    system.spawn(
+        tier.store_address, lambda: StoreWorker(tier), capacity=64, supervision=supervision
+    )
+    system.spawn(tier.read_address, lambda: Reader(tier), capacity=64, supervision=supervision)
+    if config.scrub_interval_s > 0:
+        system.spawn(
+            f"{name}.scrub",
+            lambda: Scrubber(tier, gateway=gateway, gate_step=SCRUB_GATE_STEP),
+            capacity=4,
+            supervision=supervision,
+        )
+    return tier

@@ -31,11 +31,16 @@ _log = structlog.get_logger("kvtier.gateway")
 
 @dataclass(frozen=True, slots=True)
 class Opening:
-    """How a request's first step opens its generation: the request and the lookup to materialize."""
+    """How a request's first step opens its generation: the request and the lookup to materialize.
+
+    ``handle``: a RAM entry; ``staging_id``: restored bytes of an SSD entry
+    (waiting in host memory); either way its first ``cached_tokens`` are reused.
+    """
 
     request: Generate
     handle: str | None = None
     cached_tokens: int = 0
+    staging_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -67,8 +72,15 @@ class EngineWork:
         try:
             cached: int | None = None
             if opening is not None:
-                reuse = opening.cached_tokens if opening.handle else 0
-                state = backend.open(opening.request, opening.handle, reuse)
+                if opening.staging_id is not None:
+                    # NOTE: the restored bytes become MLX arrays here, inside
+                    # the request's own first turn (never in a background one).
+                    state = backend.open(
+                        opening.request, None, opening.cached_tokens, staging_id=opening.staging_id
+                    )
+                else:
+                    reuse = opening.cached_tokens if opening.handle else 0
+                    state = backend.open(opening.request, opening.handle, reuse)
                 # NOTE: the backend may have fallen back to a cold prefill; report what it reused.
                 cached = int(state.cached_tokens)
                 self._gens[request_id] = _Gen(opening.request, state, cached)

@@ -82,12 +82,22 @@ class Registered:
 class Backend(Protocol):
     """The engine-thread half of request turns. Every method runs ON the engine thread."""
 
-    def open(self, request: Generate, handle: str | None, cached_tokens: int) -> Any:
+    def open(
+        self,
+        request: Generate,
+        handle: str | None,
+        cached_tokens: int,
+        *,
+        staging_id: str | None = None,
+    ) -> Any:
         """A fresh generation state for ``request`` (reusing ``handle``'s first tokens if given).
 
-        The state's ``cached_tokens`` says how many prompt tokens it really
-        reused: a backend that cannot materialize the entry falls back to a
-        cold prefill (0), because a cache-tier failure is a miss.
+        With ``staging_id`` the first ``cached_tokens`` come instead from an
+        SSD entry the cold tier restored into host memory: the backend
+        materializes it into MLX arrays and trims it. The state's
+        ``cached_tokens`` says how many prompt tokens it really reused: a
+        backend that cannot materialize the entry falls back to a cold
+        prefill (0), because a cache-tier failure is a miss.
         """
         ...
 

@@ -64,6 +64,9 @@ class TurnRunner(Actor):
     before any message sent meanwhile (a ``StopBurst``) could arrive; the
     runner then chains the burst's steps job by job, and the simulated
     runtime may deliver between two steps as a real engine thread allows.
+    ``observe_prefill`` (an address or ``None``) receives each finished
+    request's measured prefill (``ObservePrefill``, the cold tier's
+    restore-or-recompute estimator).
     """
 
     def __init__(
@@ -76,8 +79,10 @@ class TurnRunner(Actor):
         prompt_cache: str | None = None,
         snapshot_min_new_tokens: int = 64,
         chain_steps: bool = True,
+        observe_prefill: str | None = None,
     ) -> None:
         self._gateway = gateway
+        self._observe_to = observe_prefill
         self._chain_steps = chain_steps
         self._executor = executor
         self._steps = steps
@@ -165,6 +170,13 @@ class TurnRunner(Actor):
                         await ctx.tell(self._prompt_cache, Release(lease_id=effect.lease_id))
                     except RuntimeFailure as exc:
                         _log.warning("gateway.release_failed", lease_id=effect.lease_id, error=repr(exc))
+            case rc.Observe():
+                if self._observe_to is not None:
+                    try:
+                        # NOTE: a measurement; dropped when the estimator's mailbox is full.
+                        ctx.try_tell(self._observe_to, effect.body)
+                    except RuntimeFailure:
+                        pass
             case _:
                 assert_never(effect)
         return None

@@ -44,6 +44,7 @@ from messages.gateway import (
     Usage,
 )
 from messages.prompt_cache import EntryRole, Put
+from messages.ssd_writer import ObservePrefill
 
 from .burst import StepOutput
 from .engine_work import Opening
@@ -62,6 +63,7 @@ __all__ = [
     "JobEnded",
     "JobError",
     "Live",
+    "Observe",
     "Preempt",
     "PutEntry",
     "ReleaseLease",
@@ -259,7 +261,17 @@ class ReleaseLease:
     lease_id: str
 
 
-Effect = Submit | StopSteps | EmitToken | EndStream | Report | PutEntry | ReleaseLease
+@dataclass(frozen=True, slots=True)
+class Observe:
+    """Report a measured prefill to the cold tier's restore-or-recompute estimator."""
+
+    body: ObservePrefill
+
+
+Effect = Submit | StopSteps | EmitToken | EndStream | Report | PutEntry | ReleaseLease | Observe
+
+MIN_OBSERVED_PREFILL = 32
+"""Prefills shorter than this many computed tokens are not reported (their time is mostly overhead)."""
 
 
 # --- state ---------------------------------------------------------------------
@@ -274,6 +286,8 @@ class Live:
     admitted_at: float
     lease_id: str | None = None
     handle: str | None = None
+    staging_id: str | None = None
+    tier: Literal["ram", "ssd"] | None = None
     lookup_tokens: int = 0
     opened: bool = False
     cached_tokens: int = 0
@@ -387,6 +401,7 @@ def _granted(state: RunnerState, ev: TurnGranted, out: list[Effect]) -> None:
                 lookup.handle,
                 lookup.cached_tokens,
             )
+            live.staging_id, live.tier = lookup.staging_id, lookup.tier
         state.live[rid] = live
     if live.started_at is None:
         live.started_at = ev.now
@@ -396,7 +411,7 @@ def _granted(state: RunnerState, ev: TurnGranted, out: list[Effect]) -> None:
     opening: Opening | None = None
     if not live.opened:
         live.opened = True
-        opening = Opening(live.request, live.handle, live.lookup_tokens)
+        opening = Opening(live.request, live.handle, live.lookup_tokens, live.staging_id)
     state.queued.append(
         StepJob(rid, body.max_steps, live.correlation_id, live.request.namespace, opening)
     )
@@ -459,6 +474,7 @@ def _after_step(state: RunnerState, turn: Turn, result: StepResult, now: float, 
     if result.finish_reason is not None:
         live = state.live.pop(rid, None)
         if live is not None:
+            _observe(live, out)
             out.append(EndStream(live.request.stream_to, live.correlation_id, _done(live, result.finish_reason, now)))
         turn.outcome = "finished"
         turn.stop = True
@@ -624,6 +640,19 @@ def _start_next(state: RunnerState, out: list[Effect]) -> None:
         else:
             correlation = "" if state.turn is None else state.turn.correlation_id
         out.append(Submit(state.jobs, job, correlation))
+
+
+def _observe(live: Live, out: list[Effect]) -> None:
+    """A finished request's prefill speed, for restore-or-recompute (cold prefills and RAM hits).
+
+    NOTE: a request served from the SSD tier spent its first turn copying the
+    restored bytes into MLX arrays; its prefill time would not be a prefill
+    speed, so it is not reported.
+    """
+    computed = len(live.request.prompt_tokens) - live.cached_tokens
+    if live.tier == "ssd" or computed < MIN_OBSERVED_PREFILL or live.prefill_s <= 0:
+        return
+    out.append(Observe(ObservePrefill(tokens=computed, seconds=live.prefill_s)))
 
 
 def _put(correlation_id: str, namespace: str, role: EntryRole, entry: Registered) -> PutEntry:

@@ -1,14 +1,19 @@
-"""The RAM prompt cache's rules as a sans-IO core: ``handle(state, message, now) -> (state, effects)``.
+"""The RAM prompt cache's rules as a sans-IO core: ``handle(state, event) -> (state, effects)``.
 
 Pure Python over token tuples and :class:`messages.EntryMeta`; no arrays, no
-I/O, no clock (the shell passes ``now`` from the injected clock). The actor
-shell (``actors/prompt_cache/actor.py``) performs the effects: :class:`Reply`
-answers the request, :class:`Dispose` hands a handle back to the registry,
-:class:`Spill` sends the entry to the cold tier's queue (which then owns its
-disposal), :class:`RequestDrain` asks the gateway for a background engine
-turn that drops disposed arrays. The shell reports what it could not do as
-events (:class:`LeaseUndelivered`, :class:`SpillUndelivered`). The rules are
-written down in ``docs/prompt-cache.md``.
+I/O, no clock: every event carries the time the shell read from the injected
+clock. The actor shell (``actors/prompt_cache/actor.py``) performs the
+effects: :class:`Reply` answers a request (the one being handled, or a
+``Take`` answered later), :class:`Dispose` hands a handle back to the
+registry, :class:`Spill` sends the entry to the cold tier's queue (which
+then owns its disposal), :class:`RequestDrain` asks the gateway for a
+background engine turn that drops disposed arrays, :class:`AskCold` asks the
+SSD index (``Find``, then ``Restore``), :class:`DiscardStaged` drops restored
+bytes nobody will use, :class:`SetAlarm` sets the one timer. The shell
+reports what it could not do, or what the core must know, as events
+(:class:`LeaseUndelivered`, :class:`SpillUndelivered`, :class:`ColdAskSent`,
+:class:`ColdAskUndelivered`). The rules are written down in
+``docs/prompt-cache.md`` and ``docs/cold-tier.md``.
 
 Invariants kept by every function here:
 
@@ -18,77 +23,108 @@ Invariants kept by every function here:
   arrays stay alive until the release; a ``Put`` that cannot fit beside the
   leased and pinned bytes is refused (``reason="no_room"``) rather than
   breaking the cap;
-- a leased entry is never chosen for eviction (evicting it would free
-  nothing until its release);
+- a leased entry is never chosen for eviction or demotion (evicting it would
+  free nothing until its release);
 - a handle is disposed or spilled exactly once, and never while leased;
 - entries of different namespaces never serve each other;
 - a lease ends exactly once: by ``Release``, when its ``TakeResult`` could
   not be delivered, or when its deadline (``lease_ttl_s`` after the
-  ``Take``) has passed.
+  ``Take``) has passed; a lease on restored bytes drops them when it ends;
+- every ``Take`` is answered exactly once: at once, or (when the SSD index
+  is asked) when the cold lookup ends, fails, or passes ``cold_timeout_s``;
+  a cold candidate replaces the RAM one only with a strictly longer usable
+  prefix, and any cold-tier failure answers what RAM had (a miss at worst).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, assert_never
 
 from messages import (
     Body,
     EntryMeta,
+    Envelope,
+    Failure,
     PromptCacheStats,
     PromptCacheStatsRequest,
     Put,
     PutResult,
     Release,
+    Request,
     Take,
     TakeResult,
 )
 from messages.gateway import TurnDone
-from messages.spill_queue import Enqueue
+from messages.prompt_cache import PromptCacheWake
+from messages.spill_queue import Enqueue, SpillSource
+from messages.ssd_writer import Find, FindResult, Restore, RestoreResult
 
 __all__ = [
+    "DEFAULT_COLD_TIMEOUT_S",
     "DEFAULT_LEASE_TTL_S",
+    "AskCold",
+    "ColdAskSent",
+    "ColdAskUndelivered",
     "CoreState",
+    "DiscardStaged",
     "Dispose",
+    "DrainUndelivered",
     "Effect",
     "Entry",
     "Event",
     "Lease",
     "LeaseUndelivered",
+    "NotifyPut",
+    "PendingTake",
+    "Received",
     "Reply",
     "RequestDrain",
+    "SetAlarm",
     "Spill",
     "SpillUndelivered",
+    "Started",
+    "Stopping",
     "UnknownPromptCacheMessage",
     "common_prefix_len",
+    "demote_idle",
     "dispose_all",
     "expire_leases",
     "handle",
+    "next_wake",
     "pinned_bytes",
     "put",
     "release",
     "retained_bytes",
     "stats",
+    "stop",
     "take",
 ]
 
 DEFAULT_LEASE_TTL_S = 300.0
 """How long a lease may live before the cache ends it (see :class:`Lease`)."""
 
+DEFAULT_COLD_TIMEOUT_S = 30.0
+"""How long a ``Take`` may wait for the SSD index and a file read before RAM answers."""
+
 
 class UnknownPromptCacheMessage(TypeError):
     """A body the prompt cache has no rule for."""
 
 
+# --- effects (core -> shell) ----------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Reply:
-    """Answer the request being handled with ``body``.
+    """Answer ``to`` (``None``: the request being handled) with ``body``.
 
     A ``TakeResult`` holding a lease that cannot be delivered (the asker's
     deadline passed, or the Take was a tell) comes back as :class:`LeaseUndelivered`.
     """
 
     body: Body
+    to: Envelope | None = None
 
 
 @dataclass(frozen=True)
@@ -126,57 +162,190 @@ class RequestDrain:
     step_id: str
 
 
-Effect = Reply | Dispose | Spill | RequestDrain
+@dataclass(frozen=True)
+class AskCold:
+    """Send ``body`` to the SSD index as a request answered to this actor.
+
+    The shell answers with :class:`ColdAskSent` (the message id the answer
+    will name as its cause) or :class:`ColdAskUndelivered`.
+    """
+
+    take_id: str
+    body: Find | Restore
+
+
+@dataclass(frozen=True)
+class DiscardStaged:
+    """Drop the restored bytes waiting under ``staging_id`` (nobody will materialize them)."""
+
+    staging_id: str
+
+
+@dataclass(frozen=True)
+class SetAlarm:
+    """Wake this actor (``PromptCacheWake``) at clock time ``at`` (``None``: no alarm)."""
+
+    at: float | None
+
+
+@dataclass(frozen=True)
+class NotifyPut:
+    """Tell the durability coordinator that ``handle`` now holds ``tokens`` (``Schedule``).
+
+    NOTE: sent with a waiting tell: a dropped notice would let a flush claim
+    durability for a prefix it never saw. The handle stays the cache's.
+    """
+
+    namespace: str
+    tokens: tuple[int, ...]
+    handle: str
+
+
+Effect = (
+    Reply | Dispose | Spill | RequestDrain | AskCold | DiscardStaged | SetAlarm | NotifyPut
+)
+
+
+# --- events (shell -> core) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message from the mailbox, handled at ``now``."""
+
+    envelope: Envelope
+    now: float
 
 
 @dataclass(frozen=True)
 class LeaseUndelivered:
-    """Shell event: the ``TakeResult`` granting ``lease_id`` reached nobody."""
+    """The ``TakeResult`` granting ``lease_id`` reached nobody."""
 
     lease_id: str
+    now: float = 0.0
 
 
 @dataclass(frozen=True)
 class SpillUndelivered:
-    """Shell event: the cold tier's queue did not take ``message`` (full, stopped, gone)."""
+    """The cold tier's queue did not take ``message`` (full, stopped, gone)."""
 
     message: Enqueue
+    now: float = 0.0
 
 
-Event = Body | LeaseUndelivered | SpillUndelivered
-"""What :func:`handle` accepts: a message body, or a fact the shell reports."""
+@dataclass(frozen=True)
+class ColdAskSent:
+    """The :class:`AskCold` of ``take_id`` left as message ``msg_id``."""
+
+    take_id: str
+    msg_id: str
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class ColdAskUndelivered:
+    """The :class:`AskCold` of ``take_id`` could not be sent (the SSD index is gone)."""
+
+    take_id: str
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class DrainUndelivered:
+    """The :class:`RequestDrain` could not be sent (the gateway is gone or full): a refusal."""
+
+    step_id: str
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class Started:
+    """The actor (re)started at ``now``: no timer of an earlier instance is set any more."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """The actor stops: answer every cold lookup, drop every indexed entry, cancel the alarm."""
+
+    now: float
+
+
+Event = (
+    Received
+    | LeaseUndelivered
+    | SpillUndelivered
+    | ColdAskSent
+    | ColdAskUndelivered
+    | DrainUndelivered
+    | Started
+    | Stopping
+)
+"""What :func:`handle` accepts: a message, or a fact the shell reports."""
+
+
+# --- state ------------------------------------------------------------------------------
 
 
 @dataclass
 class Lease:
-    """One lease on an entry. ``deadline``: when the cache ends it if nobody released it.
+    """One lease: on a RAM entry (``handle``) or on restored bytes (``staging_id``).
+
+    ``deadline``: when the cache ends it if nobody released it.
 
     NOTE: a lease lives from ``Take`` until the holder materialized its views
     (or failed). A holder that died (its task cancelled, its actor restarted)
     never releases; the deadline bounds how long such a lease pins its entry.
     Ending a lease early is safe: the holder's later ``materialize`` finds
-    the handle gone and serves a miss, never wrong KV.
+    the handle (or the staged bytes) gone and serves a miss, never wrong KV.
     """
 
-    handle: str
+    handle: str | None
     deadline: float
+    staging_id: str | None = None
 
-_Fate = Literal["dispose", "spill"]
+
+_Fate = Literal["dispose", "spill", "demote"]
 
 
 @dataclass
 class Entry:
-    """One stored prefix entry (indexed, or pinned by leases after leaving the index)."""
+    """One stored prefix entry (indexed, or pinned by leases after leaving the index).
+
+    ``last_used`` orders the LRU (a counter); ``used_at`` is the clock time
+    of its put or latest hit (idle demotion).
+    """
 
     handle: str
     namespace: str
     tokens: tuple[int, ...]
     meta: EntryMeta
     last_used: int
+    used_at: float = 0.0
     leases: int = 0
     indexed: bool = True
     fate: _Fate = "dispose"
     """What happens once an unindexed entry's last lease is released."""
+
+
+@dataclass
+class PendingTake:
+    """A ``Take`` whose answer waits for the SSD index (and maybe a file read).
+
+    ``ram`` is what RAM found; its lease (if any) is held meanwhile, so the
+    entry cannot be evicted under the request. ``ask``: the message id of
+    the outstanding ask.
+    """
+
+    take_id: str
+    request: Envelope
+    take: Take
+    ram: TakeResult
+    deadline: float
+    phase: Literal["find", "restore"] = "find"
+    find: FindResult | None = None
+    ask: str | None = None
 
 
 @dataclass
@@ -186,19 +355,37 @@ class CoreState:
     ``spill_enabled``: a cold tier's queue receives spills (else they are
     disposed). ``drain_step``: the background step that drops disposed
     arrays (``None``: no drain is requested; the engine drains at its next
-    turn). ``lease_ttl_s``: how long a lease may live.
+    turn). ``lease_ttl_s``: how long a lease may live. ``cold_lookups``: a
+    ``Take`` also asks the SSD index (at most ``max_cold_lookups`` at once,
+    each answered within ``cold_timeout_s``). ``demote_idle_s``: entries
+    unused this long are handed to the cold tier (0: never; needs
+    ``spill_enabled``), at most ``demote_batch`` per scan, one scan per
+    ``demote_scan_s`` at most. ``notify_puts``: every stored put is
+    announced to the durability coordinator (write-behind, flush).
     """
 
     cap_bytes: int
     spill_enabled: bool = False
     drain_step: str | None = None
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    cold_lookups: bool = False
+    cold_timeout_s: float = DEFAULT_COLD_TIMEOUT_S
+    max_cold_lookups: int = 4
+    demote_idle_s: float = 0.0
+    demote_batch: int = 4
+    demote_scan_s: float = 0.0
+    notify_puts: bool = False
     entries: dict[str, Entry] = field(default_factory=dict)
     by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
+    pending: dict[str, PendingTake] = field(default_factory=dict)
+    asks: dict[str, str] = field(default_factory=dict)
     indexed_bytes: int = 0
     tick: int = 0
     lease_seq: int = 0
+    take_seq: int = 0
+    next_demote_scan: float = 0.0
+    alarm_at: float | None = None
     hits: int = 0
     misses: int = 0
     cached_tokens_served: int = 0
@@ -214,6 +401,13 @@ class CoreState:
     leases_expired: int = 0
     leases_undelivered: int = 0
     spills_undelivered: int = 0
+    ssd_hits: int = 0
+    ssd_cached_tokens_served: int = 0
+    ssd_lookups: int = 0
+    ssd_recompute: int = 0
+    ssd_failures: int = 0
+    ssd_timeouts: int = 0
+    demotions: int = 0
     # Disposed handles whose arrays no confirmed drain has dropped yet: those
     # no drain was requested for, and those the drain in flight covers.
     undrained: int = 0
@@ -229,6 +423,13 @@ class CoreState:
             raise ValueError("cap_bytes cannot be negative")
         if self.lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
+        if self.cold_timeout_s <= 0 or self.max_cold_lookups < 1:
+            raise ValueError("cold_timeout_s must be positive and max_cold_lookups >= 1")
+        if self.demote_idle_s < 0 or self.demote_batch < 1 or self.demote_scan_s < 0:
+            raise ValueError("demote_idle_s, demote_scan_s >= 0 and demote_batch >= 1")
+
+
+# --- matching -----------------------------------------------------------------------------
 
 
 def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -262,16 +463,14 @@ def _usable(entry: Entry, prompt: tuple[int, ...]) -> int:
     return usable
 
 
-def _touch(state: CoreState, entry: Entry) -> None:
+def _touch(state: CoreState, entry: Entry, now: float) -> None:
     state.tick += 1
     entry.last_used = state.tick
+    entry.used_at = now
 
 
-def take(state: CoreState, msg: Take, now: float = 0.0) -> list[Effect]:
-    """Lease the entry with the longest usable prefix of ``msg.tokens`` (or miss).
-
-    The lease ends by ``Release``, or ``state.lease_ttl_s`` after ``now``.
-    """
+def _ram_best(state: CoreState, msg: Take) -> tuple[Entry | None, int]:
+    """The RAM entry with the longest usable prefix of ``msg.tokens`` and that length."""
     best: Entry | None = None
     best_usable = 0
     candidates = state.by_namespace.get(msg.namespace, {})
@@ -287,26 +486,178 @@ def take(state: CoreState, msg: Take, now: float = 0.0) -> list[Effect]:
                 best.last_used,
             ):
                 best, best_usable = entry, usable
-    if best is None:
-        state.misses += 1
-        return [Reply(TakeResult())]
-    state.hits += 1
-    state.cached_tokens_served += best_usable
+    return best, best_usable
+
+
+def _new_lease(state: CoreState, lease: Lease) -> str:
     state.lease_seq += 1
     lease_id = f"lease-{state.lease_seq}"
-    state.leases[lease_id] = Lease(best.handle, now + state.lease_ttl_s)
-    best.leases += 1
-    _touch(state, best)
-    return [
-        Reply(
-            TakeResult(
-                lease_id=lease_id,
-                handle=best.handle,
-                cached_tokens=best_usable,
-                entry_tokens=len(best.tokens),
-            )
-        )
-    ]
+    state.leases[lease_id] = lease
+    return lease_id
+
+
+def _lease_ram(state: CoreState, entry: Entry, usable: int, now: float) -> TakeResult:
+    """Lease ``entry`` (deadline ``lease_ttl_s`` after ``now``) and touch it."""
+    lease_id = _new_lease(state, Lease(entry.handle, now + state.lease_ttl_s))
+    entry.leases += 1
+    _touch(state, entry, now)
+    return TakeResult(
+        lease_id=lease_id,
+        handle=entry.handle,
+        cached_tokens=usable,
+        entry_tokens=len(entry.tokens),
+        tier="ram",
+    )
+
+
+def _count_answer(state: CoreState, result: TakeResult) -> None:
+    if result.lease_id is None:
+        state.misses += 1
+    elif result.tier == "ssd":
+        state.ssd_hits += 1
+        state.ssd_cached_tokens_served += result.cached_tokens
+    else:
+        state.hits += 1
+        state.cached_tokens_served += result.cached_tokens
+
+
+def take(state: CoreState, msg: Take, now: float = 0.0) -> list[Effect]:
+    """Lease the RAM entry with the longest usable prefix of ``msg.tokens`` (or miss).
+
+    The lease ends by ``Release``, or ``state.lease_ttl_s`` after ``now``.
+    """
+    best, usable = _ram_best(state, msg)
+    result = TakeResult() if best is None else _lease_ram(state, best, usable, now)
+    _count_answer(state, result)
+    return [Reply(result)]
+
+
+# --- the cold lookup ------------------------------------------------------------------------
+
+
+def _take_received(state: CoreState, envelope: Envelope, msg: Take, now: float) -> list[Effect]:
+    """Answer from RAM at once, or ask the SSD index first when a file could serve more."""
+    best, usable = _ram_best(state, msg)
+    answerable = isinstance(envelope.body, Request) and bool(envelope.body.reply_to)
+    if (
+        not state.cold_lookups
+        or not answerable
+        or usable >= len(msg.tokens) - 1
+        or len(state.pending) >= state.max_cold_lookups
+    ):
+        return take(state, msg, now)
+    ram = TakeResult() if best is None else _lease_ram(state, best, usable, now)
+    state.take_seq += 1
+    take_id = f"take-{state.take_seq}"
+    state.pending[take_id] = PendingTake(
+        take_id=take_id,
+        request=envelope,
+        take=msg,
+        ram=ram,
+        deadline=now + state.cold_timeout_s,
+    )
+    state.ssd_lookups += 1
+    find = Find(tokens=msg.tokens, namespace=msg.namespace, better_than=usable)
+    return [AskCold(take_id, find)]
+
+
+def _close_ask(state: CoreState, pending: PendingTake) -> None:
+    if pending.ask is not None:
+        state.asks.pop(pending.ask, None)
+        pending.ask = None
+
+
+def _answer_ram(state: CoreState, pending: PendingTake) -> list[Effect]:
+    """End a cold lookup with what RAM had (its lease, if any, goes to the asker)."""
+    _close_ask(state, pending)
+    del state.pending[pending.take_id]
+    _count_answer(state, pending.ram)
+    return [Reply(pending.ram, to=pending.request)]
+
+
+def _answer_ssd(
+    state: CoreState, pending: PendingTake, find: FindResult, restored: RestoreResult, now: float
+) -> list[Effect]:
+    """End a cold lookup with the restored file: a lease on its staged bytes replaces RAM's."""
+    assert restored.staging_id is not None
+    _close_ask(state, pending)
+    del state.pending[pending.take_id]
+    effects: list[Effect] = []
+    if pending.ram.lease_id is not None:
+        effects += release(state, Release(lease_id=pending.ram.lease_id))
+    lease = Lease(None, now + state.lease_ttl_s, staging_id=restored.staging_id)
+    result = TakeResult(
+        lease_id=_new_lease(state, lease),
+        staging_id=restored.staging_id,
+        cached_tokens=find.cached_tokens,
+        entry_tokens=find.entry_tokens,
+        tier="ssd",
+    )
+    _count_answer(state, result)
+    return [*effects, Reply(result, to=pending.request)]
+
+
+def _cold_failed(state: CoreState, pending: PendingTake) -> list[Effect]:
+    state.ssd_failures += 1
+    return _answer_ram(state, pending)
+
+
+def _find_answered(state: CoreState, pending: PendingTake, find: FindResult) -> list[Effect]:
+    _close_ask(state, pending)
+    if pending.phase != "find":
+        return []
+    if (
+        find.choice == "restore"
+        and find.path is not None
+        and find.cached_tokens > pending.ram.cached_tokens
+        and find.cached_tokens < len(pending.take.tokens)
+    ):
+        pending.phase, pending.find = "restore", find
+        return [AskCold(pending.take_id, Restore(path=find.path, ticket=pending.take_id))]
+    if find.choice == "recompute":
+        state.ssd_recompute += 1
+    return _answer_ram(state, pending)
+
+
+def _restore_answered(
+    state: CoreState, envelope: Envelope, result: RestoreResult, now: float
+) -> list[Effect]:
+    take_id = result.ticket or state.asks.get(envelope.causation_id or "", "")
+    pending = state.pending.get(take_id)
+    find = pending.find if pending is not None else None
+    if pending is None or find is None or pending.phase != "restore" or result.path != find.path:
+        # NOTE: a late answer (its lookup timed out or the cache restarted):
+        # nobody will materialize these bytes.
+        return [DiscardStaged(result.staging_id)] if result.staging_id else []
+    if result.ok and result.staging_id is not None and result.entry_tokens == find.entry_tokens:
+        return _answer_ssd(state, pending, find, result, now)
+    effects: list[Effect] = [DiscardStaged(result.staging_id)] if result.staging_id else []
+    return [*effects, *_cold_failed(state, pending)]
+
+
+def _expire_lookups(state: CoreState, now: float) -> list[Effect]:
+    """Answer every cold lookup past its deadline with what RAM had."""
+    effects: list[Effect] = []
+    for pending in [p for p in state.pending.values() if p.deadline <= now]:
+        state.ssd_timeouts += 1
+        effects += _answer_ram(state, pending)
+    return effects
+
+
+def _ask_sent(state: CoreState, event: ColdAskSent) -> list[Effect]:
+    pending = state.pending.get(event.take_id)
+    if pending is not None:
+        pending.ask = event.msg_id
+        state.asks[event.msg_id] = event.take_id
+    return []
+
+
+def _ask_undelivered(state: CoreState, event: ColdAskUndelivered) -> list[Effect]:
+    pending = state.pending.get(event.take_id)
+    return [] if pending is None else _cold_failed(state, pending)
+
+
+# --- puts, evictions, demotions ------------------------------------------------------------
 
 
 def _dispose(state: CoreState, handle_id: str, nbytes: int) -> Dispose:
@@ -319,19 +670,25 @@ def _dispose(state: CoreState, handle_id: str, nbytes: int) -> Dispose:
 
 
 def _spill(
-    state: CoreState, handle_id: str, namespace: str, tokens: tuple[int, ...], meta: EntryMeta
+    state: CoreState,
+    handle_id: str,
+    namespace: str,
+    tokens: tuple[int, ...],
+    meta: EntryMeta,
+    source: SpillSource = "evict",
 ) -> Spill:
     state.spilled += 1
     return Spill(
-        Enqueue(handle=handle_id, namespace=namespace, tokens=tokens, meta=meta, source="evict")
+        Enqueue(handle=handle_id, namespace=namespace, tokens=tokens, meta=meta, source=source)
     )
 
 
 def _finish(state: CoreState, entry: Entry) -> list[Effect]:
     """Dispose or spill an entry that left the index and holds no lease."""
     del state.entries[entry.handle]
-    if entry.fate == "spill" and state.spill_enabled:
-        return [_spill(state, entry.handle, entry.namespace, entry.tokens, entry.meta)]
+    if entry.fate != "dispose" and state.spill_enabled:
+        source: SpillSource = "demote" if entry.fate == "demote" else "evict"
+        return [_spill(state, entry.handle, entry.namespace, entry.tokens, entry.meta, source)]
     return [_dispose(state, entry.handle, entry.meta.nbytes)]
 
 
@@ -397,7 +754,7 @@ def _displaced(state: CoreState, msg: Put) -> tuple[Entry | None, list[Entry]]:
     return duplicate, ancestors
 
 
-def put(state: CoreState, msg: Put) -> list[Effect]:
+def put(state: CoreState, msg: Put, now: float = 0.0) -> list[Effect]:
     """Store ``msg``'s entry: replace a duplicate, supersede ancestors, evict LRU to the cap."""
     state.puts += 1
     if msg.handle in state.entries or len(msg.tokens) != msg.meta.offset or not msg.tokens:
@@ -429,7 +786,7 @@ def put(state: CoreState, msg: Put) -> list[Effect]:
         meta=msg.meta,
         last_used=0,
     )
-    _touch(state, entry)
+    _touch(state, entry, now)
     state.entries[entry.handle] = entry
     state.by_namespace.setdefault(msg.namespace, {})[msg.tokens] = entry.handle
     state.indexed_bytes += msg.meta.nbytes
@@ -446,6 +803,8 @@ def put(state: CoreState, msg: Put) -> list[Effect]:
         effects += _unindex(state, victim, "spill")
         evicted += 1
 
+    if state.notify_puts:
+        effects.append(NotifyPut(msg.namespace, msg.tokens, msg.handle))
     replaced = int(duplicate is not None)
     state.stored += 1
     state.replaced += replaced
@@ -461,11 +820,44 @@ def put(state: CoreState, msg: Put) -> list[Effect]:
     return effects
 
 
+def _demotable(state: CoreState) -> list[Entry]:
+    """Indexed entries a demotion may take (no lease), least recently used first."""
+    return sorted(
+        (e for e in state.entries.values() if e.indexed and e.leases == 0),
+        key=lambda e: e.used_at,
+    )
+
+
+def demote_idle(state: CoreState, now: float) -> list[Effect]:
+    """Hand entries unused for ``demote_idle_s`` to the cold tier (and drop them from RAM).
+
+    At most ``demote_batch`` per scan and one scan per ``demote_scan_s``, so
+    a burst of idle entries reaches the spill queue a few at a time.
+    """
+    if state.demote_idle_s <= 0 or not state.spill_enabled or now < state.next_demote_scan:
+        return []
+    idle = [e for e in _demotable(state) if now - e.used_at >= state.demote_idle_s]
+    if not idle:
+        return []
+    state.next_demote_scan = now + state.demote_scan_s
+    effects: list[Effect] = []
+    for entry in idle[: state.demote_batch]:
+        state.demotions += 1
+        effects += _unindex(state, entry, "demote")
+    return effects
+
+
+# --- leases ------------------------------------------------------------------------------
+
+
 def release(state: CoreState, msg: Release) -> list[Effect]:
     """End a lease; an entry already out of the index is finished on its last release."""
     lease = state.leases.pop(msg.lease_id, None)
     if lease is None:
         return []  # NOTE: unknown, expired or already released: releasing is idempotent.
+    if lease.handle is None:
+        # NOTE: a no-op when the holder already took the bytes to materialize them.
+        return [DiscardStaged(lease.staging_id)] if lease.staging_id is not None else []
     entry = state.entries[lease.handle]
     entry.leases -= 1
     if entry.leases == 0 and not entry.indexed:
@@ -495,6 +887,9 @@ def spill_undelivered(state: CoreState, event: SpillUndelivered) -> list[Effect]
     state.spilled -= 1
     state.spills_undelivered += 1
     return [_dispose(state, event.message.handle, event.message.meta.nbytes)]
+
+
+# --- drains -------------------------------------------------------------------------------
 
 
 def drain_done(state: CoreState, msg: TurnDone) -> list[Effect]:
@@ -533,6 +928,32 @@ def _start_drain(state: CoreState) -> list[Effect]:
     return [RequestDrain(step_id)]
 
 
+# --- time ------------------------------------------------------------------------------------
+
+
+def next_wake(state: CoreState) -> float | None:
+    """When something becomes due without a message: a lookup deadline, a lease
+    deadline, the next idle demotion (``None``: nothing)."""
+    times = [p.deadline for p in state.pending.values()]
+    times += [lease.deadline for lease in state.leases.values()]
+    if state.demote_idle_s > 0 and state.spill_enabled:
+        oldest = min((e.used_at for e in _demotable(state)), default=None)
+        if oldest is not None:
+            times.append(max(oldest + state.demote_idle_s, state.next_demote_scan))
+    return min(times, default=None)
+
+
+def _alarm(state: CoreState) -> list[Effect]:
+    wake = next_wake(state)
+    if wake == state.alarm_at:
+        return []
+    state.alarm_at = wake
+    return [SetAlarm(wake)]
+
+
+# --- queries, stop, dispatch ---------------------------------------------------------------
+
+
 def stats(state: CoreState) -> PromptCacheStats:
     """The stats snapshot of ``state``."""
     pinned = [e for e in state.entries.values() if not e.indexed]
@@ -564,6 +985,13 @@ def stats(state: CoreState) -> PromptCacheStats:
         leases_undelivered=state.leases_undelivered,
         spills_undelivered=state.spills_undelivered,
         drains_requested=state.drains_requested,
+        ssd_hits=state.ssd_hits,
+        ssd_cached_tokens_served=state.ssd_cached_tokens_served,
+        ssd_lookups=state.ssd_lookups,
+        ssd_recompute=state.ssd_recompute,
+        ssd_failures=state.ssd_failures,
+        ssd_timeouts=state.ssd_timeouts,
+        demotions=state.demotions,
     )
 
 
@@ -577,30 +1005,79 @@ def dispose_all(state: CoreState) -> list[Effect]:
     return effects
 
 
-def handle(state: CoreState, message: Event, now: float) -> tuple[CoreState, list[Effect]]:
-    """Apply one message (or shell event) at time ``now``; return the state and effects, in order.
+def stop(state: CoreState) -> list[Effect]:
+    """The actor stops: answer every cold lookup from RAM, then drop every indexed entry."""
+    effects: list[Effect] = []
+    for pending in list(state.pending.values()):
+        effects += _answer_ram(state, pending)
+    state.alarm_at = None
+    return [*effects, *dispose_all(state), SetAlarm(None)]
 
-    Leases past their deadline end first. A message that disposed something
-    ends with :class:`RequestDrain` when no drain is in flight (and the
-    state names a drain step), so disposed arrays do not wait for a request.
+
+def _received(state: CoreState, envelope: Envelope, now: float) -> list[Effect]:
+    message = envelope.body
+    if isinstance(message, Take):
+        return _take_received(state, envelope, message, now)
+    if isinstance(message, Put):
+        return put(state, message, now)
+    if isinstance(message, Release):
+        return release(state, message)
+    if isinstance(message, PromptCacheStatsRequest):
+        return [Reply(stats(state))]
+    if isinstance(message, TurnDone):
+        return drain_done(state, message)
+    if isinstance(message, PromptCacheWake):
+        # NOTE: the timer fired, so none is set now; what is due runs for
+        # every message (see handle), and the next alarm is set again even
+        # if the timer fired a little early.
+        state.alarm_at = None
+        return []
+    if isinstance(message, FindResult):
+        pending = state.pending.get(state.asks.get(envelope.causation_id or "", ""))
+        return [] if pending is None else _find_answered(state, pending, message)
+    if isinstance(message, RestoreResult):
+        return _restore_answered(state, envelope, message, now)
+    if isinstance(message, Failure):
+        # NOTE: the SSD index's handler raised on our ask: a miss for the cold tier.
+        pending = state.pending.get(state.asks.get(envelope.causation_id or "", ""))
+        return [] if pending is None else _cold_failed(state, pending)
+    raise UnknownPromptCacheMessage(f"prompt cache has no rule for {message.kind!r}")
+
+
+def handle(state: CoreState, event: Event) -> tuple[CoreState, list[Effect]]:
+    """Apply one event; return the state and the effects to perform, in order.
+
+    Leases and cold lookups past their deadline end first, and idle entries
+    are demoted when a scan is due. A message that disposed something ends
+    with :class:`RequestDrain` when no drain is in flight (and the state
+    names a drain step); a change of the next due time ends with
+    :class:`SetAlarm`.
     """
+    now = event.now
     before = state.disposed
     effects = expire_leases(state, now)
-    if isinstance(message, Take):
-        effects += take(state, message, now)
-    elif isinstance(message, Put):
-        effects += put(state, message)
-    elif isinstance(message, Release):
-        effects += release(state, message)
-    elif isinstance(message, PromptCacheStatsRequest):
-        effects.append(Reply(stats(state)))
-    elif isinstance(message, TurnDone):
-        effects += drain_done(state, message)
-    elif isinstance(message, LeaseUndelivered):
-        effects += lease_undelivered(state, message)
-    elif isinstance(message, SpillUndelivered):
-        effects += spill_undelivered(state, message)
-    else:
-        raise UnknownPromptCacheMessage(f"prompt cache has no rule for {message.kind!r}")
+    effects += _expire_lookups(state, now)
+    match event:
+        case Received():
+            effects += _received(state, event.envelope, now)
+        case LeaseUndelivered():
+            effects += lease_undelivered(state, event)
+        case SpillUndelivered():
+            effects += spill_undelivered(state, event)
+        case ColdAskSent():
+            effects += _ask_sent(state, event)
+        case ColdAskUndelivered():
+            effects += _ask_undelivered(state, event)
+        case DrainUndelivered():
+            refused = TurnDone(step_id=event.step_id, ok=False, error_code="undelivered")
+            effects += drain_done(state, refused)
+        case Started():
+            state.alarm_at = None
+        case Stopping():
+            return state, [*effects, *stop(state)]
+        case _:
+            assert_never(event)
+    effects += demote_idle(state, now)
     effects += _request_drain(state, before)
+    effects += _alarm(state)
     return state, effects

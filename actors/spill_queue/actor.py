@@ -20,7 +20,6 @@ from actors.runtime import (
     ActorSystem,
     Context,
     MailboxClosed,
-    Supervision,
     UnknownAddress,
     get_logger,
 )
@@ -126,21 +125,15 @@ def spawn_spill_queue(
     capacity: int = 256,
     state: core.QueueState | None = None,
 ) -> ActorRef:
-    """Spawn the spill queue with one shared state that survives restarts.
+    """Spawn the spill queue (``actors.engine.wiring.spawn_spill_queue``, kept here for callers)."""
+    from actors.engine import wiring
 
-    Pass ``state`` to read statistics directly (``core.stats(state)``)
-    without asking; it then supplies the cap and ``cap_bytes`` is ignored.
-
-    NOTE: the state is built once and handed to every instance, so a
-    restart after a failing message does not orphan the handles the queue
-    owns (they would never be released otherwise).
-    """
-    if state is None:
-        state = core.QueueState(cap_bytes=cap_bytes)
-    shared = state
-    return system.spawn(
-        name,
-        lambda: SpillQueue(state=shared, releaser=releaser, writer=writer),
+    return wiring.spawn_spill_queue(
+        system,
+        releaser=releaser,
+        cap_bytes=cap_bytes,
+        writer=writer,
+        name=name,
         capacity=capacity,
-        supervision=Supervision(on_failure="restart", max_restarts=10, within=60.0),
+        state=state,
     )

@@ -11,13 +11,16 @@ from .actor import (
     SSD_WRITER_ADDRESS,
     ColdTier,
     Reader,
+    Scrubber,
     SsdWriter,
     SsdWriterConfig,
     StoreWorker,
+    build_cold_tier,
     cold_tier_stats,
     spawn_ssd_writer,
 )
 from .core import Estimator, IndexEntry, IndexState, namespace_dir
+from .io import default_max_bytes
 from .ports import (
     CacheSource,
     EngineTensorSource,
@@ -28,6 +31,7 @@ from .ports import (
     StagedEntry,
     TensorSource,
     TimedEngineTurns,
+    cold_fingerprint,
 )
 
 __all__ = [
@@ -43,14 +47,18 @@ __all__ = [
     "IndexState",
     "Reader",
     "RearmingTurns",
+    "Scrubber",
     "SsdWriter",
     "SsdWriterConfig",
     "StagedEntry",
     "StoreWorker",
     "TensorSource",
     "TimedEngineTurns",
+    "build_cold_tier",
+    "cold_fingerprint",
     "cold_tier_stats",
     "core",
+    "default_max_bytes",
     "namespace_dir",
     "spawn_ssd_writer",
 ]

@@ -1,7 +1,7 @@
 """The cold tier's actors: thin shells over ``actors.ssd_writer.core``.
 
-Three actors share one :class:`ColdTier` (state, file port, worker-thread
-limiter, host staging):
+Four actors share one :class:`ColdTier` (state, file port, worker-thread
+limiter, host staging); ``actors/engine/wiring.py`` spawns them:
 
 - ``ssd_writer`` (:class:`SsdWriter`): owns the index. Its startup hook
   takes the fingerprint directory's lock and scans the headers; afterwards
@@ -17,6 +17,9 @@ limiter, host staging):
   directly, and reports to the index. Separate from the store worker so a
   restore never waits behind a store that waits for an idle engine turn
   (which a request waiting for its restore would never give it).
+- ``ssd_writer.scrub`` (:class:`Scrubber`): while the engine is idle,
+  re-verifies one stored file's hashes per round at a bounded rate and
+  removes a bad one (design 8b).
 
 All file work runs on worker threads through ``anyio.to_thread`` with one
 shared ``CapacityLimiter`` (the bounded pool): never on the loop, never on
@@ -35,13 +38,14 @@ from typing import Any, TypeVar, assert_never
 
 import anyio
 
+from actors.prompt_cache.ports import Alarm, LoopAlarm
 from actors.runtime import (
     Actor,
     ActorStopped,
     ActorSystem,
     Context,
     MailboxClosed,
-    Supervision,
+    RuntimeFailure,
     UnknownAddress,
     get_logger,
 )
@@ -69,6 +73,8 @@ from messages import (
     WriteCommitted,
     WriteEntry,
 )
+from messages.gateway import RunWhenIdle, TurnDone
+from messages.ssd_writer import ScrubPick, ScrubReport, ScrubTarget, ScrubWake
 
 from . import core, io
 from .ports import FileIdentity, HostStaging, StagedEntry, TensorSource
@@ -77,9 +83,11 @@ __all__ = [
     "SSD_WRITER_ADDRESS",
     "ColdTier",
     "Reader",
+    "Scrubber",
     "SsdWriter",
     "SsdWriterConfig",
     "StoreWorker",
+    "build_cold_tier",
     "cold_tier_stats",
     "spawn_ssd_writer",
 ]
@@ -103,7 +111,12 @@ class SsdWriterConfig:
     ``io_threads``: the worker-thread pool shared by the tier's file work.
     ``ask_timeout``: deadline of the store worker's asks to the index.
     ``max_header_bytes``: the largest header a reader accepts (``None``: the
-    codec's default).
+    codec's default). ``staging_entries``: restored entries that may wait
+    in host memory at once. The idle scrubber re-verifies one file every
+    ``scrub_interval_s`` seconds (0, the default here: no scrubber; the
+    engine's wiring sets 60), reading at most
+    ``scrub_bytes_per_s`` on average, and skips a round when no idle engine
+    turn came within ``scrub_idle_wait_s``.
     """
 
     root: str
@@ -114,11 +127,18 @@ class SsdWriterConfig:
     max_header_bytes: int | None = None
     ask_timeout: float = 30.0
     staging_entries: int = 2
+    scrub_interval_s: float = 0.0
+    scrub_bytes_per_s: float = 32.0 * 1024 * 1024
+    scrub_idle_wait_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.scrub_interval_s < 0 or self.scrub_bytes_per_s <= 0 or self.scrub_idle_wait_s <= 0:
+            raise ValueError("scrub_interval_s >= 0, scrub_bytes_per_s > 0, scrub_idle_wait_s > 0")
 
 
 @dataclass
 class ColdTier:
-    """What the three actors share (built once by :func:`spawn_ssd_writer`, survives restarts).
+    """What the tier's actors share (built once by :func:`build_cold_tier`, survives restarts).
 
     ``state`` may be read directly for statistics (``core.stats(tier.state)``);
     ``staging`` is where restored bytes wait for their caller.
@@ -273,13 +293,17 @@ class SsdWriter(Actor):
                     path=effect.path,
                     namespace=effect.namespace,
                     tokens=effect.tokens,
+                    ticket=request.body.ticket,
                     reply_to=request.body.reply_to,
                 )
                 if not _try_tell(ctx, tier.read_address, read, request.correlation_id):
-                    await ctx.reply(
-                        request,
-                        RestoreResult(ok=False, path=effect.path, reason="reader_unavailable"),
+                    unavailable = RestoreResult(
+                        ok=False,
+                        path=effect.path,
+                        reason="reader_unavailable",
+                        ticket=request.body.ticket,
                     )
+                    await ctx.reply(request, unavailable)
             elif isinstance(effect, core.RemoveFiles):
                 left = await tier.run(io.remove_files, tier.port, effect.paths)
                 _log.info(
@@ -447,14 +471,14 @@ class Reader(Actor):
             if not state.read_only:
                 removed = not await tier.run(io.remove_files, tier.port, (body.path,))
             _log.warning("ssd_cache.corrupt", path=body.path, error=str(exc), removed=removed)
-            result = RestoreResult(ok=False, path=body.path, reason="corrupt")
+            result = RestoreResult(ok=False, path=body.path, reason="corrupt", ticket=body.ticket)
             report = RestoreReport(path=body.path, ok=False, reason="corrupt", removed=removed)
         except FileNotFoundError:
-            result = RestoreResult(ok=False, path=body.path, reason="gone")
+            result = RestoreResult(ok=False, path=body.path, reason="gone", ticket=body.ticket)
             report = RestoreReport(path=body.path, ok=False, reason="gone")
         except OSError as exc:
             _log.warning("ssd_cache.read_failed", path=body.path, error=str(exc))
-            result = RestoreResult(ok=False, path=body.path, reason="io_error")
+            result = RestoreResult(ok=False, path=body.path, reason="io_error", ticket=body.ticket)
             report = RestoreReport(path=body.path, ok=False, reason="io_error")
         else:
             seconds = max(0.0, ctx.clock.now() - started)
@@ -467,6 +491,7 @@ class Reader(Actor):
                 entry_tokens=len(out.header.tokens),
                 bytes=out.host.nbytes,
                 read_s=seconds,
+                ticket=body.ticket,
             )
             report = RestoreReport(
                 path=body.path,
@@ -481,7 +506,159 @@ class Reader(Actor):
         await ctx.tell(tier.name, report)
 
 
-# --- spawning -----------------------------------------------------------------------------
+# --- the scrubber ---------------------------------------------------------------------
+
+
+class Scrubber(Actor):
+    """Re-verifies stored files' hashes while the engine is idle, one file per alarm.
+
+    Each round asks the gateway for one idle engine turn of the standing
+    no-op step ``gate_step`` (granted only when no request runs or waits),
+    then takes the next file from the index (round robin) and checks every
+    tensor's hash on the worker pool, through one reused buffer. A bad file
+    is unlinked (not when read-only) and reported; the index drops it. The
+    next round comes ``scrub_interval_s`` later, or later still so that the
+    bytes read stay under ``scrub_bytes_per_s``. ``gateway`` ``None`` skips
+    the idleness check (tests).
+    """
+
+    def __init__(
+        self,
+        tier: ColdTier,
+        *,
+        gateway: str | None,
+        gate_step: str,
+        alarm: Alarm | None = None,
+    ) -> None:
+        self._tier = tier
+        self._gateway = gateway
+        self._gate_step = gate_step
+        self._alarm = alarm
+
+    async def started(self, ctx: Context) -> None:
+        """Arm the first round one interval from now."""
+        if self._alarm is None:
+            self._alarm = LoopAlarm(ctx.clock)
+        self._arm(ctx, self._tier.config.scrub_interval_s)
+
+    async def stopped(self, ctx: Context) -> None:
+        """Cancel the alarm."""
+        if self._alarm is not None:
+            self._alarm.set(None, _nothing)
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """One round per ``ScrubWake``; then arm the next."""
+        body = envelope.body
+        if not isinstance(body, ScrubWake):
+            raise TypeError(f"scrubber has no rule for {body.kind!r}")
+        config = self._tier.config
+        checked = await self._round(ctx)
+        wait = max(config.scrub_interval_s, checked / config.scrub_bytes_per_s)
+        self._arm(ctx, wait)
+
+    def _arm(self, ctx: Context, delay: float) -> None:
+        alarm = self._alarm
+        if alarm is None or self._tier.config.scrub_interval_s <= 0:
+            return
+        ref = ctx.self_ref
+
+        def wake() -> None:
+            try:
+                # NOTE: a full mailbox already holds a wake; nothing is lost.
+                ref.try_tell(ScrubWake())
+            except (ActorStopped, MailboxClosed, UnknownAddress):
+                return
+
+        alarm.set(ctx.clock.now() + delay, wake)
+
+    async def _idle(self, ctx: Context) -> bool:
+        """Whether the gateway granted the gate step (the engine was idle)."""
+        if self._gateway is None:
+            return True
+        wait = self._tier.config.scrub_idle_wait_s
+        ask = RunWhenIdle(
+            step_id=self._gate_step, label="ssd_writer.scrub", deadline=ctx.clock.now() + wait
+        )
+        try:
+            done = await ctx.ask(self._gateway, ask, timeout=wait, expect=TurnDone)
+        except RuntimeFailure:
+            return False  # NOTE: busy the whole time (or stopping): skip this round.
+        return done.ok
+
+    async def _round(self, ctx: Context) -> int:
+        """Verify one file; the bytes read (0 when nothing was checked)."""
+        tier = self._tier
+        state = tier.state
+        if state.read_only or not state.ready or not await self._idle(ctx):
+            return 0
+        target = await ctx.ask(
+            tier.name, ScrubPick(), timeout=tier.config.ask_timeout, expect=ScrubTarget
+        )
+        path = target.path
+        if path is None:
+            return 0
+        try:
+            checked = await tier.run(
+                io.verify_entry,
+                tier.port,
+                path,
+                fingerprint=state.fingerprint,
+                namespace=target.namespace,
+                tokens=target.tokens,
+                max_header_bytes=tier.config.max_header_bytes,
+            )
+        except (CacheFileCorrupt, CacheFileIncompatible) as exc:
+            removed = not state.read_only and not await tier.run(
+                io.remove_files, tier.port, (path,)
+            )
+            _log.warning("ssd_cache.scrub_corrupt", path=path, error=str(exc), removed=removed)
+            report = ScrubReport(path=path, ok=False, reason="corrupt", removed=removed)
+            checked = target.file_bytes
+        except FileNotFoundError:
+            report, checked = ScrubReport(path=path, ok=False, reason="gone"), 0
+        except OSError as exc:
+            _log.warning("ssd_cache.scrub_failed", path=path, error=str(exc))
+            report, checked = ScrubReport(path=path, ok=False, reason="io_error"), 0
+        else:
+            report = ScrubReport(path=path, ok=True, bytes=checked)
+        await ctx.tell(tier.name, report)
+        return checked
+
+
+def _nothing() -> None:
+    return None
+
+
+# --- building -----------------------------------------------------------------------------
+
+
+def build_cold_tier(
+    *,
+    config: SsdWriterConfig,
+    source: TensorSource,
+    port: FilePort | None = None,
+    name: str = SSD_WRITER_ADDRESS,
+    staging: HostStaging | None = None,
+) -> ColdTier:
+    """The state the cold tier's actors share (the wiring spawns them over it).
+
+    ``staging``: where restored bytes wait (``None``: a new one of
+    ``config.staging_entries``); pass the one the engine's backend takes
+    restored entries from.
+    """
+    state = core.IndexState(
+        root=config.root, fingerprint=config.identity.fingerprint, max_bytes=config.max_bytes
+    )
+    return ColdTier(
+        config=config,
+        port=port if port is not None else OsFilePort(),
+        source=source,
+        state=state,
+        staging=staging if staging is not None else HostStaging(
+            max_entries=config.staging_entries
+        ),
+        name=name,
+    )
 
 
 def spawn_ssd_writer(
@@ -493,28 +670,9 @@ def spawn_ssd_writer(
     name: str = SSD_WRITER_ADDRESS,
     capacity: int = 256,
 ) -> ColdTier:
-    """Spawn the index, the store worker and the reader over one shared :class:`ColdTier`.
+    """Spawn the tier's actors (``actors.engine.wiring.spawn_ssd_writer``, kept here for callers)."""
+    from actors.engine import wiring
 
-    The index scans the directory before it handles its first message (a
-    ``Find`` sent meanwhile waits in its mailbox). Stop order (reverse spawn
-    order) stops the reader and the store worker before the index, so a
-    write in progress can still report.
-    """
-    state = core.IndexState(
-        root=config.root, fingerprint=config.identity.fingerprint, max_bytes=config.max_bytes
+    return wiring.spawn_ssd_writer(
+        system, config=config, source=source, port=port, name=name, capacity=capacity
     )
-    tier = ColdTier(
-        config=config,
-        port=port if port is not None else OsFilePort(),
-        source=source,
-        state=state,
-        staging=HostStaging(max_entries=config.staging_entries),
-        name=name,
-    )
-    supervision = Supervision(on_failure="restart", max_restarts=10, within=60.0)
-    system.spawn(name, lambda: SsdWriter(tier), capacity=capacity, supervision=supervision)
-    system.spawn(
-        tier.store_address, lambda: StoreWorker(tier), capacity=64, supervision=supervision
-    )
-    system.spawn(tier.read_address, lambda: Reader(tier), capacity=64, supervision=supervision)
-    return tier

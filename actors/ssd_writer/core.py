@@ -49,6 +49,7 @@ from messages import (
     StoreResult,
     WriteCommitted,
 )
+from messages.ssd_writer import ScrubPick, ScrubReport, ScrubTarget
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -72,6 +73,8 @@ __all__ = [
     "handle",
     "load_scan",
     "namespace_dir",
+    "scrub_pick",
+    "scrub_report",
     "stats",
     "usable_tokens",
 ]
@@ -296,6 +299,10 @@ class IndexState:
     foreign_dirs: int = 0
     choices_restore: int = 0
     choices_recompute: int = 0
+    scrub_cursor: str = ""
+    scrubbed: int = 0
+    scrubbed_bytes: int = 0
+    scrub_corrupt: int = 0
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
@@ -624,7 +631,8 @@ def restore(state: IndexState, envelope: Envelope, msg: Restore) -> list[Effect]
     entry = state.entries.get(msg.path)
     if entry is None:
         state.restore_failures += 1
-        return [Answer(envelope, RestoreResult(ok=False, path=msg.path, reason="gone"))]
+        gone = RestoreResult(ok=False, path=msg.path, reason="gone", ticket=msg.ticket)
+        return [Answer(envelope, gone)]
     return [StartRead(envelope, entry.path, entry.namespace, entry.tokens)]
 
 
@@ -642,6 +650,45 @@ def restore_report(state: IndexState, msg: RestoreReport) -> list[Effect]:
     if msg.removed:
         state.corrupt_removed += 1
     if entry is not None and (msg.removed or msg.reason == "gone"):
+        _unindex(state, entry)
+    return []
+
+
+# --- scrub -------------------------------------------------------------------------
+
+
+def scrub_pick(state: IndexState) -> ScrubTarget:
+    """The next indexed file to re-verify: round robin in path order (none when read-only).
+
+    NOTE: path order, not LRU order, so every file comes up once per round
+    however often restores touch some of them.
+    """
+    if state.read_only or not state.entries:
+        return ScrubTarget()
+    paths = sorted(state.entries)
+    path = next((p for p in paths if p > state.scrub_cursor), paths[0])
+    state.scrub_cursor = path
+    entry = state.entries[path]
+    return ScrubTarget(
+        path=path, namespace=entry.namespace, tokens=entry.tokens, file_bytes=entry.file_bytes
+    )
+
+
+def scrub_report(state: IndexState, msg: ScrubReport) -> list[Effect]:
+    """Account for a re-verified file; a bad or vanished one leaves the index."""
+    entry = state.entries.get(msg.path)
+    if msg.ok:
+        state.scrubbed += 1
+        state.scrubbed_bytes += msg.bytes
+        return []
+    if msg.reason == "corrupt":
+        state.scrubbed += 1
+        state.scrub_corrupt += 1
+        if msg.removed:
+            state.corrupt_removed += 1
+    if entry is not None and msg.reason in ("corrupt", "gone"):
+        # NOTE: a corrupt file that could not be unlinked is still never
+        # offered again: every later Find would restore it and fail.
         _unindex(state, entry)
     return []
 
@@ -737,6 +784,9 @@ def stats(state: IndexState) -> SsdStats:
         disk_read_gbps=None if est.disk_bps is None else est.disk_bps / 1e9,
         prefill_tok_s=est.prefill_tps,
         longest_entry_tokens=max((len(e.tokens) for e in state.entries.values()), default=0),
+        scrubbed=state.scrubbed,
+        scrubbed_bytes=state.scrubbed_bytes,
+        scrub_corrupt=state.scrub_corrupt,
     )
 
 
@@ -762,4 +812,8 @@ def handle(state: IndexState, envelope: Envelope) -> tuple[IndexState, list[Effe
         return state, []
     if isinstance(body, SsdStatsRequest):
         return state, [Answer(envelope, stats(state))]
+    if isinstance(body, ScrubPick):
+        return state, [Answer(envelope, scrub_pick(state))]
+    if isinstance(body, ScrubReport):
+        return state, scrub_report(state, body)
     raise UnknownSsdWriterMessage(f"ssd writer has no rule for {body.kind!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from dataclasses import dataclass
 
 from kernels.cache import (
@@ -25,22 +26,46 @@ from kernels.cache import (
     LockUnavailable,
     read_header,
     read_tensors,
+    verify_tensors,
 )
 
 from .core import ENTRY_SUFFIX, IndexEntry, ScannedFile, ScanResult
 
 __all__ = [
+    "DEFAULT_MAX_BYTES_CEILING",
     "LOCK_NAME",
     "ReadOutcome",
+    "default_max_bytes",
     "lock_directory",
     "read_entry",
     "remove_files",
     "scan",
     "store_failure_reason",
+    "verify_entry",
 ]
 
 LOCK_NAME = "lock"
 """The advisory lock file inside ``<root>/<fingerprint>`` (no entry suffix: never scanned)."""
+
+
+DEFAULT_MAX_BYTES_CEILING = 32 * 1024**3
+"""The default cap never exceeds 32 GiB."""
+
+
+def default_max_bytes(root: str) -> int:
+    """The default cap of a tier at ``root``: the smaller of 32 GiB and a quarter of the free space.
+
+    Measured on the file system that holds ``root`` (its nearest existing
+    ancestor when it does not exist yet). Never unbounded.
+    """
+    path = os.path.abspath(root)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    free = shutil.disk_usage(path).free
+    return min(DEFAULT_MAX_BYTES_CEILING, free // 4)
 
 
 def lock_directory(port: FilePort, fingerprint_dir: str) -> FileLock | None:
@@ -192,6 +217,27 @@ def read_entry(
         except OSError:
             touched = False  # NOTE: the LRU touch is best effort; the read stands.
     return ReadOutcome(header=header, host=host, touched=touched)
+
+
+def verify_entry(
+    port: FilePort,
+    path: str,
+    *,
+    fingerprint: str,
+    namespace: str,
+    tokens: tuple[int, ...],
+    max_header_bytes: int | None,
+) -> int:
+    """Re-check one file against the index and every tensor's hash; the bytes checked.
+
+    The scrubber's read: nothing is kept and the mtime is not touched (a
+    check is not a use). Raises :class:`CacheFileCorrupt` like
+    :func:`read_entry`.
+    """
+    header = _read_header(port, path, fingerprint, max_header_bytes)
+    if header.namespace != namespace or header.tokens != tokens:
+        raise CacheFileCorrupt("header does not match the indexed entry")
+    return verify_tensors(port, path, header)
 
 
 def store_failure_reason(exc: BaseException) -> str:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +33,7 @@ __all__ = [
     "StagedEntry",
     "TensorSource",
     "TimedEngineTurns",
+    "cold_fingerprint",
 ]
 
 T = TypeVar("T")
@@ -121,6 +123,21 @@ class CacheSource(Protocol):
     def get(self, handle: str) -> Any:
         """The entry's per-layer caches (engine thread)."""
         ...
+
+
+def cold_fingerprint(*, model: str, kv_scheme: str, runtime: str, format_version: int) -> str:
+    """The name of the fingerprint directory: a digest of everything that makes KV reusable.
+
+    ``model``: ``kernels.ModelIdentity.fingerprint`` (config, weights digest,
+    tokenizer hash, dtype, quantization); ``kv_scheme``: the scheme's
+    ``cache_key``; ``runtime``: MLX version and device architecture
+    (``actors.backend.runtime_identity``); ``format_version``: the codec's.
+    NOTE: the format version is in the name so that files of a future
+    format live in their own directory: this version's scan removes files
+    it cannot read inside its own directory, and never looks into others.
+    """
+    parts = "\0".join((model, kv_scheme, runtime, f"kvt{format_version}"))
+    return "kvt" + hashlib.blake2b(parts.encode("utf-8"), digest_size=10).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

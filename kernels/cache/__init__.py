@@ -53,6 +53,7 @@ from ._kv_file import (
     read_header,
     read_tensors,
     tensor_bytes,
+    verify_tensors,
 )
 from ._kv_scheme import (
     KV_CONFIG_FILE,
@@ -131,4 +132,5 @@ __all__ = [
     "resolve_kv_scheme",
     "tensor_bytes",
     "trim_caches",
+    "verify_tensors",
 ]

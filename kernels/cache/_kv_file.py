@@ -88,6 +88,7 @@ __all__ = [
     "read_header",
     "read_tensors",
     "tensor_bytes",
+    "verify_tensors",
 ]
 
 MAGIC: Final = b"\x89KVT\r\n\x1a\n"
@@ -1287,14 +1288,8 @@ def read_tensors(
     one ``header`` came from (same size and header hash), else
     :class:`CacheFileCorrupt`.
     """
-    fd = port.open_read(path)
+    fd = _open_same(port, path, header)
     try:
-        size = port.fstat(fd).size
-        if size != header.file_size:
-            raise CacheFileCorrupt("file size changed since its header was read")
-        _, header_hash, _ = _read_preamble(port, fd, size)
-        if header_hash != header.header_hash:
-            raise CacheFileCorrupt("file changed since its header was read")
         buffers: list[bytearray] = []
         for i, t in enumerate(header.tensors):
             buf = bytearray(t.nbytes)
@@ -1312,6 +1307,51 @@ def read_tensors(
                 raise CacheFileCorrupt(f"tensor {i} ({t.name}) hash mismatch")
             buffers.append(buf)
         return HostEntry(header_hash=header.header_hash, buffers=tuple(buffers))
+    finally:
+        port.close(fd)
+
+
+def _open_same(port: FilePort, path: str, header: KvFileHeader) -> int:
+    """Open ``path`` for reading and check it is still the file ``header`` came from."""
+    fd = port.open_read(path)
+    try:
+        size = port.fstat(fd).size
+        if size != header.file_size:
+            raise CacheFileCorrupt("file size changed since its header was read")
+        _, header_hash, _ = _read_preamble(port, fd, size)
+        if header_hash != header.header_hash:
+            raise CacheFileCorrupt("file changed since its header was read")
+    except BaseException:
+        port.close(fd)
+        raise
+    return fd
+
+
+def verify_tensors(port: FilePort, path: str, header: KvFileHeader) -> int:
+    """Check every tensor's xxh3_64 without keeping its bytes (worker thread); bytes checked.
+
+    The cold tier's scrubber: reads through one reused 4 MiB buffer, so its
+    memory does not grow with the file. Raises :class:`CacheFileCorrupt` on
+    a hash mismatch or a truncated file, like :func:`read_tensors`.
+    """
+    fd = _open_same(port, path, header)
+    try:
+        chunk = bytearray(min(_READ_CHUNK, max((t.nbytes for t in header.tensors), default=0)))
+        view = memoryview(chunk)
+        checked = 0
+        for i, t in enumerate(header.tensors):
+            hasher = xxhash.xxh3_64()
+            try:
+                for start in range(0, t.nbytes, _READ_CHUNK):
+                    part = view[: min(_READ_CHUNK, t.nbytes - start)]
+                    port.pread_into(fd, part, t.offset + start)
+                    hasher.update(part)
+            except ShortRead as exc:
+                raise CacheFileCorrupt(f"file truncated inside tensor {i}") from exc
+            if hasher.intdigest() != t.hash:
+                raise CacheFileCorrupt(f"tensor {i} ({t.name}) hash mismatch")
+            checked += t.nbytes
+        return checked
     finally:
         port.close(fd)
 
@@ -1337,22 +1377,55 @@ def _with_slack(a: Any, capacity: int) -> Any:
     return mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=2)
 
 
-def materialize(header: KvFileHeader, host: HostEntry, *, step: int = 256) -> list[Any]:
+def _padded(a: Any, capacity: int) -> Any:
+    """``a`` with slack up to ``capacity`` on its token axis, evaluated now.
+
+    NOTE: evaluated here so the unpadded copy is dropped before the next
+    tensor is copied (one tensor's worth of extra memory at a time).
+    """
+    out = _with_slack(a, capacity)
+    mx.eval(out)
+    return out
+
+
+def materialize(
+    header: KvFileHeader, host: HostEntry, *, step: int = 256, consume: bool = False
+) -> list[Any]:
     """Build the cache objects from host bytes (engine thread).
 
     Plain and quantized KV buffers get capacity ``ceil((offset + 1) / step) *
     step`` so the next decode step writes in place; rotating buffers are
     restored exactly. All arrays are evaluated before returning and none
     references ``host``.
+
+    Tensors are copied one at a time, each evaluated (slack included) before
+    the next is read. With ``consume`` each host buffer is emptied as soon
+    as its copy exists, so peak memory is the restored entry plus about one
+    tensor instead of the whole entry twice; ``host`` is unusable afterwards.
     """
     if host.header_hash != header.header_hash or len(host.buffers) != len(header.tensors):
         raise ValueError("host entry does not belong to this header")
+    if any(len(b) != t.nbytes for t, b in zip(header.tensors, host.buffers, strict=True)):
+        raise ValueError("host entry was already consumed")
     if step < 1:
         raise ValueError("step must be positive")
-    arrays = iter([_array(t, b) for t, b in zip(header.tensors, host.buffers, strict=True)])
+    arrays = _copies(header, host, consume=consume)
     caches = [_build(layer, arrays, step) for layer in header.layers]
     mx.eval(*[a for c in caches for a in _cache_arrays(c)])
     return caches
+
+
+def _copies(header: KvFileHeader, host: HostEntry, *, consume: bool) -> Iterator[Any]:
+    """Each tensor as an evaluated MLX array, in file order (lazily, one at a time)."""
+    for rec, buf in zip(header.tensors, host.buffers, strict=True):
+        a = _array(rec, buf)
+        mx.eval(a)
+        if consume:
+            # NOTE: the array owns a copy now (mx.array copies at
+            # construction) and no view of the buffer is left, so it can
+            # be freed before the next tensor is copied.
+            buf.clear()
+        yield a
 
 
 def _build(layer: LayerRecord, arrays: Iterator[Any], step: int) -> Any:
@@ -1362,8 +1435,8 @@ def _build(layer: LayerRecord, arrays: Iterator[Any], step: int) -> Any:
     if kind == "kv":
         out = _mlc.KVCache()
         if layer.tensors:
-            out.keys = _with_slack(next(arrays), capacity)
-            out.values = _with_slack(next(arrays), capacity)
+            out.keys = _padded(next(arrays), capacity)
+            out.values = _padded(next(arrays), capacity)
             out.offset = layer.offset
     elif kind == "quantized":
         assert layer.bits is not None
@@ -1371,7 +1444,7 @@ def _build(layer: LayerRecord, arrays: Iterator[Any], step: int) -> Any:
         out = _mlc.QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
         if layer.tensors:
             n = len(layer.tensors) // 2
-            parts = [_with_slack(next(arrays), capacity) for _ in range(2 * n)]
+            parts = [_padded(next(arrays), capacity) for _ in range(2 * n)]
             out.keys, out.values = tuple(parts[:n]), tuple(parts[n:])
             out.offset = layer.offset
     elif kind == "rotating":

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from actors.prompt_cache import core as core
-from messages import EntryMeta, PromptCacheStatsRequest, Put, PutResult, Release, Take, TakeResult
+from messages import (
+    Body,
+    EntryMeta,
+    Envelope,
+    PromptCacheStatsRequest,
+    Put,
+    PutResult,
+    Release,
+    Take,
+    TakeResult,
+)
 from messages.gateway import TurnDone
 from messages.spill_queue import Enqueue
 
@@ -251,7 +261,7 @@ def test_stats_request_and_dispose_all() -> None:
     state = core.CoreState(cap_bytes=100)
     _put(state, "a", (1,), nbytes=7)
     _put(state, "b", (2,), nbytes=8)
-    _, (reply,) = core.handle(state, PromptCacheStatsRequest(), 0.0)
+    _, (reply,) = core.handle(state, core.Received(_envelope(PromptCacheStatsRequest()), 0.0))
     assert isinstance(reply, core.Reply)
     assert (reply.body.entries, reply.body.bytes) == (2, 15)  # type: ignore[attr-defined]
     assert sorted(_disposed(core.dispose_all(state))) == ["a", "b"]
@@ -259,9 +269,17 @@ def test_stats_request_and_dispose_all() -> None:
     assert core.stats(state).disposed == 2
 
 
-def _handle(state: core.CoreState, message: core.Event, now: float = 0.0) -> list[core.Effect]:
-    _, effects = core.handle(state, message, now)
-    return effects
+def _envelope(body: Body) -> Envelope:
+    return Envelope("m-1", "c-1", None, "tester", "prompt_cache", 0.0, body)
+
+
+def _handle(
+    state: core.CoreState, message: Body | core.Event, now: float = 0.0
+) -> list[core.Effect]:
+    """The effects of one event, alarm settings left out (the alarm has its own tests)."""
+    event = core.Received(_envelope(message), now) if isinstance(message, Body) else message
+    _, effects = core.handle(state, event)
+    return [e for e in effects if not isinstance(e, core.SetAlarm)]
 
 
 def _put_msg(handle: str, tokens: tuple[int, ...], nbytes: int = 10) -> Put:
