@@ -30,11 +30,18 @@ SQLite's crash VFS and ALICE/CrashMonkey; the code is our own):
   does (*fsyncgate*): the dirty data is dropped from writeback without
   reaching the disk, reads still see it, and the next ``fsync`` succeeds
   over the loss;
-* modification times are durable at once (they only order the LRU).
+* a file's modification time after a crash is the one it had at its last
+  ``fsync`` (or creation), or the value of any later ``utime`` that
+  persisted (each pending ``utime`` persists or not): a touch that orders
+  the LRU can be lost.
 
-This model allows at least every state ext4, XFS, btrfs and APFS can leave
-for these operations (they order more than it does), so a protocol that is
-correct under it is correct there. A state with more than
+Apart from one simplification, this model allows every state ext4, XFS,
+btrfs and APFS can leave for these operations (they order more than it
+does), so a protocol that is correct under it is correct there. The
+simplification: a write is torn only as a whole (kept, lost, or garbage over
+its whole range), while a disk may keep some of its pages and not others;
+the garbage case stands in for those (any content other than the written
+one is equally wrong to a reader). A state with more than
 ``max_file_variants`` content variants for one file, or more than
 ``max_dir_subsets`` entry sets for one directory, is enumerated over a
 reduced family (all kept/dropped/garbage, each operation alone dropped or
@@ -189,7 +196,8 @@ class OpRecord:
 class _FileImage:
     durable: bytes
     pending: tuple[_FileOp, ...]
-    mtime_ns: int
+    mtime_ns: int  # NOTE: as of the last fsync (or creation)
+    pending_times: tuple[int, ...]  # utime calls since then, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,18 +222,24 @@ class CrashFile:
     ) -> None:
         self.path = path
         self.ino = ino
-        self.mtime_ns = image.mtime_ns
         self.observed = observed
         self.choice = choice
         self._image = image
         self._data: bytes | None = None
+        # NOTE: the choice holds one mode per pending write/truncation, then
+        # one keep/drop per pending utime; the last kept utime wins.
+        self.mtime_ns = image.mtime_ns
+        for t, mode in zip(image.pending_times, choice[len(image.pending) :], strict=True):
+            if mode == _KEEP:
+                self.mtime_ns = t
 
     @property
     def data(self) -> bytes:
         """The content this crash state leaves in the file."""
         if self._data is None:
             buf = bytearray(self._image.durable)
-            for i, (op, mode) in enumerate(zip(self._image.pending, self.choice, strict=True)):
+            modes = self.choice[: len(self._image.pending)]
+            for i, (op, mode) in enumerate(zip(self._image.pending, modes, strict=True)):
                 if mode == _DROP:
                     continue
                 if mode == _GARBAGE:
@@ -242,17 +256,23 @@ class CrashFile:
 
     @property
     def mode(self) -> str:
-        """``kept``, ``dropped``, ``garbage`` or ``mixed``: what happened to the pending writes."""
-        if not self.choice or all(m == _KEEP for m in self.choice):
-            return "kept"
-        if all(m == _DROP for m in self.choice):
-            return "dropped"
-        if all(
-            m == _GARBAGE or isinstance(op, _Truncate)
-            for m, op in zip(self.choice, self._image.pending, strict=True)
+        """What happened to the pending writes (``kept``, ``dropped``, ``garbage``, ``mixed``),
+        with ``, old mtime`` when a pending utime was lost."""
+        pending = self._image.pending
+        modes = self.choice[: len(pending)]
+        if all(m == _KEEP for m in modes):
+            out = "kept"
+        elif all(m == _DROP for m in modes):
+            out = "dropped"
+        elif all(
+            m == _GARBAGE or isinstance(op, _Truncate) for m, op in zip(modes, pending, strict=True)
         ):
-            return "garbage"
-        return "mixed"
+            out = "garbage"
+        else:
+            out = "mixed"
+        if any(m != _KEEP for m in self.choice[len(pending) :]):
+            out += ", old mtime"
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,17 +339,18 @@ class CrashSpace:
         return list(seen.values())
 
     def _file_choices(self, ino: int) -> list[tuple[int, ...]]:
-        ops = self._files[ino].pending
+        image = self._files[ino]
         options = [
-            (_KEEP, _DROP, _GARBAGE) if isinstance(op, _Write) else (_KEEP, _DROP) for op in ops
-        ]
+            (_KEEP, _DROP, _GARBAGE) if isinstance(op, _Write) else (_KEEP, _DROP)
+            for op in image.pending
+        ] + [(_KEEP, _DROP)] * len(image.pending_times)
         total = 1
         for o in options:
             total *= len(o)
         if total <= self._max_file_variants:
             return list(itertools.product(*options))
         self.reduced = True
-        n = len(ops)
+        n = len(options)
         out: dict[tuple[int, ...], None] = {}
         out[(_KEEP,) * n] = None
         out[(_DROP,) * n] = None
@@ -363,7 +384,8 @@ class CrashSpace:
                 if obs:
                     file_opts.append(self._file_choices(ino))
                 else:
-                    file_opts.append([(_KEEP,) * len(self._files[ino].pending)])
+                    image = self._files[ino]
+                    file_opts.append([(_KEEP,) * (len(image.pending) + len(image.pending_times))])
             for choice in itertools.product(*file_opts):
                 key = (tuple(dirs), tuple(zip(files, choice, strict=True)))
                 if key in seen:
@@ -420,7 +442,10 @@ def _walk(
 
 
 class _File:
-    __slots__ = ("data", "durable", "image", "ino", "mtime_ns", "pending", "sealed")
+    __slots__ = (
+        "data", "durable", "durable_mtime", "image", "ino", "mtime_ns", "pending",
+        "pending_times", "sealed",
+    )  # fmt: skip
 
     def __init__(self, ino: int, mtime_ns: int, data: bytes = b"") -> None:
         self.ino = ino
@@ -428,6 +453,8 @@ class _File:
         self.data = bytearray(data)
         self.pending: list[_FileOp] = []
         self.mtime_ns = mtime_ns
+        self.durable_mtime = mtime_ns
+        self.pending_times: list[int] = []
         self.sealed = False
         self.image: _FileImage | None = None
 
@@ -624,7 +651,9 @@ class CrashFS:
         files: dict[int, _FileImage] = {}
         for ino, f in self._files.items():
             if f.image is None:
-                f.image = _FileImage(f.durable, tuple(f.pending), f.mtime_ns)
+                f.image = _FileImage(
+                    f.durable, tuple(f.pending), f.durable_mtime, tuple(f.pending_times)
+                )
             files[ino] = f.image
         dirs: dict[int, _DirImage] = {}
         for ino, d in self._dirs.items():
@@ -780,8 +809,10 @@ class CrashFS:
         with self._lock:
             self.calls["fsync"] += 1
             f = self._fd_file(fd)
-            if not f.pending:
+            if not f.pending and not f.pending_times and f.durable_mtime == f.mtime_ns:
                 return
+            f.durable_mtime = f.mtime_ns
+            f.pending_times.clear()
             # NOTE: durable := durable + pending, not the live bytes: after a
             # writeback error the live bytes hold data that never got there.
             buf = bytearray(f.durable)
@@ -911,6 +942,7 @@ class CrashFS:
             self.calls["utime"] += 1
             f = self._file_at(path)
             f.mtime_ns = self._clock() if mtime_ns is None else mtime_ns
+            f.pending_times.append(f.mtime_ns)
             f.image = None
             self._changed("utime", path, str(f.mtime_ns))
 

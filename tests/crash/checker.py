@@ -1,14 +1,17 @@
 """The exhaustive crash checker of the cold tier (the engine behind ``tests/crash``).
 
-A **workload** is a short sequence of steps run against the real SSD tier
-actors (``actors.ssd_writer``: index, store worker, reader) over a
-:class:`CrashFS`: store an entry, store a trimmable descendant (supersede),
-store past the byte cap (evict), scrub (read every entry back, verifying),
-restart (a clean stop and a new tier on the same files: a startup scan).
-The file system records every operation; after each one, every state a
-crash may leave (:meth:`CrashSpace.states`) is restarted the way the tier
-starts (directory lock, header scan, ``core.load_scan``, its removals) and
-checked:
+A **workload** is a short sequence of steps run against the real actors
+over a :class:`CrashFS`: the SSD tier (``actors.ssd_writer``: index, store
+worker, reader) and, for put and flush steps, the spill queue and the
+durability coordinator (a stub gateway grants every engine turn at once).
+Steps: store an entry, store a trimmable descendant (supersede), store
+past the byte cap (evict), scrub (read every entry back, verifying),
+restart (a clean stop and a new tier on the same files: a startup scan),
+put (the RAM tier tells the coordinator; write-behind off) and flush. The
+file system records every operation; after each one, every state a crash
+may leave (:meth:`CrashSpace.states`) is restarted the way the tier starts
+(directory lock, header scan, ``core.load_scan``, its removals), and so is
+every state a second crash during that startup may leave. Each is checked:
 
 1. startup never fails;
 2. no temp file survives the startup;
@@ -17,9 +20,10 @@ checked:
    hash verification OFF, so the write protocol alone must guarantee it;
    verification is the second line of defence, not the first);
 5. every prefix acknowledged durable before the crash (a store answered
-   ``stored``) is served after it: by its own file or by a trimmable
-   descendant that may be cut to it — unless the tier evicted it (its file
-   was unlinked as an LRU victim) before the crash.
+   ``stored``, or a put before a flush answered ``durable: true``) is
+   served after it: by its own file or by a trimmable descendant that may
+   be cut to it — unless the tier evicted it (its file was unlinked as an
+   LRU victim) before the crash.
 
 The forward run itself is checked too (after every step, settled): no temp
 file left, the index equals the entry files on disk with their sizes, the
@@ -28,10 +32,8 @@ restored entry equals the original.
 
 The tier runs on the test's event loop with its worker-thread hops made
 inline (``ColdTier.run``), so the order of file operations is a pure
-function of the workload and runs are reproducible.
-
-Other workloads plug in as :class:`Step` objects (the durability
-coordinator's flush will be one: it acknowledges what it reports durable).
+function of the workload and runs are reproducible. New kinds of work plug
+in as :class:`Step` objects.
 """
 
 from __future__ import annotations
@@ -599,43 +601,46 @@ def _extends(longer: tuple[str, tuple[int, ...]], key: tuple[str, tuple[int, ...
     return longer[0] == key[0] and longer[1][: len(key[1])] == key[1]
 
 
-def _settle_requirements(run: Run, start: int, live: set[tuple[str, tuple[int, ...]]]) -> None:
-    """Adjust the durability requirements of prefixes whose own file this step unlinked.
+def _settle_requirements(
+    run: Run, start: int, live: set[tuple[str, tuple[int, ...]]], ack_mark: int
+) -> None:
+    """Adjust the durability requirements of prefixes whose covering files this step unlinked.
 
-    ``live``: the prefixes required when the step began. When a step
-    unlinks one's file at operation ``u``:
+    ``live``: the prefixes required when the step began; ``ack_mark``: how
+    many acknowledgements there were then. For each prefix, the first unlink
+    in this step of a file that could serve it (its own, or a descendant's)
+    at operation ``u`` decides:
 
-    - if an entry stored (acknowledged) in this step covers it and was
-      acknowledged before ``u`` (supersession: the descendant is durable
-      before the ancestor goes), the requirement simply continues;
-    - otherwise the tier evicted it (an LRU victim under the cap, which a
-      cache may do): a crash after ``u`` may lose it. If an entry
-      acknowledged later in the step covers it again, it is required again
-      from that acknowledgement on.
+    - if an entry stored before ``u`` (earlier, or in this step: the
+      supersession order, descendant durable before the ancestor goes)
+      still covers it, the requirement simply continues;
+    - otherwise the tier evicted what served it (an LRU victim under the
+      cap, which a cache may do): a crash after ``u`` may lose it. If an
+      entry acknowledged later in this step covers it again, it is required
+      again from that acknowledgement on.
     """
     trace = run.trace
     ops = trace.fs.ops[start:]
-    step_acks = [(k, at) for k, at in trace.acks if at >= start]
-    specs = {s.key: s for s in entries().values()}
+    step_acks = trace.acks[ack_mark:]
+    specs = list(entries().values())
+    index = list(run.tier.state.entries.values())
     for key in sorted(live):
-        path = specs[key].path
-        unlink = next((op for op in ops if op.kind == "unlink" and op.path == path), None)
+        paths = {s.path for s in specs if _extends(s.key, key)}
+        unlink = next((op for op in ops if op.kind == "unlink" and op.path in paths), None)
         if unlink is None:
-            if not _covered(run.tier.state.entries.values(), key) and not _valid_entry(
-                trace.fs, path
-            ):
-                trace.problems.append(f"{key} left the index and its file is not valid")
+            if not _covered(index, key) and not any(_valid_entry(trace.fs, p) for p in paths):
+                trace.problems.append(f"{key} left the index and no valid file serves it")
                 trace.ends.append((key, trace.fs.op_count))
             # NOTE: a valid file the index lost track of (an I/O error at the
             # startup scan) stays required: a restart after a crash must find it.
             continue
-        covering = [at for k, at in step_acks if _extends(k, key)]
-        if any(at <= unlink.index for at in covering):
+        later = {k: at for k, at in step_acks if at > unlink.index and _extends(k, key)}
+        older = [e for e in index if (e.namespace, e.tokens) not in later]
+        if _covered(older, key):
             continue
         trace.ends.append((key, unlink.index + 1))
-        later = [at for at in covering if at > unlink.index]
-        if later and _covered(run.tier.state.entries.values(), key):
-            trace.acks.append((key, min(later)))
+        if later and _covered(index, key):
+            trace.acks.append((key, min(later.values())))
 
 
 def _note_fault(trace: Trace, port: FilePort, phase: str, superseded: bool = False) -> None:
@@ -697,12 +702,13 @@ async def forward(
             while i < len(steps) and not steps[i].restarts:
                 start = fs.op_count
                 live = trace.required_at(start)
+                ack_mark = len(trace.acks)
                 superseded = tier.state.superseded
                 await steps[i].run(run)
                 await settle()
                 _note_fault(trace, port, steps[i].label, tier.state.superseded > superseded)
                 _check_forward(run, fs, steps[i].label)
-                _settle_requirements(run, start, live)
+                _settle_requirements(run, start, live, ack_mark)
                 trace.bounds.append((steps[i].label, fs.op_count))
                 i += 1
         if i >= len(steps):
@@ -960,10 +966,14 @@ class Sweeper:
             for state in space.states(observe=_observed):
                 report.states += 1
                 where = f"{name}: {state.describe()} (last op: {space.last_op})"
-                for depth, outcome in enumerate(self._outcomes(state, report)):
+                outcomes = self._outcomes(state, report)
+                for depth, outcome in enumerate(outcomes):
                     tag = where if depth == 0 else f"{where}, then a crash during its startup"
                     report.violations.extend(f"{tag}: {p}" for p in outcome.problems)
-                    why = " (the startup evicted over the cap)" if outcome.evicted_over_cap else ""
+                    # NOTE: a crash during a startup that evicted over the cap
+                    # keeps whatever of that eviction reached the disk.
+                    over_cap = outcome.evicted_over_cap or outcomes[0].evicted_over_cap
+                    why = " (the startup evicted over the cap)" if over_cap else ""
                     for ns_tokens in sorted(required):
                         report.required_checks += 1
                         if not _covered(outcome.servable, ns_tokens):

@@ -289,3 +289,18 @@ def test_large_pending_sets_use_the_reduced_family() -> None:
     assert space.reduced
     assert {b"", b"ABCD", b"A", b"AB", b"ABC", b"\x00BCD", b"A\x00CD"} <= contents
     assert len(contents) < 3**4
+
+
+def test_an_unsynced_utime_may_be_lost_and_an_fsync_keeps_it() -> None:
+    """A file's mtime after a crash is the synced one or a later utime that persisted."""
+    fs = _fs()
+    fd = _write_file(fs, "/d/f", b"x", sync=True)
+    fs.fsync_dir("/d")
+    synced = fs.stat("/d/f").mtime_ns
+    fs.utime("/d/f", synced + 5)
+    fs.utime("/d/f", synced + 9)
+    times = {s.files[0].mtime_ns for s in fs.crash_space().states()}
+    assert times == {synced, synced + 5, synced + 9}
+    fs.fsync(fd)
+    assert {s.files[0].mtime_ns for s in fs.crash_space().states()} == {synced + 9}
+    fs.close(fd)

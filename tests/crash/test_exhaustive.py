@@ -19,7 +19,10 @@ numbers.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.crash import checker
+from tests.crash.checker import ScrubStep, StoreStep
 
 
 def test_every_crash_state_of_every_workload_up_to_three_steps_keeps_the_invariants() -> None:
@@ -34,3 +37,24 @@ def test_every_crash_state_of_every_workload_up_to_three_steps_keeps_the_invaria
     assert report.untracked == []
     assert report.required_checks > 1000
     assert report.states > report.crash_points - report.shared_points
+
+
+def _f4(violation: str) -> bool:
+    """F4: a lost LRU touch plus a removed file back after the crash; the startup evicts wrongly."""
+    return "old mtime" in violation and "(the startup evicted over the cap)" in violation
+
+
+@pytest.mark.xfail(strict=True, reason="F4: a crash can undo an eviction and an LRU touch together")
+def test_a_lost_lru_touch_never_costs_an_acknowledged_entry() -> None:
+    """A, B, scrub (touches both), C (evicts B): no crash may lose A or C, both acknowledged."""
+    workload = (StoreStep("A"), StoreStep("B"), ScrubStep(), StoreStep("C"))
+    report = checker.sweep([workload], max_violations=1000)
+    assert report.violations == []
+
+
+@pytest.mark.slow
+def test_every_workload_of_four_steps_shows_only_the_known_gap() -> None:
+    """All 1,296 cold-tier workloads of four steps: every violation is the known gap F4."""
+    report = checker.sweep(checker.workloads(4, checker.ALPHABET)[-(6**4) :], max_violations=10**6)
+    print(f"crash sweep (4 steps): {report.summary()}")
+    assert [v for v in report.violations if not _f4(v)] == []
