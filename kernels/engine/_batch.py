@@ -540,7 +540,7 @@ class BatchGeneration:
 
     def _prefill(self) -> tuple[list[RowSnapshot], int, list[str]]:
         snapshots: list[RowSnapshot] = []
-        joined: list[str] = []
+        prefilled: list[_Row] = []
         used = 0
         while self._pending:
             row = self._pending[0]
@@ -555,7 +555,7 @@ class BatchGeneration:
                 if point is not None and point > row.cursor:
                     n = min(n, point - row.cursor)
                 if used > 0 and used + n > self._step_size:
-                    return snapshots, used, joined
+                    break
                 row.prefill.prompt([row.prompt[row.cursor : row.cursor + n]])
                 row.cursor += n
                 used += n
@@ -565,19 +565,33 @@ class BatchGeneration:
                             row.row_id, row.prefill.extract_cache(0), tuple(row.prefill.tokens[0])
                         )
                     )
-            # NOTE: generate() forwards the last prompt token (its sample is
-            # queued, read by the next step) and hands the row's caches over.
-            ready = row.prefill.generate([row.prompt[-1:]])
+            if len(row.prompt) - row.cursor > 1:
+                break  # NOTE: the turn's prefill budget is spent.
+            self._pending.popleft()
+            prefilled.append(row)
+        if prefilled:
+            self._enter_decode(prefilled)
+        return snapshots, used, [row.row_id for row in prefilled]
+
+    def _enter_decode(self, rows: list[_Row]) -> None:
+        """Move rows whose prompt but its last token is cached into the decode batch, together."""
+        # NOTE: one forward of every such row's last prompt token (a batch of
+        # len(rows)) instead of one forward each: on a memory-bound CPU every
+        # forward reads all the weights once.
+        first = rows[0].prefill
+        for row in rows[1:]:
+            first.extend(row.prefill)
+        # NOTE: generate() forwards the last prompt tokens (their samples are
+        # queued, read by the next step) and hands the rows' caches over.
+        ready = first.generate([row.prompt[-1:] for row in rows])
+        for row in rows:
             row.prefill = None
             row.cache = None
             row.cursor = len(row.prompt)
-            self._pending.popleft()
-            if self._batch is None:
-                self._batch = ready
-            else:
-                self._batch.extend(ready)
-            joined.append(row.row_id)
-        return snapshots, used, joined
+        if self._batch is None:
+            self._batch = ready
+        else:
+            self._batch.extend(ready)
 
     def _start_prefill(self, row: _Row) -> Any:
         cache = row.cache if row.cache is not None else make_prompt_cache(self._model)
