@@ -393,6 +393,61 @@ def plot(table: Table, contenders: Sequence[str], path: Path, title: str) -> Non
     fig.savefig(path)
 
 
+def parity(lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int) -> list[str]:
+    """Greedy tokens of ``n`` distinct chat prompts: batch rows (joining as room frees) vs the serial kernel.
+
+    For a row that differs, the serial logits of the two tokens at the first
+    difference (a one-shot forward of the prompt and the serial tokens before it).
+    """
+    import mlx.core as mx
+
+    # NOTE: distinct prompts (each carries its own index).
+    convs = conversations(str(n), "parity", 0)
+    prompts = [render_chat(lm.tokenizer, c) for c in convs]
+    params = SamplingParams(max_tokens=max_tokens)
+    serial = [
+        [
+            o.token_id
+            for o in run_generation(
+                Generation(lm.model, lm.tokenizer, p, params, prefill_step_size=step_size)
+            )
+        ]
+        for p in prompts
+    ]
+    batch = BatchGeneration(lm.model, lm.tokenizer, max_rows=max_rows, prefill_step_size=step_size)
+    out: dict[str, list[int]] = {str(i): [] for i in range(n)}
+    waiting = list(range(n))
+    while waiting or not batch.idle:
+        while waiting and len(batch) < batch.max_rows:
+            i = waiting.pop(0)
+            batch.join(str(i), prompts[i], params)
+        for t in batch.step().tokens:
+            out[t.row_id].append(t.output.token_id)
+    lines = []
+    equal = 0
+    for i, want in enumerate(serial):
+        got = out[str(i)]
+        if got == want:
+            equal += 1
+            continue
+        k = next(
+            (j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+            min(len(want), len(got)),
+        )
+        logits = lm.model(mx.array([*prompts[i], *want[:k]])[None])[0, -1]
+        gap = (
+            float((logits[want[k]] - logits[got[k]]).item())
+            if k < min(len(want), len(got))
+            else float("nan")
+        )
+        lines.append(f"row {i}: first difference at token {k}, serial logit gap {gap:.3g}")
+    lines.insert(
+        0,
+        f"parity: {equal}/{n} rows token-for-token equal ({max_tokens} greedy tokens, {max_rows} rows at a time)",
+    )
+    return lines
+
+
 def main() -> int:
     """Run every contender on every load for ``--rounds`` rounds and report."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -412,6 +467,12 @@ def main() -> int:
     )
     parser.add_argument("--skip-mlx-lm", action="store_true")
     parser.add_argument(
+        "--parity",
+        type=int,
+        default=0,
+        help="only compare greedy tokens of this many prompts (batch vs serial kernel) and exit",
+    )
+    parser.add_argument(
         "--serve",
         action="store_true",
         help="also run `kvtier serve --max-batch <max-rows>` over HTTP (the batch lane's actors)",
@@ -423,6 +484,10 @@ def main() -> int:
     args = parser.parse_args()
     model_dir = args.model or ensure_default_model()
     lm = load_model(model_dir)
+    if args.parity:
+        for line in parity(lm, args.parity, args.max_tokens, args.max_rows, args.prefill_step_size):
+            print(line)
+        return 0
     contenders = ["mlx_lm.server", "kvtier serve", "kvtier batch", "kvtier serial"]
     table = Table()
     with tempfile.TemporaryDirectory() as tmp:
