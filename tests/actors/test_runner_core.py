@@ -291,3 +291,50 @@ def test_jobs_run_one_at_a_time_and_every_turn_reports_once(seed: int, max_steps
     assert core.state.turn is None
     assert not running
     assert len(reports) == granted
+
+
+def _finish_long_prompt(lookup: TakeResult | None) -> list[rc.Effect]:
+    """A 40-token request: one prefill turn (0.0 -> 0.5 s), one finishing decode step; every effect."""
+    core = Core()
+    prompt = tuple(range(40))
+    request = REQUEST.model_copy(update={"prompt_tokens": prompt})
+    turn = RunTurn(owner="request", ident="r1", start=request, max_steps=1, reply_to="gateway", lookup=lookup)
+    effects = core.handle(rc.TurnGranted(turn, "c-1", 0.0))
+    cached = 0 if lookup is None else lookup.cached_tokens
+    prefill = StepOutput(StepResult(phase="prefill", prefill_complete=True), (), cached_tokens=cached)
+    effects += core.handle(rc.StepDone(prefill, 0.5))
+    effects += core.handle(rc.JobEnded(0.5))
+    effects += core.handle(rc.TurnGranted(RunTurn(owner="request", ident="r1", max_steps=1, reply_to="gateway"), "c-1", 0.6))
+    effects += core.handle(rc.StepDone(_decode(7, finish=True), 0.7))
+    effects += core.handle(rc.TokenDelivered(0.7))
+    return effects
+
+
+def test_a_finished_request_reports_its_prefill_speed_unless_it_was_restored_from_disk() -> None:
+    """A request that computed at least 32 prompt tokens reports them with its prefill time to
+    the cold tier's estimator (RAM hits included: only the computed tokens count); one whose
+    prefix came from the SSD tier does not (its first turn was a materialize, not a prefill)."""
+    observed = [e for e in _finish_long_prompt(None) if isinstance(e, rc.Observe)]
+    assert [(o.body.tokens, o.body.seconds) for o in observed] == [(40, 0.5)]
+    ram = TakeResult(lease_id="L", handle="h", cached_tokens=4, tier="ram")
+    observed = [e for e in _finish_long_prompt(ram) if isinstance(e, rc.Observe)]
+    assert [o.body.tokens for o in observed] == [36]
+    ssd = TakeResult(lease_id="L", staging_id="s", cached_tokens=4, tier="ssd")
+    assert not any(isinstance(e, rc.Observe) for e in _finish_long_prompt(ssd))
+    short = TakeResult(lease_id="L", handle="h", cached_tokens=20, tier="ram")
+    assert not any(isinstance(e, rc.Observe) for e in _finish_long_prompt(short))
+
+
+def test_an_ssd_lookup_opens_the_generation_from_its_staged_bytes() -> None:
+    """The first StepJob of a request served by the SSD tier carries the staging id (no RAM
+    handle), and the lease is released once the opening step reported what it reused."""
+    core = Core()
+    lookup = TakeResult(lease_id="L2", staging_id="st-1", cached_tokens=3, entry_tokens=4, tier="ssd")
+    (submit,) = core.handle(_grant(lookup=lookup))
+    assert isinstance(submit, rc.Submit)
+    assert isinstance(submit.job, rc.StepJob)
+    opening = submit.job.opening
+    assert opening is not None
+    assert (opening.handle, opening.staging_id, opening.cached_tokens) == (None, "st-1", 3)
+    prefill = StepOutput(StepResult(phase="prefill", prefill_complete=True), (), cached_tokens=3)
+    assert core.handle(rc.StepDone(prefill, 0.1)) == [rc.ReleaseLease("L2")]

@@ -7,6 +7,7 @@ block on a full pipe), then wait for ``/health``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -24,13 +25,25 @@ _OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 _REPO = Path(__file__).resolve().parents[2]
 
 
+def _ram_tier_off(args: tuple[str, ...]) -> bool:
+    return any(a == "--prompt-cache" and float(b) == 0 for a, b in itertools.pairwise(args))
+
+
 class ServerProcess:
-    """A ``kvtier serve`` child process; ``url`` is the base URL (without ``/v1``)."""
+    """A ``kvtier serve`` child process; ``url`` is the base URL (without ``/v1``).
+
+    NOTE: ``kvtier serve`` keeps an SSD cache at ``$KVTIER_HOME/kv`` by default;
+    a test server gets one of its own under ``workdir`` instead (unless the
+    test names ``--ssd-cache`` or turns the RAM tier off), so runs never see
+    each other's files or the user's.
+    """
 
     def __init__(self, workdir: Path, *args: str, start_timeout: float = 90.0) -> None:
         self.workdir = workdir
         self.stdout_path = workdir / "serve.stdout"
         self.stderr_path = workdir / "serve.stderr"
+        if "--ssd-cache" not in args and not _ram_tier_off(args):
+            args = (*args, "--ssd-cache", str(workdir / "kv"))
         env = dict(os.environ)
         if "LD_PRELOAD" not in env and os.path.exists(_OPENBLAS):
             env["LD_PRELOAD"] = _OPENBLAS  # NOTE: 20x faster CPU matmuls; optional.

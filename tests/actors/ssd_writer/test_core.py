@@ -32,6 +32,7 @@ from messages import (
     StoreResult,
     WriteCommitted,
 )
+from messages.ssd_writer import ScrubPick, ScrubReport, ScrubTarget
 
 ROOT = "/cache"
 FP = "fp0"
@@ -422,6 +423,38 @@ def test_restore_reports_update_lru_time_and_remove_corrupt_files() -> None:
     assert isinstance(stats, SsdStats)
     assert (stats.restores, stats.restore_failures, stats.corrupt_removed) == (1, 1, 1)
     assert stats.restore_ms_last == 500.0
+
+
+# --- scrub ---------------------------------------------------------------------------------
+
+
+def test_scrub_picks_every_file_in_turn_and_a_bad_one_leaves_the_index() -> None:
+    """The scrubber is offered each indexed file once per round (path order, whatever the LRU
+    order); a corrupt report drops the file from the index and counts it, an OK one counts its
+    bytes; a read-only index offers nothing."""
+    a, b, c = entry((1,), mtime=3), entry((2,), mtime=1), entry((3,), mtime=2)
+    state = loaded(a, b, c)
+    picks = []
+    for _ in range(4):
+        _, fx = core.handle(state, env(ScrubPick(reply_to="s")))
+        target = answer(fx)
+        assert isinstance(target, ScrubTarget)
+        picks.append(target.path)
+    assert picks == [a.path, b.path, c.path, a.path]
+    core.handle(state, env(ScrubReport(path=b.path, ok=False, reason="corrupt", removed=True)))
+    core.handle(state, env(ScrubReport(path=c.path, ok=True, bytes=64)))
+    assert sorted(state.entries) == sorted([a.path, c.path])
+    stats = core.stats(state)
+    assert (stats.scrubbed, stats.scrubbed_bytes, stats.scrub_corrupt, stats.corrupt_removed) == (
+        2,
+        64,
+        1,
+        1,
+    )
+    read_only = loaded(entry((4,)))
+    read_only.read_only = True
+    _, fx = core.handle(read_only, env(ScrubPick(reply_to="s")))
+    assert answer(fx) == ScrubTarget()
 
 
 # --- startup scan -------------------------------------------------------------------------
