@@ -5,8 +5,9 @@ over a :class:`CrashFS`: the SSD tier (``actors.ssd_writer``: index, store
 worker, reader) and, for put and flush steps, the spill queue and the
 durability coordinator (a stub gateway grants every engine turn at once).
 Steps: store an entry, store a trimmable descendant (supersede), store
-past the byte cap (evict), scrub (read every entry back, verifying),
-restart (a clean stop and a new tier on the same files: a startup scan),
+past the byte cap (evict), scrub (the idle scrubber re-verifies every
+entry), restore (every entry read back through the reader, verifying, LRU
+touched), restart (a clean stop and a new tier on the same files: a startup scan),
 put (the RAM tier tells the coordinator; write-behind off) and flush. The
 file system records every operation; after each one, every state a crash
 may leave (:meth:`CrashSpace.states`) is restarted the way the tier starts
@@ -86,6 +87,7 @@ from messages import (
 )
 from messages.durability import Flush, FlushResult, Schedule
 from messages.gateway import RunWhenIdle, TurnDone
+from messages.ssd_writer import ScrubWake
 
 T = TypeVar("T")
 
@@ -252,6 +254,7 @@ class Trace:
     store_results: list[StoreResult] = field(default_factory=list)
     untracked: list[tuple[str, str]] = field(default_factory=list)
     flushes: list[FlushResult] = field(default_factory=list)
+    scrubbed: int = 0
     bounds: list[tuple[str, int]] = field(default_factory=list)
     fault_phase: str | None = None
     fault_superseded: bool = False
@@ -350,14 +353,10 @@ class StoreStep:
 
 
 @dataclass(frozen=True)
-class ScrubStep:
-    """Read every indexed entry back through the tier's reader (hashes verified).
+class RestoreStep:
+    """Restore every indexed entry through the tier's reader (hashes verified, LRU touched)."""
 
-    NOTE: issue 8's idle scrubber does not exist yet; this drives the same
-    verify-and-remove path (the reader) over every entry, as it will.
-    """
-
-    label: str = "scrub"
+    label: str = "restore"
     restarts: bool = False
 
     async def run(self, run: Run) -> None:
@@ -382,6 +381,26 @@ class ScrubStep:
                 run.trace.problems.append(
                     f"restore of {path} returned bytes that were never stored"
                 )
+
+
+@dataclass(frozen=True)
+class ScrubStep:
+    """One round of the idle scrubber per indexed entry (each re-verifies one file's hashes).
+
+    The scrubber's own alarm is an hour away; the step wakes it directly
+    (``ScrubWake``), and it picks files round robin from the index.
+    """
+
+    label: str = "scrub"
+    restarts: bool = False
+
+    async def run(self, run: Run) -> None:
+        """Wake the scrubber once per entry, each after the previous round settled."""
+        before = run.tier.state.scrubbed
+        for _ in range(len(run.tier.state.entries)):
+            await run.system.tell(f"{run.tier.name}.scrub", ScrubWake())
+            await settle()
+        run.trace.scrubbed += run.tier.state.scrubbed - before
 
 
 @dataclass(frozen=True)
@@ -445,6 +464,7 @@ ALPHABET: tuple[Step, ...] = (
     StoreStep("B"),
     StoreStep("C"),
     ScrubStep(),
+    RestoreStep(),
     RestartStep(),
 )
 
@@ -503,6 +523,14 @@ class GatewayStub(Actor):
             fn()
             done = TurnDone(step_id=body.step_id, ok=True)
         await ctx.reply(envelope, done)
+
+
+def _config(cap: int) -> SsdWriterConfig:
+    # NOTE: the scrubber's alarm is an hour away: only ScrubStep wakes it, so
+    # no timer decides anything during a run.
+    return SsdWriterConfig(
+        root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S, scrub_interval_s=3600.0
+    )
 
 
 async def _inline(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -670,7 +698,7 @@ async def forward(
     fs.on_change = probe
     steps = list(workload)
     i = 0
-    config = SsdWriterConfig(root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S)
+    config = _config(cap)
     while True:
         async with ActorSystem(ids=SequentialIds()) as system:
             ram = RamEntries()
@@ -820,7 +848,7 @@ class ActorOutcome:
 async def actor_restart(state: CrashState, cap: int = CAP) -> ActorOutcome:
     """Start the real tier actors on ``state`` and restore every entry they index."""
     fs = CrashFS.mount(state)
-    config = SsdWriterConfig(root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S)
+    config = _config(cap)
     async with ActorSystem(ids=SequentialIds()) as system:
         tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(), port=fs)
         tier.run = _inline  # type: ignore[method-assign]

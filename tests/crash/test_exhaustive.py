@@ -2,8 +2,9 @@
 
 Workloads are all sequences of 1 to 3 steps over: store A, store A+ (A's
 trimmable descendant: supersedes A), store B (another namespace), store C
-(past the two-entry cap: evicts the least recently used), scrub (every
-entry read back, hashes verified), restart (a startup scan), put A and put
+(past the two-entry cap: evicts the least recently used), scrub (the idle
+scrubber re-verifies every entry), restore (every entry read back through
+the reader, hashes verified, LRU touched), restart (a startup scan), put A and put
 A+ (the RAM tier tells the durability coordinator; write-behind off) and
 flush (``durable: true`` acknowledges every prefix put before it). Each
 runs on the real actors (SSD tier, spill queue, durability coordinator;
@@ -21,22 +22,32 @@ from __future__ import annotations
 
 import pytest
 
+from kernels.cache._crash_fs import CrashFS
 from tests.crash import checker
-from tests.crash.checker import ScrubStep, StoreStep
+from tests.crash.checker import RestoreStep, ScrubStep, StoreStep
 
 
 def test_every_crash_state_of_every_workload_up_to_three_steps_keeps_the_invariants() -> None:
-    """0 violations over 100 % of the crash points of all 819 workloads (the totals are printed)."""
+    """0 violations over 100 % of the crash points of all 1,110 workloads (the totals are printed)."""
     report = checker.sweep(checker.workloads(3, checker.DURABLE_ALPHABET), max_violations=20)
     print(f"crash sweep: {report.summary()}")
     assert report.violations == []
-    assert report.workloads == 9 + 9**2 + 9**3
+    assert report.workloads == 10 + 10**2 + 10**3
     # NOTE: one crash point before the first operation and one after each.
     assert report.crash_points == report.ops + report.workloads
     assert report.reduced_points == 0
     assert report.untracked == []
     assert report.required_checks > 1000
     assert report.states > report.crash_points - report.shared_points
+
+
+def test_the_scrub_step_drives_the_real_scrubber() -> None:
+    """A, B, scrub: the tier's idle scrubber re-verifies both files, reading each one."""
+    fs = CrashFS()
+    trace = checker.run_forward((StoreStep("A"), StoreStep("B"), ScrubStep()), fs=fs)
+    assert trace.problems == []
+    assert trace.scrubbed == 2
+    assert fs.calls["open_read"] >= 2
 
 
 def _f4(violation: str) -> bool:
@@ -46,15 +57,15 @@ def _f4(violation: str) -> bool:
 
 @pytest.mark.xfail(strict=True, reason="F4: a crash can undo an eviction and an LRU touch together")
 def test_a_lost_lru_touch_never_costs_an_acknowledged_entry() -> None:
-    """A, B, scrub (touches both), C (evicts B): no crash may lose A or C, both acknowledged."""
-    workload = (StoreStep("A"), StoreStep("B"), ScrubStep(), StoreStep("C"))
+    """A, B, restore (touches both), C (evicts B): no crash may lose A or C, both acknowledged."""
+    workload = (StoreStep("A"), StoreStep("B"), RestoreStep(), StoreStep("C"))
     report = checker.sweep([workload], max_violations=1000)
     assert report.violations == []
 
 
 @pytest.mark.slow
 def test_every_workload_of_four_steps_shows_only_the_known_gap() -> None:
-    """All 1,296 cold-tier workloads of four steps: every violation is the known gap F4."""
-    report = checker.sweep(checker.workloads(4, checker.ALPHABET)[-(6**4) :], max_violations=10**6)
+    """All 2,401 cold-tier workloads of four steps: every violation is the known gap F4."""
+    report = checker.sweep(checker.workloads(4, checker.ALPHABET)[-(7**4) :], max_violations=10**6)
     print(f"crash sweep (4 steps): {report.summary()}")
     assert [v for v in report.violations if not _f4(v)] == []

@@ -24,7 +24,7 @@ import pytest
 
 from kernels.cache._crash_fs import CrashFS, Fault, FaultingPort
 from tests.crash import checker
-from tests.crash.checker import FlushStep, PutStep, RestartStep, ScrubStep, StoreStep
+from tests.crash.checker import FlushStep, PutStep, RestartStep, RestoreStep, StoreStep
 
 # NOTE: the startup scan reads each header through these calls; an OS error
 # there leaves the file unindexed and not deleted (by design), and uncounted.
@@ -74,14 +74,14 @@ FLUSH_WORKLOADS = [
 ]
 # NOTE: every step of the cold tier followed by a store in another
 # namespace, so each fault is also followed by work that must succeed; and
-# a startup scan and a scrub over a stored file.
+# a startup scan and a restore over a stored file.
 THEN_B = [(step, StoreStep("B")) for step in checker.ALPHABET]
-SCAN = [(StoreStep("A"), RestartStep(), ScrubStep())]
+SCAN = [(StoreStep("A"), RestartStep(), RestoreStep())]
 
 
 def test_every_fault_on_every_call_fails_softly() -> None:
     """0 violations with each fault kind on each call of each method of every cold-tier step
-    (followed by a store), of a scan and scrub, and of three flush workloads."""
+    (followed by a store), of a scan and restore, and of three flush workloads."""
     report, items, runs = checker.fault_sweep([*THEN_B, *SCAN, *FLUSH_WORKLOADS], max_items=200)
     gaps = _check(items)
     print(f"fault sweep: {runs} faulted runs; {report.summary()}; known gaps {dict(gaps)}")
@@ -91,7 +91,7 @@ def test_every_fault_on_every_call_fails_softly() -> None:
 
 @pytest.mark.slow
 def test_every_fault_of_every_workload_up_to_two_steps_is_soft() -> None:
-    """Every (method, n, fault kind) of all 90 workloads of one or two steps (make test-slow)."""
+    """Every (method, n, fault kind) of all 110 workloads of one or two steps (make test-slow)."""
     workloads = checker.workloads(2, checker.DURABLE_ALPHABET)
     report, items, runs = checker.fault_sweep(workloads, max_items=200)
     gaps = _check(items)
@@ -103,7 +103,7 @@ def test_every_fault_of_every_workload_up_to_two_steps_is_soft() -> None:
 
 @pytest.mark.slow
 def test_every_call_of_every_workload_up_to_three_steps_fails_softly() -> None:
-    """Each call of all 258 cold-tier workloads of up to three steps; only the gaps F1-F3 show."""
+    """Each call of all 399 cold-tier workloads of up to three steps; only the gaps F1-F3 show."""
     report, items, runs = checker.fault_sweep(checker.workloads(3), every_kind=False)
     gaps = _check(items)
     print(
