@@ -368,12 +368,7 @@ def _durability(parts: Parts) -> Factory | None:
     cloner = parts.cloner
     if not _durable(parts) or cloner is None:
         return None
-    config = DurabilityConfig(
-        write_behind=parts.config.ssd_writebehind,
-        # NOTE: a reply that never comes must not wedge a flush for longer
-        # than the engine's own deadline on asks.
-        reply_timeout_s=max(parts.config.ask_timeout_s, parts.config.shutdown_timeout),
-    )
+    config = DurabilityConfig(write_behind=parts.config.ssd_writebehind)
     return _durability_factory(DurabilityState(config=config), cloner, GatewaySteps(parts.steps))
 
 

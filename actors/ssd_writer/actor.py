@@ -591,9 +591,12 @@ class Scrubber(Actor):
         state = tier.state
         if state.read_only or not state.ready or not await self._idle(ctx):
             return 0
-        target = await ctx.ask(
-            tier.name, ScrubPick(), timeout=tier.config.ask_timeout, expect=ScrubTarget
-        )
+        try:
+            target = await ctx.ask(
+                tier.name, ScrubPick(), timeout=tier.config.ask_timeout, expect=ScrubTarget
+            )
+        except RuntimeFailure:
+            return 0  # NOTE: the index is restarting or stopping: try next round.
         path = target.path
         if path is None:
             return 0
@@ -621,7 +624,10 @@ class Scrubber(Actor):
             report, checked = ScrubReport(path=path, ok=False, reason="io_error"), 0
         else:
             report = ScrubReport(path=path, ok=True, bytes=checked)
-        await ctx.tell(tier.name, report)
+        try:
+            await ctx.tell(tier.name, report)
+        except RuntimeFailure:
+            _log.warning("ssd_cache.scrub_report_lost", path=path, reason=report.reason)
         return checked
 
 
