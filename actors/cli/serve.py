@@ -8,7 +8,10 @@ bind, print ``kvtier: ready at http://HOST:PORT/v1 (model: ID)`` on stdout.
 On SIGINT/SIGTERM: stop admission (generation routes and ``/health`` answer
 503), let the streams in flight finish (``--shutdown-timeout`` seconds is
 the whole budget: what still runs then is cut, a stream with an error event
-and ``[DONE]``), then close the listener, stop the engine and exit 0. A
+and ``[DONE]``), then close the listener, stop the engine and exit 0.
+Stopping the engine first flushes the SSD tier (on by default, at
+``$KVTIER_HOME/kv``): every RAM entry not on disk yet and every queued spill
+get another ``--shutdown-timeout`` to reach it (docs/cold-tier.md). A
 second signal cuts at once (exit 0 too: the stop was asked for); later
 signals are ignored. Exit 1: the model could not be loaded or the port
 could not be bound; exit 2: bad flags.
