@@ -66,7 +66,11 @@ class GenerationParams(_Data):
     history (the whole prompt, a reused prefix included, plus the output).
     ``stop`` strings are matched on the detokenized text and never emitted;
     ``stop_token_ids`` end the generation like EOS; ``logprobs`` fills
-    ``TokenEvent.logprob``.
+    ``TokenEvent.logprob``; ``top_logprobs`` (0..20) fills
+    ``TokenEvent.top_logprobs`` with that many most likely tokens. ``grammar``
+    constrains decoding to a language (an llguidance grammar, made by
+    ``kernels.engine.json_schema_grammar`` or ``tool_call_grammar``; ``None``:
+    unconstrained).
     """
 
     max_tokens: int = Field(default=512, ge=1)
@@ -88,6 +92,8 @@ class GenerationParams(_Data):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -200,6 +206,9 @@ class TokenEvent(Body):
     token_id: int
     text: str
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """``(token_id, logprob)`` of the most likely tokens at this step, most likely first
+    (``GenerationParams.top_logprobs`` of them; empty when none were asked)."""
 
 
 class DoneEvent(Body):

@@ -217,7 +217,7 @@ class MlxBackend:
         out = gen.decode_step()
         return StepResult(
             phase="decode",
-            token=StepToken(out.token_id, out.text, out.logprob),
+            token=StepToken(out.token_id, out.text, out.logprob, out.top_logprobs),
             finish_reason=out.finish_reason,
         )
 

@@ -36,6 +36,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from actors.batch_scheduler import BATCH_ADDRESS
 from actors.errors import (
     ContextTooLong,
     EngineClosed,
@@ -286,6 +287,11 @@ class GenerationStream(_StartClose):
         if self._fit_context:
             self._params = engine._fit_to_context(tokens, self._params)
         engine._validate_prompt(tokens, self._params)
+        if self._params.grammar is not None:
+            # NOTE: compiling a grammar (and, once per tokenizer, llguidance's
+            # view of the vocabulary: about a second) happens on a worker
+            # thread, so neither the loop nor the engine thread waits on it.
+            await anyio.to_thread.run_sync(engine._prepare_grammar, self._params.grammar)
         self._prompt_tokens = len(tokens)
         engine._check_open()
         system = engine._require_system()
@@ -778,6 +784,22 @@ class Engine(_StartClose):
         """Token ids run ``0..vocab_size - 1`` (``None`` before the model is loaded)."""
         return self._vocab_size()
 
+    @functools.cached_property
+    def token_bytes(self) -> Any:
+        """``kernels.engine.TokenBytes`` of the tokenizer: the bytes of token ids (logprob reports)."""
+        from kernels.engine import TokenBytes
+
+        if self._tokenizer is None:
+            raise EngineNotStarted("start the engine first")
+        return TokenBytes(self._tokenizer)
+
+    @property
+    def tool_format(self) -> Any:
+        """The model's tool-call format (``kernels.engine.ToolFormat``), ``None`` if it has none."""
+        from kernels.engine import tool_format
+
+        return tool_format(self._tokenizer) if self._tokenizer is not None else None
+
     @property
     def config(self) -> EngineConfig:
         """The validated settings this engine runs with."""
@@ -1022,10 +1044,32 @@ class Engine(_StartClose):
             return params
         return params.model_copy(update={"max_tokens": room})
 
+    def _prepare_grammar(self, grammar: str) -> None:
+        """Compile ``grammar`` for this tokenizer into the kernel's cache (worker thread)."""
+        from kernels.engine import InvalidGrammar, prepare_grammar
+
+        vocab = self._vocab_size()
+        if vocab is None:
+            raise EngineNotStarted("start the engine first")
+        try:
+            prepare_grammar(self._tokenizer, grammar, vocab)
+        except InvalidGrammar as exc:
+            raise InvalidRequest(f"invalid grammar: {exc}") from None
+
     def _validate_prompt(self, tokens: Sequence[int], params: GenerationParams) -> None:
         # NOTE: runs before admission, so a refused prompt never queues or takes a turn.
         if not tokens:
             raise InvalidRequest("the prompt has no tokens")
+        wired = self._wired
+        if (wired is not None and BATCH_ADDRESS in wired.refs
+                and (params.grammar is not None or params.top_logprobs)):
+            # NOTE: the batch lane builds its rows' processors without the
+            # tokenizer and reports no alternatives yet (docs/batching.md).
+            raise InvalidRequest(
+                "constrained decoding (response_format, tool_choice 'required' or a named "
+                "function) and top_logprobs are not available with the batch lane "
+                "(max_batch > 1) yet"
+            )
         vocab = self._vocab_size()
         if vocab is not None:
             ids = [*tokens, *(params.logit_bias or {}), *params.stop_token_ids]

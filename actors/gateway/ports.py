@@ -49,11 +49,12 @@ class InlineExecutor:
 
 @dataclass(frozen=True, slots=True)
 class StepToken:
-    """One generated token and the text it released."""
+    """One generated token and the text it released (log-probabilities when asked)."""
 
     token_id: int
     text: str
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

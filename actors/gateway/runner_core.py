@@ -463,6 +463,7 @@ def _step_done(state: RunnerState, ev: StepDone, out: list[Effect]) -> None:
         token_id=token.token_id,
         text=token.text,
         logprob=token.logprob,
+        top_logprobs=token.top_logprobs,
     )
     live.emitted += 1
     turn.delivering = result

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
 from messages.gateway import DoneEvent, GenerationParams, TokenEvent
 
+from ._answer import ChatAnswer, ChatPiece, CompletionAnswer, CompletionPiece, LogprobOptions
 from ._convert import (
     chat_chunk,
     chat_messages,
@@ -32,8 +33,12 @@ from ._convert import (
     check_against_vocab,
     completion_chunk,
     completion_response,
+    grammar_for,
+    needs_grammar,
     resolve_model,
     to_params,
+    tool_parsing,
+    tools_for_template,
 )
 from ._errors import (
     ApiError,
@@ -60,7 +65,7 @@ __all__ = ["begin_shutdown", "create_app", "cut_streams"]
 
 _log = structlog.get_logger("kvtier.http")
 
-_Kind = Literal["chat", "completion"]
+_Answer = ChatAnswer | CompletionAnswer
 
 
 @dataclass
@@ -257,20 +262,26 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None,
               openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        """OpenAI chat completions, streamed (SSE) or not."""
+        """OpenAI chat completions, streamed (SSE) or not; tools, logprobs, structured output."""
         body, rid, model, params = await _accept(request, ChatCompletionRequest, "chatcmpl")
-        stream = engine.chat(chat_messages(body), params, request_id=rid,
+        tools = tool_parsing(body, engine.tool_format)
+        messages = chat_messages(body)
+        hex_id = _request_id(request.scope).hex
+        answer = ChatAnswer(tools=tools, logprobs=_logprob_options(params),
+                            call_id=lambda n: f"call_{hex_id}_{n}")
+        stream = engine.chat(messages, params, request_id=rid, tools=tools_for_template(body),
                              fit_context=body.requested_max_tokens() is None)
-        return await _respond(stream, body, request, rid, model, "chat")
+        return await _respond(stream, body, request, rid, model, answer)
 
     @app.post("/v1/completions", response_model=None,
               openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed (SSE) or not."""
         body, rid, model, params = await _accept(request, CompletionRequest, "cmpl")
+        answer = CompletionAnswer(logprobs=_logprob_options(params))
         stream = engine.generate(body.prompt_value(), params, request_id=rid,
                                  fit_context=body.requested_max_tokens() is None)
-        return await _respond(stream, body, request, rid, model, "completion")
+        return await _respond(stream, body, request, rid, model, answer)
 
     # ------------------------------------------------------------ plumbing
 
@@ -280,7 +291,11 @@ def create_app(
         check_admission_open()
         body = await _parse(request, schema)
         model = resolve_model(body.model, engine.model_id, settings.model_aliases)
-        params = to_params(body, settings.defaults)
+        grammar: str | None = None
+        if isinstance(body, ChatCompletionRequest) and needs_grammar(body):
+            # NOTE: compiling a schema into a grammar may take milliseconds.
+            grammar = await anyio.to_thread.run_sync(grammar_for, body, engine.tool_format)
+        params = to_params(body, settings.defaults, grammar)
         check_against_vocab(body, params, engine.vocab_size)
         named = _request_id(request.scope)
         named.value = rid = f"{prefix}-{named.hex}"
@@ -290,6 +305,11 @@ def create_app(
         # _AccessLog resets the binding when the response is done.
         structlog.contextvars.bind_contextvars(correlation_id=rid)
         return body, rid, model, params
+
+    def _logprob_options(params: GenerationParams) -> LogprobOptions | None:
+        if not params.logprobs:
+            return None
+        return LogprobOptions(top=params.top_logprobs, spell=engine.token_bytes)
 
     async def _admit(stream: StreamPort) -> None:
         """Admit (the engine refuses over-long prompts before admission); on refusal release the stream."""
@@ -301,7 +321,7 @@ def create_app(
             raise
 
     async def _respond(stream: StreamPort, body: _SamplingFields, request: Request, rid: str,
-                       model: str, kind: _Kind) -> Response:
+                       model: str, answer: _Answer) -> Response:
         st.enter()
         try:
             await _admit(stream)
@@ -311,7 +331,7 @@ def create_app(
         headers = {"X-Request-Id": rid}
         if not body.stream:
             try:
-                return await _collect(stream, request, rid, model, kind, headers)
+                return await _collect(stream, request, rid, model, answer, headers)
             finally:
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
@@ -321,16 +341,15 @@ def create_app(
             await stream.aclose()
             st.leave()
 
-        events = _sse_events(stream, rid, model, kind, body.include_usage())
+        events = _sse_events(stream, rid, model, answer, body.include_usage())
         err = kvtier_error_to_api(ServerShuttingDown(_CUT_MESSAGE))
         return EventStreamResponse(
             events, on_close=release, headers=headers, cut=cut.wait,
             cut_event=sse_json(error_body(err.message, err.type, err.code, err.param)))
 
     async def _collect(stream: StreamPort, request: Request, rid: str, model: str,
-                       kind: _Kind, headers: dict[str, str]) -> Response:
+                       answer: _Answer, headers: dict[str, str]) -> Response:
         """Run a non-streamed request to the end, cancelling it if the client leaves."""
-        parts: list[str] = []
         done: DoneEvent | None = None
         failure: KvtierError | None = None
         async with anyio.create_task_group() as tg:
@@ -352,7 +371,7 @@ def create_app(
             try:
                 async for event in stream:
                     if isinstance(event, TokenEvent):
-                        parts.append(event.text)
+                        answer.feed(event)
                     else:
                         done = event
             except KvtierError as exc:
@@ -366,35 +385,49 @@ def create_app(
         if done is None:
             # The client left; nobody reads this answer.
             return Response(status_code=499)
-        text = "".join(parts)
+        answer.finish(done)
         result: ChatCompletion | CompletionResponse = (
-            chat_response(rid, created(), model, text, done) if kind == "chat"
-            else completion_response(rid, created(), model, text, done)
+            chat_response(rid, created(), model, answer, done,
+                          logprobs=answer.reports_logprobs)
+            if isinstance(answer, ChatAnswer)
+            else completion_response(rid, created(), model, answer, done)
         )
         return JSONResponse(result.model_dump(mode="json"), headers=headers)
 
-    async def _sse_events(stream: StreamPort, rid: str, model: str, kind: _Kind,
+    def _chunk(rid: str, ts: int, model: str, answer: _Answer,
+               piece: ChatPiece | CompletionPiece) -> bytes:
+        if isinstance(answer, ChatAnswer):
+            assert isinstance(piece, ChatPiece)
+            return sse_json(chat_chunk(rid, ts, model, piece=piece,
+                                       logprobs=answer.reports_logprobs))
+        assert isinstance(piece, CompletionPiece)
+        return sse_json(completion_chunk(rid, ts, model, piece=piece))
+
+    async def _sse_events(stream: StreamPort, rid: str, model: str, answer: _Answer,
                           include_usage: bool) -> AsyncIterator[bytes]:
         ts = created()
         finished = False
+        chat = isinstance(answer, ChatAnswer)
         try:
-            if kind == "chat":
-                yield sse_json(chat_chunk(rid, ts, model, role=True, content=""))
+            if chat:
+                yield sse_json(chat_chunk(rid, ts, model, role=True))
             async for event in stream:
                 if isinstance(event, TokenEvent):
-                    if not event.text:
-                        continue  # NOTE: mid-codepoint tokens carry no text yet.
-                    chunk = (chat_chunk(rid, ts, model, content=event.text) if kind == "chat"
-                             else completion_chunk(rid, ts, model, text=event.text))
-                    yield sse_json(chunk)
+                    # NOTE: a token may release nothing yet (part of a character,
+                    # text that may start a tool-call marker).
+                    piece = answer.feed(event)
+                    if piece is not None:
+                        yield _chunk(rid, ts, model, answer, piece)
                     continue
-                final = (chat_chunk(rid, ts, model, done=event) if kind == "chat"
-                         else completion_chunk(rid, ts, model, done=event))
+                last = answer.finish(event)
+                if last is not None:
+                    yield _chunk(rid, ts, model, answer, last)
+                final = (chat_chunk(rid, ts, model, finish=answer.finish_reason) if chat
+                         else completion_chunk(rid, ts, model, finish=answer.finish_reason))
                 yield sse_json(final)
                 if include_usage:
-                    tail = (chat_chunk(rid, ts, model, done=event, usage_only=True)
-                            if kind == "chat"
-                            else completion_chunk(rid, ts, model, done=event, usage_only=True))
+                    tail = (chat_chunk(rid, ts, model, usage=event.usage) if chat
+                            else completion_chunk(rid, ts, model, usage=event.usage))
                     yield sse_json(tail)
             finished = True
             yield DONE

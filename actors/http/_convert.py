@@ -7,6 +7,7 @@ clock, no ids: callers pass them in.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +15,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from actors.engine.config import EngineConfig
+from kernels.engine import InvalidGrammar, ToolFormat, json_schema_grammar, tool_call_grammar
 from messages.gateway import DoneEvent, GenerationParams, Usage
 
+from ._answer import ChatAnswer, ChatPiece, CompletionAnswer, CompletionPiece, ToolParsing
 from ._errors import ApiError
 from ._schemas import (
     ChatChoice,
@@ -23,12 +26,18 @@ from ._schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChoiceLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     Delta,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
     PromptTokensDetails,
     ResponseMessage,
+    ToolCallDelta,
+    ToolCallDeltaFunction,
     UsageBody,
     _SamplingFields,
 )
@@ -41,8 +50,12 @@ __all__ = [
     "check_against_vocab",
     "completion_chunk",
     "completion_response",
+    "grammar_for",
+    "needs_grammar",
     "resolve_model",
     "to_params",
+    "tool_parsing",
+    "tools_for_template",
     "usage_body",
 ]
 
@@ -96,8 +109,12 @@ def resolve_model(requested: str | None, served: str, aliases: Sequence[str]) ->
     )
 
 
-def to_params(body: _SamplingFields, defaults: Defaults) -> GenerationParams:
-    """Sampling parameters for the engine; bounds violations become a 400 ``ApiError``."""
+def to_params(body: _SamplingFields, defaults: Defaults,
+              grammar: str | None = None) -> GenerationParams:
+    """Sampling parameters for the engine; bounds violations become a 400 ``ApiError``.
+
+    ``grammar`` (from :func:`grammar_for`) constrains decoding.
+    """
     max_tokens = body.requested_max_tokens()
     param = "max_completion_tokens" if (
         isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None
@@ -127,7 +144,15 @@ def to_params(body: _SamplingFields, defaults: Defaults) -> GenerationParams:
         ),
         "stop": tuple(body.stop_list()),
         "seed": body.seed,
+        "grammar": grammar,
     }
+    if isinstance(body, ChatCompletionRequest):
+        fields["logprobs"] = bool(body.logprobs)
+        fields["top_logprobs"] = (body.top_logprobs or 0) if body.logprobs else 0
+    elif isinstance(body, CompletionRequest):
+        # NOTE: the legacy API's `logprobs: n` asks for the chosen token's and n alternatives.
+        fields["logprobs"] = body.logprobs is not None
+        fields["top_logprobs"] = body.logprobs or 0
     try:
         return GenerationParams(**fields)
     except ValidationError as exc:
@@ -166,16 +191,119 @@ def check_against_vocab(body: _SamplingFields, params: GenerationParams,
 _ROLE_FOR_TEMPLATE = {"developer": "system"}
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the engine's chat template takes them (text only).
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the engine's chat template takes them.
 
     NOTE: "developer" is OpenAI's newer name for "system"; chat templates of
-    open models only know "system".
+    open models only know "system". An assistant message's tool calls carry
+    their arguments decoded (templates write them with ``tojson``, as
+    mlx-lm's server passes them); a tool message keeps its ``tool_call_id``.
     """
-    return [
-        {"role": _ROLE_FOR_TEMPLATE.get(m.role, m.role), "content": m.text()}
-        for m in body.messages
-    ]
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        msg: dict[str, Any] = {"role": _ROLE_FOR_TEMPLATE.get(m.role, m.role), "content": m.text()}
+        if m.name is not None and m.role in ("tool", "user", "assistant"):
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls is not None:
+            calls: list[dict[str, Any]] = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    raise ApiError(
+                        400, "A tool call's arguments must be a JSON text.",
+                        code="invalid_value",
+                        param=f"messages.{i}.tool_calls.{j}.function.arguments") from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def tools_for_template(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """``tools`` as the chat template takes them (OpenAI's shape), or ``None``.
+
+    NOTE: rendered even with ``tool_choice: none``: the conversation may
+    hold calls of these tools, and the prompt stays the one the other turns
+    render (so the prompt cache keeps matching).
+    """
+    if not body.tools:
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+_NO_TOOLS = (
+    "This model's chat template has no tool-call format that mlx-lm recognises, so it "
+    "cannot call tools (docs/operations.md, 'Tools', lists models that can)."
+)
+
+
+def tool_parsing(body: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolParsing | None:
+    """How to find tool calls in the answer (``None``: the answer is all text).
+
+    A request that lets the model call tools on a model without a tool-call
+    format is a 400 naming ``tools``.
+    """
+    if body.effective_tool_choice() == "none":
+        return None
+    if fmt is None:
+        raise ApiError(400, _NO_TOOLS, code="unsupported", param="tools")
+    return ToolParsing(fmt=fmt, tools=tools_for_template(body) or [])
+
+
+def needs_grammar(body: ChatCompletionRequest) -> bool:
+    """True when the answer is constrained (JSON ``response_format``, forced tool calls)."""
+    choice = body.effective_tool_choice()
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    return forced or isinstance(body.response_format, JsonObjectFormat | JsonSchemaFormat)
+
+
+def grammar_for(body: ChatCompletionRequest, fmt: ToolFormat | None) -> str | None:
+    """The grammar that constrains the answer, or ``None``.
+
+    ``response_format`` ``json_object`` / ``json_schema``: JSON (valid under
+    the schema). ``tool_choice`` ``required`` or a named function: tool
+    calls in the model's format (only the JSON-in-tags format can be
+    forced). Invalid schemas are a 400 naming the field. Compiling may take
+    milliseconds: call it on a worker thread.
+    """
+    choice = body.effective_tool_choice()
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    fmt_json = isinstance(body.response_format, JsonObjectFormat | JsonSchemaFormat)
+    if forced and fmt_json:
+        raise ApiError(400, "response_format and a forced tool_choice cannot both constrain "
+                            "the answer; send one of them.", code="unsupported",
+                       param="response_format")
+    if forced:
+        if fmt is None:
+            raise ApiError(400, _NO_TOOLS, code="unsupported", param="tools")
+        if not fmt.json_in_tags:
+            raise ApiError(
+                400, "tool_choice 'required' or a named function is supported for models whose "
+                     "tool calls are JSON between <tool_call> tags; this model writes calls "
+                     "another way. Use tool_choice 'auto'.", code="unsupported", param="tool_choice")
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        try:
+            return tool_call_grammar(tools_for_template(body) or [], start=fmt.start, end=fmt.end,
+                                     name=name,
+                                     multiple=name is None and body.parallel_tool_calls is not False)
+        except InvalidGrammar as exc:
+            raise ApiError(400, f"The tools' parameters cannot constrain decoding: {exc}",
+                           code="invalid_value", param="tools") from None
+    fmt_body = body.response_format
+    if isinstance(fmt_body, JsonObjectFormat | JsonSchemaFormat):
+        schema = fmt_body.json_schema.schema_ if isinstance(fmt_body, JsonSchemaFormat) else None
+        param = ("response_format.json_schema.schema" if isinstance(fmt_body, JsonSchemaFormat)
+                 else "response_format")
+        try:
+            return json_schema_grammar(schema)
+        except InvalidGrammar as exc:
+            raise ApiError(400, f"Invalid schema for response_format: {exc}",
+                           code="invalid_value", param=param) from None
+    return None
 
 
 def usage_body(usage: Usage) -> UsageBody:
@@ -188,53 +316,63 @@ def usage_body(usage: Usage) -> UsageBody:
     )
 
 
-def _finish(done: DoneEvent) -> str:
-    # NOTE: "cancelled" only happens when the client left; nobody reads it, but
-    # OpenAI clients know just "stop"/"length", so never expose it.
-    return "stop" if done.finish_reason == "cancelled" else done.finish_reason
-
-
-def chat_response(rid: str, created: int, model: str, text: str, done: DoneEvent) -> ChatCompletion:
-    """The non-streamed chat completion body."""
+def chat_response(rid: str, created: int, model: str, answer: ChatAnswer,
+                  done: DoneEvent, *, logprobs: bool = False) -> ChatCompletion:
+    """The non-streamed chat completion body (after ``answer.finish(done)``)."""
     return ChatCompletion(
         id=rid, created=created, model=model,
-        choices=[ChatChoice(message=ResponseMessage(content=text), finish_reason=_finish(done))],
+        choices=[ChatChoice(
+            message=ResponseMessage(content=answer.content, tool_calls=answer.tool_calls or None),
+            finish_reason=answer.finish_reason,
+            logprobs=ChoiceLogprobs(content=answer.logprobs) if logprobs else None)],
         usage=usage_body(done.usage),
     )
 
 
-def completion_response(rid: str, created: int, model: str, text: str,
+def completion_response(rid: str, created: int, model: str, answer: CompletionAnswer,
                         done: DoneEvent) -> CompletionResponse:
-    """The non-streamed text completion body."""
+    """The non-streamed text completion body (after ``answer.finish(done)``)."""
     return CompletionResponse(
         id=rid, created=created, model=model,
-        choices=[CompletionChoice(text=text, finish_reason=_finish(done))],
+        choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason,
+                                  logprobs=answer.logprobs)],
         usage=usage_body(done.usage),
     )
 
 
 def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
-               content: str | None = None, done: DoneEvent | None = None,
-               usage_only: bool = False) -> ChatCompletionChunk:
-    """One streamed chat chunk: the role opener, a content delta, the finish, or the usage tail."""
-    if usage_only:
-        assert done is not None
+               piece: ChatPiece | None = None, finish: str | None = None,
+               usage: Usage | None = None, logprobs: bool = False) -> ChatCompletionChunk:
+    """One streamed chat chunk: the role opener, a piece of the answer, the finish, or the usage tail."""
+    if usage is not None:
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                   usage=usage_body(done.usage))
+                                   usage=usage_body(usage))
+    content: str | None = "" if role else None
+    calls: list[ToolCallDelta] | None = None
+    entries = None
+    if piece is not None:
+        content = piece.content or None
+        if piece.tool_calls:
+            calls = [ToolCallDelta(index=piece.first_call_index + n, id=c.id, type="function",
+                                   function=ToolCallDeltaFunction(name=c.function.name,
+                                                                  arguments=c.function.arguments))
+                     for n, c in enumerate(piece.tool_calls)]
+        if logprobs:
+            entries = ChoiceLogprobs(content=list(piece.logprobs))
     choice = ChatChunkChoice(
-        delta=Delta(role="assistant" if role else None, content=content),
-        finish_reason=_finish(done) if done is not None else None,
+        delta=Delta(role="assistant" if role else None, content=content, tool_calls=calls),
+        finish_reason=finish, logprobs=entries,
     )
     return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
 
 
-def completion_chunk(rid: str, created: int, model: str, *, text: str = "",
-                     done: DoneEvent | None = None,
-                     usage_only: bool = False) -> CompletionResponse:
+def completion_chunk(rid: str, created: int, model: str, *,
+                     piece: CompletionPiece | None = None, finish: str | None = None,
+                     usage: Usage | None = None) -> CompletionResponse:
     """One streamed text-completion chunk (same object as the non-streamed body)."""
-    if usage_only:
-        assert done is not None
+    if usage is not None:
         return CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                  usage=usage_body(done.usage))
-    choice = CompletionChoice(text=text, finish_reason=_finish(done) if done else None)
+                                  usage=usage_body(usage))
+    choice = CompletionChoice(text=piece.text if piece is not None else "", finish_reason=finish,
+                              logprobs=piece.logprobs if piece is not None else None)
     return CompletionResponse(id=rid, created=created, model=model, choices=[choice])

@@ -27,6 +27,7 @@ parameters with 400, and clients (the ``openai`` package included) treat
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,9 +107,15 @@ def kvtier_error_to_api(exc: KvtierError) -> ApiError:
     return ApiError(500, str(exc), type="server_error", code=exc.code)
 
 
+_UNION_MEMBER = re.compile(r"^(?:[A-Z]\w*|str|int|float|bool|none|[a-z-]+\[.*\]|function-\w+|constrained-\w+)$")
+"""Location parts pydantic adds for the member of a union it tried (``str``,
+``literal['none','auto']``, ``NamedToolChoice``): not field names."""
+
+
 def _loc_to_param(loc: Sequence[Any]) -> str | None:
     # NOTE: FastAPI prefixes the location with "body"; OpenAI names the field only.
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc
+             if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.match(p))]
     return ".".join(parts) if parts else None
 
 

@@ -11,7 +11,10 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, Self
 
+from kernels.engine import ToolFormat
 from messages.gateway import GenerationEvent, GenerationParams
+
+from ._answer import TokenSpeller
 
 __all__ = ["EnginePort", "StreamPort"]
 
@@ -59,15 +62,26 @@ class EnginePort(Protocol):
         """Token ids run ``0..vocab_size - 1`` (``None``: unknown, not checked at the edge)."""
         ...
 
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How the model writes tool calls (``None``: it cannot call tools)."""
+        ...
+
+    @property
+    def token_bytes(self) -> TokenSpeller:
+        """Spells token ids as bytes (logprob reports)."""
+        ...
+
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         params: GenerationParams | None = None,
         *,
         request_id: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         fit_context: bool = False,
     ) -> StreamPort:
-        """A not-yet-admitted chat stream."""
+        """A not-yet-admitted chat stream (``tools`` go to the chat template)."""
         ...
 
     def generate(

@@ -4,10 +4,10 @@ Requests reject unknown fields (OpenAI answers "Unrecognized request
 argument" with a 400) and validate strictly: ``"max_tokens": "10"``,
 ``"max_tokens": true`` or ``"stream": "yes"`` are 400s, as OpenAI answers,
 never coerced; ``NaN``/``Infinity`` are refused for every number. Parameters OpenAI defines but kvtier does not
-implement are accepted only at their neutral value (``n=1``,
-``logprobs=false``, penalties ``0``...), so a client that sends the default
-works and a client that relies on the feature gets a clear 400 instead of a
-silently different answer.
+implement are accepted only at their neutral value (``n=1``, ``echo=false``,
+``suffix=null``...), so a client that sends the default works and a client
+that relies on the feature gets a clear 400 instead of a silently different
+answer.
 """
 
 from __future__ import annotations
@@ -30,21 +30,49 @@ __all__ = [
     "ChatCompletionChunk",
     "ChatCompletionRequest",
     "ChatMessage",
+    "ChoiceLogprobs",
     "CompletionChoice",
+    "CompletionLogprobs",
     "CompletionRequest",
     "CompletionResponse",
     "Delta",
+    "FunctionCall",
+    "FunctionCallBody",
+    "FunctionDef",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "JsonSchemaSpec",
     "ModelCard",
     "ModelList",
+    "NamedToolChoice",
     "PromptTokensDetails",
     "ResponseMessage",
     "StreamOptions",
+    "TextFormat",
     "TextPart",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolCallBody",
+    "ToolCallDelta",
+    "ToolCallDeltaFunction",
+    "ToolDef",
+    "TopLogprob",
     "UsageBody",
 ]
 
 MAX_MESSAGES = 2048
 """Most messages one chat request may carry (more is a 400 before any rendering)."""
+
+MAX_TOOLS = 128
+"""Most tools one request may define (OpenAI's own bound)."""
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a chat request may ask for (OpenAI's bound)."""
+
+MAX_COMPLETION_LOGPROBS = 5
+"""Most alternatives per token a text completion may ask for (OpenAI's bound)."""
+
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 _STOP_MAX = 16
 _STOP_LEN_MAX = 256
@@ -63,12 +91,46 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    """The function an assistant message called: its name and JSON-encoded arguments."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """One tool call of an earlier assistant message (as the server returned it)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    """One chat message; ``content`` is a string or a list of text parts."""
+    """One chat message; ``content`` is a string or a list of text parts.
+
+    An ``assistant`` message may carry the ``tool_calls`` it made (then
+    ``content`` may be null); a ``tool`` message answers one of them and
+    names it in ``tool_call_id``.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
+    # NOTE: the openai client echoes `refusal: null` when an answer is sent back as history.
+    refusal: None = None
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        return self
 
     def text(self) -> str:
         """The message's text with parts joined."""
@@ -142,16 +204,96 @@ class _SamplingFields(_Strict):
         return self.max_tokens
 
 
+class TextFormat(_Strict):
+    """``response_format`` ``{"type": "text"}``: free text (the default)."""
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    """``response_format`` ``{"type": "json_object"}``: the answer is one JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    """The schema an answer must follow (``response_format.json_schema``)."""
+
+    name: Annotated[str, Field(pattern=_FUNCTION_NAME)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format`` ``{"type": "json_schema", ...}``: a JSON document valid under the schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                           Field(discriminator="type")]
+
+
+class FunctionDef(_Strict):
+    """A function the model may call: name, description, JSON schema of its arguments."""
+
+    name: Annotated[str, Field(pattern=_FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    """One entry of ``tools`` (functions are the only kind of tool)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    """The function ``tool_choice`` names."""
+
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` ``{"type": "function", "function": {"name": ...}}``: call exactly this one."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Literal[False] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and not any(
+                t.function.name == choice.function.name for t in self.tools or ()):
+            raise ValueError(f"tool_choice names '{choice.function.name}', which is not in tools")
+        return self
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice`` with OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -161,13 +303,6 @@ class ChatCompletionRequest(_SamplingFields):
         # after the items).
         if isinstance(v, list) and len(v) > MAX_MESSAGES:
             raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(v)}")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         return v
 
     def requested_max_tokens(self) -> int | None:
@@ -186,7 +321,7 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[_TokenIds], Field(min_length=1, max_length=1)]
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
-    logprobs: None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: None = None
 
     @model_validator(mode="after")
@@ -226,11 +361,58 @@ class UsageBody(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a step: its text, log-probability and bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(BaseModel):
+    """A generated token's log-probability, with the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """``choices[].logprobs`` of a chat answer (or of one streamed chunk)."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCallBody(BaseModel):
+    """The function a tool call invokes, with its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallBody(BaseModel):
+    """One tool call of the answer."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ResponseMessage(BaseModel):
-    """The assistant's message in a non-streamed chat response."""
+    """The assistant's message in a non-streamed chat response (``tool_calls`` only when it made some)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -239,7 +421,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -254,15 +436,33 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ToolCallDeltaFunction(BaseModel):
+    """The function part of a streamed tool call."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """One streamed tool call (kvtier sends each call whole, in one chunk)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction | None = None
+
+
 class Delta(BaseModel):
     """The increment a streamed chat chunk carries (absent fields are omitted, like OpenAI's)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
-    @model_serializer(mode="plain")
-    def _omit_absent(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -271,7 +471,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -286,13 +486,22 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """``choices[].logprobs`` of a text completion (OpenAI's legacy shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     """One choice of a (streamed or not) text completion."""
 
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -37,16 +37,37 @@ from ._generation import (
     render_chat,
     run_generation,
 )
+from ._logprobs import (
+    TokenBytes,
+    top_logprobs,
+)
 from ._sampling import (
     SamplingParams,
     make_request_processors,
     make_request_sampler,
+)
+from ._structured import (
+    GrammarProcessor,
+    GrammarViolation,
+    InvalidGrammar,
+    check_grammar,
+    json_schema_grammar,
+    prepare_grammar,
+    tool_call_grammar,
 )
 from ._thread import (
     EngineStats,
     EngineThread,
     on_engine_thread,
     require_engine_thread,
+)
+from ._tools import (
+    ParsedToolCall,
+    ToolCallSplitter,
+    ToolFormat,
+    ToolSegment,
+    parse_tool_call,
+    tool_format,
 )
 
 __all__ = [
@@ -60,8 +81,12 @@ __all__ = [
     "EngineStats",
     "EngineThread",
     "Generation",
+    "GrammarProcessor",
+    "GrammarViolation",
+    "InvalidGrammar",
     "KernelFinishReason",
     "LayerKind",
+    "ParsedToolCall",
     "RowExit",
     "RowExitReason",
     "RowSnapshot",
@@ -70,16 +95,27 @@ __all__ = [
     "SnapshotBoundary",
     "StepOutput",
     "TextStream",
+    "TokenBytes",
+    "ToolCallSplitter",
+    "ToolFormat",
+    "ToolSegment",
     "UnknownRow",
     "batch_gate",
     "batch_ssm_enabled",
+    "check_grammar",
     "encode_prompt",
+    "json_schema_grammar",
     "make_request_processors",
     "make_request_sampler",
     "model_batch_gate",
     "on_engine_thread",
+    "parse_tool_call",
+    "prepare_grammar",
     "probe_snapshot_boundary",
     "render_chat",
     "require_engine_thread",
     "run_generation",
+    "tool_call_grammar",
+    "tool_format",
+    "top_logprobs",
 ]

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kernels._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
 
 from ._detokenize import TextStream
+from ._logprobs import top_logprobs
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 from ._token_cache import piece_encoder
 
@@ -60,13 +61,17 @@ class StepOutput:
     ``text`` may be empty (bytes of a multi-byte character still pending, or
     text held back because it may start a stop string) and may carry text of
     earlier tokens released now. ``finish_reason`` is set on the last step.
-    ``logprob`` is the chosen token's log-probability when requested.
+    ``logprob`` is the chosen token's log-probability when requested;
+    ``top_logprobs`` the ``params.top_logprobs`` most likely ``(token_id,
+    logprob)`` pairs, most likely first (both from the distribution the token
+    was sampled from).
     """
 
     token_id: int
     text: str
     finish_reason: KernelFinishReason | None = None
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class Generation:
@@ -120,7 +125,7 @@ class Generation:
         self._cache_tokens: list[int] = self._prompt[:cached_tokens]
         self._cursor = cached_tokens
         self._prefill_done = False
-        self._processors = make_request_processors(params)
+        self._processors = make_request_processors(params, tokenizer=tokenizer)
         # NOTE: the penalty history is the FULL prompt (reused prefix too), so a
         # cache hit samples exactly as a cold prefill does.
         self._history: mx.array | None = mx.array(self._prompt) if self._processors else None
@@ -247,6 +252,7 @@ class Generation:
         logprob: float | None = None
         if self._params.logprobs:
             logprob = float(logprobs[token].item())  # type: ignore[arg-type]
+        top = top_logprobs(logprobs, self._params.top_logprobs) if self._params.top_logprobs else ()
         if n % _CLEAR_EVERY == 0:
             mx.clear_cache()
         self._generated.append(token)
@@ -267,7 +273,8 @@ class Generation:
             # NOTE: the queued forward (if any) already wrote its token into the
             # cache, which ``cache_tokens`` records; only the arrays are dropped.
             self._next = None
-        return StepOutput(token_id=token, text=text, finish_reason=finish, logprob=logprob)
+        return StepOutput(token_id=token, text=text, finish_reason=finish, logprob=logprob,
+                          top_logprobs=top)
 
     def _forward(self, tokens: mx.array, *, first: bool) -> tuple[mx.array, mx.array]:
         """mlx-lm's ``_step``: forward, penalties, hook, log-softmax, sample."""

@@ -25,11 +25,14 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from messages.gateway import GenerationParams
+
+from ._structured import GrammarProcessor, InvalidGrammar
 
 __all__ = [
     "LogitsProcessor",
@@ -169,8 +172,13 @@ def make_request_sampler(
     return sampler
 
 
-def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """mlx-lm logits processors for the request's bias and penalties (engine thread)."""
+def make_request_processors(params: SamplingParams, *, tokenizer: Any = None) -> list[LogitsProcessor]:
+    """mlx-lm logits processors for the request's bias, penalties and grammar (engine thread).
+
+    The grammar's mask comes last, after bias and penalties, so nothing can
+    lift a token it forbids. A request with a ``grammar`` needs the
+    ``tokenizer`` (raises :class:`InvalidGrammar` without it).
+    """
     processors: list[LogitsProcessor] = make_logits_processors(
         logit_bias=params.logit_bias,
         repetition_penalty=params.repetition_penalty,
@@ -180,4 +188,8 @@ def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:
         frequency_penalty=params.frequency_penalty,
         frequency_context_size=params.frequency_context_size,
     )
+    if params.grammar is not None:
+        if tokenizer is None:
+            raise InvalidGrammar("a constrained request needs the tokenizer to build its grammar")
+        processors.append(GrammarProcessor(tokenizer, params.grammar))
     return processors

@@ -4,11 +4,17 @@ Each request replays a script: token texts, then a finish reason, or an
 admission error raised from ``start()``, or a failure after N tokens.
 ``gate`` (an anyio Event) can hold a stream between tokens so tests control
 timing; every stream records whether it was closed and whether it ran to the end.
+
+Token ids are ``101, 102, ...`` in script order; ``token_bytes`` spells an
+id as its script text (``FAKE_EOS`` as ``<eos>``). ``logprobs`` scripts each
+token's logprob, ``top`` its alternatives. The model writes tool calls in
+mlx-lm's ``json_tools`` format (``<tool_call>{...}</tool_call>``) unless
+``tool_format`` is set to ``None``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -17,7 +23,27 @@ import anyio
 import anyio.lowlevel
 
 from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
+from kernels.engine import ToolFormat, tool_format
 from messages.gateway import DoneEvent, GenerationEvent, GenerationParams, TokenEvent, Usage
+
+FAKE_EOS = 2
+"""The fake model's end-of-sequence id (a script ends with it when ``eos=True``)."""
+
+
+def json_tools_format() -> ToolFormat:
+    """mlx-lm's ``json_tools`` format, as a Hermes-style tokenizer reports it."""
+
+    class _Tokenizer:
+        from mlx_lm.tool_parsers import json_tools as _mod
+
+        has_tool_calling = True
+        tool_call_start = _mod.tool_call_start
+        tool_call_end = _mod.tool_call_end
+        tool_parser = staticmethod(_mod.parse_tool_call)
+
+    fmt = tool_format(_Tokenizer())
+    assert fmt is not None
+    return fmt
 
 
 @dataclass
@@ -32,6 +58,9 @@ class Script:
     fail_after: int | None = None
     gate: anyio.Event | None = None
     admitted: anyio.Event | None = None
+    logprobs: Sequence[float] | None = None
+    top: Sequence[Sequence[tuple[int, float]]] | None = None
+    eos: bool = False
 
 
 @dataclass
@@ -42,6 +71,7 @@ class Call:
     payload: Any
     params: GenerationParams | None
     request_id: str | None
+    tools: Any = None
     closed: bool = False
     finished: bool = False
     events: int = 0
@@ -92,17 +122,21 @@ class FakeStream:
             await s.gate.wait()
         await anyio.lowlevel.checkpoint()
         self._call.events += 1
-        if self._i < len(s.tokens):
-            text = s.tokens[self._i]
+        if self._i < len(s.tokens) + s.eos:
+            i = self._i
             self._i += 1
-            return TokenEvent(request_id=self._call.request_id or "", index=self._i - 1,
-                              token_id=100 + self._i, text=text)
+            eos = i == len(s.tokens)
+            return TokenEvent(
+                request_id=self._call.request_id or "", index=i,
+                token_id=FAKE_EOS if eos else 101 + i, text="" if eos else s.tokens[i],
+                logprob=s.logprobs[i] if s.logprobs is not None else None,
+                top_logprobs=tuple(s.top[i]) if s.top is not None else ())
         self._done = True
         self._call.finished = True
         return DoneEvent(
             request_id=self._call.request_id or "",
             finish_reason=s.finish_reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=s.prompt_tokens, completion_tokens=len(s.tokens),
+            usage=Usage(prompt_tokens=s.prompt_tokens, completion_tokens=len(s.tokens) + s.eos,
                         cached_tokens=s.cached_tokens),
         )
 
@@ -116,6 +150,22 @@ class FakeStream:
         return self._script.prompt_tokens
 
 
+class FakeTokenBytes:
+    """Spells the fake model's ids: ``101 + i`` as the i-th text of the scripts seen so far."""
+
+    eos_token_ids = frozenset({FAKE_EOS})
+
+    def __init__(self) -> None:
+        self.texts: dict[int, bytes] = {FAKE_EOS: b"<eos>"}
+
+    def learn(self, script: Script) -> None:
+        for i, text in enumerate(script.tokens):
+            self.texts.setdefault(101 + i, text.encode())
+
+    def __call__(self, token_ids: Iterable[int]) -> list[bytes]:
+        return [self.texts.get(t, f"<{t}>".encode()) for t in token_ids]
+
+
 @dataclass
 class FakeEngine:
     """Scripted ``EnginePort``: pops one ``Script`` per request (the default when empty)."""
@@ -127,18 +177,22 @@ class FakeEngine:
     shutting_down: bool = False
     active: int = 0
     fit_context: list[bool] = field(default_factory=list)
+    tool_format: ToolFormat | None = field(default_factory=json_tools_format)
+    token_bytes: FakeTokenBytes = field(default_factory=FakeTokenBytes)
 
     def _next(self, kind: str, payload: Any, params: GenerationParams | None,
-              request_id: str | None) -> FakeStream:
+              request_id: str | None, tools: Any = None) -> FakeStream:
         script = self.scripts.pop(0) if self.scripts else Script()
-        call = Call(kind, payload, params, request_id)
+        self.token_bytes.learn(script)
+        call = Call(kind, payload, params, request_id, tools)
         self.calls.append(call)
         return FakeStream(self, script, call)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], params: GenerationParams | None = None,
-             *, request_id: str | None = None, fit_context: bool = False) -> FakeStream:
+             *, request_id: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+             fit_context: bool = False) -> FakeStream:
         self.fit_context.append(fit_context)
-        return self._next("chat", [dict(m) for m in messages], params, request_id)
+        return self._next("chat", [dict(m) for m in messages], params, request_id, tools)
 
     def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
                  *, request_id: str | None = None, fit_context: bool = False) -> FakeStream:
