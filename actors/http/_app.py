@@ -17,6 +17,7 @@ import anyio
 import anyio.to_thread
 import structlog
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
@@ -191,10 +192,34 @@ class _Cut:
 _CUT_MESSAGE = "The server is shutting down; this response was cut before its end."
 
 
+_COMPONENTS = "#/components/schemas/{model}"
+_HAND_PARSED: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+"""Bodies parsed by hand (``_parse``), described in the OpenAPI document by :func:`_openapi`."""
+
+
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI description of a body that is parsed by hand."""
+    """OpenAPI description of a body that is parsed by hand (its schema is a component)."""
     return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": model.model_json_schema()}}}}
+        "application/json": {"schema": {"$ref": _COMPONENTS.format(model=model.__name__)}}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document plus the schemas of the hand-parsed bodies as components.
+
+    NOTE: pydantic nests a model's sub-schemas under a local ``$defs`` whose
+    references (``#/$defs/...``) do not resolve inside an OpenAPI document;
+    generated with the components' reference template, every sub-schema
+    becomes a component and every reference resolves.
+    """
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in _HAND_PARSED:
+            schema = model.model_json_schema(ref_template=_COMPONENTS)
+            components.update(schema.pop("$defs", {}))
+            components[model.__name__] = schema
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def create_app(
@@ -220,6 +245,7 @@ def create_app(
     cut = _Cut()
     app.state.cut = cut
     install_error_handlers(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     async def on_client_left(_request: Request, _exc: Exception) -> Response:
         st.disconnects += 1
@@ -236,7 +262,11 @@ def create_app(
 
     # --------------------------------------------------------------- routes
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+    # NOTE: two routes, not api_route(methods=["GET", "HEAD"]): one route for
+    # both methods gives both the same OpenAPI operation id (FastAPI warns and
+    # the schema is invalid).
+    @app.get("/health", response_model=None)
+    @app.head("/health", response_model=None, operation_id="health_head")
     async def health() -> JSONResponse:
         """Liveness; 503 ``draining`` once shutdown began (no auth needed)."""
         if st.shutting_down:
