@@ -14,6 +14,7 @@ __all__ = [
     "GenerationFailed",
     "InvalidRequest",
     "KvtierError",
+    "MemoryPressure",
     "QueueFull",
     "ServerShuttingDown",
     "TurnUnavailable",
@@ -99,6 +100,13 @@ class GenerationFailed(KvtierError):
     """The model step raised on the engine thread mid-request (HTTP 500, or an SSE error event)."""
 
     code = "generation_failed"
+
+
+class MemoryPressure(KvtierError):
+    """The request's projected memory does not fit the memory budget and nothing more can be
+    reclaimed (HTTP 503); the server keeps serving smaller requests."""
+
+    code = "memory_pressure"
 
 
 class TurnUnavailable(KvtierError):

@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ._base import Body, Request
 
 __all__ = [
+    "Demote",
+    "DemoteResult",
     "EntryMeta",
     "EntryRole",
     "PromptCacheStats",
@@ -208,6 +210,42 @@ class PromptCacheStats(Body):
     ssd_failures: int = 0
     ssd_timeouts: int = 0
     demotions: int = 0
+
+
+class Demote(Request):
+    """Hand unleased RAM entries to the cold tier NOW, least recently used first (ask).
+
+    Entries unused for at least ``idle_s`` seconds qualify (0: every unleased
+    entry); ``max_bytes`` stops once that many bytes were handed (``None``:
+    no limit). With a cold tier each one leaves RAM as a spill
+    (``source="demote"``) and the spill queue owns it from then on. Without
+    one, ``dispose_without_tier`` drops them instead (memory-pressure
+    relief); otherwise nothing moves. Answered with :class:`DemoteResult`.
+    """
+
+    kind: Literal["prompt_cache.demote"] = "prompt_cache.demote"
+    idle_s: float = Field(default=0.0, ge=0)
+    max_bytes: int | None = Field(default=None, ge=0)
+    dispose_without_tier: bool = False
+
+
+class DemoteResult(Body):
+    """What a :class:`Demote` did: entries handed to the cold tier, or dropped without one.
+
+    ``spilled``/``spilled_bytes``: sent to the spill queue; ``disposed``/
+    ``disposed_bytes``: dropped without a tier; ``leased``: entries skipped
+    because a request holds them; ``left``/``left_bytes``: indexed entries
+    still in RAM afterwards.
+    """
+
+    kind: Literal["prompt_cache.demote_result"] = "prompt_cache.demote_result"
+    spilled: int = Field(default=0, ge=0)
+    spilled_bytes: int = Field(default=0, ge=0)
+    disposed: int = Field(default=0, ge=0)
+    disposed_bytes: int = Field(default=0, ge=0)
+    leased: int = Field(default=0, ge=0)
+    left: int = Field(default=0, ge=0)
+    left_bytes: int = Field(default=0, ge=0)
 
 
 class PromptCacheWake(Body):

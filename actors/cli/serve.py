@@ -11,10 +11,12 @@ the whole budget: what still runs then is cut, a stream with an error event
 and ``[DONE]``), then close the listener, stop the engine and exit 0.
 Stopping the engine first flushes the SSD tier (on by default, at
 ``$KVTIER_HOME/kv``): every RAM entry not on disk yet and every queued spill
-get another ``--shutdown-timeout`` to reach it (docs/cold-tier.md). A
-second signal cuts at once (exit 0 too: the stop was asked for); later
-signals are ignored. Exit 1: the model could not be loaded or the port
-could not be bound; exit 2: bad flags.
+get what is left of the same ``--shutdown-timeout`` (counted from the first
+signal) to reach it (docs/durability.md); the last log line
+(``serve.stopped``) says whether the state on disk is durable. A second
+signal cuts at once (exit 0 too: the stop was asked for); later signals are
+ignored. Exit 1: the model could not be loaded
+or the port could not be bound; exit 2: bad flags.
 """
 
 from __future__ import annotations
@@ -143,8 +145,28 @@ async def _serve(config: EngineConfig, aliases: tuple[str, ...]) -> int:
             # NOTE: not inside a CancelScope of ours: the engine's actor-system
             # task group must be the innermost scope when it exits.
             await engine.aclose()
-    log.info("serve.stopped")
+    _log_stopped(log, engine)
     return 0
+
+
+def _log_stopped(log: Any, engine: Any) -> None:
+    """The last log line: whether the SSD tier's state on disk is durable (docs/durability.md)."""
+    flushed = engine.final_flush
+    if engine.config.ssd_cache is None:
+        log.info("serve.stopped", durable=None, disk="no SSD tier")
+    elif flushed is None:
+        log.warning("serve.stopped", durable=False,
+                    disk=f"not durable: {engine.final_flush_error or 'no flush ran'}")
+    elif flushed.durable:
+        log.info("serve.stopped", durable=True,
+                 disk="durable: every cached prefix put before shutdown is on disk",
+                 entries=flushed.entries,
+                 longest_durable_prefix_tokens=flushed.longest_durable_prefix_tokens)
+    else:
+        log.warning("serve.stopped", durable=False,
+                    disk="not durable: some cached prefixes did not reach the disk",
+                    pending=flushed.pending, dropped=flushed.dropped, failed=flushed.failed,
+                    uncovered=flushed.uncovered, lost=flushed.lost, entries=flushed.entries)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -4,6 +4,7 @@ settings model (``config``) and the one place that spawns actors (``wiring``).""
 from __future__ import annotations
 
 from .api import (
+    CacheDemotion,
     ChatMessage,
     Completion,
     ContextTooLong,
@@ -19,6 +20,7 @@ from .api import (
     InvalidRequest,
     KvQuant,
     KvtierError,
+    MemoryPressure,
     QueueFull,
     ServerShuttingDown,
     Timings,
@@ -29,6 +31,7 @@ from .api import (
 from .config import ConfigError, EngineConfig
 
 __all__ = [
+    "CacheDemotion",
     "ChatMessage",
     "Completion",
     "ConfigError",
@@ -46,6 +49,7 @@ __all__ = [
     "InvalidRequest",
     "KvQuant",
     "KvtierError",
+    "MemoryPressure",
     "QueueFull",
     "ServerShuttingDown",
     "Timings",

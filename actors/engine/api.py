@@ -44,11 +44,13 @@ from actors.errors import (
     GenerationFailed,
     InvalidRequest,
     KvtierError,
+    MemoryPressure,
     QueueFull,
     ServerShuttingDown,
     TurnUnavailable,
 )
 from actors.gateway import BackgroundSteps
+from actors.gateway.memory_guard import MemoryGauge, MemoryGuard, Refuse, Relieve, decide
 from actors.runtime import (
     ActorRef,
     ActorSystem,
@@ -58,7 +60,15 @@ from actors.runtime import (
     RuntimeFailure,
     use_correlation,
 )
-from messages import DrainSpills, Envelope, SpillsDrained
+from messages import (
+    DrainSpills,
+    Envelope,
+    PromptCacheStats,
+    PromptCacheStatsRequest,
+    SpillQueueStats,
+    SpillQueueStatsRequest,
+    SpillsDrained,
+)
 from messages.durability import Flush, FlushResult
 from messages.gateway import (
     AdmissionReply,
@@ -77,11 +87,13 @@ from messages.gateway import (
     TurnDone,
     Usage,
 )
+from messages.prompt_cache import Demote, DemoteResult
 
 from . import wiring
 from .config import ConfigError, EngineConfig, option_names
 
 __all__ = [
+    "CacheDemotion",
     "ChatMessage",
     "Completion",
     "ContextTooLong",
@@ -97,6 +109,7 @@ __all__ = [
     "InvalidRequest",
     "KvQuant",
     "KvtierError",
+    "MemoryPressure",
     "QueueFull",
     "ServerShuttingDown",
     "Timings",
@@ -145,6 +158,7 @@ class EngineOptions(TypedDict, total=False):
     stats_timeout_s: float
     shutdown_timeout: float
     mlx_cache_limit_bytes: int | None
+    memory_budget_bytes: int | None
     max_tokens: int
     max_tokens_limit: int
     temperature: float
@@ -294,6 +308,7 @@ class GenerationStream(_StartClose):
             await anyio.to_thread.run_sync(engine._prepare_grammar, self._params.grammar)
         self._prompt_tokens = len(tokens)
         engine._check_open()
+        await engine._make_room(len(tokens), self._params.max_tokens)
         system = engine._require_system()
         inbox = system.open_inbox(engine._stream_buffer, prefix=f"stream-{self.request_id}-")
         request = Generate(
@@ -362,6 +377,9 @@ class GenerationStream(_StartClose):
             return body
         self._close_inbox()
         if isinstance(body, ErrorEvent):
+            if body.error_code == MemoryPressure.__name__:
+                # NOTE: the in-turn guard refused the request (engine thread).
+                raise MemoryPressure(body.detail)
             raise GenerationFailed(f"{body.error_code}: {body.detail}")
         raise GenerationFailed(f"unexpected message on the stream: {body.kind}")
 
@@ -469,6 +487,13 @@ class Engine(_StartClose):
         self._steps = BackgroundSteps()
         self._state = "new"
         self._ids = 0
+        self._file_port: Any = None
+        self._memory: MemoryGuard | None = None
+        self._relief_lock = anyio.Lock()
+        self._memory_counts = {"relieved": 0, "relieved_bytes": 0, "refused": 0}
+        self._shutdown_began: float | None = None
+        self._final_flush: FlushResult | None = None
+        self._final_flush_error: str | None = None
 
     @classmethod
     def from_loaded(
@@ -480,6 +505,7 @@ class Engine(_StartClose):
         identity: Any = None,
         max_context: int | None = None,
         config: EngineConfig | None = None,
+        file_port: Any = None,
         **options: Unpack[EngineOptions],
     ) -> Engine:
         """An engine over an already-built mlx-lm model and tokenizer (tests, custom loaders).
@@ -488,9 +514,12 @@ class Engine(_StartClose):
         be used from any other thread afterwards: the engine thread owns it.
         ``max_context`` is the model's context length in tokens (``None``: not
         checked); ``config`` and ``options`` are :class:`Engine`'s
-        (``config.model`` is not used).
+        (``config.model`` is not used). ``file_port`` (a
+        ``kernels.cache.FilePort``) replaces the SSD tier's file system
+        access, for tests that inject faults (``None``: the real one).
         """
         engine = cls(None, config=config, **options)
+        engine._file_port = file_port
         engine._owns_model = False
         engine._model = model
         engine._tokenizer = tokenizer
@@ -548,6 +577,7 @@ class Engine(_StartClose):
                 registry,
                 None if cold is None else cold.staging,
             )
+            self._memory = await self._memory_guard(thread, scheme)
             system = ActorSystem()
             await system.__aenter__()
         except BaseException:
@@ -568,12 +598,17 @@ class Engine(_StartClose):
                 turns=self,
                 caches=registry,
                 staging=cold.staging,
+                port=self._file_port,
             )
             cloner = RegistryCloner(registry)
         self._cold = tier
+        guard = self._memory
         parts = wiring.Parts(
             config=cfg,
-            executor=thread,
+            # NOTE: every engine job reads MLX's active memory when it ends,
+            # on the engine thread, for the guard's check before admission.
+            executor=thread if guard is None else _SamplingExecutor(thread, guard.gauge),
+            memory_guard=guard,
             backend=backend,
             registry=registry,
             prompt_cache_bytes=cap,
@@ -584,6 +619,27 @@ class Engine(_StartClose):
         self._wired = wiring.start(system, parts)
         self._gateway_ref = self._wired.ref(wiring.GATEWAY)
         self._state = "running"
+
+    async def _memory_guard(self, thread: Any, scheme: Any) -> MemoryGuard | None:
+        """The memory-pressure guard: budget, the model's footprint, a first reading (engine thread)."""
+        from kernels.cache import UnsupportedCacheKind
+
+        from .memory import active_memory_bytes, default_budget_bytes, model_footprint
+
+        budget = self._config.memory_budget_bytes
+        if budget is None:
+            budget = await thread.run(default_budget_bytes)
+        try:
+            footprint = await thread.run(
+                model_footprint, self._model, scheme, self._config.prefill_step_size
+            )
+        except (UnsupportedCacheKind, ValueError) as exc:
+            # NOTE: a cache kind the geometry does not know: serve without the guard, say so.
+            _log.warning("engine.memory_guard_off", reason=repr(exc))
+            return None
+        gauge = MemoryGauge(active_memory_bytes)
+        await thread.run(gauge.sample)
+        return MemoryGuard(budget=budget, footprint=footprint, gauge=gauge)
 
     async def _cold_settings(self, thread: Any, scheme: Any) -> _ColdSettings | None:
         """Where and under which fingerprint the SSD tier keeps its files (``None``: tier off)."""
@@ -633,6 +689,9 @@ class Engine(_StartClose):
         if self._state != "running":
             return
         self._state = "draining"
+        # NOTE: the shutdown budget (shutdown_timeout) runs from here: the
+        # drain and the final flush of aclose() share it.
+        self._shutdown_began = anyio.current_time()
         if self._system is not None:
             # NOTE: the engine-side flag refuses new requests at once; the
             # message makes the gateway refuse any already on their way.
@@ -650,7 +709,7 @@ class Engine(_StartClose):
             self.begin_shutdown()
         with use_correlation("engine-drain"):
             await self._gateway().tell(BeginShutdown())
-            await self._gateway().ask(AwaitDrained(), timeout=self._drain_timeout)
+            await self._gateway().ask(AwaitDrained(), timeout=self._shutdown_left())
 
     async def flush(self, *, timeout: float | None = None) -> FlushResult | None:
         """Write every RAM entry the cold tier does not hold yet, and wait for the spill queue.
@@ -664,6 +723,8 @@ class Engine(_StartClose):
         if wired is None or self._cold is None:
             return None
         wait = self._drain_timeout if timeout is None else timeout
+        # NOTE: one deadline for both waits, so the whole flush is bounded by ``timeout``.
+        deadline = anyio.current_time() + wait
         result: FlushResult | None = None
         with use_correlation("engine-flush"):
             if wiring.DURABILITY in wired.refs:
@@ -672,9 +733,153 @@ class Engine(_StartClose):
                 )
             if wiring.SPILL_QUEUE in wired.refs:
                 await wired.ref(wiring.SPILL_QUEUE).ask(
-                    DrainSpills(), timeout=wait, expect=SpillsDrained
+                    DrainSpills(),
+                    timeout=max(0.0, deadline - anyio.current_time()),
+                    expect=SpillsDrained,
                 )
         return result
+
+    async def demote_cache(
+        self,
+        *,
+        idle_s: float = 0.0,
+        max_bytes: int | None = None,
+        dispose_without_tier: bool = False,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> CacheDemotion | None:
+        """Move unleased RAM entries idle for ``idle_s`` seconds to the SSD tier now (LRU first).
+
+        ``max_bytes`` stops after that many bytes. With ``wait`` the call
+        returns once the spill queue is empty (every moved entry written, or
+        dropped or failed, and its memory released). Without a cold tier
+        nothing moves unless ``dispose_without_tier`` (then entries are
+        dropped). ``None`` without the RAM tier. Each ask is bounded by
+        ``timeout`` (default ``shutdown_timeout``).
+        """
+        wired = self._wired
+        if wired is None or wiring.PROMPT_CACHE not in wired.refs:
+            return None
+        wait_s = self._drain_timeout if timeout is None else timeout
+        queue = wired.refs.get(wiring.SPILL_QUEUE)
+        with use_correlation("engine-demote"):
+            before = None
+            if queue is not None and wait:
+                before = await queue.ask(
+                    SpillQueueStatsRequest(), timeout=wait_s, expect=SpillQueueStats
+                )
+            moved = await wired.ref(wiring.PROMPT_CACHE).ask(
+                Demote(idle_s=idle_s, max_bytes=max_bytes,
+                       dispose_without_tier=dispose_without_tier),
+                timeout=wait_s,
+                expect=DemoteResult,
+            )
+            after = None
+            if queue is not None and before is not None:
+                after = await queue.ask(DrainSpills(), timeout=wait_s, expect=SpillsDrained)
+        return CacheDemotion(
+            result=moved,
+            stored=None if after is None or before is None else after.stored - before.stored,
+            dropped=None if after is None or before is None else after.dropped - before.dropped,
+            failed=None if after is None or before is None else after.failed - before.failed,
+        )
+
+    async def _make_room(self, prompt_tokens: int, max_tokens: int) -> None:
+        """The memory guard before admission: fit, or persist and drop LRU RAM entries, or refuse.
+
+        Raises ``MemoryPressure`` when the request cannot fit and nothing
+        more can be reclaimed. One relief at a time (a lock), each bounded
+        by ``ask_timeout_s``.
+        """
+        guard = self._memory
+        if guard is None:
+            return
+        demand = guard.footprint.at_prefill(prompt_tokens, max_tokens)
+        verdict = decide(active=guard.gauge.active_bytes, demand=demand, budget=guard.budget,
+                         reclaimable=0)
+        if not isinstance(verdict, Relieve | Refuse):
+            return
+        async with self._relief_lock:
+            reclaimable = await self._reclaimable_bytes()
+            for _ in range(4):
+                verdict = decide(active=guard.gauge.active_bytes, demand=demand,
+                                 budget=guard.budget, reclaimable=reclaimable)
+                if isinstance(verdict, Refuse):
+                    self._memory_counts["refused"] += 1
+                    raise MemoryPressure(verdict.message())
+                if not isinstance(verdict, Relieve):
+                    return
+                freed = await self._relieve(verdict.need)
+                # NOTE: nothing handed back means nothing left to reclaim
+                # (every entry is leased or gone): the next round refuses.
+                reclaimable = 0 if freed == 0 else await self._reclaimable_bytes()
+            self._memory_counts["refused"] += 1
+            raise MemoryPressure(
+                "not enough memory for this request after moving cached entries out of memory; "
+                "retry with a shorter prompt or fewer max_tokens, or later"
+            )
+
+    async def _reclaimable_bytes(self) -> int:
+        """Bytes the RAM tier indexes (an upper bound of what a relief can hand back)."""
+        wired = self._wired
+        if wired is None or wiring.PROMPT_CACHE not in wired.refs:
+            return 0
+        try:
+            stats = await wired.ref(wiring.PROMPT_CACHE).ask(
+                PromptCacheStatsRequest(), timeout=self._ask_timeout, expect=PromptCacheStats
+            )
+        except RuntimeFailure:
+            return 0
+        return stats.bytes
+
+    async def _relieve(self, need: int) -> int:
+        """Persist LRU RAM entries worth ``need`` bytes to the SSD tier, drop them, read memory again.
+
+        Synchronous: it returns once the spill queue wrote them (or gave them
+        up) and an idle engine turn freed their arrays, so no clone is left
+        holding the memory. Without a cold tier the entries are dropped.
+        The bytes handed back (0: nothing could be).
+        """
+        try:
+            moved = await self.demote_cache(
+                max_bytes=need, dispose_without_tier=True, timeout=self._ask_timeout
+            )
+        except RuntimeFailure as exc:
+            _log.warning("engine.memory_relief_incomplete", error=repr(exc))
+            return 0
+        if moved is None:
+            return 0
+        handed = moved.result.spilled_bytes + moved.result.disposed_bytes
+        registry = self._registry
+        if registry is not None and handed:
+            try:
+                # NOTE: one idle turn drops the released arrays; the executor
+                # reads the active memory again when that job ends.
+                await self.run_when_idle(registry.drain, timeout=self._ask_timeout)
+            except (RuntimeFailure, TurnUnavailable) as exc:
+                _log.warning("engine.memory_relief_incomplete", error=repr(exc))
+        self._memory_counts["relieved"] += moved.result.spilled + moved.result.disposed
+        self._memory_counts["relieved_bytes"] += handed
+        _log.info("engine.memory_relieved", need=need, handed_bytes=handed,
+                  spilled=moved.result.spilled, disposed=moved.result.disposed)
+        return handed
+
+    @property
+    def final_flush(self) -> FlushResult | None:
+        """The flush :meth:`aclose` ran (``None``: none ran, see :attr:`final_flush_error`)."""
+        return self._final_flush
+
+    @property
+    def final_flush_error(self) -> str | None:
+        """Why :meth:`aclose`'s flush gave no result (timed out, failed); ``None`` otherwise."""
+        return self._final_flush_error
+
+    def _shutdown_left(self) -> float:
+        """Seconds left of the shutdown budget (which began with :meth:`begin_shutdown`)."""
+        began = self._shutdown_began
+        if began is None:
+            return self._drain_timeout
+        return max(0.0, began + self._drain_timeout - anyio.current_time())
 
     async def aclose(self) -> None:
         """Begin shutdown, drain in-flight requests, flush the cold tier, stop the actors and the engine thread.
@@ -691,6 +896,8 @@ class Engine(_StartClose):
             self._state = "closed"
             return
         self._state = "closing"
+        if self._shutdown_began is None:
+            self._shutdown_began = anyio.current_time()
         system = self._system
         try:
             if system is not None:
@@ -699,19 +906,7 @@ class Engine(_StartClose):
                         await self.drain()
                     except RuntimeFailure as exc:
                         _log.warning("engine.drain_incomplete", error=repr(exc))
-                    try:
-                        flushed = await self.flush()
-                    except RuntimeFailure as exc:
-                        _log.warning("engine.flush_incomplete", error=repr(exc))
-                    else:
-                        if flushed is not None and not flushed.durable:
-                            _log.warning(
-                                "engine.flush_not_durable",
-                                pending=flushed.pending,
-                                dropped=flushed.dropped,
-                                failed=flushed.failed,
-                                uncovered=flushed.uncovered,
-                            )
+                    await self._final_flush_now()
                     try:
                         await system.tell(_GATEWAY, StopTurns())
                     except RuntimeFailure:
@@ -735,6 +930,33 @@ class Engine(_StartClose):
                     except Exception as exc:  # noqa: BLE001 - closing must go on
                         _log.warning("engine.release_failed", error=repr(exc))
                     await self._engine_thread.aclose()
+
+    async def _final_flush_now(self) -> None:
+        """The shutdown flush, within what is left of the shutdown budget; its outcome is kept."""
+        if self._cold is None:
+            return
+        left = self._shutdown_left()
+        if left <= 0:
+            self._final_flush_error = "the shutdown timeout was spent before the flush could run"
+            _log.warning("engine.flush_incomplete", error=self._final_flush_error)
+            return
+        try:
+            flushed = await self.flush(timeout=left)
+        except RuntimeFailure as exc:
+            self._final_flush_error = (
+                f"the flush did not finish within the shutdown timeout ({type(exc).__name__})"
+            )
+            _log.warning("engine.flush_incomplete", error=repr(exc))
+            return
+        self._final_flush = flushed
+        if flushed is not None and not flushed.durable:
+            _log.warning(
+                "engine.flush_not_durable",
+                pending=flushed.pending,
+                dropped=flushed.dropped,
+                failed=flushed.failed,
+                uncovered=flushed.uncovered,
+            )
 
     def _release_mlx_state(self) -> None:
         """Drop every MLX array this engine owns, ON the engine thread.
@@ -997,6 +1219,18 @@ class Engine(_StartClose):
             }
         if self._system is not None:
             out["mailboxes"] = self._system.statistics().as_dict()
+        guard = self._memory
+        if guard is not None:
+            out["memory"] = {
+                "budget_bytes": guard.budget,
+                "active_bytes": guard.gauge.active_bytes,
+                "samples": guard.gauge.samples,
+                "checks_in_turn": guard.checks,
+                "refused_in_turn": guard.refused,
+                "refused_at_admission": self._memory_counts["refused"],
+                "relieved_entries": self._memory_counts["relieved"],
+                "relieved_bytes": self._memory_counts["relieved_bytes"],
+            }
         return out
 
     # --- internals -----------------------------------------------------------
@@ -1115,6 +1349,42 @@ def _make_backend(
         registry=registry,
         staging=staging,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDemotion:
+    """What :meth:`Engine.demote_cache` did: the RAM tier's answer and, after waiting, the writes.
+
+    ``stored``/``dropped``/``failed``: spill-queue items settled that way
+    between the demotion and the queue's drain (other producers' items
+    included); ``None`` when the call did not wait or there is no cold tier.
+    """
+
+    result: DemoteResult
+    stored: int | None = None
+    dropped: int | None = None
+    failed: int | None = None
+
+
+class _SamplingExecutor:
+    """An ``Executor`` that reads MLX's active memory at the end of every engine job (engine thread)."""
+
+    def __init__(self, inner: Any, gauge: MemoryGauge) -> None:
+        self._inner = inner
+        self._gauge = gauge
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn(*args)`` on the engine thread, followed by a memory reading."""
+        gauge = self._gauge
+
+        def job() -> T:
+            try:
+                return fn(*args)
+            finally:
+                gauge.sample()
+
+        future: asyncio.Future[T] = self._inner.submit(job)
+        return future
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,6 +196,17 @@ class EngineConfig(BaseModel):
         Setting("KVTIER_MLX_CACHE_LIMIT_MB", "--mlx-cache-limit", unit="MiB", scale=MIB,
                 metavar="MB", shown_default="16 MiB on the CPU, 2048 MiB on a GPU"),
     ] = None
+    memory_budget_bytes: Annotated[
+        int | None,
+        Field(gt=0, description="memory a request may count on: MLX's active memory plus its "
+                                "projected KV and prefill workspace must fit, else RAM entries "
+                                "are persisted and dropped, and failing that the request gets "
+                                "MemoryPressure (HTTP 503) (flag and variable in GiB); None = "
+                                "the smaller of usable RAM and the device's working set"),
+        Setting("KVTIER_MEMORY_BUDGET_GB", "--memory-budget", unit="GiB", scale=GIB,
+                metavar="GB", shown_default="the smaller of usable RAM and the device's "
+                                            "working set"),
+    ] = None
 
     # --- sampling defaults (a request's own fields win) -----------------------
     max_tokens: Annotated[

@@ -45,6 +45,7 @@ from actors.durability import (
 )
 from actors.durability.ports import Alarm, GatewaySteps, StepRegistry
 from actors.gateway import Backend, BackgroundSteps, Executor, Gateway, TurnRunner
+from actors.gateway.memory_guard import MemoryGuard
 from actors.prompt_cache import DRAIN_STEP, PROMPT_CACHE_ADDRESS, HandleDisposer, PromptCache
 from actors.prompt_cache import core as prompt_cache_core
 from actors.runtime import Actor, ActorRef, ActorSystem, RuntimeFailure, Supervision
@@ -147,6 +148,8 @@ class Parts:
     """The cold tier's shared state (:func:`cold_tier`); ``None``: no cold tier."""
     cloner: Cloner | None = None
     """Clones RAM entries for write-behind snapshots (``RegistryCloner``); with ``cold``."""
+    memory_guard: MemoryGuard | None = None
+    """The in-turn memory-pressure checks (``actors/gateway/memory_guard.py``); ``None``: none."""
 
 
 Factory = Callable[[], Actor]
@@ -417,6 +420,7 @@ def _runner(parts: Parts) -> Factory:
         prompt_cache=PROMPT_CACHE if parts.registry is not None else None,
         snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,
         observe_prefill=SSD_WRITER if parts.cold is not None else None,
+        memory_guard=parts.memory_guard,
     )
     return lambda: runner
 
@@ -557,6 +561,11 @@ class Wired:
 def _cold_tier_view(out: dict[str, Any]) -> None:
     """Copy the RAM tier's cold-tier figures into the ``ssd_cache`` section."""
     ssd, ram = out.get("ssd_cache"), out.get("prompt_cache")
+    if ssd is not None and ssd.get("longest_entry_tokens") is not None:
+        # NOTE: the index holds only committed files (fsync, rename, directory
+        # fsync), so its longest entry is the longest durable prefix now; the
+        # last flush's figure may be older.
+        ssd["longest_durable_prefix_tokens"] = ssd["longest_entry_tokens"]
     if ssd is None or ram is None:
         return
     for key in (

@@ -22,6 +22,7 @@ from messages.gateway import Generate
 from messages.prompt_cache import EntryRole
 
 from .burst import StepOutput
+from .memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from .ports import Backend, Registered
 
 __all__ = ["EngineWork", "Opening"]
@@ -48,6 +49,8 @@ class _Gen:
     request: Generate
     state: Any
     cached_tokens: int
+    decoded: int = 0
+    checked_at: int = 0
 
 
 class EngineWork:
@@ -56,11 +59,22 @@ class EngineWork:
     ``keep_entries``: a prompt cache takes registered entries (else a
     finished request's arrays are simply dropped). A chat request whose
     prefill completes with at least ``snapshot_min_new_tokens`` uncached
-    prompt tokens also registers a prompt-boundary snapshot.
+    prompt tokens also registers a prompt-boundary snapshot. ``guard``
+    (the memory-pressure guard) is asked before a request's generation opens
+    and every ``DECODE_CHECK_EVERY`` decode tokens; it raises
+    ``MemoryPressure``, which fails the request like any failed step.
     """
 
-    def __init__(self, backend: Backend, *, keep_entries: bool, snapshot_min_new_tokens: int = 64) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        keep_entries: bool,
+        snapshot_min_new_tokens: int = 64,
+        guard: MemoryGuard | None = None,
+    ) -> None:
         self._backend = backend
+        self._guard = guard
         self._keep = keep_entries
         self._snapshot_min = snapshot_min_new_tokens
         self._gens: dict[str, _Gen] = {}
@@ -71,7 +85,10 @@ class EngineWork:
         backend = self._backend
         try:
             cached: int | None = None
+            guard = self._guard
             if opening is not None:
+                if guard is not None:
+                    guard.before_prefill(opening.request, opening.cached_tokens)
                 if opening.staging_id is not None:
                     # NOTE: the restored bytes become MLX arrays here, inside
                     # the request's own first turn (never in a background one).
@@ -85,10 +102,16 @@ class EngineWork:
                 cached = int(state.cached_tokens)
                 self._gens[request_id] = _Gen(opening.request, state, cached)
             gen = self._gens[request_id]
+            if guard is not None and gen.decoded and gen.decoded % DECODE_CHECK_EVERY == 0 \
+                    and gen.checked_at != gen.decoded:
+                # NOTE: before the step, so a refusal loses no produced token.
+                gen.checked_at = gen.decoded
+                guard.during_decode(gen.request, len(gen.request.prompt_tokens) + gen.decoded)
             result = backend.step(gen.state)
             entries: list[tuple[EntryRole, Registered]] = []
             if result.phase == "decode":
                 self.decode_steps += 1
+                gen.decoded += 1
             point = result.prefill_complete if result.snapshot_point is None else result.snapshot_point
             if point and self._wants_snapshot(gen):
                 snap = self._cache_call("snapshot", gen, backend.snapshot)

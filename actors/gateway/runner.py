@@ -45,6 +45,7 @@ from messages.gateway import (
 from . import runner_core as rc
 from .burst import Burst, run_chain
 from .engine_work import EngineWork
+from .memory_guard import MemoryGuard
 from .ports import Backend, Executor
 from .steps import BackgroundSteps
 
@@ -66,7 +67,8 @@ class TurnRunner(Actor):
     runtime may deliver between two steps as a real engine thread allows.
     ``observe_prefill`` (an address or ``None``) receives each finished
     request's measured prefill (``ObservePrefill``, the cold tier's
-    restore-or-recompute estimator).
+    restore-or-recompute estimator). ``memory_guard`` checks each request's
+    memory before its prefill and during its decode (``memory_guard.py``).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class TurnRunner(Actor):
         snapshot_min_new_tokens: int = 64,
         chain_steps: bool = True,
         observe_prefill: str | None = None,
+        memory_guard: MemoryGuard | None = None,
     ) -> None:
         self._gateway = gateway
         self._observe_to = observe_prefill
@@ -91,6 +94,7 @@ class TurnRunner(Actor):
             backend,
             keep_entries=prompt_cache is not None,
             snapshot_min_new_tokens=snapshot_min_new_tokens,
+            guard=memory_guard,
         )
         self.state = rc.RunnerState(keep_entries=prompt_cache is not None)
         self._burst: Burst | None = None

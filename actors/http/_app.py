@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
 from messages.gateway import DoneEvent, GenerationParams, TokenEvent
 
+from ._admin import install_admin
 from ._answer import ChatAnswer, ChatPiece, CompletionAnswer, CompletionPiece, LogprobOptions
 from ._convert import (
     chat_chunk,
@@ -48,6 +49,7 @@ from ._errors import (
     kvtier_error_to_api,
     validation_to_api,
 )
+from ._metrics import HttpMetrics, MeteredEngine, install_metrics
 from ._middleware import ApiKeyMiddleware, BodyLimitMiddleware, TrailingSlashMiddleware
 from ._port import EnginePort, StreamPort
 from ._schemas import (
@@ -61,6 +63,7 @@ from ._schemas import (
 )
 from ._sse import DONE, EventStreamResponse, sse_json
 from ._state import HttpSettings, HttpState
+from ._status import install_status
 
 __all__ = ["begin_shutdown", "create_app", "cut_streams"]
 
@@ -242,6 +245,14 @@ def create_app(
                   redirect_slashes=False)
     app.state.http = st
     app.state.engine = engine
+    # NOTE: operator surfaces (/admin, /metrics, the status page) live in
+    # their own modules; generation streams are metered at this edge.
+    metrics = HttpMetrics(engine.stats, st)
+    app.state.metrics = metrics
+    install_admin(app, engine, settings)
+    install_metrics(app, metrics)
+    install_status(app)
+    engine = MeteredEngine.wrap(engine, metrics)
     cut = _Cut()
     app.state.cut = cut
     install_error_handlers(app)

@@ -17,6 +17,7 @@ body not received in time                408     invalid_request_error / request
 body larger than ``--max-body-bytes``     413     invalid_request_error / request_too_large
 ``QueueFull``                             429     rate_limit_exceeded / queue_full
 ``ServerShuttingDown``, engine not ready  503     server_error / shutting_down ...
+``MemoryPressure``                        503     server_error / memory_pressure
 anything else (a bug)                     500     server_error / internal_error
 ========================================  ======  =========================
 
@@ -42,6 +43,7 @@ from actors.errors import (
     EngineNotStarted,
     InvalidRequest,
     KvtierError,
+    MemoryPressure,
     QueueFull,
     ServerShuttingDown,
 )
@@ -100,7 +102,7 @@ def kvtier_error_to_api(exc: KvtierError) -> ApiError:
         # NOTE: Retry-After tells well-behaved clients (openai retries 429s) to back off.
         return ApiError(429, str(exc), type="rate_limit_exceeded", code=exc.code,
                         headers={"Retry-After": "1"})
-    if isinstance(exc, ServerShuttingDown | EngineNotStarted | EngineClosed):
+    if isinstance(exc, ServerShuttingDown | EngineNotStarted | EngineClosed | MemoryPressure):
         return ApiError(503, str(exc), type="server_error", code=exc.code)
     if isinstance(exc, InvalidRequest):
         return ApiError(400, str(exc), code=exc.code, param=getattr(exc, "param", None))

@@ -30,7 +30,8 @@ __all__ = [
     "send_api_error",
 ]
 
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/"})
+"""``/`` is the status page: static HTML that asks for the key before it reads ``/stats``."""
 
 
 async def send_api_error(send: Send, err: ApiError) -> None:

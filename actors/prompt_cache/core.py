@@ -56,7 +56,7 @@ from messages import (
     TakeResult,
 )
 from messages.gateway import TurnDone
-from messages.prompt_cache import PromptCacheWake
+from messages.prompt_cache import Demote, DemoteResult, PromptCacheWake
 from messages.spill_queue import Enqueue, SpillSource
 from messages.ssd_writer import Find, FindResult, Restore, RestoreResult
 
@@ -87,6 +87,7 @@ __all__ = [
     "Stopping",
     "UnknownPromptCacheMessage",
     "common_prefix_len",
+    "demote",
     "demote_idle",
     "dispose_all",
     "expire_leases",
@@ -847,6 +848,42 @@ def demote_idle(state: CoreState, now: float) -> list[Effect]:
     return effects
 
 
+def demote(state: CoreState, msg: Demote, now: float) -> list[Effect]:
+    """Hand unleased entries idle for ``msg.idle_s`` to the cold tier now (admin drain, memory relief).
+
+    Least recently used first, until ``msg.max_bytes`` were handed (``None``:
+    all). Unlike :func:`demote_idle` there is no batch limit: the asker
+    wants them out of RAM now. Without a cold tier they are disposed only
+    when ``msg.dispose_without_tier`` says so. Leased entries stay.
+    """
+    leased = sum(1 for e in state.entries.values() if e.indexed and e.leases > 0)
+    to_tier = state.spill_enabled
+    effects: list[Effect] = []
+    handed = handed_bytes = 0
+    if to_tier or msg.dispose_without_tier:
+        for entry in _demotable(state):
+            if msg.max_bytes is not None and handed_bytes >= msg.max_bytes:
+                break
+            if now - entry.used_at < msg.idle_s:
+                continue
+            handed += 1
+            handed_bytes += entry.meta.nbytes
+            if to_tier:
+                state.demotions += 1
+            effects += _unindex(state, entry, "demote" if to_tier else "dispose")
+    left = [e for e in state.entries.values() if e.indexed]
+    result = DemoteResult(
+        spilled=handed if to_tier else 0,
+        spilled_bytes=handed_bytes if to_tier else 0,
+        disposed=0 if to_tier else handed,
+        disposed_bytes=0 if to_tier else handed_bytes,
+        leased=leased,
+        left=len(left),
+        left_bytes=sum(e.meta.nbytes for e in left),
+    )
+    return [*effects, Reply(result)]
+
+
 # --- leases ------------------------------------------------------------------------------
 
 
@@ -1024,6 +1061,8 @@ def _received(state: CoreState, envelope: Envelope, now: float) -> list[Effect]:
         return release(state, message)
     if isinstance(message, PromptCacheStatsRequest):
         return [Reply(stats(state))]
+    if isinstance(message, Demote):
+        return demote(state, message, now)
     if isinstance(message, TurnDone):
         return drain_done(state, message)
     if isinstance(message, PromptCacheWake):

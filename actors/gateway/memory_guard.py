@@ -1,0 +1,234 @@
+"""The memory-pressure guard: does a request fit the memory budget? (design 5.4)
+
+The RAM tier's byte cap bounds the cache, not the process: a long prompt's
+KV, the copy a growing KV buffer makes, and a prefill chunk's activations
+come on top of it. So before a request's prefill, and every
+:data:`DECODE_CHECK_EVERY` decode tokens, the guard compares
+
+    MLX's active memory + the request's projected footprint  <=  budget
+
+where the footprint is the KV still to come (``KvGeometry.bytes_at`` of the
+prompt plus ``max_tokens``, in the KV buffers' 256-token steps), the copy
+overlap of the KV it already holds (a growing buffer is concatenated, so the
+old one lives until the new one exists) and, before prefill, the prefill
+workspace. The budget is the smaller of usable RAM and the device's working
+set unless ``EngineConfig.memory_budget_bytes`` names one.
+
+:func:`decide` is the whole decision, sans-IO: numbers in, a verdict out.
+The numbers are read elsewhere: MLX's active memory ON the engine thread
+(:class:`MemoryGauge` holds the latest reading, taken after every engine
+job), the geometry once at start. Two places act on the verdict:
+
+- before admission (``Engine``, on the loop): ``Relieve`` persists LRU RAM
+  entries to the SSD tier and drops them (``prompt_cache.Demote``, then the
+  spill queue's drain and an idle turn that frees the arrays), and decides
+  again; ``Refuse`` raises :class:`~actors.errors.MemoryPressure`.
+- inside the request's turns (:class:`MemoryGuard`, engine thread, called by
+  ``EngineWork``): nothing can be reclaimed inside a turn (writing an entry
+  needs engine turns of its own), so an over-budget request fails there with
+  ``MemoryPressure``; the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from actors.errors import MemoryPressure
+from messages.gateway import Generate
+
+__all__ = [
+    "DECODE_CHECK_EVERY",
+    "KV_STEP",
+    "Fits",
+    "Footprint",
+    "MemoryGauge",
+    "MemoryGuard",
+    "Refuse",
+    "Relieve",
+    "Verdict",
+    "decide",
+]
+
+DECODE_CHECK_EVERY = 256
+"""Decode tokens between two checks of a running request."""
+
+KV_STEP = 256
+"""mlx-lm's KV buffers grow in steps of this many tokens."""
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Fits:
+    """The request fits; ``headroom`` bytes would be left."""
+
+    headroom: int
+
+
+@dataclass(frozen=True, slots=True)
+class Relieve:
+    """Over the budget by ``need`` bytes, and RAM entries could give some back: reclaim, then decide again."""
+
+    need: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Over the budget by ``need`` bytes and nothing can be reclaimed: fail the request."""
+
+    need: int
+    active: int
+    demand: int
+    budget: int
+
+    def message(self) -> str:
+        """The client-facing explanation."""
+        return (
+            f"not enough memory for this request: it needs about {_gb(self.demand)} GiB more "
+            f"(KV cache and prefill workspace) while {_gb(self.active)} GiB are in use, over "
+            f"the memory budget of {_gb(self.budget)} GiB by {_gb(self.need)} GiB, and no "
+            "cached entry can be moved out of memory; retry with a shorter prompt or fewer "
+            "max_tokens, or later"
+        )
+
+
+Verdict = Fits | Relieve | Refuse
+
+
+def _gb(n: int) -> str:
+    return f"{n / _GIB:.3f}"
+
+
+def decide(*, active: int, demand: int, budget: int, reclaimable: int) -> Verdict:
+    """The guard's decision: fit, reclaim first, or refuse.
+
+    ``active``: MLX's active memory now; ``demand``: the request's projected
+    footprint on top of it (:meth:`Footprint.at_prefill` / :meth:`Footprint.in_decode`);
+    ``reclaimable``: bytes of RAM entries that could be persisted and
+    dropped (0 inside a turn).
+    """
+    if min(active, demand, budget, reclaimable) < 0:
+        raise ValueError("memory figures must be >= 0")
+    over = active + demand - budget
+    if over <= 0:
+        return Fits(headroom=-over)
+    if reclaimable > 0:
+        return Relieve(need=over)
+    return Refuse(need=over, active=active, demand=demand, budget=budget)
+
+
+def _steps(tokens: int) -> int:
+    """``tokens`` rounded up to the KV buffers' step."""
+    return -(-max(tokens, 0) // KV_STEP) * KV_STEP
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """What a request adds to memory, from the model's shape (pure arithmetic).
+
+    ``kv_bytes_at(n)``: the KV bytes of ``n`` tokens (``KvGeometry.bytes_at``
+    under the engine's KV scheme). The prefill workspace of one chunk of
+    ``chunk`` tokens is estimated from the shape: the hidden states of a
+    layer (``8 * hidden``: residual, norm, queries, attention output and
+    temporaries), the MLP (``3 * intermediate``: gate, up and their
+    product) in the model's ``dtype_bytes``, and the attention scores
+    (``heads * context`` float32 per token; mlx does not always fuse them
+    on the CPU).
+    """
+
+    kv_bytes_at: Callable[[int], int]
+    chunk: int
+    hidden: int = 0
+    intermediate: int = 0
+    heads: int = 0
+    dtype_bytes: int = 2
+
+    def workspace(self, tokens: int, context: int) -> int:
+        """Activation bytes of a prefill chunk of ``tokens`` tokens attending to ``context`` tokens."""
+        per_token = (8 * self.hidden + 3 * self.intermediate) * self.dtype_bytes
+        per_token += self.heads * max(context, 1) * 4
+        return max(min(tokens, self.chunk), 1) * per_token
+
+    def at_prefill(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Before prefill: the whole KV it will hold, the prompt's KV again (copy overlap), one chunk's workspace."""
+        final = self.kv_bytes_at(_steps(prompt_tokens + max_tokens))
+        overlap = self.kv_bytes_at(_steps(prompt_tokens))
+        return final + overlap + self.workspace(prompt_tokens, prompt_tokens)
+
+    def in_decode(self, tokens_now: int, final_tokens: int) -> int:
+        """During decode: the KV still to come, plus a copy of what it holds (the next growth)."""
+        now = self.kv_bytes_at(_steps(tokens_now))
+        final = self.kv_bytes_at(_steps(final_tokens))
+        return max(final - now, 0) + now
+
+
+class MemoryGauge:
+    """The latest reading of MLX's active memory, written ON the engine thread after each job.
+
+    NOTE: one int, replaced whole (atomic under the GIL); the loop reads it
+    like the engine thread's other statistics. Memory grows only inside
+    engine jobs; arrays freed between jobs make the reading high, never
+    low, so a decision on it errs on the safe side.
+    """
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self._value = 0
+        self._lock = threading.Lock()
+        self.samples = 0
+
+    def sample(self) -> int:
+        """Read now (engine thread only) and keep the reading."""
+        value = int(self._read())
+        with self._lock:
+            self._value = value
+            self.samples += 1
+        return value
+
+    @property
+    def active_bytes(self) -> int:
+        """The latest reading (any thread)."""
+        with self._lock:
+            return self._value
+
+
+@dataclass
+class MemoryGuard:
+    """The in-turn checks (engine thread): ``EngineWork`` calls them; over budget raises ``MemoryPressure``.
+
+    ``gauge`` reads MLX's active memory ON the engine thread. ``refused``
+    counts the requests failed here.
+    """
+
+    budget: int
+    footprint: Footprint
+    gauge: MemoryGauge
+    refused: int = 0
+    checks: int = 0
+
+    def before_prefill(self, request: Generate, cached_tokens: int) -> None:
+        """Before the request's first turn opens its generation.
+
+        NOTE: ``cached_tokens`` does not lower the demand: a reused prefix is
+        a view of the entry, copied into a new buffer when the cache first grows.
+        """
+        del cached_tokens
+        prompt = len(request.prompt_tokens)
+        demand = self.footprint.at_prefill(prompt, request.params.max_tokens)
+        self._check(demand)
+
+    def during_decode(self, request: Generate, tokens_now: int) -> None:
+        """Every :data:`DECODE_CHECK_EVERY` decode tokens."""
+        final = len(request.prompt_tokens) + request.params.max_tokens
+        self._check(self.footprint.in_decode(tokens_now, final))
+
+    def _check(self, demand: int) -> None:
+        self.checks += 1
+        verdict = decide(active=self.gauge.sample(), demand=demand, budget=self.budget,
+                         reclaimable=0)
+        if isinstance(verdict, Refuse):
+            self.refused += 1
+            raise MemoryPressure(verdict.message())
+
