@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from openai.types.shared_params import ResponseFormatJSONSchema
 
 from .server_process import ServerProcess
 
@@ -89,19 +90,18 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_answer_validates(client: openai.OpenAI, stream: bool) -> None:
     """response_format json_schema: the answer parses and validates, streamed or not."""
-    fmt: dict[str, object] = {"type": "json_schema",
-                              "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    fmt: ResponseFormatJSONSchema = {
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     if stream:
         chunks = client.chat.completions.create(model="default", messages=ASK, max_tokens=80,
-                                                temperature=0, response_format=fmt,  # type: ignore[arg-type]
-                                                stream=True)
+                                                temperature=0, response_format=fmt, stream=True)
         parts = [(c.choices[0].delta.content or "", c.choices[0].finish_reason)
                  for c in chunks if c.choices]
         text = "".join(p for p, _ in parts)
         finish = parts[-1][1]
     else:
         r = client.chat.completions.create(model="default", messages=ASK, max_tokens=80,
-                                           temperature=0, response_format=fmt)  # type: ignore[arg-type]
+                                           temperature=0, response_format=fmt)
         text, finish = r.choices[0].message.content or "", r.choices[0].finish_reason
     assert finish == "stop", text
     jsonschema.validate(json.loads(text), PERSON)
