@@ -38,6 +38,7 @@ __all__ = [
     "Covers",
     "CoversResult",
     "EntryWritten",
+    "FilesRemoved",
     "Find",
     "FindResult",
     "ObservePrefill",
@@ -203,7 +204,10 @@ class SsdStats(Body):
     """Gauges and lifetime counters of the cold tier's index and writer.
 
     ``bytes`` counts committed files; ``reserved_bytes`` the temp file being
-    written; their sum never exceeds ``max_bytes``. ``restore_ms_last`` is
+    written; ``leftover_bytes`` files that are on disk (or may come back
+    after a crash) but not indexed: unreadable at the startup scan, not yet
+    durably removed, or whose removal failed (``leftover_files`` of them).
+    The three together never exceed ``max_bytes`` once a write starts. ``restore_ms_last`` is
     the file read of the last restore (materializing is the caller's).
     ``choices_*`` count the restore-or-recompute advice given by ``Find``.
     ``scrubbed``/``scrubbed_bytes``: files (bytes) the idle scrubber
@@ -240,6 +244,8 @@ class SsdStats(Body):
     scrubbed: int = Field(default=0, ge=0)
     scrubbed_bytes: int = Field(default=0, ge=0)
     scrub_corrupt: int = Field(default=0, ge=0)
+    leftover_files: int = Field(default=0, ge=0)
+    leftover_bytes: int = Field(default=0, ge=0)
 
 
 # --- internal: index <-> store worker / reader --------------------------------
@@ -277,6 +283,10 @@ class EntryWritten(Request):
     """Store worker -> index: job ``job_id`` ended (committed at ``path``, or ``reason``).
 
     ``unremoved``: eviction victims whose unlink failed (still on disk).
+    ``unsynced``: eviction victims unlinked, but their directory's fsync
+    failed (they may come back after a crash). ``leftover_path`` (with
+    ``leftover_bytes``): the job's own final file after a commit whose
+    directory fsync failed: removed again, but not durably.
     """
 
     kind: Literal["ssd_writer.entry_written"] = "ssd_writer.entry_written"
@@ -288,6 +298,9 @@ class EntryWritten(Request):
     trimmable: bool = False
     min_reusable_offset: int = Field(default=0, ge=0)
     unremoved: tuple[str, ...] = ()
+    unsynced: tuple[str, ...] = ()
+    leftover_path: str | None = None
+    leftover_bytes: int = Field(default=0, ge=0)
 
 
 class WriteCommitted(Body):
@@ -295,6 +308,19 @@ class WriteCommitted(Body):
 
     kind: Literal["ssd_writer.write_committed"] = "ssd_writer.write_committed"
     remove: tuple[str, ...] = ()
+
+
+class FilesRemoved(Body):
+    """Store worker -> index: what became of the files a ``WriteCommitted`` asked it to remove.
+
+    ``removed``: unlinked (or already gone) and their directory fsynced: they
+    cannot come back. ``failed``: still on disk, or their removal is not
+    durable; the index keeps counting them.
+    """
+
+    kind: Literal["ssd_writer.files_removed"] = "ssd_writer.files_removed"
+    removed: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
 
 
 class ReadEntry(Request):
@@ -311,7 +337,9 @@ class RestoreReport(Body):
     """Reader -> index: how a read went (feeds the index, the estimator and the counters).
 
     ``touched``: the reader set the file's mtime to now (the LRU touch of a hit).
-    ``removed``: the reader found the file corrupt or mismatched and unlinked it.
+    ``removed``: the reader found the file corrupt or mismatched, unlinked it
+    and fsynced its directory (``False``: the file, or its return after a
+    crash, still takes room).
     """
 
     kind: Literal["ssd_writer.restore_report"] = "ssd_writer.restore_report"
@@ -353,7 +381,8 @@ class ScrubReport(Body):
     """Scrubber -> index: how the re-verification of ``path`` went.
 
     ``reason``: ``ok``, ``corrupt`` (a check failed; ``removed`` says whether
-    the scrubber unlinked it), ``gone`` (no longer on disk), ``io_error``.
+    the scrubber unlinked it and fsynced its directory), ``gone`` (no longer
+    on disk), ``io_error``.
     """
 
     kind: Literal["ssd_writer.scrub_report"] = "ssd_writer.scrub_report"

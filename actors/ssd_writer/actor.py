@@ -8,10 +8,11 @@ limiter, host staging); ``actors/engine/wiring.py`` spawns them:
   it only decides (``core.handle``) and never waits on a file or an engine
   turn, so ``Find`` answers stay immediate while a store or a restore runs.
 - ``ssd_writer.store`` (:class:`StoreWorker`): writes one entry at a time:
-  plan (engine turn), reserve room (asks the index), unlink LRU victims,
-  temp file, one engine turn + one positional write per tensor, commit
-  (fsync, rename, directory fsync), then reports (asks the index) and
-  unlinks what the new file superseded.
+  plan (engine turn), reserve room (asks the index), remove the victims
+  durably (unlink, directory fsync), temp file, one engine turn + one
+  positional write per tensor, commit (fsync, rename, directory fsync), then
+  reports (asks the index), removes what the new file superseded durably
+  and tells the index which of those are gone.
 - ``ssd_writer.read`` (:class:`Reader`): reads a file into host buffers
   (hashes verified in the same pass), answers the ``Restore`` asker
   directly, and reports to the index. Separate from the store worker so a
@@ -52,6 +53,7 @@ from actors.runtime import (
 from kernels.cache import (
     CacheFileCorrupt,
     CacheFileIncompatible,
+    CacheFileWriteError,
     EntryPlan,
     FileLock,
     FilePort,
@@ -74,7 +76,7 @@ from messages import (
     WriteEntry,
 )
 from messages.gateway import RunWhenIdle, TurnDone
-from messages.ssd_writer import ScrubPick, ScrubReport, ScrubTarget, ScrubWake
+from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget, ScrubWake
 
 from . import core, io
 from .ports import FileIdentity, HostStaging, StagedEntry, TensorSource
@@ -251,7 +253,15 @@ class SsdWriter(Actor):
             )
         except OSError as exc:
             _log.warning("ssd_cache.scan_failed", root=state.root, error=str(exc))
-            scan = core.ScanResult()
+            scan = core.ScanResult(incomplete=True)
+        if not state.read_only and scan.directories:
+            failed = await tier.run(io.sync_directories, tier.port, scan.directories)
+            if failed:
+                _log.warning(
+                    "ssd_cache.dir_sync_failed",
+                    directories=list(failed),
+                    detail="an earlier run's unsynced removals there may come back after a crash",
+                )
         tier.state, effects = core.load_scan(state, scan)
         await self._perform(effects, ctx)
         _log.info(
@@ -305,12 +315,15 @@ class SsdWriter(Actor):
                     )
                     await ctx.reply(request, unavailable)
             elif isinstance(effect, core.RemoveFiles):
-                left = await tier.run(io.remove_files, tier.port, effect.paths)
+                removal = await tier.run(io.remove_durably, tier.port, effect.paths)
+                core.files_removed(
+                    tier.state, FilesRemoved(removed=removal.gone, failed=removal.left)
+                )
                 _log.info(
                     "ssd_cache.removed",
                     reason=effect.reason,
-                    removed=len(effect.paths) - len(left),
-                    failed=len(left),
+                    removed=len(removal.gone),
+                    failed=len(removal.left),
                 )
             elif isinstance(effect, core.Log):
                 _log.warning(effect.event, detail=effect.detail)
@@ -356,9 +369,11 @@ class StoreWorker(Actor):
             tier.name, report, timeout=tier.config.ask_timeout, expect=WriteCommitted
         )
         if committed.remove:
-            left = await tier.run(io.remove_files, tier.port, committed.remove)
-            if left:
-                _log.warning("ssd_cache.supersede_unlink_failed", paths=list(left))
+            removal = await tier.run(io.remove_durably, tier.port, committed.remove)
+            if removal.left:
+                _log.warning("ssd_cache.supersede_unlink_failed", paths=list(removal.left))
+            # NOTE: the index counts these files until it hears they are gone.
+            await ctx.tell(tier.name, FilesRemoved(removed=removal.gone, failed=removal.left))
 
     async def _source(self, pending: Awaitable[T]) -> T:
         try:
@@ -373,6 +388,7 @@ class StoreWorker(Actor):
         plan: EntryPlan | None = None
         writer: KvFileWriter | None = None
         unremoved: tuple[str, ...] = ()
+        unsynced: tuple[str, ...] = ()
         try:
             plan = await self._source(
                 source.plan(job.handle, namespace=job.namespace, tokens=job.tokens)
@@ -385,10 +401,17 @@ class StoreWorker(Actor):
             )
             if not reserved.ok:
                 return EntryWritten(job_id=job.job_id, ok=False, reason=reserved.reason)
-            unremoved = await tier.run(io.remove_files, port, reserved.evict)
-            if unremoved:
+            # NOTE: the victims' removal is durable before the new file
+            # exists, so no crash can leave both (with more than the cap).
+            removal = await tier.run(io.remove_durably, port, reserved.evict)
+            unremoved, unsynced = removal.failed, removal.unsynced
+            if removal.left:
                 return EntryWritten(
-                    job_id=job.job_id, ok=False, reason="evict_failed", unremoved=unremoved
+                    job_id=job.job_id,
+                    ok=False,
+                    reason="evict_failed",
+                    unremoved=unremoved,
+                    unsynced=unsynced,
                 )
             directory = os.path.dirname(job.path)
             await tier.run(port.makedirs, directory)
@@ -412,16 +435,26 @@ class StoreWorker(Actor):
                 min_reusable_offset=header.min_reusable_offset,
             )
         except _SourceFailed:
-            return EntryWritten(
-                job_id=job.job_id, ok=False, reason="source_failed", unremoved=unremoved
-            )
+            return EntryWritten(job_id=job.job_id, ok=False, reason="source_failed")
         except OSError as exc:
             # NOTE: CacheFileWriteError is an OSError; the writer already
             # discarded its temp file (and the final one after a failed
             # directory fsync). A failed fsync is never retried as success.
             reason = io.store_failure_reason(exc)
             _log.warning("ssd_cache.store_failed", reason=reason, error=str(exc))
-            return EntryWritten(job_id=job.job_id, ok=False, reason=reason, unremoved=unremoved)
+            leftover: str | None = None
+            if isinstance(exc, CacheFileWriteError) and exc.step == "fsync_dir":
+                # NOTE: the rename happened; the final file was unlinked again,
+                # but neither is durable: the index counts it until a later
+                # directory fsync makes its removal durable.
+                leftover = job.path
+            return EntryWritten(
+                job_id=job.job_id,
+                ok=False,
+                reason=reason,
+                leftover_path=leftover,
+                leftover_bytes=plan.file_size if leftover is not None and plan is not None else 0,
+            )
         finally:
             with anyio.CancelScope(shield=True):
                 if writer is not None:
@@ -469,7 +502,8 @@ class Reader(Actor):
         except (CacheFileCorrupt, CacheFileIncompatible) as exc:
             removed = False
             if not state.read_only:
-                removed = not await tier.run(io.remove_files, tier.port, (body.path,))
+                removal = await tier.run(io.remove_durably, tier.port, (body.path,))
+                removed = removal.gone == (body.path,)
             _log.warning("ssd_cache.corrupt", path=body.path, error=str(exc), removed=removed)
             result = RestoreResult(ok=False, path=body.path, reason="corrupt", ticket=body.ticket)
             report = RestoreReport(path=body.path, ok=False, reason="corrupt", removed=removed)
@@ -611,9 +645,10 @@ class Scrubber(Actor):
                 max_header_bytes=tier.config.max_header_bytes,
             )
         except (CacheFileCorrupt, CacheFileIncompatible) as exc:
-            removed = not state.read_only and not await tier.run(
-                io.remove_files, tier.port, (path,)
-            )
+            removed = False
+            if not state.read_only:
+                removal = await tier.run(io.remove_durably, tier.port, (path,))
+                removed = removal.gone == (path,)
             _log.warning("ssd_cache.scrub_corrupt", path=path, error=str(exc), removed=removed)
             report = ScrubReport(path=path, ok=False, reason="corrupt", removed=removed)
             checked = target.file_bytes
@@ -660,9 +695,7 @@ def build_cold_tier(
         port=port if port is not None else OsFilePort(),
         source=source,
         state=state,
-        staging=staging if staging is not None else HostStaging(
-            max_entries=config.staging_entries
-        ),
+        staging=staging if staging is not None else HostStaging(max_entries=config.staging_entries),
         name=name,
     )
 

@@ -8,9 +8,18 @@ what its worker actors observed (``ReserveSpace``, ``EntryWritten``,
 Invariants kept here (``tests/actors/ssd_writer/test_core.py`` checks them
 against a simple model):
 
-- committed bytes plus the reservation of the file being written never
-  exceed ``max_bytes`` once a write is allowed to start (victims are taken
-  out of the index before the writer may create its temp file);
+- committed bytes plus leftover bytes plus the reservation of the file
+  being written never exceed ``max_bytes`` once a write is allowed to start
+  (victims are taken out of the index before the writer may create its temp
+  file, and the writer removes them durably first);
+- a file that leaves the index without being durably removed stays
+  counted as a *leftover* until it is: a superseded file until its unlink
+  and directory fsync are reported, a corrupt file the reader or scrubber
+  could not remove, a file the startup scan could not read, a victim or a
+  failed commit's final file whose directory fsync failed. So after any
+  crash the valid files on disk fit the cap, and the startup never has to
+  evict (the cap unchanged): it cannot drop an acknowledged entry in favour
+  of one that was evicted or never acknowledged;
 - at most one indexed file per (namespace, exact tokens);
 - a newly committed entry supersedes its strict prefix ancestors only when
   it is trimmable and may be trimmed down to the ancestor's length
@@ -23,6 +32,7 @@ against a simple model):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -49,7 +59,7 @@ from messages import (
     StoreResult,
     WriteCommitted,
 )
-from messages.ssd_writer import ScrubPick, ScrubReport, ScrubTarget
+from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -69,6 +79,7 @@ __all__ = [
     "abandon_job",
     "covers",
     "entry_name",
+    "files_removed",
     "find",
     "handle",
     "load_scan",
@@ -136,14 +147,18 @@ class ScannedFile:
     """One ``*.kvt`` file the startup scan read a header from (or failed to).
 
     ``problem`` is ``None`` for a valid header, ``corrupt`` or ``incompatible``
-    (with ``reason``) otherwise; for a valid header ``entry`` holds its facts.
+    (with ``reason``) when the header is bad, ``unreadable`` when an OS error
+    (permissions, EIO) kept the scan from reading it: no proof of corruption,
+    so the file is kept, but counted. For a valid header ``entry`` holds its
+    facts. ``file_bytes``: the size the directory listing gave.
     """
 
     path: str
     directory: str
-    problem: Literal["corrupt", "incompatible"] | None
+    problem: Literal["corrupt", "incompatible", "unreadable"] | None
     reason: str = ""
     entry: IndexEntry | None = None
+    file_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,12 +166,18 @@ class ScanResult:
     """What the startup scan observed in ``<root>``.
 
     ``foreign_dirs``: fingerprint directories other than ours (never touched).
-    ``orphans``: ``*.tmp`` files in our namespace directories.
+    ``orphans``: ``*.tmp`` files in our namespace directories, with their
+    sizes in ``orphan_bytes`` (same order). ``directories``: our namespace
+    directories. ``incomplete``: a directory could not be listed, so files
+    the scan does not know may take room.
     """
 
     files: tuple[ScannedFile, ...] = ()
     orphans: tuple[str, ...] = ()
     foreign_dirs: int = 0
+    orphan_bytes: tuple[int, ...] = ()
+    directories: tuple[str, ...] = ()
+    incomplete: bool = False
 
 
 class Estimator:
@@ -211,6 +232,8 @@ class StoreJob:
     tokens: tuple[int, ...]
     reserved: int = 0
     evicting: list[IndexEntry] = field(default_factory=list)
+    freeing: dict[str, int] = field(default_factory=dict)
+    """Leftover files taken as victims (path -> bytes), no longer counted while the job runs."""
 
 
 # --- effects (core -> shell) ------------------------------------------------
@@ -248,7 +271,11 @@ class StartRead:
 
 @dataclass(frozen=True, slots=True)
 class RemoveFiles:
-    """Unlink ``paths`` (startup scan decisions only; ``reason`` for the log)."""
+    """Unlink ``paths`` durably (startup scan decisions only; ``reason`` for the log).
+
+    They are leftovers until then: the shell reports the outcome with
+    :func:`files_removed`.
+    """
 
     paths: tuple[str, ...]
     reason: str
@@ -277,6 +304,9 @@ class IndexState:
     entries: dict[str, IndexEntry] = field(default_factory=dict)
     by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
     indexed_bytes: int = 0
+    leftovers: dict[str, int] = field(default_factory=dict)
+    stuck: set[str] = field(default_factory=set)
+    leftover_bytes: int = 0
     reserved_bytes: int = 0
     jobs: dict[str, StoreJob] = field(default_factory=dict)
     estimator: Estimator = field(default_factory=Estimator)
@@ -339,6 +369,29 @@ def _unindex(state: IndexState, entry: IndexEntry) -> None:
     if not same_ns:
         del state.by_namespace[entry.namespace]
     state.indexed_bytes -= entry.file_bytes
+
+
+def _add_leftover(state: IndexState, path: str, nbytes: int, *, stuck: bool = False) -> None:
+    """Count ``path`` (not indexed) until it is durably gone; ``stuck``: its removal failed."""
+    state.leftover_bytes += nbytes - state.leftovers.get(path, 0)
+    state.leftovers[path] = nbytes
+    if stuck:
+        state.stuck.add(path)
+    else:
+        state.stuck.discard(path)
+
+
+def _drop_leftover(state: IndexState, path: str) -> int:
+    """Stop counting ``path``; the bytes it was counted for (0 when it was not a leftover)."""
+    nbytes = state.leftovers.pop(path, 0)
+    state.leftover_bytes -= nbytes
+    state.stuck.discard(path)
+    return nbytes
+
+
+def _used(state: IndexState) -> int:
+    """Bytes that count toward the cap: indexed files, leftovers, the file being written."""
+    return state.indexed_bytes + state.leftover_bytes + state.reserved_bytes
 
 
 def _lru(state: IndexState, *, exclude: str | None = None) -> list[IndexEntry]:
@@ -499,24 +552,42 @@ def reserve(state: IndexState, envelope: Envelope, msg: ReserveSpace) -> list[Ef
     if msg.file_bytes > state.max_bytes:
         state.too_large += 1
         return [Answer(envelope, SpaceReserved(ok=False, reason="too_large"))]
+    # NOTE: victims in this order: leftovers (they serve nothing; removing one
+    # that is already unlinked only syncs its directory), then indexed entries
+    # least recently used first, then leftovers whose removal already failed
+    # once (so one undeletable file does not fail every later store).
+    stuck = sorted(p for p in state.leftovers if p in state.stuck)
+    candidates: list[str | IndexEntry] = [
+        *sorted(p for p in state.leftovers if p not in state.stuck),
+        *_lru(state),
+        *stuck,
+    ]
     victims: list[IndexEntry] = []
-    lru = iter(_lru(state))
-    while state.indexed_bytes + state.reserved_bytes + msg.file_bytes > state.max_bytes:
-        victim = next(lru, None)
-        if victim is None:
+    freeing: dict[str, int] = {}
+    evict: list[str] = []
+    for candidate in candidates:
+        if _used(state) + msg.file_bytes <= state.max_bytes:
             break
-        _unindex(state, victim)
-        victims.append(victim)
-    if state.indexed_bytes + state.reserved_bytes + msg.file_bytes > state.max_bytes:
+        if isinstance(candidate, IndexEntry):
+            _unindex(state, candidate)
+            victims.append(candidate)
+            evict.append(candidate.path)
+        else:
+            freeing[candidate] = _drop_leftover(state, candidate)
+            evict.append(candidate)
+    if _used(state) + msg.file_bytes > state.max_bytes:
         # NOTE: only other reservations can be left (not with one store worker);
         # put the victims back rather than delete files for nothing.
         for victim in victims:
             _index(state, victim)
+        for path, nbytes in freeing.items():
+            _add_leftover(state, path, nbytes, stuck=path in stuck)
         return [Answer(envelope, SpaceReserved(ok=False, reason="no_room"))]
     job.reserved = msg.file_bytes
     job.evicting = victims
+    job.freeing = freeing
     state.reserved_bytes += msg.file_bytes
-    return [Answer(envelope, SpaceReserved(ok=True, evict=tuple(v.path for v in victims)))]
+    return [Answer(envelope, SpaceReserved(ok=True, evict=tuple(evict)))]
 
 
 def _supersede(state: IndexState, new: IndexEntry) -> tuple[list[IndexEntry], list[IndexEntry]]:
@@ -545,11 +616,22 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
         return [Answer(envelope, WriteCommitted())]
     state.reserved_bytes -= job.reserved
     unremoved = set(msg.unremoved)
+    unsynced = set(msg.unsynced)
     for victim in job.evicting:
         if victim.path in unremoved:
             _index(state, victim)  # NOTE: still on disk, still valid: keep serving it.
-        else:
-            state.evicted += 1
+            continue
+        state.evicted += 1
+        if victim.path in unsynced:
+            # NOTE: gone from the directory, but it may come back after a crash.
+            _add_leftover(state, victim.path, victim.file_bytes, stuck=True)
+    for path, nbytes in job.freeing.items():
+        if path in unremoved or path in unsynced:
+            _add_leftover(state, path, nbytes, stuck=True)
+    if msg.leftover_path is not None:
+        # NOTE: a commit whose directory fsync failed: the final file was
+        # unlinked again, but neither its rename nor that unlink is durable.
+        _add_leftover(state, msg.leftover_path, msg.leftover_bytes)
     effects: list[Effect] = []
     store_body = StoreResult(handle=job.handle, stored=False, reason=msg.reason or "io_error")
     remove: list[str] = []
@@ -566,17 +648,23 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
         duplicates, ancestors = _supersede(state, new)
         for old in (*duplicates, *ancestors):
             _unindex(state, old)
-            if old.path != new.path:
-                remove.append(old.path)  # NOTE: the same name was replaced by the rename.
+            if old.path != new.path:  # NOTE: the same name was replaced by the rename.
+                remove.append(old.path)
+                _add_leftover(state, old.path, old.file_bytes)
+        # NOTE: the durable rename replaced whatever had this name before.
+        _drop_leftover(state, new.path)
         _index(state, new)
         evicted = len(job.evicting) - len(unremoved)
         # NOTE: the reservation already made room for the planned size; this
         # only matters if the committed file came out larger than planned.
+        excess = _used(state) - state.max_bytes
         for victim in _lru(state, exclude=new.path):
-            if state.indexed_bytes <= state.max_bytes:
+            if excess <= 0:
                 break
             _unindex(state, victim)
+            _add_leftover(state, victim.path, victim.file_bytes)
             remove.append(victim.path)
+            excess -= victim.file_bytes
             state.evicted += 1
             evicted += 1
         state.spills += 1
@@ -609,6 +697,16 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
     return effects
 
 
+def files_removed(state: IndexState, msg: FilesRemoved) -> list[Effect]:
+    """Stop counting leftovers that are durably gone; a failed removal is tried last from now."""
+    for path in msg.removed:
+        _drop_leftover(state, path)
+    for path in msg.failed:
+        if path in state.leftovers:
+            state.stuck.add(path)
+    return []
+
+
 def abandon_job(state: IndexState, job_id: str, reason: str) -> list[Effect]:
     """The store worker never got job ``job_id`` (it is gone): settle the ``Store`` as failed."""
     job = state.jobs.pop(job_id, None)
@@ -617,6 +715,8 @@ def abandon_job(state: IndexState, job_id: str, reason: str) -> list[Effect]:
     state.reserved_bytes -= job.reserved
     for victim in job.evicting:
         _index(state, victim)
+    for path, nbytes in job.freeing.items():
+        _add_leftover(state, path, nbytes)
     state.store_failures += 1
     return [Answer(job.request, StoreResult(handle=job.handle, stored=False, reason=reason))]
 
@@ -649,8 +749,12 @@ def restore_report(state: IndexState, msg: RestoreReport) -> list[Effect]:
     state.restore_failures += 1
     if msg.removed:
         state.corrupt_removed += 1
-    if entry is not None and (msg.removed or msg.reason == "gone"):
+    if entry is not None and msg.reason in ("corrupt", "gone"):
         _unindex(state, entry)
+        if msg.reason == "corrupt" and not msg.removed and not state.read_only:
+            # NOTE: never offered again (every Find would restore it and fail),
+            # but still on disk, or able to come back after a crash.
+            _add_leftover(state, entry.path, entry.file_bytes, stuck=True)
     return []
 
 
@@ -687,9 +791,12 @@ def scrub_report(state: IndexState, msg: ScrubReport) -> list[Effect]:
         if msg.removed:
             state.corrupt_removed += 1
     if entry is not None and msg.reason in ("corrupt", "gone"):
-        # NOTE: a corrupt file that could not be unlinked is still never
-        # offered again: every later Find would restore it and fail.
+        # NOTE: a corrupt file that could not be removed durably is still
+        # never offered again (every later Find would restore it and fail),
+        # but it keeps counting toward the cap.
         _unindex(state, entry)
+        if msg.reason == "corrupt" and not msg.removed and not state.read_only:
+            _add_leftover(state, entry.path, entry.file_bytes, stuck=True)
     return []
 
 
@@ -701,49 +808,87 @@ def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Eff
 
     Corrupt files, mismatches (another fingerprint or a namespace that does
     not hash to its directory) and temp orphans are removed and counted; of
-    two files with the same tokens the newer stays; over the cap the least
-    recently used go. A read-only tier (another server holds the directory)
-    removes nothing and indexes only valid files.
+    two files with the same tokens the newer stays; over the cap (it was
+    lowered) files the scan could not read go first, then the least recently
+    used. A file the scan could not read is otherwise kept and counted as a
+    leftover. Every file to remove is a leftover until the shell reports it
+    gone (:func:`files_removed`). A read-only tier (another server holds the
+    directory, or the scan could not list all of it) removes nothing and
+    indexes only valid files.
     """
     state.foreign_dirs = scan.foreign_dirs
-    corrupt: list[str] = []
-    duplicates: list[str] = []
+    effects: list[Effect] = []
+    if scan.incomplete and not state.read_only:
+        # NOTE: files the scan could not see take room the index cannot
+        # count; writing on would break the cap. Restores still work.
+        state.read_only = True
+        effects.append(
+            Log(
+                "ssd_cache.scan_incomplete",
+                f"a directory under {state.fingerprint_dir} could not be listed; the cold tier "
+                "stores and removes nothing in this run",
+            )
+        )
+    corrupt: list[ScannedFile] = []
+    unreadable: list[ScannedFile] = []
+    duplicates: list[IndexEntry] = []
     for f in scan.files:
         entry = f.entry
+        if f.problem == "unreadable":
+            unreadable.append(f)
+            continue
         if f.problem is not None or entry is None:
-            corrupt.append(f.path)
+            corrupt.append(f)
             continue
         if namespace_dir(entry.namespace) != os.path.basename(f.directory):
-            corrupt.append(f.path)
+            corrupt.append(f)
             continue
         existing_path = state.by_namespace.get(entry.namespace, {}).get(entry.tokens)
         if existing_path is not None:
             existing = state.entries[existing_path]
             if (existing.last_used, existing.path) >= (entry.last_used, entry.path):
-                duplicates.append(entry.path)
+                duplicates.append(entry)
                 continue
             _unindex(state, existing)
-            duplicates.append(existing.path)
+            duplicates.append(existing)
         _index(state, entry)
     state.clock = max([state.clock, *(e.last_used for e in state.entries.values())])
-    effects: list[Effect] = []
     if state.read_only:
         state.ready = True
         return state, effects
+    for f in unreadable:
+        _add_leftover(state, f.path, f.file_bytes)
     over_cap: list[str] = []
-    for victim in _lru(state):
-        if state.indexed_bytes <= state.max_bytes:
+    # NOTE: with the cap unchanged this never triggers: every removal is
+    # durable before its room is reused, so a crash cannot bring back more
+    # than the cap (docs/reliability.md).
+    victims: list[str | IndexEntry] = [*sorted(f.path for f in unreadable), *_lru(state)]
+    excess = state.indexed_bytes + state.leftover_bytes - state.max_bytes
+    for victim in victims:
+        if excess <= 0:
             break
-        _unindex(state, victim)
-        over_cap.append(victim.path)
+        if isinstance(victim, IndexEntry):
+            _unindex(state, victim)
+            _add_leftover(state, victim.path, victim.file_bytes)
+            over_cap.append(victim.path)
+            excess -= victim.file_bytes
+        else:
+            over_cap.append(victim)
+            excess -= state.leftovers[victim]
+    for f in corrupt:
+        _add_leftover(state, f.path, f.file_bytes)
+    for orphan, nbytes in itertools.zip_longest(scan.orphans, scan.orphan_bytes, fillvalue=0):
+        _add_leftover(state, str(orphan), int(nbytes))
+    for dup in duplicates:
+        _add_leftover(state, dup.path, dup.file_bytes)
     state.evicted += len(over_cap)
     state.replaced += len(duplicates)
     state.corrupt_removed += len(corrupt)
     state.orphans_reaped += len(scan.orphans)
     for paths, reason in (
-        (corrupt, "corrupt"),
+        ([f.path for f in corrupt], "corrupt"),
         (list(scan.orphans), "orphan"),
-        (duplicates, "duplicate"),
+        ([d.path for d in duplicates], "duplicate"),
         (over_cap, "over_cap"),
     ):
         if paths:
@@ -787,6 +932,8 @@ def stats(state: IndexState) -> SsdStats:
         scrubbed=state.scrubbed,
         scrubbed_bytes=state.scrubbed_bytes,
         scrub_corrupt=state.scrub_corrupt,
+        leftover_files=len(state.leftovers),
+        leftover_bytes=state.leftover_bytes,
     )
 
 
@@ -816,4 +963,6 @@ def handle(state: IndexState, envelope: Envelope) -> tuple[IndexState, list[Effe
         return state, [Answer(envelope, scrub_pick(state))]
     if isinstance(body, ScrubReport):
         return state, scrub_report(state, body)
+    if isinstance(body, FilesRemoved):
+        return state, files_removed(state, body)
     raise UnknownSsdWriterMessage(f"ssd writer has no rule for {body.kind!r}")

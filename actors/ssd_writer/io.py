@@ -35,12 +35,15 @@ __all__ = [
     "DEFAULT_MAX_BYTES_CEILING",
     "LOCK_NAME",
     "ReadOutcome",
+    "Removal",
     "default_max_bytes",
     "lock_directory",
     "read_entry",
+    "remove_durably",
     "remove_files",
     "scan",
     "store_failure_reason",
+    "sync_directories",
     "verify_entry",
 ]
 
@@ -95,35 +98,61 @@ def scan(
 ) -> ScanResult:
     """Header-only scan of ``<root>/<fingerprint>/*/``: entries, problems, orphans, foreign dirs.
 
-    A file that cannot be read for an OS reason (permissions, EIO) is left
-    alone and not indexed: that is not proof of corruption.
+    A file that cannot be read for an OS reason (permissions, EIO) is
+    reported ``unreadable`` with its listed size: that is not proof of
+    corruption, so it is kept (and counted toward the cap).
+    A directory that cannot be listed makes the result ``incomplete``: the
+    files in it are unknown, so the tier cannot keep its cap in this run.
     """
-    foreign = sum(1 for name, _ in _dirs(port, root) if name != fingerprint)
+    try:
+        foreign = sum(1 for name, _ in _dirs(port, root) if name != fingerprint)
+    except OSError:
+        foreign = 0  # NOTE: only a statistic; other fingerprints are never touched.
     files: list[ScannedFile] = []
     orphans: list[str] = []
-    for _, directory in _dirs(port, os.path.join(root, fingerprint)):
+    orphan_bytes: list[int] = []
+    directories: list[str] = []
+    try:
+        ours = _dirs(port, os.path.join(root, fingerprint))
+    except OSError:
+        return ScanResult(foreign_dirs=foreign, incomplete=True)
+    incomplete = False
+    for _, directory in ours:
+        directories.append(directory)
         try:
             listing = port.scandir(directory)
+        except FileNotFoundError:
+            continue
         except OSError:
+            incomplete = True
             continue
         for e in listing:
             if e.is_symlink or not e.is_file:
                 continue  # NOTE: never follow or delete what we did not write.
             if e.name.endswith(TEMP_SUFFIX):
                 orphans.append(e.path)
+                orphan_bytes.append(e.size)
             elif e.name.endswith(ENTRY_SUFFIX):
                 scanned = _scan_file(
                     port,
                     e.path,
                     directory,
                     e.mtime_ns,
+                    e.size,
                     fingerprint,
                     tokenizer_hash,
                     max_header_bytes,
                 )
                 if scanned is not None:
                     files.append(scanned)
-    return ScanResult(files=tuple(files), orphans=tuple(orphans), foreign_dirs=foreign)
+    return ScanResult(
+        files=tuple(files),
+        orphans=tuple(orphans),
+        foreign_dirs=foreign,
+        orphan_bytes=tuple(orphan_bytes),
+        directories=tuple(directories),
+        incomplete=incomplete,
+    )
 
 
 def _scan_file(
@@ -131,6 +160,7 @@ def _scan_file(
     path: str,
     directory: str,
     mtime_ns: int,
+    size: int,
     fingerprint: str,
     tokenizer_hash: str | None,
     max_header_bytes: int | None,
@@ -138,13 +168,18 @@ def _scan_file(
     try:
         header = _read_header(port, path, fingerprint, max_header_bytes)
     except CacheFileCorrupt as exc:
-        return ScannedFile(path, directory, "corrupt", exc.reason)
+        return ScannedFile(path, directory, "corrupt", exc.reason, file_bytes=size)
     except CacheFileIncompatible as exc:
-        return ScannedFile(path, directory, "incompatible", exc.reason)
-    except OSError:
-        return None  # NOTE: vanished or unreadable: not indexed, not deleted.
+        return ScannedFile(path, directory, "incompatible", exc.reason, file_bytes=size)
+    except FileNotFoundError:
+        return None  # NOTE: vanished since the listing.
+    except OSError as exc:
+        # NOTE: unreadable (permissions, EIO): not indexed, not deleted, counted.
+        return ScannedFile(path, directory, "unreadable", str(exc), file_bytes=size)
     if tokenizer_hash is not None and header.tokenizer_hash != tokenizer_hash:
-        return ScannedFile(path, directory, "incompatible", "tokenizer hash differs")
+        return ScannedFile(
+            path, directory, "incompatible", "tokenizer hash differs", file_bytes=size
+        )
     entry = IndexEntry(
         path=path,
         namespace=header.namespace,
@@ -154,7 +189,7 @@ def _scan_file(
         trimmable=header.trimmable,
         min_reusable_offset=header.min_reusable_offset,
     )
-    return ScannedFile(path, directory, None, entry=entry)
+    return ScannedFile(path, directory, None, entry=entry, file_bytes=size)
 
 
 def _read_header(
@@ -178,6 +213,81 @@ def remove_files(port: FilePort, paths: tuple[str, ...]) -> tuple[str, ...]:
         except OSError:
             left.append(path)
     return tuple(left)
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """What :func:`remove_durably` did with each path.
+
+    ``gone``: unlinked (or already absent) and its directory fsynced: it
+    cannot come back. ``failed``: the unlink failed; the file is still
+    there. ``unsynced``: unlinked, but its directory's fsync failed: a crash
+    may bring it back.
+    """
+
+    gone: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    unsynced: tuple[str, ...] = ()
+
+    @property
+    def left(self) -> tuple[str, ...]:
+        """Paths that may still take room: ``failed`` and ``unsynced``."""
+        return (*self.failed, *self.unsynced)
+
+
+def remove_durably(port: FilePort, paths: tuple[str, ...]) -> Removal:
+    """Unlink ``paths``, then fsync each of their directories once.
+
+    NOTE: an unlink is a directory operation like a rename: until the
+    directory is fsynced, a crash may undo it. The cold tier reuses the room
+    of a removed file only once its removal is durable, so that no crash can
+    leave more than the cap on disk. A path already absent counts as
+    unlinked (an earlier unlink whose directory fsync failed, which this
+    fsync completes).
+    """
+    unlinked: list[str] = []
+    failed: list[str] = []
+    for path in paths:
+        try:
+            port.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            failed.append(path)
+            continue
+        unlinked.append(path)
+    gone: list[str] = []
+    unsynced: list[str] = []
+    by_dir: dict[str, list[str]] = {}
+    for path in unlinked:
+        by_dir.setdefault(os.path.dirname(path), []).append(path)
+    for directory, members in by_dir.items():
+        try:
+            port.fsync_dir(directory)
+        except FileNotFoundError:
+            gone.extend(members)  # NOTE: the directory itself is gone.
+        except OSError:
+            unsynced.extend(members)  # NOTE: never retried into a success (fsyncgate).
+        else:
+            gone.extend(members)
+    return Removal(gone=tuple(gone), failed=tuple(failed), unsynced=tuple(unsynced))
+
+
+def sync_directories(port: FilePort, directories: tuple[str, ...]) -> tuple[str, ...]:
+    """fsync each directory; returns those whose fsync failed.
+
+    NOTE: the startup makes the directories it scanned durable as they are
+    now, so that an unlink an earlier run could not sync (its directory
+    fsync failed, then the process stopped) cannot come back after a later
+    crash, when this run no longer counts it.
+    """
+    failed: list[str] = []
+    for directory in directories:
+        try:
+            port.fsync_dir(directory)
+        except OSError:
+            failed.append(directory)
+    return tuple(failed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,12 +24,19 @@ every state a second crash during that startup may leave. Each is checked:
    ``stored``, or a put before a flush answered ``durable: true``) is
    served after it: by its own file or by a trimmable descendant that may
    be cut to it — unless the tier evicted it (its file was unlinked as an
-   LRU victim) before the crash.
+   LRU victim) before the crash;
+6. the startup never evicts over the cap. The cap is the one the tier ran
+   under, so this means no crash leaves more than the cap in valid entry
+   files: a removed file's room is reused only once its removal is durable.
+   (Without this, the startup's LRU eviction, going by modification times a
+   crash may have rolled back, could drop an acknowledged entry and keep
+   one that was evicted or never acknowledged.)
 
 The forward run itself is checked too (after every step, settled): no temp
-file left, the index equals the entry files on disk with their sizes, the
-cap holds on disk after every single file-system operation, every
-restored entry equals the original.
+file left, every entry file on disk is indexed or counted as a leftover
+with its size, indexed plus leftover bytes fit the cap, the cap holds on
+disk after every single file-system operation, every restored entry equals
+the original.
 
 The tier runs on the test's event loop with its worker-thread hops made
 inline (``ColdTier.run``), so the order of file operations is a pure
@@ -87,7 +94,7 @@ from messages import (
 )
 from messages.durability import Flush, FlushResult, Schedule
 from messages.gateway import RunWhenIdle, TurnDone
-from messages.ssd_writer import ScrubWake
+from messages.ssd_writer import FilesRemoved, ScrubWake
 
 T = TypeVar("T")
 
@@ -590,10 +597,13 @@ def _valid_entry(fs: CrashFS, path: str) -> bool:
 def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
     """The settled tier after a step: no temp file, index == entry files on disk, no reservation.
 
-    An entry file on disk that the index does not hold is a problem unless
-    it is a complete, exact entry: then it is recorded as *untracked* (it is
-    served correctly after the next startup, but its bytes are not counted
-    toward the cap until then) for the caller to judge.
+    An entry file on disk that the index neither holds nor counts as a
+    leftover (with its size) is a problem unless it is a complete, exact
+    entry: then it is recorded as *untracked* (it would be served after the
+    next startup, but its bytes are not counted toward the cap until then).
+    A leftover no longer on disk is fine: its removal may not be durable yet.
+    A read-only tier (its scan could not list a directory) may leave files
+    unindexed: it writes nothing.
     """
     problems = run.trace.problems
     files = _entry_files(fs)
@@ -603,10 +613,20 @@ def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
     state = run.tier.state
     on_disk = {p: n for p, n in files.items() if p.endswith(ENTRY_SUFFIX)}
     indexed = {p: e.file_bytes for p, e in state.entries.items()}
+    for path in sorted(set(indexed) & set(state.leftovers)):
+        problems.append(f"after {after}: {path} is both indexed and a leftover")
     for path in sorted(set(indexed) | set(on_disk)):
         if path not in on_disk:
             problems.append(f"after {after}: indexed {path} is not on disk")
+        elif path in state.leftovers:
+            if state.leftovers[path] != on_disk[path]:
+                problems.append(
+                    f"after {after}: leftover {path} has {on_disk[path]} bytes, "
+                    f"counted {state.leftovers[path]}"
+                )
         elif path not in indexed:
+            if state.read_only:
+                continue  # NOTE: a read-only tier writes nothing: no cap to keep.
             if _valid_entry(fs, path):
                 run.trace.untracked.append((after, path))
             else:
@@ -617,6 +637,13 @@ def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
             )
     if state.indexed_bytes != sum(indexed.values()):
         problems.append(f"after {after}: indexed_bytes {state.indexed_bytes} != sum of entries")
+    if state.leftover_bytes != sum(state.leftovers.values()):
+        problems.append(f"after {after}: leftover_bytes {state.leftover_bytes} != their sum")
+    if state.indexed_bytes + state.leftover_bytes > state.max_bytes:
+        problems.append(
+            f"after {after}: {state.indexed_bytes} indexed + {state.leftover_bytes} leftover "
+            f"bytes exceed the cap {state.max_bytes}"
+        )
     if state.reserved_bytes or state.jobs:
         problems.append(
             f"after {after}: reservations left {state.reserved_bytes} {list(state.jobs)}"
@@ -776,9 +803,10 @@ def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple
     """Start the tier on ``state`` as its start hook does, then check what it would serve.
 
     The same steps as ``SsdWriter._load``: lock the fingerprint directory,
-    scan the headers, ``core.load_scan``, perform its removals. With
-    ``record`` the returned file system holds the crash spaces of the
-    startup itself (a second crash during recovery).
+    scan the headers, sync the scanned directories, ``core.load_scan``,
+    perform its removals durably and report them. With ``record`` the
+    returned file system holds the crash spaces of the startup itself (a
+    second crash during recovery).
     """
     fs = CrashFS.mount(state, record=record)
     problems: list[str] = []
@@ -792,14 +820,23 @@ def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple
             fs, ROOT, IDENTITY.fingerprint, tokenizer_hash=IDENTITY.tokenizer_hash,
             max_header_bytes=None,
         )  # fmt: skip
+        if io.sync_directories(fs, scan.directories):
+            problems.append("startup: a directory fsync failed")
         index, effects = core.load_scan(index, scan)
         for effect in effects:
             if isinstance(effect, core.RemoveFiles) and effect.reason == "over_cap":
                 over_cap = True
+                # NOTE: the cap is the same as before the crash: the tier must
+                # never have left more than the cap where a crash can see it.
+                problems.append(
+                    f"the startup evicted over the cap: a crash left more than the cap in "
+                    f"valid files ({list(effect.paths)} evicted)"
+                )
             if isinstance(effect, core.RemoveFiles):
-                left = io.remove_files(fs, effect.paths)
-                if left:
-                    problems.append(f"startup could not remove {list(left)}")
+                removal = io.remove_durably(fs, effect.paths)
+                core.files_removed(index, FilesRemoved(removed=removal.gone, failed=removal.left))
+                if removal.left:
+                    problems.append(f"startup could not remove {list(removal.left)}")
     except Exception as exc:  # noqa: BLE001 - NOTE: any escape is the violation "startup failed".
         return Outcome([f"startup failed: {exc!r}"], []), fs
     files = _entry_files(fs)

@@ -32,7 +32,7 @@ from messages import (
     StoreResult,
     WriteCommitted,
 )
-from messages.ssd_writer import ScrubPick, ScrubReport, ScrubTarget
+from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget
 
 ROOT = "/cache"
 FP = "fp0"
@@ -120,8 +120,13 @@ def drive_store(
     trimmable: bool = True,
     min_offset: int = 0,
     fail: str = "",
+    report_removed: bool = True,
 ) -> Written:
-    """Store -> ReserveSpace -> EntryWritten, as the worker does; returns what was answered."""
+    """Store -> ReserveSpace -> EntryWritten (-> FilesRemoved), as the worker does.
+
+    ``report_removed``: tell the index that the files ``WriteCommitted`` asked
+    to remove are gone, as the worker does after removing them durably.
+    """
     request = env(store_msg(tokens, ns))
     _, fx = core.handle(state, request)
     starts = [e for e in fx if isinstance(e, core.StartWrite)]
@@ -152,6 +157,8 @@ def drive_store(
     committed = answer(fx, report)
     assert isinstance(result, StoreResult)
     assert isinstance(committed, WriteCommitted)
+    if committed.remove and report_removed:
+        core.handle(state, env(FilesRemoved(removed=committed.remove)))
     return Written(result, reserved, committed.remove)
 
 
@@ -372,6 +379,100 @@ def test_victims_that_could_not_be_unlinked_are_indexed_again() -> None:
     assert state.indexed_bytes == 60
 
 
+def _counted(state: core.IndexState) -> int:
+    """Bytes that count toward the cap between stores."""
+    return state.indexed_bytes + state.leftover_bytes
+
+
+def _reserve(state: core.IndexState, tokens: tuple[int, ...], nbytes: int) -> SpaceReserved:
+    """Store -> ReserveSpace for ``tokens``; the reservation answer."""
+    _, fx = core.handle(state, env(store_msg(tokens)))
+    (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
+    _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
+    reserved = answer(fx)
+    assert isinstance(reserved, SpaceReserved)
+    return reserved
+
+
+def _job(state: core.IndexState) -> str:
+    (job_id,) = state.jobs
+    return job_id
+
+
+def test_a_superseded_file_counts_until_its_removal_is_reported() -> None:
+    """F2: A+ supersedes A; A's bytes count as a leftover until the worker reports it durably
+    gone; a removal that failed keeps them counted."""
+    state = loaded(entry((1, 2), nbytes=30), max_bytes=100)
+    w = drive_store(state, (1, 2, 3), nbytes=40, report_removed=False)
+    (old,) = w.remove
+    assert (state.indexed_bytes, state.leftovers) == (40, {old: 30})
+    core.handle(state, env(FilesRemoved(failed=(old,))))
+    assert state.leftovers == {old: 30}
+    assert state.stuck == {old}
+    core.handle(state, env(FilesRemoved(removed=(old,))))
+    assert (state.leftovers, state.leftover_bytes, state.stuck) == ({}, 0, set())
+    stats = core.stats(state)
+    assert (stats.leftover_files, stats.leftover_bytes) == (0, 0)
+
+
+def test_leftovers_are_the_first_victims_and_stuck_ones_the_last() -> None:
+    """Room comes from leftovers first (they serve nothing), then LRU entries, then leftovers
+    whose removal already failed once."""
+    free, stuck = "/cache/fp0/x/free.kvt", "/cache/fp0/x/stuck.kvt"
+    state = loaded(entry((1,), nbytes=20, mtime=1), entry((2,), nbytes=20, mtime=2), max_bytes=100)
+    _reserve(state, (9,), 10)
+    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+                                        leftover_path=free, leftover_bytes=20)))  # fmt: skip
+    _reserve(state, (8,), 10)
+    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+                                        leftover_path=stuck, leftover_bytes=20)))  # fmt: skip
+    core.handle(state, env(FilesRemoved(failed=(stuck,))))
+    assert (state.leftover_bytes, state.stuck) == (40, {stuck})
+    reserved = _reserve(state, (3,), 60)
+    assert reserved.evict == (free, entry((1,)).path)
+    assert _counted(state) + state.reserved_bytes == 100
+    job_id = _job(state)
+    core.handle(state, env(EntryWritten(job_id=job_id, ok=True, path=state.path_of("", (3,)),
+                                        file_bytes=60, trimmable=True)))  # fmt: skip
+    assert state.leftovers == {stuck: 20}
+    reserved = _reserve(state, (4,), 90)
+    assert reserved.evict == (entry((2,)).path, state.path_of("", (3,)), stuck)
+
+
+def test_unsynced_victims_stay_counted_and_the_store_fails() -> None:
+    """Victims unlinked whose directory fsync failed may come back: they stay counted (tried
+    last from now on), the store fails, nothing is indexed for them."""
+    state = loaded(entry((1,), nbytes=60), max_bytes=100)
+    reserved = _reserve(state, (2,), 60)
+    job_id = _job(state)
+    core.handle(state, env(EntryWritten(job_id=job_id, ok=False, reason="evict_failed",
+                                        unsynced=reserved.evict)))  # fmt: skip
+    assert state.entries == {}
+    assert state.leftovers == {entry((1,)).path: 60}
+    assert state.stuck == {entry((1,)).path}
+
+
+def test_a_failed_commits_final_file_counts_until_a_store_renames_over_it() -> None:
+    """F3: the final file of a commit whose directory fsync failed is a leftover (it may come
+    back after a crash); a later commit of the same tokens renames over it durably."""
+    state = new_state(100)
+    _reserve(state, (5,), 40)
+    path = state.path_of("", (5,))
+    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+                                        leftover_path=path, leftover_bytes=40)))  # fmt: skip
+    assert (state.leftovers, state.stuck) == ({path: 40}, set())
+    reserved = _reserve(state, (6,), 70)
+    assert reserved.evict == (path,)  # NOTE: the first victim: its unlink is only synced.
+    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="io_error")))
+    assert state.leftovers == {}
+    _reserve(state, (5,), 40)
+    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+                                        leftover_path=path, leftover_bytes=40)))  # fmt: skip
+    w = drive_store(state, (5,), nbytes=40)
+    assert w.result.stored
+    assert (state.leftovers, state.indexed_bytes) == ({}, 40)
+
+
 def test_abandoned_job_answers_the_store_and_restores_victims() -> None:
     """A job the store worker never got is answered as failed, its victims indexed again."""
     state = new_state()
@@ -510,6 +611,60 @@ def test_a_read_only_scan_removes_nothing() -> None:
     assert list(state.entries) == [good.path]
 
 
+def test_scan_counts_a_file_it_could_not_read_and_evicts_it_first_over_the_cap() -> None:
+    """F1: an unreadable file is kept and counted as a leftover; over the cap (lowered) it is
+    the first to go; every removal counts until reported gone."""
+    good = entry((1, 2), nbytes=30, mtime=5)
+    older = entry((3,), nbytes=30, mtime=1)
+    unreadable = core.ScannedFile(
+        "/cache/fp0/d/eio.kvt", "/cache/fp0/d", "unreadable", "EIO", file_bytes=25
+    )
+    files = (
+        *(core.ScannedFile(e.path, os.path.dirname(e.path), None, entry=e) for e in (good, older)),
+        unreadable,
+    )
+    state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=100)
+    _, fx = core.load_scan(state, core.ScanResult(files=files))
+    assert fx == []
+    assert (state.indexed_bytes, state.leftovers) == (60, {unreadable.path: 25})
+    lowered = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=40)
+    _, fx = core.load_scan(lowered, core.ScanResult(files=files))
+    assert fx == [core.RemoveFiles((unreadable.path, older.path), "over_cap")]
+    assert list(lowered.entries) == [good.path]
+    assert lowered.leftovers == {unreadable.path: 25, older.path: 30}
+    core.files_removed(lowered, FilesRemoved(removed=(unreadable.path, older.path)))
+    assert (lowered.leftover_bytes, _counted(lowered)) == (0, 30)
+
+
+def test_an_incomplete_scan_makes_the_tier_read_only() -> None:
+    """A directory the scan could not list may hold files the index cannot count: the tier
+    stores and removes nothing in this run, and says so once."""
+    good = entry((1, 2))
+    bad = core.ScannedFile("/cache/fp0/d/bad.kvt", "/cache/fp0/d", "corrupt", "bad magic")
+    scanned = core.ScannedFile(good.path, os.path.dirname(good.path), None, entry=good)
+    state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=100)
+    _, fx = core.load_scan(state, core.ScanResult(files=(scanned, bad), incomplete=True))
+    assert [type(e) for e in fx] == [core.Log]
+    assert state.read_only
+    assert list(state.entries) == [good.path]
+    assert drive_store(state, (7, 7)).result.reason == "read_only"
+
+
+def test_a_corrupt_file_that_could_not_be_removed_stays_counted() -> None:
+    """The scrubber or the reader drops a corrupt file from the index; when its removal was
+    not durable it keeps counting toward the cap (and is tried last as a victim)."""
+    a, b, c = entry((1,), nbytes=10), entry((2,), nbytes=20), entry((3,), nbytes=30)
+    state = loaded(a, b, c)
+    core.handle(state, env(ScrubReport(path=a.path, ok=False, reason="corrupt", removed=False)))
+    core.handle(state, env(RestoreReport(path=b.path, ok=False, reason="corrupt", removed=False)))
+    core.handle(state, env(ScrubReport(path=c.path, ok=False, reason="corrupt", removed=True)))
+    assert state.entries == {}
+    assert state.leftovers == {a.path: 10, b.path: 20}
+    assert state.stuck == {a.path, b.path}
+    stats = core.stats(state)
+    assert (stats.leftover_files, stats.leftover_bytes, stats.corrupt_removed) == (2, 30, 1)
+
+
 # --- the rules against a simple model ----------------------------------------------------
 
 
@@ -613,6 +768,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert have == sorted((f.ns, f.tokens) for f in self.files)
         assert self.state.indexed_bytes == sum(f.nbytes for f in self.files) <= CAP
         assert self.state.reserved_bytes == 0
+        assert (self.state.leftovers, self.state.leftover_bytes) == ({}, 0)
 
 
 TestIndexMachine = IndexMachine.TestCase

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import anyio
@@ -90,12 +91,31 @@ class _NoSource:
         raise AssertionError("no store in this test")
 
 
-async def _run(root: Path, *, idle: bool, until: object, seconds: float) -> tuple[ColdTier, list[str]]:
+class _UndeletablePort(OsFilePort):
+    """The real file system, except that unlinking ``path`` fails with EIO."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def unlink(self, path: str) -> None:
+        """Fail for the chosen file."""
+        if path == self.path:
+            raise OSError(errno.EIO, "injected EIO", path)
+        super().unlink(path)
+
+
+async def _run(
+    root: Path, *, idle: bool, until: object, seconds: float, port: OsFilePort | None = None
+) -> tuple[ColdTier, list[str]]:
     asks: list[str] = []
     async with ActorSystem() as system:
         system.spawn("gateway", lambda: _Gateway(idle, asks))
         tier = wiring.spawn_ssd_writer(
-            system, config=_config(root), source=_NoSource(), gateway="gateway"  # type: ignore[arg-type]
+            system,
+            config=_config(root),
+            source=_NoSource(),  # type: ignore[arg-type]
+            gateway="gateway",
+            port=port,
         )
         with anyio.move_on_after(seconds):
             while True:
@@ -120,6 +140,28 @@ async def test_the_scrubber_removes_a_file_whose_tensor_went_bad(tmp_path: Path)
     good_bytes = sum(t.nbytes for t in read_header(OsFilePort(), str(good)).tensors)
     assert stats.scrubbed_bytes == (stats.scrubbed - stats.scrub_corrupt) * good_bytes
     assert set(asks) == {wiring.SCRUB_GATE_STEP}
+
+
+async def test_a_bad_file_the_scrubber_cannot_delete_still_counts_toward_the_cap(
+    tmp_path: Path,
+) -> None:
+    """The scrubber drops a bad file it cannot unlink from the index (it is never offered
+    again), but its bytes keep counting: indexed plus leftover bytes equal the bytes on disk."""
+    good = _store(tmp_path, (1, 2, 3, 4))
+    bad = _store(tmp_path, (5, 6, 7, 8, 9), flip=True)
+    tier, _ = await _run(
+        tmp_path,
+        idle=True,
+        until=lambda t: t.stats().scrub_corrupt >= 1,
+        seconds=20.0,
+        port=_UndeletablePort(bad),
+    )
+    stats = tier.stats()
+    assert (stats.scrub_corrupt, stats.corrupt_removed, stats.entries) == (1, 0, 1)
+    assert bad.exists()
+    on_disk = good.stat().st_size + bad.stat().st_size
+    assert stats.bytes + stats.leftover_bytes == on_disk
+    assert stats.leftover_files == 1
 
 
 async def test_the_scrubber_reads_nothing_while_the_engine_is_busy(tmp_path: Path) -> None:
