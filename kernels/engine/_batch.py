@@ -345,6 +345,8 @@ class BatchGeneration:
         """mlx-lm's ``GenerationBatch`` of the decoding rows, ``None`` while none decode."""
         self._next_uid = 0
         self._steps = 0
+        self._recurrent: bool | None = None
+        """Whether the model holds recurrent state (decided on the first prefill)."""
 
     # -- state ---------------------------------------------------------------
 
@@ -543,28 +545,28 @@ class BatchGeneration:
         prefilled: list[_Row] = []
         used = 0
         while self._pending:
+            group = self._group(self._step_size - used)
+            if len(group) > 1:
+                used += self._prefill_group(group, snapshots)
+                for row in group:
+                    self._pending.popleft()
+                    prefilled.append(row)
+                continue
             row = self._pending[0]
             if row.prefill is None:
-                row.prefill = self._start_prefill(row)
+                row.prefill = self._start_prefill([row])
             # NOTE: every chunk is the serial lane's chunk (prefill_step_size from
             # the row's cached offset), so a row's prefill arithmetic does not
             # depend on who else joins; the turn's budget only decides when.
             while len(row.prompt) - row.cursor > 1:
-                n = min(self._step_size, len(row.prompt) - row.cursor - 1)
-                point = row.snapshot_at
-                if point is not None and point > row.cursor:
-                    n = min(n, point - row.cursor)
+                n = self._chunk(row)
                 if used > 0 and used + n > self._step_size:
                     break
                 row.prefill.prompt([row.prompt[row.cursor : row.cursor + n]])
                 row.cursor += n
                 used += n
-                if row.cursor == point:
-                    snapshots.append(
-                        RowSnapshot(
-                            row.row_id, row.prefill.extract_cache(0), tuple(row.prefill.tokens[0])
-                        )
-                    )
+                if row.cursor == row.snapshot_at:
+                    snapshots.append(self._snapshot(row, 0))
             if len(row.prompt) - row.cursor > 1:
                 break  # NOTE: the turn's prefill budget is spent.
             self._pending.popleft()
@@ -573,17 +575,79 @@ class BatchGeneration:
             self._enter_decode(prefilled)
         return snapshots, used, [row.row_id for row in prefilled]
 
+    def _chunk(self, row: _Row) -> int:
+        """The row's next prefill chunk: at most a step, never past its snapshot point or last token."""
+        n = min(self._step_size, len(row.prompt) - row.cursor - 1)
+        point = row.snapshot_at
+        if point is not None and point > row.cursor:
+            n = min(n, point - row.cursor)
+        return n
+
+    def _snapshot(self, row: _Row, index: int) -> RowSnapshot:
+        return RowSnapshot(
+            row.row_id, row.prefill.extract_cache(index), tuple(row.prefill.tokens[index])
+        )
+
+    def _group(self, budget: int) -> list[_Row]:
+        """Pending rows not started yet whose whole prefill fits ``budget`` together (attention-only models)."""
+        if self._recurrent is None:
+            self._recurrent = batch_gate(make_prompt_cache(self._model), batch_ssm=True).recurrent
+        if self._recurrent:
+            # NOTE: recurrent state has no mask: a padded prefill would run pad
+            # tokens through it, so such rows always prefill alone.
+            return []
+        group: list[_Row] = []
+        total = 0
+        for row in self._pending:
+            need = len(row.prompt) - row.cursor - 1
+            if row.prefill is not None or total + need > budget:
+                break
+            group.append(row)
+            total += need
+        return group
+
+    def _prefill_group(self, group: list[_Row], snapshots: list[RowSnapshot]) -> int:
+        """Forward the whole uncached prefill of ``group`` in shared, right-padded forwards."""
+        # NOTE: mlx-lm's padded prefill (right padding, masked, rolled to left
+        # padding afterwards): one forward per chunk for all rows instead of one
+        # per row. Chunks still end at each row's snapshot point; a row with
+        # nothing left in a round gets an empty chunk (all padding).
+        batch = self._start_prefill(group)
+        for row in group:
+            row.prefill = batch
+        used = 0
+        while any(len(row.prompt) - row.cursor > 1 for row in group):
+            chunks: list[list[int]] = []
+            for row in group:
+                n = self._chunk(row) if len(row.prompt) - row.cursor > 1 else 0
+                chunks.append(row.prompt[row.cursor : row.cursor + n])
+                row.cursor += n
+                used += n
+            batch.prompt(chunks)
+            for index, row in enumerate(group):
+                if chunks[index] and row.cursor == row.snapshot_at:
+                    snapshots.append(self._snapshot(row, index))
+        return used
+
     def _enter_decode(self, rows: list[_Row]) -> None:
         """Move rows whose prompt but its last token is cached into the decode batch, together."""
         # NOTE: one forward of every such row's last prompt token (a batch of
         # len(rows)) instead of one forward each: on a memory-bound CPU every
-        # forward reads all the weights once.
-        first = rows[0].prefill
+        # forward reads all the weights once. Rows prefilled as a group share
+        # one prefill batch; the others are joined to it.
+        merged = rows[0].prefill
+        seen = {id(merged)}
         for row in rows[1:]:
-            first.extend(row.prefill)
+            if id(row.prefill) not in seen:
+                seen.add(id(row.prefill))
+                merged.extend(row.prefill)
         # NOTE: generate() forwards the last prompt tokens (their samples are
         # queued, read by the next step) and hands the rows' caches over.
-        ready = first.generate([row.prompt[-1:] for row in rows])
+        order = {uid: i for i, uid in enumerate(merged.uids)}
+        last: list[list[int]] = [[] for _ in order]
+        for row in rows:
+            last[order[row.uid]] = row.prompt[-1:]
+        ready = merged.generate(last)
         for row in rows:
             row.prefill = None
             row.cache = None
@@ -593,20 +657,23 @@ class BatchGeneration:
         else:
             self._batch.extend(ready)
 
-    def _start_prefill(self, row: _Row) -> Any:
-        cache = row.cache if row.cache is not None else make_prompt_cache(self._model)
-        stop = StopSequences([(t,) for t in sorted(row.stop_ids)] or None)
+    def _start_prefill(self, rows: list[_Row]) -> Any:
+        caches = [
+            row.cache if row.cache is not None else make_prompt_cache(self._model) for row in rows
+        ]
         return PromptProcessingBatch(
             self._model,
-            [row.uid],
-            [cache],
-            tokens=[row.prompt[: row.cached_tokens]],
+            [row.uid for row in rows],
+            caches,
+            tokens=[row.prompt[: row.cached_tokens] for row in rows],
             prefill_step_size=self._step_size,
-            samplers=[row.sampler],
-            fallback_sampler=row.sampler,
-            logits_processors=[row.processors],
-            stop_sequences=[stop],
-            max_tokens=[row.params.max_tokens],
+            samplers=[row.sampler for row in rows],
+            fallback_sampler=rows[0].sampler,
+            logits_processors=[row.processors for row in rows],
+            stop_sequences=[
+                StopSequences([(t,) for t in sorted(row.stop_ids)] or None) for row in rows
+            ],
+            max_tokens=[row.params.max_tokens for row in rows],
         )
 
     def _remove_decoding(self, row: _Row) -> tuple[list[Any], list[int]]:

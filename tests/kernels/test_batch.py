@@ -633,3 +633,50 @@ def test_default_model_rows_match_serial_greedy(default_model_path: Path) -> Non
     for p in plans:
         serial = [o.token_id for o in _serial(lm.model, lm.tokenizer, p.prompt, p.params, step=64)]
         assert_greedy_parity(lm.model, p.prompt, serial, run.ids(p.row_id))
+
+
+class ForwardSpy:
+    """Delegates to a model and records the (batch, tokens) shape of every forward."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.shapes: list[tuple[int, int]] = []
+
+    def __call__(self, inputs: mx.array, **kw: Any) -> Any:
+        self.shapes.append((int(inputs.shape[0]), int(inputs.shape[1])))
+        return self._model(inputs, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def test_rows_starting_together_prefill_as_one_padded_group(model: Any, tok: Any) -> None:
+    """Rows that start in one step share padded prefill forwards; snapshots and tokens still equal serial."""
+    prompts = _prompts(len(tok), 3, seed=13, lo=20, hi=40)
+    points = [10, len(prompts[1]) - 1, None]
+    params = SamplingParams(max_tokens=10)
+    plans = [
+        Plan(str(i), p, params, snapshot_at=pt)
+        for i, (p, pt) in enumerate(zip(prompts, points, strict=True))
+    ]
+    spy = ForwardSpy(model)
+    run = drive(BatchGeneration(spy, tok, prefill_step_size=2048), plans)
+    assert run.steps[0][2] == sum(len(p) - 1 for p in prompts), (
+        "all three prefilled in the first step"
+    )
+    assert spy.shapes[0][0] == 3, (
+        f"the first forward is the group's padded prefill: {spy.shapes[:3]}"
+    )
+    for i, p in enumerate(prompts):
+        assert run.ids(str(i)) == [o.token_id for o in _serial(model, tok, p, params)]
+    for i in (0, 1):
+        snap = run.snapshots[str(i)]
+        point = points[i]
+        assert point is not None
+        assert snap.cache_tokens == tuple(prompts[i][:point])
+        gen = Generation(model, tok, prompts[i][: point + 1], params)
+        while not gen.prefill_step():
+            pass
+        for ours, theirs in zip(snap.cache, gen.cache, strict=True):
+            assert mx.allclose(ours.keys, theirs.keys[..., : theirs.offset, :], atol=1e-5).item()
+    assert "2" not in run.snapshots
