@@ -15,7 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx.nn.layers.base import Module
 from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_load
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kernels import ensure_default_model
 from tests.tiny_models import tiny_llama
@@ -26,6 +29,7 @@ __all__ = [
     "default_model_path",
     "default_model_q4_path",
     "llama_cpp_permute",
+    "mlx_lm_load",
     "tiny_gguf_metadata",
     "tiny_llama_gguf",
 ]
@@ -137,7 +141,9 @@ def tiny_llama_gguf(path: Path, *, seed: int = 0, layers: int = 2) -> Any:
     vocab = len(_tiny_tokens())
     model = tiny_llama(seed=seed, vocab_size=vocab, layers=layers)
     tensors: dict[str, mx.array] = {}
-    for name, w in tree_flatten(model.parameters()):
+    flat = tree_flatten(model.parameters())
+    assert isinstance(flat, list)  # a list of (name, array) without ``destination``
+    for name, w in flat:
         if name.endswith("self_attn.q_proj.weight"):
             w = llama_cpp_permute(w, 4)
         elif name.endswith("self_attn.k_proj.weight"):
@@ -145,3 +151,12 @@ def tiny_llama_gguf(path: Path, *, seed: int = 0, layers: int = 2) -> Any:
         tensors[_gguf_name(name)] = w
     mx.save_gguf(str(path), tensors, tiny_gguf_metadata(vocab_size=vocab, layers=layers))
     return model
+
+
+def mlx_lm_load(path: Path) -> tuple[Module, TokenizerWrapper]:
+    """``mlx_lm.load`` of a local model directory without ``return_config``: (model, tokenizer)."""
+    # NOTE: mlx-lm types its result as a union of the 2- and 3-tuple forms.
+    loaded = mlx_load(str(path))
+    assert len(loaded) == 2
+    model, tokenizer = loaded
+    return model, tokenizer

@@ -5,11 +5,13 @@ Seeded, so two calls with the same arguments build identical weights.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import llama
+
+if TYPE_CHECKING:
+    from mlx_lm.models import gemma3_text, mamba
 
 
 def tiny_llama(
@@ -19,7 +21,7 @@ def tiny_llama(
     layers: int = 2,
     dtype: Any = None,
     head_dim: int | None = None,
-) -> nn.Module:
+) -> llama.Model:
     """A 2-layer Llama (grouped-query attention, tied embeddings) with random weights.
 
     ``head_dim`` defaults to 16 (64 / 4 heads); quantized-KV tests pass 32 so
@@ -47,7 +49,7 @@ def tiny_llama(
 
 def tiny_gemma3(
     *, seed: int = 0, vocab_size: int = 256, layers: int = 3, sliding_window: int = 8, dtype: Any = None
-) -> nn.Module:
+) -> gemma3_text.Model:
     """A Gemma 3 text model whose local layers use ``RotatingKVCache(sliding_window)``.
 
     With ``sliding_window_pattern=3`` and 3 layers, layers 0 and 1 are sliding
@@ -76,7 +78,7 @@ def tiny_gemma3(
     return model
 
 
-def tiny_mamba(*, seed: int = 0, vocab_size: int = 256, layers: int = 2, dtype: Any = None) -> nn.Module:
+def tiny_mamba(*, seed: int = 0, vocab_size: int = 256, layers: int = 2, dtype: Any = None) -> mamba.Model:
     """A Mamba (selective state space) model: every layer holds recurrent ``ArraysCache`` state."""
     from mlx_lm.models import mamba
 

@@ -92,10 +92,17 @@ class ScriptedBackend:
         self._log = log
         self._chunk = chunk
 
-    def open(self, request: Generate, handle: str | None, cached_tokens: int) -> _FakeGen:
-        """A fake generation state for ``request`` (it "reuses" what the lookup found)."""
+    def open(
+        self,
+        request: Generate,
+        handle: str | None,
+        cached_tokens: int,
+        *,
+        staging_id: str | None = None,
+    ) -> _FakeGen:
+        """A fake generation state for ``request`` (it "reuses" what the lookup found, RAM or SSD)."""
         gen = _FakeGen(request.request_id, request.prompt_tokens, request.params.max_tokens)
-        gen.cursor = gen.cached_tokens = cached_tokens if handle else 0
+        gen.cursor = gen.cached_tokens = cached_tokens if handle or staging_id else 0
         return gen
 
     def step(self, gen: _FakeGen) -> StepResult:

@@ -170,19 +170,20 @@ def _hostile_variants(valid: bytes, scratch: Path, fingerprint: str) -> list[byt
     shape is left out)."""
     from kernels.cache import CacheFileCorrupt, CacheFileIncompatible, read_header
     from kernels.cache._file_port import OsFilePort
+    from kernels.cache._kv_file import PREAMBLE_SIZE
     from tests.kernels.cache import test_kv_file_hostile as corpus
 
     header_len = struct.unpack("<I", valid[12:16])[0]
     edits: list[Any] = [
         lambda p: p.write_bytes(valid[: len(valid) // 2]),  # truncated in the data
-        lambda p: p.write_bytes(valid[: corpus.PREAMBLE_SIZE + header_len // 2]),  # in the header
+        lambda p: p.write_bytes(valid[: PREAMBLE_SIZE + header_len // 2]),  # in the header
         lambda p: p.write_bytes(valid[:20]),  # inside the preamble
         lambda p: p.write_bytes(valid + b"\x00"),  # appended bytes
         lambda p: corpus._flip(p, 3),  # wrong magic
         lambda p: p.write_bytes(valid[:8] + struct.pack("<I", 2) + valid[12:]),  # version 2
         lambda p: p.write_bytes(valid[:12] + struct.pack("<I", 1 << 31) + valid[16:]),  # len past end
         lambda p: p.write_bytes(valid[:12] + struct.pack("<I", 0xFFFFFFFF) + valid[16:]),  # huge
-        lambda p: corpus._flip(p, corpus.PREAMBLE_SIZE + 40, 2),  # a flipped header bit
+        lambda p: corpus._flip(p, PREAMBLE_SIZE + 40, 2),  # a flipped header bit
         lambda p: corpus._edit_text(p, lambda s: '{"model_id":"x",' + s[1:]),  # duplicate key
         lambda p: corpus._edit_json(p, lambda o: o.update(fingerprint="someone-else")),  # foreign
     ]

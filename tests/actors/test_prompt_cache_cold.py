@@ -318,19 +318,19 @@ def test_every_take_is_answered_once_and_every_staged_byte_has_one_owner(steps: 
             apply(core.Received(env, now))
         elif step in ("find_more", "find_none") and state.pending:
             take_id = next(iter(state.pending))
-            body = _found(10, 12) if step == "find_more" else FindResult()
-            apply(core.Received(_envelope(body, causation=f"ask-{take_id}-Find"), now))
+            found = _found(10, 12) if step == "find_more" else FindResult()
+            apply(core.Received(_envelope(found, causation=f"ask-{take_id}-Find"), now))
         elif step in ("restore_ok", "restore_bad"):
             # NOTE: answers may also come for lookups that already ended (late).
             ticket = next(iter(state.pending), "take-gone")
             sid = f"st-{next(staged)}"
             ok = step == "restore_ok"
-            body = RestoreResult(
+            restored = RestoreResult(
                 ok=ok, path="/f.kvt", staging_id=sid if ok else None, entry_tokens=12, ticket=ticket
             )
             if ok:
                 given_out[sid] += 0
-            apply(core.Received(_envelope(body), now))
+            apply(core.Received(_envelope(restored), now))
         elif step == "tick":
             now += 2.0
             apply(core.Received(_envelope(core_wake()), now))

@@ -59,7 +59,14 @@ class GatedBackend:
         self.decode_steps = 0
         self.threads: set[str] = set()
 
-    def open(self, request: Generate, handle: str | None, cached_tokens: int) -> _Gen:
+    def open(
+        self,
+        request: Generate,
+        handle: str | None,
+        cached_tokens: int,
+        *,
+        staging_id: str | None = None,
+    ) -> _Gen:
         """A fresh fake generation."""
         return _Gen(request.params.max_tokens)
 

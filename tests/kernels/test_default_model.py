@@ -10,8 +10,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+
+# NOTE: the layer classes come from their defining modules: mlx.nn re-exports
+# them without ``__all__``/``as``, which mypy's no-implicit-reexport hides.
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.linear import Linear
+from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from mlx_lm import generate as mlx_generate
-from mlx_lm import load as mlx_load
 
 from actors.cli import main as cli_main
 from kernels import (
@@ -25,6 +30,7 @@ from kernels import (
     load_model,
 )
 from kernels.model._gguf import COMPLETE_MARKER, permute_rope_rows
+from tests.model_fixtures import mlx_lm_load
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -34,10 +40,11 @@ _PERPLEXITY_BOUND = 30.0
 _BROKEN_FLOOR = 60.0
 
 
-def _perplexity(model: nn.Module, ids: list[int]) -> float:
+def _perplexity(model: Module, ids: list[int]) -> float:
     x = mx.array([ids])
     logits = model(x[:, :-1]).astype(mx.float32)
-    return float(mx.exp(nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean")).item())
+    loss = mx.exp(nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean"))
+    return float(loss.item())  # type: ignore[arg-type]  # mlx stubs: .item() is int|float|complex
 
 
 @pytest.fixture(scope="module")
@@ -234,15 +241,15 @@ def test_fp32_and_quantized_conversions_load_with_mlx_lm(
     default_model_q4_path: Path,
 ) -> None:
     """Both conversions load through mlx_lm.load; the 4-bit one keeps quantized layers and agrees with fp32."""
-    fp32, tok = mlx_load(str(default_model_path))
-    q4, _ = mlx_load(str(default_model_q4_path))
-    assert isinstance(q4.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    fp32, tok = mlx_lm_load(default_model_path)
+    q4, _ = mlx_lm_load(default_model_q4_path)
+    assert isinstance(q4.model.layers[0].self_attn.q_proj, QuantizedLinear)
     assert q4.model.layers[0].self_attn.q_proj.bits == 4
-    assert isinstance(q4.model.embed_tokens, nn.QuantizedEmbedding)
+    assert isinstance(q4.model.embed_tokens, QuantizedEmbedding)
     assert q4.model.embed_tokens.bits == 8  # the GGUF keeps the embedding as Q8_0
-    assert isinstance(fp32.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert isinstance(fp32.model.layers[0].self_attn.q_proj, Linear)
     # NOTE: fp32 is the dequantized 4-bit model, so both compute the same function.
     ids = mx.array([tok.encode("The capital of France is")])
     a, b = fp32(ids)[0, -1], q4(ids)[0, -1]
-    assert int(mx.argmax(a).item()) == int(mx.argmax(b).item())
+    assert mx.argmax(a).item() == mx.argmax(b).item()
     assert mx.allclose(a, b, atol=2e-2, rtol=1e-3).item()

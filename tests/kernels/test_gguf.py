@@ -8,7 +8,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load as mlx_load
 from tokenizers import Tokenizer
 
 from kernels import ModelConversionError, convert_gguf, is_converted_dir
@@ -20,7 +19,12 @@ from kernels.model._gguf import (
     tokenizer_files_from_metadata,
     unpermute_rope_rows,
 )
-from tests.model_fixtures import llama_cpp_permute, tiny_gguf_metadata, tiny_llama_gguf
+from tests.model_fixtures import (
+    llama_cpp_permute,
+    mlx_lm_load,
+    tiny_gguf_metadata,
+    tiny_llama_gguf,
+)
 
 
 @pytest.fixture
@@ -146,9 +150,9 @@ def test_unpermute_commutes_with_quantization() -> None:
     mx.random.seed(2)
     w = mx.random.normal((3 * 16, 64))
     q, s, b = mx.quantize(w, group_size=32, bits=4)
-    triple = [unpermute_rope_rows(t, 3) for t in (q, s, b)]
+    pq, ps, pb = (unpermute_rope_rows(t, 3) for t in (q, s, b))
     dq_then_perm = unpermute_rope_rows(mx.dequantize(q, s, b, group_size=32, bits=4), 3)
-    perm_then_dq = mx.dequantize(*triple, group_size=32, bits=4)
+    perm_then_dq = mx.dequantize(pq, ps, pb, group_size=32, bits=4)
     assert mx.array_equal(dq_then_perm, perm_then_dq)
 
 
@@ -183,7 +187,7 @@ def test_converted_tiny_model_matches_source_logits(tiny_gguf: tuple[Path, Any],
     gguf_path, source = tiny_gguf
     out = convert_gguf(gguf_path, tmp_path / "tiny-mlx", dequantize=True)
     assert is_converted_dir(out)
-    model, tokenizer = mlx_load(str(out))
+    model, tokenizer = mlx_lm_load(out)
     ids = mx.array([tokenizer.encode("the cat then the hat")])
     assert mx.allclose(model(ids), source(ids), atol=1e-4).item()
     assert tokenizer.eos_token_ids == {2}
@@ -195,7 +199,7 @@ def test_skipping_unpermutation_changes_logits(tiny_gguf: tuple[Path, Any], tmp_
     """Control for the logits test: weights left in GGUF row order give different logits."""
     gguf_path, source = tiny_gguf
     out = convert_gguf(gguf_path, tmp_path / "tiny-mlx", dequantize=True)
-    model, _ = mlx_load(str(out))
+    model, _ = mlx_lm_load(out)
     layer = model.model.layers[0].self_attn
     layer.q_proj.weight = llama_cpp_permute(layer.q_proj.weight, 4)
     layer.k_proj.weight = llama_cpp_permute(layer.k_proj.weight, 2)

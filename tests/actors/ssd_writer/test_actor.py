@@ -118,7 +118,12 @@ async def test_store_restart_scan_find_restore_materialize_round_trip(
         )
 
     assert await engine.run(compare)
-    await engine.run(lambda: (caches.clear(), originals.clear()))
+
+    def drop() -> None:
+        caches.clear()
+        originals.clear()
+
+    await engine.run(drop)
 
 
 async def test_file_io_never_runs_on_the_loop_or_the_engine_thread(

@@ -71,7 +71,12 @@ async def test_a_busy_engine_rearms_the_step_instead_of_failing_it() -> None:
     inner = BusyThenIdle(busy=3)
     turns = RearmingTurns(inner, wait_s=0.5)
     ran: list[int] = []
-    assert await turns.run_when_idle(lambda: ran.append(1) or 7) == 7
+
+    def step() -> int:
+        ran.append(1)
+        return 7
+
+    assert await turns.run_when_idle(step) == 7
     assert (inner.calls, turns.rearmed, ran) == (4, 3, [1])
 
 

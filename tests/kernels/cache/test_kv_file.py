@@ -6,7 +6,7 @@ import errno
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from kernels.cache import declare_min_reusable_offset
 from kernels.cache._file_port import (
     BytesLike,
     FilePort,
@@ -94,7 +95,8 @@ def raw(a: Any) -> bytes:
     """The array's bytes in row-major order (bit-exact comparison, bf16 included)."""
     x = mx.contiguous(a)
     mx.eval(x)
-    return bytes(memoryview(x).cast("B")) if x.size else b""
+    # NOTE: mlx's stubs do not declare mx.array's buffer protocol (it has one).
+    return bytes(memoryview(x).cast("B")) if x.size else b""  # type: ignore[arg-type]
 
 
 def write_entry(
@@ -147,9 +149,13 @@ def assert_same_state(a: Any, b: Any) -> None:
     elif isinstance(a, ArraysCache):
         assert len(a.cache) == len(b.cache)
         assert getattr(a, "_kvtier_offset", 0) == getattr(b, "_kvtier_offset", 0)
-        for x, y in zip(a.cache, b.cache, strict=True):
+        # NOTE: mlx-lm infers ``cache`` as ``list[None]`` from its ``[None] * size`` initializer.
+        slots_a = cast("list[mx.array | None]", a.cache)
+        slots_b = cast("list[mx.array | None]", b.cache)
+        for x, y in zip(slots_a, slots_b, strict=True):
             assert (x is None) == (y is None)
             if x is not None:
+                assert y is not None
                 assert x.dtype == y.dtype
                 assert x.shape == y.shape
                 assert raw(x) == raw(y)
@@ -157,6 +163,9 @@ def assert_same_state(a: Any, b: Any) -> None:
         assert (a.offset, a._idx, a.max_size, a.keep) == (b.offset, b._idx, b.max_size, b.keep)
         assert (a.keys is None) == (b.keys is None)
         if a.keys is not None:
+            assert b.keys is not None
+            assert a.values is not None
+            assert b.values is not None
             for x, y in ((a.keys, b.keys), (a.values, b.values)):
                 assert x.dtype == y.dtype
                 assert x.shape == y.shape
@@ -173,6 +182,9 @@ def assert_same_state(a: Any, b: Any) -> None:
         assert a.offset == b.offset
         assert (a.keys is None) == (b.keys is None)
         if a.keys is not None:
+            assert b.keys is not None
+            assert a.values is not None
+            assert b.values is not None
             for x, y in ((a.keys, b.keys), (a.values, b.values)):
                 assert x.dtype == y.dtype
                 assert raw(x[..., : a.offset, :]) == raw(y[..., : b.offset, :])
@@ -185,7 +197,7 @@ def greedy(model: Any, cache: list[Any], first: int, n: int = 5) -> tuple[list[i
         y = model(mx.array([[tok]]), cache=cache)[0, -1]
         mx.eval(y)
         logits.append(raw(y))
-        tok = int(mx.argmax(y).item())
+        tok = int(mx.argmax(y).item())  # type: ignore[arg-type]  # mlx stubs: .item() is int|float|complex
         out.append(tok)
     return out, logits
 
@@ -329,14 +341,15 @@ def _arrays_with_none(offset: int) -> ArraysCache:
     mx.random.seed(5)
     c[0] = mx.random.normal((1, 3, 8))
     c[2] = mx.random.normal((1, 4, 2)).astype(mx.bfloat16)
-    c._kvtier_offset = offset
+    # NOTE: the recurrent-offset stamp the registry puts on ArraysCache (same spelling).
+    vars(c)["_kvtier_offset"] = offset
     return c
 
 
 def test_arrays_cache_with_none_slot_round_trips(tmp_path: Path) -> None:
     """ArraysCache keeps its None slot, dtypes, stamp and min reusable offset."""
     c = _arrays_with_none(4)
-    c._kvtier_min_reusable_offset = 4
+    declare_min_reusable_offset(c, 4)
     restored, header = roundtrip([c], [1, 2, 3, 4], tmp_path)
     assert [t.name for t in header.layers[0].tensors] == ["state.0", "state.2"]
     assert header.layers[0].slots == 3
@@ -350,7 +363,7 @@ def test_cache_list_round_trips_and_updates_identically(tmp_path: Path) -> None:
     n = 7
     inner = CacheList(_filled_kv(n, mx.bfloat16, seed=1), _arrays_with_none(n))
     outer = CacheList(_filled_rotating(n), inner)
-    outer._kvtier_min_reusable_offset = 3
+    declare_min_reusable_offset(outer, 3)
     restored, header = roundtrip([outer, _filled_kv(n)], list(range(n)), tmp_path)
     assert [x.kind for x in header.layers] == ["list", "kv"]
     assert [x.kind for x in header.layers[0].children] == ["rotating", "list"]
