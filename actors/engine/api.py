@@ -716,8 +716,10 @@ class Engine(_StartClose):
 
         Asks the durability coordinator for a ``Flush`` (``FlushResult.durable``
         says, with evidence, whether everything put so far is on disk), then
-        waits until the spill queue is empty. ``timeout`` (default:
-        ``shutdown_timeout``) bounds each wait. ``None`` without a cold tier.
+        waits until the spill queue is empty. Every request whose final event
+        was delivered before the call is covered (a barrier through the
+        prompt cache first). ``timeout`` (default: ``shutdown_timeout``)
+        bounds the whole call. ``None`` without a cold tier.
         """
         wired = self._wired
         if wired is None or self._cold is None:
@@ -727,9 +729,21 @@ class Engine(_StartClose):
         deadline = anyio.current_time() + wait
         result: FlushResult | None = None
         with use_correlation("engine-flush"):
+            if wiring.PROMPT_CACHE in wired.refs:
+                # NOTE: a barrier. The runner tells a finished request's Put
+                # before it sends the request's DoneEvent, and the prompt cache
+                # tells Schedule while it handles the Put; once this ask is
+                # answered, every Put of a request that ended before flush()
+                # was called has its Schedule queued ahead of the Flush below,
+                # so the flush's scope covers it.
+                await wired.ref(wiring.PROMPT_CACHE).ask(
+                    PromptCacheStatsRequest(), timeout=wait, expect=PromptCacheStats
+                )
             if wiring.DURABILITY in wired.refs:
                 result = await wired.ref(wiring.DURABILITY).ask(
-                    Flush(), timeout=wait, expect=FlushResult
+                    Flush(),
+                    timeout=max(0.0, deadline - anyio.current_time()),
+                    expect=FlushResult,
                 )
             if wiring.SPILL_QUEUE in wired.refs:
                 await wired.ref(wiring.SPILL_QUEUE).ask(

@@ -184,3 +184,19 @@ async def test_admin_routes_need_the_api_key_when_one_is_set(
     assert missing.status_code == 401
     assert keyed.status_code == 200, keyed.text
 
+
+
+async def test_a_flush_sent_right_after_an_answer_covers_that_request(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    """Each flush sent as soon as a completion answered has that request's entry in its scope
+    and ends durable with one more file (the put is never left behind the flush)."""
+    async with _served(model, tok, tmp_path, ssd_writebehind=False) as (_, client):
+        for i in range(8):
+            prompt = [3 + (i * 11 + j) % 90 for j in range(40)]
+            done = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+            assert done.status_code == 200
+            body = (await client.post(FLUSH)).json()
+            assert body["durable"] is True
+            assert body["scope"] == 1
+            assert body["entries"] == i + 1
