@@ -96,6 +96,8 @@ QUESTIONS = [
     "Rewrite rule 5 as a question.",
 ]
 LOADS = ("1", "4", "8", "8-shared")
+SHARE_MIN = 64
+"""Wait for a prefilling row when it shares this many more tokens (the scheduler's ``share_min``)."""
 
 
 @dataclass
@@ -263,7 +265,7 @@ def run_batch_kernel(
             shared = max(
                 (_common(p, prompt, len(prompt) - 1) for p in prefilling.values()), default=0
             )
-            if shared > cached + 1 or len(batch) >= batch.max_rows:
+            if shared >= cached + SHARE_MIN or len(batch) >= batch.max_rows:
                 still.append((i, prompt))
                 continue
             batch.join(
