@@ -12,7 +12,7 @@
   tier.
 
 Protection: with an API key set, ``ApiKeyMiddleware`` already requires it
-(every route but ``/health``). Without one, admin routes answer only
+(every route but ``/health`` and ``/``). Without one, admin routes answer only
 loopback clients; anyone else gets **403** (``admin_forbidden``). NOTE:
 ``/stats`` is readable by any client allowed to reach the server; these
 routes change state, so an unauthenticated server keeps them local.

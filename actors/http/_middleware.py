@@ -45,7 +45,7 @@ async def send_api_error(send: Send, err: ApiError) -> None:
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every route but ``/health``."""
+    """Requires ``Authorization: Bearer <key>`` on every route but ``/health`` and ``/`` (the status page)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

@@ -24,7 +24,7 @@ class HttpSettings:
 
     ``model_aliases``: extra names accepted in the ``model`` field besides the
     engine's ``model_id`` (e.g. the path given to ``--model``).
-    ``api_key``: when set, every route but ``/health`` needs ``Bearer <key>``.
+    ``api_key``: when set, every route but ``/health`` and ``/`` needs ``Bearer <key>``.
     """
 
     defaults: Defaults = field(default_factory=Defaults)
