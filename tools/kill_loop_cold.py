@@ -33,6 +33,7 @@ SSD directory for the whole run:
    debounce is 1 s). The summary counts where each kill landed.
 
 The summary (JSON on stdout) counts cycles, where the kills landed,
+flushes that had to wait for a put (``late_puts``),
 acknowledged prefixes checked, lost (not served from disk), corrupt
 (an answer other than the reference), temp files the startup reaped (kills
 in the middle of a write) and timings; exit code 0 when nothing was lost or
@@ -136,6 +137,7 @@ class Summary:
     flushes_durable: int = 0
     flushes_not_durable: int = 0
     requests: int = 0
+    late_puts: int = 0
     orphans_reaped: int = 0
     corrupt_removed: int = 0
     failures: list[str] = field(default_factory=list)
@@ -413,15 +415,18 @@ def _check(
             summary.failures.append(f"cycle {cycle}: spot prompt {i} answered differently")
 
 
-def _wait_puts(http: httpx.Client, url: str, completed: int, timeout: float = 10.0) -> None:
-    """Wait until the RAM tier has counted ``completed`` puts (see the module docstring)."""
+def _wait_puts(http: httpx.Client, url: str, completed: int, timeout: float = 10.0) -> bool:
+    """Wait until the RAM tier has counted ``completed`` puts (see the module docstring);
+    whether it had to wait (a put still in flight after its request's answer)."""
     deadline = time.monotonic() + timeout
+    waited = False
     while True:
         puts = int(_stats(http, url)["prompt_cache"]["puts"])
         if puts >= completed:
-            return
+            return waited
         if time.monotonic() > deadline:
             raise RuntimeError(f"{completed} requests completed, {puts} puts")
+        waited = True
         time.sleep(0.01)
 
 
@@ -458,7 +463,7 @@ def _work(
                 time.sleep(rng.uniform(0.0, 1.0))
             else:
                 killer.doing("pause")
-                _wait_puts(http, server.url, len(completed))
+                summary.late_puts += _wait_puts(http, server.url, len(completed))
                 covered = set(completed)
                 killer.doing("flush")
                 began = time.perf_counter()
@@ -488,8 +493,12 @@ def run(
     kill_max_s: float = 3.0,
     seed: int = 0,
     log: Any = None,
+    progress: Path | None = None,
 ) -> Summary:
-    """Run ``cycles`` start/check/work/kill cycles with the SSD tier in ``workdir / "kv"``."""
+    """Run ``cycles`` start/check/work/kill cycles with the SSD tier in ``workdir / "kv"``.
+
+    ``progress``: a file rewritten with the summary's JSON after every cycle.
+    """
     rng = random.Random(seed)
     model = write_tiny_model(workdir / "model")
     summary = Summary()
@@ -525,6 +534,8 @@ def run(
                     summary.kills[f"{target}: {landed}"] += 1
                     summary.cycles += 1
                     summary.acknowledged = len(acked)
+                    if progress is not None:
+                        progress.write_text(json.dumps(summary.report(), indent=2))
                     if log is not None:
                         print(
                             f"cycle {cycle + 1}/{cycles}: prompts {len(pool)}, acknowledged "
@@ -553,6 +564,8 @@ def main() -> int:
     parser.add_argument("--spot", type=int, default=2, help="unacknowledged prompts checked")
     parser.add_argument("--kill-max-s", type=float, default=3.0, help="latest kill in a cycle")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--progress", type=Path, default=None,
+                        help="a file rewritten with the summary after every cycle")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=None,
                         help="model, SSD tier and logs (default: a temp directory)")  # fmt: skip
     ns = parser.parse_args()
@@ -561,7 +574,7 @@ def main() -> int:
     def go(workdir: Path) -> Summary:
         return run(ns.cycles, workdir, turns=ns.turns, max_tokens=ns.max_tokens, old=ns.old,
                    spot=ns.spot, kill_max_s=ns.kill_max_s, seed=ns.seed,
-                   log=sys.stderr)  # fmt: skip
+                   log=sys.stderr, progress=ns.progress)  # fmt: skip
 
     if ns.workdir is not None:
         summary = go(ns.workdir)
