@@ -20,7 +20,9 @@ against a simple model):
   crash the valid files on disk fit the cap, and the startup never has to
   evict (the cap unchanged): it cannot drop an acknowledged entry in favour
   of one that was evicted or never acknowledged;
-- at most one indexed file per (namespace, exact tokens);
+- at most one indexed file per (namespace, exact tokens), and at most one
+  write of it at a time (a store of an entry being written waits for that
+  write's outcome);
 - a newly committed entry supersedes its strict prefix ancestors only when
   it is trimmable and may be trimmed down to the ancestor's length
   (``min_reusable_offset <= len(ancestor)``);
@@ -234,6 +236,9 @@ class StoreJob:
     evicting: list[IndexEntry] = field(default_factory=list)
     freeing: dict[str, int] = field(default_factory=dict)
     """Leftover files taken as victims (path -> bytes), no longer counted while the job runs."""
+    followers: list[tuple[Envelope, str]] = field(default_factory=list)
+    """Stores of the same entry that arrived while this job ran (request, handle): they get
+    this job's outcome."""
 
 
 # --- effects (core -> shell) ------------------------------------------------
@@ -522,6 +527,15 @@ def store(state: IndexState, envelope: Envelope, msg: Store) -> list[Effect]:
                 ),
             )
         ]
+    for running in state.jobs.values():
+        if running.namespace == msg.namespace and running.tokens == msg.tokens:
+            # NOTE: one write per entry at a time. A second write of the same
+            # name would rename over the first file, and if its directory
+            # fsync then failed, the writer's removal of its final file would
+            # delete the first one, already answered stored. Same tokens are
+            # the same KV: the running write's outcome answers both.
+            running.followers.append((envelope, msg.handle))
+            return []
     job = StoreJob(
         job_id=envelope.msg_id,
         request=envelope,
@@ -693,8 +707,28 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
                     )
                 )
     effects.append(Answer(job.request, store_body))
+    effects.extend(_answer_followers(state, job, store_body))
     effects.append(Answer(envelope, WriteCommitted(remove=tuple(remove))))
     return effects
+
+
+def _answer_followers(state: IndexState, job: StoreJob, outcome: StoreResult) -> list[Effect]:
+    """Answer the stores that waited for ``job`` with its outcome (a stored one as a duplicate)."""
+    out: list[Effect] = []
+    for request, handle in job.followers:
+        if outcome.stored:
+            state.duplicates_skipped += 1
+            body = StoreResult(
+                handle=handle,
+                stored=True,
+                reason="duplicate",
+                path=outcome.path,
+                file_bytes=outcome.file_bytes,
+            )
+        else:
+            body = StoreResult(handle=handle, stored=False, reason=outcome.reason)
+        out.append(Answer(request, body))
+    return out
 
 
 def files_removed(state: IndexState, msg: FilesRemoved) -> list[Effect]:
@@ -718,7 +752,8 @@ def abandon_job(state: IndexState, job_id: str, reason: str) -> list[Effect]:
     for path, nbytes in job.freeing.items():
         _add_leftover(state, path, nbytes)
     state.store_failures += 1
-    return [Answer(job.request, StoreResult(handle=job.handle, stored=False, reason=reason))]
+    failed = StoreResult(handle=job.handle, stored=False, reason=reason)
+    return [Answer(job.request, failed), *_answer_followers(state, job, failed)]
 
 
 # --- restore ----------------------------------------------------------------------

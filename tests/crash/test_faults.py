@@ -121,3 +121,38 @@ async def test_an_unsynced_removal_from_before_a_clean_restart_never_comes_back(
     report, _ = await checker.check_fault(workload, Fault("fsync_dir", 2, "eio"), checker.Sweeper())
     assert report.violations == []
     assert report.required_checks > 0
+
+
+@pytest.mark.anyio
+async def test_a_failed_rewrite_of_a_stored_entry_never_removes_it() -> None:
+    """Two racing stores of A (one write in flight when the other arrives): when the second
+    write's directory fsync fails, the first, already answered stored, stays on disk and
+    indexed; both stores get the first write's outcome and only one file is written."""
+    fs = CrashFS()
+    port = FaultingPort(fs, Fault("fsync_dir", 2, "eio"))
+    spec = checker.entries()["A"]
+    meta = checker._meta(spec)
+    async with checker.ActorSystem(ids=checker.SequentialIds()) as system:
+        tier = checker.spawn_ssd_writer(
+            system, config=checker._config(checker.CAP), source=checker.ScriptedSource(),
+            port=port,
+        )  # fmt: skip
+        tier.run = checker._inline  # type: ignore[method-assign]
+        await system.ask(tier.name, checker.SsdStatsRequest(), timeout=10, expect=checker.SsdStats)
+        results: list[checker.StoreResult] = []
+
+        async def store(handle: str) -> None:
+            body = checker.Store(handle=handle, namespace=spec.namespace, tokens=spec.tokens,
+                                 meta=meta)  # fmt: skip
+            results.append(
+                await system.ask(tier.name, body, timeout=10, expect=checker.StoreResult)
+            )
+
+        async with checker.anyio.create_task_group() as tg:
+            tg.start_soon(store, "h-1")
+            tg.start_soon(store, "h-2")
+        await checker.settle()
+        assert spec.path in fs.tree()
+        assert list(tier.state.entries) == [spec.path]
+        assert [r.stored for r in results] == [True, True]
+        assert fs.calls["open_temp"] == 1

@@ -295,32 +295,40 @@ def test_an_exact_duplicate_already_on_disk_is_not_written_again() -> None:
     assert (w.result.stored, w.result.reason) == (True, "duplicate")
 
 
-def test_a_duplicate_committed_meanwhile_replaces_the_file_of_the_same_name() -> None:
-    """Two racing stores of the same tokens target one name; the second rename replaces the
-    first file, so nothing is unlinked and one entry stays indexed."""
-    state = new_state()
-    r1, r2 = env(store_msg((4, 5), handle="a")), env(store_msg((4, 5), handle="b"))
-    _, fx1 = core.handle(state, r1)
-    _, fx2 = core.handle(state, r2)
-    starts = [e for e in (*fx1, *fx2) if isinstance(e, core.StartWrite)]
-    assert len(starts) == 2
-    assert starts[0].path == starts[1].path == state.path_of("", (4, 5))
-    for start in starts:
+def test_a_store_of_an_entry_being_written_gets_that_writes_outcome() -> None:
+    """Two stores of the same tokens: one write; the second store is answered with its
+    outcome (stored as a duplicate, or failed with the same reason), never a second write."""
+    for ok in (True, False):
+        state = new_state()
+        r1, r2 = env(store_msg((4, 5), handle="a")), env(store_msg((4, 5), handle="b"))
+        _, fx1 = core.handle(state, r1)
+        _, fx2 = core.handle(state, r2)
+        (start,) = [e for e in (*fx1, *fx2) if isinstance(e, core.StartWrite)]
+        assert fx2 == []
         core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=10)))
         report = env(
             EntryWritten(
                 job_id=start.job_id,
-                ok=True,
-                path=start.path,
+                ok=ok,
+                reason="" if ok else "io_error",
+                path=start.path if ok else None,
                 file_bytes=10,
                 trimmable=True,
             )
         )
         _, fx = core.handle(state, report)
-        assert answer(fx, report) == WriteCommitted(remove=())
-    assert list(state.entries) == [starts[0].path]
-    assert state.indexed_bytes == 10
-    assert core.stats(state).replaced == 1
+        first, second = answer(fx, r1), answer(fx, r2)
+        assert isinstance(first, StoreResult)
+        assert isinstance(second, StoreResult)
+        assert (first.handle, second.handle) == ("a", "b")
+        if ok:
+            assert (first.stored, first.reason) == (True, "stored")
+            assert (second.stored, second.reason, second.path) == (True, "duplicate", start.path)
+            assert list(state.entries) == [start.path]
+        else:
+            assert (first.stored, second.stored) == (False, False)
+            assert second.reason == first.reason == "io_error"
+            assert state.entries == {}
 
 
 def test_entry_names_are_stable_digests_of_the_tokens() -> None:
