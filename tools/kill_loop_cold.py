@@ -18,13 +18,15 @@ SSD directory for the whole run:
    one SSD hit per check) and with its reference answer; ``spot``
    unacknowledged prompts must give their reference answers too (a
    half-written file is never served).
-2. A work phase follows: requests for random prompts of the pool, random
-   pauses (write-behind snapshots and stores run in them) and now and then
-   ``POST /admin/cache/flush``. A flush answered 200 with ``durable: true``
+2. A work phase follows. It opens with a new prompt and a flush (no kill
+   can come yet, so every cycle acknowledges something), then goes on with
+   requests for random prompts of the pool, random pauses (write-behind
+   snapshots and stores run in them) and now and then ``POST
+   /admin/cache/flush``. A flush answered 200 with ``durable: true``
    acknowledges every prompt completed before it was sent. NOTE: before a
    flush the loop waits until the RAM tier has counted the put of every
    completed request (``/stats`` ``prompt_cache.puts``): the HTTP answer
-   can arrive before the put, and a flush only covers puts it follows.
+   may arrive before the put, and a flush only covers puts it follows.
 3. A timer SIGKILLs the server, and the next cycle starts on what the kill
    left. Cycles take turns in where they aim (``TARGETS``): a uniformly
    random moment of the work phase; a random moment within 50 ms of sending
@@ -33,10 +35,10 @@ SSD directory for the whole run:
    debounce is 1 s). The summary counts where each kill landed.
 
 The summary (JSON on stdout) counts cycles, where the kills landed,
-flushes that had to wait for a put (``late_puts``),
-acknowledged prefixes checked, lost (not served from disk), corrupt
-(an answer other than the reference), temp files the startup reaped (kills
-in the middle of a write) and timings; exit code 0 when nothing was lost or
+flushes that had to wait for a put (``late_puts``), acknowledged prefixes
+checked, lost (not served from disk), corrupt (an answer other than the
+reference), temp files the startup reaped (kills in the middle of a write)
+and timings; exit code 0 when nothing was lost or
 corrupt. ``docs/benchmarks.md`` ("Cold tier kill -9 loop") has a result.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
@@ -295,8 +297,9 @@ after a request or a flush is sent, or about when write-behind snapshots a finis
 
 class _Killer:
     """SIGKILLs ``server`` once armed and its delay passed; ``phase`` says what the loop was
-    doing at that moment. A cycle aimed at an event arms it when the event happens; one that
-    saw no such event within ``fallback_s`` is armed at once."""
+    doing at that moment. Nothing arms it before :meth:`start`. Then a cycle aimed at ``any``
+    moment arms it at once with a random delay; one aimed at an event arms it when the event
+    happens, or at once when no such event came within ``fallback_s``."""
 
     def __init__(
         self, server: Server, target: str, rng: random.Random, *, any_max_s: float
@@ -306,11 +309,17 @@ class _Killer:
         self.phase = "pause"
         self.fired_in: str | None = None
         self._rng = rng
+        self._any_max_s = any_max_s
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._armed_at = time.monotonic()
-        if target == "any":
-            self._arm(rng.uniform(0.05, any_max_s))
+        self._started_at: float | None = None
+
+    def start(self) -> None:
+        """From now on the kill may be armed."""
+        with self._lock:
+            self._started_at = time.monotonic()
+            if self.target == "any":
+                self._arm(self._rng.uniform(0.0, self._any_max_s))
 
     def _arm(self, delay: float) -> None:
         if self._timer is None:
@@ -323,13 +332,15 @@ class _Killer:
         request)."""
         with self._lock:
             self.phase = "pause" if phase == "done" else phase
+            if self._started_at is None:
+                return
             if self.target == "request" and phase == "request":
                 self._arm(self._rng.uniform(0.0, 0.05))
             elif self.target == "flush" and phase == "flush":
                 self._arm(self._rng.uniform(0.0, 0.1))
             elif self.target == "write-behind" and phase == "done":
                 self._arm(self._rng.uniform(0.9, 1.5))
-            elif time.monotonic() - self._armed_at > fallback_s:
+            elif time.monotonic() - self._started_at > fallback_s:
                 self._arm(0.0)
 
     def _fire(self) -> None:
@@ -430,6 +441,35 @@ def _wait_puts(http: httpx.Client, url: str, completed: int, timeout: float = 10
         time.sleep(0.01)
 
 
+def _flush(
+    http: httpx.Client,
+    server: Server,
+    acked: dict[int, int],
+    cycle: int,
+    summary: Summary,
+    completed: list[int],
+    killer: _Killer | None = None,
+) -> None:
+    """One flush; a durable one acknowledges every prompt completed before it."""
+    if killer is not None:
+        killer.doing("pause")
+    summary.late_puts += _wait_puts(http, server.url, len(completed))
+    covered = set(completed)
+    if killer is not None:
+        killer.doing("flush")
+    began = time.perf_counter()
+    r = http.post(f"{server.url}/admin/cache/flush")
+    if killer is not None:
+        killer.doing("pause")
+    summary.flush_ms.append((time.perf_counter() - began) * 1e3)
+    if r.status_code == 200 and r.json().get("durable") is True:
+        summary.flushes_durable += 1
+        for i in covered:
+            acked.setdefault(i, cycle)
+    else:
+        summary.flushes_not_durable += 1
+
+
 def _work(
     http: httpx.Client,
     server: Server,
@@ -443,7 +483,17 @@ def _work(
     summary: Summary,
     completed: list[int],
 ) -> None:
-    """Requests, pauses and flushes until the killer fires (see the module docstring)."""
+    """Requests, pauses and flushes until the killer fires (see the module docstring).
+
+    NOTE: it opens with a new prompt and a flush before the killer may be armed, so every
+    cycle acknowledges something (unless that flush is not durable) whatever the timing.
+    """
+    i = pool.new()
+    _complete(http, server.url, pool[i].text, max_tokens)
+    summary.requests += 1
+    completed.append(i)
+    _flush(http, server, acked, cycle, summary, completed)
+    killer.start()
     while killer.fired_in is None and server.alive():
         roll = rng.random()
         try:
@@ -462,20 +512,7 @@ def _work(
                 killer.doing("pause")
                 time.sleep(rng.uniform(0.0, 1.0))
             else:
-                killer.doing("pause")
-                summary.late_puts += _wait_puts(http, server.url, len(completed))
-                covered = set(completed)
-                killer.doing("flush")
-                began = time.perf_counter()
-                r = http.post(f"{server.url}/admin/cache/flush")
-                killer.doing("pause")
-                summary.flush_ms.append((time.perf_counter() - began) * 1e3)
-                if r.status_code == 200 and r.json().get("durable") is True:
-                    summary.flushes_durable += 1
-                    for i in covered:
-                        acked.setdefault(i, cycle)
-                else:
-                    summary.flushes_not_durable += 1
+                _flush(http, server, acked, cycle, summary, completed, killer)
         except (httpx.TransportError, httpx.HTTPStatusError):
             if killer.fired_in is None and server.alive():
                 raise
