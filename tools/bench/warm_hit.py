@@ -23,12 +23,12 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_engine import SHAPES, build_model  # noqa: E402
-from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
+from gpu_engine import SHAPES, build_model
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from kernels import clone_caches  # noqa: E402
-from messages.gateway import GenerationParams  # noqa: E402
-from kernels.engine import Generation  # noqa: E402
+from kernels import clone_caches
+from kernels.engine import Generation
+from messages.gateway import GenerationParams
 
 
 class _Tok:
