@@ -26,6 +26,7 @@ from typing import Any, Literal, assert_never
 import structlog
 
 from actors.runtime import Actor, Context, RuntimeFailure
+from kernels.engine import batch_params_refusal
 from messages import Envelope, Failure, Release, Take, TakeResult
 from messages.batch_scheduler import BatchTurnReport, BatchWants, RunBatchStep
 from messages.gateway import (
@@ -96,6 +97,7 @@ class Gateway(Actor):
         self._prompt_cache = prompt_cache
         self._batch = batch
         self._batched: set[str] = set()  # request ids forwarded to the batch lane, until they end
+        self._batch_refusals: dict[str, int] = {}  # why requests stayed on the serial lane
         self.state = core.GatewayState(
             max_queue=max_queue, max_burst=max_burst, lookups=prompt_cache is not None
         )
@@ -110,6 +112,8 @@ class Gateway(Actor):
         """JSON-ready statistics of the lane and the engine-turn token."""
         snap = self.state.snapshot(self._now)
         snap["background_asks_open"] = len(self._askers)
+        if self._batch is not None:
+            snap["batch_refused"] = dict(self._batch_refusals)
         return snap
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
@@ -297,6 +301,11 @@ class Gateway(Actor):
         rid = body.request_id
         if self.state.draining:
             return False  # NOTE: the core refuses it (shutting_down) like any other.
+        unsupported = batch_params_refusal(body.params)
+        if unsupported is not None:
+            # NOTE: an option only the serial kernel serves: the request stays here.
+            self._batch_refusals[unsupported] = self._batch_refusals.get(unsupported, 0) + 1
+            return False
         if rid in self._batched or rid in self._admitted:
             refusal = AdmissionReply(
                 request_id=rid,

@@ -20,6 +20,7 @@ from ._batch import (
     RowToken,
     UnknownRow,
     batch_gate,
+    batch_params_refusal,
     batch_ssm_enabled,
     model_batch_gate,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "ToolSegment",
     "UnknownRow",
     "batch_gate",
+    "batch_params_refusal",
     "batch_ssm_enabled",
     "check_grammar",
     "encode_prompt",

@@ -79,6 +79,7 @@ __all__ = [
     "RowToken",
     "UnknownRow",
     "batch_gate",
+    "batch_params_refusal",
     "batch_ssm_enabled",
     "model_batch_gate",
 ]
@@ -222,6 +223,19 @@ def batch_gate(
             f"KV scheme {scheme.cache_key}: rows that convert to quantized storage on their own are not implemented",
         )
     return BatchGate(tuple(kinds))
+
+
+def batch_params_refusal(params: SamplingParams) -> str | None:
+    """The request option a batch row cannot serve (it runs on the serial lane), or ``None``.
+
+    ``grammar`` (constrained decoding) and ``top_logprobs`` are implemented
+    by the serial kernel only; a batch row would silently drop them.
+    """
+    if params.grammar is not None:
+        return "grammar"
+    if params.top_logprobs > 0:
+        return "top_logprobs"
+    return None
 
 
 def model_batch_gate(
@@ -417,6 +431,9 @@ class BatchGeneration:
             raise BatchFull(f"the batch holds {self._max_rows} rows")
         if len(prompt) == 0:
             raise InvalidPrompt("the prompt has no tokens")
+        unsupported = batch_params_refusal(params)
+        if unsupported is not None:
+            raise InvalidPrompt(f"a batch row cannot serve {unsupported}: use the serial lane")
         if not cache:
             if cached_tokens != 0:
                 raise InvalidPrompt("cached_tokens > 0 needs the cache that holds them")

@@ -45,6 +45,7 @@ from kernels.engine import (
     RowSnapshot,
     UnknownRow,
     batch_gate,
+    batch_params_refusal,
     batch_ssm_enabled,
     model_batch_gate,
 )
@@ -556,6 +557,10 @@ def test_admission_errors(model: Any, tok: Any) -> None:
     quant = [QuantizedKVCache(), QuantizedKVCache()]
     with pytest.raises(InvalidPrompt, match="quantized"):
         small.join("x", [1, 2, 3, 4], SamplingParams(), cache=quant, cached_tokens=3)
+    with pytest.raises(InvalidPrompt, match="top_logprobs"):
+        small.join("x", [1, 2, 3], SamplingParams(top_logprobs=2))
+    assert batch_params_refusal(SamplingParams(grammar="start: 'a'")) == "grammar"
+    assert batch_params_refusal(SamplingParams(logprobs=True)) is None
     with pytest.raises(InvalidPrompt, match="snapshot_at"):
         small.join("x", [1, 2, 3], SamplingParams(), snapshot_at=3)
     assert small.idle
