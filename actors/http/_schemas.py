@@ -165,7 +165,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = 1
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -179,6 +179,14 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {_STOP_MAX} stop sequences are allowed")
         if any(not s or len(s) > _STOP_LEN_MAX for s in stops):
             raise ValueError(f"stop sequences must be 1..{_STOP_LEN_MAX} characters")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported: kvtier returns one choice per request; "
+                             "send n requests (with different seeds) for n answers")
         return v
 
     @field_validator("logit_bias")

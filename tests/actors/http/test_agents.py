@@ -267,7 +267,9 @@ async def test_n_above_one_is_refused_clearly() -> None:
     """n > 1 is a 400 naming n (one choice per request)."""
     async with _client(FakeEngine()) as c:
         r = await c.post(CHAT, json={"messages": ASK, "n": 2})
-    assert _error(r, "n")["code"] == "invalid_value"
+    err = _error(r, "n")
+    assert err["code"] == "invalid_value"
+    assert "only n=1 is supported" in err["message"]
 
 
 # -------------------------------------------------------------------- logprobs
