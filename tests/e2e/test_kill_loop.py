@@ -34,6 +34,8 @@ def test_fifty_kills_lose_nothing_acknowledged_and_serve_nothing_corrupt(tmp_pat
     assert (summary.lost, summary.corrupt, summary.not_from_disk) == (0, 0, 0)
     assert summary.cycles == CYCLES
     assert summary.corrupt_removed == 0
-    assert summary.flushes_durable >= 10
-    assert summary.acknowledged_checks >= 20
+    # NOTE: every work phase opens with a flush before the kill can come.
+    assert summary.flushes_durable >= CYCLES
+    assert summary.flushes_not_durable == 0
+    assert summary.acknowledged_checks >= CYCLES
     assert sum(summary.kills.values()) == CYCLES
