@@ -114,3 +114,24 @@ async def test_json_schema_answer_validates(client: httpx.AsyncClient) -> None:
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+async def test_batch_lane_refuses_what_it_cannot_do_yet() -> None:
+    """With the batch lane on, top_logprobs and constrained decoding are a 400 (never a failed step)."""
+    tok = tool_tokenizer()
+    model = lively_llama(len(tok._tokenizer))
+    async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0,
+                                  max_batch=2) as engine:
+        app = create_app(engine, HttpSettings())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=60) as c:
+            top = await c.post(CHAT, json={"messages": ASK, "max_tokens": 2, "logprobs": True,
+                                           "top_logprobs": 2})
+            forced = await c.post(CHAT, json={"messages": ASK, "tools": [WEATHER],
+                                              "tool_choice": FORCE, "max_tokens": 2})
+            plain = await c.post(CHAT, json={"messages": ASK, "max_tokens": 2, "logprobs": True})
+    for refused in (top, forced):
+        assert refused.status_code == 400, refused.text
+        assert "batch lane" in refused.json()["error"]["message"]
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["choices"][0]["logprobs"]["content"]
