@@ -18,12 +18,7 @@ ratios. Run:
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,174 +26,19 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
-_READY = re.compile(r"kvtier: ready at (http://\S+)/v1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# NOTE: re-exported: prompt_cache_memory.py imports these from here.
+from _common import (
+    REPO,
+    WORDS,
+    Server,
+    start_kvtier,
+    start_mlx_lm,
+    system_prompt,
+    ttft,
+)
 
-WORDS = [
-    "policy",
-    "ledger",
-    "archive",
-    "river",
-    "lantern",
-    "copper",
-    "orchard",
-    "signal",
-    "harbor",
-    "meadow",
-    "quartz",
-    "timber",
-    "violet",
-    "summit",
-    "canyon",
-    "beacon",
-    "ember",
-    "falcon",
-    "glacier",
-    "hollow",
-    "island",
-    "jasmine",
-    "kettle",
-    "lagoon",
-    "marble",
-    "nectar",
-    "oyster",
-    "pepper",
-    "quiver",
-    "ribbon",
-]
-
-
-def system_prompt(target_tokens: int, nonce: str) -> str:
-    """A deterministic filler text of about ``target_tokens`` tokens, tagged with ``nonce``."""
-    out = [f"Session {nonce}. You are a careful assistant. Reference notes follow."]
-    i = 0
-    # NOTE: ~1.25 tokens per word for this vocabulary under SmolLM2's tokenizer.
-    while len(out) < int(target_tokens / 1.25):
-        out.append(WORDS[(i * 7 + i // 31) % len(WORDS)])
-        if i % 12 == 11:
-            out.append(f"rule {i // 12}.")
-        i += 1
-    return " ".join(out)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    if "LD_PRELOAD" not in env and os.path.exists(OPENBLAS):
-        env["LD_PRELOAD"] = OPENBLAS
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A server child process with files (not pipes) for its output."""
-
-    def __init__(self, cmd: list[str], workdir: Path, name: str) -> None:
-        self.name = name
-        self.stdout = workdir / f"{name}.stdout"
-        self.stderr = workdir / f"{name}.stderr"
-        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=err)
-        self.url = ""
-
-    def wait_ready(self, url: str | None, timeout: float = 180.0) -> None:
-        """Wait until the server answers; kvtier prints its URL, mlx_lm gets one given."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            candidate = url
-            if candidate is None:
-                match = _READY.search(self.stdout.read_text(errors="replace"))
-                candidate = match.group(1) if match else None
-            if candidate is not None:
-                try:
-                    httpx.get(f"{candidate}/v1/models", timeout=2)
-                    self.url = candidate
-                    return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{self.name} did not start: {self.stderr.read_text()[-3000:]}")
-
-    def peak_rss_bytes(self) -> int:
-        """The process's peak resident set size (VmHWM) so far."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def rss_bytes(self) -> int:
-        """The process's resident set size now (VmRSS)."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def start_kvtier(model: Path, workdir: Path, *extra: str) -> Server:
-    """``kvtier serve`` on a free port."""
-    server = Server(
-        [sys.executable, "-m", "actors.cli", "serve", "--model", str(model), "--port", "0", *extra],
-        workdir,
-        "kvtier",
-    )
-    server.wait_ready(None)
-    return server
-
-
-def start_mlx_lm(model: Path, workdir: Path) -> Server:
-    """``mlx_lm.server`` on a free port."""
-    port = _free_port()
-    server = Server(
-        [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
-        workdir,
-        "mlx_lm",
-    )
-    server.wait_ready(f"http://127.0.0.1:{port}")
-    return server
-
-
-def ttft(url: str, messages: list[dict[str, str]], model: str, max_tokens: int = 4) -> float:
-    """Seconds from sending a streaming chat request to its first content chunk."""
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-    }
-    start = time.perf_counter()
-    first: float | None = None
-    with (
-        httpx.Client(timeout=600) as client,
-        client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp,
-    ):
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if first is None and line.startswith("data:") and '"content"' in line:
-                payload = line[5:].strip()
-                if payload != "[DONE]" and '"content":""' not in payload.replace(" ", ""):
-                    first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError("no content chunk in the stream")
-    return first
+__all__ = ["REPO", "WORDS", "Server", "start_kvtier", "start_mlx_lm", "system_prompt", "ttft"]
 
 
 def run_scenarios(url: str, model: str, tokens: int, repeats: int, tag: str) -> dict[str, float]:

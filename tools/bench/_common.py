@@ -1,0 +1,316 @@
+"""Shared pieces of the side-by-side server benchmarks (``kvtier serve`` vs ``mlx_lm.server``).
+
+Server child processes (output to files, never pipes), the deterministic
+long system prompt, streaming chat requests timed to their first content
+chunk, and a record of the machine and its load. Used by
+``tools/bench/prompt_cache.py``, ``prompt_cache_memory.py`` and
+``cold_tier.py``; the scripts run from the repository root as
+``python tools/bench/<name>.py`` (their own directory is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+_READY = re.compile(r"kvtier: ready at (http://\S+)/v1")
+
+WORDS = [
+    "policy",
+    "ledger",
+    "archive",
+    "river",
+    "lantern",
+    "copper",
+    "orchard",
+    "signal",
+    "harbor",
+    "meadow",
+    "quartz",
+    "timber",
+    "violet",
+    "summit",
+    "canyon",
+    "beacon",
+    "ember",
+    "falcon",
+    "glacier",
+    "hollow",
+    "island",
+    "jasmine",
+    "kettle",
+    "lagoon",
+    "marble",
+    "nectar",
+    "oyster",
+    "pepper",
+    "quiver",
+    "ribbon",
+]
+
+
+def system_prompt(target_tokens: int, nonce: str) -> str:
+    """A deterministic filler text of about ``target_tokens`` tokens, tagged with ``nonce``."""
+    out = [f"Session {nonce}. You are a careful assistant. Reference notes follow."]
+    i = 0
+    # NOTE: ~1.25 tokens per word for this vocabulary under SmolLM2's tokenizer.
+    while len(out) < int(target_tokens / 1.25):
+        out.append(WORDS[(i * 7 + i // 31) % len(WORDS)])
+        if i % 12 == 11:
+            out.append(f"rule {i // 12}.")
+        i += 1
+    return " ".join(out)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a server child: ours, OpenBLAS preloaded when present, ``extra`` on top."""
+    env = dict(os.environ)
+    if "LD_PRELOAD" not in env and os.path.exists(OPENBLAS):
+        env["LD_PRELOAD"] = OPENBLAS
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A server child process with files (not pipes) for its output."""
+
+    def __init__(
+        self, cmd: list[str], workdir: Path, name: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.stdout = workdir / f"{name}.stdout"
+        self.stderr = workdir / f"{name}.stderr"
+        self.started = time.perf_counter()
+        # NOTE: output files are appended to across restarts; only what this
+        # process wrote (after ``_log_start``) is searched for its URL.
+        self._log_start = self.stdout.stat().st_size if self.stdout.exists() else 0
+        with self.stdout.open("ab") as out, self.stderr.open("ab") as err:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(env), stdout=out, stderr=err)
+        self.url = ""
+        self.ready_s = 0.0
+
+    def wait_ready(self, url: str | None, timeout: float = 180.0) -> None:
+        """Wait until the server answers; kvtier prints its URL, mlx_lm gets one given."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            candidate = url
+            if candidate is None:
+                text = self.stdout.read_bytes()[self._log_start :].decode(errors="replace")
+                match = _READY.search(text)
+                candidate = match.group(1) if match else None
+            if candidate is not None:
+                try:
+                    httpx.get(f"{candidate}/v1/models", timeout=2)
+                    self.url = candidate
+                    self.ready_s = time.perf_counter() - self.started
+                    return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not start: {self.stderr.read_text()[-3000:]}")
+
+    def peak_rss_bytes(self) -> int:
+        """The process's peak resident set size (VmHWM) so far."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def rss_bytes(self) -> int:
+        """The process's resident set size now (VmRSS)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL if it lingers past ``timeout``; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def start_kvtier(
+    model: Path,
+    workdir: Path,
+    *extra: str,
+    name: str = "kvtier",
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+) -> Server:
+    """``kvtier serve`` on a free port.
+
+    NOTE: ``kvtier serve`` keeps an SSD cache at ``$KVTIER_HOME/kv`` unless
+    told otherwise; a benchmark that does not name ``--ssd-cache`` gets one
+    in ``workdir``, so runs never see each other's files or the user's.
+    """
+    args = list(extra)
+    if "--ssd-cache" not in args:
+        args += ["--ssd-cache", str(workdir / f"{name}-kv")]
+    cmd = [sys.executable, "-m", "actors.cli", "serve", "--model", str(model), "--port", "0"]
+    server = Server([*cmd, *args], workdir, name, env)
+    server.wait_ready(None, timeout)
+    return server
+
+
+def start_mlx_lm(
+    model: Path, workdir: Path, *, name: str = "mlx_lm", timeout: float = 180.0
+) -> Server:
+    """``mlx_lm.server`` on a free port."""
+    port = free_port()
+    server = Server(
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
+        workdir,
+        name,
+    )
+    server.wait_ready(f"http://127.0.0.1:{port}", timeout)
+    return server
+
+
+@dataclass
+class ChatResult:
+    """One streamed chat completion, timed on the client."""
+
+    ttft_s: float
+    """Request sent -> first non-empty content chunk."""
+    text: str
+    token_times: list[float] = field(default_factory=list)
+    """Arrival time of each content chunk, seconds after the request was sent."""
+    usage: dict[str, Any] | None = None
+
+    @property
+    def decode_tps(self) -> float:
+        """Content chunks after the first, per second between the first and the last."""
+        if len(self.token_times) < 2:
+            return 0.0
+        span = self.token_times[-1] - self.token_times[0]
+        return (len(self.token_times) - 1) / span if span > 0 else 0.0
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens`` when the server reported it."""
+        if not self.usage:
+            return None
+        details = self.usage.get("prompt_tokens_details") or {}
+        value = details.get("cached_tokens")
+        return int(value) if isinstance(value, int) else None
+
+
+def stream_chat(
+    url: str, messages: list[dict[str, str]], model: str, max_tokens: int = 4, timeout: float = 900
+) -> ChatResult:
+    """A greedy streaming chat request: TTFT, the text, per-chunk times and usage."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    times: list[float] = []
+    parts: list[str] = []
+    usage: dict[str, Any] | None = None
+    with (
+        httpx.Client(timeout=timeout) as client,
+        client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp,
+    ):
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            obj = json.loads(payload)
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for choice in obj.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    times.append(time.perf_counter() - start)
+                    parts.append(content)
+    if not times:
+        raise RuntimeError("no content chunk in the stream")
+    return ChatResult(ttft_s=times[0], text="".join(parts), token_times=times, usage=usage)
+
+
+def ttft(url: str, messages: list[dict[str, str]], model: str, max_tokens: int = 4) -> float:
+    """Seconds from sending a streaming chat request to its first content chunk."""
+    return stream_chat(url, messages, model, max_tokens).ttft_s
+
+
+def loadavg() -> str:
+    """The 1/5/15-minute load averages, as ``uptime`` prints them."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU count, memory, Python, MLX and mlx-lm versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    mem_kb = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            mem_kb = int(line.split()[1])
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpus": os.cpu_count(),
+        "mem_gib": round(mem_kb / 2**20, 1),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "mlx": ver("mlx"),
+        "mlx_lm": ver("mlx-lm"),
+        "commit": commit,
+        "openblas_preloaded": OPENBLAS in os.environ.get("LD_PRELOAD", ""),
+    }
+
+
+def model_id(url: str) -> str:
+    """The first model id ``/v1/models`` lists."""
+    return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])

@@ -1,0 +1,428 @@
+"""Cold-tier file throughput: the real codec and file port against ``dd`` on the same file system.
+
+A synthetic entry of ``--layers`` ``KVCache`` layers, keys and values of
+shape ``[1, heads, tokens, head_dim]`` in bf16 filled with random values
+(default: the Llama-3-8B shape at 8,192 tokens, 32 layers, exactly 1 GiB
+of tensor bytes), goes through what the SSD writer and reader run:
+
+- store: ``plan_entry``, then per tensor ``tensor_bytes`` and
+  ``KvFileWriter.write_tensor`` (xxh3 + positional write), then ``commit``
+  (header, fsync, rename, directory fsync), timed from ``begin`` to the end
+  of ``commit``; against ``dd if=/dev/zero oflag=direct conv=fsync`` writing
+  the same number of bytes into the same directory;
+- restore: ``read_header`` + ``read_tensors(verify=True)`` (every tensor
+  hash checked), against ``dd of=/dev/null`` reading the same file, both
+  after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file (page cache
+  dropped) and both again with the file in the page cache (warm).
+
+Rounds interleave ours and dd; medians and min..max are printed, with the
+ratios the targets name (store >= 0.80 x dd, restore >= 0.85 x dd). Run:
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/cold_tier_io.py [--rounds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, loadavg, machine
+
+sys.path.insert(0, str(REPO))
+
+_DD_RATE = re.compile(r"copied, ([0-9.]+) s")
+
+
+class TimedPort:
+    """``OsFilePort`` with the time spent in each system call family summed (seconds)."""
+
+    def __init__(self) -> None:
+        from kernels.cache import OsFilePort
+
+        self._inner = OsFilePort()
+        self.spent: dict[str, float] = {}
+
+    def reset(self) -> None:
+        """Forget the sums."""
+        self.spent = {}
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._inner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return target(*args, **kwargs)
+            finally:
+                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+
+class DirectPort(TimedPort):
+    """A what-if port, for this benchmark only: temp files opened ``O_DIRECT``.
+
+    Writes go through one reused page-aligned bounce buffer (O_DIRECT needs
+    aligned memory, offsets and lengths), padded with zeros to 4 KiB; the
+    file is cut back to its planned size before the fsync. Not the product's
+    port: it measures what skipping the page cache would give the real
+    ``KvFileWriter`` on this file system.
+    """
+
+    _BLOCK = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        import mmap
+
+        self._bounce = mmap.mmap(-1, 16 << 20)
+        self._sizes: dict[int, int] = {}
+
+    def open_temp(self, path: str) -> int:
+        """``OsFilePort.open_temp`` plus ``O_DIRECT``."""
+        t0 = time.perf_counter()
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
+        fd = os.open(path, flags, 0o600)
+        self.spent["open_temp"] = self.spent.get("open_temp", 0.0) + time.perf_counter() - t0
+        return fd
+
+    def truncate(self, fd: int, size: int) -> None:
+        """Remember the planned size (the padded last write may pass it)."""
+        self._sizes[fd] = size
+        os.ftruncate(fd, size)
+
+    def pwrite_all(self, fd: int, data: Any, offset: int) -> None:
+        """Copy through the bounce buffer, write block-aligned chunks."""
+        t0 = time.perf_counter()
+        view = memoryview(data).cast("B")
+        bounce = memoryview(self._bounce)
+        done = 0
+        while done < len(view):
+            n = min(len(bounce), len(view) - done)
+            bounce[:n] = view[done : done + n]
+            padded = -(-n // self._BLOCK) * self._BLOCK
+            if padded > n:
+                bounce[n:padded] = bytes(padded - n)
+            written = os.pwritev(fd, [bounce[:padded]], offset + done)
+            if written != padded:
+                raise OSError(f"short direct write: {written} of {padded}")
+            done += n
+        self.spent["pwrite_all"] = self.spent.get("pwrite_all", 0.0) + time.perf_counter() - t0
+
+    def fsync(self, fd: int) -> None:
+        """Cut the padding off, then fsync."""
+        t0 = time.perf_counter()
+        os.ftruncate(fd, self._sizes.pop(fd))
+        os.fsync(fd)
+        self.spent["fsync"] = self.spent.get("fsync", 0.0) + time.perf_counter() - t0
+
+
+def first_touch(sizes: list[int]) -> float:
+    """Seconds to allocate (and zero) one fresh ``bytearray`` per size: what the reader allocates."""
+    t0 = time.perf_counter()
+    keep = [bytearray(n) for n in sizes]
+    took = time.perf_counter() - t0
+    del keep
+    return took
+
+
+@dataclass
+class Figures:
+    """Seconds per run of each measured operation, and the breakdowns of ours."""
+
+    runs: dict[str, list[float]] = field(default_factory=dict)
+    breakdown: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def add(self, key: str, seconds: float, parts: dict[str, float] | None = None) -> None:
+        """Record one run."""
+        self.runs.setdefault(key, []).append(seconds)
+        if parts is not None:
+            self.breakdown.setdefault(key, []).append(parts)
+
+
+def make_entry(layers: int, heads: int, tokens: int, head_dim: int, seed: int) -> list[Any]:
+    """``layers`` evaluated ``KVCache`` objects holding ``tokens`` random bf16 keys and values."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as cache_module
+
+    # NOTE: Any, so mypy does not follow mlx-lm's partly annotated classes.
+    mlc: Any = cache_module
+    mx.random.seed(seed)
+    caches = []
+    for _ in range(layers):
+        c = mlc.KVCache()
+        k = mx.random.normal((1, heads, tokens, head_dim)).astype(mx.bfloat16)
+        v = mx.random.normal((1, heads, tokens, head_dim)).astype(mx.bfloat16)
+        c.update_and_fetch(k, v)
+        mx.eval(c.keys, c.values)
+        caches.append(c)
+    return caches
+
+
+def drop_cache(path: Path) -> None:
+    """Ask the kernel to drop the file's clean pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def dd(*args: str) -> float:
+    """Run ``dd`` and return the seconds it reports for its copy (its own clock)."""
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    match = _DD_RATE.search(out.stderr)
+    if match is None:
+        raise RuntimeError(f"unexpected dd output: {out.stderr!r}")
+    return float(match.group(1))
+
+
+def store(
+    port: TimedPort, caches: list[Any], tokens: int, directory: Path, name: str = "entry.kvt"
+) -> tuple[Path, float, dict[str, float]]:
+    """Plan and write the entry as the SSD writer does; the final path, seconds, breakdown."""
+    from kernels.cache import KvFileWriter, plan_entry, tensor_bytes
+
+    plan = plan_entry(
+        caches,
+        model_id="bench",
+        fingerprint="bench",
+        namespace="",
+        tokenizer_hash="bench",
+        tokens=range(tokens),
+    )
+    final = directory / name
+    port.reset()
+    readback = write = 0.0
+    t0 = time.perf_counter()
+    with KvFileWriter(port, plan) as writer:
+        writer.begin(str(directory))
+        for i in range(len(plan.tensors)):
+            t1 = time.perf_counter()
+            view = tensor_bytes(plan, i)
+            t2 = time.perf_counter()
+            writer.write_tensor(i, view)
+            t3 = time.perf_counter()
+            del view
+            readback += t2 - t1
+            write += t3 - t2
+        t4 = time.perf_counter()
+        writer.commit(str(final))
+        commit = time.perf_counter() - t4
+    total = time.perf_counter() - t0
+    spent = dict(port.spent)
+    parts = {
+        "tensor_bytes": readback,
+        "pwrite": spent.get("pwrite_all", 0.0),
+        "hash+other in write_tensor": write - spent.get("pwrite_all", 0.0),
+        "fsync": spent.get("fsync", 0.0),
+        "commit total": commit,
+        "open+truncate": spent.get("open_temp", 0.0) + spent.get("truncate", 0.0),
+    }
+    plan.release_arrays()
+    return final, total, parts
+
+
+def restore(
+    port: TimedPort, path: Path, *, verify: bool, materialize: bool = False
+) -> tuple[float, dict[str, float], int]:
+    """``read_header`` + ``read_tensors`` as the reader does; seconds, breakdown, bytes read.
+
+    With ``materialize`` the host bytes are then copied into MLX caches as the
+    request's first turn does (``materialize(..., consume=True)``), timed
+    apart (``breakdown["materialize"]``, not in the returned seconds).
+    """
+    import mlx.core as mx
+
+    from kernels.cache import materialize as to_mlx
+    from kernels.cache import read_header, read_tensors
+
+    port.reset()
+    t0 = time.perf_counter()
+    header = read_header(port, str(path))
+    host = read_tensors(port, str(path), header, verify=verify)
+    total = time.perf_counter() - t0
+    nbytes = host.nbytes
+    spent = dict(port.spent)
+    parts = {
+        "pread": spent.get("pread_into", 0.0),
+        "other (alloc, hash)": total - spent.get("pread_into", 0.0),
+    }
+    if materialize:
+        t1 = time.perf_counter()
+        caches = to_mlx(header, host, consume=True)
+        parts["materialize"] = time.perf_counter() - t1
+        del caches
+        mx.clear_cache()
+    del host
+    return total, parts, nbytes
+
+
+def _stats(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def main() -> int:
+    """Run the rounds and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dd-bs", default="16M", help="dd block size for the write (default 16M)")
+    parser.add_argument(
+        "--dd-read-bs", default="4M", help="dd block size for the read (default 4M)"
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="parent directory (default: $KVTIER_HOME or ~/.cache/kvtier, where the tier lives)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args()
+
+    parent = args.dir or Path(os.environ.get("KVTIER_HOME", Path.home() / ".cache" / "kvtier"))
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="cold-tier-io-", dir=parent))
+    port = TimedPort()
+    figures = Figures()
+    loads = [loadavg()]
+    info = machine()
+    try:
+        caches = make_entry(args.layers, args.heads, args.tokens, args.head_dim, seed=0)
+        tensor_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+        df = subprocess.run(["df", "-T", str(work)], capture_output=True, text=True, check=False)
+        print(
+            f"entry: {args.layers} layers x 2 tensors [1,{args.heads},{args.tokens},{args.head_dim}] "
+            f"bf16 = {tensor_bytes / 2**30:.3f} GiB; directory {work}"
+        )
+        print(df.stdout.strip())
+        print(f"load average at start: {loads[0]}")
+        file_size = 0
+        sizes = [int(a.nbytes) for c in caches for a in (c.keys, c.values)]
+        for r in range(args.rounds):
+            # Store: ours, then dd writing the same bytes into the same directory.
+            final, secs, parts = store(port, caches, args.tokens, work)
+            file_size = final.stat().st_size
+            figures.add("store", secs, parts)
+            ddfile = work / "dd.bin"
+            bs = args.dd_bs
+            count = -(-file_size // _bytes(bs))
+            scale = file_size / (count * _bytes(bs))
+            for key, flags in (
+                ("dd_write", ("oflag=direct", "conv=fsync")),
+                ("dd_write_buffered", ("conv=fsync",)),
+            ):
+                ddfile.unlink(missing_ok=True)
+                of = f"of={ddfile}"
+                figures.add(
+                    key, dd("if=/dev/zero", of, f"bs={bs}", f"count={count}", *flags) * scale
+                )
+            ddfile.unlink()
+            # What-if: the same writer through an O_DIRECT port (bench only).
+            direct, secs, parts = store(DirectPort(), caches, args.tokens, work, "direct.kvt")
+            figures.add("store_o_direct", secs, parts)
+            direct.unlink()
+            # The fresh-memory floor: allocating what read_tensors allocates.
+            figures.add("first_touch", first_touch(sizes))
+            # Restore after dropping the page cache: ours (verify on, off), dd.
+            for verify in (True, False):
+                drop_cache(final)
+                secs, parts, _ = restore(port, final, verify=verify)
+                figures.add(f"restore_cold_verify_{'on' if verify else 'off'}", secs, parts)
+            drop_cache(final)
+            figures.add("dd_read_cold", dd(f"if={final}", "of=/dev/null", f"bs={args.dd_read_bs}"))
+            # Warm: the file is in the page cache for both.
+            restore(port, final, verify=True)
+            secs, parts, _ = restore(port, final, verify=True, materialize=True)
+            figures.add("restore_warm_verify_on", secs, parts)
+            figures.add("dd_read_warm", dd(f"if={final}", "of=/dev/null", f"bs={args.dd_read_bs}"))
+            final.unlink()
+            loads.append(loadavg())
+            print(
+                f"round {r + 1}: store {file_size / figures.runs['store'][-1] / 1e9:.2f} GB/s, "
+                f"dd write {file_size / figures.runs['dd_write'][-1] / 1e9:.2f}; restore cold "
+                f"{file_size / figures.runs['restore_cold_verify_on'][-1] / 1e9:.2f}, dd read cold "
+                f"{file_size / figures.runs['dd_read_cold'][-1] / 1e9:.2f}; load {loads[-1]}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    rates = {k: [file_size / s / 1e9 for s in v] for k, v in figures.runs.items()}
+    print(
+        f"\nfile {file_size / 2**30:.3f} GiB, {args.rounds} rounds, GB/s (1e9 bytes/s), median [min..max]"
+    )
+    for key, xs in rates.items():
+        med, lo, hi = _stats(xs)
+        print(f"  {key:<28}{med:>8.2f}  [{lo:.2f}..{hi:.2f}]")
+    ratios = {
+        "store / dd_write": ("store", "dd_write", 0.80),
+        "restore / dd_read (cold, verify on)": ("restore_cold_verify_on", "dd_read_cold", 0.85),
+        "restore / dd_read (cold, verify off)": ("restore_cold_verify_off", "dd_read_cold", None),
+        "restore / dd_read (warm, verify on)": ("restore_warm_verify_on", "dd_read_warm", 0.85),
+        "diag: store / dd_write_buffered": ("store", "dd_write_buffered", None),
+        "diag: store_o_direct / dd_write": ("store_o_direct", "dd_write", None),
+    }
+    print("ratios of medians (per-round ratios min..max):")
+    out_ratios: dict[str, Any] = {}
+    for label, (ours, theirs, target) in ratios.items():
+        med = statistics.median(rates[ours]) / statistics.median(rates[theirs])
+        per = [a / b for a, b in zip(rates[ours], rates[theirs], strict=True)]
+        verdict = (
+            ""
+            if target is None
+            else ("  met" if med >= target else "  MISSED") + f" (target >= {target})"
+        )
+        print(f"  {label:<38}{med:>7.3f}  [{min(per):.3f}..{max(per):.3f}]{verdict}")
+        out_ratios[label] = {"median": med, "per_round": per, "target": target}
+    print("breakdown of ours, seconds, median over rounds:")
+    for key, rows in figures.breakdown.items():
+        names = rows[0].keys()
+        print(
+            f"  {key}: "
+            + ", ".join(f"{n} {statistics.median(r[n] for r in rows):.3f}" for n in names)
+        )
+    print(f"load average per round: {', '.join(loads)}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "file_bytes": file_size,
+                    "seconds": figures.runs,
+                    "gbps": rates,
+                    "ratios": out_ratios,
+                    "breakdown": figures.breakdown,
+                    "loadavg": loads,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+def _bytes(bs: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(bs[:-1]) * units[bs[-1]] if bs[-1] in units else int(bs)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
