@@ -44,4 +44,8 @@ async def test_sampled_requests_keep_working_around_a_full_vocabulary_top_k(mode
                        GenerationParams(max_tokens=3, temperature=0.7),
                        GenerationParams(max_tokens=3, temperature=0.7, top_k=5)):
             done = await eng.complete_prompt([3, 4, 5], params)
-            assert done.usage.completion_tokens == 3
+            # NOTE: unseeded sampling may draw an end-of-sequence token early;
+            # what matters is that every request completes instead of failing.
+            assert done.finish_reason in ("length", "stop")
+            assert 1 <= done.usage.completion_tokens <= 3
+            assert done.finish_reason == "stop" or done.usage.completion_tokens == 3
