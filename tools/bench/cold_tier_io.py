@@ -49,10 +49,12 @@ _DD_RATE = re.compile(r"copied, ([0-9.]+) s")
 class TimedPort:
     """``OsFilePort`` with the time spent in each system call family summed (seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, early_writeback: bool = True) -> None:
         from kernels.cache import OsFilePort
 
-        self._inner = OsFilePort()
+        # NOTE: early_writeback=False is the port before it started each
+        # range's writeback (sync_file_range), kept as a comparison.
+        self._inner = OsFilePort() if early_writeback else OsFilePort(writeback=None)
         self.spent: dict[str, float] = {}
 
     def reset(self) -> None:
@@ -335,6 +337,12 @@ def main() -> int:
                     key, dd("if=/dev/zero", of, f"bs={bs}", f"count={count}", *flags) * scale
                 )
             ddfile.unlink()
+            # The same writer without the early writeback start (the port before it).
+            late, secs, parts = store(
+                TimedPort(early_writeback=False), caches, args.tokens, work, "late.kvt"
+            )
+            figures.add("store_fsync_only", secs, parts)
+            late.unlink()
             # What-if: the same writer through an O_DIRECT port (bench only).
             direct, secs, parts = store(DirectPort(), caches, args.tokens, work, "direct.kvt")
             figures.add("store_o_direct", secs, parts)
@@ -378,6 +386,7 @@ def main() -> int:
         "restore / dd_read (cold, verify off)": ("restore_cold_verify_off", "dd_read_cold", None),
         "restore / dd_read (warm, verify on)": ("restore_warm_verify_on", "dd_read_warm", 0.85),
         "diag: store / dd_write_buffered": ("store", "dd_write_buffered", None),
+        "diag: store_fsync_only / dd_write": ("store_fsync_only", "dd_write", None),
         "diag: store_o_direct / dd_write": ("store_o_direct", "dd_write", None),
     }
     print("ratios of medians (per-round ratios min..max):")
