@@ -51,7 +51,7 @@ import functools
 import itertools
 import posixpath
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -83,8 +83,10 @@ from kernels.cache._crash_fs import (
 from kernels.cache._file_port import FilePort
 from kernels.cache._kv_file import plan_entry, tensor_bytes
 from messages import (
+    Body,
     EntryMeta,
     Envelope,
+    Request,
     Restore,
     RestoreResult,
     SsdStats,
@@ -97,6 +99,7 @@ from messages.gateway import RunWhenIdle, TurnDone
 from messages.ssd_writer import FilesRemoved, ScrubWake
 
 T = TypeVar("T")
+B = TypeVar("B", bound=Body)
 
 ROOT = "/kv"
 IDENTITY = FileIdentity(model_id="crash-model", fingerprint="fp-crash", tokenizer_hash="tok-crash")
@@ -219,6 +222,15 @@ class RamEntries:
         del self.live[handle]
 
 
+class LiveHandles(Protocol):
+    """The handle table a :class:`ScriptedSource` checks (:class:`RamEntries` or a test's own)."""
+
+    @property
+    def live(self) -> Mapping[str, EntrySpec]:
+        """Live handle -> the entry it holds."""
+        ...
+
+
 class ScriptedSource:
     """A :class:`TensorSource` over the prepared entries (no engine, no MLX at run time).
 
@@ -227,7 +239,7 @@ class ScriptedSource:
     are taken at their word.
     """
 
-    def __init__(self, ram: RamEntries | None = None) -> None:
+    def __init__(self, ram: LiveHandles | None = None) -> None:
         self._by_tokens = {(s.namespace, s.tokens): s for s in entries().values()}
         self._ram = ram
 
@@ -310,11 +322,11 @@ class Run:
         self.ram = ram
         self.dirty: set[tuple[str, tuple[int, ...]]] = set()
 
-    async def ask(self, body: Any, expect: type[T]) -> T:
+    async def ask(self, body: Request, expect: type[B]) -> B:
         """Ask the tier's index."""
         return await self.system.ask(self.tier.name, body, timeout=ASK_S, expect=expect)
 
-    async def ask_durability(self, body: Any, expect: type[T]) -> T:
+    async def ask_durability(self, body: Request, expect: type[B]) -> B:
         """Ask the durability coordinator."""
         return await self.system.ask("durability", body, timeout=ASK_S, expect=expect)
 
@@ -322,8 +334,16 @@ class Run:
 class Step(Protocol):
     """One workload step."""
 
-    label: str
-    restarts: bool
+    # NOTE: read-only members, so frozen dataclass fields and properties both satisfy them.
+    @property
+    def label(self) -> str:
+        """The step's name in a workload label."""
+        ...
+
+    @property
+    def restarts(self) -> bool:
+        """Whether the driver restarts the tier after this step."""
+        ...
 
     async def run(self, run: Run) -> None:
         """Perform the step (its effects settle before the next)."""

@@ -128,8 +128,8 @@ def test_a_full_disk_fails_stores_softly_and_requests_keep_being_served(
             full = _check_files(small_fs, ssd)
             # NOTE: the same prompts again: served (from RAM) with the same answers.
             for i in range(PROMPTS):
-                again = _complete(http, server.url, _text(i))
-                assert again["choices"][0]["text"] == answers[i]
+                repeat = _complete(http, server.url, _text(i))
+                assert repeat["choices"][0]["text"] == answers[i]
             assert _mount(small_fs, "64m", remount=True) is None
             r = http.post(f"{server.url}/admin/cache/flush")
             assert r.status_code == 200, r.text

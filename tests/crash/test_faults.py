@@ -18,9 +18,13 @@ the startup over the cap); F4 is in ``test_exhaustive.py``.
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
+from actors.runtime import ActorSystem, SequentialIds
+from actors.ssd_writer import spawn_ssd_writer
 from kernels.cache._crash_fs import CrashFS, Fault, FaultingPort
+from messages import SsdStats, SsdStatsRequest, Store, StoreResult
 from tests.crash import checker
 from tests.crash.checker import FlushStep, PutStep, RestartStep, RestoreStep, StoreStep
 
@@ -33,7 +37,7 @@ def _check(items: list[checker.FaultItem]) -> None:
 # NOTE: flush workloads: a flush whose write fails and the flush after it
 # (fsyncgate: the retry must rewrite), a flush over a stored ancestor, and a
 # put that a restart forgets before its flush.
-FLUSH_WORKLOADS = [
+FLUSH_WORKLOADS: list[tuple[checker.Step, ...]] = [
     (PutStep("A"), FlushStep(), FlushStep()),
     (StoreStep("A"), PutStep("A+"), FlushStep()),
     (PutStep("A"), RestartStep(), FlushStep()),
@@ -132,23 +136,21 @@ async def test_a_failed_rewrite_of_a_stored_entry_never_removes_it() -> None:
     port = FaultingPort(fs, Fault("fsync_dir", 2, "eio"))
     spec = checker.entries()["A"]
     meta = checker._meta(spec)
-    async with checker.ActorSystem(ids=checker.SequentialIds()) as system:
-        tier = checker.spawn_ssd_writer(
+    async with ActorSystem(ids=SequentialIds()) as system:
+        tier = spawn_ssd_writer(
             system, config=checker._config(checker.CAP), source=checker.ScriptedSource(),
             port=port,
         )  # fmt: skip
         tier.run = checker._inline  # type: ignore[method-assign]
-        await system.ask(tier.name, checker.SsdStatsRequest(), timeout=10, expect=checker.SsdStats)
-        results: list[checker.StoreResult] = []
+        await system.ask(tier.name, SsdStatsRequest(), timeout=10, expect=SsdStats)
+        results: list[StoreResult] = []
 
         async def store(handle: str) -> None:
-            body = checker.Store(handle=handle, namespace=spec.namespace, tokens=spec.tokens,
+            body = Store(handle=handle, namespace=spec.namespace, tokens=spec.tokens,
                                  meta=meta)  # fmt: skip
-            results.append(
-                await system.ask(tier.name, body, timeout=10, expect=checker.StoreResult)
-            )
+            results.append(await system.ask(tier.name, body, timeout=10, expect=StoreResult))
 
-        async with checker.anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
             tg.start_soon(store, "h-1")
             tg.start_soon(store, "h-2")
         await checker.settle()

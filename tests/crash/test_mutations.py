@@ -90,7 +90,7 @@ def _caches(kind: str, n: int) -> list[Any]:
         a = ArraysCache(3)
         a[0] = mx.ones((1, 2, 3))
         a[2] = mx.arange(6, dtype=mx.float32).reshape(1, 3, 2)
-        a._kvtier_offset = n
+        vars(a)["_kvtier_offset"] = n
         return [a]
     a = ArraysCache(2)
     a[1] = mx.ones((1, 2))

@@ -54,14 +54,14 @@ from actors.ssd_writer import SsdWriterConfig, spawn_ssd_writer
 from actors.ssd_writer.actor import ColdTier
 from kernels.cache._crash_fs import CrashFS
 from kernels.cache._file_port import FilePort
-from messages import EntryMeta, Envelope, Release, SsdStats, SsdStatsRequest
+from messages import Body, EntryMeta, Envelope, Release, Request, SsdStats, SsdStatsRequest
 from messages.durability import Flush, FlushResult
 from messages.gateway import RunWhenIdle, TurnDone
 from messages.prompt_cache import Demote, DemoteResult, Put, PutResult, Take, TakeResult
 from tests.crash import checker
 from tests.crash.ports import NoDirFsyncPort
 
-T = TypeVar("T")
+B = TypeVar("B", bound=Body)
 Key = tuple[str, tuple[int, ...]]
 
 RAM_CAP = 70_000
@@ -193,7 +193,7 @@ class Tier:
         )  # fmt: skip
         cold = spawn_ssd_writer(
             system, config=config, source=checker.ScriptedSource(self.registry), port=self.port
-        )  # type: ignore[arg-type]
+        )
         cold.run = checker._inline  # type: ignore[method-assign]
         self.cold = cold
         steps = Steps()
@@ -215,7 +215,7 @@ class Tier:
         await self.ask(cold.name, SsdStatsRequest(), SsdStats)
         await checker.settle()
 
-    async def ask(self, to: str, body: Any, expect: type[T]) -> T:
+    async def ask(self, to: str, body: Request, expect: type[B]) -> B:
         """Ask ``to`` and let the tier settle."""
         assert self.system is not None
         out = await self.system.ask(to, body, timeout=checker.ASK_S, expect=expect)

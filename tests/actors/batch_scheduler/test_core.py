@@ -362,9 +362,9 @@ def test_a_row_sharing_a_long_prefix_waits_for_the_first_rows_snapshot() -> None
     )
     effects = core.handle(StepFinished(1, out, 2.0))
     put = next(i for i, e in enumerate(effects) if isinstance(e, PutEntry))
-    look = next(i for i, e in enumerate(effects) if isinstance(e, StartLookup))
+    look, lookup = next((i, e) for i, e in enumerate(effects) if isinstance(e, StartLookup))
     assert put < look, "the new lookup must follow the snapshot's Put"
-    assert effects[look].request.request_id == "b"
+    assert lookup.request.request_id == "b"
     assert core.state.stats.deferred == 1
 
 
