@@ -10,19 +10,18 @@
   ``RunWhenIdle`` names them by ``step_id``).
 - :class:`Alarm`: ONE timer that wakes the actor at a clock time;
   :class:`LoopAlarm` uses the event loop's ``call_later``. Simulated runs
-  pass an alarm the scenario fires itself.
+  pass an alarm the scenario fires itself. Both are the runtime's
+  (``actors.runtime``), re-exported here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from actors.gateway import BackgroundSteps, StepHandle
-from actors.runtime import Clock
+from actors.runtime import Alarm, LoopAlarm
 from kernels.cache import CacheRegistry, UnknownCacheHandle
 from messages import EntryMeta
 
@@ -157,34 +156,3 @@ class GatewaySteps:
         handle = self._handles.pop(step_id, None)
         if handle is not None:
             handle.withdraw()
-
-
-class Alarm(Protocol):
-    """One timer: ``set(at, wake)`` replaces any earlier setting."""
-
-    def set(self, at: float | None, wake: Callable[[], None]) -> None:
-        """Call ``wake()`` once at clock time ``at`` (``None``: cancel)."""
-        ...
-
-
-class LoopAlarm:
-    """:class:`Alarm` on the running asyncio loop (``call_later``), times on ``clock``.
-
-    NOTE: the callback runs in a fresh context, so the message it sends is
-    not stamped with whatever envelope was being handled when it was set.
-    """
-
-    def __init__(self, clock: Clock) -> None:
-        self._clock = clock
-        self._timer: asyncio.TimerHandle | None = None
-
-    def set(self, at: float | None, wake: Callable[[], None]) -> None:
-        """See :meth:`Alarm.set`."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if at is None:
-            return
-        delay = max(0.0, at - self._clock.now())
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(delay, wake, context=contextvars.Context())

@@ -17,6 +17,7 @@ from ._actor import (
     Supervision,
     Tell,
 )
+from ._alarm import Alarm, LoopAlarm
 from ._context import current_envelope, use_correlation
 from ._errors import (
     ActorStopped,
@@ -55,6 +56,7 @@ __all__ = [
     "ActorRef",
     "ActorStopped",
     "ActorSystem",
+    "Alarm",
     "AskCycle",
     "AskTimeout",
     "Clock",
@@ -67,6 +69,7 @@ __all__ = [
     "HandlerFailed",
     "Ids",
     "Inbox",
+    "LoopAlarm",
     "MailboxClosed",
     "MailboxFull",
     "MailboxStatistics",

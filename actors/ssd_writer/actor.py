@@ -39,12 +39,13 @@ from typing import Any, TypeVar, assert_never
 
 import anyio
 
-from actors.prompt_cache.ports import Alarm, LoopAlarm
 from actors.runtime import (
     Actor,
     ActorStopped,
     ActorSystem,
+    Alarm,
     Context,
+    LoopAlarm,
     MailboxClosed,
     RuntimeFailure,
     UnknownAddress,
