@@ -150,24 +150,38 @@ def _owned(state: QueueState, handle_id: str) -> bool:
     return any(item.handle == handle_id for item in state.queued)
 
 
+def _item(envelope: Envelope, msg: Enqueue, seq: int) -> Item:
+    """``msg`` as the queue holds it (``notify`` set when its sender asked to hear the outcome)."""
+    return Item(
+        seq=seq,
+        handle=msg.handle,
+        namespace=msg.namespace,
+        tokens=msg.tokens,
+        meta=msg.meta,
+        source=msg.source,
+        correlation_id=envelope.correlation_id,
+        notify=envelope if msg.reply_to else None,
+    )
+
+
+def _notify(item: Item, outcome: SpillOutcome, reason: str) -> list[Effect]:
+    """Tell ``item``'s producer how it ended (nothing when it did not ask)."""
+    if item.notify is None:
+        return []
+    settled = SpillSettled(
+        handle=item.handle,
+        source=item.source,
+        outcome=outcome,
+        reason=reason,
+        tokens=len(item.tokens),
+        namespace=item.namespace,
+    )
+    return [Answer(item.notify, settled)]
+
+
 def _settle(state: QueueState, item: Item, outcome: SpillOutcome, reason: str) -> list[Effect]:
     """Release ``item``'s handle and tell its producer how it ended."""
-    effects: list[Effect] = [ReleaseHandle(item.handle)]
-    if item.notify is not None:
-        effects.append(
-            Answer(
-                item.notify,
-                SpillSettled(
-                    handle=item.handle,
-                    source=item.source,
-                    outcome=outcome,
-                    reason=reason,
-                    tokens=len(item.tokens),
-                    namespace=item.namespace,
-                ),
-            )
-        )
-    return effects
+    return [ReleaseHandle(item.handle), *_notify(item, outcome, reason)]
 
 
 def _refuse(
@@ -175,21 +189,7 @@ def _refuse(
 ) -> list[Effect]:
     state.refused += 1
     effects: list[Effect] = [ReleaseHandle(msg.handle)] if release else []
-    if msg.reply_to:
-        effects.append(
-            Answer(
-                envelope,
-                SpillSettled(
-                    handle=msg.handle,
-                    source=msg.source,
-                    outcome="refused",
-                    reason=reason,
-                    tokens=len(msg.tokens),
-                    namespace=msg.namespace,
-                ),
-            )
-        )
-    return effects
+    return effects + _notify(_item(envelope, msg, seq=-1), "refused", reason)
 
 
 def _drained_body(state: QueueState) -> SpillsDrained:
@@ -231,29 +231,10 @@ def enqueue(state: QueueState, envelope: Envelope, msg: Enqueue) -> list[Effect]
     if not msg.tokens or len(msg.tokens) != msg.meta.offset:
         state.enqueued += 1
         state.failed += 1
-        bad = Item(
-            seq=-1,
-            handle=msg.handle,
-            namespace=msg.namespace,
-            tokens=msg.tokens,
-            meta=msg.meta,
-            source=msg.source,
-            correlation_id=envelope.correlation_id,
-            notify=envelope if msg.reply_to else None,
-        )
-        return _settle(state, bad, "failed", "invalid")
+        return _settle(state, _item(envelope, msg, seq=-1), "failed", "invalid")
     state.seq += 1
     state.enqueued += 1
-    item = Item(
-        seq=state.seq,
-        handle=msg.handle,
-        namespace=msg.namespace,
-        tokens=msg.tokens,
-        meta=msg.meta,
-        source=msg.source,
-        correlation_id=envelope.correlation_id,
-        notify=envelope if msg.reply_to else None,
-    )
+    item = _item(envelope, msg, state.seq)
     state.queued.append(item)
     state.queued_bytes += item.nbytes
     effects: list[Effect] = []
