@@ -77,6 +77,14 @@ class BatchScheduler(Actor):
         """JSON-ready statistics of the batch lane."""
         return self.state.snapshot()
 
+    async def stopped(self, ctx: Context) -> None:
+        """Give back every lease rows still hold (an SSD hit's host bytes with it).
+
+        NOTE: the prompt cache is spawned before this actor, so it is still
+        running when this one stops (reverse spawn order).
+        """
+        await self._feed(core.Stopping(ctx.clock.now()), ctx)
+
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Translate one message into a core event and perform the effects."""
         now = ctx.clock.now()

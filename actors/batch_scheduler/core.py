@@ -64,12 +64,14 @@ __all__ = [
     "PutEntry",
     "ReleaseLease",
     "ReportTurn",
+    "RowFailure",
     "SchedulerState",
     "StartLookup",
     "Status",
     "StepFailed",
     "StepFinished",
     "StepOut",
+    "Stopping",
     "StreamGone",
     "SubmitStep",
     "TokenOut",
@@ -106,13 +108,26 @@ class ExitOut:
 
 
 @dataclass(frozen=True, slots=True)
+class RowFailure:
+    """A row that left the batch alone with an error (its stream ends with an ``ErrorEvent``)."""
+
+    request_id: str
+    error_code: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepOut:
     """What one batch step did on the engine thread.
 
     ``joined``: (request id, prompt tokens really reused) of rows that
     entered the batch this step (a lookup that could not be materialized
     joins cold: 0); ``prefilled``: rows whose prompt is now in the batch's
-    cache (they decode from the next step on).
+    cache (they decode from the next step on). ``restored``: joined rows
+    whose prefix was copied from a cold-tier (SSD) hit's host buffers;
+    ``restore_failed``: joined rows whose SSD hit could not be restored
+    (they joined cold). ``failed``: rows that left alone with an error
+    (:class:`RowFailure`; the memory guard's refusal), the others going on.
     """
 
     tokens: tuple[TokenOut, ...] = ()
@@ -122,15 +137,23 @@ class StepOut:
     prefilled: tuple[str, ...] = ()
     decode_rows: int = 0
     prefill_tokens: int = 0
+    restored: tuple[str, ...] = ()
+    restore_failed: tuple[str, ...] = ()
+    failed: tuple[RowFailure, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class JoinRow:
-    """A row for the next step to join: the request and the lookup to materialize."""
+    """A row for the next step to join: the request and the lookup to materialize.
+
+    ``handle``: a RAM entry; ``staging_id``: a cold-tier (SSD) hit whose file
+    bytes wait in host buffers; either way its first ``cached_tokens`` are reused.
+    """
 
     request: Generate
     handle: str | None = None
     cached_tokens: int = 0
+    staging_id: str | None = None
 
 
 # --- events (shell -> core) ----------------------------------------------------------
@@ -204,6 +227,13 @@ class BeginDrain:
     now: float
 
 
+@dataclass(frozen=True, slots=True)
+class Stopping:
+    """The scheduler stops: every lease still held is given back (the rows are dropped)."""
+
+    now: float
+
+
 Event = (
     Admit
     | LookupAnswered
@@ -213,6 +243,7 @@ Event = (
     | StepFinished
     | StepFailed
     | BeginDrain
+    | Stopping
 )
 
 
@@ -352,6 +383,11 @@ class Counters:
     cancelled: int = 0
     failed: int = 0
     entries_put: int = 0
+    restored: int = 0
+    restored_tokens: int = 0
+    restore_failed: int = 0
+    failed_alone: int = 0
+    memory_refused: int = 0
 
 
 @dataclass(slots=True)
@@ -432,6 +468,13 @@ class SchedulerState:
             "deferred": s.deferred,
             "cached_tokens": s.cached_tokens,
             "entries_put": s.entries_put,
+            "ssd": {
+                "restored": s.restored,
+                "restored_tokens": s.restored_tokens,
+                "restore_failed": s.restore_failed,
+            },
+            "rows_failed_alone": s.failed_alone,
+            "memory_refused": s.memory_refused,
         }
 
 
@@ -460,6 +503,8 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
             _step_failed(state, event, out)
         case BeginDrain():
             state.draining = True
+        case Stopping():
+            _stopping(state, out)
         case _:
             assert_never(event)
     _wake_deferred(state, out)
@@ -578,9 +623,10 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
             continue
         if row.phase == "ready":
             lookup = row.lookup
-            handle = None if lookup is None else lookup.handle
-            cached = 0 if lookup is None or handle is None else lookup.cached_tokens
-            joins.append(JoinRow(row.request, handle, cached))
+            if lookup is None:
+                joins.append(JoinRow(row.request))
+            else:
+                joins.append(JoinRow(row.request, lookup.handle, _lent(lookup), lookup.staging_id))
             row.phase = "joined"
             row.joined_at = ev.now
         elif row.phase == "joined" and row.cancelled:
@@ -591,6 +637,13 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
         return
     state.in_flight = ev.turn
     out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels)))
+
+
+def _lent(lookup: TakeResult | None) -> int:
+    """Prompt tokens a lookup lends: a RAM entry (``handle``) or a cold-tier hit (``staging_id``)."""
+    if lookup is None or (lookup.handle is None and lookup.staging_id is None):
+        return 0
+    return lookup.cached_tokens
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -614,7 +667,7 @@ def _defer(state: SchedulerState, row: Row, out: list[Effect]) -> bool:
     if not state.lookups or not row.request.chat:
         return False
     lookup = row.lookup
-    cached = 0 if lookup is None or lookup.handle is None else lookup.cached_tokens
+    cached = _lent(lookup)
     prompt = row.request.prompt_tokens
     best, best_n = None, cached + state.share_min - 1
     for rid, other in state.rows.items():
@@ -681,6 +734,11 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
         if row.lookup is not None and row.lookup.lease_id is not None:
             out.append(ReleaseLease(row.lookup.lease_id))
         row.lookup = None
+    stats.restored += len(step.restored)
+    stats.restored_tokens += sum(c for rid, c in step.joined if rid in step.restored)
+    stats.restore_failed += len(step.restore_failed)
+    for failure in step.failed:
+        _fail_row(state, failure, out)
     for tok in step.tokens:
         row = state.rows.get(tok.request_id)
         if row is None:
@@ -744,6 +802,35 @@ def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> No
         out.append(EndStream(row.request.stream_to, error, row.correlation_id))
     report = _report(state, ev.turn)
     out.append(ReportTurn(report.model_copy(update={"ok": False, "error_code": ev.error_code})))
+
+
+def _fail_row(state: SchedulerState, failure: RowFailure, out: list[Effect]) -> None:
+    """A row the engine removed alone with an error: its stream ends with it, the batch goes on."""
+    row = state.rows.pop(failure.request_id, None)
+    if row is None:
+        return
+    state.ended.append(failure.request_id)
+    state.stats.failed += 1
+    state.stats.failed_alone += 1
+    if failure.error_code == "MemoryPressure":
+        state.stats.memory_refused += 1
+    if row.lookup is not None and row.lookup.lease_id is not None:
+        # NOTE: refused before it joined: its lease (and an SSD hit's host bytes) goes back.
+        out.append(ReleaseLease(row.lookup.lease_id))
+    row.lookup = None
+    error = ErrorEvent(
+        request_id=failure.request_id, error_code=failure.error_code, detail=failure.detail
+    )
+    out.append(EndStream(row.request.stream_to, error, row.correlation_id))
+
+
+def _stopping(state: SchedulerState, out: list[Effect]) -> None:
+    """Give back every lease still held (a lookup's RAM entry or an SSD hit's host bytes)."""
+    for row in state.rows.values():
+        if row.lookup is not None and row.lookup.lease_id is not None:
+            out.append(ReleaseLease(row.lookup.lease_id))
+        row.lookup = None
+    state.draining = True
 
 
 def _put(

@@ -2,10 +2,18 @@
 
 :class:`BatchEngine` owns the one :class:`kernels.engine.BatchGeneration` and
 turns a ``SubmitStep`` into a ``StepOut`` of plain data: the lent prefixes
-are materialized from the cache registry (a lookup that cannot be
-materialized is a miss: the row joins cold), cancelled rows leave first, the
-kernel steps once, and every cache a row hands back (finished, cancelled, or
-a prompt-boundary snapshot) is registered so the scheduler can ``Put`` it.
+are materialized from the cache registry (a RAM hit) or copied from a
+cold-tier hit's host buffers into MLX arrays (an SSD hit, through the same
+restore the serial lane's first turn uses); a lookup that cannot be
+materialized or restored is a miss: the row joins cold. Cancelled rows leave
+first, the kernel steps once, and every cache a row hands back (finished,
+cancelled, or a prompt-boundary snapshot) is registered so the scheduler can
+``Put`` it.
+
+The memory-pressure guard (``actors/gateway/memory_guard.py``) is asked
+before each row's prefill (at its join) and every ``DECODE_CHECK_EVERY``
+tokens of each decoding row (before the step); a row it refuses leaves the
+batch alone (``RowFailure`` with ``MemoryPressure``), the others go on.
 
 NOTE: every method runs ON the engine thread, one job at a time (the
 scheduler never has two steps in flight), so nothing here needs a lock.
@@ -14,22 +22,41 @@ scheduler never has two steps in flight), so nothing here needs a lock.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from actors.errors import MemoryPressure
+from actors.gateway.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.gateway.ports import Registered
 from kernels import CacheRegistry, InvalidPrompt
 from kernels.engine import BatchGeneration, RowExit, RowSnapshot
+from messages.gateway import Generate
 
-from .core import ExitOut, JoinRow, StepOut, TokenOut
+from .core import ExitOut, JoinRow, RowFailure, StepOut, TokenOut
 
-__all__ = ["BatchEngine", "SnapshotPoint"]
+__all__ = ["BatchEngine", "RestorePort", "SnapshotPoint"]
 
 _log = structlog.get_logger("kvtier.batch")
 
 SnapshotPoint = Callable[[Sequence[int]], int]
 """The prompt's stable boundary (tokens) for a chat request's prompt-boundary snapshot."""
+
+RestorePort = Callable[[Generate, str, int], list[Any] | None]
+"""``restore(request, staging_id, tokens)``: a cold-tier hit's staged host bytes as MLX caches
+holding exactly ``request.prompt_tokens[:tokens]`` (``None``: lost, mismatched or failed: a miss).
+The serial lane's restore (``MlxBackend._restore``): takes the staged entry, checks its tokens,
+materializes it (each host buffer freed once copied) and trims it; engine thread only."""
+
+
+@dataclass(slots=True)
+class _Live:
+    """A row in the kernel's batch: its request and how far the memory guard has looked."""
+
+    request: Generate
+    emitted: int = 0
+    checked_at: int = 0
 
 
 class BatchEngine:
@@ -38,7 +65,9 @@ class BatchEngine:
     ``registry`` ``None``: no prompt cache (rows join cold, exits are
     dropped). A chat row whose uncached prompt part is at least
     ``snapshot_min_new_tokens`` gets a prompt-boundary snapshot at
-    ``snapshot_point(prompt)`` (the serial lane's rule).
+    ``snapshot_point(prompt)`` (the serial lane's rule). ``restore``: how a
+    cold-tier hit becomes MLX caches (``None``: no cold tier; such a row
+    joins cold). ``guard``: the memory-pressure guard's in-step checks.
     """
 
     def __init__(
@@ -51,6 +80,8 @@ class BatchEngine:
         registry: CacheRegistry | None = None,
         snapshot_point: SnapshotPoint | None = None,
         snapshot_min_new_tokens: int = 64,
+        restore: RestorePort | None = None,
+        guard: MemoryGuard | None = None,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -59,7 +90,10 @@ class BatchEngine:
         self._registry = registry
         self._point = snapshot_point
         self._snapshot_min = snapshot_min_new_tokens
+        self._restore = restore
+        self._guard = guard
         self._batch: BatchGeneration | None = None
+        self._live: dict[str, _Live] = {}
         self.steps_run = 0
 
     def _kernel(self) -> BatchGeneration:
@@ -77,15 +111,38 @@ class BatchEngine:
         try:
             batch = self._kernel()
             exits: list[ExitOut] = []
+            failed: list[RowFailure] = []
             for rid in cancels:
                 if rid in batch:
                     gone = batch.cancel(rid)
+                    self._live.pop(rid, None)
                     exits.append(
                         ExitOut(rid, "cancelled", gone.completion_tokens, self._keep(gone))
                     )
-            joined = [(join.request.request_id, self._join(batch, join)) for join in joins]
+            joined: list[tuple[str, int]] = []
+            restored: list[str] = []
+            restore_failed: list[str] = []
+            for join in joins:
+                rid = join.request.request_id
+                refusal = self._refused_before_prefill(join)
+                if refusal is not None:
+                    failed.append(refusal)
+                    continue
+                cached, outcome = self._join(batch, join)
+                self._live[rid] = _Live(join.request)
+                joined.append((rid, cached))
+                if outcome == "restored":
+                    restored.append(rid)
+                elif outcome == "restore_failed":
+                    restore_failed.append(rid)
+            failed.extend(self._decode_checks(batch))
             result = batch.step()
             self.steps_run += 1
+            for t in result.tokens:
+                if (live := self._live.get(t.row_id)) is not None:
+                    live.emitted = t.index + 1
+            for e in result.exits:
+                self._live.pop(e.row_id, None)
             tokens = tuple(
                 TokenOut(
                     t.row_id,
@@ -114,6 +171,9 @@ class BatchEngine:
                 prefilled=result.joined,
                 decode_rows=result.decode_rows,
                 prefill_tokens=result.prefill_tokens,
+                restored=tuple(restored),
+                restore_failed=tuple(restore_failed),
+                failed=tuple(failed),
             )
         except BaseException:
             # NOTE: a failed forward leaves the batch's arrays in an unknown
@@ -129,15 +189,63 @@ class BatchEngine:
         if self._batch is not None:
             self._batch.close()
         self._batch = None
+        self._live.clear()
 
-    def _join(self, batch: BatchGeneration, join: JoinRow) -> int:
+    def _refused_before_prefill(self, join: JoinRow) -> RowFailure | None:
+        """The guard's check before a row's prefill (``None``: it fits, or no guard)."""
+        if self._guard is None:
+            return None
+        try:
+            self._guard.before_prefill(join.request, join.cached_tokens)
+        except MemoryPressure as exc:
+            # NOTE: before the restore: an SSD hit's host bytes stay staged and
+            # go when the scheduler releases the row's lease.
+            return RowFailure(join.request.request_id, MemoryPressure.__name__, str(exc))
+        return None
+
+    def _decode_checks(self, batch: BatchGeneration) -> list[RowFailure]:
+        """Every ``DECODE_CHECK_EVERY`` tokens of a decoding row, ask the guard (before the step).
+
+        NOTE: before the step, so a refusal loses no produced token; a refused
+        row leaves the batch alone and its cache is dropped (not kept: the
+        memory is what is short).
+        """
+        guard = self._guard
+        if guard is None:
+            return []
+        failed: list[RowFailure] = []
+        for rid in batch.decoding:
+            live = self._live.get(rid)
+            if live is None or not live.emitted or live.emitted % DECODE_CHECK_EVERY:
+                continue
+            if live.checked_at == live.emitted:
+                continue
+            live.checked_at = live.emitted
+            request = live.request
+            try:
+                guard.during_decode(request, len(request.prompt_tokens) + live.emitted)
+            except MemoryPressure as exc:
+                batch.cancel(rid)
+                self._live.pop(rid, None)
+                failed.append(RowFailure(rid, MemoryPressure.__name__, str(exc)))
+        return failed
+
+    def _join(self, batch: BatchGeneration, join: JoinRow) -> tuple[int, str]:
+        """Join one row with its lent prefix; (prompt tokens reused, how: ram/restored/restore_failed/cold)."""
         request = join.request
         cache: list[Any] | None = None
         cached = 0
-        if join.handle is not None and join.cached_tokens > 0 and self._registry is not None:
+        outcome = "cold"
+        if join.staging_id is not None and join.cached_tokens > 0:
+            cache = self._restored(join)
+            if cache is not None:
+                cached, outcome = join.cached_tokens, "restored"
+            else:
+                outcome = "restore_failed"
+        elif join.handle is not None and join.cached_tokens > 0 and self._registry is not None:
             try:
                 cache = self._registry.materialize(join.handle, join.cached_tokens)
-                cached = join.cached_tokens
+                cached, outcome = join.cached_tokens, "ram"
             except Exception as exc:  # noqa: BLE001 - NOTE: a cache-tier failure is a miss.
                 _log.warning("prompt_cache.materialize_failed", handle=join.handle, error=repr(exc))
         snapshot_at = self._snapshot_at(request.prompt_tokens, request.chat, cached)
@@ -157,13 +265,33 @@ class BatchEngine:
                 raise
             _log.warning("batch.join_cold", request_id=request.request_id, error=repr(exc))
             cached = 0
+            outcome = "restore_failed" if outcome == "restored" else "cold"
             batch.join(
                 request.request_id,
                 request.prompt_tokens,
                 request.params,
                 snapshot_at=self._snapshot_at(request.prompt_tokens, request.chat, 0),
             )
-        return cached
+        return cached, outcome
+
+    def _restored(self, join: JoinRow) -> list[Any] | None:
+        """A cold-tier hit's host bytes as MLX caches of ``cached_tokens`` tokens (``None``: a miss).
+
+        NOTE: the copy into MLX arrays happens here, inside the batch step
+        the row joins (an engine turn of the batch lane, never a background
+        one), as the serial lane does in the request's first turn.
+        """
+        assert join.staging_id is not None
+        if self._restore is None:
+            _log.warning("ssd_cache.restore_unavailable", staging_id=join.staging_id)
+            return None
+        try:
+            return self._restore(join.request, join.staging_id, join.cached_tokens)
+        except Exception as exc:  # noqa: BLE001 - NOTE: a cache-tier failure is a miss.
+            _log.warning(
+                "ssd_cache.materialize_failed", staging_id=join.staging_id, error=repr(exc)
+            )
+            return None
 
     def _snapshot_at(self, prompt: Sequence[int], chat: bool, cached: int) -> int | None:
         if self._registry is None or self._point is None or not chat:

@@ -17,7 +17,7 @@ from kernels import CacheRegistry, KvScheme
 from kernels.engine import model_batch_gate
 
 from .actor import BatchScheduler
-from .engine import BatchEngine
+from .engine import BatchEngine, RestorePort
 
 if TYPE_CHECKING:
     from actors.engine.wiring import Parts
@@ -47,6 +47,21 @@ def _backend_parts(
         int(backend._step_size),
         backend._scheme,
     )
+
+
+def _restore_port(backend: object) -> RestorePort | None:
+    """The serial lane's restore of a cold-tier hit (``None``: no cold tier on this backend).
+
+    NOTE: the batch lane restores exactly like the serial lane's first turn
+    (the same token and trim checks, the same ``materialize``, the same
+    restore counters), so it borrows the backend's method rather than keep a
+    second copy of those rules.
+    """
+    from actors.backend.mlx import MlxBackend
+
+    if not isinstance(backend, MlxBackend) or backend._staging is None:
+        return None
+    return backend._restore
 
 
 def batch_refusal(parts: Parts) -> str | None:
@@ -85,6 +100,8 @@ def batch_factory(
         registry=registry if prompt_cache is not None else None,
         snapshot_point=None if point is None else (lambda prompt: point().stable_prefix(prompt)),
         snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,
+        restore=_restore_port(backend) if prompt_cache is not None else None,
+        guard=parts.memory_guard,
     )
     scheduler = BatchScheduler(
         gateway=gateway,

@@ -1,0 +1,173 @@
+"""The batch lane's engine job (``BatchEngine.step``) on a tiny fp32 Llama: per-row restores and memory checks.
+
+A cold-tier hit that cannot be restored joins cold with the right tokens; the
+memory-pressure guard refuses one row before its prefill or during its decode
+and that row alone leaves the batch, the others going on unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from actors.batch_scheduler import engine as batch_engine
+from actors.batch_scheduler.core import JoinRow, RowFailure, StepOut
+from actors.batch_scheduler.engine import BatchEngine
+from actors.gateway.memory_guard import Footprint, MemoryGauge, MemoryGuard
+from messages.gateway import Generate, GenerationParams
+from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+KV_PER_TOKEN = 1000
+"""The scripted geometry: every token of KV costs this many bytes."""
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny byte-level BPE tokenizer."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    """A tiny fp32 Llama whose greedy output varies."""
+    return lively_llama(len(tok))
+
+
+def _gen(rid: str, prompt: list[int], max_tokens: int) -> Generate:
+    return Generate(
+        request_id=rid,
+        prompt_tokens=tuple(prompt),
+        params=GenerationParams(max_tokens=max_tokens),
+        stream_to=f"inbox.{rid}",
+    )
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % 90 + 3 for i in range(n)]
+
+
+def _engine(model: Any, tok: Any, **options: Any) -> BatchEngine:
+    return BatchEngine(model, tok, max_rows=4, prefill_step_size=64, **options)
+
+
+def _drive(engine: BatchEngine, joins: list[JoinRow]) -> tuple[dict[str, list[int]], list[StepOut]]:
+    """Step until every row left; the tokens of each row and every step's output."""
+    tokens: dict[str, list[int]] = {}
+    outs: list[StepOut] = []
+    live = {j.request.request_id for j in joins}
+    first = True
+    while live:
+        out = engine.step(joins if first else [], [])
+        first = False
+        outs.append(out)
+        for t in out.tokens:
+            tokens.setdefault(t.request_id, []).append(t.token_id)
+        live -= {e.request_id for e in out.exits}
+        live -= {f.request_id for f in out.failed}
+        assert len(outs) < 2000, "the batch never finished"
+    engine.reset()
+    return tokens, outs
+
+
+class _Guard:
+    """A scripted memory guard: a budget, a linear KV geometry and a gauge the test sets."""
+
+    def __init__(self, budget: int) -> None:
+        self.active = 0
+        self.guard = MemoryGuard(
+            budget=budget,
+            footprint=Footprint(kv_bytes_at=lambda n: n * KV_PER_TOKEN, chunk=64),
+            gauge=MemoryGauge(lambda: self.active),
+        )
+
+
+@pytest.mark.parametrize("failure", ["lost", "raises"])
+def test_an_ssd_hit_that_cannot_be_restored_joins_cold_with_the_right_tokens(
+    model: Any, tok: Any, failure: str
+) -> None:
+    """A row lent a cold-tier hit whose restore finds nothing (bytes pushed out, mismatch) or
+    raises (materialization failed) joins cold: 0 tokens reused, counted as restore_failed, its
+    whole prompt forwarded, and the greedy tokens of a row that had no hit."""
+    calls: list[tuple[str, str, int]] = []
+
+    def restore(request: Generate, staging_id: str, tokens: int) -> list[Any] | None:
+        calls.append((request.request_id, staging_id, tokens))
+        if failure == "raises":
+            raise ValueError("materialize failed")
+        return None
+
+    prompt = _prompt(30, 1)
+    cold, _ = _drive(_engine(model, tok), [JoinRow(_gen("r", prompt, 8))])
+    engine = _engine(model, tok, restore=restore)
+    join = JoinRow(_gen("r", prompt, 8), None, 20, "staged-1")
+    got, outs = _drive(engine, [join])
+    assert calls == [("r", "staged-1", 20)]
+    assert (outs[0].joined, outs[0].restored, outs[0].restore_failed) == ((("r", 0),), (), ("r",))
+    assert outs[0].prefill_tokens == len(prompt) - 1
+    assert got == cold
+
+
+def test_a_row_refused_before_its_prefill_leaves_alone_and_is_never_restored(
+    model: Any, tok: Any
+) -> None:
+    """With the guard over budget for one row only, that row fails with MemoryPressure at its
+    join (its SSD hit is not restored), the other row joins and gives its solo tokens."""
+    small, big = _prompt(12, 2), _prompt(40, 3)
+    solo, _ = _drive(_engine(model, tok), [JoinRow(_gen("a", small, 10))])
+    # NOTE: at prefill a row needs KV(prompt + max_tokens) + KV(prompt), in 256-token steps:
+    # "a" needs 256k + 256k, "b" (max_tokens 600) 768k + 256k; the budget admits only "a".
+    scripted = _Guard(budget=800 * KV_PER_TOKEN)
+    restored: list[str] = []
+
+    def restore(request: Generate, staging_id: str, tokens: int) -> list[Any] | None:
+        restored.append(staging_id)
+        return None
+
+    engine = _engine(model, tok, guard=scripted.guard, restore=restore)
+    joins = [JoinRow(_gen("a", small, 10)), JoinRow(_gen("b", big, 600), None, 30, "staged-b")]
+    got, outs = _drive(engine, joins)
+    (failure,) = outs[0].failed
+    assert (failure.request_id, failure.error_code) == ("b", "MemoryPressure")
+    assert "not enough memory" in failure.detail
+    assert outs[0].joined == (("a", 0),)
+    assert restored == []
+    assert got == {"a": solo["a"]}
+    assert scripted.guard.refused == 1
+
+
+def test_a_row_refused_during_decode_leaves_alone_and_the_others_go_on(
+    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every DECODE_CHECK_EVERY tokens of each row the guard is asked before the step; when
+    memory grows so that only the row with the larger projected KV no longer fits, that row
+    fails with MemoryPressure (no token lost: it produced exactly a multiple of the interval)
+    and leaves the batch, while the other row finishes with its solo tokens."""
+    monkeypatch.setattr(batch_engine, "DECODE_CHECK_EVERY", 4)
+    a, b = _prompt(10, 4), _prompt(14, 5)
+    solo, _ = _drive(_engine(model, tok), [JoinRow(_gen("a", a, 20))])
+    scripted = _Guard(budget=2000 * KV_PER_TOKEN)
+    engine = _engine(model, tok, guard=scripted.guard)
+    joins = [JoinRow(_gen("a", a, 20)), JoinRow(_gen("b", b, 600))]
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    failures: list[RowFailure] = []
+    out = engine.step(joins, [])
+    # NOTE: from now on 1.5M bytes are in use: "a" (KV of 256 tokens) still fits the 2M
+    # budget, "b" (KV of 768 tokens) does not.
+    scripted.active = 1500 * KV_PER_TOKEN
+    steps = 0
+    while True:
+        failures.extend(out.failed)
+        for t in out.tokens:
+            tokens[t.request_id].append(t.token_id)
+        if any(e.request_id == "a" for e in out.exits):
+            break
+        out = engine.step([], [])
+        steps += 1
+        assert steps < 100
+    (failure,) = failures
+    assert (failure.request_id, failure.error_code) == ("b", "MemoryPressure")
+    assert len(tokens["b"]) == 4
+    assert tokens["a"] == solo["a"]
+    assert scripted.guard.refused == 1
+    assert engine.step([], []).tokens == ()
