@@ -771,25 +771,36 @@ def restore(state: IndexState, envelope: Envelope, msg: Restore) -> list[Effect]
     return [StartRead(envelope, entry.path, entry.namespace, entry.tokens)]
 
 
+def _drop_bad_file(state: IndexState, path: str, reason: str, *, removed: bool) -> None:
+    """A read or a scrub found ``path`` ``corrupt`` or ``gone``: it leaves the index.
+
+    NOTE: a corrupt file that could not be removed durably is still never
+    offered again (every later Find would restore it and fail), but it is
+    still on disk, or able to come back after a crash: it keeps counting
+    toward the cap.
+    """
+    entry = state.entries.get(path)
+    if entry is None or reason not in ("corrupt", "gone"):
+        return
+    _unindex(state, entry)
+    if reason == "corrupt" and not removed and not state.read_only:
+        _add_leftover(state, entry.path, entry.file_bytes, stuck=True)
+
+
 def restore_report(state: IndexState, msg: RestoreReport) -> list[Effect]:
     """Account for a finished read: counters, estimator, LRU time, removals."""
-    entry = state.entries.get(msg.path)
     if msg.ok:
         state.restores += 1
         state.restore_ms_last = msg.seconds * 1000.0
         state.estimator.observe_read(msg.bytes, msg.seconds)
+        entry = state.entries.get(msg.path)
         if entry is not None and msg.touched:
             entry.last_used = _tick(state)
         return []
     state.restore_failures += 1
     if msg.removed:
         state.corrupt_removed += 1
-    if entry is not None and msg.reason in ("corrupt", "gone"):
-        _unindex(state, entry)
-        if msg.reason == "corrupt" and not msg.removed and not state.read_only:
-            # NOTE: never offered again (every Find would restore it and fail),
-            # but still on disk, or able to come back after a crash.
-            _add_leftover(state, entry.path, entry.file_bytes, stuck=True)
+    _drop_bad_file(state, msg.path, msg.reason, removed=msg.removed)
     return []
 
 
@@ -815,7 +826,6 @@ def scrub_pick(state: IndexState) -> ScrubTarget:
 
 def scrub_report(state: IndexState, msg: ScrubReport) -> list[Effect]:
     """Account for a re-verified file; a bad or vanished one leaves the index."""
-    entry = state.entries.get(msg.path)
     if msg.ok:
         state.scrubbed += 1
         state.scrubbed_bytes += msg.bytes
@@ -825,13 +835,7 @@ def scrub_report(state: IndexState, msg: ScrubReport) -> list[Effect]:
         state.scrub_corrupt += 1
         if msg.removed:
             state.corrupt_removed += 1
-    if entry is not None and msg.reason in ("corrupt", "gone"):
-        # NOTE: a corrupt file that could not be removed durably is still
-        # never offered again (every later Find would restore it and fail),
-        # but it keeps counting toward the cap.
-        _unindex(state, entry)
-        if msg.reason == "corrupt" and not msg.removed and not state.read_only:
-            _add_leftover(state, entry.path, entry.file_bytes, stuck=True)
+    _drop_bad_file(state, msg.path, msg.reason, removed=msg.removed)
     return []
 
 
