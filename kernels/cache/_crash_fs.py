@@ -1108,6 +1108,11 @@ class FaultingPort:
         self.fired = True
         return True
 
+    def _fail_if_chosen(self, method: str) -> None:
+        """Count a call of ``method``; raise the fault if it is the chosen call."""
+        if self._hit(method):
+            raise self._error(method)
+
     def _error(self, method: str) -> OSError:
         assert self.fault is not None
         kind = self.fault.kind
@@ -1119,8 +1124,7 @@ class FaultingPort:
 
     def open_temp(self, path: str) -> int:
         """Forward or fail."""
-        if self._hit("open_temp"):
-            raise self._error("open_temp")
+        self._fail_if_chosen("open_temp")
         return self.inner.open_temp(path)
 
     def pwrite_all(self, fd: int, data: BytesLike, offset: int) -> None:
@@ -1136,8 +1140,7 @@ class FaultingPort:
 
     def truncate(self, fd: int, size: int) -> None:
         """Forward or fail."""
-        if self._hit("truncate"):
-            raise self._error("truncate")
+        self._fail_if_chosen("truncate")
         self.inner.truncate(fd, size)
 
     def fsync(self, fd: int) -> None:
@@ -1157,78 +1160,65 @@ class FaultingPort:
 
     def replace(self, src: str, dst: str) -> None:
         """Forward or fail."""
-        if self._hit("replace"):
-            raise self._error("replace")
+        self._fail_if_chosen("replace")
         self.inner.replace(src, dst)
 
     def fsync_dir(self, path: str) -> None:
         """Forward or fail (the directory's pending entries stay pending)."""
-        if self._hit("fsync_dir"):
-            raise self._error("fsync_dir")
+        self._fail_if_chosen("fsync_dir")
         self.inner.fsync_dir(path)
 
     def unlink(self, path: str) -> None:
         """Forward or fail."""
-        if self._hit("unlink"):
-            raise self._error("unlink")
+        self._fail_if_chosen("unlink")
         self.inner.unlink(path)
 
     def listdir(self, path: str) -> list[str]:
         """Forward or fail."""
-        if self._hit("listdir"):
-            raise self._error("listdir")
+        self._fail_if_chosen("listdir")
         return self.inner.listdir(path)
 
     def scandir(self, path: str) -> list[DirEntryInfo]:
         """Forward or fail."""
-        if self._hit("scandir"):
-            raise self._error("scandir")
+        self._fail_if_chosen("scandir")
         return self.inner.scandir(path)
 
     def stat(self, path: str) -> FileStat:
         """Forward or fail."""
-        if self._hit("stat"):
-            raise self._error("stat")
+        self._fail_if_chosen("stat")
         return self.inner.stat(path)
 
     def fstat(self, fd: int) -> FileStat:
         """Forward or fail."""
-        if self._hit("fstat"):
-            raise self._error("fstat")
+        self._fail_if_chosen("fstat")
         return self.inner.fstat(fd)
 
     def utime(self, path: str, mtime_ns: int | None = None) -> None:
         """Forward or fail."""
-        if self._hit("utime"):
-            raise self._error("utime")
+        self._fail_if_chosen("utime")
         self.inner.utime(path, mtime_ns)
 
     def open_read(self, path: str) -> int:
         """Forward or fail."""
-        if self._hit("open_read"):
-            raise self._error("open_read")
+        self._fail_if_chosen("open_read")
         return self.inner.open_read(path)
 
     def pread_into(self, fd: int, buf: WritableBuffer, offset: int) -> None:
         """Forward or fail."""
-        if self._hit("pread_into"):
-            raise self._error("pread_into")
+        self._fail_if_chosen("pread_into")
         self.inner.pread_into(fd, buf, offset)
 
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
         """Forward or fail."""
-        if self._hit("pread_exact"):
-            raise self._error("pread_exact")
+        self._fail_if_chosen("pread_exact")
         return self.inner.pread_exact(fd, size, offset)
 
     def makedirs(self, path: str, mode: int = 0o700) -> None:
         """Forward or fail (before any directory is made)."""
-        if self._hit("makedirs"):
-            raise self._error("makedirs")
+        self._fail_if_chosen("makedirs")
         self.inner.makedirs(path, mode)
 
     def lock(self, path: str) -> FileLock:
         """Forward or fail."""
-        if self._hit("lock"):
-            raise self._error("lock")
+        self._fail_if_chosen("lock")
         return self.inner.lock(path)
