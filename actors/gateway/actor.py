@@ -264,25 +264,16 @@ class Gateway(Actor):
                     if not await self._tell_batch(step, envelope.correlation_id, ctx):
                         follow_up = core.BatchTurnDone(False, False, ctx.clock.now())
                 case core.RefuseBackground():
-                    asker = self._askers.pop(effect.step_id, None)
-                    if asker is not None:
-                        refusal = TurnDone(
-                            step_id=effect.step_id,
-                            ok=False,
-                            error_code="turn_unavailable",
-                            detail="the gateway grants no more turns",
-                        )
-                        await self._answer(asker, refusal, ctx)
+                    await self._deny_step(
+                        effect.step_id, "turn_unavailable", "the gateway grants no more turns", ctx
+                    )
                 case core.ExpireBackground():
-                    asker = self._askers.pop(effect.step_id, None)
-                    if asker is not None:
-                        expired = TurnDone(
-                            step_id=effect.step_id,
-                            ok=False,
-                            error_code="expired",
-                            detail="the step was not granted before its deadline",
-                        )
-                        await self._answer(asker, expired, ctx)
+                    await self._deny_step(
+                        effect.step_id,
+                        "expired",
+                        "the step was not granted before its deadline",
+                        ctx,
+                    )
                 case core.Drained():
                     self._drained = True
                     waiters, self._drain_waiters = self._drain_waiters, []
@@ -428,10 +419,7 @@ class Gateway(Actor):
         if turn is None:
             return None  # NOTE: nothing in flight: a stale failure changes nothing.
         if turn.owner == "background":
-            asker = self._askers.pop(turn.ident, None)
-            if asker is not None:
-                failed = TurnDone(step_id=turn.ident, ok=False, error_code="turn_failed", detail=detail)
-                await self._answer(asker, failed, ctx)
+            await self._deny_step(turn.ident, "turn_failed", detail, ctx)
             return core.BackgroundTurnDone(turn.ident, now)
         entry = self._admitted.pop(turn.ident, None)
         phase: Literal["prefill", "decode"] = "prefill" if entry is None else entry.phase
@@ -467,6 +455,13 @@ class Gateway(Actor):
         body = asker.body
         if isinstance(body, RunWhenIdle) and body.reply_to and ctx.system.is_open(body.reply_to):
             await ctx.reply(asker, answer)
+
+    async def _deny_step(self, step_id: str, code: str, detail: str, ctx: Context) -> None:
+        """Answer ``step_id``'s waiting ``RunWhenIdle`` asker, if any: not run or failed, and why."""
+        asker = self._askers.pop(step_id, None)
+        if asker is not None:
+            denied = TurnDone(step_id=step_id, ok=False, error_code=code, detail=detail)
+            await self._answer(asker, denied, ctx)
 
     async def _answer_admission(
         self, effect: core.RequestAdmitted | core.RejectRequest, envelope: Envelope, ctx: Context
