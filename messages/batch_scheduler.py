@@ -21,6 +21,7 @@ from pydantic import Field
 from ._base import Body, Request
 
 __all__ = [
+    "BatchRetry",
     "BatchStats",
     "BatchStatsRequest",
     "BatchTurnReport",
@@ -85,6 +86,12 @@ class BatchWake(Request):
 
     kind: Literal["batch.wake"] = "batch.wake"
     turn: int = Field(ge=0)
+
+
+class BatchRetry(Body):
+    """Scheduler -> itself: its retry alarm went off; try the streams whose reader was slow again."""
+
+    kind: Literal["batch.retry"] = "batch.retry"
 
 
 class BatchStatsRequest(Request):

@@ -13,6 +13,12 @@ mailbox's reserved room, so cancels and new admissions are handled while
 the engine computes. If the handler itself raises while handling a
 ``RunBatchStep`` or a ``BatchWake``, the runtime answers the gateway with a
 ``Failure`` (their reply slot), and the gateway ends the turn.
+
+It never waits on a row's stream either: tokens are sent with ``try_tell``;
+a full stream's event goes back to the core (``StreamFull``), which holds
+that row's events and hands them out again (``Deliver``) as its reader makes
+room, so one slow reader never holds up the other rows. The retry alarm
+(``ArmRetry``) posts a ``BatchRetry`` to this mailbox.
 """
 
 from __future__ import annotations
@@ -24,9 +30,19 @@ from typing import Any, assert_never
 import structlog
 
 from actors.gateway.ports import Executor
-from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
+from actors.runtime import (
+    Actor,
+    ActorStopped,
+    Alarm,
+    Context,
+    LoopAlarm,
+    MailboxClosed,
+    RuntimeFailure,
+    UnknownAddress,
+)
 from messages import Envelope, Failure, Release, Take, TakeResult
 from messages.batch_scheduler import (
+    BatchRetry,
     BatchStats,
     BatchStatsRequest,
     BatchWake,
@@ -49,7 +65,9 @@ class BatchScheduler(Actor):
     ``gateway``: where ``BatchWants``/``BatchTurnReport`` go (it holds the
     engine-turn token); ``prompt_cache``: the address rows look up in and
     put to (``None``: no prompt cache); ``engine``: the engine-thread half,
-    run through ``executor``.
+    run through ``executor``. ``backlog_max``: tokens held for a row whose
+    stream is full before that row is stopped (``slow_reader``); ``alarm``:
+    the retry timer (``None``: one on the running loop).
     """
 
     def __init__(
@@ -61,13 +79,19 @@ class BatchScheduler(Actor):
         max_rows: int,
         max_queue: int,
         prompt_cache: str | None = None,
+        backlog_max: int = 1024,
+        alarm: Alarm | None = None,
     ) -> None:
         self._gateway = gateway
         self._executor = executor
         self._engine = engine
         self._prompt_cache = prompt_cache
+        self._alarm = alarm
         self.state = core.SchedulerState(
-            max_rows=max_rows, max_queue=max_queue, lookups=prompt_cache is not None
+            max_rows=max_rows,
+            max_queue=max_queue,
+            lookups=prompt_cache is not None,
+            backlog_max=backlog_max,
         )
         self._requests: dict[str, Envelope] = {}  # forwarded Generate envelopes, until answered
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id
@@ -77,8 +101,13 @@ class BatchScheduler(Actor):
         """JSON-ready statistics of the batch lane."""
         return self.state.snapshot()
 
+    async def started(self, ctx: Context) -> None:
+        """Bind the retry alarm to the running loop (unless one was given)."""
+        if self._alarm is None:
+            self._alarm = LoopAlarm(ctx.clock)
+
     async def stopped(self, ctx: Context) -> None:
-        """Give back every lease rows still hold (an SSD hit's host bytes with it).
+        """Give back every lease rows still hold (an SSD hit's host bytes with it), end held streams.
 
         NOTE: the prompt cache is spawned before this actor, so it is still
         running when this one stops (reverse spawn order).
@@ -116,6 +145,8 @@ class BatchScheduler(Actor):
                 return  # NOTE: a late wake of a job already drained.
             self._job = None
             event = self._job_event(body.turn, job[1], now)
+        elif isinstance(body, BatchRetry):
+            event = core.RetryDelivery(now)
         elif isinstance(body, BeginShutdown):
             event = core.BeginDrain(now)
         elif isinstance(body, BatchStatsRequest):
@@ -139,12 +170,17 @@ class BatchScheduler(Actor):
         todo: deque[core.Event] = deque([event])
         while todo:
             self.state, effects = core.handle(self.state, todo.popleft())
+            # NOTE: once a stream refuses an event, its later events of these
+            # effects go back to the core unsent, so they stay in order.
+            refused: set[str] = set()
             for effect in effects:
-                follow_up = await self._perform(effect, ctx)
+                follow_up = await self._perform(effect, ctx, refused)
                 if follow_up is not None:
                     todo.append(follow_up)
 
-    async def _perform(self, effect: core.Effect, ctx: Context) -> core.Event | None:
+    async def _perform(
+        self, effect: core.Effect, ctx: Context, refused: set[str]
+    ) -> core.Event | None:
         match effect:
             case core.AnswerAdmission():
                 await self._answer(effect, ctx)
@@ -155,14 +191,21 @@ class BatchScheduler(Actor):
             case core.SubmitStep():
                 return self._submit(effect, ctx)
             case core.EmitToken():
-                try:
-                    await ctx.tell(
-                        effect.stream_to, effect.event, correlation_id=effect.correlation_id
-                    )
-                except (MailboxClosed, UnknownAddress):
-                    return core.StreamGone(effect.event.request_id, ctx.clock.now())
+                return self._emit(effect, ctx, refused)
             case core.EndStream():
+                if effect.stream_to in refused:
+                    return core.StreamFull(
+                        effect.final.request_id,
+                        effect.stream_to,
+                        effect.correlation_id,
+                        effect.final,
+                        ctx.clock.now(),
+                    )
                 ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)
+            case core.Deliver():
+                return self._deliver(effect, ctx)
+            case core.ArmRetry():
+                self._arm(effect.at, ctx)
             case core.PutEntry():
                 if self._prompt_cache is not None:
                     try:
@@ -182,6 +225,53 @@ class BatchScheduler(Actor):
             case _:
                 assert_never(effect)
         return None
+
+    @staticmethod
+    def _emit(effect: core.EmitToken, ctx: Context, refused: set[str]) -> core.Event | None:
+        """Send one token without waiting; a full (or already refusing) stream hands it back."""
+        rid, now = effect.event.request_id, ctx.clock.now()
+        if effect.stream_to not in refused:
+            try:
+                ref = ctx.ref(effect.stream_to)
+                if ref.try_tell(effect.event, correlation_id=effect.correlation_id):
+                    return None
+            except (MailboxClosed, UnknownAddress):
+                return core.StreamGone(rid, now)
+            refused.add(effect.stream_to)
+        return core.StreamFull(rid, effect.stream_to, effect.correlation_id, effect.event, now)
+
+    @staticmethod
+    def _deliver(effect: core.Deliver, ctx: Context) -> core.Event:
+        """Send held events in order until the stream refuses one; end it if all went out."""
+        sent = 0
+        now = ctx.clock.now()
+        try:
+            ref = ctx.ref(effect.stream_to)
+            for event in effect.events:
+                if not ref.try_tell(event, correlation_id=effect.correlation_id):
+                    return core.Delivered(effect.request_id, sent, False, False, now)
+                sent += 1
+        except (MailboxClosed, UnknownAddress):
+            return core.Delivered(effect.request_id, sent, False, True, now)
+        if effect.final is None:
+            return core.Delivered(effect.request_id, sent, False, False, now)
+        ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)
+        return core.Delivered(effect.request_id, sent, True, False, now)
+
+    def _arm(self, at: float | None, ctx: Context) -> None:
+        alarm, ref = self._alarm, ctx.self_ref
+        if alarm is None:
+            return
+
+        def wake() -> None:
+            try:
+                # NOTE: a full mailbox holds messages already; handling any of
+                # them tries the held streams and sets the alarm again.
+                ref.try_tell(BatchRetry())
+            except (ActorStopped, MailboxClosed, UnknownAddress):
+                return
+
+        alarm.set(at, wake)
 
     async def _tell_gateway(self, body: Any, ctx: Context) -> None:
         try:

@@ -27,13 +27,21 @@ Invariants (checked by the tests):
 - a cancel of a row not yet joined ends its stream at once (its lease
   released); a joined row is removed by the next step, before it decodes
   (so within one step), and its cache is kept;
-- every lease is released exactly once; every registered entry is ``Put``.
+- every lease is released exactly once; every registered entry is ``Put``;
+- a row whose stream is full never holds up the others: once a delivery to
+  it is refused (``StreamFull``), its events wait in its *outbox* (at most
+  ``backlog_max`` tokens, then its final event) and go out in order through
+  ``Deliver`` as its reader makes room (tried after every event, and by a
+  retry alarm, ``ArmRetry``); a row that reaches ``backlog_max`` held tokens
+  is removed by the next step (its cache kept) and its stream ends, after
+  the held tokens, with ``ErrorEvent(slow_reader)``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Literal, assert_never
 
 from actors.gateway.ports import Registered
@@ -228,6 +236,37 @@ class BeginDrain:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamFull:
+    """An ``EmitToken`` / ``EndStream`` was not performed: the stream was full (or refused
+    an earlier event of the same effects). ``event`` is what was not delivered."""
+
+    request_id: str
+    stream_to: str
+    correlation_id: str
+    event: TokenEvent | DoneEvent | ErrorEvent
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """What a ``Deliver`` did: the first ``sent`` events went out; ``ended``: the final too;
+    ``gone``: the stream is closed (its reader left)."""
+
+    request_id: str
+    sent: int
+    ended: bool
+    gone: bool
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class RetryDelivery:
+    """The retry alarm went off: try the held streams again."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class Stopping:
     """The scheduler stops: every lease still held is given back (the rows are dropped)."""
 
@@ -244,6 +283,9 @@ Event = (
     | StepFailed
     | BeginDrain
     | Stopping
+    | StreamFull
+    | Delivered
+    | RetryDelivery
 )
 
 
@@ -304,6 +346,26 @@ class EndStream:
 
 
 @dataclass(frozen=True, slots=True)
+class Deliver:
+    """Send a held row's ``events`` to its stream in order without waiting, stopping at the
+    first the stream refuses; then, if every one went out, end it with ``final``.
+    Answer with ``Delivered``."""
+
+    request_id: str
+    stream_to: str
+    events: tuple[TokenEvent, ...]
+    final: DoneEvent | ErrorEvent | None
+    correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArmRetry:
+    """Set the one retry alarm for clock time ``at`` (``None``: cancel it); it answers ``RetryDelivery``."""
+
+    at: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class PutEntry:
     """Hand a registered cache to the prompt cache."""
 
@@ -334,6 +396,8 @@ Effect = (
     | SubmitStep
     | EmitToken
     | EndStream
+    | Deliver
+    | ArmRetry
     | PutEntry
     | ReportTurn
     | Status
@@ -361,6 +425,20 @@ class Row:
     relooked: bool = False
     wait_for: str | None = None
     """The row whose prompt-boundary snapshot this deferred row waits for."""
+    slow: bool = False
+    """Its reader fell ``backlog_max`` tokens behind: the next step removes it."""
+
+
+@dataclass(slots=True)
+class Outbox:
+    """A row's events its full stream has not taken yet, in order (its final event last)."""
+
+    stream_to: str
+    correlation_id: str
+    events: deque[TokenEvent] = field(default_factory=deque)
+    final: DoneEvent | ErrorEvent | None = None
+    attempting: bool = False
+    """A ``Deliver`` of it is being performed (its ``Delivered`` has not come back)."""
 
 
 @dataclass(slots=True)
@@ -388,6 +466,8 @@ class Counters:
     restore_failed: int = 0
     failed_alone: int = 0
     memory_refused: int = 0
+    streams_full: int = 0
+    slow_readers: int = 0
 
 
 @dataclass(slots=True)
@@ -413,12 +493,23 @@ class SchedulerState:
     ended: list[str] = field(default_factory=list)
     """Requests that ended (or were refused) since the gateway was last told."""
     stats: Counters = field(default_factory=Counters)
+    backlog_max: int = 1024
+    """Tokens held for a row whose stream is full before the row is stopped (``slow_reader``)."""
+    deliver_chunk: int = 64
+    """Held events one ``Deliver`` carries at most."""
+    retry_s: float = 0.02
+    """How long after the last event the held streams are tried again."""
+    outboxes: dict[str, Outbox] = field(default_factory=dict)
+    """Rows (joined or already gone) whose stream refused an event, by request id."""
+    retry_armed: bool = False
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
             raise ValueError("max_rows must be >= 1")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.backlog_max < 1 or self.deliver_chunk < 1 or self.retry_s <= 0:
+            raise ValueError("backlog_max and deliver_chunk must be >= 1, retry_s > 0")
 
     # --- queries -------------------------------------------------------------------
 
@@ -475,6 +566,12 @@ class SchedulerState:
             },
             "rows_failed_alone": s.failed_alone,
             "memory_refused": s.memory_refused,
+            "streams": {
+                "held": len(self.outboxes),
+                "held_events": sum(len(b.events) for b in self.outboxes.values()),
+                "full": s.streams_full,
+                "slow_readers": s.slow_readers,
+            },
         }
 
 
@@ -505,10 +602,17 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
             state.draining = True
         case Stopping():
             _stopping(state, out)
+        case StreamFull():
+            _stream_full(state, event, out)
+        case Delivered():
+            _delivered(state, event, out)
+        case RetryDelivery():
+            state.retry_armed = False
         case _:
             assert_never(event)
     _wake_deferred(state, out)
     _place(state, out)
+    _deliver_held(state, event, out)
     busy, ready = state.busy, state.ready
     left = tuple(state.ended)
     state.ended.clear()
@@ -610,7 +714,7 @@ def _cancel(state: SchedulerState, rid: str, now: float, out: list[Effect]) -> N
         usage=Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=0),
         timings=Timings(queued_s=max(0.0, now - row.admitted_at)),
     )
-    out.append(EndStream(request.stream_to, done, row.correlation_id))
+    _send_final(state, rid, request.stream_to, done, row.correlation_id, out)
 
 
 def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> None:
@@ -753,7 +857,7 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
             text=tok.text,
             logprob=tok.logprob,
         )
-        out.append(EmitToken(row.request.stream_to, event, row.correlation_id))
+        _send_token(state, row, event, out)
     for rid, entry in step.snapshots:
         row = state.rows.get(rid)
         _put(state, row, entry, "snapshot", out)
@@ -768,10 +872,23 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
             stats.finished_stop += 1
         elif ex.reason == "length":
             stats.finished_length += 1
-        else:
+        elif not row.slow:
             stats.cancelled += 1
         _put(state, row, ex.entry, "completion", out)
         request = row.request
+        if row.slow and ex.reason == "cancelled":
+            # NOTE: removed because its reader fell behind, not by its requester.
+            stats.failed += 1
+            stats.slow_readers += 1
+            held = state.outboxes.get(ex.request_id)
+            error = ErrorEvent(
+                request_id=ex.request_id,
+                error_code="slow_reader",
+                detail=f"the client fell {0 if held is None else len(held.events)} tokens "
+                "behind the generation; the request was stopped so the other rows go on",
+            )
+            _send_final(state, ex.request_id, request.stream_to, error, row.correlation_id, out)
+            continue
         done = DoneEvent(
             request_id=ex.request_id,
             finish_reason=ex.reason,
@@ -782,7 +899,7 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
             ),
             timings=_timings(row, ev.now),
         )
-        out.append(EndStream(request.stream_to, done, row.correlation_id))
+        _send_final(state, ex.request_id, request.stream_to, done, row.correlation_id, out)
     out.append(ReportTurn(_report(state, ev.turn, step)))
 
 
@@ -799,7 +916,7 @@ def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> No
         if row.lookup is not None and row.lookup.lease_id is not None:
             out.append(ReleaseLease(row.lookup.lease_id))
         error = ErrorEvent(request_id=rid, error_code=ev.error_code, detail=ev.detail)
-        out.append(EndStream(row.request.stream_to, error, row.correlation_id))
+        _send_final(state, rid, row.request.stream_to, error, row.correlation_id, out)
     report = _report(state, ev.turn)
     out.append(ReportTurn(report.model_copy(update={"ok": False, "error_code": ev.error_code})))
 
@@ -821,16 +938,123 @@ def _fail_row(state: SchedulerState, failure: RowFailure, out: list[Effect]) -> 
     error = ErrorEvent(
         request_id=failure.request_id, error_code=failure.error_code, detail=failure.detail
     )
-    out.append(EndStream(row.request.stream_to, error, row.correlation_id))
+    _send_final(state, failure.request_id, row.request.stream_to, error, row.correlation_id, out)
 
 
 def _stopping(state: SchedulerState, out: list[Effect]) -> None:
-    """Give back every lease still held (a lookup's RAM entry or an SSD hit's host bytes)."""
+    """Give back every lease still held (a lookup's RAM entry or an SSD hit's host bytes);
+    end every held stream (its reader would otherwise wait for events that never come)."""
     for row in state.rows.values():
         if row.lookup is not None and row.lookup.lease_id is not None:
             out.append(ReleaseLease(row.lookup.lease_id))
         row.lookup = None
     state.draining = True
+    for rid, box in state.outboxes.items():
+        error = ErrorEvent(
+            request_id=rid,
+            error_code="shutting_down",
+            detail=f"the server stopped before the client read {len(box.events)} more tokens",
+        )
+        out.append(EndStream(box.stream_to, error, box.correlation_id))
+    state.outboxes.clear()
+    if state.retry_armed:
+        state.retry_armed = False
+        out.append(ArmRetry(None))
+
+
+# --- streams whose reader is slow -------------------------------------------------------
+
+
+def _send_token(state: SchedulerState, row: Row, event: TokenEvent, out: list[Effect]) -> None:
+    """Emit a token, or hold it behind the row's earlier held events."""
+    box = state.outboxes.get(event.request_id)
+    if box is None:
+        out.append(EmitToken(row.request.stream_to, event, row.correlation_id))
+        return
+    _hold_token(state, event.request_id, box, event)
+
+
+def _hold_token(state: SchedulerState, rid: str, box: Outbox, event: TokenEvent) -> None:
+    box.events.append(event)
+    row = state.rows.get(rid)
+    if len(box.events) >= state.backlog_max and row is not None and row.phase == "joined":
+        # NOTE: holding more would let one reader pin unbounded memory; the
+        # next step removes the row (before it decodes) and keeps its cache.
+        row.slow = True
+        row.cancelled = True
+
+
+def _send_final(
+    state: SchedulerState,
+    rid: str,
+    stream_to: str,
+    final: DoneEvent | ErrorEvent,
+    correlation_id: str,
+    out: list[Effect],
+) -> None:
+    """End a stream, or hold its final event behind its held tokens."""
+    box = state.outboxes.get(rid)
+    if box is None:
+        out.append(EndStream(stream_to, final, correlation_id))
+    else:
+        box.final = final
+
+
+def _stream_full(state: SchedulerState, ev: StreamFull, out: list[Effect]) -> None:
+    """A delivery was refused: from now on the row's events wait in its outbox, in order."""
+    box = state.outboxes.get(ev.request_id)
+    if box is None:
+        box = state.outboxes[ev.request_id] = Outbox(ev.stream_to, ev.correlation_id)
+        state.stats.streams_full += 1
+    if isinstance(ev.event, TokenEvent):
+        _hold_token(state, ev.request_id, box, ev.event)
+    else:
+        box.final = ev.event
+
+
+def _delivered(state: SchedulerState, ev: Delivered, out: list[Effect]) -> None:
+    box = state.outboxes.get(ev.request_id)
+    if box is None:
+        return
+    box.attempting = False
+    for _ in range(ev.sent):
+        box.events.popleft()
+    if ev.gone:
+        # NOTE: the reader left: what it did not read is dropped, and a row
+        # still in the batch is removed like a cancel.
+        del state.outboxes[ev.request_id]
+        _cancel(state, ev.request_id, ev.now, out)
+    elif ev.ended or (not box.events and box.final is None):
+        # NOTE: nothing held any more: the row's next events go out directly.
+        del state.outboxes[ev.request_id]
+
+
+def _refused_now(event: Event, rid: str) -> bool:
+    """Whether ``event`` says ``rid``'s stream refused an event just now."""
+    if isinstance(event, StreamFull):
+        return event.request_id == rid
+    return isinstance(event, Delivered) and event.request_id == rid and event.sent == 0
+
+
+def _deliver_held(state: SchedulerState, event: Event, out: list[Effect]) -> None:
+    """Try every held stream again (its reader may have made room) and keep the retry alarm set."""
+    for rid, box in state.outboxes.items():
+        if box.attempting or (not box.events and box.final is None):
+            continue
+        if _refused_now(event, rid):
+            continue  # NOTE: the next event or the alarm tries again.
+        box.attempting = True
+        chunk = tuple(islice(box.events, state.deliver_chunk))
+        final = box.final if len(chunk) == len(box.events) else None
+        out.append(Deliver(rid, box.stream_to, chunk, final, box.correlation_id))
+    if state.outboxes:
+        # NOTE: re-set after every event, so it fires only once events stop
+        # coming (while steps run, every step's end tries the held streams).
+        state.retry_armed = True
+        out.append(ArmRetry(event.now + state.retry_s))
+    elif state.retry_armed:
+        state.retry_armed = False
+        out.append(ArmRetry(None))
 
 
 def _put(
