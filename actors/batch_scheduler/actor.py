@@ -50,6 +50,7 @@ from messages.batch_scheduler import (
     RunBatchStep,
 )
 from messages.gateway import AdmissionReply, BeginShutdown, CancelGeneration, Generate
+from messages.ssd_writer import ObservePrefill
 
 from . import core
 from .engine import BatchEngine
@@ -67,7 +68,9 @@ class BatchScheduler(Actor):
     put to (``None``: no prompt cache); ``engine``: the engine-thread half,
     run through ``executor``. ``backlog_max``: tokens held for a row whose
     stream is full before that row is stopped (``slow_reader``); ``alarm``:
-    the retry timer (``None``: one on the running loop).
+    the retry timer (``None``: one on the running loop). ``observe_prefill``
+    (an address or ``None``) receives the speed of steps that only
+    prefilled (the cold tier's restore-or-recompute estimator).
     """
 
     def __init__(
@@ -81,17 +84,20 @@ class BatchScheduler(Actor):
         prompt_cache: str | None = None,
         backlog_max: int = 1024,
         alarm: Alarm | None = None,
+        observe_prefill: str | None = None,
     ) -> None:
         self._gateway = gateway
         self._executor = executor
         self._engine = engine
         self._prompt_cache = prompt_cache
         self._alarm = alarm
+        self._observe_to = observe_prefill
         self.state = core.SchedulerState(
             max_rows=max_rows,
             max_queue=max_queue,
             lookups=prompt_cache is not None,
             backlog_max=backlog_max,
+            observe_prefill=observe_prefill is not None,
         )
         self._requests: dict[str, Envelope] = {}  # forwarded Generate envelopes, until answered
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id
@@ -206,6 +212,14 @@ class BatchScheduler(Actor):
                 return self._deliver(effect, ctx)
             case core.ArmRetry():
                 self._arm(effect.at, ctx)
+            case core.ObservePrefill():
+                if self._observe_to is not None:
+                    body = ObservePrefill(tokens=effect.tokens, seconds=effect.seconds)
+                    try:
+                        # NOTE: a measurement; dropped when the estimator's mailbox is full.
+                        ctx.try_tell(self._observe_to, body)
+                    except RuntimeFailure:
+                        pass
             case core.PutEntry():
                 if self._prompt_cache is not None:
                     try:

@@ -58,10 +58,14 @@ from messages.gateway import (
 from messages.prompt_cache import EntryRole, Put, TakeResult
 
 __all__ = [
+    "MIN_OBSERVED_PREFILL",
     "Admit",
     "AnswerAdmission",
+    "ArmRetry",
     "BeginDrain",
     "Cancel",
+    "Deliver",
+    "Delivered",
     "Effect",
     "EmitToken",
     "EndStream",
@@ -69,9 +73,12 @@ __all__ = [
     "ExitOut",
     "JoinRow",
     "LookupAnswered",
+    "ObservePrefill",
+    "Outbox",
     "PutEntry",
     "ReleaseLease",
     "ReportTurn",
+    "RetryDelivery",
     "RowFailure",
     "SchedulerState",
     "StartLookup",
@@ -80,6 +87,7 @@ __all__ = [
     "StepFinished",
     "StepOut",
     "Stopping",
+    "StreamFull",
     "StreamGone",
     "SubmitStep",
     "TokenOut",
@@ -366,6 +374,15 @@ class ArmRetry:
 
 
 @dataclass(frozen=True, slots=True)
+class ObservePrefill:
+    """Report a measured prefill (``tokens`` forwarded in ``seconds``) to the cold tier's
+    restore-or-recompute estimator; dropped when it cannot take it."""
+
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class PutEntry:
     """Hand a registered cache to the prompt cache."""
 
@@ -398,6 +415,7 @@ Effect = (
     | EndStream
     | Deliver
     | ArmRetry
+    | ObservePrefill
     | PutEntry
     | ReportTurn
     | Status
@@ -502,6 +520,10 @@ class SchedulerState:
     outboxes: dict[str, Outbox] = field(default_factory=dict)
     """Rows (joined or already gone) whose stream refused an event, by request id."""
     retry_armed: bool = False
+    observe_prefill: bool = False
+    """Report pure-prefill steps' speed (``ObservePrefill``): a cold tier's estimator listens."""
+    granted_at: float = 0.0
+    """When the step in flight was granted."""
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -740,6 +762,7 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
         out.append(ReportTurn(_report(state, ev.turn)))
         return
     state.in_flight = ev.turn
+    state.granted_at = ev.now
     out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels)))
 
 
@@ -816,10 +839,30 @@ def _check_turn(state: SchedulerState, turn: int) -> None:
     state.in_flight = None
 
 
+MIN_OBSERVED_PREFILL = 32
+"""Steps that forwarded fewer prompt tokens are not reported (their time is mostly overhead)."""
+
+
+def _observe(state: SchedulerState, step: StepOut, seconds: float, out: list[Effect]) -> None:
+    """A step that only prefilled measures prefill speed, for restore-or-recompute.
+
+    NOTE: the serial lane reports each request's prefill; here rows share
+    steps, so a step is reported only when nothing else ran in it: no row
+    decoded (its forward would count as prefill time) and no SSD hit was
+    restored (the copy into MLX arrays is not a prefill).
+    """
+    if not state.observe_prefill or step.decode_rows or step.restored or step.restore_failed:
+        return
+    if step.prefill_tokens < MIN_OBSERVED_PREFILL or seconds <= 0:
+        return
+    out.append(ObservePrefill(step.prefill_tokens, seconds))
+
+
 def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -> None:
     _check_turn(state, ev.turn)
     step = ev.out
     stats = state.stats
+    _observe(state, step, ev.now - state.granted_at, out)
     stats.steps += 1
     stats.tokens += len(step.tokens)
     stats.prefill_tokens += step.prefill_tokens

@@ -14,6 +14,7 @@ from actors.batch_scheduler.core import (
     ExitOut,
     JoinRow,
     LookupAnswered,
+    ObservePrefill,
     ReleaseLease,
     ReportTurn,
     RowFailure,
@@ -180,3 +181,29 @@ def test_a_decoding_row_failing_alone_keeps_the_tokens_it_streamed() -> None:
     assert isinstance(end.final, ErrorEvent)
     assert end.final.error_code == "MemoryPressure"
     assert not core.state.busy
+
+
+def _observer(**fields: Any) -> list[Effect]:
+    """Effects of one granted step (granted at 1.0, finished at 1.5) with ``fields``."""
+    core = Core()
+    core.state.observe_prefill = True
+    core.handle(Admit(gen("a", 60), "c-a", 0.0))
+    core.handle(LookupAnswered("a", TakeResult(), 0.1))
+    core.grant(1.0)
+    return core.handle(StepFinished(1, StepOut(joined=(("a", 0),), **fields), 1.5))
+
+
+def test_a_step_that_only_prefilled_reports_its_prefill_speed() -> None:
+    """A step that forwarded at least 32 prompt tokens and decoded no row reports its tokens and
+    time to the restore-or-recompute estimator; a step that also decoded, restored an SSD hit,
+    or forwarded fewer tokens reports nothing."""
+    assert of(_observer(prefill_tokens=58), ObservePrefill) == [ObservePrefill(58, 0.5)]
+    assert of(_observer(prefill_tokens=58, decode_rows=1), ObservePrefill) == []
+    assert of(_observer(prefill_tokens=58, restored=("a",)), ObservePrefill) == []
+    assert of(_observer(prefill_tokens=20), ObservePrefill) == []
+    quiet = Core()
+    quiet.handle(Admit(gen("a", 60), "c-a", 0.0))
+    quiet.handle(LookupAnswered("a", TakeResult(), 0.1))
+    quiet.grant(1.0)
+    out = StepOut(joined=(("a", 0),), prefill_tokens=58)
+    assert of(quiet.handle(StepFinished(1, out, 1.5)), ObservePrefill) == []
