@@ -30,7 +30,7 @@ import structlog
 from actors.errors import MemoryPressure
 from actors.gateway.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.gateway.ports import Registered
-from kernels import CacheRegistry, InvalidPrompt
+from kernels import CacheRegistry, InvalidPrompt, KvScheme
 from kernels.engine import BatchGeneration, RowExit, RowSnapshot
 from messages.gateway import Generate
 
@@ -68,6 +68,7 @@ class BatchEngine:
     ``snapshot_point(prompt)`` (the serial lane's rule). ``restore``: how a
     cold-tier hit becomes MLX caches (``None``: no cold tier; such a row
     joins cold). ``guard``: the memory-pressure guard's in-step checks.
+    ``kv_scheme``: the server's KV scheme (quantizing: transitioning rows).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class BatchEngine:
         snapshot_min_new_tokens: int = 64,
         restore: RestorePort | None = None,
         guard: MemoryGuard | None = None,
+        kv_scheme: KvScheme | None = None,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -92,6 +94,7 @@ class BatchEngine:
         self._snapshot_min = snapshot_min_new_tokens
         self._restore = restore
         self._guard = guard
+        self._scheme = kv_scheme
         self._batch: BatchGeneration | None = None
         self._live: dict[str, _Live] = {}
         self.steps_run = 0
@@ -103,6 +106,7 @@ class BatchEngine:
                 self._tokenizer,
                 max_rows=self._max_rows,
                 prefill_step_size=self._step_size,
+                kv_scheme=self._scheme,
             )
         return self._batch
 

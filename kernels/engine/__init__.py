@@ -70,6 +70,9 @@ from ._tools import (
     parse_tool_call,
     tool_format,
 )
+from ._transitioning import (
+    TransitioningBatchKVCache,
+)
 
 __all__ = [
     "BATCH_SSM_ENV",
@@ -100,6 +103,7 @@ __all__ = [
     "ToolCallSplitter",
     "ToolFormat",
     "ToolSegment",
+    "TransitioningBatchKVCache",
     "UnknownRow",
     "batch_gate",
     "batch_params_refusal",

@@ -23,16 +23,20 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   ``max_tokens`` end a row inside mlx-lm, stop strings are matched on each
   row's own :class:`TextStream`.
 - **Rows leave through per-row extraction before the batch is filtered**:
-  a finished or cancelled row hands back a plain per-layer cache list
-  (``KVCache`` / ``RotatingKVCache`` / ``ArraysCache``), together with the
+  a finished or cancelled row hands back a per-layer cache list of the
+  serial lane's kinds (``KVCache`` / ``RotatingKVCache`` / ``ArraysCache``,
+  ``QuantizedKVCache`` for a converted transitioning row), together with the
   exact token ids it holds, ready for the prompt cache's ``Put`` like the
   serial lane's. A row can also hand back a prompt-boundary snapshot (its
   cache at a prompt offset it names, where its prefill chunks end, as on the
   serial lane).
 
 :func:`batch_gate` says whether a model's cache kinds and KV scheme can be
-batched, and why not (design 2.3). Everything that touches arrays here runs
-on the engine thread.
+batched, and why not (design 2.3). Under a quantizing KV scheme the
+full-attention layers the scheme converts are *transitioning* rows
+(:class:`TransitioningBatchKVCache`): each row starts plain and converts on
+its own where the serial lane would. Everything that touches arrays here
+runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -59,11 +63,12 @@ from mlx_lm.models.cache import (
 )
 
 from kernels._errors import InvalidPrompt, KernelError
-from kernels.cache import KvScheme
+from kernels.cache import KvScheme, LayerQuant
 
 from ._detokenize import TextStream
 from ._generation import KernelFinishReason, StepOutput, _check_cache_offset
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
+from ._transitioning import TransitioningBatchKVCache
 
 __all__ = [
     "BATCH_SSM_ENV",
@@ -87,10 +92,13 @@ __all__ = [
 BATCH_SSM_ENV = "KVTIER_BATCH_SSM"
 """Environment switch: ``0`` keeps models with recurrent state on the serial lane."""
 
-LayerKind = Literal["full", "rotating", "recurrent", "list"]
+LayerKind = Literal["full", "transitioning", "rotating", "recurrent", "list"]
 """How a layer's cache joins, filters and extracts in a batch.
 
-``full``: ``KVCache`` (left-padded ``BatchKVCache``); ``rotating``:
+``full``: ``KVCache`` (left-padded ``BatchKVCache``); ``transitioning``:
+a full-attention layer the KV scheme quantizes, ``KVCache`` before a row
+converts and ``QuantizedKVCache`` after (:class:`TransitioningBatchKVCache`);
+``rotating``:
 ``RotatingKVCache`` (``BatchRotatingKVCache``, merged in temporal order);
 ``recurrent``: ``ArraysCache`` (rows stacked, no token axis); ``list``:
 ``CacheList`` whose members are all batchable.
@@ -101,17 +109,15 @@ BatchRefusal = Literal[
     "quantized_cache",
     "rotating_keep",
     "recurrent_disabled",
-    "quantized_kv",
 ]
 """Why a model (or a row's cache) cannot join the batch.
 
 ``unknown_cache_kind``: a layer class kvtier declares no batch rule for;
-``quantized_cache``: a layer already holds quantized KV (mlx-lm has no
-batched quantized cache); ``rotating_keep``: a sliding-window ring that
-keeps leading tokens (mlx-lm's batched ring has no ``keep``);
-``recurrent_disabled``: recurrent state with ``KVTIER_BATCH_SSM=0``;
-``quantized_kv``: the server's KV scheme quantizes, and rows that start
-plain and convert independently are not implemented.
+``quantized_cache``: a layer holds quantized KV the KV scheme does not
+produce there (no scheme, another bit width or group size, or a layer the
+scheme leaves plain, such as a ``CacheList`` member); ``rotating_keep``: a
+sliding-window ring that keeps leading tokens (mlx-lm's batched ring has no
+``keep``); ``recurrent_disabled``: recurrent state with ``KVTIER_BATCH_SSM=0``.
 """
 
 RowExitReason = Literal["stop", "length", "cancelled"]
@@ -164,14 +170,19 @@ class _Refused(Exception):
         self.detail = detail
 
 
-def _layer_kind(cache: object, index: str, batch_ssm: bool) -> tuple[LayerKind, bool]:
-    """The batch kind of one layer and whether it (or a member) is recurrent."""
+def _layer_kind(
+    cache: object, index: str, batch_ssm: bool, quant: LayerQuant | None = None
+) -> tuple[LayerKind, bool]:
+    """The batch kind of one layer and whether it (or a member) is recurrent.
+
+    ``quant``: how the KV scheme converts this layer (``None``: it stays plain).
+    """
     # NOTE: exact classes, never isinstance: a subclass nobody declared a rule
     # for is refused, not routed ("unknown is a bug, not a route").
     kind = type(cache)
     name = f"{kind.__module__}.{kind.__qualname__}"
     if kind is KVCache:
-        return "full", False
+        return ("full" if quant is None else "transitioning"), False
     if kind is RotatingKVCache:
         keep = int(getattr(cache, "keep", 0))
         if keep != 0:
@@ -192,7 +203,15 @@ def _layer_kind(cache: object, index: str, batch_ssm: bool) -> tuple[LayerKind, 
             recurrent = recurrent or r
         return "list", recurrent
     if kind is QuantizedKVCache:
-        raise _Refused("quantized_cache", f"layer {index}: {name} holds quantized KV")
+        held = (int(cache.bits), int(cache.group_size))  # type: ignore[attr-defined]
+        if quant is not None and held == (quant.bits, quant.group_size):
+            return "transitioning", False  # NOTE: a converted row (the serial lane's kind).
+        wanted = "plain" if quant is None else f"{quant.bits}-bit group {quant.group_size}"
+        raise _Refused(
+            "quantized_cache",
+            f"layer {index}: {name} holds {held[0]}-bit group {held[1]} quantized KV; "
+            f"the KV scheme keeps this layer {wanted}",
+        )
     raise _Refused("unknown_cache_kind", f"layer {index}: no batch rule for {name}")
 
 
@@ -204,24 +223,23 @@ def batch_gate(
 ) -> BatchGate:
     """Can rows whose per-layer caches look like ``caches`` be batched under ``scheme``?
 
-    Checks every layer's exact class (:data:`LayerKind`), then the scheme: a
-    quantizing scheme is refused (rows that start plain and convert on their
-    own are not implemented). ``batch_ssm`` defaults to
-    :func:`batch_ssm_enabled`. Pure inspection of classes: safe anywhere.
+    Checks every layer's exact class (:data:`LayerKind`) against the
+    scheme: a full-attention layer the scheme converts is ``transitioning``
+    (a ``KVCache`` row not converted yet, or a ``QuantizedKVCache`` row of
+    the scheme's bits and group size), as ``kernels.cache.convert_caches``
+    decides per layer on the serial lane; quantized KV anywhere else is
+    ``quantized_cache``. ``batch_ssm`` defaults to :func:`batch_ssm_enabled`.
+    Pure inspection of classes: safe anywhere.
     """
     ssm = batch_ssm_enabled() if batch_ssm is None else batch_ssm
+    quantizing = scheme is not None and scheme.quantized
     kinds: list[LayerKind] = []
     try:
         for i, cache in enumerate(caches):
-            kinds.append(_layer_kind(cache, str(i), ssm)[0])
+            quant = scheme.layer_quant(i) if quantizing and scheme is not None else None
+            kinds.append(_layer_kind(cache, str(i), ssm, quant)[0])
     except _Refused as refused:
         return BatchGate(tuple(kinds), refused.refusal, refused.detail)
-    if scheme is not None and scheme.quantized:
-        return BatchGate(
-            tuple(kinds),
-            "quantized_kv",
-            f"KV scheme {scheme.cache_key}: rows that convert to quantized storage on their own are not implemented",
-        )
     return BatchGate(tuple(kinds))
 
 
@@ -261,9 +279,11 @@ class RowToken:
 class RowExit:
     """A row that left the batch, with its extracted cache (owned by the caller now).
 
-    ``cache`` is a plain per-layer list holding exactly ``cache_tokens`` (the
-    prompt, then every forwarded output token), usable by the prompt cache
-    like the serial lane's ``Generation.cache``.
+    ``cache`` is a per-layer list of the serial lane's kinds holding exactly
+    ``cache_tokens`` (the prompt, then every forwarded output token), usable
+    by the prompt cache like the serial lane's ``Generation.cache`` (a
+    converted row's layers carry the minimum reusable offset the serial lane
+    would declare).
     """
 
     row_id: str
@@ -331,7 +351,12 @@ class BatchGeneration:
 
     ``max_rows`` bounds the rows held (pending and decoding);
     ``prefill_step_size`` is both a joining row's chunk size (the serial
-    lane's) and the most prompt tokens one :meth:`step` forwards. Call
+    lane's) and the most prompt tokens one :meth:`step` forwards.
+    ``kv_scheme``: the server's KV scheme; when it quantizes, the
+    full-attention layers it converts are transitioning rows
+    (:class:`TransitioningBatchKVCache`) that convert where the serial lane's
+    ``convert_caches`` would, rows may join with a prefix already in the
+    scheme's ``QuantizedKVCache``, and converted rows leave as one. Call
     :meth:`close` when done.
     """
 
@@ -342,6 +367,7 @@ class BatchGeneration:
         *,
         max_rows: int = 8,
         prefill_step_size: int = 2048,
+        kv_scheme: KvScheme | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -351,6 +377,7 @@ class BatchGeneration:
         self._tokenizer = tokenizer
         self._max_rows = max_rows
         self._step_size = prefill_step_size
+        self._scheme = kv_scheme if kv_scheme is not None and kv_scheme.quantized else None
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
         self._rows: dict[str, _Row] = {}
         self._by_uid: dict[int, _Row] = {}
@@ -448,7 +475,7 @@ class BatchGeneration:
                 f"snapshot_at={snapshot_at} must lie inside the prompt, before its last token"
             )
         if cache is not None:
-            gate = batch_gate(cache, batch_ssm=True)
+            gate = batch_gate(cache, self._scheme, batch_ssm=True)
             if not gate.batchable:
                 raise InvalidPrompt(f"the row's cache cannot join a batch: {gate.detail}")
             _check_cache_offset(cache, cached_tokens)
@@ -619,6 +646,13 @@ class BatchGeneration:
             need = len(row.prompt) - row.cursor - 1
             if row.prefill is not None or total + need > budget:
                 break
+            if self._scheme is not None and (
+                need == 0 or (group and self._precision(row) != self._precision(group[0]))
+            ):
+                # NOTE: a plain row beside converted ones would make their forward
+                # a mixed (dense) read instead of the serial lane's quantized one;
+                # a row with nothing to prefill stays plain until it decodes.
+                break
             group.append(row)
             total += need
         return group
@@ -647,7 +681,21 @@ class BatchGeneration:
         return used
 
     def _enter_decode(self, rows: list[_Row]) -> None:
-        """Move rows whose prompt but its last token is cached into the decode batch, together."""
+        """Move rows whose prompt but its last token is cached into the decode batch, together.
+
+        Under a quantizing scheme, rows whose prefill left every transitioning
+        layer converted enter apart from the others, so neither reads a mixed view.
+        """
+        if self._scheme is None:
+            self._enter_decode_together(rows)
+            return
+        done = [row for row in rows if _all_converted(row.prefill.prompt_cache)]
+        rest = [row for row in rows if not _all_converted(row.prefill.prompt_cache)]
+        for part in (done, rest):
+            if part:
+                self._enter_decode_together(part)
+
+    def _enter_decode_together(self, rows: list[_Row]) -> None:
         # NOTE: one forward of every such row's last prompt token (a batch of
         # len(rows)) instead of one forward each: on a memory-bound CPU every
         # forward reads all the weights once. Rows prefilled as a group share
@@ -674,14 +722,35 @@ class BatchGeneration:
         else:
             self._batch.extend(ready)
 
+    def _precision(self, row: _Row) -> tuple[int, ...]:
+        """The layers in which the row's lent prefix is already quantized (``()``: none, or no prefix)."""
+        if row.cache is None:
+            return ()
+        return tuple(i for i, c in enumerate(row.cache) if type(c) is QuantizedKVCache)
+
+    def _merge(self, caches: list[list[Any]]) -> list[Any]:
+        """One batch cache per layer from the rows' caches (mlx-lm's merge, or transitioning layers)."""
+        merged: list[Any] = []
+        for i, first in enumerate(caches[0]):
+            layer = [c[i] for c in caches]
+            quant = self._scheme.layer_quant(i) if self._scheme is not None else None
+            if quant is not None and all(type(c) in (KVCache, QuantizedKVCache) for c in layer):
+                start = self._scheme.start if self._scheme is not None else 0
+                merged.append(TransitioningBatchKVCache.merge(layer, quant, start))
+            else:
+                merged.append(first.merge(layer))
+        return merged
+
     def _start_prefill(self, rows: list[_Row]) -> Any:
         caches = [
             row.cache if row.cache is not None else make_prompt_cache(self._model) for row in rows
         ]
-        return PromptProcessingBatch(
+        # NOTE: mlx-lm merges each layer with its first row's class's merge;
+        # kvtier merges (the same classes, plus transitioning layers) itself.
+        batch = PromptProcessingBatch(
             self._model,
             [row.uid for row in rows],
-            caches,
+            [],
             tokens=[row.prompt[: row.cached_tokens] for row in rows],
             prefill_step_size=self._step_size,
             samplers=[row.sampler for row in rows],
@@ -692,6 +761,8 @@ class BatchGeneration:
             ],
             max_tokens=[row.params.max_tokens for row in rows],
         )
+        batch.prompt_cache = self._merge(caches)
+        return batch
 
     def _remove_decoding(self, row: _Row) -> tuple[list[Any], list[int]]:
         assert self._batch is not None
@@ -721,3 +792,8 @@ class BatchGeneration:
             completion_tokens=len(row.generated),
             cached_tokens=row.cached_tokens,
         )
+
+
+def _all_converted(caches: Sequence[Any]) -> bool:
+    """True when every row of every transitioning layer holds quantized KV (no such layer: True)."""
+    return all(all(c.converted) for c in caches if type(c) is TransitioningBatchKVCache)

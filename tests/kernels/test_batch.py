@@ -582,7 +582,7 @@ def test_gate_layer_kinds_of_model_families(tok: Any) -> None:
 
 
 def test_gate_refusals_name_their_reason(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unknown kinds, quantized layers, kept ring tokens, recurrent state with KVTIER_BATCH_SSM=0 and quantized schemes are refused."""
+    """Unknown kinds, quantized layers the scheme does not produce, kept ring tokens and recurrent state with KVTIER_BATCH_SSM=0 are refused."""
     monkeypatch.setenv("KVTIER_BATCH_SSM", "0")
     assert not batch_ssm_enabled()
     mamba = model_batch_gate(tiny_mamba(vocab_size=len(tok)))
@@ -606,9 +606,9 @@ def test_gate_refusals_name_their_reason(tok: Any, monkeypatch: pytest.MonkeyPat
     )
     assert batch_gate([CacheList(KVCache(), QuantizedKVCache())]).refusal == "quantized_cache"
     q8 = KvScheme(kind="affine-uniform", uniform=LayerQuant(bits=8))
-    refused = batch_gate([KVCache(), KVCache()], q8)
-    assert refused.refusal == "quantized_kv"
-    assert "kv8" in refused.detail
+    refused = batch_gate([KVCache(), QuantizedKVCache(bits=4)], q8)
+    assert refused.refusal == "quantized_cache"
+    assert "4-bit" in refused.detail
     assert batch_gate([KVCache()], KvScheme()).batchable
 
 
