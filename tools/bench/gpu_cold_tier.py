@@ -5,7 +5,7 @@ prompt (chunked like the engine), stores its KV with kvtier's codec through
 the real file port (fsync, rename, directory fsync), then times, per round:
 
 - recompute: a fresh cache, chunked prefill of ``tokens`` prompt tokens, then
-  the first token of a 16-token suffix (what a miss costs);
+  the first token of a ``--suffix``-token suffix (16; what a miss costs);
 - restore: drop the file from the page cache (``posix_fadvise(DONTNEED)``),
   ``read_header`` + ``read_tensors`` (xxh3 verified) + ``materialize``, then
   the same suffix's first token (what a cold-tier hit costs).
@@ -148,12 +148,18 @@ def main() -> int:
     p.add_argument("--dir", default="/tmp/kvtier-bench")
     p.add_argument("--kv", default="bf16,4")
     p.add_argument("--group", type=int, default=64)
+    p.add_argument(
+        "--suffix",
+        type=int,
+        default=16,
+        help="tokens after the stored prefix (MLX 0.32's CUDA quantized_matmul refused 16 against 4-bit KV)",
+    )
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     model, nb = build_model(a.shape, 49152, 0, mx.bfloat16)
     print(f"# {a.shape}: {nb:.2f} B params, device {mx.default_device()}, mlx {mx.__version__}", flush=True)
     tokens = [(i * 7919) % 49000 + 10 for i in range(a.tokens)]
-    suffix = [(i * 104729) % 49000 + 10 for i in range(16)]
+    suffix = [(i * 104729) % 49000 + 10 for i in range(a.suffix)]
     for kv in a.kv.split(","):
         run(model, tokens, suffix, kv, a.dir, a.rounds, a.group)
     return 0

@@ -1,0 +1,321 @@
+"""kvtier's batch lane against mlx-lm's ``BatchGenerator`` driven directly (issue #10, GPU part).
+
+The issue's GPU target: on the H200, with an 8B-shaped model, 512-token
+prompts and 128 new tokens, kvtier's aggregate tok/s at 8 and 32 rows is at
+least mlx-lm's ``BatchGenerator`` driven directly (measured there before:
+524 and 618 tok/s).
+
+Per round and per row count ``B`` (rounds alternate which contender runs
+first):
+
+- ``BatchGenerator``: ``B`` distinct prompts inserted at once, greedy,
+  ``next_generated()`` until every row finished; the wall time from insert
+  to the last token.
+- ``kvtier``: an ``Engine.from_loaded(..., max_batch=B)`` (the actors, the
+  engine thread, the batch scheduler, the RAM prompt cache on as a user
+  runs it), ``B`` concurrent ``Engine.generate`` calls of the same
+  prompts; the wall time from the first submit to the last ``DoneEvent``.
+
+Both figures are generated tokens / wall time, so the prefill of the ``B``
+prompts counts for both. Prompts are distinct per round and contender (no
+prompt-cache hit can help kvtier). The model is a seeded random-weight
+mlx-lm ``llama`` of the shape (``gpu_engine.SHAPES``) with EOS off, so
+every row decodes exactly ``--max-tokens`` tokens. A warm-up of each
+contender at each ``B`` runs first (CUDA kernels compile per shape).
+
+GPU (the two-call recipe of docs/benchmarks/gpu.md)::
+
+    PYTHONUNBUFFERED=1 python3 tools/bench/gpu_batching.py --tok-dir .gpu/tok --json $OUT/gpu_batching.json
+
+CPU check of the script itself (numbers mean nothing there)::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/gpu_batching.py --shape tiny --rows 2,4 --max-tokens 8 --prompt-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_engine import DEFAULT_TOK_DIR, SHAPES, build_model, filler_ids, load_tokenizer
+
+from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+
+
+def batch_generator_run(
+    model: Any, prompts: list[list[int]], max_tokens: int, step: int
+) -> tuple[float, int]:
+    """mlx-lm's ``BatchGenerator`` on this thread: (wall seconds, generated tokens)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(
+        model,
+        max_tokens=max_tokens,
+        completion_batch_size=len(prompts),
+        prefill_step_size=step,
+    )
+    try:
+        t0 = time.perf_counter()
+        gen.insert(prompts, [max_tokens] * len(prompts))
+        n = 0
+        while responses := gen.next_generated():
+            n += len(responses)
+        wall = time.perf_counter() - t0
+    finally:
+        gen.close()
+    return wall, n
+
+
+def kernel_run(
+    model: Any, tok: Any, prompts: list[list[int]], max_tokens: int, step: int
+) -> tuple[float, int]:
+    """kvtier's batch kernel (``BatchGeneration``) driven directly on this thread, no actors."""
+    from kernels.engine import BatchGeneration, SamplingParams
+
+    gen = BatchGeneration(model, tok, max_rows=len(prompts), prefill_step_size=step)
+    try:
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            gen.join(f"r{i}", p, SamplingParams(max_tokens=max_tokens))
+        n = 0
+        while not gen.idle:
+            n += len(gen.step().tokens)
+        wall = time.perf_counter() - t0
+    finally:
+        gen.close()
+    return wall, n
+
+
+async def _one(engine: Engine, prompt: list[int], max_tokens: int, counts: list[int]) -> None:
+    n = 0
+    done: DoneEvent | None = None
+    async with engine.generate(prompt, GenerationParams(max_tokens=max_tokens)) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                n += 1
+            else:
+                done = event
+    assert done is not None, "the Engine stream ended without a DoneEvent"
+    counts.append(n)
+
+
+async def kvtier_run(
+    engine: Engine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, int]:
+    """``len(prompts)`` concurrent requests through the Engine: (wall seconds, generated tokens)."""
+    counts: list[int] = []
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for p in prompts:
+            tg.start_soon(_one, engine, p, max_tokens, counts)
+    return time.perf_counter() - t0, sum(counts)
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every round of every row count; returns the raw records."""
+    tok = load_tokenizer(args.tok_dir)
+    model, params_b = build_model(
+        args.shape, len(tok.get_vocab()), 0, mx.bfloat16 if args.shape != "tiny" else mx.float32
+    )
+    rows = [int(x) for x in args.rows.split(",")]
+    out: dict[str, Any] = {
+        "shape": args.shape,
+        "params_b": params_b,
+        "device": str(mx.default_device()),
+        "rows": rows,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "records": [],
+    }
+    seq = 0
+
+    def prompts(b: int, tag: str) -> list[list[int]]:
+        nonlocal seq
+        seq += 1
+        return [filler_ids(tok, args.prompt_tokens, f"{tag}-{seq}-{i}") for i in range(b)]
+
+    for b in rows:
+        # NOTE: one Engine per row count, opened around its own runs only: the
+        # engine thread owns the model while it is open, BatchGenerator runs
+        # on this thread while no Engine is open.
+        async def engine_runs(b: int, label: str, rounds: int) -> list[tuple[float, int, int]]:
+            res = []
+            async with Engine.from_loaded(
+                model,
+                tok,
+                model_id=args.shape,
+                max_batch=b,
+                max_queue=b,
+                prefill_step_size=args.kvtier_prefill_step_size,
+                prompt_cache_bytes=int(args.prompt_cache_gb * 1024**3),
+            ) as engine:
+                for _ in range(rounds):
+                    wall, n = await kvtier_run(engine, prompts(b, label), args.max_tokens)
+                    batch = (await engine.stats())["batch"]["batch"]
+                    # NOTE: the figure is only the batch lane's if every request ran there.
+                    assert batch["requests"]["finished_length"] == b, batch
+                    res.append((wall, n, int(batch["steps"]["max_rows_decoded"])))
+            return res
+
+        # Warm-up: compile the shapes of both contenders at this B.
+        batch_generator_run(
+            model, prompts(b, "warm-bg"), min(args.max_tokens, 16), args.bg_prefill_step_size
+        )
+        await engine_runs(b, "warm-kv", 1)
+        contenders = ["bg", "kvtier"]
+        if args.with_kernel:
+            kernel_run(
+                model,
+                tok,
+                prompts(b, "warm-k"),
+                min(args.max_tokens, 16),
+                args.kvtier_prefill_step_size,
+            )
+            contenders.append("kernel")
+        for r in range(args.rounds):
+            order = contenders if r % 2 == 0 else contenders[::-1]
+            rec: dict[str, Any] = {"rows": b, "round": r}
+            for who in order:
+                if who == "bg":
+                    wall, n = batch_generator_run(
+                        model, prompts(b, "bg"), args.max_tokens, args.bg_prefill_step_size
+                    )
+                    rec[who] = {"wall_s": wall, "tokens": n, "tps": n / wall}
+                elif who == "kernel":
+                    wall, n = kernel_run(
+                        model, tok, prompts(b, "k"), args.max_tokens, args.kvtier_prefill_step_size
+                    )
+                    rec[who] = {"wall_s": wall, "tokens": n, "tps": n / wall}
+                else:
+                    wall, n, widest = (await engine_runs(b, "kv", 1))[0]
+                    rec[who] = {
+                        "wall_s": wall,
+                        "tokens": n,
+                        "tps": n / wall,
+                        "widest_decode": widest,
+                    }
+                mx.clear_cache()
+            rec["ratio"] = rec["kvtier"]["tps"] / rec["bg"]["tps"]
+            if "kernel" in rec:
+                rec["kernel_ratio"] = rec["kernel"]["tps"] / rec["bg"]["tps"]
+            out["records"].append(rec)
+            print(
+                f"B={b} round {r}: BatchGenerator {rec['bg']['tps']:.1f} tok/s ({rec['bg']['tokens']} in "
+                f"{rec['bg']['wall_s']:.2f} s), kvtier {rec['kvtier']['tps']:.1f} tok/s "
+                f"({rec['kvtier']['tokens']} in {rec['kvtier']['wall_s']:.2f} s, widest decode "
+                f"{rec['kvtier']['widest_decode']} rows), ratio {rec['ratio']:.3f}"
+                + (
+                    f"; kernel alone {rec['kernel']['tps']:.1f} tok/s, ratio {rec['kernel_ratio']:.3f}"
+                    if "kernel" in rec
+                    else ""
+                ),
+                flush=True,
+            )
+    return out
+
+
+def summarize(out: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """Medians per row count and the median of per-round ratios with its spread."""
+    summary: dict[int, dict[str, float]] = {}
+    for b in out["rows"]:
+        recs = [r for r in out["records"] if r["rows"] == b]
+        ratios = [r["ratio"] for r in recs]
+        summary[b] = {
+            "bg_tps": statistics.median(r["bg"]["tps"] for r in recs),
+            "kvtier_tps": statistics.median(r["kvtier"]["tps"] for r in recs),
+            "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+        }
+    return summary
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    """Aggregate tok/s per row count, both contenders, every round as a dot and the median as a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(out)
+    rows = out["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    width = 0.38
+    for k, (who, label) in enumerate(
+        (("bg", "mlx-lm BatchGenerator"), ("kvtier", "kvtier Engine"))
+    ):
+        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+        ax.bar(xs, [summary[b][f"{who}_tps"] for b in rows], width, label=label)
+        for i, b in enumerate(rows):
+            pts = [r[who]["tps"] for r in out["records"] if r["rows"] == b]
+            ax.plot([xs[i]] * len(pts), pts, "k.", markersize=4)
+    ax.set_xticks(range(len(rows)), [f"{b} rows" for b in rows])
+    ax.set_ylabel("generated tok/s (prefill included)")
+    ax.set_title(
+        f"{out['shape']}, {out['prompt_tokens']}-token prompts, {out['max_tokens']} new tokens"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def report(out: dict[str, Any]) -> None:
+    """The summary table on stdout."""
+    for b, s in summarize(out).items():
+        print(
+            f"B={b}: BatchGenerator median {s['bg_tps']:.1f} tok/s, kvtier median {s['kvtier_tps']:.1f} tok/s, "
+            f"ratio median {s['ratio']:.3f} [{s['ratio_min']:.3f}..{s['ratio_max']:.3f}] (target >= 1.0)"
+        )
+
+
+def main() -> int:
+    """Run (or re-plot from ``--from-json``) and print the figures."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--rows", default="8,32")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--bg-prefill-step-size", type=int, default=2048, help="BatchGenerator's default"
+    )
+    p.add_argument("--kvtier-prefill-step-size", type=int, default=2048)
+    p.add_argument("--prompt-cache-gb", type=float, default=4.0)
+    p.add_argument(
+        "--with-kernel",
+        action="store_true",
+        help="also drive kvtier's BatchGeneration directly (no actors): where the gap is",
+    )
+    p.add_argument("--tok-dir", type=Path, default=DEFAULT_TOK_DIR)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, default=None, help="re-plot and report a recorded run")
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args()
+    if args.from_json is not None:
+        out = json.loads(args.from_json.read_text())
+    else:
+        out = anyio.run(measure, args)
+        if args.json is not None:
+            args.json.write_text(json.dumps(out, indent=2))
+    report(out)
+    if args.plot is not None:
+        plot(out, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
