@@ -64,6 +64,13 @@ def _restore_port(backend: object) -> RestorePort | None:
     return backend._restore
 
 
+def _observe_address(parts: Parts) -> str | None:
+    """Where measured prefills go: the cold tier's index (``None``: no cold tier)."""
+    from actors.ssd_writer import SSD_WRITER_ADDRESS
+
+    return SSD_WRITER_ADDRESS if parts.cold is not None else None
+
+
 def batch_refusal(parts: Parts) -> str | None:
     """Why the batch lane is off for these parts (``None``: it is on)."""
     cfg = parts.config
@@ -88,7 +95,7 @@ def batch_factory(
         return None
     found = _backend_parts(parts.backend)
     assert found is not None
-    model, tokenizer, registry, step, scheme = found
+    model, tokenizer, registry, step, _ = found
     cfg = parts.config
     backend = parts.backend
     point = backend.snapshot_boundary if hasattr(backend, "snapshot_boundary") else None
@@ -102,7 +109,6 @@ def batch_factory(
         snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,
         restore=_restore_port(backend) if prompt_cache is not None else None,
         guard=parts.memory_guard,
-        kv_scheme=scheme,
     )
     scheduler = BatchScheduler(
         gateway=gateway,
@@ -111,6 +117,9 @@ def batch_factory(
         max_rows=cfg.max_batch,
         max_queue=cfg.max_queue,
         prompt_cache=prompt_cache,
+        # NOTE: with a cold tier, steps that only prefilled teach its
+        # restore-or-recompute estimator (the serial lane reports per request).
+        observe_prefill=_observe_address(parts),
     )
     # NOTE: "resume" keeps this one instance (its rows) when a handler raises.
     return lambda: scheduler

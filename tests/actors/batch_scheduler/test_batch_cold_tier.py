@@ -170,3 +170,21 @@ async def test_a_corrupt_file_under_the_batch_lane_is_a_miss_with_the_right_answ
     assert batch["steps"]["prefill_tokens"] == len(second) - 1
     assert batch["ssd"]["restored"] == 0
     assert not stored.exists()
+
+
+async def test_batch_steps_that_only_prefill_teach_the_restore_or_recompute_estimator(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    """With every request on the batch lane, the cold tier still learns the prefill speed (its
+    estimator's other half): a lone request's first step, which only prefilled its prompt,
+    is reported, so /stats shows a prefill_tok_s."""
+    prompt = _ids(tok, "Only the batch lane serves this engine, and it prefills. " * 2)
+    async with _engine(model, tok, tmp_path, max_batch=4) as eng:
+        assert (await eng.stats())["ssd_cache"]["prefill_tok_s"] is None
+        await _run(eng, prompt)
+        # NOTE: the report is a tell to the index; poll until it was handled.
+        with anyio.fail_after(10):
+            while True:
+                if (await eng.stats())["ssd_cache"]["prefill_tok_s"] is not None:
+                    break
+                await anyio.sleep(0.01)
