@@ -95,7 +95,7 @@ def batch_factory(
         return None
     found = _backend_parts(parts.backend)
     assert found is not None
-    model, tokenizer, registry, step, _ = found
+    model, tokenizer, registry, step, scheme = found
     cfg = parts.config
     backend = parts.backend
     point = backend.snapshot_boundary if hasattr(backend, "snapshot_boundary") else None
@@ -109,6 +109,7 @@ def batch_factory(
         snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,
         restore=_restore_port(backend) if prompt_cache is not None else None,
         guard=parts.memory_guard,
+        kv_scheme=scheme,
     )
     scheduler = BatchScheduler(
         gateway=gateway,
