@@ -36,7 +36,6 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from actors.batch_scheduler import BATCH_ADDRESS
 from actors.errors import (
     ContextTooLong,
     EngineClosed,
@@ -1308,16 +1307,9 @@ class Engine(_StartClose):
         # NOTE: runs before admission, so a refused prompt never queues or takes a turn.
         if not tokens:
             raise InvalidRequest("the prompt has no tokens")
-        wired = self._wired
-        if (wired is not None and BATCH_ADDRESS in wired.refs
-                and (params.grammar is not None or params.top_logprobs)):
-            # NOTE: the batch lane builds its rows' processors without the
-            # tokenizer and reports no alternatives yet (docs/batching.md).
-            raise InvalidRequest(
-                "constrained decoding (response_format, tool_choice 'required' or a named "
-                "function) and top_logprobs are not available with the batch lane "
-                "(max_batch > 1) yet"
-            )
+        # NOTE: grammar and top_logprobs are served with a batch lane too: the
+        # gateway keeps such a request on the serial lane
+        # (kernels.engine.batch_params_refusal, counted in gateway.token.batch_refused).
         vocab = self._vocab_size()
         if vocab is not None:
             ids = [*tokens, *(params.logit_bias or {}), *params.stop_token_ids]

@@ -116,8 +116,9 @@ async def test_json_schema_answer_validates(client: httpx.AsyncClient) -> None:
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
 
 
-async def test_batch_lane_refuses_what_it_cannot_do_yet() -> None:
-    """With the batch lane on, top_logprobs and constrained decoding are a 400 (never a failed step)."""
+async def test_batch_lane_serves_what_only_the_serial_lane_can_do() -> None:
+    """With the batch lane on, top_logprobs and a forced tool call are served (on the serial lane,
+    counted in gateway.token.batch_refused); plain logprobs still take the batch lane."""
     tok = tool_tokenizer()
     model = lively_llama(len(tok._tokenizer))
     async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0,
@@ -128,10 +129,15 @@ async def test_batch_lane_refuses_what_it_cannot_do_yet() -> None:
             top = await c.post(CHAT, json={"messages": ASK, "max_tokens": 2, "logprobs": True,
                                            "top_logprobs": 2})
             forced = await c.post(CHAT, json={"messages": ASK, "tools": [WEATHER],
-                                              "tool_choice": FORCE, "max_tokens": 2})
+                                              "tool_choice": FORCE, "max_tokens": 120})
             plain = await c.post(CHAT, json={"messages": ASK, "max_tokens": 2, "logprobs": True})
-    for refused in (top, forced):
-        assert refused.status_code == 400, refused.text
-        assert "batch lane" in refused.json()["error"]["message"]
-    assert plain.status_code == 200, plain.text
+        stats = await engine.stats()
+    for served in (top, forced, plain):
+        assert served.status_code == 200, served.text
+    assert all(len(e["top_logprobs"]) == 2
+               for e in top.json()["choices"][0]["logprobs"]["content"])
+    [call] = forced.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
     assert plain.json()["choices"][0]["logprobs"]["content"]
+    assert stats["gateway"]["token"]["batch_refused"] == {"top_logprobs": 1, "grammar": 1}
+    assert stats["batch"]["batch"]["joined"] == 1

@@ -1,0 +1,139 @@
+"""Serial-only options with the batch lane on: ``Engine(max_batch=4)`` on a tiny fp32 Llama.
+
+A request with a grammar (constrained decoding) or ``top_logprobs`` is served
+on the serial lane, counted in ``gateway.token.batch_refused``, while plain
+requests keep running as batch rows; every answer equals its serial-only run.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import jsonschema
+import pytest
+
+from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+from kernels import render_chat
+from kernels.engine import json_schema_grammar
+from tests.kernels.test_generation import lively_llama
+from tests.tool_models import tool_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "celsius": {"type": "integer"}},
+    "required": ["city", "celsius"],
+    "additionalProperties": False,
+}
+PLAIN = GenerationParams(max_tokens=160)
+TOP = GenerationParams(max_tokens=12, logprobs=True, top_logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny ASCII tokenizer with a chat template (llguidance can compile grammars for it)."""
+    return tool_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    """A tiny fp32 Llama whose greedy output varies."""
+    return lively_llama(len(tok._tokenizer))
+
+
+def _engine(model: Any, tok: Any, max_batch: int) -> Engine:
+    return Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0,
+                              max_batch=max_batch)
+
+
+def _prompt(tok: Any, text: str) -> list[int]:
+    return list(render_chat(tok, [{"role": "user", "content": text}]))
+
+
+async def _run(
+    engine: Engine, prompt: list[int], params: GenerationParams
+) -> tuple[list[TokenEvent], DoneEvent]:
+    events: list[TokenEvent] = []
+    async with engine.generate(prompt, params) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                events.append(event)
+            else:
+                return events, event
+    raise AssertionError("the stream ended without a DoneEvent")
+
+
+def _answers(events: list[TokenEvent]) -> tuple[list[int], list[Any]]:
+    return [e.token_id for e in events], [(e.logprob, e.top_logprobs) for e in events]
+
+
+async def test_grammar_and_top_logprobs_run_on_the_serial_lane_while_batch_rows_run(
+    model: Any, tok: Any
+) -> None:
+    """With max_batch=4, a grammar request and a top_logprobs request are admitted (not refused),
+    served on the serial lane (gateway.token.batch_refused counts each) while three plain requests
+    are joined batch rows, and give their serial-only answers; the rows give theirs too."""
+    grammar = GenerationParams(max_tokens=60, grammar=json_schema_grammar(SCHEMA))
+    structured = _prompt(tok, "Weather as JSON, please.")
+    ranked = _prompt(tok, "Rank your next words.")
+    plains = [_prompt(tok, f"Plain request number {i}, tell me a story.") for i in range(3)]
+    async with _engine(model, tok, 1) as serial:
+        want_json, _ = await _run(serial, structured, grammar)
+        want_top, _ = await _run(serial, ranked, TOP)
+        want_plain = [(await _run(serial, p, PLAIN))[0] for p in plains]
+
+    async with _engine(model, tok, 4) as engine:
+        rows_joined = anyio.Event()
+        plain_out: list[Any] = [None] * len(plains)
+        first_tokens = [anyio.Event() for _ in plains]
+        during: dict[str, Any] = {}
+
+        async def plain(i: int) -> None:
+            events: list[TokenEvent] = []
+            async with engine.generate(plains[i], PLAIN) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        events.append(event)
+                        first_tokens[i].set()
+                        # NOTE: the row is not read further until the serial
+                        # requests are done (its tokens wait in its outbox).
+                        await rows_joined.wait()
+                    else:
+                        plain_out[i] = (events, event)
+
+        async def serial_ones() -> None:
+            for started in first_tokens:
+                await started.wait()
+            before = await engine.stats()
+            got_json = await _run(engine, structured, grammar)
+            got_top = await _run(engine, ranked, TOP)
+            during.update(before=before, after=await engine.stats(), json=got_json, top=got_top)
+            rows_joined.set()
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(plains)):
+                    tg.start_soon(plain, i)
+                tg.start_soon(serial_ones)
+        stats = await engine.stats()
+
+    # NOTE: the three plain rows were decoding batch rows before the serial
+    # requests started and still were when both had finished.
+    assert during["before"]["batch"]["batch"]["rows"]["joined"] == 3
+    assert during["after"]["batch"]["batch"]["rows"]["joined"] == 3
+    json_events, json_done = during["json"]
+    top_events, _ = during["top"]
+    assert [e.token_id for e in json_events] == [e.token_id for e in want_json]
+    text = "".join(e.text for e in json_events)
+    assert json_done.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert _answers(top_events) == _answers(want_top)
+    assert all(len(e.top_logprobs) == 3 for e in top_events)
+    for (events, done), want in zip(plain_out, want_plain, strict=True):
+        assert [e.token_id for e in events] == [e.token_id for e in want]
+        assert done.usage.completion_tokens == len(want)
+    assert stats["gateway"]["token"]["batch_refused"] == {"grammar": 1, "top_logprobs": 1}
+    assert stats["batch"]["batch"]["joined"] == 3
