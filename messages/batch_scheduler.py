@@ -8,8 +8,10 @@ exactly like the serial lane). ``CancelGeneration`` is forwarded the same way.
 The engine-turn token stays with the gateway: the scheduler tells it whether
 rows exist (``busy``: the token treats the engine as in use, so no background
 step runs) and whether a step has work (``ready``); the gateway grants one
-batch step at a time (``RunBatchStep``) and the scheduler reports it
-(``BatchTurnReport``). See docs/batching.md.
+batch turn at a time (``RunBatchStep``: up to ``max_steps`` steps run back to
+back as one engine job, a *step chain*) and the scheduler reports it
+(``BatchTurnReport``). The gateway asks for a chain's turn back with
+``StopBatchChain`` (the serial lane has work). See docs/batching.md.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "BatchWake",
     "BatchWants",
     "RunBatchStep",
+    "StopBatchChain",
 ]
 
 
@@ -46,14 +49,29 @@ class BatchWants(Body):
 
 
 class RunBatchStep(Request):
-    """Gateway -> scheduler: the engine turn is the batch's for ONE step.
+    """Gateway -> scheduler: the engine turn is the batch's for up to ``max_steps`` steps.
 
-    ``reply_to`` is the gateway: should the scheduler's handler raise, the
-    runtime's ``Failure`` reaches the gateway, which ends the turn instead
-    of waiting for a report.
+    The steps run back to back as one engine job (a step chain) while
+    nothing needs the scheduler's decision; the chain ends early when a row
+    is ready to join, a row is cancelled, or the gateway sends
+    :class:`StopBatchChain`. ``reply_to`` is the gateway: should the
+    scheduler's handler raise, the runtime's ``Failure`` reaches the
+    gateway, which ends the turn instead of waiting for a report.
     """
 
     kind: Literal["batch.run_step"] = "batch.run_step"
+    turn: int = Field(ge=0)
+    max_steps: int = Field(default=1, ge=1)
+
+
+class StopBatchChain(Body):
+    """Gateway -> scheduler: end batch turn ``turn``'s step chain after the step in flight.
+
+    Sent when the serial lane gets work while a chain runs, so the two
+    lanes alternate; a turn already ended ignores it.
+    """
+
+    kind: Literal["batch.stop_chain"] = "batch.stop_chain"
     turn: int = Field(ge=0)
 
 
@@ -61,8 +79,10 @@ class BatchTurnReport(Body):
     """Scheduler -> gateway: batch step ``turn`` ended.
 
     ``busy``/``ready`` as in :class:`BatchWants`, after the step; ``left``:
-    request ids that ended in this step (finished, cancelled or failed);
-    ``decode_rows``/``tokens``/``prefill_tokens``/``joined``: what it did.
+    request ids that ended in this turn (finished, cancelled or failed);
+    ``steps``: batch steps the turn ran (its chain; 0 when its work had
+    vanished); ``decode_rows``/``tokens``/``prefill_tokens``/``joined``:
+    what its last step did.
     """
 
     kind: Literal["batch.turn_report"] = "batch.turn_report"
@@ -72,6 +92,7 @@ class BatchTurnReport(Body):
     ok: bool = True
     error_code: str = ""
     left: tuple[str, ...] = ()
+    steps: int = Field(default=1, ge=0)
     decode_rows: int = Field(default=0, ge=0)
     tokens: int = Field(default=0, ge=0)
     prefill_tokens: int = Field(default=0, ge=0)
@@ -79,7 +100,7 @@ class BatchTurnReport(Body):
 
 
 class BatchWake(Request):
-    """Scheduler -> itself: the engine job of ``turn`` ended (posted from the loop).
+    """Scheduler -> itself: the engine job of ``turn`` produced a step or ended (posted from the loop).
 
     ``reply_to`` is the gateway, for the same reason as :class:`RunBatchStep`.
     """

@@ -7,12 +7,16 @@ comes back here) and ``Release``, ``Put`` of every registered cache, token
 events and final events on each row's stream, ``BatchWants`` /
 ``BatchTurnReport`` to the gateway, and the engine job of a granted step.
 
-It never awaits the engine: the step's job is submitted to the
-``Executor`` and its end comes back as a ``BatchWake`` posted to this
-mailbox's reserved room, so cancels and new admissions are handled while
-the engine computes. If the handler itself raises while handling a
-``RunBatchStep`` or a ``BatchWake``, the runtime answers the gateway with a
-``Failure`` (their reply slot), and the gateway ends the turn.
+It never awaits the engine: a granted turn's job (a step chain,
+``chain.py``: up to ``max_steps`` batch steps back to back) is submitted to
+the ``Executor``; each step's output, and the job's end, come back through
+a ``BatchWake`` posted to this mailbox's reserved room, so tokens stream per
+step and cancels, new admissions and the gateway's ``StopBatchChain`` are
+handled while the engine computes (the core answers them with
+``StopChain``, which sets the chain's stop flag). If the handler itself
+raises while handling a ``RunBatchStep`` or a ``BatchWake``, the runtime
+answers the gateway with a ``Failure`` (their reply slot), and the gateway
+ends the turn.
 
 It never waits on a row's stream either: tokens are sent with ``try_tell``;
 a full stream's event goes back to the core (``StreamFull``), which holds
@@ -48,11 +52,13 @@ from messages.batch_scheduler import (
     BatchWake,
     BatchWants,
     RunBatchStep,
+    StopBatchChain,
 )
 from messages.gateway import AdmissionReply, BeginShutdown, CancelGeneration, Generate
 from messages.ssd_writer import ObservePrefill
 
 from . import core
+from .chain import Chain, run_chain
 from .engine import BatchEngine
 
 __all__ = ["BatchScheduler"]
@@ -101,7 +107,7 @@ class BatchScheduler(Actor):
         )
         self._requests: dict[str, Envelope] = {}  # forwarded Generate envelopes, until answered
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id
-        self._job: tuple[int, asyncio.Future[core.StepOut]] | None = None
+        self._chain: Chain | None = None
 
     def snapshot(self) -> dict[str, int | bool | dict[str, int]]:
         """JSON-ready statistics of the batch lane."""
@@ -144,13 +150,12 @@ class BatchScheduler(Actor):
             )
             event = core.LookupAnswered(rid, None, now)
         elif isinstance(body, RunBatchStep):
-            event = core.TurnGranted(body.turn, now)
+            event = core.TurnGranted(body.turn, now, body.max_steps)
+        elif isinstance(body, StopBatchChain):
+            event = core.YieldTurn(body.turn, now)
         elif isinstance(body, BatchWake):
-            job = self._job
-            if job is None or job[0] != body.turn or not job[1].done():
-                return  # NOTE: a late wake of a job already drained.
-            self._job = None
-            event = self._job_event(body.turn, job[1], now)
+            await self._drain(body.turn, ctx)
+            return
         elif isinstance(body, BatchRetry):
             event = core.RetryDelivery(now)
         elif isinstance(body, BeginShutdown):
@@ -162,13 +167,33 @@ class BatchScheduler(Actor):
             return
         await self._feed(event, ctx)
 
-    @staticmethod
-    def _job_event(turn: int, future: asyncio.Future[core.StepOut], now: float) -> core.Event:
-        exc = future.exception()
-        if exc is not None:
-            _log.warning("batch.step_failed", turn=turn, error=repr(exc))
-            return core.StepFailed(turn, "batch_step_failed", f"{type(exc).__name__}: {exc}", now)
-        return core.StepFinished(turn, future.result(), now)
+    async def _drain(self, turn: int, ctx: Context) -> None:
+        """Feed the core every step the chain of ``turn`` produced, then the job's end if it ended."""
+        chain = self._chain
+        if chain is None or chain.turn != turn:
+            return  # NOTE: a late wake of a job already drained.
+        # NOTE: cleared BEFORE draining: a step appended from now on posts a new wake.
+        chain.wake_pending = False
+        while chain.results:
+            out = chain.results.popleft()
+            chain.consumed += 1
+            last = chain.ended and not chain.results and chain.error is None
+            if last:
+                # NOTE: before feeding: the core may submit the turn's next job.
+                self._chain = None
+            await self._feed(core.StepFinished(turn, out, ctx.clock.now(), last), ctx)
+            if last:
+                return
+        if not chain.ended or self._chain is not chain:
+            return
+        self._chain = None
+        exc, now = chain.error, ctx.clock.now()
+        if exc is None:
+            await self._feed(core.JobEnded(turn, now), ctx)
+            return
+        _log.warning("batch.step_failed", turn=turn, error=repr(exc))
+        detail = f"{type(exc).__name__}: {exc}"
+        await self._feed(core.StepFailed(turn, "batch_step_failed", detail, now), ctx)
 
     # --- the core -------------------------------------------------------------------
 
@@ -196,6 +221,10 @@ class BatchScheduler(Actor):
                 await self._release(effect.lease_id, ctx)
             case core.SubmitStep():
                 return self._submit(effect, ctx)
+            case core.StopChain():
+                chain = self._chain
+                if chain is not None and chain.turn == effect.turn:
+                    chain.stop = True
             case core.EmitToken():
                 return self._emit(effect, ctx, refused)
             case core.EndStream():
@@ -335,19 +364,23 @@ class BatchScheduler(Actor):
 
     def _submit(self, effect: core.SubmitStep, ctx: Context) -> core.Event | None:
         engine, joins, cancels = self._engine, effect.joins, effect.cancels
+        wake = BatchWake(turn=effect.turn, reply_to=self._gateway)
+        ref = ctx.self_ref
+
+        def post() -> bool:
+            try:
+                return ref.post(wake)
+            except MailboxClosed:
+                return True  # NOTE: the scheduler is stopping: nobody is left to wake.
+
+        chain = Chain(effect.turn, asyncio.get_running_loop(), post, budget=effect.max_steps)
         try:
-            future = self._executor.submit(engine.step, joins, cancels)
+            future = self._executor.submit(
+                run_chain, chain, engine.step, engine.idle, joins, cancels
+            )
         except Exception as exc:  # noqa: BLE001 - the engine refused the job: the step fails
             _log.warning("batch.job_refused", turn=effect.turn, error=repr(exc))
             return core.StepFailed(effect.turn, "engine_unavailable", repr(exc), ctx.clock.now())
-        self._job = (effect.turn, future)
-        wake = BatchWake(turn=effect.turn, reply_to=self._gateway)
-
-        def done(_: asyncio.Future[core.StepOut]) -> None:
-            try:
-                ctx.self_ref.post(wake)
-            except MailboxClosed:
-                pass  # NOTE: the scheduler is stopping: nobody is left to wake.
-
-        future.add_done_callback(done)
+        self._chain = chain
+        future.add_done_callback(chain.settled)
         return None

@@ -15,9 +15,15 @@ thread, then its lease released) -> one token per step -> it leaves with its
 
 Invariants (checked by the tests):
 
-- at most one step in flight; a step runs only when the gateway granted it
-  (``TurnGranted``), and every granted turn is reported exactly once
-  (``ReportTurn``);
+- at most one engine job in flight; steps run only in a turn the gateway
+  granted (``TurnGranted``), at most its ``max_steps``, and every granted
+  turn is reported exactly once (``ReportTurn``);
+- a turn's steps run back to back as a *step chain* (one engine job, its
+  steps handed back one by one as ``StepFinished``) only while nothing
+  needs a decision here: once a row is ready to join, a joined row is to
+  be removed (cancel, slow reader), the gateway asks for the turn back
+  (``YieldTurn``) or the scheduler stops, the chain is told to end after
+  the step in flight (``StopChain``) and the turn is reported;
 - ``busy`` (told to the gateway with ``Status`` whenever it changes) is
   true while any row exists, waiting ones included, so the gateway grants
   no background step between the steps of active rows;
@@ -71,6 +77,7 @@ __all__ = [
     "EndStream",
     "Event",
     "ExitOut",
+    "JobEnded",
     "JoinRow",
     "LookupAnswered",
     "ObservePrefill",
@@ -86,12 +93,14 @@ __all__ = [
     "StepFailed",
     "StepFinished",
     "StepOut",
+    "StopChain",
     "Stopping",
     "StreamFull",
     "StreamGone",
     "SubmitStep",
     "TokenOut",
     "TurnGranted",
+    "YieldTurn",
     "handle",
 ]
 
@@ -211,18 +220,36 @@ class StreamGone:
 
 @dataclass(frozen=True, slots=True)
 class TurnGranted:
-    """The gateway granted batch step ``turn``."""
+    """The gateway granted batch turn ``turn``: up to ``max_steps`` steps."""
+
+    turn: int
+    now: float
+    max_steps: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished:
+    """A step of turn ``turn`` ended with ``out``; ``last``: its engine job ended with it."""
+
+    turn: int
+    out: StepOut
+    now: float
+    last: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnded:
+    """The engine job of turn ``turn`` ended after the steps already handed in (``StepFinished``)."""
 
     turn: int
     now: float
 
 
 @dataclass(frozen=True, slots=True)
-class StepFinished:
-    """The engine job of step ``turn`` ended with ``out``."""
+class YieldTurn:
+    """The gateway asks for turn ``turn`` back: its chain ends after the step in flight."""
 
     turn: int
-    out: StepOut
     now: float
 
 
@@ -288,6 +315,8 @@ Event = (
     | StreamGone
     | TurnGranted
     | StepFinished
+    | JobEnded
+    | YieldTurn
     | StepFailed
     | BeginDrain
     | Stopping
@@ -328,11 +357,21 @@ class ReleaseLease:
 
 @dataclass(frozen=True, slots=True)
 class SubmitStep:
-    """Run batch step ``turn`` on the engine: cancel ``cancels``, join ``joins``, then one step."""
+    """Run turn ``turn``'s engine job: cancel ``cancels``, join ``joins``, then up to
+    ``max_steps`` steps back to back (ended early by ``StopChain``, an idle batch or the
+    chain's lead over the steps handed back)."""
 
     turn: int
     joins: tuple[JoinRow, ...]
     cancels: tuple[str, ...]
+    max_steps: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StopChain:
+    """End turn ``turn``'s step chain after the step in flight (its steps so far still come back)."""
+
+    turn: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,6 +450,7 @@ Effect = (
     | StartLookup
     | ReleaseLease
     | SubmitStep
+    | StopChain
     | EmitToken
     | EndStream
     | Deliver
@@ -445,6 +485,8 @@ class Row:
     """The row whose prompt-boundary snapshot this deferred row waits for."""
     slow: bool = False
     """Its reader fell ``backlog_max`` tokens behind: the next step removes it."""
+    removing: bool = False
+    """A submitted job's first step removes it (its cancel was sent)."""
 
 
 @dataclass(slots=True)
@@ -522,8 +564,20 @@ class SchedulerState:
     retry_armed: bool = False
     observe_prefill: bool = False
     """Report pure-prefill steps' speed (``ObservePrefill``): a cold tier's estimator listens."""
-    granted_at: float = 0.0
-    """When the step in flight was granted."""
+    step_from: float = 0.0
+    """When the step in flight began, as the loop saw it (the grant, then the previous step's end)."""
+    chain_budget: int = 1
+    """Steps the turn in flight may run."""
+    chain_steps: int = 0
+    """Steps of the turn in flight handed back so far."""
+    chain_stop: bool = False
+    """The turn in flight must end after its step in flight (``StopChain`` sent)."""
+    yield_asked: bool = False
+    """The gateway asked for the turn in flight back."""
+    stopping: bool = False
+    """The scheduler stops: no step chain goes on."""
+    last_step: StepOut | None = None
+    """The turn in flight's latest step (what its report describes)."""
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -618,6 +672,11 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
             _turn_granted(state, event, out)
         case StepFinished():
             _step_finished(state, event, out)
+        case JobEnded():
+            _job_ended(state, event.turn, out)
+        case YieldTurn():
+            if state.in_flight == event.turn:
+                state.yield_asked = True
         case StepFailed():
             _step_failed(state, event, out)
         case BeginDrain():
@@ -635,6 +694,10 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
     _wake_deferred(state, out)
     _place(state, out)
     _deliver_held(state, event, out)
+    if state.in_flight is not None and not state.chain_stop and _must_stop(state):
+        state.chain_stop = True
+        if state.chain_budget > 1:
+            out.append(StopChain(state.in_flight))
     busy, ready = state.busy, state.ready
     left = tuple(state.ended)
     state.ended.clear()
@@ -757,13 +820,35 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
             row.joined_at = ev.now
         elif row.phase == "joined" and row.cancelled:
             cancels.append(rid)
+            row.removing = True
     if not joins and not any(r.phase == "joined" for r in state.rows.values()):
         # NOTE: the work vanished between the grant and now (every row left).
-        out.append(ReportTurn(_report(state, ev.turn)))
+        out.append(ReportTurn(_report(state, ev.turn, steps=0)))
         return
     state.in_flight = ev.turn
-    state.granted_at = ev.now
-    out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels)))
+    state.step_from = ev.now
+    state.chain_budget = max(1, ev.max_steps)
+    state.chain_steps = 0
+    state.chain_stop = False
+    state.yield_asked = False
+    state.last_step = None
+    out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels), state.chain_budget))
+
+
+def _must_stop(state: SchedulerState) -> bool:
+    """Whether the turn in flight must end after its step in flight: something needs a decision here.
+
+    NOTE: a row ready to join joins only at a grant, a joined row is removed
+    only by a job's first step (its ``cancels``), and the gateway or the
+    scheduler's stop wants the engine back; anything else (tokens, exits,
+    snapshots, rows failing alone) a chain's steps hand back as they go.
+    """
+    if state.yield_asked or state.stopping:
+        return True
+    return any(
+        r.phase == "ready" or (r.phase == "joined" and r.cancelled and not r.removing)
+        for r in state.rows.values()
+    )
 
 
 def _lent(lookup: TakeResult | None) -> int:
@@ -836,7 +921,23 @@ def _wake_deferred(state: SchedulerState, out: list[Effect]) -> None:
 def _check_turn(state: SchedulerState, turn: int) -> None:
     if state.in_flight != turn:
         raise ValueError(f"report of batch turn {turn} but turn {state.in_flight} is in flight")
+
+
+def _job_ended(state: SchedulerState, turn: int, out: list[Effect]) -> None:
+    """The turn's engine job ended: go on with a new job within the grant, or report the turn.
+
+    NOTE: a chain also ends when it runs ``AHEAD`` steps ahead of the loop;
+    when the grant allows more, nothing needs a decision here and rows still
+    decode, the turn goes on with a fresh job (like the serial lane's burst).
+    """
+    _check_turn(state, turn)
+    more = state.chain_budget - state.chain_steps
+    rows = any(r.phase == "joined" for r in state.rows.values())
+    if more > 0 and rows and not state.chain_stop and not _must_stop(state):
+        out.append(SubmitStep(turn, (), (), more))
+        return
     state.in_flight = None
+    out.append(ReportTurn(_report(state, turn, state.last_step, steps=state.chain_steps)))
 
 
 MIN_OBSERVED_PREFILL = 32
@@ -862,7 +963,10 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
     _check_turn(state, ev.turn)
     step = ev.out
     stats = state.stats
-    _observe(state, step, ev.now - state.granted_at, out)
+    _observe(state, step, ev.now - state.step_from, out)
+    state.step_from = ev.now
+    state.chain_steps += 1
+    state.last_step = step
     stats.steps += 1
     stats.tokens += len(step.tokens)
     stats.prefill_tokens += step.prefill_tokens
@@ -943,11 +1047,13 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
             timings=_timings(row, ev.now),
         )
         _send_final(state, ex.request_id, request.stream_to, done, row.correlation_id, out)
-    out.append(ReportTurn(_report(state, ev.turn, step)))
+    if ev.last:
+        _job_ended(state, ev.turn, out)
 
 
 def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> None:
     _check_turn(state, ev.turn)
+    state.in_flight = None
     state.stats.failed_steps += 1
     # NOTE: a failed forward leaves the engine's batch in an unknown state:
     # every joined row fails (the shell drops the engine batch); rows not yet
@@ -960,7 +1066,7 @@ def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> No
             out.append(ReleaseLease(row.lookup.lease_id))
         error = ErrorEvent(request_id=rid, error_code=ev.error_code, detail=ev.detail)
         _send_final(state, rid, row.request.stream_to, error, row.correlation_id, out)
-    report = _report(state, ev.turn)
+    report = _report(state, ev.turn, steps=state.chain_steps + 1)
     out.append(ReportTurn(report.model_copy(update={"ok": False, "error_code": ev.error_code})))
 
 
@@ -992,6 +1098,7 @@ def _stopping(state: SchedulerState, out: list[Effect]) -> None:
             out.append(ReleaseLease(row.lookup.lease_id))
         row.lookup = None
     state.draining = True
+    state.stopping = True
     for rid, box in state.outboxes.items():
         error = ErrorEvent(
             request_id=rid,
@@ -1133,12 +1240,15 @@ def _timings(row: Row, now: float) -> Timings:
     )
 
 
-def _report(state: SchedulerState, turn: int, step: StepOut | None = None) -> BatchTurnReport:
+def _report(
+    state: SchedulerState, turn: int, step: StepOut | None = None, *, steps: int = 1
+) -> BatchTurnReport:
     # NOTE: busy/ready are filled in by handle() once the event is applied.
     return BatchTurnReport(
         turn=turn,
         busy=state.busy,
         ready=state.ready,
+        steps=steps,
         decode_rows=0 if step is None else step.decode_rows,
         tokens=0 if step is None else len(step.tokens),
         prefill_tokens=0 if step is None else step.prefill_tokens,

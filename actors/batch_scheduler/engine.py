@@ -110,6 +110,10 @@ class BatchEngine:
             )
         return self._batch
 
+    def idle(self) -> bool:
+        """Whether the kernel's batch holds no row (a chain has nothing left to step); engine thread."""
+        return self._batch is None or self._batch.idle
+
     def step(self, joins: Sequence[JoinRow], cancels: Sequence[str]) -> StepOut:
         """Cancel, join, step once; register what rows hand back."""
         try:

@@ -28,7 +28,7 @@ import structlog
 from actors.runtime import Actor, Context, RuntimeFailure
 from kernels.engine import batch_params_refusal
 from messages import Envelope, Failure, Release, Take, TakeResult
-from messages.batch_scheduler import BatchTurnReport, BatchWants, RunBatchStep
+from messages.batch_scheduler import BatchTurnReport, BatchWants, RunBatchStep, StopBatchChain
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -150,7 +150,7 @@ class Gateway(Actor):
             self._batched.difference_update(body.left)
             if self.state.turn is None or self.state.turn.owner != "batch":
                 return  # NOTE: a report of a turn already ended by a failure.
-            event = core.BatchTurnDone(body.busy, body.ready, now)
+            event = core.BatchTurnDone(body.busy, body.ready, now, body.steps)
         elif isinstance(body, Failure) and self._batch is not None and body.actor == self._batch:
             # NOTE: the scheduler's handler raised: the batch turn (if one runs)
             # ends here; the scheduler's next report or status tells the truth.
@@ -260,9 +260,14 @@ class Gateway(Actor):
                 case core.RunBackgroundTurn():
                     follow_up = await self._run_background_turn(effect.step_id, envelope, ctx)
                 case core.RunBatchTurn():
-                    step = RunBatchStep(turn=effect.turn, reply_to=ctx.name)
+                    step = RunBatchStep(
+                        turn=effect.turn, max_steps=effect.max_steps, reply_to=ctx.name
+                    )
                     if not await self._tell_batch(step, envelope.correlation_id, ctx):
-                        follow_up = core.BatchTurnDone(False, False, ctx.clock.now())
+                        follow_up = core.BatchTurnDone(False, False, ctx.clock.now(), steps=0)
+                case core.PreemptBatchTurn():
+                    stop = StopBatchChain(turn=effect.turn)
+                    await self._tell_batch(stop, envelope.correlation_id, ctx)
                 case core.RefuseBackground():
                     await self._deny_step(
                         effect.step_id, "turn_unavailable", "the gateway grants no more turns", ctx

@@ -29,14 +29,19 @@ Invariants (checked by the tests):
 - A request turn may be a *burst* of up to ``max_burst`` steps. Rule "lane
   first" makes that equivalent to granting the steps one by one: nobody
   else could get the turn before the lane holder ends anyway. Only a cancel
-  of the holder must cut a burst short, so the core then emits
-  ``PreemptTurn`` (the runner stops after the step in flight).
+  of the holder, or batch rows getting work, must cut a burst short, so the
+  core then emits ``PreemptTurn`` (the runner stops after the step in
+  flight).
+- A batch turn may be a *step chain* of up to ``max_burst`` batch steps,
+  granted only while the serial lane has no work; once the lane holder can
+  run, the core emits ``PreemptBatchTurn`` (the chain ends after the step
+  in flight). Both lanes with work get one step per turn, alternating.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, assert_never
 
 __all__ = [
@@ -53,6 +58,7 @@ __all__ = [
     "FinishRequest",
     "GatewayState",
     "LookupDone",
+    "PreemptBatchTurn",
     "PreemptTurn",
     "RefuseBackground",
     "RejectRequest",
@@ -150,11 +156,12 @@ class BatchStatus:
 
 @dataclass(frozen=True, slots=True)
 class BatchTurnDone:
-    """The batch step in flight ended; ``busy``/``ready`` as after it."""
+    """The batch turn in flight ended after ``steps`` steps; ``busy``/``ready`` as after it."""
 
     busy: bool
     ready: bool
     now: float
+    steps: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,9 +235,17 @@ class RunRequestTurn:
 
 @dataclass(frozen=True, slots=True)
 class PreemptTurn:
-    """End the lane holder's burst after the step in flight (its requester cancelled)."""
+    """End the lane holder's burst after the step in flight (its requester cancelled, or batch
+    rows have work)."""
 
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptBatchTurn:
+    """End batch turn ``turn``'s step chain after the step in flight (the serial lane has work)."""
+
+    turn: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +266,11 @@ class RunBackgroundTurn:
 
 @dataclass(frozen=True, slots=True)
 class RunBatchTurn:
-    """Run ONE batch step (the batch scheduler performs it, then ``BatchTurnDone``)."""
+    """Run up to ``max_steps`` batch steps as one turn (the batch scheduler performs them,
+    then ``BatchTurnDone``)."""
 
     turn: int
+    max_steps: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +299,7 @@ Effect = (
     | RunRequestTurn
     | FinishRequest
     | PreemptTurn
+    | PreemptBatchTurn
     | RunBackgroundTurn
     | RunBatchTurn
     | RefuseBackground
@@ -306,6 +324,10 @@ class TokenStats:
     background_turns: int = 0
     batch_turns: int = 0
     batch_held_s: float = 0.0
+    batch_steps: int = 0
+    batch_chains: int = 0
+    batch_longest: int = 0
+    batch_preempted: int = 0
     request_held_s: float = 0.0
     background_held_s: float = 0.0
     background_wait_s: float = 0.0
@@ -329,6 +351,8 @@ class Turn:
     ident: str
     started: float
     max_steps: int = 1
+    preempted: bool = False
+    """Told to end after its step in flight (``PreemptTurn``/``PreemptBatchTurn`` sent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +450,12 @@ class GatewayState:
             },
             "held_s": {"request": s.request_held_s, "background": s.background_held_s},
             "batch_lane": {"turns": s.batch_turns, "held_s": s.batch_held_s},
+            "batch_chains": {
+                "steps": s.batch_steps,
+                "granted": s.batch_chains,
+                "longest": s.batch_longest,
+                "preempted": s.batch_preempted,
+            },
             "batch_busy": self.batch_busy,
             "batch_ready": self.batch_ready,
             "background_wait_s": {
@@ -536,8 +566,9 @@ def _cancel(state: GatewayState, ev: CancelRequest, out: list[Effect]) -> None:
             # NOTE: a step in flight on the engine thread cannot be
             # interrupted; the holder is finished when it reports back.
             # A burst must not start another step after this one.
-            if not state.lane_cancelled and turn.max_steps > 1:
+            if not state.lane_cancelled and turn.max_steps > 1 and not turn.preempted:
                 state.stats.preempted += 1
+                state.turn = replace(turn, preempted=True)
                 out.append(PreemptTurn(rid))
             state.lane_cancelled = True
         else:
@@ -612,7 +643,10 @@ def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
     if turn is None or turn.owner != "batch":
         raise ValueError(f"batch turn report but holder is {state.holder()!r}")
     state.turn = None
-    state.stats.batch_held_s += max(0.0, ev.now - turn.started)
+    stats = state.stats
+    stats.batch_held_s += max(0.0, ev.now - turn.started)
+    stats.batch_steps += ev.steps
+    stats.batch_longest = max(stats.batch_longest, ev.steps)
     state.batch_busy, state.batch_ready = ev.busy, ev.ready
 
 
@@ -654,6 +688,25 @@ def _expire_background(state: GatewayState, now: float, out: list[Effect]) -> No
     state.background = kept
 
 
+def _preempt_for_other_lane(state: GatewayState, turn: Turn, out: list[Effect]) -> None:
+    """Cut a multi-step turn short once the other lane has work, so the lanes alternate.
+
+    NOTE: a serial burst stops for batch rows ready to step, a batch step
+    chain for a lane holder ready to run; each is told once, and ends after
+    its step in flight.
+    """
+    if turn.max_steps <= 1 or turn.preempted:
+        return
+    if turn.owner == "batch" and state.lane is not None and state.ready(state.lane):
+        state.turn = replace(turn, preempted=True)
+        state.stats.batch_preempted += 1
+        out.append(PreemptBatchTurn(int(turn.ident)))
+    elif turn.owner == "request" and state.batch_ready and not state.lane_cancelled:
+        state.turn = replace(turn, preempted=True)
+        state.stats.preempted += 1
+        out.append(PreemptTurn(turn.ident))
+
+
 def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
     if state.draining and not state.drained_reported and not state.busy:
         # NOTE: drained means "no request runs or waits"; background turns
@@ -665,6 +718,7 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         _take_lane(state, state.queue.popleft())
     _start_lookups(state, out)
     if state.turn is not None:
+        _preempt_for_other_lane(state, state.turn, out)
         return
     lane = state.lane
     lane_ok = lane is not None and state.ready(lane)
@@ -688,10 +742,15 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         out.append(RunRequestTurn(lane, steps))
         return
     if batch_ok:
+        # NOTE: a step chain only while the serial lane has no work (symmetric
+        # to the lane holder's burst); work arriving later preempts it.
+        steps = 1 if lane is not None and state.ready(lane) else state.max_burst
         state.stats.batch_turns += 1
-        state.turn = Turn("batch", str(state.stats.batch_turns), now)
+        if steps > 1:
+            state.stats.batch_chains += 1
+        state.turn = Turn("batch", str(state.stats.batch_turns), now, steps)
         state.last_owner = "batch"
-        out.append(RunBatchTurn(state.stats.batch_turns))
+        out.append(RunBatchTurn(state.stats.batch_turns, steps))
         return
     # NOTE: here no request can run: the lane is free (and so is the queue),
     # or its holder has had no turn and still waits for its lookup; and no
