@@ -1,0 +1,109 @@
+"""A burst of SSD hits under the batch lane: host staging has room for every row of ``max_batch``.
+
+``Engine(max_batch=4, ssd_cache=...)`` on a tiny fp32 Llama, after a restart:
+four rows whose prompts each extend a different stored conversation arrive
+together; each one's restored bytes wait in host staging until its join, so
+all four restore (none is pushed out and joins cold).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+from kernels import ModelIdentity
+from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+IDENTITY = ModelIdentity(
+    model_id="tiny-llama",
+    name="tiny-llama",
+    config_fingerprint="cfg",
+    tokenizer_hash="tok",
+    weights_digest="w0",
+    dtype="float32",
+    quantization=None,
+)
+GREEDY = GenerationParams(max_tokens=8)
+TOPICS = ("rivers and their deltas", "mountain weather in spring",
+          "the history of printing", "how bridges carry loads")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny byte-level BPE tokenizer."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    """A tiny fp32 Llama whose greedy output varies (same weights in every engine here)."""
+    return lively_llama(len(tok))
+
+
+def _ids(tok: Any, text: str) -> list[int]:
+    return [int(t) for t in tok.encode(text)]
+
+
+def _engine(model: Any, tok: Any, root: Path | None, **options: Any) -> Engine:
+    settings: dict[str, Any] = {"prompt_cache_bytes": 1 << 26, "ssd_cache": root, **options}
+    return Engine.from_loaded(model, tok, model_id="tiny", identity=IDENTITY, **settings)
+
+
+async def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], DoneEvent]:
+    tokens: list[int] = []
+    async with engine.generate(prompt, GREEDY) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+            else:
+                return tokens, event
+    raise AssertionError("the stream ended without a DoneEvent")
+
+
+async def test_four_concurrent_ssd_hits_with_max_batch_4_all_restore(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    """After a restart, four batch rows arriving together, each extending its own stored
+    conversation, all restore from disk (batch.ssd.restored == 4, each row's cached_tokens
+    is its whole stored prefix, nothing pushed out of staging) and give the serial cold tokens."""
+    firsts = [_ids(tok, f"Tell me about {topic}, in detail please. " * 3) for topic in TOPICS]
+    async with _engine(model, tok, tmp_path, max_batch=1) as writer:
+        answers = [list((await writer.complete_prompt(p, GREEDY)).token_ids) for p in firsts]
+        flushed = await writer.flush()
+        assert flushed is not None
+        assert flushed.durable
+    seconds = [[*f, *a, *_ids(tok, " And then?")] for f, a in zip(firsts, answers, strict=True)]
+    async with _engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
+        want = [(await _run(serial, p))[0] for p in seconds]
+
+    async with _engine(model, tok, tmp_path, max_batch=4) as restarted:
+        cold = restarted._cold
+        assert cold is not None
+        assert (await restarted.stats())["ssd_cache"]["entries"] == len(TOPICS)
+        got: list[Any] = [None] * len(seconds)
+
+        async def one(i: int) -> None:
+            got[i] = await _run(restarted, seconds[i])
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(seconds)):
+                    tg.start_soon(one, i)
+        stats = await restarted.stats()
+        pushed_out, staged = cold.staging.evicted, len(cold.staging)
+
+    # NOTE: each stored entry holds its prompt and answer but the answer's last token.
+    stored = [len(f) + len(a) - 1 for f, a in zip(firsts, answers, strict=True)]
+    assert [done.usage.cached_tokens for _, done in got] == stored
+    assert [tokens for tokens, _ in got] == want
+    assert stats["batch"]["batch"]["ssd"] == {
+        "restored": 4, "restored_tokens": sum(stored), "restore_failed": 0,
+    }
+    assert (stats["ssd_cache"]["hits"], stats["ssd_cache"]["restores"]) == (4, 4)
+    assert (pushed_out, staged) == (0, 0)
