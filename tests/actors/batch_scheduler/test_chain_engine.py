@@ -1,0 +1,305 @@
+"""Batch step chains end to end: ``Engine(max_batch=N)`` on a tiny fp32 Llama, real engine thread and actors.
+
+``BatchEngine.step`` is wrapped to log every batch step (who joined, who was
+cancelled, who got a token) and to take at least 2 ms, so "within one step"
+is measured in engine steps, not guessed from timing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import pytest
+
+from actors.batch_scheduler.core import JoinRow, StepOut
+from actors.batch_scheduler.engine import BatchEngine
+from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One batch step as the engine thread ran it."""
+
+    joins: tuple[str, ...]
+    cancels: tuple[str, ...]
+    tokens: tuple[str, ...]
+
+
+class StepLog:
+    """Every batch step run so far; ``started`` is read from the loop (one int, atomic)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.steps: list[Logged] = []
+
+    def index_of_join(self, rid: str) -> int:
+        """1-based number of the step that joined ``rid``."""
+        return next(i for i, s in enumerate(self.steps, 1) if rid in s.joins)
+
+    def index_of_cancel(self, rid: str) -> int:
+        """1-based number of the step whose job removed ``rid``."""
+        return next(i for i, s in enumerate(self.steps, 1) if rid in s.cancels)
+
+
+@pytest.fixture
+def log(monkeypatch: pytest.MonkeyPatch) -> StepLog:
+    """Log every ``BatchEngine.step`` (and make each take at least 2 ms)."""
+    log = StepLog()
+    real = BatchEngine.step
+
+    def step(self: BatchEngine, joins: Sequence[JoinRow], cancels: Sequence[str]) -> StepOut:
+        log.started += 1
+        began = time.perf_counter()
+        out = real(self, joins, cancels)
+        time.sleep(max(0.0, 0.002 - (time.perf_counter() - began)))
+        log.steps.append(
+            Logged(
+                tuple(j.request.request_id for j in joins),
+                tuple(cancels),
+                tuple(t.request_id for t in out.tokens),
+            )
+        )
+        return out
+
+    monkeypatch.setattr(BatchEngine, "step", step)
+    return log
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny byte-level BPE tokenizer (with a chat template)."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    """A tiny fp32 Llama whose greedy output varies."""
+    return lively_llama(len(tok))
+
+
+def _prompts(tok: Any, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = rng.sample(range(5, 60), n)
+    return [[rng.randrange(0, len(tok) - 2) for _ in range(k)] for k in lengths]
+
+
+def _long(tok: Any, max_tokens: int, **more: Any) -> GenerationParams:
+    """Greedy, never ending before ``max_tokens`` (EOS banned), so a row surely outlives the test's events."""
+    ban = dict.fromkeys(tok.eos_token_ids, -1e9)
+    return GenerationParams(max_tokens=max_tokens, logit_bias=ban, **more)
+
+
+def _engine(model: Any, tok: Any, **options: Any) -> Engine:
+    return Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0, **options)
+
+
+async def _settled(engine: Engine) -> dict[str, Any]:
+    """The stats once the last batch turn's report reached the gateway (it may trail the last DoneEvent)."""
+    for _ in range(400):
+        stats = await engine.stats()
+        token = stats["gateway"]["token"]
+        if token["holder"] is None and not token["batch_busy"]:
+            return stats
+        await anyio.sleep(0.005)
+    raise AssertionError("the batch lane did not settle within 2 s")
+
+
+async def _run(
+    engine: Engine, prompt: list[int], params: GenerationParams
+) -> tuple[list[int], DoneEvent]:
+    tokens: list[int] = []
+    done: DoneEvent | None = None
+    async with engine.generate(prompt, params) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+            else:
+                done = event
+    assert done is not None
+    return tokens, done
+
+
+async def test_one_engine_turn_runs_many_batch_steps_when_no_row_joins(
+    model: Any, tok: Any, log: StepLog
+) -> None:
+    """A lone row's 40 tokens take far fewer batch grants than steps; the stats agree on the steps."""
+    prompt = _prompts(tok, 1)[0]
+    async with _engine(model, tok, max_batch=4, max_burst=16) as eng:
+        ids, done = await _run(eng, prompt, GenerationParams(max_tokens=40))
+        stats = await _settled(eng)
+    assert len(ids) == 40
+    assert done.finish_reason == "length"
+    token = stats["gateway"]["token"]
+    steps = stats["batch"]["batch"]["steps"]["run"]
+    assert steps == len(log.steps) == token["batch_chains"]["steps"]
+    assert token["batch_lane"]["turns"] <= 5 < steps
+    assert token["batch_chains"]["longest"] == 16
+
+
+async def test_rows_joining_mid_chain_join_within_one_step_and_keep_their_serial_tokens(
+    model: Any, tok: Any, log: StepLog
+) -> None:
+    """Rows admitted while a chain runs join by the second step after their admission; every row's
+    greedy tokens equal its serial-lane run."""
+    prompts = _prompts(tok, 4, seed=5)
+    params = [_long(tok, n) for n in (60, 20, 25, 12)]
+    async with _engine(model, tok, max_batch=1) as serial:
+        expected = [await _run(serial, p, q) for p, q in zip(prompts, params, strict=True)]
+    got: dict[int, Any] = {}
+    admitted_by: dict[str, int] = {}
+    async with _engine(model, tok, max_batch=4, max_burst=64) as eng:
+
+        async def first() -> None:
+            tokens: list[int] = []
+            done = None
+            async with eng.generate(prompts[0], params[0]) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        tokens.append(event.token_id)
+                        if len(tokens) in (5, 15, 25):
+                            tg.start_soon(later, len(tokens) // 10 + 1)
+                    else:
+                        done = event
+            got[0] = (tokens, done)
+
+        async def later(i: int) -> None:
+            tokens: list[int] = []
+            done = None
+            async with eng.generate(prompts[i], params[i], request_id=f"late-{i}") as stream:
+                # NOTE: the stream is open once the scheduler admitted the row
+                # (no prompt cache: ready to join at once); steps started so far:
+                admitted_by[f"late-{i}"] = log.started
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        tokens.append(event.token_id)
+                    else:
+                        done = event
+            got[i] = (tokens, done)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+        stats = await _settled(eng)
+    for i in range(4):
+        ids, done = got[i]
+        assert ids == expected[i][0], i
+        assert done.finish_reason == expected[i][1].finish_reason
+    for rid, started in admitted_by.items():
+        # NOTE: the step in flight ends, its chain stops, the next job joins the row.
+        assert log.index_of_join(rid) <= started + 2, (rid, started, log.index_of_join(rid))
+    token = stats["gateway"]["token"]
+    assert token["batch_lane"]["turns"] < len(log.steps)
+
+
+async def test_a_cancel_mid_chain_removes_its_row_within_one_step(
+    model: Any, tok: Any, log: StepLog
+) -> None:
+    """A row whose reader leaves mid-chain is removed by the second step after the cancel at most;
+    the other row goes on to its full length."""
+    prompts = _prompts(tok, 2, seed=9)
+    params = _long(tok, 80)
+    cancelled_by: list[int] = []
+    async with _engine(model, tok, max_batch=4, max_burst=64) as eng:
+        stayed: list[Any] = []
+
+        async def leaver() -> None:
+            n = 0
+            async with eng.generate(prompts[0], params, request_id="leaver") as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        n += 1
+                        if n == 10:
+                            break
+            cancelled_by.append(log.started)
+
+        async def stayer() -> None:
+            stayed.append(await _run(eng, prompts[1], params))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(leaver)
+            tg.start_soon(stayer)
+        stats = await _settled(eng)
+    (started,) = cancelled_by
+    assert log.index_of_cancel("leaver") <= started + 2
+    # NOTE: no step after its removal gave the leaver a token.
+    removed = log.index_of_cancel("leaver")
+    assert all("leaver" not in s.tokens for s in log.steps[removed - 1 :])
+    ((ids, done),) = stayed
+    assert len(ids) == 80
+    assert done.finish_reason == "length"
+    assert stats["batch"]["batch"]["requests"]["cancelled"] == 1
+
+
+async def test_the_serial_lane_gets_turns_while_a_chain_runs(
+    model: Any, tok: Any, log: StepLog
+) -> None:
+    """A top_logprobs request (serial lane) arriving mid-chain preempts it and finishes long before
+    the batch row, with its serial-only tokens."""
+    prompts = _prompts(tok, 2, seed=11)
+    batch_params = _long(tok, 150)
+    serial_params = GenerationParams(max_tokens=10, logprobs=True, top_logprobs=2)
+    async with _engine(model, tok, max_batch=1) as alone:
+        want, _ = await _run(alone, prompts[1], serial_params)
+    finished: list[str] = []
+    async with _engine(model, tok, max_batch=4, max_burst=64) as eng:
+        got: list[list[int]] = []
+
+        async def batch_row() -> None:
+            n = 0
+            async with eng.generate(prompts[0], batch_params) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        n += 1
+                        if n == 5:
+                            tg.start_soon(serial_request)
+            finished.append("batch")
+
+        async def serial_request() -> None:
+            ids, _ = await _run(eng, prompts[1], serial_params)
+            got.append(ids)
+            finished.append("serial")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(batch_row)
+        stats = await _settled(eng)
+    assert got == [want]
+    assert finished == ["serial", "batch"]
+    token = stats["gateway"]["token"]
+    assert token["batch_chains"]["preempted"] >= 1
+    assert token["batch_refused"] == {"top_logprobs": 1}
+
+
+async def test_background_work_never_runs_between_the_steps_of_active_rows(
+    model: Any, tok: Any, log: StepLog
+) -> None:
+    """A background step asked for while rows chain runs only after the last batch step."""
+    prompts = _prompts(tok, 2, seed=13)
+    params = _long(tok, 40)
+    seen: list[int] = []
+    async with _engine(model, tok, max_batch=4, max_burst=8) as eng:
+
+        async def row(i: int) -> None:
+            n = 0
+            async with eng.generate(prompts[i], params) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        n += 1
+                        if i == 0 and n == 3:
+                            tg.start_soon(background)
+
+        async def background() -> None:
+            await eng.run_when_idle(lambda: seen.append(len(log.steps)), timeout=30)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(row, 0)
+            tg.start_soon(row, 1)
+        stats = await _settled(eng)
+    assert seen == [len(log.steps)]
+    assert stats["batch"]["batch"]["steps"]["run"] == len(log.steps)
