@@ -119,7 +119,9 @@ class SsdWriterConfig:
     ``scrub_interval_s`` seconds (0, the default here: no scrubber; the
     engine's wiring sets 60), reading at most
     ``scrub_bytes_per_s`` on average, and skips a round when no idle engine
-    turn came within ``scrub_idle_wait_s``.
+    turn came within ``scrub_idle_wait_s``. ``min_restore_tokens``: ``Find``
+    offers no file that adds fewer tokens than this to what RAM serves
+    (``core.MIN_RESTORE_TOKENS``).
     """
 
     root: str
@@ -133,6 +135,7 @@ class SsdWriterConfig:
     scrub_interval_s: float = 0.0
     scrub_bytes_per_s: float = 32.0 * 1024 * 1024
     scrub_idle_wait_s: float = 5.0
+    min_restore_tokens: int = core.MIN_RESTORE_TOKENS
 
     def __post_init__(self) -> None:
         if self.scrub_interval_s < 0 or self.scrub_bytes_per_s <= 0 or self.scrub_idle_wait_s <= 0:
@@ -689,7 +692,10 @@ def build_cold_tier(
     restored entries from.
     """
     state = core.IndexState(
-        root=config.root, fingerprint=config.identity.fingerprint, max_bytes=config.max_bytes
+        root=config.root,
+        fingerprint=config.identity.fingerprint,
+        max_bytes=config.max_bytes,
+        min_restore_tokens=config.min_restore_tokens,
     )
     return ColdTier(
         config=config,

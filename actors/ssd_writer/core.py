@@ -27,7 +27,8 @@ against a simple model):
   it is trimmable and may be trimmed down to the ancestor's length
   (``min_reusable_offset <= len(ancestor)``);
 - ``Find`` never offers more than ``len(prompt) - 1`` tokens, nor an entry
-  that would need a trim it cannot do;
+  that would need a trim it cannot do, nor one adding fewer than
+  ``min_restore_tokens`` to the caller's ``better_than``;
 - every removal the rules decide is reported to the shell exactly once.
 """
 
@@ -65,6 +66,8 @@ from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarge
 
 __all__ = [
     "ENTRY_SUFFIX",
+    "MIN_RESTORE_TOKENS",
+    "UNINFORMED_READ_RATIO",
     "Answer",
     "Effect",
     "Estimator",
@@ -182,17 +185,52 @@ class ScanResult:
     incomplete: bool = False
 
 
+MIN_RESTORE_TOKENS = 64
+"""The fewest tokens a file must add to what RAM already serves for ``Find`` to offer it.
+
+A restore reads the whole file however few of its tokens are reused, and
+copies it into MLX arrays, while the prefill saved below this floor is small
+(docs/cold-tier.md "Restore or recompute"). Without it a prompt sharing
+only its BOS token with a stored conversation would read that
+conversation's whole file to reuse one token. Above it the estimator decides.
+"""
+
+UNINFORMED_READ_RATIO = 2
+"""Until both speeds are known, restore only when the file holds at most this many
+times the tokens it adds (so at most that many times the bytes worth reading).
+
+A file's bytes grow with its tokens at the model's fixed KV bytes per token,
+so ``file tokens / saved tokens`` is the bytes read per byte reused. On an
+H200 a whole-file read of an 8B model's KV was measured 5.6 times slower
+than prefilling the same tokens, so an uninformed read must be mostly
+useful; a file reused for at least half its tokens still restores, which
+is how the disk's speed is first learned (a restart's conversations
+extend whole files).
+"""
+
+
 class Estimator:
     """Running estimates of disk read speed and prefill speed; restore or recompute?
 
     Exponentially weighted averages (``alpha`` on the newest sample). Until
-    both are known the advice is to restore: reading is the only way to
-    learn the disk's speed, and a wrong restore costs one read.
+    both are known the advice is to restore only a file mostly reused
+    (:data:`UNINFORMED_READ_RATIO`): reading is the only way to learn the
+    disk's speed, and such a wrong restore costs at most one read of about
+    twice the reused bytes.
     """
 
-    def __init__(self, *, alpha: float = 0.3, overhead_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.3,
+        overhead_s: float = 0.0,
+        uninformed_read_ratio: float = UNINFORMED_READ_RATIO,
+    ) -> None:
+        if uninformed_read_ratio < 1:
+            raise ValueError("uninformed_read_ratio must be >= 1")
         self.alpha = alpha
         self.overhead_s = overhead_s
+        self.uninformed_read_ratio = uninformed_read_ratio
         self.disk_bps: float | None = None
         self.prefill_tps: float | None = None
 
@@ -210,14 +248,17 @@ class Estimator:
             self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
 
     def choose(
-        self, file_bytes: int, saved_tokens: int
+        self, file_bytes: int, saved_tokens: int, *, file_tokens: int | None = None
     ) -> tuple[RestoreChoice, float | None, float | None]:
-        """Advice for reading ``file_bytes`` to save prefilling ``saved_tokens``.
+        """Advice for reading ``file_bytes`` (a file of ``file_tokens``) to save prefilling ``saved_tokens``.
 
+        ``file_tokens`` defaults to ``saved_tokens`` (the whole file reused).
         Returns the choice and the two predictions (``None`` while unknown).
         """
         if self.disk_bps is None or self.prefill_tps is None:
-            return "restore", None, None
+            whole = saved_tokens if file_tokens is None else file_tokens
+            mostly_used = whole <= self.uninformed_read_ratio * saved_tokens
+            return ("restore" if mostly_used else "recompute"), None, None
         restore_s = file_bytes / self.disk_bps + self.overhead_s
         prefill_s = saved_tokens / self.prefill_tps
         return ("restore" if restore_s < prefill_s else "recompute"), restore_s, prefill_s
@@ -315,6 +356,9 @@ class IndexState:
     reserved_bytes: int = 0
     jobs: dict[str, StoreJob] = field(default_factory=dict)
     estimator: Estimator = field(default_factory=Estimator)
+    min_restore_tokens: int = 1
+    """``Find`` offers no file adding fewer tokens than this over ``better_than``
+    (the tier's config sets :data:`MIN_RESTORE_TOKENS`; 1 here: any longer prefix)."""
     warned_disk_full: bool = False
     clock: int = 0
     finds: int = 0
@@ -342,6 +386,8 @@ class IndexState:
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
             raise ValueError("max_bytes cannot be negative")
+        if self.min_restore_tokens < 1:
+            raise ValueError("min_restore_tokens must be >= 1")
 
     @property
     def fingerprint_dir(self) -> str:
@@ -449,10 +495,13 @@ def find(state: IndexState, msg: Find) -> FindResult:
                 best.last_used,
             ):
                 best, best_usable = entry, usable
-    if best is None:
+    # NOTE: a file adding fewer than min_restore_tokens is no candidate at
+    # all (a miss, not a recompute choice): most such hits are prompts
+    # sharing a BOS token or a short preamble with an unrelated file.
+    if best is None or best_usable - msg.better_than < state.min_restore_tokens:
         return FindResult()
     choice, restore_s, prefill_s = state.estimator.choose(
-        best.file_bytes, best_usable - msg.better_than
+        best.file_bytes, best_usable - msg.better_than, file_tokens=len(best.tokens)
     )
     if choice == "restore":
         state.choices_restore += 1

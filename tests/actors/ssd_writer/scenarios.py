@@ -46,7 +46,9 @@ async def spill_store_restart_restore(system: SimulatedSystem, *, root: str) -> 
             ]
         )
         source = EngineTensorSource(ThreadTurns(engine), registry, IDENTITY)
-        cfg = SsdWriterConfig(root=root, identity=IDENTITY, max_bytes=1 << 30)
+        # NOTE: a dozen-token prompt: any longer prefix restores (no MIN_RESTORE_TOKENS floor).
+        cfg = SsdWriterConfig(root=root, identity=IDENTITY, max_bytes=1 << 30,
+                              min_restore_tokens=1)
         first = spawn_ssd_writer(system, config=cfg, source=source, name="ssd_writer")
         queue = spawn_spill_queue(system, releaser=registry, writer="ssd_writer")
         await queue.tell(Enqueue(handle=reg.handle, tokens=tokens, meta=reg.meta))

@@ -56,8 +56,10 @@ async def register(
 
 
 def config(root: Path, max_bytes: int = 1 << 30) -> SsdWriterConfig:
-    """The tier's settings for a test."""
-    return SsdWriterConfig(root=str(root), identity=IDENTITY, max_bytes=max_bytes)
+    """The tier's settings for a test (any longer prefix restores: the prompts here are short)."""
+    # NOTE: the restore floor (MIN_RESTORE_TOKENS) has its own tests (test_restore_policy.py).
+    return SsdWriterConfig(root=str(root), identity=IDENTITY, max_bytes=max_bytes,
+                           min_restore_tokens=1)
 
 
 def store_body(reg: RegisteredCache, tokens: tuple[int, ...]) -> Store:
