@@ -197,15 +197,14 @@ conversation's whole file to reuse one token. Above it the estimator decides.
 
 UNINFORMED_READ_RATIO = 2
 """Until both speeds are known, restore only when the file holds at most this many
-times the tokens it adds (so at most that many times the bytes worth reading).
+times the tokens the restore keeps (so at most that many bytes read per byte kept).
 
 A file's bytes grow with its tokens at the model's fixed KV bytes per token,
-so ``file tokens / saved tokens`` is the bytes read per byte reused. On an
-H200 a whole-file read of an 8B model's KV was measured 5.6 times slower
-than prefilling the same tokens, so an uninformed read must be mostly
-useful; a file reused for at least half its tokens still restores, which
-is how the disk's speed is first learned (a restart's conversations
-extend whole files).
+so ``file tokens / kept tokens`` is the bytes read per byte kept; the rest
+is read only to be trimmed away. With no speeds to weigh, a read that is
+mostly thrown away is not risked; a file kept at least half restores, which
+covers a restart's conversations (each next turn extends a whole file) and
+is how the disk's speed is first learned.
 """
 
 
@@ -213,10 +212,9 @@ class Estimator:
     """Running estimates of disk read speed and prefill speed; restore or recompute?
 
     Exponentially weighted averages (``alpha`` on the newest sample). Until
-    both are known the advice is to restore only a file mostly reused
+    both are known the advice is to restore only a file mostly kept
     (:data:`UNINFORMED_READ_RATIO`): reading is the only way to learn the
-    disk's speed, and such a wrong restore costs at most one read of about
-    twice the reused bytes.
+    disk's speed, and such a restore reads at most about twice what it keeps.
     """
 
     def __init__(
@@ -248,17 +246,25 @@ class Estimator:
             self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
 
     def choose(
-        self, file_bytes: int, saved_tokens: int, *, file_tokens: int | None = None
+        self,
+        file_bytes: int,
+        saved_tokens: int,
+        *,
+        file_tokens: int | None = None,
+        kept_tokens: int | None = None,
     ) -> tuple[RestoreChoice, float | None, float | None]:
-        """Advice for reading ``file_bytes`` (a file of ``file_tokens``) to save prefilling ``saved_tokens``.
+        """Advice for reading ``file_bytes`` to save prefilling ``saved_tokens``.
 
-        ``file_tokens`` defaults to ``saved_tokens`` (the whole file reused).
-        Returns the choice and the two predictions (``None`` while unknown).
+        ``file_tokens``: the file's tokens; ``kept_tokens``: how many of them
+        the restore keeps after its trim (both default to ``saved_tokens``:
+        the whole file kept, nothing served before). Returns the choice and
+        the two predictions (``None`` while unknown).
         """
         if self.disk_bps is None or self.prefill_tps is None:
-            whole = saved_tokens if file_tokens is None else file_tokens
-            mostly_used = whole <= self.uninformed_read_ratio * saved_tokens
-            return ("restore" if mostly_used else "recompute"), None, None
+            kept = saved_tokens if kept_tokens is None else kept_tokens
+            whole = kept if file_tokens is None else file_tokens
+            mostly_kept = whole <= self.uninformed_read_ratio * kept
+            return ("restore" if mostly_kept else "recompute"), None, None
         restore_s = file_bytes / self.disk_bps + self.overhead_s
         prefill_s = saved_tokens / self.prefill_tps
         return ("restore" if restore_s < prefill_s else "recompute"), restore_s, prefill_s
@@ -501,7 +507,10 @@ def find(state: IndexState, msg: Find) -> FindResult:
     if best is None or best_usable - msg.better_than < state.min_restore_tokens:
         return FindResult()
     choice, restore_s, prefill_s = state.estimator.choose(
-        best.file_bytes, best_usable - msg.better_than, file_tokens=len(best.tokens)
+        best.file_bytes,
+        best_usable - msg.better_than,
+        file_tokens=len(best.tokens),
+        kept_tokens=best_usable,
     )
     if choice == "restore":
         state.choices_restore += 1

@@ -555,8 +555,11 @@ class GatewayStub(Actor):
 def _config(cap: int) -> SsdWriterConfig:
     # NOTE: the scrubber's alarm is an hour away: only ScrubStep wakes it, so
     # no timer decides anything during a run.
+    # NOTE: the entries here are a few tokens: any longer prefix restores
+    # (min_restore_tokens=1, no MIN_RESTORE_TOKENS floor).
     return SsdWriterConfig(
-        root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S, scrub_interval_s=3600.0
+        root=ROOT, identity=IDENTITY, max_bytes=cap, ask_timeout=ASK_S, scrub_interval_s=3600.0,
+        min_restore_tokens=1,
     )
 
 

@@ -187,9 +187,10 @@ class Tier:
         """Spawn every actor; wait until the SSD index has scanned."""
         system = self.system
         assert system is not None
+        # NOTE: three-token entries: any longer prefix restores (no MIN_RESTORE_TOKENS floor).
         config = SsdWriterConfig(
             root=checker.ROOT, identity=checker.IDENTITY, max_bytes=SSD_CAP,
-            ask_timeout=checker.ASK_S, scrub_interval_s=3600.0,
+            ask_timeout=checker.ASK_S, scrub_interval_s=3600.0, min_restore_tokens=1,
         )  # fmt: skip
         cold = spawn_ssd_writer(
             system, config=config, source=checker.ScriptedSource(self.registry), port=self.port

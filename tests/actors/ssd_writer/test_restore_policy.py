@@ -2,7 +2,7 @@
 
 ``Find`` offers no file that adds fewer than ``MIN_RESTORE_TOKENS`` to what
 RAM serves, and while the index knows no prefill speed it restores only a
-file mostly reused (``UNINFORMED_READ_RATIO``). Core rules by plain calls;
+file mostly kept (``UNINFORMED_READ_RATIO``). Core rules by plain calls;
 then through ``Engine`` on a tiny fp32 Llama after a restart: a prompt
 sharing only its BOS token (or a few dozen tokens) with a stored
 conversation reads no file.
@@ -61,20 +61,23 @@ def test_find_offers_no_file_adding_fewer_than_min_restore_tokens() -> None:
     assert least >= 32
     for shared, better in ((1, 0), (least - 1, 0), (least + 99, 100)):
         assert _find(state, shared, better) == FindResult(), (shared, better)
-    # NOTE: past the floor, the whole file must still be mostly reused while no speed is known.
+    # NOTE: past the floor, the estimator advises (here: restore, 300 of 500 tokens kept).
     offered = _find(state, 300, 300 - least)
     assert (offered.path, offered.cached_tokens) == (f"{state.directory_of('')}/a.kvt", 300)
+    assert offered.choice == "restore"
     stats = core.stats(state)
     assert (stats.choices_restore + stats.choices_recompute, stats.finds) == (1, 4)
 
 
-def test_without_a_prefill_estimate_only_a_mostly_reused_file_is_restored() -> None:
-    """With no speeds known, a 500-token file reused for 249 tokens is advised recompute, for 250
-    (half) restore; once both speeds are known the estimate decides, whatever the share."""
+def test_without_a_prefill_estimate_only_a_mostly_kept_file_is_restored() -> None:
+    """With no speeds known, a 500-token file of which a restore keeps 249 tokens is advised
+    recompute, 250 (half) restore, also when RAM already serves most of them; once both speeds
+    are known the estimate decides, whatever the share."""
     state = _state()
     assert _find(state, 249).choice == "recompute"
     assert _find(state, 250).choice == "restore"
     assert _find(state, 500).choice == "restore"
+    assert _find(state, 500, 400).choice == "restore"
     _send(state, RestoreReport(path="elsewhere", ok=True, bytes=10**9, seconds=1.0))  # 1 GB/s
     # NOTE: the disk alone is not enough: still uninformed about the prefill.
     assert _find(state, 100).choice == "recompute"
@@ -174,7 +177,9 @@ async def test_a_short_shared_prefix_reads_no_file_even_when_the_estimate_favour
         estimator = restarted._cold.state.estimator
         estimator.disk_bps, estimator.prefill_tps = 1e15, 1.0
         target_bytes = await anyio.to_thread.run_sync(_largest_file, tmp_path)
-        assert estimator.choose(target_bytes, shared - 1, file_tokens=len(target))[0] == "restore"
+        advice = estimator.choose(target_bytes, shared - 1, file_tokens=len(target),
+                                  kept_tokens=shared)
+        assert advice[0] == "restore"
         done = await restarted.complete_prompt(asked, GREEDY)
         short = (await restarted.stats())["ssd_cache"]
         whole = await restarted.complete_prompt([*target, *_tokens(tok, " More?")], GREEDY)
