@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
@@ -36,6 +37,8 @@ from kernels import (
     caches_min_reusable_offset,
     clone_caches,
     convert_caches,
+    load_model,
+    render_chat,
     run_generation,
 )
 from kernels.cache import declare_min_reusable_offset, declared_min_reusable_offset
@@ -261,31 +264,44 @@ def test_rows_convert_independently_after_the_forward_that_reaches_start() -> No
 
 
 def test_quantized_attention_only_once_every_row_converted(tok: Any, model: Any) -> None:
-    """mlx-lm's attention picks the quantized kernel through ``hasattr(cache, "bits")``: a mixed layer's
-    dense view attends like plain KV, the packed view like ``QuantizedKVCache``."""
+    """mlx-lm's attention picks the quantized kernel through ``hasattr(cache, "bits")``: a mixed layer's dense
+    view attends like plain KV (converted rows dequantized), the packed view, left padding and all, gives each row
+    exactly what its ``QuantizedKVCache`` gives alone."""
     quant = LayerQuant(bits=8, group_size=32)
-    (ka, va), (kb, vb) = _layer_rows([5, 5], seed=3)
-    serial = _plain_row(ka, va).to_quantized(group_size=32, bits=8)
-    layer = TransitioningBatchKVCache.merge([serial, _plain_row(kb, vb)], quant, 0)
+    (ka, va), (kb, vb) = _layer_rows([5, 3], seed=3)
+    serial_a: Any = _plain_row(ka, va).to_quantized(group_size=32, bits=8)
+    serial_b: Any = _plain_row(kb, vb)
+    layer = TransitioningBatchKVCache.merge([serial_a, _plain_row(kb, vb)], quant, 0)
     assert layer.converted == (True, False)
     q = mx.random.normal((2, 4, 1, 32))
     (nk, nv) = _layer_rows([1, 1], seed=4)[0]
-    keys, values = layer.update_and_fetch(mx.concatenate([nk, nk]), mx.concatenate([nv, nv]))
-    assert not isinstance(keys, tuple)
-    dense = scaled_dot_product_attention(q, keys, values, cache=layer, scale=0.2, mask=None)
-    assert dense.shape == (2, 4, 1, 32)
-    assert layer.converted == (True, True), "row b held 6 tokens >= start 0 after the forward"
+    step = (mx.concatenate([nk, nk]), mx.concatenate([nv, nv]))
     mask = layer.make_mask(1)  # NOTE: models build the mask before the append.
-    keys, values = layer.update_and_fetch(mx.concatenate([nk, nk]), mx.concatenate([nv, nv]))
+    keys, values = layer.update_and_fetch(*step)
+    assert not isinstance(keys, tuple)
+    dense = scaled_dot_product_attention(
+        mx.array(q), keys, values, cache=layer, scale=0.2, mask=mask
+    )
+    sa = serial_a.update_and_fetch(nk, nv)
+    deq = [mx.dequantize(t[0], t[1], t[2], group_size=32, bits=8) for t in sa]
+    want_a = mx.fast.scaled_dot_product_attention(mx.array(q[0:1]), *deq, scale=0.2, mask=None)
+    assert mx.allclose(dense[0:1], want_a, atol=1e-6).item()
+    pb = serial_b.update_and_fetch(nk, nv)
+    want_b = mx.fast.scaled_dot_product_attention(mx.array(q[1:2]), *pb, scale=0.2, mask=None)
+    assert mx.allclose(dense[1:2], want_b, atol=1e-6).item()
+    assert layer.converted == (True, True), "row b held 4 tokens >= start 0 after the forward"
+    serial_b = serial_b.to_quantized(group_size=32, bits=8)
+    mask = layer.make_mask(1)
+    keys, values = layer.update_and_fetch(*step)
     packed = scaled_dot_product_attention(
         mx.array(q), keys, values, cache=layer, scale=0.2, mask=mask
     )
-    serial.update_and_fetch(nk, nv)
-    sk, sv = serial.update_and_fetch(nk, nv)
-    alone = scaled_dot_product_attention(
-        mx.array(q[0:1]), sk, sv, cache=serial, scale=0.2, mask=None
-    )
-    assert mx.array_equal(packed[0:1], alone).item()
+    for row, serial in enumerate((serial_a, serial_b)):
+        sk, sv = serial.update_and_fetch(nk, nv)
+        alone = scaled_dot_product_attention(
+            mx.array(q[row : row + 1]), sk, sv, cache=serial, scale=0.2, mask=None
+        )
+        assert mx.array_equal(packed[row : row + 1], alone).item(), f"row {row}"
 
 
 # --- a lone row is the serial lane -------------------------------------------------
@@ -555,3 +571,68 @@ def test_gates_under_a_quantizing_scheme() -> None:
     listed = batch_gate([CacheList(KVCache(), QuantizedKVCache(bits=8))], kv8)
     assert listed.refusal == "quantized_cache"
     assert batch_gate([KVCache()], KvScheme()).kinds == ("full",)
+
+
+# --- the real default model ----------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_default_model_kv4_rows_within_the_stated_tolerance(default_model_path: Path) -> None:
+    """SmolLM2 fp32 with the server's 4-bit scheme, 8 chat rows together: no mixed read, and rows that diverge
+    from the serial lane (quantization amplifies batching's reduction-order noise) stay within the documented rate and gaps."""
+    lm = load_model(default_model_path)
+    kv4 = KvScheme(kind="affine-uniform", uniform=LayerQuant(bits=4))
+    topics = ["the sea", "volcanoes", "bread", "chess", "rivers", "owls", "glass", "bicycles"]
+    prompts = [
+        render_chat(
+            lm.tokenizer,
+            [
+                {
+                    "role": "user",
+                    "content": f"Write {i % 3 + 2} sentences about {t}."
+                    + " Please be specific." * (i % 4),
+                }
+            ],
+        )
+        for i, t in enumerate(topics)
+    ]
+    params = SamplingParams(max_tokens=32)
+    joins = [(0, str(i), p, params) for i, p in enumerate(prompts)]
+    batch = BatchGeneration(
+        lm.model, lm.tokenizer, max_rows=8, prefill_step_size=512, kv_scheme=kv4
+    )
+    got = _drive(batch, joins)
+    assert got.mixed_decodes == 0
+    diverged = 0
+    for i, prompt in enumerate(prompts):
+        gen = Generation(
+            lm.model, lm.tokenizer, prompt, params, prefill_step_size=512, cache_hook=_hook(kv4)
+        )
+        want = _ids(run_generation(gen))
+        mine = _ids(got.tokens[str(i)])
+        k = next((j for j, (a, b) in enumerate(zip(want, mine, strict=False)) if a != b), None)
+        if k is None:
+            continue
+        diverged += 1
+        logits = _serial_logits_chunked(lm.model, kv4, prompt, want[:k])
+        gap = _gap(logits, want[k], mine[k])
+        # NOTE: measured (docs/batching.md): first divergences at tokens 12-23, gaps <= 0.23.
+        assert k >= 4, f"row {i} diverged at token {k}"
+        assert abs(gap) <= 0.5, f"row {i} diverged at {k} with a logit gap of {gap:.3g}"
+    assert diverged <= len(prompts) // 2
+
+
+def _serial_logits_chunked(
+    model: Any, scheme: KvScheme, prompt: Sequence[int], tokens: Sequence[int]
+) -> mx.array:
+    """The serial lane's logits after ``prompt`` (one prefill chunk) then ``tokens`` one decode forward each."""
+    cache = make_prompt_cache(model)
+    model(mx.array(list(prompt[:-1]))[None], cache=cache)
+    convert_caches(cache, scheme)
+    logits = mx.array(0.0)
+    for t in [prompt[-1], *tokens]:
+        logits = model(mx.array([t])[None], cache=cache)[0, -1]
+        convert_caches(cache, scheme)
+    return logits.astype(mx.float32)
