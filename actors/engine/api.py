@@ -49,7 +49,14 @@ from actors.errors import (
     TurnUnavailable,
 )
 from actors.gateway import BackgroundSteps
-from actors.gateway.memory_guard import MemoryGauge, MemoryGuard, Refuse, Relieve, decide
+from actors.gateway.memory_guard import (
+    MemoryGauge,
+    MemoryGuard,
+    Refuse,
+    Relieve,
+    decide,
+    stated_margin,
+)
 from actors.runtime import (
     ActorRef,
     ActorSystem,
@@ -488,6 +495,7 @@ class Engine(_StartClose):
         self._ids = 0
         self._file_port: Any = None
         self._memory: MemoryGuard | None = None
+        self._process_memory: Any = None
         self._relief_lock = anyio.Lock()
         self._memory_counts = {"relieved": 0, "relieved_bytes": 0, "refused": 0}
         self._shutdown_began: float | None = None
@@ -623,7 +631,13 @@ class Engine(_StartClose):
         """The memory-pressure guard: budget, the model's footprint, a first reading (engine thread)."""
         from kernels.cache import UnsupportedCacheKind
 
-        from .memory import active_memory_bytes, default_budget_bytes, model_footprint
+        from .memory import (
+            ProcessMemory,
+            default_budget_bytes,
+            mlx_cache_limit_bytes,
+            model_footprint,
+            settle_memory,
+        )
 
         budget = self._config.memory_budget_bytes
         if budget is None:
@@ -636,9 +650,16 @@ class Engine(_StartClose):
             # NOTE: a cache kind the geometry does not know: serve without the guard, say so.
             _log.warning("engine.memory_guard_off", reason=repr(exc))
             return None
-        gauge = MemoryGauge(active_memory_bytes)
+        # NOTE: the reading's start figures, on the engine thread, once what
+        # loading freed has left RSS (memory.py: ProcessMemory).
+        await thread.run(settle_memory)
+        reading = await thread.run(ProcessMemory)
+        self._process_memory = reading
+        gauge = MemoryGauge(reading.read)
         await thread.run(gauge.sample)
-        return MemoryGuard(budget=budget, footprint=footprint, gauge=gauge)
+        margin = stated_margin(await thread.run(mlx_cache_limit_bytes))
+        return MemoryGuard(budget=budget, footprint=footprint, gauge=gauge,
+                           settle=settle_memory, margin=margin)
 
     async def _cold_settings(self, thread: Any, scheme: Any) -> _ColdSettings | None:
         """Where and under which fingerprint the SSD tier keeps its files (``None``: tier off)."""
@@ -813,6 +834,7 @@ class Engine(_StartClose):
         if not isinstance(verdict, Relieve | Refuse):
             return
         async with self._relief_lock:
+            await self._settle_memory()
             reclaimable = await self._reclaimable_bytes()
             for _ in range(4):
                 verdict = decide(active=guard.gauge.active_bytes, demand=demand,
@@ -831,6 +853,20 @@ class Engine(_StartClose):
                 "not enough memory for this request after moving cached entries out of memory; "
                 "retry with a shorter prompt or fewer max_tokens, or later"
             )
+
+    async def _settle_memory(self) -> None:
+        """One idle turn drops freed memory the reading still counts; the executor reads again after it.
+
+        NOTE: MLX's buffer cache and the C heap's free pages are reusable,
+        not in use: they must not make the guard move entries out or refuse.
+        """
+        guard = self._memory
+        if guard is None or guard.settle is None:
+            return
+        try:
+            await self.run_when_idle(guard.settle, timeout=self._ask_timeout)
+        except (RuntimeFailure, TurnUnavailable) as exc:
+            _log.warning("engine.memory_settle_incomplete", error=repr(exc))
 
     async def _reclaimable_bytes(self) -> int:
         """Bytes the RAM tier indexes (an upper bound of what a relief can hand back)."""
@@ -866,15 +902,21 @@ class Engine(_StartClose):
         registry = self._registry
         if registry is not None and handed:
             try:
-                # NOTE: one idle turn drops the released arrays; the executor
-                # reads the active memory again when that job ends.
-                await self.run_when_idle(registry.drain, timeout=self._ask_timeout)
+                # NOTE: one idle turn drops the released arrays and empties MLX's
+                # buffer cache (so they leave RSS too); the executor reads the
+                # memory again when that job ends.
+                from .memory import release_freed_memory
+
+                await self.run_when_idle(functools.partial(release_freed_memory, registry.drain),
+                                         timeout=self._ask_timeout)
             except (RuntimeFailure, TurnUnavailable) as exc:
                 _log.warning("engine.memory_relief_incomplete", error=repr(exc))
         self._memory_counts["relieved"] += moved.result.spilled + moved.result.disposed
         self._memory_counts["relieved_bytes"] += handed
+        reading = None if self._memory is None else self._memory.gauge.active_bytes
         _log.info("engine.memory_relieved", need=need, handed_bytes=handed,
-                  spilled=moved.result.spilled, disposed=moved.result.disposed)
+                  spilled=moved.result.spilled, disposed=moved.result.disposed,
+                  reading_after=reading)
         return handed
 
     @property
@@ -1243,7 +1285,15 @@ class Engine(_StartClose):
                 "refused_at_admission": self._memory_counts["refused"],
                 "relieved_entries": self._memory_counts["relieved"],
                 "relieved_bytes": self._memory_counts["relieved_bytes"],
+                "settled_in_turn": guard.settled,
+                "margin_bytes": guard.margin,
             }
+            reading = self._process_memory
+            if reading is not None:
+                # NOTE: the reading's parts at the last engine job (memory.py).
+                out["memory"]["resident_bytes"] = reading.resident
+                out["memory"]["mlx_bytes"] = reading.mlx
+                out["memory"]["resident_at_start_bytes"] = reading.resident_at_start
         return out
 
     # --- internals -----------------------------------------------------------

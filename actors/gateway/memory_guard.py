@@ -5,28 +5,43 @@ KV, the copy a growing KV buffer makes, and a prefill chunk's activations
 come on top of it. So before a request's prefill, and every
 :data:`DECODE_CHECK_EVERY` decode tokens, the guard compares
 
-    MLX's active memory + the request's projected footprint  <=  budget
+    memory in use + the request's projected footprint  <=  budget
 
-where the footprint is the KV still to come (``KvGeometry.bytes_at`` of the
-prompt plus ``max_tokens``, in the KV buffers' 256-token steps), the copy
-overlap of the KV it already holds (a growing buffer is concatenated, so the
-old one lives until the new one exists) and, before prefill, the prefill
-workspace. The budget is the smaller of usable RAM and the device's working
-set unless ``EngineConfig.memory_budget_bytes`` names one.
+where the memory in use is the process's resident memory (RSS; at least
+MLX's active and cached memory, ``actors/engine/memory.py``), and the
+footprint is the KV still to come (``KvGeometry.bytes_at`` of the prompt
+plus ``max_tokens``, in the KV buffers' 256-token steps), the copy overlap
+of the KV it already holds (a growing buffer is concatenated, so the old one
+lives until the new one exists) and, before prefill, the prefill workspace.
+The budget is the smaller of usable RAM and the device's working set unless
+``EngineConfig.memory_budget_bytes`` names one.
+
+What the process's RSS can reach is the budget plus :func:`stated_margin`:
+the footprint counts arrays, and MLX keeps freed buffers in its cache (up to
+its limit) on top of them; the rest is host memory a request allocates
+outside MLX (HTTP bodies, tokenizer, the detokenizer, Python objects) and
+the error of the footprint's estimate, :data:`HOST_SLACK_BYTES`. Nothing else
+grows between two checks of the serial lane: background engine work (SSD
+writes, snapshots) runs only in idle turns, before the next request's check
+reads RSS again. docs/operations.md ("Memory-pressure guard") states the
+terms that come on top with the batch lane and queued SSD restores.
 
 :func:`decide` is the whole decision, sans-IO: numbers in, a verdict out.
-The numbers are read elsewhere: MLX's active memory ON the engine thread
+The numbers are read elsewhere: the memory in use ON the engine thread
 (:class:`MemoryGauge` holds the latest reading, taken after every engine
 job), the geometry once at start. Two places act on the verdict:
 
-- before admission (``Engine``, on the loop): ``Relieve`` persists LRU RAM
-  entries to the SSD tier and drops them (``prompt_cache.Demote``, then the
-  spill queue's drain and an idle turn that frees the arrays), and decides
-  again; ``Refuse`` raises :class:`~actors.errors.MemoryPressure`.
+- before admission (``Engine``, on the loop): an idle turn first drops
+  freed memory (MLX's cache, the C heap's free pages) and reads again; then
+  ``Relieve`` persists LRU RAM entries to the SSD tier and drops them
+  (``prompt_cache.Demote``, then the spill queue's drain and an idle turn
+  that frees the arrays), and decides again; ``Refuse`` raises
+  :class:`~actors.errors.MemoryPressure`.
 - inside the request's turns (:class:`MemoryGuard`, engine thread, called by
   ``EngineWork``): nothing can be reclaimed inside a turn (writing an entry
   needs engine turns of its own), so an over-budget request fails there with
-  ``MemoryPressure``; the server goes on serving.
+  ``MemoryPressure`` (after ``settle`` dropped freed memory and a second
+  reading agreed); the server goes on serving.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ from messages.gateway import Generate
 
 __all__ = [
     "DECODE_CHECK_EVERY",
+    "HOST_SLACK_BYTES",
     "KV_STEP",
     "Fits",
     "Footprint",
@@ -49,6 +65,7 @@ __all__ = [
     "Relieve",
     "Verdict",
     "decide",
+    "stated_margin",
 ]
 
 DECODE_CHECK_EVERY = 256
@@ -57,7 +74,18 @@ DECODE_CHECK_EVERY = 256
 KV_STEP = 256
 """mlx-lm's KV buffers grow in steps of this many tokens."""
 
+HOST_SLACK_BYTES = 32 * 1024**2
+"""The stated margin's fixed part: host memory a request allocates outside MLX,
+and the footprint estimate's error (measured: docs/operations.md)."""
+
 _GIB = 1024**3
+
+
+def stated_margin(mlx_cache_limit_bytes: int) -> int:
+    """How far the process's RSS may pass the budget: MLX's buffer-cache limit plus :data:`HOST_SLACK_BYTES`."""
+    if mlx_cache_limit_bytes < 0:
+        raise ValueError("the MLX cache limit must be >= 0")
+    return mlx_cache_limit_bytes + HOST_SLACK_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +132,7 @@ def _gb(n: int) -> str:
 def decide(*, active: int, demand: int, budget: int, reclaimable: int) -> Verdict:
     """The guard's decision: fit, reclaim first, or refuse.
 
-    ``active``: MLX's active memory now; ``demand``: the request's projected
+    ``active``: the memory in use now (the guard's reading); ``demand``: the request's projected
     footprint on top of it (:meth:`Footprint.at_prefill` / :meth:`Footprint.in_decode`);
     ``reclaimable``: bytes of RAM entries that could be persisted and
     dropped (0 inside a turn).
@@ -165,12 +193,14 @@ class Footprint:
 
 
 class MemoryGauge:
-    """The latest reading of MLX's active memory, written ON the engine thread after each job.
+    """The latest reading of the memory in use, written ON the engine thread after each job.
 
-    NOTE: one int, replaced whole (atomic under the GIL); the loop reads it
-    like the engine thread's other statistics. Memory grows only inside
-    engine jobs; arrays freed between jobs make the reading high, never
-    low, so a decision on it errs on the safe side.
+    ``read`` is the reading (``actors/engine/memory.py``: RSS, at least
+    MLX's active and cached memory). NOTE: one int, replaced whole (atomic
+    under the GIL); the loop reads it like the engine thread's other
+    statistics. Memory grows only inside engine jobs; memory freed between
+    jobs makes the reading high, never low, so a decision on it errs on the
+    safe side.
     """
 
     def __init__(self, read: Callable[[], int]) -> None:
@@ -198,8 +228,12 @@ class MemoryGauge:
 class MemoryGuard:
     """The in-turn checks (engine thread): ``EngineWork`` calls them; over budget raises ``MemoryPressure``.
 
-    ``gauge`` reads MLX's active memory ON the engine thread. ``refused``
-    counts the requests failed here.
+    ``gauge`` reads the memory in use ON the engine thread. ``settle``
+    (optional, engine thread) drops freed memory the reading still counts
+    (MLX's buffer cache, the C heap's free pages): a check that would refuse
+    settles, reads again and decides on that (``settled`` counts those).
+    ``refused`` counts the requests failed here. ``margin``: how far RSS may
+    pass the budget (:func:`stated_margin`; 0 when not stated).
     """
 
     budget: int
@@ -207,6 +241,9 @@ class MemoryGuard:
     gauge: MemoryGauge
     refused: int = 0
     checks: int = 0
+    settle: Callable[[], object] | None = None
+    settled: int = 0
+    margin: int = 0
 
     def before_prefill(self, request: Generate, cached_tokens: int) -> None:
         """Before the request's first turn opens its generation.
@@ -228,7 +265,11 @@ class MemoryGuard:
         self.checks += 1
         verdict = decide(active=self.gauge.sample(), demand=demand, budget=self.budget,
                          reclaimable=0)
+        if isinstance(verdict, Refuse) and self.settle is not None:
+            self.settle()
+            self.settled += 1
+            verdict = decide(active=self.gauge.sample(), demand=demand, budget=self.budget,
+                             reclaimable=0)
         if isinstance(verdict, Refuse):
             self.refused += 1
             raise MemoryPressure(verdict.message())
-
