@@ -23,6 +23,7 @@ from pydantic import Field
 from ._base import Body, Request
 
 __all__ = [
+    "BatchGather",
     "BatchRetry",
     "BatchStats",
     "BatchStatsRequest",
@@ -113,6 +114,13 @@ class BatchRetry(Body):
     """Scheduler -> itself: its retry alarm went off; try the streams whose reader was slow again."""
 
     kind: Literal["batch.retry"] = "batch.retry"
+
+
+class BatchGather(Body):
+    """Scheduler -> itself: its gather alarm went off; rows ready to start an idle batch
+    stop waiting for the other arrivals' lookups."""
+
+    kind: Literal["batch.gather"] = "batch.gather"
 
 
 class BatchStatsRequest(Request):

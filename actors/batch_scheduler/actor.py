@@ -46,6 +46,7 @@ from actors.runtime import (
 )
 from messages import Envelope, Failure, Release, Take, TakeResult
 from messages.batch_scheduler import (
+    BatchGather,
     BatchRetry,
     BatchStats,
     BatchStatsRequest,
@@ -67,7 +68,7 @@ _log = structlog.get_logger("kvtier.batch")
 
 
 class BatchScheduler(Actor):
-    """Runs the batch lane: rows join at step boundaries, one batch step per granted engine turn.
+    """Runs the batch lane: rows join at step boundaries; a granted engine turn runs a step chain.
 
     ``gateway``: where ``BatchWants``/``BatchTurnReport`` go (it holds the
     engine-turn token); ``prompt_cache``: the address rows look up in and
@@ -77,6 +78,9 @@ class BatchScheduler(Actor):
     the retry timer (``None``: one on the running loop). ``observe_prefill``
     (an address or ``None``) receives the speed of steps that only
     prefilled (the cold tier's restore-or-recompute estimator).
+    ``gather_alarm``: the timer bounding how long rows ready to start an
+    idle batch wait for the other arrivals' lookups (``None``: one on the
+    running loop).
     """
 
     def __init__(
@@ -91,12 +95,14 @@ class BatchScheduler(Actor):
         backlog_max: int = 1024,
         alarm: Alarm | None = None,
         observe_prefill: str | None = None,
+        gather_alarm: Alarm | None = None,
     ) -> None:
         self._gateway = gateway
         self._executor = executor
         self._engine = engine
         self._prompt_cache = prompt_cache
         self._alarm = alarm
+        self._gather_alarm = gather_alarm
         self._observe_to = observe_prefill
         self.state = core.SchedulerState(
             max_rows=max_rows,
@@ -117,6 +123,8 @@ class BatchScheduler(Actor):
         """Bind the retry alarm to the running loop (unless one was given)."""
         if self._alarm is None:
             self._alarm = LoopAlarm(ctx.clock)
+        if self._gather_alarm is None:
+            self._gather_alarm = LoopAlarm(ctx.clock)
 
     async def stopped(self, ctx: Context) -> None:
         """Give back every lease rows still hold (an SSD hit's host bytes with it), end held streams.
@@ -158,6 +166,8 @@ class BatchScheduler(Actor):
             return
         elif isinstance(body, BatchRetry):
             event = core.RetryDelivery(now)
+        elif isinstance(body, BatchGather):
+            event = core.GatherDue(now)
         elif isinstance(body, BeginShutdown):
             event = core.BeginDrain(now)
         elif isinstance(body, BatchStatsRequest):
@@ -240,7 +250,9 @@ class BatchScheduler(Actor):
             case core.Deliver():
                 return self._deliver(effect, ctx)
             case core.ArmRetry():
-                self._arm(effect.at, ctx)
+                self._arm(self._alarm, effect.at, BatchRetry(), ctx)
+            case core.ArmGather():
+                self._arm(self._gather_alarm, effect.at, BatchGather(), ctx)
             case core.ObservePrefill():
                 if self._observe_to is not None:
                     body = ObservePrefill(tokens=effect.tokens, seconds=effect.seconds)
@@ -301,16 +313,20 @@ class BatchScheduler(Actor):
         ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)
         return core.Delivered(effect.request_id, sent, True, False, now)
 
-    def _arm(self, at: float | None, ctx: Context) -> None:
-        alarm, ref = self._alarm, ctx.self_ref
+    @staticmethod
+    def _arm(
+        alarm: Alarm | None, at: float | None, note: BatchRetry | BatchGather, ctx: Context
+    ) -> None:
+        ref = ctx.self_ref
         if alarm is None:
             return
 
         def wake() -> None:
             try:
                 # NOTE: a full mailbox holds messages already; handling any of
-                # them tries the held streams and sets the alarm again.
-                ref.try_tell(BatchRetry())
+                # them tries the held streams (or ends a gather whose time is
+                # up) and sets the alarm again.
+                ref.try_tell(note)
             except (ActorStopped, MailboxClosed, UnknownAddress):
                 return
 

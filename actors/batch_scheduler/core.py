@@ -27,6 +27,10 @@ Invariants (checked by the tests):
 - ``busy`` (told to the gateway with ``Status`` whenever it changes) is
   true while any row exists, waiting ones included, so the gateway grants
   no background step between the steps of active rows;
+- rows arriving together start together: while no row is joined, a ready
+  row waits (``ready`` stays false) for the lookups of the other placed
+  rows, at most ``gather_s`` (``ArmGather`` ... ``GatherDue``), so their
+  prompts prefill in shared steps instead of one step per arrival;
 - at most ``max_rows`` rows hold a lookup, wait to join or are joined; at
   most ``max_queue`` more wait for room, later ones are refused
   (``queue_full``);
@@ -67,6 +71,7 @@ __all__ = [
     "MIN_OBSERVED_PREFILL",
     "Admit",
     "AnswerAdmission",
+    "ArmGather",
     "ArmRetry",
     "BeginDrain",
     "Cancel",
@@ -77,6 +82,7 @@ __all__ = [
     "EndStream",
     "Event",
     "ExitOut",
+    "GatherDue",
     "JobEnded",
     "JoinRow",
     "LookupAnswered",
@@ -302,6 +308,13 @@ class RetryDelivery:
 
 
 @dataclass(frozen=True, slots=True)
+class GatherDue:
+    """The gather alarm went off: rows ready to start stop waiting for the other lookups."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class Stopping:
     """The scheduler stops: every lease still held is given back (the rows are dropped)."""
 
@@ -323,6 +336,7 @@ Event = (
     | StreamFull
     | Delivered
     | RetryDelivery
+    | GatherDue
 )
 
 
@@ -413,6 +427,13 @@ class ArmRetry:
 
 
 @dataclass(frozen=True, slots=True)
+class ArmGather:
+    """Set the gather alarm for clock time ``at`` (``None``: cancel it); it answers ``GatherDue``."""
+
+    at: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class ObservePrefill:
     """Report a measured prefill (``tokens`` forwarded in ``seconds``) to the cold tier's
     restore-or-recompute estimator; dropped when it cannot take it."""
@@ -455,6 +476,7 @@ Effect = (
     | EndStream
     | Deliver
     | ArmRetry
+    | ArmGather
     | ObservePrefill
     | PutEntry
     | ReportTurn
@@ -559,6 +581,12 @@ class SchedulerState:
     """Held events one ``Deliver`` carries at most."""
     retry_s: float = 0.02
     """How long after the last event the held streams are tried again."""
+    gather_s: float = 0.02
+    """How long, at most, rows ready to start an idle batch wait for the other placed rows' lookups."""
+    gather_until: float | None = None
+    """While set, ready rows of an idle batch wait for lookups until this clock time (alarm armed)."""
+    gathered: bool = False
+    """The wait of this idle spell ended (every lookup answered, or ``gather_s`` passed)."""
     outboxes: dict[str, Outbox] = field(default_factory=dict)
     """Rows (joined or already gone) whose stream refused an event, by request id."""
     retry_armed: bool = False
@@ -600,7 +628,10 @@ class SchedulerState:
 
     @property
     def ready(self) -> bool:
-        """A step has work: a row joined (decoding, prefilling or to be cancelled) or ready to join."""
+        """A step has work: a row joined (decoding, prefilling or to be cancelled), or one ready
+        to join that is not waiting for the other arrivals' lookups (``gather_until``)."""
+        if self.gather_until is not None:
+            return any(r.phase == "joined" for r in self.rows.values())
         return any(r.phase in ("ready", "joined") for r in self.rows.values())
 
     def snapshot(self) -> dict[str, int | bool | dict[str, int]]:
@@ -689,11 +720,16 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
             _delivered(state, event, out)
         case RetryDelivery():
             state.retry_armed = False
+        case GatherDue():
+            if state.gather_until is not None and event.now >= state.gather_until:
+                state.gather_until = None
+                state.gathered = True
         case _:
             assert_never(event)
     _wake_deferred(state, out)
     _place(state, out)
     _deliver_held(state, event, out)
+    _gather(state, event.now, out)
     if state.in_flight is not None and not state.chain_stop and _must_stop(state):
         state.chain_stop = True
         if state.chain_budget > 1:
@@ -833,6 +869,38 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
     state.yield_asked = False
     state.last_step = None
     out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels), state.chain_budget))
+
+
+def _gather(state: SchedulerState, now: float, out: list[Effect]) -> None:
+    """Let the rows of an idle batch that arrived together start together.
+
+    NOTE: requests sent at once are admitted and looked up one by one; a
+    grant at the first answer would start that row alone and the others
+    one step later each, every arrival prefilling in a step of its own
+    (measured with 8 rows of 512 tokens: the last row decoding about
+    twice as late as when all join at once). So while no row is joined
+    and no step runs, a ready row waits for the other placed rows' lookups
+    (a RAM lookup answers within a millisecond or so), but never longer
+    than ``gather_s`` (a cold-tier lookup reads a file first). Once
+    joined rows exist, a ready row never waits: decoding rows would.
+    """
+    rows = state.rows.values()
+    idle = state.in_flight is None and not any(r.phase == "joined" for r in rows)
+    if not idle:
+        state.gathered = False
+    hold = (
+        idle
+        and not state.gathered
+        and any(r.phase == "ready" for r in rows)
+        and any(r.phase == "lookup" for r in rows)
+    )
+    if hold and state.gather_until is None:
+        state.gather_until = now + state.gather_s
+        out.append(ArmGather(state.gather_until))
+    elif not hold and state.gather_until is not None:
+        state.gather_until = None
+        state.gathered = idle and any(r.phase == "ready" for r in rows)
+        out.append(ArmGather(None))
 
 
 def _must_stop(state: SchedulerState) -> bool:
