@@ -32,7 +32,20 @@ import anyio
 
 from actors.engine.config import ConfigError, EngineConfig, add_flags, config_from_flags
 
-_SERVE_DEFAULTS = {"ssd_cache": "$KVTIER_HOME/kv; off with --prompt-cache 0"}
+SERVE_MAX_BATCH = 8
+"""``kvtier serve``'s batch rows when neither ``--max-batch`` nor ``KVTIER_MAX_BATCH`` is given.
+
+NOTE: chosen from measurements (docs/batching.md "The default"): with the
+batch lane, 4 and 8 concurrent clients get more aggregate tok/s than
+one at a time, and a lone client decodes as fast as on the serial lane.
+The embedded ``Engine`` keeps 1 (serial lane only) unless configured, like
+the SSD tier: an embedder opts in.
+"""
+
+_SERVE_DEFAULTS = {
+    "ssd_cache": "$KVTIER_HOME/kv; off with --prompt-cache 0",
+    "max_batch": f"{SERVE_MAX_BATCH} rows",
+}
 """Defaults that differ from the embedded Engine's (help text)."""
 
 
@@ -61,6 +74,8 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
     serve_defaults: dict[str, Any] = {}
     if args.ssd_cache is None:
         serve_defaults["ssd_cache"] = _ssd_default(args)
+    if args.max_batch is None:
+        serve_defaults["max_batch"] = SERVE_MAX_BATCH
     return config_from_flags(args, serve_defaults=serve_defaults)
 
 

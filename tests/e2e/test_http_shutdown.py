@@ -24,17 +24,21 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    """A server of its own (the test shuts it down), logging JSON at debug level."""
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """A server of its own (the test shuts it down), logging JSON at debug level, on the lane the test names."""
+    spec = getattr(request.node, "callspec", None)
+    lane = ["--max-batch", "1"] if spec is not None and spec.params.get("lane") == "serial" else []
     srv = ServerProcess(tmp_path, "--shutdown-timeout", "60", "--log-format", "json",
-                        "--log-level", "debug", "--prompt-cache", "0")
+                        "--log-level", "debug", "--prompt-cache", "0", *lane)
     yield srv
     srv.stop(timeout=10)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# NOTE: ``kvtier serve`` runs the batch lane by default; one signal per lane.
+@pytest.mark.parametrize(("signum", "lane"), [(signal.SIGTERM, "batch"), (signal.SIGINT, "serial")],
+                         ids=["SIGTERM-batch", "SIGINT-serial"])
 def test_signal_drains_stream_refuses_new_and_exits_zero(server: ServerProcess,
-                                                         signum: signal.Signals) -> None:
+                                                         signum: signal.Signals, lane: str) -> None:
     """A signal mid-stream: /health and new requests get 503, the stream finishes, exit code 0; the logs follow the request."""
     body = {"messages": STORY, "max_tokens": 24, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -69,10 +73,10 @@ def test_signal_drains_stream_refuses_new_and_exits_zero(server: ServerProcess,
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length"
     assert server.wait(timeout=60) == 0, server.logs()
-    _check_logs(server, request_id, signum)
+    _check_logs(server, request_id, signum, lane)
 
 
-def _check_logs(server: ServerProcess, request_id: str, signum: signal.Signals) -> None:
+def _check_logs(server: ServerProcess, request_id: str, signum: signal.Signals, lane: str) -> None:
     """Every stderr line is JSON; the request's correlation id ties its HTTP line to its actor messages."""
     logs = [json.loads(line) for line in server.stderr_path.read_text().splitlines() if line]
     events = {e["event"] for e in logs}
@@ -81,17 +85,24 @@ def _check_logs(server: ServerProcess, request_id: str, signum: signal.Signals) 
     assert begun["signal"] == signum.name
     mine = [e for e in logs if e.get("correlation_id") == request_id]
     seen = {(e["event"], e.get("actor"), e.get("kind")) for e in mine}
-    # The HTTP edge, admission at the gateway, the turns at the runner, the
-    # tokens into the request's stream: all under the one id.
+    # The HTTP edge, admission at the gateway, the turns (the runner's, or the
+    # batch scheduler's steps), the tokens into the request's stream: all
+    # under the one id.
     assert ("http.request", None, None) in seen
     assert ("mailbox.handled", "gateway", "gateway.generate") in seen
-    assert ("mailbox.handled", "gateway.runner", "gateway.run_turn") in seen
-    assert ("mailbox.handled", "gateway", "gateway.request_turn_report") in seen
+    if lane == "serial":
+        assert ("mailbox.handled", "gateway.runner", "gateway.run_turn") in seen
+        assert ("mailbox.handled", "gateway", "gateway.request_turn_report") in seen
+        turn_kind = "gateway.run_turn"
+    else:
+        assert ("mailbox.handled", "batch", "batch.run_step") in seen
+        turn_kind = "batch.run_step"
     tokens = [e for e in mine if e["event"] == "mailbox.sent" and e["kind"] == "gateway.token"]
     assert len(tokens) == 24
     assert all(e["actor"].startswith("stream-") for e in tokens)
-    # Nothing of another request's turns wears this id.
-    turns = [e for e in logs if e["event"] == "mailbox.handled" and e.get("kind") == "gateway.run_turn"]
+    # Nothing of another request's turns wears this id (it is the only request).
+    turns = [e for e in logs if e["event"] == "mailbox.handled" and e.get("kind") == turn_kind]
+    assert turns
     assert all(e["correlation_id"] == request_id for e in turns)
 
 

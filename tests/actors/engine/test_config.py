@@ -160,3 +160,18 @@ def test_docs_table_lists_every_option() -> None:
     text = (Path(__file__).resolve().parents[3] / "docs" / "engine.md").read_text()
     for name, setting in SETTINGS.items():
         assert f"| `{name}` | `{setting.flag}` | `{setting.env}` |" in text
+
+
+def test_serve_runs_the_batch_lane_by_default_and_the_engine_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kvtier serve` defaults to SERVE_MAX_BATCH rows; --max-batch and KVTIER_MAX_BATCH override it; Engine keeps 1."""
+    from actors.cli.serve import SERVE_MAX_BATCH
+
+    monkeypatch.delenv("KVTIER_MAX_BATCH", raising=False)
+    assert SERVE_MAX_BATCH > 1
+    assert _serve_args().max_batch == SERVE_MAX_BATCH
+    assert _serve_args("--max-batch", "1").max_batch == 1
+    assert EngineConfig().max_batch == 1
+    monkeypatch.setenv("KVTIER_MAX_BATCH", "3")
+    assert _serve_args().max_batch == 3
