@@ -33,7 +33,11 @@ import pytest
 
 from tests.e2e.server_process import ServerProcess
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="samples /proc/PID/status"),
+]
 
 MIB = 1 << 20
 GIB = 1 << 30
