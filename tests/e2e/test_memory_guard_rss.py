@@ -203,16 +203,18 @@ def test_without_the_guard_the_large_request_drives_rss_past_budget_plus_margin(
     assert calibration.large_peak > bound, (calibration, bound)
 
 
+@pytest.mark.parametrize("max_batch", ["1", "8"], ids=["serial-lane", "batch-lane"])
 def test_a_low_budget_refuses_the_large_request_serves_the_small_one_and_bounds_rss(
-    tmp_path: Path, wide_model_dir: Path, calibration: Calibration
+    tmp_path: Path, wide_model_dir: Path, calibration: Calibration, max_batch: str
 ) -> None:
     """Under a budget that only the medium request's projection fits, the 700-token request
     gets an OpenAI-style 503 memory_pressure naming the budget, a 10-token request then
     succeeds, and so does a 250-token one after the guard moved the cached entries of earlier
     requests to disk (RSS really fell: it is what the guard reads), the large one is refused again, and RSS (sampled, and the kernel's
-    high-water mark) never passes budget + the stated margin."""
+    high-water mark) never passes budget + the stated margin; on either lane."""
     budget = _budget(calibration)
-    with _serve(tmp_path / "w", wide_model_dir, "--memory-budget", f"{budget / GIB:.6f}") as served:
+    with _serve(tmp_path / "w", wide_model_dir, "--memory-budget", f"{budget / GIB:.6f}",
+                "--max-batch", max_batch) as served:
         refused = served.complete(LARGE, 8)
         small = served.complete(SMALL, 8)
         stored = served.complete(STORED, 4)
@@ -230,6 +232,9 @@ def test_a_low_budget_refuses_the_large_request_serves_the_small_one_and_bounds_
     assert small.json()["usage"]["completion_tokens"] == 8
     assert stored.status_code == 200, stored.text
     assert medium.status_code == 200, medium.text
+    # NOTE: the lane asked for served them (the batch lane counts what it admitted).
+    batched = after_medium.get("batch", {}).get("batch", {}).get("requests", {}).get("admitted", 0)
+    assert batched == (0 if max_batch == "1" else 3)
     relieved = after_medium["memory"]["relieved_entries"]
     assert relieved >= 1
     # NOTE: persisted before they were dropped (the SSD tier holds them).
