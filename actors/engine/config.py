@@ -198,7 +198,7 @@ class EngineConfig(BaseModel):
     ] = None
     memory_budget_bytes: Annotated[
         int | None,
-        Field(gt=0, description="memory a request may count on: MLX's active memory plus its "
+        Field(gt=0, description="memory a request may count on: the process's resident memory plus its "
                                 "projected KV and prefill workspace must fit, else RAM entries "
                                 "are persisted and dropped, and failing that the request gets "
                                 "MemoryPressure (HTTP 503) (flag and variable in GiB); None = "

@@ -339,7 +339,7 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
             [([], ssd.get("longest_durable_prefix_tokens"))])
     f.gauge("kvtier_memory_budget_bytes", "The memory-pressure guard's budget.",
             [([], memory.get("budget_bytes"))])
-    f.gauge("kvtier_memory_active_bytes", "MLX's active memory at the last engine job.",
+    f.gauge("kvtier_memory_active_bytes", "The guard's memory reading at the last engine job (resident memory, device growth included).",
             [([], memory.get("active_bytes"))])
     f.counter("kvtier_memory_refused", "Requests refused by the memory guard.",
               [(["admission"], memory.get("refused_at_admission")),
