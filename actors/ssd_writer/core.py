@@ -67,7 +67,8 @@ from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarge
 __all__ = [
     "ENTRY_SUFFIX",
     "MIN_RESTORE_TOKENS",
-    "UNINFORMED_READ_RATIO",
+    "PRIOR_DISK_BPS",
+    "PRIOR_PREFILL_TPS",
     "Answer",
     "Effect",
     "Estimator",
@@ -195,26 +196,30 @@ only its BOS token with a stored conversation would read that
 conversation's whole file to reuse one token. Above it the estimator decides.
 """
 
-UNINFORMED_READ_RATIO = 2
-"""Until both speeds are known, restore only when the file holds at most this many
-times the tokens the restore keeps (so at most that many bytes read per byte kept).
+PRIOR_DISK_BPS = 1e9
+"""Disk read speed (bytes/s) the estimator assumes until it has timed a restore."""
 
-A file's bytes grow with its tokens at the model's fixed KV bytes per token,
-so ``file tokens / kept tokens`` is the bytes read per byte kept; the rest
-is read only to be trimmed away. With no speeds to weigh, a read that is
-mostly thrown away is not risked; a file kept at least half restores, which
-covers a restart's conversations (each next turn extends a whole file) and
-is how the disk's speed is first learned.
+PRIOR_PREFILL_TPS = 1000.0
+"""Prefill speed (tokens/s) the estimator assumes until it has timed a prefill.
+
+Together the two priors advise a restore while the file holds at most about
+1 MB per token it saves (an 8B model's bf16 KV takes 128 KiB per token, so a
+file of up to about 7.6 times the tokens it saves): a long entry is not read
+to save a few dozen of its tokens. Real devices differ from the priors in
+both directions (this CPU prefills the default model at about 140 tokens/s;
+an H200 prefills an 8B model at 25,000 tokens/s and read its KV back at
+0.87 GB/s), so each prior gives way to the first measurement.
 """
 
 
 class Estimator:
     """Running estimates of disk read speed and prefill speed; restore or recompute?
 
-    Exponentially weighted averages (``alpha`` on the newest sample). Until
-    both are known the advice is to restore only a file mostly kept
-    (:data:`UNINFORMED_READ_RATIO`): reading is the only way to learn the
-    disk's speed, and such a restore reads at most about twice what it keeps.
+    Exponentially weighted averages (``alpha`` on the newest sample). A
+    speed not measured yet is taken as its prior (:data:`PRIOR_DISK_BPS`,
+    :data:`PRIOR_PREFILL_TPS`); reading is the only way to learn the disk's
+    speed, so with the prefill measured and the disk not, the prior decides
+    whether a first read is risked.
     """
 
     def __init__(
@@ -222,13 +227,15 @@ class Estimator:
         *,
         alpha: float = 0.3,
         overhead_s: float = 0.0,
-        uninformed_read_ratio: float = UNINFORMED_READ_RATIO,
+        prior_disk_bps: float = PRIOR_DISK_BPS,
+        prior_prefill_tps: float = PRIOR_PREFILL_TPS,
     ) -> None:
-        if uninformed_read_ratio < 1:
-            raise ValueError("uninformed_read_ratio must be >= 1")
+        if prior_disk_bps <= 0 or prior_prefill_tps <= 0:
+            raise ValueError("the priors must be positive")
         self.alpha = alpha
         self.overhead_s = overhead_s
-        self.uninformed_read_ratio = uninformed_read_ratio
+        self.prior_disk_bps = prior_disk_bps
+        self.prior_prefill_tps = prior_prefill_tps
         self.disk_bps: float | None = None
         self.prefill_tps: float | None = None
 
@@ -246,28 +253,21 @@ class Estimator:
             self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
 
     def choose(
-        self,
-        file_bytes: int,
-        saved_tokens: int,
-        *,
-        file_tokens: int | None = None,
-        kept_tokens: int | None = None,
+        self, file_bytes: int, saved_tokens: int
     ) -> tuple[RestoreChoice, float | None, float | None]:
         """Advice for reading ``file_bytes`` to save prefilling ``saved_tokens``.
 
-        ``file_tokens``: the file's tokens; ``kept_tokens``: how many of them
-        the restore keeps after its trim (both default to ``saved_tokens``:
-        the whole file kept, nothing served before). Returns the choice and
-        the two predictions (``None`` while unknown).
+        A speed not measured yet is its prior. Returns the choice and the two
+        predictions (``None`` until both speeds are measured).
         """
+        disk = self.prior_disk_bps if self.disk_bps is None else self.disk_bps
+        prefill = self.prior_prefill_tps if self.prefill_tps is None else self.prefill_tps
+        restore_s = file_bytes / disk + self.overhead_s
+        prefill_s = saved_tokens / prefill
+        choice: RestoreChoice = "restore" if restore_s < prefill_s else "recompute"
         if self.disk_bps is None or self.prefill_tps is None:
-            kept = saved_tokens if kept_tokens is None else kept_tokens
-            whole = kept if file_tokens is None else file_tokens
-            mostly_kept = whole <= self.uninformed_read_ratio * kept
-            return ("restore" if mostly_kept else "recompute"), None, None
-        restore_s = file_bytes / self.disk_bps + self.overhead_s
-        prefill_s = saved_tokens / self.prefill_tps
-        return ("restore" if restore_s < prefill_s else "recompute"), restore_s, prefill_s
+            return choice, None, None
+        return choice, restore_s, prefill_s
 
 
 @dataclass
@@ -507,10 +507,7 @@ def find(state: IndexState, msg: Find) -> FindResult:
     if best is None or best_usable - msg.better_than < state.min_restore_tokens:
         return FindResult()
     choice, restore_s, prefill_s = state.estimator.choose(
-        best.file_bytes,
-        best_usable - msg.better_than,
-        file_tokens=len(best.tokens),
-        kept_tokens=best_usable,
+        best.file_bytes, best_usable - msg.better_than
     )
     if choice == "restore":
         state.choices_restore += 1

@@ -1,8 +1,9 @@
 """The cold tier never restores a prefix too short to pay off.
 
 ``Find`` offers no file that adds fewer than ``MIN_RESTORE_TOKENS`` to what
-RAM serves, and while the index knows no prefill speed it restores only a
-file mostly kept (``UNINFORMED_READ_RATIO``). Core rules by plain calls;
+RAM serves, and a speed not measured yet is a prior (``PRIOR_DISK_BPS``,
+``PRIOR_PREFILL_TPS``), so the first advice compares the file's bytes with
+the tokens it saves. Core rules by plain calls;
 then through ``Engine`` on a tiny fp32 Llama after a restart: a prompt
 sharing only its BOS token (or a few dozen tokens) with a stored
 conversation reads no file.
@@ -26,14 +27,16 @@ from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 _ids = itertools.count()
 FILE = tuple(range(1000, 1500))
-"""A stored entry of 500 tokens (10 MB on disk)."""
+"""A stored entry of 500 tokens (a 10 MB file unless a test says otherwise)."""
 
 
-def _state(*, min_restore_tokens: int = core.MIN_RESTORE_TOKENS) -> core.IndexState:
+def _state(
+    *, min_restore_tokens: int = core.MIN_RESTORE_TOKENS, file_bytes: int = 10_000_000
+) -> core.IndexState:
     state = core.IndexState(root="/cache", fingerprint="fp0", max_bytes=10**9,
                             min_restore_tokens=min_restore_tokens)
     directory = state.directory_of("")
-    entry = core.IndexEntry(f"{directory}/a.kvt", "", FILE, 10_000_000, 1, True, 0)
+    entry = core.IndexEntry(f"{directory}/a.kvt", "", FILE, file_bytes, 1, True, 0)
     core.load_scan(state, core.ScanResult(files=(core.ScannedFile(entry.path, directory, None,
                                                                   entry=entry),)))
     return state
@@ -61,7 +64,7 @@ def test_find_offers_no_file_adding_fewer_than_min_restore_tokens() -> None:
     assert least >= 32
     for shared, better in ((1, 0), (least - 1, 0), (least + 99, 100)):
         assert _find(state, shared, better) == FindResult(), (shared, better)
-    # NOTE: past the floor, the estimator advises (here: restore, 300 of 500 tokens kept).
+    # NOTE: past the floor, the estimator advises (here its priors: 10 ms to read, 64 ms).
     offered = _find(state, 300, 300 - least)
     assert (offered.path, offered.cached_tokens) == (f"{state.directory_of('')}/a.kvt", 300)
     assert offered.choice == "restore"
@@ -69,21 +72,21 @@ def test_find_offers_no_file_adding_fewer_than_min_restore_tokens() -> None:
     assert (stats.choices_restore + stats.choices_recompute, stats.finds) == (1, 4)
 
 
-def test_without_a_prefill_estimate_only_a_mostly_kept_file_is_restored() -> None:
-    """With no speeds known, a 500-token file of which a restore keeps 249 tokens is advised
-    recompute, 250 (half) restore, also when RAM already serves most of them; once both speeds
-    are known the estimate decides, whatever the share."""
-    state = _state()
-    assert _find(state, 249).choice == "recompute"
-    assert _find(state, 250).choice == "restore"
-    assert _find(state, 500).choice == "restore"
-    assert _find(state, 500, 400).choice == "restore"
-    _send(state, RestoreReport(path="elsewhere", ok=True, bytes=10**9, seconds=1.0))  # 1 GB/s
-    # NOTE: the disk alone is not enough: still uninformed about the prefill.
-    assert _find(state, 100).choice == "recompute"
-    _send(state, ObservePrefill(tokens=100, seconds=10.0))  # 10 tok/s: 10 s for 100 tokens
-    got = _find(state, 100)  # 0.01 s to read 10 MB against 10 s to prefill 100 tokens
-    assert (got.choice, got.predicted_restore_s, got.predicted_prefill_s) == ("restore", 0.01, 10.0)
+def test_unmeasured_speeds_are_their_priors_until_measured() -> None:
+    """With no speeds measured, a restore is advised while the file holds at most about 1 MB per
+    token it saves (the priors 1 GB/s and 1,000 tokens/s); each measurement replaces its prior."""
+    assert (core.PRIOR_DISK_BPS, core.PRIOR_PREFILL_TPS) == (1e9, 1000.0)
+    state = _state(file_bytes=200_000_000)  # 400 KB per token of the file
+    assert _find(state, 150).choice == "recompute"  # 0.2 s to read, 0.15 s to prefill
+    assert _find(state, 250).choice == "restore"  # 0.2 s to read, 0.25 s to prefill
+    assert _find(state, 500, 400).choice == "recompute"  # 100 tokens saved: 0.1 s
+    _send(state, RestoreReport(path="elsewhere", ok=True, bytes=10**10, seconds=1.0))  # 10 GB/s
+    assert _find(state, 150).choice == "restore"  # 0.02 s to read, the prior's 0.15 s to prefill
+    _send(state, ObservePrefill(tokens=100_000, seconds=1.0))  # 100,000 tok/s
+    got = _find(state, 250)  # 0.02 s to read, 0.0025 s to prefill
+    assert (got.choice, got.predicted_restore_s, got.predicted_prefill_s) == (
+        "recompute", 0.02, 0.0025,
+    )
 
 
 def test_the_tiers_config_sets_the_floor() -> None:
@@ -177,9 +180,7 @@ async def test_a_short_shared_prefix_reads_no_file_even_when_the_estimate_favour
         estimator = restarted._cold.state.estimator
         estimator.disk_bps, estimator.prefill_tps = 1e15, 1.0
         target_bytes = await anyio.to_thread.run_sync(_largest_file, tmp_path)
-        advice = estimator.choose(target_bytes, shared - 1, file_tokens=len(target),
-                                  kept_tokens=shared)
-        assert advice[0] == "restore"
+        assert estimator.choose(target_bytes, shared - 1)[0] == "restore"
         done = await restarted.complete_prompt(asked, GREEDY)
         short = (await restarted.stats())["ssd_cache"]
         whole = await restarted.complete_prompt([*target, *_tokens(tok, " More?")], GREEDY)
