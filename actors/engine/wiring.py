@@ -212,6 +212,11 @@ def _prompt_cache_factory(
         drain_step=DRAIN_STEP if turns is not None else None,
         cold_lookups=cold is not None,
         cold_timeout_s=cfg.ask_timeout_s,
+        # NOTE: every request that may wait for its first turn at once (the
+        # serial lane's holder and queue head, each placed batch row) may look
+        # up the SSD index together; a lookup past the cap is answered from
+        # RAM alone, so a burst of SSD hits bigger than it would join cold.
+        max_cold_lookups=max(4, cfg.max_batch + 2),
         demote_idle_s=demote,
         # NOTE: one idle scan per quarter of the idle time (within 50 ms..30 s),
         # a few entries per scan: the spill queue receives demotions gradually.
@@ -281,7 +286,9 @@ def cold_tier(
         max_bytes=max_bytes,
         verify=config.ssd_cache_verify,
         ask_timeout=config.ask_timeout_s,
-        staging_entries=2,
+        # NOTE: the Engine passes its own staging (sized the same way); this
+        # is the bound when none is passed.
+        staging_entries=2 if config.max_batch <= 1 else config.max_batch + 2,
         scrub_interval_s=SCRUB_INTERVAL_S,
     )
     source = EngineTensorSource(RearmingTurns(turns), caches, identity)

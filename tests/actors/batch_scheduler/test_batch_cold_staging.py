@@ -31,7 +31,8 @@ IDENTITY = ModelIdentity(
 )
 GREEDY = GenerationParams(max_tokens=8)
 TOPICS = ("rivers and their deltas", "mountain weather in spring",
-          "the history of printing", "how bridges carry loads")
+          "the history of printing", "how bridges carry loads",
+          "the tides of the north sea", "why glass is transparent")
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +67,16 @@ async def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], DoneEvent]
     raise AssertionError("the stream ended without a DoneEvent")
 
 
-async def test_four_concurrent_ssd_hits_with_max_batch_4_all_restore(
-    tmp_path: Path, model: Any, tok: Any
+# NOTE: 6 rows also exceed the prompt cache's former fixed cap of 4 SSD
+# lookups in flight (a lookup past it was answered from RAM: the row joined cold).
+@pytest.mark.parametrize("rows", [4, 6])
+async def test_concurrent_ssd_hits_with_max_batch_rows_all_restore(
+    tmp_path: Path, model: Any, tok: Any, rows: int
 ) -> None:
-    """After a restart, four batch rows arriving together, each extending its own stored
-    conversation, all restore from disk (batch.ssd.restored == 4, each row's cached_tokens
+    """After a restart, max_batch rows arriving together, each extending its own stored
+    conversation, all restore from disk (batch.ssd.restored == rows, each row's cached_tokens
     is its whole stored prefix, nothing pushed out of staging) and give the serial cold tokens."""
-    firsts = [_ids(tok, f"Tell me about {topic}, in detail please. " * 3) for topic in TOPICS]
+    firsts = [_ids(tok, f"Tell me about {topic}, in detail please. " * 3) for topic in TOPICS[:rows]]
     async with _engine(model, tok, tmp_path, max_batch=1) as writer:
         answers = [list((await writer.complete_prompt(p, GREEDY)).token_ids) for p in firsts]
         flushed = await writer.flush()
@@ -82,10 +86,10 @@ async def test_four_concurrent_ssd_hits_with_max_batch_4_all_restore(
     async with _engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
         want = [(await _run(serial, p))[0] for p in seconds]
 
-    async with _engine(model, tok, tmp_path, max_batch=4) as restarted:
+    async with _engine(model, tok, tmp_path, max_batch=rows) as restarted:
         cold = restarted._cold
         assert cold is not None
-        assert (await restarted.stats())["ssd_cache"]["entries"] == len(TOPICS)
+        assert (await restarted.stats())["ssd_cache"]["entries"] == rows
         got: list[Any] = [None] * len(seconds)
 
         async def one(i: int) -> None:
@@ -103,7 +107,7 @@ async def test_four_concurrent_ssd_hits_with_max_batch_4_all_restore(
     assert [done.usage.cached_tokens for _, done in got] == stored
     assert [tokens for tokens, _ in got] == want
     assert stats["batch"]["batch"]["ssd"] == {
-        "restored": 4, "restored_tokens": sum(stored), "restore_failed": 0,
+        "restored": rows, "restored_tokens": sum(stored), "restore_failed": 0,
     }
-    assert (stats["ssd_cache"]["hits"], stats["ssd_cache"]["restores"]) == (4, 4)
+    assert (stats["ssd_cache"]["hits"], stats["ssd_cache"]["restores"]) == (rows, rows)
     assert (pushed_out, staged) == (0, 0)
