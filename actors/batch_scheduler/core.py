@@ -721,9 +721,7 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
         case RetryDelivery():
             state.retry_armed = False
         case GatherDue():
-            if state.gather_until is not None and event.now >= state.gather_until:
-                state.gather_until = None
-                state.gathered = True
+            pass  # NOTE: _gather ends a wait whose time is up, on this or any later event.
         case _:
             assert_never(event)
     _wake_deferred(state, out)
@@ -885,6 +883,10 @@ def _gather(state: SchedulerState, now: float, out: list[Effect]) -> None:
     joined rows exist, a ready row never waits: decoding rows would.
     """
     rows = state.rows.values()
+    if state.gather_until is not None and now >= state.gather_until:
+        # NOTE: checked on every event, so a lost alarm note delays nothing past the next event.
+        state.gather_until = None
+        state.gathered = True
     idle = state.in_flight is None and not any(r.phase == "joined" for r in rows)
     if not idle:
         state.gathered = False
