@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypedDict, TypeVar, Unpack
+from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack
 
 import anyio
 import anyio.to_thread
@@ -174,6 +174,7 @@ class EngineOptions(TypedDict, total=False):
     ssd_cache: str | Path | None
     ssd_cache_max_bytes: int | None
     ssd_cache_verify: bool
+    ssd_restore: Literal["auto", "always"]
     ssd_demote_idle: float
     ssd_writebehind: bool
     ssd_spill_queue_bytes: int

@@ -296,6 +296,13 @@ class EngineConfig(BaseModel):
                           "verified)"),
         Setting("KVTIER_SSD_CACHE_VERIFY", "--ssd-cache-verify", scope="ssd", metavar="on|off"),
     ] = True
+    ssd_restore: Annotated[
+        Literal["auto", "always"],
+        Field(description="auto: restore an SSD hit only when reading it is predicted faster "
+                          "than prefilling its tokens (restore-or-recompute); always: read "
+                          "every usable file (e.g. to check what is on disk)"),
+        Setting("KVTIER_SSD_RESTORE", "--ssd-restore", scope="ssd"),
+    ] = "auto"
     ssd_demote_idle: Annotated[
         float,
         Field(ge=0, description="RAM entries unused this long move to the SSD tier; 0 = never"),

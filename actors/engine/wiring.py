@@ -285,6 +285,7 @@ def cold_tier(
         identity=identity,
         max_bytes=max_bytes,
         verify=config.ssd_cache_verify,
+        always_restore=config.ssd_restore == "always",
         ask_timeout=config.ask_timeout_s,
         # NOTE: the Engine passes its own staging (sized the same way); this
         # is the bound when none is passed.

@@ -121,7 +121,9 @@ class SsdWriterConfig:
     ``scrub_bytes_per_s`` on average, and skips a round when no idle engine
     turn came within ``scrub_idle_wait_s``. ``min_restore_tokens``: ``Find``
     offers no file that adds fewer tokens than this to what RAM serves
-    (``core.MIN_RESTORE_TOKENS``).
+    (``core.MIN_RESTORE_TOKENS``). ``always_restore``: read every usable
+    file instead of asking the restore-or-recompute estimator
+    (``--ssd-restore always``).
     """
 
     root: str
@@ -136,6 +138,7 @@ class SsdWriterConfig:
     scrub_bytes_per_s: float = 32.0 * 1024 * 1024
     scrub_idle_wait_s: float = 5.0
     min_restore_tokens: int = core.MIN_RESTORE_TOKENS
+    always_restore: bool = False
 
     def __post_init__(self) -> None:
         if self.scrub_interval_s < 0 or self.scrub_bytes_per_s <= 0 or self.scrub_idle_wait_s <= 0:
@@ -696,6 +699,7 @@ def build_cold_tier(
         fingerprint=config.identity.fingerprint,
         max_bytes=config.max_bytes,
         min_restore_tokens=config.min_restore_tokens,
+        estimator=core.Estimator(always_restore=config.always_restore),
     )
     return ColdTier(
         config=config,

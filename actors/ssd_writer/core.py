@@ -229,9 +229,13 @@ class Estimator:
         overhead_s: float = 0.0,
         prior_disk_bps: float = PRIOR_DISK_BPS,
         prior_prefill_tps: float = PRIOR_PREFILL_TPS,
+        always_restore: bool = False,
     ) -> None:
         if prior_disk_bps <= 0 or prior_prefill_tps <= 0:
             raise ValueError("the priors must be positive")
+        # NOTE: ``--ssd-restore always``: every usable file is read, whatever
+        # the predictions say (the speeds are still learned and reported).
+        self.always_restore = always_restore
         self.alpha = alpha
         self.overhead_s = overhead_s
         self.prior_disk_bps = prior_disk_bps
@@ -264,7 +268,8 @@ class Estimator:
         prefill = self.prior_prefill_tps if self.prefill_tps is None else self.prefill_tps
         restore_s = file_bytes / disk + self.overhead_s
         prefill_s = saved_tokens / prefill
-        choice: RestoreChoice = "restore" if restore_s < prefill_s else "recompute"
+        faster = restore_s < prefill_s
+        choice: RestoreChoice = "restore" if faster or self.always_restore else "recompute"
         if self.disk_bps is None or self.prefill_tps is None:
             return choice, None, None
         return choice, restore_s, prefill_s

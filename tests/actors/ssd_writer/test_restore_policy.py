@@ -190,3 +190,18 @@ async def test_a_short_shared_prefix_reads_no_file_even_when_the_estimate_favour
     assert (short["choices_restore"], short["choices_recompute"]) == (0, 0)
     assert whole.usage.cached_tokens >= len(target)
     assert (final["restores"], final["hits"], final["choices_restore"]) == (1, 1, 1)
+
+
+def test_always_restore_reads_a_file_the_estimator_would_recompute() -> None:
+    """--ssd-restore always: a restore predicted slower than the prefill is still chosen; auto recomputes it."""
+    from actors.ssd_writer.core import Estimator
+
+    auto, always = Estimator(), Estimator(always_restore=True)
+    for est in (auto, always):
+        est.observe_read(1_000_000, 1.0)  # 1 MB/s disk
+        est.observe_prefill(10_000, 1.0)  # 10k tok/s prefill
+    # NOTE: 10 MB to save 100 tokens: 10 s of reading against 10 ms of prefill.
+    assert auto.choose(10_000_000, 100)[0] == "recompute"
+    choice, restore_s, prefill_s = always.choose(10_000_000, 100)
+    assert choice == "restore"
+    assert restore_s is not None and prefill_s is not None and restore_s > prefill_s
