@@ -41,10 +41,12 @@ Invariants (checked by the tests):
 - a row whose stream is full never holds up the others: once a delivery to
   it is refused (``StreamFull``), its events wait in its *outbox* (at most
   ``backlog_max`` tokens, then its final event) and go out in order through
-  ``Deliver`` as its reader makes room (tried after every event, and by a
-  retry alarm, ``ArmRetry``); a row that reaches ``backlog_max`` held tokens
-  is removed by the next step (its cache kept) and its stream ends, after
-  the held tokens, with ``ErrorEvent(slow_reader)``.
+  ``Deliver`` as its reader makes room (tried once after every event that
+  is not an answer to this core's own effects, and by a retry alarm,
+  ``ArmRetry``), so handling one event always comes to rest; a row that
+  reaches ``backlog_max`` held tokens is removed by the next step (its
+  cache kept) and its stream ends, after the held tokens, with
+  ``ErrorEvent(slow_reader)``.
 """
 
 from __future__ import annotations
@@ -1249,11 +1251,22 @@ def _delivered(state: SchedulerState, ev: Delivered, out: list[Effect]) -> None:
         del state.outboxes[ev.request_id]
 
 
-def _refused_now(event: Event, rid: str) -> bool:
-    """Whether ``event`` says ``rid``'s stream refused an event just now."""
+def _may_try(event: Event, rid: str) -> bool:
+    """Whether ``event`` is a reason to try ``rid``'s held stream now.
+
+    NOTE: ``StreamFull`` and ``Delivered`` answer this core's own effects,
+    performed one after another with no reader running in between, so they
+    say nothing about room in any stream. Only a delivery that made progress
+    goes on (the rest of its outbox, past ``deliver_chunk``); trying the other
+    held streams on them would answer one refused ``Deliver`` with another,
+    forever, while two streams are full. The event that caused them already
+    tried every held stream; the next one, or the retry alarm, tries again.
+    """
     if isinstance(event, StreamFull):
-        return event.request_id == rid
-    return isinstance(event, Delivered) and event.request_id == rid and event.sent == 0
+        return False
+    if isinstance(event, Delivered):
+        return event.request_id == rid and event.sent > 0 and not event.gone
+    return True
 
 
 def _deliver_held(state: SchedulerState, event: Event, out: list[Effect]) -> None:
@@ -1261,8 +1274,8 @@ def _deliver_held(state: SchedulerState, event: Event, out: list[Effect]) -> Non
     for rid, box in state.outboxes.items():
         if box.attempting or (not box.events and box.final is None):
             continue
-        if _refused_now(event, rid):
-            continue  # NOTE: the next event or the alarm tries again.
+        if not _may_try(event, rid):
+            continue
         box.attempting = True
         chunk = tuple(islice(box.events, state.deliver_chunk))
         final = box.final if len(chunk) == len(box.events) else None
