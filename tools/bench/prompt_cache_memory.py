@@ -9,6 +9,11 @@ cache is bounded (``kernels.configure_mlx_memory``). Run:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
         .venv/bin/python tools/bench/prompt_cache_memory.py [--requests 40] [--cap-gb 0.1]
+
+With the batch lane (issue #10: caps hold while rows are active):
+``--concurrency 8 --max-batch 8 --spill-queue-gb 0.1`` sends the requests
+in waves of 8 at once (8 rows decode together); the bound then is the
+prompt-cache cap plus the spill queue's cap, plus the same 15 %.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -31,32 +37,50 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--cap-gb", type=float, default=0.1)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests sent at once")
+    parser.add_argument("--max-batch", type=int, default=1, help="kvtier serve --max-batch")
+    parser.add_argument(
+        "--spill-queue-gb", type=float, default=None, help="kvtier serve --ssd-spill-queue"
+    )
     args = parser.parse_args()
     if args.model is None:
         from kernels import ensure_default_model
 
         args.model = ensure_default_model()
     cap = int(args.cap_gb * 1e9)
+    extra = ["--prompt-cache", str(args.cap_gb), "--max-batch", str(args.max_batch)]
+    if args.spill_queue_gb is not None:
+        extra += ["--ssd-spill-queue", str(args.spill_queue_gb)]
+        # NOTE: the spill queue's clones are host memory too: the bound adds its cap.
+        cap += int(args.spill_queue_gb * 1e9)
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_kvtier(args.model, Path(tmp), "--prompt-cache", str(args.cap_gb))
+        server = start_kvtier(args.model, Path(tmp), *extra)
         try:
             model_id = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
             peaks: list[int] = []
-            for i in range(args.requests):
+
+            def one(i: int) -> None:
                 messages = [
                     {"role": "system", "content": system_prompt(args.tokens, f"m{i}-distinct")},
                     {"role": "user", "content": f"Question {i}: what is rule {i % 9}?"},
                 ]
                 ttft(server.url, messages, model_id, max_tokens=8)
-                peaks.append(server.peak_rss_bytes())
-                if i in (0, args.requests - 1) or i % 10 == 9:
-                    print(f"request {i + 1:>3}: peak RSS {peaks[-1] / 1e6:8.1f} MB")
+
+            wave = max(1, args.concurrency)
+            with ThreadPoolExecutor(max_workers=wave) as pool:
+                for start in range(0, args.requests, wave):
+                    ids = range(start, min(start + wave, args.requests))
+                    list(pool.map(one, ids))
+                    peaks.append(server.peak_rss_bytes())
+                    done = ids[-1] + 1
+                    if start == 0 or done == args.requests or done % (10 * wave) < wave:
+                        print(f"request {done:>3}: peak RSS {peaks[-1] / 1e6:8.1f} MB", flush=True)
             stats = httpx.get(f"{server.url}/stats", timeout=10)
             cache_stats = stats.json()["engine"].get("prompt_cache") if stats.status_code == 200 else None
         finally:
             server.stop()
     growth = peaks[-1] - peaks[0]
-    print(f"cap {cap / 1e6:.1f} MB; peak-RSS growth first->last {growth / 1e6:.1f} MB "
+    print(f"caps {cap / 1e6:.1f} MB; peak-RSS growth first->last {growth / 1e6:.1f} MB "
           f"= {growth / cap:.3f} x cap (target <= 1.15)")
     if cache_stats is not None:
         print(f"prompt cache stats: {cache_stats}")
