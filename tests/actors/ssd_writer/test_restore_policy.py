@@ -204,4 +204,6 @@ def test_always_restore_reads_a_file_the_estimator_would_recompute() -> None:
     assert auto.choose(10_000_000, 100)[0] == "recompute"
     choice, restore_s, prefill_s = always.choose(10_000_000, 100)
     assert choice == "restore"
-    assert restore_s is not None and prefill_s is not None and restore_s > prefill_s
+    assert restore_s is not None
+    assert prefill_s is not None
+    assert restore_s > prefill_s
