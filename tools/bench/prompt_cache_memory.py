@@ -42,6 +42,7 @@ def main() -> int:
     parser.add_argument(
         "--spill-queue-gb", type=float, default=None, help="kvtier serve --ssd-spill-queue"
     )
+    parser.add_argument("--no-ssd", action="store_true", help="kvtier serve --ssd-cache off")
     args = parser.parse_args()
     if args.model is None:
         from kernels import ensure_default_model
@@ -53,6 +54,8 @@ def main() -> int:
         extra += ["--ssd-spill-queue", str(args.spill_queue_gb)]
         # NOTE: the spill queue's clones are host memory too: the bound adds its cap.
         cap += int(args.spill_queue_gb * 1e9)
+    if args.no_ssd:
+        extra += ["--ssd-cache", "off"]
     with tempfile.TemporaryDirectory() as tmp:
         server = start_kvtier(args.model, Path(tmp), *extra)
         try:
