@@ -14,21 +14,13 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
-from kernels import ModelIdentity
+from actors.engine import GenerationParams
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+from .cold_support import engine, ids, run
 
 pytestmark = pytest.mark.anyio
 
-IDENTITY = ModelIdentity(
-    model_id="tiny-llama",
-    name="tiny-llama",
-    config_fingerprint="cfg",
-    tokenizer_hash="tok",
-    weights_digest="w0",
-    dtype="float32",
-    quantization=None,
-)
 GREEDY = GenerationParams(max_tokens=8)
 TOPICS = ("rivers and their deltas", "mountain weather in spring",
           "the history of printing", "how bridges carry loads",
@@ -47,26 +39,6 @@ def model(tok: Any) -> Any:
     return lively_llama(len(tok))
 
 
-def _ids(tok: Any, text: str) -> list[int]:
-    return [int(t) for t in tok.encode(text)]
-
-
-def _engine(model: Any, tok: Any, root: Path | None, **options: Any) -> Engine:
-    settings: dict[str, Any] = {"prompt_cache_bytes": 1 << 26, "ssd_cache": root, **options}
-    return Engine.from_loaded(model, tok, model_id="tiny", identity=IDENTITY, **settings)
-
-
-async def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], DoneEvent]:
-    tokens: list[int] = []
-    async with engine.generate(prompt, GREEDY) as stream:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token_id)
-            else:
-                return tokens, event
-    raise AssertionError("the stream ended without a DoneEvent")
-
-
 # NOTE: 6 rows also exceed the prompt cache's former fixed cap of 4 SSD
 # lookups in flight (a lookup past it was answered from RAM: the row joined cold).
 @pytest.mark.parametrize("rows", [4, 6])
@@ -76,24 +48,24 @@ async def test_concurrent_ssd_hits_with_max_batch_rows_all_restore(
     """After a restart, max_batch rows arriving together, each extending its own stored
     conversation, all restore from disk (batch.ssd.restored == rows, each row's cached_tokens
     is its whole stored prefix, nothing pushed out of staging) and give the serial cold tokens."""
-    firsts = [_ids(tok, f"Tell me about {topic}, in detail please. " * 3) for topic in TOPICS[:rows]]
-    async with _engine(model, tok, tmp_path, max_batch=1) as writer:
+    firsts = [ids(tok, f"Tell me about {topic}, in detail please. " * 3) for topic in TOPICS[:rows]]
+    async with engine(model, tok, tmp_path, max_batch=1) as writer:
         answers = [list((await writer.complete_prompt(p, GREEDY)).token_ids) for p in firsts]
         flushed = await writer.flush()
         assert flushed is not None
         assert flushed.durable
-    seconds = [[*f, *a, *_ids(tok, " And then?")] for f, a in zip(firsts, answers, strict=True)]
-    async with _engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
-        want = [(await _run(serial, p))[0] for p in seconds]
+    seconds = [[*f, *a, *ids(tok, " And then?")] for f, a in zip(firsts, answers, strict=True)]
+    async with engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
+        want = [(await run(serial, p, GREEDY))[0] for p in seconds]
 
-    async with _engine(model, tok, tmp_path, max_batch=rows) as restarted:
+    async with engine(model, tok, tmp_path, max_batch=rows) as restarted:
         cold = restarted._cold
         assert cold is not None
         assert (await restarted.stats())["ssd_cache"]["entries"] == rows
         got: list[Any] = [None] * len(seconds)
 
         async def one(i: int) -> None:
-            got[i] = await _run(restarted, seconds[i])
+            got[i] = await run(restarted, seconds[i], GREEDY)
 
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:

@@ -14,21 +14,13 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
-from kernels import ModelIdentity
+from actors.engine import DoneEvent, Engine, GenerationParams
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+from .cold_support import engine, ids, run
 
 pytestmark = pytest.mark.anyio
 
-IDENTITY = ModelIdentity(
-    model_id="tiny-llama",
-    name="tiny-llama",
-    config_fingerprint="cfg",
-    tokenizer_hash="tok",
-    weights_digest="w0",
-    dtype="float32",
-    quantization=None,
-)
 GREEDY = GenerationParams(max_tokens=10)
 
 
@@ -44,31 +36,11 @@ def model(tok: Any) -> Any:
     return lively_llama(len(tok))
 
 
-def _ids(tok: Any, text: str) -> list[int]:
-    return [int(t) for t in tok.encode(text)]
-
-
-def _engine(model: Any, tok: Any, root: Path | None, **options: Any) -> Engine:
-    settings: dict[str, Any] = {"prompt_cache_bytes": 1 << 26, "ssd_cache": root, **options}
-    return Engine.from_loaded(model, tok, model_id="tiny", identity=IDENTITY, **settings)
-
-
-async def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], DoneEvent]:
-    tokens: list[int] = []
-    async with engine.generate(prompt, GREEDY) as stream:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token_id)
-            else:
-                return tokens, event
-    raise AssertionError("the stream ended without a DoneEvent")
-
-
 async def _together(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], DoneEvent]]:
     out: list[Any] = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        out[i] = await _run(engine, prompts[i])
+        out[i] = await run(engine, prompts[i], GREEDY)
 
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
@@ -85,7 +57,7 @@ def _shared(entry: list[int], prompt: list[int]) -> int:
 
 async def _write_tier(model: Any, tok: Any, root: Path, first: list[int]) -> list[int]:
     """Serve ``first`` on a serial engine with the tier at ``root``, flush, close; its output."""
-    async with _engine(model, tok, root, max_batch=1) as writer:
+    async with engine(model, tok, root, max_batch=1) as writer:
         done = await writer.complete_prompt(first, GREEDY)
         flushed = await writer.flush()
         assert flushed is not None
@@ -114,16 +86,16 @@ async def test_a_batch_row_after_a_restart_restores_its_prefix_from_disk(
     cached_tokens from the SSD tier (/stats: an ssd hit, no RAM hit), forwards only its suffix,
     and gives the greedy tokens of a serial cold run; the other row of the batch is unaffected
     and no restored bytes are left in host staging."""
-    first = _ids(tok, "A batch row restores its prefix from the disk tier. " * 3)
+    first = ids(tok, "A batch row restores its prefix from the disk tier. " * 3)
     answer = await _write_tier(model, tok, tmp_path, first)
-    second = [*first, *answer, *_ids(tok, " Next question?")]
+    second = [*first, *answer, *ids(tok, " Next question?")]
     # NOTE: without the BOS token, so no prefix at all is shared with the stored file.
-    other = _ids(tok, "Quite unrelated: another prompt in the same batch.")[1:]
-    async with _engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
-        want_second, _ = await _run(serial, second)
-        want_other, _ = await _run(serial, other)
+    other = ids(tok, "Quite unrelated: another prompt in the same batch.")[1:]
+    async with engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
+        want_second, _ = await run(serial, second, GREEDY)
+        want_other, _ = await run(serial, other, GREEDY)
 
-    async with _engine(model, tok, tmp_path, max_batch=4) as restarted:
+    async with engine(model, tok, tmp_path, max_batch=4) as restarted:
         assert restarted._cold is not None
         (got_second, done_second), (got_other, done_other) = await _together(
             restarted, [second, other]
@@ -152,16 +124,16 @@ async def test_a_corrupt_file_under_the_batch_lane_is_a_miss_with_the_right_answ
 ) -> None:
     """A stored file with one flipped tensor bit is removed and counted when a batch row's
     lookup finds it; the row joins cold, forwards its whole prompt, and gives the cold tokens."""
-    first = _ids(tok, "A flipped bit never reaches a batch row. " * 3)
+    first = ids(tok, "A flipped bit never reaches a batch row. " * 3)
     answer = await _write_tier(model, tok, tmp_path, first)
-    second = [*first, *answer, *_ids(tok, " And then?")]
+    second = [*first, *answer, *ids(tok, " And then?")]
     stored = _flip_a_tensor_bit(tmp_path)
-    async with _engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
-        want, _ = await _run(serial, second)
+    async with engine(model, tok, None, prompt_cache_bytes=0, max_batch=1) as serial:
+        want, _ = await run(serial, second, GREEDY)
 
-    async with _engine(model, tok, tmp_path, max_batch=4) as restarted:
+    async with engine(model, tok, tmp_path, max_batch=4) as restarted:
         assert (await restarted.stats())["ssd_cache"]["entries"] == 1
-        got, done = await _run(restarted, second)
+        got, done = await run(restarted, second, GREEDY)
         stats = await restarted.stats()
     assert (got, done.usage.cached_tokens) == (want, 0)
     cold = stats["ssd_cache"]
@@ -178,10 +150,10 @@ async def test_batch_steps_that_only_prefill_teach_the_restore_or_recompute_esti
     """With every request on the batch lane, the cold tier still learns the prefill speed (its
     estimator's other half): a lone request's first step, which only prefilled its prompt,
     is reported, so /stats shows a prefill_tok_s."""
-    prompt = _ids(tok, "Only the batch lane serves this engine, and it prefills. " * 2)
-    async with _engine(model, tok, tmp_path, max_batch=4) as eng:
+    prompt = ids(tok, "Only the batch lane serves this engine, and it prefills. " * 2)
+    async with engine(model, tok, tmp_path, max_batch=4) as eng:
         assert (await eng.stats())["ssd_cache"]["prefill_tok_s"] is None
-        await _run(eng, prompt)
+        await run(eng, prompt, GREEDY)
         # NOTE: the report is a tell to the index; poll until it was handled.
         with anyio.fail_after(10):
             while True:
