@@ -1,9 +1,10 @@
 """A burst of SSD hits under the batch lane: host staging has room for every row of ``max_batch``.
 
-``Engine(max_batch=4, ssd_cache=...)`` on a tiny fp32 Llama, after a restart:
-four rows whose prompts each extend a different stored conversation arrive
-together; each one's restored bytes wait in host staging until its join, so
-all four restore (none is pushed out and joins cold).
+``Engine(max_batch=N, ssd_cache=...)`` on a tiny fp32 Llama, after a restart
+(N = 4 and 6): N rows whose prompts each extend a different stored
+conversation arrive together; each one's lookup reaches the SSD index (the
+prompt cache keeps that many in flight) and its restored bytes wait in host
+staging until its join, so all N restore (none is pushed out and joins cold).
 """
 
 from __future__ import annotations
