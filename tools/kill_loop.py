@@ -25,11 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,8 +36,10 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-_READY = re.compile(r"kvtier: ready at (http://\S+)/v1")
-_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tools._serve_child import Server  # noqa: E402
 
 __all__ = ["Prompt", "Summary", "run"]
 
@@ -86,42 +84,6 @@ class Summary:
         return out
 
 
-class Server:
-    """One ``kvtier serve`` child process (output to files, never pipes)."""
-
-    def __init__(self, workdir: Path, args: list[str], *, timeout: float = 180.0) -> None:
-        self.stdout = workdir / "serve.stdout"
-        self.stderr = workdir / "serve.stderr"
-        env = dict(os.environ)
-        if "LD_PRELOAD" not in env and os.path.exists(_OPENBLAS):
-            env["LD_PRELOAD"] = _OPENBLAS
-        started = time.monotonic()
-        cmd = [sys.executable, "-m", "actors.cli", "serve", "--port", "0", *args]
-        with self.stdout.open("wb") as out, self.stderr.open("ab") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err)
-        self.url = self._wait_ready(timeout)
-        self.start_s = time.monotonic() - started
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = _READY.search(self.stdout.read_text(errors="replace"))
-            if match:
-                return match.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.kill()
-        tail = self.stderr.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"kvtier serve did not become ready:\n{tail}")
-
-    def kill(self) -> None:
-        """SIGKILL, and reap."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
 def _complete(http: httpx.Client, url: str, text: str, max_tokens: int) -> dict[str, Any]:
     body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0}
     r = http.post(f"{url}/v1/completions", json=body)
@@ -144,7 +106,7 @@ def run(cycles: int, workdir: Path, *, prompts: int = 2, max_tokens: int = 8,
     args = ["--ssd-cache", str(workdir / "kv"), "--ssd-writebehind", "off", *serve_args]
     flushed: list[Prompt] = []
     with httpx.Client(timeout=300) as http:
-        server = Server(workdir, args)
+        server = Server(workdir, args, append_stderr=True)
         try:
             for cycle in range(cycles):
                 summary.start_s.append(server.start_s)
@@ -171,7 +133,7 @@ def run(cycles: int, workdir: Path, *, prompts: int = 2, max_tokens: int = 8,
                 if log is not None:
                     print(f"cycle {cycle + 1}/{cycles}: verified {summary.prefixes_verified}, "
                           f"failed {summary.prefixes_failed}", file=log, flush=True)
-                server = Server(workdir, args)
+                server = Server(workdir, args, append_stderr=True)
             summary.start_s.append(server.start_s)
             _verify(http, server.url, flushed, max_tokens, summary, cycles)
         finally:

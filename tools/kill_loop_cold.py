@@ -49,12 +49,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -70,8 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-_READY = re.compile(r"kvtier: ready at (http://\S+)/v1")
-_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+from tools._serve_child import Server  # noqa: E402
 
 __all__ = ["Pool", "Prompt", "Summary", "run", "write_tiny_model"]
 
@@ -164,53 +160,6 @@ class Summary:
         return out
 
 
-class Server:
-    """One ``kvtier serve`` child process (output to files, never pipes)."""
-
-    def __init__(self, workdir: Path, args: list[str], *, timeout: float = 300.0) -> None:
-        self.stdout = workdir / "serve.stdout"
-        self.stderr = workdir / "serve.stderr"
-        env = dict(os.environ)
-        if "LD_PRELOAD" not in env and os.path.exists(_OPENBLAS):
-            env["LD_PRELOAD"] = _OPENBLAS
-        started = time.monotonic()
-        cmd = [sys.executable, "-m", "actors.cli", "serve", "--port", "0", *args]
-        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err)
-        self.url = self._wait_ready(timeout)
-        self.start_s = time.monotonic() - started
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = _READY.search(self.stdout.read_text(errors="replace"))
-            if match:
-                return match.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.kill()
-        tail = self.stderr.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"kvtier serve did not become ready:\n{tail}")
-
-    def alive(self) -> bool:
-        """Whether the process still runs."""
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL, and reap."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=60)
-
-    def stop(self) -> None:
-        """SIGTERM (a clean shutdown), SIGKILL after a minute."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 def _complete(http: httpx.Client, url: str, text: str, max_tokens: int) -> dict[str, Any]:
