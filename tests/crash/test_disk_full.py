@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from kernels.cache import OsFilePort, read_header, read_tensors
-from tools.kill_loop_cold import Server, write_tiny_model
+from tools._serve_child import Server
+from tools.kill_loop_cold import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
