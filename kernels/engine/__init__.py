@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._batch import (
     BATCH_SSM_ENV,
+    IDLE_PREFILL_ROWS,
     BatchFull,
     BatchGate,
     BatchGeneration,
@@ -76,6 +77,7 @@ from ._transitioning import (
 
 __all__ = [
     "BATCH_SSM_ENV",
+    "IDLE_PREFILL_ROWS",
     "BatchFull",
     "BatchGate",
     "BatchGeneration",

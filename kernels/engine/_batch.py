@@ -12,8 +12,11 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   prompt token enters the decode batch. No row is ever padded during a
   prefill, so recurrent state (which has no mask) never sees a pad token and
   a row's prefill arithmetic is a lone row's. Each turn forwards at most
-  ``prefill_step_size`` prompt tokens, so active rows never wait for more
-  than one chunk.
+  ``prefill_step_size`` prompt tokens while any row decodes, so active rows
+  never wait for more than one chunk; with no row decoding nobody waits, and
+  a turn may forward up to :data:`IDLE_PREFILL_ROWS` chunks (rows arriving
+  together prefill in one padded forward, as mlx-lm's ``BatchGenerator``
+  prefills ``prefill_batch_size`` prompts at once).
 - **One step is one engine turn**: every decoding row advances by exactly
   one token (``GenerationBatch.next``), then pending rows prefill within the
   turn's budget.
@@ -72,6 +75,7 @@ from ._transitioning import TransitioningBatchKVCache
 
 __all__ = [
     "BATCH_SSM_ENV",
+    "IDLE_PREFILL_ROWS",
     "BatchFull",
     "BatchGate",
     "BatchGeneration",
@@ -125,6 +129,10 @@ RowExitReason = Literal["stop", "length", "cancelled"]
 
 # NOTE: mlx-lm clears MLX's buffer cache every 256 decode steps; same cadence.
 _CLEAR_EVERY = 256
+
+
+IDLE_PREFILL_ROWS = 8
+"""Prefill chunks one turn may forward while no row decodes (mlx-lm's default ``prefill_batch_size``)."""
 
 
 class BatchFull(KernelError):
@@ -588,8 +596,13 @@ class BatchGeneration:
         snapshots: list[RowSnapshot] = []
         prefilled: list[_Row] = []
         used = 0
+        # NOTE: the one-chunk budget protects decoding rows' inter-token time;
+        # with none decoding, a wider turn costs nobody latency and saves the
+        # partial decode steps a trickle of joins would run (H200, 8B shape,
+        # 32 rows of 512 tokens: 8 turns of 4 rows became one forward).
+        limit = self._step_size if self._batch is not None else self._step_size * IDLE_PREFILL_ROWS
         while self._pending:
-            group = self._group(self._step_size - used)
+            group = self._group(limit - used)
             if len(group) > 1:
                 used += self._prefill_group(group, snapshots)
                 for row in group:
@@ -604,7 +617,7 @@ class BatchGeneration:
             # depend on who else joins; the turn's budget only decides when.
             while len(row.prompt) - row.cursor > 1:
                 n = self._chunk(row)
-                if used > 0 and used + n > self._step_size:
+                if used > 0 and used + n > limit:
                     break
                 row.prefill.prompt([row.prompt[row.cursor : row.cursor + n]])
                 row.cursor += n

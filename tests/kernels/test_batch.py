@@ -39,6 +39,7 @@ from kernels import (
     run_generation,
 )
 from kernels.engine import (
+    IDLE_PREFILL_ROWS,
     BatchFull,
     BatchGeneration,
     RowExit,
@@ -498,17 +499,20 @@ def test_cancel_removes_a_row_at_once_and_returns_its_cache(model: Any, tok: Any
 
 def test_cancel_while_pending_or_mid_prefill(model: Any, tok: Any) -> None:
     """Cancelling a row before it started hands back its lent cache; mid-prefill, the part forwarded so far."""
-    prompt = _prompts(len(tok), 1, seed=11, lo=50, hi=55)[0]
+    # NOTE: with no row decoding a turn forwards IDLE_PREFILL_ROWS chunks, so
+    # the prompt is longer than that to be cancelled mid-prefill.
+    budget = 8 * IDLE_PREFILL_ROWS
+    prompt = _prompts(len(tok), 1, seed=11, lo=budget + 20, hi=budget + 25)[0]
     lent = make_prompt_cache(model)
     model(mx.array(prompt[:5])[None], cache=lent)
     batch = BatchGeneration(model, tok, prefill_step_size=8)
     batch.join("a", prompt, SamplingParams(), cache=lent, cached_tokens=5)
     batch.join("b", prompt, SamplingParams())
     result = batch.step()
-    assert result.prefill_tokens == 8
+    assert result.prefill_tokens == budget
     assert batch.pending == ("a", "b")
     mid = batch.cancel("a")
-    assert mid.cache_tokens == tuple(prompt[:13])
+    assert mid.cache_tokens == tuple(prompt[: 5 + budget])
     assert mid.reason == "cancelled"
     _cache_holds(mid.cache, mid.cache_tokens)
     untouched = batch.cancel("b")

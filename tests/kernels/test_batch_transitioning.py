@@ -43,6 +43,7 @@ from kernels import (
 )
 from kernels.cache import declare_min_reusable_offset, declared_min_reusable_offset
 from kernels.engine import (
+    IDLE_PREFILL_ROWS,
     BatchGeneration,
     RowExit,
     TransitioningBatchKVCache,
@@ -495,7 +496,10 @@ def test_a_lent_prefix_keeps_its_declared_floor_and_a_cancel_hands_back_the_conv
 ) -> None:
     """A lent quantized prefix's declared minimum reusable offset survives the batch (as on the serial lane);
     a row cancelled mid-prefill hands back the part forwarded so far, converted, in the serial lane's kind."""
-    prompt = _prompts(len(tok), [50], seed=12)[0]
+    # NOTE: with no row decoding a turn forwards IDLE_PREFILL_ROWS chunks of 8,
+    # so "y" is longer than that to be cancelled mid-prefill.
+    budget = 8 * IDLE_PREFILL_ROWS
+    prompt = _prompts(len(tok), [budget + 36], seed=12)[0]
     _, prior = _serial(model, tok, prompt[:20], SamplingParams(max_tokens=1), KV4)
     donor = clone_caches(prior.cache, 18)
     for c in donor:
@@ -505,12 +509,12 @@ def test_a_lent_prefix_keeps_its_declared_floor_and_a_cancel_hands_back_the_conv
         model, tok, prompt, params, KV4, cache=clone_caches(donor), cached_tokens=18
     )
     batch = BatchGeneration(model, tok, max_rows=2, prefill_step_size=8, kv_scheme=KV4)
-    batch.join("y", prompt[:40], params)
+    batch.join("y", prompt[: budget + 26], params)
     batch.join("x", prompt, params, cache=clone_caches(donor), cached_tokens=18)
     batch.step()
     gone = batch.cancel("y")
     assert _kinds(gone.cache) == [QuantizedKVCache, QuantizedKVCache]
-    assert int(gone.cache[0].offset) == len(gone.cache_tokens) == 8
+    assert int(gone.cache[0].offset) == len(gone.cache_tokens) == budget
     tokens: list[int] = []
     exits: list[RowExit] = []
     while not batch.idle:
