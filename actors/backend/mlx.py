@@ -20,10 +20,8 @@ from kernels import (
 )
 from kernels.cache import (
     CacheOffsetMismatch,
-    HostEntry,
     KvFileHeader,
     caches_trimmable,
-    materialize,
     trim_caches,
 )
 from kernels.engine import SnapshotBoundary, probe_snapshot_boundary
@@ -35,16 +33,11 @@ __all__ = ["MlxBackend", "RestoredEntries", "StagedEntryLike", "runtime_identity
 
 
 class StagedEntryLike(Protocol):
-    """A restored file waiting in host memory (``actors.ssd_writer.StagedEntry``)."""
+    """A restored file waiting for its turn (``actors.ssd_writer.StagedEntry``): checked, held open."""
 
     @property
     def header(self) -> KvFileHeader:
         """The file's validated header."""
-        ...
-
-    @property
-    def host(self) -> HostEntry:
-        """Its tensor bytes."""
         ...
 
 
@@ -52,7 +45,15 @@ class RestoredEntries(Protocol):
     """Where restored entries wait (``actors.ssd_writer.HostStaging``); thread-safe."""
 
     def take(self, staging_id: str) -> StagedEntryLike | None:
-        """Remove and return the entry (``None``: unknown, taken or pushed out)."""
+        """Remove and return the entry (``None``: unknown, taken or pushed out); the taker owns it."""
+        ...
+
+    def land(self, entry: Any, *, step: int = 256) -> list[Any]:
+        """Read a taken entry straight into MLX arrays and build its caches; closes its file."""
+        ...
+
+    def release(self, entry: Any) -> None:
+        """Close a taken entry's file off this thread (idempotent)."""
         ...
 
 
@@ -159,15 +160,33 @@ class MlxBackend:
     def _restore(self, request: Generate, staging_id: str, tokens: int) -> list[Any] | None:
         """The restored entry's caches holding exactly the prompt's first ``tokens`` (or ``None``).
 
-        The host bytes become MLX arrays here (plain KV with step-rounded
-        slack, each host buffer freed as soon as it is copied), then the
-        caches are trimmed to ``tokens``. Any failure is a miss.
+        The checked, open file is read straight into MLX arrays here (plain
+        KV with step-rounded slack, every byte hashed again in the memory the
+        arrays own; ``kernels.cache.land_entry``), then the caches are
+        trimmed to ``tokens``. The file is closed on every path. Any failure
+        is a miss.
         """
-        staged = self._staging.take(staging_id) if self._staging is not None else None
-        if staged is None:
+        staging = self._staging
+        staged = staging.take(staging_id) if staging is not None else None
+        if staging is None or staged is None:
             self.restore_failures += 1
             _log.warning("ssd_cache.restore_lost", staging_id=staging_id)
             return None
+        try:
+            return self._land(staging, staged, request, staging_id, tokens)
+        finally:
+            # NOTE: a no-op after a landing (it released the file); on the
+            # refusal paths this closes it, on a landing thread.
+            staging.release(staged)
+
+    def _land(
+        self,
+        staging: RestoredEntries,
+        staged: StagedEntryLike,
+        request: Generate,
+        staging_id: str,
+        tokens: int,
+    ) -> list[Any] | None:
         header = staged.header
         # NOTE: the index matched these tokens; checking again is cheap and a
         # mismatch would mean KV of other tokens, never to be served.
@@ -181,8 +200,7 @@ class MlxBackend:
             _log.warning("ssd_cache.restore_untrimmable", staging_id=staging_id)
             return None
         try:
-            caches = materialize(header, staged.host, consume=True)
-            del staged
+            caches = staging.land(staged)
             if extra > 0:
                 if not caches_trimmable(caches):
                     raise ValueError("a restored layer cannot be trimmed")

@@ -19,7 +19,7 @@ from .actor import (
     cold_tier_stats,
     spawn_ssd_writer,
 )
-from .core import Estimator, IndexEntry, IndexState, namespace_dir
+from .core import CostLine, Estimator, IndexEntry, IndexState, namespace_dir
 from .io import default_max_bytes
 from .ports import (
     CacheSource,
@@ -27,6 +27,7 @@ from .ports import (
     EngineTurns,
     FileIdentity,
     HostStaging,
+    LandingObservation,
     RearmingTurns,
     StagedEntry,
     TensorSource,
@@ -38,6 +39,7 @@ __all__ = [
     "SSD_WRITER_ADDRESS",
     "CacheSource",
     "ColdTier",
+    "CostLine",
     "EngineTensorSource",
     "EngineTurns",
     "Estimator",
@@ -45,6 +47,7 @@ __all__ = [
     "HostStaging",
     "IndexEntry",
     "IndexState",
+    "LandingObservation",
     "Reader",
     "RearmingTurns",
     "Scrubber",

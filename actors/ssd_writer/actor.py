@@ -218,12 +218,32 @@ class SsdWriter(Actor):
             await self._load(ctx)
 
     async def stopped(self, ctx: Context) -> None:
-        """Release the directory lock."""
-        self._tier.release_lock()
+        """Close the files still waiting in the staging (worker thread) and release the lock."""
+        try:
+            await self._tier.run(self._tier.staging.close)
+        finally:
+            self._tier.release_lock()
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
-        """Apply the rules to one message and perform their effects in order."""
+        """Apply the rules to one message and perform their effects in order.
+
+        NOTE: the landings the engine thread recorded since the last message
+        are applied first (it cannot send messages itself), so a ``Find``
+        always sees every landing that finished before it arrived.
+        """
         tier = self._tier
+        landed: list[core.Effect] = []
+        for obs in tier.staging.drain_observations():
+            landed += core.landing_report(
+                tier.state,
+                path=obs.path,
+                nbytes=obs.nbytes,
+                seconds=obs.seconds,
+                ok=obs.ok,
+                corrupt=obs.corrupt,
+            )
+        if landed:
+            await self._perform(landed, ctx)
         tier.state, effects = core.handle(tier.state, envelope)
         await self._perform(effects, ctx)
 
@@ -479,6 +499,28 @@ class StoreWorker(Actor):
 # --- the reader --------------------------------------------------------------------------
 
 
+async def _read_owned(tier: ColdTier, path: str, **kwargs: Any) -> io.ReadOutcome:
+    """``io.read_entry`` on the worker pool; its open file is closed if the caller never gets it.
+
+    NOTE: the worker thread runs to its end even when the awaiting task is
+    cancelled meanwhile; the outcome it produced is then closed here
+    instead of leaking its descriptor.
+    """
+    produced: list[io.ReadOutcome] = []
+
+    def read() -> io.ReadOutcome:
+        out = io.read_entry(tier.port, path, **kwargs)
+        produced.append(out)
+        return out
+
+    try:
+        return await tier.run(read)
+    except BaseException:
+        for out in produced:
+            out.file.close()
+        raise
+
+
 class Reader(Actor):
     """Reads one file per ``ReadEntry`` into host staging; answers the ``Restore`` asker."""
 
@@ -495,9 +537,8 @@ class Reader(Actor):
         started = ctx.clock.now()
         staging_id: str | None = None
         try:
-            out = await tier.run(
-                io.read_entry,
-                tier.port,
+            out = await _read_owned(
+                tier,
                 body.path,
                 fingerprint=state.fingerprint,
                 namespace=body.namespace,
@@ -524,26 +565,41 @@ class Reader(Actor):
         else:
             seconds = max(0.0, ctx.clock.now() - started)
             staging_id = ctx.ids.new_id("restore-")
-            tier.staging.put(staging_id, StagedEntry(body.path, out.header, out.host))
+            # NOTE: the staging owns the open file from here (it closes it
+            # when it drops the entry, pushes it out, or lands it).
+            if not tier.staging.put(staging_id, StagedEntry(body.path, out.file)):
+                staging_id = None
+                result = RestoreResult(
+                    ok=False, path=body.path, reason="stopped", ticket=body.ticket
+                )
+                report = RestoreReport(path=body.path, ok=False, reason="stopped")
+                await ctx.reply(envelope, result)
+                await ctx.tell(tier.name, report)
+                return
             result = RestoreResult(
                 ok=True,
                 path=body.path,
                 staging_id=staging_id,
                 entry_tokens=len(out.header.tokens),
-                bytes=out.host.nbytes,
+                bytes=out.file.nbytes,
                 read_s=seconds,
                 ticket=body.ticket,
             )
             report = RestoreReport(
                 path=body.path,
                 ok=True,
-                bytes=out.host.nbytes,
+                bytes=out.file.nbytes,
                 seconds=seconds,
                 touched=out.touched,
             )
-        delivered = await ctx.reply(envelope, result)
+        try:
+            delivered = await ctx.reply(envelope, result)
+        except BaseException:
+            if staging_id is not None:
+                tier.staging.discard(staging_id)
+            raise
         if not delivered and staging_id is not None:
-            tier.staging.discard(staging_id)  # NOTE: the asker left; free the bytes now.
+            tier.staging.discard(staging_id)  # NOTE: the asker left; close the file now.
         await ctx.tell(tier.name, report)
 
 

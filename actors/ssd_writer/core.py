@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -68,8 +69,12 @@ __all__ = [
     "ENTRY_SUFFIX",
     "MIN_RESTORE_TOKENS",
     "PRIOR_DISK_BPS",
+    "PRIOR_LAND_BPS",
+    "PRIOR_LAND_FIXED_S",
     "PRIOR_PREFILL_TPS",
+    "PRIOR_READ_FIXED_S",
     "Answer",
+    "CostLine",
     "Effect",
     "Estimator",
     "IndexEntry",
@@ -88,6 +93,7 @@ __all__ = [
     "files_removed",
     "find",
     "handle",
+    "landing_report",
     "load_scan",
     "namespace_dir",
     "scrub_pick",
@@ -199,6 +205,19 @@ conversation's whole file to reuse one token. Above it the estimator decides.
 PRIOR_DISK_BPS = 1e9
 """Disk read speed (bytes/s) the estimator assumes until it has timed a restore."""
 
+PRIOR_READ_FIXED_S = 0.0
+"""A read's fixed cost (open, header, thread hops) assumed until reads of different sizes tell it
+apart from the speed: none, so an unmeasured tier advises as the speed-only estimate did."""
+
+PRIOR_LAND_BPS = math.inf
+"""Landing speed (bytes/s into MLX memory, hashed) assumed until a landing was timed: free.
+
+NOTE: no guess: the landing is memory-bound and its speed differs between devices by more than
+an order of magnitude (unified memory vs a CPU VM); the first landing measures it."""
+
+PRIOR_LAND_FIXED_S = 0.0
+"""A landing's fixed cost (per-tensor allocations, hand-offs) assumed until sizes tell it apart."""
+
 PRIOR_PREFILL_TPS = 1000.0
 """Prefill speed (tokens/s) the estimator assumes until it has timed a prefill.
 
@@ -212,61 +231,166 @@ an H200 prefills an 8B model at 25,000 tokens/s and read its KV back at
 """
 
 
-class Estimator:
-    """Running estimates of disk read speed and prefill speed; restore or recompute?
+class CostLine:
+    """A cost model ``seconds = fixed_s + nbytes / bps`` fitted to timed samples.
 
-    Exponentially weighted averages (``alpha`` on the newest sample). A
-    speed not measured yet is taken as its prior (:data:`PRIOR_DISK_BPS`,
-    :data:`PRIOR_PREFILL_TPS`); reading is the only way to learn the disk's
-    speed, so with the prefill measured and the disk not, the prior decides
-    whether a first read is risked.
+    Exponentially weighted least squares: each new sample's weight is 1 and
+    every older one's shrinks by ``1 - alpha``, so the line follows a device
+    whose speed drifts. NOTE: the two parameters can only be told apart when
+    the sizes differ; while the weighted sizes spread by less than
+    ``min_spread`` (coefficient of variation), or the fit is not a rising
+    line, the fixed part stays at its prior (capped at the mean time) and the
+    speed explains the rest. A speed-only model (the old estimator) reads
+    the fixed overhead of small files as a slow disk and then overrates
+    every large file's cost, and underrates every small file's.
+    """
+
+    def __init__(
+        self,
+        *,
+        prior_fixed_s: float,
+        prior_bps: float,
+        alpha: float = 0.2,
+        min_spread: float = 0.25,
+    ) -> None:
+        if prior_fixed_s < 0 or prior_bps <= 0 or not 0 < alpha <= 1:
+            raise ValueError("prior_fixed_s >= 0, prior_bps > 0 and 0 < alpha <= 1")
+        self.prior_fixed_s = prior_fixed_s
+        self.prior_bps = prior_bps
+        self.alpha = alpha
+        self.min_spread = min_spread
+        self.samples = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._fit = (prior_fixed_s, prior_bps)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """One timed operation on ``nbytes`` (ignored unless both are positive)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        keep = 1.0 - self.alpha
+        x, y = float(nbytes), seconds
+        self._w = self._w * keep + 1.0
+        self._x = self._x * keep + x
+        self._y = self._y * keep + y
+        self._xx = self._xx * keep + x * x
+        self._xy = self._xy * keep + x * y
+        self.samples += 1
+        self._fit = self._solve()
+
+    def _solve(self) -> tuple[float, float]:
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = max(0.0, self._xx / self._w - mean_x * mean_x)
+        cov = self._xy / self._w - mean_x * mean_y
+        if var > (self.min_spread * mean_x) ** 2 and cov > 0:
+            slope = cov / var
+            fixed = mean_y - slope * mean_x
+            if fixed >= 0:
+                return fixed, 1.0 / slope
+        fixed = min(self.prior_fixed_s, mean_y)
+        return fixed, mean_x / (mean_y - fixed) if mean_y > fixed else math.inf
+
+    def pin(self, bps: float, fixed_s: float = 0.0) -> None:
+        """Set the line outright (tests, tools): as if measured, forgetting the samples."""
+        if bps <= 0 or fixed_s < 0:
+            raise ValueError("bps > 0 and fixed_s >= 0")
+        self.samples = max(self.samples, 1)
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._fit = (fixed_s, bps)
+
+    @property
+    def fixed_s(self) -> float:
+        """The fitted fixed cost per operation (seconds)."""
+        return self._fit[0]
+
+    @property
+    def bps(self) -> float:
+        """The fitted speed of the size-dependent part (bytes/s; ``inf`` when it looks free)."""
+        return self._fit[1]
+
+    def predict(self, nbytes: int) -> float:
+        """Predicted seconds for ``nbytes``."""
+        return self._fit[0] + nbytes / self._fit[1]
+
+
+class Estimator:
+    """Running estimates of a restore's cost and of prefill speed; restore or recompute?
+
+    A restore costs its read (the reader's pass over the file: open,
+    header, every tensor checked; :class:`CostLine` ``read``, fed by
+    ``RestoreReport``) plus its landing (the request's engine turn reading
+    the bytes into MLX memory and hashing them again; ``land``, fed by the
+    staging's landing observations). Each is a fixed cost plus bytes over a
+    speed, so a small file's per-read overhead neither hides in nor skews
+    the speed. Prefill speed is an exponentially weighted average (``alpha``
+    on the newest sample). A quantity not measured yet is its prior
+    (:data:`PRIOR_DISK_BPS`, :data:`PRIOR_READ_FIXED_S`,
+    :data:`PRIOR_LAND_BPS`, :data:`PRIOR_LAND_FIXED_S`,
+    :data:`PRIOR_PREFILL_TPS`); reading is the only way to learn the disk, so
+    with the prefill measured and the disk not, the priors decide whether a
+    first read is risked.
     """
 
     def __init__(
         self,
         *,
         alpha: float = 0.3,
-        overhead_s: float = 0.0,
         prior_disk_bps: float = PRIOR_DISK_BPS,
+        prior_read_fixed_s: float = PRIOR_READ_FIXED_S,
+        prior_land_bps: float = PRIOR_LAND_BPS,
+        prior_land_fixed_s: float = PRIOR_LAND_FIXED_S,
         prior_prefill_tps: float = PRIOR_PREFILL_TPS,
         always_restore: bool = False,
     ) -> None:
-        if prior_disk_bps <= 0 or prior_prefill_tps <= 0:
+        if prior_disk_bps <= 0 or prior_prefill_tps <= 0 or prior_land_bps <= 0:
             raise ValueError("the priors must be positive")
         # NOTE: ``--ssd-restore always``: every usable file is read, whatever
         # the predictions say (the speeds are still learned and reported).
         self.always_restore = always_restore
         self.alpha = alpha
-        self.overhead_s = overhead_s
-        self.prior_disk_bps = prior_disk_bps
+        self.read = CostLine(prior_fixed_s=prior_read_fixed_s, prior_bps=prior_disk_bps)
+        self.land = CostLine(prior_fixed_s=prior_land_fixed_s, prior_bps=prior_land_bps)
         self.prior_prefill_tps = prior_prefill_tps
-        self.disk_bps: float | None = None
         self.prefill_tps: float | None = None
+
+    @property
+    def disk_bps(self) -> float | None:
+        """The fitted read speed (``None`` until a read was timed)."""
+        return self.read.bps if self.read.samples else None
+
+    @disk_bps.setter
+    def disk_bps(self, bps: float) -> None:
+        self.read.pin(bps)
 
     def _mix(self, old: float | None, sample: float) -> float:
         return sample if old is None else old + self.alpha * (sample - old)
 
     def observe_read(self, nbytes: int, seconds: float) -> None:
-        """A file read of ``nbytes`` took ``seconds``."""
-        if nbytes > 0 and seconds > 0:
-            self.disk_bps = self._mix(self.disk_bps, nbytes / seconds)
+        """A reader's pass over a file of ``nbytes`` tensor bytes took ``seconds``."""
+        self.read.observe(nbytes, seconds)
+
+    def observe_landing(self, nbytes: int, seconds: float) -> None:
+        """An engine turn landed ``nbytes`` into MLX memory in ``seconds``."""
+        self.land.observe(nbytes, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` took ``seconds``."""
         if tokens > 0 and seconds > 0:
             self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
 
+    def restore_s(self, file_bytes: int) -> float:
+        """Predicted seconds to restore a file of ``file_bytes``: read, then land."""
+        return self.read.predict(file_bytes) + self.land.predict(file_bytes)
+
     def choose(
         self, file_bytes: int, saved_tokens: int
     ) -> tuple[RestoreChoice, float | None, float | None]:
         """Advice for reading ``file_bytes`` to save prefilling ``saved_tokens``.
 
-        A speed not measured yet is its prior. Returns the choice and the two
-        predictions (``None`` until both speeds are measured).
+        A quantity not measured yet is its prior. Returns the choice and the
+        two predictions (``None`` until a read and a prefill were timed).
         """
-        disk = self.prior_disk_bps if self.disk_bps is None else self.disk_bps
         prefill = self.prior_prefill_tps if self.prefill_tps is None else self.prefill_tps
-        restore_s = file_bytes / disk + self.overhead_s
+        restore_s = self.restore_s(file_bytes)
         prefill_s = saved_tokens / prefill
         faster = restore_s < prefill_s
         choice: RestoreChoice = "restore" if faster or self.always_restore else "recompute"
@@ -861,6 +985,27 @@ def restore_report(state: IndexState, msg: RestoreReport) -> list[Effect]:
     if msg.removed:
         state.corrupt_removed += 1
     _drop_bad_file(state, msg.path, msg.reason, removed=msg.removed)
+    return []
+
+
+def landing_report(
+    state: IndexState, *, path: str, nbytes: int, seconds: float, ok: bool, corrupt: bool
+) -> list[Effect]:
+    """Account for a restore's landing in its engine turn (the staging's observation).
+
+    A landed entry teaches the estimator the in-turn cost. A landing that
+    found the file changed or a hash wrong (after the reader's pass had
+    checked it) is a failed restore: the file leaves the index and counts
+    as a leftover until a later write removes it (the engine thread that
+    found it does no file work).
+    """
+    if ok:
+        state.estimator.observe_landing(nbytes, seconds)
+        return []
+    state.restore_failures += 1
+    if corrupt and path in state.entries:
+        _drop_bad_file(state, path, "corrupt", removed=False)
+        return [Log("ssd_cache.landing_corrupt", path)]
     return []
 
 

@@ -21,11 +21,11 @@ from kernels.cache import (
     CacheFileWriteError,
     FileLock,
     FilePort,
-    HostEntry,
     KvFileHeader,
     LockUnavailable,
+    OpenEntry,
+    open_entry,
     read_header,
-    read_tensors,
     verify_tensors,
 )
 
@@ -292,10 +292,13 @@ def sync_directories(port: FilePort, directories: tuple[str, ...]) -> tuple[str,
 
 @dataclass(frozen=True, slots=True)
 class ReadOutcome:
-    """A read file: its header, host bytes, and whether its mtime was set to now (LRU touch)."""
+    """A checked file held open for landing, and whether its mtime was set to now (LRU touch).
+
+    The receiver owns ``file`` and must close it (staging it hands it on).
+    """
 
     header: KvFileHeader
-    host: HostEntry
+    file: OpenEntry
     touched: bool
 
 
@@ -310,15 +313,18 @@ def read_entry(
     max_header_bytes: int | None,
     touch: bool,
 ) -> ReadOutcome:
-    """Read and check one file against what the index knows, then touch it for LRU.
+    """Check one file against what the index knows, pass over its tensors, touch it for LRU.
 
-    Raises :class:`CacheFileCorrupt` when the header or any tensor fails its
-    checks or the file is not the entry the index expects.
+    The pass (``kernels.cache.open_entry``) reads every tensor once through
+    one reused buffer, checking each hash with ``verify``, and leaves the
+    file in the page cache and open for the engine turn's landing. Raises
+    :class:`CacheFileCorrupt` when the header or any tensor fails its checks
+    or the file is not the entry the index expects (nothing is left open).
     """
     header = _read_header(port, path, fingerprint, max_header_bytes)
     if header.namespace != namespace or header.tokens != tokens:
         raise CacheFileCorrupt("header does not match the indexed entry")
-    host = read_tensors(port, path, header, verify=verify)
+    file = open_entry(port, path, header, verify=verify)
     touched = False
     if touch:
         try:
@@ -326,7 +332,10 @@ def read_entry(
             touched = True
         except OSError:
             touched = False  # NOTE: the LRU touch is best effort; the read stands.
-    return ReadOutcome(header=header, host=host, touched=touched)
+        except BaseException:
+            file.close()
+            raise
+    return ReadOutcome(header=header, file=file, touched=touched)
 
 
 def verify_entry(

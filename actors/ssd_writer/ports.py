@@ -6,22 +6,34 @@
   provides :class:`EngineTensorSource` over an :class:`EngineTurns` port
   whose ``run_when_idle`` is the gateway's ``RunWhenIdle`` turn
   (``actors.engine.Engine.run_when_idle`` has that shape).
-- :class:`HostStaging`: a restore's host buffers wait here under a
-  ``staging_id`` until the caller takes them into an engine turn and
-  materializes them (``kernels.cache._kv_file.materialize``).
+- :class:`HostStaging`: a restore's checked, open file waits here under a
+  ``staging_id`` until the caller takes it into an engine turn and lands
+  it: its bytes read straight into MLX memory
+  (``kernels.cache.land_entry``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from actors.runtime import AskTimeout, get_logger
-from kernels.cache import EntryPlan, HostEntry, KvFileHeader, plan_entry, tensor_bytes
+from kernels.cache import (
+    CacheFileCorrupt,
+    EntryPlan,
+    KvFileHeader,
+    LandingPool,
+    OpenEntry,
+    land_entry,
+    plan_entry,
+    tensor_bytes,
+)
 
 __all__ = [
     "CacheSource",
@@ -29,6 +41,7 @@ __all__ = [
     "EngineTurns",
     "FileIdentity",
     "HostStaging",
+    "LandingObservation",
     "RearmingTurns",
     "StagedEntry",
     "TensorSource",
@@ -204,57 +217,215 @@ class EngineTensorSource:
         await self._turns.run_when_idle(step)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
 class StagedEntry:
-    """A restored file's validated header and its tensor bytes in host memory."""
+    """A restored file waiting for its request's engine turn: checked, page-cache warm, held open.
+
+    Its holder closes it on every path (:meth:`close` is idempotent): the
+    staging when it drops or pushes it out, :meth:`HostStaging.land` once
+    landed or failed, the taker when it decides not to land it.
+    """
 
     path: str
-    header: KvFileHeader
-    host: HostEntry
+    file: OpenEntry
+
+    @property
+    def header(self) -> KvFileHeader:
+        """The file's validated header."""
+        return self.file.header
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes a landing will read into MLX memory."""
+        return self.file.nbytes
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self.file.close()
+
+
+@dataclass(frozen=True, slots=True)
+class LandingObservation:
+    """One landing, for the restore-or-recompute estimator.
+
+    ``nbytes`` landed in ``seconds`` (engine-thread time, allocation and
+    the second hash pass included) when ``ok``; otherwise the file at
+    ``path`` failed its second check (``corrupt``) and should be removed.
+    """
+
+    path: str
+    nbytes: int
+    seconds: float
+    ok: bool
+    corrupt: bool = False
 
 
 class HostStaging:
     """Restored entries waiting for their caller, by ``staging_id`` (thread-safe, bounded).
 
-    At most ``max_entries`` wait; a new one pushes out the oldest (its
-    caller then finds nothing and treats the restore as a miss). This bounds
-    the host memory a caller that never comes back can pin.
+    An entry is an open, already checked file (:class:`StagedEntry`), not
+    host bytes: the request's engine turn reads it straight into MLX memory
+    (:meth:`land`). At most ``max_entries`` wait; a new one pushes out the
+    oldest (its file is closed and its caller finds nothing: a miss). The
+    bound caps the descriptors held open and the bytes the waiting landings
+    will allocate (at most ``max_entries`` times the largest file); nothing
+    of a waiting entry sits in host memory except the kernel's page cache,
+    which the kernel may reclaim.
+
+    NOTE: files are closed on the landing threads (:meth:`release`,
+    pushed-out and discarded entries, the end of a landing), never on the
+    event loop or the engine thread, which make no file calls. :meth:`land`
+    records each landing's size and time, and each file that failed the
+    landing's checks; the index drains them (:meth:`drain_observations`)
+    into the estimator and its counters. :meth:`close` (on a worker thread,
+    at shutdown) closes every waiting file and stops the landing threads.
     """
 
-    def __init__(self, *, max_entries: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        max_entries: int = 4,
+        landing_threads: int = 2,
+        clock: Callable[[], float] = time.perf_counter,
+        max_observations: int = 64,
+    ) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
+        if landing_threads < 1:
+            raise ValueError("landing_threads must be >= 1")
         self._max = max_entries
+        self._threads = landing_threads
+        self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, StagedEntry] = OrderedDict()
+        self._observed: deque[LandingObservation] = deque(maxlen=max_observations)
+        self._pool: LandingPool | None = None
+        self._closed = False
         self.evicted = 0
+        self.landed = 0
+        self.land_failures = 0
 
-    def put(self, staging_id: str, entry: StagedEntry) -> None:
-        """Keep ``entry`` under ``staging_id`` (a new id)."""
+    def put(self, staging_id: str, entry: StagedEntry) -> bool:
+        """Keep ``entry`` under ``staging_id`` (a new id); the staging owns its file from now on.
+
+        ``False`` (the file released at once) when the staging is closed.
+        """
+        pushed: list[StagedEntry] = []
         with self._lock:
-            if staging_id in self._entries:
-                raise ValueError(f"staging id {staging_id!r} is in use")
-            self._entries[staging_id] = entry
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
-                self.evicted += 1
+            duplicate = staging_id in self._entries
+            if self._closed or duplicate:
+                pushed.append(entry)
+            else:
+                self._entries[staging_id] = entry
+                while len(self._entries) > self._max:
+                    pushed.append(self._entries.popitem(last=False)[1])
+                    self.evicted += 1
+        for e in pushed:
+            self.release(e)
+        if duplicate:
+            raise ValueError(f"staging id {staging_id!r} is in use")
+        return entry not in pushed
 
     def take(self, staging_id: str) -> StagedEntry | None:
-        """Remove and return the entry (``None`` if unknown, taken or pushed out)."""
+        """Remove and return the entry (``None`` if unknown, taken or pushed out).
+
+        The taker owns its file: :meth:`land` it or :meth:`release` it.
+        """
         with self._lock:
             return self._entries.pop(staging_id, None)
 
     def discard(self, staging_id: str) -> None:
-        """Drop the entry if it is still here."""
+        """Drop the entry if it is still here, releasing its file."""
         with self._lock:
-            self._entries.pop(staging_id, None)
+            entry = self._entries.pop(staging_id, None)
+        if entry is not None:
+            self.release(entry)
+
+    def release(self, entry: StagedEntry) -> None:
+        """Close ``entry``'s file on a landing thread (at once, here, once the staging is closed)."""
+        with self._lock:
+            pool = None if self._closed else self._landing_pool_locked()
+        if pool is None:
+            _close(entry)
+        else:
+            pool.post(functools.partial(_close, entry))
+
+    def land(self, entry: StagedEntry, *, step: int = 256) -> list[Any]:
+        """Read a taken entry straight into MLX arrays and build its caches (engine thread).
+
+        See :func:`kernels.cache.land_entry`; the file calls and hashes run
+        on this staging's landing threads. The file is released on every
+        path. Raises what the landing raises (:class:`CacheFileCorrupt` when
+        the file changed or a hash disagrees: recorded for the index).
+        """
+        started = self._clock()
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("staging is closed")
+                pool = self._landing_pool_locked()
+            caches = land_entry(entry.file, step=step, pool=pool)
+        except CacheFileCorrupt:
+            self._observe(LandingObservation(entry.path, entry.nbytes, 0.0, ok=False, corrupt=True))
+            raise
+        except BaseException:
+            self._observe(LandingObservation(entry.path, entry.nbytes, 0.0, ok=False))
+            raise
+        finally:
+            self.release(entry)
+        seconds = max(0.0, self._clock() - started)
+        self._observe(LandingObservation(entry.path, entry.nbytes, seconds, ok=True))
+        return caches
+
+    def _landing_pool_locked(self) -> LandingPool:
+        if self._pool is None:
+            self._pool = LandingPool(self._threads)
+        return self._pool
+
+    def _observe(self, obs: LandingObservation) -> None:
+        with self._lock:
+            self._observed.append(obs)
+            if obs.ok:
+                self.landed += 1
+            else:
+                self.land_failures += 1
+
+    def drain_observations(self) -> list[LandingObservation]:
+        """The landings recorded since the last call (oldest first; at most the newest 64)."""
+        with self._lock:
+            out = list(self._observed)
+            self._observed.clear()
+        return out
+
+    def close(self) -> None:
+        """Close every waiting file and stop the landing threads (a worker thread; idempotent).
+
+        Files already posted for closing are closed before the threads stop.
+        """
+        with self._lock:
+            self._closed = True
+            entries = list(self._entries.values())
+            self._entries.clear()
+            pool, self._pool = self._pool, None
+        for e in entries:
+            _close(e)
+        if pool is not None:
+            pool.close()
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held by waiting entries."""
+        """Bytes the waiting entries' landings will allocate (their tensor bytes)."""
         with self._lock:
-            return sum(e.host.nbytes for e in self._entries.values())
+            return sum(e.nbytes for e in self._entries.values())
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+
+def _close(entry: StagedEntry) -> None:
+    """Close a staged file; a failing ``close`` of a read-only file loses nothing, so it is logged."""
+    try:
+        entry.close()
+    except OSError as exc:
+        _log.warning("ssd_cache.close_failed", path=entry.path, error=str(exc))

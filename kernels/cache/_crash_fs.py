@@ -976,6 +976,14 @@ class CrashFS:
         if got < want:
             raise ShortRead(offset=offset, wanted=want, got=got)
 
+    def preadv_into(self, fd: int, bufs: Sequence[WritableBuffer], offset: int) -> None:
+        """See :meth:`FilePort.preadv_into` (one buffer after the other, as the range runs)."""
+        with self._lock:
+            self.calls["preadv_into"] += 1
+            for buf in bufs:
+                self._pread(fd, buf, offset)
+                offset += memoryview(buf).nbytes
+
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
         """See :meth:`FilePort.pread_exact`."""
         with self._lock:
@@ -1055,6 +1063,7 @@ PORT_METHODS: Final = (
     "utime",
     "open_read",
     "pread_into",
+    "preadv_into",
     "pread_exact",
     "makedirs",
     "lock",
@@ -1207,6 +1216,11 @@ class FaultingPort:
         """Forward or fail."""
         self._fail_if_chosen("pread_into")
         self.inner.pread_into(fd, buf, offset)
+
+    def preadv_into(self, fd: int, bufs: Sequence[WritableBuffer], offset: int) -> None:
+        """Forward or fail."""
+        self._fail_if_chosen("preadv_into")
+        self.inner.preadv_into(fd, bufs, offset)
 
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
         """Forward or fail."""

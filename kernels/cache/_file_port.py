@@ -21,12 +21,13 @@ import fcntl
 import os
 import stat as stat_mod
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 __all__ = [
+    "MAX_IOV",
     "BytesLike",
     "DirEntryInfo",
     "FileLock",
@@ -45,6 +46,9 @@ BytesLike = bytes | bytearray | memoryview
 
 WritableBuffer = bytearray | memoryview
 """A writable, C-contiguous byte buffer a port reads into."""
+
+MAX_IOV = 1024
+"""The most buffers one :meth:`FilePort.preadv_into` takes (Linux's ``IOV_MAX``)."""
 
 # NOTE: O_CLOEXEC keeps cold-tier descriptors out of any child process; it is
 # 0 where the platform lacks it, which leaves the flags otherwise unchanged.
@@ -232,6 +236,14 @@ class FilePort(Protocol):
 
     def pread_into(self, fd: int, buf: WritableBuffer, offset: int) -> None:
         """Fill ``buf`` from ``offset``; :class:`ShortRead` at end of file."""
+        ...
+
+    def preadv_into(self, fd: int, bufs: Sequence[WritableBuffer], offset: int) -> None:
+        """Fill ``bufs`` in order from one contiguous range at ``offset``; :class:`ShortRead` at EOF.
+
+        The restore's scatter read: one file range lands in the rows of a
+        buffer with slack between them. At most :data:`MAX_IOV` buffers.
+        """
         ...
 
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
@@ -447,6 +459,32 @@ class OsFilePort:
             if n == 0:
                 raise ShortRead(offset=offset, wanted=total, got=done)
             done += n
+
+    def preadv_into(self, fd: int, bufs: Sequence[WritableBuffer], offset: int) -> None:
+        """See :meth:`FilePort.preadv_into`.
+
+        ``os.preadv`` may return fewer bytes than asked (signals, a range
+        split by the file system); the read resumes at the first unfilled
+        byte, inside whichever buffer it lies.
+        """
+        if len(bufs) > MAX_IOV:
+            raise ValueError(f"preadv_into takes at most {MAX_IOV} buffers")
+        views = [v for v in (_byte_view(b) for b in bufs) if len(v)]
+        total = sum(len(v) for v in views)
+        done = 0
+        while views:
+            try:
+                n = os.preadv(fd, views, offset + done)
+            except InterruptedError:
+                continue
+            if n == 0:
+                raise ShortRead(offset=offset, wanted=total, got=done)
+            done += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
 
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
         """See :meth:`FilePort.pread_exact`."""

@@ -46,14 +46,18 @@ A cache's ``_kvtier_min_reusable_offset`` attribute is recorded as
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import math
 import os
+import queue
 import struct
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final, NoReturn
@@ -80,10 +84,14 @@ __all__ = [
     "HostEntry",
     "KvFileHeader",
     "KvFileWriter",
+    "LandingPool",
     "LayerRecord",
+    "OpenEntry",
     "TensorRecord",
     "WriterState",
+    "land_entry",
     "materialize",
+    "open_entry",
     "plan_entry",
     "read_header",
     "read_tensors",
@@ -1290,25 +1298,29 @@ def read_tensors(
     """
     fd = _open_same(port, path, header)
     try:
-        buffers: list[bytearray] = []
-        for i, t in enumerate(header.tensors):
-            buf = bytearray(t.nbytes)
-            view = memoryview(buf)
-            hasher = xxhash.xxh3_64() if verify else None
-            try:
-                for start in range(0, t.nbytes, _READ_CHUNK):
-                    chunk = view[start : start + _READ_CHUNK]
-                    port.pread_into(fd, chunk, t.offset + start)
-                    if hasher is not None:
-                        hasher.update(chunk)
-            except ShortRead as exc:
-                raise CacheFileCorrupt(f"file truncated inside tensor {i}") from exc
-            if hasher is not None and hasher.intdigest() != t.hash:
-                raise CacheFileCorrupt(f"tensor {i} ({t.name}) hash mismatch")
-            buffers.append(buf)
-        return HostEntry(header_hash=header.header_hash, buffers=tuple(buffers))
+        return _read_host(port, fd, header, verify=verify)
     finally:
         port.close(fd)
+
+
+def _read_host(port: FilePort, fd: int, header: KvFileHeader, *, verify: bool) -> HostEntry:
+    buffers: list[bytearray] = []
+    for i, t in enumerate(header.tensors):
+        buf = bytearray(t.nbytes)
+        view = memoryview(buf)
+        hasher = xxhash.xxh3_64() if verify else None
+        try:
+            for start in range(0, t.nbytes, _READ_CHUNK):
+                chunk = view[start : start + _READ_CHUNK]
+                port.pread_into(fd, chunk, t.offset + start)
+                if hasher is not None:
+                    hasher.update(chunk)
+        except ShortRead as exc:
+            raise CacheFileCorrupt(f"file truncated inside tensor {i}") from exc
+        if hasher is not None and hasher.intdigest() != t.hash:
+            raise CacheFileCorrupt(f"tensor {i} ({t.name}) hash mismatch")
+        buffers.append(buf)
+    return HostEntry(header_hash=header.header_hash, buffers=tuple(buffers))
 
 
 def _open_same(port: FilePort, path: str, header: KvFileHeader) -> int:
@@ -1336,24 +1348,117 @@ def verify_tensors(port: FilePort, path: str, header: KvFileHeader) -> int:
     """
     fd = _open_same(port, path, header)
     try:
-        chunk = bytearray(min(_READ_CHUNK, max((t.nbytes for t in header.tensors), default=0)))
-        view = memoryview(chunk)
-        checked = 0
-        for i, t in enumerate(header.tensors):
-            hasher = xxhash.xxh3_64()
-            try:
-                for start in range(0, t.nbytes, _READ_CHUNK):
-                    part = view[: min(_READ_CHUNK, t.nbytes - start)]
-                    port.pread_into(fd, part, t.offset + start)
-                    hasher.update(part)
-            except ShortRead as exc:
-                raise CacheFileCorrupt(f"file truncated inside tensor {i}") from exc
-            if hasher.intdigest() != t.hash:
-                raise CacheFileCorrupt(f"tensor {i} ({t.name}) hash mismatch")
-            checked += t.nbytes
-        return checked
+        return _scan(port, fd, header, verify=True)
     finally:
         port.close(fd)
+
+
+def _scan(port: FilePort, fd: int, header: KvFileHeader, *, verify: bool) -> int:
+    """Read every tensor through one reused buffer, checking hashes with ``verify``; bytes read."""
+    chunk = bytearray(min(_READ_CHUNK, max((t.nbytes for t in header.tensors), default=0)))
+    view = memoryview(chunk)
+    checked = 0
+    for i, t in enumerate(header.tensors):
+        hasher = xxhash.xxh3_64() if verify else None
+        try:
+            for start in range(0, t.nbytes, _READ_CHUNK):
+                part = view[: min(_READ_CHUNK, t.nbytes - start)]
+                port.pread_into(fd, part, t.offset + start)
+                if hasher is not None:
+                    hasher.update(part)
+        except ShortRead as exc:
+            raise CacheFileCorrupt(f"file truncated inside tensor {i}") from exc
+        if hasher is not None and hasher.intdigest() != t.hash:
+            raise CacheFileCorrupt(f"tensor {i} ({t.name}) hash mismatch")
+        checked += t.nbytes
+    return checked
+
+
+class OpenEntry:
+    """A validated cache file held open from the worker's check to the engine turn's landing.
+
+    Made by :func:`open_entry`; consumed by :func:`land_entry`. The holder
+    owns the descriptor and must :meth:`close` it on every path (landed,
+    dropped, pushed out, shut down); closing is idempotent and thread-safe.
+    NOTE: the open descriptor pins the file's inode, so a rewrite (a rename
+    over the path) or an unlink between the two passes cannot swap the bytes
+    the landing reads; the landing still re-checks size and header hash,
+    and hashes every byte again in the memory the arrays will own.
+    """
+
+    def __init__(
+        self, port: FilePort, fd: int, path: str, header: KvFileHeader, *, verify: bool
+    ) -> None:
+        self.port = port
+        self.path = path
+        self.header = header
+        self.verify = verify
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes the landing reads (what the restored arrays hold, slack aside)."""
+        return self.header.nbytes
+
+    @property
+    def closed(self) -> bool:
+        """Whether the descriptor was closed."""
+        with self._lock:
+            return self._fd is None
+
+    def fileno(self) -> int:
+        """The open descriptor; ``ValueError`` once closed."""
+        with self._lock:
+            if self._fd is None:
+                raise ValueError("the entry's file was closed")
+            return self._fd
+
+    def close(self) -> None:
+        """Close the descriptor (idempotent)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            self.port.close(fd)
+
+    def take_host(self) -> HostEntry:
+        """Every tensor's bytes in host buffers, then close (checkers and tools, not restores).
+
+        Reads through the open descriptor, each tensor's hash checked when
+        the entry was opened with ``verify``; :class:`CacheFileCorrupt` on a
+        mismatch or truncation. Closed on every path.
+        """
+        try:
+            fd = self.fileno()
+            _check_same(self.port, fd, self.header)
+            return _read_host(self.port, fd, self.header, verify=self.verify)
+        finally:
+            # NOTE: a failing close of a read-only descriptor loses nothing
+            # (the bytes were read in full, or the read's own error stands).
+            with contextlib.suppress(OSError):
+                self.close()
+
+
+def open_entry(
+    port: FilePort, path: str, header: KvFileHeader, *, verify: bool = True
+) -> OpenEntry:
+    """Open a validated file for a restore and pass over its tensors once (worker thread).
+
+    The pass reads every tensor through one reused buffer (memory does not
+    grow with the file): with ``verify`` each tensor's xxh3_64 is checked, so
+    a corrupt file is known before the request's turn; either way the file
+    is left in the page cache for :func:`land_entry`. The file must still be
+    the one ``header`` came from (same size and header hash), else
+    :class:`CacheFileCorrupt`. The returned entry holds the file open; its
+    holder closes it.
+    """
+    fd = _open_same(port, path, header)
+    try:
+        _scan(port, fd, header, verify=verify)
+    except BaseException:
+        port.close(fd)
+        raise
+    return OpenEntry(port, fd, path, header, verify=verify)
 
 
 # --- restore (engine thread) -------------------------------------------------------
@@ -1488,3 +1593,206 @@ def _cache_arrays(c: Any) -> list[Any]:
     if isinstance(keys, tuple):
         return [*keys, *values]
     return [keys, values]
+
+
+# --- landing: file bytes straight into MLX memory (engine thread + landing workers) ---------
+
+_MAX_IOV_PER_READ: Final = 512
+"""Buffers per scatter read (below Linux's ``IOV_MAX`` of 1024)."""
+
+_Job = Callable[[], None]
+
+
+class LandingPool:
+    """A few threads that read file ranges into buffers the engine thread hands them, and hash them.
+
+    NOTE: the workers never call MLX. The engine thread allocates and
+    evaluates each destination array and takes its ``memoryview``; a worker
+    only fills that memory (``preadv``) and hashes it (xxh3), both of which
+    release the GIL. A worker drops every reference to a job before it
+    reports the job done, so the last reference to a view (and so to its
+    array) is always the engine thread's.
+    """
+
+    def __init__(self, threads: int = 2, *, name: str = "kvtier-land") -> None:
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        self._jobs: queue.SimpleQueue[tuple[_Job, queue.SimpleQueue[BaseException | None]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        self._closed = False
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, done = item
+            del item
+            error: BaseException | None = None
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - NOTE: handed to the engine thread as is.
+                error = exc
+            del job
+            done.put(error)
+            del error, done
+
+    def submit(self, job: _Job, done: queue.SimpleQueue[BaseException | None]) -> None:
+        """Queue ``job``; its outcome (``None`` or the exception) is put on ``done``."""
+        if self._closed:
+            raise RuntimeError("landing pool is closed")
+        self._jobs.put((job, done))
+
+    def post(self, job: _Job) -> None:
+        """Queue ``job`` with nobody waiting for it (closing files); its outcome is dropped.
+
+        A job posted this way must handle its own errors.
+        """
+        self.submit(job, queue.SimpleQueue())
+
+    def close(self) -> None:
+        """Stop the workers once the queued jobs ran (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def _destinations(
+    layers: Sequence[LayerRecord], step: int
+) -> Iterator[tuple[TensorRecord, int | None]]:
+    """Each tensor in file order with its landing capacity (token axis), ``None``: exact shape."""
+    for layer in layers:
+        capacity = -(-(layer.offset + 1) // step) * step
+        for t in layer.tensors:
+            yield t, capacity if layer.kind in ("kv", "quantized") else None
+        yield from _destinations(layer.children, step)
+
+
+def _rows(view: memoryview, rec: TensorRecord, capacity: int | None) -> list[memoryview]:
+    """Where the file's bytes of ``rec`` go in its destination ``view``, in file order.
+
+    A ``[B, H, T, ...]`` tensor landing in a ``[B, H, C, ...]`` buffer (C >=
+    T, slack after each row) is ``B * H`` rows of ``T * ...`` elements, one
+    every ``C * ...`` elements; without slack it is one contiguous range.
+    """
+    if capacity is None or capacity == rec.shape[2] or rec.nbytes == 0:
+        return [view[: rec.nbytes]] if rec.nbytes else []
+    rows = rec.shape[0] * rec.shape[1]
+    row = rec.nbytes // rows
+    stride = row // rec.shape[2] * capacity
+    return [view[i * stride : i * stride + row] for i in range(rows)]
+
+
+def _fill(
+    port: FilePort, fd: int, index: int, rec: TensorRecord, rows: list[memoryview], verify: bool
+) -> None:
+    """Read ``rec``'s file range into ``rows`` (scatter reads of about 4 MiB), hashing as it goes."""
+    hasher = xxhash.xxh3_64() if verify else None
+    pieces: list[memoryview] = []
+    for r in rows:
+        pieces.extend(r[i : i + _READ_CHUNK] for i in range(0, len(r), _READ_CHUNK))
+    offset = rec.offset
+    try:
+        start = 0
+        while start < len(pieces):
+            end, size = start, 0
+            while end < len(pieces) and end - start < _MAX_IOV_PER_READ and size < _READ_CHUNK:
+                size += len(pieces[end])
+                end += 1
+            batch = pieces[start:end]
+            port.preadv_into(fd, batch, offset)
+            if hasher is not None:
+                for b in batch:
+                    hasher.update(b)
+            offset += size
+            start = end
+    except ShortRead as exc:
+        raise CacheFileCorrupt(f"file truncated inside tensor {index}") from exc
+    if hasher is not None and hasher.intdigest() != rec.hash:
+        raise CacheFileCorrupt(f"tensor {index} ({rec.name}) hash mismatch")
+
+
+def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = None) -> list[Any]:
+    """Build the cache objects by reading the file straight into MLX memory (engine thread).
+
+    Each destination array is allocated at its final size (plain and
+    quantized KV with capacity ``ceil((offset + 1) / step) * step`` so the
+    next decode step writes in place; everything else exactly) and
+    evaluated here; then the file's bytes are read into it, row by row for a
+    buffer with slack, and hashed again in the same pass when the entry was
+    opened with ``verify`` (the bytes checked are the bytes the model will
+    read). With ``pool`` the reads and hashes of a tensor run on its workers
+    while this thread allocates the next tensor; without, inline.
+
+    Peak memory is the restored entry itself: no host copy. The entry stays
+    open (its holder closes it). Raises :class:`CacheFileCorrupt` when the
+    file changed, is truncated, or a hash disagrees; no array escapes then.
+    """
+    if step < 1:
+        raise ValueError("step must be positive")
+    header = entry.header
+    port, fd, verify = entry.port, entry.fileno(), entry.verify
+    arrays: list[Any] = []
+    views: list[memoryview] = []
+    done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+    pending = 0
+    errors: list[BaseException] = []
+    try:
+        # NOTE: with a pool even this check runs on a worker (no file call on
+        # the engine thread); its failure fails the landing like a bad hash.
+        check = functools.partial(_check_same, port, fd, header)
+        if pool is None:
+            check()
+        else:
+            pool.submit(check, done)
+            pending += 1
+        for index, (rec, capacity) in enumerate(_destinations(header.layers, step)):
+            shape = rec.shape if capacity is None else (*rec.shape[:2], capacity, *rec.shape[3:])
+            a = mx.zeros(shape, dtype=_DTYPES[rec.dtype])
+            mx.eval(a)
+            arrays.append(a)
+            if rec.nbytes == 0 and not verify:
+                continue
+            buffer: Any = a
+            view = memoryview(buffer).cast("B")
+            views.append(view)
+            job = functools.partial(_fill, port, fd, index, rec, _rows(view, rec, capacity), verify)
+            if pool is None:
+                job()
+            else:
+                pool.submit(job, done)
+                pending += 1
+            del job
+    finally:
+        # NOTE: every submitted job is waited for, even on failure, so no
+        # worker still writes into (or references) memory this thread drops.
+        while pending:
+            outcome = done.get()
+            pending -= 1
+            if outcome is not None:
+                errors.append(outcome)
+    if errors:
+        raise errors[0]
+    del views
+    it = iter(arrays)
+    caches = [_build(layer, it, step) for layer in header.layers]
+    return caches
+
+
+def _check_same(port: FilePort, fd: int, header: KvFileHeader) -> None:
+    """The open file is still the one ``header`` came from (size and header hash)."""
+    if port.fstat(fd).size != header.file_size:
+        raise CacheFileCorrupt("file size changed since its header was read")
+    _, header_hash, _ = _read_preamble(port, fd, header.file_size)
+    if header_hash != header.header_hash:
+        raise CacheFileCorrupt("file changed since its header was read")

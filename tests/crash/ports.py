@@ -7,6 +7,8 @@ every one of them (``test_broken_writers.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kernels.cache._file_port import (
     BytesLike,
     DirEntryInfo,
@@ -89,6 +91,10 @@ class ForwardingPort:
     def pread_into(self, fd: int, buf: WritableBuffer, offset: int) -> None:
         """Forward."""
         self.inner.pread_into(fd, buf, offset)
+
+    def preadv_into(self, fd: int, bufs: Sequence[WritableBuffer], offset: int) -> None:
+        """Forward."""
+        self.inner.preadv_into(fd, bufs, offset)
 
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
         """Forward."""

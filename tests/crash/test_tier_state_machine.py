@@ -302,7 +302,7 @@ class TierMachine(RuleBasedStateMachine):
             header = staged.header
             assert (header.namespace, header.tokens) in self.ever_put
             assert header.tokens[: res.cached_tokens] == prompt[: res.cached_tokens]
-            got = tuple(bytes(b) for b in staged.host.buffers)
+            got = tuple(bytes(b) for b in staged.file.take_host().buffers)
             assert got == checker.originals()[(header.namespace, header.tokens)]
         else:
             assert res.cached_tokens == 0

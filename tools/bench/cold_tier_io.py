@@ -10,10 +10,25 @@ of tensor bytes), goes through what the SSD writer and reader run:
   (header, fsync, rename, directory fsync), timed from ``begin`` to the end
   of ``commit``; against ``dd if=/dev/zero oflag=direct conv=fsync`` writing
   the same number of bytes into the same directory;
-- restore: ``read_header`` + ``read_tensors(verify=True)`` (every tensor
-  hash checked), against ``dd of=/dev/null`` reading the same file, both
-  after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file (page cache
-  dropped) and both again with the file in the page cache (warm).
+- restore, measured to usable MLX caches, two paths side by side:
+
+  * new (the product since #8): ``read_header`` + ``open_entry`` (the
+    reader's worker pass over the file through one reused buffer, every
+    tensor's xxh3 checked, page cache warmed) + ``land_entry`` (the engine
+    turn: each destination allocated at its final size in MLX memory, the
+    file's bytes read straight into it on two landing threads and hashed
+    again there);
+  * old path (before #8, kept for comparison): ``read_header`` +
+    ``read_tensors(verify=True)`` into fresh host buffers, then
+    ``materialize(consume=True)`` copying them into MLX arrays;
+
+  each against ``dd of=/dev/null`` reading the same file, all after
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file (page cache dropped)
+  and all again with the file in the page cache (warm). ``mx.clear_cache()``
+  runs between restores, so each one lands in fresh memory;
+- the fresh-memory floors: a fresh ``bytearray`` per tensor (what the old
+  reader allocated) and ``mx.zeros`` + ``mx.eval`` of every destination
+  (what a landing allocates): no restore into new memory beats its floor.
 
 Rounds interleave ours and dd; medians and min..max are printed, with the
 ratios the targets name (store >= 0.80 x dd, restore >= 0.85 x dd). Run:
@@ -239,39 +254,75 @@ def store(
     return final, total, parts
 
 
-def restore(
-    port: TimedPort, path: Path, *, verify: bool, materialize: bool = False
-) -> tuple[float, dict[str, float], int]:
-    """``read_header`` + ``read_tensors`` as the reader does; seconds, breakdown, bytes read.
-
-    With ``materialize`` the host bytes are then copied into MLX caches as the
-    request's first turn does (``materialize(..., consume=True)``), timed
-    apart (``breakdown["materialize"]``, not in the returned seconds).
-    """
+def restore_old(port: TimedPort, path: Path, *, verify: bool) -> tuple[float, dict[str, float]]:
+    """The old path to usable MLX caches: ``read_tensors`` into host buffers, then
+    ``materialize(consume=True)``; seconds, breakdown."""
     import mlx.core as mx
 
-    from kernels.cache import materialize as to_mlx
-    from kernels.cache import read_header, read_tensors
+    from kernels.cache import materialize, read_header, read_tensors
 
     port.reset()
     t0 = time.perf_counter()
     header = read_header(port, str(path))
     host = read_tensors(port, str(path), header, verify=verify)
+    t1 = time.perf_counter()
+    caches = materialize(header, host, consume=True)
     total = time.perf_counter() - t0
-    nbytes = host.nbytes
     spent = dict(port.spent)
     parts = {
         "pread": spent.get("pread_into", 0.0),
-        "other (alloc, hash)": total - spent.get("pread_into", 0.0),
+        "host alloc+hash": (t1 - t0) - spent.get("pread_into", 0.0),
+        "copy into MLX": total - (t1 - t0),
     }
-    if materialize:
-        t1 = time.perf_counter()
-        caches = to_mlx(header, host, consume=True)
-        parts["materialize"] = time.perf_counter() - t1
-        del caches
-        mx.clear_cache()
-    del host
-    return total, parts, nbytes
+    del caches, host
+    mx.clear_cache()
+    return total, parts
+
+
+def restore_new(
+    port: TimedPort, path: Path, pool: Any, *, verify: bool
+) -> tuple[float, dict[str, float]]:
+    """The product's path to usable MLX caches: the reader's pass (``open_entry``), then the
+    engine turn's landing (``land_entry`` on ``pool``); seconds, breakdown."""
+    import mlx.core as mx
+
+    from kernels.cache import land_entry, open_entry, read_header
+
+    port.reset()
+    t0 = time.perf_counter()
+    header = read_header(port, str(path))
+    entry = open_entry(port, str(path), header, verify=verify)
+    t1 = time.perf_counter()
+    try:
+        caches = land_entry(entry, pool=pool)
+    finally:
+        entry.close()
+    total = time.perf_counter() - t0
+    parts = {
+        "reader pass (header, read, hash)": t1 - t0,
+        "of which pread": port.spent.get("pread_into", 0.0),
+        "landing (alloc, read, hash)": total - (t1 - t0),
+        "of which preadv (landing threads)": port.spent.get("preadv_into", 0.0),
+    }
+    del caches
+    mx.clear_cache()
+    return total, parts
+
+
+def mlx_alloc_floor(shapes: list[tuple[int, ...]]) -> float:
+    """Seconds to allocate and evaluate ``mx.zeros`` of each shape: what a landing allocates."""
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    keep = []
+    for shape in shapes:
+        a = mx.zeros(shape, dtype=mx.bfloat16)
+        mx.eval(a)
+        keep.append(a)
+    took = time.perf_counter() - t0
+    del keep
+    mx.clear_cache()
+    return took
 
 
 def _stats(xs: list[float]) -> tuple[float, float, float]:
@@ -318,6 +369,11 @@ def main() -> int:
         print(f"load average at start: {loads[0]}")
         file_size = 0
         sizes = [int(a.nbytes) for c in caches for a in (c.keys, c.values)]
+        capacity = -(-(args.tokens + 1) // 256) * 256
+        shapes = [(1, args.heads, capacity, args.head_dim)] * (2 * args.layers)
+        from kernels.cache import LandingPool
+
+        pool = LandingPool(2)
         for r in range(args.rounds):
             # Store: ours, then dd writing the same bytes into the same directory.
             final, secs, parts = store(port, caches, args.tokens, work)
@@ -347,31 +403,47 @@ def main() -> int:
             direct, secs, parts = store(DirectPort(), caches, args.tokens, work, "direct.kvt")
             figures.add("store_o_direct", secs, parts)
             direct.unlink()
-            # The fresh-memory floor: allocating what read_tensors allocates.
-            figures.add("first_touch", first_touch(sizes))
-            # Restore after dropping the page cache: ours (verify on, off), dd.
-            for verify in (True, False):
+            # The fresh-memory floors: what the old reader and a landing allocate.
+            figures.add("first_touch_host", first_touch(sizes))
+            figures.add("first_touch_mlx", mlx_alloc_floor(shapes))
+            # Page cache dropped: new (verify on, off), old, dd; interleaved.
+            for key, old, verify in (
+                ("restore_cold_verify_on", False, True),
+                ("restore_cold_verify_off", False, False),
+                ("old_restore_cold_verify_on", True, True),
+            ):
                 drop_cache(final)
-                secs, parts, _ = restore(port, final, verify=verify)
-                figures.add(f"restore_cold_verify_{'on' if verify else 'off'}", secs, parts)
+                if old:
+                    secs, parts = restore_old(port, final, verify=verify)
+                else:
+                    secs, parts = restore_new(port, final, pool, verify=verify)
+                figures.add(key, secs, parts)
             drop_cache(final)
             figures.add("dd_read_cold", dd(f"if={final}", "of=/dev/null", f"bs={args.dd_read_bs}"))
-            # Warm: the file is in the page cache for both.
-            restore(port, final, verify=True)
-            secs, parts, _ = restore(port, final, verify=True, materialize=True)
+            # Warm: the file is in the page cache for all.
+            dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
+            secs, parts = restore_new(port, final, pool, verify=True)
             figures.add("restore_warm_verify_on", secs, parts)
+            secs, parts = restore_old(port, final, verify=True)
+            figures.add("old_restore_warm_verify_on", secs, parts)
             figures.add("dd_read_warm", dd(f"if={final}", "of=/dev/null", f"bs={args.dd_read_bs}"))
             final.unlink()
             loads.append(loadavg())
             print(
                 f"round {r + 1}: store {file_size / figures.runs['store'][-1] / 1e9:.2f} GB/s, "
                 f"dd write {file_size / figures.runs['dd_write'][-1] / 1e9:.2f}; restore cold "
-                f"{file_size / figures.runs['restore_cold_verify_on'][-1] / 1e9:.2f}, dd read cold "
-                f"{file_size / figures.runs['dd_read_cold'][-1] / 1e9:.2f}; load {loads[-1]}",
+                f"{file_size / figures.runs['restore_cold_verify_on'][-1] / 1e9:.2f} "
+                f"(old {file_size / figures.runs['old_restore_cold_verify_on'][-1] / 1e9:.2f}), "
+                f"dd read cold {file_size / figures.runs['dd_read_cold'][-1] / 1e9:.2f}; warm "
+                f"{file_size / figures.runs['restore_warm_verify_on'][-1] / 1e9:.2f} "
+                f"(old {file_size / figures.runs['old_restore_warm_verify_on'][-1] / 1e9:.2f}), "
+                f"dd {file_size / figures.runs['dd_read_warm'][-1] / 1e9:.2f}; load {loads[-1]}",
                 flush=True,
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if "pool" in locals():
+            pool.close()
 
     rates = {k: [file_size / s / 1e9 for s in v] for k, v in figures.runs.items()}
     print(
@@ -385,6 +457,18 @@ def main() -> int:
         "restore / dd_read (cold, verify on)": ("restore_cold_verify_on", "dd_read_cold", 0.85),
         "restore / dd_read (cold, verify off)": ("restore_cold_verify_off", "dd_read_cold", None),
         "restore / dd_read (warm, verify on)": ("restore_warm_verify_on", "dd_read_warm", 0.85),
+        "old path / dd_read (cold, verify on)": (
+            "old_restore_cold_verify_on",
+            "dd_read_cold",
+            None,
+        ),
+        "old path / dd_read (warm, verify on)": (
+            "old_restore_warm_verify_on",
+            "dd_read_warm",
+            None,
+        ),
+        "diag: restore cold / MLX alloc floor": ("restore_cold_verify_on", "first_touch_mlx", None),
+        "diag: restore warm / MLX alloc floor": ("restore_warm_verify_on", "first_touch_mlx", None),
         "diag: store / dd_write_buffered": ("store", "dd_write_buffered", None),
         "diag: store_fsync_only / dd_write": ("store_fsync_only", "dd_write", None),
         "diag: store_o_direct / dd_write": ("store_o_direct", "dd_write", None),

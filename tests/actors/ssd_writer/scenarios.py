@@ -21,7 +21,6 @@ from actors.runtime import SimulatedSystem
 from actors.spill_queue import spawn_spill_queue
 from actors.ssd_writer import EngineTensorSource, SsdWriterConfig, spawn_ssd_writer
 from kernels import CacheRegistry, EngineThread, cache_arrays
-from kernels.cache import materialize
 from messages import DrainSpills, Enqueue, Find, FindResult, Restore, RestoreResult, SpillsDrained
 from tests.actors.ssd_writer.support import ASK, IDENTITY, ThreadTurns, register
 from tests.tiny_models import tiny_llama
@@ -72,7 +71,7 @@ async def spill_store_restart_restore(system: SimulatedSystem, *, root: str) -> 
         assert staged is not None
 
         def same() -> bool:
-            caches: list[Any] = materialize(staged.header, staged.host)
+            caches: list[Any] = second.staging.land(staged)
             got = [a[..., : len(tokens), :] for a in cache_arrays(caches)]
             return all(mx.array_equal(a, b).item() for a, b in zip(got, original, strict=True))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -175,6 +175,11 @@ class ForwardingPort:
         """Forward."""
         self._before("pread_into", fd, buf, offset)
         self.inner.pread_into(fd, buf, offset)
+
+    def preadv_into(self, fd: int, bufs: Sequence[WritableBuffer], offset: int) -> None:
+        """Forward."""
+        self._before("preadv_into", fd, bufs, offset)
+        self.inner.preadv_into(fd, bufs, offset)
 
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
         """Forward."""

@@ -19,7 +19,6 @@ from actors.runtime import ActorSystem
 from actors.spill_queue import spawn_spill_queue
 from actors.ssd_writer import EngineTensorSource, namespace_dir, spawn_ssd_writer
 from kernels import CacheRegistry, EngineThread, cache_arrays
-from kernels.cache._kv_file import materialize
 from messages import (
     DrainSpills,
     Enqueue,
@@ -105,7 +104,7 @@ async def test_store_restart_scan_find_restore_materialize_round_trip(
         assert restored.staging_id is not None
         staged = tier.staging.take(restored.staging_id)
         assert staged is not None
-        caches = await engine.run(materialize, staged.header, staged.host)
+        caches = await engine.run(tier.staging.land, staged)
         stats = await system.ask("ssd_writer", SsdStatsRequest(), timeout=ASK, expect=SsdStats)
         assert (stats.entries, stats.restores) == (1, 1)
         assert stats.disk_read_gbps is not None

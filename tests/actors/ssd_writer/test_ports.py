@@ -3,19 +3,38 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 
 from actors.runtime import AskTimeout
 from actors.ssd_writer import HostStaging, RearmingTurns, StagedEntry
-from kernels.cache._kv_file import HostEntry, KvFileHeader
+from kernels.cache._file_port import FilePort
+from kernels.cache._kv_file import KvFileHeader, LayerRecord, OpenEntry, TensorRecord
 
 T = TypeVar("T")
 
 
+class ClosingPort:
+    """Records the descriptors closed through it (all a staged entry asks of its port)."""
+
+    def __init__(self) -> None:
+        self.closed: list[int] = []
+
+    def close(self, fd: int) -> None:
+        """Record ``fd``."""
+        self.closed.append(fd)
+
+
+PORT = ClosingPort()
+
+
 def staged(n: int) -> StagedEntry:
-    """A staged entry holding ``n`` bytes."""
+    """A staged entry whose file holds ``n`` tensor bytes (descriptor ``n``)."""
+    tensor = TensorRecord("state.0", "uint8", (n,), 0, n, 0)
+    layer: Any = LayerRecord(
+        "arrays", 0, None, None, None, None, None, None, 1, None, (tensor,), ()
+    )
     header = KvFileHeader(
         version=1,
         model_id="m",
@@ -24,12 +43,12 @@ def staged(n: int) -> StagedEntry:
         tokenizer_hash="t",
         created_at=0.0,
         tokens=(1,),
-        layers=(),
+        layers=(layer,),
         file_size=0,
         data_offset=0,
         header_hash=0,
     )
-    return StagedEntry("p", header, HostEntry(header_hash=0, buffers=(bytearray(n),)))
+    return StagedEntry("p", OpenEntry(cast("FilePort", PORT), n, "p", header, verify=True))
 
 
 def test_staging_is_taken_once_and_bounded_oldest_first() -> None:
@@ -43,7 +62,7 @@ def test_staging_is_taken_once_and_bounded_oldest_first() -> None:
     assert staging.nbytes == 5
     got = staging.take("b")
     assert got is not None
-    assert got.host.nbytes == 2
+    assert got.nbytes == 2
     assert staging.take("b") is None
     staging.discard("c")
     assert len(staging) == 0
