@@ -1624,6 +1624,7 @@ class LandingPool:
             for i in range(threads)
         ]
         self._closed = False
+        self._lock = threading.Lock()
         for t in self._threads:
             t.start()
 
@@ -1644,10 +1645,16 @@ class LandingPool:
             del error, done
 
     def submit(self, job: _Job, done: queue.SimpleQueue[BaseException | None]) -> None:
-        """Queue ``job``; its outcome (``None`` or the exception) is put on ``done``."""
-        if self._closed:
-            raise RuntimeError("landing pool is closed")
-        self._jobs.put((job, done))
+        """Queue ``job``; its outcome (``None`` or the exception) is put on ``done``.
+
+        ``RuntimeError`` once the pool is closed. NOTE: under the lock that
+        :meth:`close` takes, so no job is queued behind the workers' stop
+        marks (it would never run, and its waiter would wait forever).
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("landing pool is closed")
+            self._jobs.put((job, done))
 
     def post(self, job: _Job) -> None:
         """Queue ``job`` with nobody waiting for it (closing files); its outcome is dropped.
@@ -1658,11 +1665,12 @@ class LandingPool:
 
     def close(self) -> None:
         """Stop the workers once the queued jobs ran (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(None)
         for t in self._threads:
             t.join()
 
@@ -1742,8 +1750,10 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
         raise ValueError("step must be positive")
     header = entry.header
     port, fd, verify = entry.port, entry.fileno(), entry.verify
+    dests = list(_destinations(header.layers, step))
     arrays: list[Any] = []
     views: list[memoryview] = []
+    hosts: dict[int, bytearray] = {}
     done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
     pending = 0
     errors: list[BaseException] = []
@@ -1756,23 +1766,49 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
         else:
             pool.submit(check, done)
             pending += 1
-        for index, (rec, capacity) in enumerate(_destinations(header.layers, step)):
+        for index, (rec, capacity) in enumerate(dests):
             shape = rec.shape if capacity is None else (*rec.shape[:2], capacity, *rec.shape[3:])
             a = mx.zeros(shape, dtype=_DTYPES[rec.dtype])
             mx.eval(a)
             arrays.append(a)
             if rec.nbytes == 0 and not verify:
                 continue
-            buffer: Any = a
-            view = memoryview(buffer).cast("B")
-            views.append(view)
-            job = functools.partial(_fill, port, fd, index, rec, _rows(view, rec, capacity), verify)
+            view = None if a.nbytes == 0 else _writable_view(a)
+            if view is not None:
+                rows = _rows(view, rec, capacity)
+            elif a.nbytes == 0:
+                rows = []
+            else:
+                # NOTE: a backend whose arrays lend no writable host buffer:
+                # this tensor is read into host bytes and copied after the
+                # reads (the old path's copy, for this tensor only).
+                arrays[-1] = None
+                host = bytearray(rec.nbytes)
+                hosts[index] = host
+                view = memoryview(host)
+                rows = [view]
+            if view is not None:
+                views.append(view)
+            job = functools.partial(_fill, port, fd, index, rec, rows, verify)
+            del rows
             if pool is None:
                 job()
             else:
                 pool.submit(job, done)
                 pending += 1
             del job
+            while pending:
+                # NOTE: a failed job ends the landing early (no more
+                # allocations for arrays that will be thrown away).
+                try:
+                    outcome = done.get_nowait()
+                except queue.Empty:
+                    break
+                pending -= 1
+                if outcome is not None:
+                    errors.append(outcome)
+            if errors:
+                break
     finally:
         # NOTE: every submitted job is waited for, even on failure, so no
         # worker still writes into (or references) memory this thread drops.
@@ -1784,9 +1820,28 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
     if errors:
         raise errors[0]
     del views
+    for index, host in hosts.items():
+        rec, capacity = dests[index]
+        landed = _array(rec, host)
+        arrays[index] = landed = landed if capacity is None else _with_slack(landed, capacity)
+        mx.eval(landed)
+    hosts.clear()
     it = iter(arrays)
     caches = [_build(layer, it, step) for layer in header.layers]
     return caches
+
+
+def _writable_view(a: Any) -> memoryview | None:
+    """A writable, contiguous byte view of evaluated array ``a`` (``None``: it lends none)."""
+    buffer: Any = a
+    try:
+        view = memoryview(buffer)
+    except (TypeError, ValueError, BufferError):
+        return None
+    if view.readonly or not view.c_contiguous or view.nbytes != a.nbytes:
+        view.release()
+        return None
+    return view.cast("B")
 
 
 def _check_same(port: FilePort, fd: int, header: KvFileHeader) -> None:

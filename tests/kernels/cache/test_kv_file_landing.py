@@ -388,3 +388,39 @@ def test_a_closed_entry_cannot_land(tmp_path: Path, pool: LandingPool) -> None:
     entry.close()
     with pytest.raises(ValueError, match="closed"):
         land_entry(entry, pool=pool)
+
+
+def test_a_landing_on_a_closed_pool_fails_at_once(tmp_path: Path) -> None:
+    """A pool closed at shutdown refuses the landing's jobs: the landing raises, never waits."""
+    caches, tokens = _cases()["plain-fp32"]
+    path = write_entry(caches, tokens, tmp_path)
+    closed = LandingPool(1)
+    closed.close()
+    entry = open_entry(PORT, str(path), _header(path))
+    try:
+        with pytest.raises(RuntimeError, match="closed"):
+            land_entry(entry, pool=closed)
+    finally:
+        entry.close()
+
+
+@pytest.mark.parametrize("case", ["plain-bf16-slack", "list", "mamba"])
+def test_a_backend_without_writable_array_buffers_lands_through_host_bytes(
+    tmp_path: Path, pool: LandingPool, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Where MLX arrays lend no writable buffer, each tensor is read into host bytes, hashed and
+    copied: the same arrays as the old path, and a flipped bit is still caught."""
+    from kernels.cache import _kv_file
+
+    monkeypatch.setattr(_kv_file, "_writable_view", lambda a: None)
+    caches, tokens = _cases()[case]
+    path = write_entry(caches, tokens, tmp_path)
+    assert _all_bytes(_land(path, pool)) == _all_bytes(_old_path(path))
+    header = _header(path)
+    entry = open_entry(PORT, str(path), header)
+    try:
+        _flip(path, header.tensors[0].offset)
+        with pytest.raises(CacheFileCorrupt, match="hash mismatch"):
+            land_entry(entry, pool=pool)
+    finally:
+        entry.close()
