@@ -25,7 +25,9 @@ of tensor bytes), goes through what the SSD writer and reader run:
   each against ``dd of=/dev/null`` reading the same file, all after
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file (page cache dropped)
   and all again with the file in the page cache (warm). ``mx.clear_cache()``
-  runs between restores, so each one lands in fresh memory;
+  and ``malloc_trim(0)`` run before each restore and each floor, so each
+  one lands in fresh memory (no pages a previous run freed and the
+  allocator kept);
 - the fresh-memory floors: a fresh ``bytearray`` per tensor (what the old
   reader allocated) and ``mx.zeros`` + ``mx.eval`` of every destination
   (what a landing allocates): no restore into new memory beats its floor.
@@ -48,7 +50,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +75,8 @@ class TimedPort:
         # range's writeback (sync_file_range), kept as a comparison.
         self._inner = OsFilePort() if early_writeback else OsFilePort(writeback=None)
         self.spent: dict[str, float] = {}
+        # NOTE: the landing threads call the port concurrently.
+        self._lock = threading.Lock()
 
     def reset(self) -> None:
         """Forget the sums."""
@@ -84,7 +90,9 @@ class TimedPort:
             try:
                 return target(*args, **kwargs)
             finally:
-                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                with self._lock:
+                    self.spent[name] = self.spent.get(name, 0.0) + took
 
         return timed
 
@@ -147,8 +155,26 @@ class DirectPort(TimedPort):
         self.spent["fsync"] = self.spent.get("fsync", 0.0) + time.perf_counter() - t0
 
 
+def fresh_memory() -> None:
+    """Give freed memory back to the system before a timed run, so every contender starts alike.
+
+    NOTE: without this a run right after one that freed a GiB reuses pages
+    the allocator kept (no page faults) and looks faster than its neighbour.
+    """
+    import ctypes
+
+    import mlx.core as mx
+
+    mx.clear_cache()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # NOTE: not glibc: nothing to trim.
+
+
 def first_touch(sizes: list[int]) -> float:
     """Seconds to allocate (and zero) one fresh ``bytearray`` per size: what the reader allocates."""
+    fresh_memory()
     t0 = time.perf_counter()
     keep = [bytearray(n) for n in sizes]
     took = time.perf_counter() - t0
@@ -261,6 +287,7 @@ def restore_old(port: TimedPort, path: Path, *, verify: bool) -> tuple[float, di
 
     from kernels.cache import materialize, read_header, read_tensors
 
+    fresh_memory()
     port.reset()
     t0 = time.perf_counter()
     header = read_header(port, str(path))
@@ -288,6 +315,7 @@ def restore_new(
 
     from kernels.cache import land_entry, open_entry, read_header
 
+    fresh_memory()
     port.reset()
     t0 = time.perf_counter()
     header = read_header(port, str(path))
@@ -302,17 +330,18 @@ def restore_new(
         "reader pass (header, read, hash)": t1 - t0,
         "of which pread": port.spent.get("pread_into", 0.0),
         "landing (alloc, read, hash)": total - (t1 - t0),
-        "of which preadv (landing threads)": port.spent.get("preadv_into", 0.0),
+        "preadv, summed over the 2 landing threads": port.spent.get("preadv_into", 0.0),
     }
     del caches
     mx.clear_cache()
     return total, parts
 
 
-def mlx_alloc_floor(shapes: list[tuple[int, ...]]) -> float:
+def mlx_alloc_floor(shapes: Sequence[tuple[int, ...]]) -> float:
     """Seconds to allocate and evaluate ``mx.zeros`` of each shape: what a landing allocates."""
     import mlx.core as mx
 
+    fresh_memory()
     t0 = time.perf_counter()
     keep = []
     for shape in shapes:

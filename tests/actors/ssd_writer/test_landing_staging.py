@@ -212,3 +212,26 @@ def test_staged_bytes_are_reported_and_nothing_is_host_memory(file: Path) -> Non
     staging.put("a", staged)
     assert staging.nbytes == staged.header.nbytes == 2 * len(TOKENS) * 2 * 32 * mx.float32.size
     staging.close()
+
+
+@pytest.mark.anyio
+async def test_the_index_applies_landings_before_its_next_message(
+    tmp_path: Path, file: Path
+) -> None:
+    """A landing the engine thread recorded reaches the estimator with the index's next message."""
+    from actors.runtime import ActorSystem
+    from actors.ssd_writer import spawn_ssd_writer
+    from messages import SsdStats, SsdStatsRequest
+    from tests.actors.ssd_writer.support import ASK, config
+    from tests.crash.checker import ScriptedSource
+
+    staging = HostStaging(max_entries=2)
+    async with ActorSystem() as system:
+        tier = spawn_ssd_writer(system, config=config(tmp_path / "tier"), source=ScriptedSource())
+        tier.staging = staging
+        await system.ask(tier.name, SsdStatsRequest(), timeout=ASK, expect=SsdStats)
+        assert tier.state.estimator.land.samples == 0
+        staging.land(_staged(OsFilePort(writeback=None), file))
+        await system.ask(tier.name, SsdStatsRequest(), timeout=ASK, expect=SsdStats)
+        assert tier.state.estimator.land.samples == 1
+        assert staging.drain_observations() == []
