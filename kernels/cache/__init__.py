@@ -1,5 +1,6 @@
 """KV caches: adapters over mlx-lm's cache classes, the engine-owned registry, KV schemes,
-the KV file codec (``_kv_file``) and the file port it writes through (``_file_port``).
+the KV file codec (``_kv_file``) and the file port it writes through (``_file_port``),
+and the CUDA guard for attention over quantized KV (``_contiguous_attention``).
 
 Every name is re-exported from a private module. All MLX work here runs on
 the engine thread.
@@ -22,6 +23,10 @@ from ._adapters import (
     declare_min_reusable_offset,
     declared_min_reusable_offset,
     trim_caches,
+)
+from ._contiguous_attention import (
+    install_contiguous_quantized_attention,
+    uninstall_contiguous_quantized_attention,
 )
 from ._file_port import (
     DirEntryInfo,
@@ -131,6 +136,7 @@ __all__ = [
     "declare_min_reusable_offset",
     "declared_min_reusable_offset",
     "full_fsync",
+    "install_contiguous_quantized_attention",
     "land_entry",
     "materialize",
     "open_entry",
@@ -140,5 +146,6 @@ __all__ = [
     "resolve_kv_scheme",
     "tensor_bytes",
     "trim_caches",
+    "uninstall_contiguous_quantized_attention",
     "verify_tensors",
 ]

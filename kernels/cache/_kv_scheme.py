@@ -48,6 +48,7 @@ from ._adapters import (
     declare_min_reusable_offset,
     declared_min_reusable_offset,
 )
+from ._contiguous_attention import install_contiguous_quantized_attention
 
 __all__ = [
     "KV_CONFIG_FILE",
@@ -202,13 +203,17 @@ def resolve_kv_scheme(
             if missing_config == "bf16":
                 return KvScheme()
             raise InvalidKvScheme(f"--kv-quant config needs {KV_CONFIG_FILE} in the model directory")
-        return _load_config(path)
+        scheme = _load_config(path)
+        if scheme.quantized:
+            install_contiguous_quantized_attention()
+        return scheme
     try:
         bits = int(value)
     except ValueError as exc:
         raise InvalidKvScheme(f"--kv-quant must be off, 4, 8 or config, not {flag!r}") from exc
     if bits not in {4, 8}:
         raise InvalidKvScheme(f"--kv-quant must be off, 4, 8 or config, not {flag!r}")
+    install_contiguous_quantized_attention()
     return KvScheme(kind="affine-uniform", uniform=LayerQuant(bits=bits, group_size=group_size))
 
 
@@ -234,6 +239,7 @@ def convert_caches(caches: MutableSequence[Any], scheme: KvScheme) -> int:
     global _warned_rotating
     if not scheme.quantized:
         return 0
+    install_contiguous_quantized_attention()
     converted = 0
     for index in range(len(caches)):
         q = scheme.layer_quant(index)
