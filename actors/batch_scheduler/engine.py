@@ -32,6 +32,7 @@ from actors.gateway.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.gateway.ports import Registered
 from kernels import CacheRegistry, InvalidPrompt, KvScheme
 from kernels.engine import BatchGeneration, RowExit, RowSnapshot
+from kernels.engine._blas_threads import StepTuning, make_blas_tuning
 from messages.gateway import Generate
 
 from .core import ExitOut, JoinRow, RowFailure, StepOut, TokenOut
@@ -69,6 +70,9 @@ class BatchEngine:
     cold-tier hit becomes MLX caches (``None``: no cold tier; such a row
     joins cold). ``guard``: the memory-pressure guard's in-step checks.
     ``kv_scheme``: the server's KV scheme (quantizing: transitioning rows).
+    ``blas_tuning``: let the decode steps choose their BLAS thread count by
+    measuring them (``kernels.engine._blas_threads``; CPU with OpenBLAS only);
+    the choice outlives each batch.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class BatchEngine:
         restore: RestorePort | None = None,
         guard: MemoryGuard | None = None,
         kv_scheme: KvScheme | None = None,
+        blas_tuning: bool = False,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -96,17 +101,23 @@ class BatchEngine:
         self._guard = guard
         self._scheme = kv_scheme
         self._batch: BatchGeneration | None = None
+        self._tune = blas_tuning
+        self._tuning: StepTuning | None = None
         self._live: dict[str, _Live] = {}
         self.steps_run = 0
 
     def _kernel(self) -> BatchGeneration:
         if self._batch is None:
+            if self._tune and self._tuning is None:
+                self._tuning = make_blas_tuning()
+                _log.info("batch.blas_tuning", enabled=self._tuning is not None)
             self._batch = BatchGeneration(
                 self._model,
                 self._tokenizer,
                 max_rows=self._max_rows,
                 prefill_step_size=self._step_size,
                 kv_scheme=self._scheme,
+                tuning=self._tuning,
             )
         return self._batch
 

@@ -15,6 +15,7 @@ import structlog
 
 from kernels import CacheRegistry, KvScheme
 from kernels.engine import model_batch_gate
+from kernels.engine._blas_threads import blas_tune_enabled
 
 from .actor import BatchScheduler
 from .engine import BatchEngine, RestorePort
@@ -110,6 +111,7 @@ def batch_factory(
         restore=_restore_port(backend) if prompt_cache is not None else None,
         guard=parts.memory_guard,
         kv_scheme=scheme,
+        blas_tuning=blas_tune_enabled(),
     )
     scheduler = BatchScheduler(
         gateway=gateway,

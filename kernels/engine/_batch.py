@@ -68,6 +68,7 @@ from mlx_lm.models.cache import (
 from kernels._errors import InvalidPrompt, KernelError
 from kernels.cache import KvScheme, LayerQuant
 
+from ._blas_threads import StepTuning
 from ._detokenize import TextStream
 from ._generation import KernelFinishReason, StepOutput, _check_cache_offset
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
@@ -364,8 +365,11 @@ class BatchGeneration:
     full-attention layers it converts are transitioning rows
     (:class:`TransitioningBatchKVCache`) that convert where the serial lane's
     ``convert_caches`` would, rows may join with a prefix already in the
-    scheme's ``QuantizedKVCache``, and converted rows leave as one. Call
-    :meth:`close` when done.
+    scheme's ``QuantizedKVCache``, and converted rows leave as one.
+    ``tuning``: called around every step (``kernels.engine._blas_threads``:
+    the BLAS thread count of the decode steps, chosen by measuring them);
+    told each step's decoding rows and whether it only decoded, and released
+    when the batch goes idle. Call :meth:`close` when done.
     """
 
     def __init__(
@@ -376,6 +380,7 @@ class BatchGeneration:
         max_rows: int = 8,
         prefill_step_size: int = 2048,
         kv_scheme: KvScheme | None = None,
+        tuning: StepTuning | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -386,6 +391,7 @@ class BatchGeneration:
         self._max_rows = max_rows
         self._step_size = prefill_step_size
         self._scheme = kv_scheme if kv_scheme is not None and kv_scheme.quantized else None
+        self._tuning = tuning
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
         self._rows: dict[str, _Row] = {}
         self._by_uid: dict[int, _Row] = {}
@@ -527,7 +533,9 @@ class BatchGeneration:
         return self._leave(row, "cancelled", cache, tokens)
 
     def close(self) -> None:
-        """Drop every row and array reference (engine thread)."""
+        """Drop every row and array reference (engine thread); the tuning gives its threads back."""
+        if self._tuning is not None:
+            self._tuning.release()
         self._rows.clear()
         self._by_uid.clear()
         self._pending.clear()
@@ -537,9 +545,19 @@ class BatchGeneration:
 
     def step(self) -> BatchStep:
         """One engine turn: one token for every decoding row, then prefill within the budget."""
+        tuning = self._tuning
+        if tuning is not None:
+            tuning.before_step()
         with mx.stream(generation_stream):
             tokens, exits, decode_rows = self._decode()
             snapshots, prefilled, joined = self._prefill()
+        if tuning is not None:
+            # NOTE: only steps that decoded the same rows and nothing else
+            # compare thread counts (a prefill or a row leaving costs more).
+            clean = not exits and not joined and prefilled == 0
+            tuning.after_step(decode_rows, clean)
+            if not self._rows:
+                tuning.release()
         self._steps += 1
         if self._steps % _CLEAR_EVERY == 0:
             mx.clear_cache()
