@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any, assert_never
 
 import structlog
@@ -81,6 +82,8 @@ class BatchScheduler(Actor):
     ``gather_alarm``: the timer bounding how long rows ready to start an
     idle batch wait for the other arrivals' lookups (``None``: one on the
     running loop).
+    ``after_step``: runs on the engine thread after every step of a chain
+    (``chain.run_chain``; the engine's C heap trim).
     """
 
     def __init__(
@@ -96,9 +99,11 @@ class BatchScheduler(Actor):
         alarm: Alarm | None = None,
         observe_prefill: str | None = None,
         gather_alarm: Alarm | None = None,
+        after_step: Callable[[], object] | None = None,
     ) -> None:
         self._gateway = gateway
         self._executor = executor
+        self._after_step = after_step
         self._engine = engine
         self._prompt_cache = prompt_cache
         self._alarm = alarm
@@ -392,7 +397,7 @@ class BatchScheduler(Actor):
         chain = Chain(effect.turn, asyncio.get_running_loop(), post, budget=effect.max_steps)
         try:
             future = self._executor.submit(
-                run_chain, chain, engine.step, engine.idle, joins, cancels
+                run_chain, chain, engine.step, engine.idle, joins, cancels, self._after_step
             )
         except Exception as exc:  # noqa: BLE001 - the engine refused the job: the step fails
             _log.warning("batch.job_refused", turn=effect.turn, error=repr(exc))

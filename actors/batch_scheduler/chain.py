@@ -119,6 +119,7 @@ def run_chain(
     idle: Callable[[], bool],
     joins: Sequence[JoinRow],
     cancels: Sequence[str],
+    after_step: Callable[[], object] | None = None,
 ) -> None:
     """ON the engine thread: run batch steps back to back while the chain may go on.
 
@@ -127,7 +128,10 @@ def run_chain(
     scheduler set ``stop``, the batch holds no row any more (``idle``), or
     the chain is ``AHEAD`` steps ahead of what the loop has taken. A step
     that raises ends the job with its exception (the outputs before it stay
-    in ``results``).
+    in ``results``). ``after_step`` runs after each step's output is handed
+    over (the engine's C heap trim, ``actors/engine/memory.py``
+    ``HeapTrim``: a chain of steps is one engine job, and the memory its
+    steps free must not wait for the job's end).
     """
     first = True
     while True:
@@ -136,6 +140,8 @@ def run_chain(
         chain.steps += 1
         chain.results.append(out)
         chain.notify()
+        if after_step is not None:
+            after_step()
         if chain.steps >= chain.budget or chain.stop or idle():
             return
         if chain.steps - chain.consumed >= AHEAD:

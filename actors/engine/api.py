@@ -496,6 +496,7 @@ class Engine(_StartClose):
         self._ids = 0
         self._file_port: Any = None
         self._memory: MemoryGuard | None = None
+        self._heap_trim: Any = None
         self._process_memory: Any = None
         self._relief_lock = anyio.Lock()
         self._memory_counts = {"relieved": 0, "relieved_bytes": 0, "refused": 0}
@@ -611,11 +612,16 @@ class Engine(_StartClose):
             cloner = RegistryCloner(registry)
         self._cold = tier
         guard = self._memory
+        from .memory import HeapTrim
+
+        # NOTE: freed MLX buffers stay in the C heap until trimmed (memory.py: HeapTrim).
+        self._heap_trim = HeapTrim()
         parts = wiring.Parts(
             config=cfg,
             # NOTE: every engine job reads MLX's active memory when it ends,
             # on the engine thread, for the guard's check before admission.
-            executor=thread if guard is None else _SamplingExecutor(thread, guard.gauge),
+            executor=_SamplingExecutor(thread, None if guard is None else guard.gauge,
+                                       self._heap_trim),
             memory_guard=guard,
             backend=backend,
             registry=registry,
@@ -623,6 +629,7 @@ class Engine(_StartClose):
             steps=self._steps,
             cold=tier,
             cloner=cloner,
+            after_step=self._heap_trim.after_job,
         )
         self._wired = wiring.start(system, parts)
         self._gateway_ref = self._wired.ref(wiring.GATEWAY)
@@ -636,6 +643,7 @@ class Engine(_StartClose):
             ProcessMemory,
             default_budget_bytes,
             mlx_cache_limit_bytes,
+            mlx_memory_parts,
             model_footprint,
             settle_memory,
         )
@@ -654,7 +662,7 @@ class Engine(_StartClose):
         # NOTE: the reading's start figures, on the engine thread, once what
         # loading freed has left RSS (memory.py: ProcessMemory).
         await thread.run(settle_memory)
-        reading = await thread.run(ProcessMemory)
+        reading = await thread.run(functools.partial(ProcessMemory, parts=mlx_memory_parts))
         self._process_memory = reading
         gauge = MemoryGauge(reading.read)
         await thread.run(gauge.sample)
@@ -1295,6 +1303,15 @@ class Engine(_StartClose):
                 out["memory"]["resident_bytes"] = reading.resident
                 out["memory"]["mlx_bytes"] = reading.mlx
                 out["memory"]["resident_at_start_bytes"] = reading.resident_at_start
+                heap = self._heap_trim
+                if heap is not None:
+                    out["memory"]["heap_trims"] = heap.trims
+                    out["memory"]["heap_trim_s"] = round(heap.trim_s, 4)
+                if reading.mlx_parts is not None:
+                    active, cache, peak = reading.mlx_parts
+                    out["memory"]["mlx_active_bytes"] = active
+                    out["memory"]["mlx_cache_bytes"] = cache
+                    out["memory"]["mlx_peak_bytes"] = peak
         return out
 
     # --- internals -----------------------------------------------------------
@@ -1424,21 +1441,30 @@ class CacheDemotion:
 
 
 class _SamplingExecutor:
-    """An ``Executor`` that reads MLX's active memory at the end of every engine job (engine thread)."""
+    """An ``Executor`` that reads the memory in use at the end of every engine job (engine thread).
 
-    def __init__(self, inner: Any, gauge: MemoryGauge) -> None:
+    ``heap`` (``memory.HeapTrim``) runs first: it trims the C heap when MLX
+    has freed enough since the last trim, so the reading after it is what
+    the process holds.
+    """
+
+    def __init__(self, inner: Any, gauge: MemoryGauge | None, heap: Any = None) -> None:
         self._inner = inner
         self._gauge = gauge
+        self._heap = heap
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Queue ``fn(*args)`` on the engine thread, followed by a memory reading."""
-        gauge = self._gauge
+        gauge, heap = self._gauge, self._heap
 
         def job() -> T:
             try:
                 return fn(*args)
             finally:
-                gauge.sample()
+                if heap is not None:
+                    heap.after_job()
+                if gauge is not None:
+                    gauge.sample()
 
         future: asyncio.Future[T] = self._inner.submit(job)
         return future

@@ -27,17 +27,21 @@ import ctypes.util
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from actors.gateway.memory_guard import Footprint
 
 __all__ = [
+    "TRIM_AFTER_BYTES",
+    "HeapTrim",
     "ProcessMemory",
     "active_memory_bytes",
     "default_budget_bytes",
     "mlx_cache_limit_bytes",
     "mlx_memory_bytes",
+    "mlx_memory_parts",
     "model_footprint",
     "release_freed_memory",
     "resident_memory_bytes",
@@ -58,6 +62,13 @@ def mlx_memory_bytes() -> int:
     import mlx.core as mx
 
     return int(mx.get_active_memory()) + int(mx.get_cache_memory())
+
+
+def mlx_memory_parts() -> tuple[int, int, int]:
+    """MLX's active memory, buffer cache and peak memory since start (engine thread)."""
+    import mlx.core as mx
+
+    return int(mx.get_active_memory()), int(mx.get_cache_memory()), int(mx.get_peak_memory())
 
 
 _statm: tuple[int, int] | None = None
@@ -138,17 +149,26 @@ class ProcessMemory:
 
     ``read()`` returns ``max(RSS, RSS at start + MLX growth since start)``
     (module docstring); ``resident`` and ``mlx`` keep the last components
-    (``resident`` is ``None`` where RSS cannot be read).
+    (``resident`` is ``None`` where RSS cannot be read). With ``parts``
+    (:func:`mlx_memory_parts`) the MLX figure is its active + cache memory
+    and ``mlx_parts`` keeps (active, cache, peak) for ``/stats``.
     """
 
     def __init__(self, rss: Callable[[], int | None] = resident_memory_bytes,
-                 mlx: Callable[[], int] = mlx_memory_bytes) -> None:
+                 mlx: Callable[[], int] = mlx_memory_bytes,
+                 parts: Callable[[], tuple[int, int, int]] | None = None) -> None:
         self._rss = rss
-        self._mlx = mlx
-        self.mlx_at_start = mlx()
+        self._parts = parts
+        self._mlx = mlx if parts is None else functools.partial(self._from_parts, parts)
+        self.mlx_parts: tuple[int, int, int] | None = None
+        self.mlx_at_start = self._mlx()
         self.resident_at_start = rss()
         self.resident: int | None = self.resident_at_start
         self.mlx = self.mlx_at_start
+
+    def _from_parts(self, parts: Callable[[], tuple[int, int, int]]) -> int:
+        self.mlx_parts = parts()
+        return self.mlx_parts[0] + self.mlx_parts[1]
 
     def read(self) -> int:
         """The reading now (engine thread)."""
@@ -202,6 +222,86 @@ def settle_memory() -> None:
 
     mx.clear_cache()
     trim_host_heap()
+
+
+TRIM_AFTER_BYTES = 32 * 1024**2
+"""Resident memory that neither MLX nor the last trim's reading accounts for, after which
+:class:`HeapTrim` trims the C heap."""
+
+
+class HeapTrim:
+    """Trims the C heap after an engine job once RSS holds ``threshold`` bytes more than MLX explains (engine thread).
+
+    Why: MLX allocates its buffers with ``malloc``. Once a freed mapped
+    chunk has raised glibc's mmap threshold (up to 32 MiB), KV buffers,
+    registry entries and prefill activations come from the glibc arena of
+    the thread that evaluates them, and a freed one stays resident: glibc
+    gives a non-main arena's pages back only from its top, never from the
+    holes between live buffers, and a new buffer that does not fit a hole
+    grows the arena. MLX's own figures stay flat while that happens (what
+    it frees it allocates again elsewhere), so the rule watches RSS, not
+    MLX: with 8 batch rows and the RAM tier and the spill queue turning
+    over, that arena held 589-707 MB of which 245-273 MB were in use, and
+    peak RSS grew 1.6 x the two caps over 200 requests
+    (docs/benchmarks/batching.md, "Memory with rows active"). A trim
+    (glibc ``malloc_trim(0)``) hands every free page of every arena back.
+
+    The rule: the excess is RSS minus MLX's active and cached memory (what
+    the process holds besides MLX's live and cached buffers); ``floor`` is
+    the lowest excess seen since the last trim, starting at the excess right
+    after it. After a job that leaves the excess ``threshold`` or more
+    above ``floor``, trim and read the floor again. So between jobs at most
+    about ``threshold`` bytes of freed heap stay resident, and a trim runs
+    only after that much piled up: measured 2-30 ms each (the walk over the
+    free chunks and their ``madvise``), against batch steps and prefills of
+    tens of milliseconds to seconds. ``trims`` and ``trim_s`` count the
+    trims and their time. Where RSS cannot be read, or the C library has no
+    trim (not glibc), it never trims.
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: int = TRIM_AFTER_BYTES,
+        rss: Callable[[], int | None] = resident_memory_bytes,
+        mlx: Callable[[], int] = mlx_memory_bytes,
+        trim: Callable[[], bool] = trim_host_heap,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if threshold <= 0:
+            raise ValueError("threshold must be > 0")
+        self.threshold = threshold
+        self._rss = rss
+        self._mlx = mlx
+        self._trim = trim
+        self._clock = clock
+        self._floor: int | None = None
+        self.trims = 0
+        self.trim_s = 0.0
+
+    def _excess(self) -> int | None:
+        resident = self._rss()
+        return None if resident is None else resident - self._mlx()
+
+    def after_job(self) -> bool:
+        """Trim when the excess is ``threshold`` above its floor (engine thread); returns whether it trimmed."""
+        excess = self._excess()
+        if excess is None:
+            return False
+        if self._floor is None or excess < self._floor:
+            self._floor = excess
+        if excess - self._floor < self.threshold:
+            return False
+        start = self._clock()
+        trimmed = self._trim()
+        self.trim_s += self._clock() - start
+        if not trimmed:
+            # NOTE: nothing came back (or no trim here): what piled up is live; start from it.
+            self._floor = excess
+            return False
+        self.trims += 1
+        self._floor = self._excess()
+        return True
 
 
 def release_freed_memory(drain: Callable[[], object]) -> None:

@@ -150,6 +150,8 @@ class Parts:
     """Clones RAM entries for write-behind snapshots (``RegistryCloner``); with ``cold``."""
     memory_guard: MemoryGuard | None = None
     """The in-turn memory-pressure checks (``actors/gateway/memory_guard.py``); ``None``: none."""
+    after_step: Callable[[], object] | None = None
+    """Runs on the engine thread after every batch step (``memory.HeapTrim.after_job``)."""
 
 
 Factory = Callable[[], Actor]

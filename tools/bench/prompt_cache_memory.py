@@ -14,11 +14,19 @@ With the batch lane (issue #10: caps hold while rows are active):
 ``--concurrency 8 --max-batch 8 --spill-queue-gb 0.1`` sends the requests
 in waves of 8 at once (8 rows decode together); the bound then is the
 prompt-cache cap plus the spill queue's cap, plus the same 15 %.
+
+``--trace-memory`` prints after every wave where the server's resident
+memory is (``_memtrace.py``: anonymous vs file-backed, glibc's main heap and
+per-thread arenas, thread stacks, MLX's active / cache / peak memory from
+``/stats``, the tiers' bytes) and the same split at the highest RSS seen
+(polled every 0.1 s). ``--env NAME=VALUE`` (repeatable) sets the server's
+environment for A/B runs (``MALLOC_ARENA_MAX=2``, ``KVTIER_SSD_WRITEBEHIND=0``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _memtrace import PeakWatch, sample
 from prompt_cache import start_kvtier, system_prompt, ttft
 
 
@@ -43,6 +52,10 @@ def main() -> int:
         "--spill-queue-gb", type=float, default=None, help="kvtier serve --ssd-spill-queue"
     )
     parser.add_argument("--no-ssd", action="store_true", help="kvtier serve --ssd-cache off")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="print where resident memory is after every wave and at the peak")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in the server's environment (repeatable)")
     args = parser.parse_args()
     if args.model is None:
         from kernels import ensure_default_model
@@ -56,11 +69,15 @@ def main() -> int:
         cap += int(args.spill_queue_gb * 1e9)
     if args.no_ssd:
         extra += ["--ssd-cache", "off"]
+    env = dict(item.split("=", 1) for item in args.env)
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_kvtier(args.model, Path(tmp), *extra)
+        server = start_kvtier(args.model, Path(tmp), *extra, env=env or None)
         try:
             model_id = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
             peaks: list[int] = []
+            pid = server.proc.pid
+            if args.trace_memory:
+                print(sample(pid, server.url, "idle").line(), flush=True)
 
             def one(i: int) -> None:
                 messages = [
@@ -70,14 +87,19 @@ def main() -> int:
                 ttft(server.url, messages, model_id, max_tokens=8)
 
             wave = max(1, args.concurrency)
-            with ThreadPoolExecutor(max_workers=wave) as pool:
+            watch = PeakWatch(pid, server.url) if args.trace_memory else contextlib.nullcontext()
+            with ThreadPoolExecutor(max_workers=wave) as pool, watch:
                 for start in range(0, args.requests, wave):
                     ids = range(start, min(start + wave, args.requests))
                     list(pool.map(one, ids))
                     peaks.append(server.peak_rss_bytes())
                     done = ids[-1] + 1
-                    if start == 0 or done == args.requests or done % (10 * wave) < wave:
+                    if args.trace_memory:
+                        print(sample(pid, server.url, f"after {done:>3}").line(), flush=True)
+                    elif start == 0 or done == args.requests or done % (10 * wave) < wave:
                         print(f"request {done:>3}: peak RSS {peaks[-1] / 1e6:8.1f} MB", flush=True)
+            if isinstance(watch, PeakWatch) and watch.best is not None:
+                print(watch.best.line(), flush=True)
             stats = httpx.get(f"{server.url}/stats", timeout=10)
             cache_stats = stats.json()["engine"].get("prompt_cache") if stats.status_code == 200 else None
         finally:
