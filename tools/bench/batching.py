@@ -18,7 +18,8 @@ Contenders, interleaved (each runs every load once per round, same requests):
   decode concurrency 32, prompt concurrency 8, its own prompt cache),
   non-streaming OpenAI chat requests from one thread per client;
 - ``kvtier batch``: kvtier's batch kernel (``kernels.engine.BatchGeneration``)
-  driven in-process. NOTE (issue 10, phase 1): the BatchScheduler actor is
+  driven in-process, with the BLAS thread tuning ``kvtier serve`` uses
+  (kept across rounds; ``KVTIER_BATCH_BLAS_TUNE=0`` turns it off for both). NOTE (issue 10, phase 1): the BatchScheduler actor is
   not integrated yet, so this measures the kernel with a small in-process
   driver that plays the scheduler's part: it admits every request at once,
   looks each one up in a longest-prefix store standing in for the prompt
@@ -72,6 +73,19 @@ from kernels import (  # noqa: E402
     run_generation,
 )
 from kernels.engine import BatchGeneration  # noqa: E402
+from kernels.engine._blas_threads import BlasTuning, make_blas_tuning  # noqa: E402
+
+TUNING: BlasTuning | None = None
+"""The in-process batch kernel's BLAS thread tuning, kept across rounds like ``kvtier serve``'s."""
+
+
+def tuning() -> BlasTuning | None:
+    """The process's one tuning (made on first use; ``None`` without OpenBLAS of 2+ threads or with --no-blas-tune)."""
+    global TUNING
+    if TUNING is None and os.environ.get("KVTIER_BATCH_BLAS_TUNE", "1") != "0":
+        TUNING = make_blas_tuning()
+    return TUNING
+
 
 TOPICS = [
     "a lighthouse keeper who finds a message in a bottle",
@@ -247,7 +261,9 @@ def run_batch_kernel(
 ) -> Result:
     """Admit every prompt at once into a BatchGeneration and step until all rows have left."""
     params = SamplingParams(max_tokens=max_tokens)
-    batch = BatchGeneration(lm.model, lm.tokenizer, max_rows=max_rows, prefill_step_size=step_size)
+    batch = BatchGeneration(
+        lm.model, lm.tokenizer, max_rows=max_rows, prefill_step_size=step_size, tuning=tuning()
+    )
     tokens = 0
     prefilled = 0
     cpu0 = time.process_time()
@@ -395,6 +411,15 @@ def plot(table: Table, contenders: Sequence[str], path: Path, title: str) -> Non
     fig.savefig(path)
 
 
+def blas_line() -> str:
+    """What the in-process batch kernel's BLAS thread tuning did."""
+    t = TUNING
+    if t is None:
+        return "BLAS thread tuning: off (no OpenBLAS of 2+ threads, or KVTIER_BATCH_BLAS_TUNE=0)"
+    c = t.chooser
+    return f"BLAS thread tuning: now {c.current} threads, {c.trials} trials, {c.switches} switches"
+
+
 def parity(lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int) -> list[str]:
     """Greedy tokens of ``n`` distinct chat prompts: batch rows (joining as room frees) vs the serial kernel.
 
@@ -416,7 +441,9 @@ def parity(lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int) -> l
         ]
         for p in prompts
     ]
-    batch = BatchGeneration(lm.model, lm.tokenizer, max_rows=max_rows, prefill_step_size=step_size)
+    batch = BatchGeneration(
+        lm.model, lm.tokenizer, max_rows=max_rows, prefill_step_size=step_size, tuning=tuning()
+    )
     out: dict[str, list[int]] = {str(i): [] for i in range(n)}
     waiting = list(range(n))
     while waiting or not batch.idle:
@@ -447,6 +474,7 @@ def parity(lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int) -> l
         0,
         f"parity: {equal}/{n} rows token-for-token equal ({max_tokens} greedy tokens, {max_rows} rows at a time)",
     )
+    lines.append(blas_line())
     return lines
 
 
@@ -608,6 +636,7 @@ def main() -> int:
     print()
     for line in summarize(table, contenders):
         print(line)
+    print(f"kvtier batch (in process): {blas_line()}")
     title = (
         f"{model_dir.name}: {args.max_tokens} new tokens per client, {args.rounds} rounds; "
         "kvtier batch = kernel driven in-process; kvtier serve = the batch lane over HTTP"
