@@ -101,7 +101,10 @@ def main() -> int:
             if isinstance(watch, PeakWatch) and watch.best is not None:
                 print(watch.best.line(), flush=True)
             stats = httpx.get(f"{server.url}/stats", timeout=10)
-            cache_stats = stats.json()["engine"].get("prompt_cache") if stats.status_code == 200 else None
+            engine = stats.json()["engine"] if stats.status_code == 200 else {}
+            cache_stats = engine.get("prompt_cache")
+            if args.trace_memory:
+                print(f"memory stats: {engine.get('memory')}", flush=True)
         finally:
             server.stop()
     growth = peaks[-1] - peaks[0]
