@@ -121,8 +121,12 @@ class BatchScheduler(Actor):
         self._chain: Chain | None = None
 
     def snapshot(self) -> dict[str, int | bool | dict[str, int]]:
-        """JSON-ready statistics of the batch lane."""
-        return self.state.snapshot()
+        """JSON-ready statistics of the batch lane (``blas``: the decode steps' BLAS thread choice)."""
+        stats = self.state.snapshot()
+        blas = self._engine.blas_stats()
+        if blas is not None:
+            stats["blas"] = blas
+        return stats
 
     async def started(self, ctx: Context) -> None:
         """Bind the retry alarm to the running loop (unless one was given)."""

@@ -32,7 +32,7 @@ from actors.gateway.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.gateway.ports import Registered
 from kernels import CacheRegistry, InvalidPrompt, KvScheme
 from kernels.engine import BatchGeneration, RowExit, RowSnapshot
-from kernels.engine._blas_threads import StepTuning, make_blas_tuning
+from kernels.engine._blas_threads import BlasTuning, StepTuning, make_blas_tuning
 from messages.gateway import Generate
 
 from .core import ExitOut, JoinRow, RowFailure, StepOut, TokenOut
@@ -120,6 +120,22 @@ class BatchEngine:
                 tuning=self._tuning,
             )
         return self._batch
+
+    def blas_stats(self) -> dict[str, int] | None:
+        """The BLAS thread tuning's state (``threads`` now, ``trials``, ``switches``), ``None`` while off.
+
+        NOTE: read from the loop; plain ints written by the engine thread (atomic under the GIL).
+        """
+        tuning = self._tuning
+        if not isinstance(tuning, BlasTuning):
+            return None
+        c = tuning.chooser
+        return {
+            "threads": tuning.threads,
+            "chosen": c.current,
+            "trials": c.trials,
+            "switches": c.switches,
+        }
 
     def idle(self) -> bool:
         """Whether the kernel's batch holds no row (a chain has nothing left to step); engine thread."""

@@ -1,0 +1,75 @@
+"""The batch lane's BLAS thread tuning through ``Engine``: on with OpenBLAS, off by the switch, shown in stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from actors.batch_scheduler import BATCH_ADDRESS
+from actors.engine import Engine, GenerationParams, wiring
+from kernels.engine._blas_threads import BLAS_TUNE_ENV, find_openblas
+from tests.actors.batch_scheduler.test_engine_batch import _all, _prompts, _run
+from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        BATCH_ADDRESS not in {spec.name for spec in wiring.ACTORS},
+        reason="the wiring has no batch-lane entry",
+    ),
+]
+
+_BLAS = find_openblas()
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny byte-level BPE tokenizer (with a chat template)."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    """A tiny fp32 Llama whose greedy output varies."""
+    return lively_llama(len(tok))
+
+
+@pytest.mark.skipif(
+    _BLAS is None or _BLAS.get_threads() < 2, reason="needs OpenBLAS with 2+ threads (LD_PRELOAD)"
+)
+async def test_tuning_is_on_shown_in_stats_and_gives_the_default_back(
+    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With OpenBLAS of 2+ threads the batch lane tunes (stats 'blas'), rows keep their serial tokens, and the idle lane leaves OpenBLAS at its default."""
+    assert _BLAS is not None
+    default = _BLAS.get_threads()
+    monkeypatch.delenv(BLAS_TUNE_ENV, raising=False)
+    prompts = _prompts(tok, 3, seed=11)
+    params = [GenerationParams(max_tokens=40) for _ in prompts]
+    async with Engine.from_loaded(
+        model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=1
+    ) as serial:
+        expected = [await _run(serial, p, q) for p, q in zip(prompts, params, strict=True)]
+    async with Engine.from_loaded(
+        model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=4
+    ) as eng:
+        got = await _all(eng, prompts, params)
+        stats = await eng.stats()
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    blas = stats["batch"]["batch"]["blas"]
+    assert blas["threads"] == default, f"released to the default once idle: {blas}"
+    assert blas["trials"] >= 1, f"40 decode steps of 3 rows run at least one trial: {blas}"
+    assert _BLAS.get_threads() == default
+
+
+async def test_switch_turns_it_off(model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTIER_BATCH_BLAS_TUNE=0: no tuning (no 'blas' in the batch stats)."""
+    monkeypatch.setenv(BLAS_TUNE_ENV, "0")
+    prompts = _prompts(tok, 2, seed=12)
+    async with Engine.from_loaded(
+        model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=4
+    ) as eng:
+        await _all(eng, prompts, [GenerationParams(max_tokens=4)] * 2)
+        stats = await eng.stats()
+    assert "blas" not in stats["batch"]["batch"]
