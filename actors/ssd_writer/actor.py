@@ -13,9 +13,10 @@ limiter, host staging); ``actors/engine/wiring.py`` spawns them:
   positional write per tensor, commit (fsync, rename, directory fsync), then
   reports (asks the index), removes what the new file superseded durably
   and tells the index which of those are gone.
-- ``ssd_writer.read`` (:class:`Reader`): reads a file into host buffers
-  (hashes verified in the same pass), answers the ``Restore`` asker
-  directly, and reports to the index. Separate from the store worker so a
+- ``ssd_writer.read`` (:class:`Reader`): checks a file (one pass through
+  a reused buffer, hashes verified) and stages it open for the request's
+  engine turn, which lands it straight into MLX memory; answers the
+  ``Restore`` asker directly, and reports to the index. Separate from the store worker so a
   restore never waits behind a store that waits for an idle engine turn
   (which a request waiting for its restore would never give it).
 - ``ssd_writer.scrub`` (:class:`Scrubber`): while the engine is idle,
@@ -114,9 +115,10 @@ class SsdWriterConfig:
     ``io_threads``: the worker-thread pool shared by the tier's file work.
     ``ask_timeout``: deadline of the store worker's asks to the index.
     ``max_header_bytes``: the largest header a reader accepts (``None``: the
-    codec's default). ``staging_entries``: restored entries that may wait
-    in host memory at once. The idle scrubber re-verifies one file every
-    ``scrub_interval_s`` seconds (0, the default here: no scrubber; the
+    codec's default). ``staging_entries``: restored entries (open, checked
+    files) that may wait for their turn at once. ``verify`` covers both
+    hash passes (the reader's and the landing's). The idle scrubber
+    re-verifies one file every ``scrub_interval_s`` seconds (0, the default here: no scrubber; the
     engine's wiring sets 60), reading at most
     ``scrub_bytes_per_s`` on average, and skips a round when no idle engine
     turn came within ``scrub_idle_wait_s``. ``min_restore_tokens``: ``Find``
@@ -522,7 +524,7 @@ async def _read_owned(tier: ColdTier, path: str, **kwargs: Any) -> io.ReadOutcom
 
 
 class Reader(Actor):
-    """Reads one file per ``ReadEntry`` into host staging; answers the ``Restore`` asker."""
+    """Checks one file per ``ReadEntry`` and stages it open; answers the ``Restore`` asker."""
 
     def __init__(self, tier: ColdTier) -> None:
         self._tier = tier

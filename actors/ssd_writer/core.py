@@ -378,8 +378,19 @@ class Estimator:
             self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
 
     def restore_s(self, file_bytes: int) -> float:
-        """Predicted seconds to restore a file of ``file_bytes``: read, then land."""
-        return self.read.predict(file_bytes) + self.land.predict(file_bytes)
+        """Predicted seconds to restore a file of ``file_bytes``: read, then land.
+
+        NOTE: the landing is engine-turn work, weighed against the prefill
+        it replaces; it counts once the prefill speed has been measured on
+        this device. Until then the prefill side is a prior (a guess for an
+        unknown device: 7x too fast for this CPU, 25x too slow for an H200),
+        and one landing timed on a busy machine (2.6 MB landed in 2-20 ms,
+        once in 178 ms, at load 7.9) would decide against the prefill the
+        tier exists to save, as a kill -9 loop's first turns after a
+        restart (all served from disk, so no prefill is ever timed) showed.
+        """
+        land = self.land.predict(file_bytes) if self.prefill_tps is not None else 0.0
+        return self.read.predict(file_bytes) + land
 
     def choose(
         self, file_bytes: int, saved_tokens: int

@@ -157,16 +157,29 @@ def test_small_reads_no_longer_make_a_large_file_look_slow() -> None:
     assert est.choose(file_bytes, 8192)[0] == "recompute"
 
 
-def test_the_landing_cost_counts_in_the_restore_prediction() -> None:
-    """A device that reads fast but lands slowly (this CPU VM) is predicted read + landing."""
+def test_the_landing_cost_counts_in_the_restore_prediction_once_prefill_is_timed() -> None:
+    """A device that reads fast but lands slowly (this CPU VM) is predicted read + landing, once
+    a prefill was timed: before, the prefill side is a prior and a landing does not weigh in."""
     est = Estimator()
     for n in SIZES:
         est.observe_read(n, CPU.read_s(n))
     before = est.restore_s(1_000 * MB)
     for n in SIZES:
         est.observe_landing(n, CPU.land_s(n))
+    assert est.restore_s(1_000 * MB) == before  # prefill not timed yet
+    est.observe_prefill(1000, CPU.prefill_s(1000))
     assert est.restore_s(1_000 * MB) == pytest.approx(CPU.restore_s(1_000 * MB), rel=1e-6)
     assert est.restore_s(1_000 * MB) - before == pytest.approx(CPU.land_s(1_000 * MB), rel=1e-6)
+
+
+def test_a_slow_first_landing_does_not_turn_an_untimed_prefill_into_recompute() -> None:
+    """After a restart every turn may come from disk (no prefill timed): one landing slowed by a
+    busy machine must not make the prior prefill look faster than a read that is not."""
+    est = Estimator()
+    n = 5 * MB
+    est.observe_read(n, 0.01)
+    est.observe_landing(n, 0.18)  # a scheduling spike: 2-20 ms is usual
+    assert est.choose(n, 79)[0] == "restore"  # 10 ms of read against 79 ms of prior prefill
 
 
 def _send(state: core.IndexState, body: Any) -> list[core.Effect]:
