@@ -1755,6 +1755,8 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
     views: list[memoryview] = []
     hosts: dict[int, bytearray] = {}
     done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+    checked: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+    checking = False
     pending = 0
     errors: list[BaseException] = []
     try:
@@ -1764,11 +1766,14 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
         if pool is None:
             check()
         else:
-            pool.submit(check, done)
-            pending += 1
+            pool.submit(check, checked)
+            checking = True
         for index, (rec, capacity) in enumerate(dests):
             shape = rec.shape if capacity is None else (*rec.shape[:2], capacity, *rec.shape[3:])
-            a = mx.zeros(shape, dtype=_DTYPES[rec.dtype])
+            # NOTE: filled on the CPU stream, so the pages the landing writes
+            # are host pages; on CUDA (managed memory) a GPU-side fill would
+            # migrate them to the device, and the writes back, page by page.
+            a = mx.zeros(shape, dtype=_DTYPES[rec.dtype], stream=mx.cpu)
             mx.eval(a)
             arrays.append(a)
             if rec.nbytes == 0 and not verify:
@@ -1817,6 +1822,12 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
             pending -= 1
             if outcome is not None:
                 errors.append(outcome)
+        if checking:
+            # NOTE: a changed file is reported as such, before whatever a
+            # read of it ran into meanwhile (a short read, a bad hash).
+            outcome = checked.get()
+            if outcome is not None:
+                errors.insert(0, outcome)
     if errors:
         raise errors[0]
     del views
