@@ -524,6 +524,7 @@ def main() -> int:
         server = None if args.skip_mlx_lm else start_mlx_lm(model_dir, Path(tmp))
         serve = None
         serve_model = ""
+        serve_blas = ""
         if args.serve:
             serve = start_kvtier(
                 model_dir,
@@ -628,6 +629,11 @@ def main() -> int:
                             ),
                             flush=True,
                         )
+            if serve is not None:
+                stats = httpx.get(f"{serve.url}/stats", timeout=30).json()
+                engine_stats = stats.get("engine", {})
+                blas = engine_stats.get("batch", {}).get("batch", {}).get("blas")
+                serve_blas = f"kvtier serve: BLAS thread tuning {blas if blas else 'off'}"
         finally:
             if server is not None:
                 server.stop()
@@ -637,6 +643,8 @@ def main() -> int:
     for line in summarize(table, contenders):
         print(line)
     print(f"kvtier batch (in process): {blas_line()}")
+    if serve_blas:
+        print(serve_blas)
     title = (
         f"{model_dir.name}: {args.max_tokens} new tokens per client, {args.rounds} rounds; "
         "kvtier batch = kernel driven in-process; kvtier serve = the batch lane over HTTP"
