@@ -327,19 +327,26 @@ def _idle_gate() -> None:
 
 
 def _spill_queue_factory(
-    state: spill_queue_core.QueueState, releaser: HandleReleaser, writer: str
+    state: spill_queue_core.QueueState,
+    releaser: HandleReleaser,
+    writer: str,
+    turns: str | None = None,
 ) -> Factory:
     # NOTE: the state is built once and handed to every instance, so a
     # restart after a failing message does not orphan the handles the queue
     # owns (they would never be released otherwise).
-    return lambda: SpillQueue(state=state, releaser=releaser, writer=writer)
+    return lambda: SpillQueue(state=state, releaser=releaser, writer=writer, turns=turns)
 
 
 def _spill_queue(parts: Parts) -> Factory | None:
     if parts.cold is None or parts.registry is None:
         return None
-    state = spill_queue_core.QueueState(cap_bytes=parts.config.ssd_spill_queue_bytes)
-    return _spill_queue_factory(state, parts.registry, parts.cold.name)
+    # NOTE: released handles' arrays are freed by the registry's drain, the
+    # prompt cache's standing DRAIN_STEP (registered in _prompt_cache).
+    state = spill_queue_core.QueueState(
+        cap_bytes=parts.config.ssd_spill_queue_bytes, drain_step=DRAIN_STEP
+    )
+    return _spill_queue_factory(state, parts.registry, parts.cold.name, turns=GATEWAY)
 
 
 def _spill_queue_fields(body: Body) -> dict[str, Any]:

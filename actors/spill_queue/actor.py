@@ -4,7 +4,9 @@ The shell keeps the core's state, handles one message at a time and
 performs the core's effects: ``Store`` tells to the SSD writer (answered to
 this actor's own address, so the queue keeps accepting and dropping while a
 store runs), handle disposals through the registry's thread-safe
-``dispose``, and replies. It never awaits the writer's work.
+``dispose``, ``RunWhenIdle`` for the registry's drain step to the gateway
+(``turns``; the ``TurnDone`` comes back here), and replies. It never awaits
+the writer's work.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from actors.runtime import (
     get_logger,
 )
 from messages import Envelope, Store
+from messages.gateway import RunWhenIdle
 
 from . import core
 
@@ -59,10 +62,12 @@ class SpillQueue(Actor):
         state: core.QueueState,
         releaser: HandleReleaser,
         writer: str = _SSD_WRITER_ADDRESS,
+        turns: str | None = None,
     ) -> None:
         self.state = state
         self._releaser = releaser
         self._writer = writer
+        self._turns = turns
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Apply the rules to one message and perform their effects in order."""
@@ -82,6 +87,10 @@ class SpillQueue(Actor):
                 work.extend(await self._send_store(effect.item, ctx))
             elif isinstance(effect, core.ReleaseHandle):
                 self._release(effect.handle)
+            elif isinstance(effect, core.RequestDrain):
+                if not self._request_drain(effect.step_id, ctx):
+                    self.state, more = core.drain_undelivered(self.state)
+                    work.extend(more)
             elif isinstance(effect, core.Answer):
                 await ctx.reply(effect.request, effect.body)
             else:
@@ -105,6 +114,17 @@ class SpillQueue(Actor):
             self.state, more = core.store_unavailable(self.state, item.handle, "writer_unavailable")
             return more
         return []
+
+    def _request_drain(self, step_id: str, ctx: Context) -> bool:
+        """Ask the gateway for the drain turn; ``False`` if the ask was not sent."""
+        if self._turns is None:
+            return False
+        ask = RunWhenIdle(step_id=step_id, label="spill_queue.drain", reply_to=ctx.name)
+        try:
+            return ctx.try_tell(self._turns, ask)
+        except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
+            _log.warning("spill_queue.drain_unsent", error=type(exc).__name__)
+            return False
 
     def _release(self, handle: str) -> None:
         try:

@@ -3,7 +3,9 @@
 Pure Python over metadata: no arrays, no I/O, no clock. The shell
 (``actors/spill_queue/actor.py``) performs the effects: :class:`SendStore`
 hands the in-flight item to the SSD writer, :class:`ReleaseHandle` disposes a
-handle through the registry, :class:`Answer` replies to a waiting request.
+handle through the registry, :class:`RequestDrain` asks for the background
+turn that frees disposed handles' arrays, :class:`Answer` replies to a
+waiting request.
 
 Invariants kept by every function here (``tests/actors/spill_queue`` checks
 them on random sequences):
@@ -15,7 +17,16 @@ them on random sequences):
 - after an enqueue, ``pending_bytes <= cap_bytes`` unless the only queued
   item is the one just enqueued (the soft cap: the newest item is never its
   own victim, and the in-flight item is never a victim);
-- a dropped item is always the oldest queued one.
+- a dropped item is always the oldest queued one;
+- with a ``drain_step``, every release is followed by a drain turn: one is
+  asked for after the effects that release, unless one is already asked
+  for, and then again when that one is done if more were released since.
+  NOTE: the registry only queues a disposal; the arrays stay in memory,
+  outside both caps, until a drain runs on the engine thread. Batch steps
+  and serial turns drain when they end, but a store finishes in idle
+  turns, so without this the entries stored between two waves of requests
+  stayed alive into the next wave's prefill (118 MB of them measured over
+  the two 0.1 GB caps, docs/benchmarks/batching.md).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from messages import (
     SpillSource,
     StoreResult,
 )
+from messages.gateway import TurnDone
 
 __all__ = [
     "DEFAULT_CAP_BYTES",
@@ -46,8 +58,10 @@ __all__ = [
     "Item",
     "QueueState",
     "ReleaseHandle",
+    "RequestDrain",
     "SendStore",
     "UnknownSpillQueueMessage",
+    "drain_undelivered",
     "drained",
     "handle",
     "pending_bytes",
@@ -105,6 +119,13 @@ class ReleaseHandle:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestDrain:
+    """Ask the gateway for the ``step_id`` background turn (the registry's drain); ``TurnDone`` comes back."""
+
+    step_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Answer:
     """Reply ``body`` to the waiting ``request``."""
 
@@ -112,7 +133,7 @@ class Answer:
     body: Body
 
 
-Effect = SendStore | ReleaseHandle | Answer
+Effect = SendStore | ReleaseHandle | RequestDrain | Answer
 
 
 @dataclass
@@ -132,6 +153,10 @@ class QueueState:
     dropped_bytes: int = 0
     failed: int = 0
     refused: int = 0
+    drain_step: str | None = None
+    drain_in_flight: bool = False
+    undrained: int = 0
+    drains_requested: int = 0
 
     def __post_init__(self) -> None:
         if self.cap_bytes < 0:
@@ -274,7 +299,7 @@ def store_unavailable(
         return state, []
     state.in_flight = None
     state.failed += 1
-    return state, _settle(state, item, "failed", reason) + _after_settle(state)
+    return state, _with_drain(state, _settle(state, item, "failed", reason) + _after_settle(state))
 
 
 def stop(state: QueueState) -> tuple[QueueState, list[Effect]]:
@@ -321,9 +346,39 @@ def stats(state: QueueState) -> SpillQueueStats:
     )
 
 
+def _with_drain(state: QueueState, effects: list[Effect]) -> list[Effect]:
+    """``effects``, then a drain request when they release handles and none is in flight."""
+    released = sum(isinstance(e, ReleaseHandle) for e in effects)
+    state.undrained += released
+    if state.drain_step is None or state.drain_in_flight or state.undrained == 0:
+        return effects
+    state.drain_in_flight = True
+    state.undrained = 0
+    state.drains_requested += 1
+    return [*effects, RequestDrain(state.drain_step)]
+
+
+def drain_undelivered(state: QueueState) -> tuple[QueueState, list[Effect]]:
+    """The drain request could not be sent: nothing is in flight; the next release asks again."""
+    state.drain_in_flight = False
+    state.undrained += 1
+    return state, []
+
+
 def handle(state: QueueState, envelope: Envelope) -> tuple[QueueState, list[Effect]]:
     """Apply one message to ``state``; return it with the effects to perform, in order."""
+    state, effects = _handle(state, envelope)
+    return state, _with_drain(state, effects)
+
+
+def _handle(state: QueueState, envelope: Envelope) -> tuple[QueueState, list[Effect]]:
     body = envelope.body
+    if isinstance(body, TurnDone):
+        if state.drain_step is not None and body.step_id == state.drain_step:
+            # NOTE: ok or refused (the gateway stopping), the drain is no longer in flight;
+            # releases since it was asked for ask again (in ``handle``).
+            state.drain_in_flight = False
+        return state, []
     if isinstance(body, Enqueue):
         return state, enqueue(state, envelope, body)
     if isinstance(body, StoreResult):
