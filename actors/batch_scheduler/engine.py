@@ -31,8 +31,14 @@ from actors.errors import MemoryPressure
 from actors.gateway.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.gateway.ports import Registered
 from kernels import CacheRegistry, InvalidPrompt, KvScheme
-from kernels.engine import BatchGeneration, RowExit, RowSnapshot
-from kernels.engine._blas_threads import BlasTuning, StepTuning, make_blas_tuning
+from kernels.engine import (
+    BatchGeneration,
+    BlasTuning,
+    RowExit,
+    RowSnapshot,
+    StepTuning,
+    make_blas_tuning,
+)
 from messages.gateway import Generate
 
 from .core import ExitOut, JoinRow, RowFailure, StepOut, TokenOut

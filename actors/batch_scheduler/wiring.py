@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kernels import CacheRegistry, KvScheme
-from kernels.engine import model_batch_gate
-from kernels.engine._blas_threads import blas_tune_enabled
+from kernels.engine import blas_tune_enabled, model_batch_gate
 
 from .actor import BatchScheduler
 from .engine import BatchEngine, RestorePort

@@ -25,6 +25,16 @@ from ._batch import (
     batch_ssm_enabled,
     model_batch_gate,
 )
+from ._blas_threads import (
+    BLAS_TUNE_ENV,
+    BlasTuning,
+    OpenBlas,
+    StepTuning,
+    ThreadChooser,
+    blas_tune_enabled,
+    find_openblas,
+    make_blas_tuning,
+)
 from ._detokenize import (
     TextStream,
 )
@@ -77,12 +87,14 @@ from ._transitioning import (
 
 __all__ = [
     "BATCH_SSM_ENV",
+    "BLAS_TUNE_ENV",
     "IDLE_PREFILL_ROWS",
     "BatchFull",
     "BatchGate",
     "BatchGeneration",
     "BatchRefusal",
     "BatchStep",
+    "BlasTuning",
     "CacheHook",
     "EngineStats",
     "EngineThread",
@@ -92,6 +104,7 @@ __all__ = [
     "InvalidGrammar",
     "KernelFinishReason",
     "LayerKind",
+    "OpenBlas",
     "ParsedToolCall",
     "RowExit",
     "RowExitReason",
@@ -100,7 +113,9 @@ __all__ = [
     "SamplingParams",
     "SnapshotBoundary",
     "StepOutput",
+    "StepTuning",
     "TextStream",
+    "ThreadChooser",
     "TokenBytes",
     "ToolCallSplitter",
     "ToolFormat",
@@ -110,9 +125,12 @@ __all__ = [
     "batch_gate",
     "batch_params_refusal",
     "batch_ssm_enabled",
+    "blas_tune_enabled",
     "check_grammar",
     "encode_prompt",
+    "find_openblas",
     "json_schema_grammar",
+    "make_blas_tuning",
     "make_request_processors",
     "make_request_sampler",
     "model_batch_gate",

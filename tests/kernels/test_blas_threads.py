@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from kernels.engine import BatchGeneration, SamplingParams
-from kernels.engine._blas_threads import BlasTuning, ThreadChooser, find_openblas
+from kernels.engine import BatchGeneration, BlasTuning, SamplingParams, ThreadChooser, find_openblas
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 

@@ -72,8 +72,11 @@ from kernels import (  # noqa: E402
     render_chat,
     run_generation,
 )
-from kernels.engine import BatchGeneration  # noqa: E402
-from kernels.engine._blas_threads import BlasTuning, make_blas_tuning  # noqa: E402
+from kernels.engine import (  # noqa: E402
+    BatchGeneration,
+    BlasTuning,
+    make_blas_tuning,
+)
 
 TUNING: BlasTuning | None = None
 """The in-process batch kernel's BLAS thread tuning, kept across rounds like ``kvtier serve``'s."""

@@ -8,7 +8,7 @@ import pytest
 
 from actors.batch_scheduler import BATCH_ADDRESS
 from actors.engine import Engine, GenerationParams, wiring
-from kernels.engine._blas_threads import BLAS_TUNE_ENV, find_openblas
+from kernels.engine import BLAS_TUNE_ENV, find_openblas
 from tests.actors.batch_scheduler.test_engine_batch import _all, _prompts, _run
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
