@@ -117,11 +117,15 @@ class Restore(Request):
 class RestoreResult(Body):
     """Answer to :class:`Restore`.
 
-    On success the bytes wait under ``staging_id`` in the tier's
-    ``HostStaging``; the caller takes them (once) and materializes them in an
-    engine turn. On failure ``reason`` is ``gone`` (no longer indexed or
-    removed meanwhile), ``corrupt`` (the file failed a check and was
-    removed), ``io_error``; every failure is a cache miss, never an error.
+    On success the file waits open under ``staging_id`` in the tier's
+    ``HostStaging`` (its header checked; the reader's pass over its tensors
+    may still run); the caller takes it (once) and its engine turn lands it
+    straight into MLX arrays, right behind the pass (a pass that fails makes
+    that landing a miss). ``read_s``: time to the answer (header and open).
+    On failure ``reason`` is ``gone`` (no longer indexed or removed
+    meanwhile), ``corrupt`` (the header failed a check; the file was
+    removed), ``io_error``, ``stopped``; every failure is a cache miss,
+    never an error.
     """
 
     kind: Literal["ssd_writer.restore_result"] = "ssd_writer.restore_result"

@@ -60,7 +60,9 @@ from kernels.cache import (
     FileLock,
     FilePort,
     KvFileWriter,
+    OpenEntry,
     OsFilePort,
+    PassFailed,
 )
 from messages import (
     Body,
@@ -501,45 +503,53 @@ class StoreWorker(Actor):
 # --- the reader --------------------------------------------------------------------------
 
 
-async def _read_owned(tier: ColdTier, path: str, **kwargs: Any) -> io.ReadOutcome:
-    """``io.read_entry`` on the worker pool; its open file is closed if the caller never gets it.
+async def _open_owned(tier: ColdTier, path: str, **kwargs: Any) -> OpenEntry:
+    """``io.open_for_restore`` on the worker pool; its file is closed if the caller never gets it.
 
     NOTE: the worker thread runs to its end even when the awaiting task is
-    cancelled meanwhile; the outcome it produced is then closed here
-    instead of leaking its descriptor.
+    cancelled meanwhile; the file it opened is then closed here instead of
+    leaking its descriptor.
     """
-    produced: list[io.ReadOutcome] = []
+    produced: list[OpenEntry] = []
 
-    def read() -> io.ReadOutcome:
-        out = io.read_entry(tier.port, path, **kwargs)
+    def open_() -> OpenEntry:
+        out = io.open_for_restore(tier.port, path, **kwargs)
         produced.append(out)
         return out
 
     try:
-        return await tier.run(read)
+        return await tier.run(open_)
     except BaseException:
         for out in produced:
-            out.file.close()
+            out.close()
         raise
 
 
 class Reader(Actor):
-    """Checks one file per ``ReadEntry`` and stages it open; answers the ``Restore`` asker."""
+    """Opens one file per ``ReadEntry``, stages it, answers the ``Restore`` asker, then passes over it.
+
+    The answer comes once the header is checked and the file open; the
+    pass (every tensor read, hashes checked) runs after it, so the request's
+    engine turn can land the entry right behind the pass (a landing waits
+    for each tensor the pass has not reached yet). What the pass finds is
+    reported to the index: a corrupt file is removed; its landing fails (a
+    miss). The pass always ends (done, failed, or abandoned when its worker
+    never ran), so a landing waiting on it never hangs.
+    """
 
     def __init__(self, tier: ColdTier) -> None:
         self._tier = tier
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
-        """Read, stage, answer the asker, report to the index."""
+        """Open, stage, answer the asker, pass over the file, report to the index."""
         body = envelope.body
         if not isinstance(body, ReadEntry):
             raise TypeError(f"reader has no rule for {body.kind!r}")
         tier = self._tier
         state = tier.state
         started = ctx.clock.now()
-        staging_id: str | None = None
         try:
-            out = await _read_owned(
+            file = await _open_owned(
                 tier,
                 body.path,
                 fingerprint=state.fingerprint,
@@ -547,62 +557,108 @@ class Reader(Actor):
                 tokens=body.tokens,
                 verify=tier.config.verify,
                 max_header_bytes=tier.config.max_header_bytes,
-                touch=not state.read_only,
             )
         except (CacheFileCorrupt, CacheFileIncompatible) as exc:
-            removed = False
-            if not state.read_only:
-                removal = await tier.run(io.remove_durably, tier.port, (body.path,))
-                removed = removal.gone == (body.path,)
-            _log.warning("ssd_cache.corrupt", path=body.path, error=str(exc), removed=removed)
-            result = RestoreResult(ok=False, path=body.path, reason="corrupt", ticket=body.ticket)
-            report = RestoreReport(path=body.path, ok=False, reason="corrupt", removed=removed)
+            await self._bad_file(envelope, ctx, body, exc)
+            return
         except FileNotFoundError:
-            result = RestoreResult(ok=False, path=body.path, reason="gone", ticket=body.ticket)
-            report = RestoreReport(path=body.path, ok=False, reason="gone")
+            await ctx.reply(
+                envelope, RestoreResult(ok=False, path=body.path, reason="gone", ticket=body.ticket)
+            )
+            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="gone"))
+            return
         except OSError as exc:
-            _log.warning("ssd_cache.read_failed", path=body.path, error=str(exc))
-            result = RestoreResult(ok=False, path=body.path, reason="io_error", ticket=body.ticket)
-            report = RestoreReport(path=body.path, ok=False, reason="io_error")
-        else:
-            seconds = max(0.0, ctx.clock.now() - started)
-            staging_id = ctx.ids.new_id("restore-")
-            # NOTE: the staging owns the open file from here (it closes it
-            # when it drops the entry, pushes it out, or lands it).
-            if not tier.staging.put(staging_id, StagedEntry(body.path, out.file)):
-                staging_id = None
-                result = RestoreResult(
-                    ok=False, path=body.path, reason="stopped", ticket=body.ticket
-                )
-                report = RestoreReport(path=body.path, ok=False, reason="stopped")
-                await ctx.reply(envelope, result)
-                await ctx.tell(tier.name, report)
-                return
-            result = RestoreResult(
-                ok=True,
-                path=body.path,
-                staging_id=staging_id,
-                entry_tokens=len(out.header.tokens),
-                bytes=out.file.nbytes,
-                read_s=seconds,
-                ticket=body.ticket,
+            await self._io_error(envelope, ctx, body, exc)
+            return
+        try:
+            await self._stage_and_pass(envelope, ctx, body, file, started)
+        finally:
+            # NOTE: a pass that never ran still ends, waking any landing
+            # behind it (a no-op once it ran).
+            file.abandon()
+
+    async def _stage_and_pass(
+        self, envelope: Envelope, ctx: Context, body: ReadEntry, file: OpenEntry, started: float
+    ) -> None:
+        tier = self._tier
+        staging_id = ctx.ids.new_id("restore-")
+        # NOTE: the staging owns the open file from here (it closes it when it
+        # drops the entry, pushes it out, or lands it; closing it during the
+        # pass cancels the pass).
+        if not tier.staging.put(staging_id, StagedEntry(body.path, file)):
+            await ctx.reply(
+                envelope,
+                RestoreResult(ok=False, path=body.path, reason="stopped", ticket=body.ticket),
             )
-            report = RestoreReport(
-                path=body.path,
-                ok=True,
-                bytes=out.file.nbytes,
-                seconds=seconds,
-                touched=out.touched,
-            )
+            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="stopped"))
+            return
+        result = RestoreResult(
+            ok=True,
+            path=body.path,
+            staging_id=staging_id,
+            entry_tokens=len(file.header.tokens),
+            bytes=file.nbytes,
+            read_s=max(0.0, ctx.clock.now() - started),
+            ticket=body.ticket,
+        )
         try:
             delivered = await ctx.reply(envelope, result)
         except BaseException:
-            if staging_id is not None:
-                tier.staging.discard(staging_id)
+            tier.staging.discard(staging_id)
             raise
-        if not delivered and staging_id is not None:
+        if not delivered:
             tier.staging.discard(staging_id)  # NOTE: the asker left; close the file now.
+            file.abandon("the asker left")
+            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="stopped"))
+            return
+        try:
+            touched = await tier.run(io.pass_entry, tier.port, file, touch=not tier.state.read_only)
+        except (CacheFileCorrupt, CacheFileIncompatible) as exc:
+            tier.staging.discard(staging_id)
+            await self._bad_file(None, ctx, body, exc)
+            return
+        except PassFailed:
+            # NOTE: the entry was closed during its pass (pushed out, dropped,
+            # a landing that failed): nothing is known against the file.
+            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="stopped"))
+            return
+        except OSError as exc:
+            tier.staging.discard(staging_id)
+            await self._io_error(None, ctx, body, exc)
+            return
+        seconds = max(0.0, ctx.clock.now() - started)
+        report = RestoreReport(
+            path=body.path, ok=True, bytes=file.nbytes, seconds=seconds, touched=touched
+        )
         await ctx.tell(tier.name, report)
+
+    async def _bad_file(
+        self, envelope: Envelope | None, ctx: Context, body: ReadEntry, exc: Exception
+    ) -> None:
+        tier = self._tier
+        removed = False
+        if not tier.state.read_only:
+            removal = await tier.run(io.remove_durably, tier.port, (body.path,))
+            removed = removal.gone == (body.path,)
+        _log.warning("ssd_cache.corrupt", path=body.path, error=str(exc), removed=removed)
+        if envelope is not None:
+            await ctx.reply(
+                envelope,
+                RestoreResult(ok=False, path=body.path, reason="corrupt", ticket=body.ticket),
+            )
+        report = RestoreReport(path=body.path, ok=False, reason="corrupt", removed=removed)
+        await ctx.tell(tier.name, report)
+
+    async def _io_error(
+        self, envelope: Envelope | None, ctx: Context, body: ReadEntry, exc: OSError
+    ) -> None:
+        _log.warning("ssd_cache.read_failed", path=body.path, error=str(exc))
+        if envelope is not None:
+            await ctx.reply(
+                envelope,
+                RestoreResult(ok=False, path=body.path, reason="io_error", ticket=body.ticket),
+            )
+        await ctx.tell(self._tier.name, RestoreReport(path=body.path, ok=False, reason="io_error"))
 
 
 # --- the scrubber ---------------------------------------------------------------------

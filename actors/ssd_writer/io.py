@@ -25,6 +25,7 @@ from kernels.cache import (
     LockUnavailable,
     OpenEntry,
     open_entry,
+    open_file,
     read_header,
     verify_tensors,
 )
@@ -336,6 +337,46 @@ def read_entry(
             file.close()
             raise
     return ReadOutcome(header=header, file=file, touched=touched)
+
+
+def open_for_restore(
+    port: FilePort,
+    path: str,
+    *,
+    fingerprint: str,
+    namespace: str,
+    tokens: tuple[int, ...],
+    verify: bool,
+    max_header_bytes: int | None,
+) -> OpenEntry:
+    """Check one file's header against what the index knows and open it; its pass runs next.
+
+    The reader stages the returned entry at once and then runs its pass
+    (:meth:`kernels.cache.OpenEntry.pass_over`, :func:`pass_entry`), so the
+    request's landing can go right behind it. Raises
+    :class:`CacheFileCorrupt` when the header fails its checks or the file is
+    not the entry the index expects (nothing is left open).
+    """
+    header = _read_header(port, path, fingerprint, max_header_bytes)
+    if header.namespace != namespace or header.tokens != tokens:
+        raise CacheFileCorrupt("header does not match the indexed entry")
+    return open_file(port, path, header, verify=verify)
+
+
+def pass_entry(port: FilePort, file: OpenEntry, *, touch: bool) -> bool:
+    """Run ``file``'s pass (every tensor read, hashes checked with ``verify``), then touch it for LRU.
+
+    Whether the mtime was set to now. Raises what the pass raises (the
+    holder keeps the file and closes it).
+    """
+    file.pass_over()
+    if not touch:
+        return False
+    try:
+        port.utime(file.path)
+    except OSError:
+        return False  # NOTE: the LRU touch is best effort; the read stands.
+    return True
 
 
 def verify_entry(

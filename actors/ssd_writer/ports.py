@@ -30,6 +30,7 @@ from kernels.cache import (
     KvFileHeader,
     LandingPool,
     OpenEntry,
+    PassFailed,
     land_entry,
     plan_entry,
     tensor_bytes,
@@ -219,7 +220,10 @@ class EngineTensorSource:
 
 @dataclass(eq=False, slots=True)
 class StagedEntry:
-    """A restored file waiting for its request's engine turn: checked, page-cache warm, held open.
+    """A restored file waiting for its request's engine turn: header checked, held open.
+
+    The reader's pass over its tensors (hashes checked, page cache warmed)
+    may still run; a landing goes right behind it.
 
     Its holder closes it on every path (:meth:`close` is idempotent): the
     staging when it drops or pushes it out, :meth:`HostStaging.land` once
@@ -354,17 +358,29 @@ class HostStaging:
         """Read a taken entry straight into MLX arrays and build its caches (engine thread).
 
         See :func:`kernels.cache.land_entry`; the file calls and hashes run
-        on this staging's landing threads. The file is released on every
-        path. Raises what the landing raises (:class:`CacheFileCorrupt` when
-        the file changed or a hash disagrees: recorded for the index).
+        on this staging's landing threads, right behind the reader's pass
+        when it still runs. The file is released on every path. Raises what
+        the landing raises (:class:`CacheFileCorrupt` when the file changed
+        or a hash disagrees: recorded for the index; ``PassFailed`` when the
+        reader's pass failed or was cancelled: the reader reports it).
         """
         started = self._clock()
+        passed_at: list[float] = []
+        # NOTE: a landing that starts while the reader's pass still runs
+        # goes right behind it; its cost is the time it adds after the pass
+        # ended (the read line already holds the pass), so restore = read +
+        # landing stays what a request waits.
+        entry.file.when_passed(lambda: passed_at.append(self._clock()))
         try:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("staging is closed")
                 pool = self._landing_pool_locked()
             caches = land_entry(entry.file, step=step, pool=pool)
+        except PassFailed:
+            # NOTE: the reader reports what its pass found; nothing to
+            # record against the landing or the file here.
+            raise
         except CacheFileCorrupt:
             self._observe(LandingObservation(entry.path, entry.nbytes, 0.0, ok=False, corrupt=True))
             raise
@@ -373,7 +389,7 @@ class HostStaging:
             raise
         finally:
             self.release(entry)
-        seconds = max(0.0, self._clock() - started)
+        seconds = max(0.0, self._clock() - max([started, *passed_at]))
         self._observe(LandingObservation(entry.path, entry.nbytes, seconds, ok=True))
         return caches
 

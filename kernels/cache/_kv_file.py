@@ -1353,8 +1353,19 @@ def verify_tensors(port: FilePort, path: str, header: KvFileHeader) -> int:
         port.close(fd)
 
 
-def _scan(port: FilePort, fd: int, header: KvFileHeader, *, verify: bool) -> int:
-    """Read every tensor through one reused buffer, checking hashes with ``verify``; bytes read."""
+def _scan(
+    port: FilePort,
+    fd: int,
+    header: KvFileHeader,
+    *,
+    verify: bool,
+    passed: Callable[[int], None] | None = None,
+) -> int:
+    """Read every tensor through one reused buffer, checking hashes with ``verify``; bytes read.
+
+    ``passed(i)`` is called once tensor ``i`` was read (and checked); it may
+    raise to stop the pass (a cancelled restore).
+    """
     chunk = bytearray(min(_READ_CHUNK, max((t.nbytes for t in header.tensors), default=0)))
     view = memoryview(chunk)
     checked = 0
@@ -1371,23 +1382,53 @@ def _scan(port: FilePort, fd: int, header: KvFileHeader, *, verify: bool) -> int
         if hasher is not None and hasher.intdigest() != t.hash:
             raise CacheFileCorrupt(f"tensor {i} ({t.name}) hash mismatch")
         checked += t.nbytes
+        if passed is not None:
+            passed(i)
     return checked
+
+
+class PassFailed(Exception):
+    """The reader's pass over a staged entry failed or was cancelled; a landing behind it fails.
+
+    The reader reports the file's own fault (corrupt, I/O error); a landing
+    waiting on the pass only learns that it cannot go on (a miss).
+    """
+
+
+class _PassCancelled(Exception):
+    """The entry was closed while its pass was running."""
 
 
 class OpenEntry:
     """A validated cache file held open from the worker's check to the engine turn's landing.
 
-    Made by :func:`open_entry`; consumed by :func:`land_entry`. The holder
-    owns the descriptor and must :meth:`close` it on every path (landed,
-    dropped, pushed out, shut down); closing is idempotent and thread-safe.
-    NOTE: the open descriptor pins the file's inode, so a rewrite (a rename
-    over the path) or an unlink between the two passes cannot swap the bytes
-    the landing reads; the landing still re-checks size and header hash,
-    and hashes every byte again in the memory the arrays will own.
+    Made by :func:`open_entry` (pass done) or :func:`open_file` (the holder
+    runs :meth:`pass_over` on a worker next); consumed by :func:`land_entry`.
+    The holder owns the descriptor and must :meth:`close` it on every path
+    (landed, dropped, pushed out, shut down); closing is idempotent and
+    thread-safe. NOTE: the open descriptor pins the file's inode, so a
+    rewrite (a rename over the path) or an unlink between the two passes
+    cannot swap the bytes the landing reads; the landing still re-checks
+    size and header hash, and hashes every byte again in the memory the
+    arrays will own.
+
+    The pass publishes its progress (tensors read and checked so far, under
+    a condition): a landing that starts before the pass ended reads tensor
+    ``i`` once the pass went past it (from the page cache, right behind the
+    reader), and fails with :class:`PassFailed` when the pass fails or is
+    cancelled. Every end of a pass (done, failed, cancelled, never run:
+    :meth:`abandon`) wakes the landing.
     """
 
     def __init__(
-        self, port: FilePort, fd: int, path: str, header: KvFileHeader, *, verify: bool
+        self,
+        port: FilePort,
+        fd: int,
+        path: str,
+        header: KvFileHeader,
+        *,
+        verify: bool,
+        passed: bool = True,
     ) -> None:
         self.port = port
         self.path = path
@@ -1395,6 +1436,15 @@ class OpenEntry:
         self.verify = verify
         self._fd: int | None = fd
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._total = len(header.tensors)
+        self._passed = self._total if passed else 0
+        # NOTE: set once, at the pass's end (done, failed, cancelled, abandoned).
+        self._ended = passed
+        self._failure: str | None = None
+        self._running = False
+        self._close_when_passed = False
+        self._callbacks: list[Callable[[], None]] = []
 
     @property
     def nbytes(self) -> int:
@@ -1403,23 +1453,147 @@ class OpenEntry:
 
     @property
     def closed(self) -> bool:
-        """Whether the descriptor was closed."""
+        """Whether the descriptor was closed (or is to be closed once the running pass stops)."""
         with self._lock:
-            return self._fd is None
+            return self._fd is None or self._close_when_passed
+
+    @property
+    def passed(self) -> bool:
+        """Whether the reader's pass went over every tensor."""
+        with self._lock:
+            return self._ended and self._failure is None
+
+    @property
+    def progress(self) -> int:
+        """Tensors the pass went past so far (all of them once it passed)."""
+        with self._lock:
+            return self._passed
+
+    @property
+    def pass_failure(self) -> str | None:
+        """Why the pass failed or was cancelled (``None``: it did not, or has not ended)."""
+        with self._lock:
+            return self._failure
 
     def fileno(self) -> int:
         """The open descriptor; ``ValueError`` once closed."""
         with self._lock:
-            if self._fd is None:
+            if self._fd is None or self._close_when_passed:
                 raise ValueError("the entry's file was closed")
             return self._fd
 
     def close(self) -> None:
-        """Close the descriptor (idempotent)."""
+        """Close the descriptor (idempotent); a running pass is cancelled and closes it as it stops.
+
+        NOTE: never closed under a running pass's reads: the descriptor's
+        number could be reused by another open meanwhile and the pass would
+        read another file's bytes.
+        """
         with self._lock:
+            if self._running:
+                self._close_when_passed = True
+                return
             fd, self._fd = self._fd, None
         if fd is not None:
             self.port.close(fd)
+
+    def pass_over(self) -> int:
+        """The reader's pass over the tensors of an entry from :func:`open_file` (worker thread).
+
+        Reads every tensor through one reused buffer (with ``verify`` each
+        tensor's xxh3_64 checked), publishing progress after each; the bytes
+        read. Raises :class:`CacheFileCorrupt` on a bad hash or truncation,
+        the port's ``OSError``, or :class:`PassFailed` when the entry was
+        closed meanwhile; every end wakes a waiting landing. Once only.
+        """
+        with self._lock:
+            if self._ended or self._running:
+                raise RuntimeError("the entry's pass already ran or ended")
+            if self._fd is None or self._close_when_passed:
+                self._end_locked("closed before its pass")
+                raise PassFailed("the entry was closed before its pass")
+            self._running = True
+            fd = self._fd
+        failure = "the reader's pass stopped"
+        try:
+            nbytes = _scan(self.port, fd, self.header, verify=self.verify, passed=self._advance)
+            failure = ""
+            return nbytes
+        except _PassCancelled:
+            failure = "the entry was closed during its pass"
+            raise PassFailed(failure) from None
+        except BaseException as exc:
+            failure = f"the reader's pass failed: {exc!r}"
+            raise
+        finally:
+            with self._lock:
+                to_close = self._stop_locked()
+                self._end_locked(failure or None)
+                callbacks, self._callbacks = self._callbacks, []
+            try:
+                for cb in callbacks:
+                    cb()
+            finally:
+                if to_close is not None:
+                    self.port.close(to_close)
+
+    def _stop_locked(self) -> int | None:
+        """The pass stopped running: the descriptor to close now if a close came meanwhile."""
+        self._running = False
+        if not self._close_when_passed:
+            return None
+        fd, self._fd, self._close_when_passed = self._fd, None, False
+        return fd
+
+    def abandon(self, reason: str = "the reader's pass never ran") -> None:
+        """End a pass that will not run (its worker was cancelled before it began); idempotent.
+
+        A no-op once the pass ended or while it runs (it ends by itself).
+        """
+        with self._lock:
+            if self._ended or self._running:
+                return
+            self._end_locked(reason)
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb()
+
+    def when_passed(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` (on the reader's thread) when the pass ends; ``False``: it already has."""
+        with self._lock:
+            if self._ended:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def wait_passed(self, index: int) -> None:
+        """Block until the pass went past tensor ``index``; :class:`PassFailed` if it cannot.
+
+        NOTE: called on a landing thread, never the engine thread; it never
+        waits forever, as every end of a pass (done, failed, cancelled,
+        abandoned) notifies.
+        """
+        with self._progress:
+            while self._passed <= index and not self._ended:
+                self._progress.wait()
+            if self._passed <= index:
+                raise PassFailed(self._failure or "the reader's pass ended early")
+
+    def _advance(self, index: int) -> None:
+        with self._progress:
+            if self._close_when_passed:
+                raise _PassCancelled
+            self._passed = index + 1
+            self._progress.notify_all()
+
+    def _end_locked(self, failure: str | None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._failure = failure
+        if failure is None:
+            self._passed = self._total
+        self._progress.notify_all()
 
     def take_host(self) -> HostEntry:
         """Every tensor's bytes in host buffers, then close (checkers and tools, not restores).
@@ -1459,6 +1633,19 @@ def open_entry(
         port.close(fd)
         raise
     return OpenEntry(port, fd, path, header, verify=verify)
+
+
+def open_file(port: FilePort, path: str, header: KvFileHeader, *, verify: bool = True) -> OpenEntry:
+    """Open a validated file for a restore whose pass runs next (worker thread).
+
+    Like :func:`open_entry` without the pass: the file must still be the
+    one ``header`` came from, else :class:`CacheFileCorrupt`. The holder
+    runs :meth:`OpenEntry.pass_over` on a worker (or :meth:`OpenEntry.abandon`
+    if it never will) and may hand the entry to a landing meanwhile: the
+    landing goes right behind the pass.
+    """
+    fd = _open_same(port, path, header)
+    return OpenEntry(port, fd, path, header, verify=verify, passed=False)
 
 
 # --- restore (engine thread) -------------------------------------------------------
@@ -1730,6 +1917,20 @@ def _fill(
         raise CacheFileCorrupt(f"tensor {index} ({rec.name}) hash mismatch")
 
 
+def _fill_behind(
+    entry: OpenEntry,
+    port: FilePort,
+    fd: int,
+    index: int,
+    rec: TensorRecord,
+    rows: list[memoryview],
+    verify: bool,
+) -> None:
+    """:func:`_fill` once the reader's pass went past tensor ``index`` (at once when it ended)."""
+    entry.wait_passed(index)
+    _fill(port, fd, index, rec, rows, verify)
+
+
 def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = None) -> list[Any]:
     """Build the cache objects by reading the file straight into MLX memory (engine thread).
 
@@ -1742,9 +1943,14 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
     read). With ``pool`` the reads and hashes of a tensor run on its workers
     while this thread allocates the next tensor; without, inline.
 
+    When the entry's pass (:meth:`OpenEntry.pass_over`) is still running,
+    each tensor is read once the pass went past it (with ``pool``, its
+    worker waits; without, this thread), so the landing overlaps the pass.
+
     Peak memory is the restored entry itself: no host copy. The entry stays
     open (its holder closes it). Raises :class:`CacheFileCorrupt` when the
-    file changed, is truncated, or a hash disagrees; no array escapes then.
+    file changed, is truncated, or a hash disagrees, :class:`PassFailed`
+    when the pass failed or was cancelled; no array escapes then.
     """
     if step < 1:
         raise ValueError("step must be positive")
@@ -1776,7 +1982,9 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
             a = mx.zeros(shape, dtype=_DTYPES[rec.dtype], stream=mx.cpu)
             mx.eval(a)
             arrays.append(a)
-            if rec.nbytes == 0 and not verify:
+            if rec.nbytes == 0 and not verify and entry.passed:
+                # NOTE: while the pass runs, even an empty tensor's job waits
+                # for it: the landing ends after the pass, never cancels it.
                 continue
             view = None if a.nbytes == 0 else _writable_view(a)
             if view is not None:
@@ -1794,7 +2002,7 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
                 rows = [view]
             if view is not None:
                 views.append(view)
-            job = functools.partial(_fill, port, fd, index, rec, rows, verify)
+            job = functools.partial(_fill_behind, entry, port, fd, index, rec, rows, verify)
             del rows
             if pool is None:
                 job()

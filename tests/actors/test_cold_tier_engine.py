@@ -258,10 +258,15 @@ async def test_hostile_files_are_counted_removed_and_served_as_misses(
         async with _engine(model, tok, flipped) as engine:
             assert (await engine.stats())["ssd_cache"]["entries"] == 1
             served = await engine.complete_prompt(prompt, GREEDY)
-            stats = await engine.stats()
+            # NOTE: the reader's pass reports the bad file after its answer.
+            for _ in range(500):
+                stats = await engine.stats()
+                if stats["ssd_cache"]["corrupt_removed"]:
+                    break
+                await anyio.sleep(0.01)
         assert (served.token_ids, served.usage.cached_tokens) == (reference.token_ids, 0)
         cold = stats["ssd_cache"]
-        assert (cold["failures"], cold["corrupt_removed"], cold["hits"]) == (1, 1, 0)
+        assert (cold["restore_failures"], cold["corrupt_removed"]) == (1, 1)
         assert not target.exists()
 
 

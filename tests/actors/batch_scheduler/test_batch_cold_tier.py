@@ -134,10 +134,15 @@ async def test_a_corrupt_file_under_the_batch_lane_is_a_miss_with_the_right_answ
     async with engine(model, tok, tmp_path, max_batch=4) as restarted:
         assert (await restarted.stats())["ssd_cache"]["entries"] == 1
         got, done = await run(restarted, second, GREEDY)
-        stats = await restarted.stats()
+        # NOTE: the reader's pass reports the bad file after its answer.
+        for _ in range(500):
+            stats = await restarted.stats()
+            if stats["ssd_cache"]["corrupt_removed"]:
+                break
+            await anyio.sleep(0.01)
     assert (got, done.usage.cached_tokens) == (want, 0)
     cold = stats["ssd_cache"]
-    assert (cold["failures"], cold["corrupt_removed"], cold["hits"]) == (1, 1, 0)
+    assert (cold["restore_failures"], cold["corrupt_removed"]) == (1, 1)
     batch = stats["batch"]["batch"]
     assert batch["steps"]["prefill_tokens"] == len(second) - 1
     assert batch["ssd"]["restored"] == 0
