@@ -12,12 +12,18 @@ of tensor bytes), goes through what the SSD writer and reader run:
   the same number of bytes into the same directory;
 - restore, measured to usable MLX caches, two paths side by side:
 
-  * new (the product since #8): ``read_header`` + ``open_entry`` (the
-    reader's worker pass over the file through one reused buffer, every
-    tensor's xxh3 checked, page cache warmed) + ``land_entry`` (the engine
-    turn: each destination allocated at its final size in MLX memory, the
-    file's bytes read straight into it on two landing threads and hashed
-    again there);
+  * restore (the product as a request sees it): ``read_header`` +
+    ``open_file``, then the reader's pass (``OpenEntry.pass_over``: every
+    tensor read through one reused buffer, its xxh3 checked, page cache
+    warmed) started on a worker thread and the turn granted at once:
+    ``land_entry`` (each destination allocated at its final size in MLX
+    memory, the file's bytes read straight into it on two landing threads
+    right behind the pass and hashed again there);
+  * sequential (the same code, a late turn): the whole pass first
+    (``open_entry``), then the landing (what the product did before the
+    overlap);
+  * what-if, verify off only: no pass, ``posix_fadvise(WILLNEED)`` on the
+    open file, then the landing at once;
   * old path (before #8, kept for comparison): ``read_header`` +
     ``read_tensors(verify=True)`` into fresh host buffers, then
     ``materialize(consume=True)`` copying them into MLX arrays;
@@ -307,31 +313,97 @@ def restore_old(port: TimedPort, path: Path, *, verify: bool) -> tuple[float, di
 
 
 def restore_new(
-    port: TimedPort, path: Path, pool: Any, *, verify: bool
+    port: TimedPort, path: Path, pool: Any, *, verify: bool, overlap: bool = True
 ) -> tuple[float, dict[str, float]]:
-    """The product's path to usable MLX caches: the reader's pass (``open_entry``), then the
-    engine turn's landing (``land_entry`` on ``pool``); seconds, breakdown."""
+    """The product's path to usable MLX caches; seconds, breakdown.
+
+    ``overlap`` (the product as a request sees it): the reader opens the
+    file (``open_file``), its pass (``OpenEntry.pass_over``) starts on a
+    worker thread, and the turn is granted at once: ``land_entry`` on this
+    thread goes right behind the pass. Without: the whole pass first
+    (``open_entry``), then the landing (the sequential figure, and what a
+    late turn costs).
+    """
     import mlx.core as mx
 
-    from kernels.cache import land_entry, open_entry, read_header
+    from kernels.cache import land_entry, open_entry, open_file, read_header
 
     fresh_memory()
     port.reset()
     t0 = time.perf_counter()
     header = read_header(port, str(path))
-    entry = open_entry(port, str(path), header, verify=verify)
+    if not overlap:
+        entry = open_entry(port, str(path), header, verify=verify)
+        t1 = time.perf_counter()
+        try:
+            caches = land_entry(entry, pool=pool)
+        finally:
+            entry.close()
+        total = time.perf_counter() - t0
+        parts = {
+            "reader pass (header, read, hash)": t1 - t0,
+            "of which pread": port.spent.get("pread_into", 0.0),
+            "landing (alloc, read, hash)": total - (t1 - t0),
+            "preadv, summed over the 2 landing threads": port.spent.get("preadv_into", 0.0),
+        }
+        del caches
+        mx.clear_cache()
+        return total, parts
+    entry = open_file(port, str(path), header, verify=verify)
+    t1 = time.perf_counter()
+    pass_end: list[float] = []
+    failed: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            entry.pass_over()
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread.
+            failed.append(exc)
+        pass_end.append(time.perf_counter())
+
+    thread = threading.Thread(target=reader, name="bench-reader")
+    thread.start()
+    try:
+        caches = land_entry(entry, pool=pool)
+    finally:
+        thread.join()
+        entry.close()
+    if failed:
+        raise failed[0]
+    total = time.perf_counter() - t0
+    parts = {
+        "open (header, open)": t1 - t0,
+        "reader pass ends": pass_end[0] - t0,
+        "of which pread": port.spent.get("pread_into", 0.0),
+        "landing tail after the pass": total - (pass_end[0] - t0),
+        "preadv, summed over the 2 landing threads": port.spent.get("preadv_into", 0.0),
+    }
+    del caches
+    mx.clear_cache()
+    return total, parts
+
+
+def restore_willneed(port: TimedPort, path: Path, pool: Any) -> tuple[float, dict[str, float]]:
+    """What-if (verify off): no reader pass, a ``posix_fadvise(WILLNEED)`` read-ahead hint on the
+    open file instead, then the landing at once; seconds, breakdown."""
+    import mlx.core as mx
+
+    from kernels.cache import OpenEntry, land_entry, read_header
+
+    fresh_memory()
+    port.reset()
+    t0 = time.perf_counter()
+    header = read_header(port, str(path))
+    fd = port.open_read(str(path))
+    entry = OpenEntry(port, fd, str(path), header, verify=False)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     t1 = time.perf_counter()
     try:
         caches = land_entry(entry, pool=pool)
     finally:
         entry.close()
     total = time.perf_counter() - t0
-    parts = {
-        "reader pass (header, read, hash)": t1 - t0,
-        "of which pread": port.spent.get("pread_into", 0.0),
-        "landing (alloc, read, hash)": total - (t1 - t0),
-        "preadv, summed over the 2 landing threads": port.spent.get("preadv_into", 0.0),
-    }
+    parts = {"open + fadvise": t1 - t0, "landing": total - (t1 - t0)}
     del caches
     mx.clear_cache()
     return total, parts
@@ -436,16 +508,22 @@ def main() -> int:
             figures.add("first_touch_host", first_touch(sizes))
             figures.add("first_touch_mlx", mlx_alloc_floor(shapes))
             # Page cache dropped: new (verify on, off), old, dd; interleaved.
-            for key, old, verify in (
-                ("restore_cold_verify_on", False, True),
-                ("restore_cold_verify_off", False, False),
-                ("old_restore_cold_verify_on", True, True),
+            for key, how, verify in (
+                ("restore_cold_verify_on", "overlap", True),
+                ("seq_restore_cold_verify_on", "sequential", True),
+                ("restore_cold_verify_off", "overlap", False),
+                ("willneed_restore_cold_verify_off", "willneed", False),
+                ("old_restore_cold_verify_on", "old", True),
             ):
                 drop_cache(final)
-                if old:
+                if how == "old":
                     secs, parts = restore_old(port, final, verify=verify)
+                elif how == "willneed":
+                    secs, parts = restore_willneed(port, final, pool)
                 else:
-                    secs, parts = restore_new(port, final, pool, verify=verify)
+                    secs, parts = restore_new(
+                        port, final, pool, verify=verify, overlap=how == "overlap"
+                    )
                 figures.add(key, secs, parts)
             drop_cache(final)
             figures.add("dd_read_cold", dd(f"if={final}", "of=/dev/null", f"bs={args.dd_read_bs}"))
@@ -453,6 +531,8 @@ def main() -> int:
             dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
             secs, parts = restore_new(port, final, pool, verify=True)
             figures.add("restore_warm_verify_on", secs, parts)
+            secs, parts = restore_new(port, final, pool, verify=True, overlap=False)
+            figures.add("seq_restore_warm_verify_on", secs, parts)
             secs, parts = restore_old(port, final, verify=True)
             figures.add("old_restore_warm_verify_on", secs, parts)
             figures.add("dd_read_warm", dd(f"if={final}", "of=/dev/null", f"bs={args.dd_read_bs}"))
@@ -462,10 +542,12 @@ def main() -> int:
                 f"round {r + 1}: store {file_size / figures.runs['store'][-1] / 1e9:.2f} GB/s, "
                 f"dd write {file_size / figures.runs['dd_write'][-1] / 1e9:.2f}; restore cold "
                 f"{file_size / figures.runs['restore_cold_verify_on'][-1] / 1e9:.2f} "
-                f"(old {file_size / figures.runs['old_restore_cold_verify_on'][-1] / 1e9:.2f}), "
+                f"(sequential {file_size / figures.runs['seq_restore_cold_verify_on'][-1] / 1e9:.2f}, "
+                f"old {file_size / figures.runs['old_restore_cold_verify_on'][-1] / 1e9:.2f}), "
                 f"dd read cold {file_size / figures.runs['dd_read_cold'][-1] / 1e9:.2f}; warm "
                 f"{file_size / figures.runs['restore_warm_verify_on'][-1] / 1e9:.2f} "
-                f"(old {file_size / figures.runs['old_restore_warm_verify_on'][-1] / 1e9:.2f}), "
+                f"(sequential {file_size / figures.runs['seq_restore_warm_verify_on'][-1] / 1e9:.2f}, "
+                f"old {file_size / figures.runs['old_restore_warm_verify_on'][-1] / 1e9:.2f}), "
                 f"dd {file_size / figures.runs['dd_read_warm'][-1] / 1e9:.2f}; load {loads[-1]}",
                 flush=True,
             )
@@ -480,12 +562,27 @@ def main() -> int:
     )
     for key, xs in rates.items():
         med, lo, hi = _stats(xs)
-        print(f"  {key:<28}{med:>8.2f}  [{lo:.2f}..{hi:.2f}]")
+        print(f"  {key:<34}{med:>8.2f}  [{lo:.2f}..{hi:.2f}]")
     ratios = {
         "store / dd_write": ("store", "dd_write", 0.80),
         "restore / dd_read (cold, verify on)": ("restore_cold_verify_on", "dd_read_cold", 0.85),
         "restore / dd_read (cold, verify off)": ("restore_cold_verify_off", "dd_read_cold", None),
         "restore / dd_read (warm, verify on)": ("restore_warm_verify_on", "dd_read_warm", 0.85),
+        "sequential / dd_read (cold, verify on)": (
+            "seq_restore_cold_verify_on",
+            "dd_read_cold",
+            None,
+        ),
+        "sequential / dd_read (warm, verify on)": (
+            "seq_restore_warm_verify_on",
+            "dd_read_warm",
+            None,
+        ),
+        "willneed / dd_read (cold, verify off)": (
+            "willneed_restore_cold_verify_off",
+            "dd_read_cold",
+            None,
+        ),
         "old path / dd_read (cold, verify on)": (
             "old_restore_cold_verify_on",
             "dd_read_cold",
