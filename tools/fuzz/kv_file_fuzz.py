@@ -1,4 +1,10 @@
-"""Fuzz the cold tier's file reader: ``read_header``, ``read_tensors``, ``materialize``.
+"""Fuzz the cold tier's file reader: ``read_header``, then both restore paths.
+
+The product's path (``open_file``, the reader's ``pass_over``, then
+``land_entry`` reading the file into MLX arrays and hashing it again) and
+the old one (``read_tensors`` + ``materialize``) run on every input whose
+header parses; they must agree: both reject it with a typed error, or both
+accept it and build caches whose arrays hold exactly the same bytes.
 
 Every input is a candidate ``.kvt`` file. The reader treats files as
 untrusted, so for every input it must either raise one of its typed errors
@@ -54,6 +60,7 @@ def _instrumented() -> contextlib.AbstractContextManager[Any]:
 
 
 with _instrumented():
+    from kernels.cache import cache_arrays
     from kernels.cache._crash_fs import CrashFS
     from kernels.cache._file_port import OsFilePort
     from kernels.cache._kv_file import (
@@ -61,7 +68,9 @@ with _instrumented():
         CacheFileCorrupt,
         CacheFileIncompatible,
         KvFileWriter,
+        land_entry,
         materialize,
+        open_file,
         plan_entry,
         read_header,
         read_tensors,
@@ -147,13 +156,51 @@ class Target:
         fs.put_file(PATH, body)
         try:
             header = read_header(fs, PATH, expected_fingerprint=FP)
+        except (CacheFileCorrupt, CacheFileIncompatible):
+            return
+        try:
             host = read_tensors(fs, PATH, header, verify=True)
         except (CacheFileCorrupt, CacheFileIncompatible):
+            host = None
+        landed = self._land(fs, header)
+        if (host is None) != (landed is None):
+            raise AssertionError(
+                f"the restore paths disagree: old {'rejected' if host is None else 'accepted'}, "
+                f"landing {'rejected' if landed is None else 'accepted'}"
+            )
+        if host is None or landed is None:
             return
         self.accepted += 1
         # NOTE: an accepted file must also build caches: every check the
         # builder relies on has to be in the validator.
-        materialize(header, host)
+        old = _bytes(materialize(header, host))
+        if old != landed:
+            raise AssertionError("the landing's arrays differ from the old path's")
+
+    def _land(self, fs: CrashFS, header: Any) -> list[tuple[tuple[int, ...], bytes]] | None:
+        """The product's path inline: open, the pass, the landing; ``None``: a typed rejection."""
+        try:
+            entry = open_file(fs, PATH, header, verify=True)
+        except (CacheFileCorrupt, CacheFileIncompatible):
+            return None
+        try:
+            entry.pass_over()
+            return _bytes(land_entry(entry))
+        except (CacheFileCorrupt, CacheFileIncompatible):
+            return None
+        finally:
+            entry.close()
+
+
+def _bytes(caches: list[Any]) -> list[tuple[tuple[int, ...], bytes]]:
+    """Every array of ``caches`` (slack included) as (shape, bytes)."""
+    out: list[tuple[tuple[int, ...], bytes]] = []
+    for a in cache_arrays(caches):
+        x: Any = mx.contiguous(a)
+        mx.eval(x)
+        # NOTE: mlx's stubs do not declare mx.array's buffer protocol (it has one).
+        out.append((tuple(a.shape), bytes(memoryview(x).cast("B")) if x.size else b""))
+    return out
 
 
 # --- engines -----------------------------------------------------------------------------
