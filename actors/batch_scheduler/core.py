@@ -161,6 +161,8 @@ class StepOut:
     ``restore_failed``: joined rows whose SSD hit could not be restored
     (they joined cold). ``failed``: rows that left alone with an error
     (:class:`RowFailure`; the memory guard's refusal), the others going on.
+    ``join_s``: seconds the step spent joining rows before its forward
+    (landing SSD hits, copying RAM prefixes): not prefill.
     """
 
     tokens: tuple[TokenOut, ...] = ()
@@ -173,6 +175,7 @@ class StepOut:
     restored: tuple[str, ...] = ()
     restore_failed: tuple[str, ...] = ()
     failed: tuple[RowFailure, ...] = ()
+    join_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1020,12 +1023,15 @@ def _observe(state: SchedulerState, step: StepOut, seconds: float, out: list[Eff
     """A step that only prefilled measures prefill speed, for restore-or-recompute.
 
     NOTE: the serial lane reports each request's prefill; here rows share
-    steps, so a step is reported only when nothing else ran in it: no row
-    decoded (its forward would count as prefill time) and no SSD hit was
-    restored (the copy into MLX arrays is not a prefill).
+    steps, so a step is reported only when no row decoded in it (its
+    forward would count as prefill time). The rows' joins (an SSD hit's
+    landing, a RAM prefix's copy: ``join_s``) are left out of its time, so
+    a step that prefilled restored rows' suffixes still reports: after a
+    restart every row may be served from disk.
     """
-    if not state.observe_prefill or step.decode_rows or step.restored or step.restore_failed:
+    if not state.observe_prefill or step.decode_rows:
         return
+    seconds -= step.join_s
     if step.prefill_tokens < MIN_OBSERVED_PREFILL or seconds <= 0:
         return
     out.append(ObservePrefill(step.prefill_tokens, seconds))

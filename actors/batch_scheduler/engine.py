@@ -21,6 +21,7 @@ scheduler never has two steps in flight), so nothing here needs a lock.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,9 @@ class BatchEngine:
             joined: list[tuple[str, int]] = []
             restored: list[str] = []
             restore_failed: list[str] = []
+            # NOTE: the joins (landings, prefix copies) are not prefill; the
+            # scheduler leaves their time out of the prefill speed it reports.
+            joins_began = time.perf_counter()
             for join in joins:
                 rid = join.request.request_id
                 refusal = self._refused_before_prefill(join)
@@ -176,6 +180,7 @@ class BatchEngine:
                     restored.append(rid)
                 elif outcome == "restore_failed":
                     restore_failed.append(rid)
+            join_s = time.perf_counter() - joins_began
             failed.extend(self._decode_checks(batch))
             result = batch.step()
             self.steps_run += 1
@@ -215,6 +220,7 @@ class BatchEngine:
                 restored=tuple(restored),
                 restore_failed=tuple(restore_failed),
                 failed=tuple(failed),
+                join_s=join_s,
             )
         except BaseException:
             # NOTE: a failed forward leaves the batch's arrays in an unknown

@@ -56,6 +56,8 @@ class StepOutput:
     result: StepResult
     entries: tuple[tuple[EntryRole, Registered], ...] = ()
     cached_tokens: int | None = None
+    open_s: float = 0.0
+    """Seconds the opening spent before the step (an SSD landing, a RAM entry's copy): not prefill."""
 
 
 class Burst:

@@ -12,6 +12,7 @@ only ``decode_steps`` (an int, atomic to read).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,8 +73,10 @@ class EngineWork:
         keep_entries: bool,
         snapshot_min_new_tokens: int = 64,
         guard: MemoryGuard | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._backend = backend
+        self._clock = clock
         self._guard = guard
         self._keep = keep_entries
         self._snapshot_min = snapshot_min_new_tokens
@@ -85,10 +88,12 @@ class EngineWork:
         backend = self._backend
         try:
             cached: int | None = None
+            open_s = 0.0
             guard = self._guard
             if opening is not None:
                 if guard is not None:
                     guard.before_prefill(opening.request, opening.cached_tokens)
+                opened_at = self._clock()
                 if opening.staging_id is not None:
                     # NOTE: the restored bytes become MLX arrays here, inside
                     # the request's own first turn (never in a background one).
@@ -98,6 +103,9 @@ class EngineWork:
                 else:
                     reuse = opening.cached_tokens if opening.handle else 0
                     state = backend.open(opening.request, opening.handle, reuse)
+                # NOTE: the opening is not prefill; the runner leaves it out
+                # of the prefill speed it reports (a restored request too).
+                open_s = max(0.0, self._clock() - opened_at)
                 # NOTE: the backend may have fallen back to a cold prefill; report what it reused.
                 cached = int(state.cached_tokens)
                 self._gens[request_id] = _Gen(opening.request, state, cached)
@@ -126,7 +134,7 @@ class EngineWork:
                 else:
                     # NOTE: nobody would own a registered entry: drop the arrays here.
                     backend.discard(gen.state)
-            return StepOutput(result, tuple(entries), cached)
+            return StepOutput(result, tuple(entries), cached, open_s)
         finally:
             backend.end_turn()
 

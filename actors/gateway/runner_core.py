@@ -295,6 +295,8 @@ class Live:
     first_token_at: float | None = None
     started_at: float | None = None
     prefill_s: float = 0.0
+    open_s: float = 0.0
+    """Of ``prefill_s``: the openings (an SSD landing, a RAM entry's copy), not prefill work."""
     decode_s: float = 0.0
 
 
@@ -447,6 +449,7 @@ def _step_done(state: RunnerState, ev: StepDone, out: list[Effect]) -> None:
     turn.began = ev.now
     if result.phase == "prefill":
         live.prefill_s += elapsed
+        live.open_s += min(elapsed, output.open_s)
     else:
         live.decode_s += elapsed
     if result.finish_reason is not None:
@@ -644,16 +647,20 @@ def _start_next(state: RunnerState, out: list[Effect]) -> None:
 
 
 def _observe(live: Live, out: list[Effect]) -> None:
-    """A finished request's prefill speed, for restore-or-recompute (cold prefills and RAM hits).
+    """A finished request's prefill speed, for restore-or-recompute (cold, RAM hits, SSD hits).
 
-    NOTE: a request served from the SSD tier spent its first turn copying the
-    restored bytes into MLX arrays; its prefill time would not be a prefill
-    speed, so it is not reported.
+    Reports the prompt tokens it computed and its prefill turns' time less
+    the openings' (``open_s``: an SSD hit's landing, a RAM hit's copy).
+    NOTE: a request served from the SSD tier reports the suffix it
+    prefilled after its landing: after a restart every turn may be served
+    from disk, and the estimator's prefill side would otherwise stay at its
+    prior.
     """
     computed = len(live.request.prompt_tokens) - live.cached_tokens
-    if live.tier == "ssd" or computed < MIN_OBSERVED_PREFILL or live.prefill_s <= 0:
+    seconds = live.prefill_s - live.open_s
+    if computed < MIN_OBSERVED_PREFILL or seconds <= 0:
         return
-    out.append(Observe(ObservePrefill(tokens=computed, seconds=live.prefill_s)))
+    out.append(Observe(ObservePrefill(tokens=computed, seconds=seconds)))
 
 
 def _put(correlation_id: str, namespace: str, role: EntryRole, entry: Registered) -> PutEntry:

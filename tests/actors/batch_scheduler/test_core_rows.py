@@ -195,11 +195,12 @@ def _observer(**fields: Any) -> list[Effect]:
 
 def test_a_step_that_only_prefilled_reports_its_prefill_speed() -> None:
     """A step that forwarded at least 32 prompt tokens and decoded no row reports its tokens and
-    time to the restore-or-recompute estimator; a step that also decoded, restored an SSD hit,
+    time (its joins left out) to the restore-or-recompute estimator; a step that also decoded,
     or forwarded fewer tokens reports nothing."""
     assert of(_observer(prefill_tokens=58), ObservePrefill) == [ObservePrefill(58, 0.5)]
     assert of(_observer(prefill_tokens=58, decode_rows=1), ObservePrefill) == []
-    assert of(_observer(prefill_tokens=58, restored=("a",)), ObservePrefill) == []
+    restored = _observer(prefill_tokens=58, restored=("a",), join_s=0.25)
+    assert of(restored, ObservePrefill) == [ObservePrefill(58, 0.25)]
     assert of(_observer(prefill_tokens=20), ObservePrefill) == []
     quiet = Core()
     quiet.handle(Admit(gen("a", 60), "c-a", 0.0))
