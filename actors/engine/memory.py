@@ -249,8 +249,10 @@ class HeapTrim:
     The rule: the excess is RSS minus MLX's active and cached memory (what
     the process holds besides MLX's live and cached buffers); ``floor`` is
     the lowest excess seen since the last trim, starting at the excess right
-    after it. After a job that leaves the excess ``threshold`` or more
-    above ``floor``, trim and read the floor again. So between jobs at most
+    after it. After a job (the engine's executor) or a batch step (a chain
+    of steps is one job: ``run_chain``'s ``after_step``) that leaves the
+    excess ``threshold`` or more above ``floor``, trim and read the floor
+    again. So between jobs at most
     about ``threshold`` bytes of freed heap stay resident, and a trim runs
     only after that much piled up: measured 2-30 ms each (the walk over the
     free chunks and their ``madvise``), against batch steps and prefills of
