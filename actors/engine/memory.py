@@ -258,7 +258,10 @@ class HeapTrim:
     free chunks and their ``madvise``), against batch steps and prefills of
     tens of milliseconds to seconds. ``trims`` and ``trim_s`` count the
     trims and their time. Where RSS cannot be read, or the C library has no
-    trim (not glibc), it never trims.
+    trim (not glibc), it never trims. NOTE: on a CUDA device MLX's memory is
+    not in RSS, so device memory MLX frees raises the excess too; a trim
+    that then gives nothing back only resets the floor (one walk of the
+    heap per 32 MiB freed, not one per job). Not measured on a GPU yet.
     """
 
     def __init__(
