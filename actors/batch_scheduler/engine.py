@@ -129,7 +129,7 @@ class BatchEngine:
         return self._batch
 
     def blas_stats(self) -> dict[str, int] | None:
-        """The BLAS thread tuning's state (``threads`` now, ``trials``, ``switches``), ``None`` while off.
+        """The BLAS thread tuning's state (``threads`` now, ``trials``, ``skipped``, ``switches``), ``None`` while off.
 
         NOTE: read from the loop; plain ints written by the engine thread (atomic under the GIL).
         """
@@ -141,6 +141,7 @@ class BatchEngine:
             "threads": tuning.threads,
             "chosen": c.current,
             "trials": c.trials,
+            "skipped": c.skipped,
             "switches": c.switches,
         }
 

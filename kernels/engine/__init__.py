@@ -27,6 +27,7 @@ from ._batch import (
 )
 from ._blas_threads import (
     BLAS_TUNE_ENV,
+    BUSY_FRACTION,
     BlasTuning,
     OpenBlas,
     StepTuning,
@@ -88,6 +89,7 @@ from ._transitioning import (
 __all__ = [
     "BATCH_SSM_ENV",
     "BLAS_TUNE_ENV",
+    "BUSY_FRACTION",
     "IDLE_PREFILL_ROWS",
     "BatchFull",
     "BatchGate",

@@ -32,6 +32,7 @@ from typing import Protocol
 
 __all__ = [
     "BLAS_TUNE_ENV",
+    "BUSY_FRACTION",
     "BlasTuning",
     "OpenBlas",
     "StepTuning",
@@ -41,6 +42,9 @@ __all__ = [
     "make_blas_tuning",
 ]
 
+
+BUSY_FRACTION = 0.8
+"""CPU seconds per wall second, as a fraction of the thread count, above which the threads had their cores."""
 
 _BACKOFF_MAX = 8
 """A lost trial doubles the interval to the next one, up to this many times ``explore_every``."""
@@ -70,6 +74,7 @@ class ThreadChooser:
         window: int = 6,
         explore_every: int = 32,
         margin: float = 0.05,
+        busy: float = BUSY_FRACTION,
     ) -> None:
         if default < 1 or other < 1:
             raise ValueError("thread counts must be >= 1")
@@ -86,7 +91,10 @@ class ThreadChooser:
         self._since = explore_every
         self._rows = 0
         self._skip = 0
+        self._busy = busy
+        self._use: list[float] = []
         self.trials = 0
+        self.skipped = 0
         self.switches = 0
 
     @property
@@ -98,8 +106,17 @@ class ThreadChooser:
         """The thread count was just changed: the next sample does not measure it."""
         self._skip = 1
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A clean step of ``rows`` decoding rows took ``seconds`` with :attr:`threads` threads."""
+    def observe(self, rows: int, seconds: float, cpu_seconds: float | None = None) -> None:
+        """A clean step of ``rows`` decoding rows took ``seconds`` with :attr:`threads` threads.
+
+        ``cpu_seconds``: the process's CPU time over the same step, when known.
+        While the larger count runs and its threads get their cores (the
+        median of ``cpu_seconds / seconds`` over the window is at least
+        ``busy`` x the count), a due trial of the smaller count is skipped
+        (counted in :attr:`skipped`): fewer threads can only win when the
+        ones running are kept waiting for a core, and on a free machine a
+        trial costs its steps (measured: 5 % of a benchmark's throughput).
+        """
         if rows != self._rows:
             # NOTE: the cadence of trials goes on (a batch whose rows change
             # every few steps must not pay a trial each time); only samples of
@@ -117,8 +134,14 @@ class ThreadChooser:
             self._base = (
                 [*self._base[-(self._window - 1) :], seconds] if self._window > 1 else [seconds]
             )
+            if cpu_seconds is not None and seconds > 0:
+                self._use = [*self._use[-(self._window - 1) :], cpu_seconds / seconds]
             self._since += 1
             if len(self._base) >= self._window and self._since >= self._interval:
+                if self._free():
+                    self.skipped += 1
+                    self._since = 0
+                    return
                 self._trial = []
                 self.trials += 1
             return
@@ -136,6 +159,12 @@ class ThreadChooser:
             self._interval = min(self._interval * 2, self._every * _BACKOFF_MAX)
         self._trial = None
         self._since = 0
+
+    def _free(self) -> bool:
+        """The larger count runs and its threads got their cores over the window."""
+        if self.current <= self.other or len(self._use) < self._window:
+            return False
+        return statistics.median(self._use) >= self._busy * self.current
 
 
 class ThreadsPort(Protocol):
@@ -219,14 +248,17 @@ class BlasTuning:
         *,
         chooser: ThreadChooser | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] | None = None,
     ) -> None:
         self.chooser = chooser if chooser is not None else ThreadChooser(default, 1)
         self._port = port
         self._default = default
         self._sync = sync
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._set = default
         self._start = 0.0
+        self._cpu_start = 0.0
 
     def _apply(self, n: int) -> bool:
         if n == self._set:
@@ -241,11 +273,14 @@ class BlasTuning:
         if self._apply(self.chooser.threads):
             self.chooser.changed()
         self._start = self._clock()
+        if self._cpu_clock is not None:
+            self._cpu_start = self._cpu_clock()
 
     def after_step(self, rows: int, clean: bool) -> None:
-        """Hand a clean step's duration to the chooser."""
+        """Hand a clean step's duration (and the process's CPU time over it, when clocked) to the chooser."""
         if clean and rows > 0:
-            self.chooser.observe(rows, self._clock() - self._start)
+            cpu = None if self._cpu_clock is None else self._cpu_clock() - self._cpu_start
+            self.chooser.observe(rows, self._clock() - self._start, cpu)
 
     def release(self) -> None:
         """Back to the process's default count (the serial lane runs with it)."""
@@ -281,4 +316,12 @@ def make_blas_tuning() -> BlasTuning | None:
     default = blas.get_threads()
     if default < 2:
         return None
-    return BlasTuning(blas, default, lambda: mx.synchronize(generation_stream))
+    # NOTE: process CPU time (every thread): with OpenBLAS's threads spinning
+    # inside products, a free machine shows close to ``default`` CPU seconds
+    # per wall second over a step; a contended one much less.
+    return BlasTuning(
+        blas,
+        default,
+        lambda: mx.synchronize(generation_stream),
+        cpu_clock=time.process_time,
+    )

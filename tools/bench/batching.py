@@ -420,7 +420,10 @@ def blas_line() -> str:
     if t is None:
         return "BLAS thread tuning: off (no OpenBLAS of 2+ threads, or KVTIER_BATCH_BLAS_TUNE=0)"
     c = t.chooser
-    return f"BLAS thread tuning: now {c.current} threads, {c.trials} trials, {c.switches} switches"
+    return (
+        f"BLAS thread tuning: now {c.current} threads, {c.trials} trials, "
+        f"{c.skipped} skipped (threads had their cores), {c.switches} switches"
+    )
 
 
 def parity(lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int) -> list[str]:

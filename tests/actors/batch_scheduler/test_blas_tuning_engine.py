@@ -59,7 +59,11 @@ async def test_tuning_is_on_shown_in_stats_and_gives_the_default_back(
     assert [ids for ids, _ in got] == [ids for ids, _ in expected]
     blas = stats["batch"]["batch"]["blas"]
     assert blas["threads"] == default, f"released to the default once idle: {blas}"
-    assert blas["trials"] >= 1, f"40 decode steps of 3 rows run at least one trial: {blas}"
+    # NOTE: a due trial runs, or is skipped when the two threads had their
+    # cores (a free machine): either way the chooser was consulted.
+    assert blas["trials"] + blas["skipped"] >= 1, (
+        f"40 decode steps of 3 rows reach at least one due trial: {blas}"
+    )
     assert _BLAS.get_threads() == default
 
 
