@@ -325,6 +325,7 @@ def restore_new(
     late turn costs).
     """
     import mlx.core as mx
+    from _restore import land_behind_pass
 
     from kernels.cache import land_entry, open_entry, open_file, read_header
 
@@ -351,31 +352,13 @@ def restore_new(
         return total, parts
     entry = open_file(port, str(path), header, verify=verify)
     t1 = time.perf_counter()
-    pass_end: list[float] = []
-    failed: list[BaseException] = []
-
-    def reader() -> None:
-        try:
-            entry.pass_over()
-        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread.
-            failed.append(exc)
-        pass_end.append(time.perf_counter())
-
-    thread = threading.Thread(target=reader, name="bench-reader")
-    thread.start()
-    try:
-        caches = land_entry(entry, pool=pool)
-    finally:
-        thread.join()
-        entry.close()
-    if failed:
-        raise failed[0]
+    caches, pass_end = land_behind_pass(entry, pool)
     total = time.perf_counter() - t0
     parts = {
         "open (header, open)": t1 - t0,
-        "reader pass ends": pass_end[0] - t0,
+        "reader pass ends": pass_end - t0,
         "of which pread": port.spent.get("pread_into", 0.0),
-        "landing tail after the pass": total - (pass_end[0] - t0),
+        "landing tail after the pass": total - (pass_end - t0),
         "preadv, summed over the 2 landing threads": port.spent.get("preadv_into", 0.0),
     }
     del caches

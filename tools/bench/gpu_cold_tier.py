@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _restore import land_behind_pass
 from gpu_engine import SHAPES, build_model
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -49,7 +49,6 @@ from kernels.cache import (
     LandingPool,
     OsFilePort,
     convert_caches,
-    land_entry,
     open_file,
     plan_entry,
     read_header,
@@ -93,27 +92,9 @@ def restore(port: OsFilePort, path: str, pool: LandingPool) -> tuple[list[Any], 
     t0 = time.perf_counter()
     header = read_header(port, path)
     entry = open_file(port, path, header, verify=True)
-    ended: list[float] = []
-    failed: list[BaseException] = []
-
-    def reader() -> None:
-        try:
-            entry.pass_over()
-        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised below.
-            failed.append(exc)
-        ended.append(time.perf_counter())
-
-    thread = threading.Thread(target=reader, name="bench-reader")
-    thread.start()
-    try:
-        caches = land_entry(entry, pool=pool)
-    finally:
-        thread.join()
-        entry.close()
-    if failed:
-        raise failed[0]
+    caches, ended = land_behind_pass(entry, pool)
     done = time.perf_counter()
-    return caches, ended[0] - t0, max(0.0, done - ended[0])
+    return caches, ended - t0, max(0.0, done - ended)
 
 
 def run(
