@@ -24,7 +24,6 @@ from kernels.cache import (
     KvFileHeader,
     LockUnavailable,
     OpenEntry,
-    open_entry,
     open_file,
     read_header,
     verify_tensors,
@@ -35,11 +34,9 @@ from .core import ENTRY_SUFFIX, IndexEntry, ScannedFile, ScanResult
 __all__ = [
     "DEFAULT_MAX_BYTES_CEILING",
     "LOCK_NAME",
-    "ReadOutcome",
     "Removal",
     "default_max_bytes",
     "lock_directory",
-    "read_entry",
     "remove_durably",
     "remove_files",
     "scan",
@@ -291,54 +288,6 @@ def sync_directories(port: FilePort, directories: tuple[str, ...]) -> tuple[str,
     return tuple(failed)
 
 
-@dataclass(frozen=True, slots=True)
-class ReadOutcome:
-    """A checked file held open for landing, and whether its mtime was set to now (LRU touch).
-
-    The receiver owns ``file`` and must close it (staging it hands it on).
-    """
-
-    header: KvFileHeader
-    file: OpenEntry
-    touched: bool
-
-
-def read_entry(
-    port: FilePort,
-    path: str,
-    *,
-    fingerprint: str,
-    namespace: str,
-    tokens: tuple[int, ...],
-    verify: bool,
-    max_header_bytes: int | None,
-    touch: bool,
-) -> ReadOutcome:
-    """Check one file against what the index knows, pass over its tensors, touch it for LRU.
-
-    The pass (``kernels.cache.open_entry``) reads every tensor once through
-    one reused buffer, checking each hash with ``verify``, and leaves the
-    file in the page cache and open for the engine turn's landing. Raises
-    :class:`CacheFileCorrupt` when the header or any tensor fails its checks
-    or the file is not the entry the index expects (nothing is left open).
-    """
-    header = _read_header(port, path, fingerprint, max_header_bytes)
-    if header.namespace != namespace or header.tokens != tokens:
-        raise CacheFileCorrupt("header does not match the indexed entry")
-    file = open_entry(port, path, header, verify=verify)
-    touched = False
-    if touch:
-        try:
-            port.utime(path)
-            touched = True
-        except OSError:
-            touched = False  # NOTE: the LRU touch is best effort; the read stands.
-        except BaseException:
-            file.close()
-            raise
-    return ReadOutcome(header=header, file=file, touched=touched)
-
-
 def open_for_restore(
     port: FilePort,
     path: str,
@@ -392,7 +341,7 @@ def verify_entry(
 
     The scrubber's read: nothing is kept and the mtime is not touched (a
     check is not a use). Raises :class:`CacheFileCorrupt` like
-    :func:`read_entry`.
+    :func:`open_for_restore` and a failing pass.
     """
     header = _read_header(port, path, fingerprint, max_header_bytes)
     if header.namespace != namespace or header.tokens != tokens:

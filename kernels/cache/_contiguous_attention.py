@@ -22,6 +22,7 @@ untouched. The arithmetic is mlx-lm's own; only the memory layout changes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -72,20 +73,7 @@ def install_contiguous_quantized_attention(*, on_cuda: Callable[[], bool] = _cud
     if not on_cuda():
         return False
     original = _mlx_base.quantized_scaled_dot_product_attention
-
-    def wrapper(
-        queries: Any,
-        q_keys: tuple[Any, Any, Any],
-        q_values: tuple[Any, Any, Any],
-        scale: float,
-        mask: Any,
-        group_size: int = 64,
-        bits: int = 8,
-    ) -> Any:
-        return contiguous_quantized_sdpa(
-            original, queries, q_keys, q_values, scale, mask, group_size, bits
-        )
-
+    wrapper = functools.partial(contiguous_quantized_sdpa, original)
     _original = original
     _mlx_base.quantized_scaled_dot_product_attention = wrapper
     return True

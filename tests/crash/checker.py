@@ -618,14 +618,14 @@ def _valid_entry(fs: CrashFS, path: str) -> bool:
     """Whether ``path`` holds a complete entry whose bytes are exactly what was stored."""
     try:
         header = read_header(fs, path, expected_fingerprint=IDENTITY.fingerprint)
-        out = io.read_entry(
+        host = io.open_for_restore(
             fs, path, fingerprint=IDENTITY.fingerprint, namespace=header.namespace,
-            tokens=header.tokens, verify=True, max_header_bytes=None, touch=False,
-        )  # fmt: skip
+            tokens=header.tokens, verify=True, max_header_bytes=None,
+        ).take_host()  # fmt: skip
     except (OSError, CacheFileCorrupt, CacheFileIncompatible):
         return False
     want = originals().get((header.namespace, header.tokens))
-    return want == tuple(bytes(b) for b in out.file.take_host().buffers)
+    return want == tuple(bytes(b) for b in host.buffers)
 
 
 def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
@@ -889,16 +889,16 @@ def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple
             problems.append(f"indexed {entry.path} holds tokens that were never stored")
             continue
         try:
-            out = io.read_entry(
+            host = io.open_for_restore(
                 fs, entry.path, fingerprint=IDENTITY.fingerprint, namespace=entry.namespace,
-                tokens=entry.tokens, verify=False, max_header_bytes=None, touch=False,
-            )  # fmt: skip
+                tokens=entry.tokens, verify=False, max_header_bytes=None,
+            ).take_host()  # fmt: skip
         except (CacheFileCorrupt, CacheFileIncompatible):
             continue  # NOTE: the reader refuses it (and removes it): a miss, not a wrong answer.
         except Exception as exc:  # noqa: BLE001 - NOTE: an escape from a read is a violation.
             problems.append(f"reading {entry.path} raised {exc!r}")
             continue
-        if tuple(bytes(b) for b in out.file.take_host().buffers) != want:
+        if tuple(bytes(b) for b in host.buffers) != want:
             problems.append(f"{entry.path} serves bytes that differ from the stored ones")
             continue
         servable.append(entry)
