@@ -126,6 +126,8 @@ def test_the_threshold_must_be_positive() -> None:
 # engine thread's glibc arena with small live arrays between them (the
 # pattern of KV buffers and registry entries freed while others live).
 _ENGINE_JOB = r"""
+import ctypes
+
 import anyio
 import mlx.core as mx
 
@@ -134,14 +136,21 @@ from actors.engine.memory import resident_memory_bytes
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
 MIB = 1 << 20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 keep = []
 
 
 def fragment():
     mx.set_cache_limit(0)
-    # NOTE: a 16 MiB buffer freed raises glibc's mmap threshold to 16 MiB:
-    # the 1-3 MiB buffers after it come from the arena.
-    big = mx.ones((16 * MIB // 4,)); mx.eval(big); del big
+    # NOTE: the state a served model leaves glibc in: its large freed
+    # buffers raise the dynamic mmap threshold (to 16 MiB here, trim
+    # threshold twice that), so 1-3 MiB buffers come from the arena. Set
+    # with mallopt, not by freeing a 16 MiB buffer: that free may run on
+    # MLX's stream thread after the arrays below are allocated, and then
+    # they were mmapped and this test saw nothing (flaky: "0 0").
+    libc = ctypes.CDLL("libc.so.6")
+    assert libc.mallopt(M_MMAP_THRESHOLD, 16 * MIB) == 1
+    assert libc.mallopt(M_TRIM_THRESHOLD, 32 * MIB) == 1
     arrays = [mx.ones(((1 + i % 3) * MIB // 4,)) for i in range(40)]
     mx.eval(arrays)
     keep.extend(arrays[i][:8] + 0 for i in range(0, 40, 2))
