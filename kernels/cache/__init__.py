@@ -78,6 +78,7 @@ from ._kv_scheme import (
     convert_caches,
     resolve_kv_scheme,
 )
+from ._landing_streams import FILL_STREAMS, landing_streams
 from ._registry import (
     CacheOffsetMismatch,
     CacheRegistry,
@@ -88,6 +89,7 @@ from ._registry import (
 
 __all__ = [
     "ALIGNMENT",
+    "FILL_STREAMS",
     "FORMAT_VERSION",
     "KV_CONFIG_FILE",
     "MAGIC",
@@ -141,6 +143,7 @@ __all__ = [
     "full_fsync",
     "install_contiguous_quantized_attention",
     "land_entry",
+    "landing_streams",
     "materialize",
     "open_entry",
     "open_file",

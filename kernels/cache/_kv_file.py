@@ -1931,7 +1931,36 @@ def _fill_behind(
     _fill(port, fd, index, rec, rows, verify)
 
 
-def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = None) -> list[Any]:
+def _allocate(
+    dests: Sequence[tuple[TensorRecord, int | None]], streams: Sequence[Any]
+) -> list[Any]:
+    """Allocate and evaluate the destinations of ``dests``, the i-th on ``streams[i]`` (engine thread).
+
+    NOTE: MLX zero-fills each new array on its stream's thread, which is
+    where its fresh pages are faulted in; on several streams the fills run
+    at once. Every stream is a CPU stream, so the pages the landing writes
+    are host pages; on CUDA (managed memory) a GPU-side fill would migrate
+    them to the device, and the writes back, page by page.
+    """
+    group = [
+        mx.zeros(
+            rec.shape if capacity is None else (*rec.shape[:2], capacity, *rec.shape[3:]),
+            dtype=_DTYPES[rec.dtype],
+            stream=stream,
+        )
+        for (rec, capacity), stream in zip(dests, streams, strict=False)
+    ]
+    mx.eval(*group)
+    return group
+
+
+def land_entry(
+    entry: OpenEntry,
+    *,
+    step: int = 256,
+    pool: LandingPool | None = None,
+    streams: Sequence[Any] | None = None,
+) -> list[Any]:
     """Build the cache objects by reading the file straight into MLX memory (engine thread).
 
     Each destination array is allocated at its final size (plain and
@@ -1946,6 +1975,11 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
     When the entry's pass (:meth:`OpenEntry.pass_over`) is still running,
     each tensor is read once the pass went past it (with ``pool``, its
     worker waits; without, this thread), so the landing overlaps the pass.
+
+    ``streams`` (default ``[mx.cpu]``): the CPU streams the arrays are
+    allocated on, the next ``len(streams)`` tensors at once, one per stream
+    (:func:`kernels.cache.landing_streams` says which; made on the calling
+    thread, the only one that may use them).
 
     Peak memory is the restored entry itself: no host copy. The entry stays
     open (its holder closes it). Raises :class:`CacheFileCorrupt` when the
@@ -1974,13 +2008,12 @@ def land_entry(entry: OpenEntry, *, step: int = 256, pool: LandingPool | None = 
         else:
             pool.submit(check, checked)
             checking = True
+        fill = list(streams) if streams else [mx.cpu]
+        ready: list[Any] = []
         for index, (rec, capacity) in enumerate(dests):
-            shape = rec.shape if capacity is None else (*rec.shape[:2], capacity, *rec.shape[3:])
-            # NOTE: filled on the CPU stream, so the pages the landing writes
-            # are host pages; on CUDA (managed memory) a GPU-side fill would
-            # migrate them to the device, and the writes back, page by page.
-            a = mx.zeros(shape, dtype=_DTYPES[rec.dtype], stream=mx.cpu)
-            mx.eval(a)
+            if not ready:
+                ready = _allocate(dests[index : index + len(fill)], fill)
+            a = ready.pop(0)
             arrays.append(a)
             if rec.nbytes == 0 and not verify and entry.passed:
                 # NOTE: while the pass runs, even an empty tensor's job waits

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from kernels.cache import LandingPool, OpenEntry, land_entry
+from kernels.cache import LandingPool, OpenEntry, land_entry, landing_streams
 
 __all__ = ["land_behind_pass"]
 
 
-def land_behind_pass(entry: OpenEntry, pool: LandingPool | None) -> tuple[list[Any], float]:
+def land_behind_pass(
+    entry: OpenEntry, pool: LandingPool | None, streams: Sequence[Any] | None = None
+) -> tuple[list[Any], float]:
     """Run ``entry``'s reader pass on a thread and land it at once behind the pass (as a granted turn does).
 
-    Returns the caches and the ``perf_counter`` time the pass ended. The
-    entry is closed on every path; a failed pass re-raises here.
+    ``streams``: the landing's fill streams (default: the product's,
+    ``landing_streams()`` of the calling thread). Returns the caches and the
+    ``perf_counter`` time the pass ended. The entry is closed on every path;
+    a failed pass re-raises here.
     """
+    fill = landing_streams() if streams is None else list(streams)
     ended: list[float] = []
     failed: list[BaseException] = []
 
@@ -30,7 +36,7 @@ def land_behind_pass(entry: OpenEntry, pool: LandingPool | None) -> tuple[list[A
     thread = threading.Thread(target=reader, name="bench-reader")
     thread.start()
     try:
-        caches = land_entry(entry, pool=pool)
+        caches = land_entry(entry, pool=pool, streams=fill)
     finally:
         thread.join()
         entry.close()

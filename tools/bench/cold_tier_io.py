@@ -36,13 +36,30 @@ of tensor bytes), goes through what the SSD writer and reader run:
   allocator kept);
 - the fresh-memory floors: a fresh ``bytearray`` per tensor (what the old
   reader allocated) and ``mx.zeros`` + ``mx.eval`` of every destination
-  (what a landing allocates): no restore into new memory beats its floor.
+  (what a landing allocates), on one CPU stream and on the landing's fill
+  streams (``kernels.cache.landing_streams``): no restore into new memory
+  beats its floor;
+- the landing-memory variants: the restore on one fill stream (the landing
+  before the fill streams), and 1 GiB of fresh anonymous ``mmap`` memory
+  written in 4 MiB copies plain, after ``madvise(MADV_HUGEPAGE)``, and
+  after ``MADV_HUGEPAGE`` + ``MADV_POPULATE_WRITE`` (memory a landing could
+  advise only if it allocated it itself: MLX zero-fills its arrays as it
+  allocates them). MLX's own memory on huge pages is the process-wide glibc
+  tunable: run the whole benchmark with
+  ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (printed with the figures).
+
+``--restore-only`` writes the entry once and times only the restores, the
+dd reads and the floors; ``--settle S`` sleeps S seconds before every timed
+restore and floor, after freeing the previous one's memory (on a VM with
+free page reporting that memory is handed back to the host meanwhile, as
+it is before a restore that comes after an idle spell).
 
 Rounds interleave ours and dd; medians and min..max are printed, with the
 ratios the targets name (store >= 0.80 x dd, restore >= 0.85 x dd). Run:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        .venv/bin/python tools/bench/cold_tier_io.py [--rounds 5] [--json out.json]
+        .venv/bin/python tools/bench/cold_tier_io.py [--rounds 5] [--json out.json] \\
+        [--restore-only] [--settle S]
 """
 
 from __future__ import annotations
@@ -58,7 +75,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +86,12 @@ from _common import REPO, loadavg, machine
 sys.path.insert(0, str(REPO))
 
 _DD_RATE = re.compile(r"copied, ([0-9.]+) s")
+
+_SETTLE_S = [0.0]
+"""Seconds :func:`fresh_memory` waits after freeing (``--settle``)."""
+
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23
 
 
 class TimedPort:
@@ -176,6 +199,37 @@ def fresh_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass  # NOTE: not glibc: nothing to trim.
+    if _SETTLE_S[0] > 0:
+        time.sleep(_SETTLE_S[0])
+
+
+def first_touch_mmap(nbytes: int, mode: str) -> float | None:
+    """Seconds to advise (``mode``: plain, hugepage, hugepage+populate) and write ``nbytes`` of
+    fresh anonymous memory in 4 MiB copies; ``None`` when the kernel refuses the advice."""
+    import ctypes
+    import mmap
+
+    fresh_memory()
+    libc = ctypes.CDLL(None, use_errno=True)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    chunk = 4 << 20
+    src = b"\1" * chunk
+    try:
+        buf = (ctypes.c_char * nbytes).from_buffer(m)
+        addr, length = ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(nbytes)
+        del buf
+        t0 = time.perf_counter()
+        advice = {"plain": (), "hugepage": (_MADV_HUGEPAGE,)}.get(
+            mode, (_MADV_HUGEPAGE, _MADV_POPULATE_WRITE)
+        )
+        for a in advice:
+            if libc.madvise(addr, length, a) != 0:
+                return None
+        for off in range(0, nbytes, chunk):
+            m[off : off + chunk] = src[: min(chunk, nbytes - off)]
+        return time.perf_counter() - t0
+    finally:
+        m.close()
 
 
 def first_touch(sizes: list[int]) -> float:
@@ -313,7 +367,13 @@ def restore_old(port: TimedPort, path: Path, *, verify: bool) -> tuple[float, di
 
 
 def restore_new(
-    port: TimedPort, path: Path, pool: Any, *, verify: bool, overlap: bool = True
+    port: TimedPort,
+    path: Path,
+    pool: Any,
+    *,
+    verify: bool,
+    overlap: bool = True,
+    streams: Sequence[Any] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """The product's path to usable MLX caches; seconds, breakdown.
 
@@ -322,13 +382,15 @@ def restore_new(
     worker thread, and the turn is granted at once: ``land_entry`` on this
     thread goes right behind the pass. Without: the whole pass first
     (``open_entry``), then the landing (the sequential figure, and what a
-    late turn costs).
+    late turn costs). ``streams``: the landing's fill streams (default the
+    product's, ``landing_streams()``).
     """
     import mlx.core as mx
     from _restore import land_behind_pass
 
-    from kernels.cache import land_entry, open_entry, open_file, read_header
+    from kernels.cache import land_entry, landing_streams, open_entry, open_file, read_header
 
+    fill = landing_streams() if streams is None else list(streams)
     fresh_memory()
     port.reset()
     t0 = time.perf_counter()
@@ -337,7 +399,7 @@ def restore_new(
         entry = open_entry(port, str(path), header, verify=verify)
         t1 = time.perf_counter()
         try:
-            caches = land_entry(entry, pool=pool)
+            caches = land_entry(entry, pool=pool, streams=fill)
         finally:
             entry.close()
         total = time.perf_counter() - t0
@@ -352,7 +414,7 @@ def restore_new(
         return total, parts
     entry = open_file(port, str(path), header, verify=verify)
     t1 = time.perf_counter()
-    caches, pass_end = land_behind_pass(entry, pool)
+    caches, pass_end = land_behind_pass(entry, pool, fill)
     total = time.perf_counter() - t0
     parts = {
         "open (header, open)": t1 - t0,
@@ -392,17 +454,24 @@ def restore_willneed(port: TimedPort, path: Path, pool: Any) -> tuple[float, dic
     return total, parts
 
 
-def mlx_alloc_floor(shapes: Sequence[tuple[int, ...]]) -> float:
-    """Seconds to allocate and evaluate ``mx.zeros`` of each shape: what a landing allocates."""
+def mlx_alloc_floor(
+    shapes: Sequence[tuple[int, ...]], streams: Sequence[Any] | None = None
+) -> float:
+    """Seconds to allocate and evaluate ``mx.zeros`` of each shape, the next ``len(streams)`` at
+    once, one per stream (default one CPU stream): what a landing allocates."""
     import mlx.core as mx
 
+    fill = list(streams) if streams else [mx.cpu]
     fresh_memory()
     t0 = time.perf_counter()
-    keep = []
-    for shape in shapes:
-        a = mx.zeros(shape, dtype=mx.bfloat16)
-        mx.eval(a)
-        keep.append(a)
+    keep: list[Any] = []
+    for i in range(0, len(shapes), len(fill)):
+        group = [
+            mx.zeros(shape, dtype=mx.bfloat16, stream=s)
+            for shape, s in zip(shapes[i : i + len(fill)], fill, strict=False)
+        ]
+        mx.eval(*group)
+        keep.extend(group)
     took = time.perf_counter() - t0
     del keep
     mx.clear_cache()
@@ -432,7 +501,19 @@ def main() -> int:
         help="parent directory (default: $KVTIER_HOME or ~/.cache/kvtier, where the tier lives)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="write the entry once; time only the restores, the dd reads and the floors",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds to wait after freeing memory, before every timed restore and floor",
+    )
     args = parser.parse_args()
+    _SETTLE_S[0] = args.settle
 
     parent = args.dir or Path(os.environ.get("KVTIER_HOME", Path.home() / ".cache" / "kvtier"))
     parent.mkdir(parents=True, exist_ok=True)
@@ -441,6 +522,10 @@ def main() -> int:
     figures = Figures()
     loads = [loadavg()]
     info = machine()
+    info["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
+    for knob in ("enabled", "defrag"):
+        thp = Path("/sys/kernel/mm/transparent_hugepage") / knob
+        info[f"thp_{knob}"] = thp.read_text().strip() if thp.exists() else "absent"
     try:
         caches = make_entry(args.layers, args.heads, args.tokens, args.head_dim, seed=0)
         tensor_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
@@ -451,14 +536,34 @@ def main() -> int:
         )
         print(df.stdout.strip())
         print(f"load average at start: {loads[0]}")
+        print(
+            f"GLIBC_TUNABLES={info['glibc_tunables']!r}; THP enabled {info['thp_enabled']}, "
+            f"defrag {info['thp_defrag']}; settle {args.settle} s"
+        )
         file_size = 0
         sizes = [int(a.nbytes) for c in caches for a in (c.keys, c.values)]
         capacity = -(-(args.tokens + 1) // 256) * 256
         shapes = [(1, args.heads, capacity, args.head_dim)] * (2 * args.layers)
-        from kernels.cache import LandingPool
+        import mlx.core as mx
+
+        from kernels.cache import LandingPool, landing_streams
 
         pool = LandingPool(2)
+        fill = landing_streams()
+        one = [mx.cpu]
+        print(f"fill streams: {len(fill)} (one stream: the landing before them)")
+        if args.restore_only:
+            final, _, _ = store(port, caches, args.tokens, work)
+            file_size = final.stat().st_size
         for r in range(args.rounds):
+            if args.restore_only:
+                restore_round(figures, port, final, pool, fill, one, shapes, r, args.dd_read_bs)
+                loads.append(loadavg())
+                print(
+                    f"round {r + 1}: {_round_line(figures, file_size)}; load {loads[-1]}",
+                    flush=True,
+                )
+                continue
             # Store: ours, then dd writing the same bytes into the same directory.
             final, secs, parts = store(port, caches, args.tokens, work)
             file_size = final.stat().st_size
@@ -490,9 +595,15 @@ def main() -> int:
             # The fresh-memory floors: what the old reader and a landing allocate.
             figures.add("first_touch_host", first_touch(sizes))
             figures.add("first_touch_mlx", mlx_alloc_floor(shapes))
+            figures.add("first_touch_mlx_fill_streams", mlx_alloc_floor(shapes, fill))
+            for mode in _MMAP_MODES:
+                took = first_touch_mmap(1 << 30, mode)
+                if took is not None:
+                    figures.add(f"first_touch_mmap_{mode}", took)
             # Page cache dropped: new (verify on, off), old, dd; interleaved.
             for key, how, verify in (
                 ("restore_cold_verify_on", "overlap", True),
+                ("restore_cold_one_stream", "one stream", True),
                 ("seq_restore_cold_verify_on", "sequential", True),
                 ("restore_cold_verify_off", "overlap", False),
                 ("willneed_restore_cold_verify_off", "willneed", False),
@@ -503,6 +614,8 @@ def main() -> int:
                     secs, parts = restore_old(port, final, verify=verify)
                 elif how == "willneed":
                     secs, parts = restore_willneed(port, final, pool)
+                elif how == "one stream":
+                    secs, parts = restore_new(port, final, pool, verify=verify, streams=one)
                 else:
                     secs, parts = restore_new(
                         port, final, pool, verify=verify, overlap=how == "overlap"
@@ -514,6 +627,8 @@ def main() -> int:
             dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
             secs, parts = restore_new(port, final, pool, verify=True)
             figures.add("restore_warm_verify_on", secs, parts)
+            secs, parts = restore_new(port, final, pool, verify=True, streams=one)
+            figures.add("restore_warm_one_stream", secs, parts)
             secs, parts = restore_new(port, final, pool, verify=True, overlap=False)
             figures.add("seq_restore_warm_verify_on", secs, parts)
             secs, parts = restore_old(port, final, verify=True)
@@ -539,7 +654,11 @@ def main() -> int:
         if "pool" in locals():
             pool.close()
 
-    rates = {k: [file_size / s / 1e9 for s in v] for k, v in figures.runs.items()}
+    # NOTE: the mmap floors write 1 GiB whatever the file's size; the rest moved the file's bytes.
+    sizes_of = {
+        k: (1 << 30 if k.startswith("first_touch_mmap") else file_size) for k in figures.runs
+    }
+    rates = {k: [sizes_of[k] / s / 1e9 for s in v] for k, v in figures.runs.items()}
     print(
         f"\nfile {file_size / 2**30:.3f} GiB, {args.rounds} rounds, GB/s (1e9 bytes/s), median [min..max]"
     )
@@ -576,6 +695,33 @@ def main() -> int:
             "dd_read_warm",
             None,
         ),
+        "restore / one fill stream (cold, verify on)": (
+            "restore_cold_verify_on",
+            "restore_cold_one_stream",
+            None,
+        ),
+        "restore / one fill stream (warm, verify on)": (
+            "restore_warm_verify_on",
+            "restore_warm_one_stream",
+            None,
+        ),
+        "one fill stream / dd_read (cold)": ("restore_cold_one_stream", "dd_read_cold", None),
+        "one fill stream / dd_read (warm)": ("restore_warm_one_stream", "dd_read_warm", None),
+        "diag: MLX alloc floor, fill streams / one": (
+            "first_touch_mlx_fill_streams",
+            "first_touch_mlx",
+            None,
+        ),
+        "diag: mmap hugepage / plain": (
+            "first_touch_mmap_hugepage",
+            "first_touch_mmap_plain",
+            None,
+        ),
+        "diag: mmap hugepage+populate / plain": (
+            "first_touch_mmap_hugepage+populate",
+            "first_touch_mmap_plain",
+            None,
+        ),
         "diag: restore cold / MLX alloc floor": ("restore_cold_verify_on", "first_touch_mlx", None),
         "diag: restore warm / MLX alloc floor": ("restore_warm_verify_on", "first_touch_mlx", None),
         "diag: store / dd_write_buffered": ("store", "dd_write_buffered", None),
@@ -585,6 +731,8 @@ def main() -> int:
     print("ratios of medians (per-round ratios min..max):")
     out_ratios: dict[str, Any] = {}
     for label, (ours, theirs, target) in ratios.items():
+        if ours not in rates or theirs not in rates or len(rates[ours]) != len(rates[theirs]):
+            continue  # NOTE: a contender this run did not time (--restore-only, refused advice).
         med = statistics.median(rates[ours]) / statistics.median(rates[theirs])
         per = [a / b for a, b in zip(rates[ours], rates[theirs], strict=True)]
         verdict = (
@@ -619,6 +767,57 @@ def main() -> int:
             )
         )
     return 0
+
+
+_MMAP_MODES = ("plain", "hugepage", "hugepage+populate")
+
+
+def restore_round(
+    figures: Figures,
+    port: TimedPort,
+    final: Path,
+    pool: Any,
+    fill: Sequence[Any],
+    one: Sequence[Any],
+    shapes: Sequence[tuple[int, ...]],
+    r: int,
+    dd_read_bs: str,
+) -> None:
+    """One ``--restore-only`` round: the restores (fill streams, one stream; the order flips every
+    round), dd, cold then warm; then the floors."""
+    contenders = [("", fill), ("_one_stream", one)]
+    if r % 2:
+        contenders.reverse()
+    for suffix, streams in contenders:
+        drop_cache(final)
+        secs, parts = restore_new(port, final, pool, verify=True, streams=streams)
+        figures.add("restore_cold_" + (suffix[1:] if suffix else "verify_on"), secs, parts)
+    drop_cache(final)
+    figures.add("dd_read_cold", dd(f"if={final}", "of=/dev/null", f"bs={dd_read_bs}"))
+    dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
+    for suffix, streams in contenders:
+        secs, parts = restore_new(port, final, pool, verify=True, streams=streams)
+        figures.add("restore_warm_" + (suffix[1:] if suffix else "verify_on"), secs, parts)
+    figures.add("dd_read_warm", dd(f"if={final}", "of=/dev/null", f"bs={dd_read_bs}"))
+    floors: list[tuple[str, Callable[[], float]]] = [
+        ("first_touch_mlx", lambda: mlx_alloc_floor(shapes)),
+        ("first_touch_mlx_fill_streams", lambda: mlx_alloc_floor(shapes, fill)),
+    ]
+    for key, floor in floors if r % 2 == 0 else floors[::-1]:
+        figures.add(key, floor())
+    modes = _MMAP_MODES[r % 3 :] + _MMAP_MODES[: r % 3]
+    for mode in modes:
+        took = first_touch_mmap(1 << 30, mode)
+        if took is not None:
+            figures.add(f"first_touch_mmap_{mode}", took)
+
+
+def _round_line(figures: Figures, size: int) -> str:
+    """The round's GB/s of each contender, for the progress line."""
+    return ", ".join(
+        f"{k} {(1 << 30 if k.startswith('first_touch_mmap') else size) / v[-1] / 1e9:.2f}"
+        for k, v in figures.runs.items()
+    )
 
 
 def _bytes(bs: str) -> int:
