@@ -7,63 +7,26 @@ handed to the loop as it exists (so tokens still stream per step). The
 scheduler's core decides when the chain must end (a row ready to join, a
 cancel, a slow reader's removal, the gateway asking for the turn back,
 stopping) and the shell sets ``stop``; the engine thread reads it before
-every step after the first. Mirrors the serial lane's ``actors/gateway/burst.py``.
-
-Cross-thread rules (NOTE: each is a single attribute or deque operation,
-atomic under the GIL):
-
-- the engine thread appends to ``results`` and increments ``steps``; the
-  loop pops ``results`` and increments ``consumed``;
-- ``stop`` is set only on the loop (by the shell, on the core's
-  ``StopChain``); the engine thread only reads it;
-- ``wake_pending``: the engine thread (after appending) and the future's
-  done callback (on the loop) post a wake only when none is pending; the
-  shell clears it BEFORE draining ``results``, so no output is ever left
-  without a wake on its way (at worst a wake finds nothing new);
-- ``ended``/``error`` are written on the loop by the future's done
-  callback, after the job has really finished (every output appended).
+every step after the first. The record and its cross-thread rules are the
+serial lane's too: :class:`actors.runtime.EngineJob`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import structlog
+from actors.runtime import AHEAD, EngineJob
 
 from .core import JoinRow, StepOut
 
 __all__ = ["AHEAD", "Chain", "run_chain"]
 
-AHEAD = 4
-"""How many steps a chain may run ahead of the outputs the loop has taken.
 
-NOTE: bounds what a slow loop makes the engine hold (and how stale the
-scheduler's view may get): the chain ends there and the turn is reported;
-the gateway grants the next one.
-"""
+class Chain(EngineJob[StepOut]):
+    """One batch turn's engine job and what it has produced so far (``ident`` is the turn)."""
 
-_log = structlog.get_logger("kvtier.batch")
-
-
-class Chain:
-    """One batch turn's engine job and what it has produced so far (see the module's rules)."""
-
-    __slots__ = (
-        "budget",
-        "consumed",
-        "ended",
-        "error",
-        "loop",
-        "post",
-        "results",
-        "steps",
-        "stop",
-        "turn",
-        "wake_pending",
-    )
+    __slots__ = ()
 
     def __init__(
         self,
@@ -73,44 +36,12 @@ class Chain:
         *,
         budget: int = 1,
     ) -> None:
-        self.turn = turn
-        self.loop = loop
-        self.post = post
-        self.budget = max(1, budget)
-        self.steps = 0
-        self.consumed = 0
-        self.results: deque[StepOut] = deque()
-        self.stop = False
-        self.wake_pending = False
-        self.ended = False
-        self.error: BaseException | None = None
+        super().__init__(turn, loop, post, budget=max(1, budget), wake_lost="batch.wake_lost")
 
-    def notify(self) -> None:
-        """Engine thread: ask the loop to wake the scheduler, unless a wake is already on its way."""
-        if self.wake_pending:
-            return
-        self.wake_pending = True
-        try:
-            self.loop.call_soon_threadsafe(self._post)
-        except RuntimeError:
-            pass  # NOTE: the loop is closed; nobody waits any more.
-
-    def settled(self, future: asyncio.Future[Any]) -> None:
-        """Loop (the future's done callback): the job has finished; record how and wake the scheduler."""
-        if future.cancelled():
-            self.error = asyncio.CancelledError()
-        else:
-            self.error = future.exception()
-        self.ended = True
-        if not self.wake_pending:
-            self.wake_pending = True
-            self._post()
-
-    def _post(self) -> None:
-        if not self.post():
-            # NOTE: cannot happen while one wake at most is pending, within the
-            # mailbox's reserve; a lost wake would stall the turn: say so loudly.
-            _log.error("batch.wake_lost", turn=self.turn)
+    @property
+    def turn(self) -> int:
+        """The batch turn this chain runs."""
+        return self.ident
 
 
 def run_chain(
@@ -137,12 +68,8 @@ def run_chain(
     while True:
         out = step(joins, cancels) if first else step((), ())
         first = False
-        chain.steps += 1
-        chain.results.append(out)
-        chain.notify()
+        chain.hand_over(out)
         if after_step is not None:
             after_step()
-        if chain.steps >= chain.budget or chain.stop or idle():
-            return
-        if chain.steps - chain.consumed >= AHEAD:
+        if not chain.may_go_on() or idle():
             return

@@ -193,7 +193,7 @@ class TurnRunner(Actor):
         wake = EngineWake(job=job_id, reply_to=self._gateway)
         correlation = submit.correlation_id or None
 
-        def post(_: int) -> bool:
+        def post() -> bool:
             try:
                 return ctx.self_ref.post(wake, correlation_id=correlation)
             except MailboxClosed:
