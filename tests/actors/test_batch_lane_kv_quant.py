@@ -10,7 +10,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 
-from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+from actors.engine import Engine, GenerationParams
+from tests.engine_runs import collect
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -31,21 +32,6 @@ def model(tok: Any) -> Any:
     return m
 
 
-async def _run(
-    engine: Engine, prompt: list[int], params: GenerationParams
-) -> tuple[list[int], DoneEvent]:
-    tokens: list[int] = []
-    done: DoneEvent | None = None
-    async with engine.generate(prompt, params) as stream:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token_id)
-            else:
-                done = event
-    assert done is not None
-    return tokens, done
-
-
 @pytest.mark.parametrize("kv_quant", ["4", "8"])
 async def test_kv_quant_requests_are_batch_rows_with_the_serial_lanes_tokens(
     model: Any, tok: Any, kv_quant: str
@@ -58,10 +44,10 @@ async def test_kv_quant_requests_are_batch_rows_with_the_serial_lanes_tokens(
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=1 << 26, max_batch=1, kv_quant=kv_quant
     ) as serial:
-        expected = [await _run(serial, p, q) for p, q in zip(prompts, params, strict=True)]
+        expected = [await collect(serial, p, q) for p, q in zip(prompts, params, strict=True)]
         follow = [*prompts[1], *expected[1][0], 7, 8, 9]
         # NOTE: a quantized history is not a cold prefill's: compare the warm turns.
-        serial_follow, serial_done = await _run(serial, follow, params[1])
+        serial_follow, serial_done = await collect(serial, follow, params[1])
     assert serial_done.usage.cached_tokens >= len(prompts[1])
     got: list[Any] = [None] * len(prompts)
     async with Engine.from_loaded(
@@ -69,12 +55,12 @@ async def test_kv_quant_requests_are_batch_rows_with_the_serial_lanes_tokens(
     ) as eng:
 
         async def one(i: int) -> None:
-            got[i] = await _run(eng, prompts[i], params[i])
+            got[i] = await collect(eng, prompts[i], params[i])
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
-        warm_follow, done = await _run(eng, follow, params[1])
+        warm_follow, done = await collect(eng, follow, params[1])
         stats = await eng.stats()
         entries = eng.cache_registry.entries()
     for (ids, _), (want, _) in zip(got, expected, strict=True):

@@ -9,7 +9,8 @@ import pytest
 from actors.batch_scheduler import BATCH_ADDRESS
 from actors.engine import Engine, GenerationParams, wiring
 from kernels.engine import BLAS_TUNE_ENV, find_openblas
-from tests.actors.batch_scheduler.test_engine_batch import _all, _prompts, _run
+from tests.actors.batch_scheduler.test_engine_batch import _all, _prompts
+from tests.engine_runs import collect
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 pytestmark = [
@@ -50,7 +51,7 @@ async def test_tuning_is_on_shown_in_stats_and_gives_the_default_back(
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=1
     ) as serial:
-        expected = [await _run(serial, p, q) for p, q in zip(prompts, params, strict=True)]
+        expected = [await collect(serial, p, q) for p, q in zip(prompts, params, strict=True)]
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=4
     ) as eng:

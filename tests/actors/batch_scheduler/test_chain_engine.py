@@ -18,7 +18,8 @@ import pytest
 
 from actors.batch_scheduler.core import JoinRow, StepOut
 from actors.batch_scheduler.engine import BatchEngine
-from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+from actors.engine import Engine, GenerationParams, TokenEvent
+from tests.engine_runs import collect
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -112,28 +113,13 @@ async def _settled(engine: Engine) -> dict[str, Any]:
     raise AssertionError("the batch lane did not settle within 2 s")
 
 
-async def _run(
-    engine: Engine, prompt: list[int], params: GenerationParams
-) -> tuple[list[int], DoneEvent]:
-    tokens: list[int] = []
-    done: DoneEvent | None = None
-    async with engine.generate(prompt, params) as stream:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token_id)
-            else:
-                done = event
-    assert done is not None
-    return tokens, done
-
-
 async def test_one_engine_turn_runs_many_batch_steps_when_no_row_joins(
     model: Any, tok: Any, log: StepLog
 ) -> None:
     """A lone row's 40 tokens take far fewer batch grants than steps; the stats agree on the steps."""
     prompt = _prompts(tok, 1)[0]
     async with _engine(model, tok, max_batch=4, max_burst=16) as eng:
-        ids, done = await _run(eng, prompt, GenerationParams(max_tokens=40))
+        ids, done = await collect(eng, prompt, GenerationParams(max_tokens=40))
         stats = await _settled(eng)
     assert len(ids) == 40
     assert done.finish_reason == "length"
@@ -152,7 +138,7 @@ async def test_rows_joining_mid_chain_join_within_one_step_and_keep_their_serial
     prompts = _prompts(tok, 4, seed=5)
     params = [_long(tok, n) for n in (60, 20, 25, 12)]
     async with _engine(model, tok, max_batch=1) as serial:
-        expected = [await _run(serial, p, q) for p, q in zip(prompts, params, strict=True)]
+        expected = [await collect(serial, p, q) for p, q in zip(prompts, params, strict=True)]
     got: dict[int, Any] = {}
     admitted_by: dict[str, int] = {}
     async with _engine(model, tok, max_batch=4, max_burst=64) as eng:
@@ -220,7 +206,7 @@ async def test_a_cancel_mid_chain_removes_its_row_within_one_step(
             cancelled_by.append(log.started)
 
         async def stayer() -> None:
-            stayed.append(await _run(eng, prompts[1], params))
+            stayed.append(await collect(eng, prompts[1], params))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(leaver)
@@ -246,7 +232,7 @@ async def test_the_serial_lane_gets_turns_while_a_chain_runs(
     batch_params = _long(tok, 150)
     serial_params = GenerationParams(max_tokens=10, logprobs=True, top_logprobs=2)
     async with _engine(model, tok, max_batch=1) as alone:
-        want, _ = await _run(alone, prompts[1], serial_params)
+        want, _ = await collect(alone, prompts[1], serial_params)
     finished: list[str] = []
     async with _engine(model, tok, max_batch=4, max_burst=64) as eng:
         got: list[list[int]] = []
@@ -262,7 +248,7 @@ async def test_the_serial_lane_gets_turns_while_a_chain_runs(
             finished.append("batch")
 
         async def serial_request() -> None:
-            ids, _ = await _run(eng, prompts[1], serial_params)
+            ids, _ = await collect(eng, prompts[1], serial_params)
             got.append(ids)
             finished.append("serial")
 

@@ -10,6 +10,7 @@ import pytest
 
 from actors.batch_scheduler import BATCH_ADDRESS
 from actors.engine import DoneEvent, Engine, GenerationParams, QueueFull, TokenEvent, wiring
+from tests.engine_runs import collect
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 # NOTE: the batch lane is spawned by one entry in actors/engine/wiring.py; until
@@ -41,28 +42,13 @@ def _prompts(tok: Any, n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(0, len(tok) - 2) for _ in range(k)] for k in lengths]
 
 
-async def _run(
-    engine: Engine, prompt: list[int], params: GenerationParams
-) -> tuple[list[int], DoneEvent]:
-    tokens: list[int] = []
-    done: DoneEvent | None = None
-    async with engine.generate(prompt, params) as stream:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token_id)
-            else:
-                done = event
-    assert done is not None
-    return tokens, done
-
-
 async def _all(
     engine: Engine, prompts: list[list[int]], params: list[GenerationParams]
 ) -> list[tuple[list[int], DoneEvent]]:
     out: list[Any] = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        out[i] = await _run(engine, prompts[i], params[i])
+        out[i] = await collect(engine, prompts[i], params[i])
 
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
@@ -79,7 +65,7 @@ async def test_concurrent_requests_in_the_batch_lane_equal_the_serial_lane(
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=1
     ) as serial:
-        expected = [await _run(serial, p, q) for p, q in zip(prompts, params, strict=True)]
+        expected = [await collect(serial, p, q) for p, q in zip(prompts, params, strict=True)]
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=4
     ) as eng:
@@ -101,14 +87,14 @@ async def test_cached_prefix_is_reused_by_a_batch_row(model: Any, tok: Any) -> N
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=1
     ) as serial:
-        first, _ = await _run(serial, prompt, params)
+        first, _ = await collect(serial, prompt, params)
         follow = [*prompt, *first, 7, 8, 9]
-        cold, _ = await _run(serial, follow, params)
+        cold, _ = await collect(serial, follow, params)
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=1 << 26, max_batch=4
     ) as eng:
-        again, _ = await _run(eng, prompt, params)
-        warm, done = await _run(eng, follow, params)
+        again, _ = await collect(eng, prompt, params)
+        warm, done = await collect(eng, follow, params)
     assert again == first
     assert warm == cold
     assert done.usage.cached_tokens >= len(prompt)
@@ -134,7 +120,7 @@ async def test_cancel_ends_a_batch_row_and_others_continue(model: Any, tok: Any)
             got[0] = n
 
         async def stayer(i: int) -> None:
-            got[i] = await _run(eng, prompts[i], params)
+            got[i] = await collect(eng, prompts[i], params)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(leaver)

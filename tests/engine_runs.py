@@ -1,0 +1,23 @@
+"""Shared test helper: run one request through an ``Engine`` and collect what it streamed."""
+
+from __future__ import annotations
+
+from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+
+__all__ = ["collect"]
+
+
+async def collect(
+    engine: Engine, prompt: list[int], params: GenerationParams
+) -> tuple[list[int], DoneEvent]:
+    """The token ids ``engine`` streamed for ``prompt`` and its final event."""
+    tokens: list[int] = []
+    done: DoneEvent | None = None
+    async with engine.generate(prompt, params) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+            else:
+                done = event
+    assert done is not None
+    return tokens, done
