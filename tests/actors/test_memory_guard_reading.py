@@ -124,6 +124,7 @@ def test_a_check_that_fits_reads_once_and_never_settles() -> None:
 
 
 _FREED_HEAP = r"""
+import ctypes
 import sys
 
 import anyio
@@ -139,10 +140,16 @@ def work():
     mx.set_cache_limit(0)
     settle_memory()
     before = resident_memory_bytes()
-    # NOTE: a 16 MiB buffer freed raises glibc's mmap threshold to 16 MiB: the
-    # 1-3 MiB buffers after it come from the engine thread's heap, and small
-    # live arrays between them keep the freed space from being the heap's top.
-    big = mx.ones((16 * MIB // 4,)); mx.eval(big); del big
+    # NOTE: the state a served model leaves glibc in: its large freed buffers
+    # raise the dynamic mmap threshold (16 MiB here, trim threshold twice
+    # that), so the 1-3 MiB buffers below come from the engine thread's heap,
+    # and small live arrays between them keep the freed space from being the
+    # heap's top. Set with mallopt, not by freeing a 16 MiB buffer: that free
+    # may run on MLX's stream thread after the buffers are allocated (then
+    # they were mmapped: flaky, seen on CI in test_heap_trim.py).
+    libc = ctypes.CDLL("libc.so.6")
+    assert libc.mallopt(-3, 16 * MIB) == 1  # M_MMAP_THRESHOLD
+    assert libc.mallopt(-1, 32 * MIB) == 1  # M_TRIM_THRESHOLD
     keep = []
     for i in range(40):
         a = mx.ones(((1 + i % 3) * MIB // 4,)); mx.eval(a)
