@@ -32,7 +32,6 @@ from kernels.cache import (
     OpenEntry,
     PassFailed,
     land_entry,
-    landing_streams,
     plan_entry,
     tensor_bytes,
 )
@@ -377,7 +376,7 @@ class HostStaging:
                 if self._closed:
                     raise RuntimeError("staging is closed")
                 pool = self._landing_pool_locked()
-            caches = land_entry(entry.file, step=step, pool=pool, streams=landing_streams())
+            caches = land_entry(entry.file, step=step, pool=pool)
         except PassFailed:
             # NOTE: the reader reports what its pass found; nothing to
             # record against the landing or the file here.

@@ -78,7 +78,6 @@ from ._kv_scheme import (
     convert_caches,
     resolve_kv_scheme,
 )
-from ._landing_streams import FILL_STREAMS, landing_streams
 from ._registry import (
     CacheOffsetMismatch,
     CacheRegistry,
@@ -89,7 +88,6 @@ from ._registry import (
 
 __all__ = [
     "ALIGNMENT",
-    "FILL_STREAMS",
     "FORMAT_VERSION",
     "KV_CONFIG_FILE",
     "MAGIC",
@@ -143,7 +141,6 @@ __all__ = [
     "full_fsync",
     "install_contiguous_quantized_attention",
     "land_entry",
-    "landing_streams",
     "materialize",
     "open_entry",
     "open_file",

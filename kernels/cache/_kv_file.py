@@ -1936,11 +1936,17 @@ def _allocate(
 ) -> list[Any]:
     """Allocate and evaluate the destinations of ``dests``, the i-th on ``streams[i]`` (engine thread).
 
-    NOTE: MLX zero-fills each new array on its stream's thread, which is
-    where its fresh pages are faulted in; on several streams the fills run
-    at once. Every stream is a CPU stream, so the pages the landing writes
-    are host pages; on CUDA (managed memory) a GPU-side fill would migrate
-    them to the device, and the writes back, page by page.
+    NOTE: every stream is a CPU stream, so the pages the landing writes are
+    host pages; on CUDA (managed memory) a GPU-side fill would migrate them
+    to the device, and the writes back, page by page. MLX zero-fills each
+    new array on its stream's thread inside this ``mx.eval``: that fill is
+    the first touch of the array's fresh pages (the landing's floor on a
+    CPU device), before Python can see the array's address. So no
+    huge-page advice (``madvise``) can reach an array's pages before they
+    are faulted in 4 KiB at a time; glibc's process-wide
+    ``glibc.malloc.hugetlb=1`` tunable can, and lost on the VM once freed
+    memory had gone back to the host (docs/benchmarks/cold_tier.md,
+    "Landing memory").
     """
     group = [
         mx.zeros(
@@ -1976,10 +1982,12 @@ def land_entry(
     each tensor is read once the pass went past it (with ``pool``, its
     worker waits; without, this thread), so the landing overlaps the pass.
 
-    ``streams`` (default ``[mx.cpu]``): the CPU streams the arrays are
-    allocated on, the next ``len(streams)`` tensors at once, one per stream
-    (:func:`kernels.cache.landing_streams` says which; made on the calling
-    thread, the only one that may use them).
+    ``streams`` (default ``[mx.cpu]``, the product's): CPU streams to
+    allocate the arrays on, the next ``len(streams)`` tensors at once, one
+    per stream, each zero-filled (page-faulted) on its stream's thread; made
+    on the calling thread, the only one that may use them. A what-if for
+    the benchmark: on the 2-core VM two streams sped up the allocation
+    alone but not a restore (docs/benchmarks/cold_tier.md).
 
     Peak memory is the restored entry itself: no host copy. The entry stays
     open (its holder closes it). Raises :class:`CacheFileCorrupt` when the

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kernels.cache import LandingPool, OpenEntry, land_entry, landing_streams
+from kernels.cache import LandingPool, OpenEntry, land_entry
 
 __all__ = ["land_behind_pass"]
 
@@ -17,12 +17,11 @@ def land_behind_pass(
 ) -> tuple[list[Any], float]:
     """Run ``entry``'s reader pass on a thread and land it at once behind the pass (as a granted turn does).
 
-    ``streams``: the landing's fill streams (default: the product's,
-    ``landing_streams()`` of the calling thread). Returns the caches and the
+    ``streams``: the landing's fill streams (default the product's: one
+    CPU stream; a what-if passes more). Returns the caches and the
     ``perf_counter`` time the pass ended. The entry is closed on every path;
     a failed pass re-raises here.
     """
-    fill = landing_streams() if streams is None else list(streams)
     ended: list[float] = []
     failed: list[BaseException] = []
 
@@ -36,7 +35,7 @@ def land_behind_pass(
     thread = threading.Thread(target=reader, name="bench-reader")
     thread.start()
     try:
-        caches = land_entry(entry, pool=pool, streams=fill)
+        caches = land_entry(entry, pool=pool, streams=streams)
     finally:
         thread.join()
         entry.close()

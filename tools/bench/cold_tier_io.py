@@ -36,11 +36,12 @@ of tensor bytes), goes through what the SSD writer and reader run:
   allocator kept);
 - the fresh-memory floors: a fresh ``bytearray`` per tensor (what the old
   reader allocated) and ``mx.zeros`` + ``mx.eval`` of every destination
-  (what a landing allocates), on one CPU stream and on the landing's fill
-  streams (``kernels.cache.landing_streams``): no restore into new memory
-  beats its floor;
-- the landing-memory variants: the restore on one fill stream (the landing
-  before the fill streams), and 1 GiB of fresh anonymous ``mmap`` memory
+  (what a landing allocates), on one CPU stream (the product) and, a
+  what-if, on two (each stream zero-fills, so page-faults, its arrays on
+  its own thread): no restore into new memory beats its floor;
+- the landing-memory variants: the restore with its arrays allocated on two
+  CPU streams (what-if, ``land_entry(streams=...)``), and 1 GiB of fresh
+  anonymous ``mmap`` memory
   written in 4 MiB copies plain, after ``madvise(MADV_HUGEPAGE)``, and
   after ``MADV_HUGEPAGE`` + ``MADV_POPULATE_WRITE`` (memory a landing could
   advise only if it allocated it itself: MLX zero-fills its arrays as it
@@ -383,14 +384,13 @@ def restore_new(
     thread goes right behind the pass. Without: the whole pass first
     (``open_entry``), then the landing (the sequential figure, and what a
     late turn costs). ``streams``: the landing's fill streams (default the
-    product's, ``landing_streams()``).
+    product's: one CPU stream).
     """
     import mlx.core as mx
     from _restore import land_behind_pass
 
-    from kernels.cache import land_entry, landing_streams, open_entry, open_file, read_header
+    from kernels.cache import land_entry, open_entry, open_file, read_header
 
-    fill = landing_streams() if streams is None else list(streams)
     fresh_memory()
     port.reset()
     t0 = time.perf_counter()
@@ -399,7 +399,7 @@ def restore_new(
         entry = open_entry(port, str(path), header, verify=verify)
         t1 = time.perf_counter()
         try:
-            caches = land_entry(entry, pool=pool, streams=fill)
+            caches = land_entry(entry, pool=pool, streams=streams)
         finally:
             entry.close()
         total = time.perf_counter() - t0
@@ -414,7 +414,7 @@ def restore_new(
         return total, parts
     entry = open_file(port, str(path), header, verify=verify)
     t1 = time.perf_counter()
-    caches, pass_end = land_behind_pass(entry, pool, fill)
+    caches, pass_end = land_behind_pass(entry, pool, streams)
     total = time.perf_counter() - t0
     parts = {
         "open (header, open)": t1 - t0,
@@ -546,18 +546,17 @@ def main() -> int:
         shapes = [(1, args.heads, capacity, args.head_dim)] * (2 * args.layers)
         import mlx.core as mx
 
-        from kernels.cache import LandingPool, landing_streams
+        from kernels.cache import LandingPool
 
         pool = LandingPool(2)
-        fill = landing_streams()
-        one = [mx.cpu]
-        print(f"fill streams: {len(fill)} (one stream: the landing before them)")
+        # NOTE: what-if: a second CPU stream (made on this thread, which lands).
+        two = [mx.cpu, mx.new_stream(mx.cpu)]
         if args.restore_only:
             final, _, _ = store(port, caches, args.tokens, work)
             file_size = final.stat().st_size
         for r in range(args.rounds):
             if args.restore_only:
-                restore_round(figures, port, final, pool, fill, one, shapes, r, args.dd_read_bs)
+                restore_round(figures, port, final, pool, two, shapes, r, args.dd_read_bs)
                 loads.append(loadavg())
                 print(
                     f"round {r + 1}: {_round_line(figures, file_size)}; load {loads[-1]}",
@@ -595,7 +594,7 @@ def main() -> int:
             # The fresh-memory floors: what the old reader and a landing allocate.
             figures.add("first_touch_host", first_touch(sizes))
             figures.add("first_touch_mlx", mlx_alloc_floor(shapes))
-            figures.add("first_touch_mlx_fill_streams", mlx_alloc_floor(shapes, fill))
+            figures.add("first_touch_mlx_two_streams", mlx_alloc_floor(shapes, two))
             for mode in _MMAP_MODES:
                 took = first_touch_mmap(1 << 30, mode)
                 if took is not None:
@@ -603,7 +602,7 @@ def main() -> int:
             # Page cache dropped: new (verify on, off), old, dd; interleaved.
             for key, how, verify in (
                 ("restore_cold_verify_on", "overlap", True),
-                ("restore_cold_one_stream", "one stream", True),
+                ("restore_cold_two_streams", "two streams", True),
                 ("seq_restore_cold_verify_on", "sequential", True),
                 ("restore_cold_verify_off", "overlap", False),
                 ("willneed_restore_cold_verify_off", "willneed", False),
@@ -614,8 +613,8 @@ def main() -> int:
                     secs, parts = restore_old(port, final, verify=verify)
                 elif how == "willneed":
                     secs, parts = restore_willneed(port, final, pool)
-                elif how == "one stream":
-                    secs, parts = restore_new(port, final, pool, verify=verify, streams=one)
+                elif how == "two streams":
+                    secs, parts = restore_new(port, final, pool, verify=verify, streams=two)
                 else:
                     secs, parts = restore_new(
                         port, final, pool, verify=verify, overlap=how == "overlap"
@@ -627,8 +626,8 @@ def main() -> int:
             dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
             secs, parts = restore_new(port, final, pool, verify=True)
             figures.add("restore_warm_verify_on", secs, parts)
-            secs, parts = restore_new(port, final, pool, verify=True, streams=one)
-            figures.add("restore_warm_one_stream", secs, parts)
+            secs, parts = restore_new(port, final, pool, verify=True, streams=two)
+            figures.add("restore_warm_two_streams", secs, parts)
             secs, parts = restore_new(port, final, pool, verify=True, overlap=False)
             figures.add("seq_restore_warm_verify_on", secs, parts)
             secs, parts = restore_old(port, final, verify=True)
@@ -695,20 +694,20 @@ def main() -> int:
             "dd_read_warm",
             None,
         ),
-        "restore / one fill stream (cold, verify on)": (
+        "two fill streams / restore (cold, verify on)": (
+            "restore_cold_two_streams",
             "restore_cold_verify_on",
-            "restore_cold_one_stream",
             None,
         ),
-        "restore / one fill stream (warm, verify on)": (
+        "two fill streams / restore (warm, verify on)": (
+            "restore_warm_two_streams",
             "restore_warm_verify_on",
-            "restore_warm_one_stream",
             None,
         ),
-        "one fill stream / dd_read (cold)": ("restore_cold_one_stream", "dd_read_cold", None),
-        "one fill stream / dd_read (warm)": ("restore_warm_one_stream", "dd_read_warm", None),
-        "diag: MLX alloc floor, fill streams / one": (
-            "first_touch_mlx_fill_streams",
+        "two fill streams / dd_read (cold)": ("restore_cold_two_streams", "dd_read_cold", None),
+        "two fill streams / dd_read (warm)": ("restore_warm_two_streams", "dd_read_warm", None),
+        "diag: MLX alloc floor, two streams / one": (
+            "first_touch_mlx_two_streams",
             "first_touch_mlx",
             None,
         ),
@@ -777,31 +776,30 @@ def restore_round(
     port: TimedPort,
     final: Path,
     pool: Any,
-    fill: Sequence[Any],
-    one: Sequence[Any],
+    two: Sequence[Any],
     shapes: Sequence[tuple[int, ...]],
     r: int,
     dd_read_bs: str,
 ) -> None:
-    """One ``--restore-only`` round: the restores (fill streams, one stream; the order flips every
-    round), dd, cold then warm; then the floors."""
-    contenders = [("", fill), ("_one_stream", one)]
+    """One ``--restore-only`` round: the restores (the product, the two-stream what-if; the order
+    flips every round), dd, cold then warm; then the floors."""
+    contenders: list[tuple[str, Sequence[Any] | None]] = [("verify_on", None), ("two_streams", two)]
     if r % 2:
         contenders.reverse()
     for suffix, streams in contenders:
         drop_cache(final)
         secs, parts = restore_new(port, final, pool, verify=True, streams=streams)
-        figures.add("restore_cold_" + (suffix[1:] if suffix else "verify_on"), secs, parts)
+        figures.add("restore_cold_" + suffix, secs, parts)
     drop_cache(final)
     figures.add("dd_read_cold", dd(f"if={final}", "of=/dev/null", f"bs={dd_read_bs}"))
     dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
     for suffix, streams in contenders:
         secs, parts = restore_new(port, final, pool, verify=True, streams=streams)
-        figures.add("restore_warm_" + (suffix[1:] if suffix else "verify_on"), secs, parts)
+        figures.add("restore_warm_" + suffix, secs, parts)
     figures.add("dd_read_warm", dd(f"if={final}", "of=/dev/null", f"bs={dd_read_bs}"))
     floors: list[tuple[str, Callable[[], float]]] = [
         ("first_touch_mlx", lambda: mlx_alloc_floor(shapes)),
-        ("first_touch_mlx_fill_streams", lambda: mlx_alloc_floor(shapes, fill)),
+        ("first_touch_mlx_two_streams", lambda: mlx_alloc_floor(shapes, two)),
     ]
     for key, floor in floors if r % 2 == 0 else floors[::-1]:
         figures.add(key, floor())
