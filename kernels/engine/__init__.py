@@ -50,6 +50,12 @@ from ._generation import (
     render_chat,
     run_generation,
 )
+from ._greedy import (
+    GreedyGenerationBatch,
+    argmax_with_logprobs,
+    greedy_without_logprobs,
+    start_generation,
+)
 from ._logprobs import (
     TokenBytes,
     top_logprobs,
@@ -103,6 +109,7 @@ __all__ = [
     "Generation",
     "GrammarProcessor",
     "GrammarViolation",
+    "GreedyGenerationBatch",
     "InvalidGrammar",
     "KernelFinishReason",
     "LayerKind",
@@ -124,6 +131,7 @@ __all__ = [
     "ToolSegment",
     "TransitioningBatchKVCache",
     "UnknownRow",
+    "argmax_with_logprobs",
     "batch_gate",
     "batch_params_refusal",
     "batch_ssm_enabled",
@@ -131,6 +139,7 @@ __all__ = [
     "check_grammar",
     "encode_prompt",
     "find_openblas",
+    "greedy_without_logprobs",
     "json_schema_grammar",
     "make_blas_tuning",
     "make_request_processors",
@@ -143,6 +152,7 @@ __all__ = [
     "render_chat",
     "require_engine_thread",
     "run_generation",
+    "start_generation",
     "tool_call_grammar",
     "tool_format",
     "top_logprobs",

