@@ -30,6 +30,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from kernels.model import declare_equal_offsets
 
 from ._sampling import _argmax
 
@@ -51,12 +54,39 @@ def greedy_without_logprobs(samplers: list[Any]) -> bool:
     return bool(samplers) and all(s is _argmax for s in samplers)
 
 
+def _offsets_equal(caches: list[Any]) -> bool:
+    """True when every layer is a ``BatchKVCache`` and all hold the same per-row offsets (reads them)."""
+    if not caches or not all(type(c) is BatchKVCache for c in caches):
+        return False
+    first = caches[0].offset
+    return all(bool(mx.array_equal(c.offset, first).item()) for c in caches[1:])
+
+
 class GreedyGenerationBatch(GenerationBatch):
-    """mlx-lm's decode batch; a step whose rows are all plain-greedy skips the log-softmax."""
+    """mlx-lm's decode batch; a step whose rows are all plain-greedy skips the log-softmax.
+
+    It also tells a model with shared RoPE tables (``kernels.model._rope``)
+    that its layers' offsets are equal before each forward, so one table
+    serves every layer. Checked when the batch is built or extended (the
+    rows' caches hold the same tokens in every layer); filtering keeps it,
+    since mlx-lm applies the same rows to every layer.
+    """
+
+    def __init__(self, model: Any, uids: Any, inputs: Any, prompt_cache: Any, *rest: Any) -> None:
+        self._equal_offsets = _offsets_equal(prompt_cache)
+        super().__init__(model, uids, inputs, prompt_cache, *rest)
+
+    def extend(self, batch: Any) -> None:
+        """mlx-lm's extend; offsets stay equal across layers when they were in both batches."""
+        equal = self._equal_offsets and bool(getattr(batch, "_equal_offsets", False))
+        super().extend(batch)  # type: ignore[no-untyped-call]
+        self._equal_offsets = equal
 
     def _step(self) -> tuple[list[int], list[Any]]:
         # NOTE: mlx-lm's attributes are untyped (None until set); read them as Any.
         self_: Any = self
+        if self._equal_offsets:
+            declare_equal_offsets(self_.model, [c.offset for c in self_.prompt_cache])
         samplers = [
             self_.fallback_sampler if s is None else s
             for s in (self_.samplers or [None] * len(self_.uids))

@@ -38,7 +38,13 @@ from ._loading import (
     load_model,
     resolve_model_path,
     tokenizer_hash,
+    transform_forward,
     weights_digest,
+)
+from ._rope import (
+    SharedRope,
+    declare_equal_offsets,
+    share_rope_tables,
 )
 
 __all__ = [
@@ -54,8 +60,10 @@ __all__ = [
     "ModelConversionError",
     "ModelIdentity",
     "ModelLoadError",
+    "SharedRope",
     "config_fingerprint",
     "convert_gguf",
+    "declare_equal_offsets",
     "default_dequantize",
     "default_model_dir",
     "ensure_default_model",
@@ -66,6 +74,8 @@ __all__ = [
     "kvtier_home",
     "load_model",
     "resolve_model_path",
+    "share_rope_tables",
     "tokenizer_hash",
+    "transform_forward",
     "weights_digest",
 ]

@@ -84,7 +84,8 @@ def fused_projections_enabled(env: Mapping[str, str] | None = None) -> bool:
 class FusionReport:
     """What :func:`fuse_projections` did.
 
-    ``groups``: groups fused; ``split_rows``: per group signature, the row
+    ``groups``: groups fused; ``rope_layers``: layers whose RoPE table is
+    shared; ``split_rows``: per group signature, the row
     counts (1..:data:`FUSE_MAX_ROWS`) that compute the members separately
     because the fused product differed there; ``skipped``: why the model
     (or a group) was left as it was, ``""`` when nothing was skipped.
@@ -93,6 +94,8 @@ class FusionReport:
     groups: int = 0
     split_rows: tuple[tuple[str, tuple[int, ...]], ...] = ()
     skipped: str = ""
+    rope_layers: int = 0
+    """Layers whose RoPE shares its cos/sin table (``kernels.model._rope``)."""
 
 
 class _Group:

@@ -19,6 +19,7 @@ from typing import Any
 from kernels._errors import KernelError
 
 from ._fused import FusionReport, fuse_projections, fused_projections_enabled
+from ._rope import share_rope_tables
 
 __all__ = [
     "LoadedModel",
@@ -28,6 +29,7 @@ __all__ = [
     "load_model",
     "resolve_model_path",
     "tokenizer_hash",
+    "transform_forward",
     "weights_digest",
 ]
 
@@ -260,6 +262,22 @@ def _is_local_path(path_or_hf_id: str | Path) -> bool:
     return bool(sep) and Path(head).expanduser().is_dir()
 
 
+def transform_forward(model: Any) -> FusionReport:
+    """The CPU forward transform, in place: fused projections, then shared RoPE tables (every output bit kept)."""
+    import dataclasses
+
+    report = fuse_projections(model)
+    layers = getattr(model, "layers", None) or []
+    attn = getattr(layers[0], "self_attn", None) if layers else None
+    head_dim = getattr(attn, "head_dim", None)
+    heads = getattr(attn, "n_heads", None)
+    if report.groups == 0 or not isinstance(head_dim, int) or not isinstance(heads, int):
+        return report
+    dtype = layers[0].self_attn.o_proj.weight.dtype
+    shared = share_rope_tables(model, dtype=dtype, head_dim=head_dim, heads=heads)
+    return dataclasses.replace(report, rope_layers=shared)
+
+
 def load_model(
     path_or_hf_id: str | Path, *, lazy: bool = False, fuse: bool | None = None
 ) -> LoadedModel:
@@ -296,7 +314,7 @@ def load_model(
         # NOTE: measured on the CPU only (docs/batching.md, "Fused projections");
         # Metal and CUDA keep mlx-lm's layers.
         fuse = fused_projections_enabled() and mx.default_device() == mx.cpu
-    fusion = fuse_projections(model) if fuse else None
+    fusion = transform_forward(model) if fuse else None
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
