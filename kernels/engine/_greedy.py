@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
-from kernels.model import declare_equal_offsets
+from kernels.model import declare_equal_offsets, has_shared_rope
 
 from ._sampling import _argmax
 
@@ -54,12 +54,18 @@ def greedy_without_logprobs(samplers: list[Any]) -> bool:
     return bool(samplers) and all(s is _argmax for s in samplers)
 
 
-def _offsets_equal(caches: list[Any]) -> bool:
-    """True when every layer is a ``BatchKVCache`` and all hold the same per-row offsets (reads them)."""
+def _offsets_equal(model: Any, caches: list[Any]) -> bool:
+    """True when the model shares RoPE tables, every layer is a ``BatchKVCache`` and all hold the same offsets.
+
+    Reads the offsets (one evaluation) only for a model with shared tables
+    (the CPU forward transform); elsewhere there is nothing to declare.
+    """
+    if not has_shared_rope(model):
+        return False
     if not caches or not all(type(c) is BatchKVCache for c in caches):
         return False
-    first = caches[0].offset
-    return all(bool(mx.array_equal(c.offset, first).item()) for c in caches[1:])
+    offsets = mx.stack([c.offset for c in caches])
+    return bool(mx.all(offsets == offsets[0]).item())
 
 
 class GreedyGenerationBatch(GenerationBatch):
@@ -73,7 +79,7 @@ class GreedyGenerationBatch(GenerationBatch):
     """
 
     def __init__(self, model: Any, uids: Any, inputs: Any, prompt_cache: Any, *rest: Any) -> None:
-        self._equal_offsets = _offsets_equal(prompt_cache)
+        self._equal_offsets = _offsets_equal(model, prompt_cache)
         super().__init__(model, uids, inputs, prompt_cache, *rest)
 
     def extend(self, batch: Any) -> None:

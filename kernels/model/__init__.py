@@ -44,6 +44,7 @@ from ._loading import (
 from ._rope import (
     SharedRope,
     declare_equal_offsets,
+    has_shared_rope,
     share_rope_tables,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "fetch_default_wheel",
     "fuse_projections",
     "fused_projections_enabled",
+    "has_shared_rope",
     "is_converted_dir",
     "kvtier_home",
     "load_model",

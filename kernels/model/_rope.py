@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn
 
-__all__ = ["SharedRope", "declare_equal_offsets", "share_rope_tables"]
+__all__ = ["SharedRope", "declare_equal_offsets", "has_shared_rope", "share_rope_tables"]
 
 _MEMO_ATTR = "kvtier_rope_memo"
 
@@ -138,6 +138,11 @@ def _same_outputs(rope: Any, shared: SharedRope, dtype: Any, heads: int, head_di
         if not (mx.array_equal(want, got).item() and mx.array_equal(want, got_again).item()):
             return False
     return True
+
+
+def has_shared_rope(model: Any) -> bool:
+    """True when :func:`share_rope_tables` replaced the model's RoPE modules."""
+    return isinstance(getattr(model, _MEMO_ATTR, None), _Memo)
 
 
 def declare_equal_offsets(model: Any, offsets: list[Any]) -> None:
