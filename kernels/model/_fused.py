@@ -61,8 +61,8 @@ FUSE_MAX_ROWS = 16
 """Input rows (batch x tokens) up to which a group runs as one product; above, its members run separately.
 
 Decode steps of up to 16 rows: the memory-bound products fusing helps. The
-check at load time costs one product per row count (0.1 s with OpenBLAS,
-~1 s with MLX's own BLAS, for the default model).
+check at load time costs a few products per row count (~0.3 s with
+OpenBLAS, ~1 s with MLX's own BLAS, for the default model).
 """
 
 FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
