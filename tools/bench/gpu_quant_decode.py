@@ -33,22 +33,10 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_cold_tier import prefill
 from gpu_engine import SHAPES, build_model
-from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.cache import convert_caches, resolve_kv_scheme
-
-STEP = 2048
-
-
-def prefill(model: Any, tokens: list[int], scheme: Any) -> list[Any]:
-    cache = make_prompt_cache(model)
-    for s in range(0, len(tokens), STEP):
-        model(mx.array(tokens[s : s + STEP])[None], cache=cache)
-        if scheme is not None:
-            convert_caches(cache, scheme)
-        mx.eval([c.state for c in cache])
-    return cache
+from kernels.cache import resolve_kv_scheme
 
 
 def decode_steps(model: Any, cache: list[Any], token: int, steps: int) -> list[float]:
