@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -264,8 +264,6 @@ def _is_local_path(path_or_hf_id: str | Path) -> bool:
 
 def transform_forward(model: Any) -> FusionReport:
     """The CPU forward transform, in place: fused projections, then shared RoPE tables (every output bit kept)."""
-    import dataclasses
-
     report = fuse_projections(model)
     layers = getattr(model, "layers", None) or []
     attn = getattr(layers[0], "self_attn", None) if layers else None
@@ -275,7 +273,7 @@ def transform_forward(model: Any) -> FusionReport:
         return report
     dtype = layers[0].self_attn.o_proj.weight.dtype
     shared = share_rope_tables(model, dtype=dtype, head_dim=head_dim, heads=heads)
-    return dataclasses.replace(report, rope_layers=shared)
+    return replace(report, rope_layers=shared)
 
 
 def load_model(
