@@ -10,7 +10,7 @@ import pytest
 
 from actors.batch_scheduler import BATCH_ADDRESS
 from actors.engine import DoneEvent, Engine, GenerationParams, QueueFull, TokenEvent, wiring
-from tests.engine_runs import collect
+from tests.engine_runs import collect, drain
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 # NOTE: the batch lane is spawned by one entry in actors/engine/wiring.py; until
@@ -162,16 +162,7 @@ async def test_rows_sharing_a_system_prompt_prefill_it_once(model: Any, tok: Any
     params = GenerationParams(max_tokens=8)
 
     async def run(eng: Engine, messages: list[dict[str, str]]) -> tuple[list[int], DoneEvent]:
-        tokens: list[int] = []
-        done: DoneEvent | None = None
-        async with eng.chat(messages, params) as stream:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    tokens.append(event.token_id)
-                else:
-                    done = event
-        assert done is not None
-        return tokens, done
+        return await drain(eng.chat(messages, params))
 
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=1
