@@ -40,6 +40,8 @@ from ._file_port import (
 )
 from ._kv_file import (
     ALIGNMENT,
+    FILL_STREAMS_ENV,
+    FILL_STREAMS_MIN_CPUS,
     FORMAT_VERSION,
     MAGIC,
     TEMP_SUFFIX,
@@ -56,6 +58,8 @@ from ._kv_file import (
     OpenEntry,
     PassFailed,
     TensorRecord,
+    default_fill_streams,
+    fill_stream_count,
     land_entry,
     materialize,
     open_entry,
@@ -88,6 +92,8 @@ from ._registry import (
 
 __all__ = [
     "ALIGNMENT",
+    "FILL_STREAMS_ENV",
+    "FILL_STREAMS_MIN_CPUS",
     "FORMAT_VERSION",
     "KV_CONFIG_FILE",
     "MAGIC",
@@ -138,6 +144,8 @@ __all__ = [
     "convert_caches",
     "declare_min_reusable_offset",
     "declared_min_reusable_offset",
+    "default_fill_streams",
+    "fill_stream_count",
     "full_fsync",
     "install_contiguous_quantized_attention",
     "land_entry",

@@ -1931,6 +1931,55 @@ def _fill_behind(
     _fill(port, fd, index, rec, rows, verify)
 
 
+FILL_STREAMS_MIN_CPUS: Final = 4
+"""A landing fills on two CPU streams when the process may use at least this many CPUs."""
+
+FILL_STREAMS_ENV: Final = "KVTIER_LANDING_FILL_STREAMS"
+"""Environment override of the fill-stream count (``1`` or ``2``)."""
+
+
+def fill_stream_count(cpus: int, override: str | None = None) -> int:
+    """How many CPU streams a landing allocates (zero-fills) its arrays on.
+
+    NOTE: measured with ``tools/bench/cold_tier_io.py --restore-only``: on
+    the 16-core H200 host a second fill stream made the warm restore 1.60x
+    faster (the fill of fresh memory is its floor there) and left the cold
+    one flat (0.97x, disk-bound); on the 2-core VM it changed neither
+    (0.92-1.12x), because the second fill thread takes the core the
+    reader's pass and the landing threads need. ``override`` (the
+    :data:`FILL_STREAMS_ENV` value) wins when it is ``1`` or ``2``; any
+    other value is ignored.
+    """
+    if override is not None and override.strip() in ("1", "2"):
+        return int(override.strip())
+    return 2 if cpus >= FILL_STREAMS_MIN_CPUS else 1
+
+
+_FILL_STREAMS = threading.local()
+
+
+def _usable_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        return len(affinity(0))
+    return os.cpu_count() or 1
+
+
+def default_fill_streams() -> list[Any]:
+    """The calling thread's fill streams for :func:`land_entry` (engine thread).
+
+    NOTE: made once per thread and kept: each extra MLX CPU stream owns a
+    worker thread for the life of the process, and a stream is used only by
+    the thread that made it.
+    """
+    streams: list[Any] | None = getattr(_FILL_STREAMS, "streams", None)
+    if streams is None:
+        count = fill_stream_count(_usable_cpus(), os.environ.get(FILL_STREAMS_ENV))
+        streams = [mx.cpu, *(mx.new_stream(mx.cpu) for _ in range(count - 1))]
+        _FILL_STREAMS.streams = streams
+    return streams
+
+
 def _allocate(
     dests: Sequence[tuple[TensorRecord, int | None]], streams: Sequence[Any]
 ) -> list[Any]:
@@ -1982,12 +2031,12 @@ def land_entry(
     each tensor is read once the pass went past it (with ``pool``, its
     worker waits; without, this thread), so the landing overlaps the pass.
 
-    ``streams`` (default ``[mx.cpu]``, the product's): CPU streams to
-    allocate the arrays on, the next ``len(streams)`` tensors at once, one
-    per stream, each zero-filled (page-faulted) on its stream's thread; made
-    on the calling thread, the only one that may use them. A what-if for
-    the benchmark: on the 2-core VM two streams sped up the allocation
-    alone but not a restore (docs/benchmarks/cold_tier.md).
+    ``streams``: CPU streams to allocate the arrays on, the next
+    ``len(streams)`` tensors at once, one per stream, each zero-filled
+    (page-faulted) on its stream's thread; made on the calling thread, the
+    only one that may use them. Default: :func:`default_fill_streams` (two
+    streams where the process may use 4+ CPUs, else one;
+    :func:`fill_stream_count` says why).
 
     Peak memory is the restored entry itself: no host copy. The entry stays
     open (its holder closes it). Raises :class:`CacheFileCorrupt` when the
@@ -2016,7 +2065,7 @@ def land_entry(
         else:
             pool.submit(check, checked)
             checking = True
-        fill = list(streams) if streams else [mx.cpu]
+        fill = list(streams) if streams else default_fill_streams()
         ready: list[Any] = []
         for index, (rec, capacity) in enumerate(dests):
             if not ready:

@@ -384,7 +384,7 @@ def restore_new(
     thread goes right behind the pass. Without: the whole pass first
     (``open_entry``), then the landing (the sequential figure, and what a
     late turn costs). ``streams``: the landing's fill streams (default the
-    product's: one CPU stream).
+    product's, ``kernels.cache.default_fill_streams``).
     """
     import mlx.core as mx
     from _restore import land_behind_pass
@@ -526,6 +526,11 @@ def main() -> int:
     for knob in ("enabled", "defrag"):
         thp = Path("/sys/kernel/mm/transparent_hugepage") / knob
         info[f"thp_{knob}"] = thp.read_text().strip() if thp.exists() else "absent"
+    from kernels.cache import default_fill_streams
+
+    # NOTE: the product's fill streams for this (the landing) thread: the
+    # "restore" rows use them; the "two streams" rows always use two.
+    info["fill_streams"] = len(default_fill_streams())
     try:
         caches = make_entry(args.layers, args.heads, args.tokens, args.head_dim, seed=0)
         tensor_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
@@ -538,7 +543,8 @@ def main() -> int:
         print(f"load average at start: {loads[0]}")
         print(
             f"GLIBC_TUNABLES={info['glibc_tunables']!r}; THP enabled {info['thp_enabled']}, "
-            f"defrag {info['thp_defrag']}; settle {args.settle} s"
+            f"defrag {info['thp_defrag']}; settle {args.settle} s; "
+            f"the product's fill streams here: {info['fill_streams']}"
         )
         file_size = 0
         sizes = [int(a.nbytes) for c in caches for a in (c.keys, c.values)]

@@ -1,0 +1,90 @@
+"""The landing's fill streams: how many the product uses, and that they are made once per thread."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import pytest
+
+from kernels.cache import FILL_STREAMS_ENV, default_fill_streams, fill_stream_count
+from kernels.cache._kv_file import land_entry, open_entry
+from tests.kernels.cache.test_kv_file import write_entry
+from tests.kernels.cache.test_kv_file_landing import PORT, _all_bytes, _cases, _header
+
+T = TypeVar("T")
+
+
+def _on_new_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a fresh thread (fill streams are cached per thread) and return its result."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "override", "expected"),
+    [
+        (1, None, 1),
+        (2, None, 1),
+        (3, None, 1),
+        (4, None, 2),
+        (16, None, 2),
+        (16, "1", 1),
+        (2, "2", 2),
+        (2, " 2 ", 2),
+        (16, "3", 2),
+        (2, "yes", 1),
+        (16, "", 2),
+    ],
+)
+def test_fill_stream_count_follows_cpus_unless_overridden(
+    cpus: int, override: str | None, expected: int
+) -> None:
+    """Two fill streams from 4 usable CPUs, one below; the override wins only when it is 1 or 2."""
+    assert fill_stream_count(cpus, override) == expected
+
+
+def test_default_fill_streams_are_made_once_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread gets the same streams on every call, another thread its own, sized by the override."""
+    monkeypatch.setenv(FILL_STREAMS_ENV, "2")
+
+    def twice() -> tuple[list[Any], list[Any]]:
+        return default_fill_streams(), default_fill_streams()
+
+    first, again = _on_new_thread(twice)
+    other, _ = _on_new_thread(twice)
+    assert first is again
+    assert len(first) == 2
+    assert first[0] == mx.cpu
+    assert first[1] != mx.cpu
+    assert other is not first
+    monkeypatch.setenv(FILL_STREAMS_ENV, "1")
+    single, _ = _on_new_thread(twice)
+    assert single == [mx.cpu]
+
+
+def _land_bytes(path: Path, streams: list[Any] | None) -> list[Any]:
+    entry = open_entry(PORT, str(path), _header(path))
+    try:
+        return _all_bytes(land_entry(entry, step=4, streams=streams))
+    finally:
+        entry.close()
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_default_landing_lands_the_same_bytes_with_either_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: str
+) -> None:
+    """A landing on the default streams, one or two, gives every kind's bytes as one explicit stream does."""
+    monkeypatch.setenv(FILL_STREAMS_ENV, count)
+    for case, (caches, tokens) in _cases().items():
+        (tmp_path / case).mkdir()
+        path = write_entry(caches, tokens, tmp_path / case)
+
+        default = _on_new_thread(functools.partial(_land_bytes, path, None))
+        explicit = _on_new_thread(functools.partial(_land_bytes, path, [mx.cpu]))
+        assert default == explicit, case
