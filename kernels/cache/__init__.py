@@ -41,6 +41,7 @@ from ._file_port import (
 from ._kv_file import (
     ALIGNMENT,
     FILL_STREAMS_ENV,
+    FILL_STREAMS_MAX,
     FILL_STREAMS_MIN_CPUS,
     FORMAT_VERSION,
     MAGIC,
@@ -93,6 +94,7 @@ from ._registry import (
 __all__ = [
     "ALIGNMENT",
     "FILL_STREAMS_ENV",
+    "FILL_STREAMS_MAX",
     "FILL_STREAMS_MIN_CPUS",
     "FORMAT_VERSION",
     "KV_CONFIG_FILE",

@@ -32,19 +32,26 @@ def _on_new_thread(fn: Callable[[], T]) -> T:
         (2, None, 1),
         (3, None, 1),
         (4, None, 2),
-        (16, None, 2),
+        (7, None, 2),
+        (8, None, 3),
+        (12, None, 4),
+        (16, None, 4),
+        (128, None, 4),
         (16, "1", 1),
         (2, "2", 2),
-        (2, " 2 ", 2),
-        (16, "3", 2),
+        (2, " 3 ", 3),
+        (2, "8", 8),
+        (16, "9", 4),
+        (16, "0", 4),
+        (16, "-1", 4),
         (2, "yes", 1),
-        (16, "", 2),
+        (16, "", 4),
     ],
 )
 def test_fill_stream_count_follows_cpus_unless_overridden(
     cpus: int, override: str | None, expected: int
 ) -> None:
-    """Two fill streams from 4 usable CPUs, one below; the override wins only when it is 1 or 2."""
+    """One fill stream below 4 usable CPUs, one more per 4 CPUs up to 4; an override from 1 to 8 wins."""
     assert fill_stream_count(cpus, override) == expected
 
 
