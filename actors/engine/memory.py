@@ -250,7 +250,10 @@ class HeapTrim:
     the process holds besides MLX's live and cached buffers); ``floor`` is
     the lowest excess seen since the last trim, starting at the excess right
     after it. After a job (the engine's executor) or a batch step (a chain
-    of steps is one job: ``run_chain``'s ``after_step``) that leaves the
+    of steps is one job: ``run_chain``'s ``after_step``, after each step
+    that changed the batch and each ``HEAP_CHECK_EVERY``-th plain decode
+    step, since the RSS reading costs up to a millisecond while the step's
+    threads fault pages in) that leaves the
     excess ``threshold`` or more above ``floor``, trim and read the floor
     again. So between jobs at most
     about ``threshold`` bytes of freed heap stay resident, and a trim runs
