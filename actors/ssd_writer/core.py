@@ -463,7 +463,7 @@ class StartRead:
 
 @dataclass(frozen=True, slots=True)
 class RemoveFiles:
-    """Unlink ``paths`` durably (startup scan decisions only; ``reason`` for the log).
+    """Unlink ``paths`` durably (startup scan decisions and corrupt landings; ``reason`` for the log).
 
     They are leftovers until then: the shell reports the outcome with
     :func:`files_removed`.
@@ -1005,19 +1005,28 @@ def landing_report(
     """Account for a restore's landing in its engine turn (the staging's observation).
 
     A landed entry teaches the estimator the in-turn cost. A landing that
-    found the file changed or a hash wrong (after the reader's pass had
-    checked it) is a failed restore: the file leaves the index and counts
-    as a leftover until a later write removes it (the engine thread that
-    found it does no file work).
+    found the file changed or a hash wrong is a failed restore: the file
+    leaves the index, is counted as removed and is unlinked by this
+    actor's workers (a leftover until they report it gone; the engine
+    thread that found it does no file work). NOTE: the landing is where a
+    restore checks the hashes (the reader's pass only reads ahead of it),
+    so this is the usual way a bad file is found; a read-only tier only
+    stops offering it.
     """
     if ok:
         state.estimator.observe_landing(nbytes, seconds)
         return []
     state.restore_failures += 1
-    if corrupt and path in state.entries:
+    entry = state.entries.get(path) if corrupt else None
+    if entry is None:
+        return []
+    if state.read_only:
         _drop_bad_file(state, path, "corrupt", removed=False)
         return [Log("ssd_cache.landing_corrupt", path)]
-    return []
+    _unindex(state, entry)
+    _add_leftover(state, path, entry.file_bytes)
+    state.corrupt_removed += 1
+    return [Log("ssd_cache.landing_corrupt", path), RemoveFiles((path,), "corrupt")]
 
 
 # --- scrub -------------------------------------------------------------------------

@@ -1429,11 +1429,13 @@ class OpenEntry:
         *,
         verify: bool,
         passed: bool = True,
+        check_in_pass: bool = True,
     ) -> None:
         self.port = port
         self.path = path
         self.header = header
         self.verify = verify
+        self._check_in_pass = verify and check_in_pass
         self._fd: int | None = fd
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
@@ -1501,7 +1503,8 @@ class OpenEntry:
         """The reader's pass over the tensors of an entry from :func:`open_file` (worker thread).
 
         Reads every tensor through one reused buffer (with ``verify`` each
-        tensor's xxh3_64 checked), publishing progress after each; the bytes
+        tensor's xxh3_64 checked, unless the entry was opened with
+        ``check_in_pass=False``), publishing progress after each; the bytes
         read. Raises :class:`CacheFileCorrupt` on a bad hash or truncation,
         the port's ``OSError``, or :class:`PassFailed` when the entry was
         closed meanwhile; every end wakes a waiting landing. Once only.
@@ -1516,7 +1519,9 @@ class OpenEntry:
             fd = self._fd
         failure = "the reader's pass stopped"
         try:
-            nbytes = _scan(self.port, fd, self.header, verify=self.verify, passed=self._advance)
+            nbytes = _scan(
+                self.port, fd, self.header, verify=self._check_in_pass, passed=self._advance
+            )
             failure = ""
             return nbytes
         except _PassCancelled:
@@ -1635,7 +1640,14 @@ def open_entry(
     return OpenEntry(port, fd, path, header, verify=verify)
 
 
-def open_file(port: FilePort, path: str, header: KvFileHeader, *, verify: bool = True) -> OpenEntry:
+def open_file(
+    port: FilePort,
+    path: str,
+    header: KvFileHeader,
+    *,
+    verify: bool = True,
+    check_in_pass: bool = True,
+) -> OpenEntry:
     """Open a validated file for a restore whose pass runs next (worker thread).
 
     Like :func:`open_entry` without the pass: the file must still be the
@@ -1643,9 +1655,20 @@ def open_file(port: FilePort, path: str, header: KvFileHeader, *, verify: bool =
     runs :meth:`OpenEntry.pass_over` on a worker (or :meth:`OpenEntry.abandon`
     if it never will) and may hand the entry to a landing meanwhile: the
     landing goes right behind the pass.
+
+    ``check_in_pass=False`` (with ``verify``): the pass only reads (it
+    brings the file into the page cache ahead of the landing) and the
+    hashes are checked once, by :func:`land_entry`, in the memory the
+    arrays will own. NOTE: the restore's choice: checking in both passes
+    hashed every byte twice, and on a host where the landing keeps up with
+    the pass that second hash set the pace of a restore from the page
+    cache; a bad file then fails its landing instead of its pass, and is
+    reported and removed the same way.
     """
     fd = _open_same(port, path, header)
-    return OpenEntry(port, fd, path, header, verify=verify, passed=False)
+    return OpenEntry(
+        port, fd, path, header, verify=verify, passed=False, check_in_pass=check_in_pass
+    )
 
 
 # --- restore (engine thread) -------------------------------------------------------

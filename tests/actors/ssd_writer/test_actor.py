@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import mlx.core as mx
 import pytest
 
@@ -20,6 +19,7 @@ from actors.runtime import ActorSystem
 from actors.spill_queue import spawn_spill_queue
 from actors.ssd_writer import EngineTensorSource, namespace_dir, spawn_ssd_writer
 from kernels import CacheRegistry, EngineThread, cache_arrays
+from kernels.cache import CacheFileCorrupt
 from messages import (
     DrainSpills,
     Enqueue,
@@ -299,7 +299,7 @@ async def test_scan_reaps_orphans_removes_corrupt_and_ignores_foreign_dirs(
 async def test_a_flipped_bit_is_a_miss_the_file_is_removed_and_counted(
     tmp_path: Path, engine: EngineThread, model: Any
 ) -> None:
-    """A corrupted tensor fails the reader's pass (after the answer): unstaged, unlinked, counted."""
+    """A corrupted tensor fails its landing (the pass only reads): no caches, unlinked, counted."""
     registry = CacheRegistry()
     reg = await register(engine, registry, model, (1, 2, 3, 4))
     source = EngineTensorSource(ThreadTurns(engine), registry, IDENTITY)
@@ -316,17 +316,16 @@ async def test_a_flipped_bit_is_a_miss_the_file_is_removed_and_counted(
         # NOTE: the answer comes once the file is open, before the pass.
         assert restored.ok
         assert restored.staging_id is not None
-        for _ in range(int(ASK / 0.01)):
-            if tier.stats().corrupt_removed:
-                break
-            await anyio.sleep(0.01)
-        assert tier.staging.take(restored.staging_id) is None
+        staged = tier.staging.take(restored.staging_id)
+        assert staged is not None
+        with pytest.raises(CacheFileCorrupt, match="hash mismatch"):
+            await engine.run(tier.staging.land, staged)
         after = await system.ask(
             "ssd_writer", Find(tokens=(1, 2, 3, 4, 5)), timeout=ASK, expect=FindResult
         )
         assert after.choice == "miss"
         stats = tier.stats()
-        assert (stats.corrupt_removed, stats.entries, stats.restore_failures) == (1, 0, 1)
+        assert (stats.corrupt_removed, stats.entries) == (1, 0)
     assert not exists(res.path)
     assert len(tier.staging) == 0
     registry.dispose(reg.handle)

@@ -17,6 +17,7 @@ from kernels.cache._file_port import FilePort, OsFilePort
 from kernels.cache._kv_file import open_entry, read_header
 from messages import Envelope, Find, FindResult
 from messages.gateway import Generate
+from messages.ssd_writer import FilesRemoved
 from tests.crash.ports import ForwardingPort
 from tests.kernels.cache.test_kv_file import _filled_kv, raw, write_entry
 
@@ -187,9 +188,10 @@ def _find(state: core.IndexState) -> FindResult:
     return effect.body
 
 
-def test_a_corrupt_landing_takes_the_file_out_of_the_index_as_a_leftover() -> None:
-    """The index drops a file whose landing failed its check (never offered again) and keeps
-    counting its bytes until a write removes it; a good landing only feeds the estimator."""
+def test_a_corrupt_landing_removes_the_file_and_counts_it() -> None:
+    """The index drops a file whose landing failed its check (never offered again), counts it
+    removed and has it unlinked, its bytes counted until that is done; a good landing only
+    feeds the estimator."""
     state = _index("/cache/fp0/x/a.kvt")
     path = next(iter(state.entries))
     assert _find(state).path == path
@@ -198,10 +200,27 @@ def test_a_corrupt_landing_takes_the_file_out_of_the_index_as_a_leftover() -> No
     )
     assert state.estimator.land.samples == 1
     effects = core.landing_report(state, path=path, nbytes=500, seconds=0.0, ok=False, corrupt=True)
-    assert [type(e) for e in effects] == [core.Log]
+    assert [type(e) for e in effects] == [core.Log, core.RemoveFiles]
+    remove = effects[1]
+    assert isinstance(remove, core.RemoveFiles)
+    assert (remove.paths, remove.reason) == ((path,), "corrupt")
     assert path not in state.entries
     assert state.leftovers == {path: 1000}
-    assert state.restore_failures == 1
+    assert (state.restore_failures, state.corrupt_removed) == (1, 1)
+    assert _find(state) == FindResult()
+    core.files_removed(state, FilesRemoved(removed=(path,), failed=()))
+    assert state.leftovers == {}
+
+
+def test_a_read_only_tier_only_stops_offering_a_corrupt_landing() -> None:
+    """A tier that does not own its directory removes nothing after a corrupt landing."""
+    state = _index("/cache/fp0/x/a.kvt")
+    state.read_only = True
+    path = next(iter(state.entries))
+    effects = core.landing_report(state, path=path, nbytes=500, seconds=0.0, ok=False, corrupt=True)
+    assert [type(e) for e in effects] == [core.Log]
+    assert path not in state.entries
+    assert (state.leftovers, state.corrupt_removed) == ({}, 0)
     assert _find(state) == FindResult()
 
 
