@@ -375,28 +375,36 @@ def restore_new(
     verify: bool,
     overlap: bool = True,
     streams: Sequence[Any] | None = None,
+    check_in_pass: bool = False,
 ) -> tuple[float, dict[str, float]]:
     """The product's path to usable MLX caches; seconds, breakdown.
 
     ``overlap`` (the product as a request sees it): the reader opens the
     file (``open_file``), its pass (``OpenEntry.pass_over``) starts on a
     worker thread, and the turn is granted at once: ``land_entry`` on this
-    thread goes right behind the pass. Without: the whole pass first
-    (``open_entry``), then the landing (the sequential figure, and what a
-    late turn costs). ``streams``: the landing's fill streams (default the
-    product's, ``kernels.cache.default_fill_streams``).
+    thread goes right behind the pass. Without: the whole pass first,
+    then the landing (the sequential figure, and what a late turn
+    costs). ``streams``: the landing's fill streams (default the product's,
+    ``kernels.cache.default_fill_streams``). ``check_in_pass``: the pass
+    checks the hashes too (what-if: the product before 2026-12-01, which
+    hashed every byte in both passes); the product's pass only reads.
     """
     import mlx.core as mx
     from _restore import land_behind_pass
 
-    from kernels.cache import land_entry, open_entry, open_file, read_header
+    from kernels.cache import land_entry, open_file, read_header
 
     fresh_memory()
     port.reset()
     t0 = time.perf_counter()
     header = read_header(port, str(path))
     if not overlap:
-        entry = open_entry(port, str(path), header, verify=verify)
+        entry = open_file(port, str(path), header, verify=verify, check_in_pass=check_in_pass)
+        try:
+            entry.pass_over()
+        except BaseException:
+            entry.close()
+            raise
         t1 = time.perf_counter()
         try:
             caches = land_entry(entry, pool=pool, streams=streams)
@@ -412,7 +420,7 @@ def restore_new(
         del caches
         mx.clear_cache()
         return total, parts
-    entry = open_file(port, str(path), header, verify=verify)
+    entry = open_file(port, str(path), header, verify=verify, check_in_pass=check_in_pass)
     t1 = time.perf_counter()
     caches, pass_end = land_behind_pass(entry, pool, streams)
     total = time.perf_counter() - t0
@@ -710,6 +718,16 @@ def main() -> int:
             "restore_warm_verify_on",
             None,
         ),
+        "pass checks too / restore (cold, verify on)": (
+            "restore_cold_pass_checks",
+            "restore_cold_verify_on",
+            None,
+        ),
+        "pass checks too / restore (warm, verify on)": (
+            "restore_warm_pass_checks",
+            "restore_warm_verify_on",
+            None,
+        ),
         "two fill streams / dd_read (cold)": ("restore_cold_two_streams", "dd_read_cold", None),
         "two fill streams / dd_read (warm)": ("restore_warm_two_streams", "dd_read_warm", None),
         "diag: MLX alloc floor, two streams / one": (
@@ -789,18 +807,26 @@ def restore_round(
 ) -> None:
     """One ``--restore-only`` round: the restores (the product, the two-stream what-if; the order
     flips every round), dd, cold then warm; then the floors."""
-    contenders: list[tuple[str, Sequence[Any] | None]] = [("verify_on", None), ("two_streams", two)]
+    contenders: list[tuple[str, Sequence[Any] | None, bool]] = [
+        ("verify_on", None, False),
+        ("two_streams", two, False),
+        ("pass_checks", None, True),
+    ]
     if r % 2:
         contenders.reverse()
-    for suffix, streams in contenders:
+    for suffix, streams, checks in contenders:
         drop_cache(final)
-        secs, parts = restore_new(port, final, pool, verify=True, streams=streams)
+        secs, parts = restore_new(
+            port, final, pool, verify=True, streams=streams, check_in_pass=checks
+        )
         figures.add("restore_cold_" + suffix, secs, parts)
     drop_cache(final)
     figures.add("dd_read_cold", dd(f"if={final}", "of=/dev/null", f"bs={dd_read_bs}"))
     dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
-    for suffix, streams in contenders:
-        secs, parts = restore_new(port, final, pool, verify=True, streams=streams)
+    for suffix, streams, checks in contenders:
+        secs, parts = restore_new(
+            port, final, pool, verify=True, streams=streams, check_in_pass=checks
+        )
         figures.add("restore_warm_" + suffix, secs, parts)
     figures.add("dd_read_warm", dd(f"if={final}", "of=/dev/null", f"bs={dd_read_bs}"))
     floors: list[tuple[str, Callable[[], float]]] = [
