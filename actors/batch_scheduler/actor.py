@@ -60,7 +60,7 @@ from messages.gateway import AdmissionReply, BeginShutdown, CancelGeneration, Ge
 from messages.ssd_writer import ObservePrefill
 
 from . import core
-from .chain import Chain, run_chain
+from .chain import Chain, LoopWaker, run_chain
 from .engine import BatchEngine
 
 __all__ = ["BatchScheduler"]
@@ -119,6 +119,7 @@ class BatchScheduler(Actor):
         self._requests: dict[str, Envelope] = {}  # forwarded Generate envelopes, until answered
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id
         self._chain: Chain | None = None
+        self._waker: LoopWaker | None = None
 
     def snapshot(self) -> dict[str, int | bool | dict[str, int]]:
         """JSON-ready statistics of the batch lane (``blas``: the decode steps' BLAS thread choice)."""
@@ -134,6 +135,8 @@ class BatchScheduler(Actor):
             self._alarm = LoopAlarm(ctx.clock)
         if self._gather_alarm is None:
             self._gather_alarm = LoopAlarm(ctx.clock)
+        if self._waker is None:
+            self._waker = LoopWaker()
 
     async def stopped(self, ctx: Context) -> None:
         """Give back every lease rows still hold (an SSD hit's host bytes with it), end held streams.
@@ -142,6 +145,9 @@ class BatchScheduler(Actor):
         running when this one stops (reverse spawn order).
         """
         await self._feed(core.Stopping(ctx.clock.now()), ctx)
+        if self._waker is not None:
+            self._waker.close()
+            self._waker = None
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Translate one message into a core event and perform the effects."""
@@ -224,7 +230,13 @@ class BatchScheduler(Actor):
             # effects go back to the core unsent, so they stay in order.
             refused: set[str] = set()
             for effect in effects:
-                follow_up = await self._perform(effect, ctx, refused)
+                # NOTE: a token (nearly every effect while rows decode: one per
+                # row per step) is sent here, without a coroutine of its own;
+                # every other effect goes through _perform.
+                if type(effect) is core.EmitToken:
+                    follow_up = self._emit(effect, ctx, refused)
+                else:
+                    follow_up = await self._perform(effect, ctx, refused)
                 if follow_up is not None:
                     todo.append(follow_up)
 
@@ -293,16 +305,17 @@ class BatchScheduler(Actor):
     @staticmethod
     def _emit(effect: core.EmitToken, ctx: Context, refused: set[str]) -> core.Event | None:
         """Send one token without waiting; a full (or already refusing) stream hands it back."""
-        rid, now = effect.event.request_id, ctx.clock.now()
-        if effect.stream_to not in refused:
+        stream_to = effect.stream_to
+        if stream_to not in refused:
             try:
-                ref = ctx.ref(effect.stream_to)
-                if ref.try_tell(effect.event, correlation_id=effect.correlation_id):
+                if ctx.ref(stream_to).try_tell(effect.event, correlation_id=effect.correlation_id):
                     return None
             except (MailboxClosed, UnknownAddress):
-                return core.StreamGone(rid, now)
-            refused.add(effect.stream_to)
-        return core.StreamFull(rid, effect.stream_to, effect.correlation_id, effect.event, now)
+                return core.StreamGone(effect.event.request_id, ctx.clock.now())
+            refused.add(stream_to)
+        return core.StreamFull(
+            effect.event.request_id, stream_to, effect.correlation_id, effect.event, ctx.clock.now()
+        )
 
     @staticmethod
     def _deliver(effect: core.Deliver, ctx: Context) -> core.Event:
@@ -398,7 +411,13 @@ class BatchScheduler(Actor):
             except MailboxClosed:
                 return True  # NOTE: the scheduler is stopping: nobody is left to wake.
 
-        chain = Chain(effect.turn, asyncio.get_running_loop(), post, budget=effect.max_steps)
+        chain = Chain(
+            effect.turn,
+            asyncio.get_running_loop(),
+            post,
+            budget=effect.max_steps,
+            waker=self._waker,
+        )
         try:
             future = self._executor.submit(
                 run_chain, chain, engine.step, engine.idle, joins, cancels, self._after_step

@@ -14,13 +14,15 @@ serial lane's too: :class:`actors.runtime.EngineJob`.
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from actors.runtime import AHEAD, EngineJob
 
 from .core import JoinRow, StepOut
 
-__all__ = ["AHEAD", "HEAP_CHECK_EVERY", "Chain", "run_chain"]
+__all__ = ["AHEAD", "HEAP_CHECK_EVERY", "Chain", "LoopWaker", "run_chain"]
 
 HEAP_CHECK_EVERY = 8
 """Plain decode steps of a chain between two runs of its ``after_step`` hook.
@@ -37,10 +39,68 @@ one; the job's end runs it anyway (``api._SamplingExecutor``).
 """
 
 
-class Chain(EngineJob[StepOut]):
-    """One batch turn's engine job and what it has produced so far (``ident`` is the turn)."""
+class LoopWaker:
+    """A thread that wakes the event loop for the engine thread, so the engine thread keeps the GIL.
 
-    __slots__ = ()
+    Why: waking the loop is a write to its self-pipe, and any system call
+    lets go of the GIL. Made by the engine thread right after a step, it
+    hands the GIL to the loop, which wakes up for that step's tokens just
+    then, and the engine thread waits for the loop's burst (the scheduler,
+    every row's token, the consumers) before it can build the next step:
+    measured 0.3-0.6 ms a step on the CPU proxy (docs/batching.md, "Per-step
+    cost of the actor path"). :meth:`wake` only sets a flag (no system call,
+    the GIL kept); this thread then needs the GIL to write to the pipe, and
+    gets it when the engine thread next lets go of it, which is when the
+    step waits for the device (or after the interpreter's switch interval).
+    So the loop's burst runs while the device computes, not in between.
+    """
+
+    def __init__(self) -> None:
+        self._calls: deque[tuple[asyncio.AbstractEventLoop, Callable[[], object]]] = deque()
+        self._flag = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-loop-waker", daemon=True)
+        self._thread.start()
+
+    def wake(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+        """Any thread: have ``fn`` called on ``loop`` soon (dropped once ``loop`` is closed)."""
+        self._calls.append((loop, fn))
+        self._flag.set()
+
+    def close(self) -> None:
+        """Let the thread end once it has forwarded every call made before (any thread, never waits).
+
+        NOTE: no join: the thread needs the GIL to finish, and the loop must
+        not wait for the engine thread to let go of it.
+        """
+        self._closed = True
+        self._flag.set()
+
+    def _run(self) -> None:
+        calls, flag = self._calls, self._flag
+        while True:
+            flag.wait()
+            flag.clear()
+            # NOTE: cleared before draining: a wake appended from now on sets it again.
+            while calls:
+                loop, fn = calls.popleft()
+                try:
+                    loop.call_soon_threadsafe(fn)
+                except RuntimeError:
+                    pass  # NOTE: the loop is closed; nobody waits any more.
+            if self._closed:
+                return
+
+
+class Chain(EngineJob[StepOut]):
+    """One batch turn's engine job and what it has produced so far (``ident`` is the turn).
+
+    ``waker``: how the engine thread wakes the loop after a step
+    (:class:`LoopWaker`; ``None``: ``call_soon_threadsafe`` from the engine
+    thread itself).
+    """
+
+    __slots__ = ("waker",)
 
     def __init__(
         self,
@@ -49,13 +109,26 @@ class Chain(EngineJob[StepOut]):
         post: Callable[[], bool],
         *,
         budget: int = 1,
+        waker: LoopWaker | None = None,
     ) -> None:
         super().__init__(turn, loop, post, budget=max(1, budget), wake_lost="batch.wake_lost")
+        self.waker = waker
 
     @property
     def turn(self) -> int:
         """The batch turn this chain runs."""
         return self.ident
+
+    def notify(self) -> None:
+        """Engine thread: ask the loop to wake the owner, unless a wake is already on its way."""
+        waker = self.waker
+        if waker is None:
+            super().notify()
+            return
+        if self.wake_pending:
+            return
+        self.wake_pending = True
+        waker.wake(self.loop, self._post)
 
 
 def run_chain(
