@@ -271,7 +271,7 @@ class GenerationStream(_StartClose):
         self,
         engine: Engine,
         request_id: str,
-        prepare: Callable[[], list[int]],
+        prepare: Callable[[], list[int]] | list[int],
         params: GenerationParams,
         *,
         chat: bool,
@@ -279,6 +279,8 @@ class GenerationStream(_StartClose):
     ) -> None:
         self._engine = engine
         self.request_id = request_id
+        # NOTE: a list is a prompt already in token ids: nothing to render,
+        # so no trip through a worker thread at admission.
         self._prepare = prepare
         self._params = params
         self._chat = chat
@@ -298,7 +300,11 @@ class GenerationStream(_StartClose):
         engine = self._engine
         engine._check_open()
         try:
-            tokens = await anyio.to_thread.run_sync(self._prepare)
+            prepare = self._prepare
+            if isinstance(prepare, list):
+                tokens = prepare
+            else:
+                tokens = await anyio.to_thread.run_sync(prepare)
         except KvtierError:
             self._finished = True
             raise
@@ -1157,20 +1163,18 @@ class Engine(_StartClose):
 
         ``fit_context`` as in :meth:`chat`.
         """
+        prepare: Callable[[], list[int]] | list[int]
         if isinstance(prompt, str):
             text = prompt
 
-            def prepare() -> list[int]:
+            def render() -> list[int]:
                 from kernels import encode_prompt
 
                 return encode_prompt(self._tokenizer, text)
 
+            prepare = render
         else:
-            ids = [int(t) for t in prompt]
-
-            def prepare() -> list[int]:
-                return ids
-
+            prepare = [int(t) for t in prompt]
         return GenerationStream(
             self,
             request_id or self._new_id(),
