@@ -612,7 +612,9 @@ class Reader(Actor):
             await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="stopped"))
             return
         try:
-            touched = await tier.run(io.pass_entry, tier.port, file, touch=not tier.state.read_only)
+            read, touched = await tier.run(
+                io.pass_entry, tier.port, file, touch=not tier.state.read_only
+            )
         except (CacheFileCorrupt, CacheFileIncompatible) as exc:
             tier.staging.discard(staging_id)
             await self._bad_file(None, ctx, body, exc)
@@ -627,8 +629,11 @@ class Reader(Actor):
             await self._io_error(None, ctx, body, exc)
             return
         seconds = max(0.0, ctx.clock.now() - started)
+        # NOTE: only a pass that read the file teaches the estimator a read
+        # speed (``bytes=0`` is ignored there): one that found the file in
+        # the page cache read nothing, and its time says nothing of the disk.
         report = RestoreReport(
-            path=body.path, ok=True, bytes=file.nbytes, seconds=seconds, touched=touched
+            path=body.path, ok=True, bytes=read, seconds=seconds, touched=touched
         )
         await ctx.tell(tier.name, report)
 

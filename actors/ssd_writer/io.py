@@ -314,20 +314,22 @@ def open_for_restore(
     return open_file(port, path, header, verify=verify, check_in_pass=False)
 
 
-def pass_entry(port: FilePort, file: OpenEntry, *, touch: bool) -> bool:
-    """Run ``file``'s pass (every tensor read; hashes as the entry was opened), then touch it for LRU.
+def pass_entry(port: FilePort, file: OpenEntry, *, touch: bool) -> tuple[int, bool]:
+    """Run ``file``'s pass (hashes as the entry was opened), then touch it for LRU.
 
-    Whether the mtime was set to now. Raises what the pass raises (the
-    holder keeps the file and closes it).
+    The bytes the pass read (0 when the file was all in the page cache and
+    the pass had nothing to check: it then ends at once) and whether the
+    mtime was set to now. Raises what the pass raises (the holder keeps the
+    file and closes it).
     """
-    file.pass_over()
+    nbytes = file.pass_over()
     if not touch:
-        return False
+        return nbytes, False
     try:
         port.utime(file.path)
     except OSError:
-        return False  # NOTE: the LRU touch is best effort; the read stands.
-    return True
+        return nbytes, False  # NOTE: the LRU touch is best effort; the read stands.
+    return nbytes, True
 
 
 def verify_entry(

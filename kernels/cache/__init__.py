@@ -35,6 +35,7 @@ from ._file_port import (
     FileStat,
     LockUnavailable,
     OsFilePort,
+    PageCacheProbe,
     ShortRead,
     full_fsync,
 )
@@ -127,6 +128,7 @@ __all__ = [
     "LockUnavailable",
     "OpenEntry",
     "OsFilePort",
+    "PageCacheProbe",
     "PassFailed",
     "RegisteredCache",
     "RegistryStats",

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import stat as stat_mod
 import sys
@@ -25,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 __all__ = [
     "MAX_IOV",
@@ -35,6 +38,7 @@ __all__ = [
     "FileStat",
     "LockUnavailable",
     "OsFilePort",
+    "PageCacheProbe",
     "ShortRead",
     "WritableBuffer",
     "WritebackFn",
@@ -110,6 +114,78 @@ def _libc_sync_file_range() -> WritebackFn | None:
 _DEFAULT_WRITEBACK = _libc_sync_file_range()
 
 
+class _Residency:
+    """``mmap`` + ``mincore`` + ``munmap`` from the C library: which pages of a file are cached.
+
+    NOTE: through ctypes rather than the ``mmap`` module, which lends no
+    address of a read-only mapping; the mapping is never read (only its
+    page table is asked) and is unmapped before the call returns.
+    """
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._mmap = libc.mmap
+        self._mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        ]
+        self._mmap.restype = ctypes.c_void_p
+        self._munmap = libc.munmap
+        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._munmap.restype = ctypes.c_int
+        self._mincore = libc.mincore
+        self._mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self._mincore.restype = ctypes.c_int
+        self._page = mmap.PAGESIZE
+
+    def all_cached(self, fd: int, size: int, ranges: Sequence[tuple[int, int]]) -> bool:
+        spans = [(o, n) for o, n in ranges if n > 0]
+        if not spans:
+            return True
+        if size <= 0 or any(o < 0 or o + n > size for o, n in spans):
+            return False
+        addr = self._mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return False
+        try:
+            page = self._page
+            # NOTE: range by range, stopping at the first page out of the
+            # cache: a file read from the disk is answered after its first
+            # range, not after a walk over all of it. Only the ranges asked
+            # count: a file's alignment padding is never read, so its pages
+            # may never be cached.
+            for offset, nbytes in spans:
+                first = offset // page * page
+                length = offset + nbytes - first
+                pages = (length + page - 1) // page
+                vec = (ctypes.c_ubyte * pages)()
+                if self._mincore(addr + first, length, vec) != 0:
+                    return False
+                # NOTE: bit 0 of each byte: the page is resident.
+                if not bool(np.all(np.frombuffer(memoryview(vec), dtype=np.uint8) & 1)):
+                    return False
+            return True
+        finally:
+            self._munmap(addr, size)
+
+
+def _libc_residency() -> _Residency | None:
+    """The residency probe where the C library has ``mmap``/``mincore`` (``None`` elsewhere)."""
+    if not (sys.platform.startswith("linux") or sys.platform == "darwin"):
+        return None
+    try:
+        return _Residency()
+    except (OSError, AttributeError):
+        return None
+
+
+_RESIDENCY = _libc_residency()
+
+
 class ShortRead(OSError):
     """A positional read hit end of file before the requested range was filled.
 
@@ -172,6 +248,20 @@ class FileLock(Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+@runtime_checkable
+class PageCacheProbe(Protocol):
+    """A port that can tell whether a file's bytes are all in the page cache (optional)."""
+
+    def all_cached(self, fd: int, size: int, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Whether every page of the byte ``ranges`` (offset, length) of ``fd`` is cached now.
+
+        ``size``: the file's size (every range lies inside it). ``False``
+        whenever it cannot tell. A hint only: pages can be evicted right
+        after the answer (a read then simply waits for the disk).
+        """
+        ...
 
 
 @runtime_checkable
@@ -485,6 +575,10 @@ class OsFilePort:
                 views.pop(0)
             if n:
                 views[0] = views[0][n:]
+
+    def all_cached(self, fd: int, size: int, ranges: Sequence[tuple[int, int]]) -> bool:
+        """See :meth:`PageCacheProbe.all_cached` (``mincore``; ``False`` where it is missing)."""
+        return _RESIDENCY is not None and _RESIDENCY.all_cached(fd, size, ranges)
 
     def pread_exact(self, fd: int, size: int, offset: int) -> bytes:
         """See :meth:`FilePort.pread_exact`."""

@@ -108,7 +108,6 @@ async def test_store_restart_scan_find_restore_materialize_round_trip(
         caches = await engine.run(tier.staging.land, staged)
         stats = await system.ask("ssd_writer", SsdStatsRequest(), timeout=ASK, expect=SsdStats)
         assert (stats.entries, stats.restores) == (1, 1)
-        assert stats.disk_read_gbps is not None
 
     def compare() -> bool:
         got = cache_arrays(caches)
