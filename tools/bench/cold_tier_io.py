@@ -112,6 +112,17 @@ class TimedPort:
         """Forget the sums."""
         self.spent = {}
 
+    def all_cached(self, fd: int, size: int, ranges: Sequence[tuple[int, int]]) -> bool:
+        """The inner port's page-cache probe, timed.
+
+        NOTE: named here, not only reached through ``__getattr__``: from
+        Python 3.12 ``isinstance`` against a runtime-checkable protocol
+        looks attributes up statically, so a port that only forwards
+        dynamically would not count as a ``PageCacheProbe`` there.
+        """
+        timed: Callable[..., bool] = self.__getattr__("all_cached")
+        return timed(fd, size, ranges)
+
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._inner, name)
 
