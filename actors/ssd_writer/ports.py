@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -25,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from actors.runtime import AskTimeout, get_logger
 from kernels.cache import (
+    LANDING_THREADS_ENV,
     CacheFileCorrupt,
     EntryPlan,
     KvFileHeader,
@@ -32,8 +34,10 @@ from kernels.cache import (
     OpenEntry,
     PassFailed,
     land_entry,
+    landing_thread_count,
     plan_entry,
     tensor_bytes,
+    usable_cpus,
 )
 
 __all__ = [
@@ -283,18 +287,26 @@ class HostStaging:
     landing's checks; the index drains them (:meth:`drain_observations`)
     into the estimator and its counters. :meth:`close` (on a worker thread,
     at shutdown) closes every waiting file and stops the landing threads.
+    ``landing_threads`` (default: ``kernels.cache.landing_thread_count`` of
+    the usable CPUs, ``KVTIER_LANDING_THREADS`` overriding) read and hash
+    the landings.
     """
 
     def __init__(
         self,
         *,
         max_entries: int = 4,
-        landing_threads: int = 2,
+        landing_threads: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         max_observations: int = 64,
     ) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
+        if landing_threads is None:
+            # NOTE: read at construction, so a test or an operator can set it.
+            landing_threads = landing_thread_count(
+                usable_cpus(), os.environ.get(LANDING_THREADS_ENV)
+            )
         if landing_threads < 1:
             raise ValueError("landing_threads must be >= 1")
         self._max = max_entries
@@ -427,6 +439,11 @@ class HostStaging:
             _close(e)
         if pool is not None:
             pool.close()
+
+    @property
+    def landing_threads(self) -> int:
+        """The landing threads this staging reads and hashes with (started on first use)."""
+        return self._threads
 
     @property
     def nbytes(self) -> int:

@@ -1974,46 +1974,70 @@ def _fill_behind(
     _fill(port, fd, index, rec, rows, verify)
 
 
-FILL_STREAMS_MIN_CPUS: Final = 4
-"""A landing fills on more than one CPU stream when the process may use at least this many CPUs."""
-
-FILL_STREAMS_MAX: Final = 4
+FILL_STREAMS_MAX: Final = 8
 """The most fill streams the product chooses by itself."""
 
 FILL_STREAMS_ENV: Final = "KVTIER_LANDING_FILL_STREAMS"
 """Environment override of the fill-stream count (an integer from 1 to 8)."""
 
+LANDING_THREADS_ENV: Final = "KVTIER_LANDING_THREADS"
+"""Environment override of the landing-thread count (an integer from 1 to 16)."""
+
+
+def _override(value: str | None, most: int) -> int | None:
+    if value is not None and value.strip().isdigit() and 1 <= int(value) <= most:
+        return int(value)
+    return None
+
 
 def fill_stream_count(cpus: int, override: str | None = None) -> int:
     """How many CPU streams a landing allocates (zero-fills) its arrays on.
 
-    One below :data:`FILL_STREAMS_MIN_CPUS` usable CPUs, else one more per
-    4 CPUs, at most :data:`FILL_STREAMS_MAX`. NOTE: measured with
-    ``tools/bench/cold_tier_io.py --restore-only`` and a probe of 1-4
-    streams: on the 16-core H200 host the fill of fresh memory bounds a
-    warm restore of 1 GiB, and 1 / 2 / 3 / 4 streams restored it at 2.2 /
-    3.8 / 4.3 / 4.8 GB/s (the fill alone 2.2 / 3.7 / 5.1 / 6.9), while the
-    cold restore stayed disk-bound (1.8-2.0); on the 2-core VM a second
-    stream changed neither (0.92-1.12x), because its thread takes the core
-    the reader's pass and the landing threads need. ``override`` (the
-    :data:`FILL_STREAMS_ENV` value) wins when it is an integer from 1 to 8;
-    any other value is ignored.
+    One per 2 usable CPUs, at least 2 and at most :data:`FILL_STREAMS_MAX`;
+    1 on a single CPU. NOTE: measured with ``tools/bench/cold_tier_io.py
+    --restore-only`` and probes of 1-8 streams (2026-12-01): on the 16-core
+    H200 host the fill of fresh memory bounds a restore from the page cache;
+    the fill alone ran 2.2 / 3.7 / 5.1 / 6.6 / 7.6 GB/s on 1 / 2 / 4 / 6 /
+    8 streams, and 8 streams with 4 landing threads restored 1 GiB at 6.8
+    GB/s, 0.98 of ``dd`` (4 streams: 4.9), while a restore from the disk
+    stayed at the disk's speed. On the 2-core VM two streams restored
+    1.06-1.26x (cold) and 1.19-1.34x (warm) faster than one over three
+    runs, once the reader's pass stopped hashing (before, 0.92-1.12x).
+    ``override`` (the :data:`FILL_STREAMS_ENV` value) wins when it is an
+    integer from 1 to 8; any other value is ignored.
     """
-    if override is not None and override.strip().isdigit() and 1 <= int(override) <= 8:
-        return int(override)
-    if cpus < FILL_STREAMS_MIN_CPUS:
+    chosen = _override(override, 8)
+    if chosen is not None:
+        return chosen
+    if cpus < 2:
         return 1
-    return min(FILL_STREAMS_MAX, 1 + cpus // 4)
+    return min(FILL_STREAMS_MAX, max(2, cpus // 2))
 
 
-_FILL_STREAMS = threading.local()
+def landing_thread_count(cpus: int, override: str | None = None) -> int:
+    """How many landing threads (reads and hashes of a landing) a restore uses.
+
+    2, or 4 from 8 usable CPUs. NOTE: on the 16-core H200 host, with 8 fill
+    streams, 2 / 4 / 6 landing threads restored 1 GiB from the page cache
+    at 5.5 / 6.8 / 6.7 GB/s; with 4 fill streams the count did not matter
+    (4.8-4.9). ``override`` (the :data:`LANDING_THREADS_ENV` value) wins
+    when it is an integer from 1 to 16.
+    """
+    chosen = _override(override, 16)
+    if chosen is not None:
+        return chosen
+    return 4 if cpus >= 8 else 2
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform tells it)."""
     affinity = getattr(os, "sched_getaffinity", None)
     if affinity is not None:
         return len(affinity(0))
     return os.cpu_count() or 1
+
+
+_FILL_STREAMS = threading.local()
 
 
 def default_fill_streams() -> list[Any]:
@@ -2025,7 +2049,7 @@ def default_fill_streams() -> list[Any]:
     """
     streams: list[Any] | None = getattr(_FILL_STREAMS, "streams", None)
     if streams is None:
-        count = fill_stream_count(_usable_cpus(), os.environ.get(FILL_STREAMS_ENV))
+        count = fill_stream_count(usable_cpus(), os.environ.get(FILL_STREAMS_ENV))
         streams = [mx.cpu, *(mx.new_stream(mx.cpu) for _ in range(count - 1))]
         _FILL_STREAMS.streams = streams
     return streams

@@ -14,14 +14,16 @@ of tensor bytes), goes through what the SSD writer and reader run:
 
   * restore (the product as a request sees it): ``read_header`` +
     ``open_file``, then the reader's pass (``OpenEntry.pass_over``: every
-    tensor read through one reused buffer, its xxh3 checked, page cache
-    warmed) started on a worker thread and the turn granted at once:
-    ``land_entry`` (each destination allocated at its final size in MLX
-    memory, the file's bytes read straight into it on two landing threads
-    right behind the pass and hashed again there);
-  * sequential (the same code, a late turn): the whole pass first
-    (``open_entry``), then the landing (what the product did before the
-    overlap);
+    tensor read through one reused buffer, page cache warmed; none when the
+    page cache already holds every tensor) started on a worker thread and
+    the turn granted at once: ``land_entry`` (each destination allocated at
+    its final size in MLX memory on the product's fill streams, the file's
+    bytes read straight into it on the product's landing threads right
+    behind the pass and hashed there);
+  * sequential (the same code, a late turn): the whole pass first, then
+    the landing (what the product did before the overlap);
+  * what-ifs: the pass checking the hashes too (the product before
+    2026-12-01), and the landing on one fill stream;
   * what-if, verify off only: no pass, ``posix_fadvise(WILLNEED)`` on the
     open file, then the landing at once;
   * old path (before #8, kept for comparison): ``read_header`` +
@@ -36,12 +38,10 @@ of tensor bytes), goes through what the SSD writer and reader run:
   allocator kept);
 - the fresh-memory floors: a fresh ``bytearray`` per tensor (what the old
   reader allocated) and ``mx.zeros`` + ``mx.eval`` of every destination
-  (what a landing allocates), on one CPU stream (the product) and, a
-  what-if, on two (each stream zero-fills, so page-faults, its arrays on
-  its own thread): no restore into new memory beats its floor;
-- the landing-memory variants: the restore with its arrays allocated on two
-  CPU streams (what-if, ``land_entry(streams=...)``), and 1 GiB of fresh
-  anonymous ``mmap`` memory
+  (what a landing allocates), on one CPU stream and on two (each stream
+  zero-fills, so page-faults, its arrays on its own thread): no restore
+  into new memory beats its floor;
+- the landing-memory variants: 1 GiB of fresh anonymous ``mmap`` memory
   written in 4 MiB copies plain, after ``madvise(MADV_HUGEPAGE)``, and
   after ``MADV_HUGEPAGE`` + ``MADV_POPULATE_WRITE`` (memory a landing could
   advise only if it allocated it itself: MLX zero-fills its arrays as it
@@ -426,7 +426,7 @@ def restore_new(
             "reader pass (header, read, hash)": t1 - t0,
             "of which pread": port.spent.get("pread_into", 0.0),
             "landing (alloc, read, hash)": total - (t1 - t0),
-            "preadv, summed over the 2 landing threads": port.spent.get("preadv_into", 0.0),
+            "preadv, summed over the landing threads": port.spent.get("preadv_into", 0.0),
         }
         del caches
         mx.clear_cache()
@@ -440,7 +440,7 @@ def restore_new(
         "reader pass ends": pass_end - t0,
         "of which pread": port.spent.get("pread_into", 0.0),
         "landing tail after the pass": total - (pass_end - t0),
-        "preadv, summed over the 2 landing threads": port.spent.get("preadv_into", 0.0),
+        "preadv, summed over the landing threads": port.spent.get("preadv_into", 0.0),
     }
     del caches
     mx.clear_cache()
@@ -545,11 +545,19 @@ def main() -> int:
     for knob in ("enabled", "defrag"):
         thp = Path("/sys/kernel/mm/transparent_hugepage") / knob
         info[f"thp_{knob}"] = thp.read_text().strip() if thp.exists() else "absent"
-    from kernels.cache import default_fill_streams
+    from kernels.cache import (
+        LANDING_THREADS_ENV,
+        default_fill_streams,
+        landing_thread_count,
+        usable_cpus,
+    )
 
     # NOTE: the product's fill streams for this (the landing) thread: the
-    # "restore" rows use them; the "two streams" rows always use two.
+    # "restore" rows use them; the "one stream" rows always use one.
     info["fill_streams"] = len(default_fill_streams())
+    info["landing_threads"] = landing_thread_count(
+        usable_cpus(), os.environ.get(LANDING_THREADS_ENV)
+    )
     try:
         caches = make_entry(args.layers, args.heads, args.tokens, args.head_dim, seed=0)
         tensor_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
@@ -563,7 +571,8 @@ def main() -> int:
         print(
             f"GLIBC_TUNABLES={info['glibc_tunables']!r}; THP enabled {info['thp_enabled']}, "
             f"defrag {info['thp_defrag']}; settle {args.settle} s; "
-            f"the product's fill streams here: {info['fill_streams']}"
+            f"the product's fill streams here: {info['fill_streams']}, "
+            f"landing threads: {info['landing_threads']}"
         )
         file_size = 0
         sizes = [int(a.nbytes) for c in caches for a in (c.keys, c.values)]
@@ -573,7 +582,7 @@ def main() -> int:
 
         from kernels.cache import LandingPool
 
-        pool = LandingPool(2)
+        pool = LandingPool(int(info["landing_threads"]))
         # NOTE: what-if: a second CPU stream (made on this thread, which lands).
         two = [mx.cpu, mx.new_stream(mx.cpu)]
         if args.restore_only:
@@ -627,7 +636,7 @@ def main() -> int:
             # Page cache dropped: new (verify on, off), old, dd; interleaved.
             for key, how, verify in (
                 ("restore_cold_verify_on", "overlap", True),
-                ("restore_cold_two_streams", "two streams", True),
+                ("restore_cold_one_stream", "one stream", True),
                 ("seq_restore_cold_verify_on", "sequential", True),
                 ("restore_cold_verify_off", "overlap", False),
                 ("willneed_restore_cold_verify_off", "willneed", False),
@@ -638,8 +647,8 @@ def main() -> int:
                     secs, parts = restore_old(port, final, verify=verify)
                 elif how == "willneed":
                     secs, parts = restore_willneed(port, final, pool)
-                elif how == "two streams":
-                    secs, parts = restore_new(port, final, pool, verify=verify, streams=two)
+                elif how == "one stream":
+                    secs, parts = restore_new(port, final, pool, verify=verify, streams=[mx.cpu])
                 else:
                     secs, parts = restore_new(
                         port, final, pool, verify=verify, overlap=how == "overlap"
@@ -651,8 +660,8 @@ def main() -> int:
             dd(f"if={final}", "of=/dev/null", "bs=4M")  # NOTE: primes the page cache.
             secs, parts = restore_new(port, final, pool, verify=True)
             figures.add("restore_warm_verify_on", secs, parts)
-            secs, parts = restore_new(port, final, pool, verify=True, streams=two)
-            figures.add("restore_warm_two_streams", secs, parts)
+            secs, parts = restore_new(port, final, pool, verify=True, streams=[mx.cpu])
+            figures.add("restore_warm_one_stream", secs, parts)
             secs, parts = restore_new(port, final, pool, verify=True, overlap=False)
             figures.add("seq_restore_warm_verify_on", secs, parts)
             secs, parts = restore_old(port, final, verify=True)
@@ -719,13 +728,13 @@ def main() -> int:
             "dd_read_warm",
             None,
         ),
-        "two fill streams / restore (cold, verify on)": (
-            "restore_cold_two_streams",
+        "one fill stream / restore (cold, verify on)": (
+            "restore_cold_one_stream",
             "restore_cold_verify_on",
             None,
         ),
-        "two fill streams / restore (warm, verify on)": (
-            "restore_warm_two_streams",
+        "one fill stream / restore (warm, verify on)": (
+            "restore_warm_one_stream",
             "restore_warm_verify_on",
             None,
         ),
@@ -739,8 +748,8 @@ def main() -> int:
             "restore_warm_verify_on",
             None,
         ),
-        "two fill streams / dd_read (cold)": ("restore_cold_two_streams", "dd_read_cold", None),
-        "two fill streams / dd_read (warm)": ("restore_warm_two_streams", "dd_read_warm", None),
+        "one fill stream / dd_read (cold)": ("restore_cold_one_stream", "dd_read_cold", None),
+        "one fill stream / dd_read (warm)": ("restore_warm_one_stream", "dd_read_warm", None),
         "diag: MLX alloc floor, two streams / one": (
             "first_touch_mlx_two_streams",
             "first_touch_mlx",
@@ -816,11 +825,13 @@ def restore_round(
     r: int,
     dd_read_bs: str,
 ) -> None:
-    """One ``--restore-only`` round: the restores (the product, the two-stream what-if; the order
+    """One ``--restore-only`` round: the restores (the product, the one-stream what-if; the order
     flips every round), dd, cold then warm; then the floors."""
+    import mlx.core as mx
+
     contenders: list[tuple[str, Sequence[Any] | None, bool]] = [
         ("verify_on", None, False),
-        ("two_streams", two, False),
+        ("one_stream", [mx.cpu], False),
         ("pass_checks", None, True),
     ]
     if r % 2:

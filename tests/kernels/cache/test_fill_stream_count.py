@@ -11,7 +11,14 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import pytest
 
-from kernels.cache import FILL_STREAMS_ENV, default_fill_streams, fill_stream_count
+from actors.ssd_writer import HostStaging
+from kernels.cache import (
+    FILL_STREAMS_ENV,
+    LANDING_THREADS_ENV,
+    default_fill_streams,
+    fill_stream_count,
+    landing_thread_count,
+)
 from kernels.cache._kv_file import land_entry, open_entry
 from tests.kernels.cache.test_kv_file import write_entry
 from tests.kernels.cache.test_kv_file_landing import PORT, _all_bytes, _cases, _header
@@ -29,30 +36,66 @@ def _on_new_thread(fn: Callable[[], T]) -> T:
     ("cpus", "override", "expected"),
     [
         (1, None, 1),
-        (2, None, 1),
-        (3, None, 1),
-        (4, None, 2),
-        (7, None, 2),
-        (8, None, 3),
-        (12, None, 4),
-        (16, None, 4),
-        (128, None, 4),
+        (2, None, 2),
+        (3, None, 2),
+        (5, None, 2),
+        (6, None, 3),
+        (8, None, 4),
+        (12, None, 6),
+        (16, None, 8),
+        (128, None, 8),
         (16, "1", 1),
-        (2, "2", 2),
+        (1, "2", 2),
         (2, " 3 ", 3),
         (2, "8", 8),
-        (16, "9", 4),
-        (16, "0", 4),
-        (16, "-1", 4),
-        (2, "yes", 1),
-        (16, "", 4),
+        (16, "9", 8),
+        (16, "0", 8),
+        (16, "-1", 8),
+        (1, "yes", 1),
+        (16, "", 8),
     ],
 )
 def test_fill_stream_count_follows_cpus_unless_overridden(
     cpus: int, override: str | None, expected: int
 ) -> None:
-    """One fill stream below 4 usable CPUs, one more per 4 CPUs up to 4; an override from 1 to 8 wins."""
+    """One fill stream per 2 usable CPUs, from 2 up to 8 (1 on one CPU); an override 1-8 wins."""
     assert fill_stream_count(cpus, override) == expected
+
+
+@pytest.mark.parametrize(
+    ("cpus", "override", "expected"),
+    [
+        (1, None, 2),
+        (2, None, 2),
+        (7, None, 2),
+        (8, None, 4),
+        (64, None, 4),
+        (2, "1", 1),
+        (64, "16", 16),
+        (64, "17", 4),
+        (2, "x", 2),
+    ],
+)
+def test_landing_thread_count_follows_cpus_unless_overridden(
+    cpus: int, override: str | None, expected: int
+) -> None:
+    """Two landing threads, four from 8 usable CPUs; an override from 1 to 16 wins."""
+    assert landing_thread_count(cpus, override) == expected
+
+
+def test_the_staging_sizes_its_landing_threads_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A staging built without a count takes the override, and an explicit count wins over it."""
+    monkeypatch.setenv(LANDING_THREADS_ENV, "3")
+    staging = HostStaging()
+    explicit = HostStaging(landing_threads=1)
+    try:
+        assert staging.landing_threads == 3
+        assert explicit.landing_threads == 1
+    finally:
+        staging.close()
+        explicit.close()
 
 
 def test_default_fill_streams_are_made_once_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
