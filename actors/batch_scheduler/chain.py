@@ -67,6 +67,11 @@ class LoopWaker:
         self._calls.append((loop, fn))
         self._flag.set()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Let the thread end once it has forwarded every call made before (any thread, never waits).
 
