@@ -1506,9 +1506,9 @@ class OpenEntry:
         tensor's xxh3_64 checked, unless the entry was opened with
         ``check_in_pass=False``), publishing progress after each; the bytes
         read. A pass that checks nothing ends at once, having read 0 bytes,
-        when the port says the whole file is in the page cache
-        (:class:`PageCacheProbe`). Raises :class:`CacheFileCorrupt` on a bad hash or truncation,
-        the port's ``OSError``, or :class:`PassFailed` when the entry was
+        when the port says every tensor's bytes are in the page cache
+        (:class:`PageCacheProbe`). Raises :class:`CacheFileCorrupt` on a bad
+        hash or truncation, the port's ``OSError``, or :class:`PassFailed` when the entry was
         closed meanwhile; every end wakes a waiting landing. Once only.
         """
         with self._lock:
@@ -1548,10 +1548,10 @@ class OpenEntry:
                     self.port.close(to_close)
 
     def _nothing_to_pass(self, fd: int) -> bool:
-        """Whether the pass may end at once: it checks nothing and the file is all in the page cache.
+        """Whether the pass may end at once: it checks nothing and every tensor is in the page cache.
 
         NOTE: a pass that only reads ahead of the landing does nothing for a
-        file the page cache already holds but hold the landing back to one
+        file the page cache already holds but holds the landing back to one
         thread's copy speed (the landing waits for it tensor by tensor); on
         the H200 host that pass, not the landing, set the pace of a restore
         from the page cache. A page evicted after this answer is read by the
@@ -2109,9 +2109,8 @@ def land_entry(
     ``streams``: CPU streams to allocate the arrays on, the next
     ``len(streams)`` tensors at once, one per stream, each zero-filled
     (page-faulted) on its stream's thread; made on the calling thread, the
-    only one that may use them. Default: :func:`default_fill_streams` (two
-    streams where the process may use 4+ CPUs, else one;
-    :func:`fill_stream_count` says why).
+    only one that may use them. Default: :func:`default_fill_streams` (one
+    per 2 usable CPUs, from 2 up to 8; :func:`fill_stream_count` says why).
 
     Peak memory is the restored entry itself: no host copy. The entry stays
     open (its holder closes it). Raises :class:`CacheFileCorrupt` when the
