@@ -81,10 +81,17 @@ def batch_generator_run(
 def kernel_run(
     model: Any, tok: Any, prompts: list[list[int]], max_tokens: int, step: int
 ) -> tuple[float, int]:
-    """kvtier's batch kernel (``BatchGeneration``) driven directly on this thread, no actors."""
-    from kernels.engine import BatchGeneration, SamplingParams
+    """kvtier's batch kernel (``BatchGeneration``) driven directly on this thread, no actors.
 
-    gen = BatchGeneration(model, tok, max_rows=len(prompts), prefill_step_size=step)
+    NOTE: with the BLAS thread tuning the Engine's batch lane gives its kernel
+    (CPU with OpenBLAS, ``KVTIER_BATCH_BLAS_TUNE`` not off; ``None`` on a GPU),
+    a fresh one per run as each round's fresh Engine has: the Engine's own
+    kernel, so the ratio between them is the actor path's.
+    """
+    from kernels.engine import BatchGeneration, SamplingParams, blas_tune_enabled, make_blas_tuning
+
+    tuning = make_blas_tuning() if blas_tune_enabled() else None
+    gen = BatchGeneration(model, tok, max_rows=len(prompts), prefill_step_size=step, tuning=tuning)
     try:
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
