@@ -16,28 +16,20 @@ import anyio
 import pytest
 
 from actors.engine import GenerationParams
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 from .cold_support import engine, ids, run
 
 pytestmark = pytest.mark.anyio
 
 GREEDY = GenerationParams(max_tokens=8)
-TOPICS = ("rivers and their deltas", "mountain weather in spring",
-          "the history of printing", "how bridges carry loads",
-          "the tides of the north sea", "why glass is transparent")
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies (same weights in every engine here)."""
-    return lively_llama(len(tok))
+TOPICS = (
+    "rivers and their deltas",
+    "mountain weather in spring",
+    "the history of printing",
+    "how bridges carry loads",
+    "the tides of the north sea",
+    "why glass is transparent",
+)
 
 
 # NOTE: 6 rows also exceed the prompt cache's former fixed cap of 4 SSD
@@ -80,7 +72,9 @@ async def test_concurrent_ssd_hits_with_max_batch_rows_all_restore(
     assert [done.usage.cached_tokens for _, done in got] == stored
     assert [tokens for tokens, _ in got] == want
     assert stats["batch"]["batch"]["ssd"] == {
-        "restored": rows, "restored_tokens": sum(stored), "restore_failed": 0,
+        "restored": rows,
+        "restored_tokens": sum(stored),
+        "restore_failed": 0,
     }
     assert (stats["ssd_cache"]["hits"], stats["ssd_cache"]["restores"]) == (rows, rows)
     assert (pushed_out, staged) == (0, 0)

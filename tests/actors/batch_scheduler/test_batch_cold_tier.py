@@ -15,25 +15,12 @@ import anyio
 import pytest
 
 from actors.engine import DoneEvent, Engine, GenerationParams
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 from .cold_support import engine, ids, run
 
 pytestmark = pytest.mark.anyio
 
 GREEDY = GenerationParams(max_tokens=10)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies (same weights in every engine here)."""
-    return lively_llama(len(tok))
 
 
 async def _together(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], DoneEvent]]:

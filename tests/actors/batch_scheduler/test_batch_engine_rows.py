@@ -16,22 +16,9 @@ from actors.batch_scheduler.core import JoinRow, RowFailure, StepOut
 from actors.batch_scheduler.engine import BatchEngine
 from actors.gateway.memory_guard import Footprint, MemoryGauge, MemoryGuard
 from messages.gateway import Generate, GenerationParams
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 KV_PER_TOKEN = 1000
 """The scripted geometry: every token of KV costs this many bytes."""
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies."""
-    return lively_llama(len(tok))
 
 
 def _gen(rid: str, prompt: list[int], max_tokens: int) -> Generate:

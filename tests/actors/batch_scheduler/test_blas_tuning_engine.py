@@ -11,7 +11,6 @@ from actors.engine import Engine, GenerationParams, wiring
 from kernels.engine import BLAS_TUNE_ENV, find_openblas
 from tests.actors.batch_scheduler.test_engine_batch import _all, _prompts
 from tests.engine_runs import collect
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 pytestmark = [
     pytest.mark.anyio,
@@ -22,18 +21,6 @@ pytestmark = [
 ]
 
 _BLAS = find_openblas()
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer (with a chat template)."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies."""
-    return lively_llama(len(tok))
 
 
 @pytest.mark.skipif(

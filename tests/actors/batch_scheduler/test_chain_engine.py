@@ -20,7 +20,6 @@ from actors.batch_scheduler.core import JoinRow, StepOut
 from actors.batch_scheduler.engine import BatchEngine
 from actors.engine import Engine, GenerationParams, TokenEvent
 from tests.engine_runs import collect
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -72,18 +71,6 @@ def log(monkeypatch: pytest.MonkeyPatch) -> StepLog:
 
     monkeypatch.setattr(BatchEngine, "step", step)
     return log
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer (with a chat template)."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies."""
-    return lively_llama(len(tok))
 
 
 def _prompts(tok: Any, n: int, seed: int = 0) -> list[list[int]]:

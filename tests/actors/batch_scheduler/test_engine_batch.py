@@ -11,7 +11,6 @@ import pytest
 from actors.batch_scheduler import BATCH_ADDRESS
 from actors.engine import DoneEvent, Engine, GenerationParams, QueueFull, TokenEvent, wiring
 from tests.engine_runs import collect, drain
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 # NOTE: the batch lane is spawned by one entry in actors/engine/wiring.py; until
 # that entry is in the tree these tests have nothing to exercise.
@@ -22,18 +21,6 @@ pytestmark = [
         reason="the wiring has no batch-lane entry",
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer (with a chat template)."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies."""
-    return lively_llama(len(tok))
 
 
 def _prompts(tok: Any, n: int, seed: int = 0) -> list[list[int]]:

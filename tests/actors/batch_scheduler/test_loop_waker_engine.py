@@ -10,23 +10,10 @@ import pytest
 
 from actors.engine import Engine, GenerationParams
 from tests.engine_runs import collect
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
 PARAMS = GenerationParams(max_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies."""
-    return lively_llama(len(tok))
 
 
 def _wakers() -> set[threading.Thread]:

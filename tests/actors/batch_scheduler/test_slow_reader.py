@@ -13,23 +13,10 @@ import anyio
 import pytest
 
 from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
 PARAMS = GenerationParams(max_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny byte-level BPE tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama whose greedy output varies."""
-    return lively_llama(len(tok))
 
 
 async def _read(stream: Any) -> tuple[list[int], DoneEvent]:

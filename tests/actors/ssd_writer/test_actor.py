@@ -8,7 +8,6 @@ serving).
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +45,8 @@ from tests.actors.ssd_writer.support import (
     register,
     store_body,
 )
-from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    """A tiny fp32 Llama."""
-    return tiny_llama()
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[EngineThread]:
-    """The engine thread for this test."""
-    async with EngineThread() as thread:
-        yield thread
 
 
 async def test_store_restart_scan_find_restore_materialize_round_trip(

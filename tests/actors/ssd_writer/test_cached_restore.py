@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,6 @@ from tests.actors.ssd_writer.support import (
     store_body,
 )
 from tests.crash.ports import ForwardingPort
-from tests.tiny_models import tiny_llama
 
 
 class ProbingPort(ForwardingPort):
@@ -45,19 +44,6 @@ class ProbingPort(ForwardingPort):
         """Count, then forward."""
         self.tensor_reads += 1
         super().pread_into(fd, buf, offset)
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    """A tiny fp32 Llama."""
-    return tiny_llama()
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[EngineThread]:
-    """The engine thread for this test."""
-    async with EngineThread() as thread:
-        yield thread
 
 
 @pytest.mark.anyio

@@ -7,7 +7,6 @@ next store must succeed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ from tests.actors.ssd_writer.support import (
     register,
     store_body,
 )
-from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.anyio
 
@@ -47,19 +45,6 @@ CASES = [(step, fault) for step in STEPS for fault in ("enospc", "eio")] + [
     ("write_tensor", "short"),
     ("write_header", "short"),
 ]
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    """A tiny fp32 Llama."""
-    return tiny_llama()
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[EngineThread]:
-    """The engine thread for this test."""
-    async with EngineThread() as thread:
-        yield thread
 
 
 def expected_reason(step: str, fault: str) -> str:

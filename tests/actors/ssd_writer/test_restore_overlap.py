@@ -4,7 +4,7 @@ estimator's landing figure is only what the landing adds after the pass."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from tests.actors.ssd_writer.support import (
 from tests.crash.ports import ForwardingPort
 from tests.kernels.cache.test_kv_file import _filled_kv, write_entry
 from tests.kernels.cache.test_kv_file_overlap import ScriptedPort
-from tests.tiny_models import tiny_llama
 
 WAIT = 10.0
 
@@ -120,19 +119,6 @@ def test_a_landing_whose_pass_failed_is_not_recorded_against_the_file(tmp_path: 
     assert (staging.landed, staging.land_failures) == (0, 0)
     assert staged.file.closed
     assert len(port.closed) == 1
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    """A tiny fp32 Llama."""
-    return tiny_llama()
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[EngineThread]:
-    """The engine thread for this test."""
-    async with EngineThread() as thread:
-        yield thread
 
 
 @pytest.mark.anyio
