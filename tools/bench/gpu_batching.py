@@ -36,6 +36,7 @@ CPU check of the script itself (numbers mean nothing there)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -54,10 +55,34 @@ from gpu_engine import DEFAULT_TOK_DIR, SHAPES, build_model, filler_ids, load_to
 from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
 
 
+class GcClock:
+    """Wall time spent in Python's garbage collector, summed over every generation (any thread)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.collections = 0
+        self._start = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._start
+            self.collections += 1
+
+    def read(self) -> tuple[float, int]:
+        """(seconds, collections) so far."""
+        return self.total_s, self.collections
+
+
+GC = GcClock()
+
+
 def batch_generator_run(
     model: Any, prompts: list[list[int]], max_tokens: int, step: int
-) -> tuple[float, int]:
-    """mlx-lm's ``BatchGenerator`` on this thread: (wall seconds, generated tokens)."""
+) -> tuple[float, int, float]:
+    """mlx-lm's ``BatchGenerator`` on this thread: (wall s, generated tokens, s until every row's first token)."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(
@@ -70,17 +95,23 @@ def batch_generator_run(
         t0 = time.perf_counter()
         gen.insert(prompts, [max_tokens] * len(prompts))
         n = 0
+        seen: set[int] = set()
+        first_all = 0.0
         while responses := gen.next_generated():
             n += len(responses)
+            if len(seen) < len(prompts):
+                seen.update(r.uid for r in responses)
+                if len(seen) == len(prompts):
+                    first_all = time.perf_counter() - t0
         wall = time.perf_counter() - t0
     finally:
         gen.close()
-    return wall, n
+    return wall, n, first_all
 
 
 def kernel_run(
     model: Any, tok: Any, prompts: list[list[int]], max_tokens: int, step: int
-) -> tuple[float, int]:
+) -> tuple[float, int, float]:
     """kvtier's batch kernel (``BatchGeneration``) driven directly on this thread, no actors.
 
     NOTE: with the BLAS thread tuning the Engine's batch lane gives its kernel
@@ -97,20 +128,31 @@ def kernel_run(
         for i, p in enumerate(prompts):
             gen.join(f"r{i}", p, SamplingParams(max_tokens=max_tokens))
         n = 0
+        seen: set[str] = set()
+        first_all = 0.0
         while not gen.idle:
-            n += len(gen.step().tokens)
+            toks = gen.step().tokens
+            n += len(toks)
+            if len(seen) < len(prompts):
+                seen.update(t.row_id for t in toks)
+                if len(seen) == len(prompts):
+                    first_all = time.perf_counter() - t0
         wall = time.perf_counter() - t0
     finally:
         gen.close()
-    return wall, n
+    return wall, n, first_all
 
 
-async def _one(engine: Engine, prompt: list[int], max_tokens: int, counts: list[int]) -> None:
+async def _one(
+    engine: Engine, prompt: list[int], max_tokens: int, counts: list[int], firsts: list[float]
+) -> None:
     n = 0
     done: DoneEvent | None = None
     async with engine.generate(prompt, GenerationParams(max_tokens=max_tokens)) as stream:
         async for event in stream:
             if isinstance(event, TokenEvent):
+                if n == 0:
+                    firsts.append(time.perf_counter())
                 n += 1
             else:
                 done = event
@@ -120,14 +162,15 @@ async def _one(engine: Engine, prompt: list[int], max_tokens: int, counts: list[
 
 async def kvtier_run(
     engine: Engine, prompts: list[list[int]], max_tokens: int
-) -> tuple[float, int]:
-    """``len(prompts)`` concurrent requests through the Engine: (wall seconds, generated tokens)."""
+) -> tuple[float, int, float]:
+    """``len(prompts)`` concurrent requests through the Engine: (wall s, generated tokens, s until every row's first token)."""
     counts: list[int] = []
+    firsts: list[float] = []
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for p in prompts:
-            tg.start_soon(_one, engine, p, max_tokens, counts)
-    return time.perf_counter() - t0, sum(counts)
+            tg.start_soon(_one, engine, p, max_tokens, counts, firsts)
+    return time.perf_counter() - t0, sum(counts), max(firsts) - t0
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,8 +200,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         # NOTE: one Engine per row count, opened around its own runs only: the
         # engine thread owns the model while it is open, BatchGenerator runs
         # on this thread while no Engine is open.
-        async def engine_runs(b: int, label: str, rounds: int) -> list[tuple[float, int, int]]:
-            res = []
+        async def engine_runs(b: int, label: str, rounds: int) -> list[dict[str, Any]]:
+            res: list[dict[str, Any]] = []
             async with Engine.from_loaded(
                 model,
                 tok,
@@ -169,12 +212,51 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 prompt_cache_bytes=int(args.prompt_cache_gb * 1024**3),
             ) as engine:
                 for _ in range(rounds):
-                    wall, n = await kvtier_run(engine, prompts(b, label), args.max_tokens)
-                    batch = (await engine.stats())["batch"]["batch"]
+                    before = await engine.stats()
+                    gc0 = GC.read()
+                    wall, n, first_all = await kvtier_run(
+                        engine, prompts(b, label), args.max_tokens
+                    )
+                    gc1 = GC.read()
+                    after = await engine.stats()
+                    batch = after["batch"]["batch"]
                     # NOTE: the figure is only the batch lane's if every request ran there.
-                    assert batch["requests"]["finished_length"] == b, batch
-                    res.append((wall, n, int(batch["steps"]["max_rows_decoded"])))
+                    assert (
+                        batch["requests"]["finished_length"]
+                        - before["batch"]["batch"]["requests"]["finished_length"]
+                        == b
+                    ), batch
+                    mem0, mem1 = before.get("memory", {}), after.get("memory", {})
+                    res.append(
+                        {
+                            "wall_s": wall,
+                            "tokens": n,
+                            "tps": n / wall,
+                            "first_all_s": first_all,
+                            "widest_decode": int(batch["steps"]["max_rows_decoded"]),
+                            "steps": batch["steps"]["run"]
+                            - before["batch"]["batch"]["steps"]["run"],
+                            "heap_trims": mem1.get("heap_trims", 0) - mem0.get("heap_trims", 0),
+                            "heap_trim_s": mem1.get("heap_trim_s", 0.0)
+                            - mem0.get("heap_trim_s", 0.0),
+                            "gc_s": gc1[0] - gc0[0],
+                            "gc_n": gc1[1] - gc0[1],
+                        }
+                    )
             return res
+
+        def timed(fn: Any) -> dict[str, Any]:
+            gc0 = GC.read()
+            wall, n, first_all = fn()
+            gc1 = GC.read()
+            return {
+                "wall_s": wall,
+                "tokens": n,
+                "tps": n / wall,
+                "first_all_s": first_all,
+                "gc_s": gc1[0] - gc0[0],
+                "gc_n": gc1[1] - gc0[1],
+            }
 
         # Warm-up: compile the shapes of both contenders at this B.
         batch_generator_run(
@@ -196,40 +278,58 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             rec: dict[str, Any] = {"rows": b, "round": r}
             for who in order:
                 if who == "bg":
-                    wall, n = batch_generator_run(
-                        model, prompts(b, "bg"), args.max_tokens, args.bg_prefill_step_size
+                    rec[who] = timed(
+                        lambda b=b: batch_generator_run(
+                            model, prompts(b, "bg"), args.max_tokens, args.bg_prefill_step_size
+                        )
                     )
-                    rec[who] = {"wall_s": wall, "tokens": n, "tps": n / wall}
                 elif who == "kernel":
-                    wall, n = kernel_run(
-                        model, tok, prompts(b, "k"), args.max_tokens, args.kvtier_prefill_step_size
+                    rec[who] = timed(
+                        lambda b=b: kernel_run(
+                            model,
+                            tok,
+                            prompts(b, "k"),
+                            args.max_tokens,
+                            args.kvtier_prefill_step_size,
+                        )
                     )
-                    rec[who] = {"wall_s": wall, "tokens": n, "tps": n / wall}
                 else:
-                    wall, n, widest = (await engine_runs(b, "kv", 1))[0]
-                    rec[who] = {
-                        "wall_s": wall,
-                        "tokens": n,
-                        "tps": n / wall,
-                        "widest_decode": widest,
-                    }
+                    # NOTE: the first round of a fresh Engine is the figure (as
+                    # before); later rounds on the same Engine show whether a
+                    # fresh engine thread costs anything (--rounds-per-engine).
+                    runs = await engine_runs(b, "kv", args.rounds_per_engine)
+                    rec[who] = runs[0]
+                    if len(runs) > 1:
+                        rec["kvtier_reused"] = runs[1:]
                 mx.clear_cache()
             rec["ratio"] = rec["kvtier"]["tps"] / rec["bg"]["tps"]
             if "kernel" in rec:
                 rec["kernel_ratio"] = rec["kernel"]["tps"] / rec["bg"]["tps"]
+            if "kvtier_reused" in rec:
+                rec["reused_ratio"] = rec["kvtier_reused"][-1]["tps"] / rec["bg"]["tps"]
             out["records"].append(rec)
-            print(
-                f"B={b} round {r}: BatchGenerator {rec['bg']['tps']:.1f} tok/s ({rec['bg']['tokens']} in "
-                f"{rec['bg']['wall_s']:.2f} s), kvtier {rec['kvtier']['tps']:.1f} tok/s "
-                f"({rec['kvtier']['tokens']} in {rec['kvtier']['wall_s']:.2f} s, widest decode "
-                f"{rec['kvtier']['widest_decode']} rows), ratio {rec['ratio']:.3f}"
-                + (
-                    f"; kernel alone {rec['kernel']['tps']:.1f} tok/s, ratio {rec['kernel_ratio']:.3f}"
-                    if "kernel" in rec
-                    else ""
-                ),
-                flush=True,
+
+            def part(x: dict[str, Any]) -> str:
+                return (
+                    f"{x['tps']:.1f} tok/s (first tokens {x['first_all_s']:.3f} s, decode "
+                    f"{x['wall_s'] - x['first_all_s']:.3f} s, gc {x['gc_n']}/{x['gc_s'] * 1e3:.1f} ms"
+                    + (
+                        f", steps {x['steps']}, trims {x['heap_trims']}/{x['heap_trim_s'] * 1e3:.1f} ms"
+                        if "steps" in x
+                        else ""
+                    )
+                    + ")"
+                )
+
+            line = (
+                f"B={b} round {r}: BatchGenerator {part(rec['bg'])}; kvtier {part(rec['kvtier'])} "
+                f"ratio {rec['ratio']:.3f}"
             )
+            for x in rec.get("kvtier_reused", []):
+                line += f"; same Engine again {part(x)} ratio {x['tps'] / rec['bg']['tps']:.3f}"
+            if "kernel" in rec:
+                line += f"; kernel alone {part(rec['kernel'])} ratio {rec['kernel_ratio']:.3f}"
+            print(line, flush=True)
     return out
 
 
@@ -302,6 +402,12 @@ def main() -> int:
     )
     p.add_argument("--kvtier-prefill-step-size", type=int, default=2048)
     p.add_argument("--prompt-cache-gb", type=float, default=4.0)
+    p.add_argument(
+        "--rounds-per-engine",
+        type=int,
+        default=1,
+        help="timed kvtier rounds per fresh Engine (the first is the figure; the rest are reported beside it)",
+    )
     p.add_argument(
         "--with-kernel",
         action="store_true",
