@@ -194,7 +194,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     def prompts(b: int, tag: str) -> list[list[int]]:
         nonlocal seq
         seq += 1
-        return [filler_ids(tok, args.prompt_tokens, f"{tag}-{seq}-{i}") for i in range(b)]
+        ps = [filler_ids(tok, args.prompt_tokens, f"{tag}-{seq}-{i}") for i in range(b)]
+        if args.distinct_first_token:
+            # NOTE: no prompt shares even its first token with an earlier one, so
+            # the prompt cache can serve nothing (not even the filler's "Note").
+            ps = [[1000 + (seq * b + i) % 30000, *p[1:]] for i, p in enumerate(ps)]
+        return ps
 
     for b in rows:
         # NOTE: one Engine per row count, opened around its own runs only: the
@@ -241,6 +246,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                             - mem0.get("heap_trim_s", 0.0),
                             "gc_s": gc1[0] - gc0[0],
                             "gc_n": gc1[1] - gc0[1],
+                            "cached_tokens": batch["cached_tokens"]
+                            - before["batch"]["batch"]["cached_tokens"],
+                            "memory_counts": {
+                                k: v - mem0.get(k, 0)
+                                for k, v in mem1.items()
+                                if isinstance(v, int) and not k.endswith("bytes")
+                            },
+                            "memory_end": {k: v for k, v in mem1.items() if k.endswith("bytes")},
                         }
                     )
             return res
@@ -314,7 +327,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"{x['tps']:.1f} tok/s (first tokens {x['first_all_s']:.3f} s, decode "
                     f"{x['wall_s'] - x['first_all_s']:.3f} s, gc {x['gc_n']}/{x['gc_s'] * 1e3:.1f} ms"
                     + (
-                        f", steps {x['steps']}, trims {x['heap_trims']}/{x['heap_trim_s'] * 1e3:.1f} ms"
+                        f", steps {x['steps']}, cached {x['cached_tokens']}, trims {x['heap_trims']}/{x['heap_trim_s'] * 1e3:.1f} ms"
+                        f", memory { ({k: v for k, v in x['memory_counts'].items() if v}) }"
                         if "steps" in x
                         else ""
                     )
@@ -402,6 +416,11 @@ def main() -> int:
     )
     p.add_argument("--kvtier-prefill-step-size", type=int, default=2048)
     p.add_argument("--prompt-cache-gb", type=float, default=4.0)
+    p.add_argument(
+        "--distinct-first-token",
+        action="store_true",
+        help="every prompt starts with its own token, so no prompt-cache hit of any length",
+    )
     p.add_argument(
         "--rounds-per-engine",
         type=int,
