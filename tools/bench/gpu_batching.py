@@ -360,6 +360,16 @@ def summarize(out: dict[str, Any]) -> dict[int, dict[str, float]]:
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
         }
+        # NOTE: every later round of an Engine against its round's BatchGenerator.
+        reused = [x["tps"] / r["bg"]["tps"] for r in recs for x in r.get("kvtier_reused", [])]
+        if reused:
+            summary[b]["reused_ratio"] = statistics.median(reused)
+            summary[b]["reused_min"] = min(reused)
+            summary[b]["reused_max"] = max(reused)
+            summary[b]["reused_n"] = len(reused)
+        kernel = [r["kernel_ratio"] for r in recs if "kernel_ratio" in r]
+        if kernel:
+            summary[b]["kernel_ratio"] = statistics.median(kernel)
     return summary
 
 
@@ -398,6 +408,13 @@ def report(out: dict[str, Any]) -> None:
         print(
             f"B={b}: BatchGenerator median {s['bg_tps']:.1f} tok/s, kvtier median {s['kvtier_tps']:.1f} tok/s, "
             f"ratio median {s['ratio']:.3f} [{s['ratio_min']:.3f}..{s['ratio_max']:.3f}] (target >= 1.0)"
+            + (
+                f"; later rounds of an Engine {s['reused_ratio']:.3f} "
+                f"[{s['reused_min']:.3f}..{s['reused_max']:.3f}] (n={s['reused_n']})"
+                if "reused_ratio" in s
+                else ""
+            )
+            + (f"; kernel alone {s['kernel_ratio']:.3f}" if "kernel_ratio" in s else "")
         )
 
 
