@@ -254,6 +254,15 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                                 if isinstance(v, int) and not k.endswith("bytes")
                             },
                             "memory_end": {k: v for k, v in mem1.items() if k.endswith("bytes")},
+                            # NOTE: a chain that ends early (AHEAD, a stop) costs a turn
+                            # round trip; engine busy time against the wall says whether
+                            # the engine thread waited for the loop.
+                            "chains": after["gateway"]["token"]["batch_chains"]["granted"]
+                            - before["gateway"]["token"]["batch_chains"]["granted"],
+                            "engine_busy_s": after["engine_thread"]["busy_s"]
+                            - before["engine_thread"]["busy_s"],
+                            "engine_jobs": after["engine_thread"]["jobs_run"]
+                            - before["engine_thread"]["jobs_run"],
                         }
                     )
             return res
@@ -327,7 +336,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"{x['tps']:.1f} tok/s (first tokens {x['first_all_s']:.3f} s, decode "
                     f"{x['wall_s'] - x['first_all_s']:.3f} s, gc {x['gc_n']}/{x['gc_s'] * 1e3:.1f} ms"
                     + (
-                        f", steps {x['steps']}, cached {x['cached_tokens']}, trims {x['heap_trims']}/{x['heap_trim_s'] * 1e3:.1f} ms"
+                        f", steps {x['steps']}, chains {x['chains']}, jobs {x['engine_jobs']}, "
+                        f"engine busy {x['engine_busy_s']:.3f} s, cached {x['cached_tokens']}, "
+                        f"trims {x['heap_trims']}/{x['heap_trim_s'] * 1e3:.1f} ms"
                         f", memory { ({k: v for k, v in x['memory_counts'].items() if v}) }"
                         if "steps" in x
                         else ""
