@@ -79,6 +79,50 @@ class GcClock:
 GC = GcClock()
 
 
+class StepTrace:
+    """Start and end of every ``BatchGeneration.step`` (kvtier's kernel, any thread), per run.
+
+    NOTE: wraps the class method once; two clock reads a step. Tells a slow
+    run made of slow steps (device or the step's own host work) from one
+    made of gaps between steps (the actor path).
+    """
+
+    def __init__(self) -> None:
+        from kernels.engine import BatchGeneration
+
+        self.spans: list[tuple[float, float]] = []
+        inner = BatchGeneration.step
+        spans = self.spans
+
+        def step(gen: Any, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(gen, *a, **k)
+            finally:
+                spans.append((t, time.perf_counter()))
+
+        BatchGeneration.step = step  # type: ignore[method-assign]
+
+    def take(self) -> dict[str, float]:
+        """Figures of the steps since the last call (ms), then forget them."""
+        spans = sorted(self.spans)
+        self.spans.clear()
+        if not spans:
+            return {}
+        lengths = sorted(b - a for a, b in spans)
+        gaps = [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]
+        return {
+            "step_median_ms": statistics.median(lengths) * 1e3,
+            "step_p90_ms": lengths[int(0.9 * (len(lengths) - 1))] * 1e3,
+            "step_max_ms": lengths[-1] * 1e3,
+            "gaps_ms": sum(gaps) * 1e3,
+            "gap_max_ms": max(gaps, default=0.0) * 1e3,
+        }
+
+
+TRACE: StepTrace | None = None
+
+
 def batch_generator_run(
     model: Any, prompts: list[list[int]], max_tokens: int, step: int
 ) -> tuple[float, int, float]:
@@ -219,10 +263,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(rounds):
                     before = await engine.stats()
                     gc0 = GC.read()
+                    if TRACE is not None:
+                        TRACE.take()
                     wall, n, first_all = await kvtier_run(
                         engine, prompts(b, label), args.max_tokens
                     )
                     gc1 = GC.read()
+                    steps_seen = TRACE.take() if TRACE is not None else {}
                     after = await engine.stats()
                     batch = after["batch"]["batch"]
                     # NOTE: the figure is only the batch lane's if every request ran there.
@@ -263,6 +310,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                             - before["engine_thread"]["busy_s"],
                             "engine_jobs": after["engine_thread"]["jobs_run"]
                             - before["engine_thread"]["jobs_run"],
+                            **steps_seen,
                         }
                     )
             return res
@@ -295,6 +343,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 args.kvtier_prefill_step_size,
             )
             contenders.append("kernel")
+        if args.switch_interval is not None:
+            contenders.append("kvtier_si")
         for r in range(args.rounds):
             order = contenders if r % 2 == 0 else contenders[::-1]
             rec: dict[str, Any] = {"rows": b, "round": r}
@@ -315,6 +365,15 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                             args.kvtier_prefill_step_size,
                         )
                     )
+                elif who == "kvtier_si":
+                    # NOTE: the same Engine run with another interpreter switch
+                    # interval: whether the engine thread waits for the GIL.
+                    default_si = sys.getswitchinterval()
+                    sys.setswitchinterval(args.switch_interval)
+                    try:
+                        rec[who] = (await engine_runs(b, "kvsi", 1))[0]
+                    finally:
+                        sys.setswitchinterval(default_si)
                 else:
                     # NOTE: the first round of a fresh Engine is the figure (as
                     # before); later rounds on the same Engine show whether a
@@ -337,7 +396,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"{x['wall_s'] - x['first_all_s']:.3f} s, gc {x['gc_n']}/{x['gc_s'] * 1e3:.1f} ms"
                     + (
                         f", steps {x['steps']}, chains {x['chains']}, jobs {x['engine_jobs']}, "
-                        f"engine busy {x['engine_busy_s']:.3f} s, cached {x['cached_tokens']}, "
+                        + (
+                            f"step ms median {x['step_median_ms']:.2f} p90 {x['step_p90_ms']:.2f} "
+                            f"max {x['step_max_ms']:.1f}, gaps {x['gaps_ms']:.1f} ms, "
+                            if "step_median_ms" in x
+                            else ""
+                        )
+                        + f"engine busy {x['engine_busy_s']:.3f} s, cached {x['cached_tokens']}, "
                         f"trims {x['heap_trims']}/{x['heap_trim_s'] * 1e3:.1f} ms"
                         f", memory { ({k: v for k, v in x['memory_counts'].items() if v}) }"
                         if "steps" in x
@@ -354,6 +419,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 line += f"; same Engine again {part(x)} ratio {x['tps'] / rec['bg']['tps']:.3f}"
             if "kernel" in rec:
                 line += f"; kernel alone {part(rec['kernel'])} ratio {rec['kernel_ratio']:.3f}"
+            if "kvtier_si" in rec:
+                line += (
+                    f"; switch interval {args.switch_interval} {part(rec['kvtier_si'])} "
+                    f"ratio {rec['kvtier_si']['tps'] / rec['bg']['tps']:.3f}"
+                )
             print(line, flush=True)
     return out
 
@@ -445,6 +515,17 @@ def main() -> int:
     p.add_argument("--kvtier-prefill-step-size", type=int, default=2048)
     p.add_argument("--prompt-cache-gb", type=float, default=4.0)
     p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="also run the Engine under this sys.setswitchinterval (seconds) each round",
+    )
+    p.add_argument(
+        "--trace-steps",
+        action="store_true",
+        help="time every step of kvtier's batch kernel (median, p90, max, gaps between steps)",
+    )
+    p.add_argument(
         "--distinct-first-token",
         action="store_true",
         help="every prompt starts with its own token, so no prompt-cache hit of any length",
@@ -468,6 +549,9 @@ def main() -> int:
     if args.from_json is not None:
         out = json.loads(args.from_json.read_text())
     else:
+        global TRACE
+        if args.trace_steps:
+            TRACE = StepTrace()
         out = anyio.run(measure, args)
         if args.json is not None:
             args.json.write_text(json.dumps(out, indent=2))
