@@ -23,6 +23,16 @@ mlx-lm ``llama`` of the shape (``gpu_engine.SHAPES``) with EOS off, so
 every row decodes exactly ``--max-tokens`` tokens. A warm-up of each
 contender at each ``B`` runs first (CUDA kernels compile per shape).
 
+Beside the figure each run records the time until every row had its first
+token (the rest is decode), GC pauses, and for kvtier the Engine's batch
+steps, chains, engine-thread busy time, heap trims, memory-guard counters
+and cached prompt tokens. Diagnosis options: ``--trace-steps`` (every step
+of kvtier's kernel timed: median, p90, max, the gaps between steps),
+``--rounds-per-engine N`` (later rounds on the same Engine, reported beside
+the first), ``--distinct-first-token`` (no prompt shares even its first
+token with an earlier one), ``--switch-interval S`` (the Engine once more
+per round under another ``sys.setswitchinterval``).
+
 GPU (the two-call recipe of docs/benchmarks/gpu.md)::
 
     PYTHONUNBUFFERED=1 python3 tools/bench/gpu_batching.py --tok-dir .gpu/tok --json $OUT/gpu_batching.json
