@@ -30,7 +30,15 @@ from typing import Any
 
 import anyio
 
-from actors.engine.config import ConfigError, EngineConfig, add_flags, config_from_flags
+from actors.engine.config import (
+    SETTINGS,
+    ConfigError,
+    EngineConfig,
+    add_flags,
+    config_from_flags,
+    flag_dest,
+    option_names,
+)
 
 SERVE_MAX_BATCH = 8
 """``kvtier serve``'s batch rows when neither ``--max-batch`` nor ``KVTIER_MAX_BATCH`` is given.
@@ -48,10 +56,15 @@ _SERVE_DEFAULTS = {
 }
 """Defaults that differ from the embedded Engine's (help text)."""
 
+_SSD_SUBOPTIONS = tuple(name for name in option_names("ssd") if name != "ssd_cache")
+"""The SSD tier's settings besides the tier itself: ignored, with a warning, while it is off."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``kvtier serve``'s flags: one per ``EngineConfig`` field (help shows default and variable)."""
-    add_flags(parser, serve_defaults=_SERVE_DEFAULTS)
+    # NOTE: the SSD sub-options' flags default to None so that run() can tell
+    # the ones the user gave (flag or variable) from defaults (rule D5-5).
+    add_flags(parser, serve_defaults=_SERVE_DEFAULTS, tracked=_SSD_SUBOPTIONS)
 
 
 def _ssd_default(args: argparse.Namespace) -> Path | None:
@@ -79,6 +92,14 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
     return config_from_flags(args, serve_defaults=serve_defaults)
 
 
+def ignored_ssd_options(args: argparse.Namespace, config: EngineConfig) -> tuple[str, ...]:
+    """The SSD sub-options given (flag or ``KVTIER_SSD_*`` variable) although the tier is off."""
+    if config.ssd_cache is not None:
+        return ()
+    return tuple(f"{SETTINGS[name].flag} ({SETTINGS[name].env})" for name in _SSD_SUBOPTIONS
+                 if getattr(args, flag_dest(name), None) is not None)
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until a signal; 0 after a graceful drain, 1 on startup failure, 2 on bad flags."""
     try:
@@ -89,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
     from actors.runtime import configure_logging
 
     configure_logging(config.log_format, config.log_level)
+    ignored = ignored_ssd_options(args, config)
+    if ignored:
+        import structlog
+
+        structlog.get_logger("kvtier.serve").warning(
+            "serve.ssd_options_ignored", options=list(ignored),
+            reason="the SSD tier is off (--ssd-cache off, or --prompt-cache 0 without --ssd-cache)")
     aliases: tuple[str, ...] = ()
     if config.model is None:
         from kernels import DefaultModelFetchError, ModelConversionError, ensure_default_model

@@ -25,7 +25,7 @@ import argparse
 import difflib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, get_args, get_origin
@@ -542,6 +542,7 @@ def add_flags(
     *,
     serve_defaults: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
+    tracked: Collection[str] = (),
 ) -> None:
     """Add one flag per ``EngineConfig`` field; help shows the default, its unit and the variable.
 
@@ -549,6 +550,9 @@ def add_flags(
     else the field default (in the flag's unit). ``serve_defaults`` names
     fields whose ``kvtier serve`` default differs, with the text help shows;
     their flags default to ``None`` so :func:`config_from_flags` can fill them.
+    The flags of ``tracked`` fields default to ``None`` as well (help still
+    shows the field default, which :func:`config_from_flags` then applies), so
+    a value in ``args`` means the flag or its variable was given.
     """
     env = os.environ if environ is None else environ
     shown = dict(serve_defaults or {})
@@ -559,7 +563,7 @@ def add_flags(
             group = groups[setting.scope] = parser.add_argument_group(_GROUPS[setting.scope])
         info = EngineConfig.model_fields[name]
         kwargs: dict[str, Any] = {"dest": flag_dest(name), **_flag_type(name)}
-        kwargs["default"] = None if name in shown else _edge_default(name)
+        kwargs["default"] = None if name in shown or name in tracked else _edge_default(name)
         raw = env.get(setting.env)
         if raw is not None and raw.strip():
             # NOTE: a string default goes through `type` like a typed flag, so a
