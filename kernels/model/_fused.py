@@ -33,7 +33,7 @@ the model types in :data:`FUSED_MODEL_TYPES` whose projections are plain
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,10 @@ class FusionReport:
     skipped: str = ""
     rope_layers: int = 0
     """Layers whose RoPE shares its cos/sin table (``kernels.model._rope``)."""
+    few_row: int = 0
+    """Products whose one-position inputs use the few-row product (``kernels.model._few_row``)."""
+    few_row_status: str = ""
+    """Why that is on or off here (``kernels.native.few_row_status``); ``""``: not considered."""
 
 
 class _Group:
@@ -120,6 +124,8 @@ class _Group:
         self._x: mx.array | None = None
         self._y: mx.array | None = None
         self._left: set[int] = set()
+        self.few_row: Callable[[mx.array, mx.array], mx.array] | None = None
+        """The few-row product for one-token inputs (``kernels.model._few_row``); ``None``: BLAS."""
 
     def separate(self, index: int, x: mx.array) -> mx.array:
         w = self.views[index]
@@ -128,13 +134,19 @@ class _Group:
         return x @ w.T
 
     def take(self, index: int, x: mx.array) -> mx.array:
+        few_row = self.few_row if x.ndim >= 2 and x.shape[-2] == 1 else None
         rows = x.size // x.shape[-1] if x.shape[-1] else 0
-        if rows > FUSE_MAX_ROWS or rows in self.split_rows:
+        if few_row is None and (rows > FUSE_MAX_ROWS or rows in self.split_rows):
             return self.separate(index, x)
         # NOTE: the members are called one after the other on the same input
         # object; a new input, or a member asking twice, starts a new product.
         if self._x is not x or index not in self._left:
-            if self.bias is not None:
+            if few_row is not None:
+                # NOTE: one token per row: each output row is summed alone, so the
+                # fused product equals the members' at every row count.
+                product = few_row(x, self.weight)
+                self._y = product + self.bias if self.bias is not None else product
+            elif self.bias is not None:
                 self._y = mx.addmm(self.bias, x, self.weight.T)
             else:
                 self._y = x @ self.weight.T

@@ -18,6 +18,7 @@ from typing import Any
 
 from kernels._errors import KernelError
 
+from ._few_row import apply_few_row
 from ._fused import FusionReport, fuse_projections, fused_projections_enabled
 from ._rope import share_rope_tables
 
@@ -25,6 +26,7 @@ __all__ = [
     "LoadedModel",
     "ModelIdentity",
     "ModelLoadError",
+    "apply_few_row_products",
     "config_fingerprint",
     "load_model",
     "resolve_model_path",
@@ -276,15 +278,31 @@ def transform_forward(model: Any) -> FusionReport:
     return replace(report, rope_layers=shared)
 
 
+def apply_few_row_products(model: Any, report: FusionReport) -> FusionReport:
+    """Route the model's one-token fp32 products through the few-row product where it runs here (in place)."""
+    from kernels.native import few_row_op, few_row_status
+
+    product = few_row_op()
+    routed = apply_few_row(model, product) if product is not None else 0
+    return replace(report, few_row=routed, few_row_status=few_row_status())
+
+
 def load_model(
-    path_or_hf_id: str | Path, *, lazy: bool = False, fuse: bool | None = None
+    path_or_hf_id: str | Path,
+    *,
+    lazy: bool = False,
+    fuse: bool | None = None,
+    few_row: bool | None = None,
 ) -> LoadedModel:
     """Load an mlx-lm model directory or Hugging Face id and compute its identity.
 
     ``fuse``: fuse the q|k|v and gate|up projections (:func:`fuse_projections`:
     bitwise the same outputs, fewer matrix products); default: on the CPU
-    device unless ``KVTIER_FUSED_PROJECTIONS=0``. Runs MLX: call it on the
-    engine thread in server code.
+    device unless ``KVTIER_FUSED_PROJECTIONS=0``. ``few_row``: one-token
+    steps' fp32 products through kvtier's few-row product
+    (``kernels.model._few_row``; not bitwise mlx-lm's); default: on the CPU
+    device where the extension builds, unless ``KVTIER_FEW_ROW=0``. Runs
+    MLX: call it on the engine thread in server code.
     """
     from mlx_lm import load as mlx_load
 
@@ -313,6 +331,13 @@ def load_model(
         # Metal and CUDA keep mlx-lm's layers.
         fuse = fused_projections_enabled() and mx.default_device() == mx.cpu
     fusion = transform_forward(model) if fuse else None
+    if few_row is None:
+        import mlx.core as mx
+
+        # NOTE: measured on the CPU only (docs/batching.md, "Few-row products").
+        few_row = mx.default_device() == mx.cpu
+    if few_row:
+        fusion = apply_few_row_products(model, fusion or FusionReport())
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

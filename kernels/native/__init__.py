@@ -1,0 +1,37 @@
+"""Native code kvtier builds on this machine: the few-row product of one-token CPU steps.
+
+Every name is re-exported from a private module. See ``_build.py`` for how
+the extension is built and cached, ``_few_row.py`` for the operation.
+"""
+
+from __future__ import annotations
+
+from ._build import (
+    MODULE_NAME,
+    NativeUnavailable,
+    cpu_supports_kernel,
+    extension_dir,
+    load_extension,
+)
+from ._few_row import (
+    FEW_ROW_ENV,
+    FEW_ROW_THREADS_ENV,
+    few_row_enabled,
+    few_row_op,
+    few_row_status,
+    few_row_threads,
+)
+
+__all__ = [
+    "FEW_ROW_ENV",
+    "FEW_ROW_THREADS_ENV",
+    "MODULE_NAME",
+    "NativeUnavailable",
+    "cpu_supports_kernel",
+    "extension_dir",
+    "few_row_enabled",
+    "few_row_op",
+    "few_row_status",
+    "few_row_threads",
+    "load_extension",
+]

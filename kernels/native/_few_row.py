@@ -1,0 +1,106 @@
+"""The few-row product as an MLX operation: availability, the switch, the thread count.
+
+:func:`few_row_op` returns a callable ``(x, w) -> x @ w.T`` for float32
+arrays on the CPU stream whose every output row is computed alone (the same
+bits whatever other rows share the call), or ``None`` where it is switched
+off or cannot run here (:func:`few_row_status` says why). The first call
+builds or loads the extension (``_build.py``) and checks it against MLX's
+own product on random data before trusting it. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import mlx.core as mx
+
+from ._build import NativeUnavailable, load_extension
+
+__all__ = [
+    "FEW_ROW_ENV",
+    "FEW_ROW_THREADS_ENV",
+    "few_row_enabled",
+    "few_row_op",
+    "few_row_status",
+    "few_row_threads",
+]
+
+FEW_ROW_ENV = "KVTIER_FEW_ROW"
+"""Environment switch: ``0`` keeps MLX's product for one-token steps on the CPU."""
+
+FEW_ROW_THREADS_ENV = "KVTIER_FEW_ROW_THREADS"
+"""Threads of one product (default: the usable CPUs, at most 8)."""
+
+_state: dict[str, Any] = {}
+
+
+def few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """False when ``KVTIER_FEW_ROW`` is ``0``/``false``/``off``/``no`` (default: enabled)."""
+    value = (os.environ if env is None else env).get(FEW_ROW_ENV, "1").strip().lower()
+    return value not in {"0", "false", "off", "no"}
+
+
+def few_row_threads(env: Mapping[str, str] | None = None) -> int:
+    """Threads per product: ``KVTIER_FEW_ROW_THREADS`` (1-16), else the usable CPUs clamped to 1-8."""
+    raw = (os.environ if env is None else env).get(FEW_ROW_THREADS_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError as exc:
+            raise ValueError(f"{FEW_ROW_THREADS_ENV} must be an integer, got {raw!r}") from exc
+        if not 1 <= value <= 16:
+            raise ValueError(f"{FEW_ROW_THREADS_ENV} must be 1-16, got {value}")
+        return value
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+def _check(fn: Callable[[mx.array, mx.array], mx.array]) -> None:
+    """The product against MLX's on random data, and row independence; raises NativeUnavailable."""
+    key = mx.random.key(7)
+    kx, kw = mx.random.split(key)
+    x = mx.random.normal((6, 200), key=kx)
+    w = mx.random.normal((70, 200), key=kw)
+    got = fn(x, w)
+    ref = x @ w.T
+    alone = fn(x[4:5], w)
+    mx.eval(got, ref, alone)
+    if not mx.allclose(got, ref, rtol=1e-4, atol=1e-3).item():
+        raise NativeUnavailable("the few-row extension disagrees with MLX's product")
+    if not mx.array_equal(alone[0], got[4]).item():
+        raise NativeUnavailable("the few-row extension's rows depend on each other")
+
+
+def few_row_op() -> Callable[[mx.array, mx.array], mx.array] | None:
+    """``(x, w) -> x @ w.T`` through the extension, or ``None`` (switched off, or unavailable here)."""
+    if "op" in _state:
+        op: Callable[[mx.array, mx.array], mx.array] | None = _state["op"]
+        return op
+    if not few_row_enabled():
+        _state["op"], _state["status"] = None, f"off ({FEW_ROW_ENV}=0)"
+        return None
+    try:
+        threads = few_row_threads()
+        module = load_extension()
+        raw = module.few_row
+
+        def fn(x: mx.array, w: mx.array) -> mx.array:
+            out: mx.array = raw(x, w, threads)
+            return out
+
+        _check(fn)
+    except (NativeUnavailable, OSError, ValueError) as exc:
+        _state["op"], _state["status"] = None, f"unavailable: {exc}"
+        return None
+    _state["op"], _state["status"] = fn, f"on ({threads} threads)"
+    return fn
+
+
+def few_row_status() -> str:
+    """What :func:`few_row_op` decided (``"not tried"`` before its first call)."""
+    return str(_state.get("status", "not tried"))

@@ -1,0 +1,88 @@
+// kvtier: the few-row product as an MLX primitive, so it stays inside MLX's
+// lazy graph on the CPU stream (an eager call would evaluate the graph at every
+// projection). Built on demand by kernels/native/_build.py against the
+// installed MLX headers and nanobind (domain "mlx", so arrays cross as
+// mlx.core.array).
+#include <stdexcept>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+extern "C" int kvtier_few_row_matmul(
+    const float* x, const float* w, float* y, int M, int K, int N, int threads);
+
+namespace {
+
+class FewRowMatmul : public mx::Primitive {
+ public:
+  FewRowMatmul(mx::Stream stream, int threads) : mx::Primitive(stream), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    auto& out = outputs[0];
+    if (!x.flags().row_contiguous || !w.flags().row_contiguous) {
+      throw std::runtime_error("few_row: inputs must be row-contiguous");
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    const int k = static_cast<int>(w.shape(1));
+    const int n = static_cast<int>(w.shape(0));
+    const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x),
+                      w = mx::array::unsafe_weak_copy(w),
+                      out = mx::array::unsafe_weak_copy(out),
+                      m, k, n, threads = threads_]() mutable {
+      kvtier_few_row_matmul(x.data<float>(), w.data<float>(), out.data<float>(), m, k, n, threads);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("few_row runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "KvtierFewRowMatmul";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return threads_ == static_cast<const FewRowMatmul&>(other).threads_;
+  }
+
+ private:
+  int threads_;
+};
+
+mx::array few_row(const mx::array& x, const mx::array& w, int threads) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
+    throw std::invalid_argument("few_row: x and w must be float32");
+  }
+  if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("few_row: x (..., K) and w (N, K)");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  auto xc = mx::contiguous(x, false, stream);
+  auto wc = mx::contiguous(w, false, stream);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(
+      std::move(shape), mx::float32, std::make_shared<FewRowMatmul>(stream, threads), {xc, wc});
+}
+
+}  // namespace
+
+NB_MODULE(_kvtier_few_row, m) {
+  m.def("few_row", &few_row, nb::arg("x"), nb::arg("w"), nb::arg("threads") = 2,
+        "x @ w.T on the CPU stream for float32 x (..., K) and w (N, K), each output row "
+        "independent of the others.");
+}
