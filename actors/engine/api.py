@@ -717,7 +717,13 @@ class Engine(_StartClose):
         import kernels
 
         path = self._model_arg if self._model_arg is not None else kernels.ensure_default_model()
-        return kernels.load_model(path)
+        loaded = kernels.load_model(path)
+        fusion = loaded.fusion
+        if fusion is not None and fusion.few_row_status:
+            # NOTE: one line says whether one-token CPU steps use kvtier's few-row
+            # product, and why not (docs/batching.md "Few-row products (CPU)").
+            _log.info("engine.few_row", products=fusion.few_row, status=fusion.few_row_status)
+        return loaded
 
     def begin_shutdown(self) -> None:
         """Stop admission now: new requests get ``ServerShuttingDown``; in-flight streams finish."""
