@@ -99,7 +99,21 @@ static void* worker(void* arg) {
   return 0;
 }
 
+/* A forked child has the parent's counters but none of its threads: start over. */
+static void reset_in_child(void) {
+  pthread_mutex_init(&call_mu, 0);
+  pthread_mutex_init(&mu, 0);
+  pthread_cond_init(&start_cv, 0);
+  pthread_cond_init(&done_cv, 0);
+  workers = 0;
+  active = 0;
+  pending = 0;
+}
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(0, 0, reset_in_child); }
+
 int kvtier_few_row_matmul(const float* x, const float* w, float* y, int M, int K, int N, int threads) {
+  pthread_once(&atfork_once, register_atfork);
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (threads > N) threads = N > 0 ? N : 1;
