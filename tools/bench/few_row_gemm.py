@@ -7,9 +7,10 @@ streams faster. Issue #10's CPU line (aggregate ≥ 1.1 × ``mlx_lm.server``
 at 4 and 8 clients) would need that time to shrink, and MLX has no way to
 plug a CPU kernel into its graph from Python. This probe answers the first
 question only: how fast a plain AVX2 kernel is (one weight row at a time,
-one 8-lane accumulator per input row, so every output element is summed in
-the same order whatever the row count), against MLX's product
-(``x @ w.T``) on the same data, for the default model's decode shapes.
+one 8-lane accumulator per input row in blocks of up to 4 rows over
+L2-sized tiles of weight rows, so every output element is summed in the
+same order whatever the row count), against MLX's product (``x @ w.T``) on
+the same data, for the default model's decode shapes.
 
 Each shape is timed over ``--copies`` distinct weight matrices (like the
 layers of a step), so the weights come from memory, not the cache; best of
@@ -43,37 +44,56 @@ SOURCE = r"""
 #include <pthread.h>
 #include <stddef.h>
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] for weight rows n in [n0, n1). */
-static void part(const float* x, const float* w, float* y, int M, int K, int N, int n0, int n1) {
-  for (int n = n0; n < n1; n++) {
-    const float* wr = w + (size_t)n * K;
-    __m256 acc[8];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 8 <= K; k += 8) {
-      __m256 wv = _mm256_loadu_ps(wr + k);
-      for (int m = 0; m < M; m++)
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * K + k), wv, acc[m]);
-    }
-    for (int m = 0; m < M; m++) {
-      __m128 lo = _mm256_castps256_ps128(acc[m]), hi = _mm256_extractf128_ps(acc[m], 1);
-      lo = _mm_add_ps(lo, hi);
-      lo = _mm_hadd_ps(lo, lo);
-      lo = _mm_hadd_ps(lo, lo);
-      float s = _mm_cvtss_f32(lo);
-      for (int kk = k; kk < K; kk++) s += x[(size_t)m * K + kk] * wr[kk];
-      y[(size_t)m * N + n] = s;
-    }
-  }
+static inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
 }
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] for MM input rows (a compile-time count, so the
+   accumulators can stay in registers) and weight rows n in [n0, n1). Each output
+   element is one 8-lane accumulator over k in order, then a fixed horizontal sum:
+   the same order whatever MM, the tile or the thread split. */
+#define ROWS(MM)                                                                       \
+static void rows##MM(const float* restrict x, const float* restrict w, float* restrict y, \
+                     int K, int N, int n0, int n1) {                                   \
+  for (int n = n0; n < n1; n++) {                                                      \
+    const float* wr = w + (size_t)n * K;                                               \
+    __m256 acc[MM];                                                                    \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();  \
+    int k = 0;                                                                         \
+    for (; k + 8 <= K; k += 8) {                                                       \
+      __m256 wv = _mm256_loadu_ps(wr + k);                                             \
+      _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++)                             \
+        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * K + k), wv, acc[m]);  \
+    }                                                                                  \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) {                             \
+      float s = hsum(acc[m]);                                                          \
+      for (int kk = k; kk < K; kk++) s += x[(size_t)m * K + kk] * wr[kk];              \
+      y[(size_t)m * N + n] = s;                                                        \
+    }                                                                                  \
+  }                                                                                    \
+}
+ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+
+typedef void (*rows_fn)(const float*, const float*, float*, int, int, int, int);
+static const rows_fn FNS[5] = {0, rows1, rows2, rows3, rows4};
 
 typedef struct { const float* x; const float* w; float* y; int M, K, N, n0, n1; } job;
 
+/* Weight rows in tiles of TILE (fits the L2 cache): every block of 4 input rows
+   reads the tile, so the weights come from memory once. */
+#define TILE 32
 static void* run(void* a) {
   job* j = a;
-  for (int m0 = 0; m0 < j->M; m0 += 8) {
-    int mm = j->M - m0 < 8 ? j->M - m0 : 8;
-    part(j->x + (size_t)m0 * j->K, j->w, j->y + (size_t)m0 * j->N, mm, j->K, j->N, j->n0, j->n1);
+  for (int t0 = j->n0; t0 < j->n1; t0 += TILE) {
+    int t1 = t0 + TILE < j->n1 ? t0 + TILE : j->n1;
+    for (int m0 = 0; m0 < j->M; m0 += 4) {
+      int mm = j->M - m0 < 4 ? j->M - m0 : 4;
+      FNS[mm](j->x + (size_t)m0 * j->K, j->w, j->y + (size_t)m0 * j->N, j->K, j->N, t0, t1);
+    }
   }
   return 0;
 }
