@@ -125,3 +125,14 @@ def test_a_failed_build_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(NativeUnavailable, match="building the few-row extension failed"):
         load_extension(tmp_path)
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_weights_that_are_views_or_lazy(op: Op) -> None:
+    """A transposed (not row-contiguous) or not yet evaluated weight gives the same bits as the plain one."""
+    x, w = _data(3, 80, 41, seed=8)
+    mx.eval(w)
+    transposed = mx.array(w.T).T
+    lazy = w * 1.0
+    ref = op(x, w)
+    assert mx.array_equal(op(x, transposed), ref).item()
+    assert mx.array_equal(op(x, lazy), ref).item()
