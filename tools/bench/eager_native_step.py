@@ -55,7 +55,7 @@ class EagerLinear(nn.Module):  # type: ignore[misc]
         m, k = xn.shape
         n = self._w.shape[0]
         y = np.empty((m, n), np.float32)
-        self._dll.few_row_matmul(
+        self._dll.kvtier_few_row_matmul(
             xn.ctypes.data, self._w.ctypes.data, y.ctypes.data, m, k, n, self._threads
         )
         return mx.array(y).reshape(x.shape[0], 1, n)

@@ -1,12 +1,12 @@
-"""What a few-row matrix product that reads each weight once would give a CPU decode step (probe, not product code).
+"""kvtier's few-row product against MLX's on the default model's decode shapes (the kernel alone, no MLX primitive).
 
 Why: on the CPU a batch decode step of the default model is ~70 % matrix
 products, and OpenBLAS's ``sgemm`` reads the fp32 weights at ~11 GB/s for
 1-8 input rows (it packs each weight panel first), where the memory
 streams faster. Issue #10's CPU line (aggregate ≥ 1.1 × ``mlx_lm.server``
 at 4 and 8 clients) would need that time to shrink, and MLX has no way to
-plug a CPU kernel into its graph from Python. This probe answers the first
-question only: how fast a plain AVX2 kernel is (one weight row at a time,
+plug a CPU kernel into its graph from Python. This probe answered the first
+question: how fast a plain AVX2 kernel is (one weight row at a time,
 one 8-lane accumulator per input row in blocks of up to 4 rows over
 L2-sized tiles of weight rows, so every output element is summed in the
 same order whatever the row count), against MLX's product (``x @ w.T``) on
@@ -16,9 +16,10 @@ Each shape is timed over ``--copies`` distinct weight matrices (like the
 layers of a step), so the weights come from memory, not the cache; best of
 ``--reps``. Prints GB/s of weights read and, per row count, the products
 of one decode step of the default model (30 layers: q|k|v, o, gate|up,
-down; the tied LM head) added up for both. The kernel is C, compiled here
-with the system compiler into a temporary directory (``-O3 -mavx2
--mfma``); without a compiler or AVX2 the probe says so and stops.
+down; the tied LM head) added up for both. The kernel is the product's own
+C file (``kernels/native/src/few_row.c``), compiled here with the system
+compiler into a temporary directory (``-O3 -mavx2 -mfma``); without a
+compiler or AVX2 the probe says so and stops.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/bench/few_row_gemm.py
@@ -39,80 +40,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-SOURCE = r"""
-#include <immintrin.h>
-#include <pthread.h>
-#include <stddef.h>
-
-static inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-
-/* y[m, n] = sum_k x[m, k] * w[n, k] for MM input rows (a compile-time count, so the
-   accumulators can stay in registers) and weight rows n in [n0, n1). Each output
-   element is one 8-lane accumulator over k in order, then a fixed horizontal sum:
-   the same order whatever MM, the tile or the thread split. */
-#define ROWS(MM)                                                                       \
-static void rows##MM(const float* restrict x, const float* restrict w, float* restrict y, \
-                     int K, int N, int n0, int n1) {                                   \
-  for (int n = n0; n < n1; n++) {                                                      \
-    const float* wr = w + (size_t)n * K;                                               \
-    __m256 acc[MM];                                                                    \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();  \
-    int k = 0;                                                                         \
-    for (; k + 8 <= K; k += 8) {                                                       \
-      __m256 wv = _mm256_loadu_ps(wr + k);                                             \
-      _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++)                             \
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * K + k), wv, acc[m]);  \
-    }                                                                                  \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) {                             \
-      float s = hsum(acc[m]);                                                          \
-      for (int kk = k; kk < K; kk++) s += x[(size_t)m * K + kk] * wr[kk];              \
-      y[(size_t)m * N + n] = s;                                                        \
-    }                                                                                  \
-  }                                                                                    \
-}
-ROWS(1) ROWS(2) ROWS(3) ROWS(4)
-
-typedef void (*rows_fn)(const float*, const float*, float*, int, int, int, int);
-static const rows_fn FNS[5] = {0, rows1, rows2, rows3, rows4};
-
-typedef struct { const float* x; const float* w; float* y; int M, K, N, n0, n1; } job;
-
-/* Weight rows in tiles of TILE (fits the L2 cache): every block of 4 input rows
-   reads the tile, so the weights come from memory once. */
-#define TILE 32
-static void* run(void* a) {
-  job* j = a;
-  for (int t0 = j->n0; t0 < j->n1; t0 += TILE) {
-    int t1 = t0 + TILE < j->n1 ? t0 + TILE : j->n1;
-    for (int m0 = 0; m0 < j->M; m0 += 4) {
-      int mm = j->M - m0 < 4 ? j->M - m0 : 4;
-      FNS[mm](j->x + (size_t)m0 * j->K, j->w, j->y + (size_t)m0 * j->N, j->K, j->N, t0, t1);
-    }
-  }
-  return 0;
-}
-
-void few_row_matmul(const float* x, const float* w, float* y, int M, int K, int N, int threads) {
-  if (threads > 16) threads = 16;
-  if (threads <= 1) { job j = {x, w, y, M, K, N, 0, N}; run(&j); return; }
-  pthread_t t[16];
-  job j[16];
-  int per = (N + threads - 1) / threads;
-  for (int i = 0; i < threads; i++) {
-    int a = i * per > N ? N : i * per, b = a + per > N ? N : a + per;
-    j[i] = (job){x, w, y, M, K, N, a, b};
-    if (i) pthread_create(&t[i], 0, run, &j[i]);
-  }
-  run(&j[0]);
-  for (int i = 1; i < threads; i++) pthread_join(t[i], 0);
-}
-"""
+SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "native" / "src" / "few_row.c"
+"""The product's own kernel (``kvtier_few_row_matmul``), compiled here without the MLX primitive."""
 
 # (name, out features N, in features K, products of this shape per decode step)
 SHAPES: tuple[tuple[str, int, int, int], ...] = (
@@ -131,16 +60,26 @@ def build(tmp: Path) -> ctypes.CDLL | None:
     if cc is None or " avx2" not in flags or " fma" not in flags:
         print("no C compiler or no AVX2/FMA here: nothing to measure")
         return None
-    src = tmp / "few_row.c"
     lib = tmp / "libfew_row.so"
-    src.write_text(SOURCE)
     subprocess.run(
-        [cc, "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-o", str(lib), str(src), "-lpthread"],
+        [
+            cc,
+            "-O3",
+            "-std=gnu11",
+            "-mavx2",
+            "-mfma",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(lib),
+            str(SOURCE),
+            "-lpthread",
+        ],
         check=True,
     )
     dll = ctypes.CDLL(str(lib))
-    dll.few_row_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    dll.few_row_matmul.restype = None
+    dll.kvtier_few_row_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    dll.kvtier_few_row_matmul.restype = ctypes.c_int
     return dll
 
 
@@ -165,10 +104,10 @@ def measure(
 
     def ours(count: int) -> None:
         for w in ws:
-            dll.few_row_matmul(x.ctypes.data, w.ctypes.data, y.ctypes.data, m, k, n, count)
+            dll.kvtier_few_row_matmul(x.ctypes.data, w.ctypes.data, y.ctypes.data, m, k, n, count)
 
     ours(1)
-    dll.few_row_matmul(x.ctypes.data, ws[0].ctypes.data, y.ctypes.data, m, k, n, 1)
+    dll.kvtier_few_row_matmul(x.ctypes.data, ws[0].ctypes.data, y.ctypes.data, m, k, n, 1)
     err = float(np.abs(y - np.asarray(xm @ wm[0].T)).max())
 
     def theirs() -> None:
