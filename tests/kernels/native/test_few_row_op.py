@@ -14,22 +14,12 @@ from kernels.native import (
     NativeUnavailable,
     cpu_supports_kernel,
     few_row_enabled,
-    few_row_op,
-    few_row_status,
     few_row_threads,
     load_extension,
 )
 
 Op = Callable[[mx.array, mx.array], mx.array]
 
-
-@pytest.fixture(scope="module")
-def op() -> Op:
-    """The product as kvtier uses it (skips where it cannot run: not x86-64 Linux with AVX2, or no compiler)."""
-    fn = few_row_op()
-    if fn is None:
-        pytest.skip(f"the few-row product does not run here: {few_row_status()}")
-    return fn
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kernels.engine import BatchGeneration, SamplingParams
 from kernels.model import FewRowHead, FewRowLinear, apply_few_row, fuse_projections
-from kernels.native import few_row_op, few_row_status
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 Op = Callable[[mx.array, mx.array], mx.array]
 
-
-@pytest.fixture(scope="module")
-def op() -> Op:
-    """The product (skips where it cannot run here)."""
-    fn = few_row_op()
-    if fn is None:
-        pytest.skip(f"the few-row product does not run here: {few_row_status()}")
-    return fn
 
 
 @pytest.fixture(scope="module")
