@@ -489,6 +489,8 @@ class Engine(_StartClose):
         self._model_id = "" if model is None else str(model)
         self._identity: Any = None
         self._model_dir: Path | None = None
+        self._fusion: Any = None
+        """``kernels.FusionReport`` of the model this Engine loaded (``None``: given a loaded model)."""
         self._max_context: int | None = None
         self._engine_thread: Any = None
         self._registry: Any = None
@@ -563,6 +565,7 @@ class Engine(_StartClose):
                 self._tokenizer = loaded.tokenizer
                 self._identity = loaded.identity
                 self._model_dir = loaded.path
+                self._fusion = loaded.fusion
                 self._model_id = loaded.identity.name if self._model_arg is None else str(self._model_arg)
                 self._max_context = _context_limit(loaded.config)
             cfg = self._config
@@ -1270,6 +1273,10 @@ class Engine(_StartClose):
         and the registry's counters are thread-safe reads.
         """
         out: dict[str, Any] = {"model": self._model_id, "state": self._state}
+        fusion = self._fusion
+        if fusion is not None and fusion.few_row_status:
+            # NOTE: whether one-token CPU steps use the few-row product, and why not.
+            out["few_row"] = {"products": fusion.few_row, "status": fusion.few_row_status}
         wired = self._wired
         if wired is not None:
             out.update(await wired.stats(timeout))
