@@ -48,6 +48,30 @@ from gpu_engine import SHAPES, build_model
 from kernels.model import fuse_projections
 
 
+class GateUpMLP:
+    """An MLP whose gate and up projections are one product (always, whatever the row count); no weight views."""
+
+    def __init__(self, mlp: Any) -> None:
+        self.w = mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight], axis=0)
+        self.split = int(mlp.gate_proj.weight.shape[0])
+        self.down_proj = mlp.down_proj
+        mx.eval(self.w)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from mlx_lm.models.activations import swiglu
+
+        y = x @ self.w.T
+        out: mx.array = self.down_proj(swiglu(y[..., : self.split], y[..., self.split :]))
+        return out
+
+
+def fuse_gate_up(model: Any) -> int:
+    """Replace every layer's MLP by :class:`GateUpMLP` (in place); returns how many."""
+    for layer in model.layers:
+        layer.mlp = GateUpMLP(layer.mlp)
+    return len(model.layers)
+
+
 def decode(model: Any, rows: int, prompt_tokens: int, steps: int, seed: int) -> dict[str, Any]:
     """Prefill ``rows`` random prompts, then ``steps`` pipelined greedy steps: timings and tokens."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -100,25 +124,40 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument(
+        "--variant",
+        choices=("probe", "gate-up"),
+        default="probe",
+        help="probe: kvtier's fuse_projections (bit-checked per row count); gate-up: gate|up as one product always",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     dtype = mx.bfloat16 if args.shape != "tiny" else mx.float32
     plain, params_b = build_model(args.shape, args.vocab, 0, dtype)
     fused, _ = build_model(args.shape, args.vocab, 0, dtype)
     t = time.perf_counter()
-    report = fuse_projections(fused)
-    print(
-        f"{args.shape} ({params_b:.2f} B params) on {mx.default_device()}: fused {report.groups} groups "
-        f"in {time.perf_counter() - t:.2f} s; rows computed separately {report.split_rows}; "
-        f"skipped {report.skipped!r}",
-        flush=True,
-    )
+    if args.variant == "gate-up":
+        n = fuse_gate_up(fused)
+        report = None
+        print(
+            f"{args.shape} ({params_b:.2f} B params): gate|up fused in {n} layers, always",
+            flush=True,
+        )
+    else:
+        report = fuse_projections(fused)
+        print(
+            f"{args.shape} ({params_b:.2f} B params) on {mx.default_device()}: fused {report.groups} groups "
+            f"in {time.perf_counter() - t:.2f} s; rows computed separately {report.split_rows}; "
+            f"skipped {report.skipped!r}",
+            flush=True,
+        )
     rows = [int(x) for x in args.rows.split(",")]
     out: dict[str, Any] = {
         "shape": args.shape,
         "device": str(mx.default_device()),
-        "split_rows": [list(x) for x in report.split_rows],
-        "groups": report.groups,
+        "variant": args.variant,
+        "split_rows": [list(x) for x in report.split_rows] if report is not None else [],
+        "groups": report.groups if report is not None else 0,
         "records": [],
     }
     for b in rows:
