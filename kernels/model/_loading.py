@@ -19,7 +19,7 @@ from typing import Any
 from kernels._errors import KernelError
 
 from ._few_row import apply_few_row
-from ._fused import FusionReport, fuse_projections, fused_projections_enabled
+from ._fused import FusionReport, fuse_gate_up, fuse_projections, fused_projections_enabled
 from ._rope import share_rope_tables
 
 __all__ = [
@@ -278,6 +278,36 @@ def transform_forward(model: Any) -> FusionReport:
     return replace(report, rope_layers=shared)
 
 
+def transform_for_device(
+    model: Any, *, fuse: bool | None = None, few_row: bool | None = None
+) -> FusionReport | None:
+    """kvtier's load-time changes to the forward for the default device, in place (engine thread).
+
+    CPU: fused projections and shared RoPE tables (bitwise), then one-token
+    products through the few-row product. CUDA: gate|up as one product.
+    Metal: none. ``fuse`` / ``few_row`` as :func:`load_model`'s. Returns
+    what was done (``None``: nothing applied).
+    """
+    import mlx.core as mx
+
+    on_cpu = mx.default_device() == mx.cpu
+    if fuse is None:
+        fuse = fused_projections_enabled()
+    fusion: FusionReport | None = None
+    if fuse and on_cpu:
+        fusion = transform_forward(model)
+    elif fuse and not mx.metal.is_available():
+        # NOTE: CUDA: gate|up as one product (docs/benchmarks/gpu.md, "gate|up
+        # as one product"); Metal was not measured and keeps mlx-lm's layers.
+        fusion = fuse_gate_up(model)
+    if few_row is None:
+        # NOTE: measured on the CPU only (docs/batching.md, "Few-row products").
+        few_row = on_cpu
+    if few_row:
+        fusion = apply_few_row_products(model, fusion or FusionReport())
+    return fusion
+
+
 def apply_few_row_products(model: Any, report: FusionReport) -> FusionReport:
     """Route the model's one-token fp32 products through the few-row product where it runs here (in place)."""
     from kernels.native import few_row_op, few_row_status
@@ -296,9 +326,11 @@ def load_model(
 ) -> LoadedModel:
     """Load an mlx-lm model directory or Hugging Face id and compute its identity.
 
-    ``fuse``: fuse the q|k|v and gate|up projections (:func:`fuse_projections`:
-    bitwise the same outputs, fewer matrix products); default: on the CPU
-    device unless ``KVTIER_FUSED_PROJECTIONS=0``. ``few_row``: one-token
+    ``fuse``: on the CPU, fuse the q|k|v and gate|up projections
+    (:func:`fuse_projections`: bitwise the same outputs, fewer matrix
+    products); on CUDA, gate|up as one product (:func:`fuse_gate_up`: not
+    bitwise mlx-lm's); Metal keeps mlx-lm's layers. Default: on unless
+    ``KVTIER_FUSED_PROJECTIONS=0``. ``few_row``: one-token
     steps' fp32 products through kvtier's few-row product
     (``kernels.model._few_row``; not bitwise mlx-lm's); default: on the CPU
     device where the extension builds, unless ``KVTIER_FEW_ROW=0``. Runs
@@ -324,20 +356,7 @@ def load_model(
         dtype=dtype,
         quantization=quant,
     )
-    if fuse is None:
-        import mlx.core as mx
-
-        # NOTE: measured on the CPU only (docs/batching.md, "Fused projections");
-        # Metal and CUDA keep mlx-lm's layers.
-        fuse = fused_projections_enabled() and mx.default_device() == mx.cpu
-    fusion = transform_forward(model) if fuse else None
-    if few_row is None:
-        import mlx.core as mx
-
-        # NOTE: measured on the CPU only (docs/batching.md, "Few-row products").
-        few_row = mx.default_device() == mx.cpu
-    if few_row:
-        fusion = apply_few_row_products(model, fusion or FusionReport())
+    fusion = transform_for_device(model, fuse=fuse, few_row=few_row)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -230,13 +230,25 @@ async def kvtier_run(
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every round of every row count; returns the raw records."""
     tok = load_tokenizer(args.tok_dir)
-    model, params_b = build_model(
-        args.shape, len(tok.get_vocab()), 0, mx.bfloat16 if args.shape != "tiny" else mx.float32
-    )
+    dtype = mx.bfloat16 if args.shape != "tiny" else mx.float32
+    model, params_b = build_model(args.shape, len(tok.get_vocab()), 0, dtype)
+    # NOTE: kvtier runs the forward its loader makes for this device
+    # (kernels.model.transform_for_device: on CUDA gate|up as one product),
+    # on a second copy of the same weights; BatchGenerator runs mlx-lm's.
+    kv_model = model
+    transform = "none (--plain-forward)"
+    if not args.plain_forward:
+        from kernels.model import transform_for_device
+
+        kv_model, _ = build_model(args.shape, len(tok.get_vocab()), 0, dtype)
+        report = transform_for_device(kv_model, few_row=False)
+        transform = "none" if report is None else f"{report.groups} fused groups"
+    print(f"kvtier's forward: {transform}", flush=True)
     rows = [int(x) for x in args.rows.split(",")]
     out: dict[str, Any] = {
         "shape": args.shape,
         "params_b": params_b,
+        "kvtier_forward": transform,
         "device": str(mx.default_device()),
         "rows": rows,
         "prompt_tokens": args.prompt_tokens,
@@ -262,7 +274,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         async def engine_runs(b: int, label: str, rounds: int) -> list[dict[str, Any]]:
             res: list[dict[str, Any]] = []
             async with Engine.from_loaded(
-                model,
+                kv_model,
                 tok,
                 model_id=args.shape,
                 max_batch=b,
@@ -346,7 +358,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         contenders = ["bg", "kvtier"]
         if args.with_kernel:
             kernel_run(
-                model,
+                kv_model,
                 tok,
                 prompts(b, "warm-k"),
                 min(args.max_tokens, 16),
@@ -368,7 +380,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 elif who == "kernel":
                     rec[who] = timed(
                         lambda b=b: kernel_run(
-                            model,
+                            kv_model,
                             tok,
                             prompts(b, "k"),
                             args.max_tokens,
@@ -524,6 +536,11 @@ def main() -> int:
     )
     p.add_argument("--kvtier-prefill-step-size", type=int, default=2048)
     p.add_argument("--prompt-cache-gb", type=float, default=4.0)
+    p.add_argument(
+        "--plain-forward",
+        action="store_true",
+        help="kvtier runs mlx-lm's forward as built (not the one its loader makes for this device)",
+    )
     p.add_argument(
         "--switch-interval",
         type=float,
