@@ -262,6 +262,28 @@ def _linears(parent: Any, names: Sequence[str]) -> list[Any] | None:
     return linears
 
 
+def _install(
+    parent: Any,
+    names: Sequence[str],
+    linears: Sequence[Any],
+    split_rows: frozenset[int],
+    *,
+    always: bool = False,
+) -> None:
+    """Replace ``parent``'s ``names`` by members of one group over the concatenated weights."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for linear in linears:
+        bounds.append((start, start + linear.weight.shape[0]))
+        start += linear.weight.shape[0]
+    weight = mx.concatenate([linear.weight for linear in linears], axis=0)
+    bias = mx.concatenate([lin.bias for lin in linears]) if "bias" in linears[0] else None
+    mx.eval(weight, bias if bias is not None else [])
+    group = _Group(weight, bias, bounds, split_rows, always=always)
+    for index, name in enumerate(names):
+        setattr(parent, name, FusedLinear(group, index))
+
+
 def fuse_gate_up(model: Any) -> FusionReport:
     """Make each layer's MLP gate|up ONE product at every row count, in place (GPU; engine thread).
 
@@ -287,17 +309,7 @@ def fuse_gate_up(model: Any) -> FusionReport:
         linears = _linears(parent, names) if parent is not None else None
         if linears is None:
             continue
-        bounds: list[tuple[int, int]] = []
-        start = 0
-        for linear in linears:
-            bounds.append((start, start + linear.weight.shape[0]))
-            start += linear.weight.shape[0]
-        weight = mx.concatenate([linear.weight for linear in linears], axis=0)
-        bias = mx.concatenate([lin.bias for lin in linears]) if "bias" in linears[0] else None
-        mx.eval(weight, bias if bias is not None else [])
-        group = _Group(weight, bias, bounds, frozenset(), always=True)
-        for index, name in enumerate(names):
-            setattr(parent, name, FusedLinear(group, index))
+        _install(parent, names, linears, frozenset(), always=True)
         fused += 1
     return FusionReport(groups=fused, skipped="" if fused else "no plain gate|up projections")
 
@@ -328,21 +340,7 @@ def fuse_projections(model: Any) -> FusionReport:
             split = probes[sig]
             if split is None:
                 continue
-            bounds: list[tuple[int, int]] = []
-            start = 0
-            for linear in linears:
-                bounds.append((start, start + linear.weight.shape[0]))
-                start += linear.weight.shape[0]
-            weight = mx.concatenate([linear.weight for linear in linears], axis=0)
-            bias = (
-                mx.concatenate([linear.bias for linear in linears])
-                if "bias" in linears[0]
-                else None
-            )
-            mx.eval(weight, bias if bias is not None else [])
-            group = _Group(weight, bias, bounds, split)
-            for index, name in enumerate(names):
-                setattr(parent, name, FusedLinear(group, index))
+            _install(parent, names, linears, split)
             fused += 1
     split_rows = tuple(
         (sig, tuple(sorted(rows))) for sig, rows in probes.items() if rows is not None
