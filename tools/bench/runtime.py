@@ -14,14 +14,19 @@ import io
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import anyio
 import structlog
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_messages import Count, Ping, Pong
+
 from actors.runtime import Actor, ActorSystem, Context, configure_logging, set_tracing
-from messages import Count, Envelope, Ping, Pong
+from messages import Envelope
 
 
 class _Sink(Actor):
