@@ -165,6 +165,13 @@ class EngineConfig(BaseModel):
                                 "for the reader"),
         Setting("KVTIER_STREAM_BUFFER", "--stream-buffer", unit="events"),
     ] = 64
+    stream_write_timeout_s: Annotated[
+        float,
+        Field(gt=0, description="deadline on every write to a request's stream (its event "
+                                "buffer, an HTTP response): a reader that takes nothing for this "
+                                "long loses its stream, and its engine turn ends within one step"),
+        Setting("KVTIER_STREAM_WRITE_TIMEOUT", "--stream-write-timeout", unit="s"),
+    ] = 30.0
     snapshot_min_new_tokens: Annotated[
         int,
         Field(ge=0, description="uncached prompt tokens a chat request needs before its "
@@ -259,6 +266,13 @@ class EngineConfig(BaseModel):
         Setting("KVTIER_API_KEY", "--api-key", scope="server", metavar="KEY",
                 shown_default="no auth"),
     ] = None
+    cache_namespace: Annotated[
+        Literal["shared", "api-key"],
+        Field(description="prompt-cache isolation: shared = clients share cached prefixes "
+                          "unless a request sends cache_salt; api-key = each bearer token gets "
+                          "its own namespace (with cache_salt: the pair)"),
+        Setting("KVTIER_CACHE_NAMESPACE", "--cache-namespace", scope="server"),
+    ] = "shared"
     max_body_bytes: Annotated[
         int,
         Field(ge=1, description="largest request body; more gets 413"),
@@ -285,7 +299,8 @@ class EngineConfig(BaseModel):
     ssd_cache_max_bytes: Annotated[
         int | None,
         Field(ge=0, description="SSD tier byte cap (flag and variable in GiB); "
-                                "None = the smaller of 32 GiB and a quarter of the free space"),
+                                "None = the smaller of 32 GiB and a quarter of the free space; "
+                                "0 = no cap (existing files are kept; a full disk ends stores)"),
         Setting("KVTIER_SSD_CACHE_MAX_GB", "--ssd-cache-max", scope="ssd", unit="GiB",
                 scale=GIB, metavar="GB",
                 shown_default="the smaller of 32 GiB and a quarter of the free space"),

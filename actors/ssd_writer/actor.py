@@ -112,7 +112,8 @@ class SsdWriterConfig:
 
     ``root``: the cache directory (``--ssd-cache DIR``); files live under
     ``<root>/<identity.fingerprint>/<namespace digest>/``. ``max_bytes``:
-    the byte cap (``--ssd-cache-max``), temp files included. ``verify``:
+    the byte cap (``--ssd-cache-max``), temp files included; 0: no cap
+    (a full disk ends stores with ``disk_full``). ``verify``:
     check every tensor's hash on restore (``--ssd-cache-verify``).
     ``io_threads``: the worker-thread pool shared by the tier's file work.
     ``ask_timeout``: deadline of the store worker's asks to the index.

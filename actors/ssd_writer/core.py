@@ -38,6 +38,7 @@ import hashlib
 import itertools
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -591,6 +592,16 @@ def _used(state: IndexState) -> int:
     return state.indexed_bytes + state.leftover_bytes + state.reserved_bytes
 
 
+def _cap(state: IndexState) -> int:
+    """The byte cap in force: ``max_bytes``, or no cap when it is 0 (``--ssd-cache-max 0``).
+
+    NOTE: 0 means unlimited (docs/rules.md D5-2), never "store nothing":
+    read as a cap of 0 bytes, the startup scan would delete every file as
+    over the cap. Without a cap a full disk ends stores with ``disk_full``.
+    """
+    return state.max_bytes if state.max_bytes > 0 else sys.maxsize
+
+
 def _lru(state: IndexState, *, exclude: str | None = None) -> list[IndexEntry]:
     """Indexed entries, least recently used first."""
     return sorted(
@@ -701,8 +712,6 @@ def store(state: IndexState, envelope: Envelope, msg: Store) -> list[Effect]:
         return _store_refused(envelope, msg, "invalid")
     if state.read_only:
         return _store_refused(envelope, msg, "read_only")
-    if state.max_bytes == 0:
-        return _store_refused(envelope, msg, "disabled")
     existing = state.by_namespace.get(msg.namespace, {}).get(msg.tokens)
     if existing is not None:
         # NOTE: the same tokens under the same fingerprint are the same KV;
@@ -758,7 +767,7 @@ def reserve(state: IndexState, envelope: Envelope, msg: ReserveSpace) -> list[Ef
         return [Answer(envelope, SpaceReserved(ok=False, reason="unknown_job"))]
     if job.reserved:
         return [Answer(envelope, SpaceReserved(ok=False, reason="already_reserved"))]
-    if msg.file_bytes > state.max_bytes:
+    if msg.file_bytes > _cap(state):
         state.too_large += 1
         return [Answer(envelope, SpaceReserved(ok=False, reason="too_large"))]
     # NOTE: victims in this order: leftovers (they serve nothing; removing one
@@ -775,7 +784,7 @@ def reserve(state: IndexState, envelope: Envelope, msg: ReserveSpace) -> list[Ef
     freeing: dict[str, int] = {}
     evict: list[str] = []
     for candidate in candidates:
-        if _used(state) + msg.file_bytes <= state.max_bytes:
+        if _used(state) + msg.file_bytes <= _cap(state):
             break
         if isinstance(candidate, IndexEntry):
             _unindex(state, candidate)
@@ -784,7 +793,7 @@ def reserve(state: IndexState, envelope: Envelope, msg: ReserveSpace) -> list[Ef
         else:
             freeing[candidate] = _drop_leftover(state, candidate)
             evict.append(candidate)
-    if _used(state) + msg.file_bytes > state.max_bytes:
+    if _used(state) + msg.file_bytes > _cap(state):
         # NOTE: only other reservations can be left (not with one store worker);
         # put the victims back rather than delete files for nothing.
         for victim in victims:
@@ -866,7 +875,7 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
         evicted = len(job.evicting) - len(unremoved)
         # NOTE: the reservation already made room for the planned size; this
         # only matters if the committed file came out larger than planned.
-        excess = _used(state) - state.max_bytes
+        excess = _used(state) - _cap(state)
         for victim in _lru(state, exclude=new.path):
             if excess <= 0:
                 break
@@ -959,7 +968,9 @@ def restore(state: IndexState, envelope: Envelope, msg: Restore) -> list[Effect]
     if not msg.reply_to:
         return []  # NOTE: a told Restore has no one to hand the bytes to.
     entry = state.entries.get(msg.path)
-    if entry is None:
+    # NOTE: a path names its namespace's directory, but only by a 64-bit
+    # digest; the index's namespace is the authority (cache isolation).
+    if entry is None or entry.namespace != msg.namespace:
         state.restore_failures += 1
         gone = RestoreResult(ok=False, path=msg.path, reason="gone", ticket=msg.ticket)
         return [Answer(envelope, gone)]
@@ -1127,7 +1138,7 @@ def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Eff
     # durable before its room is reused, so a crash cannot bring back more
     # than the cap (docs/reliability.md).
     victims: list[str | IndexEntry] = [*sorted(f.path for f in unreadable), *_lru(state)]
-    excess = state.indexed_bytes + state.leftover_bytes - state.max_bytes
+    excess = state.indexed_bytes + state.leftover_bytes - _cap(state)
     for victim in victims:
         if excess <= 0:
             break

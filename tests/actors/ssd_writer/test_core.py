@@ -139,7 +139,7 @@ def drive_store(
     _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
     reserved = answer(fx)
     assert isinstance(reserved, SpaceReserved)
-    assert state.indexed_bytes + state.reserved_bytes <= state.max_bytes or not reserved.ok
+    assert state.indexed_bytes + state.reserved_bytes <= (state.max_bytes or 2**63) or not reserved.ok
     path = start.path
     report = env(
         EntryWritten(
@@ -494,10 +494,10 @@ def test_abandoned_job_answers_the_store_and_restores_victims() -> None:
     assert state.jobs == {}
 
 
-def test_read_only_and_disabled_tiers_refuse_stores() -> None:
-    """read_only (another server owns the directory) and max_bytes 0 never start a write."""
+def test_read_only_tiers_refuse_stores_and_uncapped_ones_write() -> None:
+    """read_only (another server owns the directory) never starts a write; max_bytes 0 (no cap) does."""
     assert drive_store(new_state(read_only=True), (1, 2)).result.reason == "read_only"
-    assert drive_store(new_state(max_bytes=0), (1, 2)).result.reason == "disabled"
+    assert drive_store(new_state(max_bytes=0), (1, 2), nbytes=10**15).result.stored
 
 
 # --- restore --------------------------------------------------------------------------------
