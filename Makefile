@@ -14,10 +14,16 @@ RUN_ENV := $(if $(OPENBLAS),LD_PRELOAD=$(firstword $(OPENBLAS)),)
 
 .PHONY: venv serve test test-slow lint typecheck bench fetch-model native clean openblas-hint
 
+# NOTE: pip runs quietly and takes about a minute on a fresh clone; the echo
+# lines say what is happening meanwhile.
 $(VENV)/.installed: pyproject.toml
+	@echo "kvtier: creating the virtual environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "kvtier: upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
+	@echo "kvtier: installing kvtier and its dependencies (MLX, mlx-lm, FastAPI, dev tools); about a minute on a fresh clone"
 	$(PY) -m pip install -q -e '.[dev]'
+	@echo "kvtier: installed into $(VENV)"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -29,11 +35,13 @@ openblas-hint:
 	fi
 
 fetch-model: venv
+	@echo "kvtier: checking the default model (downloaded and converted on the first run only, into $${KVTIER_HOME:-~/.cache/kvtier})"
 	$(RUN_ENV) $(VENV)/bin/kvtier fetch-default-model
 
 # NOTE: builds the few-row product once (cached under $$KVTIER_HOME/native);
 # optional: where it cannot build, kvtier says why and keeps MLX's product.
 native: venv
+	@echo "kvtier: checking the few-row product (built on the first run only, into $${KVTIER_HOME:-~/.cache/kvtier}/native)"
 	$(RUN_ENV) $(PY) -m kernels.native
 
 serve: venv openblas-hint fetch-model native
