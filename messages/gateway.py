@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._base import Body, Request
-from .prompt_cache import TakeResult
+from .prompt_cache import CACHE_SALT_MAX_CHARS, TakeResult, cache_namespace
 
 __all__ = [
     "AdmissionReply",
@@ -71,6 +71,13 @@ class GenerationParams(_Data):
     constrains decoding to a language (an llguidance grammar, made by
     ``kernels.engine.json_schema_grammar`` or ``tool_call_grammar``; ``None``:
     unconstrained).
+
+    ``cache_salt`` (vLLM's field) and ``cache_scope`` choose the prompt-cache
+    namespace (``messages.prompt_cache.cache_namespace``): a request reuses
+    cached KV only when the prompt prefix and both values match (``None``:
+    the shared namespace). The salt is the client's; the scope is set by the
+    server (a digest of the API key with ``--cache-namespace api-key``) or by
+    an embedder separating its users. Neither changes the output.
     """
 
     max_tokens: int = Field(default=512, ge=1)
@@ -94,6 +101,8 @@ class GenerationParams(_Data):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     grammar: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX_CHARS)
+    cache_scope: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX_CHARS)
 
     @field_validator("stop")
     @classmethod
@@ -114,6 +123,11 @@ class GenerationParams(_Data):
     def greedy(self) -> bool:
         """True when sampling is argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def cache_namespace(self) -> str:
+        """The prompt-cache namespace these parameters select (``""``: shared by every client)."""
+        return cache_namespace(self.cache_salt, self.cache_scope)
 
 
 class Usage(_Data):
@@ -160,6 +174,17 @@ class Generate(Request):
     stream_to: str = ""
     chat: bool = False
     namespace: str = ""
+    """The prompt-cache namespace the request's KV is looked up and stored in."""
+
+    @model_validator(mode="after")
+    def _namespace_isolates(self) -> Generate:
+        # NOTE: the gateway keys every Take and Put on ``namespace``; a salted
+        # request admitted under the shared namespace would leak its prefix.
+        if self.params.cache_namespace and not self.namespace.endswith(
+            self.params.cache_namespace
+        ):
+            raise ValueError("namespace must carry params.cache_namespace (cache_salt/cache_scope)")
+        return self
 
 
 class AdmissionReply(Body):

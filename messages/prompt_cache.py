@@ -21,6 +21,7 @@ Protocol (the full walk-through is ``docs/prompt-cache.md``):
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ._base import Body, Request
 
 __all__ = [
+    "CACHE_SALT_MAX_CHARS",
     "Demote",
     "DemoteResult",
     "EntryMeta",
@@ -40,7 +42,45 @@ __all__ = [
     "Release",
     "Take",
     "TakeResult",
+    "cache_namespace",
 ]
+
+CACHE_SALT_MAX_CHARS = 256
+"""Longest ``cache_salt`` (and ``cache_scope``) a request may carry, in characters."""
+
+_NAMESPACE_DOMAIN = b"kvtier.cache-namespace.v1\x00"
+_ISOLATION_MARK = "#iso:"
+
+
+def _part(value: str | None) -> bytes:
+    """One length-prefixed field of the namespace digest (``None`` differs from every string)."""
+    if value is None:
+        return b"\x00"
+    raw = value.encode("utf-8")
+    return b"\x01" + len(raw).to_bytes(4, "big") + raw
+
+
+def cache_namespace(salt: str | None = None, scope: str | None = None, *, base: str = "") -> str:
+    """The prompt-cache namespace of a request: cached KV is shared only inside one namespace.
+
+    ``base`` keeps KV of different adapters apart (``""``: the base model).
+    ``salt`` is the request's ``cache_salt``; ``scope`` is set by the server,
+    not the client (``--cache-namespace api-key``: a digest of the request's
+    API key). Without either the namespace is ``base`` (every client shares
+    it); with either it is ``base`` plus ``#iso:`` and a 128-bit SHA-256
+    digest of both, so requests share cached prefixes only when base, scope
+    and salt all match, and a salt given under one scope never meets the same
+    salt under another.
+
+    NOTE: a digest, never the salt or key itself: the namespace is written
+    into every SSD file's header and travels in traced messages. Fields are
+    length-prefixed and ``None`` is encoded apart from every string, so no
+    two different (scope, salt) pairs give the same digest input.
+    """
+    if salt is None and scope is None:
+        return base
+    digest = hashlib.sha256(_NAMESPACE_DOMAIN + _part(scope) + _part(salt)).hexdigest()[:32]
+    return f"{base}{_ISOLATION_MARK}{digest}"
 
 EntryRole = Literal["completion", "snapshot"]
 """``completion``: prompt + generated tokens, put when a request finishes;
@@ -70,8 +110,10 @@ class EntryMeta(BaseModel):
 class Take(Request):
     """Ask for the longest usable cached prefix of ``tokens`` in ``namespace``.
 
-    ``namespace`` keeps KV computed under different adapters apart (``""`` =
-    the base model). The reply is a :class:`TakeResult`.
+    ``namespace`` (:func:`cache_namespace`) keeps KV of different adapters and
+    different ``cache_salt``/API-key scopes apart (``""`` = the base model,
+    shared by every client): entries of one namespace never serve another's
+    prompts. The reply is a :class:`TakeResult`.
     """
 
     kind: Literal["prompt_cache.take"] = "prompt_cache.take"

@@ -72,6 +72,8 @@ estimate yet); ``recompute``: a file exists but prefilling is predicted faster."
 class Find(Request):
     """Ask for the longest usable prefix of ``tokens`` on disk (index only).
 
+    Only files stored under ``namespace`` are candidates (cache isolation:
+    ``messages.prompt_cache.cache_namespace``).
     ``better_than``: usable tokens the caller already has (from the RAM
     tier); only a strictly longer file prefix counts, and the estimator
     weighs restoring it against prefilling the extra tokens only.
@@ -105,12 +107,15 @@ class FindResult(Body):
 class Restore(Request):
     """Read the file at ``path`` (from a :class:`FindResult`) into host buffers.
 
+    ``namespace`` is the one the :class:`Find` asked in: a file indexed under
+    another namespace is answered ``gone``, never read (cache isolation).
     ``ticket`` is the caller's and comes back in the :class:`RestoreResult`
     (the reader answers, so the answer's causation is not this message).
     """
 
     kind: Literal["ssd_writer.restore"] = "ssd_writer.restore"
     path: str
+    namespace: str = ""
     ticket: str = ""
 
 

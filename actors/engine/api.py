@@ -35,6 +35,7 @@ from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack
 import anyio
 import anyio.to_thread
 import structlog
+from pydantic import ValidationError
 
 from actors.errors import (
     ContextTooLong,
@@ -195,6 +196,16 @@ def _engine_config(config: EngineConfig | None, options: Mapping[str, Any]) -> E
     return config.replace(**options) if options else config
 
 
+def _salted(params: GenerationParams, cache_salt: str | None) -> GenerationParams:
+    """``params`` with ``cache_salt`` (when given) as its salt; a bad salt is ``InvalidRequest``."""
+    if cache_salt is None:
+        return params
+    try:
+        return GenerationParams.model_validate({**params.model_dump(), "cache_salt": cache_salt})
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid cache_salt: {exc.errors()[0]['msg']}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     """A whole (non-streamed) generation: what :meth:`Engine.complete` returns."""
@@ -330,6 +341,7 @@ class GenerationStream(_StartClose):
             params=self._params,
             stream_to=inbox.address,
             chat=self._chat,
+            namespace=self._params.cache_namespace,
         )
         try:
             with use_correlation(self.request_id):
@@ -1132,6 +1144,7 @@ class Engine(_StartClose):
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         fit_context: bool = False,
+        cache_salt: str | None = None,
     ) -> GenerationStream:
         """A stream for a chat request (rendered with the model's chat template).
 
@@ -1139,6 +1152,9 @@ class Engine(_StartClose):
         ``fit_context``, ``params.max_tokens`` is an upper bound that shrinks
         to the context the prompt leaves (what OpenAI does when a request
         names no ``max_tokens``) instead of refusing with ``ContextTooLong``.
+        ``cache_salt`` (when given, it replaces ``params.cache_salt``): the
+        request reuses only cached prefixes stored under the same salt (and
+        ``params.cache_scope``); see docs/prompt-cache.md, "Cache isolation".
         """
         if not messages:
             raise InvalidRequest("messages must not be empty")
@@ -1155,7 +1171,7 @@ class Engine(_StartClose):
             self,
             request_id or self._new_id(),
             prepare,
-            params or self._config.default_params(),
+            _salted(params or self._config.default_params(), cache_salt),
             chat=True,
             fit_context=fit_context,
         )
@@ -1167,10 +1183,11 @@ class Engine(_StartClose):
         *,
         request_id: str | None = None,
         fit_context: bool = False,
+        cache_salt: str | None = None,
     ) -> GenerationStream:
         """A stream for a raw completion of ``prompt`` (text, or token ids used verbatim).
 
-        ``fit_context`` as in :meth:`chat`.
+        ``fit_context`` and ``cache_salt`` as in :meth:`chat`.
         """
         prepare: Callable[[], list[int]] | list[int]
         if isinstance(prompt, str):
@@ -1188,7 +1205,7 @@ class Engine(_StartClose):
             self,
             request_id or self._new_id(),
             prepare,
-            params or self._config.default_params(),
+            _salted(params or self._config.default_params(), cache_salt),
             chat=False,
             fit_context=fit_context,
         )
@@ -1200,10 +1217,17 @@ class Engine(_StartClose):
         *,
         request_id: str | None = None,
         fit_context: bool = False,
+        cache_salt: str | None = None,
     ) -> Completion:
         """Run a chat request to the end and return the whole text (non-streaming)."""
         return await self._collect(
-            self.chat(messages, params, request_id=request_id, fit_context=fit_context)
+            self.chat(
+                messages,
+                params,
+                request_id=request_id,
+                fit_context=fit_context,
+                cache_salt=cache_salt,
+            )
         )
 
     async def complete_prompt(
@@ -1213,10 +1237,13 @@ class Engine(_StartClose):
         *,
         request_id: str | None = None,
         fit_context: bool = False,
+        cache_salt: str | None = None,
     ) -> Completion:
         """Run a raw completion to the end and return the whole text (non-streaming)."""
         return await self._collect(
-            self.generate(prompt, params, request_id=request_id, fit_context=fit_context)
+            self.generate(
+                prompt, params, request_id=request_id, fit_context=fit_context, cache_salt=cache_salt
+            )
         )
 
     async def _collect(self, stream: GenerationStream) -> Completion:

@@ -49,6 +49,7 @@ from ._errors import (
     kvtier_error_to_api,
     validation_to_api,
 )
+from ._isolation import request_cache_scope
 from ._metrics import HttpMetrics, MeteredEngine, install_metrics
 from ._middleware import ApiKeyMiddleware, BodyLimitMiddleware, TrailingSlashMiddleware
 from ._port import EnginePort, StreamPort
@@ -336,7 +337,9 @@ def create_app(
         if isinstance(body, ChatCompletionRequest) and needs_grammar(body):
             # NOTE: compiling a schema into a grammar may take milliseconds.
             grammar = await anyio.to_thread.run_sync(grammar_for, body, engine.tool_format)
-        params = to_params(body, settings.defaults, grammar)
+        scope = request_cache_scope(settings.cache_namespace,
+                                    request.headers.get("authorization"))
+        params = to_params(body, settings.defaults, grammar, scope)
         check_against_vocab(body, params, engine.vocab_size)
         named = _request_id(request.scope)
         named.value = rid = f"{prefix}-{named.hex}"

@@ -110,10 +110,12 @@ def resolve_model(requested: str | None, served: str, aliases: Sequence[str]) ->
 
 
 def to_params(body: _SamplingFields, defaults: Defaults,
-              grammar: str | None = None) -> GenerationParams:
+              grammar: str | None = None, cache_scope: str | None = None) -> GenerationParams:
     """Sampling parameters for the engine; bounds violations become a 400 ``ApiError``.
 
-    ``grammar`` (from :func:`grammar_for`) constrains decoding.
+    ``grammar`` (from :func:`grammar_for`) constrains decoding. ``cache_scope``
+    (the server's, e.g. from the API key) joins the body's ``cache_salt`` in
+    choosing the prompt-cache namespace.
     """
     max_tokens = body.requested_max_tokens()
     param = "max_completion_tokens" if (
@@ -145,6 +147,8 @@ def to_params(body: _SamplingFields, defaults: Defaults,
         "stop": tuple(body.stop_list()),
         "seed": body.seed,
         "grammar": grammar,
+        "cache_salt": body.cache_salt,
+        "cache_scope": cache_scope,
     }
     if isinstance(body, ChatCompletionRequest):
         fields["logprobs"] = bool(body.logprobs)

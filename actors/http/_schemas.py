@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from messages.prompt_cache import CACHE_SALT_MAX_CHARS
+
 __all__ = [
     "ChatChoice",
     "ChatChunkChoice",
@@ -170,6 +172,9 @@ class _SamplingFields(_Strict):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # NOTE: vLLM's field: a request reuses cached prefixes only when the salt
+    # matches too (docs/operations.md, "Cache isolation").
+    cache_salt: Annotated[str, Field(min_length=1, max_length=CACHE_SALT_MAX_CHARS)] | None = None
 
     @field_validator("stop")
     @classmethod

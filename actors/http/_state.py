@@ -14,6 +14,7 @@ import anyio
 from actors.engine.config import EngineConfig
 
 from ._convert import Defaults
+from ._isolation import CacheNamespaceMode
 
 __all__ = ["HttpSettings", "HttpState"]
 
@@ -25,11 +26,13 @@ class HttpSettings:
     ``model_aliases``: extra names accepted in the ``model`` field besides the
     engine's ``model_id`` (e.g. the path given to ``--model``).
     ``api_key``: when set, every route but ``/health`` and ``/`` needs ``Bearer <key>``.
+    ``cache_namespace``: ``api-key`` gives each bearer token its own prompt-cache namespace.
     """
 
     defaults: Defaults = field(default_factory=Defaults)
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
+    cache_namespace: CacheNamespaceMode = "shared"
     max_body_bytes: int = EngineConfig().max_body_bytes
 
     @classmethod
@@ -41,6 +44,7 @@ class HttpSettings:
             defaults=Defaults.from_config(config),
             model_aliases=model_aliases,
             api_key=config.api_key,
+            cache_namespace=config.cache_namespace,
             max_body_bytes=config.max_body_bytes,
         )
 

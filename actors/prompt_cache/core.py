@@ -614,7 +614,10 @@ def _find_answered(state: CoreState, pending: PendingTake, find: FindResult) -> 
         and find.cached_tokens < len(pending.take.tokens)
     ):
         pending.phase, pending.find = "restore", find
-        return [AskCold(pending.take_id, Restore(path=find.path, ticket=pending.take_id))]
+        restore = Restore(
+            path=find.path, namespace=pending.take.namespace, ticket=pending.take_id
+        )
+        return [AskCold(pending.take_id, restore)]
     if find.choice == "recompute":
         state.ssd_recompute += 1
     return _answer_ram(state, pending)
