@@ -50,6 +50,20 @@ from ._generation import (
     render_chat,
     run_generation,
 )
+from ._grammar_compiler import (
+    CHILD_STACK_BYTES,
+    COMPILE_STACK_BYTES,
+    CompileResult,
+    GrammarCompiler,
+    default_compiler,
+    run_with_stack,
+)
+from ._grammar_errors import (
+    GrammarCompilerBusy,
+    GrammarTooComplex,
+    InvalidGrammar,
+    SchemaTooComplex,
+)
 from ._greedy import (
     GreedyGenerationBatch,
     argmax_with_logprobs,
@@ -65,10 +79,17 @@ from ._sampling import (
     make_request_processors,
     make_request_sampler,
 )
+from ._schema_limits import (
+    SchemaLimits,
+    SchemaStats,
+    check_schemas,
+)
+from ._schema_rewrite import (
+    strict_schema,
+)
 from ._structured import (
     GrammarProcessor,
     GrammarViolation,
-    InvalidGrammar,
     check_grammar,
     json_schema_grammar,
     prepare_grammar,
@@ -96,6 +117,8 @@ __all__ = [
     "BATCH_SSM_ENV",
     "BLAS_TUNE_ENV",
     "BUSY_FRACTION",
+    "CHILD_STACK_BYTES",
+    "COMPILE_STACK_BYTES",
     "IDLE_PREFILL_ROWS",
     "BatchFull",
     "BatchGate",
@@ -104,10 +127,14 @@ __all__ = [
     "BatchStep",
     "BlasTuning",
     "CacheHook",
+    "CompileResult",
     "EngineStats",
     "EngineThread",
     "Generation",
+    "GrammarCompiler",
+    "GrammarCompilerBusy",
     "GrammarProcessor",
+    "GrammarTooComplex",
     "GrammarViolation",
     "GreedyGenerationBatch",
     "InvalidGrammar",
@@ -120,6 +147,9 @@ __all__ = [
     "RowSnapshot",
     "RowToken",
     "SamplingParams",
+    "SchemaLimits",
+    "SchemaStats",
+    "SchemaTooComplex",
     "SnapshotBoundary",
     "StepOutput",
     "StepTuning",
@@ -137,6 +167,8 @@ __all__ = [
     "batch_ssm_enabled",
     "blas_tune_enabled",
     "check_grammar",
+    "check_schemas",
+    "default_compiler",
     "encode_prompt",
     "find_openblas",
     "greedy_without_logprobs",
@@ -152,7 +184,9 @@ __all__ = [
     "render_chat",
     "require_engine_thread",
     "run_generation",
+    "run_with_stack",
     "start_generation",
+    "strict_schema",
     "tool_call_grammar",
     "tool_format",
     "top_logprobs",

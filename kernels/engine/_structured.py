@@ -23,12 +23,19 @@ tokenizer (about a second for a 50k vocabulary) and compiling a grammar.
 worker thread before admission) and caches the result per tokenizer; the
 engine thread then only copies the compiled matcher.
 
+Nothing reaches llguidance's compiler unchecked (it is native code: a grammar
+it recurses too deep on kills the process): every JSON schema first passes
+:func:`check_schemas` (named limits, ``_schema_limits``), and every grammar
+is first compiled in a child process (``_grammar_compiler``), then in this
+process on a thread with a larger stack than the child's.
+
 NOTE: llguidance ships Metal kernels for applying masks; they do not run on
 the CPU, so the mask is applied with ``mx.where`` here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import weakref
@@ -40,7 +47,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels._errors import InvalidPrompt, KernelError
+from kernels._errors import KernelError
+
+from ._grammar_compiler import GrammarCompiler, default_compiler, run_with_stack
+from ._grammar_errors import InvalidGrammar
+from ._schema_limits import DEFAULT_LIMITS, SchemaLimits, check_schemas
+from ._schema_rewrite import strict_schema
 
 __all__ = [
     "GrammarProcessor",
@@ -65,10 +77,6 @@ _MATCHERS_PER_TOKENIZER = 64
 """Compiled grammars kept per tokenizer (least recently used dropped first)."""
 
 
-class InvalidGrammar(InvalidPrompt):
-    """A grammar (or the JSON schema it came from) that cannot constrain decoding; says why."""
-
-
 class GrammarViolation(KernelError):
     """Decoding left the grammar (a token outside the mask was consumed, or no token is allowed)."""
 
@@ -79,30 +87,70 @@ def _llg() -> Any:
     return llguidance
 
 
-def check_grammar(grammar: str) -> None:
-    """Raise :class:`InvalidGrammar` with llguidance's reason if ``grammar`` does not compile."""
-    try:
-        is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar)
-    except (ValueError, TypeError) as exc:
-        raise InvalidGrammar(str(exc)) from None
-    if is_error:
-        raise InvalidGrammar(messages[0] if messages else "the grammar does not compile")
+_VALIDATED_KEPT = 1024
+"""Digests of grammars the child compiled, kept so admission and the engine do not ask twice."""
+
+_VALIDATED: OrderedDict[bytes, None] = OrderedDict()
+_VALIDATED_LOCK = threading.Lock()
 
 
-def json_schema_grammar(schema: Mapping[str, Any] | None = None) -> str:
+def _digest(grammar: str) -> bytes:
+    return hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).digest()
+
+
+def _validated(grammar: str) -> bool:
+    key = _digest(grammar)
+    with _VALIDATED_LOCK:
+        if key in _VALIDATED:
+            _VALIDATED.move_to_end(key)
+            return True
+    return False
+
+
+def check_grammar(grammar: str, compiler: GrammarCompiler | None = None) -> None:
+    """Raise :class:`InvalidGrammar` with llguidance's reason if ``grammar`` does not compile.
+
+    Compiled in a child process (``compiler``, default the process's pool):
+    a grammar that crashes the compiler or runs past its deadline raises
+    :class:`GrammarTooComplex`; no free child within the deadline raises
+    ``GrammarCompilerBusy``. Blocks: call it on a worker thread.
+    """
+    if _validated(grammar):
+        return
+    result = (compiler or default_compiler()).validate(grammar)
+    if result.is_error:
+        raise InvalidGrammar(result.messages[0] if result.messages
+                             else "the grammar does not compile")
+    with _VALIDATED_LOCK:
+        _VALIDATED[_digest(grammar)] = None
+        while len(_VALIDATED) > _VALIDATED_KEPT:
+            _VALIDATED.popitem(last=False)
+
+
+def json_schema_grammar(schema: Mapping[str, Any] | None = None, *,
+                        where: str = "response_format.json_schema.schema",
+                        limits: SchemaLimits = DEFAULT_LIMITS) -> str:
     """The grammar of JSON documents valid under ``schema`` (``None``: any JSON object).
 
     Unsupported schema keywords are refused (never ignored), so every
-    completed output validates against the schema. Raises
-    :class:`InvalidGrammar`. Pure (no MLX, no tokenizer).
+    completed output validates against the schema. The schema passes
+    :func:`check_schemas` (``where`` names it in the error) before any
+    compiling. Raises :class:`InvalidGrammar` (:class:`SchemaTooComplex`
+    over a limit). No MLX, no tokenizer; blocks on the compiler child.
     """
     body: dict[str, Any] = {"type": "object"} if schema is None else dict(schema)
+    check_schemas([(where, body)], limits)
     try:
         grammar = str(_llg().LLMatcher.grammar_from_json_schema(body, overrides=_JSON_OPTIONS))
     except (ValueError, TypeError, RecursionError) as exc:
         raise InvalidGrammar(f"invalid JSON schema: {exc}") from None
     check_grammar(grammar)
     return grammar
+
+
+def _lark_literal(text: str) -> str:
+    # NOTE: a JSON string is a valid llguidance Lark string literal.
+    return json.dumps(text, ensure_ascii=False)
 
 
 def tool_call_grammar(
@@ -112,47 +160,63 @@ def tool_call_grammar(
     end: str,
     name: str | None = None,
     multiple: bool = True,
+    limits: SchemaLimits = DEFAULT_LIMITS,
 ) -> str:
     """The grammar of tool calls in the JSON-in-tags format (``<tool_call>{"name", "arguments"}</tool_call>``).
 
     ``tools`` are OpenAI tool definitions (``{"type": "function", "function":
-    {"name", "parameters"}}``); ``name`` restricts the call to that function;
-    ``multiple`` allows several calls, one per line. Each call's
-    ``arguments`` follow the function's ``parameters`` schema. Raises
+    {"name", "parameters", "strict"}}``); ``name`` restricts the call to that
+    function; ``multiple`` allows several calls, one per line. Each call's
+    ``arguments`` follow the function's ``parameters`` schema, compiled as
+    its own JSON schema root (so its ``$ref``s into its own ``$defs``
+    resolve); with ``strict: true`` an object that does not say otherwise
+    takes no property it does not declare. The parameters pass
+    :func:`check_schemas` (summed over the tools). Raises
     :class:`InvalidGrammar`.
     """
-    alternatives: list[dict[str, Any]] = []
-    for tool in tools:
+    chosen: list[tuple[int, str, dict[str, Any]]] = []
+    for i, tool in enumerate(tools):
         fn = tool.get("function")
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise InvalidGrammar("every tool needs function.name")
         if name is not None and fn["name"] != name:
             continue
         params = fn.get("parameters")
-        alternatives.append({
-            "type": "object",
-            "properties": {
-                "name": {"const": fn["name"]},
-                "arguments": dict(params) if isinstance(params, Mapping) else {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
-    if not alternatives:
+        chosen.append((i, fn["name"], dict(params) if isinstance(params, Mapping)
+                       else {"type": "object"}))
+    if not chosen:
         raise InvalidGrammar(f"no tool named {name!r}" if name is not None else "no tools")
-    schema: dict[str, Any] = (
-        alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    )
-    schema = {**schema, "x-guidance": _JSON_OPTIONS}
-    try:
-        embedded = json.dumps(schema, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidGrammar(f"invalid tool parameters: {exc}") from None
-    opener = json.dumps(start + "\n", ensure_ascii=False)
-    closer = json.dumps("\n" + end, ensure_ascii=False)
+    check_schemas([(f"tools.{i}.function.parameters", params) for i, _, params in chosen], limits)
+    rules: list[str] = []
+    bodies: list[str] = []
+    for n, (i, fn_name, params) in enumerate(chosen):
+        fn = tools[i]["function"]
+        if fn.get("strict") is True:
+            params = strict_schema(params)
+        try:
+            embedded = json.dumps({**params, "x-guidance": _JSON_OPTIONS}, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidGrammar(f"invalid tool parameters: {exc}") from None
+        # NOTE: each function's arguments are their own %json rule, so the
+        # schema's root (what "#/$defs/..." points into) is the parameters
+        # object itself, as the client wrote it. The call object around them
+        # is spelled literally, in the order and separators json.dumps uses.
+        head = _lark_literal('{"name": ' + json.dumps(fn_name, ensure_ascii=False)
+                             + ', "arguments": ')
+        bodies.append(f"body_{n}")
+        rules.append(f"body_{n}: {head} args_{n} \"}}\"")
+        rules.append(f"args_{n}: %json {embedded}")
+    opener = _lark_literal(start + "\n")
+    closer = _lark_literal("\n" + end)
     repeat = ' ("\\n" call)*' if multiple else ""
-    lark = f"start: call{repeat}\ncall: {opener} %json {embedded} {closer}\n"
-    grammar = str(_llg().LLMatcher.grammar_from_lark(lark))
+    lark = "\n".join([f"start: call{repeat}",
+                      f"call: {opener} body {closer}",
+                      "body: " + " | ".join(bodies),
+                      *rules]) + "\n"
+    try:
+        grammar = str(_llg().LLMatcher.grammar_from_lark(lark))
+    except (ValueError, TypeError) as exc:
+        raise InvalidGrammar(f"invalid tool parameters: {exc}") from None
     check_grammar(grammar)
     return grammar
 
@@ -195,7 +259,8 @@ def _grammars(tokenizer: Any, vocab: int) -> _TokenizerGrammars:
 def prepare_grammar(tokenizer: Any, grammar: str, vocab: int) -> Any:
     """The compiled matcher of ``grammar`` for ``tokenizer`` over ``vocab`` logits (cached).
 
-    Any thread (no MLX). The returned matcher is a prototype: never advance
+    Any thread (no MLX); blocks on the compiler child the first time a
+    grammar is seen. The returned matcher is a prototype: never advance
     it; :class:`GrammarProcessor` works on a copy. Raises
     :class:`InvalidGrammar`.
     """
@@ -205,7 +270,11 @@ def prepare_grammar(tokenizer: Any, grammar: str, vocab: int) -> Any:
         if proto is not None:
             entry.matchers.move_to_end(grammar)
             return proto
-    proto = _llg().LLMatcher(entry.lltok, grammar, log_level=0)
+    # NOTE: the child compiles it first (a crash there is a 400, not this
+    # process's end); then this process compiles it on a thread with a
+    # larger stack than the child's, so it cannot overflow here.
+    check_grammar(grammar)
+    proto = run_with_stack(lambda: _llg().LLMatcher(entry.lltok, grammar, log_level=0))
     if proto.is_error():
         raise InvalidGrammar(str(proto.get_error()))
     with _LOCK:
