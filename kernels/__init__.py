@@ -80,6 +80,8 @@ from .model import (
     ModelConversionError,
     ModelIdentity,
     ModelLoadError,
+    UntrustedPath,
+    check_trusted,
     config_fingerprint,
     convert_gguf,
     default_dequantize,
@@ -91,6 +93,7 @@ from .model import (
     load_model,
     resolve_model_path,
     tokenizer_hash,
+    trust_problem,
     weights_digest,
 )
 
@@ -135,6 +138,7 @@ __all__ = [
     "TextStream",
     "UnknownCacheHandle",
     "UnsupportedCacheKind",
+    "UntrustedPath",
     "adapter_for",
     "available_memory_bytes",
     "cache_arrays",
@@ -143,6 +147,7 @@ __all__ = [
     "caches_nbytes",
     "caches_offset",
     "caches_trimmable",
+    "check_trusted",
     "clone_caches",
     "config_fingerprint",
     "configure_mlx_memory",
@@ -169,5 +174,6 @@ __all__ = [
     "run_generation",
     "tokenizer_hash",
     "trim_caches",
+    "trust_problem",
     "weights_digest",
 ]

@@ -51,6 +51,8 @@ from ._rope import (
     has_shared_rope,
     share_rope_tables,
 )
+from ._trust import UntrustedPath, check_trusted, trust_problem
+from ._weights import FileKey, OsWeightFiles, WeightFiles, WeightsMemo
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -61,15 +63,21 @@ __all__ = [
     "DefaultModelFetchError",
     "FewRowHead",
     "FewRowLinear",
+    "FileKey",
     "FusedLinear",
     "FusionReport",
     "LoadedModel",
     "ModelConversionError",
     "ModelIdentity",
     "ModelLoadError",
+    "OsWeightFiles",
     "SharedRope",
+    "UntrustedPath",
+    "WeightFiles",
+    "WeightsMemo",
     "apply_few_row",
     "apply_few_row_products",
+    "check_trusted",
     "config_fingerprint",
     "convert_gguf",
     "declare_equal_offsets",
@@ -89,5 +97,6 @@ __all__ = [
     "tokenizer_hash",
     "transform_for_device",
     "transform_forward",
+    "trust_problem",
     "weights_digest",
 ]

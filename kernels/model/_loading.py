@@ -18,9 +18,11 @@ from typing import Any
 
 from kernels._errors import KernelError
 
+from ._default_model import kvtier_home
 from ._few_row import apply_few_row
 from ._fused import FusionReport, fuse_gate_up, fuse_projections, fused_projections_enabled
 from ._rope import share_rope_tables
+from ._weights import MEMO_NAME, WeightFiles, WeightsMemo, hash_weights
 
 __all__ = [
     "LoadedModel",
@@ -57,7 +59,6 @@ _CONFIG_IGNORED_KEYS: frozenset[str] = frozenset(
 )
 
 _DIGEST_BYTES = 16
-_WEIGHT_SAMPLE_BYTES = 1 << 20
 
 
 class ModelLoadError(KernelError):
@@ -81,7 +82,7 @@ class ModelIdentity:
     tokenizer_hash: str
     """Hex digest of the tokenizer files (or of the vocabulary when none exist)."""
     weights_digest: str
-    """Hex digest of the safetensors headers plus sampled weight bytes (see `weights_digest`)."""
+    """Hex digest of every byte of the safetensors files, names and sizes (see `weights_digest`)."""
     dtype: str
     """Dtype of the floating-point weights, e.g. ``"float32"`` or ``"bfloat16"``."""
     quantization: str | None
@@ -179,30 +180,28 @@ def tokenizer_hash(model_dir: Path, tokenizer: Any = None) -> str:
     return _digest(_canonical_json(sorted(vocab.items(), key=lambda kv: kv[1])))
 
 
-def weights_digest(model_dir: Path) -> str:
-    """Hex digest of the ``model*.safetensors`` files: names, sizes, headers and sampled bytes.
+def weights_digest(
+    model_dir: Path, *, memo: WeightsMemo | None = None, files: WeightFiles | None = None
+) -> str:
+    """Hex digest of every byte of the ``model*.safetensors`` files (with their names and sizes).
 
-    NOTE: hashing every byte of a multi-GB model at each start is too slow;
-    the safetensors header (names, dtypes, shapes, offsets) plus 1 MiB from
-    the start, middle and end of the data tells fine-tunes of one base apart,
-    which is what keeps their KV caches from being mixed up.
+    NOTE: every byte: a sample (the header and a few windows) would let
+    two fine-tunes that differ elsewhere share one SSD directory and be
+    served each other's KV. Each file's digest is
+    remembered by (device, inode, size, mtime, ctime) in
+    ``$KVTIER_HOME/weights-digests.json`` (``memo``; default that file), so
+    a restart of an unchanged model reads nothing (``kernels.model._weights``).
+    Blocking file work: the engine thread or a worker thread.
     """
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    files = sorted(Path(model_dir).glob("model*.safetensors"))
-    if not files:
+    paths = sorted(Path(model_dir).glob("model*.safetensors"))
+    if not paths:
         raise ModelLoadError(f"no model*.safetensors in {model_dir}")
-    for f in files:
-        size = f.stat().st_size
-        h.update(f.name.encode() + b"\0" + size.to_bytes(8, "little"))
-        with f.open("rb") as fh:
-            head = fh.read(8)
-            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
-            h.update(fh.read(min(header_len, size)))
-            data_start = 8 + header_len
-            for pos in (data_start, (data_start + size) // 2, size - _WEIGHT_SAMPLE_BYTES):
-                fh.seek(max(data_start, min(pos, size)))
-                h.update(fh.read(_WEIGHT_SAMPLE_BYTES))
-    return h.hexdigest()
+    if memo is None:
+        memo = WeightsMemo(kvtier_home() / MEMO_NAME)
+    try:
+        return hash_weights(paths, memo=memo, files=files)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the weights in {model_dir}: {exc}") from exc
 
 
 def _weights_dtype_and_quant(model: Any, config: dict[str, Any]) -> tuple[str, str | None]:
