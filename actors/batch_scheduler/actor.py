@@ -22,7 +22,10 @@ It never waits on a row's stream either: tokens are sent with ``try_tell``;
 a full stream's event goes back to the core (``StreamFull``), which holds
 that row's events and hands them out again (``Deliver``) as its reader makes
 room, so one slow reader never holds up the other rows. The retry alarm
-(``ArmRetry``) posts a ``BatchRetry`` to this mailbox.
+(``ArmRetry``) posts a ``BatchRetry`` to this mailbox. A held stream that
+takes nothing for ``stream_write_timeout_s`` is ended by the core
+(``StreamTimedOut``: logged here once, with the request id) and its row
+leaves the batch at the next step.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ class BatchScheduler(Actor):
     running loop).
     ``after_step``: runs on the engine thread after every step of a chain
     (``chain.run_chain``; the engine's C heap trim).
+    ``stream_write_timeout_s``: how long a row's full stream may take nothing
+    before it is ended and the row removed (``stream_write_timeout``).
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class BatchScheduler(Actor):
         observe_prefill: str | None = None,
         gather_alarm: Alarm | None = None,
         after_step: Callable[[], object] | None = None,
+        stream_write_timeout_s: float = 30.0,
     ) -> None:
         self._gateway = gateway
         self._executor = executor
@@ -115,6 +121,7 @@ class BatchScheduler(Actor):
             lookups=prompt_cache is not None,
             backlog_max=backlog_max,
             observe_prefill=observe_prefill is not None,
+            write_timeout_s=stream_write_timeout_s,
         )
         self._requests: dict[str, Envelope] = {}  # forwarded Generate envelopes, until answered
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id
@@ -270,6 +277,13 @@ class BatchScheduler(Actor):
                 ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)
             case core.Deliver():
                 return self._deliver(effect, ctx)
+            case core.StreamTimedOut():
+                _log.warning(
+                    "batch.stream_write_timeout",
+                    request_id=effect.request_id,
+                    timeout_s=self.state.write_timeout_s,
+                )
+                ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)
             case core.ArmRetry():
                 self._arm(self._alarm, effect.at, BatchRetry(), ctx)
             case core.ArmGather():

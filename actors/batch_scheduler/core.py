@@ -46,7 +46,12 @@ Invariants (checked by the tests):
   ``ArmRetry``), so handling one event always comes to rest; a row that
   reaches ``backlog_max`` held tokens is removed by the next step (its
   cache kept) and its stream ends, after the held tokens, with
-  ``ErrorEvent(slow_reader)``.
+  ``ErrorEvent(slow_reader)``;
+- a held stream that takes nothing for ``write_timeout_s`` (the
+  stream-write deadline) is gone: its held events are dropped, it ends at
+  once with ``ErrorEvent(stream_write_timeout)`` (``StreamTimedOut``), and
+  its row, if still in the batch, is removed by the next step (its cache
+  kept); nothing more is sent to it.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from messages.prompt_cache import EntryRole, Put, TakeResult
 
 __all__ = [
     "MIN_OBSERVED_PREFILL",
+    "STREAM_WRITE_TIMEOUT",
     "Admit",
     "AnswerAdmission",
     "ArmGather",
@@ -105,6 +111,7 @@ __all__ = [
     "Stopping",
     "StreamFull",
     "StreamGone",
+    "StreamTimedOut",
     "SubmitStep",
     "TokenOut",
     "TurnGranted",
@@ -113,6 +120,9 @@ __all__ = [
 ]
 
 RowPhase = Literal["waiting", "lookup", "ready", "deferred", "joined"]
+
+STREAM_WRITE_TIMEOUT = "stream_write_timeout"
+"""``ErrorEvent.error_code`` of a stream that took nothing for the stream-write deadline."""
 
 
 # --- what an engine step hands back (plain data) ---------------------------------
@@ -425,6 +435,17 @@ class Deliver:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamTimedOut:
+    """A held stream took nothing for the stream-write deadline: end it now with ``final``
+    (its held events are dropped) and say so once (the shell logs it)."""
+
+    request_id: str
+    stream_to: str
+    final: ErrorEvent
+    correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class ArmRetry:
     """Set the one retry alarm for clock time ``at`` (``None``: cancel it); it answers ``RetryDelivery``."""
 
@@ -480,6 +501,7 @@ Effect = (
     | EmitToken
     | EndStream
     | Deliver
+    | StreamTimedOut
     | ArmRetry
     | ArmGather
     | ObservePrefill
@@ -514,6 +536,8 @@ class Row:
     """Its reader fell ``backlog_max`` tokens behind: the next step removes it."""
     removing: bool = False
     """A submitted job's first step removes it (its cancel was sent)."""
+    timed_out: bool = False
+    """Its stream was ended at the stream-write deadline: nothing more is sent to it."""
 
 
 @dataclass(slots=True)
@@ -526,6 +550,8 @@ class Outbox:
     final: DoneEvent | ErrorEvent | None = None
     attempting: bool = False
     """A ``Deliver`` of it is being performed (its ``Delivered`` has not come back)."""
+    since: float = 0.0
+    """When its stream last refused an event with nothing taken since (the deadline's start)."""
 
 
 @dataclass(slots=True)
@@ -555,6 +581,7 @@ class Counters:
     memory_refused: int = 0
     streams_full: int = 0
     slow_readers: int = 0
+    stream_timeouts: int = 0
 
 
 @dataclass(slots=True)
@@ -586,6 +613,8 @@ class SchedulerState:
     """Held events one ``Deliver`` carries at most."""
     retry_s: float = 0.02
     """How long after the last event the held streams are tried again."""
+    write_timeout_s: float = 30.0
+    """How long a held stream may take nothing before it is gone (``stream_write_timeout``)."""
     gather_s: float = 0.02
     """How long, at most, rows ready to start an idle batch wait for the other placed rows' lookups."""
     gather_until: float | None = None
@@ -619,6 +648,8 @@ class SchedulerState:
             raise ValueError("max_queue must be >= 0")
         if self.backlog_max < 1 or self.deliver_chunk < 1 or self.retry_s <= 0:
             raise ValueError("backlog_max and deliver_chunk must be >= 1, retry_s > 0")
+        if not self.write_timeout_s > 0:
+            raise ValueError("write_timeout_s must be > 0")
 
     # --- queries -------------------------------------------------------------------
 
@@ -683,6 +714,7 @@ class SchedulerState:
                 "held_events": sum(len(b.events) for b in self.outboxes.values()),
                 "full": s.streams_full,
                 "slow_readers": s.slow_readers,
+                "write_timeouts": s.stream_timeouts,
             },
         }
 
@@ -814,7 +846,9 @@ def _lookup_answered(state: SchedulerState, ev: LookupAnswered, out: list[Effect
     row.phase = "ready"
 
 
-def _cancel(state: SchedulerState, rid: str, now: float, out: list[Effect]) -> None:
+def _cancel(
+    state: SchedulerState, rid: str, now: float, out: list[Effect], *, end_stream: bool = True
+) -> None:
     row = state.rows.get(rid)
     if row is None:
         return  # NOTE: a cancel may race the row's own end.
@@ -838,7 +872,8 @@ def _cancel(state: SchedulerState, rid: str, now: float, out: list[Effect]) -> N
         usage=Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=0),
         timings=Timings(queued_s=max(0.0, now - row.admitted_at)),
     )
-    _send_final(state, rid, request.stream_to, done, row.correlation_id, out)
+    if end_stream:
+        _send_final(state, rid, request.stream_to, done, row.correlation_id, out)
 
 
 def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> None:
@@ -1097,10 +1132,14 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
             stats.finished_stop += 1
         elif ex.reason == "length":
             stats.finished_length += 1
-        elif not row.slow:
+        elif not (row.slow or row.timed_out):
             stats.cancelled += 1
         _put(state, row, ex.entry, "completion", out)
         request = row.request
+        if row.timed_out:
+            if ex.reason == "cancelled":
+                stats.failed += 1
+            continue  # NOTE: its stream already ended with stream_write_timeout.
         if row.slow and ex.reason == "cancelled":
             # NOTE: removed because its reader fell behind, not by its requester.
             stats.failed += 1
@@ -1142,6 +1181,8 @@ def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> No
         state.stats.failed += 1
         if row.lookup is not None and row.lookup.lease_id is not None:
             out.append(ReleaseLease(row.lookup.lease_id))
+        if row.timed_out:
+            continue  # NOTE: its stream already ended (stream-write deadline).
         error = ErrorEvent(request_id=rid, error_code=ev.error_code, detail=ev.detail)
         _send_final(state, rid, row.request.stream_to, error, row.correlation_id, out)
     report = _report(state, ev.turn, steps=state.chain_steps + 1)
@@ -1162,6 +1203,8 @@ def _fail_row(state: SchedulerState, failure: RowFailure, out: list[Effect]) -> 
         # NOTE: refused before it joined: its lease (and an SSD hit's host bytes) goes back.
         out.append(ReleaseLease(row.lookup.lease_id))
     row.lookup = None
+    if row.timed_out:
+        return  # NOTE: its stream already ended (stream-write deadline).
     error = ErrorEvent(
         request_id=failure.request_id, error_code=failure.error_code, detail=failure.detail
     )
@@ -1195,6 +1238,8 @@ def _stopping(state: SchedulerState, out: list[Effect]) -> None:
 
 def _send_token(state: SchedulerState, row: Row, event: TokenEvent, out: list[Effect]) -> None:
     """Emit a token, or hold it behind the row's earlier held events."""
+    if row.timed_out:
+        return  # NOTE: its stream already ended (stream-write deadline).
     box = state.outboxes.get(event.request_id)
     if box is None:
         out.append(EmitToken(row.request.stream_to, event, row.correlation_id))
@@ -1232,7 +1277,7 @@ def _stream_full(state: SchedulerState, ev: StreamFull, out: list[Effect]) -> No
     """A delivery was refused: from now on the row's events wait in its outbox, in order."""
     box = state.outboxes.get(ev.request_id)
     if box is None:
-        box = state.outboxes[ev.request_id] = Outbox(ev.stream_to, ev.correlation_id)
+        box = state.outboxes[ev.request_id] = Outbox(ev.stream_to, ev.correlation_id, since=ev.now)
         state.stats.streams_full += 1
     if isinstance(ev.event, TokenEvent):
         _hold_token(state, ev.request_id, box, ev.event)
@@ -1247,6 +1292,8 @@ def _delivered(state: SchedulerState, ev: Delivered, out: list[Effect]) -> None:
     box.attempting = False
     for _ in range(ev.sent):
         box.events.popleft()
+    if ev.sent:
+        box.since = ev.now  # NOTE: the reader took something: the deadline starts again.
     if ev.gone:
         # NOTE: the reader left: what it did not read is dropped, and a row
         # still in the batch is removed like a cancel.
@@ -1276,7 +1323,9 @@ def _may_try(event: Event, rid: str) -> bool:
 
 
 def _deliver_held(state: SchedulerState, event: Event, out: list[Effect]) -> None:
-    """Try every held stream again (its reader may have made room) and keep the retry alarm set."""
+    """End the held streams past the write deadline; try every other held stream again
+    (its reader may have made room) and keep the retry alarm set."""
+    _expire_held(state, event.now, out)
     for rid, box in state.outboxes.items():
         if box.attempting or (not box.events and box.final is None):
             continue
@@ -1294,6 +1343,38 @@ def _deliver_held(state: SchedulerState, event: Event, out: list[Effect]) -> Non
     elif state.retry_armed:
         state.retry_armed = False
         out.append(ArmRetry(None))
+
+
+def _expire_held(state: SchedulerState, now: float, out: list[Effect]) -> None:
+    """End every held stream that took nothing for ``write_timeout_s``: the reader is gone.
+
+    NOTE: the retry alarm runs while any stream is held, so this runs within
+    ``retry_s`` of the deadline even when nothing else happens.
+    """
+    expired = [
+        rid
+        for rid, box in state.outboxes.items()
+        if not box.attempting and now - box.since >= state.write_timeout_s
+    ]
+    for rid in expired:
+        box = state.outboxes.pop(rid)
+        state.stats.stream_timeouts += 1
+        final = ErrorEvent(
+            request_id=rid,
+            error_code=STREAM_WRITE_TIMEOUT,
+            detail=f"the stream took nothing for {state.write_timeout_s:g} s "
+            f"({len(box.events)} events unread); the request was stopped so the others go on",
+        )
+        out.append(StreamTimedOut(rid, box.stream_to, final, box.correlation_id))
+        row = state.rows.get(rid)
+        if row is None:
+            continue  # NOTE: the row already left the batch; only its events were held.
+        row.timed_out = True
+        if row.phase == "joined":
+            # NOTE: the next step removes it (before it decodes) and keeps its cache.
+            row.cancelled = True
+        else:
+            _cancel(state, rid, now, out, end_stream=False)
 
 
 def _put(

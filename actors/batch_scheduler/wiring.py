@@ -123,6 +123,7 @@ def batch_factory(
         # restore-or-recompute estimator (the serial lane reports per request).
         observe_prefill=_observe_address(parts),
         after_step=parts.after_step,
+        stream_write_timeout_s=cfg.stream_write_timeout_s,
     )
     # NOTE: "resume" keeps this one instance (its rows) when a handler raises.
     return lambda: scheduler

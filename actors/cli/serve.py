@@ -174,7 +174,8 @@ async def _serve(config: EngineConfig, aliases: tuple[str, ...]) -> int:
             await engine.aclose()
             return 1
         try:
-            app = create_app(engine, settings, state=HttpState())
+            app = create_app(engine, settings, state=HttpState(),
+                             stream_write_timeout_s=config.stream_write_timeout_s)
 
             def announce(port: int) -> None:
                 print(f"kvtier: ready at {_url(config.host, port)}/v1 (model: {engine.model_id})",

@@ -160,6 +160,7 @@ class EngineOptions(TypedDict, total=False):
     kv_quant: KvQuant | None
     max_prompt_tokens: int | None
     stream_buffer: int
+    stream_write_timeout_s: float
     snapshot_min_new_tokens: int
     ask_timeout_s: float
     stats_timeout_s: float

@@ -438,6 +438,7 @@ def _runner(parts: Parts) -> Factory:
         snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,
         observe_prefill=SSD_WRITER if parts.cold is not None else None,
         memory_guard=parts.memory_guard,
+        stream_write_timeout_s=cfg.stream_write_timeout_s,
     )
     return lambda: runner
 

@@ -14,6 +14,15 @@ runner keeps reading its mailbox while the engine works: a ``StopBurst``
 from the gateway reaches a running burst at once and sets the stop flag the
 engine thread checks before every step.
 
+The runner waits on nothing but sends. The one send that waits on a client
+is a token into the requester's full stream (backpressure: the engine
+thread, its chain ``AHEAD`` steps past the stream, has already ended its
+job). That wait has a deadline, ``stream_write_timeout_s``: a stream still
+full at the deadline is gone (``StreamGone(stalled=True)``): the request
+stops like a cancel (its cache kept), its stream ends with
+``ErrorEvent(stream_write_timeout)``, and the lane moves on. So no reader
+holds the engine turn longer than the deadline plus the step in flight.
+
 Failure handling: an engine job that raises fails its request (``ErrorEvent``
 as the stream's final message, ``outcome="failed"`` to the gateway) and the
 lane moves on. If the runner's handler itself raises, the runtime answers
@@ -29,6 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, assert_never
 
+import anyio
 import structlog
 
 from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
@@ -69,6 +79,8 @@ class TurnRunner(Actor):
     request's measured prefill (``ObservePrefill``, the cold tier's
     restore-or-recompute estimator). ``memory_guard`` checks each request's
     memory before its prefill and during its decode (``memory_guard.py``).
+    ``stream_write_timeout_s``: how long a token may wait for room in its
+    requester's full stream before the stream counts as gone (module docstring).
     """
 
     def __init__(
@@ -83,7 +95,11 @@ class TurnRunner(Actor):
         chain_steps: bool = True,
         observe_prefill: str | None = None,
         memory_guard: MemoryGuard | None = None,
+        stream_write_timeout_s: float = 30.0,
     ) -> None:
+        if not stream_write_timeout_s > 0:
+            raise ValueError("stream_write_timeout_s must be > 0")
+        self._write_timeout = stream_write_timeout_s
         self._gateway = gateway
         self._observe_to = observe_prefill
         self._chain_steps = chain_steps
@@ -152,9 +168,16 @@ class TurnRunner(Actor):
                     burst.stop = True
             case rc.EmitToken():
                 try:
-                    await ctx.tell(effect.stream_to, effect.event, correlation_id=effect.correlation_id)
+                    # NOTE: the one wait on a client: bounded, so a reader that
+                    # stops reading never holds the engine turn past the deadline.
+                    with anyio.fail_after(self._write_timeout):
+                        await ctx.tell(effect.stream_to, effect.event, correlation_id=effect.correlation_id)
                 except (MailboxClosed, UnknownAddress):
                     return rc.StreamGone(ctx.clock.now())
+                except TimeoutError:
+                    _log.warning("gateway.stream_write_timeout", request_id=effect.event.request_id,
+                                 timeout_s=self._write_timeout)
+                    return rc.StreamGone(ctx.clock.now(), stalled=True)
                 return rc.TokenDelivered(ctx.clock.now())
             case rc.EndStream():
                 ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)

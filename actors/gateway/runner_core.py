@@ -51,6 +51,7 @@ from .engine_work import Opening
 from .ports import Registered, StepResult
 
 __all__ = [
+    "STREAM_WRITE_TIMEOUT",
     "BackgroundJob",
     "Crash",
     "DropJob",
@@ -82,6 +83,9 @@ __all__ = [
 ]
 
 Phase = Literal["prefill", "decode"]
+
+STREAM_WRITE_TIMEOUT = "stream_write_timeout"
+"""``ErrorEvent.error_code`` of a stream that stayed full past the stream-write deadline."""
 
 
 class UnknownTurn(ValueError):
@@ -176,9 +180,11 @@ class TokenDelivered:
 
 @dataclass(frozen=True, slots=True)
 class StreamGone:
-    """The last ``EmitToken`` found its stream closed (the requester left)."""
+    """The last ``EmitToken`` found its stream closed (the requester left), or, ``stalled``,
+    still full at the stream-write deadline (the reader stopped reading)."""
 
     now: float
+    stalled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +228,8 @@ class StopSteps:
 
 @dataclass(frozen=True, slots=True)
 class EmitToken:
-    """Send ``event`` to the stream (waiting while it is full); answer ``TokenDelivered``/``StreamGone``."""
+    """Send ``event`` to the stream (waiting while it is full, at most the stream-write
+    deadline); answer ``TokenDelivered``/``StreamGone``."""
 
     stream_to: str
     correlation_id: str
@@ -500,6 +507,17 @@ def _stream_gone(state: RunnerState, ev: StreamGone, out: list[Effect]) -> None:
     _stop(state, turn, out)
     if live is not None:
         _drop(state, live, keep=True, out=out)
+        if ev.stalled:
+            # NOTE: the reader is still there but took nothing for the whole
+            # deadline: its stream ends (the final uses the reserved room), so
+            # a reader that comes back learns why instead of waiting forever.
+            final = ErrorEvent(
+                request_id=turn.ident,
+                error_code=STREAM_WRITE_TIMEOUT,
+                detail="the stream stayed full past the stream-write deadline; "
+                "the request was stopped so the other requests go on",
+            )
+            out.append(EndStream(live.request.stream_to, live.correlation_id, final))
     _maybe_end_turn(state, turn, out)
 
 

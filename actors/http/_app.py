@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from actors.engine.config import EngineConfig
 from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
 from messages.gateway import DoneEvent, GenerationParams, TokenEvent
 
@@ -195,6 +196,8 @@ class _Cut:
 
 _CUT_MESSAGE = "The server is shutting down; this response was cut before its end."
 
+_STREAM_WRITE_TIMEOUT_S = EngineConfig().stream_write_timeout_s
+
 
 _COMPONENTS = "#/components/schemas/{model}"
 _HAND_PARSED: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
@@ -231,12 +234,14 @@ def create_app(
     settings: HttpSettings | None = None,
     *,
     state: HttpState | None = None,
+    stream_write_timeout_s: float = _STREAM_WRITE_TIMEOUT_S,
 ) -> FastAPI:
     """Build the app over ``engine`` (started by the caller; the app never closes it).
 
     ``state`` injects the clock/id ports and lets the caller (``kvtier
     serve``) watch in-flight responses during shutdown; it is also
-    ``app.state.http``.
+    ``app.state.http``. ``stream_write_timeout_s``: the deadline on each
+    write of a streamed answer (``--stream-write-timeout``; ``_sse``).
     """
     settings = settings or HttpSettings()
     st = state or HttpState()
@@ -389,7 +394,8 @@ def create_app(
         err = kvtier_error_to_api(ServerShuttingDown(_CUT_MESSAGE))
         return EventStreamResponse(
             events, on_close=release, headers=headers, cut=cut.wait,
-            cut_event=sse_json(error_body(err.message, err.type, err.code, err.param)))
+            cut_event=sse_json(error_body(err.message, err.type, err.code, err.param)),
+            write_timeout=stream_write_timeout_s, request_id=rid)
 
     async def _collect(stream: StreamPort, request: Request, rid: str, model: str,
                        answer: _Answer, headers: dict[str, str]) -> Response:

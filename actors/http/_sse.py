@@ -8,6 +8,14 @@ the stream is cancelled and its lane freed.
 A stream cut by the server (``cut`` fires: the shutdown budget ran out, or a
 second signal) ends with ``cut_event`` and ``data: [DONE]``, so a client
 can tell a cut answer from a complete one and still sees a well-formed end.
+
+Every write has a deadline (``write_timeout``, ``--stream-write-timeout``):
+the server's ``send`` waits while the connection's buffers are full, that is
+while the client reads nothing. A write still waiting at the deadline ends
+the response there (logged once, ``http.stream_write_timeout``, with the
+request id): ``on_close`` cancels the engine request, whose turn ends within
+one step, and the server closes the connection, as for any response that
+ends unfinished.
 """
 
 from __future__ import annotations
@@ -16,11 +24,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
+import structlog
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 __all__ = ["DONE", "EventStreamResponse", "sse_data", "sse_json"]
+
+_log = structlog.get_logger("kvtier.http")
 
 DONE = b"data: [DONE]\n\n"
 """The OpenAI end-of-stream sentinel."""
@@ -50,7 +62,11 @@ _SSE_HEADERS = {
 
 
 class EventStreamResponse(StreamingResponse):
-    """A ``text/event-stream`` response that calls ``on_close`` however it ends."""
+    """A ``text/event-stream`` response that calls ``on_close`` however it ends.
+
+    ``write_timeout`` (seconds, ``None``: none): the deadline on each write;
+    ``request_id`` names the response in the log line of a write past it.
+    """
 
     def __init__(
         self,
@@ -60,9 +76,17 @@ class EventStreamResponse(StreamingResponse):
         headers: dict[str, str] | None = None,
         cut: Callable[[], Awaitable[None]] | None = None,
         cut_event: bytes = b"",
+        write_timeout: float | None = None,
+        request_id: str = "",
     ) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={**_SSE_HEADERS, **(headers or {})})
+        if write_timeout is not None and not write_timeout > 0:
+            raise ValueError("write_timeout must be > 0")
+        self._write_timeout = write_timeout
+        self._request_id = request_id
+        self.stalled = False
+        """A write waited past ``write_timeout``: the response ended there."""
         self._on_close = on_close
         self._closed = False
         self._cut = cut
@@ -83,12 +107,34 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            if self._cut is None:
-                await super().__call__(scope, receive, send)
-            else:
-                await self._run_until_cut(self._cut, scope, receive, send)
+            with anyio.CancelScope() as response:
+                if self._write_timeout is not None:
+                    send = self._timed(send, self._write_timeout, response)
+                if self._cut is None:
+                    await super().__call__(scope, receive, send)
+                else:
+                    await self._run_until_cut(self._cut, scope, receive, send)
         finally:
             await self.close()
+
+    def _timed(self, send: Send, timeout: float, response: anyio.CancelScope) -> Send:
+        """``send`` with a deadline; past it the whole response ends (``response`` is cancelled)."""
+
+        async def timed_send(message: Message) -> None:
+            with anyio.move_on_after(timeout) as deadline:
+                await send(message)
+            if not deadline.cancelled_caught:
+                return
+            # NOTE: the client took nothing for the whole deadline (the send
+            # waits only while the connection's buffers are full): end the
+            # response here; close() then releases the engine request.
+            self.stalled = True
+            _log.warning("http.stream_write_timeout", request_id=self._request_id,
+                         timeout_s=timeout)
+            response.cancel()
+            await anyio.lowlevel.checkpoint()
+
+        return timed_send
 
     async def _run_until_cut(self, cut: Callable[[], Awaitable[None]], scope: Scope,
                              receive: Receive, send: Send) -> None:

@@ -176,6 +176,7 @@ def test_a_full_stream_holds_only_its_rows_tokens_and_delivers_them_in_order() -
         "held_events": 0,
         "full": 1,
         "slow_readers": 0,
+        "write_timeouts": 0,
     }
 
 
