@@ -64,14 +64,22 @@ class FlushResult(Body):
     while it runs joins it only as a new version of a record in scope).
 
     - ``durable``: every prefix in scope was found on disk when the flush
-      ended, no write of this flush was dropped or failed, and no record was
-      given up (``lost``) since the previous flush.
+      ended or was evicted unwritten (below), no write of this flush was
+      dropped or failed, and no record RAM held was given up (``lost``)
+      since the previous flush. In words: every prefix the tiers hold, and
+      every put since the last durable flush that is still cached, is on
+      disk.
     - ``pending``: prefixes in scope still dirty although RAM holds them (a
       write failed or was dropped, no engine turn came); a later flush can
       still write them.
-    - ``uncovered``: prefixes in scope gone from RAM that no committed file
-      covers (neither the exact tokens nor a trimmable descendant); only a
-      later put or a covering descendant can clear them.
+    - ``uncovered``: prefixes in scope that a write of this flush (or an
+      earlier one) stored but that no committed file covers when verified
+      (the SSD tier's cap evicted the file meanwhile).
+    - ``evicted_unwritten``: prefixes evicted from RAM before any write of
+      them reached disk (write-behind had no turn, the eviction spill was
+      dropped or failed), found uncovered after the spill queue drained;
+      each is reported once, here, then forgotten: it does not make the
+      flush not durable (no tier holds it any more).
     - ``dropped`` / ``failed``: writes of this flush dropped by the spill
       queue (over its cap, or it was stopping) / not stored by the writer
       (an fsync that failed counts here: it is never a stored file).
@@ -94,6 +102,7 @@ class FlushResult(Body):
     failed: int = Field(ge=0)
     uncovered: int = Field(ge=0)
     lost: int = Field(default=0, ge=0)
+    evicted_unwritten: int = Field(default=0, ge=0)
     entries: int | None = Field(default=None, ge=0)
     longest_durable_prefix_tokens: int | None = Field(default=None, ge=0)
     scope: int = Field(default=0, ge=0)
@@ -124,7 +133,9 @@ class DurabilityStats(Body):
     nothing), ``vanished`` (snapshots whose RAM entry was gone),
     ``busy_rearms`` (attempts put back because the engine was busy),
     ``dropped``, ``failed``, ``timeouts`` (replies that never came),
-    ``lost`` (records given up over the record cap), ``flushes``.
+    ``lost`` (records RAM held, given up over the record cap),
+    ``evicted_unwritten`` (prefixes evicted from RAM before any write of
+    them reached disk, each counted once when given up), ``flushes``.
     ``last_flush`` is the latest :class:`FlushResult`.
     """
 
@@ -145,6 +156,7 @@ class DurabilityStats(Body):
     failed: int = Field(ge=0)
     timeouts: int = Field(ge=0)
     lost: int = Field(ge=0)
+    evicted_unwritten: int = Field(default=0, ge=0)
     flushes: int = Field(ge=0)
     last_flush: FlushResult | None = None
 

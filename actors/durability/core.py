@@ -35,7 +35,14 @@ simulated-runtime proof over 1,000 seeded runs with faults):
 - a flush writes (enqueues) each record version at most once;
 - ``FlushResult.durable`` only when every prefix in the flush's scope was
   found on disk by a ``Covers`` asked after every write of the flush had
-  settled, and nothing of the flush was dropped, failed or given up;
+  settled, or was *evicted unwritten* (its RAM entry gone before any write
+  and, after the spill queue drained, no file covering it), and nothing of
+  the flush was dropped, failed or given up while RAM held it;
+- a prefix evicted unwritten is counted once (``evicted_unwritten``, in
+  the flush answer and the lifetime statistics) and then forgotten: it no
+  longer blocks ``durable``, which means "every prefix the tiers hold, and
+  every put since the last durable flush that is still cached, is on
+  disk";
 - every clone handle the core is told about is either enqueued (the
   queue owns it) or disposed, exactly once.
 """
@@ -119,8 +126,11 @@ class DurabilityConfig:
 
     ``debounce_s``: a put waits this long before write-behind snapshots it
     (a conversation's next put usually follows within it). ``busy_rearm_s``:
-    when no idle engine turn came within ``turn_wait_s``, the attempt is put
-    back this long. A failed or dropped write is retried after
+    when no engine turn came within ``turn_wait_s``, the attempt is put
+    back this long. NOTE: ``turn_wait_s`` outlasts one request turn (a
+    burst of decode steps): under load the gateway grants background work
+    its share of engine time at a turn boundary (``actors.gateway.core``),
+    and a shorter wait would expire before that boundary every time. A failed or dropped write is retried after
     ``busy_rearm_s * 2**(failures - 1)`` seconds, at most ``max_backoff_s``.
     ``retry_s``: a request a full mailbox refused is sent again after this.
     ``reply_timeout_s``: a request whose reply has not come by then is given
@@ -133,7 +143,7 @@ class DurabilityConfig:
 
     debounce_s: float = 1.0
     busy_rearm_s: float = 5.0
-    turn_wait_s: float = 0.25
+    turn_wait_s: float = 5.0
     retry_s: float = 0.1
     max_backoff_s: float = 300.0
     reply_timeout_s: float = 300.0
@@ -347,6 +357,7 @@ class FlushRun:
     covered: int = 0
     pending: int = 0
     uncovered: int = 0
+    evicted_unwritten: int = 0
     verify_cursor: int = 0
     entries: int | None = None
     longest: int | None = None
@@ -378,6 +389,8 @@ class DurabilityState:
     seq: int = 0
     last_flush: FlushResult | None = None
     lost_since_flush: int = 0
+    evicted_since_flush: int = 0
+    """Records given up as evicted unwritten outside a flush's verification (the record cap)."""
     # lifetime counters
     scheduled: int = 0
     attempts_started: int = 0
@@ -390,6 +403,7 @@ class DurabilityState:
     failed: int = 0
     timeouts: int = 0
     lost: int = 0
+    evicted_unwritten: int = 0
     flushes: int = 0
 
     def next_id(self) -> int:
@@ -445,6 +459,12 @@ def _give_up_oldest(state: DurabilityState, out: list[Effect]) -> None:
     if victim is None:
         return  # NOTE: every record has an attempt (max_attempts >= max_records); keep them all.
     del state.records[victim.key]
+    if victim.missing:
+        # NOTE: RAM no longer holds it and no file did when last checked: it
+        # is evicted unwritten, not a prefix the tiers hold and failed to write.
+        state.evicted_unwritten += 1
+        state.evicted_since_flush += 1
+        return
     state.lost += 1
     state.lost_since_flush += 1
     out.append(
@@ -823,6 +843,19 @@ def _verified(state: DurabilityState, flush: FlushRun, asked: _Outstanding, cove
             # NOTE: evidence asked after this version was scheduled; a version
             # scheduled since keeps its record (and its write-behind timer).
             del state.records[asked.key]
+    elif (
+        rec is not None
+        and rec.missing
+        and rec.attempt is None
+        and rec.version == asked.version
+    ):
+        # NOTE: evicted before any write reached disk, and the spill queue
+        # (which held its eviction spill, if any) has drained: no tier holds
+        # this prefix any more. Reported once, then forgotten, so it never
+        # blocks a later flush; a new put of the same tokens is a new record.
+        del state.records[asked.key]
+        flush.evicted_unwritten += 1
+        state.evicted_unwritten += 1
     elif rec is None or rec.missing:
         flush.uncovered += 1
     else:
@@ -883,6 +916,7 @@ def _advance_flush(state: DurabilityState, flush: FlushRun, now: float, out: lis
 
 def _finish_flush(state: DurabilityState, flush: FlushRun, now: float, out: list[Effect]) -> None:
     lost = state.lost_since_flush
+    evicted = flush.evicted_unwritten + state.evicted_since_flush
     result = FlushResult(
         durable=(
             flush.pending == 0
@@ -896,6 +930,7 @@ def _finish_flush(state: DurabilityState, flush: FlushRun, now: float, out: list
         failed=flush.failed,
         uncovered=flush.uncovered,
         lost=lost,
+        evicted_unwritten=evicted,
         entries=flush.entries,
         longest_durable_prefix_tokens=flush.longest,
         scope=len(flush.scope),
@@ -909,7 +944,10 @@ def _finish_flush(state: DurabilityState, flush: FlushRun, now: float, out: list
     state.flushes += 1
     state.last_flush = result
     state.lost_since_flush = 0
+    state.evicted_since_flush = 0
     out.extend(Answer(w, result) for w in flush.waiters)
+    if evicted:
+        out.append(Log("durability.evicted_unwritten", (("prefixes", evicted),)))
     if not result.durable:
         out.append(
             Log(
@@ -1031,6 +1069,7 @@ def stats(state: DurabilityState) -> DurabilityStats:
         failed=state.failed,
         timeouts=state.timeouts,
         lost=state.lost,
+        evicted_unwritten=state.evicted_unwritten,
         flushes=state.flushes,
         last_flush=state.last_flush,
     )
@@ -1078,6 +1117,7 @@ def _stopped_result(state: DurabilityState, now: float) -> FlushResult:
         failed=0,
         uncovered=missing,
         lost=state.lost_since_flush,
+        evicted_unwritten=state.evicted_since_flush,
         scope=len(state.records),
         dirty_after=len(state.records),
         started_at=now,

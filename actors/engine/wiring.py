@@ -45,6 +45,7 @@ from actors.durability import (
 )
 from actors.durability.ports import Alarm, GatewaySteps, StepRegistry
 from actors.gateway import Backend, BackgroundSteps, Executor, Gateway, TurnRunner
+from actors.gateway.core import DEFAULT_BACKGROUND_SHARE
 from actors.gateway.memory_guard import MemoryGuard
 from actors.prompt_cache import DRAIN_STEP, PROMPT_CACHE_ADDRESS, HandleDisposer, PromptCache
 from actors.prompt_cache import core as prompt_cache_core
@@ -400,6 +401,7 @@ def _durability_fields(body: Body) -> dict[str, Any]:
         "pending_snapshots": body.pending_snapshots,
         "writebehind_written": body.written,
         "writebehind_stored": body.stored,
+        "writebehind_evicted_unwritten": body.evicted_unwritten,
         "flushes": body.flushes,
         "last_flush_durable": None if last is None else last.durable,
         "longest_durable_prefix_tokens": None if last is None else last.longest_durable_prefix_tokens,
@@ -417,6 +419,9 @@ def _gateway(parts: Parts) -> Factory:
         max_burst=cfg.max_burst,
         prompt_cache=PROMPT_CACHE if parts.registry is not None else None,
         batch=BATCH_ADDRESS if batch_refusal(parts) is None else None,
+        # NOTE: background steps (write-behind clones, SSD tensor reads) get a
+        # bounded share of engine time under load, so durability keeps up.
+        background_share=DEFAULT_BACKGROUND_SHARE,
     )
     # NOTE: "resume" keeps this one instance (its core state) when a handler raises.
     return lambda: gateway

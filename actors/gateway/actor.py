@@ -82,6 +82,8 @@ class Gateway(Actor):
     every request then goes to the batch lane (the wiring sets it only when
     the model passes the batching gates), and the batch's steps share the
     engine-turn token with the serial lane (docs/batching.md).
+    ``background_share``: background work's share of engine time under load
+    (``core.GatewayState``; 0 = idle turns only).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Gateway(Actor):
         max_burst: int = 1,
         prompt_cache: str | None = None,
         batch: str | None = None,
+        background_share: float = 0.0,
     ) -> None:
         self._runner = runner
         self._prompt_cache = prompt_cache
@@ -99,7 +102,8 @@ class Gateway(Actor):
         self._batched: set[str] = set()  # request ids forwarded to the batch lane, until they end
         self._batch_refusals: dict[str, int] = {}  # why requests stayed on the serial lane
         self.state = core.GatewayState(
-            max_queue=max_queue, max_burst=max_burst, lookups=prompt_cache is not None
+            max_queue=max_queue, max_burst=max_burst, lookups=prompt_cache is not None,
+            background_share=background_share,
         )
         self._admitted: dict[str, _Admitted] = {}
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id

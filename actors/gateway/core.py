@@ -15,11 +15,23 @@ Invariants (checked by the tests):
   (``StartLookup`` ... ``LookupDone``): the lookup runs while the request
   waits, never inside a granted turn. It starts when the request becomes
   the next to run (it takes the lane, or it heads the queue).
-- A background turn is granted only when no request can run: the lane is
+- A background turn is granted when no request can run: the lane is
   free and nobody queues, or the lane holder has had no turn yet and still
-  waits for its lookup. So a background step never runs while a request is
-  active, and a request that becomes ready during a background step waits
-  for that one step only (the lane holder goes first when the turn ends).
+  waits for its lookup. A request that becomes ready during a background
+  step waits for that one step only (the lane holder goes first when the
+  turn ends).
+- Under load (a request or batch step could run) a background step still
+  gets a bounded share of engine time, so write-behind and the SSD writer
+  make progress while the server is busy: every request or batch turn earns
+  ``background_share / (1 - background_share)`` of its time as *credit*
+  (capped at ``background_credit_cap_s``); while the credit is positive
+  the oldest background waiter goes first (a burst or step chain in flight
+  is cut after its current step), and its time is taken off the credit.
+  Hence, over any stretch of load, background time <= share/(1-share) x
+  request and batch time + the cap + one background step; a waiting step
+  is granted within one step while the credit is positive, else within one
+  turn after the foreground time that repays the last step's overdraft.
+  ``background_share == 0`` keeps the design's rule (idle turns only).
 - A background waiter whose deadline passed (or whose asker is gone) is
   dropped, never granted.
 - The lane holder takes its turns back to back; the next owner is chosen
@@ -45,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, assert_never
 
 __all__ = [
+    "DEFAULT_BACKGROUND_SHARE",
     "AdmitRequest",
     "BackgroundTurnDone",
     "BatchStatus",
@@ -74,6 +87,13 @@ __all__ = [
     "WithdrawBackground",
     "handle",
 ]
+
+DEFAULT_BACKGROUND_SHARE = 0.05
+"""The share of engine time the server gives background work under load (``GatewayState``).
+
+NOTE: the core's own default is 0 (the design's rule: idle turns only), so
+recorded traces replay unchanged; the engine's wiring passes this value.
+"""
 
 Phase = Literal["prefill", "decode"]
 RequestOutcome = Literal["continue", "finished", "failed", "cancelled"]
@@ -340,6 +360,8 @@ class TokenStats:
     cancelled: int = 0
     background_refused: int = 0
     background_expired: int = 0
+    background_under_load: int = 0
+    background_under_load_s: float = 0.0
     lookups: int = 0
 
 
@@ -353,6 +375,8 @@ class Turn:
     max_steps: int = 1
     preempted: bool = False
     """Told to end after its step in flight (``PreemptTurn``/``PreemptBatchTurn`` sent)."""
+    under_load: bool = False
+    """A background turn granted ahead of request or batch work (paid from the credit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,12 +394,17 @@ class GatewayState:
 
     ``lookups``: a prompt cache is attached, so every request's first turn
     waits for its lookup. ``lookup`` holds, for the requests whose lookup
-    started, ``pending`` or ``ready``.
+    started, ``pending`` or ``ready``. ``background_share`` and
+    ``background_credit_cap_s``: background work's share of engine time
+    under load (module docstring); ``background_credit_s`` is the credit.
     """
 
     max_queue: int
     max_burst: int = 1
     lookups: bool = False
+    background_share: float = 0.0
+    background_credit_cap_s: float = 0.25
+    background_credit_s: float = 0.0
     lane: str | None = None
     lane_had_turns: bool = False
     lane_cancelled: bool = False
@@ -399,6 +428,10 @@ class GatewayState:
             raise ValueError("max_queue must be >= 0")
         if self.max_burst < 1:
             raise ValueError("max_burst must be >= 1")
+        if not 0.0 <= self.background_share < 1.0:
+            raise ValueError("background_share must be in [0, 1)")
+        if not self.background_credit_cap_s >= 0.0:
+            raise ValueError("background_credit_cap_s must be >= 0")
 
     # --- queries (pure reads) --------------------------------------------------
 
@@ -473,6 +506,12 @@ class GatewayState:
             "lookups": s.lookups,
             "background_refused": s.background_refused,
             "background_expired": s.background_expired,
+            "background_under_load": {
+                "turns": s.background_under_load,
+                "held_s": s.background_under_load_s,
+                "share": self.background_share,
+                "credit_s": self.background_credit_s,
+            },
         }
 
 
@@ -585,6 +624,8 @@ def _withdraw(state: GatewayState, ev: WithdrawBackground, out: list[Effect]) ->
         # the step never reached the engine, so the grant is taken back.
         state.turn = None
         state.stats.background_turns -= 1
+        if turn.under_load:
+            state.stats.background_under_load -= 1
         state.stats.background_expired += 1
         out.append(ExpireBackground(ev.step_id))
         return
@@ -607,6 +648,7 @@ def _request_turn_done(state: GatewayState, ev: RequestTurnDone, out: list[Effec
     stats = state.stats
     state.turn = None
     stats.request_held_s += max(0.0, ev.now - turn.started)
+    _earn_credit(state, ev.now - turn.started)
     stats.max_burst_steps = max(stats.max_burst_steps, ev.steps)
     if ev.phase == "prefill":
         stats.prefill_turns += ev.steps
@@ -635,7 +677,11 @@ def _background_turn_done(state: GatewayState, ev: BackgroundTurnDone) -> None:
             f"background turn report for {ev.step_id!r} but holder is {state.holder()!r}"
         )
     state.turn = None
-    state.stats.background_held_s += max(0.0, ev.now - turn.started)
+    held = max(0.0, ev.now - turn.started)
+    state.stats.background_held_s += held
+    if turn.under_load:
+        state.stats.background_under_load_s += held
+        state.background_credit_s -= held
 
 
 def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
@@ -645,9 +691,43 @@ def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
     state.turn = None
     stats = state.stats
     stats.batch_held_s += max(0.0, ev.now - turn.started)
+    _earn_credit(state, ev.now - turn.started)
     stats.batch_steps += ev.steps
     stats.batch_longest = max(stats.batch_longest, ev.steps)
     state.batch_busy, state.batch_ready = ev.busy, ev.ready
+
+
+def _earn_credit(state: GatewayState, held: float) -> None:
+    """A request or batch turn held the engine ``held`` seconds: background earns its share."""
+    share = state.background_share
+    if share <= 0.0:
+        return
+    earned = max(0.0, held) * share / (1.0 - share)
+    state.background_credit_s = min(state.background_credit_cap_s,
+                                    state.background_credit_s + earned)
+
+
+def _background_due(state: GatewayState) -> bool:
+    """A background step waits and has earned a turn ahead of request and batch work."""
+    return (
+        bool(state.background)
+        and not state.stopped
+        and state.background_share > 0.0
+        and state.background_credit_s > 0.0
+    )
+
+
+def _grant_background(state: GatewayState, now: float, out: list[Effect], *,
+                      under_load: bool) -> None:
+    wait = state.background.popleft()
+    waited = max(0.0, now - wait.asked)
+    state.stats.background_wait_s += waited
+    state.stats.max_background_wait_s = max(state.stats.max_background_wait_s, waited)
+    state.stats.background_turns += 1
+    if under_load:
+        state.stats.background_under_load += 1
+    state.turn = Turn("background", wait.step_id, now, under_load=under_load)
+    out.append(RunBackgroundTurn(wait.step_id))
 
 
 def _take_lane(state: GatewayState, rid: str) -> None:
@@ -697,6 +777,18 @@ def _preempt_for_other_lane(state: GatewayState, turn: Turn, out: list[Effect]) 
     """
     if turn.max_steps <= 1 or turn.preempted:
         return
+    if turn.owner != "background" and _background_due(state):
+        # NOTE: background has earned a turn and waits: the burst or chain
+        # ends after its step in flight, so a waiting step is granted within
+        # one step, not one whole burst (the share bounds how often).
+        state.turn = replace(turn, preempted=True)
+        if turn.owner == "batch":
+            state.stats.batch_preempted += 1
+            out.append(PreemptBatchTurn(int(turn.ident)))
+        elif not state.lane_cancelled:
+            state.stats.preempted += 1
+            out.append(PreemptTurn(turn.ident))
+        return
     if turn.owner == "batch" and state.lane is not None and state.ready(state.lane):
         state.turn = replace(turn, preempted=True)
         state.stats.batch_preempted += 1
@@ -723,6 +815,12 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
     lane = state.lane
     lane_ok = lane is not None and state.ready(lane)
     batch_ok = state.batch_ready
+    if (lane_ok or batch_ok) and _background_due(state):
+        # NOTE: the engine is busy, but background work has earned a turn
+        # (its share of the request and batch turns' time): one step, then
+        # the lanes again. Its time is taken off the credit when it ends.
+        _grant_background(state, now, out, under_load=True)
+        return
     if lane_ok and batch_ok:
         # NOTE: both lanes have work: they alternate turns, so neither starves.
         if state.last_owner == "batch":
@@ -757,10 +855,4 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
     # batch step has work. Rows of the batch lane (even waiting ones) keep
     # background work out: it never runs between the steps of active rows.
     if state.background and not state.stopped and not state.batch_busy:
-        wait = state.background.popleft()
-        waited = max(0.0, now - wait.asked)
-        state.stats.background_wait_s += waited
-        state.stats.max_background_wait_s = max(state.stats.max_background_wait_s, waited)
-        state.stats.background_turns += 1
-        state.turn = Turn("background", wait.step_id, now)
-        out.append(RunBackgroundTurn(wait.step_id))
+        _grant_background(state, now, out, under_load=False)

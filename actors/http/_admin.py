@@ -4,7 +4,8 @@
   to the SSD tier and answers with the evidence (``FlushResult``): **200**
   when ``durable`` is true, **503** otherwise (also without an SSD tier, or
   when the flush did not finish in time). Both bodies carry ``durable``,
-  ``pending``, ``dropped``, ``failed``, ``uncovered``, ``lost``, the SSD
+  ``pending``, ``dropped``, ``failed``, ``uncovered``, ``lost``,
+  ``evicted_unwritten`` (reported once, never a reason for 503), the SSD
   index's entry count and the longest durable prefix.
 - **drain** moves every unleased RAM entry to the SSD tier now (the RAM
   tier's idle demotion with an idle time of 0) and answers once the spill
@@ -74,7 +75,9 @@ def flush_body(result: FlushResult | None, *, reason: str | None = None,
     if result is None:
         return {
             "durable": False, "reason": reason, "pending": None, "dropped": None,
-            "failed": None, "uncovered": None, "lost": None, "entries": None,
+            "failed": None, "uncovered": None, "lost": None, "evicted_unwritten": None,
+        "evicted_unwritten": result.evicted_unwritten,
+            "entries": None,
             "longest_durable_prefix_tokens": None, "duration_s": seconds,
         }
     return {

@@ -19,12 +19,13 @@ Time moves only when the scenario moves it (and by the runtime's tick per
 delivery); the coordinator's alarm is a :class:`SimAlarm` the scenario fires.
 
 Checks (``World.check_*``): ``durable`` implies every prefix dirty at the
-flush's start is covered on disk when it answers; no dirty record is ever
-lost (a record leaves the coordinator only when its prefix was on disk at
-some time after its latest put); no record version is snapshotted twice in
-one flush; no clone leaks or is disposed twice; and with faults off, a
-final flush writes everything RAM still holds and is durable exactly when
-no prefix gone from RAM is left uncovered.
+flush's start is covered on disk when it answers, or was evicted unwritten
+(RAM let go of its latest put, and the coordinator counted it); no dirty
+record is ever lost (a record leaves the coordinator only when its prefix
+was on disk at some time after its latest put, or as evicted unwritten);
+no record version is snapshotted twice in one flush; no clone leaks or is
+disposed twice; and with faults off, a final flush writes everything RAM
+still holds and is durable exactly when nothing it verified is uncovered.
 """
 
 from __future__ import annotations
@@ -238,6 +239,8 @@ class World:
     disk: FakeDisk = field(default_factory=FakeDisk)
     steps: dict[str, Callable[[], Any]] = field(default_factory=dict)
     scheduled: dict[Key, float] = field(default_factory=dict)
+    handles: dict[Key, str] = field(default_factory=dict)
+    """The RAM handle of each key's latest put."""
     results: list[FlushResult] = field(default_factory=list)
     state: DurabilityState | None = None
     covers_log: list[tuple[float, Key, bool]] = field(default_factory=list)
@@ -258,13 +261,21 @@ class World:
 
     # -- checks ---------------------------------------------------------------
 
+    def evicted(self, key: Key) -> bool:
+        """Whether RAM let go of ``key``'s latest put (evicted, superseded or disposed)."""
+        return self.handles[key] not in self.registry.cached
+
     def check_nothing_lost(self, now: float) -> None:
-        """Every key ever put is still dirty, or was on disk at some time after its latest put."""
+        """Every key ever put is still dirty, or was on disk at some time after its latest put,
+        or was given up as evicted unwritten: RAM let go of it, and the count covers it."""
         assert self.state is not None
+        unwritten = 0
         for key, at in self.scheduled.items():
-            if key in self.state.records:
+            if key in self.state.records or self.disk.covered_between(key, at, now):
                 continue
-            assert self.disk.covered_between(key, at, now), f"dirty record lost: {key}"
+            assert self.evicted(key), f"dirty record lost: {key}"
+            unwritten += 1
+        assert unwritten <= self.state.evicted_unwritten, "evicted unwritten, but not counted"
 
     def check_flush(self, result: FlushResult, scheduled_before: dict[Key, float]) -> None:
         """``durable`` => every prefix dirty at the flush's start was on disk when the flush
@@ -280,9 +291,22 @@ class World:
                 if self.disk.covered_between(key, at, start):
                     continue  # NOTE: already on disk after its latest put: not dirty.
                 answers = [(t, c) for t, k, c in self.covers_log if k == key and start <= t <= end]
+                if not answers and self.evicted(key):
+                    # NOTE: given up as evicted unwritten before this flush began
+                    # (check_nothing_lost holds it to the count).
+                    continue
                 assert answers, f"durable, but {key} was never checked"
                 last_at, last = answers[-1]
-                assert last, f"durable, but {key} was not on disk when last checked"
+                if not last:
+                    # NOTE: allowed only as evicted unwritten: RAM let go of it
+                    # and the flush forgot it (and counted it).
+                    assert self.evicted(key), f"durable, but {key} was not on disk"
+                    assert self.state is not None
+                    assert key not in self.state.records or (
+                        self.state.records[key].scheduled_at > at
+                    ), f"durable, but {key} is still dirty"
+                    assert result.evicted_unwritten > 0, f"{key} evicted, but not reported"
+                    continue
                 assert self.disk.covered_at(key, last_at), f"durable, but {key} is not on disk"
         window = [
             root
@@ -560,6 +584,7 @@ async def flush_protocol(
                 world.registry.dispose(handle)
         handle = world.registry.put(ns, tokens, meta)
         world.scheduled[key] = clock.now()
+        world.handles[key] = handle
         await coord.tell(Schedule(namespace=ns, tokens=tokens, handle=handle))
         conversations.append(key)
 
