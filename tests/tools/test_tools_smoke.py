@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,19 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.fixture(scope="module")
+def helps() -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
+    """Every script's ``--help`` started at once, one per CPU (each mostly imports MLX)."""
+    # NOTE: a script without an argument parser would ignore --help and run
+    # for real (a benchmark, a kill loop); such a script is not started.
+    runnable = [s for s in SCRIPTS if "ArgumentParser(" in (REPO / s).read_text(encoding="utf-8")]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        futures = {script: pool.submit(_run, script, "--help") for script in runnable}
+        yield futures
+        for future in futures.values():
+            future.cancel()
+
+
 def test_tools_are_found() -> None:
     """The discovery finds the scripts (an empty list would make the smoke test vacuous)."""
     assert "tools/bench/runtime.py" in SCRIPTS
@@ -49,13 +64,12 @@ def test_tools_are_found() -> None:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_script_help_runs(script: str) -> None:
+def test_script_help_runs(
+    script: str, helps: dict[str, Future[subprocess.CompletedProcess[str]]]
+) -> None:
     """``python <script> --help`` imports the script and prints its usage with exit status 0."""
-    source = (REPO / script).read_text(encoding="utf-8")
-    # NOTE: a script without an argument parser would ignore --help and run
-    # for real (a benchmark, a kill loop); refuse it before starting it.
-    assert "ArgumentParser(" in source, f"{script} has no argparse parser; give it one"
-    done = _run(script, "--help")
+    assert script in helps, f"{script} has no argparse parser; give it one"
+    done = helps[script].result(timeout=2 * _TIMEOUT_S)
     assert done.returncode == 0, f"{script} --help failed:\n{done.stdout}\n{done.stderr}"
     assert done.stdout.startswith("usage:"), f"{script} --help printed:\n{done.stdout}"
 
