@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import math
 import os
 from collections.abc import Collection, Mapping
@@ -87,6 +88,28 @@ def gb_to_bytes(gb: float, *, unit: int = GIB) -> int:
     if isinstance(gb, bool) or not isinstance(gb, int | float) or not math.isfinite(gb) or gb < 0:
         raise ConfigError(f"a size must be a finite number >= 0, got {gb!r}")
     return int(gb * unit)
+
+
+_SECRETS = ("api_key", "admin_key")
+"""Fields whose variable is read even when blank (so a blank key is refused, not ignored)."""
+
+
+def _checked_key(value: Any) -> Any:
+    """A key as given, or a ``ValueError`` for one that would disable or break auth.
+
+    NOTE: a blank, whitespace-only or ``off``/``none`` key used to mean "no
+    auth" silently, and a key with surrounding whitespace never matched
+    (clients' tokens are stripped). To run without auth, leave the key unset.
+    """
+    if not isinstance(value, str):
+        return value
+    if not value.strip():
+        raise ValueError("is blank; unset it to run without auth")
+    if value.strip().lower() in ("off", "none", "no", "false", "0"):
+        raise ValueError(f"{value.strip()!r} is not a key; unset it to run without auth")
+    if any(not ("!" <= c <= "~") for c in value):
+        raise ValueError("must be printable ASCII without spaces (it travels in an HTTP header)")
+    return value
 
 
 def _off_is_none(value: Any) -> Any:
@@ -266,6 +289,35 @@ class EngineConfig(BaseModel):
         Setting("KVTIER_API_KEY", "--api-key", scope="server", metavar="KEY",
                 shown_default="no auth"),
     ] = None
+    admin_key: Annotated[
+        str | None,
+        Field(repr=False, description="the key of the /admin/ routes (Bearer); None = the API "
+                                      "key opens them; with neither they answer 403 unless "
+                                      "--admin-loopback is on"),
+        Setting("KVTIER_ADMIN_KEY", "--admin-key", scope="server", metavar="KEY",
+                shown_default="the API key"),
+    ] = None
+    admin_loopback: Annotated[
+        bool,
+        Field(description="let loopback clients call the /admin/ routes without a key (behind "
+                          "a reverse proxy on this host, also set --trusted-proxies)"),
+        Setting("KVTIER_ADMIN_LOOPBACK", "--admin-loopback", scope="server", metavar="on|off"),
+    ] = False
+    trusted_proxies: Annotated[
+        tuple[str, ...],
+        Field(description="comma list of proxy addresses/CIDRs whose X-Forwarded-For names "
+                          "the client (for --admin-loopback); empty = the header is ignored"),
+        Setting("KVTIER_TRUSTED_PROXIES", "--trusted-proxies", scope="server",
+                metavar="ADDR,...", shown_default="none"),
+    ] = ()
+    allowed_hosts: Annotated[
+        tuple[str, ...] | None,
+        Field(description="comma list of Host header names the server answers (name or "
+                          "name:port; others get 400); * = any; None = localhost, 127.0.0.1 "
+                          "and [::1] when bound to loopback, else any"),
+        Setting("KVTIER_ALLOWED_HOSTS", "--allowed-hosts", scope="server", metavar="HOST,...",
+                shown_default="loopback names when bound to loopback, else any"),
+    ] = None
     cache_namespace: Annotated[
         Literal["shared", "api-key"],
         Field(description="prompt-cache isolation: shared = clients share cached prefixes "
@@ -352,10 +404,34 @@ class EngineConfig(BaseModel):
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("ssd_cache", "api_key", "model", mode="before")
+    @field_validator("ssd_cache", "model", mode="before")
     @classmethod
     def _off(cls, value: Any) -> Any:
         return _off_is_none(value)
+
+    @field_validator("api_key", "admin_key", mode="before")
+    @classmethod
+    def _key(cls, value: Any) -> Any:
+        return _checked_key(value)
+
+    @field_validator("trusted_proxies", "allowed_hosts", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = tuple(part.strip() for part in value.split(","))
+        if isinstance(value, list | tuple) and any(not str(v).strip() for v in value):
+            raise ValueError("an empty entry in the comma list")
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry.strip("[]"), strict=False)
+            except ValueError:
+                raise ValueError(f"not an IP address or network: {entry!r}") from None
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -447,7 +523,8 @@ def _explain(exc: ValidationError, source: str) -> str:
             lines.append(f"unknown {source} {name!r}{hint}")
         elif name:
             lines.append(f"{_label(name)}: {err.get('msg')} (got {err.get('input')!r})"
-                         if name != "api_key" else f"{_label(name)}: {err.get('msg')}")
+                         if name not in _SECRETS
+                         else f"{_label(name)}: {str(err.get('msg')).removeprefix('Value error, ')}")
         else:
             lines.append(str(err.get("msg")).removeprefix("Value error, "))
     return "; ".join(lines)
@@ -468,10 +545,18 @@ def _edge_value(name: str, raw: Any, origin: str) -> Any:
 
 
 def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The fields set by ``KVTIER_*`` variables in ``environ`` (empty values are unset)."""
+    """The fields set by ``KVTIER_*`` variables in ``environ`` (empty values are unset).
+
+    NOTE: a key variable (``KVTIER_API_KEY``, ``KVTIER_ADMIN_KEY``) is taken as
+    it is, blank included, so that a blank key is refused rather than read
+    as "no auth".
+    """
     out: dict[str, Any] = {}
     for name, setting in SETTINGS.items():
         raw = environ.get(setting.env)
+        if raw is not None and name in _SECRETS:
+            out[name] = raw
+            continue
         if raw is None or not raw.strip():
             continue
         out[name] = _edge_value(name, raw.strip(), setting.env)
@@ -580,7 +665,9 @@ def add_flags(
         kwargs: dict[str, Any] = {"dest": flag_dest(name), **_flag_type(name)}
         kwargs["default"] = None if name in shown or name in tracked else _edge_default(name)
         raw = env.get(setting.env)
-        if raw is not None and raw.strip():
+        if raw is not None and name in _SECRETS:
+            kwargs["default"] = raw  # NOTE: as given: a blank key is refused (env_values).
+        elif raw is not None and raw.strip():
             # NOTE: a string default goes through `type` like a typed flag, so a
             # bad variable is reported the way a bad flag is (exit 2).
             kwargs["default"] = raw.strip()

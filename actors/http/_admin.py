@@ -12,20 +12,20 @@
   queue has written them: **200** with what moved, **409** without an SSD
   tier.
 
-Protection: with an API key set, ``ApiKeyMiddleware`` already requires it
-(every route but ``/health`` and ``/``). Without one, admin routes answer only
-loopback clients; anyone else gets **403** (``admin_forbidden``). NOTE:
-``/stats`` is readable by any client allowed to reach the server; these
-routes change state, so an unauthenticated server keeps them local.
+Protection (``AdminGuardMiddleware``, before these handlers run): the
+admin key (``--admin-key``), else the API key, as ``Authorization: Bearer``;
+with neither, **403** ``admin_forbidden``. ``--admin-loopback on`` lets
+loopback clients in without a key (``X-Forwarded-For`` counts only from
+``--trusted-proxies``). NOTE: ``/stats`` is readable by any client allowed to
+reach the server; these routes change state, so they are closed by default.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from actors.errors import KvtierError
@@ -33,9 +33,8 @@ from actors.runtime import RuntimeFailure
 from messages.durability import FlushResult
 
 from ._errors import ApiError
-from ._state import HttpSettings
 
-__all__ = ["AdminPort", "flush_body", "install_admin", "is_loopback"]
+__all__ = ["AdminPort", "flush_body", "install_admin"]
 
 
 @runtime_checkable
@@ -59,16 +58,6 @@ class AdminPort(Protocol):
         ...
 
 
-def is_loopback(host: str | None) -> bool:
-    """Whether ``host`` (an ASGI client address) is a loopback address."""
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def flush_body(result: FlushResult | None, *, reason: str | None = None,
                seconds: float | None = None) -> dict[str, Any]:
     """The JSON body of a flush answer (``result`` ``None``: no evidence, ``reason`` says why)."""
@@ -76,7 +65,6 @@ def flush_body(result: FlushResult | None, *, reason: str | None = None,
         return {
             "durable": False, "reason": reason, "pending": None, "dropped": None,
             "failed": None, "uncovered": None, "lost": None, "evicted_unwritten": None,
-        "evicted_unwritten": result.evicted_unwritten,
             "entries": None,
             "longest_durable_prefix_tokens": None, "duration_s": seconds,
         }
@@ -88,6 +76,7 @@ def flush_body(result: FlushResult | None, *, reason: str | None = None,
         "failed": result.failed,
         "uncovered": result.uncovered,
         "lost": result.lost,
+        "evicted_unwritten": result.evicted_unwritten,
         "entries": result.entries,
         "longest_durable_prefix_tokens": result.longest_durable_prefix_tokens,
         "scope": result.scope,
@@ -105,25 +94,22 @@ def _why(result: FlushResult) -> str:
     return "not durable: " + (", ".join(parts) if parts else "the index did not answer")
 
 
-def install_admin(app: FastAPI, engine: object, settings: HttpSettings) -> None:
-    """Register the admin routes on ``app`` (``engine`` must be an :class:`AdminPort` to use them)."""
+def install_admin(app: FastAPI, engine: object) -> None:
+    """Register the admin routes on ``app`` (``engine`` must be an :class:`AdminPort` to use them).
 
-    def admin(request: Request) -> AdminPort:
-        if settings.api_key is None:
-            client = request.client
-            if client is None or not is_loopback(client.host):
-                raise ApiError(403, "Admin routes answer only loopback clients when the "
-                                    "server has no API key; set --api-key to use them remotely.",
-                               type="invalid_request_error", code="admin_forbidden")
+    Who may call them is decided before: ``AdminGuardMiddleware``.
+    """
+
+    def admin() -> AdminPort:
         if not isinstance(engine, AdminPort):
             raise ApiError(501, "This engine has no admin operations.", type="server_error",
                            code="not_implemented")
         return engine
 
     @app.post("/admin/cache/flush", response_model=None)
-    async def flush(request: Request) -> JSONResponse:
+    async def flush() -> JSONResponse:
         """Force the SSD tier to a durable boundary: 200 when durable, 503 otherwise."""
-        port = admin(request)
+        port = admin()
         started = time.perf_counter()
         try:
             result = await port.flush()
@@ -140,9 +126,9 @@ def install_admin(app: FastAPI, engine: object, settings: HttpSettings) -> None:
                             status_code=200 if result.durable else 503)
 
     @app.post("/admin/cache/drain", response_model=None)
-    async def drain(request: Request) -> JSONResponse:
+    async def drain() -> JSONResponse:
         """Move every unleased RAM entry to the SSD tier now; 200 once the queue wrote them."""
-        port = admin(request)
+        port = admin()
         started = time.perf_counter()
         try:
             moved = await port.demote_cache(idle_s=0.0, wait=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -27,6 +26,7 @@ from actors.engine.config import EngineConfig
 from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
 from messages.gateway import DoneEvent, GenerationParams, TokenEvent
 
+from ._access import parse_networks
 from ._admin import install_admin
 from ._answer import ChatAnswer, ChatPiece, CompletionAnswer, CompletionPiece, LogprobOptions
 from ._convert import (
@@ -52,8 +52,16 @@ from ._errors import (
 )
 from ._isolation import request_cache_scope
 from ._metrics import HttpMetrics, MeteredEngine, install_metrics
-from ._middleware import ApiKeyMiddleware, BodyLimitMiddleware, TrailingSlashMiddleware
+from ._middleware import (
+    AdminGuardMiddleware,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    HostAllowlistMiddleware,
+    JsonContentTypeMiddleware,
+    TrailingSlashMiddleware,
+)
 from ._port import EnginePort, StreamPort
+from ._request_id import REQUEST_ID_KEY, RequestId
 from ._schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -74,21 +82,9 @@ _log = structlog.get_logger("kvtier.http")
 _Answer = ChatAnswer | CompletionAnswer
 
 
-@dataclass
-class _RequestId:
-    """The id of the request being served: ``req-<hex>``, renamed by a generation route."""
-
-    hex: str
-    value: str
-
-
-_REQUEST_ID = "kvtier.request_id"
-"""Scope key of the request's :class:`_RequestId`."""
-
-
-def _request_id(scope: Scope) -> _RequestId:
-    rid = scope.get(_REQUEST_ID)
-    assert isinstance(rid, _RequestId), "_AccessLog must wrap the app"
+def _request_id(scope: Scope) -> RequestId:
+    rid = scope.get(REQUEST_ID_KEY)
+    assert isinstance(rid, RequestId), "_AccessLog must wrap the app"
     return rid
 
 
@@ -114,8 +110,8 @@ class _AccessLog:
         status = 0
         started = time.perf_counter()
         hex_id = self.state.new_id()
-        rid = _RequestId(hex=hex_id, value=f"req-{hex_id}")
-        scope = {**scope, _REQUEST_ID: rid}
+        rid = RequestId(hex=hex_id, value=f"req-{hex_id}")
+        scope = {**scope, REQUEST_ID_KEY: rid}
         tokens = structlog.contextvars.bind_contextvars(correlation_id=rid.value)
 
         async def counting_send(message: Message) -> None:
@@ -144,7 +140,7 @@ _Gen = TypeVar("_Gen", bound=_SamplingFields)
 
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
-    """Validate the JSON body whatever its Content-Type (curl users forget the header).
+    """Validate the JSON body (``JsonContentTypeMiddleware`` already required ``application/json``).
 
     NOTE: read here rather than by FastAPI's body parameters so that a bad
     body yields OpenAI's 400 shapes and the size cap applies while reading.
@@ -255,7 +251,7 @@ def create_app(
     # their own modules; generation streams are metered at this edge.
     metrics = HttpMetrics(engine.stats, st)
     app.state.metrics = metrics
-    install_admin(app, engine, settings)
+    install_admin(app, engine)
     install_metrics(app, metrics)
     install_status(app)
     engine = MeteredEngine.wrap(engine, metrics)
@@ -285,10 +281,11 @@ def create_app(
     @app.get("/health", response_model=None)
     @app.head("/health", response_model=None, operation_id="health_head")
     async def health() -> JSONResponse:
-        """Liveness; 503 ``draining`` once shutdown began (no auth needed)."""
+        """Liveness; 503 ``draining`` once shutdown began (no auth needed, so nothing but the status)."""
         if st.shutting_down:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": engine.model_id})
+        # NOTE: no model id: it may be a local path, and /health answers without a key.
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -484,11 +481,11 @@ def create_app(
         except GenerationFailed as exc:
             # NOTE: headers are gone; an error event is the only way to tell the
             # client (the openai client raises APIError on it).
-            err = kvtier_error_to_api(exc)
+            err = kvtier_error_to_api(exc, rid)
             yield sse_json(error_body(err.message, err.type, err.code, err.param))
             finished = True
         except KvtierError as exc:
-            err = kvtier_error_to_api(exc)
+            err = kvtier_error_to_api(exc, rid)
             yield sse_json(error_body(err.message, err.type, err.code, err.param))
             finished = True
         finally:
@@ -497,9 +494,16 @@ def create_app(
 
     # ----------------------------------------------------------- middleware
     # Starlette wraps in reverse order: the last added runs first.
+    # Order of checks: Host, API key, admin guard, JSON content type, body cap.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(JsonContentTypeMiddleware)
+    app.add_middleware(AdminGuardMiddleware, key=settings.admin_key or settings.api_key,
+                       loopback=settings.admin_loopback,
+                       trusted_proxies=parse_networks(settings.trusted_proxies))
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_hosts is not None:
+        app.add_middleware(HostAllowlistMiddleware, allowed=settings.allowed_hosts)
     app.add_middleware(TrailingSlashMiddleware)
     app.add_middleware(_AccessLog, state=st)
     return app

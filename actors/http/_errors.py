@@ -18,8 +18,16 @@ body larger than ``--max-body-bytes``     413     invalid_request_error / reques
 ``QueueFull``                             429     rate_limit_exceeded / queue_full
 ``ServerShuttingDown``, engine not ready  503     server_error / shutting_down ...
 ``MemoryPressure``                        503     server_error / memory_pressure
+POST body not ``application/json``       415     invalid_request_error / unsupported_media_type
+``Host`` not in the allowlist             400     invalid_request_error / invalid_host
+admin route, no key and no loopback pass  403     invalid_request_error / admin_forbidden
+``GenerationFailed`` (engine failure)     500     server_error / generation_failed
 anything else (a bug)                     500     server_error / internal_error
 ========================================  ======  =========================
+
+A 500 never carries the failure's text (it may name files or internal
+state): the message is generic and names the request id (also in the
+``X-Request-Id`` header); the log line with that id has the detail.
 
 NOTE: FastAPI answers validation failures with 422; OpenAI answers bad
 parameters with 400, and clients (the ``openai`` package included) treat
@@ -48,11 +56,14 @@ from actors.errors import (
     ServerShuttingDown,
 )
 
+from ._request_id import request_id_of
+
 __all__ = [
     "ApiError",
     "error_body",
     "error_response",
     "install_error_handlers",
+    "internal_error",
     "kvtier_error_to_api",
     "validation_to_api",
 ]
@@ -96,8 +107,20 @@ def error_response(err: ApiError) -> JSONResponse:
     )
 
 
-def kvtier_error_to_api(exc: KvtierError) -> ApiError:
-    """Map a typed kvtier error to its HTTP form (table in the module docstring)."""
+def internal_error(request_id: str | None, *, code: str = "internal_error") -> ApiError:
+    """The 500 a client sees for a failure inside the server: no detail, the request id to quote."""
+    ref = f" (request id {request_id})" if request_id else ""
+    return ApiError(500, f"The server had an error while processing your request{ref}; "
+                         "its log has the details.", type="server_error", code=code)
+
+
+def kvtier_error_to_api(exc: KvtierError, request_id: str | None = None) -> ApiError:
+    """Map a typed kvtier error to its HTTP form (table in the module docstring).
+
+    A failure inside the engine (``GenerationFailed`` and any other error
+    without a mapping) becomes a generic 500 naming ``request_id``; its text
+    (which may name files, the model path or internal state) goes to the log.
+    """
     if isinstance(exc, QueueFull):
         # NOTE: Retry-After tells well-behaved clients (openai retries 429s) to back off.
         return ApiError(429, str(exc), type="rate_limit_exceeded", code=exc.code,
@@ -106,7 +129,9 @@ def kvtier_error_to_api(exc: KvtierError) -> ApiError:
         return ApiError(503, str(exc), type="server_error", code=exc.code)
     if isinstance(exc, InvalidRequest):
         return ApiError(400, str(exc), code=exc.code, param=getattr(exc, "param", None))
-    return ApiError(500, str(exc), type="server_error", code=exc.code)
+    _log.error("http.engine_error", error_type=type(exc).__name__, detail=str(exc),
+               request_id=request_id)
+    return internal_error(request_id, code=exc.code)
 
 
 _UNION_MEMBER = re.compile(r"^(?:[A-Z]\w*|str|int|float|bool|none|[a-z-]+\[.*\]|function-\w+|constrained-\w+)$")
@@ -153,9 +178,9 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, ApiError)
         return error_response(exc)
 
-    async def on_kvtier_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_kvtier_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, KvtierError)
-        return error_response(kvtier_error_to_api(exc))
+        return error_response(kvtier_error_to_api(exc, request_id_of(request.scope)))
 
     async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -171,9 +196,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # NOTE: only bugs reach this; bad input is mapped above, never a 500.
-        _log.error("http.unhandled", path=request.url.path, error=repr(exc), exc_info=exc)
-        return error_response(ApiError(500, "internal server error", type="server_error",
-                                       code="internal_error"))
+        rid = request_id_of(request.scope)
+        _log.error("http.unhandled", path=request.url.path, error=repr(exc), request_id=rid,
+                   exc_info=exc)
+        return error_response(internal_error(rid))
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(KvtierError, on_kvtier_error)

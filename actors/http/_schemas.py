@@ -25,6 +25,8 @@ from pydantic import (
 
 from messages.prompt_cache import CACHE_SALT_MAX_CHARS
 
+from ._json_depth import MAX_JSON_DEPTH, json_too_deep
+
 __all__ = [
     "ChatChoice",
     "ChatChunkChoice",
@@ -98,6 +100,14 @@ class FunctionCall(_Strict):
 
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _not_too_deep(cls, value: str) -> str:
+        # NOTE: parsed later (json.loads, the template's tojson), which recurse.
+        if json_too_deep(value):
+            raise ValueError(f"the arguments nest deeper than {MAX_JSON_DEPTH} levels")
+        return value
 
 
 class ToolCall(_Strict):

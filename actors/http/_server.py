@@ -497,6 +497,10 @@ async def serve(
     config = uvicorn.Config(
         asgi, http=_protocol_class(guard), log_config=None, access_log=False,
         lifespan="off", server_header=False,
+        # NOTE: uvicorn would believe X-Forwarded-For from 127.0.0.1 (and
+        # $FORWARDED_ALLOW_IPS) and rewrite the client address; kvtier reads
+        # the header itself, only from --trusted-proxies (AdminGuardMiddleware).
+        proxy_headers=False,
         # NOTE: uvicorn's timeout is an int; ours wins because the head timer
         # starts with it and closes the same idle connections.
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),

@@ -13,10 +13,11 @@ import anyio
 
 from actors.engine.config import EngineConfig
 
+from ._access import LOOPBACK_HOSTS, is_loopback, normalize_host, parse_networks
 from ._convert import Defaults
 from ._isolation import CacheNamespaceMode
 
-__all__ = ["HttpSettings", "HttpState"]
+__all__ = ["HttpSettings", "HttpState", "allowed_hosts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,14 @@ class HttpSettings:
     engine's ``model_id`` (e.g. the path given to ``--model``).
     ``api_key``: when set, every route but ``/health`` and ``/`` needs ``Bearer <key>``.
     ``cache_namespace``: ``api-key`` gives each bearer token its own prompt-cache namespace.
+    ``admin_key``: the key of the ``/admin/`` routes (``None``: ``api_key``
+    opens them). With neither, admin routes answer 403 unless
+    ``admin_loopback`` lets loopback clients in without a key.
+    ``trusted_proxies``: addresses or CIDRs whose ``X-Forwarded-For`` names
+    the client (for ``admin_loopback``); any other peer's header is ignored.
+    ``allowed_hosts``: the ``Host`` names the server answers (``name`` or
+    ``name:port``); ``None`` accepts any (``from_config`` restricts a
+    loopback-bound server to :data:`LOOPBACK_HOSTS`).
     """
 
     defaults: Defaults = field(default_factory=Defaults)
@@ -34,6 +43,13 @@ class HttpSettings:
     api_key: str | None = None
     cache_namespace: CacheNamespaceMode = "shared"
     max_body_bytes: int = EngineConfig().max_body_bytes
+    admin_key: str | None = None
+    admin_loopback: bool = False
+    trusted_proxies: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        parse_networks(self.trusted_proxies)  # NOTE: a bad entry fails here, not per request.
 
     @classmethod
     def from_config(
@@ -46,7 +62,26 @@ class HttpSettings:
             api_key=config.api_key,
             cache_namespace=config.cache_namespace,
             max_body_bytes=config.max_body_bytes,
+            admin_key=config.admin_key,
+            admin_loopback=config.admin_loopback,
+            trusted_proxies=config.trusted_proxies,
+            allowed_hosts=allowed_hosts(config.host, config.allowed_hosts),
         )
+
+
+def allowed_hosts(bind: str, configured: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The ``Host`` allowlist of a server bound to ``bind`` (``None``: any name).
+
+    ``configured`` ``None`` (the default): the loopback names when ``bind`` is
+    a loopback address, else any name (a public server's names are not known
+    here; it needs ``--api-key``, which a rebinding page cannot send).
+    ``("*",)``: any name.
+    """
+    if configured is None:
+        return LOOPBACK_HOSTS if is_loopback(bind) else None
+    if "*" in configured:
+        return None
+    return tuple(normalize_host(h) for h in configured)
 
 
 def _new_id() -> str:

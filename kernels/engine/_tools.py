@@ -141,7 +141,9 @@ def parse_tool_call(
     """The calls in one call text, by the model's own parser.
 
     Raises ``ValueError`` when the text is not a call (a truncated call, or
-    text the parser does not read).
+    text the parser does not read), or, when ``tools`` is given, when a call
+    names a function that is not among them (OpenAI never returns a call to
+    an undeclared tool; the caller keeps such text as content).
     """
     try:
         parsed = fmt.parser(text, list(tools) if tools is not None else None)
@@ -165,4 +167,16 @@ def parse_tool_call(
             except (TypeError, ValueError):
                 raise ValueError("not a tool call (arguments are not JSON)") from None
         calls.append(ParsedToolCall(name=item["name"], arguments=text_args))
+    if tools is not None:
+        declared = {_declared_name(t) for t in tools}
+        unknown = [c.name for c in calls if c.name not in declared]
+        if unknown:
+            raise ValueError(f"not a tool call (undeclared function {unknown[0]!r})")
     return calls
+
+
+def _declared_name(tool: Mapping[str, Any]) -> str | None:
+    """The function name of an OpenAI ``tools`` entry (``{"type": "function", "function": {...}}``)."""
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else tool.get("name")
+    return name if isinstance(name, str) else None

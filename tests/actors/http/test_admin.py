@@ -4,7 +4,8 @@ The flush route answers 200 with ``durable: true`` only at a durable
 boundary (with the index's evidence), 503 otherwise; an ``fsync`` that
 fails once (fsyncgate) keeps it at 503 until the entry is rewritten and
 synced. The drain route moves every RAM entry to disk. Admin routes need
-the API key when one is set, else answer loopback clients only.
+the admin key, else the API key; with neither they are closed (403) unless
+loopback clients are let in (``admin_loopback``). Every POST says it is JSON.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ async def _served(
                                 prompt_cache_bytes=1 << 26, ssd_cache=root,
                                 file_port=file_port, **options)
     async with engine:
-        app = create_app(engine, settings or HttpSettings())
+        app = create_app(engine, settings or HttpSettings(admin_loopback=True))
         transport = httpx.ASGITransport(app=app, client=client)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120,
+                                     headers={"content-type": "application/json"}) as c:
             yield engine, c
 
 
@@ -159,10 +161,16 @@ async def test_drain_moves_every_ram_entry_to_disk(tmp_path: Path, model: Any, t
 
 
 @pytest.mark.parametrize("route", [FLUSH, DRAIN])
-async def test_admin_routes_answer_only_loopback_without_an_api_key(
+async def test_admin_routes_are_closed_without_a_key_unless_loopback_is_let_in(
     tmp_path: Path, model: Any, tok: Any, route: str
 ) -> None:
-    """Without an API key a non-loopback client gets 403 (OpenAI-shaped); loopback gets through."""
+    """Without any key, admin routes answer 403 (OpenAI-shaped) even to loopback; with
+    admin_loopback a loopback client gets through and a remote one still gets 403."""
+    async with _served(model, tok, tmp_path, settings=HttpSettings(),
+                       client=("::1", 5000)) as (_, closed):
+        shut = await closed.post(route)
+    assert shut.status_code == 403
+    assert shut.json()["error"]["code"] == "admin_forbidden"
     async with _served(model, tok, tmp_path, client=("10.1.2.3", 5000)) as (_, remote):
         refused = await remote.post(route)
     assert refused.status_code == 403

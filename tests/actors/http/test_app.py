@@ -233,13 +233,28 @@ async def test_bad_chat_input_is_400(content: bytes, code: str | None) -> None:
     assert engine.calls == []
 
 
-async def test_json_body_accepted_without_content_type() -> None:
-    """A JSON body is parsed whatever its Content-Type (curl -d sends form encoding)."""
+@pytest.mark.parametrize("content_type", [
+    "application/x-www-form-urlencoded", "text/plain", "text/plain;charset=UTF-8", None,
+    "application/json; charset=latin-1", "application/jsonp"])
+async def test_post_body_that_is_not_declared_json_is_415(content_type: str | None) -> None:
+    """A POST whose Content-Type is not application/json (form, text/plain, none) gets 415 and reaches no engine."""
+    engine = FakeEngine()
+    headers = {"content-type": content_type} if content_type is not None else {}
+    async with _client(engine) as c:
+        r = await c.post(CHAT, content=json.dumps(HELLO).encode(), headers=headers)
+    _assert_openai_error(r, 415, "unsupported_media_type")
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("content_type", [
+    "application/json", "application/json; charset=utf-8", "Application/JSON;charset=\"UTF-8\""])
+async def test_json_content_type_with_utf8_charset_is_accepted(content_type: str) -> None:
+    """application/json, with or without a UTF-8 charset (any case), is served."""
     engine = FakeEngine()
     async with _client(engine) as c:
         r = await c.post(CHAT, content=json.dumps(HELLO).encode(),
-                         headers={"content-type": "application/x-www-form-urlencoded"})
-    assert r.status_code == 200
+                         headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
     assert engine.calls[0].payload == [{"role": "user", "content": "hi"}]
 
 
@@ -447,7 +462,8 @@ async def test_error_responses_carry_their_own_request_id() -> None:
         refused = await c.post(CHAT, json=HELLO, headers=auth)
         models = await c.get("/v1/models", headers=auth)
         unauthorized = await c.get("/v1/models")
-        too_big = await c.post(CHAT, content=b"x" * 200, headers=auth)
+        too_big = await c.post(CHAT, content=b"x" * 200,
+                               headers={**auth, "content-type": "application/json"})
         missing = await c.get("/nope", headers=auth)
     _assert_openai_error(refused, 400, "context_length_exceeded")
     _assert_openai_error(unauthorized, 401, "invalid_api_key")
@@ -534,7 +550,7 @@ async def test_body_that_never_completes_times_out_with_408() -> None:
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         with anyio.fail_after(5):
-            r = await c.post(CHAT, content=body())
+            r = await c.post(CHAT, content=body(), headers={"content-type": "application/json"})
     _assert_openai_error(r, 408, "request_timeout")
     assert r.headers["connection"] == "close"
     assert engine.calls == []

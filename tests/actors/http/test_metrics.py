@@ -45,9 +45,10 @@ async def served(tmp_path: Path, model: Any) -> AsyncIterator[tuple[Engine, http
                                 prompt_cache_bytes=CAP, ssd_cache=tmp_path,
                                 ssd_writebehind=False)
     async with engine:
-        app = create_app(engine, HttpSettings())
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t", timeout=120) as client:
+        app = create_app(engine, HttpSettings(admin_loopback=True))
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     timeout=120) as client:
             yield engine, client
 
 
@@ -85,7 +86,8 @@ async def test_metrics_expose_every_family_with_the_figures_of_the_run(
     first = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6})
     hit = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6})
     streamed = await _stream(client, OTHER, 8)
-    assert (await client.post("/admin/cache/flush")).status_code == 200
+    flushed = await client.post("/admin/cache/flush", headers={"content-type": "application/json"})
+    assert flushed.status_code == 200
     assert (await client.get("/nowhere")).status_code == 404
     text = (await client.get("/metrics")).text
     f = _families(text)

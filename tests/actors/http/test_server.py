@@ -213,6 +213,7 @@ async def test_lingering_close_ends_when_the_client_goes_quiet(caplog: pytest.Lo
     async with running(settings=HttpSettings(max_body_bytes=1000), limits=limits) as srv, \
             await anyio.connect_tcp("127.0.0.1", srv.port) as conn:
         await conn.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Type: application/json\r\n"
                         b"Content-Length: 5000000\r\n\r\n" + b"x" * 100_000)
         raw = await _read_all(conn)
         await conn.send(b"x" * 1000)  # NOTE: still lingering: read and dropped.
@@ -269,6 +270,7 @@ async def test_keep_alive_requests_after_a_400_log_their_own_id() -> None:
     engine = FakeEngine(scripts=[Script(admission_error=ContextTooLong(9000, 8192))])
     body = json.dumps(HELLO).encode()
     refused = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+               b"Content-Type: application/json\r\n"
                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     models = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     last = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
