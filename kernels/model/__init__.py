@@ -51,7 +51,7 @@ from ._rope import (
     has_shared_rope,
     share_rope_tables,
 )
-from ._trust import UntrustedPath, check_trusted, trust_problem
+from ._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 from ._weights import FileKey, OsWeightFiles, WeightFiles, WeightsMemo
 
 __all__ = [
@@ -92,6 +92,7 @@ __all__ = [
     "is_converted_dir",
     "kvtier_home",
     "load_model",
+    "make_private_dirs",
     "resolve_model_path",
     "share_rope_tables",
     "tokenizer_hash",

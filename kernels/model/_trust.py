@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kernels._errors import KernelError
 
-__all__ = ["UntrustedPath", "check_trusted", "trust_problem"]
+__all__ = ["UntrustedPath", "check_trusted", "make_private_dirs", "trust_problem"]
 
 
 class UntrustedPath(KernelError):
@@ -64,3 +64,25 @@ def check_trusted(dirs: Iterable[str | Path] = (), files: Iterable[str | Path] =
         problem = trust_problem(path, file=is_file)
         if problem is not None:
             raise UntrustedPath(path, problem)
+
+
+def make_private_dirs(path: str | Path) -> None:
+    """``mkdir -p`` whose every new directory is mode 0700 (whatever the umask).
+
+    NOTE: ``os.makedirs(mode=...)`` applies the mode to the last directory
+    only; an intermediate one made group-writable by a umask of 002 would
+    then fail :func:`check_trusted`.
+    """
+    missing: list[Path] = []
+    cur = Path(path).absolute()
+    while not cur.is_dir():
+        missing.append(cur)
+        if cur.parent == cur:
+            break
+        cur = cur.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            if not d.is_dir():
+                raise

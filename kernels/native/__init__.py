@@ -7,11 +7,14 @@ the extension is built and cached, ``_few_row.py`` for the operation.
 from __future__ import annotations
 
 from ._build import (
+    FAILURE_RECORD,
     MODULE_NAME,
     NativeUnavailable,
     cpu_supports_kernel,
+    discard_build,
     extension_dir,
     load_extension,
+    toolchain_identity,
 )
 from ._few_row import (
     FEW_ROW_ENV,
@@ -23,15 +26,18 @@ from ._few_row import (
 )
 
 __all__ = [
+    "FAILURE_RECORD",
     "FEW_ROW_ENV",
     "FEW_ROW_THREADS_ENV",
     "MODULE_NAME",
     "NativeUnavailable",
     "cpu_supports_kernel",
+    "discard_build",
     "extension_dir",
     "few_row_enabled",
     "few_row_op",
     "few_row_status",
     "few_row_threads",
     "load_extension",
+    "toolchain_identity",
 ]

@@ -5,7 +5,12 @@ arrays on the CPU stream whose every output row is computed alone (the same
 bits whatever other rows share the call), or ``None`` where it is switched
 off or cannot run here (:func:`few_row_status` says why). The first call
 builds or loads the extension (``_build.py``) and checks it against MLX's
-own product on random data before trusting it. Engine thread only.
+own product on random data before trusting it. Every failure of that
+(build, import, a missing symbol, an error or a wrong answer from the check,
+an untrusted cache directory) becomes :class:`NativeUnavailable`, so the
+model loads with MLX's product and the status says why; a module that fails
+its check is discarded (``discard_build``). The outcome is kept for the
+life of the process. Engine thread only.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._build import NativeUnavailable, load_extension
+from ._build import NativeUnavailable, discard_build, load_extension
 
 __all__ = [
     "FEW_ROW_ENV",
@@ -66,13 +71,20 @@ def _check(fn: Callable[[mx.array, mx.array], mx.array]) -> None:
     kx, kw = mx.random.split(key)
     x = mx.random.normal((6, 200), key=kx)
     w = mx.random.normal((70, 200), key=kw)
-    got = fn(x, w)
-    ref = x @ w.T
-    alone = fn(x[4:5], w)
-    mx.eval(got, ref, alone)
-    if not mx.allclose(got, ref, rtol=1e-4, atol=1e-3).item():
+    try:
+        got = fn(x, w)
+        ref = x @ w.T
+        alone = fn(x[4:5], w)
+        mx.eval(got, ref, alone)
+        agrees = got.shape == ref.shape and mx.allclose(got, ref, rtol=1e-4, atol=1e-3).item()
+        alone_equal = agrees and mx.array_equal(alone[0], got[4]).item()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        # NOTE: what MLX and nanobind raise for a module built against
+        # another ABI or a kernel that refuses its inputs.
+        raise NativeUnavailable(f"the few-row extension failed its check: {exc}") from exc
+    if not agrees:
         raise NativeUnavailable("the few-row extension disagrees with MLX's product")
-    if not mx.array_equal(alone[0], got[4]).item():
+    if not alone_equal:
         raise NativeUnavailable("the few-row extension's rows depend on each other")
 
 
@@ -86,18 +98,36 @@ def few_row_op() -> Callable[[mx.array, mx.array], mx.array] | None:
         return None
     try:
         threads = few_row_threads()
-        module = load_extension()
-        raw = module.few_row
-
-        def fn(x: mx.array, w: mx.array) -> mx.array:
-            out: mx.array = raw(x, w, threads)
-            return out
-
-        _check(fn)
-    except (NativeUnavailable, OSError, ValueError) as exc:
+    except ValueError as exc:
+        _state["op"], _state["status"] = None, f"unavailable: {exc}"
+        return None
+    try:
+        fn = _checked_product(threads)
+    except (NativeUnavailable, OSError) as exc:
         _state["op"], _state["status"] = None, f"unavailable: {exc}"
         return None
     _state["op"], _state["status"] = fn, f"on ({threads} threads)"
+    return fn
+
+
+def _checked_product(threads: int) -> Callable[[mx.array, mx.array], mx.array]:
+    """Load the module, wrap its product, check it; a module failing the check is discarded."""
+    module = load_extension()
+    raw = getattr(module, "few_row", None)
+    if not callable(raw):
+        reason = "the few-row extension has no few_row function"
+        discard_build(reason)
+        raise NativeUnavailable(reason)
+
+    def fn(x: mx.array, w: mx.array) -> mx.array:
+        out: mx.array = raw(x, w, threads)
+        return out
+
+    try:
+        _check(fn)
+    except NativeUnavailable as exc:
+        discard_build(str(exc))
+        raise
     return fn
 
 
