@@ -103,7 +103,8 @@ def run(cycles: int, workdir: Path, *, prompts: int = 2, max_tokens: int = 8,
         serve_args: tuple[str, ...] = (), log: Any = None) -> Summary:
     """Run ``cycles`` flush/kill/restart cycles with the SSD tier in ``workdir / "kv"``."""
     summary = Summary()
-    args = ["--ssd-cache", str(workdir / "kv"), "--ssd-writebehind", "off", *serve_args]
+    args = ["--ssd-cache", str(workdir / "kv"), "--ssd-writebehind", "off",
+            "--admin-loopback", "on", *serve_args]
     flushed: list[Prompt] = []
     with httpx.Client(timeout=300) as http:
         server = Server(workdir, args, append_stderr=True)
@@ -118,7 +119,8 @@ def run(cycles: int, workdir: Path, *, prompts: int = 2, max_tokens: int = 8,
                     fresh.append(Prompt(text, done["usage"]["prompt_tokens"],
                                         done["choices"][0]["text"]))
                 began = time.perf_counter()
-                r = http.post(f"{server.url}/admin/cache/flush")
+                r = http.post(f"{server.url}/admin/cache/flush",
+                              headers={"content-type": "application/json"})
                 summary.flush_ms.append((time.perf_counter() - began) * 1e3)
                 body = r.json()
                 if r.status_code == 200 and body.get("durable") is True:

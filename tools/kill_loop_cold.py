@@ -407,7 +407,7 @@ def _flush(
     if killer is not None:
         killer.doing("flush")
     began = time.perf_counter()
-    r = http.post(f"{server.url}/admin/cache/flush")
+    r = http.post(f"{server.url}/admin/cache/flush", headers={"content-type": "application/json"})
     if killer is not None:
         killer.doing("pause")
     summary.flush_ms.append((time.perf_counter() - began) * 1e3)
@@ -491,7 +491,7 @@ def run(
     # NOTE: --ssd-restore always: the checks ask what is on disk, so a hit
     # must be read even where the estimator would advise recomputing it.
     args = ["--model", str(model), "--ssd-cache", str(workdir / "kv"), "--ssd-writebehind", "on",
-            "--ssd-restore", "always"]
+            "--ssd-restore", "always", "--admin-loopback", "on"]
     acked: dict[int, int] = {}
     serve_dir, ref_dir = workdir / "serve", workdir / "reference"
     serve_dir.mkdir(exist_ok=True)

@@ -30,6 +30,8 @@ from tools.kill_loop_cold import write_tiny_model
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPTS = 12
+JSON = {"content-type": "application/json"}
+"""Every POST says it is JSON (the server answers 415 otherwise)."""
 
 
 def _mount(target: Path, size: str, *, remount: bool = False) -> str | None:
@@ -111,7 +113,7 @@ def test_a_full_disk_fails_stores_softly_and_requests_keep_being_served(
     work = tmp_path / "serve"
     work.mkdir()
     args = ["--model", str(model), "--ssd-cache", str(small_fs), "--ssd-cache-max", "1",
-            "--ssd-writebehind", "off"]  # fmt: skip
+            "--ssd-writebehind", "off", "--admin-loopback", "on"]  # fmt: skip
     server = Server(work, args)
     statuses: list[int] = []
     answers: dict[int, str] = {}
@@ -119,7 +121,7 @@ def test_a_full_disk_fails_stores_softly_and_requests_keep_being_served(
         with httpx.Client(timeout=300) as http:
             for i in range(PROMPTS):
                 answers[i] = _complete(http, server.url, _text(i))["choices"][0]["text"]
-                r = http.post(f"{server.url}/admin/cache/flush")
+                r = http.post(f"{server.url}/admin/cache/flush", headers=JSON)
                 statuses.append(r.status_code)
                 if r.status_code != 200:
                     assert r.json()["durable"] is False
@@ -132,7 +134,7 @@ def test_a_full_disk_fails_stores_softly_and_requests_keep_being_served(
                 repeat = _complete(http, server.url, _text(i))
                 assert repeat["choices"][0]["text"] == answers[i]
             assert _mount(small_fs, "64m", remount=True) is None
-            r = http.post(f"{server.url}/admin/cache/flush")
+            r = http.post(f"{server.url}/admin/cache/flush", headers=JSON)
             assert r.status_code == 200, r.text
             assert r.json()["durable"] is True
             after = _check_files(small_fs, _ssd(http, server.url))

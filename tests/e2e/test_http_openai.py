@@ -347,3 +347,21 @@ def test_oversized_body_written_before_reading_gets_413(server: ServerProcess) -
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 413
     assert json.loads(info.value.read())["error"]["code"] == "request_too_large"
+
+
+def test_edge_refuses_browser_posts_rebinding_and_keyless_admin(server: ServerProcess) -> None:
+    """On the real loopback server: a text/plain POST gets 415, Host: evil.example gets 400,
+    an admin route without the key gets 401, and /health names no model path."""
+    body = json.dumps({"messages": STORY, "max_tokens": 2}).encode()
+    plain = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=30,
+                       headers={**_auth(), "Content-Type": "text/plain"})
+    assert plain.status_code == 415, plain.text
+    assert plain.json()["error"]["code"] == "unsupported_media_type"
+    evil = httpx.get(f"{server.url}/v1/models", headers={**_auth(), "Host": "evil.example"},
+                     timeout=10)
+    assert evil.status_code == 400, evil.text
+    assert evil.json()["error"]["code"] == "invalid_host"
+    admin = httpx.post(f"{server.url}/admin/cache/flush", timeout=10,
+                       headers={"Content-Type": "application/json"})
+    assert admin.status_code == 401, admin.text
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}

@@ -129,7 +129,8 @@ def _flush(server: Server) -> dict[str, Any]:
     """``POST /admin/cache/flush`` when the server has it: its status, answer and seconds."""
     t0 = time.perf_counter()
     try:
-        r = httpx.post(f"{server.url}/admin/cache/flush", timeout=600)
+        r = httpx.post(f"{server.url}/admin/cache/flush", timeout=600,
+                       headers={"content-type": "application/json"})
     except httpx.HTTPError as exc:
         return {"route": False, "error": repr(exc)}
     took = time.perf_counter() - t0
@@ -195,7 +196,7 @@ def kvtier_round(
     restart, page cache dropped), stop. Every branch reuses the same prefix.
     """
     kv = work / "kvtier-kv"
-    extra = ("--ssd-cache", str(kv))
+    extra = ("--ssd-cache", str(kv), "--admin-loopback", "on")
     n = args.answer_tokens
     out: dict[str, Any] = {s: [] for s in SCENARIOS}
     out.update(flush=[], stop_s=[], stop_rc=[], ready_s=[])
