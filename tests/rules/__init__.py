@@ -1,0 +1,1 @@
+"""One test per rule of docs/rules.md that an audit found survived its mutation."""
