@@ -1,0 +1,837 @@
+"""Serving benchmark: ``kvtier serve`` vs ``mlx_lm.server`` through a real load generator.
+
+Both servers load the same model directory and run one at a time on the
+same port, with the same arguments where their flags overlap (model, host,
+port, prefill chunk; ``--rows`` sets kvtier's ``--max-batch`` and mlx-lm's
+``--decode-concurrency`` together). Per round, each server gets, after one
+warm-up request:
+
+- **concurrency profile** (guidellm ``concurrent``): ``--concurrency`` levels
+  (e.g. 1,4,8,32), synthetic prompts of ``--prompt-tokens`` tokens (counted
+  with the model directory's own tokenizer), ``--max-tokens`` new tokens,
+  streamed, greedy; ``--requests-per-stream`` x streams requests per level;
+- **constant-rate profile** (guidellm ``constant``): requests arrive at
+  ``--rate-fractions`` x the peer's saturation rate, where the peer is
+  ``mlx_lm.server`` and its saturation is the most requests/s it completed
+  at any concurrency level of the first round (or ``--rate`` req/s given);
+  ``--rate-seconds`` of arrivals;
+- **agent trace** (kvtier's own, ``_common.stream_chat``): ``--agent`` N x M =
+  N conversations at once, each M turns in sequence over one long shared
+  system prompt (``--system-tokens``), each turn carrying the conversation so
+  far; TTFT of turn 1 and of turns 2+.
+
+guidellm drives the two profiles (its JSON per run is kept in ``--out``); it
+runs from its own environment (``--guidellm-python``) through
+``_guidellm_shim.py``, which strips three vLLM-only request fields that
+kvtier's strict request schema refuses (the same bodies go to both servers).
+Prompts are seeded by the round, so both servers get the same request set
+in a round and no round repeats an earlier one. Every round writes its
+figures; the summary gives kvtier / mlx_lm ratios side by side; ``--json``
+and ``--plot`` write everything. Versions, commit and machine are recorded.
+
+CPU (default model; the figures mean something only as ratios in one run)::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/serving.py --concurrency 1,4,8 --max-tokens 64 --agent 4x3
+
+The load generator: ``pip install -e .[bench]`` (guidellm) into an
+environment of its own, e.g.
+``python3 -m venv ~/.cache/kvtier/loadgen-guidellm && ~/.cache/kvtier/loadgen-guidellm/bin/pip install guidellm==0.8.1``
+(the default ``--guidellm-python``). GPU: ``tools/bench/gpu_serving.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DEFAULT_GUIDELLM_PYTHON = Path.home() / ".cache" / "kvtier" / "loadgen-guidellm" / "bin" / "python"
+SHIM = HERE / "_guidellm_shim.py"
+SERVERS = ("mlx_lm", "kvtier")
+PEER = "mlx_lm"
+"""The server whose saturation sets the constant rate, and the denominator of every ratio."""
+
+QUESTIONS = (
+    "Summarize rule 3 in one sentence.",
+    "What is rule 7 about?",
+    "List two rules that mention a river.",
+    "Which rule comes right after rule 11?",
+    "Give me a short title for these notes.",
+    "What does rule 2 say about lanterns?",
+    "How many rules mention copper?",
+    "Rewrite rule 5 as a question.",
+)
+
+
+# --- figures -----------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    """A latency distribution in milliseconds."""
+
+    n: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values_ms: Sequence[float]) -> Dist:
+        """The distribution of ``values_ms`` (nearest-rank percentiles); zeros when empty."""
+        if not values_ms:
+            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        xs = sorted(values_ms)
+
+        def pct(q: float) -> float:
+            return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+        return cls(len(xs), statistics.fmean(xs), pct(0.50), pct(0.90), pct(0.99), xs[-1])
+
+
+@dataclass
+class LevelResult:
+    """One guidellm sub-benchmark (a concurrency level or a constant rate) on one server."""
+
+    profile: str
+    """``concurrent`` or ``constant``."""
+    level: float
+    """Streams (concurrent) or requests per second (constant)."""
+    ok: int
+    errored: int
+    incomplete: int
+    seconds: float
+    """First request sent -> last successful request done."""
+    output_tokens: int
+    output_tps: float
+    """Output tokens of the successful requests per second of ``seconds``."""
+    requests_per_s: float
+    ttft_ms: Dist
+    itl_ms: Dist
+    latency_ms: Dist
+    prompt_tokens_p50: float
+    output_tokens_p50: float
+
+
+def level_results(report: dict[str, Any]) -> list[LevelResult]:
+    """The figures of every sub-benchmark in one guidellm JSON report, from its per-request records."""
+    out: list[LevelResult] = []
+    for bench in report["benchmarks"]:
+        strategy = bench["config"]["strategy"]
+        kind = str(strategy["type_"])
+        level = float(strategy["streams"] if kind == "concurrent" else strategy.get("rate", 0.0))
+        reqs = bench["requests"]
+        ok = reqs.get("successful") or []
+        starts = [float(r["request_start_time"]) for r in ok]
+        ends = [float(r["request_end_time"]) for r in ok]
+        seconds = max(ends) - min(starts) if ok else 0.0
+        tokens = sum(int(r.get("output_tokens") or 0) for r in ok)
+
+        def ms(key: str, rs: list[dict[str, Any]] = ok) -> list[float]:
+            return [float(r[key]) for r in rs if r.get(key) is not None]
+
+        out.append(
+            LevelResult(
+                profile=kind,
+                level=level,
+                ok=len(ok),
+                errored=len(reqs.get("errored") or []),
+                incomplete=len(reqs.get("incomplete") or []),
+                seconds=seconds,
+                output_tokens=tokens,
+                output_tps=tokens / seconds if seconds > 0 else 0.0,
+                requests_per_s=len(ok) / seconds if seconds > 0 else 0.0,
+                ttft_ms=Dist.of(ms("time_to_first_token_ms")),
+                itl_ms=Dist.of(ms("inter_token_latency_ms")),
+                latency_ms=Dist.of([1000.0 * x for x in ms("request_latency")]),
+                prompt_tokens_p50=statistics.median(ms("prompt_tokens")) if ok else 0.0,
+                output_tokens_p50=statistics.median(ms("output_tokens")) if ok else 0.0,
+            )
+        )
+    return out
+
+
+def saturation_rps(levels: Sequence[LevelResult]) -> float:
+    """The most requests per second completed at any concurrency level (0 when none ran)."""
+    return max((lv.requests_per_s for lv in levels if lv.profile == "concurrent"), default=0.0)
+
+
+@dataclass
+class AgentTurn:
+    """One turn of one conversation of the agent trace."""
+
+    conversation: int
+    turn: int
+    ttft_ms: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+
+
+@dataclass
+class AgentResult:
+    """The agent trace on one server."""
+
+    conversations: int
+    turns: int
+    system_tokens: int
+    turns_list: list[AgentTurn] = field(default_factory=list)
+
+    def ttft(self, first: bool) -> Dist:
+        """TTFT of turn 1 (``first``) or of turns 2+."""
+        return Dist.of([t.ttft_ms for t in self.turns_list if (t.turn == 1) == first])
+
+
+@dataclass
+class ServerRun:
+    """Everything one server did in one round."""
+
+    server: str
+    ready_s: float
+    levels: list[LevelResult] = field(default_factory=list)
+    agent: AgentResult | None = None
+    guidellm_reports: list[str] = field(default_factory=list)
+
+
+# --- guidellm ----------------------------------------------------------------------
+
+
+def scenario(
+    *,
+    url: str,
+    model: str,
+    profile: dict[str, Any],
+    counts: list[int],
+    prompt_tokens: int,
+    max_tokens: int,
+    seed: int,
+    output: Path,
+    max_seconds: float | None = None,
+) -> dict[str, Any]:
+    """A guidellm scenario: streamed greedy chat requests of synthetic prompts, JSON out."""
+    constraints: list[dict[str, Any]] = [
+        {"kind": "max_requests", "count": counts if len(counts) > 1 else counts[0]}
+    ]
+    if max_seconds is not None:
+        constraints.append({"kind": "max_duration", "seconds": max_seconds})
+    return {
+        "spec": {
+            "backend": {
+                "kind": "openai_http",
+                "target": url,
+                "model": model,
+                "request_format": "/v1/chat/completions",
+                # NOTE: neither server speaks HTTP/2 without TLS.
+                "http2": False,
+                "timeout": 1800.0,
+                "extras": {"body": {"temperature": 0.0}},
+            },
+            # NOTE: the model directory's tokenizer: nothing is downloaded.
+            "tokenizer": {"kind": "huggingface_auto", "model": model},
+            "profile": profile,
+            "data": [
+                {
+                    "kind": "synthetic_text",
+                    "prompt_tokens": prompt_tokens,
+                    "output_tokens": max_tokens,
+                }
+            ],
+            "seed": {"kind": "static", "value": seed},
+            "constraints": constraints,
+            "outputs": [{"kind": "json", "path": str(output)}],
+        }
+    }
+
+
+def run_guidellm(python: Path, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
+    """One guidellm run of ``spec`` (its own process, offline); its JSON report."""
+    path = workdir / f"{name}.scenario.json"
+    path.write_text(json.dumps(spec, indent=1))
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        # NOTE: one worker process: the load generator shares the machine with
+        # the server; one asyncio worker holds hundreds of streams.
+        GUIDELLM__MAX_WORKER_PROCESSES=os.environ.get("GUIDELLM__MAX_WORKER_PROCESSES", "1"),
+        GUIDELLM__LOGGING__LOG_FILE=str(workdir / f"{name}.guidellm.log"),
+    )
+    with (
+        (workdir / f"{name}.stdout").open("wb") as out,
+        (workdir / f"{name}.stderr").open("wb") as err,
+    ):
+        rc = subprocess.run(
+            [str(python), str(SHIM), "run", "--scenario", str(path), "--disable-progress"],
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=err,
+            check=False,
+        ).returncode
+    report_path = Path(spec["spec"]["outputs"][0]["path"])
+    if rc != 0 or not report_path.exists():
+        tail = (workdir / f"{name}.stderr").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"guidellm exited {rc}: {tail}")
+    return dict(json.loads(report_path.read_text()))
+
+
+# --- agent trace -----------------------------------------------------------------
+
+
+def agent_trace(
+    url: str,
+    model: str,
+    conversations: int,
+    turns: int,
+    system_tokens: int,
+    max_tokens: int,
+    nonce: str,
+) -> AgentResult:
+    """N conversations at once, M turns each over one shared system prompt; TTFT per turn."""
+    from _common import stream_chat, system_prompt
+
+    system = system_prompt(system_tokens, nonce)
+    result = AgentResult(conversations, turns, system_tokens)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def conversation(c: int) -> None:
+        messages = [{"role": "system", "content": system}]
+        try:
+            for t in range(1, turns + 1):
+                q = QUESTIONS[(c * turns + t) % len(QUESTIONS)]
+                messages.append({"role": "user", "content": f"[{c}.{t}] {q}"})
+                r = stream_chat(url, messages, model, max_tokens)
+                messages.append({"role": "assistant", "content": r.text})
+                prompt = (r.usage or {}).get("prompt_tokens")
+                with lock:
+                    result.turns_list.append(
+                        AgentTurn(
+                            c,
+                            t,
+                            1000.0 * r.ttft_s,
+                            int(prompt) if isinstance(prompt, int) else None,
+                            r.cached_tokens,
+                        )
+                    )
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread below.
+            errors.append(exc)
+
+    threads = [threading.Thread(target=conversation, args=(c,)) for c in range(conversations)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    result.turns_list.sort(key=lambda t: (t.conversation, t.turn))
+    return result
+
+
+# --- servers -----------------------------------------------------------------------
+
+
+def start_server(
+    who: str, model: Path, port: int, workdir: Path, args: argparse.Namespace, tag: str
+) -> Any:
+    """``who`` on ``port`` with the shared flags; waits until ``/v1/models`` answers."""
+    from _common import Server
+
+    common = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    if args.prefill_step_size:
+        common += ["--prefill-step-size", str(args.prefill_step_size)]
+    if who == "kvtier":
+        extra = list(args.kvtier_arg)
+        if args.rows:
+            extra += ["--max-batch", str(args.rows)]
+        if "--ssd-cache" not in extra:
+            # NOTE: the default SSD tier, in a directory of this start only.
+            extra += ["--ssd-cache", str(workdir / f"kv-{tag}")]
+        cmd = [sys.executable, "-m", "actors.cli", "serve", *common, *extra]
+    else:
+        extra = list(args.mlx_lm_arg)
+        if args.rows:
+            extra += ["--decode-concurrency", str(args.rows)]
+        cmd = [sys.executable, "-m", "mlx_lm.server", *common, *extra]
+    server = Server(cmd, workdir, f"{who}-{tag}")
+    server.wait_ready(f"http://127.0.0.1:{port}", timeout=args.start_timeout)
+    return server
+
+
+def run_server(
+    who: str,
+    model: Path,
+    port: int,
+    workdir: Path,
+    args: argparse.Namespace,
+    rnd: int,
+    rates: list[float],
+) -> ServerRun:
+    """Start ``who``, warm it up, run the profiles and the agent trace, stop it."""
+    from _common import model_id, stream_chat
+
+    tag = f"r{rnd}"
+    server = start_server(who, model, port, workdir, args, tag)
+    run = ServerRun(who, server.ready_s)
+    try:
+        url = server.url
+        # NOTE: both servers know the model by the directory they loaded
+        # (mlx_lm.server's /v1/models lists its Hugging Face cache instead).
+        served = str(model)
+        if who == "kvtier" and model_id(url) != served:
+            raise RuntimeError(f"kvtier serves {model_id(url)!r}, not {served!r}")
+        stream_chat(url, [{"role": "user", "content": f"warm-up {rnd}"}], served, 8)
+        if not args.skip_loadgen:
+            levels = [int(c) for c in args.concurrency.split(",") if c]
+            counts = [max(args.min_requests, c * args.requests_per_stream) for c in levels]
+            name = f"{who}-{tag}-concurrent"
+            spec = scenario(
+                url=url,
+                model=served,
+                profile={"kind": "concurrent", "streams": levels},
+                counts=counts,
+                prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens,
+                seed=1000 + rnd,
+                output=workdir / f"{name}.json",
+            )
+            report = run_guidellm(args.guidellm_python, spec, workdir, name)
+            run.guidellm_reports.append(str(workdir / f"{name}.json"))
+            run.levels += level_results(report)
+            _print_levels(who, rnd, run.levels)
+            if not rates and who == PEER and args.rate_fractions:
+                sat = saturation_rps(run.levels)
+                rates[:] = [round(f * sat, 4) for f in _floats(args.rate_fractions)]
+                print(f"{PEER} saturation {sat:.3f} req/s -> constant rates {rates}", flush=True)
+            for rate in rates:
+                name = f"{who}-{tag}-constant-{rate:g}"
+                n = max(args.min_requests, math.ceil(rate * args.rate_seconds))
+                spec = scenario(
+                    url=url,
+                    model=served,
+                    profile={"kind": "constant", "rate": [rate]},
+                    counts=[n],
+                    prompt_tokens=args.prompt_tokens,
+                    max_tokens=args.max_tokens,
+                    seed=2000 + rnd,
+                    output=workdir / f"{name}.json",
+                    max_seconds=args.rate_seconds * 6 + 60,
+                )
+                report = run_guidellm(args.guidellm_python, spec, workdir, name)
+                run.guidellm_reports.append(str(workdir / f"{name}.json"))
+                new = level_results(report)
+                run.levels += new
+                _print_levels(who, rnd, new)
+        if args.agent:
+            n, m = (int(x) for x in args.agent.lower().split("x"))
+            run.agent = agent_trace(
+                url, served, n, m, args.system_tokens, args.agent_max_tokens, f"agent-r{rnd}"
+            )
+            a = run.agent
+            print(
+                f"round {rnd} {who:<7} agent {n}x{m}: TTFT p50 turn 1 {a.ttft(True).p50:.0f} ms, "
+                f"turns 2+ {a.ttft(False).p50:.0f} ms (p90 {a.ttft(False).p90:.0f})",
+                flush=True,
+            )
+    finally:
+        server.stop()
+    return run
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _print_levels(who: str, rnd: int, levels: Sequence[LevelResult]) -> None:
+    for lv in levels:
+        unit = "streams" if lv.profile == "concurrent" else "req/s"
+        print(
+            f"round {rnd} {who:<7} {lv.profile:<10} {lv.level:>7g} {unit:<7} ok {lv.ok:>4} err {lv.errored:>2}"
+            f"  {lv.output_tps:>8.1f} tok/s  TTFT p50 {lv.ttft_ms.p50:>8.1f} p99 {lv.ttft_ms.p99:>8.1f} ms"
+            f"  ITL p50 {lv.itl_ms.p50:>6.1f} ms",
+            flush=True,
+        )
+
+
+# --- summary -----------------------------------------------------------------------
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(rounds: Sequence[dict[str, ServerRun]]) -> dict[str, Any]:
+    """Medians over rounds per server and level, and kvtier / mlx_lm ratios (with per-round values)."""
+    keys: list[tuple[str, float]] = []
+    for rnd in rounds:
+        for run in rnd.values():
+            for lv in run.levels:
+                if (lv.profile, lv.level) not in keys:
+                    keys.append((lv.profile, lv.level))
+    rows: list[dict[str, Any]] = []
+    for profile, level in keys:
+        row: dict[str, Any] = {"profile": profile, "level": level}
+        per: dict[str, dict[str, list[float]]] = {}
+        for who in SERVERS:
+            vals: dict[str, list[float]] = {
+                "output_tps": [],
+                "ttft_p50": [],
+                "ttft_p99": [],
+                "itl_p50": [],
+                "errors": [],
+            }
+            for rnd in rounds:
+                got = rnd.get(who)
+                for lv in got.levels if got else []:
+                    if (lv.profile, lv.level) == (profile, level):
+                        vals["output_tps"].append(lv.output_tps)
+                        vals["ttft_p50"].append(lv.ttft_ms.p50)
+                        vals["ttft_p99"].append(lv.ttft_ms.p99)
+                        vals["itl_p50"].append(lv.itl_ms.p50)
+                        vals["errors"].append(float(lv.errored + lv.incomplete))
+            per[who] = vals
+            row[who] = {k: _median(v) for k, v in vals.items()} | {
+                "rounds": len(vals["output_tps"])
+            }
+        k, m = per["kvtier"], per[PEER]
+        if k["output_tps"] and m["output_tps"]:
+            row["ratio"] = {
+                metric: {
+                    "median": _median(k[metric]) / _median(m[metric]),
+                    "per_round": [a / b for a, b in zip(k[metric], m[metric], strict=False) if b],
+                }
+                for metric in ("output_tps", "ttft_p50", "ttft_p99", "itl_p50")
+                if _median(m[metric])
+            }
+        rows.append(row)
+    agent: dict[str, Any] = {}
+    for who in SERVERS:
+        firsts = [r[who].agent.ttft(True).p50 for r in rounds if who in r and r[who].agent]  # type: ignore[union-attr]
+        later = [r[who].agent.ttft(False).p50 for r in rounds if who in r and r[who].agent]  # type: ignore[union-attr]
+        if later:
+            agent[who] = {
+                "ttft_p50_turn1_ms": _median(firsts),
+                "ttft_p50_turns2plus_ms": _median(later),
+            }
+    if "kvtier" in agent and PEER in agent:
+        agent["ratio_turns2plus"] = (
+            agent["kvtier"]["ttft_p50_turns2plus_ms"] / agent[PEER]["ttft_p50_turns2plus_ms"]
+        )
+    return {"levels": rows, "agent": agent}
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary as a table: medians per server, kvtier / mlx_lm ratios."""
+    header = (
+        f"{'profile':<11}{'level':>8} | {'tok/s mlx_lm':>13}{'kvtier':>9}{'ratio':>7} |"
+        f" {'TTFT p50 ms mlx':>16}{'kvtier':>9}{'ratio':>7} | {'TTFT p99 mlx':>13}{'kvtier':>9}{'ratio':>7} |"
+        f" {'ITL p50 mlx':>12}{'kvtier':>8}"
+    )
+    lines = [header]
+    for row in summary["levels"]:
+        m, k = row.get(PEER, {}), row.get("kvtier", {})
+        ratio = row.get("ratio", {})
+
+        def r(metric: str, ratio: dict[str, Any] = ratio) -> str:
+            return f"{ratio[metric]['median']:.2f}" if metric in ratio else "-"
+
+        lines.append(
+            f"{row['profile']:<11}{row['level']:>8g} | {m.get('output_tps', float('nan')):>13.1f}"
+            f"{k.get('output_tps', float('nan')):>9.1f}{r('output_tps'):>7} |"
+            f" {m.get('ttft_p50', float('nan')):>16.0f}{k.get('ttft_p50', float('nan')):>9.0f}{r('ttft_p50'):>7} |"
+            f" {m.get('ttft_p99', float('nan')):>13.0f}{k.get('ttft_p99', float('nan')):>9.0f}{r('ttft_p99'):>7} |"
+            f" {m.get('itl_p50', float('nan')):>12.1f}{k.get('itl_p50', float('nan')):>8.1f}"
+        )
+    agent = summary["agent"]
+    for who in SERVERS:
+        if who in agent:
+            a = agent[who]
+            lines.append(
+                f"agent {who:<7}: TTFT p50 turn 1 {a['ttft_p50_turn1_ms']:.0f} ms, "
+                f"turns 2+ {a['ttft_p50_turns2plus_ms']:.0f} ms"
+            )
+    if "ratio_turns2plus" in agent:
+        lines.append(
+            f"agent kvtier / mlx_lm, TTFT p50 of turns 2+: {agent['ratio_turns2plus']:.2f}"
+        )
+    return lines
+
+
+def plot(
+    rounds: Sequence[dict[str, ServerRun]], summary: dict[str, Any], path: Path, title: str
+) -> None:
+    """Four panels: output tok/s, TTFT (p50, p99) and ITL p50 per concurrency; constant-rate and agent TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), dpi=110)
+    conc = [r for r in summary["levels"] if r["profile"] == "concurrent"]
+    xs = [r["level"] for r in conc]
+    colors = {"mlx_lm": "tab:blue", "kvtier": "tab:orange"}
+    label = {"mlx_lm": "mlx_lm.server", "kvtier": "kvtier serve"}
+    for who in SERVERS:
+        if not any(who in r and r[who]["rounds"] for r in conc):
+            continue
+        c = colors[who]
+        # every round's point, the median as the line
+        for rnd in rounds:
+            run = rnd.get(who)
+            pts = [lv for lv in run.levels if lv.profile == "concurrent"] if run else []
+            axes[0][0].scatter(
+                [lv.level for lv in pts], [lv.output_tps for lv in pts], color=c, s=10, alpha=0.5
+            )
+            axes[0][1].scatter(
+                [lv.level for lv in pts], [lv.ttft_ms.p50 for lv in pts], color=c, s=10, alpha=0.5
+            )
+        axes[0][0].plot(xs, [r[who]["output_tps"] for r in conc], "-o", color=c, label=label[who])
+        axes[0][1].plot(
+            xs, [r[who]["ttft_p50"] for r in conc], "-o", color=c, label=f"{label[who]} p50"
+        )
+        axes[0][1].plot(
+            xs, [r[who]["ttft_p99"] for r in conc], "--", color=c, label=f"{label[who]} p99"
+        )
+        axes[1][0].plot(xs, [r[who]["itl_p50"] for r in conc], "-o", color=c, label=label[who])
+    for ax, ylabel in (
+        (axes[0][0], "aggregate output tok/s"),
+        (axes[0][1], "TTFT ms"),
+        (axes[1][0], "ITL p50 ms"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    # constant-rate and agent bars
+    names: list[str] = []
+    vals: dict[str, list[float]] = {w: [] for w in SERVERS}
+    for r in summary["levels"]:
+        if r["profile"] != "constant":
+            continue
+        for stat in ("ttft_p50", "ttft_p99"):
+            names.append(f"{r['level']:g} req/s\nTTFT {stat[5:]}")
+            for w in SERVERS:
+                vals[w].append(r.get(w, {}).get(stat, float("nan")))
+    agent = summary["agent"]
+    for key, name in (
+        ("ttft_p50_turn1_ms", "agent turn 1\nTTFT p50"),
+        ("ttft_p50_turns2plus_ms", "agent turns 2+\nTTFT p50"),
+    ):
+        if any(w in agent for w in SERVERS):
+            names.append(name)
+            for w in SERVERS:
+                vals[w].append(agent.get(w, {}).get(key, float("nan")))
+    ax = axes[1][1]
+    for j, w in enumerate(SERVERS):
+        pos = [i + (j - 0.5) * 0.4 for i in range(len(names))]
+        bars = ax.bar(pos, vals[w], 0.4, color=colors[w], label=label[w])
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+    ax.set_xticks(range(len(names)), names, fontsize=7)
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def guidellm_version(python: Path) -> str:
+    """The guidellm version in the load generator's environment."""
+    out = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('guidellm'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip() or f"unavailable ({out.stderr.strip()[-200:]})"
+
+
+# --- main --------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model", type=Path, default=None, help="model directory (default: kvtier's default model)"
+    )
+    p.add_argument("--servers", default=",".join(SERVERS), help="comma list of mlx_lm,kvtier")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="rounds; the server order alternates per round"
+    )
+    p.add_argument("--concurrency", default="1,4,8", help="concurrent-stream levels")
+    p.add_argument(
+        "--requests-per-stream", type=int, default=3, help="requests per level = this x streams"
+    )
+    p.add_argument(
+        "--min-requests", type=int, default=4, help="at least this many requests per level or rate"
+    )
+    p.add_argument(
+        "--prompt-tokens", type=int, default=256, help="synthetic prompt tokens per request"
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument(
+        "--rate-fractions",
+        default="0.8",
+        help="constant rates as fractions of mlx_lm's saturation (empty: no constant-rate profile)",
+    )
+    p.add_argument(
+        "--rate", default="", help="constant rates in req/s, instead of --rate-fractions"
+    )
+    p.add_argument(
+        "--rate-seconds", type=float, default=30.0, help="seconds of arrivals per constant rate"
+    )
+    p.add_argument(
+        "--agent", default="4x3", help="agent trace: conversations x turns (empty: none)"
+    )
+    p.add_argument(
+        "--system-tokens", type=int, default=1000, help="the agent trace's shared system prompt"
+    )
+    p.add_argument("--agent-max-tokens", type=int, default=32, help="new tokens per agent turn")
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="kvtier --max-batch and mlx_lm --decode-concurrency (0: defaults)",
+    )
+    p.add_argument(
+        "--prefill-step-size", type=int, default=0, help="both servers' prefill chunk (0: defaults)"
+    )
+    p.add_argument(
+        "--kvtier-arg", action="append", default=[], help="extra `kvtier serve` argument (repeat)"
+    )
+    p.add_argument(
+        "--mlx-lm-arg", action="append", default=[], help="extra mlx_lm.server argument (repeat)"
+    )
+    p.add_argument(
+        "--port", type=int, default=0, help="the one port both servers use (0: a free one)"
+    )
+    p.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds a server may take to start"
+    )
+    p.add_argument(
+        "--guidellm-python",
+        type=Path,
+        default=Path(os.environ.get("KVTIER_GUIDELLM_PYTHON", DEFAULT_GUIDELLM_PYTHON)),
+        help="Python of the environment guidellm is installed in (env KVTIER_GUIDELLM_PYTHON)",
+    )
+    p.add_argument("--skip-loadgen", action="store_true", help="only the agent trace (no guidellm)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="keep logs and guidellm reports here (default: a temp dir)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write every figure here")
+    p.add_argument("--plot", type=Path, default=None, help="write the PNG here")
+    p.add_argument("--title", default="", help="extra text for the plot's title")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smoke sizes: 1,2 streams, 32-token prompts, 8 new tokens, 2x2 agent, no constant rate",
+    )
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.concurrency, args.requests_per_stream, args.min_requests = "1,2", 1, 2
+        args.prompt_tokens, args.max_tokens, args.rate_fractions = 32, 8, ""
+        args.agent, args.system_tokens, args.agent_max_tokens = "2x2", 200, 4
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every round, print the summary, write JSON and the PNG."""
+    args = parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(REPO))
+    from _common import free_port, loadavg, machine
+
+    if args.model is None:
+        from kernels import ensure_default_model
+
+        args.model = ensure_default_model()
+    model = args.model.resolve()
+    servers = [s for s in args.servers.split(",") if s]
+    for s in servers:
+        if s not in SERVERS:
+            raise SystemExit(f"unknown server {s!r}; choose from {SERVERS}")
+    if not args.skip_loadgen and not args.guidellm_python.exists():
+        raise SystemExit(
+            f"no guidellm environment at {args.guidellm_python}; install guidellm there "
+            "(see this script's docstring) or pass --guidellm-python / --skip-loadgen"
+        )
+    port = args.port or free_port()
+    meta: dict[str, Any] = machine() | {
+        "model": str(model),
+        "guidellm": "skipped" if args.skip_loadgen else guidellm_version(args.guidellm_python),
+        "loadavg_start": loadavg(),
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "port": port,
+    }
+    print(json.dumps(meta), flush=True)
+    rates = _floats(args.rate)
+    rounds: list[dict[str, ServerRun]] = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-serving-") as tmp:
+        workdir = args.out or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for rnd in range(args.rounds):
+            # NOTE: the peer goes first in round 0 (its saturation sets the
+            # constant rate); later rounds alternate so load drift cancels out.
+            order = sorted(servers, key=lambda s: s != PEER)
+            if rnd % 2 == 1:
+                order.reverse()
+            runs: dict[str, ServerRun] = {}
+            for who in order:
+                runs[who] = run_server(who, model, port, workdir, args, rnd, rates)
+            rounds.append(runs)
+        meta["loadavg_end"] = loadavg()
+        summary = summarize(rounds)
+        print()
+        for line in summary_lines(summary):
+            print(line)
+        print(f"load average: start {meta['loadavg_start']}, end {meta['loadavg_end']}")
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "meta": meta,
+                        "args": {k: str(v) for k, v in vars(args).items()},
+                        "constant_rates": rates,
+                        "summary": summary,
+                        "rounds": [{w: asdict(r) for w, r in rnd.items()} for rnd in rounds],
+                    },
+                    indent=1,
+                )
+            )
+            print(f"json: {args.json}")
+        if args.plot is not None:
+            title = (
+                f"{model.name}: {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, "
+                f"{args.rounds} round(s), {meta['commit']}, {meta['date']} {args.title}"
+            )
+            plot(rounds, summary, args.plot, title)
+            print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
