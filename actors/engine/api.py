@@ -1405,16 +1405,27 @@ class Engine(_StartClose):
         return params.model_copy(update={"max_tokens": room})
 
     def _prepare_grammar(self, grammar: str) -> None:
-        """Compile ``grammar`` for this tokenizer into the kernel's cache (worker thread)."""
-        from kernels.engine import InvalidGrammar, prepare_grammar
+        """Compile ``grammar`` for this tokenizer into the kernel's cache (worker thread).
+
+        A grammar the compiler crashes or stalls on raises ``SchemaTooComplex``
+        (its child process is replaced; this process never runs it);
+        every compiler busy raises ``GrammarCompilerBusy``.
+        """
+        from actors.errors import GrammarCompilerBusy, SchemaTooComplex
+        from kernels.engine import GrammarCompilerBusy as CompilerBusy
+        from kernels.engine import GrammarTooComplex, InvalidGrammar, prepare_grammar
 
         vocab = self._vocab_size()
         if vocab is None:
             raise EngineNotStarted("start the engine first")
         try:
             prepare_grammar(self._tokenizer, grammar, vocab)
+        except GrammarTooComplex as exc:
+            raise SchemaTooComplex(f"invalid grammar: {exc}", limit="compile") from None
         except InvalidGrammar as exc:
             raise InvalidRequest(f"invalid grammar: {exc}") from None
+        except CompilerBusy as exc:
+            raise GrammarCompilerBusy(str(exc)) from None
 
     def _validate_prompt(self, tokens: Sequence[int], params: GenerationParams) -> None:
         # NOTE: runs before admission, so a refused prompt never queues or takes a turn.
