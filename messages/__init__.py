@@ -13,6 +13,7 @@ from .durability import (
     Schedule,
     Wake,
 )
+from .kv_events import Medium, TierChange, TierChanged
 from .prompt_cache import (
     EntryMeta,
     EntryRole,
@@ -77,6 +78,7 @@ __all__ = [
     "FindResult",
     "Flush",
     "FlushResult",
+    "Medium",
     "ObservePrefill",
     "PromptCacheStats",
     "PromptCacheStatsRequest",
@@ -104,6 +106,8 @@ __all__ = [
     "StoreResult",
     "Take",
     "TakeResult",
+    "TierChange",
+    "TierChanged",
     "Wake",
     "WriteCommitted",
     "WriteEntry",

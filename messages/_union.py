@@ -31,6 +31,7 @@ _MODULES: tuple[str, ...] = (
     "messages.ssd_writer",
     "messages.durability",
     "messages.batch_scheduler",
+    "messages.kv_events",
 )
 
 
