@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from kernels import (
         DefaultModelFetchError,
         ModelConversionError,
+        UntrustedPath,
         ensure_default_model,
         is_converted_dir,
     )
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             dequantize=args.dequantize, cache_dir=args.cache_dir, force=args.force,
             progress=ProgressBar(sys.stderr),
         )
-    except (DefaultModelFetchError, ModelConversionError, OSError) as exc:
+    except (DefaultModelFetchError, ModelConversionError, UntrustedPath, OSError) as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 1
     print(path)

@@ -119,14 +119,19 @@ def run(args: argparse.Namespace) -> int:
             reason="the SSD tier is off (--ssd-cache off, or --prompt-cache 0 without --ssd-cache)")
     aliases: tuple[str, ...] = ()
     if config.model is None:
-        from kernels import DefaultModelFetchError, ModelConversionError, ensure_default_model
+        from kernels import (
+            DefaultModelFetchError,
+            ModelConversionError,
+            UntrustedPath,
+            ensure_default_model,
+        )
 
         # NOTE: prepared here (before the loop starts) so a download or conversion
         # failure is one clear line; the engine then finds the model in place and
         # reports the default model's own name as its id.
         try:
             aliases = (str(ensure_default_model()),)
-        except (DefaultModelFetchError, ModelConversionError) as exc:
+        except (DefaultModelFetchError, ModelConversionError, UntrustedPath) as exc:
             print(f"kvtier serve: cannot prepare the default model: {exc}", file=sys.stderr)
             return 1
     else:

