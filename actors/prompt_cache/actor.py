@@ -37,7 +37,7 @@ from actors.runtime import (
     UnknownAddress,
     get_logger,
 )
-from messages import Envelope, Request
+from messages import Body, Envelope, Request
 from messages.durability import Schedule
 from messages.gateway import RunWhenIdle
 from messages.prompt_cache import PromptCacheWake
@@ -88,6 +88,8 @@ class PromptCache(Actor):
     ``durability``: the coordinator told of every stored put (``None``: none).
     ``state``: a state shared across restarts (the wiring's factory passes
     one, so a restart does not orphan the handles the cache owns).
+    ``kv_events``: the KV-event publisher, told what enters and leaves the
+    index when the state's ``report_tier`` is set (``None``: nobody).
     """
 
     def __init__(
@@ -103,9 +105,11 @@ class PromptCache(Actor):
         durability: str | None = None,
         lease_ttl_s: float = core.DEFAULT_LEASE_TTL_S,
         state: core.CoreState | None = None,
+        kv_events: str | None = None,
     ) -> None:
         self._registry = registry
         self._durability = durability
+        self._kv_events = kv_events
         self._spill_to = spill_to
         self._turns = turns
         self._cold = cold
@@ -175,6 +179,8 @@ class PromptCache(Actor):
                     self._set_alarm(at)
                 case core.NotifyPut():
                     await self._notify(effect, ctx)
+                case core.ReportTier(body=body):
+                    await self._report(body, ctx)
                 case _:
                     assert_never(effect)
             if event is not None:
@@ -203,6 +209,18 @@ class PromptCache(Actor):
             await ctx.tell(self._durability, notice)
         except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
             _log.warning("prompt_cache.schedule_failed", error=repr(exc))
+
+    async def _report(self, body: Body, ctx: Context) -> None:
+        """Tell the KV-event publisher what entered and left the index (waiting while it is full)."""
+        if self._kv_events is None:
+            return
+        try:
+            # NOTE: a waiting tell, as for NotifyPut: a dropped report would
+            # leave subscribers' block index wrong for good; the publisher
+            # never waits on the prompt cache, so this cannot deadlock.
+            await ctx.tell(self._kv_events, body)
+        except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
+            _log.warning("prompt_cache.kv_events_failed", error=repr(exc))
 
     def _set_alarm(self, at: float | None) -> None:
         alarm, ref = self._alarm, self._self

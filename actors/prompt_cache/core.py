@@ -56,6 +56,7 @@ from messages import (
     TakeResult,
 )
 from messages.gateway import TurnDone
+from messages.kv_events import TierChange, TierChanged
 from messages.prompt_cache import Demote, DemoteResult, PromptCacheWake
 from messages.spill_queue import Enqueue, SpillSource
 from messages.ssd_writer import Find, FindResult, Restore, RestoreResult
@@ -79,6 +80,7 @@ __all__ = [
     "PendingTake",
     "Received",
     "Reply",
+    "ReportTier",
     "RequestDrain",
     "SetAlarm",
     "Spill",
@@ -202,8 +204,26 @@ class NotifyPut:
     handle: str
 
 
+@dataclass(frozen=True)
+class ReportTier:
+    """Tell the KV-event publisher which entries entered and left the index (a waiting tell).
+
+    Only with ``report_tier`` set (``--kv-events``); ``body.medium`` is ``CPU``.
+    """
+
+    body: TierChanged
+
+
 Effect = (
-    Reply | Dispose | Spill | RequestDrain | AskCold | DiscardStaged | SetAlarm | NotifyPut
+    Reply
+    | Dispose
+    | Spill
+    | RequestDrain
+    | AskCold
+    | DiscardStaged
+    | SetAlarm
+    | NotifyPut
+    | ReportTier
 )
 
 
@@ -376,6 +396,9 @@ class CoreState:
     demote_batch: int = 4
     demote_scan_s: float = 0.0
     notify_puts: bool = False
+    report_tier: bool = False
+    """Entries entering and leaving the index are reported (:class:`ReportTier`, KV events)."""
+    tier_changes: list[TierChange] = field(default_factory=list)
     entries: dict[str, Entry] = field(default_factory=dict)
     by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
@@ -696,7 +719,21 @@ def _finish(state: CoreState, entry: Entry) -> list[Effect]:
     return [_dispose(state, entry.handle, entry.meta.nbytes)]
 
 
+def _record(state: CoreState, op: Literal["stored", "removed"], entry: Entry) -> None:
+    if state.report_tier:
+        state.tier_changes.append(TierChange(op=op, namespace=entry.namespace, tokens=entry.tokens))
+
+
+def _tier_report(state: CoreState) -> list[Effect]:
+    """The index changes since the last report, as one :class:`ReportTier` (none: nothing)."""
+    if not state.tier_changes:
+        return []
+    changes, state.tier_changes = tuple(state.tier_changes), []
+    return [ReportTier(TierChanged(medium="CPU", changes=changes))]
+
+
 def _unindex(state: CoreState, entry: Entry, fate: _Fate) -> list[Effect]:
+    _record(state, "removed", entry)
     del state.by_namespace[entry.namespace][entry.tokens]
     if not state.by_namespace[entry.namespace]:
         del state.by_namespace[entry.namespace]
@@ -794,6 +831,7 @@ def put(state: CoreState, msg: Put, now: float = 0.0) -> list[Effect]:
     state.entries[entry.handle] = entry
     state.by_namespace.setdefault(msg.namespace, {})[msg.tokens] = entry.handle
     state.indexed_bytes += msg.meta.nbytes
+    _record(state, "stored", entry)
 
     evicted = 0
     excess = retained_bytes(state) - state.cap_bytes
@@ -1116,10 +1154,12 @@ def handle(state: CoreState, event: Event) -> tuple[CoreState, list[Effect]]:
         case Started():
             state.alarm_at = None
         case Stopping():
-            return state, [*effects, *stop(state)]
+            effects += stop(state)
+            return state, [*effects, *_tier_report(state)]
         case _:
             assert_never(event)
     effects += demote_idle(state, now)
     effects += _request_drain(state, before)
     effects += _alarm(state)
+    effects += _tier_report(state)
     return state, effects
