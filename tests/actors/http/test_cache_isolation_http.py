@@ -7,6 +7,7 @@ sees in ``usage.prompt_tokens_details.cached_tokens`` per salt and per API key.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from actors.engine import Engine
+from actors.engine.config import ConfigError, EngineConfig, add_flags, config_from_flags
 from actors.http import HttpSettings, HttpState, create_app
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
@@ -85,6 +87,19 @@ async def test_api_key_mode_scopes_by_bearer_token_and_never_carries_the_key() -
     assert scopes[2] != scopes[0]
     assert scopes[3] is None
     assert all("key-" not in (s or "") for s in scopes)
+
+
+def test_the_flag_and_variable_reach_the_http_settings() -> None:
+    """--cache-namespace api-key (or KVTIER_CACHE_NAMESPACE) sets the HTTP settings' mode;
+    the default is shared; another value is a ConfigError naming the option."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, environ={})
+    flagged = config_from_flags(parser.parse_args(["--cache-namespace", "api-key"]))
+    assert HttpSettings.from_config(flagged).cache_namespace == "api-key"
+    assert EngineConfig.from_env({"KVTIER_CACHE_NAMESPACE": "api-key"}).cache_namespace == "api-key"
+    assert HttpSettings.from_config(EngineConfig()).cache_namespace == "shared"
+    with pytest.raises(ConfigError, match="KVTIER_CACHE_NAMESPACE"):
+        EngineConfig.from_env({"KVTIER_CACHE_NAMESPACE": "per-user"})
 
 
 # --- through a real engine ---------------------------------------------------------------
