@@ -6,10 +6,13 @@ safe anywhere; the generation kernel drives it on the engine thread.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["StreamingDetokenizer", "TextStream"]
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+__all__ = ["StreamingDetokenizer", "TextStream", "untrimmed"]
 
 
 class StreamingDetokenizer(Protocol):
@@ -25,6 +28,37 @@ class StreamingDetokenizer(Protocol):
     def last_segment(self) -> str: ...
 
 
+class _UntrimmedBPE(BPEStreamingDetokenizer):
+    """mlx-lm's BPE detokenizer without the first segment's space trim."""
+
+    def _maybe_trim_space(self, current_text: str) -> str:
+        return current_text
+
+
+def untrimmed(detokenizer: StreamingDetokenizer) -> StreamingDetokenizer:
+    """A copy of ``detokenizer`` that keeps the first token's leading space.
+
+    NOTE: mlx-lm's SPM and BPE detokenizers drop a leading space of the first
+    segment, which is right for a text that starts at the beginning of a
+    document but wrong for a generation that continues a prompt: for
+    ``"The capital of France is"`` the first token is ``" Paris"`` and the
+    completion text must be ``" Paris"`` so that prompt + text is the prompt
+    + tokens (as OpenAI answers). Other detokenizers (mlx-lm's naive one,
+    scripted fakes) are returned unchanged.
+    """
+    if isinstance(detokenizer, SPMStreamingDetokenizer):
+        spm = copy.copy(detokenizer)
+        spm.trim_space = False
+        return spm
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
+        bpe = copy.copy(detokenizer)
+        # NOTE: a shallow copy shares the (read-only) token map; only the
+        # trimming rule changes.
+        bpe.__class__ = _UntrimmedBPE
+        return bpe
+    return detokenizer
+
+
 class TextStream:
     """Turns tokens into releasable text deltas, holding back possible stop-string starts.
 
@@ -38,7 +72,7 @@ class TextStream:
     def __init__(self, detokenizer: StreamingDetokenizer, stop: Sequence[str] = ()) -> None:
         if any(s == "" for s in stop):
             raise ValueError("stop strings must be non-empty")
-        self._detok = detokenizer
+        self._detok = untrimmed(detokenizer)
         self._detok.reset()
         self._stop = tuple(stop)
         self._held = ""
