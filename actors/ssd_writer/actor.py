@@ -214,8 +214,9 @@ def cold_tier_stats(ssd: SsdStats, queue: SpillQueueStats) -> dict[str, Any]:
 class SsdWriter(Actor):
     """The index actor: scan at start, then ``core.handle`` for every message."""
 
-    def __init__(self, tier: ColdTier) -> None:
+    def __init__(self, tier: ColdTier, *, kv_events: str | None = None) -> None:
         self._tier = tier
+        self._kv_events = kv_events
 
     async def started(self, ctx: Context) -> None:
         """Lock the fingerprint directory and scan it (once; a restart keeps the index)."""
@@ -361,6 +362,14 @@ class SsdWriter(Actor):
                 _log.warning(effect.event, detail=effect.detail)
             else:
                 assert_never(effect)
+        report = core.tier_report(tier.state)
+        if report is not None and self._kv_events is not None:
+            try:
+                # NOTE: a waiting tell: a dropped report would leave the KV-event
+                # subscribers' index wrong; the publisher never waits on this actor.
+                await ctx.tell(self._kv_events, report)
+            except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
+                _log.warning("ssd_cache.kv_events_failed", error=repr(exc))
 
 
 def _try_tell(ctx: Context, address: str, body: Body, correlation_id: str) -> bool:

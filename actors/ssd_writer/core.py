@@ -64,6 +64,7 @@ from messages import (
     StoreResult,
     WriteCommitted,
 )
+from messages.kv_events import TierChange, TierChanged
 from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget
 
 __all__ = [
@@ -100,6 +101,7 @@ __all__ = [
     "scrub_pick",
     "scrub_report",
     "stats",
+    "tier_report",
     "usable_tokens",
 ]
 
@@ -494,6 +496,10 @@ class IndexState:
     max_bytes: int
     read_only: bool = False
     ready: bool = False
+    report_tier: bool = False
+    """Files entering and leaving the index are recorded for the KV-event publisher
+    (:func:`tier_report`)."""
+    tier_changes: list[TierChange] = field(default_factory=list)
     entries: dict[str, IndexEntry] = field(default_factory=dict)
     by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
     indexed_bytes: int = 0
@@ -554,12 +560,20 @@ class IndexState:
 
 
 def _index(state: IndexState, entry: IndexEntry) -> None:
+    if state.report_tier:
+        state.tier_changes.append(
+            TierChange(op="stored", namespace=entry.namespace, tokens=entry.tokens)
+        )
     state.entries[entry.path] = entry
     state.by_namespace.setdefault(entry.namespace, {})[entry.tokens] = entry.path
     state.indexed_bytes += entry.file_bytes
 
 
 def _unindex(state: IndexState, entry: IndexEntry) -> None:
+    if state.report_tier:
+        state.tier_changes.append(
+            TierChange(op="removed", namespace=entry.namespace, tokens=entry.tokens)
+        )
     del state.entries[entry.path]
     same_ns = state.by_namespace[entry.namespace]
     if same_ns.get(entry.tokens) == entry.path:
@@ -567,6 +581,19 @@ def _unindex(state: IndexState, entry: IndexEntry) -> None:
     if not same_ns:
         del state.by_namespace[entry.namespace]
     state.indexed_bytes -= entry.file_bytes
+
+
+def tier_report(state: IndexState) -> TierChanged | None:
+    """The index changes recorded since the last report (medium ``DISK``), and forget them.
+
+    NOTE: the shell takes it after performing each batch of effects, so
+    changes made by any entry point (``handle``, the scan, a landing, an
+    abandoned job) leave in the order they happened.
+    """
+    if not state.tier_changes:
+        return None
+    changes, state.tier_changes = tuple(state.tier_changes), []
+    return TierChanged(medium="DISK", changes=changes)
 
 
 def _add_leftover(state: IndexState, path: str, nbytes: int, *, stuck: bool = False) -> None:
