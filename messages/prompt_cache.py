@@ -56,7 +56,9 @@ def _part(value: str | None) -> bytes:
     """One length-prefixed field of the namespace digest (``None`` differs from every string)."""
     if value is None:
         return b"\x00"
-    raw = value.encode("utf-8")
+    # NOTE: surrogatepass: an embedder's string may hold a lone surrogate
+    # (JSON bodies cannot); the encoding stays one-to-one and never raises.
+    raw = value.encode("utf-8", "surrogatepass")
     return b"\x01" + len(raw).to_bytes(4, "big") + raw
 
 

@@ -50,6 +50,12 @@ def test_the_namespace_holds_a_digest_never_the_salt() -> None:
     assert cache_namespace("a") == "#iso:" + hashlib.sha256(spec).hexdigest()[:32]
 
 
+def test_any_python_string_has_a_namespace() -> None:
+    """A salt holding a lone surrogate (an embedder's string; JSON cannot carry one) still
+    gets a namespace of its own instead of an encoding error at admission."""
+    assert cache_namespace("\ud800") not in (cache_namespace("\ud801"), cache_namespace("?"))
+
+
 @pytest.mark.parametrize("salt", ["", "x" * (CACHE_SALT_MAX_CHARS + 1)])
 def test_generation_params_refuse_an_empty_or_overlong_salt(salt: str) -> None:
     """cache_salt is a non-empty string of at most 256 characters (vLLM's meaning, bounded)."""
