@@ -18,6 +18,7 @@ import pytest
 import actors.ssd_writer.ports as ports
 from actors.ssd_writer import EngineTensorSource
 from kernels import CacheRegistry, EngineThread
+from kernels.cache import tensor_bytes
 from tests.actors.ssd_writer.support import IDENTITY, register
 
 pytestmark = pytest.mark.anyio
@@ -54,11 +55,10 @@ async def test_every_tensor_is_read_back_inside_a_granted_turn_on_the_engine_thr
     turns = WatchedTurns(engine)
     engine_thread = await engine.run(threading.get_ident)
     reads: list[tuple[bool, int]] = []
-    real = ports.tensor_bytes
 
     def watched(plan: Any, index: int) -> Any:
         reads.append((turns.inside, threading.get_ident()))
-        return real(plan, index)
+        return tensor_bytes(plan, index)
 
     monkeypatch.setattr(ports, "tensor_bytes", watched)
     source = EngineTensorSource(turns, registry, IDENTITY)
