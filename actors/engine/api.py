@@ -652,6 +652,12 @@ class Engine(_StartClose):
             cold=tier,
             cloner=cloner,
             after_step=self._heap_trim.after_job,
+            # NOTE: the KV events' block-hash namespace (docs/scale-out.md).
+            kv_identity=(
+                self._identity.fingerprint if self._identity is not None
+                else f"model-id:{self._model_id}",
+                scheme.cache_key,
+            ),
         )
         self._wired = wiring.start(system, parts)
         self._gateway_ref = self._wired.ref(wiring.GATEWAY)

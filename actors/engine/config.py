@@ -389,6 +389,38 @@ class EngineConfig(BaseModel):
                 scale=GIB, metavar="GB"),
     ] = 2 * GIB
 
+    # --- KV events (docs/scale-out.md) -------------------------------------------
+    kv_events: Annotated[
+        str | None,
+        Field(description="publish vLLM-format KV events (ZeroMQ PUB) for the RAM and SSD "
+                          "tiers, bound at tcp://HOST:PORT or ipc://PATH; they carry prompt "
+                          "token ids, so bind a loopback or private address; needs the cluster "
+                          "extra; None/off = no events"),
+        Setting("KVTIER_KV_EVENTS", "--kv-events", metavar="URL|off"),
+    ] = None
+    kv_events_replay: Annotated[
+        str | None,
+        Field(description="ZeroMQ ROUTER endpoint answering a late subscriber's replay request "
+                          "(buffered batches from a sequence number on); None/off = no replay"),
+        Setting("KVTIER_KV_EVENTS_REPLAY", "--kv-events-replay", metavar="URL|off"),
+    ] = None
+    kv_events_format: Annotated[
+        Literal["array", "map"],
+        Field(description="array: vLLM's array-like event structs (vLLM <= 0.23, Dynamo, "
+                          "llm-d); map: named fields (newer vLLM)"),
+        Setting("KVTIER_KV_EVENTS_FORMAT", "--kv-events-format"),
+    ] = "array"
+
+    @field_validator("kv_events", "kv_events_replay", mode="before")
+    @classmethod
+    def _endpoint(cls, value: Any) -> Any:
+        value = _off_is_none(value)
+        if isinstance(value, str):
+            from actors.kv_events.ports import check_endpoint
+
+            return check_endpoint(value)
+        return value
+
     @field_validator("kv_quant", mode="before")
     @classmethod
     def _kv_quant_text(cls, value: Any) -> Any:
@@ -442,6 +474,8 @@ class EngineConfig(BaseModel):
             raise ValueError("the SSD tier (--ssd-cache) needs the RAM prompt cache: "
                              "--prompt-cache 0 with --ssd-cache set is not allowed "
                              "(pass --ssd-cache off, or a non-zero --prompt-cache)")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("--kv-events-replay needs --kv-events")
         return self
 
     # --- construction -----------------------------------------------------------

@@ -47,6 +47,8 @@ from actors.durability.ports import Alarm, GatewaySteps, StepRegistry
 from actors.gateway import Backend, BackgroundSteps, Executor, Gateway, TurnRunner
 from actors.gateway.core import DEFAULT_BACKGROUND_SHARE
 from actors.gateway.memory_guard import MemoryGuard
+from actors.kv_events import KV_EVENTS_ADDRESS, KvEvents
+from actors.kv_events import core as kv_events_core
 from actors.prompt_cache import DRAIN_STEP, PROMPT_CACHE_ADDRESS, HandleDisposer, PromptCache
 from actors.prompt_cache import core as prompt_cache_core
 from actors.runtime import Actor, ActorRef, ActorSystem, RuntimeFailure, Supervision
@@ -84,6 +86,7 @@ from messages import (
 )
 from messages.batch_scheduler import BatchStats, BatchStatsRequest
 from messages.gateway import GatewayStats, GatewayStatsRequest, RunnerStats, RunnerStatsRequest
+from messages.kv_events import KvEventsStats, KvEventsStatsRequest
 
 from .config import EngineConfig
 
@@ -91,6 +94,7 @@ __all__ = [
     "ACTORS",
     "DURABILITY",
     "GATEWAY",
+    "KV_EVENTS",
     "PROMPT_CACHE",
     "RUNNER",
     "SCRUB_GATE_STEP",
@@ -120,6 +124,7 @@ SSD_READ = f"{SSD_WRITER}.read"
 SSD_SCRUB = f"{SSD_WRITER}.scrub"
 SPILL_QUEUE = SPILL_QUEUE_ADDRESS
 DURABILITY = DURABILITY_ADDRESS
+KV_EVENTS = KV_EVENTS_ADDRESS
 
 SCRUB_INTERVAL_S = 60.0
 """The idle scrubber re-verifies one stored file per minute (at most 32 MiB/s on average)."""
@@ -153,6 +158,9 @@ class Parts:
     """The in-turn memory-pressure checks (``actors/gateway/memory_guard.py``); ``None``: none."""
     after_step: Callable[[], object] | None = None
     """Runs on the engine thread after every batch step (``memory.HeapTrim.after_job``)."""
+    kv_identity: tuple[str, str] | None = None
+    """The model fingerprint and the KV scheme's cache key: with each entry's cache
+    namespace, the namespace of the KV events' block hashes (``--kv-events``)."""
 
 
 Factory = Callable[[], Actor]
@@ -203,6 +211,7 @@ def _prompt_cache_factory(
     cold: ColdTier | None = None,
     config: EngineConfig | None = None,
     durability: str | None = None,
+    kv_events: str | None = None,
 ) -> Factory:
     # NOTE: one state shared by every instance the factory makes, so a
     # restart after a failing message does not orphan the handles the cache
@@ -228,6 +237,7 @@ def _prompt_cache_factory(
     staging = cold.staging if cold is not None else None
     cold_address = cold.name if cold is not None else None
     state.notify_puts = durability is not None
+    state.report_tier = kv_events is not None
     return lambda: PromptCache(
         cap_bytes=cap_bytes,
         registry=registry,
@@ -237,6 +247,7 @@ def _prompt_cache_factory(
         staging=staging,
         durability=durability,
         state=state,
+        kv_events=kv_events,
     )
 
 
@@ -258,7 +269,27 @@ def _prompt_cache(parts: Parts) -> Factory | None:
         cold=cold,
         config=parts.config,
         durability=DURABILITY if _durable(parts) else None,
+        kv_events=KV_EVENTS if parts.config.kv_events is not None else None,
     )
+
+
+# --- KV events -----------------------------------------------------------------------
+
+
+def _kv_events(parts: Parts) -> Factory | None:
+    cfg = parts.config
+    if cfg.kv_events is None:
+        return None
+    from actors.kv_events import ZmqSockets
+
+    model, scheme = parts.kv_identity or ("", "")
+    state = kv_events_core.CoreState(
+        model=model, kv_scheme=scheme, wire_format=cfg.kv_events_format
+    )
+    # NOTE: bound here, so a taken port or a bad endpoint fails the start;
+    # one instance ("resume"): its sockets and stream survive a failing message.
+    actor = KvEvents(state=state, sockets=ZmqSockets(cfg.kv_events, cfg.kv_events_replay))
+    return lambda: actor
 
 
 # --- the cold tier ---------------------------------------------------------------------
@@ -301,7 +332,11 @@ def cold_tier(
 
 def _ssd_writer(parts: Parts) -> Factory | None:
     tier = parts.cold
-    return None if tier is None else lambda: SsdWriter(tier)
+    if tier is None:
+        return None
+    events = KV_EVENTS if parts.config.kv_events is not None else None
+    tier.state.report_tier = events is not None
+    return lambda: SsdWriter(tier, kv_events=events)
 
 
 def _ssd_store(parts: Parts) -> Factory | None:
@@ -452,6 +487,15 @@ _TURN_ACTORS = Supervision("resume", max_restarts=100, within=1.0)
 _COLD_ACTORS = Supervision("restart", max_restarts=10, within=60.0)
 
 ACTORS: tuple[ActorSpec, ...] = (
+    # NOTE: the KV-event publisher before the tiers that report to it (the
+    # SSD index reports its startup scan), so it also stops after them.
+    ActorSpec(
+        KV_EVENTS,
+        _kv_events,
+        capacity=lambda cfg: 256,
+        supervision=Supervision("resume", max_restarts=100, within=1.0),
+        stats=StatsAsk(KvEventsStatsRequest, KvEventsStats, "kv_events"),
+    ),
     # NOTE: the cold tier first: the prompt cache sends to it, and stop
     # order (reverse) stops the reader and the store worker before the index,
     # so a write in progress can still report.
