@@ -721,6 +721,14 @@ class Engine(_StartClose):
             format_version=FORMAT_VERSION,
         )
         root = await anyio.to_thread.run_sync(os.path.expanduser, str(cfg.ssd_cache))
+        from actors.ssd_writer import check_tier_dirs
+        from kernels import UntrustedPath
+
+        try:
+            # NOTE: files others could plant there would be served as this model's KV.
+            await anyio.to_thread.run_sync(check_tier_dirs, root, fingerprint)
+        except UntrustedPath as exc:
+            raise ConfigError(f"the SSD tier cannot use {root}: {exc}") from exc
         max_bytes = cfg.ssd_cache_max_bytes
         if max_bytes is None:
             max_bytes = await anyio.to_thread.run_sync(default_max_bytes, root)

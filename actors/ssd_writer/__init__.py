@@ -20,7 +20,7 @@ from .actor import (
     spawn_ssd_writer,
 )
 from .core import CostLine, Estimator, IndexEntry, IndexState, namespace_dir
-from .io import default_max_bytes
+from .io import check_tier_dirs, default_max_bytes
 from .ports import (
     CacheSource,
     EngineTensorSource,
@@ -58,6 +58,7 @@ __all__ = [
     "TensorSource",
     "TimedEngineTurns",
     "build_cold_tier",
+    "check_tier_dirs",
     "cold_fingerprint",
     "cold_tier_stats",
     "core",

@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from kernels import UntrustedPath, trust_problem
 from kernels.cache import (
     TEMP_SUFFIX,
     CacheFileCorrupt,
@@ -35,6 +36,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES_CEILING",
     "LOCK_NAME",
     "Removal",
+    "check_tier_dirs",
     "default_max_bytes",
     "lock_directory",
     "remove_durably",
@@ -67,6 +69,38 @@ def default_max_bytes(root: str) -> int:
         path = parent
     free = shutil.disk_usage(path).free
     return min(DEFAULT_MAX_BYTES_CEILING, free // 4)
+
+
+def check_tier_dirs(root: str, fingerprint: str | None = None) -> None:
+    """Raise :class:`kernels.UntrustedPath` unless the tier's directories that exist are private.
+
+    ``root``, ``<root>/<fingerprint>`` and its namespace directories (every
+    fingerprint directory when ``fingerprint`` is ``None``) must belong to
+    this user and be writable by nobody else. NOTE: whoever can write there
+    can plant a file under our fingerprint whose header hash they computed:
+    its KV would be served as this model's. Directories the tier creates are
+    mode 0700; this refuses ones made otherwise. Absent ones pass.
+    """
+    dirs = [root]
+    if os.path.isdir(root):
+        subdirs = [fingerprint] if fingerprint is not None else sorted(
+            e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)
+        )
+        for name in subdirs:
+            fp_dir = os.path.join(root, name)
+            if not os.path.isdir(fp_dir):
+                continue
+            dirs.append(fp_dir)
+            dirs.extend(
+                e.path for e in os.scandir(fp_dir) if e.is_dir(follow_symlinks=False)
+            )
+    for d in dirs:
+        try:
+            problem = trust_problem(d)
+        except FileNotFoundError:
+            continue
+        if problem is not None:
+            raise UntrustedPath(d, problem)
 
 
 def lock_directory(port: FilePort, fingerprint_dir: str) -> FileLock | None:
