@@ -12,10 +12,12 @@ __all__ = [
     "EngineClosed",
     "EngineNotStarted",
     "GenerationFailed",
+    "GrammarCompilerBusy",
     "InvalidRequest",
     "KvtierError",
     "MemoryPressure",
     "QueueFull",
+    "SchemaTooComplex",
     "ServerShuttingDown",
     "TurnUnavailable",
 ]
@@ -63,6 +65,33 @@ class InvalidRequest(KvtierError):
     """The request itself is malformed: empty prompt, bad params, unknown role (HTTP 400)."""
 
     code = "invalid_request"
+
+
+class SchemaTooComplex(InvalidRequest):
+    """A JSON schema or grammar over a named limit, or one the compiler crashed or stalled on (HTTP 400).
+
+    ``param`` names the request field (``response_format.json_schema.schema``,
+    ``tools.0.function.parameters``) when known; ``limit`` the limit's name
+    (``ref_hops``, ``depth``, ...; ``compile`` when the compiler failed).
+    """
+
+    code = "schema_too_complex"
+
+    def __init__(self, message: str, *, limit: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.param = param
+
+
+class GrammarCompilerBusy(QueueFull):
+    """Every grammar compiler stayed busy past its deadline (HTTP 429, like a full queue)."""
+
+    code = "grammar_compiler_busy"
+
+    def __init__(self, message: str, workers: int = -1) -> None:
+        KvtierError.__init__(self, message)
+        self.queued = -1
+        self.max_queue = workers
 
 
 class ContextTooLong(InvalidRequest):

@@ -8,14 +8,23 @@ clock, no ids: callers pass them in.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from actors.engine.config import EngineConfig
-from kernels.engine import InvalidGrammar, ToolFormat, json_schema_grammar, tool_call_grammar
+from actors.errors import GrammarCompilerBusy, SchemaTooComplex
+from kernels.engine import GrammarCompilerBusy as CompilerBusy
+from kernels.engine import (
+    GrammarTooComplex,
+    InvalidGrammar,
+    ToolFormat,
+    json_schema_grammar,
+    tool_call_grammar,
+)
+from kernels.engine import SchemaTooComplex as SchemaOverLimit
 from messages.gateway import DoneEvent, GenerationParams, Usage
 
 from ._answer import ChatAnswer, ChatPiece, CompletionAnswer, CompletionPiece, ToolParsing
@@ -265,14 +274,39 @@ def needs_grammar(body: ChatCompletionRequest) -> bool:
     return forced or isinstance(body.response_format, JsonObjectFormat | JsonSchemaFormat)
 
 
+def _compile(make: Callable[[], str], param: str, refused: str) -> str:
+    """Run a grammar builder; its typed failures become the request's errors.
+
+    A schema over a limit or one the compiler died or stalled on raises
+    ``SchemaTooComplex`` (400 naming ``param`` and the limit); every
+    compiler busy raises ``GrammarCompilerBusy`` (429); any other invalid
+    schema is a 400 ``invalid_value`` prefixed with ``refused``.
+    """
+    try:
+        return make()
+    except SchemaOverLimit as exc:
+        raise SchemaTooComplex(str(exc), limit=exc.limit, param=exc.where) from None
+    except GrammarTooComplex as exc:
+        raise SchemaTooComplex(str(exc), limit="compile", param=param) from None
+    except CompilerBusy as exc:
+        raise GrammarCompilerBusy(str(exc)) from None
+    except InvalidGrammar as exc:
+        raise ApiError(400, f"{refused}: {exc}", code="invalid_value", param=param) from None
+
+
 def grammar_for(body: ChatCompletionRequest, fmt: ToolFormat | None) -> str | None:
     """The grammar that constrains the answer, or ``None``.
 
     ``response_format`` ``json_object`` / ``json_schema``: JSON (valid under
     the schema). ``tool_choice`` ``required`` or a named function: tool
     calls in the model's format (only the JSON-in-tags format can be
-    forced). Invalid schemas are a 400 naming the field. Compiling may take
-    milliseconds: call it on a worker thread.
+    forced), each function's ``parameters`` with their own ``$defs``, and
+    with ``strict: true`` no undeclared property. Every schema passes the
+    named limits before it is compiled, and is compiled in a child process
+    first (``kernels.engine``): over a limit, or a compiler crash, is a 400
+    ``schema_too_complex``; an invalid schema a 400 naming the field.
+    Blocks (milliseconds; at most the compiler's deadline): call it on a
+    worker thread.
     """
     choice = body.effective_tool_choice()
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
@@ -290,23 +324,18 @@ def grammar_for(body: ChatCompletionRequest, fmt: ToolFormat | None) -> str | No
                      "tool calls are JSON between <tool_call> tags; this model writes calls "
                      "another way. Use tool_choice 'auto'.", code="unsupported", param="tool_choice")
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        try:
-            return tool_call_grammar(tools_for_template(body) or [], start=fmt.start, end=fmt.end,
-                                     name=name,
-                                     multiple=name is None and body.parallel_tool_calls is not False)
-        except InvalidGrammar as exc:
-            raise ApiError(400, f"The tools' parameters cannot constrain decoding: {exc}",
-                           code="invalid_value", param="tools") from None
+        tools = tools_for_template(body) or []
+        return _compile(
+            lambda: tool_call_grammar(tools, start=fmt.start, end=fmt.end, name=name,
+                                      multiple=name is None and body.parallel_tool_calls is not False),
+            "tools", "The tools' parameters cannot constrain decoding")
     fmt_body = body.response_format
     if isinstance(fmt_body, JsonObjectFormat | JsonSchemaFormat):
         schema = fmt_body.json_schema.schema_ if isinstance(fmt_body, JsonSchemaFormat) else None
         param = ("response_format.json_schema.schema" if isinstance(fmt_body, JsonSchemaFormat)
                  else "response_format")
-        try:
-            return json_schema_grammar(schema)
-        except InvalidGrammar as exc:
-            raise ApiError(400, f"Invalid schema for response_format: {exc}",
-                           code="invalid_value", param=param) from None
+        return _compile(lambda: json_schema_grammar(schema, where=param), param,
+                        "Invalid schema for response_format")
     return None
 
 
@@ -320,13 +349,26 @@ def usage_body(usage: Usage) -> UsageBody:
     )
 
 
+def _message_content(content: str | None, has_calls: bool) -> str | None:
+    """``None`` for a message that carries only tool calls (its text is only whitespace).
+
+    NOTE: a model's newline between calls is text outside the call markers;
+    OpenAI's message with only calls has ``content: null``, and clients test
+    for it. (Forced calls have no text between them: the grammar puts none.)
+    """
+    if has_calls and (content is None or not content.strip()):
+        return None
+    return content
+
+
 def chat_response(rid: str, created: int, model: str, answer: ChatAnswer,
                   done: DoneEvent, *, logprobs: bool = False) -> ChatCompletion:
     """The non-streamed chat completion body (after ``answer.finish(done)``)."""
     return ChatCompletion(
         id=rid, created=created, model=model,
         choices=[ChatChoice(
-            message=ResponseMessage(content=answer.content, tool_calls=answer.tool_calls or None),
+            message=ResponseMessage(content=_message_content(answer.content, bool(answer.tool_calls)),
+                                    tool_calls=answer.tool_calls or None),
             finish_reason=answer.finish_reason,
             logprobs=ChoiceLogprobs(content=answer.logprobs) if logprobs else None)],
         usage=usage_body(done.usage),

@@ -5,6 +5,7 @@ imported: it needs only the standard library and llguidance, so the child
 starts without MLX or the kvtier packages. Protocol on stdin/stdout, one
 request at a time: a 4-byte big-endian length and that many bytes of UTF-8
 grammar in; a 4-byte length and a JSON ``[is_error, [messages]]`` out.
+The child writes one byte ``R`` when it is ready, before the first request.
 EOF on stdin ends the child (the parent closed the pipe or died).
 
 Limits set here, before llguidance is imported: address space
@@ -54,6 +55,10 @@ def main() -> int:
 
     threading.stack_size(stack)
     source, sink = sys.stdin.buffer, sys.stdout.buffer
+    # NOTE: one byte once ready, so the parent's compile deadline never
+    # counts this interpreter's start.
+    sink.write(b"R")
+    sink.flush()
     while True:
         header = _read_exact(source, _HEADER.size)
         if header is None:

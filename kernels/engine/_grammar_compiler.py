@@ -58,6 +58,9 @@ validated therefore never gets close to this stack's end.
 CHILD_ADDRESS_SPACE = 4 << 30
 """``RLIMIT_AS`` of a child: a runaway allocation aborts the child, not the machine."""
 
+CHILD_START_S = 60.0
+"""How long a new child may take to start (an interpreter and llguidance on a busy machine)."""
+
 _CHILD = Path(__file__).with_name("_grammar_child.py")
 _HEADER = struct.Struct(">I")
 _MAX_REPLY = 1 << 20
@@ -87,6 +90,10 @@ class _Child:
         assert self.proc.stdout is not None
         self.stdin = self.proc.stdin
         self.out_fd = self.proc.stdout.fileno()
+
+    def ready(self, timeout: float) -> bool:
+        """Wait for the child's ready byte (its interpreter and llguidance loaded)."""
+        return self._read(1, time.monotonic() + timeout) == b"R"
 
     def ask(self, grammar: str, deadline: float) -> CompileResult | None:
         """The child's verdict, or ``None`` when it died or ran past ``deadline``."""
@@ -185,6 +192,11 @@ class GrammarCompiler:
                 if child is not None:
                     child.kill()
                 child = _Child(self._stack, self._address_space)
+                if not child.ready(CHILD_START_S):
+                    child.kill()
+                    child = None
+                    raise GrammarCompilerBusy(
+                        f"the grammar compiler did not start within {CHILD_START_S:g} s")
             deadline = time.monotonic() + self.deadline_s
             result = child.ask(grammar, deadline)
             if result is None:

@@ -166,7 +166,8 @@ def tool_call_grammar(
 
     ``tools`` are OpenAI tool definitions (``{"type": "function", "function":
     {"name", "parameters", "strict"}}``); ``name`` restricts the call to that
-    function; ``multiple`` allows several calls, one per line. Each call's
+    function; ``multiple`` allows several calls, one right after another
+    (no text between them). Each call's
     ``arguments`` follow the function's ``parameters`` schema, compiled as
     its own JSON schema root (so its ``$ref``s into its own ``$defs``
     resolve); with ``strict: true`` an object that does not say otherwise
@@ -208,7 +209,10 @@ def tool_call_grammar(
         rules.append(f"args_{n}: %json {embedded}")
     opener = _lark_literal(start + "\n")
     closer = _lark_literal("\n" + end)
-    repeat = ' ("\\n" call)*' if multiple else ""
+    # NOTE: calls follow each other with nothing between them: text between
+    # the markers would be the message's content, and a message that only
+    # calls tools has none (OpenAI's content: null).
+    repeat = "+" if multiple else ""
     lark = "\n".join([f"start: call{repeat}",
                       f"call: {opener} body {closer}",
                       "body: " + " | ".join(bodies),
