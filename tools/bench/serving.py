@@ -46,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -662,6 +663,52 @@ def guidellm_version(python: Path) -> str:
     return out.stdout.strip() or f"unavailable ({out.stderr.strip()[-200:]})"
 
 
+# --- a random-weight model on disk (GPU runs) --------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_random_model(directory: Path, shape: str, tok_dir: Path, seed: int) -> Path:
+    """A seeded random-weight mlx-lm ``llama`` of ``shape`` in bf16, with ``tok_dir``'s tokenizer.
+
+    The shapes are ``gpu_engine.SHAPES`` (the vocabulary is the tokenizer's).
+    Both servers load the directory. Nothing is written when it already
+    holds a ``config.json`` (a later run on the same machine reuses it).
+    """
+    import shutil
+
+    if (directory / "config.json").exists():
+        return directory
+    import mlx.core as mx
+    from gpu_engine import SHAPES, build_model, load_tokenizer
+    from mlx_lm.utils import save_config, save_model
+
+    vocab = len(load_tokenizer(tok_dir))
+    model, params_b = build_model(shape, vocab, seed, mx.bfloat16)
+    tmp = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(tmp, model, donate_model=True)
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).exists():
+            shutil.copy(tok_dir / name, tmp / name)
+    config = {
+        "model_type": "llama",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "max_position_embeddings": 131072,
+        **SHAPES[shape],
+    }
+    # NOTE: config.json last, then the rename: a directory with a config is complete.
+    save_config(config, tmp / "config.json")
+    tmp.rename(directory)
+    print(
+        f"wrote {shape} ({params_b:.2f} B parameters, bf16, vocab {vocab}) to {directory}",
+        flush=True,
+    )
+    return directory
+
+
 # --- main --------------------------------------------------------------------------
 
 
@@ -677,6 +724,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(SERVERS), help="comma list of mlx_lm,kvtier")
     p.add_argument(
         "--rounds", type=int, default=1, help="rounds; the server order alternates per round"
+    )
+    p.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="number of the first round (prompts are seeded by the round: a later run continues the series)",
     )
     p.add_argument("--concurrency", default="1,4,8", help="concurrent-stream levels")
     p.add_argument(
@@ -745,25 +798,50 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="write the PNG here")
     p.add_argument("--title", default="", help="extra text for the plot's title")
     p.add_argument(
+        "--random-model",
+        default="",
+        metavar="SHAPE",
+        help="first write a seeded random-weight bf16 model of SHAPE (gpu_engine.py's, e.g. llama3-8b) "
+        "to --model unless it is there, with --tok-dir's tokenizer",
+    )
+    p.add_argument("--tok-dir", type=Path, default=None, help="tokenizer files for --random-model")
+    p.add_argument("--seed", type=int, default=0, help="--random-model's seed")
+    p.add_argument(
         "--tiny",
         action="store_true",
         help="smoke sizes: 1,2 streams, 32-token prompts, 8 new tokens, 2x2 agent, no constant rate",
     )
+    # NOTE: --tiny changes the defaults only; options given on the line win.
+    if "--tiny" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(
+            concurrency="1,2",
+            requests_per_stream=1,
+            min_requests=2,
+            prompt_tokens=32,
+            max_tokens=8,
+            rate_fractions="",
+            agent="2x2",
+            system_tokens=200,
+            agent_max_tokens=4,
+        )
     args = p.parse_args(argv)
-    if args.tiny:
-        args.concurrency, args.requests_per_stream, args.min_requests = "1,2", 1, 2
-        args.prompt_tokens, args.max_tokens, args.rate_fractions = 32, 8, ""
-        args.agent, args.system_tokens, args.agent_max_tokens = "2x2", 200, 4
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every round, print the summary, write JSON and the PNG."""
     args = parse_args(argv)
+    # NOTE: SIGTERM unwinds like an exception, so the server child is stopped
+    # and guidellm's process killed (subprocess.run kills its child on the way out).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(REPO))
     from _common import free_port, loadavg, machine
 
+    if args.random_model:
+        if args.model is None or args.tok_dir is None:
+            raise SystemExit("--random-model needs --model (where to write it) and --tok-dir")
+        write_random_model(args.model.resolve(), args.random_model, args.tok_dir, args.seed)
     if args.model is None:
         from kernels import ensure_default_model
 
@@ -792,11 +870,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-serving-") as tmp:
         workdir = args.out or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        for rnd in range(args.rounds):
-            # NOTE: the peer goes first in round 0 (its saturation sets the
-            # constant rate); later rounds alternate so load drift cancels out.
+        for rnd in range(args.first_round, args.first_round + args.rounds):
+            # NOTE: the peer goes first while the constant rate is unknown (its
+            # saturation sets it); after that the order alternates by round so
+            # load drift cancels out.
             order = sorted(servers, key=lambda s: s != PEER)
-            if rnd % 2 == 1:
+            if rnd % 2 == 1 and (rates or not args.rate_fractions):
                 order.reverse()
             runs: dict[str, ServerRun] = {}
             for who in order:

@@ -1,0 +1,208 @@
+"""tools/bench/serving.py: its figures from guidellm's records, its ratios, and a tiny run end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "tools" / "bench"
+
+
+def _load_serving() -> ModuleType:
+    """tools/bench/serving.py as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("serving_bench", BENCH / "serving.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # NOTE: registered before running it: its dataclasses look their module up.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+serving = _load_serving()
+
+
+def _record(start: float, end: float, ttft_ms: float, itl_ms: float, out: int) -> dict[str, Any]:
+    """One successful request as guidellm 0.8 writes it (the fields serving.py reads)."""
+    return {
+        "request_start_time": start,
+        "request_end_time": end,
+        "request_latency": end - start,
+        "time_to_first_token_ms": ttft_ms,
+        "inter_token_latency_ms": itl_ms,
+        "prompt_tokens": 100,
+        "output_tokens": out,
+    }
+
+
+def _report(streams: int, records: list[dict[str, Any]], errored: int = 0) -> dict[str, Any]:
+    return {
+        "benchmarks": [
+            {
+                "config": {"strategy": {"type_": "concurrent", "streams": streams}},
+                "duration": 999.0,
+                "requests": {
+                    "successful": records,
+                    "errored": [{}] * errored,
+                    "incomplete": [],
+                },
+            }
+        ]
+    }
+
+
+def test_help_does_not_import_mlx() -> None:
+    """Parsing the command line (what --help does) imports neither MLX nor kvtier's packages."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(BENCH)!r}); import serving; "
+        "serving.parse_args(['--tiny']); "
+        "print(sorted(m for m in ('mlx', 'kernels', 'actors', 'matplotlib') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_level_figures_come_from_the_request_records() -> None:
+    """Throughput is output tokens over first start to last end; TTFT/ITL are nearest-rank percentiles."""
+    records = [
+        _record(10.0, 12.0, ttft_ms=100.0, itl_ms=10.0, out=64),
+        _record(10.5, 14.0, ttft_ms=300.0, itl_ms=30.0, out=64),
+        _record(11.0, 13.0, ttft_ms=200.0, itl_ms=20.0, out=32),
+    ]
+    (lv,) = serving.level_results(_report(4, records, errored=1))
+    assert (lv.profile, lv.level, lv.ok, lv.errored) == ("concurrent", 4.0, 3, 1)
+    assert lv.seconds == pytest.approx(4.0)  # 10.0 -> 14.0, not guidellm's duration
+    assert lv.output_tps == pytest.approx(160 / 4.0)
+    assert lv.requests_per_s == pytest.approx(3 / 4.0)
+    assert (lv.ttft_ms.p50, lv.ttft_ms.p99, lv.ttft_ms.max) == (200.0, 300.0, 300.0)
+    assert lv.itl_ms.p50 == 20.0
+    assert lv.latency_ms.p50 == pytest.approx(2000.0)
+
+
+def test_saturation_is_the_best_concurrency_level_and_ratios_are_kvtier_over_peer() -> None:
+    """The constant rate's base is the peer's best req/s; every ratio is kvtier / mlx_lm per level."""
+    peer = serving.level_results(_report(1, [_record(0.0, 2.0, 100.0, 10.0, 10)]))
+    peer += serving.level_results(
+        _report(4, [_record(0.0, 1.0, 400.0, 10.0, 10), _record(0.0, 1.0, 400.0, 10.0, 10)])
+    )
+    assert serving.saturation_rps(peer) == pytest.approx(2.0)
+    ours = serving.level_results(_report(1, [_record(0.0, 1.0, 50.0, 10.0, 10)]))
+    ours += serving.level_results(
+        _report(4, [_record(0.0, 0.5, 100.0, 10.0, 10), _record(0.0, 0.5, 100.0, 10.0, 10)])
+    )
+    rnd = {
+        "mlx_lm": serving.ServerRun("mlx_lm", 1.0, levels=peer),
+        "kvtier": serving.ServerRun("kvtier", 1.0, levels=ours),
+    }
+    summary = serving.summarize([rnd])
+    by_level = {row["level"]: row for row in summary["levels"]}
+    assert by_level[1.0]["ratio"]["output_tps"]["median"] == pytest.approx(10.0 / 5.0)
+    assert by_level[4.0]["ratio"]["output_tps"]["median"] == pytest.approx(40.0 / 20.0)
+    assert by_level[4.0]["ratio"]["ttft_p50"]["median"] == pytest.approx(100.0 / 400.0)
+
+
+@pytest.mark.e2e
+@pytest.mark.model
+def test_agent_trace_end_to_end_against_kvtier(default_model_path: Path, tmp_path: Path) -> None:
+    """A tiny run (kvtier only, agent trace 2x2, no load generator) writes JSON and a PNG; later turns hit the prompt cache."""
+    out = tmp_path / "serving.json"
+    png = tmp_path / "serving.png"
+    env = dict(os.environ)
+    env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "serving.py"),
+            "--tiny",
+            "--servers",
+            "kvtier",
+            "--skip-loadgen",
+            "--model",
+            str(default_model_path),
+            "--out",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    agent = data["rounds"][0]["kvtier"]["agent"]
+    turns = agent["turns_list"]
+    assert sorted((t["conversation"], t["turn"]) for t in turns) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(t["ttft_ms"] > 0 for t in turns)
+    # NOTE: turn 2 repeats turn 1's prompt and answer: the RAM tier serves at
+    # least the ~200-token shared system prompt.
+    assert all(t["cached_tokens"] >= 150 for t in turns if t["turn"] == 2)
+    assert data["summary"]["agent"]["kvtier"]["ttft_p50_turns2plus_ms"] > 0
+    assert data["meta"]["commit"]
+    assert data["meta"]["mlx"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.e2e
+@pytest.mark.model
+@pytest.mark.skipif(
+    not Path(os.environ.get("KVTIER_GUIDELLM_PYTHON", serving.DEFAULT_GUIDELLM_PYTHON)).exists(),
+    reason="no guidellm environment (pip install -e .[bench] into its own venv, see serving.py)",
+)
+def test_tiny_run_through_guidellm_both_servers(default_model_path: Path, tmp_path: Path) -> None:
+    """``--tiny`` drives both servers through guidellm: every request succeeds, the ratios exist."""
+    out = tmp_path / "serving.json"
+    env = dict(os.environ)
+    env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "serving.py"),
+            "--tiny",
+            "--agent",
+            "",
+            "--model",
+            str(default_model_path),
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    for who in ("mlx_lm", "kvtier"):
+        levels = data["rounds"][0][who]["levels"]
+        assert [lv["level"] for lv in levels] == [1.0, 2.0]
+        assert all(lv["ok"] == 2 and lv["errored"] == 0 for lv in levels)
+        assert all(lv["output_tokens"] > 0 for lv in levels)
+    assert all("ratio" in row for row in data["summary"]["levels"])

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The serving benchmark (tools/bench/serving.py) on the lent H200: kvtier serve
+# vs mlx_lm.server on one seeded random-weight Llama-3-8B-shaped bf16 model
+# written to disk there, driven by guidellm, plus the agent-conversation trace.
+#
+# Three steps, from the repository root (../shared/gpu/README.md is the recipe):
+#
+#   1. here, once:      bash tools/bench/gpu_serving.sh prepare
+#      (wheels for the device's Python 3.12 into .gpu/a and .gpu/b via
+#       ../shared/gpu/prepare-wheels.sh: MLX CUDA, mlx-lm, what kvtier serve
+#       imports that the device image lacks, and guidellm with the
+#       dependencies the image lacks (torch, transformers, pandas, pyarrow are
+#       there); the default model's tokenizer files into .gpu/tok.
+#       NOTE: prepare-wheels.sh empties .gpu first.)
+#   2. device call 1, carry [".gpu/a"], timeout_s 300:
+#        bash tools/bench/gpu_serving.sh stash
+#   3. device call 2 at once (the machine goes back after ~30 s idle),
+#      carry [".gpu/b", ".gpu/tok"], timeout_s 600:
+#        bash tools/bench/gpu_serving.sh run
+#      Later calls on the same warm machine (same carry) skip the install and
+#      the model write: `bash tools/bench/gpu_serving.sh run` again is one
+#      more round; extra arguments go to serving.py (they override the
+#      defaults below), e.g. `bash tools/bench/gpu_serving.sh run --rows 32`.
+#
+# What comes back in $OUT: serving.txt (the printout), serving.json (every
+# figure, versions, commit, machine), serving.png, logs.tgz (guidellm's JSON
+# reports, the servers' logs).
+set -euo pipefail
+
+PINS=(
+  # kvtier serve (the image has anyio's deps, aiofiles, numpy, transformers, xxhash,
+  # prometheus-client, httpx, h11; llguidance is imported only for structured output)
+  structlog==26.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+  typing-inspection==0.4.5 typing-extensions==4.16.0 anyio==4.16.0
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 annotated-doc==0.0.7
+  # guidellm and what it imports that the image lacks (torch, transformers,
+  # pandas, pyarrow, msgpack, uvloop, rich, huggingface-hub are there)
+  guidellm==0.8.1 click==8.4.2 Faker==40.63.0 aiologic==0.17.1 culsans==0.10.0
+  datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 ftfy==6.3.1 wcwidth==0.9.4
+  h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 loguru==0.7.3 more-itertools==11.2.1
+  pydantic-settings==2.16.3 python-dotenv==1.2.4 websockets==17.4 eval-type-backport==0.4.0
+)
+MODEL=${KVTIER_GPU_MODEL:-/tmp/kvtier-gpu/llama3-8b}
+SITE=${SITE:-$HOME/kvtier-gpu/site}
+WORK=${KVTIER_GPU_WORK:-/tmp/kvtier-gpu/serving}
+TOK_SRC=${KVTIER_TOK_SRC:-${KVTIER_HOME:-$HOME/.cache/kvtier}/models/SmolLM2-135M-Instruct-fp32}
+# NOTE: issue 20's loads: ~530-token prompts, 128 new tokens, 1 / 8 / 32 / 64
+# streams, a constant rate at 80 % of mlx_lm.server's saturation, 8
+# conversations x 4 turns over a ~4.4k-token system prompt. About 5-7 minutes
+# for both servers after the install (~30 s) and the model write (~1-2 min).
+DEFAULTS=(
+  --concurrency 1,8,32,64 --requests-per-stream 2 --min-requests 4
+  --prompt-tokens 512 --max-tokens 128
+  --rate-fractions 0.8 --rate-seconds 30
+  --agent 8x4 --system-tokens 4400 --agent-max-tokens 32
+)
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  prepare)
+    bash "${KVTIER_SHARED:-../shared}/gpu/prepare-wheels.sh" "${PINS[@]}"
+    mkdir -p .gpu/tok
+    for f in tokenizer.json tokenizer_config.json special_tokens_map.json; do
+      cp "$TOK_SRC/$f" .gpu/tok/
+    done
+    du -sh .gpu/a .gpu/b .gpu/tok
+    ;;
+  stash)
+    mkdir -p ~/kvtier-gpu/stash && cp .gpu/a/* ~/kvtier-gpu/stash/
+    ls ~/kvtier-gpu/stash | wc -l
+    ;;
+  run)
+    if [ ! -f "$SITE/.kvtier-installed" ]; then
+      SITE=$SITE bash .gpu/b/install-on-device.sh .gpu/b
+      touch "$SITE/.kvtier-installed"
+    fi
+    export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+    # NOTE: every call on the same machine is the next round: fresh prompts
+    # (seeded by the round), fresh SSD-tier directories, the order alternating.
+    mkdir -p "$WORK"
+    n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+    echo $((n + 1)) > "$WORK/calls"
+    run_dir=$WORK/call-$n
+    mkdir -p "$run_dir"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    rc=0
+    python3 tools/bench/serving.py --random-model llama3-8b --tok-dir .gpu/tok --model "$MODEL" \
+      --guidellm-python "$(command -v python3)" --out "$run_dir" --first-round "$n" \
+      --json "$OUT/serving.json" --plot "$OUT/serving.png" --title "H200" \
+      "${DEFAULTS[@]}" "$@" 2>&1 | tee "$OUT/serving.txt" || rc=$?
+    tar -czf "$OUT/logs.tgz" -C "$run_dir" . || true
+    exit $rc
+    ;;
+  *)
+    sed -n '2,27p' "$0"
+    exit 2
+    ;;
+esac
