@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from actors.engine import Engine, GenerationParams, InvalidRequest
@@ -60,6 +61,15 @@ async def _cached(engine: Engine, prompt: list[int], salt: str | None = None,
     params = GREEDY.model_copy(update={"cache_scope": scope})
     done = await engine.complete_prompt(prompt, params, cache_salt=salt)
     return done.usage.cached_tokens
+
+
+async def _until_on_disk(engine: Engine, entries: int) -> None:
+    """Wait until the SSD index holds ``entries`` files (fails after 20 s)."""
+    with anyio.fail_after(20):
+        while True:
+            if (await engine.stats())["ssd_cache"]["entries"] >= entries:
+                return
+            await anyio.sleep(0.02)
 
 
 async def test_ram_tier_shares_a_prefix_only_under_the_same_salt(model: Any, tok: Any) -> None:
@@ -147,6 +157,28 @@ async def test_a_demoted_entry_keeps_its_namespace_on_disk(
         assert await _cached(engine, prompt, "tenant-b") == 0
         assert (await engine.stats())["ssd_cache"]["hits"] == 0
         # NOTE: tenant-b's own entry is in RAM now; tenant-a's is only on disk.
+        assert await _cached(engine, prompt, "tenant-a") == len(prompt) - 1
+        stats = await engine.stats()
+    assert stats["ssd_cache"]["hits"] == 1
+
+
+async def test_an_entry_evicted_from_ram_keeps_its_namespace_on_disk(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    """With a RAM cap that holds one entry and write-behind off, a salted entry reaches disk
+    only by being evicted (spilled) for another client's; read back, it serves its own salt
+    and no other."""
+    prompt = _ids(tok, SECRET)
+    other = _ids(tok, "Quarterly report: shipping volumes rose in every region. " * 3)
+    async with _engine(model, tok, tmp_path, prompt_cache_bytes=100_000,
+                       ssd_writebehind=False, ssd_restore="always") as engine:
+        await _cached(engine, prompt, "tenant-a")
+        await _cached(engine, other, "tenant-b")
+        stats = await engine.stats()
+        assert (stats["prompt_cache"]["evicted"], stats["prompt_cache"]["entries"]) == (1, 1)
+        await _until_on_disk(engine, 1)
+        assert await _cached(engine, prompt, "tenant-b") == 0
+        assert (await engine.stats())["ssd_cache"]["hits"] == 0
         assert await _cached(engine, prompt, "tenant-a") == len(prompt) - 1
         stats = await engine.stats()
     assert stats["ssd_cache"]["hits"] == 1
