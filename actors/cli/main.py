@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``serve``, ``fetch-default-model``, ``replay``.
+"""The ``kvtier`` command line: ``serve``, ``fetch-default-model``, ``cache``, ``replay``.
 
 Each subcommand lives in the module that owns it and exposes two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only
@@ -28,6 +28,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "actors.cli.fetch",
         "download and convert the default model (SmolLM2-135M-Instruct)",
     ),
+    "cache": ("actors.cli.cache", "list or purge the SSD tier's files (prompts' token ids at rest)"),
     "replay": ("actors.cli.replay", "replay a recorded JSONL trace and compare it"),
 }
 

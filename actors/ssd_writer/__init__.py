@@ -21,6 +21,7 @@ from .actor import (
 )
 from .core import CostLine, Estimator, IndexEntry, IndexState, namespace_dir
 from .io import check_tier_dirs, default_max_bytes
+from .offline import FingerprintUsage, PurgeReport, list_tier, purge_tier
 from .ports import (
     CacheSource,
     EngineTensorSource,
@@ -44,10 +45,12 @@ __all__ = [
     "EngineTurns",
     "Estimator",
     "FileIdentity",
+    "FingerprintUsage",
     "HostStaging",
     "IndexEntry",
     "IndexState",
     "LandingObservation",
+    "PurgeReport",
     "Reader",
     "RearmingTurns",
     "Scrubber",
@@ -63,6 +66,8 @@ __all__ = [
     "cold_tier_stats",
     "core",
     "default_max_bytes",
+    "list_tier",
     "namespace_dir",
+    "purge_tier",
     "spawn_ssd_writer",
 ]
