@@ -78,7 +78,10 @@ class KvEventsStats(Body):
     ``send_failures``: batches the PUB socket did not take (the subscriber
     side is behind by a whole high-water mark); a replay recovers them while
     they are buffered. ``invalid_entries``: tier entries whose token ids do
-    not fit a block hash (never announced).
+    not fit a block hash (never announced). The rest says how to read the
+    stream and recompute its hashes: the endpoints, the wire format, the
+    block size, the hash definition's name and the namespace parts
+    (``actors.kv_events.block_hash``).
     """
 
     kind: Literal["kv_events.stats"] = "kv_events.stats"
@@ -91,6 +94,13 @@ class KvEventsStats(Body):
     replays: int
     send_failures: int = 0
     invalid_entries: int = 0
+    endpoint: str = ""
+    replay_endpoint: str | None = None
+    wire_format: str = "array"
+    block_size: int = 16
+    hash_scheme: str = ""
+    model_fingerprint: str = ""
+    kv_scheme: str = ""
 
 
 class BlockIndexRequest(Request):

@@ -284,7 +284,11 @@ def _kv_events(parts: Parts) -> Factory | None:
 
     model, scheme = parts.kv_identity or ("", "")
     state = kv_events_core.CoreState(
-        model=model, kv_scheme=scheme, wire_format=cfg.kv_events_format
+        model=model,
+        kv_scheme=scheme,
+        wire_format=cfg.kv_events_format,
+        endpoint=cfg.kv_events,
+        replay_endpoint=cfg.kv_events_replay,
     )
     # NOTE: bound here, so a taken port or a bad endpoint fails the start;
     # one instance ("resume"): its sockets and stream survive a failing message.

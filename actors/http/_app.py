@@ -298,6 +298,27 @@ def create_app(
         served = resolve_model(model_id, engine.model_id, settings.model_aliases)
         return ModelCard(id=served, created=int(st.started_at))
 
+    # NOTE: what routers probe before they route to a worker (sglang-router
+    # 0.3: /health, then /server_info and /model_info, falling back to the
+    # /get_* names); docs/scale-out.md. Same auth as /v1/models.
+    @app.get("/get_model_info")
+    @app.get("/model_info", operation_id="model_info")
+    async def model_info() -> dict[str, Any]:
+        """The served model, in the shape SGLang's workers answer."""
+        return {"model_path": engine.model_id, "tokenizer_path": None, "is_generation": True,
+                "served_model_name": engine.model_id}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info", operation_id="server_info")
+    async def server_info() -> dict[str, Any]:
+        """Server facts a router or a KV-event subscriber needs (``kv_events``: endpoints, hashing)."""
+        info: dict[str, Any] = {"version": app.version, "model_path": engine.model_id,
+                                "served_model_name": engine.model_id}
+        snapshot = await engine.stats()
+        if "kv_events" in snapshot:
+            info["kv_events"] = snapshot["kv_events"]
+        return info
+
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         """Gateway, engine-turn token and mailbox statistics, plus the HTTP layer's own."""

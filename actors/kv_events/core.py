@@ -43,7 +43,7 @@ from messages.kv_events import (
     TierChanged,
 )
 
-from .block_hash import BLOCK_SIZE, block_digests, external_hash, namespace_root
+from .block_hash import BLOCK_SIZE, HASH_SCHEME, block_digests, external_hash, namespace_root
 from .wire import (
     END_SEQ,
     AllCleared,
@@ -165,6 +165,8 @@ class CoreState:
     buffer_steps: int = DEFAULT_BUFFER_STEPS
     topic: bytes = b""
     data_parallel_rank: int = 0
+    endpoint: str = ""
+    replay_endpoint: str | None = None
     refs: dict[Medium, dict[bytes, int]] = field(
         default_factory=lambda: {"CPU": {}, "DISK": {}}
     )
@@ -314,6 +316,13 @@ def stats(state: CoreState) -> KvEventsStats:
         replays=state.replays,
         send_failures=state.send_failures,
         invalid_entries=state.invalid_entries,
+        endpoint=state.endpoint,
+        replay_endpoint=state.replay_endpoint,
+        wire_format=state.wire_format,
+        block_size=state.block_size,
+        hash_scheme=HASH_SCHEME,
+        model_fingerprint=state.model,
+        kv_scheme=state.kv_scheme,
     )
 
 
