@@ -157,9 +157,13 @@ def test_agent_trace_end_to_end_against_kvtier(default_model_path: Path, tmp_pat
     turns = agent["turns_list"]
     assert sorted((t["conversation"], t["turn"]) for t in turns) == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert all(t["ttft_ms"] > 0 for t in turns)
-    # NOTE: turn 2 repeats turn 1's prompt and answer: the RAM tier serves at
-    # least the ~200-token shared system prompt.
-    assert all(t["cached_tokens"] >= 150 for t in turns if t["turn"] == 2)
+    # NOTE: turn 2 carries turn 1's prompt and answer (at least ~10 more
+    # tokens), and the RAM tier serves at least the ~200-token system prompt.
+    first = {t["conversation"]: t["prompt_tokens"] for t in turns if t["turn"] == 1}
+    for t in turns:
+        if t["turn"] == 2:
+            assert t["prompt_tokens"] > first[t["conversation"]] + 8
+            assert t["cached_tokens"] >= 150
     assert data["summary"]["agent"]["kvtier"]["ttft_p50_turns2plus_ms"] > 0
     assert data["meta"]["commit"]
     assert data["meta"]["mlx"]
