@@ -2124,7 +2124,6 @@ def land_entry(
     dests = list(_destinations(header.layers, step))
     arrays: list[Any] = []
     views: list[memoryview] = []
-    hosts: dict[int, bytearray] = {}
     done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
     checked: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
     checking = False
@@ -2157,13 +2156,16 @@ def land_entry(
                 rows = []
             else:
                 # NOTE: a backend whose arrays lend no writable host buffer:
-                # this tensor is read into host bytes and copied after the
-                # reads (the old path's copy, for this tensor only).
+                # this tensor is read into host bytes laid out at its final
+                # capacity (slack left zero) and copied ONCE into an MLX
+                # array of that shape, before the next tensor: at most one
+                # tensor's host bytes exist at a time, and no exact-size
+                # copy is padded by concatenation (which held the tensor
+                # twice, plus every other tensor's host bytes).
                 arrays[-1] = None
-                host = bytearray(rec.nbytes)
-                hosts[index] = host
-                view = memoryview(host)
-                rows = [view]
+                del a
+                arrays[-1] = _land_through_host(entry, pool, index, rec, capacity)
+                continue
             if view is not None:
                 views.append(view)
             job = functools.partial(_fill_behind, entry, port, fd, index, rec, rows, verify)
@@ -2203,15 +2205,47 @@ def land_entry(
     if errors:
         raise errors[0]
     del views
-    for index, host in hosts.items():
-        rec, capacity = dests[index]
-        landed = _array(rec, host)
-        arrays[index] = landed = landed if capacity is None else _with_slack(landed, capacity)
-        mx.eval(landed)
-    hosts.clear()
     it = iter(arrays)
     caches = [_build(layer, it, step) for layer in header.layers]
     return caches
+
+
+def _land_through_host(
+    entry: OpenEntry, pool: LandingPool | None, index: int, rec: TensorRecord, capacity: int | None
+) -> Any:
+    """Tensor ``index`` read into host bytes at its landing shape, then one evaluated MLX copy.
+
+    The fallback for arrays that lend no writable buffer (engine thread).
+    NOTE: with ``pool`` the read runs on a worker (no file call on this
+    thread) and this thread waits for it; the host bytes are dropped as soon
+    as MLX owns its copy, so the landing's extra memory is one tensor.
+    """
+    dtype = _DTYPES[rec.dtype]
+    shape = rec.shape if capacity is None else (*rec.shape[:2], capacity, *rec.shape[3:])
+    host = bytearray(math.prod(shape) * dtype.size)
+    view = memoryview(host)
+    rows = _rows(view, rec, capacity)
+    job = functools.partial(_fill_behind, entry, entry.port, entry.fileno(), index, rec, rows,
+                            entry.verify)
+    try:
+        if pool is None:
+            job()
+        else:
+            done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+            pool.submit(job, done)
+            outcome = done.get()
+            if outcome is not None:
+                raise outcome
+    finally:
+        # NOTE: the job holds row views of ``host``; dropped here, so the
+        # host bytes go as soon as the copy below exists.
+        del job, rows
+        view.release()
+    src: Any = memoryview(host)
+    landed = mx.array(src).view(dtype).reshape(shape) if host else mx.zeros(shape, dtype=dtype)
+    mx.eval(landed)
+    del host
+    return landed
 
 
 def _writable_view(a: Any) -> memoryview | None:
