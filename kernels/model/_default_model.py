@@ -288,4 +288,20 @@ def ensure_default_model(
                 dequantize=deq,
                 source={"package": DEFAULT_MODEL_PACKAGE, "wheel_sha256": _WHEEL_SHA256},
             )
+        _drop_shared_write(out)
+    _check_model_dir(out)
     return out
+
+
+def _drop_shared_write(out: Path) -> None:
+    """Clear group/other write on the converted directory and its files.
+
+    NOTE: the converter's files take the umask's mode (0664 under the
+    common 002); the check before every later use refuses those.
+    """
+    for path in (out, *out.iterdir()):
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode & 0o7777
+        if mode & 0o022:
+            path.chmod(mode & ~0o022)

@@ -277,6 +277,9 @@ def _build(directory: Path) -> None:
             ],
             tmp,
         )
+        # NOTE: the linker's mode follows the umask (0775 under 002): make it
+        # writable by this user only, as the check before loading requires.
+        os.chmod(out, 0o755)
         _fsync_path(out)
         os.replace(out, _module_path(directory))
     _fsync_path(directory)

