@@ -15,7 +15,9 @@ unknown route                             404     invalid_request_error / not_fo
 wrong method                              405     invalid_request_error / method_not_allowed
 body not received in time                408     invalid_request_error / request_timeout
 body larger than ``--max-body-bytes``     413     invalid_request_error / request_too_large
+``SchemaTooComplex`` (schema limits)      400     invalid_request_error / schema_too_complex
 ``QueueFull``                             429     rate_limit_exceeded / queue_full
+``GrammarCompilerBusy``                   429     rate_limit_exceeded / grammar_compiler_busy
 ``ServerShuttingDown``, engine not ready  503     server_error / shutting_down ...
 ``MemoryPressure``                        503     server_error / memory_pressure
 POST body not ``application/json``       415     invalid_request_error / unsupported_media_type
@@ -149,6 +151,11 @@ def _loc_to_param(loc: Sequence[Any]) -> str | None:
 def validation_to_api(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """Turn pydantic/FastAPI validation errors into the OpenAI-style 400."""
     if any(e.get("type") == "json_invalid" for e in errors):
+        if any("recursion limit" in str(e.get("msg", "")) for e in errors):
+            # NOTE: the JSON parser stops at about 200 levels of nesting (its
+            # recursion limit): say which limit, as every other refusal does.
+            return ApiError(400, "The JSON body nests too deeply to parse (the parser's "
+                                 "nesting depth limit, about 200 levels).", code="invalid_json")
         return ApiError(400, "We could not parse the JSON body of your request.",
                         code="invalid_json")
     if not errors:
