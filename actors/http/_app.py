@@ -8,6 +8,7 @@ plain 429/503/400 answers, never a broken stream.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -151,6 +152,11 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
         raise _ClientLeft() from None
     if not raw.strip():
         raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    if _ROUTER_MARK in raw:
+        if len(raw) <= _INLINE_PARSE_BYTES:
+            raw = _without_router_defaults(raw)
+        else:
+            raw = await anyio.to_thread.run_sync(_without_router_defaults, raw)
     try:
         if len(raw) <= _INLINE_PARSE_BYTES:
             return model.model_validate_json(raw)
@@ -159,6 +165,40 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
         return await anyio.to_thread.run_sync(model.model_validate_json, raw)
     except ValidationError as exc:
         raise validation_to_api(exc.errors()) from None
+
+
+_ROUTER_DEFAULTS: dict[str, bool] = {
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
+"""SGLang sampling fields sglang-router adds to every body it forwards, at their defaults."""
+
+_ROUTER_MARK = b'"no_stop_trim"'
+
+
+def _without_router_defaults(raw: bytes) -> bytes:
+    """``raw`` without the SGLang fields a router added at their default values.
+
+    NOTE: sglang-router (docs/scale-out.md) forwards every chat body with
+    these fields set to SGLang's defaults; at those values they ask for what
+    kvtier does anyway, so they are dropped. Any other value stays and the
+    strict schema refuses it (400): kvtier does not implement them.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw  # NOTE: the validator reports the bad (or too deep) JSON as a 400.
+    if not isinstance(body, dict):
+        return raw
+    for key, default in _ROUTER_DEFAULTS.items():
+        if key in body and body[key] is default:
+            del body[key]
+    return json.dumps(body).encode()
 
 
 _INLINE_PARSE_BYTES = 64 * 1024

@@ -50,3 +50,38 @@ async def test_server_info_names_the_kv_event_stream() -> None:
     assert info["kv_events"]["endpoint"] == "tcp://127.0.0.1:5557"
     assert info["kv_events"]["block_size"] == 16
     assert info["kv_events"]["model_fingerprint"] == "fp"
+
+
+ROUTER_FIELDS = {"no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+                 "skip_special_tokens": True, "separate_reasoning": True,
+                 "stream_reasoning": True, "return_hidden_states": False, "logprobs": False}
+
+
+async def test_router_added_fields_at_defaults_are_accepted() -> None:
+    """A body carrying sglang-router's added SGLang fields at their defaults is served as without them."""
+    engine = FakeEngine()
+    body = {"messages": [{"role": "user", "content": "hi"}], **ROUTER_FIELDS}
+    async with _client(engine) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200
+    assert len(engine.calls) == 1
+
+
+async def test_router_field_with_other_value_is_refused() -> None:
+    """ignore_eos=true (not implemented) is still a 400 naming the field, and reaches no engine."""
+    engine = FakeEngine()
+    body = {"messages": [{"role": "user", "content": "hi"}], **ROUTER_FIELDS, "ignore_eos": True}
+    async with _client(engine) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "ignore_eos"
+    assert engine.calls == []
+
+
+async def test_deeply_nested_router_body_is_a_400() -> None:
+    """A body too deep for json.loads that carries the router's marker is a 400, not a 500."""
+    deep = '{"no_stop_trim": false, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    async with _client(FakeEngine()) as client:
+        resp = await client.post("/v1/chat/completions", content=deep,
+                                 headers={"content-type": "application/json"})
+    assert resp.status_code == 400
