@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ._trust import trust_problem
+from ._trust import make_private_dirs, trust_problem
 
 __all__ = [
     "MEMO_NAME",
@@ -197,7 +197,7 @@ def _load_memo(path: Path) -> dict[tuple[int, ...], str]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
