@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from actors.gateway.ports import Registered, StepResult, StepToken
+from actors.engine_thread.ports import Registered, StepResult, StepToken
 from kernels import (
     CacheRegistry,
     Generation,

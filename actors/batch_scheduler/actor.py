@@ -37,7 +37,7 @@ from typing import Any, assert_never
 
 import structlog
 
-from actors.gateway.ports import Executor
+from actors.engine_thread.ports import Executor
 from actors.runtime import (
     Actor,
     ActorStopped,

@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from actors.runtime import AHEAD, EngineJob
+from actors.engine_thread import AHEAD, EngineJob
 
 from .core import JoinRow, StepOut
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Literal, assert_never
 
-from actors.gateway.ports import Registered
+from actors.engine_thread.ports import Registered
 from messages.batch_scheduler import BatchTurnReport
 from messages.gateway import (
     DoneEvent,

@@ -10,7 +10,7 @@ first, the kernel steps once, and every cache a row hands back (finished,
 cancelled, or a prompt-boundary snapshot) is registered so the scheduler can
 ``Put`` it.
 
-The memory-pressure guard (``actors/gateway/memory_guard.py``) is asked
+The memory-pressure guard (``actors/engine_thread/memory_guard.py``) is asked
 before each row's prefill (at its join) and every ``DECODE_CHECK_EVERY``
 tokens of each decoding row (before the step); a row it refuses leaves the
 batch alone (``RowFailure`` with ``MemoryPressure``), the others go on.
@@ -28,9 +28,9 @@ from typing import Any
 
 import structlog
 
+from actors.engine_thread.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
+from actors.engine_thread.ports import Registered
 from actors.errors import MemoryPressure
-from actors.gateway.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
-from actors.gateway.ports import Registered
 from kernels import CacheRegistry, InvalidPrompt, KvScheme
 from kernels.engine import (
     BatchGeneration,

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from actors.gateway import BackgroundSteps, StepHandle
+from actors.engine_thread import BackgroundSteps, StepHandle
 from actors.runtime import Alarm, LoopAlarm
 from kernels.cache import CacheRegistry, UnknownCacheHandle
 from messages import EntryMeta

@@ -37,6 +37,15 @@ import anyio.to_thread
 import structlog
 from pydantic import ValidationError
 
+from actors.engine_thread import BackgroundSteps
+from actors.engine_thread.memory_guard import (
+    MemoryGauge,
+    MemoryGuard,
+    Refuse,
+    Relieve,
+    decide,
+    stated_margin,
+)
 from actors.errors import (
     ContextTooLong,
     EngineClosed,
@@ -48,15 +57,6 @@ from actors.errors import (
     QueueFull,
     ServerShuttingDown,
     TurnUnavailable,
-)
-from actors.gateway import BackgroundSteps
-from actors.gateway.memory_guard import (
-    MemoryGauge,
-    MemoryGuard,
-    Refuse,
-    Relieve,
-    decide,
-    stated_margin,
 )
 from actors.runtime import (
     ActorRef,

@@ -1,6 +1,6 @@
 """The readings behind the memory-pressure guard (every function here runs ON the engine thread).
 
-The decision itself is pure (``actors/gateway/memory_guard.py``); this
+The decision itself is pure (``actors/engine_thread/memory_guard.py``); this
 module reads what it needs from the process, MLX and the loaded model: the
 memory in use (:class:`ProcessMemory`), the default budget, and the request
 footprint's model shape (the KV geometry of one populated prototype cache).
@@ -16,7 +16,7 @@ reading honest where device memory is not part of RSS (a CUDA device): the
 host baseline the guard started with plus what MLX has added since. RSS is
 read from ``/proc/self/statm`` on Linux and ``task_info`` on macOS (a few
 microseconds); elsewhere only the second term is known, and the stated
-margin (:func:`actors.gateway.memory_guard.stated_margin`) must then also
+margin (:func:`actors.engine_thread.memory_guard.stated_margin`) must then also
 hold the interpreter and its libraries.
 """
 
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actors.gateway.memory_guard import Footprint
+from actors.engine_thread.memory_guard import Footprint
 
 __all__ = [
     "TRIM_AFTER_BYTES",

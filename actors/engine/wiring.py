@@ -44,9 +44,10 @@ from actors.durability import (
     DurabilityTargets,
 )
 from actors.durability.ports import Alarm, GatewaySteps, StepRegistry
-from actors.gateway import Backend, BackgroundSteps, Executor, Gateway, TurnRunner
+from actors.engine_thread import Backend, BackgroundSteps, Executor
+from actors.engine_thread.memory_guard import MemoryGuard
+from actors.gateway import Gateway, TurnRunner
 from actors.gateway.core import DEFAULT_BACKGROUND_SHARE
-from actors.gateway.memory_guard import MemoryGuard
 from actors.kv_events import KV_EVENTS_ADDRESS, KvEvents
 from actors.kv_events import core as kv_events_core
 from actors.prompt_cache import DRAIN_STEP, PROMPT_CACHE_ADDRESS, HandleDisposer, PromptCache
@@ -155,7 +156,7 @@ class Parts:
     cloner: Cloner | None = None
     """Clones RAM entries for write-behind snapshots (``RegistryCloner``); with ``cold``."""
     memory_guard: MemoryGuard | None = None
-    """The in-turn memory-pressure checks (``actors/gateway/memory_guard.py``); ``None``: none."""
+    """The in-turn memory-pressure checks (``actors/engine_thread/memory_guard.py``); ``None``: none."""
     after_step: Callable[[], object] | None = None
     """Runs on the engine thread after every batch step (``memory.HeapTrim.after_job``)."""
     kv_identity: tuple[str, str] | None = None

@@ -18,10 +18,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.runtime import AHEAD, EngineJob
+from actors.engine_thread import AHEAD, EngineJob
+from actors.engine_thread.ports import Registered, StepResult
 from messages.prompt_cache import EntryRole
-
-from .ports import Registered, StepResult
 
 __all__ = ["AHEAD", "Burst", "StepOutput", "run_chain"]
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import structlog
 
+from actors.engine_thread.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
+from actors.engine_thread.ports import Backend, Registered
 from messages.gateway import Generate
 from messages.prompt_cache import EntryRole
 
 from .burst import StepOutput
-from .memory_guard import DECODE_CHECK_EVERY, MemoryGuard
-from .ports import Backend, Registered
 
 __all__ = ["EngineWork", "Opening"]
 
@@ -55,7 +55,7 @@ class _Gen:
 
 
 class EngineWork:
-    """The engine-thread half of the runner over a :class:`~actors.gateway.ports.Backend`.
+    """The engine-thread half of the runner over a :class:`~actors.engine_thread.ports.Backend`.
 
     ``keep_entries``: a prompt cache takes registered entries (else a
     finished request's arrays are simply dropped). A chat request whose

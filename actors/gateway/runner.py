@@ -41,6 +41,9 @@ from typing import Any, assert_never
 import anyio
 import structlog
 
+from actors.engine_thread.memory_guard import MemoryGuard
+from actors.engine_thread.ports import Backend, Executor
+from actors.engine_thread.steps import BackgroundSteps
 from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
 from messages import Envelope, Release
 from messages.gateway import (
@@ -55,9 +58,6 @@ from messages.gateway import (
 from . import runner_core as rc
 from .burst import Burst, run_chain
 from .engine_work import EngineWork
-from .memory_guard import MemoryGuard
-from .ports import Backend, Executor
-from .steps import BackgroundSteps
 
 __all__ = ["TurnRunner"]
 

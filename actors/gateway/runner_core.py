@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, assert_never
 
+from actors.engine_thread.ports import Registered, StepResult
 from messages.gateway import (
     BackgroundTurnReport,
     DoneEvent,
@@ -48,7 +49,6 @@ from messages.ssd_writer import ObservePrefill
 
 from .burst import StepOutput
 from .engine_work import Opening
-from .ports import Registered, StepResult
 
 __all__ = [
     "STREAM_WRITE_TIMEOUT",

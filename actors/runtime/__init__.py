@@ -19,7 +19,6 @@ from ._actor import (
 )
 from ._alarm import Alarm, LoopAlarm
 from ._context import current_envelope, use_correlation
-from ._engine_job import AHEAD, EngineJob
 from ._errors import (
     ActorStopped,
     AskCycle,
@@ -53,7 +52,6 @@ from ._system import ActorRef, ActorSystem, DeadLetter, Inbox
 from ._tracing import configure_logging, get_logger, set_tracing
 
 __all__ = [
-    "AHEAD",
     "Actor",
     "ActorRef",
     "ActorStopped",
@@ -68,7 +66,6 @@ __all__ = [
     "DeadlineExceeded",
     "Effect",
     "EndStream",
-    "EngineJob",
     "HandlerFailed",
     "Ids",
     "Inbox",

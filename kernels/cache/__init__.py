@@ -41,6 +41,7 @@ from ._file_port import (
 )
 from ._kv_file import (
     ALIGNMENT,
+    CHECKPOINT_FORMAT_VERSION,
     FILL_STREAMS_ENV,
     FILL_STREAMS_MAX,
     FORMAT_VERSION,
@@ -52,6 +53,7 @@ from ._kv_file import (
     CacheFileWriteError,
     CacheKindUnsupported,
     EntryPlan,
+    GenerationCheckpoint,
     HostEntry,
     KvFileHeader,
     KvFileWriter,
@@ -96,6 +98,7 @@ from ._registry import (
 
 __all__ = [
     "ALIGNMENT",
+    "CHECKPOINT_FORMAT_VERSION",
     "FILL_STREAMS_ENV",
     "FILL_STREAMS_MAX",
     "FORMAT_VERSION",
@@ -116,6 +119,7 @@ __all__ = [
     "FileLock",
     "FilePort",
     "FileStat",
+    "GenerationCheckpoint",
     "HostEntry",
     "InvalidKvScheme",
     "KvFileHeader",

@@ -42,6 +42,12 @@ Cache kinds (``LayerRecord.kind``), all from ``mlx_lm.models.cache``:
 
 A cache's ``_kvtier_min_reusable_offset`` attribute is recorded as
 ``min_reusable_offset`` (``null`` when absent) and set again on restore.
+
+Format versions: a plain prefix entry is version 1. A generation checkpoint
+(:class:`GenerationCheckpoint`: the request key, the pending sampled token
+and the sampler state of an interrupted answer) is version 2, whose header
+has one more key, ``checkpoint``. The reader accepts both; a version-1
+reader treats a version-2 file as incompatible (kept, never served).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from ._file_port import BytesLike, FilePort, PageCacheProbe, ShortRead
 
 __all__ = [
     "ALIGNMENT",
+    "CHECKPOINT_FORMAT_VERSION",
     "DEFAULT_MAX_HEADER_BYTES",
     "FORMAT_VERSION",
     "MAGIC",
@@ -81,6 +88,7 @@ __all__ = [
     "CacheFileWriteError",
     "CacheKindUnsupported",
     "EntryPlan",
+    "GenerationCheckpoint",
     "HostEntry",
     "KvFileHeader",
     "KvFileWriter",
@@ -103,6 +111,10 @@ MAGIC: Final = b"\x89KVT\r\n\x1a\n"
 """File signature. The high byte and CR/LF/^Z catch 7-bit and text-mode mangling."""
 
 FORMAT_VERSION: Final = 1
+"""Version of a plain prefix entry (and the tier fingerprint's format input)."""
+CHECKPOINT_FORMAT_VERSION: Final = 2
+"""Version of a file that carries a generation checkpoint section (``checkpoint`` key)."""
+_READABLE_VERSIONS: Final = frozenset({FORMAT_VERSION, CHECKPOINT_FORMAT_VERSION})
 PREAMBLE_SIZE: Final = 32
 ALIGNMENT: Final = 16 * 1024
 """Tensor offsets (and the header region's end) are multiples of 16 KiB (arm64 page)."""
@@ -179,6 +191,14 @@ _LAYER_KEYS: Final = (
     "children",
 )
 _TENSOR_KEYS: Final = ("name", "dtype", "shape", "offset", "nbytes", "hash")
+_CHECKPOINT_KEYS: Final = (
+    "request_key",
+    "prompt_len",
+    "pending_token",
+    "sample_index",
+    "rng_key",
+)
+_KEY_HEX_WIDTH: Final = 32
 _MIN_OFFSET_ATTR: Final = "_kvtier_min_reusable_offset"
 _STAMP_ATTR: Final = "_kvtier_offset"
 
@@ -272,6 +292,42 @@ class LayerRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerationCheckpoint:
+    """The generation state of an interrupted answer, beside the caches of its emitted prefix.
+
+    The file's ``tokens`` are the prompt (its first ``prompt_len`` ids) and
+    every token emitted so far; the caches cover all of them.
+    ``pending_token`` was sampled from the last emitted token's forward but
+    not yet emitted. ``sample_index`` is the number of tokens sampled before
+    it (= tokens emitted). ``rng_key`` is the request's PRNG key (two uint32
+    words) AFTER the pending token's draw, ``None`` for greedy requests. The
+    logits processors' history is the file's ``tokens``.
+    """
+
+    request_key: str
+    prompt_len: int
+    pending_token: int
+    sample_index: int
+    rng_key: tuple[int, int] | None = None
+
+    def check(self, ntokens: int) -> None:
+        """Raise :class:`CacheFileCorrupt` unless this record fits a file of ``ntokens`` tokens."""
+        key = self.request_key
+        if len(key) != _KEY_HEX_WIDTH or any(c not in "0123456789abcdef" for c in key):
+            raise CacheFileCorrupt("checkpoint request_key is not 32 lowercase hex digits")
+        if not 0 < self.prompt_len <= ntokens:
+            raise CacheFileCorrupt("checkpoint prompt_len outside (0, tokens]")
+        if self.sample_index != ntokens - self.prompt_len:
+            raise CacheFileCorrupt("checkpoint sample_index differs from the emitted tokens")
+        if not 0 <= self.pending_token < _MAX_TOKEN_ID:
+            raise CacheFileCorrupt("checkpoint pending_token out of range")
+        if self.rng_key is not None and (
+            len(self.rng_key) != 2 or any(not 0 <= w < 1 << 32 for w in self.rng_key)
+        ):
+            raise CacheFileCorrupt("checkpoint rng_key is not two uint32 words")
+
+
+@dataclass(frozen=True, slots=True)
 class KvFileHeader:
     """A validated header (or, inside an :class:`EntryPlan`, the one to be written).
 
@@ -290,6 +346,8 @@ class KvFileHeader:
     file_size: int
     data_offset: int
     header_hash: int
+    checkpoint: GenerationCheckpoint | None = None
+    """Set exactly in version-2 files (a generation checkpoint)."""
     tensors: tuple[TensorRecord, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -525,12 +583,15 @@ def plan_entry(
     tokenizer_hash: str,
     tokens: Sequence[int],
     created_at: float | None = None,
+    checkpoint: GenerationCheckpoint | None = None,
 ) -> EntryPlan:
     """Plan the file for one prefix entry (engine thread; metadata only, no eval).
 
     Every layer's ``offset`` must equal ``len(tokens)`` (recurrent layers:
     equal, or 0 when unstamped); otherwise ``ValueError``. Unknown cache
-    classes or dtypes raise :class:`CacheKindUnsupported`.
+    classes or dtypes raise :class:`CacheKindUnsupported`. With
+    ``checkpoint`` the file is a version-2 generation checkpoint (the record
+    must fit ``tokens``, else ``ValueError``).
     """
     for name, s in (
         ("model_id", model_id),
@@ -541,6 +602,11 @@ def plan_entry(
         if not isinstance(s, str) or len(s) > _MAX_STR:
             raise ValueError(f"{name} must be a str of at most {_MAX_STR} characters")
     toks, tokens_len = _checked_tokens(tokens)
+    if checkpoint is not None:
+        try:
+            checkpoint.check(len(toks))
+        except CacheFileCorrupt as exc:
+            raise ValueError(exc.reason) from exc
     stamp = float(time.time() if created_at is None else created_at)
     if not math.isfinite(stamp) or stamp < 0:
         raise ValueError("created_at must be a finite, non-negative time")
@@ -560,7 +626,7 @@ def plan_entry(
 
     def build(data_offset: int, layers_: tuple[LayerRecord, ...], size: int) -> KvFileHeader:
         return KvFileHeader(
-            version=FORMAT_VERSION,
+            version=FORMAT_VERSION if checkpoint is None else CHECKPOINT_FORMAT_VERSION,
             model_id=model_id,
             fingerprint=fingerprint,
             namespace=namespace,
@@ -571,6 +637,7 @@ def plan_entry(
             file_size=size,
             data_offset=data_offset,
             header_hash=0,
+            checkpoint=checkpoint,
         )
 
     def body_len(header: KvFileHeader) -> int:
@@ -695,8 +762,19 @@ def _encode_json(
     }
     layers = [_layer_json(x, it) for x in header.layers]
     toks = tokens_json if tokens_json is not None else _tokens_json(header.tokens)
-    text = _dumps(head)[:-1] + ',"tokens":' + toks + ',"layers":' + _dumps(layers) + "}"
-    return text.encode("ascii")
+    text = _dumps(head)[:-1] + ',"tokens":' + toks + ',"layers":' + _dumps(layers)
+    if header.version == CHECKPOINT_FORMAT_VERSION:
+        ck = header.checkpoint
+        assert ck is not None
+        section = {
+            "request_key": ck.request_key,
+            "prompt_len": ck.prompt_len,
+            "pending_token": ck.pending_token,
+            "sample_index": ck.sample_index,
+            "rng_key": None if ck.rng_key is None else list(ck.rng_key),
+        }
+        text += ',"checkpoint":' + _dumps(section)
+    return (text + "}").encode("ascii")
 
 
 # --- writer (worker thread) ---------------------------------------------------------
@@ -811,7 +889,7 @@ class KvFileWriter:
         hashes = [h for h in self._hashes if h is not None]
         region = _header_region(self._plan, hashes)
         pre = _PREAMBLE.pack(
-            MAGIC, FORMAT_VERSION, len(region), xxhash.xxh3_64_intdigest(region), 0
+            MAGIC, self._plan.header.version, len(region), xxhash.xxh3_64_intdigest(region), 0
         )
         port = self._port
         try:
@@ -931,8 +1009,10 @@ def _read_preamble(port: FilePort, fd: int, size: int) -> tuple[int, int, int]:
     magic, version, header_len, header_hash, reserved = _PREAMBLE.unpack(raw)
     if magic != MAGIC:
         raise CacheFileCorrupt("bad magic")
-    if version != FORMAT_VERSION:
-        raise CacheFileIncompatible(f"format version {version}, expected {FORMAT_VERSION}")
+    if version not in _READABLE_VERSIONS:
+        raise CacheFileIncompatible(
+            f"format version {version}, expected one of {sorted(_READABLE_VERSIONS)}"
+        )
     if reserved != 0:
         raise CacheFileCorrupt("reserved preamble field is not zero")
     return int(header_len), int(header_hash), int(version)
@@ -1038,7 +1118,8 @@ def _validate(
     header_hash: int,
     expected_fingerprint: str | None,
 ) -> KvFileHeader:
-    top = _obj(obj, _TOP_KEYS, "header")
+    keys = _TOP_KEYS if version == FORMAT_VERSION else (*_TOP_KEYS, "checkpoint")
+    top = _obj(obj, keys, "header")
     # NOTE: the fingerprint is judged first, so a well-formed file of another
     # model or runtime reads as incompatible (kept) rather than corrupt (deleted).
     fingerprint = _str(top["fingerprint"], "fingerprint")
@@ -1061,6 +1142,7 @@ def _validate(
     for layer in layers:
         if not _offsets_match(layer, len(tokens)):
             raise CacheFileCorrupt("a layer's offset does not match the token count")
+    checkpoint = None if version == FORMAT_VERSION else _checkpoint(top["checkpoint"], len(tokens))
     header = KvFileHeader(
         version=version,
         model_id=_str(top["model_id"], "model_id"),
@@ -1073,9 +1155,32 @@ def _validate(
         file_size=size,
         data_offset=data_offset,
         header_hash=header_hash,
+        checkpoint=checkpoint,
     )
     _check_ranges(header.tensors, data_offset, size)
     return header
+
+
+def _checkpoint(v: Any, ntokens: int) -> GenerationCheckpoint:
+    """A version-2 header's ``checkpoint`` section, strictly typed and consistent with the tokens."""
+    obj = _obj(v, _CHECKPOINT_KEYS, "checkpoint")
+    raw_key = obj["rng_key"]
+    rng: tuple[int, int] | None = None
+    if raw_key is not None:
+        words = _list(raw_key, "checkpoint rng_key", 2)
+        if len(words) != 2:
+            raise CacheFileCorrupt("checkpoint rng_key is not two uint32 words")
+        rng = (_int(words[0], "rng_key word", hi=(1 << 32) - 1),
+               _int(words[1], "rng_key word", hi=(1 << 32) - 1))
+    ck = GenerationCheckpoint(
+        request_key=_str(obj["request_key"], "checkpoint request_key"),
+        prompt_len=_int(obj["prompt_len"], "checkpoint prompt_len"),
+        pending_token=_int(obj["pending_token"], "checkpoint pending_token"),
+        sample_index=_int(obj["sample_index"], "checkpoint sample_index"),
+        rng_key=rng,
+    )
+    ck.check(ntokens)
+    return ck
 
 
 def _tensor(v: Any, what: str) -> TensorRecord:

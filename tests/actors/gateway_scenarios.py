@@ -13,16 +13,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.gateway import (
+from actors.engine_thread import (
     BackgroundSteps,
-    Gateway,
     InlineExecutor,
     Registered,
     StepHandle,
     StepResult,
     StepToken,
-    TurnRunner,
 )
+from actors.gateway import Gateway, TurnRunner
 from actors.runtime import Actor, Context, SimulatedSystem
 from messages import Body, Envelope, Release, Take, TakeResult
 from messages.gateway import (

@@ -10,14 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.gateway import (
-    BackgroundSteps,
-    Gateway,
-    InlineExecutor,
-    StepResult,
-    StepToken,
-    TurnRunner,
-)
+from actors.engine_thread import BackgroundSteps, InlineExecutor, StepResult, StepToken
+from actors.gateway import Gateway, TurnRunner
 from actors.runtime import (
     Actor,
     ActorSystem,

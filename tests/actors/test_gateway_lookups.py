@@ -7,7 +7,8 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from actors.gateway import BackgroundSteps, Gateway, InlineExecutor, TurnRunner
+from actors.engine_thread import BackgroundSteps, InlineExecutor
+from actors.gateway import Gateway, TurnRunner
 from actors.runtime import Actor, ActorSystem, Context, Inbox, MailboxClosed, Supervision
 from messages import Body, Envelope, Release, Take, TakeResult
 from messages.gateway import (

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.errors import MemoryPressure
-from actors.gateway.memory_guard import (
+from actors.engine_thread.memory_guard import (
     KV_STEP,
     Fits,
     Footprint,
@@ -20,6 +19,7 @@ from actors.gateway.memory_guard import (
     Relieve,
     decide,
 )
+from actors.errors import MemoryPressure
 from messages.gateway import Generate, GenerationParams
 
 PER_TOKEN = 100

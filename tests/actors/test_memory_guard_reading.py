@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from actors.engine.memory import ProcessMemory, resident_memory_bytes
-from actors.errors import MemoryPressure
-from actors.gateway.memory_guard import (
+from actors.engine_thread.memory_guard import (
     HOST_SLACK_BYTES,
     Footprint,
     MemoryGauge,
     MemoryGuard,
     stated_margin,
 )
+from actors.errors import MemoryPressure
 from messages.gateway import Generate, GenerationParams
 
 MIB = 1 << 20

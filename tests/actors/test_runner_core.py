@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.gateway import Registered, StepResult, StepToken
+from actors.engine_thread import Registered, StepResult, StepToken
 from actors.gateway import runner_core as rc
 from actors.gateway.burst import StepOutput
 from messages import EntryMeta, TakeResult

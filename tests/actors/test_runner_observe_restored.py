@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from actors.gateway import StepResult, StepToken
+from actors.engine_thread import StepResult, StepToken
 from actors.gateway import runner_core as rc
 from actors.gateway.burst import StepOutput
 from actors.gateway.engine_work import EngineWork, Opening

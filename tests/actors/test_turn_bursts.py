@@ -10,15 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.gateway import (
-    AHEAD,
-    BackgroundSteps,
-    Gateway,
-    Registered,
-    StepResult,
-    StepToken,
-    TurnRunner,
-)
+from actors.engine_thread import AHEAD, BackgroundSteps, Registered, StepResult, StepToken
+from actors.gateway import Gateway, TurnRunner
 from actors.runtime import ActorSystem, Inbox, MailboxClosed, Supervision
 from kernels import EngineThread
 from messages import Body

@@ -54,7 +54,7 @@ PREFILL_STEP = 512
 
 def _projected(prompt: int, max_tokens: int) -> int:
     """The guard's footprint of a request on the model below (``Footprint.at_prefill``)."""
-    from actors.gateway.memory_guard import Footprint
+    from actors.engine_thread.memory_guard import Footprint
 
     footprint = Footprint(kv_bytes_at=lambda n: n * KV_STEP_BYTES // 256, chunk=PREFILL_STEP,
                           hidden=64, intermediate=128, heads=16, dtype_bytes=4)

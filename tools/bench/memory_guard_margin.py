@@ -26,7 +26,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from actors.gateway.memory_guard import Footprint  # noqa: E402
+from actors.engine_thread.memory_guard import Footprint  # noqa: E402
 from tests.e2e.server_process import ServerProcess  # noqa: E402
 from tests.e2e.test_memory_guard_rss import RssSampler, _wide_model  # noqa: E402
 

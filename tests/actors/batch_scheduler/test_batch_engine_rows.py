@@ -14,7 +14,7 @@ import pytest
 from actors.batch_scheduler import engine as batch_engine
 from actors.batch_scheduler.core import JoinRow, RowFailure, StepOut
 from actors.batch_scheduler.engine import BatchEngine
-from actors.gateway.memory_guard import Footprint, MemoryGauge, MemoryGuard
+from actors.engine_thread.memory_guard import Footprint, MemoryGauge, MemoryGuard
 from messages.gateway import Generate, GenerationParams
 
 KV_PER_TOKEN = 1000

@@ -35,7 +35,7 @@ from actors.batch_scheduler.core import (
     TurnGranted,
     handle,
 )
-from actors.gateway.ports import Registered
+from actors.engine_thread.ports import Registered
 from messages.gateway import DoneEvent, ErrorEvent, Generate, GenerationParams
 from messages.prompt_cache import EntryMeta, TakeResult
 

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache
 
 from actors.durability import CloneSlot, GatewaySteps, LoopAlarm, RegistryCloner
 from actors.durability.core import Cloned, CloneFailed, Vanished
-from actors.gateway import BackgroundSteps
+from actors.engine_thread import BackgroundSteps
 from actors.runtime import SystemClock
 from kernels import CacheRegistry
 from messages import EntryMeta

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from actors.runtime import AHEAD, EngineJob
+from actors.engine_thread import AHEAD, EngineJob
 
 
 def test_may_go_on_stops_at_budget_stop_and_ahead() -> None:

@@ -214,7 +214,7 @@ def test_wrong_magic_is_corrupt(valid: Path) -> None:
 
 def test_wrong_version_is_incompatible(valid: Path, valid_bytes: bytes) -> None:
     """Another format version is incompatible (kept, not deleted), whatever follows."""
-    for version in (0, 2, 0xFFFFFFFF):
+    for version in (0, 3, 0xFFFFFFFF):
         valid.write_bytes(valid_bytes[:8] + struct.pack("<I", version) + valid_bytes[12:])
         with pytest.raises(CacheFileIncompatible):
             _header(valid)
