@@ -3,7 +3,7 @@
 llguidance compiles a schema by recursion: every nesting level and every
 ``$ref`` hop is a native stack frame, and its JSON reader stops only at 128
 levels of *inline* nesting. A ``$defs`` chain of ``$ref``s is not inline,
-so a 3 KB-per-hop chain of a few thousand definitions overflows an 8 MiB
+so a chain of a few thousand definitions (about 4 KB of stack a hop) overflows an 8 MiB
 stack and the process dies (SIGSEGV, nothing logged). :func:`check_schemas`
 walks every schema of a request first (``response_format`` and each tool's
 ``parameters``), iteratively (no Python recursion, whatever the input), and
