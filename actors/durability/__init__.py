@@ -8,7 +8,7 @@ shell is given (the cloner, the background-step registry, the alarm). See
 from __future__ import annotations
 
 from . import core
-from .actor import DURABILITY_ADDRESS, DurabilityCoordinator, DurabilityTargets, spawn_durability
+from .actor import DURABILITY_ADDRESS, DurabilityCoordinator, DurabilityTargets
 from .core import DurabilityConfig, DurabilityState
 from .ports import (
     Alarm,
@@ -34,5 +34,4 @@ __all__ = [
     "RegistryCloner",
     "StepRegistry",
     "core",
-    "spawn_durability",
 ]

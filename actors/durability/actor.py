@@ -24,7 +24,6 @@ from actors.runtime import (
     Actor,
     ActorRef,
     ActorStopped,
-    ActorSystem,
     Context,
     MailboxClosed,
     UnknownAddress,
@@ -41,7 +40,6 @@ __all__ = [
     "DURABILITY_ADDRESS",
     "DurabilityCoordinator",
     "DurabilityTargets",
-    "spawn_durability",
 ]
 
 DURABILITY_ADDRESS = "durability"
@@ -182,39 +180,3 @@ class DurabilityCoordinator(Actor):
             ref.try_tell(Wake())
         except (ActorStopped, MailboxClosed, UnknownAddress):
             return
-
-
-def spawn_durability(
-    system: ActorSystem,
-    *,
-    cloner: Cloner,
-    steps: StepRegistry,
-    config: core.DurabilityConfig | None = None,
-    alarm: Alarm | None = None,
-    targets: DurabilityTargets | None = None,
-    name: str = DURABILITY_ADDRESS,
-    capacity: int = 256,
-    state: core.DurabilityState | None = None,
-) -> ActorRef:
-    """Spawn the coordinator (``actors.engine.wiring.spawn_durability``, kept here for callers).
-
-    Pass ``state`` to read it directly (tests, statistics); it then supplies
-    the configuration and ``config`` is ignored.
-
-    NOTE: "resume" keeps the instance, so its clone slots and its dirty
-    records survive a message whose handler raised; losing the records
-    would make a later flush claim durability it does not have.
-    """
-    from actors.engine import wiring
-
-    return wiring.spawn_durability(
-        system,
-        cloner=cloner,
-        steps=steps,
-        config=config,
-        alarm=alarm,
-        targets=targets,
-        name=name,
-        capacity=capacity,
-        state=state,
-    )

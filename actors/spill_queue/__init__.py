@@ -10,7 +10,6 @@ from .actor import (
     SPILL_QUEUE_ADDRESS,
     HandleReleaser,
     SpillQueue,
-    spawn_spill_queue,
 )
 from .core import DEFAULT_CAP_BYTES, QueueState
 
@@ -21,5 +20,4 @@ __all__ = [
     "QueueState",
     "SpillQueue",
     "core",
-    "spawn_spill_queue",
 ]

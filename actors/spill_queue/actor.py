@@ -17,9 +17,7 @@ from typing import Protocol, assert_never
 
 from actors.runtime import (
     Actor,
-    ActorRef,
     ActorStopped,
-    ActorSystem,
     Context,
     MailboxClosed,
     UnknownAddress,
@@ -34,7 +32,6 @@ __all__ = [
     "SPILL_QUEUE_ADDRESS",
     "HandleReleaser",
     "SpillQueue",
-    "spawn_spill_queue",
 ]
 
 SPILL_QUEUE_ADDRESS = "spill_queue"
@@ -133,27 +130,3 @@ class SpillQueue(Actor):
             # NOTE: the registry raises UnknownCacheHandle (a KeyError) for a
             # handle it no longer knows; there is nothing left to free.
             _log.warning("spill_queue.release_unknown", handle=handle)
-
-
-def spawn_spill_queue(
-    system: ActorSystem,
-    *,
-    releaser: HandleReleaser,
-    cap_bytes: int = core.DEFAULT_CAP_BYTES,
-    writer: str = _SSD_WRITER_ADDRESS,
-    name: str = SPILL_QUEUE_ADDRESS,
-    capacity: int = 256,
-    state: core.QueueState | None = None,
-) -> ActorRef:
-    """Spawn the spill queue (``actors.engine.wiring.spawn_spill_queue``, kept here for callers)."""
-    from actors.engine import wiring
-
-    return wiring.spawn_spill_queue(
-        system,
-        releaser=releaser,
-        cap_bytes=cap_bytes,
-        writer=writer,
-        name=name,
-        capacity=capacity,
-        state=state,
-    )

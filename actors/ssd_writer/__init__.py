@@ -17,7 +17,6 @@ from .actor import (
     StoreWorker,
     build_cold_tier,
     cold_tier_stats,
-    spawn_ssd_writer,
 )
 from .core import CostLine, Estimator, IndexEntry, IndexState, namespace_dir
 from .io import check_tier_dirs, default_max_bytes
@@ -69,5 +68,4 @@ __all__ = [
     "list_tier",
     "namespace_dir",
     "purge_tier",
-    "spawn_ssd_writer",
 ]

@@ -43,7 +43,6 @@ import anyio
 from actors.runtime import (
     Actor,
     ActorStopped,
-    ActorSystem,
     Alarm,
     Context,
     LoopAlarm,
@@ -95,7 +94,6 @@ __all__ = [
     "StoreWorker",
     "build_cold_tier",
     "cold_tier_stats",
-    "spawn_ssd_writer",
 ]
 
 SSD_WRITER_ADDRESS = "ssd_writer"
@@ -837,21 +835,4 @@ def build_cold_tier(
         state=state,
         staging=staging if staging is not None else HostStaging(max_entries=config.staging_entries),
         name=name,
-    )
-
-
-def spawn_ssd_writer(
-    system: ActorSystem,
-    *,
-    config: SsdWriterConfig,
-    source: TensorSource,
-    port: FilePort | None = None,
-    name: str = SSD_WRITER_ADDRESS,
-    capacity: int = 256,
-) -> ColdTier:
-    """Spawn the tier's actors (``actors.engine.wiring.spawn_ssd_writer``, kept here for callers)."""
-    from actors.engine import wiring
-
-    return wiring.spawn_ssd_writer(
-        system, config=config, source=source, port=port, name=name, capacity=capacity
     )

@@ -59,10 +59,10 @@ import anyio
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from actors.durability import DurabilityConfig, spawn_durability
+from actors.durability import DurabilityConfig
+from actors.engine.wiring import spawn_durability, spawn_spill_queue, spawn_ssd_writer
 from actors.runtime import Actor, ActorSystem, AskTimeout, Context, SequentialIds
-from actors.spill_queue import spawn_spill_queue
-from actors.ssd_writer import FileIdentity, SsdWriterConfig, core, io, spawn_ssd_writer
+from actors.ssd_writer import FileIdentity, SsdWriterConfig, core, io
 from actors.ssd_writer.actor import ColdTier
 from kernels.cache import (
     TEMP_SUFFIX,

@@ -21,8 +21,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem, SequentialIds
-from actors.ssd_writer import spawn_ssd_writer
 from kernels.cache._crash_fs import CrashFS, Fault, FaultingPort
 from messages import SsdStats, SsdStatsRequest, Store, StoreResult
 from tests.crash import checker

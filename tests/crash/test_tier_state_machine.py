@@ -45,12 +45,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from actors.durability import DurabilityConfig, spawn_durability
+from actors.durability import DurabilityConfig
+from actors.engine.wiring import spawn_durability, spawn_spill_queue, spawn_ssd_writer
 from actors.prompt_cache import core as ram_core
 from actors.prompt_cache.actor import DRAIN_STEP, PromptCache
 from actors.runtime import Actor, ActorSystem, Context, SequentialIds
-from actors.spill_queue import spawn_spill_queue
-from actors.ssd_writer import SsdWriterConfig, spawn_ssd_writer
+from actors.ssd_writer import SsdWriterConfig
 from actors.ssd_writer.actor import ColdTier
 from kernels.cache._crash_fs import CrashFS
 from kernels.cache._file_port import FilePort

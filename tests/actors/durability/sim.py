@@ -36,7 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.durability import DurabilityConfig, DurabilityState, spawn_durability
+from actors.durability import DurabilityConfig, DurabilityState
+from actors.engine.wiring import spawn_durability
 from actors.runtime import (
     Actor,
     Clock,

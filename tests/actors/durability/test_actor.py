@@ -7,7 +7,8 @@ import random
 import anyio
 import pytest
 
-from actors.durability import DurabilityConfig, DurabilityState, spawn_durability
+from actors.durability import DurabilityConfig, DurabilityState
+from actors.engine.wiring import spawn_durability
 from actors.runtime import ActorSystem, Supervision
 from actors.spill_queue import QueueState, SpillQueue
 from messages import EntryMeta

@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from actors.engine.wiring import spawn_spill_queue
 from actors.runtime import Actor, ActorSystem, Context
-from actors.spill_queue import spawn_spill_queue
 from messages import (
     DrainSpills,
     Enqueue,

@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 import mlx.core as mx
 
+from actors.engine.wiring import spawn_spill_queue, spawn_ssd_writer
 from actors.runtime import SimulatedSystem
-from actors.spill_queue import spawn_spill_queue
-from actors.ssd_writer import EngineTensorSource, SsdWriterConfig, spawn_ssd_writer
+from actors.ssd_writer import EngineTensorSource, SsdWriterConfig
 from kernels import CacheRegistry, EngineThread, cache_arrays
 from messages import DrainSpills, Enqueue, Find, FindResult, Restore, RestoreResult, SpillsDrained
 from tests.actors.ssd_writer.support import ASK, IDENTITY, ThreadTurns, register

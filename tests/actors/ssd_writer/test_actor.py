@@ -14,9 +14,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from actors.engine.wiring import spawn_spill_queue, spawn_ssd_writer
 from actors.runtime import ActorSystem
-from actors.spill_queue import spawn_spill_queue
-from actors.ssd_writer import EngineTensorSource, namespace_dir, spawn_ssd_writer
+from actors.ssd_writer import EngineTensorSource, namespace_dir
 from kernels import CacheRegistry, EngineThread, cache_arrays
 from kernels.cache import CacheFileCorrupt
 from messages import (

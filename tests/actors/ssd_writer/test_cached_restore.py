@@ -10,8 +10,9 @@ import anyio
 import mlx.core as mx
 import pytest
 
+from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem
-from actors.ssd_writer import EngineTensorSource, spawn_ssd_writer
+from actors.ssd_writer import EngineTensorSource
 from kernels import CacheRegistry, EngineThread, cache_arrays
 from kernels.cache._file_port import OsFilePort, WritableBuffer
 from messages import Restore, RestoreResult, SsdStats, SsdStatsRequest, StoreResult

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem
-from actors.ssd_writer import EngineTensorSource, spawn_ssd_writer
+from actors.ssd_writer import EngineTensorSource
 from kernels import CacheRegistry, EngineThread
 from messages import Find, FindResult, StoreResult
 from tests.actors.ssd_writer.support import (

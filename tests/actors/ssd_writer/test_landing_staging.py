@@ -238,8 +238,8 @@ async def test_the_index_applies_landings_before_its_next_message(
     tmp_path: Path, file: Path
 ) -> None:
     """A landing the engine thread recorded reaches the estimator with the index's next message."""
+    from actors.engine.wiring import spawn_ssd_writer
     from actors.runtime import ActorSystem
-    from actors.ssd_writer import spawn_ssd_writer
     from messages import SsdStats, SsdStatsRequest
     from tests.actors.ssd_writer.support import ASK, config
     from tests.crash.checker import ScriptedSource

@@ -16,8 +16,9 @@ import pytest
 
 from actors.cli import cache as cache_cli
 from actors.cli import main as cli_main
+from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem
-from actors.ssd_writer import EngineTensorSource, namespace_dir, purge_tier, spawn_ssd_writer
+from actors.ssd_writer import EngineTensorSource, namespace_dir, purge_tier
 from kernels import CacheRegistry, EngineThread, UntrustedPath
 from messages import SsdStats, SsdStatsRequest, StoreResult
 from tests.actors.ssd_writer.support import (

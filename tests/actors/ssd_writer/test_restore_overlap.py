@@ -12,8 +12,9 @@ import anyio
 import mlx.core as mx
 import pytest
 
+from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem
-from actors.ssd_writer import EngineTensorSource, HostStaging, StagedEntry, spawn_ssd_writer
+from actors.ssd_writer import EngineTensorSource, HostStaging, StagedEntry
 from kernels import CacheRegistry, EngineThread, cache_arrays
 from kernels.cache._file_port import OsFilePort, WritableBuffer
 from kernels.cache._kv_file import PassFailed, open_file, read_header

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem
-from actors.ssd_writer import EngineTensorSource, core, spawn_ssd_writer
+from actors.ssd_writer import EngineTensorSource, core
 from kernels import CacheRegistry, EngineThread
 from messages import StoreResult
 from tests.actors.ssd_writer.support import (
