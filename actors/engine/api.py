@@ -180,6 +180,9 @@ class EngineOptions(TypedDict, total=False):
     ssd_demote_idle: float
     ssd_writebehind: bool
     ssd_spill_queue_bytes: int
+    kv_events: str | None
+    kv_events_replay: str | None
+    kv_events_format: Literal["array", "map"]
 
 
 _SERVER_OPTIONS = frozenset(option_names("server"))

@@ -396,20 +396,19 @@ class EngineConfig(BaseModel):
                           "tiers, bound at tcp://HOST:PORT or ipc://PATH; they carry prompt "
                           "token ids, so bind a loopback or private address; needs the cluster "
                           "extra; None/off = no events"),
-        Setting("KVTIER_KV_EVENTS", "--kv-events", scope="server", metavar="URL|off"),
+        Setting("KVTIER_KV_EVENTS", "--kv-events", metavar="URL|off"),
     ] = None
     kv_events_replay: Annotated[
         str | None,
         Field(description="ZeroMQ ROUTER endpoint answering a late subscriber's replay request "
                           "(buffered batches from a sequence number on); None/off = no replay"),
-        Setting("KVTIER_KV_EVENTS_REPLAY", "--kv-events-replay", scope="server",
-                metavar="URL|off"),
+        Setting("KVTIER_KV_EVENTS_REPLAY", "--kv-events-replay", metavar="URL|off"),
     ] = None
     kv_events_format: Annotated[
         Literal["array", "map"],
         Field(description="array: vLLM's array-like event structs (vLLM <= 0.23, Dynamo, "
                           "llm-d); map: named fields (newer vLLM)"),
-        Setting("KVTIER_KV_EVENTS_FORMAT", "--kv-events-format", scope="server"),
+        Setting("KVTIER_KV_EVENTS_FORMAT", "--kv-events-format"),
     ] = "array"
 
     @field_validator("kv_events", "kv_events_replay", mode="before")
