@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -47,6 +47,8 @@ from kernels.engine import (
 )
 
 __all__ = ["run_case", "schemas"]
+
+_CHUNK = 2000
 
 _NAMES = st.sampled_from(["a", "b", "c", "id", "name", "x-y", "n~1", "p/q", "é"])
 _DEF_NAMES = st.sampled_from([f"d{i}" for i in range(12)])
@@ -176,29 +178,49 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["hypothesis", "atheris"], default="hypothesis")
     parser.add_argument("--cases", type=int, default=10_000, help="hypothesis examples")
+    parser.add_argument("--seed", type=int, default=0, help="first chunk's Hypothesis seed")
     args, rest = parser.parse_known_args(argv)
     outcomes: Counter[str] = Counter()
     start = time.monotonic()
 
-    @settings(max_examples=args.cases, deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck))
-    @given(schemas(), st.booleans(), st.booleans())
-    def target(schema: Any, tool: bool, strict: bool) -> None:
-        run_case(schema, tool, strict, outcomes)
-        ran = sum(outcomes.values())
-        if ran % 5000 == 0:
-            print(f"... {ran} cases, {time.monotonic() - start:.0f} s, crashes "
-                  f"{outcomes['CHILD CRASH']}", flush=True)
+    def make_target(examples: int, chunk_seed: int) -> Any:
+        @seed(chunk_seed)
+        @settings(max_examples=examples, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(schemas(), st.booleans(), st.booleans())
+        def target(schema: Any, tool: bool, strict: bool) -> None:
+            run_case(schema, tool, strict, outcomes)
+            ran = sum(outcomes.values())
+            if ran % 5000 == 0:
+                print(f"... {ran} cases, {time.monotonic() - start:.0f} s, crashes "
+                      f"{outcomes['CHILD CRASH']}", flush=True)
+
+        return target
 
     try:
         if args.engine == "atheris":
             import atheris  # type: ignore[import-untyped,unused-ignore]
 
-            fuzz_one = target.hypothesis.fuzz_one_input  # type: ignore[attr-defined]
+            from kernels.engine import _schema_limits, _schema_rewrite
+
+            # NOTE: coverage feedback from the walk and the strict rewrite (the
+            # Python this fuzzer aims at); llguidance runs in the child.
+            for module in (_schema_limits, _schema_rewrite):
+                for value in vars(module).values():
+                    if callable(value) and getattr(value, "__module__", "") == module.__name__ \
+                            and hasattr(value, "__code__"):
+                        atheris.instrument_func(value)
+            fuzz_one = make_target(1, args.seed).hypothesis.fuzz_one_input
             atheris.Setup([sys.argv[0], *rest], fuzz_one)
             atheris.Fuzz()
         else:
-            target()
+            # NOTE: runs of CHUNK examples, each from its own seed: one long
+            # Hypothesis run keeps every example's choices (gigabytes by 100k).
+            done = 0
+            while done < args.cases:
+                examples = min(_CHUNK, args.cases - done)
+                make_target(examples, args.seed + done)()
+                done += examples
     finally:
         ran = sum(outcomes.values())
         crashes = outcomes["CHILD CRASH"]
