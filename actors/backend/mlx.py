@@ -7,6 +7,7 @@ Every method runs ON the engine thread (the turn runner submits them through
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
@@ -113,6 +114,42 @@ class MlxBackend:
         if self._boundary is None:
             self._boundary = probe_snapshot_boundary(self._tokenizer)
         return self._boundary
+
+    # --- what the batch lane serves the same model with (read once, at wiring) ---
+
+    @property
+    def model(self) -> Any:
+        """The loaded model both lanes run."""
+        return self._model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self._tokenizer
+
+    @property
+    def registry(self) -> CacheRegistry | None:
+        """The engine-owned cache registry the prompt cache's entries live in (``None``: no RAM tier)."""
+        return self._registry
+
+    @property
+    def prefill_step_size(self) -> int:
+        """Tokens per prefill chunk."""
+        return int(self._step_size)
+
+    @property
+    def kv_scheme(self) -> KvScheme | None:
+        """The quantized KV scheme caches are converted to (``None``: the model's dtype)."""
+        return self._scheme
+
+    def restore_port(self) -> Callable[[Generate, str, int], list[Any] | None] | None:
+        """The first turn's restore of a cold-tier hit (``None``: no cold tier).
+
+        NOTE: the batch lane restores exactly like the serial lane (the same
+        token and trim checks, the same landing, the same restore counters),
+        so it borrows this method rather than keep a second copy of those rules.
+        """
+        return self._restore if self._staging is not None else None
 
     def _hook(self, caches: list[Any]) -> None:
         assert self._scheme is not None

@@ -37,31 +37,20 @@ def _backend_parts(
 
     if not isinstance(backend, MlxBackend):
         return None
-    # NOTE: MlxBackend keeps these private; the batch lane serves the same
-    # model with the same options, so it reads them rather than have the
-    # engine pass each one twice.
     return (
-        backend._model,
-        backend._tokenizer,
-        backend._registry,
-        int(backend._step_size),
-        backend._scheme,
+        backend.model,
+        backend.tokenizer,
+        backend.registry,
+        backend.prefill_step_size,
+        backend.kv_scheme,
     )
 
 
 def _restore_port(backend: object) -> RestorePort | None:
-    """The serial lane's restore of a cold-tier hit (``None``: no cold tier on this backend).
-
-    NOTE: the batch lane restores exactly like the serial lane's first turn
-    (the same token and trim checks, the same ``materialize``, the same
-    restore counters), so it borrows the backend's method rather than keep a
-    second copy of those rules.
-    """
+    """The serial lane's restore of a cold-tier hit (``None``: no cold tier on this backend)."""
     from actors.backend.mlx import MlxBackend
 
-    if not isinstance(backend, MlxBackend) or backend._staging is None:
-        return None
-    return backend._restore
+    return backend.restore_port() if isinstance(backend, MlxBackend) else None
 
 
 def _observe_address(parts: Parts) -> str | None:
