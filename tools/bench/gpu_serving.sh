@@ -64,6 +64,8 @@ case "$cmd" in
     for f in tokenizer.json tokenizer_config.json special_tokens_map.json; do
       cp "$TOK_SRC/$f" .gpu/tok/
     done
+    # NOTE: the device gets the working tree without .git: name the code here.
+    echo "$(git rev-parse --short HEAD)+$(git status --porcelain | wc -l)-changed" > .gpu/tok/commit
     du -sh .gpu/a .gpu/b .gpu/tok
     ;;
   stash)
@@ -76,6 +78,8 @@ case "$cmd" in
       touch "$SITE/.kvtier-installed"
     fi
     export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+    KVTIER_COMMIT=$(cat .gpu/tok/commit 2>/dev/null || echo unknown)
+    export KVTIER_COMMIT
     # NOTE: every call on the same machine is the next round: fresh prompts
     # (seeded by the round), fresh SSD-tier directories, the order alternating.
     mkdir -p "$WORK"
@@ -85,7 +89,7 @@ case "$cmd" in
     mkdir -p "$run_dir"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     rc=0
-    python3 tools/bench/serving.py --random-model llama3-8b --tok-dir .gpu/tok --model "$MODEL" \
+    python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok --model "$MODEL" \
       --guidellm-python "$(command -v python3)" --out "$run_dir" --first-round "$n" \
       --json "$OUT/serving.json" --plot "$OUT/serving.png" --title "H200" \
       "${DEFAULTS[@]}" "$@" 2>&1 | tee "$OUT/serving.txt" || rc=$?

@@ -864,6 +864,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else list(argv),
         "port": port,
     }
+    if not meta["commit"]:
+        # NOTE: the device machine gets the working tree without .git;
+        # gpu_serving.sh prepare records the commit for it.
+        meta["commit"] = os.environ.get("KVTIER_COMMIT", "")
     print(json.dumps(meta), flush=True)
     rates = _floats(args.rate)
     rounds: list[dict[str, ServerRun]] = []
