@@ -6,6 +6,9 @@ the engine thread.
 
 from __future__ import annotations
 
+from kernels._paths import kvtier_home
+from kernels._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
+
 from ._default_model import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_PACKAGE,
@@ -14,7 +17,6 @@ from ._default_model import (
     default_model_dir,
     ensure_default_model,
     fetch_default_wheel,
-    kvtier_home,
     pip_download_command,
 )
 from ._few_row import FewRowHead, FewRowLinear, apply_few_row
@@ -52,7 +54,6 @@ from ._rope import (
     has_shared_rope,
     share_rope_tables,
 )
-from ._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 from ._weights import FileKey, OsWeightFiles, WeightFiles, WeightsMemo
 
 __all__ = [

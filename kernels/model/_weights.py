@@ -12,7 +12,7 @@ by what changes when its bytes do: device, inode, size, mtime and ctime
 can set a ctime). A restart of an unchanged model reads no weight byte.
 The memo is untrusted on read: bounded in size, its entries checked one by
 one (a bad one is dropped), and ignored unless it belongs to this user and
-nobody else may write to it (``_trust``).
+nobody else may write to it (``kernels._trust``).
 
 NOTE: blocking file work: call it where the model is loaded (the engine
 thread in the server), never on the event loop.
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ._trust import make_private_dirs, trust_problem
+from kernels._trust import make_private_dirs, trust_problem
 
 __all__ = [
     "MEMO_NAME",

@@ -12,7 +12,7 @@ a crash leaves either no module or a whole one.
 
 NOTE: loading a shared object runs its code, so ``$KVTIER_HOME``,
 ``native/``, the key directory and the module must belong to this user and
-be writable by nobody else (``kernels.model._trust``); otherwise kvtier
+be writable by nobody else (``kernels._trust``); otherwise kvtier
 keeps MLX's product and says why. A failed build (or a module that fails to
 import or its check) is recorded in ``<key>/build-failed.json`` with the
 toolchain it failed with (compilers, libmlx, nanobind, Python): later
@@ -42,6 +42,9 @@ import sysconfig
 import tempfile
 from pathlib import Path
 from types import ModuleType
+
+from kernels._paths import kvtier_home
+from kernels._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 
 __all__ = [
     "FAILURE_RECORD",
@@ -111,22 +114,16 @@ def extension_dir(root: Path | None = None) -> Path:
 def _native_root(root: Path | None) -> Path:
     if root is not None:
         return root
-    from kernels.model import kvtier_home
-
     return kvtier_home() / "native"
 
 
 def _trusted_dirs(directory: Path, root: Path | None) -> list[Path]:
     """The directories whose writers could swap the module: the home (default root), root, key dir."""
-    from kernels.model import kvtier_home
-
     dirs = [] if root is not None else [kvtier_home()]
     return [*dirs, directory.parent, directory]
 
 
 def _check_trusted(dirs: list[Path], files: tuple[Path, ...] = ()) -> None:
-    from kernels.model import UntrustedPath, check_trusted
-
     try:
         check_trusted(dirs, files)
     except UntrustedPath as exc:
@@ -309,8 +306,6 @@ def _import(path: Path) -> ModuleType:
 
 def _read_failure(directory: Path) -> dict[str, object] | None:
     """The failure record in ``directory`` (``None``: none, or not a well-formed trusted one)."""
-    from kernels.model import trust_problem
-
     record = directory / FAILURE_RECORD
     try:
         if trust_problem(record, file=True) is not None:
@@ -380,8 +375,6 @@ def load_extension(root: Path | None = None) -> ModuleType:
 
     directory = extension_dir(root)
     dirs = _trusted_dirs(directory, root)
-    from kernels.model import make_private_dirs
-
     make_private_dirs(directory)
     _check_trusted(dirs)
     path = _module_path(directory)

@@ -1,0 +1,19 @@
+"""Where kvtier keeps its own files: the one root under which the caches live.
+
+A neutral low module: ``kernels.model`` (the default model, the weights
+memo) and ``kernels.native`` (the built few-row module) both need the root,
+and neither may import the other for it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["kvtier_home"]
+
+
+def kvtier_home() -> Path:
+    """Root of kvtier's caches: ``$KVTIER_HOME`` or ``~/.cache/kvtier``."""
+    env = os.environ.get("KVTIER_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvtier"
