@@ -1,11 +1,33 @@
 """In-flight generation checkpoints (docs/cold-tier.md, "Generation checkpoints").
 
 ``key``: the request key that decides which later request may resume a
-checkpoint, and which requests are not checkpointed in v1.
+checkpoint, and which requests are not checkpointed in v1. ``store``: the
+checkpoint files (write the newest durably before removing the previous,
+find the newest valid one, invalidate).
 """
 
 from __future__ import annotations
 
 from .key import KEY_VERSION, checkpoint_refusal, request_key
+from .store import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_SUFFIX,
+    FoundCheckpoint,
+    checkpoint_dir,
+    find_checkpoint,
+    remove_checkpoints,
+    write_checkpoint,
+)
 
-__all__ = ["KEY_VERSION", "checkpoint_refusal", "request_key"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CHECKPOINT_SUFFIX",
+    "KEY_VERSION",
+    "FoundCheckpoint",
+    "checkpoint_dir",
+    "checkpoint_refusal",
+    "find_checkpoint",
+    "remove_checkpoints",
+    "request_key",
+    "write_checkpoint",
+]
