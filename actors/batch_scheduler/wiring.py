@@ -9,10 +9,12 @@ from the engine's ``Parts``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from actors.engine_thread import Executor
+from actors.engine_thread.memory_guard import MemoryGuard
 from kernels import CacheRegistry, KvScheme
 from kernels.engine import blas_tune_enabled, model_batch_gate
 
@@ -20,13 +22,51 @@ from .actor import BatchScheduler
 from .engine import BatchEngine, RestorePort
 
 if TYPE_CHECKING:
-    from actors.engine.wiring import Parts
+    from actors.engine.config import EngineConfig
 
-__all__ = ["BATCH_ADDRESS", "batch_factory", "batch_refusal"]
+__all__ = ["BATCH_ADDRESS", "Parts", "batch_factory", "batch_refusal"]
 
 BATCH_ADDRESS = "batch"
 
 _log = structlog.get_logger("kvtier.batch")
+
+
+class Parts(Protocol):
+    """What the batch lane is built from: the engine wiring's ``Parts`` has each of these.
+
+    NOTE: a protocol, so this package does not import the engine's wiring
+    (which imports it).
+    """
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings."""
+        ...
+
+    @property
+    def backend(self) -> object:
+        """The serial lane's backend (the batch lane serves only ``MlxBackend``)."""
+        ...
+
+    @property
+    def executor(self) -> Executor:
+        """The engine thread."""
+        ...
+
+    @property
+    def cold(self) -> object | None:
+        """The cold tier (``None``: none)."""
+        ...
+
+    @property
+    def memory_guard(self) -> MemoryGuard | None:
+        """The in-turn memory checks (``None``: none)."""
+        ...
+
+    @property
+    def after_step(self) -> Callable[[], object] | None:
+        """Runs on the engine thread after every batch step."""
+        ...
 
 
 def _backend_parts(
