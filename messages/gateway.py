@@ -30,6 +30,7 @@ __all__ = [
     "Generate",
     "GenerationEvent",
     "GenerationParams",
+    "PromptLogprobs",
     "RequestTurnReport",
     "RunTurn",
     "RunWhenIdle",
@@ -67,7 +68,10 @@ class GenerationParams(_Data):
     ``stop`` strings are matched on the detokenized text and never emitted;
     ``stop_token_ids`` end the generation like EOS; ``logprobs`` fills
     ``TokenEvent.logprob``; ``top_logprobs`` (0..20) fills
-    ``TokenEvent.top_logprobs`` with that many most likely tokens. ``grammar``
+    ``TokenEvent.top_logprobs`` with that many most likely tokens;
+    ``prompt_logprobs`` (vLLM's field; ``None``: off) scores the prompt: the
+    first ``TokenEvent`` carries every prompt token's logprob and that many
+    alternatives (``PromptLogprobs``). ``grammar``
     constrains decoding to a language (an llguidance grammar, made by
     ``kernels.engine.json_schema_grammar`` or ``tool_call_grammar``; ``None``:
     unconstrained).
@@ -100,6 +104,7 @@ class GenerationParams(_Data):
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     grammar: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX_CHARS)
     cache_scope: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX_CHARS)
@@ -222,6 +227,33 @@ class ShutdownStarted(Body):
 # --- gateway -> requester (the stream) -------------------------------------
 
 
+class PromptLogprobs(_Data):
+    """Log-probabilities of the prompt's tokens under the model (``GenerationParams.prompt_logprobs``).
+
+    ``token_ids``: the whole prompt. ``logprobs[i]`` belongs to
+    ``token_ids[i + 1]`` (the first token has no context, so none), from the
+    model's raw log-softmax at the position before it (no penalties, bias or
+    grammar). ``top_ids``/``top_logprobs``: ``top`` alternatives per scored
+    token, flattened row after row, most likely first (ties by id). Flat
+    tuples keep a long prompt's scores compact and cheap to validate.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top: int = Field(default=0, ge=0, le=20)
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    @model_validator(mode="after")
+    def _shapes(self) -> PromptLogprobs:
+        scored = max(len(self.token_ids) - 1, 0)
+        if len(self.logprobs) != scored:
+            raise ValueError(f"{scored} prompt tokens are scored, got {len(self.logprobs)} logprobs")
+        if len(self.top_ids) != scored * self.top or len(self.top_logprobs) != scored * self.top:
+            raise ValueError(f"top_ids and top_logprobs need {scored} x {self.top} entries")
+        return self
+
+
 class TokenEvent(Body):
     """One generated token and the text it completed (``text`` may be empty mid-codepoint)."""
 
@@ -234,6 +266,8 @@ class TokenEvent(Body):
     top_logprobs: tuple[tuple[int, float], ...] = ()
     """``(token_id, logprob)`` of the most likely tokens at this step, most likely first
     (``GenerationParams.top_logprobs`` of them; empty when none were asked)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's scores, on the first token's event when ``GenerationParams.prompt_logprobs`` is set."""
 
 
 class DoneEvent(Body):

@@ -272,7 +272,8 @@ class MlxBackend:
         out = gen.decode_step()
         return StepResult(
             phase="decode",
-            token=StepToken(out.token_id, out.text, out.logprob, out.top_logprobs),
+            token=StepToken(out.token_id, out.text, out.logprob, out.top_logprobs,
+                            out.prompt_logprobs),
             finish_reason=out.finish_reason,
         )
 

@@ -44,6 +44,7 @@ from actors.engine_thread.memory_guard import (
     Refuse,
     Relieve,
     decide,
+    prompt_scoring_bytes,
     stated_margin,
 )
 from actors.errors import (
@@ -336,7 +337,8 @@ class GenerationStream(_StartClose):
             await anyio.to_thread.run_sync(engine._prepare_grammar, self._params.grammar)
         self._prompt_tokens = len(tokens)
         engine._check_open()
-        await engine._make_room(len(tokens), self._params.max_tokens)
+        await engine._make_room(len(tokens), self._params.max_tokens,
+                                self._params.prompt_logprobs)
         system = engine._require_system()
         inbox = system.open_inbox(engine._stream_buffer, prefix=f"stream-{self.request_id}-")
         request = Generate(
@@ -872,8 +874,11 @@ class Engine(_StartClose):
             failed=None if after is None or before is None else after.failed - before.failed,
         )
 
-    async def _make_room(self, prompt_tokens: int, max_tokens: int) -> None:
+    async def _make_room(self, prompt_tokens: int, max_tokens: int,
+                         scoring: int | None = None) -> None:
         """The memory guard before admission: fit, or persist and drop LRU RAM entries, or refuse.
+
+        ``scoring``: the request's ``prompt_logprobs`` (its scores count too).
 
         Raises ``MemoryPressure`` when the request cannot fit and nothing
         more can be reclaimed. One relief at a time (a lock), each bounded
@@ -883,6 +888,7 @@ class Engine(_StartClose):
         if guard is None:
             return
         demand = guard.footprint.at_prefill(prompt_tokens, max_tokens)
+        demand += prompt_scoring_bytes(prompt_tokens, scoring)
         verdict = decide(active=guard.gauge.active_bytes, demand=demand, budget=guard.budget,
                          reclaimable=0)
         if not isinstance(verdict, Relieve | Refuse):
@@ -1462,6 +1468,17 @@ class Engine(_StartClose):
                 raise InvalidRequest(
                     f"top_k {params.top_k} is larger than the vocabulary ({vocab} tokens)"
                 )
+        if params.prompt_logprobs is not None:
+            from kernels.engine import MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
+
+            entries = prompt_logprob_entries(len(tokens), params.prompt_logprobs)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                # NOTE: bounds what scoring a prompt holds in memory (kernels.engine).
+                raise InvalidRequest(
+                    f"scoring this prompt would report {entries} log-probabilities "
+                    f"({len(tokens)} tokens x {1 + params.prompt_logprobs}); at most "
+                    f"{MAX_PROMPT_LOGPROB_ENTRIES} are allowed: shorten the prompt or ask "
+                    "for fewer alternatives")
         cap = self._max_prompt_tokens
         if cap is not None and len(tokens) > cap:
             raise ContextTooLong(len(tokens), cap, limit_name="max_prompt_tokens")

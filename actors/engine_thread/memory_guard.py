@@ -53,12 +53,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from actors.errors import MemoryPressure
+from kernels.engine import SCORE_ELEMENTS, prompt_logprob_entries
 from messages.gateway import Generate
 
 __all__ = [
     "DECODE_CHECK_EVERY",
     "HOST_SLACK_BYTES",
     "KV_STEP",
+    "PROMPT_SCORE_BYTES",
     "Fits",
     "Footprint",
     "MemoryGauge",
@@ -67,6 +69,7 @@ __all__ = [
     "Relieve",
     "Verdict",
     "decide",
+    "prompt_scoring_bytes",
     "stated_margin",
 ]
 
@@ -81,6 +84,19 @@ HOST_SLACK_BYTES = 32 * 1024**2
 and the footprint estimate's error (measured: docs/operations.md)."""
 
 _GIB = 1024**3
+
+PROMPT_SCORE_BYTES = 160
+"""Host bytes per reported prompt score (``prompt_logprobs``): the float and id in the
+event, their spelling and JSON in the answer (an upper estimate)."""
+
+
+def prompt_scoring_bytes(prompt_tokens: int, top: int | None) -> int:
+    """What scoring a prompt adds (``None``: not scored): one scoring forward's
+    logits, their float32 copy and log-softmax (at most ``SCORE_ELEMENTS`` each,
+    ``kernels.engine.score_rows``), and the reported scores on the host."""
+    if top is None:
+        return 0
+    return 3 * 4 * SCORE_ELEMENTS + prompt_logprob_entries(prompt_tokens, top) * PROMPT_SCORE_BYTES
 
 
 def stated_margin(mlx_cache_limit_bytes: int) -> int:
@@ -256,6 +272,7 @@ class MemoryGuard:
         del cached_tokens
         prompt = len(request.prompt_tokens)
         demand = self.footprint.at_prefill(prompt, request.params.max_tokens)
+        demand += prompt_scoring_bytes(prompt, request.params.prompt_logprobs)
         self._check(demand)
 
     def during_decode(self, request: Generate, tokens_now: int) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
-from messages.gateway import Generate
+from messages.gateway import Generate, PromptLogprobs
 from messages.prompt_cache import EntryMeta
 
 __all__ = ["Backend", "Executor", "InlineExecutor", "Registered", "StepResult", "StepToken"]
@@ -49,12 +49,16 @@ class InlineExecutor:
 
 @dataclass(frozen=True, slots=True)
 class StepToken:
-    """One generated token and the text it released (log-probabilities when asked)."""
+    """One generated token and the text it released (log-probabilities when asked).
+
+    ``prompt_logprobs``: the prompt's scores, with the first token, when asked.
+    """
 
     token_id: int
     text: str
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

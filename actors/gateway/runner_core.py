@@ -420,7 +420,10 @@ def _granted(state: RunnerState, ev: TurnGranted, out: list[Effect]) -> None:
     opening: Opening | None = None
     if not live.opened:
         live.opened = True
-        opening = Opening(live.request, live.handle, live.lookup_tokens, live.staging_id)
+        # NOTE: a request that scores its prompt forwards all of it (a cached
+        # prefix has no logits); its lease is released as after any opening.
+        opening = (Opening(live.request) if live.request.params.prompt_logprobs is not None
+                   else Opening(live.request, live.handle, live.lookup_tokens, live.staging_id))
     state.queued.append(
         StepJob(rid, body.max_steps, live.correlation_id, live.request.namespace, opening)
     )
@@ -474,6 +477,7 @@ def _step_done(state: RunnerState, ev: StepDone, out: list[Effect]) -> None:
         text=token.text,
         logprob=token.logprob,
         top_logprobs=token.top_logprobs,
+        prompt_logprobs=token.prompt_logprobs,
     )
     live.emitted += 1
     turn.delivering = result

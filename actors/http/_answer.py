@@ -26,12 +26,14 @@ Rules:
 
 from __future__ import annotations
 
+import codecs
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kernels.engine import ToolCallSplitter, ToolFormat, ToolSegment, parse_tool_call
-from messages.gateway import DoneEvent, TokenEvent
+from messages.gateway import DoneEvent, PromptLogprobs, TokenEvent, Usage
 
 from ._schemas import (
     CompletionLogprobs,
@@ -46,6 +48,7 @@ __all__ = [
     "ChatPiece",
     "CompletionAnswer",
     "CompletionPiece",
+    "Echo",
     "LogprobOptions",
     "TokenSpeller",
     "ToolParsing",
@@ -117,12 +120,14 @@ class _Logprobs:
     options: LogprobOptions
     ready: list[TokenEvent] = field(default_factory=list)
     held: TokenEvent | None = None
+    keep_stop: bool = False
+    """Report a final stop token too (``echo``: every token the model produced is scored)."""
 
     def add(self, event: TokenEvent) -> None:
         if self.held is not None:
             self.ready.append(self.held)
             self.held = None
-        if event.token_id in self.options.spell.eos_token_ids:
+        if not self.keep_stop and event.token_id in self.options.spell.eos_token_ids:
             self.held = event
         else:
             self.ready.append(event)
@@ -273,59 +278,154 @@ class CompletionPiece:
     logprobs: CompletionLogprobs | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """``echo: true``: the prompt (its text, or its token ids spelled by ``spell``) comes first."""
+
+    prompt: str | Sequence[int]
+    spell: TokenSpeller
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One reported token of a text completion, in OpenAI's legacy columns."""
+
+    token: str
+    logprob: float | None
+    top: dict[str, float] | None
+    offset: int
+
+
+def _spelled_text(spell: TokenSpeller, token_ids: Sequence[int]) -> str:
+    return b"".join(spell(token_ids)).decode("utf-8", errors="replace")
+
+
 class CompletionAnswer:
     """One text completion's answer: text and OpenAI's legacy logprobs (``tokens``,
-    ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``).
 
-    def __init__(self, *, logprobs: LogprobOptions | None = None) -> None:
-        self._logprobs = _Logprobs(logprobs) if logprobs is not None else None
+    With ``echo`` the first chunk starts with the prompt's text (the prompt
+    string as sent; a prompt of token ids, spelled); with logprobs too, the
+    prompt's tokens come first in every column, scored by the engine
+    (``TokenEvent.prompt_logprobs``): the first with ``null``s, each offset
+    the character where the token's bytes start in the prompt's spelling;
+    and a stop token that ended the generation is reported (its text is
+    none), so the entries are exactly the prompt's and the generated tokens.
+    ``scores_only`` (``max_tokens: 0``): the one token the engine generates
+    is not part of the answer (no text, no logprobs, ``completion_tokens``
+    0, ``finish_reason`` ``length``).
+    """
+
+    def __init__(self, *, logprobs: LogprobOptions | None = None, echo: Echo | None = None,
+                 scores_only: bool = False) -> None:
+        self._options = logprobs
+        # NOTE: with echo a final stop token is reported too: an evaluation
+        # harness drops the last entry as the generated one (lm-eval's
+        # local-completions reads token_logprobs[ctxlen:-1]).
+        self._logprobs = (_Logprobs(logprobs, keep_stop=echo is not None)
+                          if logprobs is not None else None)
+        self._echo = echo
+        self._scores_only = scores_only
         self._text: list[str] = []
         self._chars = 0
         self._offsets: dict[int, int] = {}
-        self._all = CompletionLogprobs(tokens=[], token_logprobs=[],
-                                       top_logprobs=[] if logprobs and logprobs.top else None,
-                                       text_offset=[])
+        self._rows: list[_Row] = []
         self.finish_reason: str | None = None
 
     def feed(self, event: TokenEvent) -> CompletionPiece | None:
         """The chunk this token releases, or ``None`` when it releases no text yet."""
-        self._offsets[event.index] = self._chars
-        self._chars += len(event.text)
-        self._text.append(event.text)
-        if self._logprobs is not None:
-            self._logprobs.add(event)
-        if not event.text:
+        echoed = self._echo_prompt(event)
+        if not self._scores_only:
+            self._offsets[event.index] = self._chars
+            self._chars += len(event.text)
+            self._text.append(event.text)
+            if self._logprobs is not None:
+                self._logprobs.add(event)
+        text = echoed + ("" if self._scores_only else event.text)
+        if not text:
             return None
-        return CompletionPiece(text=event.text, logprobs=self._take())
+        return CompletionPiece(text=text, logprobs=self._take())
 
     def finish(self, done: DoneEvent) -> CompletionPiece | None:
-        """A last chunk with logprobs still unsent, or ``None``."""
-        self.finish_reason = finish_reason(done)
-        if self._logprobs is None:
-            return None
-        self._logprobs.end()
+        """A last chunk with text or logprobs still unsent, or ``None``."""
+        self.finish_reason = "length" if self._scores_only else finish_reason(done)
+        # NOTE: a stream that ended before its first token still echoes the prompt.
+        echoed = self._echo_prompt(None)
+        if self._logprobs is not None:
+            self._logprobs.end()
         rest = self._take()
-        return CompletionPiece(logprobs=rest) if rest is not None else None
+        if not echoed and rest is None:
+            return None
+        return CompletionPiece(text=echoed, logprobs=rest)
+
+    def usage(self, usage: Usage) -> Usage:
+        """The usage to report: no completion tokens when the prompt was only scored."""
+        return usage.model_copy(update={"completion_tokens": 0}) if self._scores_only else usage
+
+    def _echo_prompt(self, event: TokenEvent | None) -> str:
+        """The prompt's text the first time (its scored rows queued), else ``""``."""
+        echo, self._echo = self._echo, None
+        if echo is None:
+            return ""
+        prompt = echo.prompt
+        text = prompt if isinstance(prompt, str) else _spelled_text(echo.spell, prompt)
+        scores = event.prompt_logprobs if event is not None else None
+        if self._options is not None and scores is not None:
+            self._rows.extend(self._prompt_rows(scores, self._options, text))
+        self._chars += len(text)
+        self._text.append(text)
+        return text
+
+    @staticmethod
+    def _prompt_rows(scores: PromptLogprobs, options: LogprobOptions, text: str) -> list[_Row]:
+        top = min(scores.top, options.top)
+        ids = list(scores.token_ids)
+        distinct = list(dict.fromkeys([*ids, *scores.top_ids]))
+        raw = dict(zip(distinct, options.spell(distinct), strict=True))
+        # NOTE: offsets index the echoed text; a prompt string the tokenizer
+        # put a BOS before spells longer than it: those tokens sit at 0.
+        spelled = b"".join(raw[t] for t in ids).decode("utf-8", errors="replace")
+        offset = len(text) - len(spelled) if spelled.endswith(text) else 0
+        # NOTE: an incremental decoder gives each token the character its
+        # first byte starts (a token inside a multi-byte character shares it).
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        rows: list[_Row] = []
+        for i, token_id in enumerate(ids):
+            chunk = raw[token_id]
+            if i == 0:
+                rows.append(_Row(_token_text(chunk), None, None, max(offset, 0)))
+            else:
+                start = (i - 1) * scores.top
+                alternatives = {
+                    _token_text(raw[t]): _number(v)
+                    for t, v in zip(scores.top_ids[start:start + top],
+                                    scores.top_logprobs[start:start + top], strict=True)
+                } if options.top else None
+                rows.append(_Row(_token_text(chunk), _number(scores.logprobs[i - 1]), alternatives,
+                                 max(offset, 0)))
+            offset += len(decoder.decode(chunk))
+        return rows
 
     def _take(self) -> CompletionLogprobs | None:
-        if self._logprobs is None:
+        if self._logprobs is None or self._options is None:
             return None
+        options = self._options
         events = self._logprobs.take()
-        if not events:
+        if events:
+            ids = [e.token_id for e in events]
+            for e in events:
+                ids.extend(t for t, _ in e.top_logprobs)
+            raw = dict(zip(ids, options.spell(ids), strict=True))
+            self._rows.extend(_Row(
+                token=_token_text(raw[e.token_id]),
+                logprob=_number(e.logprob if e.logprob is not None else float("nan")),
+                top={_token_text(raw[t]): _number(lp) for t, lp in e.top_logprobs[:options.top]}
+                if options.top else None,
+                offset=self._offsets[e.index]) for e in events)
+        rows, self._rows = self._rows, []
+        if not rows:
             return None
-        options = self._logprobs.options
-        ids = [e.token_id for e in events]
-        for e in events:
-            ids.extend(t for t, _ in e.top_logprobs)
-        raw = dict(zip(ids, options.spell(ids), strict=True))
-        part = CompletionLogprobs(
-            tokens=[_token_text(raw[e.token_id]) for e in events],
-            token_logprobs=[_number(e.logprob if e.logprob is not None else float("nan"))
-                            for e in events],
-            top_logprobs=[{_token_text(raw[t]): _number(lp) for t, lp in e.top_logprobs[:options.top]}
-                          for e in events] if options.top else None,
-            text_offset=[self._offsets[e.index] for e in events],
-        )
+        part = _columns(rows, top=bool(options.top))
         self._all.tokens.extend(part.tokens)
         self._all.token_logprobs.extend(part.token_logprobs)
         if part.top_logprobs is not None and self._all.top_logprobs is not None:
@@ -333,12 +433,27 @@ class CompletionAnswer:
         self._all.text_offset.extend(part.text_offset)
         return part
 
+    @functools.cached_property
+    def _all(self) -> CompletionLogprobs:
+        top = self._options is not None and bool(self._options.top)
+        return CompletionLogprobs(tokens=[], token_logprobs=[],
+                                  top_logprobs=[] if top else None, text_offset=[])
+
     @property
     def text(self) -> str:
-        """The whole text."""
+        """The whole text (the echoed prompt first)."""
         return "".join(self._text)
 
     @property
     def logprobs(self) -> CompletionLogprobs | None:
         """Every reported token's logprobs (``None`` when none were asked)."""
         return self._all if self._logprobs is not None else None
+
+
+def _columns(rows: Sequence[_Row], *, top: bool) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=[r.token for r in rows],
+        token_logprobs=[r.logprob for r in rows],
+        top_logprobs=[r.top for r in rows] if top else None,
+        text_offset=[r.offset for r in rows],
+    )

@@ -29,7 +29,14 @@ from messages.gateway import DoneEvent, GenerationParams, TokenEvent
 
 from ._access import parse_networks
 from ._admin import install_admin
-from ._answer import ChatAnswer, ChatPiece, CompletionAnswer, CompletionPiece, LogprobOptions
+from ._answer import (
+    ChatAnswer,
+    ChatPiece,
+    CompletionAnswer,
+    CompletionPiece,
+    Echo,
+    LogprobOptions,
+)
 from ._convert import (
     chat_chunk,
     chat_messages,
@@ -383,7 +390,9 @@ def create_app(
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed (SSE) or not."""
         body, rid, model, params = await _accept(request, CompletionRequest, "cmpl")
-        answer = CompletionAnswer(logprobs=_logprob_options(params))
+        echo = Echo(body.prompt_value(), engine.token_bytes) if body.echo else None
+        answer = CompletionAnswer(logprobs=_logprob_options(params), echo=echo,
+                                  scores_only=body.scores_only)
         stream = engine.generate(body.prompt_value(), params, request_id=rid,
                                  fit_context=body.requested_max_tokens() is None)
         return await _respond(stream, body, request, rid, model, answer)
@@ -534,8 +543,9 @@ def create_app(
                          else completion_chunk(rid, ts, model, finish=answer.finish_reason))
                 yield sse_json(final)
                 if include_usage:
-                    tail = (chat_chunk(rid, ts, model, usage=event.usage) if chat
-                            else completion_chunk(rid, ts, model, usage=event.usage))
+                    tail = (chat_chunk(rid, ts, model, usage=event.usage)
+                            if isinstance(answer, ChatAnswer)
+                            else completion_chunk(rid, ts, model, usage=answer.usage(event.usage)))
                     yield sse_json(tail)
             finished = True
             yield DONE

@@ -132,6 +132,10 @@ def to_params(body: _SamplingFields, defaults: Defaults,
     ) else "max_tokens"
     if max_tokens is None:
         max_tokens = defaults.max_tokens
+    elif max_tokens == 0:
+        # NOTE: echo with max_tokens 0 only scores the prompt; the engine
+        # generates one token, which the answer leaves out (CompletionAnswer).
+        max_tokens = 1
     elif max_tokens > defaults.max_tokens_limit:
         raise ApiError(
             400,
@@ -166,6 +170,9 @@ def to_params(body: _SamplingFields, defaults: Defaults,
         # NOTE: the legacy API's `logprobs: n` asks for the chosen token's and n alternatives.
         fields["logprobs"] = body.logprobs is not None
         fields["top_logprobs"] = body.logprobs or 0
+        if body.echo and body.logprobs is not None:
+            # NOTE: the prompt's tokens are reported too: the engine scores them.
+            fields["prompt_logprobs"] = body.logprobs
     try:
         return GenerationParams(**fields)
     except ValidationError as exc:
@@ -382,7 +389,7 @@ def completion_response(rid: str, created: int, model: str, answer: CompletionAn
         id=rid, created=created, model=model,
         choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason,
                                   logprobs=answer.logprobs)],
-        usage=usage_body(done.usage),
+        usage=usage_body(answer.usage(done.usage)),
     )
 
 

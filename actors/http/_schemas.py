@@ -4,7 +4,7 @@ Requests reject unknown fields (OpenAI answers "Unrecognized request
 argument" with a 400) and validate strictly: ``"max_tokens": "10"``,
 ``"max_tokens": true`` or ``"stream": "yes"`` are 400s, as OpenAI answers,
 never coerced; ``NaN``/``Infinity`` are refused for every number. Parameters OpenAI defines but kvtier does not
-implement are accepted only at their neutral value (``n=1``, ``echo=false``,
+implement are accepted only at their neutral value (``n=1``, ``best_of=1``,
 ``suffix=null``...), so a client that sends the default works and a client
 that relies on the feature gets a clear 400 instead of a silently different
 answer.
@@ -338,11 +338,18 @@ _TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions`` (one prompt: a string or a list of token ids)."""
+    """``POST /v1/completions`` (one prompt: a string or a list of token ids).
+
+    ``echo: true`` puts the prompt before the completion; with ``logprobs``
+    the prompt's tokens are scored too (the first one has no logprob, as
+    OpenAI reported it), and ``max_tokens: 0`` scores without generating
+    (what evaluation harnesses send for log-likelihoods).
+    """
 
     prompt: str | _TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
         | Annotated[list[_TokenIds], Field(min_length=1, max_length=1)]
-    echo: Literal[False] = False
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False
     best_of: Literal[1] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: None = None
@@ -351,7 +358,14 @@ class CompletionRequest(_SamplingFields):
     def _non_empty(self) -> CompletionRequest:
         if isinstance(self.prompt, str) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 only scores the prompt, which needs echo: true")
         return self
+
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt is scored, nothing is generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompt_value(self) -> str | list[int]:
         """The single prompt, unwrapped from the one-element batch forms."""
@@ -510,11 +524,15 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """``choices[].logprobs`` of a text completion (OpenAI's legacy shape)."""
+    """``choices[].logprobs`` of a text completion (OpenAI's legacy shape).
+
+    With ``echo`` the prompt's tokens come first; the very first has
+    ``null`` for its logprob and its alternatives (nothing precedes it).
+    """
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -71,7 +71,12 @@ from ._greedy import (
     start_generation,
 )
 from ._logprobs import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    SCORE_ELEMENTS,
+    PromptScorer,
     TokenBytes,
+    prompt_logprob_entries,
+    score_rows,
     top_logprobs,
 )
 from ._sampling import (
@@ -120,6 +125,8 @@ __all__ = [
     "CHILD_STACK_BYTES",
     "COMPILE_STACK_BYTES",
     "IDLE_PREFILL_ROWS",
+    "MAX_PROMPT_LOGPROB_ENTRIES",
+    "SCORE_ELEMENTS",
     "BatchFull",
     "BatchGate",
     "BatchGeneration",
@@ -142,6 +149,7 @@ __all__ = [
     "LayerKind",
     "OpenBlas",
     "ParsedToolCall",
+    "PromptScorer",
     "RowExit",
     "RowExitReason",
     "RowSnapshot",
@@ -181,10 +189,12 @@ __all__ = [
     "parse_tool_call",
     "prepare_grammar",
     "probe_snapshot_boundary",
+    "prompt_logprob_entries",
     "render_chat",
     "require_engine_thread",
     "run_generation",
     "run_with_stack",
+    "score_rows",
     "start_generation",
     "strict_schema",
     "tool_call_grammar",

@@ -256,13 +256,16 @@ def batch_gate(
 def batch_params_refusal(params: SamplingParams) -> str | None:
     """The request option a batch row cannot serve (it runs on the serial lane), or ``None``.
 
-    ``grammar`` (constrained decoding) and ``top_logprobs`` are implemented
-    by the serial kernel only; a batch row would silently drop them.
+    ``grammar`` (constrained decoding), ``top_logprobs`` and
+    ``prompt_logprobs`` (scoring the prompt) are implemented by the serial
+    kernel only; a batch row would silently drop them.
     """
     if params.grammar is not None:
         return "grammar"
     if params.top_logprobs > 0:
         return "top_logprobs"
+    if params.prompt_logprobs is not None:
+        return "prompt_logprobs"
     return None
 
 

@@ -26,9 +26,10 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from kernels._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
+from messages.gateway import PromptLogprobs
 
 from ._detokenize import TextStream
-from ._logprobs import top_logprobs
+from ._logprobs import PromptScorer, score_rows, top_logprobs
 from ._sampling import SamplingParams, _argmax, make_request_processors, make_request_sampler
 from ._token_cache import piece_encoder
 
@@ -64,7 +65,8 @@ class StepOutput:
     ``logprob`` is the chosen token's log-probability when requested;
     ``top_logprobs`` the ``params.top_logprobs`` most likely ``(token_id,
     logprob)`` pairs, most likely first (both from the distribution the token
-    was sampled from).
+    was sampled from). ``prompt_logprobs``: the prompt's scores, on the first
+    step only, when ``params.prompt_logprobs`` is set.
     """
 
     token_id: int
@@ -72,6 +74,7 @@ class StepOutput:
     finish_reason: KernelFinishReason | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Generation:
@@ -86,6 +89,11 @@ class Generation:
 
     ``prefill_step_size`` bounds each prefill chunk (one engine turn).
     ``cache_hook`` runs after every forward, where mlx-lm quantizes the KV.
+
+    ``params.prompt_logprobs`` scores the prompt from the prefill's own
+    forwards (:class:`PromptScorer`); a reused prefix has no logits, so such
+    a generation takes no cache (``cached_tokens`` must be 0) and its chunks
+    are cut to :func:`score_rows` rows.
     """
 
     def __init__(
@@ -111,6 +119,9 @@ class Generation:
                 f"cached_tokens={cached_tokens} must leave at least one of the "
                 f"{len(prompt)} prompt tokens to forward"
             )
+        if params.prompt_logprobs is not None and cached_tokens != 0:
+            raise InvalidPrompt("scoring the prompt (prompt_logprobs) needs the whole prompt "
+                                f"forwarded; got cached_tokens={cached_tokens}")
         if cache is not None:
             _check_cache_offset(cache, cached_tokens)
         self._model = model
@@ -118,6 +129,10 @@ class Generation:
         self._prompt = [int(t) for t in prompt]
         self._cached = cached_tokens
         self._step_size = prefill_step_size
+        self._scorer: PromptScorer | None = None
+        if params.prompt_logprobs is not None:
+            self._scorer = PromptScorer(self._prompt, params.prompt_logprobs)
+            self._step_size = min(prefill_step_size, score_rows(_vocab_size(model, tokenizer)))
         self._hook = cache_hook
         self._cache: list[Any] = cache if cache is not None else make_prompt_cache(model)
         # NOTE: the token ids whose KV the live cache holds, in order; the
@@ -214,10 +229,14 @@ class Generation:
             n = min(self._step_size, remaining - 1, limit if limit is not None else remaining)
             chunk = self._prompt[self._cursor : self._cursor + n]
             with mx.stream(generation_stream):
-                self._model(mx.array(chunk)[None], cache=self._cache)
+                logits = self._model(mx.array(chunk)[None], cache=self._cache)
                 if self._hook is not None:
                     self._hook(self._cache)
                 mx.eval([c.state for c in self._cache])
+                if self._scorer is not None:
+                    # NOTE: only a scoring request evaluates a prefill's logits.
+                    self._scorer.add(logits[0], self._cursor)
+                del logits
             self._cache_tokens.extend(chunk)
             self._cursor += n
             mx.clear_cache()
@@ -254,6 +273,10 @@ class Generation:
             token = int(y.item())  # type: ignore[arg-type]
         if not last_by_length:
             self._cache_tokens.append(token)
+        scores: PromptLogprobs | None = None
+        if n == 0 and self._scorer is not None:
+            scores = self._scorer.result()
+            self._scorer = None
         logprob: float | None = None
         if self._params.logprobs:
             logprob = float(logprobs[token].item())  # type: ignore[arg-type]
@@ -279,7 +302,7 @@ class Generation:
             # cache, which ``cache_tokens`` records; only the arrays are dropped.
             self._next = None
         return StepOutput(token_id=token, text=text, finish_reason=finish, logprob=logprob,
-                          top_logprobs=top)
+                          top_logprobs=top, prompt_logprobs=scores)
 
     def _forward(self, tokens: mx.array, *, first: bool) -> tuple[mx.array, mx.array]:
         """mlx-lm's ``_step``: forward, penalties, hook, log-softmax, sample."""
@@ -298,6 +321,14 @@ class Generation:
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         sampled = self._sampler(logprobs)
         return sampled, logprobs.squeeze(0)
+
+
+def _vocab_size(model: Any, tokenizer: Any) -> int:
+    """The model's vocabulary size (its output rows): the model's args, else the tokenizer's."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    return len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 1 << 17
 
 
 def _check_cache_offset(cache: list[Any], cached_tokens: int) -> None:

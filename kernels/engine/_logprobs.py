@@ -1,10 +1,12 @@
-"""Log-probabilities of generated tokens: the most likely alternatives, and tokens as bytes.
+"""Log-probabilities of generated and prompt tokens: the most likely alternatives, and tokens as bytes.
 
 :func:`top_logprobs` runs on the engine thread, over the very
 log-probabilities the sampler drew from (after logit bias, penalties and a
 grammar's mask; before temperature and the top-p/k filters, as mlx-lm
-reports them). :class:`TokenBytes` is tokenizer work only (no MLX): the HTTP
-edge uses it to spell each reported token.
+reports them). :class:`PromptScorer` scores a prompt's tokens from the
+prefill's own forwards (the model's raw log-softmax, as an evaluation
+harness reads it). :class:`TokenBytes` is tokenizer work only (no MLX): the
+HTTP edge uses it to spell each reported token.
 """
 
 from __future__ import annotations
@@ -12,12 +14,49 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
 
-__all__ = ["TokenBytes", "top_logprobs"]
+from messages.gateway import PromptLogprobs
+
+__all__ = [
+    "MAX_PROMPT_LOGPROB_ENTRIES",
+    "SCORE_ELEMENTS",
+    "PromptScorer",
+    "TokenBytes",
+    "prompt_logprob_entries",
+    "score_rows",
+    "top_logprobs",
+]
+
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 16
+"""Most numbers one request's prompt scores may hold: prompt tokens x (1 + alternatives).
+
+NOTE: the scores travel to the HTTP edge and become one JSON answer; the
+bound keeps both (and the memory guard's term for them) small. Past it the
+request is refused (400) before admission.
+"""
+
+SCORE_ELEMENTS = 1 << 23
+"""Most logits one scoring forward materialises (rows x vocabulary).
+
+NOTE: a prefill forward never evaluates its logits; a scoring one does, so
+its chunk is cut to ``SCORE_ELEMENTS // vocab`` rows: the float32
+log-softmax of a chunk stays under ``4 * SCORE_ELEMENTS`` bytes whatever
+``prefill_step_size`` is.
+"""
+
+
+def prompt_logprob_entries(prompt_tokens: int, top: int) -> int:
+    """How many numbers scoring a prompt of ``prompt_tokens`` with ``top`` alternatives reports."""
+    return max(prompt_tokens, 0) * (1 + max(top, 0))
+
+
+def score_rows(vocab: int) -> int:
+    """Rows of one scoring forward for a vocabulary of ``vocab`` (at least 1)."""
+    return max(1, SCORE_ELEMENTS // max(vocab, 1))
 
 
 def top_logprobs(logprobs: mx.array, k: int) -> tuple[tuple[int, float], ...]:
@@ -38,6 +77,68 @@ def top_logprobs(logprobs: mx.array, k: int) -> tuple[tuple[int, float], ...]:
     pairs = zip(id_list, value_list, strict=True)
     ranked = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: (-p[1], p[0]))
     return tuple(ranked)
+
+
+class PromptScorer:
+    """Collects a prompt's scores chunk by chunk, from the prefill's forwards (engine thread).
+
+    :meth:`add` takes one forward's logits ``(rows, vocab)`` over prompt
+    positions ``start .. start + rows - 1``; row ``j`` scores the prompt token
+    at ``start + j + 1``. The log-softmax is float32 over the raw logits.
+    :meth:`result` is the whole prompt's :class:`PromptLogprobs` once every
+    token but the first is scored.
+    """
+
+    def __init__(self, prompt: Sequence[int], top: int) -> None:
+        self._prompt = tuple(int(t) for t in prompt)
+        self._top = top
+        self._logprobs: list[float] = []
+        self._top_ids: list[int] = []
+        self._top_values: list[float] = []
+
+    @property
+    def scored(self) -> int:
+        """Prompt tokens scored so far (the first token is never scored)."""
+        return len(self._logprobs)
+
+    def add(self, logits: mx.array, start: int) -> None:
+        """Score the prompt tokens that ``logits`` (rows from position ``start``) predict."""
+        if start != self.scored:
+            raise ValueError(f"scores must arrive in order: expected position {self.scored}, got {start}")
+        rows = int(logits.shape[0])
+        targets = self._prompt[start + 1 : start + 1 + rows]
+        if len(targets) < rows:
+            logits = logits[: len(targets)]
+        if not targets:
+            return
+        lp = logits.astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, mx.array(targets)[:, None], axis=-1)[:, 0]
+        k = min(self._top, int(lp.shape[-1]))
+        # NOTE: a vocabulary smaller than the alternatives asked for reports them all.
+        self._top = k
+        if k > 0:
+            vocab = int(lp.shape[-1])
+            # NOTE: argpartition refuses k == vocab (as in top_logprobs).
+            ids = (mx.broadcast_to(mx.arange(vocab), lp.shape) if k == vocab
+                   else mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k])
+            values = mx.take_along_axis(lp, ids, axis=-1)
+            mx.eval(chosen, ids, values)
+            id_rows = cast("list[list[int]]", ids.tolist())
+            value_rows = cast("list[list[float]]", values.tolist())
+            for id_row, value_row in zip(id_rows, value_rows, strict=True):
+                ranked = sorted(zip(id_row, value_row, strict=True), key=lambda p: (-p[1], p[0]))
+                self._top_ids.extend(int(i) for i, _ in ranked)
+                self._top_values.extend(float(v) for _, v in ranked)
+        else:
+            mx.eval(chosen)
+        self._logprobs.extend(float(v) for v in cast("list[float]", chosen.tolist()))
+
+    def result(self) -> PromptLogprobs:
+        """The prompt's scores (every token after the first must have been scored)."""
+        return PromptLogprobs(token_ids=self._prompt, logprobs=tuple(self._logprobs),
+                              top=self._top, top_ids=tuple(self._top_ids),
+                              top_logprobs=tuple(self._top_values))
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
