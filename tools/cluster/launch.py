@@ -1,0 +1,310 @@
+"""N ``kvtier serve`` replicas and a router in front of them, on one host.
+
+    python tools/cluster/launch.py --replicas 2 --port 8000 --policy cache_aware \\
+        --workdir /tmp/kvtier-cluster -- --max-batch 4
+
+starts the replicas (each on its own port, with its own SSD directory
+``WORKDIR/kv-I`` and its own ``--kv-events`` PUB and replay ports; the
+model directory is shared), waits until each answers ``/health``, then
+starts the router on ``--port`` and prints its URL. ``--policy`` is an
+``sglang-router`` policy (``cache_aware``, ``round_robin``, ...; the
+router is ``python -m sglang_router.launch_router``) or ``events``, the
+minimal event-driven router of ``tools/cluster/event_router.py``
+(subscribes to every replica's KV events). Arguments after ``--`` go to
+every ``kvtier serve``. SIGINT or SIGTERM stops the router, then every
+replica with SIGTERM (each flushes its RAM tier to its SSD directory), and
+the exit status is non-zero when a replica did not exit cleanly.
+
+Across hosts, run ``kvtier serve`` on each host and the router on one
+(docs/scale-out.md); this script is the single-host form, and the
+:class:`Cluster` class is what the tests and ``tools/bench/cluster.py`` use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+__all__ = ["SGLANG_POLICIES", "Cluster", "Replica", "Router", "free_port", "main"]
+
+REPO = Path(__file__).resolve().parents[2]
+_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+_READY = re.compile(r"kvtier: ready at (http://\S+)/v1")
+SGLANG_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+"""``sglang-router`` policies this launcher passes through (``events`` is ours)."""
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    if "LD_PRELOAD" not in env and os.path.exists(_OPENBLAS):
+        env["LD_PRELOAD"] = _OPENBLAS  # NOTE: 20x faster CPU matmuls; optional.
+    return env
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """SIGTERM, wait ``timeout``, SIGKILL as a last resort; the exit status (None: killed)."""
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+        return None
+
+
+@dataclass
+class Replica:
+    """One ``kvtier serve`` child: its URL, KV-event endpoints and output files."""
+
+    index: int
+    workdir: Path
+    kv_events: str
+    """The PUB endpoint (``tcp://127.0.0.1:PORT``)."""
+    kv_replay: str
+    """The replay ROUTER endpoint."""
+    proc: subprocess.Popen[bytes]
+    url: str = ""
+
+    @classmethod
+    def start(cls, index: int, workdir: Path, serve_args: Sequence[str], *,
+              host: str = "127.0.0.1", port: int = 0, events: bool = True) -> Replica:
+        """Start replica ``index`` (output to ``workdir/replica-I.*``); :meth:`wait_ready` next."""
+        pub = f"tcp://127.0.0.1:{free_port()}" if events else "off"
+        replay = f"tcp://127.0.0.1:{free_port()}" if events else "off"
+        args = list(serve_args)
+        if "--ssd-cache" not in args:
+            # NOTE: an SSD directory is locked by one server: one per replica.
+            args += ["--ssd-cache", str(workdir / f"kv-{index}")]
+        cmd = [sys.executable, "-m", "actors.cli", "serve", "--host", host, "--port", str(port),
+               "--kv-events", pub, "--kv-events-replay", replay, *args]
+        out_path = workdir / f"replica-{index}.stdout"
+        err_path = workdir / f"replica-{index}.stderr"
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=err)
+        return cls(index, workdir, pub, replay, proc)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the replica printed its URL and ``/health`` answers 200."""
+        out_path = self.workdir / f"replica-{self.index}.stdout"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = _READY.search(out_path.read_text(errors="replace"))
+            if match:
+                try:
+                    if httpx.get(f"{match.group(1)}/health", timeout=5).status_code == 200:
+                        self.url = match.group(1)
+                        return
+                except httpx.HTTPError:
+                    pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        err = (self.workdir / f"replica-{self.index}.stderr").read_text(errors="replace")
+        raise RuntimeError(f"replica {self.index} did not become ready:\n{err[-3000:]}")
+
+    def stop(self, timeout: float = 120.0) -> int | None:
+        """SIGTERM (the replica flushes its RAM tier), SIGKILL after ``timeout``; the exit status."""
+        return _stop(self.proc, timeout)
+
+
+@dataclass
+class Router:
+    """A router child process in front of the replicas: ``sglang-router`` or ``event_router``."""
+
+    policy: str
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    @classmethod
+    def start(cls, policy: str, replicas: Sequence[Replica], workdir: Path, *,
+              host: str = "127.0.0.1", port: int = 0, model: str | None = None,
+              timeout: float = 60.0) -> Router:
+        """Start the router for ``policy`` and wait until it forwards ``/v1/models``."""
+        port = port or free_port()
+        if policy == "events":
+            cmd = [sys.executable, str(REPO / "tools" / "cluster" / "event_router.py"),
+                   "--host", host, "--port", str(port)]
+            if model is not None:
+                cmd += ["--model", model]
+            for r in replicas:
+                cmd += ["--replica", f"{r.url},{r.kv_events},{r.kv_replay}"]
+        elif policy in SGLANG_POLICIES:
+            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+                   "--port", str(port), "--policy", policy, "--log-level", "warn",
+                   "--worker-urls", *[r.url for r in replicas]]
+        else:
+            raise ValueError(f"unknown policy {policy!r}")
+        name = f"router-{policy}"
+        with (workdir / f"{name}.stdout").open("wb") as out, \
+                (workdir / f"{name}.stderr").open("wb") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=err)
+        router = cls(policy, f"http://{host}:{port}", proc)
+        router._wait_ready(workdir / f"{name}.stderr", timeout)
+        return router
+
+    def _wait_ready(self, err_path: Path, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"router {self.policy} did not become ready:\n"
+                           f"{err_path.read_text(errors='replace')[-3000:]}")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, SIGKILL after ``timeout``; the exit status."""
+        return _stop(self.proc, timeout)
+
+
+@dataclass
+class Cluster:
+    """N replicas (started together, so their model loads overlap) and optionally a router.
+
+    A context manager: leaving it stops the router, then every replica.
+    ``policy=None`` starts no router (:meth:`route` starts one later; the
+    benchmark swaps routers over the same replicas).
+    """
+
+    replicas_n: int
+    workdir: Path
+    serve_args: Sequence[str] = ()
+    policy: str | None = "cache_aware"
+    host: str = "127.0.0.1"
+    router_port: int = 0
+    start_timeout: float = 300.0
+    replicas: list[Replica] = field(default_factory=list)
+    router: Router | None = None
+    exit_codes: list[int | None] = field(default_factory=list)
+
+    def start(self) -> Cluster:
+        """Start every replica, wait for all of them, then the router (if a policy is set)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.replicas = [Replica.start(i, self.workdir, self.serve_args, host=self.host)
+                             for i in range(self.replicas_n)]
+            for r in self.replicas:
+                r.wait_ready(self.start_timeout)
+            if self.policy is not None:
+                self.route(self.policy, port=self.router_port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def route(self, policy: str, *, port: int = 0) -> Router:
+        """Put a router for ``policy`` in front of the replicas (stopping the current one)."""
+        if self.router is not None:
+            self.router.stop()
+        self.router = None
+        model = _flag(self.serve_args, "--model")
+        self.router = Router.start(policy, self.replicas, self.workdir, host=self.host,
+                                   port=port, model=model)
+        return self.router
+
+    @property
+    def url(self) -> str:
+        """The router's base URL (no ``/v1``)."""
+        assert self.router is not None, "no router started"
+        return self.router.url
+
+    def stop(self) -> list[int | None]:
+        """Stop the router, then every replica (in parallel); their exit statuses."""
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        codes: list[int | None] = [None] * len(self.replicas)
+
+        def one(i: int) -> None:
+            codes[i] = self.replicas[i].stop()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(self.replicas))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.exit_codes = codes
+        return codes
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: start the cluster, print the router URL, stop on SIGINT/SIGTERM."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, serve_args = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=2, help="kvtier serve replicas (default 2)")
+    p.add_argument("--policy", default="cache_aware",
+                   choices=[*SGLANG_POLICIES, "events"], help="router policy (default cache_aware)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the router and the replicas")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
+    p.add_argument("--workdir", type=Path, default=Path("kvtier-cluster"),
+                   help="replica SSD directories and logs (default ./kvtier-cluster)")
+    args = p.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(args.replicas, args.workdir.resolve(), serve_args, args.policy,
+                      host=args.host, router_port=args.port)
+    with cluster:
+        for r in cluster.replicas:
+            print(f"replica {r.index}: {r.url} (kv events {r.kv_events}, replay {r.kv_replay})")
+        print(f"router ({args.policy}): {cluster.url}/v1", flush=True)
+        while not stop.wait(0.5):
+            dead = [r.index for r in cluster.replicas if r.proc.poll() is not None]
+            if dead or (cluster.router is not None and cluster.router.proc.poll() is not None):
+                print(f"a child exited (replicas {dead}); stopping", file=sys.stderr)
+                break
+    bad = [c for c in cluster.exit_codes if c != 0]
+    print(f"stopped; replica exit statuses {cluster.exit_codes}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
