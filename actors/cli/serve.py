@@ -85,10 +85,14 @@ def _ssd_default(args: argparse.Namespace) -> Path | None:
 def serve_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` of ``kvtier serve``'s parsed flags; raises ``ConfigError``."""
     serve_defaults: dict[str, Any] = {}
+    # NOTE: tensor parallelism has neither the SSD tier nor the batch lane
+    # yet (docs/tensor-parallel.md): their serve defaults stay off there, and
+    # only an explicit flag or variable is refused (EngineConfig).
+    tp = bool(getattr(args, "tensor_parallel", False))
     if args.ssd_cache is None:
-        serve_defaults["ssd_cache"] = _ssd_default(args)
+        serve_defaults["ssd_cache"] = None if tp else _ssd_default(args)
     if args.max_batch is None:
-        serve_defaults["max_batch"] = SERVE_MAX_BATCH
+        serve_defaults["max_batch"] = 1 if tp else SERVE_MAX_BATCH
     return config_from_flags(args, serve_defaults=serve_defaults)
 
 
@@ -136,6 +140,14 @@ def run(args: argparse.Namespace) -> int:
             return 1
     else:
         aliases = (config.model, os.path.basename(config.model.rstrip("/")))
+    if config.tensor_parallel:
+        from actors.distributed import follower_rank
+
+        # NOTE: under mlx.launch every rank runs this command; the ranks past
+        # 0 load their shard and follow rank 0 without HTTP (docs/tensor-parallel.md).
+        follower = follower_rank(config, aliases[0] if config.model is None else config.model)
+        if follower is not None:
+            return follower
     return anyio.run(_serve, config, aliases, backend="asyncio")
 
 
@@ -194,6 +206,10 @@ async def _serve(config: EngineConfig, aliases: tuple[str, ...]) -> int:
             # NOTE: not inside a CancelScope of ours: the engine's actor-system
             # task group must be the innermost scope when it exits.
             await engine.aclose()
+            if config.tensor_parallel:
+                from actors.distributed import release_followers
+
+                await release_followers()
     _log_stopped(log, engine)
     return 0
 

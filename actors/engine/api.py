@@ -613,6 +613,11 @@ class Engine(_StartClose):
                 registry,
                 None if cold is None else cold.staging,
             )
+            if cfg.tensor_parallel:
+                from actors.distributed import lead
+
+                # NOTE: every engine-thread call is mirrored to the other ranks.
+                backend = await thread.run(lead, backend, registry)
             self._memory = await self._memory_guard(thread, scheme)
             system = ActorSystem()
             await system.__aenter__()
@@ -752,6 +757,11 @@ class Engine(_StartClose):
         import kernels
 
         path = self._model_arg if self._model_arg is not None else kernels.ensure_default_model()
+        if self._config.tensor_parallel:
+            from actors.distributed import load_shard
+
+            # NOTE: every rank of the mlx.launch group loads its shard now (docs/tensor-parallel.md).
+            return load_shard(path)
         loaded = kernels.load_model(path)
         fusion = loaded.fusion
         if fusion is not None and fusion.few_row_status:

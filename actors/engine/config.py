@@ -219,6 +219,13 @@ class EngineConfig(BaseModel):
                                 "begins (SIGTERM, Engine.aclose)"),
         Setting("KVTIER_SHUTDOWN_TIMEOUT", "--shutdown-timeout", unit="s"),
     ] = 120.0
+    tensor_parallel: Annotated[
+        bool,
+        Field(description="tensor-parallel serving under mlx.launch: every rank loads its shard "
+                          "of the model, rank 0 serves HTTP and drives the other ranks; needs "
+                          "--max-batch 1 and no SSD tier (docs/tensor-parallel.md)"),
+        Setting("KVTIER_TENSOR_PARALLEL", "--tensor-parallel", metavar="on|off"),
+    ] = False
     mlx_cache_limit_bytes: Annotated[
         int | None,
         Field(ge=0, description="MLX buffer-cache bound in bytes (variable in MiB); "
@@ -476,6 +483,12 @@ class EngineConfig(BaseModel):
                              "(pass --ssd-cache off, or a non-zero --prompt-cache)")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("--kv-events-replay needs --kv-events")
+        if self.tensor_parallel and self.max_batch > 1:
+            raise ValueError("--tensor-parallel serves the serial lane only: pass --max-batch 1 "
+                             "(the batch lane is not mirrored across ranks)")
+        if self.tensor_parallel and self.ssd_cache is not None:
+            raise ValueError("--tensor-parallel has no SSD tier yet: pass --ssd-cache off "
+                             "(each rank would need its own files, docs/tensor-parallel.md)")
         return self
 
     # --- construction -----------------------------------------------------------
