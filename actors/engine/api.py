@@ -181,6 +181,7 @@ class EngineOptions(TypedDict, total=False):
     ssd_demote_idle: float
     ssd_writebehind: bool
     ssd_spill_queue_bytes: int
+    generation_checkpoint: int
     kv_events: str | None
     kv_events_replay: str | None
     kv_events_format: Literal["array", "map"]

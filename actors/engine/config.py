@@ -395,6 +395,14 @@ class EngineConfig(BaseModel):
         Setting("KVTIER_SSD_SPILL_QUEUE_GB", "--ssd-spill-queue", scope="ssd", unit="GiB",
                 scale=GIB, metavar="GB"),
     ] = 2 * GIB
+    generation_checkpoint: Annotated[
+        int,
+        Field(ge=0, description="checkpoint an answer every N emitted tokens to the SSD tier so "
+                                "that an identical request after a restart resumes it (serial "
+                                "lane; needs --ssd-cache); 0 = off"),
+        Setting("KVTIER_GENERATION_CHECKPOINT", "--generation-checkpoint", scope="ssd",
+                unit="tokens"),
+    ] = 256
 
     # --- KV events (docs/scale-out.md) -------------------------------------------
     kv_events: Annotated[
