@@ -1,0 +1,337 @@
+"""Replicas behind routers on a tool-agent trace: round-robin vs cache_aware vs KV events.
+
+    python tools/bench/cluster.py --replicas 2 --concurrency 4 --out /tmp/cluster
+
+The trace: ``--conversations`` agent conversations over one shared system
+prompt (tool descriptions, ``--system-tokens``); each turn appends a tool
+result (``--turn-tokens``) and the assistant's scripted reply, so every
+prompt is the previous one plus new tokens (a growing prefix). The
+replies are part of the trace (not the model's output), so the same trace
+replays identically under every policy. ``--concurrency`` agents run at
+once, each taking the next conversation and running its turns in order.
+
+One set of replicas (``tools/cluster/launch.py``'s :class:`Cluster`)
+serves every policy in turn, in one run: ``single`` (every request straight
+to replica 0: the single-process reference), then each router of
+``--policies``; each policy gets its own system-prompt nonce, so no policy
+finds another's prefixes cached. Per policy: TTFT p50/p99 (streamed, to the
+first content chunk), cached-token share (sum of
+``usage.prompt_tokens_details.cached_tokens`` / sum of ``prompt_tokens``),
+throughput (requests and prompt tokens per second of wall time), load
+spread (requests per replica, from each replica's ``/stats``), and the
+router's overhead on a tiny request (``GET /v1/models`` and a one-token
+chat, p50 through the router minus p50 direct). Writes ``cluster.json`` and
+``cluster.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import httpx  # noqa: E402
+
+from tools.cluster.launch import Cluster  # noqa: E402
+
+_TOOLS = ["search_docs", "read_file", "run_tests", "grep_repo", "open_ticket", "list_dir"]
+_WORDS = ["policy", "ledger", "archive", "river", "lantern", "copper", "orchard", "signal",
+          "harbor", "meadow", "quartz", "timber", "violet", "summit", "canyon", "beacon"]
+
+
+def _filler(n_words: int, seed: int) -> str:
+    return " ".join(_WORDS[(seed * 7 + i * 5 + i // 13) % len(_WORDS)] for i in range(n_words))
+
+
+def system_prompt(tokens: int, nonce: str) -> str:
+    """The shared system prompt: an agent's tool descriptions, about ``tokens`` tokens."""
+    lines = [f"Run {nonce}. You are a coding agent. Call one tool per turn. Tools:"]
+    per_tool = max(4, int(tokens / 1.3 / len(_TOOLS)))
+    lines += [f"- {t}: {_filler(per_tool, k)}." for k, t in enumerate(_TOOLS)]
+    return "\n".join(lines)
+
+
+def tool_result(conv: int, turn: int, tokens: int) -> str:
+    """The tool result a turn appends (distinct per conversation and turn)."""
+    return f"Result of step {turn} for task {conv}: " + _filler(int(tokens / 1.3), conv * 31 + turn)
+
+
+def reply(conv: int, turn: int) -> str:
+    """The scripted assistant reply of a turn (a tool call)."""
+    return f'{{"tool": "{_TOOLS[(conv + turn) % len(_TOOLS)]}", "args": {{"step": {turn + 1}}}}}'
+
+
+@dataclass
+class Sample:
+    """One request of the trace."""
+
+    policy: str
+    conv: int
+    turn: int
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    replica: int | None
+    ended: float
+
+
+async def _chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
+                max_tokens: int) -> tuple[float, float, dict[str, Any], str | None]:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{resp.status_code}: {(await resp.aread())[:300]!r}")
+        replica = resp.headers.get("x-kvtier-replica")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            obj = json.loads(line[5:])
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices") or []:
+                if first is None and (ch.get("delta") or {}).get("content"):
+                    first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    return (first if first is not None else total), total, usage, replica
+
+
+async def replay_trace(url: str, policy: str, args: argparse.Namespace) -> tuple[list[Sample], float]:
+    """Run the trace against ``url`` at ``args.concurrency``; the samples and the wall time."""
+    nonce = f"{policy}-{os.getpid()}-{time.time_ns() % 10**6}"
+    system = system_prompt(args.system_tokens, nonce)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for c in range(args.conversations):
+        queue.put_nowait(c)
+    samples: list[Sample] = []
+    t0 = time.perf_counter()
+
+    async def agent(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            conv = queue.get_nowait()
+            messages = [{"role": "system", "content": system}]
+            for turn in range(args.turns):
+                messages.append({"role": "user",
+                                 "content": tool_result(conv, turn, args.turn_tokens)})
+                ttft, total, usage, rep = await _chat(client, url, messages, args.max_tokens)
+                details = usage.get("prompt_tokens_details") or {}
+                samples.append(Sample(policy, conv, turn, ttft, total,
+                                      int(usage.get("prompt_tokens", 0)),
+                                      int(details.get("cached_tokens") or 0),
+                                      int(rep) if rep is not None else None,
+                                      time.perf_counter() - t0))
+                messages.append({"role": "assistant", "content": reply(conv, turn)})
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
+        await asyncio.gather(*(agent(client) for _ in range(args.concurrency)))
+    return samples, time.perf_counter() - t0
+
+
+def _served(url: str) -> int:
+    """Requests a replica admitted so far (serial lane + batch lane), from its /stats."""
+    eng = httpx.get(f"{url}/stats", timeout=30).json()["engine"]
+    serial = eng["gateway"]["token"]["requests"]["admitted"]
+    batch = eng.get("batch", {}).get("batch", {}).get("requests", {}).get("admitted", 0)
+    return int(serial) + int(batch)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summarize(samples: list[Sample], wall: float, spread: list[int]) -> dict[str, Any]:
+    """TTFT p50/p99, cached-token share, throughput and load spread of one policy."""
+    ttft = [s.ttft_s for s in samples]
+    prompt = sum(s.prompt_tokens for s in samples)
+    cached = sum(s.cached_tokens for s in samples)
+    mean = statistics.mean(spread) if spread else 0.0
+    return {
+        "requests": len(samples),
+        "ttft_p50_s": _pct(ttft, 0.50),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "cached_share": cached / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "wall_s": wall,
+        "requests_per_s": len(samples) / wall,
+        "prompt_tokens_per_s": prompt / wall,
+        "per_replica": spread,
+        "max_over_mean": (max(spread) / mean) if mean else None,
+    }
+
+
+def ideal_share(args: argparse.Namespace) -> float:
+    """The trace's prefix share: prompt tokens that repeat a prefix sent before / all prompt tokens.
+
+    Counted with the model's tokenizer and chat template (what kvtier prefills):
+    turn 1 repeats the shared system prompt's tokens (after the first conversation),
+    a later turn repeats the conversation's previous prompt.
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from kernels import default_model_dir, render_chat, resolve_model_path
+
+    tok = load_tokenizer(default_model_dir() if args.model is None else resolve_model_path(args.model))
+    system = system_prompt(args.system_tokens, "ideal")
+    repeated = total = 0
+    shared = 0
+    for conv in range(args.conversations):
+        messages = [{"role": "system", "content": system}]
+        prev: list[int] = []
+        for turn in range(args.turns):
+            messages.append({"role": "user", "content": tool_result(conv, turn, args.turn_tokens)})
+            ids = render_chat(tok, messages)
+            if turn == 0:
+                if conv == 0:
+                    first = ids
+                else:
+                    shared = next((i for i, (a, b) in enumerate(zip(first, ids, strict=False))
+                                   if a != b), min(len(first), len(ids)))
+                    repeated += shared
+            else:
+                same = next((i for i, (a, b) in enumerate(zip(prev, ids, strict=False)) if a != b),
+                            min(len(prev), len(ids)))
+                repeated += same
+            total += len(ids)
+            prev = ids
+            messages.append({"role": "assistant", "content": reply(conv, turn)})
+    return repeated / total
+
+
+async def _overhead(direct: str, routed: str, n: int) -> dict[str, float]:
+    """p50 latency of GET /v1/models and of a one-token chat, direct and through the router.
+
+    NOTE: direct and routed requests alternate, so a change in the machine's
+    load during the measurement hits both sides alike.
+    """
+    lat: dict[str, list[float]] = {k: [] for k in
+                                   ("models_direct", "models_router", "chat1_direct", "chat1_router")}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1, "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as client:
+        for k in range(n):
+            for name, base in (("direct", direct), ("router", routed)):
+                t = time.perf_counter()
+                (await client.get(f"{base}/v1/models")).raise_for_status()
+                lat[f"models_{name}"].append(time.perf_counter() - t)
+                if k % 10 == 0:
+                    t = time.perf_counter()
+                    (await client.post(f"{base}/v1/chat/completions", json=chat)).raise_for_status()
+                    lat[f"chat1_{name}"].append(time.perf_counter() - t)
+    out = {f"{k}_p50_ms": statistics.median(v) * 1000 for k, v in lat.items()}
+    out["models_overhead_p50_ms"] = out["models_router_p50_ms"] - out["models_direct_p50_ms"]
+    out["chat1_overhead_p50_ms"] = out["chat1_router_p50_ms"] - out["chat1_direct_p50_ms"]
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Four panels: TTFT p50/p99, cached-token share, throughput, requests per replica."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pols = list(result["policies"])
+    rows = [result["policies"][p]["summary"] for p in pols]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    x = range(len(pols))
+    ax[0][0].bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in rows], 0.4, label="p50")
+    ax[0][0].bar([i + 0.2 for i in x], [r["ttft_p99_s"] for r in rows], 0.4, label="p99")
+    ax[0][0].set_title("TTFT (s)")
+    ax[0][0].legend()
+    ax[0][1].bar(x, [r["cached_share"] for r in rows])
+    ax[0][1].axhline(result["trace"]["ideal_share"], color="k", ls="--", label="trace prefix share")
+    ax[0][1].set_title("cached-token share")
+    ax[0][1].legend()
+    ax[1][0].bar(x, [r["prompt_tokens_per_s"] for r in rows])
+    ax[1][0].set_title("throughput (prompt tokens / s)")
+    width = 0.8 / max(1, result["replicas"])
+    for k in range(result["replicas"]):
+        ax[1][1].bar([i - 0.4 + width * (k + 0.5) for i in x],
+                     [r["per_replica"][k] for r in rows], width, label=f"replica {k}")
+    ax[1][1].set_title("requests per replica")
+    ax[1][1].legend()
+    for a in ax.flat:
+        a.set_xticks(list(x), pols)
+    fig.suptitle(f"{result['replicas']} CPU replicas, concurrency {result['trace']['concurrency']}"
+                 f" (shared 2-core machine, load {result['load_before']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    """Start the replicas, replay the trace per policy, write JSON and PNG."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=256)
+    p.add_argument("--turn-tokens", type=int, default=192)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--policies", default="single,round_robin,cache_aware,events")
+    p.add_argument("--overhead-n", type=int, default=200)
+    p.add_argument("--model", default=None)
+    p.add_argument("--out", type=Path, default=Path("/tmp/kvtier-bench-cluster"))
+    p.add_argument("--serve-args", default="", help="extra kvtier serve arguments (one string)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from tools.bench._common import loadavg, machine
+
+    serve = args.serve_args.split() + (["--model", args.model] if args.model else [])
+    result: dict[str, Any] = {
+        "machine": machine(), "load_before": loadavg(), "replicas": args.replicas,
+        "trace": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
+                                                  "turn_tokens", "max_tokens", "concurrency")},
+        "policies": {},
+    }
+    result["trace"]["ideal_share"] = ideal_share(args)
+    print(f"trace prefix share {result['trace']['ideal_share']:.3f}", flush=True)
+    with Cluster(args.replicas, args.out / "work", serve, policy=None) as cluster:
+        urls = [r.url for r in cluster.replicas]
+        for policy in args.policies.split(","):
+            target = urls[0] if policy == "single" else cluster.route(policy).url
+            before = [_served(u) for u in urls]
+            samples, wall = asyncio.run(replay_trace(target, policy, args))
+            spread = [_served(u) - b for u, b in zip(urls, before, strict=True)]
+            entry: dict[str, Any] = {"summary": summarize(samples, wall, spread),
+                                     "samples": [asdict(s) for s in samples],
+                                     "load_after": loadavg()}
+            if policy != "single":
+                entry["overhead"] = asyncio.run(_overhead(urls[0], target, args.overhead_n))
+            if policy == "events":
+                entry["router_stats"] = httpx.get(f"{target}/event_router/stats", timeout=10).json()
+            result["policies"][policy] = entry
+            s = entry["summary"]
+            print(f"{policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s p99 {s['ttft_p99_s']:.3f}s "
+                  f"cached {s['cached_share']:.3f} {s['prompt_tokens_per_s']:.0f} tok/s "
+                  f"spread {s['per_replica']} overhead {entry.get('overhead', {})}", flush=True)
+        result["exit_codes"] = cluster.stop()
+    result["load_after"] = loadavg()
+    (args.out / "cluster.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "cluster.png")
+    print(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
