@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -294,6 +295,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("/tmp/kvtier-bench-cluster"))
     p.add_argument("--serve-args", default="", help="extra kvtier serve arguments (one string)")
     args = p.parse_args()
+    # NOTE: SIGTERM unwinds like an exception, so the Cluster stops its children.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
     from tools.bench._common import loadavg, machine
 
