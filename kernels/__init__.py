@@ -8,6 +8,7 @@ module; other helpers add their re-exports below with small additive edits.
 
 from __future__ import annotations
 
+from ._env import env_switch, env_text
 from ._errors import (
     EngineClosed,
     EngineQueueFull,
@@ -159,6 +160,8 @@ __all__ = [
     "default_prompt_cache_bytes",
     "encode_prompt",
     "ensure_default_model",
+    "env_switch",
+    "env_text",
     "fetch_default_wheel",
     "is_converted_dir",
     "kvtier_home",

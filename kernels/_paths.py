@@ -7,13 +7,14 @@ and neither may import the other for it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from kernels._env import env_text
 
 __all__ = ["kvtier_home"]
 
 
 def kvtier_home() -> Path:
     """Root of kvtier's caches: ``$KVTIER_HOME`` or ``~/.cache/kvtier``."""
-    env = os.environ.get("KVTIER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvtier"
+    env = env_text("KVTIER_HOME")
+    return Path(env).expanduser() if env is not None else Path.home() / ".cache" / "kvtier"

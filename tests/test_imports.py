@@ -7,7 +7,9 @@
   ``messages`` imports no ``kernels``;
 - an actor package imports another actor package only through its public
   modules, and only ``actors/engine`` imports ``actors/engine/wiring.py``;
-- actors are spawned (``.spawn(``) only in ``actors/engine/wiring.py``.
+- actors are spawned (``.spawn(``) only in ``actors/engine/wiring.py``;
+- the environment is read (``os.environ``, ``os.getenv``) only by
+  ``EngineConfig`` (``actors/engine/config.py``) and ``kernels/_env.py``.
 
 Each rule is checked on the repository and, on a small tree written to
 ``tmp_path``, shown to catch the violation it names.
@@ -26,6 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TOPS = ("actors", "kernels", "messages")
 WIRING = "actors.engine.wiring"
+ENV_READERS = ("actors.engine.config", "kernels._env")
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +242,22 @@ def spawns(tree: Tree) -> list[str]:
     return found
 
 
+def environment_reads(tree: Tree) -> list[str]:
+    """``os.environ`` / ``os.getenv`` / ``os.putenv`` outside the two modules that read the environment."""
+    found = []
+    for name, path in tree.modules.items():
+        if name in ENV_READERS:
+            continue
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                found.append(f"{name}:{node.lineno} reads os.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "os":
+                for alias in node.names:
+                    if alias.name in ("environ", "getenv", "environb"):
+                        found.append(f"{name}:{node.lineno} imports os.{alias.name}")
+    return found
+
+
 # --- the repository ------------------------------------------------------------------
 
 
@@ -274,6 +293,11 @@ def test_actor_packages_meet_only_through_public_modules(repo: Tree) -> None:
 def test_actors_are_spawned_only_by_the_wiring(repo: Tree) -> None:
     """``.spawn(`` appears only in actors/engine/wiring.py."""
     assert spawns(repo) == []
+
+
+def test_the_environment_is_read_only_by_the_config_and_kernels_env(repo: Tree) -> None:
+    """No module but EngineConfig's and kernels/_env.py reads os.environ or os.getenv."""
+    assert environment_reads(repo) == []
 
 
 # --- each rule catches what it names ---------------------------------------------------
@@ -358,3 +382,19 @@ def test_a_spawn_outside_the_wiring_is_found(tmp_path: Path) -> None:
         },
     )
     assert spawns(tree) == ["actors.queue.actor:2 calls system.spawn(...)"]
+
+
+def test_an_environment_read_outside_the_two_readers_is_found(tmp_path: Path) -> None:
+    """os.environ.get and ``from os import getenv`` are reported; kernels/_env.py's are not."""
+    tree = _write(
+        tmp_path,
+        {
+            "kernels/_env.py": "import os\nX = os.environ.get('A')\n",
+            "kernels/k.py": "import os\nX = os.environ.get('A')\n",
+            "actors/a.py": "from os import getenv\n",
+        },
+    )
+    assert environment_reads(tree) == [
+        "actors.a:1 imports os.getenv",
+        "kernels.k:2 reads os.environ",
+    ]

@@ -83,12 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _root(args: argparse.Namespace) -> str | None:
     if args.ssd_cache is not None:
         return str(args.ssd_cache.expanduser())
-    env = os.environ.get("KVTIER_SSD_CACHE", "").strip()
-    if env.lower() == "off":
+    from actors.engine.config import SETTINGS
+    from kernels import env_text, kvtier_home
+
+    # NOTE: the variable kvtier serve reads for --ssd-cache, read the same way.
+    env = env_text(SETTINGS["ssd_cache"].env)
+    if env is not None and env.lower() == "off":
         return None
-    if env:
+    if env is not None:
         return os.path.expanduser(env)
-    from kernels import kvtier_home
 
     return str(kvtier_home() / "kv")
 

@@ -9,7 +9,6 @@ attribute load per message; ``configure_logging`` sets it from the level.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Literal, TextIO
 
@@ -59,7 +58,8 @@ def configure_logging(
 ) -> None:
     """Configure structlog for the process.
 
-    ``format`` defaults to ``$KVTIER_LOG_FORMAT`` or ``console`` (readable);
+    ``format`` defaults to ``console`` (readable; ``kvtier serve`` passes
+    ``EngineConfig.log_format``, which ``KVTIER_LOG_FORMAT`` sets);
     ``json`` writes one JSON object per line. ``level`` filters events; at
     ``debug`` the per-message mailbox events are switched on, above it they
     are not even built. Context bound with ``structlog.contextvars`` (the
@@ -70,7 +70,7 @@ def configure_logging(
     rendered by the same renderer on the same stream, at ``level`` but never
     below info, so a JSON log stays one JSON object per line.
     """
-    fmt = format or os.environ.get("KVTIER_LOG_FORMAT", "console")
+    fmt = format or "console"
     if fmt not in ("console", "json"):
         raise ValueError(f"unknown log format {fmt!r} (console or json)")
     numeric = level if isinstance(level, int) else _LEVELS[level.lower()]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from actors.runtime import AskTimeout, get_logger
+from kernels import env_text
 from kernels.cache import (
     LANDING_THREADS_ENV,
     CacheFileCorrupt,
@@ -305,7 +305,7 @@ class HostStaging:
         if landing_threads is None:
             # NOTE: read at construction, so a test or an operator can set it.
             landing_threads = landing_thread_count(
-                usable_cpus(), os.environ.get(LANDING_THREADS_ENV)
+                usable_cpus(), env_text(LANDING_THREADS_ENV)
             )
         if landing_threads < 1:
             raise ValueError("landing_threads must be >= 1")

@@ -73,6 +73,8 @@ import numpy as np
 import xxhash
 from mlx_lm.models import cache as _mlc_module
 
+from kernels._env import env_text
+
 from ._file_port import BytesLike, FilePort, PageCacheProbe, ShortRead
 
 __all__ = [
@@ -2154,7 +2156,7 @@ def default_fill_streams() -> list[Any]:
     """
     streams: list[Any] | None = getattr(_FILL_STREAMS, "streams", None)
     if streams is None:
-        count = fill_stream_count(usable_cpus(), os.environ.get(FILL_STREAMS_ENV))
+        count = fill_stream_count(usable_cpus(), env_text(FILL_STREAMS_ENV))
         streams = [mx.cpu, *(mx.new_stream(mx.cpu) for _ in range(count - 1))]
         _FILL_STREAMS.streams = streams
     return streams

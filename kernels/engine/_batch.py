@@ -44,7 +44,6 @@ runs on the engine thread.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +64,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from kernels._env import env_switch
 from kernels._errors import InvalidPrompt, KernelError
 from kernels.cache import KvScheme, LayerQuant
 
@@ -169,8 +169,7 @@ class BatchGate:
 
 def batch_ssm_enabled(env: Mapping[str, str] | None = None) -> bool:
     """False when ``KVTIER_BATCH_SSM`` is ``0``/``false``/``off``/``no`` (default: enabled)."""
-    value = (os.environ if env is None else env).get(BATCH_SSM_ENV, "1").strip().lower()
-    return value not in {"0", "false", "off", "no"}
+    return env_switch(BATCH_SSM_ENV, env)
 
 
 class _Refused(Exception):

@@ -23,12 +23,13 @@ the serial lane whatever the choice.
 from __future__ import annotations
 
 import ctypes
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
+
+from kernels._env import env_switch
 
 __all__ = [
     "BLAS_TUNE_ENV",
@@ -299,8 +300,7 @@ BLAS_TUNE_ENV = "KVTIER_BATCH_BLAS_TUNE"
 
 def blas_tune_enabled(env: Mapping[str, str] | None = None) -> bool:
     """False when ``KVTIER_BATCH_BLAS_TUNE`` is ``0``/``false``/``off``/``no`` (default: enabled)."""
-    value = (os.environ if env is None else env).get(BLAS_TUNE_ENV, "1").strip().lower()
-    return value not in {"0", "false", "off", "no"}
+    return env_switch(BLAS_TUNE_ENV, env)
 
 
 def make_blas_tuning() -> BlasTuning | None:

@@ -32,13 +32,14 @@ the model types in :data:`FUSED_MODEL_TYPES` whose projections are plain
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn
+
+from kernels._env import env_switch
 
 # NOTE: mlx.nn has no type information; its classes are Any here.
 _Module: Any = getattr(mlx.nn, "Module")  # noqa: B009
@@ -77,8 +78,7 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def fused_projections_enabled(env: Mapping[str, str] | None = None) -> bool:
     """False when ``KVTIER_FUSED_PROJECTIONS`` is ``0``/``false``/``off``/``no`` (default: enabled)."""
-    value = (os.environ if env is None else env).get(FUSED_PROJECTIONS_ENV, "1").strip().lower()
-    return value not in {"0", "false", "off", "no"}
+    return env_switch(FUSED_PROJECTIONS_ENV, env)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from kernels._env import env_text
 from kernels._paths import kvtier_home
 from kernels._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 
@@ -181,7 +182,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
 
 
 def _compiler(env: str, *names: str) -> str:
-    chosen = os.environ.get(env)
+    chosen = env_text(env)
     if chosen:
         return chosen
     for name in names:

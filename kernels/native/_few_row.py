@@ -21,6 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from kernels._env import env_switch, env_text
+
 from ._build import NativeUnavailable, discard_build, load_extension
 
 __all__ = [
@@ -43,14 +45,13 @@ _state: dict[str, Any] = {}
 
 def few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
     """False when ``KVTIER_FEW_ROW`` is ``0``/``false``/``off``/``no`` (default: enabled)."""
-    value = (os.environ if env is None else env).get(FEW_ROW_ENV, "1").strip().lower()
-    return value not in {"0", "false", "off", "no"}
+    return env_switch(FEW_ROW_ENV, env)
 
 
 def few_row_threads(env: Mapping[str, str] | None = None) -> int:
     """Threads per product: ``KVTIER_FEW_ROW_THREADS`` (1-16), else the usable CPUs clamped to 1-8."""
-    raw = (os.environ if env is None else env).get(FEW_ROW_THREADS_ENV, "").strip()
-    if raw:
+    raw = env_text(FEW_ROW_THREADS_ENV, env)
+    if raw is not None:
         try:
             value = int(raw)
         except ValueError as exc:

@@ -122,16 +122,16 @@ def test_stdlib_logging_records_join_the_json_stream() -> None:
 
 @pytest.mark.usefixtures("restore_structlog")
 def test_console_is_the_default_format(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without ``KVTIER_LOG_FORMAT`` output is readable console text, with it JSON."""
-    monkeypatch.delenv("KVTIER_LOG_FORMAT", raising=False)
+    """Without a format output is readable console text (``KVTIER_LOG_FORMAT`` is
+    ``EngineConfig``'s to read, not the runtime's), with ``json`` JSON."""
+    monkeypatch.setenv("KVTIER_LOG_FORMAT", "json")
     out = io.StringIO()
     configure_logging(level="info", stream=out)
     get_logger().info("hello", who="world")
     assert "hello" in out.getvalue()
     assert not out.getvalue().lstrip().startswith("{")
-    monkeypatch.setenv("KVTIER_LOG_FORMAT", "json")
     out = io.StringIO()
-    configure_logging(level="info", stream=out)
+    configure_logging(format="json", level="info", stream=out)
     get_logger().info("hello", who="world")
     assert json.loads(out.getvalue())["who"] == "world"
     with pytest.raises(ValueError):

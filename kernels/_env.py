@@ -1,0 +1,58 @@
+"""The environment variables kvtier reads outside ``EngineConfig``, and the one on/off parser.
+
+``EngineConfig`` (``actors/engine/config.py``) owns every server setting and
+its ``KVTIER_*`` variable. A few knobs sit below it: they are read where the
+work happens (in ``kernels``, often on the engine thread, with no settings
+object at hand), or before any settings exist. Each is read through this
+module, so the list below is every variable that is not an ``EngineConfig``
+field:
+
+============================  ==========================================  =====================
+variable                      what it sets                                read by
+============================  ==========================================  =====================
+``KVTIER_HOME``               root of kvtier's caches                     ``kernels._paths``
+``KVTIER_FEW_ROW``            switch: the few-row product on the CPU      ``kernels.native``
+``KVTIER_FEW_ROW_THREADS``    threads of one few-row product (1-16)       ``kernels.native``
+``KVTIER_FUSED_PROJECTIONS``  switch: q/k/v and gate/up fused at load     ``kernels.model``
+``KVTIER_BATCH_BLAS_TUNE``    switch: the batch lane's BLAS thread count  ``kernels.engine``
+``KVTIER_BATCH_SSM``          switch: recurrent models on the batch lane  ``kernels.engine``
+``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
+``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
+``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``
+``CC``, ``CXX``               compilers for the few-row module            ``kernels.native``
+============================  ==========================================  =====================
+
+(``kvtier cache`` also reads ``KVTIER_SSD_CACHE``, an ``EngineConfig``
+field, through :func:`env_text`, to find the directory ``kvtier serve``
+would use.)
+
+A switch is on unless its variable says off (:data:`OFF_WORDS`).
+
+NOTE: nothing here imports MLX, but importing ``kernels._env`` runs
+``kernels/__init__`` (which does); ``actors/engine/config.py`` stays free of
+``kernels`` and keeps its own strict on/off flag parser.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["OFF_WORDS", "env_switch", "env_text"]
+
+OFF_WORDS = frozenset({"off", "false", "0", "no"})
+"""Words that switch something off (any case)."""
+
+
+def env_text(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The variable's value, stripped (``None``: unset or blank). ``env`` defaults to the process's."""
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or not raw.strip():
+        return None
+    return raw.strip()
+
+
+def env_switch(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the switch ``name`` is on: unless its value is an off word (unset: on)."""
+    value = env_text(name, env)
+    return value is None or value.lower() not in OFF_WORDS

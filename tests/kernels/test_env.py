@@ -1,0 +1,30 @@
+"""kernels._env: the one reader of the switches and knobs kvtier takes from the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import env_switch, env_text
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " no ", "Off"])
+def test_an_off_word_in_any_case_turns_a_switch_off(value: str) -> None:
+    """0/false/off/no, any case, surrounding blanks ignored, turn the switch off."""
+    assert env_switch("KVTIER_X", {"KVTIER_X": value}) is False
+
+
+@pytest.mark.parametrize(
+    "env", [{}, {"KVTIER_X": ""}, {"KVTIER_X": "  "}, {"KVTIER_X": "1"}, {"KVTIER_X": "yes"}]
+)
+def test_a_switch_is_on_unless_it_says_off(env: dict[str, str]) -> None:
+    """Unset, blank and any other word leave the switch on."""
+    assert env_switch("KVTIER_X", env) is True
+
+
+def test_text_is_stripped_and_blank_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """env_text strips the value, reads None for unset or blank, and defaults to the process's environment."""
+    assert env_text("KVTIER_X", {"KVTIER_X": " 4 "}) == "4"
+    assert env_text("KVTIER_X", {"KVTIER_X": " "}) is None
+    assert env_text("KVTIER_X", {}) is None
+    monkeypatch.setenv("KVTIER_X", "/tmp/home ")
+    assert env_text("KVTIER_X") == "/tmp/home"
