@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -30,7 +31,7 @@ def pad_attention_heads(src: Path, dst: Path, *, kv_heads: int) -> Path:
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
             shutil.copy2(f, dst / f.name)
-    weights = mx.load(str(src / "model.safetensors"))
+    weights: Any = mx.load(str(src / "model.safetensors"))
     q_rows, kv_rows = (kv_heads * group - q0) * head_dim, (kv_heads - kv0) * head_dim
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
