@@ -751,7 +751,7 @@ class Engine(_StartClose):
                 tokenizer_hash=str(identity.tokenizer_hash),
             ),
             max_bytes=max_bytes,
-            staging=HostStaging(max_entries=_staging_entries(cfg.max_batch)),
+            staging=HostStaging(max_entries=cfg.ssd_staging_entries),
         )
 
     def _load(self) -> Any:
@@ -1569,22 +1569,6 @@ class _SamplingExecutor:
 
         future: asyncio.Future[T] = self._inner.submit(job)
         return future
-
-
-def _staging_entries(max_batch: int) -> int:
-    """How many restored SSD entries may wait for their landing at once (``HostStaging``).
-
-    Every request that can hold a restored entry before its first turn gets
-    a place: the serial lane's holder and its queue head (2), and with a
-    batch lane each of its ``max_batch`` placed rows, which may all be SSD
-    hits of one burst. A restore past this bound pushes the oldest waiting
-    entry out and that request starts cold. NOTE: a waiting entry is an open
-    file, not host bytes (only the kernel's reclaimable page cache holds
-    it); the bound caps the descriptors held and the MLX memory the waiting
-    landings will allocate, at most this many times the largest file
-    (docs/cold-tier.md).
-    """
-    return 2 if max_batch <= 1 else max_batch + 2
 
 
 @dataclass(frozen=True, slots=True)

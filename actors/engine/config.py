@@ -499,6 +499,24 @@ class EngineConfig(BaseModel):
                              "(each rank would need its own files, docs/tensor-parallel.md)")
         return self
 
+    # --- derived sizes ----------------------------------------------------------
+
+    @property
+    def ssd_staging_entries(self) -> int:
+        """How many restored SSD entries may wait for their landing at once (``HostStaging``).
+
+        Every request that can hold a restored entry before its first turn gets
+        a place: the serial lane's holder and its queue head (2), and with a
+        batch lane each of its ``max_batch`` placed rows, which may all be SSD
+        hits of one burst. A restore past this bound pushes the oldest waiting
+        entry out and that request starts cold. NOTE: a waiting entry is an open
+        file, not host bytes (only the kernel's reclaimable page cache holds
+        it); the bound caps the descriptors held and the MLX memory the waiting
+        landings will allocate, at most this many times the largest file
+        (docs/cold-tier.md).
+        """
+        return 2 if self.max_batch <= 1 else self.max_batch + 2
+
     # --- construction -----------------------------------------------------------
 
     def __init__(self, **values: Any) -> None:

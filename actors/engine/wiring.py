@@ -328,7 +328,7 @@ def cold_tier(
         ask_timeout=config.ask_timeout_s,
         # NOTE: the Engine passes its own staging (sized the same way); this
         # is the bound when none is passed.
-        staging_entries=2 if config.max_batch <= 1 else config.max_batch + 2,
+        staging_entries=config.ssd_staging_entries,
         scrub_interval_s=SCRUB_INTERVAL_S,
     )
     source = EngineTensorSource(RearmingTurns(turns), caches, identity)
@@ -491,6 +491,13 @@ def _runner(parts: Parts) -> Factory:
 _TURN_ACTORS = Supervision("resume", max_restarts=100, within=1.0)
 _COLD_ACTORS = Supervision("restart", max_restarts=10, within=60.0)
 
+# NOTE: the cold tier's mailboxes, written once: the ACTORS table and
+# spawn_ssd_writer (tests and tools) spawn the tier with the same sizes.
+_SSD_INDEX_MAILBOX = 256
+_SSD_STORE_MAILBOX = 64
+_SSD_READ_MAILBOX = 64
+_SSD_SCRUB_MAILBOX = 4
+
 ACTORS: tuple[ActorSpec, ...] = (
     # NOTE: the KV-event publisher before the tiers that report to it (the
     # SSD index reports its startup scan), so it also stops after them.
@@ -507,13 +514,19 @@ ACTORS: tuple[ActorSpec, ...] = (
     ActorSpec(
         SSD_WRITER,
         _ssd_writer,
-        capacity=lambda cfg: 256,
+        capacity=lambda cfg: _SSD_INDEX_MAILBOX,
         supervision=_COLD_ACTORS,
         stats=StatsAsk(SsdStatsRequest, SsdStats, "ssd_cache"),
     ),
-    ActorSpec(SSD_STORE, _ssd_store, capacity=lambda cfg: 64, supervision=_COLD_ACTORS),
-    ActorSpec(SSD_READ, _ssd_read, capacity=lambda cfg: 64, supervision=_COLD_ACTORS),
-    ActorSpec(SSD_SCRUB, _ssd_scrub, capacity=lambda cfg: 4, supervision=_COLD_ACTORS),
+    ActorSpec(
+        SSD_STORE, _ssd_store, capacity=lambda cfg: _SSD_STORE_MAILBOX, supervision=_COLD_ACTORS
+    ),
+    ActorSpec(
+        SSD_READ, _ssd_read, capacity=lambda cfg: _SSD_READ_MAILBOX, supervision=_COLD_ACTORS
+    ),
+    ActorSpec(
+        SSD_SCRUB, _ssd_scrub, capacity=lambda cfg: _SSD_SCRUB_MAILBOX, supervision=_COLD_ACTORS
+    ),
     ActorSpec(
         SPILL_QUEUE,
         _spill_queue,
@@ -746,7 +759,7 @@ def spawn_ssd_writer(
     source: TensorSource,
     port: FilePort | None = None,
     name: str = SSD_WRITER,
-    capacity: int = 256,
+    capacity: int = _SSD_INDEX_MAILBOX,
     staging: HostStaging | None = None,
     gateway: str | None = None,
 ) -> ColdTier:
@@ -761,14 +774,22 @@ def spawn_ssd_writer(
     supervision = _spec(SSD_WRITER).supervision
     system.spawn(name, lambda: SsdWriter(tier), capacity=capacity, supervision=supervision)
     system.spawn(
-        tier.store_address, lambda: StoreWorker(tier), capacity=64, supervision=supervision
+        tier.store_address,
+        lambda: StoreWorker(tier),
+        capacity=_SSD_STORE_MAILBOX,
+        supervision=supervision,
     )
-    system.spawn(tier.read_address, lambda: Reader(tier), capacity=64, supervision=supervision)
+    system.spawn(
+        tier.read_address,
+        lambda: Reader(tier),
+        capacity=_SSD_READ_MAILBOX,
+        supervision=supervision,
+    )
     if config.scrub_interval_s > 0:
         system.spawn(
             f"{name}.scrub",
             lambda: Scrubber(tier, gateway=gateway, gate_step=SCRUB_GATE_STEP),
-            capacity=4,
+            capacity=_SSD_SCRUB_MAILBOX,
             supervision=supervision,
         )
     return tier
