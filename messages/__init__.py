@@ -27,8 +27,10 @@ from .prompt_cache import (
 )
 from .runtime import Failure
 from .spill_queue import (
+    CheckpointRecord,
     DrainSpills,
     Enqueue,
+    RemoveCheckpoints,
     SpillOutcome,
     SpillQueueStats,
     SpillQueueStatsRequest,
@@ -62,6 +64,7 @@ __all__ = [
     "EXTERNAL",
     "AnyBody",
     "Body",
+    "CheckpointRecord",
     "Covers",
     "CoversResult",
     "DrainSpills",
@@ -86,6 +89,7 @@ __all__ = [
     "PutResult",
     "ReadEntry",
     "Release",
+    "RemoveCheckpoints",
     "Request",
     "ReserveSpace",
     "Restore",

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ._base import Body, Request
 from .prompt_cache import EntryMeta
 
 __all__ = [
+    "CheckpointRecord",
     "DrainSpills",
     "Enqueue",
+    "RemoveCheckpoints",
     "SpillOutcome",
     "SpillQueueStats",
     "SpillQueueStatsRequest",
@@ -40,8 +42,26 @@ __all__ = [
     "SpillsDrained",
 ]
 
-SpillSource = Literal["evict", "demote", "snapshot"]
-"""Which producer made the item: RAM eviction, idle demotion, write-behind snapshot."""
+SpillSource = Literal["evict", "demote", "snapshot", "checkpoint"]
+"""Which producer made the item: RAM eviction, idle demotion, write-behind snapshot,
+generation checkpoint."""
+
+
+class CheckpointRecord(BaseModel):
+    """The generation state a checkpoint item carries beside its caches (docs/cold-tier.md).
+
+    The item's ``tokens`` are the prompt (first ``prompt_len``) and every
+    emitted token; ``pending_token`` was sampled but not emitted;
+    ``rng_key`` is the PRNG key after its draw (``None``: greedy).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_key: str = Field(pattern=r"^[0-9a-f]{32}$")
+    prompt_len: int = Field(gt=0)
+    pending_token: int = Field(ge=0, lt=1 << 32)
+    sample_index: int = Field(ge=0)
+    rng_key: tuple[int, int] | None = None
 
 SpillOutcome = Literal["stored", "failed", "dropped", "refused"]
 """How an item settled. ``stored``: the writer committed the file; ``failed``:
@@ -65,6 +85,19 @@ class Enqueue(Request):
     tokens: tuple[int, ...]
     meta: EntryMeta
     source: SpillSource = "evict"
+    checkpoint: CheckpointRecord | None = None
+    """Set exactly for ``source="checkpoint"``: the item is written as a checkpoint file."""
+
+
+class RemoveCheckpoints(Body):
+    """A finished answer's checkpoints are void: drop its queued ones, remove its files (tell).
+
+    The queue forwards it to the SSD writer, whose store worker runs it after
+    any checkpoint write of the key already handed over (one mailbox, in order).
+    """
+
+    kind: Literal["spill_queue.remove_checkpoints"] = "spill_queue.remove_checkpoints"
+    request_key: str = Field(pattern=r"^[0-9a-f]{32}$")
 
 
 class SpillSettled(Body):
@@ -102,6 +135,8 @@ class SpillsDrained(Body):
     dropped: int = Field(ge=0)
     failed: int = Field(ge=0)
     refused: int = Field(ge=0)
+    checkpoints_lost: int = Field(default=0, ge=0)
+    """Generation checkpoints not written (failed, or dropped other than superseded), lifetime."""
 
 
 class SpillQueueStatsRequest(Request):
@@ -130,3 +165,5 @@ class SpillQueueStats(Body):
     dropped_bytes: int = Field(ge=0)
     failed: int = Field(ge=0)
     refused: int = Field(ge=0)
+    pending_checkpoints: int = Field(default=0, ge=0)
+    """Generation checkpoints queued or in flight (part of ``pending``)."""

@@ -32,7 +32,7 @@ from pydantic import Field
 
 from ._base import Body, Request
 from .prompt_cache import EntryMeta
-from .spill_queue import SpillSource
+from .spill_queue import CheckpointRecord, SpillSource
 
 __all__ = [
     "Covers",
@@ -157,6 +157,8 @@ class Store(Request):
     tokens: tuple[int, ...]
     meta: EntryMeta
     source: SpillSource = "evict"
+    checkpoint: CheckpointRecord | None = None
+    """Set: write a generation checkpoint file (``actors.checkpoints``), not an index entry."""
 
 
 class StoreResult(Body):

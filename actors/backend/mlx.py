@@ -23,9 +23,16 @@ from kernels.cache import (
     CacheOffsetMismatch,
     KvFileHeader,
     caches_trimmable,
+    materialize,
     trim_caches,
 )
 from kernels.engine import SnapshotBoundary, probe_snapshot_boundary
+from kernels.engine._checkpoint import (
+    CheckpointPoint,
+    checkpoint_point,
+    replay_step,
+    resume_generation,
+)
 from messages.gateway import Generate
 
 _log = structlog.get_logger("kvtier.backend")
@@ -269,13 +276,59 @@ class MlxBackend:
                 return StepResult(phase="prefill", prefill_complete=done, snapshot_point=reached)
             # NOTE: nothing was left to prefill (prompt suffix of one token):
             # do not waste a turn; decode right away.
-        out = gen.decode_step()
+        # NOTE: a resumed generation first replays its saved tokens (no
+        # forward); otherwise this is ``gen.decode_step()``.
+        out = replay_step(gen)
         return StepResult(
             phase="decode",
             token=StepToken(out.token_id, out.text, out.logprob, out.top_logprobs,
                             out.prompt_logprobs),
             finish_reason=out.finish_reason,
         )
+
+    def resume(self, request: Generate, header: KvFileHeader, host: Any) -> Generation:
+        """A generation resumed from a checkpoint file's header and host bytes (``ResumeFrom``).
+
+        Raises (``InvalidPrompt``, ``CacheFileCorrupt``, ...) when the file
+        does not fit the request; the caller then opens a fresh generation.
+        """
+        ck = header.checkpoint
+        if ck is None:
+            raise ValueError("not a checkpoint file")
+        caches = materialize(header, host, consume=True)
+        point = CheckpointPoint(ck.prompt_len, header.tokens[ck.prompt_len:], ck.pending_token,
+                                ck.rng_key)
+        return resume_generation(
+            self._model, self._tokenizer, request.prompt_tokens, request.params, caches, point,
+            prefill_step_size=self._step_size,
+            cache_hook=self._hook if self._scheme is not None else None,
+        )
+
+    def forget_staged(self, staging_id: str) -> None:
+        """Close the restored SSD entry ``staging_id`` (a resumed request does not land it)."""
+        staging = self._staging
+        staged = staging.take(staging_id) if staging is not None else None
+        if staging is not None and staged is not None:
+            staging.release(staged)
+
+    def capture_checkpoint(self, gen: Generation) -> tuple[CheckpointPoint, Registered] | None:
+        """An owned snapshot of ``gen``'s caches at its checkpoint boundary (``None``: none now).
+
+        NOTE: the registry's snapshot is a clone the live generation never
+        writes into again, so the SSD writer may read it in later idle turns.
+        """
+        if self._registry is None:
+            return None
+        point = checkpoint_point(gen)
+        if point is None:
+            return None
+        tokens = (*gen.prompt_tokens, *point.generated)
+        try:
+            reg = self._registry.snapshot(gen.cache, offset=len(tokens))
+        except CacheOffsetMismatch as exc:
+            _log.warning("checkpoint.snapshot_refused", error=str(exc))
+            return None
+        return point, Registered(reg.handle, reg.meta, tuple(tokens))
 
     def snapshot(self, gen: Generation) -> Registered | None:
         """Register a prompt-only clone of the live cache (the prompt-boundary snapshot)."""

@@ -3,12 +3,16 @@
 ``key``: the request key that decides which later request may resume a
 checkpoint, and which requests are not checkpointed in v1. ``store``: the
 checkpoint files (write the newest durably before removing the previous,
-find the newest valid one, invalidate).
+find the newest valid one, invalidate). ``counters``: the figures ``/stats``
+shows. ``serving``: what the turn runner needs (key at admission, lookup,
+the snapshot handed to the spill queue).
 """
 
 from __future__ import annotations
 
+from .counters import CheckpointCounters
 from .key import KEY_VERSION, checkpoint_refusal, request_key
+from .serving import Captured, CheckpointBackend, CheckpointPort, ResumeFrom
 from .store import (
     CHECKPOINT_DIR,
     CHECKPOINT_SUFFIX,
@@ -23,7 +27,12 @@ __all__ = [
     "CHECKPOINT_DIR",
     "CHECKPOINT_SUFFIX",
     "KEY_VERSION",
+    "Captured",
+    "CheckpointBackend",
+    "CheckpointCounters",
+    "CheckpointPort",
     "FoundCheckpoint",
+    "ResumeFrom",
     "checkpoint_dir",
     "checkpoint_refusal",
     "find_checkpoint",

@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 
 from actors.batch_scheduler import BATCH_ADDRESS, batch_factory, batch_refusal
+from actors.checkpoints import CheckpointCounters, CheckpointPort, checkpoint_dir
 from actors.durability import (
     DURABILITY_ADDRESS,
     Cloner,
@@ -384,8 +385,12 @@ def _spill_queue(parts: Parts) -> Factory | None:
         return None
     # NOTE: released handles' arrays are freed by the registry's drain, the
     # prompt cache's standing DRAIN_STEP (registered in _prompt_cache).
+    # NOTE: with generation checkpoints on, a quarter of the spill budget is
+    # theirs (design §5.7 splits the one budget between the two producers).
+    share = CHECKPOINT_SHARE if _checkpoints(parts) is not None else 0.0
     state = spill_queue_core.QueueState(
-        cap_bytes=parts.config.ssd_spill_queue_bytes, drain_step=DRAIN_STEP
+        cap_bytes=parts.config.ssd_spill_queue_bytes, drain_step=DRAIN_STEP,
+        checkpoint_share=share,
     )
     return _spill_queue_factory(state, parts.registry, parts.cold.name, turns=GATEWAY)
 
@@ -395,6 +400,7 @@ def _spill_queue_fields(body: Body) -> dict[str, Any]:
     return {
         "pending_spills": body.pending,
         "pending_spill_bytes": body.pending_bytes,
+        "pending_checkpoints": body.pending_checkpoints,
         "dropped_spills": body.dropped,
         "failed_spills": body.failed,
         "spill_queue_cap_bytes": body.cap_bytes,
@@ -472,6 +478,28 @@ def _batch(parts: Parts) -> Factory | None:
     return batch_factory(parts, gateway=GATEWAY, prompt_cache=prompt_cache)
 
 
+CHECKPOINT_SHARE = 0.25
+"""Share of the spill queue's byte cap that generation checkpoints may pin."""
+
+
+def _checkpoints(parts: Parts) -> CheckpointPort | None:
+    """The generation checkpoints' port (``None``: off, or no SSD tier or no registry)."""
+    cold, registry = parts.cold, parts.registry
+    every = parts.config.generation_checkpoint
+    if cold is None or registry is None or every <= 0:
+        return None
+    return CheckpointPort(
+        every=every,
+        directory=checkpoint_dir(cold.config.root, cold.config.identity.fingerprint),
+        fingerprint=cold.config.identity.fingerprint,
+        port=cold.port,
+        spill_queue=SPILL_QUEUE,
+        dispose=registry.dispose,
+        counters=cold.checkpoints,
+        verify=cold.config.verify,
+    )
+
+
 def _runner(parts: Parts) -> Factory:
     cfg = parts.config
     runner = TurnRunner(
@@ -484,6 +512,7 @@ def _runner(parts: Parts) -> Factory:
         observe_prefill=SSD_WRITER if parts.cold is not None else None,
         memory_guard=parts.memory_guard,
         stream_write_timeout_s=cfg.stream_write_timeout_s,
+        checkpoints=_checkpoints(parts),
     )
     return lambda: runner
 
@@ -602,6 +631,7 @@ class Wired:
     refs: dict[str, ActorRef]
     specs: tuple[ActorSpec, ...]
     config: EngineConfig
+    checkpoints: CheckpointCounters | None = None
 
     def ref(self, name: str) -> ActorRef:
         """The ref of the actor at ``name`` (``KeyError`` if it is not wired)."""
@@ -638,6 +668,11 @@ class Wired:
             section = out.setdefault(spec.stats.section, {})
             section.update(spec.stats.fields(body))
         _cold_tier_view(out)
+        if self.checkpoints is not None and self.config.generation_checkpoint > 0:
+            section = self.checkpoints.snapshot()
+            section["interval_tokens"] = self.config.generation_checkpoint
+            section["pending"] = out.get("ssd_cache", {}).get("pending_checkpoints", 0)
+            out["generation_checkpoints"] = section
         if missing:
             out["unavailable"] = missing
         return out
@@ -673,7 +708,8 @@ def start(system: ActorSystem, parts: Parts) -> Wired:
         factory = spec.build(parts)
         if factory is not None:
             refs[spec.name] = _spawn(system, spec, factory, parts.config)
-    return Wired(system=system, refs=refs, specs=ACTORS, config=parts.config)
+    return Wired(system=system, refs=refs, specs=ACTORS, config=parts.config,
+                 checkpoints=parts.cold.checkpoints if parts.cold is not None else None)
 
 
 def spawn_prompt_cache(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from actors.engine_thread import AHEAD, EngineJob
 from actors.engine_thread.ports import Registered, StepResult
@@ -34,6 +35,10 @@ class StepOutput:
     cached_tokens: int | None = None
     open_s: float = 0.0
     """Seconds the opening spent before the step (an SSD landing, a RAM entry's copy): not prefill."""
+    checkpoint: Any = None
+    """An owned snapshot taken after this step (``actors.checkpoints.Captured``), for the spill queue."""
+    resumed: int | None = None
+    """On an opening step that found a checkpoint: tokens it replays (-1: unusable, ran fresh)."""
 
 
 class Burst(EngineJob[StepOutput]):

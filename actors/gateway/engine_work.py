@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from actors.checkpoints import Captured, CheckpointBackend
 from actors.engine_thread.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.engine_thread.ports import Backend, Registered
 from messages.gateway import Generate
@@ -43,6 +44,10 @@ class Opening:
     handle: str | None = None
     cached_tokens: int = 0
     staging_id: str | None = None
+    checkpoint: bool = False
+    """Take generation checkpoints of this request (it has a key)."""
+    resume: Any = None
+    """A found checkpoint (``actors.checkpoints.ResumeFrom``) to resume instead of a fresh open."""
 
 
 @dataclass(slots=True)
@@ -52,6 +57,8 @@ class _Gen:
     cached_tokens: int
     decoded: int = 0
     checked_at: int = 0
+    checkpoint: bool = False
+    resumed_at: int = -1
 
 
 class EngineWork:
@@ -74,8 +81,13 @@ class EngineWork:
         snapshot_min_new_tokens: int = 64,
         guard: MemoryGuard | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        checkpoint_every: int = 0,
     ) -> None:
         self._backend = backend
+        # NOTE: generation checkpoints need a backend that can take and resume them.
+        self._ckpt = backend if checkpoint_every > 0 and isinstance(backend, CheckpointBackend) \
+            else None
+        self._every = checkpoint_every
         self._clock = clock
         self._guard = guard
         self._keep = keep_entries
@@ -89,8 +101,13 @@ class EngineWork:
         try:
             cached: int | None = None
             open_s = 0.0
+            resumed: int | None = None
             guard = self._guard
-            if opening is not None:
+            if opening is not None and opening.resume is not None and self._ckpt is not None:
+                resumed = self._resume(request_id, opening)
+            if opening is not None and resumed is not None and resumed >= 0:
+                cached = len(opening.request.prompt_tokens)
+            elif opening is not None:
                 if guard is not None:
                     guard.before_prefill(opening.request, opening.cached_tokens)
                 opened_at = self._clock()
@@ -108,7 +125,8 @@ class EngineWork:
                 open_s = max(0.0, self._clock() - opened_at)
                 # NOTE: the backend may have fallen back to a cold prefill; report what it reused.
                 cached = int(state.cached_tokens)
-                self._gens[request_id] = _Gen(opening.request, state, cached)
+                self._gens[request_id] = _Gen(opening.request, state, cached,
+                                              checkpoint=opening.checkpoint)
             gen = self._gens[request_id]
             if guard is not None and gen.decoded and gen.decoded % DECODE_CHECK_EVERY == 0 \
                     and gen.checked_at != gen.decoded:
@@ -117,9 +135,13 @@ class EngineWork:
                 guard.during_decode(gen.request, len(gen.request.prompt_tokens) + gen.decoded)
             result = backend.step(gen.state)
             entries: list[tuple[EntryRole, Registered]] = []
+            captured: Captured | None = None
             if result.phase == "decode":
                 self.decode_steps += 1
                 gen.decoded += 1
+                if gen.checkpoint and result.finish_reason is None \
+                        and gen.decoded % self._every == 0 and gen.decoded != gen.resumed_at:
+                    captured = self._capture(gen)
             point = result.prefill_complete if result.snapshot_point is None else result.snapshot_point
             if point and self._wants_snapshot(gen):
                 snap = self._cache_call("snapshot", gen, backend.snapshot)
@@ -134,7 +156,7 @@ class EngineWork:
                 else:
                     # NOTE: nobody would own a registered entry: drop the arrays here.
                     backend.discard(gen.state)
-            return StepOutput(result, tuple(entries), cached, open_s)
+            return StepOutput(result, tuple(entries), cached, open_s, captured, resumed)
         finally:
             backend.end_turn()
 
@@ -151,6 +173,43 @@ class EngineWork:
             return None
         finally:
             backend.end_turn()
+
+    def _resume(self, request_id: str, opening: Opening) -> int:
+        """Resume ``opening``'s checkpoint: tokens it replays, or -1 (unusable: open fresh)."""
+        ckpt = self._ckpt
+        assert ckpt is not None
+        found = opening.resume
+        try:
+            if self._guard is not None:
+                self._guard.before_prefill(opening.request, len(opening.request.prompt_tokens))
+            state = ckpt.resume(opening.request, found.header, found.host)
+        except Exception as exc:  # noqa: BLE001 - NOTE: a checkpoint that does not fit is a fresh run.
+            _log.warning("checkpoint.resume_failed", request_id=opening.request.request_id,
+                         path=found.path, error=repr(exc))
+            return -1
+        if opening.staging_id is not None:
+            ckpt.forget_staged(opening.staging_id)
+        emitted = int(found.emitted)
+        self._gens[request_id] = _Gen(opening.request, state, len(opening.request.prompt_tokens),
+                                      checkpoint=opening.checkpoint, resumed_at=emitted)
+        return emitted
+
+    def _capture(self, gen: _Gen) -> Captured | None:
+        ckpt = self._ckpt
+        assert ckpt is not None
+        # NOTE: a checkpoint is an optimisation: a failure here is a lost
+        # restart point, never a failed request.
+        try:
+            taken = ckpt.capture_checkpoint(gen.state)
+        except Exception as exc:  # noqa: BLE001
+            _log.warning("checkpoint.capture_failed", request_id=gen.request.request_id,
+                         error=repr(exc))
+            return None
+        if taken is None:
+            return None
+        point, reg = taken
+        return Captured(reg.handle, reg.meta, reg.tokens, point.prompt_len, point.pending_token,
+                        point.rng_key)
 
     def _wants_snapshot(self, gen: _Gen) -> bool:
         request = gen.request

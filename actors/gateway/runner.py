@@ -34,6 +34,7 @@ itself: a turn never ends without the gateway hearing of it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Any, assert_never
@@ -41,11 +42,12 @@ from typing import Any, assert_never
 import anyio
 import structlog
 
+from actors.checkpoints import CheckpointPort, ResumeFrom
 from actors.engine_thread.memory_guard import MemoryGuard
 from actors.engine_thread.ports import Backend, Executor
 from actors.engine_thread.steps import BackgroundSteps
 from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
-from messages import Envelope, Release
+from messages import Envelope, Release, RemoveCheckpoints
 from messages.gateway import (
     EndRequest,
     EngineWake,
@@ -56,7 +58,7 @@ from messages.gateway import (
 )
 
 from . import runner_core as rc
-from .burst import Burst, run_chain
+from .burst import Burst, StepOutput, run_chain
 from .engine_work import EngineWork
 
 __all__ = ["TurnRunner"]
@@ -81,6 +83,9 @@ class TurnRunner(Actor):
     memory before its prefill and during its decode (``memory_guard.py``).
     ``stream_write_timeout_s``: how long a token may wait for room in its
     requester's full stream before the stream counts as gone (module docstring).
+    ``checkpoints``: generation checkpoints (docs/cold-tier.md): a request's
+    key and lookup at its first turn, snapshots every ``every`` emitted
+    tokens handed to the spill queue without waiting, completion's removal.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class TurnRunner(Actor):
         observe_prefill: str | None = None,
         memory_guard: MemoryGuard | None = None,
         stream_write_timeout_s: float = 30.0,
+        checkpoints: CheckpointPort | None = None,
     ) -> None:
         if not stream_write_timeout_s > 0:
             raise ValueError("stream_write_timeout_s must be > 0")
@@ -111,7 +117,14 @@ class TurnRunner(Actor):
             keep_entries=prompt_cache is not None,
             snapshot_min_new_tokens=snapshot_min_new_tokens,
             guard=memory_guard,
+            checkpoint_every=checkpoints.every if checkpoints is not None else 0,
         )
+        self._ckpt = checkpoints
+        # NOTE: per live request: its checkpoint key and namespace, a found
+        # checkpoint waiting for the first step, and whether files may exist.
+        self._ckpt_keys: dict[str, tuple[str, str]] = {}
+        self._ckpt_found: dict[str, ResumeFrom] = {}
+        self._ckpt_files: set[str] = set()
         self.state = rc.RunnerState(keep_entries=prompt_cache is not None)
         self._burst: Burst | None = None
 
@@ -137,6 +150,8 @@ class TurnRunner(Actor):
         if isinstance(body, EngineWake):
             await self._drain(body.job, ctx)
         elif isinstance(body, RunTurn):
+            if body.start is not None and self._ckpt is not None:
+                await self._checkpoint_lookup(body.start)
             await self._feed(rc.TurnGranted(body, envelope.correlation_id, now), ctx)
         elif isinstance(body, StopBurst):
             await self._feed(rc.Preempt(body.request_id, now), ctx)
@@ -251,6 +266,9 @@ class TurnRunner(Actor):
 
     def _chain(self, burst: Burst, job: rc.StepJob) -> Callable[[], None]:
         work, rid, opening = self._work, job.request_id, job.opening
+        if opening is not None and rid in self._ckpt_keys:
+            opening = dataclasses.replace(opening, checkpoint=True,
+                                          resume=self._ckpt_found.pop(rid, None))
 
         def chain() -> None:
             run_chain(burst, lambda first: work.step(rid, opening if first else None))
@@ -259,7 +277,82 @@ class TurnRunner(Actor):
 
     def _drop(self, job: rc.DropJob) -> Callable[[], Any]:
         work, rid, keep = self._work, job.request_id, job.keep
+        # NOTE: a cancelled or failed answer keeps its checkpoints (a retry resumes them).
+        self._forget_checkpoint(job.request_id)
         return lambda: work.drop(rid, keep=keep)
+
+    # --- generation checkpoints ----------------------------------------------------
+
+    async def _checkpoint_lookup(self, request: Any) -> None:
+        """Key ``request`` and look its checkpoint up on a worker thread (never on the loop)."""
+        port = self._ckpt
+        assert port is not None
+        key = port.key_of(request)
+        if key is None:
+            return
+        rid = request.request_id
+        self._ckpt_keys[rid] = (key, request.namespace)
+        try:
+            found = await anyio.to_thread.run_sync(port.load, key, request.namespace,
+                                                   tuple(request.prompt_tokens))
+        except OSError as exc:
+            _log.warning("checkpoint.lookup_failed", request_id=rid, error=str(exc))
+            return
+        if found is not None:
+            self._ckpt_found[rid] = found
+            self._ckpt_files.add(rid)
+
+    def _checkpoint_output(self, rid: str, output: StepOutput, ctx: Context) -> None:
+        """Count a resume, hand a snapshot to the spill queue, void a finished answer's files."""
+        port = self._ckpt
+        assert port is not None
+        counters = port.counters
+        if output.resumed is not None:
+            if output.resumed >= 0:
+                counters.resumed += 1
+                counters.tokens_saved += output.resumed
+                counters.prompt_tokens_saved += int(output.cached_tokens or 0)
+            else:
+                counters.resume_failed += 1
+        keyed = self._ckpt_keys.get(rid)
+        cap = output.checkpoint
+        if cap is not None:
+            sent = False
+            if keyed is not None:
+                counters.taken += 1
+                try:
+                    # NOTE: never waits: decode goes on whether or not the queue takes it.
+                    sent = ctx.try_tell(port.spill_queue, port.enqueue(keyed[0], keyed[1], cap))
+                except RuntimeFailure:
+                    sent = False
+            if sent:
+                self._ckpt_files.add(rid)
+            else:
+                counters.unsent += keyed is not None
+                self._dispose(cap.handle)
+        if output.result.finish_reason is not None and keyed is not None:
+            may_exist = rid in self._ckpt_files
+            self._forget_checkpoint(rid)
+            if may_exist:
+                # NOTE: completion voids the key's checkpoints: the queue drops its
+                # queued ones and the writer removes the files after any write in flight.
+                try:
+                    ctx.try_tell(port.spill_queue, RemoveCheckpoints(request_key=keyed[0]))
+                except RuntimeFailure as exc:
+                    _log.warning("checkpoint.remove_unsent", request_id=rid, error=repr(exc))
+
+    def _forget_checkpoint(self, rid: str) -> None:
+        self._ckpt_keys.pop(rid, None)
+        self._ckpt_found.pop(rid, None)
+        self._ckpt_files.discard(rid)
+
+    def _dispose(self, handle: str) -> None:
+        port = self._ckpt
+        assert port is not None
+        try:
+            port.dispose(handle)
+        except KeyError:
+            pass  # NOTE: the registry no longer knows it: nothing left to free.
 
     async def _drain(self, job_id: int, ctx: Context) -> None:
         """Feed the core every output of job ``job_id`` the engine produced, then its end if it ended."""
@@ -272,6 +365,11 @@ class TurnRunner(Actor):
             while burst.results:
                 output = burst.results.popleft()
                 burst.consumed += 1
+                running = self.state.running
+                rid = running[1].request_id if running is not None \
+                    and isinstance(running[1], rc.StepJob) else None
+                if self._ckpt is not None and rid is not None:
+                    self._checkpoint_output(rid, output, ctx)
                 await self._feed(rc.StepDone(output, ctx.clock.now()), ctx)
         except Exception as exc:  # noqa: BLE001 - a bug fails this request, not the lane
             _log.error("gateway.turn_bug", job=job_id, error=repr(exc))

@@ -23,7 +23,7 @@ from actors.runtime import (
     UnknownAddress,
     get_logger,
 )
-from messages import Envelope, Store
+from messages import Envelope, RemoveCheckpoints, Store
 from messages.gateway import RunWhenIdle
 
 from . import core
@@ -90,6 +90,8 @@ class SpillQueue(Actor):
                     work.extend(more)
             elif isinstance(effect, core.Answer):
                 await ctx.reply(effect.request, effect.body)
+            elif isinstance(effect, core.SendRemoveCheckpoints):
+                await self._send_remove(effect.request_key, ctx)
             else:
                 assert_never(effect)
 
@@ -101,6 +103,7 @@ class SpillQueue(Actor):
             meta=item.meta,
             source=item.source,
             reply_to=ctx.name,
+            checkpoint=item.checkpoint,
         )
         try:
             await ctx.ref(self._writer).tell(body, correlation_id=item.correlation_id)
@@ -111,6 +114,15 @@ class SpillQueue(Actor):
             self.state, more = core.store_unavailable(self.state, item.handle, "writer_unavailable")
             return more
         return []
+
+    async def _send_remove(self, request_key: str, ctx: Context) -> None:
+        # NOTE: the same mailbox as the Stores, so the removal runs after any
+        # write of the key already handed over; a lost one leaves files that
+        # the next identical request finds and resumes (never a wrong answer).
+        try:
+            await ctx.ref(self._writer).tell(RemoveCheckpoints(request_key=request_key))
+        except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
+            _log.warning("spill_queue.remove_checkpoints_unsent", error=type(exc).__name__)
 
     def _request_drain(self, step_id: str, ctx: Context) -> bool:
         """Ask the gateway for the drain turn; ``False`` if the ask was not sent."""

@@ -14,10 +14,13 @@ them on random sequences):
   settles (stored, failed, dropped, dropped at stop); a handle is never
   released while the writer may still read it, except at stop;
 - at most one item is in flight; items start in arrival order;
-- after an enqueue, ``pending_bytes <= cap_bytes`` unless the only queued
-  item is the one just enqueued (the soft cap: the newest item is never its
-  own victim, and the in-flight item is never a victim);
-- a dropped item is always the oldest queued one;
+- after an enqueue, each class's bytes (prompt spills, checkpoints) stay
+  within its share of ``cap_bytes`` unless the only queued item of the
+  class is the one just enqueued (the soft cap: the newest item is never its
+  own victim, and the in-flight item is never a victim); with no
+  checkpoints (or ``checkpoint_share`` 0 and none queued) this is
+  ``pending_bytes <= cap_bytes``;
+- an item dropped over the cap is always the oldest queued one of its class;
 - with a ``drain_step``, every release is followed by a drain turn: one is
   asked for after the effects that release, unless one is already asked
   for, and then again when that one is done if more were released since.
@@ -27,6 +30,14 @@ them on random sequences):
   turns, so without this the entries stored between two waves of requests
   stayed alive into the next wave's prefill (118 MB of them measured over
   the two 0.1 GB caps, docs/benchmarks/batching.md).
+- generation checkpoints (``source="checkpoint"``) have their own share of
+  the cap (``checkpoint_share``; the design splits the one spill budget
+  between prompt spills and checkpoints): each class drops only its own
+  oldest queued items over its share, so a long answer's checkpoints never
+  push prompt spills out and the reverse; a newer checkpoint of a request
+  key supersedes its queued older one (only the newest is worth writing);
+  ``RemoveCheckpoints`` drops the key's queued checkpoints and forwards the
+  removal to the writer, behind any write of the key already handed over.
 """
 
 from __future__ import annotations
@@ -36,11 +47,13 @@ from dataclasses import dataclass, field
 
 from messages import (
     Body,
+    CheckpointRecord,
     DrainSpills,
     Enqueue,
     EntryMeta,
     Envelope,
     Failure,
+    RemoveCheckpoints,
     SpillOutcome,
     SpillQueueStats,
     SpillQueueStatsRequest,
@@ -59,6 +72,7 @@ __all__ = [
     "QueueState",
     "ReleaseHandle",
     "RequestDrain",
+    "SendRemoveCheckpoints",
     "SendStore",
     "UnknownSpillQueueMessage",
     "drain_undelivered",
@@ -94,6 +108,7 @@ class Item:
     source: SpillSource
     correlation_id: str
     notify: Envelope | None = None
+    checkpoint: CheckpointRecord | None = None
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +148,14 @@ class Answer:
     body: Body
 
 
-Effect = SendStore | ReleaseHandle | RequestDrain | Answer
+@dataclass(frozen=True, slots=True)
+class SendRemoveCheckpoints:
+    """Tell the SSD writer to remove every checkpoint file of ``request_key``."""
+
+    request_key: str
+
+
+Effect = SendStore | ReleaseHandle | RequestDrain | Answer | SendRemoveCheckpoints
 
 
 @dataclass
@@ -157,10 +179,33 @@ class QueueState:
     drain_in_flight: bool = False
     undrained: int = 0
     drains_requested: int = 0
+    checkpoint_share: float = 0.0
+    checkpoints_enqueued: int = 0
+    checkpoints_superseded: int = 0
+    checkpoints_removed: int = 0
+    checkpoints_lost: int = 0
 
     def __post_init__(self) -> None:
         if self.cap_bytes < 0:
             raise ValueError("cap_bytes cannot be negative")
+        if not 0.0 <= self.checkpoint_share <= 1.0:
+            raise ValueError("checkpoint_share must lie in [0, 1]")
+
+
+def _is_ckpt(item: Item) -> bool:
+    return item.checkpoint is not None
+
+
+def class_cap(state: QueueState, checkpoint: bool) -> int:
+    """The byte share of one item class: checkpoints get ``checkpoint_share`` of the cap."""
+    ckpt = int(state.cap_bytes * state.checkpoint_share)
+    return ckpt if checkpoint else state.cap_bytes - ckpt
+
+
+def class_bytes(state: QueueState, checkpoint: bool) -> int:
+    """Bytes pinned by queued and in-flight items of one class."""
+    items = list(state.queued) + ([state.in_flight] if state.in_flight is not None else [])
+    return sum(i.nbytes for i in items if _is_ckpt(i) == checkpoint)
 
 
 def pending_bytes(state: QueueState) -> int:
@@ -186,6 +231,7 @@ def _item(envelope: Envelope, msg: Enqueue, seq: int) -> Item:
         source=msg.source,
         correlation_id=envelope.correlation_id,
         notify=envelope if msg.reply_to else None,
+        checkpoint=msg.checkpoint,
     )
 
 
@@ -206,6 +252,9 @@ def _notify(item: Item, outcome: SpillOutcome, reason: str) -> list[Effect]:
 
 def _settle(state: QueueState, item: Item, outcome: SpillOutcome, reason: str) -> list[Effect]:
     """Release ``item``'s handle and tell its producer how it ended."""
+    if item.checkpoint is not None and outcome != "stored" \
+            and reason not in ("superseded", "completed"):
+        state.checkpoints_lost += 1
     return [ReleaseHandle(item.handle), *_notify(item, outcome, reason)]
 
 
@@ -224,6 +273,7 @@ def _drained_body(state: QueueState) -> SpillsDrained:
         dropped=state.dropped,
         failed=state.failed,
         refused=state.refused,
+        checkpoints_lost=state.checkpoints_lost,
     )
 
 
@@ -257,22 +307,53 @@ def enqueue(state: QueueState, envelope: Envelope, msg: Enqueue) -> list[Effect]
         state.enqueued += 1
         state.failed += 1
         return _settle(state, _item(envelope, msg, seq=-1), "failed", "invalid")
+    if (msg.checkpoint is None) != (msg.source != "checkpoint"):
+        state.enqueued += 1
+        state.failed += 1
+        return _settle(state, _item(envelope, msg, seq=-1), "failed", "invalid")
     state.seq += 1
     state.enqueued += 1
     item = _item(envelope, msg, state.seq)
+    effects: list[Effect] = []
+    ckpt = item.checkpoint
+    if ckpt is not None:
+        state.checkpoints_enqueued += 1
+        # NOTE: only the newest checkpoint of a key is worth writing; an
+        # older one still queued is dropped (the in-flight one is left).
+        for old in [q for q in state.queued
+                    if q.checkpoint is not None and q.checkpoint.request_key == ckpt.request_key]:
+            effects += _drop(state, old, "superseded")
+            state.checkpoints_superseded += 1
     state.queued.append(item)
     state.queued_bytes += item.nbytes
-    effects: list[Effect] = []
-    # NOTE: len > 1 keeps the item just enqueued (always the last) out of
-    # reach; the in-flight item is not in ``queued`` at all.
-    while pending_bytes(state) > state.cap_bytes and len(state.queued) > 1:
-        victim = state.queued.popleft()
-        state.queued_bytes -= victim.nbytes
-        state.dropped += 1
-        state.dropped_bytes += victim.nbytes
-        effects += _settle(state, victim, "dropped", "over_cap")
+    # NOTE: the class's own oldest queued items go first, never the item just
+    # enqueued (always the last) nor the in-flight one (not in ``queued``).
+    cls = _is_ckpt(item)
+    while class_bytes(state, cls) > class_cap(state, cls):
+        victims = [q for q in state.queued if _is_ckpt(q) == cls and q is not item]
+        if not victims:
+            break
+        effects += _drop(state, victims[0], "over_cap")
     effects += _after_settle(state)
     return effects
+
+
+def _drop(state: QueueState, victim: Item, reason: str) -> list[Effect]:
+    state.queued.remove(victim)
+    state.queued_bytes -= victim.nbytes
+    state.dropped += 1
+    state.dropped_bytes += victim.nbytes
+    return _settle(state, victim, "dropped", reason)
+
+
+def remove_checkpoints(state: QueueState, msg: RemoveCheckpoints) -> list[Effect]:
+    """A finished answer: drop its queued checkpoints, then have the writer remove its files."""
+    effects: list[Effect] = []
+    for old in [q for q in state.queued
+                if q.checkpoint is not None and q.checkpoint.request_key == msg.request_key]:
+        effects += _drop(state, old, "completed")
+    state.checkpoints_removed += 1
+    return [*effects, SendRemoveCheckpoints(msg.request_key)]
 
 
 def store_result(state: QueueState, msg: StoreResult) -> list[Effect]:
@@ -343,6 +424,8 @@ def stats(state: QueueState) -> SpillQueueStats:
         dropped_bytes=state.dropped_bytes,
         failed=state.failed,
         refused=state.refused,
+        pending_checkpoints=sum(i.checkpoint is not None for i in state.queued)
+        + (state.in_flight is not None and state.in_flight.checkpoint is not None),
     )
 
 
@@ -381,6 +464,8 @@ def _handle(state: QueueState, envelope: Envelope) -> tuple[QueueState, list[Eff
         return state, []
     if isinstance(body, Enqueue):
         return state, enqueue(state, envelope, body)
+    if isinstance(body, RemoveCheckpoints):
+        return state, remove_checkpoints(state, body)
     if isinstance(body, StoreResult):
         return state, store_result(state, body)
     if isinstance(body, Failure):

@@ -40,6 +40,12 @@ from typing import Any, TypeVar, assert_never
 
 import anyio
 
+from actors.checkpoints import (
+    CheckpointCounters,
+    checkpoint_dir,
+    remove_checkpoints,
+    write_checkpoint,
+)
 from actors.runtime import (
     Actor,
     ActorStopped,
@@ -58,6 +64,7 @@ from kernels.cache import (
     EntryPlan,
     FileLock,
     FilePort,
+    GenerationCheckpoint,
     KvFileWriter,
     OpenEntry,
     OsFilePort,
@@ -68,6 +75,7 @@ from messages import (
     EntryWritten,
     Envelope,
     ReadEntry,
+    RemoveCheckpoints,
     ReserveSpace,
     Restore,
     RestoreReport,
@@ -75,6 +83,8 @@ from messages import (
     SpaceReserved,
     SpillQueueStats,
     SsdStats,
+    Store,
+    StoreResult,
     WriteCommitted,
     WriteEntry,
 )
@@ -163,6 +173,7 @@ class ColdTier:
     staging: HostStaging
     name: str = SSD_WRITER_ADDRESS
     lock: FileLock | None = None
+    checkpoints: CheckpointCounters = field(default_factory=CheckpointCounters)
     _limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
 
     @property
@@ -248,8 +259,33 @@ class SsdWriter(Actor):
             )
         if landed:
             await self._perform(landed, ctx)
+        body = envelope.body
+        if (isinstance(body, Store) and body.checkpoint is not None) \
+                or isinstance(body, RemoveCheckpoints):
+            await self._checkpoint_work(envelope, ctx)
+            return
         tier.state, effects = core.handle(tier.state, envelope)
         await self._perform(effects, ctx)
+
+    async def _checkpoint_work(self, envelope: Envelope, ctx: Context) -> None:
+        """Hand a checkpoint write or removal to the store worker (outside the index).
+
+        NOTE: checkpoint files are not index entries (no prefix lookup finds
+        them); the store worker runs writes and removals in arrival order,
+        so a completion's removal never overtakes its key's write.
+        """
+        tier, body = self._tier, envelope.body
+        if tier.state.read_only or not tier.state.ready:
+            if isinstance(body, Store):
+                tier.checkpoints.write_failed += 1
+                await ctx.reply(envelope, StoreResult(handle=body.handle, stored=False,
+                                                      reason="read_only"))
+            return
+        if not _try_tell(ctx, tier.store_address, body, envelope.correlation_id) \
+                and isinstance(body, Store):
+            tier.checkpoints.write_failed += 1
+            await ctx.reply(envelope, StoreResult(handle=body.handle, stored=False,
+                                                  reason="writer_unavailable"))
 
     async def _load(self, ctx: Context) -> None:
         tier, state = self._tier, self._tier.state
@@ -394,6 +430,12 @@ class StoreWorker(Actor):
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Write the job, report it, unlink what it superseded."""
         body = envelope.body
+        if isinstance(body, Store):
+            await ctx.reply(envelope, await self._write_checkpoint(body))
+            return
+        if isinstance(body, RemoveCheckpoints):
+            await self._remove_checkpoints(body.request_key)
+            return
         if not isinstance(body, WriteEntry):
             raise TypeError(f"store worker has no rule for {body.kind!r}")
         tier = self._tier
@@ -413,6 +455,64 @@ class StoreWorker(Actor):
                 _log.warning("ssd_cache.supersede_unlink_failed", paths=list(removal.left))
             # NOTE: the index counts these files until it hears they are gone.
             await ctx.tell(tier.name, FilesRemoved(removed=removal.gone, failed=removal.left))
+
+    def _checkpoint_dir(self) -> str:
+        ident = self._tier.config.identity
+        return checkpoint_dir(self._tier.config.root, ident.fingerprint)
+
+    async def _write_checkpoint(self, job: Store) -> StoreResult:
+        """Write one checkpoint file: plan and tensors in idle engine turns, file work on a worker.
+
+        NOTE: the file is committed under its own name before the key's older
+        files go (``actors.checkpoints.write_checkpoint``), so every failure
+        leaves the previous checkpoint valid.
+        """
+        tier = self._tier
+        ck = job.checkpoint
+        assert ck is not None
+        counters = tier.checkpoints
+        record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
+                                      ck.sample_index, ck.rng_key)
+        source, port = tier.source, tier.port
+        plan: EntryPlan | None = None
+        try:
+            plan = await self._source(source.plan(job.handle, namespace=job.namespace,
+                                                  tokens=job.tokens, checkpoint=record))
+            directory = self._checkpoint_dir()
+            await tier.run(port.makedirs, directory)
+            planned = plan
+
+            def tensor(i: int) -> memoryview:
+                # NOTE: runs on the worker thread; the bytes come from an idle
+                # engine turn on the loop (the source keeps the last reference).
+                return memoryview(anyio.from_thread.run(source.tensor, planned, i))
+
+            path = await tier.run(write_checkpoint, port, directory, plan, tensor)
+        except (_SourceFailed, ValueError) as exc:
+            counters.write_failed += 1
+            _log.warning("checkpoint.write_failed", reason="source_failed", error=str(exc))
+            return StoreResult(handle=job.handle, stored=False, reason="source_failed")
+        except OSError as exc:
+            counters.write_failed += 1
+            reason = io.store_failure_reason(exc)
+            _log.warning("checkpoint.write_failed", reason=reason, error=str(exc))
+            return StoreResult(handle=job.handle, stored=False, reason=reason)
+        finally:
+            if plan is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._finish(plan)
+        counters.written += 1
+        counters.bytes += plan.file_size
+        return StoreResult(handle=job.handle, stored=True, path=path, file_bytes=plan.file_size)
+
+    async def _remove_checkpoints(self, request_key: str) -> None:
+        try:
+            removed = await self._tier.run(remove_checkpoints, self._tier.port,
+                                           self._checkpoint_dir(), request_key)
+        except OSError as exc:
+            _log.warning("checkpoint.remove_failed", error=str(exc))
+            return
+        self._tier.checkpoints.removed += removed
 
     async def _source(self, pending: Awaitable[T]) -> T:
         try:

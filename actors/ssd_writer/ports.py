@@ -29,6 +29,7 @@ from kernels.cache import (
     LANDING_THREADS_ENV,
     CacheFileCorrupt,
     EntryPlan,
+    GenerationCheckpoint,
     KvFileHeader,
     LandingPool,
     OpenEntry,
@@ -71,8 +72,15 @@ class TensorSource(Protocol):
     on the engine thread.
     """
 
-    async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
-        """Plan the file for ``handle`` (one engine turn)."""
+    async def plan(
+        self,
+        handle: str,
+        *,
+        namespace: str,
+        tokens: tuple[int, ...],
+        checkpoint: GenerationCheckpoint | None = None,
+    ) -> EntryPlan:
+        """Plan the file for ``handle`` (one engine turn); a checkpoint file with ``checkpoint``."""
         ...
 
     async def tensor(self, plan: EntryPlan, index: int) -> BytesLike:
@@ -183,7 +191,14 @@ class EngineTensorSource:
         self._identity = identity
         self._last: dict[int, BytesLike] = {}
 
-    async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
+    async def plan(
+        self,
+        handle: str,
+        *,
+        namespace: str,
+        tokens: tuple[int, ...],
+        checkpoint: GenerationCheckpoint | None = None,
+    ) -> EntryPlan:
         """See :meth:`TensorSource.plan`."""
         ident = self._identity
 
@@ -195,6 +210,7 @@ class EngineTensorSource:
                 namespace=namespace,
                 tokenizer_hash=ident.tokenizer_hash,
                 tokens=tokens,
+                checkpoint=checkpoint,
             )
 
         return await self._turns.run_when_idle(step)

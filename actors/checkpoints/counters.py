@@ -1,0 +1,62 @@
+"""The generation checkpoints' figures for ``/stats`` (one object shared by the writer and the runner).
+
+Every field is written on the event loop only (the runner's shell, the SSD
+writer's store worker), so no lock is needed; ``/stats`` reads a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CheckpointCounters"]
+
+
+@dataclass(slots=True)
+class CheckpointCounters:
+    """Checkpoints taken, written, failed, removed, resumed; requests refused by reason.
+
+    ``taken``: owned snapshots handed to the spill queue; ``unsent``: those
+    the queue could not take (its mailbox full or gone; the snapshot was
+    released). ``written``/``bytes``: files committed (fsync + rename);
+    ``write_failed``: writes that did not commit (the previous file stays).
+    ``removed``: files removed when their answer completed. ``resumed``:
+    requests that restored a checkpoint; ``tokens_saved``: emitted tokens
+    they replayed instead of computing (plus the prompt they did not
+    prefill, counted in ``prompt_tokens_saved``). ``resume_failed``: found
+    checkpoints that could not be used (the request then ran fresh).
+    ``refused``: requests not checkpointed, by reason (``grammar``,
+    ``logprobs``).
+    """
+
+    taken: int = 0
+    unsent: int = 0
+    written: int = 0
+    bytes: int = 0
+    write_failed: int = 0
+    removed: int = 0
+    resumed: int = 0
+    tokens_saved: int = 0
+    prompt_tokens_saved: int = 0
+    resume_failed: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+    def refuse(self, reason: str) -> None:
+        """Count one request not checkpointed for ``reason``."""
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The figures as the ``/stats`` ``generation_checkpoints`` section."""
+        return {
+            "taken": self.taken,
+            "unsent": self.unsent,
+            "written": self.written,
+            "bytes": self.bytes,
+            "write_failed": self.write_failed,
+            "removed": self.removed,
+            "resumed": self.resumed,
+            "tokens_saved": self.tokens_saved,
+            "prompt_tokens_saved": self.prompt_tokens_saved,
+            "resume_failed": self.resume_failed,
+            "refused": dict(sorted(self.refused.items())),
+        }

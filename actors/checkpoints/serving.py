@@ -1,0 +1,149 @@
+"""What the serving path needs of generation checkpoints (docs/cold-tier.md, "Generation checkpoints").
+
+:class:`CheckpointPort` is built once by the engine's wiring when
+``generation_checkpoint`` > 0 and the SSD tier is on. The turn runner asks it
+for a request's key at admission (:meth:`CheckpointPort.key_of`), looks the
+key up on a worker thread (:meth:`CheckpointPort.load`: the newest valid
+file, read into host memory with every tensor hash checked), and hands the
+owned snapshots :class:`Captured` on the engine thread to the spill queue.
+
+:class:`Captured` and :class:`ResumeFrom` cross from the engine thread to the
+loop and back; both are immutable apart from ``ResumeFrom.host``, which the
+engine thread alone consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from kernels.cache import (
+    CacheFileCorrupt,
+    CacheFileIncompatible,
+    FilePort,
+    HostEntry,
+    KvFileHeader,
+    read_tensors,
+)
+from messages import CheckpointRecord, Enqueue, EntryMeta
+from messages.gateway import Generate
+
+from .counters import CheckpointCounters
+from .key import checkpoint_refusal, request_key
+from .store import find_checkpoint
+
+__all__ = ["Captured", "CheckpointBackend", "CheckpointPort", "ResumeFrom"]
+
+
+@runtime_checkable
+class CheckpointBackend(Protocol):
+    """What a backend offers to checkpoint and resume its generations (engine thread)."""
+
+    def capture_checkpoint(self, gen: Any) -> tuple[Any, Any] | None:
+        """``(CheckpointPoint, Registered)`` of an owned snapshot at the boundary, or ``None``."""
+        ...
+
+    def resume(self, request: Generate, header: KvFileHeader, host: Any) -> Any:
+        """A generation resumed from a checkpoint file (raises when it does not fit)."""
+        ...
+
+    def forget_staged(self, staging_id: str) -> None:
+        """Close a restored SSD entry a resumed request does not use."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """An owned snapshot of a row's caches at a checkpoint boundary (made on the engine thread).
+
+    ``handle`` (a registry entry covering ``tokens`` = prompt + emitted)
+    belongs to whoever holds this object until the spill queue accepts it.
+    """
+
+    handle: str
+    meta: EntryMeta
+    tokens: tuple[int, ...]
+    prompt_len: int
+    pending_token: int
+    rng_key: tuple[int, int] | None
+
+    @property
+    def sample_index(self) -> int:
+        """Tokens emitted before the pending one."""
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass(slots=True)
+class ResumeFrom:
+    """A found checkpoint, validated and read into host memory (worker thread)."""
+
+    path: str
+    header: KvFileHeader
+    host: HostEntry
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the checkpoint replays."""
+        ck = self.header.checkpoint
+        return 0 if ck is None else ck.sample_index
+
+
+@dataclass
+class CheckpointPort:
+    """The checkpoint settings and figures the turn runner works with.
+
+    ``every``: emitted tokens between checkpoints. ``directory``: the
+    checkpoint directory of ``fingerprint`` (the SSD tier's). ``spill_queue``:
+    where snapshots go. ``dispose``: releases a snapshot's registry handle
+    that never reached the queue.
+    """
+
+    every: int
+    directory: str
+    fingerprint: str
+    port: FilePort
+    spill_queue: str
+    dispose: Any
+    counters: CheckpointCounters
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every <= 0:
+            raise ValueError("every must be > 0")
+
+    def key_of(self, request: Generate) -> str | None:
+        """``request``'s checkpoint key, or ``None`` (counted) when v1 does not checkpoint it."""
+        reason = checkpoint_refusal(request.params)
+        if reason is not None:
+            self.counters.refuse(reason)
+            return None
+        return request_key(request.prompt_tokens, request.params,
+                           namespace=request.namespace, fingerprint=self.fingerprint)
+
+    def load(self, key: str, namespace: str, prompt: tuple[int, ...]) -> ResumeFrom | None:
+        """The newest valid checkpoint of ``key`` read into host memory (worker thread; ``None``: none).
+
+        A file whose prompt is not ``prompt`` or whose tensors fail their
+        hashes is not used (a fresh run follows).
+        """
+        found = find_checkpoint(self.port, self.directory, key,
+                                fingerprint=self.fingerprint, namespace=namespace)
+        if found is None:
+            return None
+        ck = found.header.checkpoint
+        if ck is None or found.header.tokens[:ck.prompt_len] != prompt \
+                or ck.prompt_len != len(prompt):
+            return None
+        try:
+            host = read_tensors(self.port, found.path, found.header, verify=self.verify)
+        except (CacheFileCorrupt, CacheFileIncompatible, OSError):
+            return None
+        return ResumeFrom(found.path, found.header, host)
+
+    def enqueue(self, key: str, namespace: str, cap: Captured) -> Enqueue:
+        """The spill-queue item of ``cap`` (the queue owns its handle once it accepts it)."""
+        record = CheckpointRecord(request_key=key, prompt_len=cap.prompt_len,
+                                  pending_token=cap.pending_token,
+                                  sample_index=cap.sample_index, rng_key=cap.rng_key)
+        return Enqueue(handle=cap.handle, namespace=namespace, tokens=cap.tokens, meta=cap.meta,
+                       source="checkpoint", checkpoint=record)

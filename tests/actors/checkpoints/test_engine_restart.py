@@ -1,0 +1,111 @@
+"""A restarted Engine resumes an identical request from its generation checkpoint (tiny Llama, serial lane).
+
+The first Engine runs the request until a client cancel after 21 tokens
+(a cancel keeps the checkpoints taken at 8 and 16 tokens), waits until
+they are durable and closes; a new Engine on the same SSD directory gets
+the identical request and must answer exactly what an uninterrupted run
+answers, having replayed the checkpoint's tokens instead of computing them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from actors.checkpoints import CHECKPOINT_DIR
+from actors.engine import Engine
+from messages.gateway import GenerationParams, TokenEvent
+from tests.actors.test_cold_tier_engine import IDENTITY
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [3 + (i * 7) % 80 for i in range(30)]
+EVERY = 8
+CASES = [
+    pytest.param(GenerationParams(max_tokens=40), id="greedy"),
+    pytest.param(GenerationParams(max_tokens=40, temperature=0.8, seed=11), id="seeded-0.8"),
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    """One tiny fp32 Llama for the module (the same weights in every Engine)."""
+    return tiny_llama(vocab_size=len(tiny_tokenizer()))
+
+
+def _engine(model: Any, root: Path | None, every: int = EVERY) -> Engine:
+    return Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                              prompt_cache_bytes=1 << 26, ssd_cache=root, max_batch=1,
+                              ssd_writebehind=False, generation_checkpoint=every)
+
+
+async def _tokens(engine: Engine, params: GenerationParams, *, cancel_after: int | None = None
+                  ) -> list[int]:
+    out: list[int] = []
+    async with engine.generate(PROMPT, params) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                out.append(event.token_id)
+                if cancel_after is not None and len(out) == cancel_after:
+                    break
+    return out
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(root.glob(f"*/{CHECKPOINT_DIR}/*.kvc"))
+
+
+async def _section(engine: Engine) -> dict[str, Any]:
+    stats = await engine.stats(timeout=5)
+    section: dict[str, Any] = stats["generation_checkpoints"]
+    return section
+
+
+async def _until_written(engine: Engine, n: int) -> None:
+    with anyio.fail_after(60):
+        while (await _section(engine))["written"] < n:
+            await anyio.sleep(0.05)
+
+
+@pytest.mark.parametrize("params", CASES)
+async def test_restarted_engine_resumes_identical_request(
+    model: Any, tmp_path: Path, params: GenerationParams
+) -> None:
+    """Tokens after a restart equal an uninterrupted run; 16 tokens replayed, not computed."""
+    async with _engine(model, None, every=0) as plain:
+        expected = await _tokens(plain, params)
+    assert len(expected) == 40
+    async with _engine(model, tmp_path) as first:
+        cut = await _tokens(first, params, cancel_after=21)
+        assert cut == expected[:21]
+        await _until_written(first, 2)
+        section = await _section(first)
+    assert section["taken"] == 2 and section["removed"] == 0
+    files = _files(tmp_path)
+    # NOTE: only the newest checkpoint of the key survives (16 emitted tokens).
+    assert [f.name.rsplit("-", 1)[1] for f in files] == ["16.kvc"]
+    async with _engine(model, tmp_path) as second:
+        resumed = await _tokens(second, params)
+        section = await _section(second)
+        await second.flush(timeout=30)
+    assert resumed == expected
+    assert section["resumed"] == 1 and section["tokens_saved"] == 16
+    # NOTE: completion removes the key's checkpoints (after the writes in flight).
+    with anyio.fail_after(30):
+        while _files(tmp_path):
+            await anyio.sleep(0.05)
+
+
+async def test_refused_requests_are_counted_and_write_nothing(model: Any, tmp_path: Path) -> None:
+    """A logprobs request takes no checkpoint and /stats counts it under refused.logprobs."""
+    params = GenerationParams(max_tokens=20, logprobs=True)
+    async with _engine(model, tmp_path) as engine:
+        await _tokens(engine, params, cancel_after=18)
+        section = await _section(engine)
+    assert section["refused"] == {"logprobs": 1}
+    assert section["taken"] == 0
+    assert _files(tmp_path) == []
