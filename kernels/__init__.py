@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ._env import env_switch, env_text
 from ._errors import (
-    EngineClosed,
     EngineQueueFull,
+    EngineThreadClosed,
     EngineThreadDead,
     GenerationFinished,
     InvalidPrompt,
@@ -109,10 +109,10 @@ __all__ = [
     "CacheNotTrimmable",
     "CacheRegistry",
     "DefaultModelFetchError",
-    "EngineClosed",
     "EngineQueueFull",
     "EngineStats",
     "EngineThread",
+    "EngineThreadClosed",
     "EngineThreadDead",
     "Generation",
     "GenerationFinished",

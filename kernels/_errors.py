@@ -8,8 +8,8 @@ maps the ones that reach a client.
 from __future__ import annotations
 
 __all__ = [
-    "EngineClosed",
     "EngineQueueFull",
+    "EngineThreadClosed",
     "EngineThreadDead",
     "GenerationFinished",
     "InvalidPrompt",
@@ -23,7 +23,7 @@ class KernelError(Exception):
     """Base class of every typed error raised by ``kernels``."""
 
 
-class EngineClosed(KernelError):
+class EngineThreadClosed(KernelError):
     """The engine thread was closed; it accepts no more jobs."""
 
 

@@ -45,7 +45,7 @@ from typing import Any, Final, Generic, Literal, ParamSpec, Self, TypeVar
 
 import anyio.to_thread
 
-from kernels._errors import EngineClosed, EngineQueueFull, EngineThreadDead, NotOnEngineThread
+from kernels._errors import EngineQueueFull, EngineThreadClosed, EngineThreadDead, NotOnEngineThread
 
 __all__ = [
     "EngineStats",
@@ -302,7 +302,7 @@ class EngineThread:
             if self._dead:
                 raise EngineThreadDead("the engine thread has exited abnormally")
             if self._closed:
-                raise EngineClosed("the engine thread is closed")
+                raise EngineThreadClosed("the engine thread is closed")
             if self._pending >= self._max_queue:
                 raise EngineQueueFull(f"{self._pending} engine jobs pending (max {self._max_queue})")
             self._pending += 1

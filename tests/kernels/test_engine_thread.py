@@ -17,9 +17,9 @@ import mlx.core as mx
 import pytest
 
 from kernels import (
-    EngineClosed,
     EngineQueueFull,
     EngineThread,
+    EngineThreadClosed,
     EngineThreadDead,
     NotOnEngineThread,
     on_engine_thread,
@@ -204,9 +204,9 @@ async def test_close_drains_queued_jobs_then_rejects_new_ones() -> None:
     assert ran == [0, 1, 2]
     assert not eng.statistics().alive
     assert eng.closed
-    with pytest.raises(EngineClosed):
+    with pytest.raises(EngineThreadClosed):
         await eng.run(ran.append, 99)
-    with pytest.raises(EngineClosed):
+    with pytest.raises(EngineThreadClosed):
         eng.sync_run(ran.append, 99)
 
 
