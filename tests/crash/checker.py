@@ -71,15 +71,6 @@ from kernels.cache import (
     EntryPlan,
     read_header,
 )
-from kernels.cache._crash_fs import (
-    CrashFS,
-    CrashSpace,
-    CrashState,
-    Fault,
-    FaultingPort,
-    FaultKind,
-    OpRecord,
-)
 from kernels.cache._file_port import FilePort
 from kernels.cache._kv_file import plan_entry, tensor_bytes
 from messages import (
@@ -97,6 +88,15 @@ from messages import (
 from messages.durability import Flush, FlushResult, Schedule
 from messages.gateway import RunWhenIdle, TurnDone
 from messages.ssd_writer import FilesRemoved, ScrubWake
+from tests.crash.crash_fs import (
+    CrashFS,
+    CrashSpace,
+    CrashState,
+    Fault,
+    FaultingPort,
+    FaultKind,
+    OpRecord,
+)
 
 T = TypeVar("T")
 B = TypeVar("B", bound=Body)

@@ -8,10 +8,10 @@ The same workloads through the correct port have no violation
 
 from __future__ import annotations
 
-from kernels.cache._crash_fs import CrashFS, Fault, FaultingPort
 from kernels.cache._file_port import FilePort
 from tests.crash import checker
 from tests.crash.checker import FlushStep, PutStep, StoreStep
+from tests.crash.crash_fs import CrashFS, Fault, FaultingPort
 from tests.crash.ports import NoDirFsyncPort, RenameBeforeFsyncPort, TrustedRetryFsyncPort
 
 STORES = [

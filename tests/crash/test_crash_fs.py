@@ -6,14 +6,14 @@ import errno
 
 import pytest
 
-from kernels.cache._crash_fs import (
+from kernels.cache._file_port import LockUnavailable, ShortRead
+from tests.crash.crash_fs import (
     CrashFS,
     CrashState,
     Fault,
     FaultingPort,
     UnobservedRead,
 )
-from kernels.cache._file_port import LockUnavailable, ShortRead
 
 
 def _fs(*, record: bool = False) -> CrashFS:

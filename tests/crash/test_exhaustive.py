@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cache._crash_fs import CrashFS
 from tests.crash import checker
 from tests.crash.checker import RestoreStep, ScrubStep, StoreStep
+from tests.crash.crash_fs import CrashFS
 
 
 def test_every_crash_state_of_every_workload_up_to_three_steps_keeps_the_invariants() -> None:

@@ -23,10 +23,10 @@ import pytest
 
 from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem, SequentialIds
-from kernels.cache._crash_fs import CrashFS, Fault, FaultingPort
 from messages import SsdStats, SsdStatsRequest, Store, StoreResult
 from tests.crash import checker
 from tests.crash.checker import FlushStep, PutStep, RestartStep, RestoreStep, StoreStep
+from tests.crash.crash_fs import CrashFS, Fault, FaultingPort
 
 
 def _check(items: list[checker.FaultItem]) -> None:

@@ -38,7 +38,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from kernels.cache._crash_fs import CrashFS
 from kernels.cache._file_port import OsFilePort
 from kernels.cache._kv_file import (
     ALIGNMENT,
@@ -53,6 +52,7 @@ from kernels.cache._kv_file import (
     read_tensors,
     tensor_bytes,
 )
+from tests.crash.crash_fs import CrashFS
 
 FP = "fp-mutation"
 PATH = "/m/entry.kvt"

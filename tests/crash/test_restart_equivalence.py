@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cache._crash_fs import CrashFS, CrashState
 from tests.crash import checker
 from tests.crash.checker import RestartStep, StoreStep
+from tests.crash.crash_fs import CrashFS, CrashState
 
 pytestmark = pytest.mark.anyio
 

@@ -52,13 +52,13 @@ from actors.prompt_cache.actor import DRAIN_STEP, PromptCache
 from actors.runtime import Actor, ActorSystem, Context, SequentialIds
 from actors.ssd_writer import SsdWriterConfig
 from actors.ssd_writer.actor import ColdTier
-from kernels.cache._crash_fs import CrashFS
 from kernels.cache._file_port import FilePort
 from messages import Body, EntryMeta, Envelope, Release, Request, SsdStats, SsdStatsRequest
 from messages.durability import Flush, FlushResult
 from messages.gateway import RunWhenIdle, TurnDone
 from messages.prompt_cache import Demote, DemoteResult, Put, PutResult, Take, TakeResult
 from tests.crash import checker
+from tests.crash.crash_fs import CrashFS
 from tests.crash.ports import NoDirFsyncPort
 
 B = TypeVar("B", bound=Body)

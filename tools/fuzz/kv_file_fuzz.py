@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -52,6 +53,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the optional 'fuzz' extra
     atheris = None
 
+# NOTE: the crash model lives with the tests (tests/crash/crash_fs.py), not in
+# the installed package; the repository root makes it importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 
 def _instrumented() -> contextlib.AbstractContextManager[Any]:
     if atheris is None:
@@ -61,7 +66,6 @@ def _instrumented() -> contextlib.AbstractContextManager[Any]:
 
 with _instrumented():
     from kernels.cache import cache_arrays
-    from kernels.cache._crash_fs import CrashFS
     from kernels.cache._file_port import OsFilePort
     from kernels.cache._kv_file import (
         PREAMBLE_SIZE,
@@ -76,6 +80,7 @@ with _instrumented():
         read_tensors,
         tensor_bytes,
     )
+    from tests.crash.crash_fs import CrashFS
 
 FP = "fp-fuzz"
 PATH = "/f/entry.kvt"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from actors.ssd_writer import io
-from kernels.cache._crash_fs import CrashFS, Fault, FaultingPort
 from tests.crash import checker
+from tests.crash.crash_fs import CrashFS, Fault, FaultingPort
 
 FP_DIR = checker.FP_DIR
 

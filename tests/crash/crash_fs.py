@@ -68,7 +68,7 @@ from typing import Final, Literal, Protocol, runtime_checkable
 
 import xxhash
 
-from ._file_port import (
+from kernels.cache._file_port import (
     BytesLike,
     DirEntryInfo,
     FileLock,
