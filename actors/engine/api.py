@@ -166,6 +166,7 @@ class EngineOptions(TypedDict, total=False):
     ask_timeout_s: float
     stats_timeout_s: float
     shutdown_timeout: float
+    tensor_parallel: bool
     mlx_cache_limit_bytes: int | None
     memory_budget_bytes: int | None
     max_tokens: int
