@@ -67,7 +67,9 @@ async def _section(engine: Engine) -> dict[str, Any]:
 
 async def _until_written(engine: Engine, n: int) -> None:
     with anyio.fail_after(60):
-        while (await _section(engine))["written"] < n:
+        while True:
+            if (await _section(engine))["written"] >= n:
+                return
             await anyio.sleep(0.05)
 
 
@@ -84,7 +86,8 @@ async def test_restarted_engine_resumes_identical_request(
         assert cut == expected[:21]
         await _until_written(first, 2)
         section = await _section(first)
-    assert section["taken"] == 2 and section["removed"] == 0
+    assert section["taken"] == 2
+    assert section["removed"] == 0
     files = _files(tmp_path)
     # NOTE: only the newest checkpoint of the key survives (16 emitted tokens).
     assert [f.name.rsplit("-", 1)[1] for f in files] == ["16.kvc"]
@@ -93,10 +96,13 @@ async def test_restarted_engine_resumes_identical_request(
         section = await _section(second)
         await second.flush(timeout=30)
     assert resumed == expected
-    assert section["resumed"] == 1 and section["tokens_saved"] == 16
+    assert section["resumed"] == 1
+    assert section["tokens_saved"] == 16
     # NOTE: completion removes the key's checkpoints (after the writes in flight).
     with anyio.fail_after(30):
-        while _files(tmp_path):
+        while True:
+            if not _files(tmp_path):
+                break
             await anyio.sleep(0.05)
 
 
@@ -109,3 +115,44 @@ async def test_refused_requests_are_counted_and_write_nothing(model: Any, tmp_pa
     assert section["refused"] == {"logprobs": 1}
     assert section["taken"] == 0
     assert _files(tmp_path) == []
+
+
+STORY = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
+         "bottle.\n\nChapter 1.")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [
+    pytest.param(GenerationParams(max_tokens=80), id="greedy"),
+    pytest.param(GenerationParams(max_tokens=80, temperature=0.8, seed=5), id="seeded-0.8"),
+])
+async def test_default_model_restart_resumes_identical_request(
+    default_model_path: Path, tmp_path: Path, params: GenerationParams
+) -> None:
+    """The default model: cancel at 70 tokens (checkpoints at 32, 64), restart, equal answer."""
+    def engine(root: Path | None, every: int) -> Engine:
+        return Engine(model=str(default_model_path), ssd_cache=root, max_batch=1,
+                      ssd_writebehind=False, generation_checkpoint=every)
+
+    async def run(e: Engine, cancel_after: int | None = None) -> list[int]:
+        out: list[int] = []
+        async with e.generate(STORY, params) as stream:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    out.append(event.token_id)
+                    if cancel_after is not None and len(out) == cancel_after:
+                        break
+        return out
+
+    async with engine(None, 0) as plain:
+        expected = await run(plain)
+    assert len(expected) == 80
+    async with engine(tmp_path, 32) as first:
+        assert await run(first, cancel_after=70) == expected[:70]
+        await _until_written(first, 2)
+    async with engine(tmp_path, 32) as second:
+        resumed = await run(second)
+        section = await _section(second)
+    assert resumed == expected
+    assert section["resumed"] == 1
+    assert section["tokens_saved"] == 64

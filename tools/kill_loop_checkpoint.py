@@ -1,0 +1,208 @@
+"""Generation-checkpoint kill loop: SIGKILL a long answer after its first checkpoint, restart, ask again.
+
+Against a real ``kvtier serve`` on loopback (the default model unless
+``--model``), one SSD directory for the whole run, checkpoints every
+``--every`` emitted tokens:
+
+1. a reference server without checkpoints answers the request once,
+   uninterrupted (``--max-tokens`` tokens, greedy, or sampled with
+   ``--temperature`` and ``--seed``);
+2. each cycle streams the identical request from a fresh server and, after
+   a random number of streamed chunks past the first checkpoint, kills the
+   server with SIGKILL (no shutdown, no flush);
+3. a new server starts on the same directory and answers the identical
+   request (not streamed): its text and token count must equal the
+   reference. ``/stats`` says whether it resumed a checkpoint (and how
+   many tokens it replayed) or ran fresh (the kill came before any
+   checkpoint was durable).
+
+A completed answer removes its checkpoints, so every cycle starts from an
+empty checkpoint directory. The summary (JSON on stdout) counts cycles,
+equal and different answers, resumed cycles and tokens saved; the exit code
+is 0 when every answer was equal.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/kill_loop_checkpoint.py --cycles 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tools._serve_child import Server  # noqa: E402
+
+__all__ = ["PROMPT", "Summary", "run"]
+
+PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
+          "bottle, describing every day of the following month, the weather, the ships, "
+          "and the letters the keeper writes back.\n\nChapter 1.")
+
+
+@dataclass
+class Summary:
+    """What the loop saw (the JSON it prints)."""
+
+    cycles: int = 0
+    equal: int = 0
+    different: int = 0
+    resumed: int = 0
+    fresh: int = 0
+    tokens_saved: int = 0
+    reference_tokens: int = 0
+    failures: list[str] = field(default_factory=list)
+    kill_at_chunks: list[int] = field(default_factory=list)
+    answer_s: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every restarted answer equal to the reference."""
+        return not self.failures and self.different == 0
+
+    def report(self) -> dict[str, Any]:
+        """The summary as JSON-ready data."""
+        out = asdict(self)
+        kills, times = out.pop("kill_at_chunks"), out.pop("answer_s")
+        out["kill_at_chunks_min"] = min(kills) if kills else None
+        out["kill_at_chunks_max"] = max(kills) if kills else None
+        out["answer_s_median"] = round(statistics.median(times), 3) if times else None
+        out["failures"] = self.failures[:20]
+        out["ok"] = self.ok
+        return out
+
+
+def _body(max_tokens: int, temperature: float, seed: int | None, *, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": max_tokens,
+                            "temperature": temperature, "stream": stream}
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def _answer(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, int]:
+    r = http.post(f"{url}/v1/completions", json=body)
+    r.raise_for_status()
+    done = r.json()
+    return str(done["choices"][0]["text"]), int(done["usage"]["completion_tokens"])
+
+
+def _stream_until(http: httpx.Client, url: str, body: dict[str, Any], chunks: int) -> int:
+    """Stream the request until ``chunks`` text chunks arrived (or it ended); chunks seen."""
+    seen = 0
+    with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("choices") and event["choices"][0].get("text"):
+                seen += 1
+                if seen >= chunks:
+                    break
+    return seen
+
+
+def _checkpoints(http: httpx.Client, url: str) -> dict[str, Any]:
+    section: dict[str, Any] = http.get(f"{url}/stats").json()["engine"]["generation_checkpoints"]
+    return section
+
+
+def run(cycles: int, workdir: Path, *, every: int = 64, max_tokens: int = 400,
+        temperature: float = 0.0, seed: int | None = None, rng_seed: int = 0,
+        serve_args: tuple[str, ...] = (), log: Any = None) -> Summary:
+    """Run ``cycles`` stream/kill/restart cycles with the SSD tier in ``workdir / "kv"``."""
+    if max_tokens <= every + 2:
+        raise ValueError("max_tokens must leave room past the first checkpoint")
+    summary = Summary()
+    rng = random.Random(rng_seed)
+    args = ["--ssd-cache", str(workdir / "kv"), "--ssd-writebehind", "off",
+            "--generation-checkpoint", str(every), "--max-batch", "1", *serve_args]
+    with httpx.Client(timeout=600) as http:
+        ref = Server(workdir, ["--ssd-cache", "off", "--max-batch", "1", *serve_args],
+                     append_stderr=True)
+        try:
+            expected = _answer(http, ref.url, _body(max_tokens, temperature, seed, stream=False))
+        finally:
+            ref.kill()
+        summary.reference_tokens = expected[1]
+        if expected[1] <= every + 1:
+            raise RuntimeError(f"the reference answer has only {expected[1]} tokens")
+        server = Server(workdir, args, append_stderr=True)
+        try:
+            for cycle in range(cycles):
+                # NOTE: past the first checkpoint, before the answer's end.
+                target = rng.randint(every + 1, expected[1] - 1)
+                summary.kill_at_chunks.append(target)
+                _stream_until(http, server.url, _body(max_tokens, temperature, seed, stream=True),
+                              target)
+                server.kill()
+                server = Server(workdir, args, append_stderr=True)
+                began = time.perf_counter()
+                got = _answer(http, server.url, _body(max_tokens, temperature, seed, stream=False))
+                summary.answer_s.append(time.perf_counter() - began)
+                section = _checkpoints(http, server.url)
+                summary.cycles += 1
+                if got == expected:
+                    summary.equal += 1
+                else:
+                    summary.different += 1
+                    summary.failures.append(f"cycle {cycle}: killed at {target} chunks, answer of "
+                                            f"{got[1]} tokens differs")
+                if section["resumed"]:
+                    summary.resumed += 1
+                    summary.tokens_saved += int(section["tokens_saved"])
+                else:
+                    summary.fresh += 1
+                if log is not None:
+                    print(f"cycle {cycle + 1}/{cycles}: killed at {target}, equal "
+                          f"{summary.equal}, resumed {summary.resumed}", file=log, flush=True)
+        finally:
+            server.kill()
+    return summary
+
+
+def main() -> int:
+    """Run the loop; print the summary as JSON; exit 0 when every answer was equal."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=200)
+    parser.add_argument("--every", type=int, default=64, help="--generation-checkpoint N")
+    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--model", default=None, help="kvtier serve --model (default model)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the SSD tier and logs go (default: a temp directory)")
+    ns = parser.parse_args()
+    extra: tuple[str, ...] = ("--model", ns.model) if ns.model else ()
+    began = time.monotonic()
+    kwargs: dict[str, Any] = {"every": ns.every, "max_tokens": ns.max_tokens,
+                              "temperature": ns.temperature, "seed": ns.seed,
+                              "serve_args": extra, "log": sys.stderr}
+    if ns.workdir is not None:
+        ns.workdir.mkdir(parents=True, exist_ok=True)
+        summary = run(ns.cycles, ns.workdir, **kwargs)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvtier-kill-ckpt-") as tmp:
+            summary = run(ns.cycles, Path(tmp), **kwargs)
+    report = summary.report()
+    report["wall_s"] = round(time.monotonic() - began, 1)
+    print(json.dumps(report, indent=2))
+    return 0 if summary.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
