@@ -461,7 +461,7 @@ class StoreWorker(Actor):
         return checkpoint_dir(self._tier.config.root, ident.fingerprint)
 
     async def _write_checkpoint(self, job: Store) -> StoreResult:
-        """Write one checkpoint file: plan and tensors in idle engine turns, file work on a worker.
+        """Write one checkpoint file: plan and host copy in ONE idle engine turn, file work on a worker.
 
         NOTE: the file is committed under its own name before the key's older
         files go (``actors.checkpoints.write_checkpoint``), so every failure
@@ -474,20 +474,16 @@ class StoreWorker(Actor):
         record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
                                       ck.sample_index, ck.rng_key)
         source, port = tier.source, tier.port
-        plan: EntryPlan | None = None
+        copy = getattr(source, "host_copy", None)
         try:
-            plan = await self._source(source.plan(job.handle, namespace=job.namespace,
-                                                  tokens=job.tokens, checkpoint=record))
+            if copy is None:
+                raise _SourceFailed("the tensor source cannot copy a checkpoint")
+            plan, data = await self._source(copy(job.handle, namespace=job.namespace,
+                                                 tokens=job.tokens, checkpoint=record))
             directory = self._checkpoint_dir()
             await tier.run(port.makedirs, directory)
-            planned = plan
-
-            def tensor(i: int) -> memoryview:
-                # NOTE: runs on the worker thread; the bytes come from an idle
-                # engine turn on the loop (the source keeps the last reference).
-                return memoryview(anyio.from_thread.run(source.tensor, planned, i))
-
-            path = await tier.run(write_checkpoint, port, directory, plan, tensor)
+            path = await tier.run(write_checkpoint, port, directory, plan,
+                                  lambda i: memoryview(data[i]))
         except (_SourceFailed, ValueError) as exc:
             counters.write_failed += 1
             _log.warning("checkpoint.write_failed", reason="source_failed", error=str(exc))
@@ -497,10 +493,6 @@ class StoreWorker(Actor):
             reason = io.store_failure_reason(exc)
             _log.warning("checkpoint.write_failed", reason=reason, error=str(exc))
             return StoreResult(handle=job.handle, stored=False, reason=reason)
-        finally:
-            if plan is not None:
-                with anyio.CancelScope(shield=True):
-                    await self._finish(plan)
         counters.written += 1
         counters.bytes += plan.file_size
         return StoreResult(handle=job.handle, stored=True, path=path, file_bytes=plan.file_size)

@@ -227,6 +227,41 @@ class EngineTensorSource:
 
         return await self._turns.run_when_idle(step)
 
+    async def host_copy(
+        self,
+        handle: str,
+        *,
+        namespace: str,
+        tokens: tuple[int, ...],
+        checkpoint: GenerationCheckpoint,
+    ) -> tuple[EntryPlan, list[bytes]]:
+        """Plan a checkpoint file and copy every tensor to host bytes, in ONE idle engine turn.
+
+        NOTE: a checkpoint is written while its answer is still decoding,
+        when idle turns are rare (the background share); one turn per tensor
+        would leave it undurable for hundreds of tokens. The copy is the
+        snapshot's size (a few ms per 10 MB); the plan's arrays are released
+        in the same turn, so no MLX buffer outlives it off the engine thread.
+        """
+        ident = self._identity
+
+        def step() -> tuple[EntryPlan, list[bytes]]:
+            plan = plan_entry(
+                self._caches.get(handle),
+                model_id=ident.model_id,
+                fingerprint=ident.fingerprint,
+                namespace=namespace,
+                tokenizer_hash=ident.tokenizer_hash,
+                tokens=tokens,
+                checkpoint=checkpoint,
+            )
+            try:
+                return plan, [bytes(tensor_bytes(plan, i)) for i in range(len(plan.tensors))]
+            finally:
+                plan.release_arrays()
+
+        return await self._turns.run_when_idle(step)
+
     async def finish(self, plan: EntryPlan) -> None:
         """See :meth:`TensorSource.finish`."""
         key = id(plan)
