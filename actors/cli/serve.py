@@ -52,7 +52,7 @@ the SSD tier: an embedder opts in.
 
 _SERVE_DEFAULTS = {
     "ssd_cache": "$KVTIER_HOME/kv; off with --prompt-cache 0",
-    "max_batch": f"{SERVE_MAX_BATCH} rows",
+    "max_batch": f"{SERVE_MAX_BATCH} rows",  # NOTE: help shows it as it is: no unit added
 }
 """Defaults that differ from the embedded Engine's (help text)."""
 

@@ -132,10 +132,9 @@ class EngineConfig(BaseModel):
     # --- engine -------------------------------------------------------------
     model: Annotated[
         str | None,
-        Field(description="local mlx-lm model directory or Hugging Face id; "
-                          "None = the default model (SmolLM2-135M-Instruct, fetched on first use)"),
+        Field(description="local mlx-lm model directory or Hugging Face id"),
         Setting("KVTIER_MODEL", "--model", metavar="PATH|ID",
-                shown_default="SmolLM2-135M-Instruct"),
+                shown_default="the default model, SmolLM2-135M-Instruct, fetched on first use"),
     ] = None
     max_queue: Annotated[
         int,
@@ -163,9 +162,7 @@ class EngineConfig(BaseModel):
     ] = 1
     prompt_cache_bytes: Annotated[
         int | None,
-        Field(ge=0, description="RAM prompt-cache cap in bytes (flag and variable in GiB); "
-                                "0 disables it; None = a quarter of available memory, "
-                                "within [256 MiB, 8 GiB]"),
+        Field(ge=0, description="RAM prompt-cache cap; 0 disables it"),
         Setting("KVTIER_PROMPT_CACHE_GB", "--prompt-cache", unit="GiB", scale=GIB, metavar="GB",
                 shown_default="a quarter of available memory, within 0.25..8 GiB"),
     ] = None
@@ -178,7 +175,7 @@ class EngineConfig(BaseModel):
     max_prompt_tokens: Annotated[
         int | None,
         Field(ge=1, description="longest prompt; longer ones are refused before admission "
-                                "(ContextTooLong, HTTP 400); None = only the model's context"),
+                                "(ContextTooLong, HTTP 400)"),
         Setting("KVTIER_MAX_PROMPT_TOKENS", "--max-prompt-tokens", unit="tokens",
                 shown_default="the model's context"),
     ] = None
@@ -228,8 +225,7 @@ class EngineConfig(BaseModel):
     ] = False
     mlx_cache_limit_bytes: Annotated[
         int | None,
-        Field(ge=0, description="MLX buffer-cache bound in bytes (variable in MiB); "
-                                "None = 16 MiB on the CPU, 2 GiB on a GPU"),
+        Field(ge=0, description="MLX buffer-cache bound: freed buffers MLX keeps for reuse"),
         Setting("KVTIER_MLX_CACHE_LIMIT_MB", "--mlx-cache-limit", unit="MiB", scale=MIB,
                 metavar="MB", shown_default="16 MiB on the CPU, 2048 MiB on a GPU"),
     ] = None
@@ -238,8 +234,7 @@ class EngineConfig(BaseModel):
         Field(gt=0, description="memory a request may count on: the process's resident memory plus its "
                                 "projected KV and prefill workspace must fit, else RAM entries "
                                 "are persisted and dropped, and failing that the request gets "
-                                "MemoryPressure (HTTP 503) (flag and variable in GiB); None = "
-                                "the smaller of usable RAM and the device's working set"),
+                                "MemoryPressure (HTTP 503)"),
         Setting("KVTIER_MEMORY_BUDGET_GB", "--memory-budget", unit="GiB", scale=GIB,
                 metavar="GB", shown_default="the smaller of usable RAM and the device's "
                                             "working set"),
@@ -291,14 +286,13 @@ class EngineConfig(BaseModel):
     api_key: Annotated[
         str | None,
         Field(repr=False, description="require 'Authorization: Bearer KEY' on every route but "
-                                      "/health; None = no auth (prefer the variable: flags "
-                                      "show in ps)"),
+                                      "/health (prefer the variable: flags show in ps)"),
         Setting("KVTIER_API_KEY", "--api-key", scope="server", metavar="KEY",
                 shown_default="no auth"),
     ] = None
     admin_key: Annotated[
         str | None,
-        Field(repr=False, description="the key of the /admin/ routes (Bearer); None = the API "
+        Field(repr=False, description="the key of the /admin/ routes (Bearer); unset, the API "
                                       "key opens them; with neither they answer 403 unless "
                                       "--admin-loopback is on"),
         Setting("KVTIER_ADMIN_KEY", "--admin-key", scope="server", metavar="KEY",
@@ -320,10 +314,9 @@ class EngineConfig(BaseModel):
     allowed_hosts: Annotated[
         tuple[str, ...] | None,
         Field(description="comma list of Host header names the server answers (name or "
-                          "name:port; others get 400); * = any; None = localhost, 127.0.0.1 "
-                          "and [::1] when bound to loopback, else any"),
+                          "name:port; others get 400); * = any"),
         Setting("KVTIER_ALLOWED_HOSTS", "--allowed-hosts", scope="server", metavar="HOST,...",
-                shown_default="loopback names when bound to loopback, else any"),
+                shown_default="localhost, 127.0.0.1 and [::1] when bound to loopback, else any"),
     ] = None
     cache_namespace: Annotated[
         Literal["shared", "api-key"],
@@ -351,15 +344,14 @@ class EngineConfig(BaseModel):
     # --- SSD cold tier (defined here; the tier consumes them) --------------------
     ssd_cache: Annotated[
         Path | None,
-        Field(description="SSD cold-tier directory; None/off = no cold tier "
-                          "(kvtier serve defaults to $KVTIER_HOME/kv, the Engine to off)"),
+        Field(description="SSD cold-tier directory; off = no cold tier "
+                          "(kvtier serve defaults to $KVTIER_HOME/kv, an embedded Engine to off)"),
         Setting("KVTIER_SSD_CACHE", "--ssd-cache", scope="ssd", metavar="DIR|off"),
     ] = None
     ssd_cache_max_bytes: Annotated[
         int | None,
-        Field(ge=0, description="SSD tier byte cap (flag and variable in GiB); "
-                                "None = the smaller of 32 GiB and a quarter of the free space; "
-                                "0 = no cap (existing files are kept; a full disk ends stores)"),
+        Field(ge=0, description="SSD tier cap; 0 = no cap (existing files are kept; a full "
+                                "disk ends stores)"),
         Setting("KVTIER_SSD_CACHE_MAX_GB", "--ssd-cache-max", scope="ssd", unit="GiB",
                 scale=GIB, metavar="GB",
                 shown_default="the smaller of 32 GiB and a quarter of the free space"),
@@ -390,8 +382,8 @@ class EngineConfig(BaseModel):
     ] = True
     ssd_spill_queue_bytes: Annotated[
         int,
-        Field(ge=0, description="byte cap of clones waiting to be written to SSD (flag and "
-                                "variable in GiB); 0 keeps only the newest and the one in flight"),
+        Field(ge=0, description="cap of the clones waiting to be written to SSD; 0 keeps only "
+                                "the newest and the one in flight"),
         Setting("KVTIER_SSD_SPILL_QUEUE_GB", "--ssd-spill-queue", scope="ssd", unit="GiB",
                 scale=GIB, metavar="GB"),
     ] = 2 * GIB
@@ -410,13 +402,13 @@ class EngineConfig(BaseModel):
         Field(description="publish vLLM-format KV events (ZeroMQ PUB) for the RAM and SSD "
                           "tiers, bound at tcp://HOST:PORT or ipc://PATH; they carry prompt "
                           "token ids, so bind a loopback or private address; needs the cluster "
-                          "extra; None/off = no events"),
+                          "extra; off = no events"),
         Setting("KVTIER_KV_EVENTS", "--kv-events", metavar="URL|off"),
     ] = None
     kv_events_replay: Annotated[
         str | None,
         Field(description="ZeroMQ ROUTER endpoint answering a late subscriber's replay request "
-                          "(buffered batches from a sequence number on); None/off = no replay"),
+                          "(buffered batches from a sequence number on); off = no replay"),
         Setting("KVTIER_KV_EVENTS_REPLAY", "--kv-events-replay", metavar="URL|off"),
     ] = None
     kv_events_format: Annotated[
@@ -664,11 +656,13 @@ def _shown_default(name: str, serve_defaults: Mapping[str, str]) -> str:
         return setting.shown_default
     value = info.default
     if value is None:
-        return "none"
+        return "off" if "off" in (setting.metavar or "") else "none"
     if isinstance(value, bool):
         return "on" if value else "off"
     if setting.scale != 1 and isinstance(value, int):
         return f"{value / setting.scale:g}"
+    if isinstance(value, float):
+        return f"{value:g}"  # NOTE: 30 s, not Python's 30.0 s
     return str(value)
 
 
@@ -707,7 +701,25 @@ def _metavar(name: str) -> str | None:
         return None  # NOTE: argparse shows the choices
     if setting.unit == "s":
         return "SEC"
-    return "N" if _flag_type(name)["type"] in (int, float) else None
+    kind = _flag_type(name)["type"]
+    return "N" if kind is int else "X" if kind is float else None
+
+
+def _flag_help(name: str, serve_defaults: Mapping[str, str]) -> str:
+    """A flag's help: what it sets, then its unit, its default and its variable.
+
+    NOTE: the field's description speaks of the setting, never of the
+    field's Python value (``None``, bytes): a scaled flag (GiB, MiB) says its
+    unit here, and what "unset" means is the shown default.
+    """
+    setting = SETTINGS[name]
+    shown = _shown_default(name, serve_defaults)
+    scaled = setting.scale != 1
+    plain = setting.unit and not scaled and setting.shown_default is None
+    unit = f"in {setting.unit}; " if scaled else ""
+    default = f"{shown} {setting.unit}" if plain and name not in serve_defaults else shown
+    description = EngineConfig.model_fields[name].description
+    return f"{description} ({unit}default: {default}; env {setting.env})"
 
 
 def add_flags(
@@ -734,7 +746,6 @@ def add_flags(
         group = groups.get(setting.scope)
         if group is None:
             group = groups[setting.scope] = parser.add_argument_group(_GROUPS[setting.scope])
-        info = EngineConfig.model_fields[name]
         kwargs: dict[str, Any] = {"dest": flag_dest(name), **_flag_type(name)}
         kwargs["default"] = None if name in shown or name in tracked else _edge_default(name)
         raw = env.get(setting.env)
@@ -745,11 +756,7 @@ def add_flags(
             # bad variable is reported the way a bad flag is (exit 2).
             kwargs["default"] = raw.strip()
         kwargs["metavar"] = setting.metavar or _metavar(name)
-        unit = f" {setting.unit}" if setting.unit and setting.shown_default is None else ""
-        kwargs["help"] = (
-            f"{info.description} (default: {_shown_default(name, shown)}{unit}; "
-            f"env {setting.env})"
-        ).replace("%", "%%")
+        kwargs["help"] = _flag_help(name, shown).replace("%", "%%")
         group.add_argument(setting.flag, **kwargs)
 
 
