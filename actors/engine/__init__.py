@@ -3,30 +3,35 @@ settings model (``config``) and the one place that spawns actors (``wiring``).""
 
 from __future__ import annotations
 
-from .api import (
-    CacheDemotion,
-    ChatMessage,
-    Completion,
+from actors.errors import (
     ContextTooLong,
-    DoneEvent,
-    Engine,
     EngineClosed,
     EngineNotStarted,
-    EngineOptions,
-    GenerationEvent,
     GenerationFailed,
-    GenerationParams,
-    GenerationStream,
     InvalidRequest,
-    KvQuant,
     KvtierError,
     MemoryPressure,
     QueueFull,
     ServerShuttingDown,
+    TurnUnavailable,
+)
+from messages.gateway import (
+    DoneEvent,
+    GenerationEvent,
+    GenerationParams,
     Timings,
     TokenEvent,
-    TurnUnavailable,
     Usage,
+)
+
+from .api import (
+    CacheDemotion,
+    ChatMessage,
+    Completion,
+    Engine,
+    EngineOptions,
+    GenerationStream,
+    KvQuant,
 )
 from .config import ConfigError, EngineConfig
 
