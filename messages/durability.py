@@ -111,6 +111,9 @@ class FlushResult(Body):
     dirty_after: int = Field(default=0, ge=0)
     started_at: float = 0.0
     finished_at: float = 0.0
+    checkpoints_lost: int = Field(default=0, ge=0)
+    """Generation checkpoint writes that failed or were dropped since the previous flush
+    (they do not make a flush not durable: a checkpoint is a restart point, not a prefix)."""
 
 
 class DurabilityStatsRequest(Request):

@@ -359,6 +359,7 @@ class FlushRun:
     uncovered: int = 0
     evicted_unwritten: int = 0
     verify_cursor: int = 0
+    checkpoints_lost: int = 0
     entries: int | None = None
     longest: int | None = None
 
@@ -378,6 +379,7 @@ class DurabilityState:
     config: DurabilityConfig = field(default_factory=DurabilityConfig)
     records: dict[Key, Record] = field(default_factory=dict)
     attempts: dict[int, Attempt] = field(default_factory=dict)
+    checkpoints_lost_seen: int = 0
     outstanding: dict[str, _Outstanding] = field(default_factory=dict)
     due_heap: list[tuple[float, int, Key]] = field(default_factory=list)
     parked: deque[int] = field(default_factory=deque)
@@ -750,6 +752,10 @@ def _reply(
         return
     if pending.purpose == "drain":
         flush.phase = "forcing"
+        if isinstance(body, SpillsDrained):
+            # NOTE: the queue's lifetime count; the flush reports what is new.
+            flush.checkpoints_lost = max(0, body.checkpoints_lost - state.checkpoints_lost_seen)
+            state.checkpoints_lost_seen = body.checkpoints_lost
     elif pending.purpose == "verify":
         covered = isinstance(body, CoversResult) and body.covered
         _verified(state, flush, pending, covered)
@@ -939,6 +945,7 @@ def _finish_flush(state: DurabilityState, flush: FlushRun, now: float, out: list
         dirty_after=len(state.records),
         started_at=flush.started_at,
         finished_at=now,
+        checkpoints_lost=flush.checkpoints_lost,
     )
     state.flush = None
     state.flushes += 1
