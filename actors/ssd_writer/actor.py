@@ -92,7 +92,7 @@ from messages.gateway import RunWhenIdle, TurnDone
 from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget, ScrubWake
 
 from . import core, io
-from .ports import FileIdentity, HostStaging, StagedEntry, TensorSource
+from .ports import CheckpointSource, FileIdentity, HostStaging, StagedEntry, TensorSource
 
 __all__ = [
     "SSD_WRITER_ADDRESS",
@@ -474,12 +474,11 @@ class StoreWorker(Actor):
         record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
                                       ck.sample_index, ck.rng_key)
         source, port = tier.source, tier.port
-        copy = getattr(source, "host_copy", None)
         try:
-            if copy is None:
+            if not isinstance(source, CheckpointSource):
                 raise _SourceFailed("the tensor source cannot copy a checkpoint")
-            plan, data = await self._source(copy(job.handle, namespace=job.namespace,
-                                                 tokens=job.tokens, checkpoint=record))
+            plan, data = await self._source(source.host_copy(
+                job.handle, namespace=job.namespace, tokens=job.tokens, checkpoint=record))
             directory = self._checkpoint_dir()
             await tier.run(port.makedirs, directory)
             path = await tier.run(write_checkpoint, port, directory, plan,

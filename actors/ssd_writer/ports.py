@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from actors.runtime import AskTimeout, get_logger
 from kernels import env_text
@@ -43,6 +43,7 @@ from kernels.cache import (
 
 __all__ = [
     "CacheSource",
+    "CheckpointSource",
     "EngineTensorSource",
     "EngineTurns",
     "FileIdentity",
@@ -72,15 +73,8 @@ class TensorSource(Protocol):
     on the engine thread.
     """
 
-    async def plan(
-        self,
-        handle: str,
-        *,
-        namespace: str,
-        tokens: tuple[int, ...],
-        checkpoint: GenerationCheckpoint | None = None,
-    ) -> EntryPlan:
-        """Plan the file for ``handle`` (one engine turn); a checkpoint file with ``checkpoint``."""
+    async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
+        """Plan the file for ``handle`` (one engine turn)."""
         ...
 
     async def tensor(self, plan: EntryPlan, index: int) -> BytesLike:
@@ -89,6 +83,22 @@ class TensorSource(Protocol):
 
     async def finish(self, plan: EntryPlan) -> None:
         """Release everything ``plan`` holds (one engine turn)."""
+        ...
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """A :class:`TensorSource` that can also copy a generation checkpoint in one engine turn."""
+
+    async def host_copy(
+        self,
+        handle: str,
+        *,
+        namespace: str,
+        tokens: tuple[int, ...],
+        checkpoint: GenerationCheckpoint,
+    ) -> tuple[EntryPlan, list[bytes]]:
+        """The checkpoint file's plan and every tensor's bytes (arrays already released)."""
         ...
 
 
@@ -191,14 +201,7 @@ class EngineTensorSource:
         self._identity = identity
         self._last: dict[int, BytesLike] = {}
 
-    async def plan(
-        self,
-        handle: str,
-        *,
-        namespace: str,
-        tokens: tuple[int, ...],
-        checkpoint: GenerationCheckpoint | None = None,
-    ) -> EntryPlan:
+    async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
         """See :meth:`TensorSource.plan`."""
         ident = self._identity
 
@@ -210,7 +213,6 @@ class EngineTensorSource:
                 namespace=namespace,
                 tokenizer_hash=ident.tokenizer_hash,
                 tokens=tokens,
-                checkpoint=checkpoint,
             )
 
         return await self._turns.run_when_idle(step)
