@@ -19,7 +19,7 @@ from actors.checkpoints import CHECKPOINT_DIR
 from actors.engine import Engine
 from messages.gateway import GenerationParams, TokenEvent
 from tests.actors.test_cold_tier_engine import IDENTITY
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import tiny_llama, tiny_mamba, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -156,3 +156,30 @@ async def test_default_model_restart_resumes_identical_request(
     assert resumed == expected
     assert section["resumed"] == 1
     assert section["tokens_saved"] == 64
+
+
+@pytest.mark.parametrize("kind", ["kv-quant-8", "mamba"])
+async def test_restart_resumes_quantized_kv_and_recurrent_caches(tmp_path: Path, kind: str) -> None:
+    """8-bit quantized KV and a recurrent (Mamba) model resume to the uninterrupted answer too."""
+    params = GenerationParams(max_tokens=40, temperature=0.8, seed=4)
+    net = tiny_mamba(vocab_size=len(tiny_tokenizer())) if kind == "mamba" \
+        else tiny_llama(vocab_size=len(tiny_tokenizer()), head_dim=64)
+    extra: dict[str, Any] = {"kv_quant": "8"} if kind == "kv-quant-8" else {}
+
+    def engine(root: Path | None, every: int) -> Engine:
+        return Engine.from_loaded(net, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                                  prompt_cache_bytes=1 << 26, ssd_cache=root, max_batch=1,
+                                  ssd_writebehind=False, generation_checkpoint=every, **extra)
+
+    async with engine(None, 0) as plain:
+        expected = await _tokens(plain, params)
+    assert len(expected) == 40
+    async with engine(tmp_path, EVERY) as first:
+        assert await _tokens(first, params, cancel_after=21) == expected[:21]
+        await _until_written(first, 2)
+    async with engine(tmp_path, EVERY) as second:
+        resumed = await _tokens(second, params)
+        section = await _section(second)
+    assert resumed == expected
+    assert section["resumed"] == 1
+    assert section["tokens_saved"] == 16
