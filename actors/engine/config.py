@@ -136,12 +136,16 @@ class EngineConfig(BaseModel):
         Setting("KVTIER_MODEL", "--model", metavar="PATH|ID",
                 shown_default="the default model, SmolLM2-135M-Instruct, fetched on first use"),
     ] = None
+    # NOTE: 256, not a few rows' worth: a load generator or agent fleet with 32-64
+    # concurrent streams must queue, not get 429s (16 refused 40 of 64 requests at
+    # 32 streams on the H200, docs/benchmarks/serving.md). A waiting request holds
+    # only its prompt ids; the memory guard admits it when it gets a row.
     max_queue: Annotated[
         int,
-        Field(ge=0, description="requests that may wait behind the generating one; "
+        Field(ge=0, description="requests that may wait behind the generating ones; "
                                 "more are refused (QueueFull, HTTP 429)"),
         Setting("KVTIER_MAX_QUEUE", "--max-queue", unit="requests"),
-    ] = 16
+    ] = 256
     prefill_step_size: Annotated[
         int,
         Field(ge=1, description="prompt tokens per prefill engine turn"),
