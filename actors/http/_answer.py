@@ -16,6 +16,10 @@ Rules:
   or not in the model's format) is returned as text, markers included, so
   nothing the model wrote is hidden. ``finish_reason`` is ``tool_calls``
   when the answer holds calls and the model stopped by itself.
+  Whitespace-only text is held until what follows is known: before a call
+  or at the end of an answer that holds calls it is dropped (so a message
+  with only calls has ``content`` null, streamed or not), else it is sent
+  with the text that follows.
 - **Logprobs**: one entry per generated token, in order, except a final
   stop token (EOS), which is not part of the answer. Entries ride along
   with the next chunk that carries content or calls (a token can release no
@@ -168,8 +172,12 @@ class ChatAnswer:
         tools: ToolParsing | None = None,
         logprobs: LogprobOptions | None = None,
         call_id: Callable[[int], str] = lambda n: f"call_{n}",
+        forced: bool = False,
     ) -> None:
         self._tools = tools
+        self.forced = forced
+        """The request forces tool calls (``tool_choice`` ``required`` or named): no text is expected."""
+        self._held = ""
         self._splitter = ToolCallSplitter(tools.fmt) if tools is not None else None
         self._logprobs = _Logprobs(logprobs) if logprobs is not None else None
         self._call_id = call_id
@@ -201,24 +209,42 @@ class ChatAnswer:
         self.finish_reason = finish_reason(done, called=bool(self._calls))
         return None if piece.empty else piece
 
+    def _text(self, out: list[str], text: str) -> None:
+        """Send ``text``; with tools, whitespace-only text waits to see what follows it."""
+        if self._tools is not None and not text.strip():
+            self._held += text
+            return
+        out.append(self._held + text)
+        self._held = ""
+
     def _piece(self, segments: Sequence[ToolSegment], *, final: bool) -> ChatPiece:
         text: list[str] = []
         first = len(self._calls)
         for seg in segments:
             if seg.kind == "text":
-                text.append(seg.text)
+                self._text(text, seg.text)
                 continue
             assert self._tools is not None
             fmt = self._tools.fmt
             try:
                 parsed = parse_tool_call(fmt, seg.text, self._tools.tools)
             except ValueError:
-                text.append(fmt.start + seg.text + (fmt.end if seg.closed else ""))
+                self._text(text, fmt.start + seg.text + (fmt.end if seg.closed else ""))
                 continue
+            # NOTE: whitespace before a call (the newline a model writes
+            # between calls) is not content: OpenAI's message with only calls
+            # has content null, and a streamed one sends no text delta.
+            self._held = ""
             for call in parsed:
                 self._calls.append(ToolCallBody(
                     id=self._call_id(len(self._calls)),
                     function=FunctionCallBody(name=call.name, arguments=call.arguments)))
+        if final:
+            # NOTE: whitespace at the end of an answer with calls is dropped
+            # too; an answer without calls keeps all its text.
+            if not self._calls and self._held:
+                text.append(self._held)
+            self._held = ""
         content = "".join(text)
         self._content.append(content)
         # NOTE: entries wait for a chunk that carries something (or the last one).

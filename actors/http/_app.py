@@ -77,6 +77,7 @@ from ._schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     _SamplingFields,
 )
 from ._sse import DONE, EventStreamResponse, sse_json
@@ -379,8 +380,10 @@ def create_app(
         tools = tool_parsing(body, engine.tool_format)
         messages = chat_messages(body)
         hex_id = _request_id(request.scope).hex
+        choice = body.effective_tool_choice()
         answer = ChatAnswer(tools=tools, logprobs=_logprob_options(params),
-                            call_id=lambda n: f"call_{hex_id}_{n}")
+                            call_id=lambda n: f"call_{hex_id}_{n}",
+                            forced=choice == "required" or isinstance(choice, NamedToolChoice))
         stream = engine.chat(messages, params, request_id=rid, tools=tools_for_template(body),
                              fit_context=body.requested_max_tokens() is None)
         return await _respond(stream, body, request, rid, model, answer)
@@ -527,7 +530,8 @@ def create_app(
         chat = isinstance(answer, ChatAnswer)
         try:
             if chat:
-                yield sse_json(chat_chunk(rid, ts, model, role=True))
+                assert isinstance(answer, ChatAnswer)
+                yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.forced))
             async for event in stream:
                 if isinstance(event, TokenEvent):
                     # NOTE: a token may release nothing yet (part of a character,

@@ -394,13 +394,20 @@ def completion_response(rid: str, created: int, model: str, answer: CompletionAn
 
 
 def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
-               piece: ChatPiece | None = None, finish: str | None = None,
-               usage: Usage | None = None, logprobs: bool = False) -> ChatCompletionChunk:
-    """One streamed chat chunk: the role opener, a piece of the answer, the finish, or the usage tail."""
+               calls_only: bool = False, piece: ChatPiece | None = None,
+               finish: str | None = None, usage: Usage | None = None,
+               logprobs: bool = False) -> ChatCompletionChunk:
+    """One streamed chat chunk: the role opener, a piece of the answer, the finish, or the usage tail.
+
+    The role opener carries ``content: ""`` (as OpenAI's), except when the
+    answer can only be tool calls (``calls_only``: a forced ``tool_choice``):
+    then it carries no content, so a client that adds up the deltas ends
+    with ``content`` null, as the non-streamed message has.
+    """
     if usage is not None:
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                    usage=usage_body(usage))
-    content: str | None = "" if role else None
+    content: str | None = "" if role and not calls_only else None
     calls: list[ToolCallDelta] | None = None
     entries = None
     if piece is not None:
