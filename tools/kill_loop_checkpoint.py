@@ -160,8 +160,14 @@ def run(cycles: int, workdir: Path, *, every: int = 64, max_tokens: int = 400,
                     summary.equal += 1
                 else:
                     summary.different += 1
-                    summary.failures.append(f"cycle {cycle}: killed at {target} chunks, answer of "
-                                            f"{got[1]} tokens differs")
+                    at = next((i for i, (a, b) in enumerate(zip(got[0], expected[0], strict=False))
+                               if a != b), min(len(got[0]), len(expected[0])))
+                    summary.failures.append(
+                        f"cycle {cycle}: killed at {target} chunks, answer of {got[1]} tokens "
+                        f"differs from character {at} on; resumed {section['resumed']} "
+                        f"({section['tokens_saved']} tokens replayed): "
+                        f"{got[0][max(0, at - 20):at + 40]!r} vs "
+                        f"{expected[0][max(0, at - 20):at + 40]!r}")
                 if section["resumed"]:
                     summary.resumed += 1
                     summary.tokens_saved += int(section["tokens_saved"])
