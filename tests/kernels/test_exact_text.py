@@ -34,8 +34,8 @@ _STEMS = [
 @pytest.fixture(scope="module")
 def loaded(default_model_path: Any) -> tuple[Any, TokenizerWrapper]:
     """The default model and its tokenizer."""
-    model, tok = mlx_load(str(default_model_path))
-    return model, tok
+    loaded = mlx_load(str(default_model_path))
+    return loaded[0], loaded[1]
 
 
 def test_text_stream_keeps_the_first_space_of_real_token_runs(loaded: tuple[Any, TokenizerWrapper]) -> None:

@@ -33,7 +33,7 @@ GOLDEN_NS = "21d7ce1ed2947bc638b6e1a5ca67785e"
 def test_defaults_pinned() -> None:
     """GenerationParams' defaults are what the key assumes: a changed default must raise KEY_VERSION."""
     d = GenerationParams().model_dump(mode="json")
-    pinned = {
+    pinned: dict[str, object] = {
         "max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
         "min_tokens_to_keep": 1, "xtc_probability": 0.0, "xtc_threshold": 0.1, "seed": None,
         "repetition_penalty": None, "repetition_context_size": 20, "presence_penalty": None,

@@ -214,7 +214,7 @@ def test_a_compiler_that_hangs_is_a_fallback_not_a_crash(
     def timing_out(cmd: list[str], **kwargs: Any) -> Any:
         raise subprocess.TimeoutExpired(cmd, 600.0)
 
-    monkeypatch.setattr(build_mod.subprocess, "run", timing_out)
+    monkeypatch.setattr(subprocess, "run", timing_out)
     with pytest.raises(NativeUnavailable, match="timed out"):
         load_extension(private_root(tmp_path))
 
