@@ -66,7 +66,10 @@ class GenerationParams(_Data):
     ``None`` and each looks at the last ``*_context_size`` tokens of the full
     history (the whole prompt, a reused prefix included, plus the output).
     ``stop`` strings are matched on the detokenized text and never emitted;
-    ``stop_token_ids`` end the generation like EOS; ``logprobs`` fills
+    ``stop_token_ids`` end the generation like EOS; ``ignore_eos`` (vLLM's
+    field) generates until ``max_tokens``, past the model's EOS tokens
+    (``stop`` strings and ``stop_token_ids`` still end it; not with a
+    ``grammar``, whose end is an EOS); ``logprobs`` fills
     ``TokenEvent.logprob``; ``top_logprobs`` (0..20) fills
     ``TokenEvent.top_logprobs`` with that many most likely tokens;
     ``prompt_logprobs`` (vLLM's field; ``None``: off) scores the prompt: the
@@ -102,6 +105,7 @@ class GenerationParams(_Data):
     logit_bias: dict[int, float] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -122,6 +126,9 @@ class GenerationParams(_Data):
             raise ValueError("logit_bias keys must be token ids (>= 0)")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be token ids (>= 0)")
+        if self.ignore_eos and self.grammar is not None:
+            # NOTE: a complete grammar allows only EOS next; past it nothing is allowed.
+            raise ValueError("ignore_eos cannot be combined with a grammar (its end is an EOS)")
         return self
 
     @property
@@ -151,14 +158,22 @@ class Usage(_Data):
 class Timings(_Data):
     """Where one request's wall time went, in seconds, from the injected clock.
 
-    ``queued_s``: admission to first engine turn; ``ttft_s``: admission to the
-    first token; ``prefill_s``/``decode_s``: time spent in those engine turns.
+    ``queued_s``: admission to first engine turn (the serial lane) or to the
+    step the row joined (the batch lane); ``ttft_s``: admission to the first
+    token; ``prefill_s``/``decode_s``: time spent in those engine turns.
+    ``admitted_at``: the clock reading at admission (the injected clock, so
+    the HTTP edge can place these marks on its own timeline);
+    ``lookup_start_s``/``lookup_done_s``: admission to the prompt-cache
+    ``Take`` sent and answered (``None``: no lookup was made).
     """
 
     queued_s: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    admitted_at: float = 0.0
+    lookup_start_s: float | None = None
+    lookup_done_s: float | None = None
 
 
 # --- requester -> gateway -------------------------------------------------
@@ -400,6 +415,8 @@ class RunTurn(Request):
     ``lookup`` (first turn only) is the prompt-cache ``Take`` the gateway
     made while the request waited for its turn: the turn only materializes
     it (and releases its lease); ``None`` means no lookup (a cold prefill).
+    ``lookup_started_at``/``lookup_done_at``: when that ``Take`` was sent and
+    answered (the gateway's clock; ``None``: none was made), for ``Timings``.
     """
 
     kind: Literal["gateway.run_turn"] = "gateway.run_turn"
@@ -409,6 +426,8 @@ class RunTurn(Request):
     admitted_at: float = 0.0
     max_steps: int = Field(default=1, ge=1)
     lookup: TakeResult | None = None
+    lookup_started_at: float | None = None
+    lookup_done_at: float | None = None
 
 
 class StopBurst(Body):

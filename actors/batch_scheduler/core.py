@@ -526,6 +526,9 @@ class Row:
     cancelled: bool = False
     joined_at: float = 0.0
     first_token_at: float = 0.0
+    lookup_started_at: float | None = None
+    lookup_done_at: float | None = None
+    """When its first lookup was sent and its last one answered (``Timings``)."""
     tokens: int = 0
     cached_tokens: int = 0
     prefilled: bool = False
@@ -762,7 +765,7 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
         case _:
             assert_never(event)
     _wake_deferred(state, out)
-    _place(state, out)
+    _place(state, out, event.now)
     _deliver_held(state, event, out)
     _gather(state, event.now, out)
     if state.in_flight is not None and not state.chain_stop and _must_stop(state):
@@ -823,13 +826,14 @@ def _admit(state: SchedulerState, ev: Admit, out: list[Effect]) -> None:
     out.append(AnswerAdmission(rid, True, position=position))
 
 
-def _place(state: SchedulerState, out: list[Effect]) -> None:
+def _place(state: SchedulerState, out: list[Effect], now: float) -> None:
     """Move waiting rows into the batch's room: start their lookups (or make them ready)."""
     while state.waiting and state.placed() < state.max_rows:
         rid = state.waiting.popleft()
         row = state.rows[rid]
         if state.lookups and len(row.request.prompt_tokens) > 1:
             row.phase = "lookup"
+            row.lookup_started_at = now
             out.append(StartLookup(row.request, row.correlation_id))
         else:
             row.phase = "ready"
@@ -843,6 +847,7 @@ def _lookup_answered(state: SchedulerState, ev: LookupAnswered, out: list[Effect
             out.append(ReleaseLease(ev.result.lease_id))
         return
     row.lookup = ev.result
+    row.lookup_done_at = ev.now
     row.phase = "ready"
 
 
@@ -1407,7 +1412,14 @@ def _timings(row: Row, now: float) -> Timings:
         ttft_s=max(0.0, first - row.admitted_at),
         prefill_s=max(0.0, first - row.joined_at),
         decode_s=max(0.0, now - first),
+        admitted_at=row.admitted_at,
+        lookup_start_s=_since(row.lookup_started_at, row.admitted_at),
+        lookup_done_s=_since(row.lookup_done_at, row.admitted_at),
     )
+
+
+def _since(mark: float | None, admitted_at: float) -> float | None:
+    return None if mark is None else max(0.0, mark - admitted_at)
 
 
 def _report(

@@ -68,6 +68,8 @@ class _Admitted:
     phase: Literal["prefill", "decode"] = "prefill"
     lookup: TakeResult | None = None
     """The answered lookup; its lease is the gateway's until the first ``RunTurn`` carries it."""
+    lookup_started_at: float | None = None
+    lookup_done_at: float | None = None
 
 
 class Gateway(Actor):
@@ -171,12 +173,12 @@ class Gateway(Actor):
                 await self._release(body, ctx)
                 return
             entry.lookup = body
-            event = core.LookupDone(rid, now)
+            event = self._lookup_done(rid, now)
         elif isinstance(body, Failure) and envelope.causation_id in self._lookups:
             # NOTE: a prompt cache that cannot answer is a miss, never a failed request.
             rid = self._lookups.pop(envelope.causation_id or "")
             _log.warning("gateway.lookup_failed", request_id=rid, error=f"{body.error}: {body.message}")
-            event = core.LookupDone(rid, now)
+            event = self._lookup_done(rid, now)
         elif isinstance(body, RunWhenIdle):
             if body.step_id in self._askers:
                 await ctx.reply(
@@ -338,18 +340,26 @@ class Gateway(Actor):
         now = ctx.clock.now()
         if entry is None or self._prompt_cache is None:
             return core.LookupDone(rid, now)
+        entry.lookup_started_at = now
         request = entry.request
         if len(request.prompt_tokens) <= 1:
-            return core.LookupDone(rid, now)  # NOTE: nothing shorter than the prompt to reuse.
+            return self._lookup_done(rid, now)  # NOTE: nothing shorter than the prompt to reuse.
         take = Take(tokens=request.prompt_tokens, namespace=request.namespace)
         try:
             msg_id = await ctx.request(self._prompt_cache, take, correlation_id=entry.correlation_id)
         except RuntimeFailure as exc:
             # NOTE: a prompt cache that is gone is a miss, not a failure.
             _log.warning("gateway.lookup_failed", request_id=rid, error=repr(exc))
-            return core.LookupDone(rid, now)
+            return self._lookup_done(rid, now)
         self._lookups[msg_id] = rid
         return None
+
+    def _lookup_done(self, rid: str, now: float) -> core.LookupDone:
+        """``rid``'s lookup ended at ``now`` (its request's timeline marks it)."""
+        entry = self._admitted.get(rid)
+        if entry is not None:
+            entry.lookup_done_at = now
+        return core.LookupDone(rid, now)
 
     async def _release(self, lookup: TakeResult | None, ctx: Context) -> None:
         """Give a lookup's lease back to the prompt cache (nothing to do for a miss)."""
@@ -369,11 +379,13 @@ class Gateway(Actor):
         start: Generate | None = None
         lookup: TakeResult | None = None
         admitted_at = 0.0
+        looked: tuple[float | None, float | None] = (None, None)
         correlation = envelope.correlation_id
         if entry is not None:
             correlation = entry.correlation_id
             if not entry.started:
                 start, admitted_at, lookup = entry.request, entry.admitted_at, entry.lookup
+                looked = (entry.lookup_started_at, entry.lookup_done_at)
         turn = RunTurn(
             owner="request",
             ident=effect.request_id,
@@ -382,6 +394,8 @@ class Gateway(Actor):
             reply_to=ctx.name,
             max_steps=effect.max_steps,
             lookup=lookup,
+            lookup_started_at=looked[0],
+            lookup_done_at=looked[1],
         )
         if not await self._send_turn(turn, correlation, ctx):
             return await self._turn_lost("the turn runner is unavailable", ctx)

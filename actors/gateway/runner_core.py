@@ -292,6 +292,8 @@ class Live:
     correlation_id: str
     admitted_at: float
     lease_id: str | None = None
+    lookup_at: tuple[float | None, float | None] = (None, None)
+    """When the gateway's lookup was sent and answered (``Timings``)."""
     handle: str | None = None
     staging_id: str | None = None
     tier: Literal["ram", "ssd"] | None = None
@@ -403,7 +405,8 @@ def _granted(state: RunnerState, ev: TurnGranted, out: list[Effect]) -> None:
         if body.start is None:
             raise UnknownTurn(f"turn for unknown request {rid!r}")
         lookup = body.lookup
-        live = Live(request=body.start, correlation_id=ev.correlation_id, admitted_at=body.admitted_at)
+        live = Live(request=body.start, correlation_id=ev.correlation_id, admitted_at=body.admitted_at,
+                    lookup_at=(body.lookup_started_at, body.lookup_done_at))
         if lookup is not None:
             live.lease_id, live.handle, live.lookup_tokens = (
                 lookup.lease_id,
@@ -706,5 +709,12 @@ def _done(live: Live, reason: Literal["stop", "length", "cancelled"], now: float
             ttft_s=max(0.0, (first if first is not None else now) - live.admitted_at),
             prefill_s=live.prefill_s,
             decode_s=live.decode_s,
+            admitted_at=live.admitted_at,
+            lookup_start_s=_since(live.lookup_at[0], live.admitted_at),
+            lookup_done_s=_since(live.lookup_at[1], live.admitted_at),
         ),
     )
+
+
+def _since(mark: float | None, admitted_at: float) -> float | None:
+    return None if mark is None else max(0.0, mark - admitted_at)

@@ -83,6 +83,7 @@ from ._schemas import (
 from ._sse import DONE, EventStreamResponse, sse_json
 from ._state import HttpSettings, HttpState
 from ._status import install_status
+from ._timeline import TimedStream, Timeline
 
 __all__ = ["begin_shutdown", "create_app", "cut_streams"]
 
@@ -241,6 +242,9 @@ class _Cut:
 _CUT_MESSAGE = "The server is shutting down; this response was cut before its end."
 
 _STREAM_WRITE_TIMEOUT_S = EngineConfig().stream_write_timeout_s
+
+_ARRIVED = "kvtier.arrived"
+"""Key of the request's arrival (``HttpState.monotonic``) in its ASGI ``scope["state"]``."""
 
 
 _COMPONENTS = "#/components/schemas/{model}"
@@ -405,6 +409,8 @@ def create_app(
     async def _accept(request: Request, schema: type[_Gen],
                       prefix: str) -> tuple[_Gen, str, str, GenerationParams]:
         """Parse and check a generation body; name the request (body, id, model, params)."""
+        # NOTE: the request's arrival, the timeline's origin (_timeline).
+        request.scope.setdefault("state", {})[_ARRIVED] = st.monotonic()
         check_admission_open()
         body = await _parse(request, schema)
         model = resolve_model(body.model, engine.model_id, settings.model_aliases)
@@ -447,6 +453,10 @@ def create_app(
         except BaseException:
             st.leave()
             raise
+        arrived = request.scope.get("state", {}).get(_ARRIVED)
+        timeline = Timeline(rid, arrived if arrived is not None else st.monotonic(),
+                            clock=st.monotonic)
+        timeline.admitted()
         headers = {"X-Request-Id": rid}
         if not body.stream:
             try:
@@ -459,13 +469,15 @@ def create_app(
         async def release() -> None:
             await stream.aclose()
             st.leave()
+            st.timelines.record(timeline)
 
-        events = _sse_events(stream, rid, model, answer, body.include_usage())
+        events = _sse_events(TimedStream(stream, timeline), rid, model, answer,
+                             body.include_usage())
         err = kvtier_error_to_api(ServerShuttingDown(_CUT_MESSAGE))
         return EventStreamResponse(
             events, on_close=release, headers=headers, cut=cut.wait,
             cut_event=sse_json(error_body(err.message, err.type, err.code, err.param)),
-            write_timeout=stream_write_timeout_s, request_id=rid)
+            write_timeout=stream_write_timeout_s, request_id=rid, on_write=timeline.wrote)
 
     async def _collect(stream: StreamPort, request: Request, rid: str, model: str,
                        answer: _Answer, headers: dict[str, str]) -> Response:

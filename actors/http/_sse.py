@@ -14,8 +14,9 @@ the server's ``send`` waits while the connection's buffers are full, that is
 while the client reads nothing. A write still waiting at the deadline ends
 the response there (logged once, ``http.stream_write_timeout``, with the
 request id): ``on_close`` cancels the engine request, whose turn ends within
-one step, and the server closes the connection, as for any response that
-ends unfinished.
+one step, and the server aborts the connection (``WRITE_STALLED`` in the
+request's ASGI ``state`` tells it so: a graceful close would keep the socket
+open, its unsent bytes queued, until the client reads or leaves).
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-__all__ = ["DONE", "EventStreamResponse", "sse_data", "sse_json"]
+__all__ = ["DONE", "WRITE_STALLED", "EventStreamResponse", "sse_data", "sse_json", "write_stalled"]
 
 _log = structlog.get_logger("kvtier.http")
 
 DONE = b"data: [DONE]\n\n"
 """The OpenAI end-of-stream sentinel."""
+
+WRITE_STALLED = "kvtier.write_stalled"
+"""Key set (True) in the request's ASGI ``scope["state"]`` when a write passed its deadline."""
+
+
+def write_stalled(scope: Scope) -> bool:
+    """Whether the response of ``scope`` ended because a write passed its deadline."""
+    state = scope.get("state")
+    return isinstance(state, dict) and state.get(WRITE_STALLED) is True
 
 
 def sse_data(payload: str) -> bytes:
@@ -78,6 +88,7 @@ class EventStreamResponse(StreamingResponse):
         cut_event: bytes = b"",
         write_timeout: float | None = None,
         request_id: str = "",
+        on_write: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={**_SSE_HEADERS, **(headers or {})})
@@ -87,6 +98,7 @@ class EventStreamResponse(StreamingResponse):
         self._request_id = request_id
         self.stalled = False
         """A write waited past ``write_timeout``: the response ended there."""
+        self._on_write = on_write
         self._on_close = on_close
         self._closed = False
         self._cut = cut
@@ -108,8 +120,10 @@ class EventStreamResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             with anyio.CancelScope() as response:
+                if self._on_write is not None:
+                    send = _noting(send, self._on_write)
                 if self._write_timeout is not None:
-                    send = self._timed(send, self._write_timeout, response)
+                    send = self._timed(send, self._write_timeout, response, scope)
                 if self._cut is None:
                     await super().__call__(scope, receive, send)
                 else:
@@ -117,7 +131,8 @@ class EventStreamResponse(StreamingResponse):
         finally:
             await self.close()
 
-    def _timed(self, send: Send, timeout: float, response: anyio.CancelScope) -> Send:
+    def _timed(self, send: Send, timeout: float, response: anyio.CancelScope,
+               scope: Scope) -> Send:
         """``send`` with a deadline; past it the whole response ends (``response`` is cancelled)."""
 
         async def timed_send(message: Message) -> None:
@@ -129,6 +144,12 @@ class EventStreamResponse(StreamingResponse):
             # waits only while the connection's buffers are full): end the
             # response here; close() then releases the engine request.
             self.stalled = True
+            # NOTE: the server reads this to abort the connection (a graceful
+            # close would wait for the client to take the queued bytes).
+            # scope["state"] is one dict shared by every copy of the scope.
+            state = scope.get("state")
+            if isinstance(state, dict):
+                state[WRITE_STALLED] = True
             _log.warning("http.stream_write_timeout", request_id=self._request_id,
                          timeout_s=timeout)
             response.cancel()
@@ -168,3 +189,14 @@ class EventStreamResponse(StreamingResponse):
                         "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": self._cut_event + DONE,
                     "more_body": False})
+
+
+def _noting(send: Send, on_write: Callable[[], None]) -> Send:
+    """``send`` that calls ``on_write`` after each body message was taken by the server."""
+
+    async def noting_send(message: Message) -> None:
+        await send(message)
+        if message["type"] == "http.response.body":
+            on_write()
+
+    return noting_send

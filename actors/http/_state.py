@@ -16,6 +16,7 @@ from actors.engine.config import EngineConfig
 from ._access import LOOPBACK_HOSTS, is_loopback, normalize_host, parse_networks
 from ._convert import Defaults
 from ._isolation import CacheNamespaceMode
+from ._timeline import TimelineWindow
 
 __all__ = ["HttpSettings", "HttpState", "allowed_hosts"]
 
@@ -98,6 +99,9 @@ class HttpState:
 
     clock: Callable[[], float] = time.time
     new_id: Callable[[], str] = _new_id
+    monotonic: Callable[[], float] = time.monotonic
+    """The per-request timeline's clock (the engine's: ``time.monotonic``)."""
+    timelines: TimelineWindow = field(default_factory=TimelineWindow)
     started_at: float = field(default_factory=time.time)
     shutting_down: bool = False
     in_flight: int = 0
@@ -134,4 +138,5 @@ class HttpState:
             "responses_by_status": {str(k): v for k, v in sorted(self.statuses.items())},
             "client_disconnects": self.disconnects,
             "uptime_s": round(self.clock() - self.started_at, 3),
+            "timeline": self.timelines.snapshot(),
         }

@@ -1,0 +1,216 @@
+"""Per-request timeline of a streamed generation: where the time to the first byte goes.
+
+Six marks, in milliseconds after the request's **arrival** (the generation
+route's entry, before the body is parsed):
+
+| mark | taken |
+|---|---|
+| ``admitted`` | the gateway (serial lane) or the batch scheduler admitted it |
+| ``lookup_start`` / ``lookup_done`` | its prompt-cache ``Take`` was sent / answered |
+| ``joined`` | its first engine turn began (serial lane) or its row joined a batch step |
+| ``first_token`` | the engine turn or step that produced its first token ended |
+| ``first_byte`` | the SSE response finished writing the chunk of its first token |
+
+The engine's marks travel back in the request's ``DoneEvent``
+(``messages.gateway.Timings``: the admission's clock reading, the rest as
+offsets from it), so nothing mutable is shared with the actors. The edge
+places them on its own monotonic clock through ``Timings.admitted_at``;
+both are ``time.monotonic`` in ``kvtier serve``. NOTE: should the clocks
+differ (an injected engine clock), the admission is clamped between the
+arrival and the moment the edge saw the admission answered, and every mark
+to the interval between the previous mark and the first byte: the marks
+stay ordered and the phases always sum to the first byte's time.
+
+Phases are the gaps between consecutive marks: ``admission`` (arrival to
+admitted: body parsing, prompt rendering and tokenizing, the admission
+ask), ``queue`` (admitted to lookup start: waiting for a place), ``lookup``,
+``join`` (lookup answered to joined: waiting for the engine turn or the
+next step), ``first_step`` (joined to first token: the prefill, restore
+included) and ``write`` (first token to first byte: delivery, detokenizing,
+encoding and the socket write). Without a lookup ``queue`` and ``lookup``
+are 0 and ``join`` holds the whole wait.
+
+Only streamed requests that end with their ``DoneEvent`` and produced a
+token are recorded (a non-streamed answer writes its first byte at its end).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import structlog
+
+from messages.gateway import DoneEvent, GenerationEvent, Timings, TokenEvent
+
+from ._port import StreamPort
+
+__all__ = ["MARKS", "PHASES", "TIMELINE_WINDOW", "TimedStream", "Timeline", "TimelineWindow",
+           "timeline_marks"]
+
+_log = structlog.get_logger("kvtier.http")
+
+MARKS = ("admitted", "lookup_start", "lookup_done", "joined", "first_token", "first_byte")
+"""The marks after arrival, in order."""
+
+PHASES = ("admission", "queue", "lookup", "join", "first_step", "write")
+"""Phase ``i`` runs from mark ``i - 1`` (arrival for the first) to mark ``i``."""
+
+TIMELINE_WINDOW = 1024
+"""How many recent requests ``/stats``'s ``http.timeline`` distributions cover."""
+
+
+def timeline_marks(arrived: float, admit_seen: float, timings: Timings,
+                   first_byte: float) -> dict[str, float]:
+    """The marks in ms after ``arrived`` (the edge's clock), ordered and ending at ``first_byte``.
+
+    ``admit_seen``: when the edge saw the admission answered; ``timings``:
+    the engine's marks (``admitted_at`` on the engine's clock, the rest
+    offsets from it).
+    """
+    end = max(first_byte, arrived)
+    admitted = min(max(timings.admitted_at, arrived), max(admit_seen, arrived), end)
+    raw = (
+        admitted,
+        admitted + (timings.lookup_start_s or 0.0),
+        admitted + (timings.lookup_done_s or 0.0),
+        admitted + timings.queued_s,
+        admitted + timings.ttft_s,
+        end,
+    )
+    marks: dict[str, float] = {}
+    prev = arrived
+    for name, at in zip(MARKS, raw, strict=True):
+        prev = min(max(prev, at), end)
+        marks[name] = (prev - arrived) * 1e3
+    return marks
+
+
+def _phases(marks: dict[str, float]) -> dict[str, float]:
+    prev = 0.0
+    out: dict[str, float] = {}
+    for phase, mark in zip(PHASES, MARKS, strict=True):
+        out[phase] = marks[mark] - prev
+        prev = marks[mark]
+    return out
+
+
+@dataclass(slots=True)
+class Timeline:
+    """One streamed request's edge marks (monotonic seconds); lives on the event loop only."""
+
+    request_id: str
+    arrived: float
+    clock: Callable[[], float] = time.monotonic
+    admit_seen: float | None = None
+    token_seen: bool = False
+    first_byte: float | None = None
+    timings: Timings | None = None
+
+    def admitted(self) -> None:
+        """The admission was answered (accepted)."""
+        self.admit_seen = self.clock()
+
+    def wrote(self) -> None:
+        """A body chunk was written; the first one after the first token is the first byte."""
+        if self.token_seen and self.first_byte is None:
+            self.first_byte = self.clock()
+
+    def marks(self) -> dict[str, float] | None:
+        """The marks (ms after arrival), or ``None`` when the request did not reach its end."""
+        if self.timings is None or self.first_byte is None:
+            return None
+        seen = self.admit_seen if self.admit_seen is not None else self.first_byte
+        return timeline_marks(self.arrived, seen, self.timings, self.first_byte)
+
+
+class TimedStream:
+    """A generation stream that tells its :class:`Timeline` about the first token and the end."""
+
+    def __init__(self, inner: StreamPort, timeline: Timeline) -> None:
+        self._inner = inner
+        self._timeline = timeline
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def start(self) -> None:
+        """Admit the wrapped stream."""
+        await self._inner.start()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        event = await self._inner.__anext__()
+        if isinstance(event, TokenEvent):
+            self._timeline.token_seen = True
+        elif isinstance(event, DoneEvent):
+            self._timeline.timings = event.timings
+        return event
+
+    async def aclose(self) -> None:
+        """Close the wrapped stream."""
+        await self._inner.aclose()
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The wrapped stream's prompt length."""
+        return self._inner.prompt_tokens
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Nearest rank."""
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+@dataclass
+class TimelineWindow:
+    """The phases of the last ``size`` recorded requests, and their distributions for ``/stats``."""
+
+    size: int = TIMELINE_WINDOW
+    recorded: int = 0
+    _rows: deque[dict[str, float]] = field(default_factory=deque)
+
+    def record(self, timeline: Timeline) -> dict[str, float] | None:
+        """Log ``timeline``'s line (``request.timeline``) and keep its phases; ``None``: incomplete."""
+        marks = timeline.marks()
+        if marks is None:
+            return None
+        phases = _phases(marks)
+        timings = timeline.timings
+        assert timings is not None
+        _log.debug("request.timeline", request_id=timeline.request_id,
+                   looked_up=timings.lookup_start_s is not None,
+                   **{f"{k}_ms": round(v, 3) for k, v in marks.items()},
+                   phases_ms={k: round(v, 3) for k, v in phases.items()})
+        row = {**phases, "first_byte": marks["first_byte"]}
+        self._rows.append(row)
+        if len(self._rows) > self.size:
+            self._rows.popleft()
+        self.recorded += 1
+        return marks
+
+    def snapshot(self) -> dict[str, Any]:
+        """``requests`` in the window, ``recorded`` in all; p50/p90/p99 (ms) of each phase and of
+        ``first_byte`` (arrival to first byte)."""
+        dist: dict[str, dict[str, float]] = {}
+        if self._rows:
+            for name in (*PHASES, "first_byte"):
+                ordered = sorted(r[name] for r in self._rows)
+                dist[name] = {f"p{q}": round(_percentile(ordered, q), 3) for q in (50, 90, 99)}
+        return {"requests": len(self._rows), "recorded": self.recorded, "window": self.size,
+                "phases_ms": dist}

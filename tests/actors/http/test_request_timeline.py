@@ -1,0 +1,124 @@
+"""The per-request timeline: marks from arrival to the first byte, its log line and ``/stats``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from structlog.testing import capture_logs
+
+from actors.engine import Engine
+from actors.http import HttpSettings, create_app
+from actors.http._timeline import MARKS, PHASES, Timeline, TimelineWindow, timeline_marks
+from messages.gateway import Timings
+from tests.actors.test_cold_tier_engine import IDENTITY
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [5 + i % 80 for i in range(48)]
+
+
+def test_marks_place_the_engine_offsets_after_the_admission() -> None:
+    """Scripted engine offsets become ms after arrival, in order, ending at the first byte."""
+    timings = Timings(admitted_at=10.010, lookup_start_s=0.001, lookup_done_s=0.004,
+                      queued_s=0.020, ttft_s=0.050)
+    marks = timeline_marks(10.0, 10.011, timings, 10.070)
+    assert marks == pytest.approx({"admitted": 10.0, "lookup_start": 11.0, "lookup_done": 14.0,
+                                   "joined": 30.0, "first_token": 60.0, "first_byte": 70.0})
+
+
+def test_marks_stay_ordered_when_the_engine_clock_is_not_the_edges() -> None:
+    """An engine clock far from the edge's: admission clamped into [arrival, admission seen],
+    every mark into [previous, first byte], so the phases still sum to the first byte."""
+    timings = Timings(admitted_at=5000.0, lookup_start_s=None, lookup_done_s=None,
+                      queued_s=0.5, ttft_s=9.0)
+    marks = timeline_marks(1.0, 1.002, timings, 1.100)
+    values = [marks[m] for m in MARKS]
+    assert values == sorted(values)
+    assert marks["admitted"] == pytest.approx(2.0)
+    assert marks["first_byte"] == pytest.approx(100.0)
+    assert marks["first_token"] == pytest.approx(100.0)
+
+
+def test_window_keeps_the_last_requests_and_reports_nearest_rank_percentiles() -> None:
+    """Five requests into a window of four: the oldest leaves; p50/p99 by nearest rank."""
+    window = TimelineWindow(size=4)
+    for i in range(5):
+        line = Timeline(f"r{i}", arrived=0.0, clock=lambda: 0.0, admit_seen=0.001,
+                        token_seen=True, first_byte=0.1 * (i + 1),
+                        timings=Timings(admitted_at=0.001, queued_s=0.0, ttft_s=0.01))
+        window.record(line)
+    snap = window.snapshot()
+    assert (snap["requests"], snap["recorded"], snap["window"]) == (4, 5, 4)
+    # first bytes of the four kept: 200, 300, 400, 500 ms
+    assert snap["phases_ms"]["first_byte"] == {"p50": 300.0, "p90": 500.0, "p99": 500.0}
+    assert snap["phases_ms"]["write"]["p50"] == pytest.approx(300.0 - 11.0)
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    """One tiny fp32 Llama for the module."""
+    return tiny_llama(vocab_size=len(tiny_tokenizer()))
+
+
+@pytest.fixture(params=[1, 4], ids=["serial", "batch"])
+async def client(request: pytest.FixtureRequest, tmp_path: Path,
+                 model: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app over a real Engine with the RAM prompt cache, on the serial or the batch lane."""
+    engine = Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                                prompt_cache_bytes=1 << 26, ssd_cache="off",
+                                max_batch=request.param)
+    async with engine:
+        app = create_app(engine, HttpSettings())
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     timeout=120) as c:
+            yield c
+
+
+async def _ttft(client: httpx.AsyncClient, prompt: list[int]) -> tuple[str, float]:
+    """Stream a completion; its request id and the client's time to the first token's chunk (ms)."""
+    body = {"prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0}
+    sent = time.monotonic()
+    first: float | None = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk["choices"] and chunk["choices"][0].get("text"):
+                    first = time.monotonic()
+    assert first is not None
+    return rid, (first - sent) * 1e3
+
+
+async def test_phases_are_ordered_and_sum_to_the_clients_ttft(client: httpx.AsyncClient) -> None:
+    """Over a real engine: the timeline line of each streamed request has ordered marks, a
+    lookup, and phases that sum to its first byte, within 50 ms of the TTFT the client saw;
+    /stats reports the distributions of both requests."""
+    with capture_logs() as logs:
+        seen = [await _ttft(client, PROMPT), await _ttft(client, PROMPT + [7, 8, 9])]
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request.timeline"}
+    assert set(lines) == {rid for rid, _ in seen}
+    for rid, ttft_ms in seen:
+        line = lines[rid]
+        marks = [line[f"{m}_ms"] for m in MARKS]
+        assert marks == sorted(marks), line
+        assert line["looked_up"] is True
+        assert line["lookup_done_ms"] >= line["lookup_start_ms"] >= line["admitted_ms"]
+        assert line["first_token_ms"] > line["joined_ms"], "the first step takes time"
+        assert sum(line["phases_ms"].values()) == pytest.approx(line["first_byte_ms"], abs=0.01)
+        assert line["first_byte_ms"] <= ttft_ms + 1.0
+        assert ttft_ms - line["first_byte_ms"] < 50.0, (ttft_ms, line)
+    stats = (await client.get("/stats")).json()["http"]["timeline"]
+    assert stats["requests"] == stats["recorded"] == 2
+    assert set(stats["phases_ms"]) == {*PHASES, "first_byte"}
+    slowest = max(line["first_byte_ms"] for line in lines.values())
+    assert stats["phases_ms"]["first_byte"]["p99"] == pytest.approx(slowest, abs=0.001)
