@@ -193,7 +193,7 @@ class TimelineWindow:
         phases = _phases(marks)
         timings = timeline.timings
         assert timings is not None
-        _log.debug("request.timeline", request_id=timeline.request_id,
+        _log.info("request.timeline", request_id=timeline.request_id,
                    looked_up=timings.lookup_start_s is not None,
                    **{f"{k}_ms": round(v, 3) for k, v in marks.items()},
                    phases_ms={k: round(v, 3) for k, v in phases.items()})
