@@ -140,8 +140,11 @@ class _Logprobs:
         out, self.ready = self.ready, []
         return out
 
-    def end(self) -> None:
-        # NOTE: a stop token that ended the generation is not part of the answer.
+    def end(self, stopped: bool) -> None:
+        # NOTE: a stop token that ended the generation is not part of the
+        # answer; one the answer ran past (ignore_eos, cut by length) is.
+        if self.held is not None and not stopped:
+            self.ready.append(self.held)
         self.held = None
 
 
@@ -204,7 +207,7 @@ class ChatAnswer:
         """The last chunk before the finish chunk (held text, calls, logprobs), or ``None``."""
         segments = self._splitter.finish() if self._splitter is not None else []
         if self._logprobs is not None:
-            self._logprobs.end()
+            self._logprobs.end(done.finish_reason == "stop")
         piece = self._piece(segments, final=True)
         self.finish_reason = finish_reason(done, called=bool(self._calls))
         return None if piece.empty else piece
@@ -378,11 +381,15 @@ class CompletionAnswer:
         # NOTE: a stream that ended before its first token still echoes the prompt.
         echoed = self._echo_prompt(None)
         if self._logprobs is not None:
-            self._logprobs.end()
+            self._logprobs.end(done.finish_reason == "stop")
         rest = self._take()
         if not echoed and rest is None:
             return None
         return CompletionPiece(text=echoed, logprobs=rest)
+
+    def generated(self, tokens: int) -> int:
+        """Completion tokens to report after ``tokens`` events (none when the prompt is only scored)."""
+        return 0 if self._scores_only else tokens
 
     def usage(self, usage: Usage) -> Usage:
         """The usage to report: no completion tokens when the prompt was only scored."""

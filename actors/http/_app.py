@@ -47,9 +47,11 @@ from ._convert import (
     grammar_for,
     needs_grammar,
     resolve_model,
+    running_usage,
     to_params,
     tool_parsing,
     tools_for_template,
+    usage_body,
 )
 from ._errors import (
     ApiError,
@@ -78,6 +80,7 @@ from ._schemas import (
     ModelCard,
     ModelList,
     NamedToolChoice,
+    UsageBody,
     _SamplingFields,
 )
 from ._sse import DONE, EventStreamResponse, sse_json
@@ -178,7 +181,6 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
 
 _ROUTER_DEFAULTS: dict[str, bool] = {
     "no_stop_trim": False,
-    "ignore_eos": False,
     "continue_final_message": False,
     "skip_special_tokens": True,
     "separate_reasoning": True,
@@ -197,6 +199,7 @@ def _without_router_defaults(raw: bytes) -> bytes:
     these fields set to SGLang's defaults; at those values they ask for what
     kvtier does anyway, so they are dropped. Any other value stays and the
     strict schema refuses it (400): kvtier does not implement them.
+    (``ignore_eos`` is a field of kvtier's own, with vLLM's meaning.)
     """
     try:
         body = json.loads(raw)
@@ -472,7 +475,7 @@ def create_app(
             st.timelines.record(timeline)
 
         events = _sse_events(TimedStream(stream, timeline), rid, model, answer,
-                             body.include_usage())
+                             body.include_usage(), body.continuous_usage())
         err = kvtier_error_to_api(ServerShuttingDown(_CUT_MESSAGE))
         return EventStreamResponse(
             events, on_close=release, headers=headers, cut=cut.wait,
@@ -527,36 +530,54 @@ def create_app(
         return JSONResponse(result.model_dump(mode="json"), headers=headers)
 
     def _chunk(rid: str, ts: int, model: str, answer: _Answer,
-               piece: ChatPiece | CompletionPiece) -> bytes:
+               piece: ChatPiece | CompletionPiece, running: UsageBody | None) -> bytes:
         if isinstance(answer, ChatAnswer):
             assert isinstance(piece, ChatPiece)
             return sse_json(chat_chunk(rid, ts, model, piece=piece,
-                                       logprobs=answer.reports_logprobs))
+                                       logprobs=answer.reports_logprobs, running=running))
         assert isinstance(piece, CompletionPiece)
-        return sse_json(completion_chunk(rid, ts, model, piece=piece))
+        return sse_json(completion_chunk(rid, ts, model, piece=piece, running=running))
 
     async def _sse_events(stream: StreamPort, rid: str, model: str, answer: _Answer,
-                          include_usage: bool) -> AsyncIterator[bytes]:
+                          include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
+        """The SSE events of one answer.
+
+        ``continuous`` (``continuous_usage_stats``, as vLLM): every chunk with
+        a choice carries the usage so far; the finish chunk carries the final
+        usage (cached tokens included), as the usage tail does.
+        """
         ts = created()
         finished = False
-        chat = isinstance(answer, ChatAnswer)
+        tokens = 0
+
+        def running() -> UsageBody | None:
+            if not continuous:
+                return None
+            done = answer.generated(tokens) if isinstance(answer, CompletionAnswer) else tokens
+            return running_usage(stream.prompt_tokens, done)
+
         try:
-            if chat:
-                assert isinstance(answer, ChatAnswer)
-                yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.forced))
+            if isinstance(answer, ChatAnswer):
+                yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.forced,
+                                          running=running()))
             async for event in stream:
                 if isinstance(event, TokenEvent):
+                    tokens += 1
                     # NOTE: a token may release nothing yet (part of a character,
                     # text that may start a tool-call marker).
                     piece = answer.feed(event)
                     if piece is not None:
-                        yield _chunk(rid, ts, model, answer, piece)
+                        yield _chunk(rid, ts, model, answer, piece, running())
                     continue
                 last = answer.finish(event)
                 if last is not None:
-                    yield _chunk(rid, ts, model, answer, last)
-                final = (chat_chunk(rid, ts, model, finish=answer.finish_reason) if chat
-                         else completion_chunk(rid, ts, model, finish=answer.finish_reason))
+                    yield _chunk(rid, ts, model, answer, last, running())
+                usage = event.usage if isinstance(answer, ChatAnswer) else answer.usage(event.usage)
+                whole = usage_body(usage) if continuous else None
+                final = (chat_chunk(rid, ts, model, finish=answer.finish_reason, running=whole)
+                         if isinstance(answer, ChatAnswer)
+                         else completion_chunk(rid, ts, model, finish=answer.finish_reason,
+                                               running=whole))
                 yield sse_json(final)
                 if include_usage:
                     tail = (chat_chunk(rid, ts, model, usage=event.usage)

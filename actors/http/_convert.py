@@ -62,6 +62,7 @@ __all__ = [
     "grammar_for",
     "needs_grammar",
     "resolve_model",
+    "running_usage",
     "to_params",
     "tool_parsing",
     "tools_for_template",
@@ -144,6 +145,10 @@ def to_params(body: _SamplingFields, defaults: Defaults,
             code="invalid_value",
             param=param,
         )
+    if body.ignore_eos and grammar is not None:
+        raise ApiError(400, "ignore_eos cannot be combined with response_format or a forced "
+                            "tool_choice: the constrained answer ends with EOS.",
+                       code="unsupported", param="ignore_eos")
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": defaults.temperature if body.temperature is None else body.temperature,
@@ -161,6 +166,7 @@ def to_params(body: _SamplingFields, defaults: Defaults,
         "seed": body.seed,
         "grammar": grammar,
         "cache_salt": body.cache_salt,
+        "ignore_eos": body.ignore_eos,
         "cache_scope": cache_scope,
     }
     if isinstance(body, ChatCompletionRequest):
@@ -356,6 +362,12 @@ def usage_body(usage: Usage) -> UsageBody:
     )
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> UsageBody:
+    """The usage so far on a streamed chunk (``continuous_usage_stats``); cached tokens come at the end."""
+    return UsageBody(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=None)
+
+
 def _message_content(content: str | None, has_calls: bool) -> str | None:
     """``None`` for a message that carries only tool calls (its text is only whitespace).
 
@@ -396,13 +408,14 @@ def completion_response(rid: str, created: int, model: str, answer: CompletionAn
 def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
                calls_only: bool = False, piece: ChatPiece | None = None,
                finish: str | None = None, usage: Usage | None = None,
-               logprobs: bool = False) -> ChatCompletionChunk:
+               logprobs: bool = False, running: UsageBody | None = None) -> ChatCompletionChunk:
     """One streamed chat chunk: the role opener, a piece of the answer, the finish, or the usage tail.
 
     The role opener carries ``content: ""`` (as OpenAI's), except when the
     answer can only be tool calls (``calls_only``: a forced ``tool_choice``):
     then it carries no content, so a client that adds up the deltas ends
-    with ``content`` null, as the non-streamed message has.
+    with ``content`` null, as the non-streamed message has. ``running``:
+    the usage so far, on a chunk with a choice (``continuous_usage_stats``).
     """
     if usage is not None:
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
@@ -423,16 +436,19 @@ def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
         delta=Delta(role="assistant" if role else None, content=content, tool_calls=calls),
         finish_reason=finish, logprobs=entries,
     )
-    return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+    return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+                               usage=running)
 
 
 def completion_chunk(rid: str, created: int, model: str, *,
                      piece: CompletionPiece | None = None, finish: str | None = None,
-                     usage: Usage | None = None) -> CompletionResponse:
-    """One streamed text-completion chunk (same object as the non-streamed body)."""
+                     usage: Usage | None = None,
+                     running: UsageBody | None = None) -> CompletionResponse:
+    """One streamed text-completion chunk (same object as the non-streamed body); ``running`` as in :func:`chat_chunk`."""
     if usage is not None:
         return CompletionResponse(id=rid, created=created, model=model, choices=[],
                                   usage=usage_body(usage))
     choice = CompletionChoice(text=piece.text if piece is not None else "", finish_reason=finish,
                               logprobs=piece.logprobs if piece is not None else None)
-    return CompletionResponse(id=rid, created=created, model=model, choices=[choice])
+    return CompletionResponse(id=rid, created=created, model=model, choices=[choice],
+                              usage=running)

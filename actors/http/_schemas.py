@@ -154,9 +154,12 @@ class ChatMessage(_Strict):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: only ``include_usage`` is meaningful here."""
+    """``stream_options``: ``include_usage`` ends a stream with a usage chunk;
+    ``continuous_usage_stats`` (vLLM's field; with ``include_usage``) puts the
+    usage so far on every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 _Prob = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -185,6 +188,8 @@ class _SamplingFields(_Strict):
     # NOTE: vLLM's field: a request reuses cached prefixes only when the salt
     # matches too (docs/operations.md, "Cache isolation").
     cache_salt: Annotated[str, Field(min_length=1, max_length=CACHE_SALT_MAX_CHARS)] | None = None
+    # NOTE: vLLM's field (load generators send it): generate max_tokens tokens, past EOS.
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -221,6 +226,11 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (as vLLM: needs ``include_usage``)."""
+        return self.include_usage() and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         """The completion-length bound the client asked for, if any."""
@@ -395,7 +405,8 @@ class UsageBody(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None
+    """``None`` on the running usage of a chunk before the last (cached tokens are known at the end)."""
 
 
 class TopLogprob(BaseModel):

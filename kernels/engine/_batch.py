@@ -496,7 +496,11 @@ class BatchGeneration:
             if not gate.batchable:
                 raise InvalidPrompt(f"the row's cache cannot join a batch: {gate.detail}")
             _check_cache_offset(cache, cached_tokens)
-        stop_ids = self._eos | frozenset(params.stop_token_ids)
+        special = self._eos | frozenset(params.stop_token_ids)
+        # NOTE: ignore_eos only stops EOS from ending the row; XTC still spares it.
+        stop_ids = (
+            frozenset(params.stop_token_ids) if params.ignore_eos else special
+        )
         row = _Row(
             row_id=row_id,
             uid=self._next_uid,
@@ -504,7 +508,7 @@ class BatchGeneration:
             params=params,
             cached_tokens=cached_tokens,
             cache=cache,
-            sampler=_row_sampler(params, stop_ids),
+            sampler=_row_sampler(params, special),
             processors=make_request_processors(params),
             stop_ids=stop_ids,
             text=TextStream(self._tokenizer.detokenizer, params.stop),

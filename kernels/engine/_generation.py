@@ -144,9 +144,11 @@ class Generation:
         # NOTE: the penalty history is the FULL prompt (reused prefix too), so a
         # cache hit samples exactly as a cold prefill does.
         self._history: mx.array | None = mx.array(self._prompt) if self._processors else None
-        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self._stop_ids = frozenset(int(t) for t in eos) | frozenset(params.stop_token_ids)
-        self._sampler = make_request_sampler(params, xtc_special_tokens=sorted(self._stop_ids))
+        eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
+        special = eos | frozenset(params.stop_token_ids)
+        # NOTE: ignore_eos only stops EOS from ending the answer; XTC still spares it.
+        self._stop_ids = frozenset(params.stop_token_ids) if params.ignore_eos else special
+        self._sampler = make_request_sampler(params, xtc_special_tokens=sorted(special))
         # NOTE: _greedy.py: a plain-greedy request that reads no logprob takes
         # the largest logit's index and skips the log-softmax, as the batch lane does.
         self._skip_log_softmax = self._sampler is _argmax and not (

@@ -68,14 +68,26 @@ async def test_router_added_fields_at_defaults_are_accepted() -> None:
 
 
 async def test_router_field_with_other_value_is_refused() -> None:
-    """ignore_eos=true (not implemented) is still a 400 naming the field, and reaches no engine."""
+    """no_stop_trim=true (not implemented) is still a 400 naming the field, and reaches no engine."""
+    engine = FakeEngine()
+    body = {"messages": [{"role": "user", "content": "hi"}], **ROUTER_FIELDS, "no_stop_trim": True}
+    async with _client(engine) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "no_stop_trim"
+    assert engine.calls == []
+
+
+async def test_router_body_with_ignore_eos_true_is_served_with_it() -> None:
+    """ignore_eos=true in a router's body is kvtier's own field: it reaches the engine's params."""
     engine = FakeEngine()
     body = {"messages": [{"role": "user", "content": "hi"}], **ROUTER_FIELDS, "ignore_eos": True}
     async with _client(engine) as client:
         resp = await client.post("/v1/chat/completions", json=body)
-    assert resp.status_code == 400
-    assert resp.json()["error"]["param"] == "ignore_eos"
-    assert engine.calls == []
+    assert resp.status_code == 200, resp.text
+    [call] = engine.calls
+    assert call.params is not None
+    assert call.params.ignore_eos
 
 
 async def test_deeply_nested_router_body_is_a_400() -> None:
