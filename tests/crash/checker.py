@@ -929,8 +929,10 @@ async def actor_restart(state: CrashState, cap: int = CAP) -> ActorOutcome:
         files = tuple(sorted(fs.tree()))
         served: dict[str, tuple[bytes, ...] | None] = {}
         for path in indexed:
+            # NOTE: a Restore names the namespace its Find asked in (cache isolation).
+            ns = tier.state.entries[path].namespace
             res = await system.ask(
-                tier.name, Restore(path=path), timeout=ASK_S, expect=RestoreResult
+                tier.name, Restore(path=path, namespace=ns), timeout=ASK_S, expect=RestoreResult
             )
             staged = tier.staging.take(res.staging_id) if res.ok and res.staging_id else None
             served[path] = None if staged is None else tuple(bytes(b) for b in staged.file.take_host().buffers)
