@@ -15,6 +15,10 @@ Connections (one bad client cannot take the server down):
 - a request body must arrive within ``body_timeout_s`` of its head (408,
   also when ``Content-Length`` promises more than is sent).
 - idle keep-alive connections close after ``keep_alive_s``.
+- a streamed response ended at its write deadline (the client read nothing
+  for ``--stream-write-timeout``; ``_sse``) aborts its connection: a
+  graceful close would keep the socket, and its place under the cap, until
+  the client reads the queued bytes or leaves.
 - a response sent before its request's body was read (413, 408) closes the
   connection the way nginx's lingering close does: our side is shut for
   writing and what the client still sends is read and dropped for at most
@@ -68,6 +72,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ._app import begin_shutdown, cut_streams
 from ._errors import error_body
 from ._middleware import BodyTimeoutMiddleware
+from ._sse import write_stalled
 from ._state import HttpState
 
 __all__ = ["ServerLimits", "connection_cap", "exposure_warning", "serve"]
@@ -231,7 +236,14 @@ class _Guard:
         self.displaced = 0
         self.refused = 0
         self.head_timeouts = 0
+        self.stalled_aborts = 0
         self._reported_at = -float("inf")
+
+    def snapshot(self, open_connections: int) -> dict[str, int]:
+        """The connection figures for ``/stats`` (``http.connections``)."""
+        return {"open": open_connections, "cap": self.cap, "displaced": self.displaced,
+                "refused": self.refused, "head_timeouts": self.head_timeouts,
+                "stalled_aborts": self.stalled_aborts}
 
     def report(self) -> None:
         """Log the shed connections, at most once per log window."""
@@ -240,7 +252,8 @@ class _Guard:
             return
         self._reported_at = now
         _log.warning("http.connections_shed", cap=self.cap, displaced=self.displaced,
-                     refused=self.refused, head_timeouts=self.head_timeouts)
+                     refused=self.refused, head_timeouts=self.head_timeouts,
+                     stalled_aborts=self.stalled_aborts)
 
 
 class _Transport:
@@ -264,6 +277,9 @@ class _Transport:
 
     def close(self) -> None:
         owner = self._owner
+        if owner.write_stalled():
+            owner.abort_stalled()
+            return
         if (owner.lingering or self._inner.is_closing()
                 or owner.conn.their_state is not h11.SEND_BODY):
             if not owner.lingering:
@@ -318,6 +334,26 @@ class _HardenedH11(H11Protocol):
         busy = self.cycle is not None and not self.cycle.response_complete
         if (busy or self.lingering) and self._raw is not None and not self._raw.is_closing():
             self._raw.abort()
+
+    def write_stalled(self) -> bool:
+        """The request in progress ended because a write passed its deadline (``_sse``)."""
+        return self.cycle is not None and write_stalled(self.cycle.scope)
+
+    def abort_stalled(self) -> None:
+        """Abort the connection of a response ended at its write deadline.
+
+        NOTE: a graceful close keeps the socket open until the queued bytes
+        are sent, which a client that reads nothing never lets happen; the
+        connection would hold its place under the cap meanwhile.
+        """
+        assert self._raw is not None
+        if self._raw.is_closing() and self not in self.connections:
+            return
+        self.guard.stalled_aborts += 1
+        self._leave_waiting()
+        self._cancel_timers()
+        self.connections.discard(self)
+        self._raw.abort()
 
     def _drop(self) -> None:
         """Close at once, with no response (the peer sent no complete request)."""
@@ -513,6 +549,7 @@ async def serve(
         reset_contextvars=True,
     )
     server = _Uvicorn(config)
+    state.connection_stats = lambda: guard.snapshot(len(server.server_state.connections))
     stop_now = anyio.Event()
     drained = True
 

@@ -21,7 +21,7 @@ open, its unsent bytes queued, until the client reads or leaves).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -42,7 +42,7 @@ WRITE_STALLED = "kvtier.write_stalled"
 """Key set (True) in the request's ASGI ``scope["state"]`` when a write passed its deadline."""
 
 
-def write_stalled(scope: Scope) -> bool:
+def write_stalled(scope: Mapping[str, object]) -> bool:
     """Whether the response of ``scope`` ended because a write passed its deadline."""
     state = scope.get("state")
     return isinstance(state, dict) and state.get(WRITE_STALLED) is True

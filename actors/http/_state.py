@@ -102,6 +102,8 @@ class HttpState:
     monotonic: Callable[[], float] = time.monotonic
     """The per-request timeline's clock (the engine's: ``time.monotonic``)."""
     timelines: TimelineWindow = field(default_factory=TimelineWindow)
+    connection_stats: Callable[[], dict[str, int]] | None = None
+    """The server's connection figures (``serve`` sets it; ``None``: no server of ours)."""
     started_at: float = field(default_factory=time.time)
     shutting_down: bool = False
     in_flight: int = 0
@@ -139,4 +141,6 @@ class HttpState:
             "client_disconnects": self.disconnects,
             "uptime_s": round(self.clock() - self.started_at, 3),
             "timeline": self.timelines.snapshot(),
+            **({} if self.connection_stats is None
+               else {"connections": self.connection_stats()}),
         }
