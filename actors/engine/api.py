@@ -46,6 +46,7 @@ from actors.engine_thread.memory_guard import (
     decide,
     prompt_scoring_bytes,
     stated_margin,
+    token_logprob_bytes,
 )
 from actors.errors import (
     ContextTooLong,
@@ -324,7 +325,8 @@ class GenerationStream(_StartClose):
         self._prompt_tokens = len(tokens)
         engine._check_open()
         await engine._make_room(len(tokens), self._params.max_tokens,
-                                self._params.prompt_logprobs)
+                                self._params.prompt_logprobs, logprobs=self._params.logprobs,
+                                top_logprobs=self._params.top_logprobs)
         system = engine._require_system()
         inbox = system.open_inbox(engine._stream_buffer, prefix=f"stream-{self.request_id}-")
         request = Generate(
@@ -871,10 +873,13 @@ class Engine(_StartClose):
         )
 
     async def _make_room(self, prompt_tokens: int, max_tokens: int,
-                         scoring: int | None = None) -> None:
+                         scoring: int | None = None, *, logprobs: bool = False,
+                         top_logprobs: int = 0) -> None:
         """The memory guard before admission: fit, or persist and drop LRU RAM entries, or refuse.
 
-        ``scoring``: the request's ``prompt_logprobs`` (its scores count too).
+        ``scoring``: the request's ``prompt_logprobs`` (its scores count too);
+        ``logprobs``/``top_logprobs``: its generated tokens' reported logprobs
+        (each of ``max_tokens`` tokens' entries counts too).
 
         Raises ``MemoryPressure`` when the request cannot fit and nothing
         more can be reclaimed. One relief at a time (a lock), each bounded
@@ -885,6 +890,7 @@ class Engine(_StartClose):
             return
         demand = guard.footprint.at_prefill(prompt_tokens, max_tokens)
         demand += prompt_scoring_bytes(prompt_tokens, scoring)
+        demand += token_logprob_bytes(max_tokens, logprobs, top_logprobs)
         verdict = decide(active=guard.gauge.active_bytes, demand=demand, budget=guard.budget,
                          reclaimable=0)
         if not isinstance(verdict, Relieve | Refuse):

@@ -12,8 +12,10 @@ MLX's active and cached memory, ``actors/engine/memory.py``), and the
 footprint is the KV still to come (``KvGeometry.bytes_at`` of the prompt
 plus ``max_tokens``, in the KV buffers' 256-token steps), the copy overlap
 of the KV it already holds (a growing buffer is concatenated, so the old one
-lives until the new one exists) and, before prefill, the prefill workspace.
-The budget is the smaller of usable RAM and the device's working set unless
+lives until the new one exists) and, before prefill, the prefill workspace;
+a request that reports logprobs adds what their entries hold on the host
+(:func:`token_logprob_bytes`, :func:`prompt_scoring_bytes`). The budget is
+the smaller of usable RAM and the device's working set unless
 ``EngineConfig.memory_budget_bytes`` names one.
 
 What the process's RSS can reach is the budget plus :func:`stated_margin`:
@@ -60,6 +62,8 @@ __all__ = [
     "DECODE_CHECK_EVERY",
     "HOST_SLACK_BYTES",
     "KV_STEP",
+    "LOGPROB_ALTERNATIVE_BYTES",
+    "LOGPROB_TOKEN_BYTES",
     "PROMPT_SCORE_BYTES",
     "Fits",
     "Footprint",
@@ -71,6 +75,7 @@ __all__ = [
     "decide",
     "prompt_scoring_bytes",
     "stated_margin",
+    "token_logprob_bytes",
 ]
 
 DECODE_CHECK_EVERY = 256
@@ -97,6 +102,31 @@ def prompt_scoring_bytes(prompt_tokens: int, top: int | None) -> int:
     if top is None:
         return 0
     return 3 * 4 * SCORE_ELEMENTS + prompt_logprob_entries(prompt_tokens, top) * PROMPT_SCORE_BYTES
+
+
+LOGPROB_TOKEN_BYTES = 3_000
+"""Host bytes per generated token whose logprob is reported (``logprobs``), alternatives aside.
+
+NOTE: the HTTP edge keeps every reported token's entry until the answer ends
+(``actors.http.ChatAnswer``, streamed or not) and a non-streamed answer then
+dumps them to a dict and to JSON as well. Measured peak of a chat answer
+(the default model's tokenizer, 400 tokens): 2,325 bytes per token with no
+alternative, 12,300 with 5, 31,151 with 20 (a text completion's legacy
+columns: 527 / 2,594 / 8,186); this constant and
+:data:`LOGPROB_ALTERNATIVE_BYTES` are an upper estimate of all three."""
+
+LOGPROB_ALTERNATIVE_BYTES = 2_000
+"""Host bytes per reported alternative (``top_logprobs``) per generated token (see :data:`LOGPROB_TOKEN_BYTES`)."""
+
+
+def token_logprob_bytes(tokens: int, logprobs: bool, top: int) -> int:
+    """What reporting ``tokens`` generated tokens' logprobs (``top`` alternatives each) holds on the host.
+
+    ``0`` when neither ``logprobs`` nor alternatives are asked for.
+    """
+    if not logprobs and top <= 0:
+        return 0
+    return max(tokens, 0) * (LOGPROB_TOKEN_BYTES + max(top, 0) * LOGPROB_ALTERNATIVE_BYTES)
 
 
 def stated_margin(mlx_cache_limit_bytes: int) -> int:
@@ -133,7 +163,8 @@ class Refuse:
         """The client-facing explanation."""
         return (
             f"not enough memory for this request: it needs about {_gb(self.demand)} GiB more "
-            f"(KV cache and prefill workspace) while {_gb(self.active)} GiB are in use, over "
+            f"(KV cache, prefill workspace and reported logprobs) while {_gb(self.active)} "
+            "GiB are in use, over "
             f"the memory budget of {_gb(self.budget)} GiB by {_gb(self.need)} GiB, and no "
             "cached entry can be moved out of memory; retry with a shorter prompt or fewer "
             "max_tokens, or later"
@@ -273,12 +304,21 @@ class MemoryGuard:
         prompt = len(request.prompt_tokens)
         demand = self.footprint.at_prefill(prompt, request.params.max_tokens)
         demand += prompt_scoring_bytes(prompt, request.params.prompt_logprobs)
+        params = request.params
+        demand += token_logprob_bytes(params.max_tokens, params.logprobs, params.top_logprobs)
         self._check(demand)
 
     def during_decode(self, request: Generate, tokens_now: int) -> None:
-        """Every :data:`DECODE_CHECK_EVERY` decode tokens."""
-        final = len(request.prompt_tokens) + request.params.max_tokens
-        self._check(self.footprint.in_decode(tokens_now, final))
+        """Every :data:`DECODE_CHECK_EVERY` decode tokens.
+
+        NOTE: the logprobs of the tokens already produced are in the reading
+        (the HTTP edge holds them in this process); those still to come are not.
+        """
+        params = request.params
+        final = len(request.prompt_tokens) + params.max_tokens
+        demand = self.footprint.in_decode(tokens_now, final)
+        demand += token_logprob_bytes(final - tokens_now, params.logprobs, params.top_logprobs)
+        self._check(demand)
 
     def _check(self, demand: int) -> None:
         self.checks += 1
