@@ -1,0 +1,119 @@
+"""The serial lane's in-turn memory checks (rule R5.4-2): before a request's prefill and every 256
+decode tokens the engine thread reads the memory in use again and fails the request over the budget.
+
+The checks are exercised through a real Engine on its serial lane (``max_batch=1``, tiny fp32
+Llama). The memory in use is the process's RSS, so the test raises it for real: it fills a
+buffer the size of several budgets' headroom, which no settle can give back. Admission decides
+on the reading the last engine job left, so memory that grows after it is seen only by the
+in-turn checks; each test shows them refusing what admission let through.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from actors.engine import Engine
+from actors.engine_thread.memory_guard import DECODE_CHECK_EVERY
+from actors.errors import MemoryPressure
+from messages.gateway import GenerationParams, TokenEvent
+from tests.actors.test_cold_tier_engine import IDENTITY
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+MIB = 1 << 20
+HEADROOM = 24 * MIB
+"""The budget over the idle engine's reading: a short request's footprint (well under 2 MiB) fits."""
+GROWTH = 160 * MIB
+"""What the test allocates once admitted: far past the headroom."""
+PROMPT = list(range(3, 13))
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    """One tiny fp32 Llama for the module."""
+    return tiny_llama(vocab_size=len(tiny_tokenizer()))
+
+
+@asynccontextmanager
+async def _serial(model: Any, budget: int | None) -> AsyncIterator[Engine]:
+    engine = Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                                prompt_cache_bytes=16 * MIB, max_batch=1,
+                                memory_budget_bytes=budget)
+    async with engine:
+        yield engine
+
+
+async def _memory(engine: Engine) -> dict[str, Any]:
+    memory: dict[str, Any] = (await engine.stats(timeout=5))["memory"]
+    return memory
+
+
+async def _budget(model: Any) -> int:
+    gc.collect()
+    async with _serial(model, None) as probe:
+        idle: int = (await _memory(probe))["active_bytes"]
+    return idle + HEADROOM
+
+
+def _resident(size: int) -> bytearray:
+    """``size`` bytes written through, so every page is resident (counted in RSS)."""
+    return bytearray(b"\x01") * size
+
+
+async def _tokens(engine: Engine, params: GenerationParams, seen: list[int],
+                  grow_after_first: list[bytearray] | None = None) -> None:
+    """Run one request, appending each token id to ``seen``; after the first token, allocate
+    :data:`GROWTH` into ``grow_after_first`` (when given)."""
+    async with engine.generate(PROMPT, params) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                seen.append(event.token_id)
+                if grow_after_first is not None and not grow_after_first:
+                    grow_after_first.append(_resident(GROWTH))
+
+
+async def test_decode_check_fails_the_request_at_256_tokens_when_memory_grew(model: Any) -> None:
+    """Admitted within budget, a 400-token request whose process grows by 160 MiB after its first
+    token fails with MemoryPressure at the 256-token check, after exactly 256 tokens (none lost)."""
+    grown: list[bytearray] = []
+    tokens: list[int] = []
+    async with _serial(model, await _budget(model)) as engine:
+        params = GenerationParams(max_tokens=400, temperature=0.0)
+        try:
+            with pytest.raises(MemoryPressure, match="memory budget"):
+                await _tokens(engine, params, tokens, grown)
+        finally:
+            # NOTE: freed here even when the assertion fails (its traceback keeps this frame).
+            grown.clear()
+        memory = await _memory(engine)
+    assert len(tokens) == DECODE_CHECK_EVERY
+    assert memory["refused_in_turn"] == 1
+    assert memory["refused_at_admission"] == 0
+    assert memory["settled_in_turn"] >= 1
+
+
+async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(model: Any) -> None:
+    """Memory that grew after the last engine job is not in admission's reading: the request is
+    admitted, and the check before its prefill reads again and fails it with no token; the next
+    request, once the memory is back, runs."""
+    async with _serial(model, await _budget(model)) as engine:
+        params = GenerationParams(max_tokens=8, temperature=0.0)
+        grown = [_resident(GROWTH)]
+        tokens: list[int] = []
+        try:
+            with pytest.raises(MemoryPressure, match="memory budget"):
+                await _tokens(engine, params, tokens)
+        finally:
+            grown.clear()
+        refused = await _memory(engine)
+        after: list[int] = []
+        await _tokens(engine, params, after)
+    assert tokens == []
+    assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (1, 0)
+    assert len(after) == 8
