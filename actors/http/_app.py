@@ -17,8 +17,8 @@ import anyio
 import anyio.to_thread
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -70,6 +70,7 @@ from ._middleware import (
     JsonContentTypeMiddleware,
     TrailingSlashMiddleware,
 )
+from ._openapi import json_body, openapi_document
 from ._port import EnginePort, StreamPort
 from ._request_id import REQUEST_ID_KEY, RequestId
 from ._schemas import (
@@ -250,34 +251,8 @@ _ARRIVED = "kvtier.arrived"
 """Key of the request's arrival (``HttpState.monotonic``) in its ASGI ``scope["state"]``."""
 
 
-_COMPONENTS = "#/components/schemas/{model}"
 _HAND_PARSED: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
-"""Bodies parsed by hand (``_parse``), described in the OpenAPI document by :func:`_openapi`."""
-
-
-def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI description of a body that is parsed by hand (its schema is a component)."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": _COMPONENTS.format(model=model.__name__)}}}}}
-
-
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's OpenAPI document plus the schemas of the hand-parsed bodies as components.
-
-    NOTE: pydantic nests a model's sub-schemas under a local ``$defs`` whose
-    references (``#/$defs/...``) do not resolve inside an OpenAPI document;
-    generated with the components' reference template, every sub-schema
-    becomes a component and every reference resolves.
-    """
-    if app.openapi_schema is None:
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        components = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in _HAND_PARSED:
-            schema = model.model_json_schema(ref_template=_COMPONENTS)
-            components.update(schema.pop("$defs", {}))
-            components[model.__name__] = schema
-        app.openapi_schema = doc
-    return app.openapi_schema
+"""Bodies parsed by hand (``_parse``), described in the OpenAPI document by ``openapi_document``."""
 
 
 def create_app(
@@ -313,7 +288,7 @@ def create_app(
     cut = _Cut()
     app.state.cut = cut
     install_error_handlers(app)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_document(app, _HAND_PARSED)  # type: ignore[method-assign]
 
     async def on_client_left(_request: Request, _exc: Exception) -> Response:
         st.disconnects += 1
@@ -330,11 +305,11 @@ def create_app(
 
     # --------------------------------------------------------------- routes
 
-    # NOTE: two routes, not api_route(methods=["GET", "HEAD"]): one route for
-    # both methods gives both the same OpenAPI operation id (FastAPI warns and
-    # the schema is invalid).
-    @app.get("/health", response_model=None)
-    @app.head("/health", response_model=None, operation_id="health_head")
+    # NOTE: one route for both methods, so a 405 (OPTIONS /health) names both
+    # in its Allow header; openapi_document describes the two operations (one
+    # route would give both the same operation id).
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None,
+                   include_in_schema=False)
     async def health() -> JSONResponse:
         """Liveness; 503 ``draining`` once shutdown began (no auth needed, so nothing but the status)."""
         if st.shutting_down:
@@ -380,7 +355,7 @@ def create_app(
         return {"engine": await engine.stats(), "http": st.snapshot()}
 
     @app.post("/v1/chat/completions", response_model=None,
-              openapi_extra=_json_body(ChatCompletionRequest))
+              openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions, streamed (SSE) or not; tools, logprobs, structured output."""
         body, rid, model, params = await _accept(request, ChatCompletionRequest, "chatcmpl")
@@ -396,7 +371,7 @@ def create_app(
         return await _respond(stream, body, request, rid, model, answer)
 
     @app.post("/v1/completions", response_model=None,
-              openapi_extra=_json_body(CompletionRequest))
+              openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed (SSE) or not."""
         body, rid, model, params = await _accept(request, CompletionRequest, "cmpl")
@@ -604,7 +579,9 @@ def create_app(
     # Starlette wraps in reverse order: the last added runs first.
     # Order of checks: Host, API key, admin guard, JSON content type, body cap.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(JsonContentTypeMiddleware)
+    app.add_middleware(JsonContentTypeMiddleware, posts=frozenset(
+        route.path for route in app.routes
+        if isinstance(route, APIRoute) and "POST" in (route.methods or ())))
     app.add_middleware(AdminGuardMiddleware, key=settings.admin_key or settings.api_key,
                        loopback=settings.admin_loopback,
                        trusted_proxies=parse_networks(settings.trusted_proxies))

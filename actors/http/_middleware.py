@@ -195,13 +195,18 @@ class JsonContentTypeMiddleware:
     no body) to any address without a CORS preflight, but ``application/json``
     needs one, which this server never grants. So every POST, a bodiless
     admin one included, must say ``Content-Type: application/json``.
+    ``posts``: the paths whose routes take a POST (``None``: every path); a
+    POST elsewhere goes on to the router, which answers 405 (or 404) and
+    runs nothing.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, posts: frozenset[str] | None = None) -> None:
         self.app = app
+        self._posts = posts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("method") != "POST" or (
+                self._posts is not None and scope.get("path") not in self._posts):
             await self.app(scope, receive, send)
             return
         types = [v for k, v in scope["headers"] if k == b"content-type"]

@@ -54,9 +54,11 @@ def test_every_route_is_in_the_schema() -> None:
     assert "$defs" not in json.dumps(doc)
 
 
-# NOTE: negative cases need something to break: only operations with a body have one.
+# NOTE: negative cases need something to break: only operations with a body
+# have one, and the admin routes' body is any JSON (it is ignored).
 _CASES = [(name, GenerationMode.POSITIVE) for name in sorted(_OPERATIONS)] + [
-    (name, GenerationMode.NEGATIVE) for name, op in sorted(_OPERATIONS.items()) if len(op.body)]
+    (name, GenerationMode.NEGATIVE) for name, op in sorted(_OPERATIONS.items())
+    if len(op.body) and not op.path.startswith("/admin/")]
 
 
 @pytest.mark.parametrize(("name", "mode"), _CASES, ids=[f"{n}-{m.value}" for n, m in _CASES])
