@@ -342,7 +342,8 @@ def test_oversized_body_written_before_reading_gets_413(server: ServerProcess) -
     import urllib.request
 
     req = urllib.request.Request(f"{server.url}/v1/chat/completions", method="POST",
-                                 data=b"x" * (4 * 1024 * 1024), headers=_auth())
+                                 data=b"x" * (4 * 1024 * 1024),
+                                 headers={**_auth(), "Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 413

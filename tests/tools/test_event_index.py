@@ -6,7 +6,7 @@ import pytest
 
 from actors.kv_events.block_hash import block_digests, external_hash, namespace_root
 from actors.kv_events.wire import AllCleared, Removed, Stored, WireFormat, encode_batch
-from tools.cluster.event_index import BlockIndex, choose, decode_payload
+from tools.cluster._event_index import BlockIndex, choose, decode_payload
 
 ROOT = namespace_root(model="m", kv_scheme="bf16", namespace="")
 TOKENS = list(range(100, 100 + 16 * 6))

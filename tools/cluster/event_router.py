@@ -9,7 +9,7 @@ the endpoints of its ``--kv-events`` and ``--kv-events-replay``. For every
 replica the router
 
 - subscribes with a ZeroMQ SUB socket and keeps a block index
-  (``tools/cluster/event_index.py``), replaying from seq 0 at start (a late
+  (``tools/cluster/_event_index.py``), replaying from seq 0 at start (a late
   subscriber), from the missing seq on a gap, and from 0 again when the
   replica's seq goes back to 0 (a restart);
 - reads ``/server_info``'s ``kv_events`` (model fingerprint, KV scheme,
@@ -63,7 +63,7 @@ from starlette.routing import Route  # noqa: E402
 
 from actors.kv_events.block_hash import block_digests, external_hash, namespace_root  # noqa: E402
 from messages.prompt_cache import cache_namespace  # noqa: E402
-from tools.cluster.event_index import BlockIndex, choose, decode_payload  # noqa: E402
+from tools.cluster._event_index import BlockIndex, choose, decode_payload  # noqa: E402
 
 __all__ = ["EventRouter", "ReplicaLink", "main"]
 

@@ -9,9 +9,9 @@ probe against a 1-rank and a 2-rank server. A request's decode rate is
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import time
 
 import httpx
@@ -48,6 +48,16 @@ def probe(url: str, n: int, max_tokens: int) -> tuple[float, float]:
     return ttft, rate
 
 
+def main() -> None:
+    """Parse ``URL [N] [MAX_TOKENS]`` and probe."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8080")
+    parser.add_argument("n", nargs="?", type=int, default=3, help="requests, one at a time (default 3)")
+    parser.add_argument("max_tokens", nargs="?", type=int, default=24,
+                        help="new tokens per request (default 24)")
+    args = parser.parse_args()
+    probe(args.url, args.n, args.max_tokens)
+
+
 if __name__ == "__main__":
-    probe(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3,
-          int(sys.argv[3]) if len(sys.argv) > 3 else 24)
+    main()
