@@ -249,10 +249,15 @@ async def test_the_serial_lane_gets_turns_while_a_chain_runs(
     assert token["batch_refused"] == {"top_logprobs": 1}
 
 
-async def test_background_work_never_runs_between_the_steps_of_active_rows(
+async def test_background_work_gets_its_share_between_the_steps_of_active_rows(
     model: Any, tok: Any, log: StepLog
 ) -> None:
-    """A background step asked for while rows chain runs only after the last batch step."""
+    """A background step asked for while rows chain runs between two batch steps, before the rows end.
+
+    NOTE: the background share under load (docs/durability.md): write-behind
+    must progress while the server is busy, so it no longer waits for the
+    last batch step; it runs at a step boundary, never inside a step.
+    """
     prompts = _prompts(tok, 2, seed=13)
     params = _long(tok, 40)
     seen: list[int] = []
@@ -274,5 +279,6 @@ async def test_background_work_never_runs_between_the_steps_of_active_rows(
             tg.start_soon(row, 0)
             tg.start_soon(row, 1)
         stats = await _settled(eng)
-    assert seen == [len(log.steps)]
+    assert len(seen) == 1
+    assert 0 < seen[0] < len(log.steps)
     assert stats["batch"]["batch"]["steps"]["run"] == len(log.steps)
