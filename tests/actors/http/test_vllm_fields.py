@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import httpx
+import httpx2
 import openai
 import pytest
 
@@ -105,8 +106,8 @@ async def test_openai_client_reads_running_usage() -> None:
     """The real openai client parses every chunk's usage (prompt_tokens_details absent until the end)."""
     engine = FakeEngine(scripts=[Script(tokens=("A", "B"))])
     state = HttpState(clock=lambda: 1_700_000_000.0, new_id=lambda: "abc")
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, state=state)),
-                             base_url="http://t")
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=create_app(engine, state=state)),
+                              base_url="http://t")
     async with openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=http,
                                   max_retries=0) as client:
         stream = await client.chat.completions.create(
