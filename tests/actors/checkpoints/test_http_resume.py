@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -43,7 +43,7 @@ def model() -> Any:
 @asynccontextmanager
 async def _client(engine: Engine) -> AsyncIterator[openai.AsyncOpenAI]:
     app = create_app(engine, HttpSettings())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t",
                                  timeout=120) as http:
         yield openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http,
                                  max_retries=0)
