@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 import typing
 from pathlib import Path
 
@@ -34,6 +35,43 @@ def test_engine_options_are_exactly_the_engine_fields() -> None:
     assert "max_burst" in EngineOptions.__annotations__
     expected = set(option_names("engine", "sampling", "ssd")) - {"model"}
     assert set(EngineOptions.__annotations__) == expected
+
+
+# NOTE: the only places where an Engine keyword accepts more than the field it
+# sets: EngineConfig's validators coerce these inputs (a kv_quant bit count
+# given as an int, an ssd_cache directory given as a str).
+_WIDENED_OPTIONS: dict[str, object] = {
+    "kv_quant": str | int | None,
+    "ssd_cache": str | Path | None,
+}
+
+
+def _accepts(option: object, value: object) -> bool:
+    """Whether a value of the config field's type is allowed by the (wider) option type."""
+    allowed = typing.get_args(option) or (option,)
+    return any(value is a or (isinstance(a, type) and isinstance(value, a)) for a in allowed)
+
+
+def test_engine_options_have_the_engine_field_types_in_field_order() -> None:
+    """Each EngineOptions key has its EngineConfig field's type (or a listed coerced widening of it), in field order."""
+    options = typing.get_type_hints(EngineOptions)
+    fields = typing.get_type_hints(EngineConfig)
+    assert list(options) == [name for name in fields if name in options]
+    for name, hint in options.items():
+        if name not in _WIDENED_OPTIONS:
+            assert hint == fields[name], name
+            continue
+        assert hint == _WIDENED_OPTIONS[name], name
+        field = fields[name]
+        union = typing.get_origin(field) in (typing.Union, types.UnionType)
+        members = typing.get_args(field) if union else (field,)
+        for member in members:
+            # A Literal member contributes its values; a class contributes itself.
+            values = typing.get_args(member) if typing.get_origin(member) is typing.Literal else ()
+            if values:
+                assert all(_accepts(hint, v) for v in values), (name, member)
+            else:
+                assert member in typing.get_args(hint), (name, member)
 
 
 def test_max_tokens_default_is_one_number_everywhere() -> None:
