@@ -1,5 +1,6 @@
 """KV caches: adapters over mlx-lm's cache classes, the engine-owned registry, KV schemes,
-the KV file codec (``_kv_file``) and the file port it writes through (``_file_port``),
+the KV file codec (``_kv_format``, ``_kv_writer``, ``_kv_header``,
+``_kv_reader``, ``_kv_restore``, ``_kv_landing``) and the file port it writes through (``_file_port``),
 and the CUDA guard for attention over quantized KV (``_contiguous_attention``).
 
 Every name is re-exported from a private module. All MLX work here runs on
@@ -39,13 +40,10 @@ from ._file_port import (
     ShortRead,
     full_fsync,
 )
-from ._kv_file import (
+from ._kv_format import (
     ALIGNMENT,
     CHECKPOINT_FORMAT_VERSION,
-    FILL_STREAMS_ENV,
-    FILL_STREAMS_MAX,
     FORMAT_VERSION,
-    LANDING_THREADS_ENV,
     MAGIC,
     TEMP_SUFFIX,
     CacheFileCorrupt,
@@ -56,25 +54,33 @@ from ._kv_file import (
     GenerationCheckpoint,
     HostEntry,
     KvFileHeader,
-    KvFileWriter,
-    LandingPool,
     LayerRecord,
-    OpenEntry,
-    PassFailed,
     TensorRecord,
+)
+from ._kv_header import (
+    read_header,
+)
+from ._kv_landing import (
+    FILL_STREAMS_ENV,
+    FILL_STREAMS_MAX,
+    LANDING_THREADS_ENV,
+    LandingPool,
     default_fill_streams,
     fill_stream_count,
     land_entry,
     landing_thread_count,
-    materialize,
+    usable_cpus,
+)
+from ._kv_reader import (
+    OpenEntry,
+    PassFailed,
     open_entry,
     open_file,
-    plan_entry,
-    read_header,
     read_tensors,
-    tensor_bytes,
-    usable_cpus,
     verify_tensors,
+)
+from ._kv_restore import (
+    materialize,
 )
 from ._kv_scheme import (
     KV_CONFIG_FILE,
@@ -87,6 +93,11 @@ from ._kv_scheme import (
     check_kv_scheme,
     convert_caches,
     resolve_kv_scheme,
+)
+from ._kv_writer import (
+    KvFileWriter,
+    plan_entry,
+    tensor_bytes,
 )
 from ._registry import (
     CacheOffsetMismatch,

@@ -170,7 +170,7 @@ def _hostile_variants(valid: bytes, scratch: Path, fingerprint: str) -> list[byt
     shape is left out)."""
     from kernels.cache import CacheFileCorrupt, CacheFileIncompatible, read_header
     from kernels.cache._file_port import OsFilePort
-    from kernels.cache._kv_file import PREAMBLE_SIZE
+    from kernels.cache._kv_format import PREAMBLE_SIZE
     from tests.kernels.cache import test_kv_file_hostile as corpus
 
     header_len = struct.unpack("<I", valid[12:16])[0]

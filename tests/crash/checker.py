@@ -72,7 +72,7 @@ from kernels.cache import (
     read_header,
 )
 from kernels.cache._file_port import FilePort
-from kernels.cache._kv_file import plan_entry, tensor_bytes
+from kernels.cache._kv_writer import plan_entry, tensor_bytes
 from messages import (
     Body,
     EntryMeta,

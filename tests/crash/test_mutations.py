@@ -39,19 +39,17 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from kernels.cache._file_port import OsFilePort
-from kernels.cache._kv_file import (
+from kernels.cache._kv_format import (
     ALIGNMENT,
     PREAMBLE_SIZE,
     CacheFileCorrupt,
     CacheFileIncompatible,
     KvFileHeader,
-    KvFileWriter,
-    materialize,
-    plan_entry,
-    read_header,
-    read_tensors,
-    tensor_bytes,
 )
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_reader import read_tensors
+from kernels.cache._kv_restore import materialize
+from kernels.cache._kv_writer import KvFileWriter, plan_entry, tensor_bytes
 from tests.crash.crash_fs import CrashFS
 
 FP = "fp-mutation"

@@ -67,19 +67,12 @@ def _instrumented() -> contextlib.AbstractContextManager[Any]:
 with _instrumented():
     from kernels.cache import cache_arrays
     from kernels.cache._file_port import OsFilePort
-    from kernels.cache._kv_file import (
-        PREAMBLE_SIZE,
-        CacheFileCorrupt,
-        CacheFileIncompatible,
-        KvFileWriter,
-        land_entry,
-        materialize,
-        open_file,
-        plan_entry,
-        read_header,
-        read_tensors,
-        tensor_bytes,
-    )
+    from kernels.cache._kv_format import PREAMBLE_SIZE, CacheFileCorrupt, CacheFileIncompatible
+    from kernels.cache._kv_header import read_header
+    from kernels.cache._kv_landing import land_entry
+    from kernels.cache._kv_reader import open_file, read_tensors
+    from kernels.cache._kv_restore import materialize
+    from kernels.cache._kv_writer import KvFileWriter, plan_entry, tensor_bytes
     from tests.crash.crash_fs import CrashFS
 
 FP = "fp-fuzz"

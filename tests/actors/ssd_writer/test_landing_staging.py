@@ -14,7 +14,8 @@ from actors.backend.mlx import MlxBackend
 from actors.ssd_writer import HostStaging, StagedEntry, core
 from kernels.cache import cache_arrays
 from kernels.cache._file_port import FilePort, OsFilePort
-from kernels.cache._kv_file import open_entry, read_header
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_reader import open_entry
 from messages import Envelope, Find, FindResult
 from messages.gateway import Generate
 from messages.ssd_writer import FilesRemoved

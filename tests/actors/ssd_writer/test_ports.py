@@ -10,7 +10,8 @@ import pytest
 from actors.runtime import AskTimeout
 from actors.ssd_writer import HostStaging, RearmingTurns, StagedEntry
 from kernels.cache._file_port import FilePort
-from kernels.cache._kv_file import KvFileHeader, LayerRecord, OpenEntry, TensorRecord
+from kernels.cache._kv_format import KvFileHeader, LayerRecord, TensorRecord
+from kernels.cache._kv_reader import OpenEntry
 
 T = TypeVar("T")
 

@@ -17,7 +17,8 @@ from actors.runtime import ActorSystem
 from actors.ssd_writer import EngineTensorSource, HostStaging, StagedEntry
 from kernels import CacheRegistry, EngineThread, cache_arrays
 from kernels.cache._file_port import OsFilePort, WritableBuffer
-from kernels.cache._kv_file import PassFailed, open_file, read_header
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_reader import PassFailed, open_file
 from messages import Restore, RestoreResult, StoreResult
 from tests.actors.ssd_writer.support import (
     ASK,

@@ -13,14 +13,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kernels.cache._file_port import _DEFAULT_WRITEBACK, OsFilePort
-from kernels.cache._kv_file import (
-    CacheFileWriteError,
-    KvFileWriter,
-    plan_entry,
-    read_header,
-    read_tensors,
-    tensor_bytes,
-)
+from kernels.cache._kv_format import CacheFileWriteError
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_reader import read_tensors
+from kernels.cache._kv_writer import KvFileWriter, plan_entry, tensor_bytes
 
 
 class Recorder:

@@ -19,7 +19,8 @@ from kernels.cache import (
     fill_stream_count,
     landing_thread_count,
 )
-from kernels.cache._kv_file import land_entry, open_entry
+from kernels.cache._kv_landing import land_entry
+from kernels.cache._kv_reader import open_entry
 from tests.kernels.cache.test_kv_file import write_entry
 from tests.kernels.cache.test_kv_file_landing import PORT, _all_bytes, _cases, _header
 

@@ -31,21 +31,18 @@ from kernels.cache._file_port import (
     ShortRead,
     full_fsync,
 )
-from kernels.cache._kv_file import (
+from kernels.cache._kv_format import (
     ALIGNMENT,
     TEMP_SUFFIX,
     CacheFileWriteError,
     CacheKindUnsupported,
     EntryPlan,
     KvFileHeader,
-    KvFileWriter,
-    WriterState,
-    materialize,
-    plan_entry,
-    read_header,
-    read_tensors,
-    tensor_bytes,
 )
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_reader import read_tensors
+from kernels.cache._kv_restore import materialize
+from kernels.cache._kv_writer import KvFileWriter, WriterState, plan_entry, tensor_bytes
 
 FP = "fp-test"
 

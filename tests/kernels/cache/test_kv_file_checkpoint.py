@@ -27,7 +27,7 @@ from kernels.cache import (
     read_tensors,
     tensor_bytes,
 )
-from kernels.cache._kv_file import ALIGNMENT, PREAMBLE_SIZE
+from kernels.cache._kv_format import ALIGNMENT, PREAMBLE_SIZE
 
 PORT = OsFilePort()
 PRE = struct.Struct("<8sIIQQ")

@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.cache._kv_file import LandingPool, land_entry, open_entry
+from kernels.cache._kv_landing import LandingPool, land_entry
+from kernels.cache._kv_reader import open_entry
 from tests.kernels.cache.test_kv_file import PROMPT, greedy, kv_step, tiny_llama, write_entry
 from tests.kernels.cache.test_kv_file_landing import CASES, PORT, _all_bytes, _cases, _header
 

@@ -19,17 +19,11 @@ from mlx_lm.models.cache import (
 
 from kernels.cache import cache_arrays, declare_min_reusable_offset
 from kernels.cache._file_port import MAX_IOV, OsFilePort, ShortRead, WritableBuffer
-from kernels.cache._kv_file import (
-    CacheFileCorrupt,
-    KvFileHeader,
-    LandingPool,
-    OpenEntry,
-    land_entry,
-    materialize,
-    open_entry,
-    read_header,
-    read_tensors,
-)
+from kernels.cache._kv_format import CacheFileCorrupt, KvFileHeader
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_landing import LandingPool, land_entry
+from kernels.cache._kv_reader import OpenEntry, open_entry, read_tensors
+from kernels.cache._kv_restore import materialize
 from tests.crash.ports import ForwardingPort
 from tests.kernels.cache.test_kv_file import (
     PROMPT,
@@ -410,9 +404,9 @@ def test_a_backend_without_writable_array_buffers_lands_through_host_bytes(
 ) -> None:
     """Where MLX arrays lend no writable buffer, each tensor is read into host bytes, hashed and
     copied: the same arrays as the old path, and a flipped bit is still caught."""
-    from kernels.cache import _kv_file
+    from kernels.cache import _kv_landing
 
-    monkeypatch.setattr(_kv_file, "_writable_view", lambda a: None)
+    monkeypatch.setattr(_kv_landing, "_writable_view", lambda a: None)
     caches, tokens = _cases()[case]
     path = write_entry(caches, tokens, tmp_path)
     assert _all_bytes(_land(path, pool)) == _all_bytes(_old_path(path))

@@ -12,16 +12,10 @@ import mlx.core as mx
 import pytest
 
 from kernels.cache._file_port import OsFilePort, WritableBuffer
-from kernels.cache._kv_file import (
-    KvFileHeader,
-    LandingPool,
-    OpenEntry,
-    PassFailed,
-    land_entry,
-    open_entry,
-    open_file,
-    read_header,
-)
+from kernels.cache._kv_format import KvFileHeader
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_landing import LandingPool, land_entry
+from kernels.cache._kv_reader import OpenEntry, PassFailed, open_entry, open_file
 from tests.crash.ports import ForwardingPort
 from tests.kernels.cache.test_kv_file import _filled_kv, assert_same_state, write_entry
 

@@ -10,13 +10,10 @@ import mlx.core as mx
 import pytest
 
 from kernels.cache._file_port import OsFilePort, WritableBuffer
-from kernels.cache._kv_file import (
-    CacheFileCorrupt,
-    LandingPool,
-    land_entry,
-    open_file,
-    read_header,
-)
+from kernels.cache._kv_format import CacheFileCorrupt
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_landing import LandingPool, land_entry
+from kernels.cache._kv_reader import open_file
 from tests.crash.ports import ForwardingPort
 from tests.kernels.cache.test_kv_file import _filled_kv, assert_same_state, write_entry
 

@@ -9,16 +9,11 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kernels.cache._file_port import OsFilePort
-from kernels.cache._kv_file import (
-    CacheFileCorrupt,
-    KvFileWriter,
-    materialize,
-    plan_entry,
-    read_header,
-    read_tensors,
-    tensor_bytes,
-    verify_tensors,
-)
+from kernels.cache._kv_format import CacheFileCorrupt
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_reader import read_tensors, verify_tensors
+from kernels.cache._kv_restore import materialize
+from kernels.cache._kv_writer import KvFileWriter, plan_entry, tensor_bytes
 
 PORT = OsFilePort()
 LAYERS, HEADS, TOKENS, DIM = 4, 4, 1000, 64

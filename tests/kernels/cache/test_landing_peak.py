@@ -21,9 +21,11 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kernels.cache import _kv_file
+from kernels.cache import _kv_landing
 from kernels.cache._file_port import OsFilePort
-from kernels.cache._kv_file import land_entry, open_entry, read_header
+from kernels.cache._kv_header import read_header
+from kernels.cache._kv_landing import land_entry
+from kernels.cache._kv_reader import open_entry
 from tests.kernels.cache.test_kv_file import _filled_kv, write_entry
 
 PORT = OsFilePort(writeback=None)
@@ -83,7 +85,7 @@ def test_without_writable_buffers_host_bytes_hold_one_tensor_and_nothing_is_conc
     _, _, _, direct = _land_measured(path)
     expected = [bytes(memoryview(a)) for c in direct for a in (c.keys, c.values)]
     del direct
-    monkeypatch.setattr(_kv_file, "_writable_view", lambda a: None)
+    monkeypatch.setattr(_kv_landing, "_writable_view", lambda a: None)
     peak, held, host_peak, caches = _land_measured(path)
     got = [bytes(memoryview(a)) for c in caches for a in (c.keys, c.values)]
     assert got == expected
