@@ -17,13 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kernels.model import LoadedModel, ModelIdentity, ModelLoadError, resolve_model_path
-from kernels.model._loading import (
-    _weights_dtype_and_quant,
-    config_fingerprint,
-    tokenizer_hash,
-    weights_digest,
-)
+from kernels.model import LoadedModel, ModelLoadError, resolve_model_path
+from kernels.model._loading import _identity_of
 
 __all__ = ["NotShardable", "check_shardable", "load_sharded"]
 
@@ -95,18 +90,7 @@ def load_sharded(path_or_hf_id: str | Path, group: Any) -> LoadedModel:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     except (FileNotFoundError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
-    dtype, quant = _weights_dtype_and_quant(model, config)
-    model_id = str(path_or_hf_id)
-    name = path.name if Path(path_or_hf_id).expanduser().exists() else model_id.rsplit("/", 1)[-1]
-    identity = ModelIdentity(
-        model_id=model_id,
-        name=name,
-        config_fingerprint=config_fingerprint(config),
-        tokenizer_hash=tokenizer_hash(path, tokenizer),
-        weights_digest=weights_digest(path),
-        dtype=dtype,
-        quantization=quant,
-    )
+    identity = _identity_of(path_or_hf_id, path, model, tokenizer, config)
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=config, path=path, identity=identity, fusion=None
     )

@@ -223,6 +223,28 @@ def _weights_dtype_and_quant(model: Any, config: dict[str, Any]) -> tuple[str, s
     return dtype, quant_str
 
 
+def _identity_of(
+    path_or_hf_id: str | Path, path: Path, model: Any, tokenizer: Any, config: dict[str, Any]
+) -> ModelIdentity:
+    """The identity of a model loaded from ``path`` (asked for as ``path_or_hf_id``).
+
+    Shared by the one-process load and the tensor-parallel shard load, so
+    both name and fingerprint a model the same way.
+    """
+    dtype, quant = _weights_dtype_and_quant(model, config)
+    model_id = str(path_or_hf_id)
+    name = path.name if Path(path_or_hf_id).expanduser().exists() else model_id.rsplit("/", 1)[-1]
+    return ModelIdentity(
+        model_id=model_id,
+        name=name,
+        config_fingerprint=config_fingerprint(config),
+        tokenizer_hash=tokenizer_hash(path, tokenizer),
+        weights_digest=weights_digest(path),
+        dtype=dtype,
+        quantization=quant,
+    )
+
+
 def resolve_model_path(path_or_hf_id: str | Path) -> Path:
     """A local directory for `path_or_hf_id`, downloading from the Hub when needed.
 
@@ -343,18 +365,7 @@ def load_model(
         model, tokenizer, config = loaded
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
-    dtype, quant = _weights_dtype_and_quant(model, config)
-    model_id = str(path_or_hf_id)
-    name = path.name if Path(path_or_hf_id).expanduser().exists() else model_id.rsplit("/", 1)[-1]
-    identity = ModelIdentity(
-        model_id=model_id,
-        name=name,
-        config_fingerprint=config_fingerprint(config),
-        tokenizer_hash=tokenizer_hash(path, tokenizer),
-        weights_digest=weights_digest(path),
-        dtype=dtype,
-        quantization=quant,
-    )
+    identity = _identity_of(path_or_hf_id, path, model, tokenizer, config)
     fusion = transform_for_device(model, fuse=fuse, few_row=few_row)
     return LoadedModel(
         model=model,
