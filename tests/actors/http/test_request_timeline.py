@@ -104,7 +104,7 @@ async def test_phases_are_ordered_and_sum_to_the_clients_ttft(client: httpx.Asyn
     lookup, and phases that sum to its first byte, within 50 ms of the TTFT the client saw;
     /stats reports the distributions of both requests."""
     with capture_logs() as logs:
-        seen = [await _ttft(client, PROMPT), await _ttft(client, PROMPT + [7, 8, 9])]
+        seen = [await _ttft(client, PROMPT), await _ttft(client, [*PROMPT, 7, 8, 9])]
     lines = {e["request_id"]: e for e in logs if e["event"] == "request.timeline"}
     assert set(lines) == {rid for rid, _ in seen}
     for rid, ttft_ms in seen:
