@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kernels.cache import (
+    CacheRegistry,
     GenerationCheckpoint,
     KvFileWriter,
     OsFilePort,
@@ -127,3 +129,151 @@ def test_no_point_outside_the_boundary(tok: Any) -> None:
     _run(gen)
     assert gen.finish_reason is not None
     assert checkpoint_point(gen) is None
+
+
+# -- every boundary ------------------------------------------------------------
+#
+# NOTE: the serving path in one process, at EVERY emitted token: the live
+# generation is checkpointed through the registry's owned snapshot (what
+# ``MlxBackend.capture_checkpoint`` takes, while the pending token's forward
+# is queued), the snapshot goes through a real file, a new generation is
+# resumed from it and its next tokens AND the logits behind them must be
+# bit for bit the uninterrupted run's. The live run, snapshotted at every
+# step, must itself stay bit for bit the uninterrupted run (a snapshot that
+# shared a buffer the next forward writes would show here).
+
+
+def _snapshot_file(gen: Generation, registry: CacheRegistry, path: Path) -> None:
+    point = checkpoint_point(gen)
+    assert point is not None
+    tokens = (*gen.prompt_tokens, *point.generated)
+    reg = registry.snapshot(gen.cache, offset=len(tokens))
+    record = GenerationCheckpoint(KEY, point.prompt_len, point.pending_token,
+                                  len(point.generated), point.rng_key)
+    plan = plan_entry(registry.get(reg.handle), model_id="m", fingerprint="fp", namespace="",
+                      tokenizer_hash="t", tokens=tokens, checkpoint=record)
+    with KvFileWriter(PORT, plan) as w:
+        w.begin(str(path.parent))
+        for i in range(len(plan.tensors)):
+            w.write_tensor(i, tensor_bytes(plan, i))
+        plan.release_arrays()
+        w.commit(str(path))
+    registry.dispose(reg.handle)
+    registry.drain()
+
+
+def _pending_logits(gen: Generation) -> np.ndarray[Any, Any] | None:
+    # NOTE: the queued step's second value: raw logits for plain greedy,
+    # log-probabilities otherwise; either way what the next token is drawn from.
+    nxt = gen._next
+    return None if nxt is None else np.array(nxt[1])
+
+
+def _same(a: np.ndarray[Any, Any] | None, b: np.ndarray[Any, Any] | None) -> bool:
+    """Both absent, or bit for bit equal."""
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(np.array_equal(a, b))
+
+
+def _sweep(model: Any, tok: Any, prompt: list[int], params: GenerationParams, boundaries: int,
+           tmp_path: Path, *, ahead: int = 3) -> list[str]:
+    """Checkpoint at every boundary 1..``boundaries``, resume each; the differences found."""
+    ref_tokens: list[int] = []
+    ref_logits: list[np.ndarray[Any, Any] | None] = []
+    gen = Generation(model, tok, prompt, params)
+    while not gen.prefill_step():
+        pass
+    while gen.finish_reason is None:
+        ref_tokens.append(gen.decode_step().token_id)
+        ref_logits.append(_pending_logits(gen))
+    assert len(ref_tokens) >= boundaries + ahead + 1, "the answer must run past every boundary"
+    registry = CacheRegistry()
+    path = tmp_path / "sweep.kvc"
+    diffs: list[str] = []
+    live = Generation(model, tok, prompt, params)
+    while not live.prefill_step():
+        pass
+    k = 0
+    while live.finish_reason is None:
+        token = live.decode_step().token_id
+        k += 1
+        if token != ref_tokens[k - 1] or not _same(_pending_logits(live), ref_logits[k - 1]):
+            diffs.append(f"live run with snapshots differs at token {k}")
+            break
+        if k > boundaries:
+            continue
+        _snapshot_file(live, registry, path)
+        resumed = _resume(model, tok, prompt, params, path)
+        for _ in range(k):
+            replay_step(resumed)
+        for j in range(ahead):
+            i = k + j
+            out = resumed.decode_step()
+            if out.token_id != ref_tokens[i] or not _same(_pending_logits(resumed), ref_logits[i]):
+                diffs.append(f"resumed at {k}: token {i + 1} or its successor's logits differ")
+                break
+    return diffs
+
+
+SWEEP_PARAMS = [
+    pytest.param(GenerationParams(max_tokens=300, ignore_eos=True), id="greedy"),
+    pytest.param(GenerationParams(max_tokens=300, ignore_eos=True, temperature=0.8, seed=3,
+                                  top_p=0.9, repetition_penalty=1.3), id="seeded-penalty"),
+]
+
+
+@pytest.mark.parametrize("params", SWEEP_PARAMS)
+def test_every_boundary_resumes_bitwise(tmp_path: Path, tok: Any, params: GenerationParams) -> None:
+    """Tiny Llama: a checkpoint at each of 290 boundaries (past the 256-slot KV growth) resumes bit for bit."""
+    model = tiny_llama(vocab_size=len(tok.vocab))
+    prompt = tok.encode("The sea at night is dark and the lighthouse keeper watches it")
+    assert _sweep(model, tok, prompt, params, 290, tmp_path) == []
+
+
+@pytest.mark.slow
+def test_default_model_every_boundary_resumes_bitwise(tmp_path: Path, default_model_path: Path) -> None:
+    """Default model, the kill loop's greedy request: a checkpoint at each of 300 boundaries resumes bit for bit."""
+    from kernels import load_model
+    from tools.kill_loop_checkpoint import PROMPT
+
+    lm = load_model(default_model_path)
+    prompt = lm.tokenizer.encode(PROMPT)
+    params = GenerationParams(max_tokens=310)
+    assert _sweep(lm.model, lm.tokenizer, prompt, params, 300, tmp_path) == []
+
+
+@pytest.mark.slow
+def test_default_model_resumed_to_the_end_bitwise(tmp_path: Path, default_model_path: Path) -> None:
+    """Default model, the kill loop's 400-token greedy answer resumed at 64/128/192/256 equals it to the last logit."""
+    from kernels import load_model
+    from tools.kill_loop_checkpoint import PROMPT
+
+    lm = load_model(default_model_path)
+    model, tok = lm.model, lm.tokenizer
+    prompt = tok.encode(PROMPT)
+    params = GenerationParams(max_tokens=400)
+    ref: list[tuple[int, np.ndarray[Any, Any] | None]] = []
+    gen = Generation(model, tok, prompt, params)
+    while not gen.prefill_step():
+        pass
+    while gen.finish_reason is None:
+        ref.append((gen.decode_step().token_id, _pending_logits(gen)))
+    assert len(ref) == 400
+    registry = CacheRegistry()
+    for at in (64, 128, 192, 256):
+        live = Generation(model, tok, prompt, params)
+        while not live.prefill_step():
+            pass
+        for _ in range(at):
+            live.decode_step()
+        path = tmp_path / f"c{at}.kvc"
+        _snapshot_file(live, registry, path)
+        del live
+        resumed = _resume(model, tok, prompt, params, path)
+        got: list[tuple[int, np.ndarray[Any, Any] | None]] = []
+        while resumed.finish_reason is None:
+            got.append((replay_step(resumed).token_id, _pending_logits(resumed)))
+        assert [t for t, _ in got] == [t for t, _ in ref], f"resumed at {at}: tokens differ"
+        # NOTE: replayed steps queue no forward; from the pending token on, every logit is compared.
+        assert all(_same(a, b) for (_, a), (_, b) in zip(got[at:], ref[at:], strict=True)), at
