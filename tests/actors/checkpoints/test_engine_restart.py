@@ -183,3 +183,45 @@ async def test_restart_resumes_quantized_kv_and_recurrent_caches(tmp_path: Path,
     assert resumed == expected
     assert section["resumed"] == 1
     assert section["tokens_saved"] == 16
+
+
+@pytest.mark.slow
+async def test_default_model_kill_loop_request_cycle_zero(default_model_path: Path,
+                                                          tmp_path: Path) -> None:
+    """Kill loop cycle 0 in process: checkpointing (every 64) answers, restarted at 262 resumes 256, all equal."""
+    # NOTE: a cold engine with checkpoints answers the 400-token greedy
+    # request as one without, twice (the second a RAM prefix hit); then
+    # cancelled at 262 tokens and restarted, it replays 256 and answers the same.
+    from tools.kill_loop_checkpoint import PROMPT
+
+    params = GenerationParams(max_tokens=400)
+
+    def engine(root: Path | None, every: int) -> Engine:
+        return Engine(model=str(default_model_path), ssd_cache=root, max_batch=1,
+                      ssd_writebehind=False, generation_checkpoint=every)
+
+    async def run(e: Engine, cancel_after: int | None = None) -> list[int]:
+        out: list[int] = []
+        async with e.generate(PROMPT, params) as stream:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    out.append(event.token_id)
+                    if cancel_after is not None and len(out) == cancel_after:
+                        break
+        return out
+
+    async with engine(None, 0) as plain:
+        expected = await run(plain)
+    assert len(expected) == 400
+    async with engine(tmp_path / "a", 64) as on:
+        assert await run(on) == expected
+        assert await run(on) == expected
+    async with engine(tmp_path / "b", 64) as first:
+        assert await run(first, cancel_after=262) == expected[:262]
+        await _until_written(first, 4)
+    async with engine(tmp_path / "b", 64) as second:
+        resumed = await run(second)
+        section = await _section(second)
+    assert resumed == expected
+    assert section["resumed"] == 1
+    assert section["tokens_saved"] == 256
