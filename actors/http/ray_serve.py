@@ -15,7 +15,7 @@ Two deployments (docs/scale-out.md "Ray Serve"):
 NOTE: why two deployments: Ray's proxy hands a plain ingress deployment the
 ASGI scope before the body is read, so no request router can see the prompt
 there. A call through a deployment handle carries its arguments, and Ray's
-``PrefixCacheAffinityRouter`` (``ray.serve.llm.request_router``) routes such
+``PrefixCacheAffinityRouter`` (:data:`PREFIX_ROUTER`) routes such
 calls by the longest prefix match of an argument's ``prompt`` attribute
 (:class:`RelayedRequest.prompt`). It is therefore set as the replica
 deployment's request router; with ``prefix_affinity=False`` Ray's default
@@ -51,6 +51,11 @@ RELAY_PUT_TIMEOUT_S = 30.0
 
 _PROMPT_CHARS = 65_536
 """The prompt text handed to the router is cut here: a prefix match needs no more."""
+
+
+PREFIX_ROUTER = ("ray.llm._internal.serve.routing_policies.prefix_aware."
+                 "prefix_aware_router.PrefixCacheAffinityRouter")
+"""Ray's prefix-affinity request router, by import path (see :func:`build_app`)."""
 
 
 @dataclass(frozen=True)
@@ -297,10 +302,12 @@ def build_app(settings: RayServeSettings) -> Any:
     else:
         replica_options["num_replicas"] = settings.replicas
     if settings.prefix_affinity:
-        # NOTE: imported by path inside Ray's controller; ray.serve.llm ships it.
-        # (its __init__ is annotated `**kwargs: dict`, hence the mapping.)
-        router: dict[str, Any] = {
-            "request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}
+        # NOTE: imported by path inside Ray. The public alias
+        # ray.serve.llm.request_router.PrefixCacheAffinityRouter imports
+        # ray.serve.llm, which in Ray 2.60 refuses to load without vLLM or
+        # SGLang; the class itself (ray.llm._internal) needs neither.
+        # (RequestRouterConfig's __init__ is annotated `**kwargs: dict`, hence the mapping.)
+        router: dict[str, Any] = {"request_router_class": PREFIX_ROUTER}
         replica_options["request_router_config"] = RequestRouterConfig(**router)
 
     @serve.deployment(name="KvtierReplica", **replica_options)
@@ -352,6 +359,7 @@ def build_app(settings: RayServeSettings) -> Any:
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "PREFIX_ROUTER",
     "RayServeSettings",
     "RelayedRequest",
     "build_app",
