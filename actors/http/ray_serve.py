@@ -192,7 +192,10 @@ def relayed_request(scope: Scope, body: bytes) -> RelayedRequest:
         query_string=bytes(scope.get("query_string", b"")),
         headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])),
         body=body, client=None if client is None else (str(client[0]), int(client[1])),
-        prompt=prompt_text(body) if scope["method"] == "POST" else "",
+        # NOTE: never empty: Ray's prefix router divides by the text's length (and raises
+        # on an empty one); a request without a prompt is matched on its method and path.
+        prompt=(prompt_text(body) if scope["method"] == "POST" else "")
+        or f"{scope['method']} {scope['path']}",
     )
 
 
