@@ -14,10 +14,13 @@ the step times of the current count with short trials of the other one and
 keeps the faster; :class:`BlasTuning` is the engine thread's shell (the
 clock, the OpenBLAS calls, the synchronisation before a change).
 
-NOTE: the thread count does not change a product's value (OpenBLAS splits
-the output, never the reduction): the forward is bitwise the same with 1
-or 2 threads (checked on the default model), so greedy rows keep equal to
-the serial lane whatever the choice.
+NOTE: on the default model the forward is bitwise the same with 1 or 2
+threads (OpenBLAS splits its products' output there), so greedy rows keep
+equal to the serial lane whatever the choice. That is not true of every
+shape: on the tests' tiny Llama a serial prefill run while the batch lane
+holds another count differs in the low bits (2e-6 in a logprob;
+tests/actors/batch_scheduler/test_serial_options_with_batch.py), because
+the chosen count stays set between batch steps.
 """
 
 from __future__ import annotations

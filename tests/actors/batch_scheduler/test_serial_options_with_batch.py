@@ -134,7 +134,18 @@ async def test_grammar_and_top_logprobs_run_on_the_serial_lane_while_batch_rows_
     text = "".join(e.text for e in json_events)
     assert json_done.finish_reason == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
-    assert _answers(top_events) == _answers(want_top)
+    # NOTE: the same tokens, and logprobs equal within float32 rounding: while
+    # batch rows run, the batch lane's BLAS thread choice (kernels/engine/
+    # _blas_threads.py) also holds for the serial prefill, and on this tiny
+    # model's shapes OpenBLAS's thread count moves the low bits (seen: 2e-6;
+    # with KVTIER_BATCH_BLAS_TUNE=0 the values are bitwise equal).
+    got_ids, got_lp = _answers(top_events)
+    want_ids, want_lp = _answers(want_top)
+    assert got_ids == want_ids
+    for (lp, top), (want_lp1, want_top1) in zip(got_lp, want_lp, strict=True):
+        assert lp == pytest.approx(want_lp1, abs=1e-4)
+        assert [t for t, _ in top] == [t for t, _ in want_top1]
+        assert [v for _, v in top] == pytest.approx([v for _, v in want_top1], abs=1e-4)
     assert all(len(e.top_logprobs) == 3 for e in top_events)
     for (events, done), want in zip(plain_out, want_plain, strict=True):
         assert [e.token_id for e in events] == [e.token_id for e in want]
