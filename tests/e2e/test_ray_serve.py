@@ -56,7 +56,8 @@ def ray_url(tmp_path_factory: pytest.TempPathFactory):
             if line.startswith("kvtier: ready at "):
                 ready.set()
 
-    threading.Thread(target=pump, daemon=True).start()
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
         for _ in range(600):
             if ready.wait(1) or proc.poll() is not None:
@@ -70,6 +71,9 @@ def ray_url(tmp_path_factory: pytest.TempPathFactory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+        reader.join(30)
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 def test_answers_through_ray_proxy(ray_url: str) -> None:
