@@ -84,7 +84,7 @@ async def test_openai_agents_forced_nested_tool_completes_the_loop(server: Serve
     set_tracing_disabled(True)
     seen: list[WeatherQuery] = []
 
-    @function_tool
+    @function_tool  # type: ignore[untyped-decorator,unused-ignore]
     def get_weather(query: WeatherQuery) -> str:
         """The weather for a query."""
         seen.append(query)
