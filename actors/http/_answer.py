@@ -190,6 +190,11 @@ class ChatAnswer:
         self.finish_reason: str | None = None
 
     @property
+    def may_call(self) -> bool:
+        """True when the answer may carry tool calls (tools offered, ``tool_choice`` not ``none``)."""
+        return self._tools is not None
+
+    @property
     def reports_logprobs(self) -> bool:
         """True when the request asked for logprobs."""
         return self._logprobs is not None

@@ -533,7 +533,10 @@ def create_app(
 
         try:
             if isinstance(answer, ChatAnswer):
-                yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.forced,
+                # NOTE: whenever calls may come, the opener carries no content: it
+                # goes out before the answer is known, and an answer of calls
+                # only must add up to content null (text later adds to it).
+                yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.may_call,
                                           running=running()))
             async for event in stream:
                 if isinstance(event, TokenEvent):

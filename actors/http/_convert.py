@@ -412,9 +412,10 @@ def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
     """One streamed chat chunk: the role opener, a piece of the answer, the finish, or the usage tail.
 
     The role opener carries ``content: ""`` (as OpenAI's), except when the
-    answer can only be tool calls (``calls_only``: a forced ``tool_choice``):
-    then it carries no content, so a client that adds up the deltas ends
-    with ``content`` null, as the non-streamed message has. ``running``:
+    answer may be tool calls (``calls_only``: tools offered and
+    ``tool_choice`` not ``none``): then it carries no content, so a client
+    that adds up the deltas of an answer of calls only ends with
+    ``content`` null, as the non-streamed message has. ``running``:
     the usage so far, on a chunk with a choice (``continuous_usage_stats``).
     """
     if usage is not None:

@@ -82,3 +82,14 @@ async def test_auto_whitespace_before_text_is_kept() -> None:
     second = await _accumulated(engine)
     assert second.message.content == "Hi \nok"
     assert len(second.message.tool_calls) == 1
+
+
+async def test_auto_calls_only_streamed_adds_up_to_null_content() -> None:
+    """tool_choice auto: an answer of calls only adds up to content None; a text answer to its text."""
+    engine = FakeEngine(scripts=[Script(tokens=_call("Paris"), eos=True),
+                                 Script(tokens=("Sunny", " today"), eos=True)])
+    calls = await _accumulated(engine)
+    assert calls.message.content is None
+    assert [c.function.name for c in calls.message.tool_calls] == ["get_weather"]
+    text = await _accumulated(engine)
+    assert text.message.content == "Sunny today"
