@@ -43,16 +43,22 @@ def _engine(model: Any, root: Path | None, every: int = EVERY) -> Engine:
                               ssd_writebehind=False, generation_checkpoint=every)
 
 
-async def _tokens(engine: Engine, params: GenerationParams, *, cancel_after: int | None = None
-                  ) -> list[int]:
+async def _tokens(engine: Engine, params: GenerationParams, *, cancel_after: int | None = None,
+                  prompt: Any = PROMPT) -> list[int]:
     out: list[int] = []
-    async with engine.generate(PROMPT, params) as stream:
+    async with engine.generate(prompt, params) as stream:
         async for event in stream:
             if isinstance(event, TokenEvent):
                 out.append(event.token_id)
                 if cancel_after is not None and len(out) == cancel_after:
                     break
     return out
+
+
+def _default_engine(model: Path, root: Path | None, every: int) -> Engine:
+    """The default model on the serial lane, checkpointing every ``every`` tokens under ``root``."""
+    return Engine(model=str(model), ssd_cache=root, max_batch=1, ssd_writebehind=False,
+                  generation_checkpoint=every)
 
 
 def _files(root: Path) -> list[Path]:
@@ -131,18 +137,10 @@ async def test_default_model_restart_resumes_identical_request(
 ) -> None:
     """The default model: cancel at 70 tokens (checkpoints at 32, 64), restart, equal answer."""
     def engine(root: Path | None, every: int) -> Engine:
-        return Engine(model=str(default_model_path), ssd_cache=root, max_batch=1,
-                      ssd_writebehind=False, generation_checkpoint=every)
+        return _default_engine(default_model_path, root, every)
 
     async def run(e: Engine, cancel_after: int | None = None) -> list[int]:
-        out: list[int] = []
-        async with e.generate(STORY, params) as stream:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    out.append(event.token_id)
-                    if cancel_after is not None and len(out) == cancel_after:
-                        break
-        return out
+        return await _tokens(e, params, cancel_after=cancel_after, prompt=STORY)
 
     async with engine(None, 0) as plain:
         expected = await run(plain)
@@ -197,18 +195,10 @@ async def test_default_model_kill_loop_request_cycle_zero(default_model_path: Pa
     params = GenerationParams(max_tokens=400)
 
     def engine(root: Path | None, every: int) -> Engine:
-        return Engine(model=str(default_model_path), ssd_cache=root, max_batch=1,
-                      ssd_writebehind=False, generation_checkpoint=every)
+        return _default_engine(default_model_path, root, every)
 
     async def run(e: Engine, cancel_after: int | None = None) -> list[int]:
-        out: list[int] = []
-        async with e.generate(PROMPT, params) as stream:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    out.append(event.token_id)
-                    if cancel_after is not None and len(out) == cancel_after:
-                        break
-        return out
+        return await _tokens(e, params, cancel_after=cancel_after, prompt=PROMPT)
 
     async with engine(None, 0) as plain:
         expected = await run(plain)
