@@ -122,14 +122,17 @@ def test_the_threshold_must_be_positive() -> None:
 
 
 # NOTE: a real Engine (tiny Llama) in a fresh process, so RSS is this
-# engine's alone. The job frees ~80 MiB of MLX buffers that came from the
-# engine thread's glibc arena with small live arrays between them (the
-# pattern of KV buffers and registry entries freed while others live).
+# engine's alone. The job frees ~80 MiB of C heap buffers (what MLX's CPU
+# buffers are: malloc'd on the evaluating thread) from the engine thread's
+# glibc arena with small live blocks between them (the pattern of KV
+# buffers and registry entries freed while others live). NOTE: plain
+# malloc, not MLX arrays: which thread allocates, frees and faults in an
+# MLX buffer is MLX's choice, and about 1 run in 15 its 1-3 MiB buffers
+# took no RSS the trim could give back ("0 0"), so the test saw nothing.
 _ENGINE_JOB = r"""
 import ctypes
 
 import anyio
-import mlx.core as mx
 
 from actors.engine import Engine
 from actors.engine.memory import resident_memory_bytes
@@ -137,25 +140,46 @@ from tests.tiny_models import tiny_llama, tiny_tokenizer
 
 MIB = 1 << 20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.realloc.restype = ctypes.c_void_p
+libc.realloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 keep = []
 
 
+def settled():
+    # NOTE: start from a heap with no free-but-resident pages (model load
+    # and warm-up leave some), in a job of its own, so the engine's trim
+    # rule reads its floor here.
+    libc.malloc_trim(0)
+    return resident_memory_bytes()
+
+
 def fragment():
-    mx.set_cache_limit(0)
     # NOTE: the state a served model leaves glibc in: its large freed
     # buffers raise the dynamic mmap threshold (to 16 MiB here, trim
-    # threshold twice that), so 1-3 MiB buffers come from the arena. Set
-    # with mallopt, not by freeing a 16 MiB buffer: that free may run on
-    # MLX's stream thread after the arrays below are allocated, and then
-    # they were mmapped and this test saw nothing (flaky: "0 0").
-    libc = ctypes.CDLL("libc.so.6")
+    # threshold twice that), so 1-3 MiB buffers come from the arena.
     assert libc.mallopt(M_MMAP_THRESHOLD, 16 * MIB) == 1
     assert libc.mallopt(M_TRIM_THRESHOLD, 32 * MIB) == 1
-    arrays = [mx.ones(((1 + i % 3) * MIB // 4,)) for i in range(40)]
-    mx.eval(arrays)
-    keep.extend(arrays[i][:8] + 0 for i in range(0, 40, 2))
-    mx.eval(keep)
-    del arrays
+    blocks = []
+    for i in range(41):
+        size = (1 + i % 3) * MIB
+        block = libc.malloc(size)
+        assert block
+        ctypes.memset(block, 1, size)
+        blocks.append(block)
+    # NOTE: every other block shrinks in place to 256 bytes (glibc's
+    # realloc splits a smaller request off the same chunk), so the freed
+    # space lies in holes between live blocks and cannot join the arena's
+    # top (a small malloc would come from the free lists, not in between).
+    for i, block in enumerate(blocks):
+        if i % 2:
+            libc.free(block)
+        else:
+            assert libc.realloc(block, 256) == block
+            keep.append(block)
     return resident_memory_bytes()
 
 
@@ -163,7 +187,7 @@ async def main():
     engine = Engine.from_loaded(tiny_llama(vocab_size=len(tiny_tokenizer())), tiny_tokenizer(),
                                 model_id="tiny", prompt_cache_bytes=16 * MIB)
     async with engine:
-        before = await engine.run_when_idle(resident_memory_bytes)
+        before = await engine.run_when_idle(settled)
         freed = await engine.run_when_idle(fragment)
         after = await engine.run_when_idle(resident_memory_bytes)
     print((freed - before) // MIB, (after - before) // MIB)
@@ -173,8 +197,8 @@ anyio.run(main)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc heap and /proc RSS")
-def test_mlx_memory_freed_in_an_engine_job_leaves_rss_after_the_job() -> None:
-    """~80 MiB of MLX buffers freed inside one engine job leave RSS when the job ends
+def test_heap_memory_freed_in_an_engine_job_leaves_rss_after_the_job() -> None:
+    """~80 MiB of C heap buffers freed inside one engine job leave RSS when the job ends
     (before the trim they stayed: RSS +80 MiB for good)."""
     env = dict(os.environ, PYTHONPATH=str(_REPO))
     if os.path.exists(_OPENBLAS):
