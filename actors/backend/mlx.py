@@ -27,6 +27,7 @@ from kernels.cache import (
     trim_caches,
 )
 from kernels.engine import SnapshotBoundary, probe_snapshot_boundary
+from kernels.engine._blas_threads import serial_threads
 from kernels.engine._checkpoint import (
     CheckpointPoint,
     checkpoint_point,
@@ -262,6 +263,10 @@ class MlxBackend:
         A chat prompt's chunk never runs past its snapshot point; the step
         that ends there reports ``snapshot_point=True``.
         """
+        # NOTE: on the process's default BLAS thread count, whatever the batch
+        # lane chose for its steps: the same request gives the same bits
+        # (a resumed checkpoint continues exactly as the uninterrupted run).
+        serial_threads()
         if not gen.prefill_done:
             forwarded = gen.prefill_remaining > 1
             target = self._points.get(gen)

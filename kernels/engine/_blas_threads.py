@@ -14,13 +14,16 @@ the step times of the current count with short trials of the other one and
 keeps the faster; :class:`BlasTuning` is the engine thread's shell (the
 clock, the OpenBLAS calls, the synchronisation before a change).
 
-NOTE: on the default model the forward is bitwise the same with 1 or 2
-threads (OpenBLAS splits its products' output there), so greedy rows keep
-equal to the serial lane whatever the choice. That is not true of every
-shape: on the tests' tiny Llama a serial prefill run while the batch lane
-holds another count differs in the low bits (2e-6 in a logprob;
-tests/actors/batch_scheduler/test_serial_options_with_batch.py), because
-the chosen count stays set between batch steps.
+NOTE: a product's low bits depend on the thread count for some shapes:
+a prefill (many rows through OpenBLAS) of the default model with 1 thread
+differs from 2 threads by up to 1.5e-5 in its KV, and on the tests' tiny
+Llama by 2e-6 in a logprob. The chosen count stays set between batch steps
+(changing it costs a synchronisation), so the serial lane would otherwise
+run under whatever count the batch lane chose last, and a request (a
+resumed generation checkpoint, a grammar request) would not repeat its
+answer bit for bit. :func:`serial_threads` gives the serial lane the
+process's default count before each of its steps (the serial backend calls
+it); a tuning made by :func:`make_blas_tuning` is tracked for it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -44,6 +48,8 @@ __all__ = [
     "blas_tune_enabled",
     "find_openblas",
     "make_blas_tuning",
+    "serial_threads",
+    "track_tuning",
 ]
 
 
@@ -296,6 +302,37 @@ class BlasTuning:
         """The count set now."""
         return self._set
 
+    @property
+    def default(self) -> int:
+        """The process's default count (the serial lane's)."""
+        return self._default
+
+
+_TRACKED: weakref.WeakSet[BlasTuning] = weakref.WeakSet()
+"""The tunings that may hold a count other than the default (OpenBLAS's count is process-wide)."""
+
+
+def track_tuning(tuning: BlasTuning) -> BlasTuning:
+    """Let :func:`serial_threads` give ``tuning``'s threads back before serial work; returns it."""
+    _TRACKED.add(tuning)
+    return tuning
+
+
+def serial_threads() -> int:
+    """Put every tracked tuning back on the default count before a serial step (engine thread).
+
+    Returns how many tunings changed the count (each after a synchronisation,
+    so no product in flight sees the change). The batch lane's next step
+    sets its chosen count again. NOTE: a no-op while no batch row runs (the
+    lane releases when idle), so the serial lane alone pays nothing.
+    """
+    changed = 0
+    for tuning in list(_TRACKED):
+        if tuning.threads != tuning.default:
+            tuning.release()
+            changed += 1
+    return changed
+
 
 BLAS_TUNE_ENV = "KVTIER_BATCH_BLAS_TUNE"
 """Environment switch: ``0`` keeps the batch lane on the process's BLAS thread count."""
@@ -322,9 +359,11 @@ def make_blas_tuning() -> BlasTuning | None:
     # NOTE: process CPU time (every thread): with OpenBLAS's threads spinning
     # inside products, a free machine shows close to ``default`` CPU seconds
     # per wall second over a step; a contended one much less.
-    return BlasTuning(
-        blas,
-        default,
-        lambda: mx.synchronize(generation_stream),
-        cpu_clock=time.process_time,
+    return track_tuning(
+        BlasTuning(
+            blas,
+            default,
+            lambda: mx.synchronize(generation_stream),
+            cpu_clock=time.process_time,
+        )
     )
