@@ -60,6 +60,7 @@ from actors.errors import (
     ServerShuttingDown,
     TurnUnavailable,
 )
+from actors.gateway import GatewayTurns
 from actors.runtime import (
     ActorRef,
     ActorSystem,
@@ -89,11 +90,9 @@ from messages.gateway import (
     Generate,
     GenerationEvent,
     GenerationParams,
-    RunWhenIdle,
     StopTurns,
     Timings,
     TokenEvent,
-    TurnDone,
     Usage,
 )
 from messages.prompt_cache import Demote, DemoteResult
@@ -624,7 +623,8 @@ class Engine(_StartClose):
                 root=cold.root,
                 identity=cold.identity,
                 max_bytes=cold.max_bytes,
-                turns=self,
+                system=system,
+                steps=self._steps,
                 caches=registry,
                 staging=cold.staging,
                 port=self._file_port,
@@ -1300,18 +1300,9 @@ class Engine(_StartClose):
         ``fn``'s own exception if it raised.
         """
         system = self._require_system()
-        step = self._steps.add(self._new_id("step-"), fn)
-        wait = self._drain_timeout if timeout is None else timeout
-        # NOTE: the deadline tells the gateway when this ask stops waiting, so
-        # a step that times out here is never granted later.
-        ask = RunWhenIdle(step_id=step.step_id, deadline=system.clock.now() + wait)
-        try:
-            reply = await self._gateway().ask(ask, timeout=wait, expect=TurnDone)
-        finally:
-            step.withdraw()
-        if step.ran:
-            return step.result()  # NOTE: fn's value, or its exception re-raised.
-        raise TurnUnavailable(reply.detail or reply.error_code or "the step did not run")
+        turns = GatewayTurns(system, self._steps, timeout=self._config.shutdown_timeout,
+                             gateway=_GATEWAY, label="engine", prefix="step-")
+        return await turns.run_when_idle(fn, timeout=timeout)
 
     # --- observability -----------------------------------------------------
 

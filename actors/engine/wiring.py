@@ -47,7 +47,7 @@ from actors.durability import (
 from actors.durability.ports import Alarm, GatewaySteps, StepRegistry
 from actors.engine_thread import Backend, BackgroundSteps, Executor
 from actors.engine_thread.memory_guard import MemoryGuard
-from actors.gateway import Gateway, TurnRunner
+from actors.gateway import Gateway, GatewayTurns, TurnRunner
 from actors.gateway.core import DEFAULT_BACKGROUND_SHARE
 from actors.kv_events import KV_EVENTS_ADDRESS, KvEvents
 from actors.kv_events import core as kv_events_core
@@ -63,6 +63,8 @@ from actors.ssd_writer import (
     EngineTensorSource,
     FileIdentity,
     HostStaging,
+    IndexKeep,
+    IoRunner,
     Reader,
     RearmingTurns,
     Scrubber,
@@ -70,7 +72,6 @@ from actors.ssd_writer import (
     SsdWriterConfig,
     StoreWorker,
     TensorSource,
-    TimedEngineTurns,
     build_cold_tier,
 )
 from kernels.cache import FilePort
@@ -307,19 +308,25 @@ def cold_tier(
     root: str,
     identity: FileIdentity,
     max_bytes: int,
-    turns: TimedEngineTurns,
+    system: ActorSystem,
+    steps: BackgroundSteps,
     caches: CacheSource,
     staging: HostStaging,
     port: FilePort | None = None,
 ) -> ColdTier:
     """The cold tier's shared state for :class:`Parts` (its actors are spawned by :func:`start`).
 
-    ``turns`` runs the store's tensor read-backs as idle engine turns
-    (``Engine.run_when_idle``; a busy engine re-arms the wait instead of
-    failing the store); ``caches`` is the registry whose handles the spill
-    queue carries; ``staging`` is where restored bytes wait for the
-    backend, which takes them in the request's first turn.
+    The store worker's tensor read-backs run as idle engine turns it asks
+    the gateway for itself (:class:`~actors.gateway.GatewayTurns` over
+    ``system`` and the runner's ``steps``; a busy engine re-arms the wait
+    instead of failing the store); ``caches`` is the registry whose handles
+    the spill queue carries; ``staging`` is where restored bytes wait for
+    the backend, which takes them in the request's first turn.
     """
+    turns = GatewayTurns(
+        system, steps, timeout=config.shutdown_timeout, gateway=GATEWAY,
+        label="ssd_writer.store", prefix="ssd-store-",
+    )
     settings = SsdWriterConfig(
         root=root,
         identity=identity,
@@ -341,8 +348,10 @@ def _ssd_writer(parts: Parts) -> Factory | None:
     if tier is None:
         return None
     events = KV_EVENTS if parts.config.kv_events is not None else None
-    tier.state.report_tier = events is not None
-    return lambda: SsdWriter(tier, kv_events=events)
+    # NOTE: one keep for every instance the factory makes: a restart goes on
+    # with the same index and directory lock instead of scanning again.
+    keep = IndexKeep.fresh(tier.config, report_tier=events is not None)
+    return lambda: SsdWriter(tier, keep=keep, kv_events=events)
 
 
 def _ssd_store(parts: Parts) -> Factory | None:
@@ -798,6 +807,7 @@ def spawn_ssd_writer(
     capacity: int = _SSD_INDEX_MAILBOX,
     staging: HostStaging | None = None,
     gateway: str | None = None,
+    io_runner: IoRunner | None = None,
 ) -> ColdTier:
     """Spawn the cold tier's index, store worker and reader (and scrubber) over one ColdTier.
 
@@ -805,10 +815,14 @@ def spawn_ssd_writer(
     its first message (a ``Find`` sent meanwhile waits in its mailbox). The
     scrubber runs only with ``config.scrub_interval_s > 0``; ``gateway``
     names the actor that grants its idle turns (``None``: no idleness check).
+    ``io_runner``: where file work runs (``None``: the tier's worker threads).
     """
-    tier = build_cold_tier(config=config, source=source, port=port, name=name, staging=staging)
+    tier = build_cold_tier(config=config, source=source, port=port, name=name, staging=staging,
+                           io_runner=io_runner)
     supervision = _spec(SSD_WRITER).supervision
-    system.spawn(name, lambda: SsdWriter(tier), capacity=capacity, supervision=supervision)
+    keep = IndexKeep.fresh(config)
+    system.spawn(name, lambda: SsdWriter(tier, keep=keep), capacity=capacity,
+                 supervision=supervision)
     system.spawn(
         tier.store_address,
         lambda: StoreWorker(tier),
@@ -823,7 +837,7 @@ def spawn_ssd_writer(
     )
     if config.scrub_interval_s > 0:
         system.spawn(
-            f"{name}.scrub",
+            tier.scrub_address,
             lambda: Scrubber(tier, gateway=gateway, gate_step=SCRUB_GATE_STEP),
             capacity=_SSD_SCRUB_MAILBOX,
             supervision=supervision,
