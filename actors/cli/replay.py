@@ -1,7 +1,12 @@
 """``kvtier replay TRACE.jsonl``: replay a recorded trace and compare it.
 
-Exit status 0 when the replay reproduces every line, 1 (printing the first
-differing line) otherwise, 2 when the trace cannot be read.
+Two kinds of trace: a simulated scenario's (``--record module:function``),
+rebuilt and rerun in a ``SimulatedSystem``; and a live trace written by
+``kvtier serve --record-trace FILE`` (its header says ``"live": true``),
+whose every recorded core call is fed through the same core and whose
+effects must match. Exit status 0 when the replay reproduces every line
+(a truncated live trace, or one without its end line, says so), 1 (printing
+the first differing line) otherwise, 2 when the trace cannot be read.
 ``kvtier replay --record module:function --seed N -o TRACE.jsonl`` records one.
 """
 
@@ -15,7 +20,7 @@ from pathlib import Path
 
 import anyio
 
-from actors.runtime import record_trace, replay_trace
+from actors.runtime import is_live_trace, record_trace, replay_core_trace, replay_trace
 
 __all__ = ["add_arguments", "run"]
 
@@ -69,9 +74,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvtier replay: cannot read {args.trace}: {exc}", file=sys.stderr)
         return 2
-    report = anyio.run(replay_trace, lines)
+    if lines and is_live_trace(lines[0]):
+        report = replay_core_trace(lines)
+    else:
+        report = anyio.run(replay_trace, lines)
     if report.ok:
         print(f"replay ok: {report.lines} lines reproduced ({args.trace})")
+        if report.note:
+            print(f"note: {report.note}")
         return 0
     print(f"replay diverged at line {report.line} of {args.trace}")
     print(f"- expected: {report.expected}")

@@ -65,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # NOTE: the SSD sub-options' flags default to None so that run() can tell
     # the ones the user gave (flag or variable) from defaults (rule D5-5).
     add_flags(parser, serve_defaults=_SERVE_DEFAULTS, tracked=_SSD_SUBOPTIONS)
+    # NOTE: not EngineConfig fields: the live trace is the process's, recorded
+    # around the whole served session (docs/operations.md, "Recording a live trace").
+    parser.add_argument(
+        "--record-trace", metavar="FILE", type=Path, default=None,
+        help="record every actor core's inbound events and effects to FILE (JSONL, "
+             "replayed by `kvtier replay FILE`); default: off")
+    parser.add_argument(
+        "--record-trace-max", metavar="GB", type=float, default=1.0,
+        help="bound of the --record-trace file: past it recording stops and the file says "
+             "it is truncated (in GiB; default: %(default)s GiB)")
 
 
 def _ssd_default(args: argparse.Namespace) -> Path | None:
@@ -148,7 +158,21 @@ def run(args: argparse.Namespace) -> int:
         follower = follower_rank(config, aliases[0] if config.model is None else config.model)
         if follower is not None:
             return follower
-    return anyio.run(_serve, config, aliases, backend="asyncio")
+    trace: Path | None = getattr(args, "record_trace", None)
+    if trace is None:
+        return anyio.run(_serve, config, aliases, backend="asyncio")
+    from actors.runtime import CoreTraceRecorder, recording
+
+    try:
+        recorder = CoreTraceRecorder(trace, max_bytes=int(args.record_trace_max * (1 << 30)))
+    except (OSError, ValueError) as exc:
+        print(f"kvtier serve: cannot record a trace to {trace}: {exc}", file=sys.stderr)
+        return 2
+    with recording(recorder):
+        status = anyio.run(_serve, config, aliases, backend="asyncio")
+    shown = f" (truncated: {recorder.truncated})" if recorder.truncated else ""
+    print(f"kvtier serve: {recorder.lines} trace lines in {trace}{shown}", file=sys.stderr)
+    return status
 
 
 def _url(host: str, port: int) -> str:

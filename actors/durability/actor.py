@@ -93,12 +93,12 @@ class DurabilityCoordinator(Actor):
                 clone = slot.take()
             self._steps.discard(body.step_id)
         event = core.Received(envelope, clone)
-        self.state, effects = core.handle(self.state, event, ctx.clock.now())
+        self.state, effects = ctx.traced(core.handle, self.state, event, ctx.clock.now())
         await self._perform(effects, ctx)
 
     async def stopped(self, ctx: Context) -> None:
         """Answer flush askers (not durable), give up waiting clone steps, cancel the alarm."""
-        self.state, effects = core.stop(self.state, ctx.clock.now())
+        self.state, effects = ctx.traced(core.stop, self.state, ctx.clock.now())
         await self._perform(effects, ctx)
         for step_id in list(self._slots):
             self._drop_step(step_id)
@@ -127,7 +127,7 @@ class DurabilityCoordinator(Actor):
                 case _:
                     assert_never(effect)
             if failed is not None:
-                self.state, more = core.handle(self.state, failed, ctx.clock.now())
+                self.state, more = ctx.traced(core.handle, self.state, failed, ctx.clock.now())
                 work.extend(more)
 
     def _address(self, target: core.Target) -> str:

@@ -210,7 +210,7 @@ class Gateway(Actor):
             event = core.BackgroundTurnDone(body.step_id, now)
         elif isinstance(body, BeginShutdown):
             event = core.BeginDrain(now)
-            self.state, effects = core.handle(self.state, event)
+            self.state, effects = ctx.traced(core.handle, self.state, event)
             if body.reply_to:
                 lane = self.state.lane
                 await ctx.reply(
@@ -241,7 +241,7 @@ class Gateway(Actor):
     # --- the core ----------------------------------------------------------------
 
     async def _feed(self, event: core.CoreEvent, envelope: Envelope, ctx: Context) -> None:
-        self.state, effects = core.handle(self.state, event)
+        self.state, effects = ctx.traced(core.handle, self.state, event)
         await self._perform(effects, envelope, ctx)
 
     async def _perform(self, effects: list[core.Effect], envelope: Envelope, ctx: Context) -> None:
@@ -293,7 +293,7 @@ class Gateway(Actor):
                 case _:
                     assert_never(effect)
             if follow_up is not None:
-                self.state, more = core.handle(self.state, follow_up)
+                self.state, more = ctx.traced(core.handle, self.state, follow_up)
                 todo.extend(more)
 
     # --- the batch lane ---------------------------------------------------------------

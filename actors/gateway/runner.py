@@ -167,7 +167,7 @@ class TurnRunner(Actor):
         """Apply ``event``; perform the effects, feeding back each outcome the core asked for."""
         todo: deque[rc.Event] = deque([event])
         while todo:
-            self.state, effects = rc.handle(self.state, todo.popleft())
+            self.state, effects = ctx.traced(rc.handle, self.state, todo.popleft())
             for effect in effects:
                 follow_up = await self._perform(effect, ctx)
                 if follow_up is not None:

@@ -78,12 +78,12 @@ class KvEvents(Actor):
         self._sockets.close()
 
     async def _feed(self, event: core.Event, envelope: Envelope | None, ctx: Context) -> None:
-        self.state, effects = core.handle(self.state, event)
+        self.state, effects = ctx.traced(core.handle, self.state, event)
         for effect in effects:
             match effect:
                 case core.Publish(seq=seq, frames=frames):
                     if not await self._sockets.publish(frames):
-                        self.state, _ = core.handle(self.state, core.SendFailed(seq))
+                        self.state, _ = ctx.traced(core.handle, self.state, core.SendFailed(seq))
                 case core.SendReplay(frames=frames):
                     lost = await self._sockets.send_replay(frames)
                     if lost:

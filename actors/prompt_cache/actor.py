@@ -145,7 +145,7 @@ class PromptCache(Actor):
         await self._feed(core.Stopping(ctx.clock.now()), None, ctx)
 
     async def _feed(self, event: core.Event, envelope: Envelope | None, ctx: Context) -> None:
-        self.state, effects = core.handle(self.state, event)
+        self.state, effects = ctx.traced(core.handle, self.state, event)
         await self._perform(effects, envelope, ctx)
 
     async def _perform(
@@ -184,7 +184,7 @@ class PromptCache(Actor):
                 case _:
                     assert_never(effect)
             if event is not None:
-                self.state, more = core.handle(self.state, event)
+                self.state, more = ctx.traced(core.handle, self.state, event)
                 pending.extend(more)
 
     async def _ask_cold(self, take_id: str, body: Request, ctx: Context) -> core.Event:

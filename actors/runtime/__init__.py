@@ -1,5 +1,6 @@
 """The actor runtime: actors, bounded mailboxes, ask/tell, supervision,
-tracing, injected ports, and the simulated runtime with record/replay.
+tracing, injected ports, the simulated runtime with record/replay, and
+live traces of every core call (recorded while serving, replayed offline).
 
 See docs/runtime.md for how to write, run and test an actor.
 """
@@ -19,6 +20,16 @@ from ._actor import (
 )
 from ._alarm import Alarm, LoopAlarm
 from ._context import current_envelope, use_correlation
+from ._core_codec import CodecError, Decoder, Encoder, Opaque
+from ._core_replay import is_live_trace, replay_core_trace
+from ._core_trace import (
+    DEFAULT_TRACE_MAX_BYTES,
+    CoreTraceRecorder,
+    current_core_trace,
+    record_core_trace,
+    recording,
+    traced,
+)
 from ._errors import (
     ActorStopped,
     AskCycle,
@@ -52,6 +63,7 @@ from ._system import ActorRef, ActorSystem, DeadLetter, Inbox
 from ._tracing import configure_logging, get_logger, set_tracing
 
 __all__ = [
+    "DEFAULT_TRACE_MAX_BYTES",
     "Actor",
     "ActorRef",
     "ActorStopped",
@@ -60,11 +72,15 @@ __all__ = [
     "AskCycle",
     "AskTimeout",
     "Clock",
+    "CodecError",
     "Context",
     "CoreActor",
+    "CoreTraceRecorder",
     "DeadLetter",
     "DeadlineExceeded",
+    "Decoder",
     "Effect",
+    "Encoder",
     "EndStream",
     "HandlerFailed",
     "Ids",
@@ -74,6 +90,7 @@ __all__ = [
     "MailboxFull",
     "MailboxStatistics",
     "ManualClock",
+    "Opaque",
     "ReceiveTimeout",
     "ReplayDiverged",
     "ReplayReport",
@@ -96,10 +113,16 @@ __all__ = [
     "UnexpectedReply",
     "UnknownAddress",
     "configure_logging",
+    "current_core_trace",
     "current_envelope",
     "get_logger",
+    "is_live_trace",
+    "record_core_trace",
     "record_trace",
+    "recording",
+    "replay_core_trace",
     "replay_trace",
     "set_tracing",
+    "traced",
     "use_correlation",
 ]

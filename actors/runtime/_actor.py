@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, assert_never, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    TypeVar,
+    TypeVarTuple,
+    Unpack,
+    assert_never,
+    overload,
+)
 
 from messages import Body, Envelope, Request
 
 from ._context import CURRENT
+from ._core_trace import traced
 from ._ports import Clock, Ids, Rng
 
 if TYPE_CHECKING:
@@ -29,6 +40,8 @@ __all__ = [
 
 B = TypeVar("B", bound=Body)
 S = TypeVar("S")
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
 
 
 class Actor:
@@ -89,6 +102,14 @@ class Context:
     def rng(self) -> Rng:
         """The injected randomness."""
         return self._system.rng
+
+    def traced(self, handle: Callable[[S, Unpack[Ts]], R], state: S, *args: *Ts) -> R:
+        """``handle(state, *args)``: a sans-IO core's call, recorded in the live trace if one is on.
+
+        Shells call their core through this (``kvtier serve --record-trace``,
+        ``actors/runtime/_core_trace.py``); without a recorder it is the plain call.
+        """
+        return traced(self.name, handle, state, *args)
 
     def ref(self, address: str) -> ActorRef:
         """A reference to the actor or inbox at ``address``."""

@@ -23,13 +23,18 @@ TRACE_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class ReplayReport:
-    """The outcome of a replay: ``ok``, or the first differing line (1-based)."""
+    """The outcome of a replay: ``ok``, or the first differing line (1-based).
+
+    ``note``: what an ``ok`` replay could not cover (a truncated live trace,
+    one without its end line).
+    """
 
     ok: bool
     lines: int
     line: int | None = None
     expected: str | None = None
     actual: str | None = None
+    note: str | None = None
 
 
 def load_scenario(reference: str) -> Scenario:

@@ -68,7 +68,7 @@ class SpillQueue(Actor):
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Apply the rules to one message and perform their effects in order."""
-        self.state, effects = core.handle(self.state, envelope)
+        self.state, effects = ctx.traced(core.handle, self.state, envelope)
         await self._perform(effects, ctx)
 
     async def stopped(self, ctx: Context) -> None:
