@@ -66,7 +66,8 @@ def flush_body(result: FlushResult | None, *, reason: str | None = None,
             "durable": False, "reason": reason, "pending": None, "dropped": None,
             "failed": None, "uncovered": None, "lost": None, "evicted_unwritten": None,
             "entries": None,
-            "longest_durable_prefix_tokens": None, "duration_s": seconds,
+            "longest_durable_prefix_tokens": None, "checkpoints_lost": None,
+            "duration_s": seconds,
         }
     return {
         "durable": result.durable,
@@ -83,6 +84,9 @@ def flush_body(result: FlushResult | None, *, reason: str | None = None,
         "written": result.written,
         "covered": result.covered,
         "dirty_after": result.dirty_after,
+        # NOTE: generation checkpoint writes failed or dropped since the previous
+        # flush; they do not make the flush not durable (restart points, not prefixes).
+        "checkpoints_lost": result.checkpoints_lost,
         "duration_s": seconds,
     }
 

@@ -11,7 +11,9 @@ in one process never share a metric):
   ``await engine.stats()`` snapshot into metric families (cache hits and
   cached tokens per tier, restores, spills, drops, failures, bytes against
   caps, durability, the memory guard, mailbox depth and time in mailbox per
-  actor, engine-turn grants and hold time, the HTTP layer's responses). A
+  actor, engine-turn grants and hold time, the HTTP layer's responses, and
+  the generation checkpoints: written, bytes, pending, failures, resumed
+  requests and the tokens they saved). A
   snapshot is reused for at most :data:`SNAPSHOT_MAX_AGE_S` seconds, so
   frequent scrapes do not ask every actor each time.
 
@@ -347,6 +349,8 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
     f.counter("kvtier_memory_relieved_bytes", "Bytes of RAM entries persisted and dropped "
               "under memory pressure.", [([], memory.get("relieved_bytes"))])
 
+    _checkpoint_families(f, snap.get("generation_checkpoints"))
+
     grants: Mapping[str, Any] = token.get("grants", {})
     held: Mapping[str, Any] = token.get("held_s", {})
     batch: Mapping[str, Any] = token.get("batch_lane", {})
@@ -385,6 +389,38 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
     f.counter("kvtier_http_client_disconnects", "Clients that left before their answer.",
               [([], http.disconnects)])
     return f.out
+
+
+def _checkpoint_families(f: _Families, ck: Mapping[str, Any] | None) -> None:
+    """The generation checkpoints' families (absent while checkpoints are off)."""
+    if ck is None:
+        return
+    f.gauge("kvtier_checkpoint_interval_tokens", "Emitted tokens between two checkpoints of "
+            "an answer (--generation-checkpoint).", [([], ck.get("interval_tokens"))])
+    f.counter("kvtier_checkpoints_taken", "Checkpoint snapshots handed to the spill queue.",
+              [([], ck.get("taken"))])
+    f.counter("kvtier_checkpoints_written", "Checkpoint files committed (fsync + rename).",
+              [([], ck.get("written"))])
+    f.counter("kvtier_checkpoint_bytes", "Bytes of the checkpoint files committed.",
+              [([], ck.get("bytes"))])
+    f.gauge("kvtier_checkpoints_pending", "Checkpoint writes queued or in flight.",
+            [([], ck.get("pending"))])
+    f.counter("kvtier_checkpoint_failures", "Checkpoints lost, by where: unsent (the spill "
+              "queue did not take the snapshot), write (the file did not commit), resume (a "
+              "found file could not be used; the request ran fresh).",
+              [(["unsent"], ck.get("unsent")), (["write"], ck.get("write_failed")),
+               (["resume"], ck.get("resume_failed"))], ["kind"])
+    f.counter("kvtier_checkpoints_removed", "Checkpoint files removed when their answer "
+              "completed.", [([], ck.get("removed"))])
+    f.counter("kvtier_checkpoints_resumed", "Requests that resumed a checkpoint.",
+              [([], ck.get("resumed"))])
+    f.counter("kvtier_checkpoint_tokens_saved", "Tokens a resumed request did not compute: "
+              "generated (replayed from the checkpoint) and prompt (not prefilled).",
+              [(["generated"], ck.get("tokens_saved")),
+               (["prompt"], ck.get("prompt_tokens_saved"))], ["kind"])
+    refused: Mapping[str, Any] = ck.get("refused", {})
+    f.counter("kvtier_checkpoints_refused", "Requests not checkpointed, by reason.",
+              [([k], v) for k, v in sorted(refused.items())], ["reason"])
 
 
 def install_metrics(app: FastAPI, metrics: HttpMetrics) -> None:
