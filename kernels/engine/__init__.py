@@ -9,12 +9,14 @@ from __future__ import annotations
 from ._batch import (
     BATCH_SSM_ENV,
     IDLE_PREFILL_ROWS,
+    REPLAY_PER_STEP,
     BatchFull,
     BatchGate,
     BatchGeneration,
     BatchRefusal,
     BatchStep,
     LayerKind,
+    RowCheckpoint,
     RowExit,
     RowExitReason,
     RowSnapshot,
@@ -36,6 +38,7 @@ from ._blas_threads import (
     find_openblas,
     make_blas_tuning,
 )
+from ._checkpoint import CheckpointPoint
 from ._detokenize import (
     TextStream,
 )
@@ -126,6 +129,7 @@ __all__ = [
     "COMPILE_STACK_BYTES",
     "IDLE_PREFILL_ROWS",
     "MAX_PROMPT_LOGPROB_ENTRIES",
+    "REPLAY_PER_STEP",
     "SCORE_ELEMENTS",
     "BatchFull",
     "BatchGate",
@@ -134,6 +138,7 @@ __all__ = [
     "BatchStep",
     "BlasTuning",
     "CacheHook",
+    "CheckpointPoint",
     "CompileResult",
     "EngineStats",
     "EngineThread",
@@ -150,6 +155,7 @@ __all__ = [
     "OpenBlas",
     "ParsedToolCall",
     "PromptScorer",
+    "RowCheckpoint",
     "RowExit",
     "RowExitReason",
     "RowSnapshot",

@@ -33,6 +33,15 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   serial lane's. A row can also hand back a prompt-boundary snapshot (its
   cache at a prompt offset it names, where its prefill chunks end, as on the
   serial lane).
+- **Generation checkpoints per row**: a row joined with ``checkpoint_every``
+  N hands back, after every N-th emitted token that did not end it, a
+  :class:`RowCheckpoint`: an owned copy of its cache (per-row extraction,
+  as a leaving row's) covering prompt + emitted tokens, the pending token
+  (sampled, its forward queued, not emitted) and its PRNG key. A row joined
+  with :meth:`BatchGeneration.join_resumed` brings such a state back: it
+  replays the saved tokens (no forward, at most :data:`REPLAY_PER_STEP` a
+  step, each with the text its :class:`TextStream` releases), then enters
+  the decode batch without a forward, its pending token the next input.
 
 :func:`batch_gate` says whether a model's cache kinds and KV scheme can be
 batched, and why not (design 2.3). Under a quantizing KV scheme the
@@ -61,29 +70,38 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
+    TokenBuffer,
     make_prompt_cache,
 )
 
 from kernels._env import env_switch
 from kernels._errors import InvalidPrompt, KernelError
-from kernels.cache import KvScheme, LayerQuant
+from kernels.cache import KvScheme, LayerQuant, cache_arrays
 
 from ._blas_threads import StepTuning
+from ._checkpoint import CheckpointPoint, sampler_key, set_sampler_key
 from ._detokenize import TextStream
 from ._generation import KernelFinishReason, StepOutput, _check_cache_offset
-from ._greedy import argmax_with_logprobs, start_generation
+from ._greedy import (
+    GreedyGenerationBatch,
+    _offsets_equal,
+    argmax_with_logprobs,
+    start_generation,
+)
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 from ._transitioning import TransitioningBatchKVCache
 
 __all__ = [
     "BATCH_SSM_ENV",
     "IDLE_PREFILL_ROWS",
+    "REPLAY_PER_STEP",
     "BatchFull",
     "BatchGate",
     "BatchGeneration",
     "BatchRefusal",
     "BatchStep",
     "LayerKind",
+    "RowCheckpoint",
     "RowExit",
     "RowExitReason",
     "RowSnapshot",
@@ -132,6 +150,9 @@ RowExitReason = Literal["stop", "length", "cancelled"]
 # NOTE: mlx-lm clears MLX's buffer cache every 256 decode steps; same cadence.
 _CLEAR_EVERY = 256
 
+
+REPLAY_PER_STEP = 64
+"""Saved tokens a resumed row hands back per step while it replays (its stream's backlog stays small)."""
 
 IDLE_PREFILL_ROWS = 8
 """Prefill chunks one turn may forward while no row decodes (mlx-lm's default ``prefill_batch_size``)."""
@@ -317,6 +338,29 @@ class RowSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class RowCheckpoint:
+    """A decoding row at a checkpoint boundary (after an emitted token that did not end it).
+
+    ``cache`` (an owned copy, the serial lane's kinds) holds ``cache_tokens``
+    = the prompt (``prompt_len`` tokens) then every emitted token;
+    ``pending_token`` is sampled (its forward queued) but not emitted;
+    ``rng_key`` is the row's PRNG key after that draw (``None``: greedy).
+    """
+
+    row_id: str
+    cache: list[Any]
+    cache_tokens: tuple[int, ...]
+    prompt_len: int
+    pending_token: int
+    rng_key: tuple[int, int] | None
+
+    @property
+    def sample_index(self) -> int:
+        """Tokens emitted before the pending one."""
+        return len(self.cache_tokens) - self.prompt_len
+
+
+@dataclass(frozen=True, slots=True)
 class BatchStep:
     """What one :meth:`BatchGeneration.step` did.
 
@@ -325,7 +369,8 @@ class BatchStep:
     ``snapshots``: prompt-boundary caches of rows that asked for one;
     ``decode_rows``: rows the decode forward covered; ``prefill_tokens``:
     prompt tokens forwarded for joining rows; ``joined``: rows that entered
-    the decode batch (their first token comes with the next step).
+    the decode batch (their first token comes with the next step);
+    ``checkpoints``: rows at a checkpoint boundary this step (``checkpoint_every``).
     """
 
     tokens: tuple[RowToken, ...] = ()
@@ -334,6 +379,7 @@ class BatchStep:
     decode_rows: int = 0
     prefill_tokens: int = 0
     joined: tuple[str, ...] = ()
+    checkpoints: tuple[RowCheckpoint, ...] = ()
 
 
 # --- rows ---------------------------------------------------------------------
@@ -356,6 +402,12 @@ class _Row:
     prefill: Any = None
     """The row's batch-of-one ``PromptProcessingBatch`` while its suffix is forwarded."""
     generated: list[int] = field(default_factory=list)
+    checkpoint_every: int = 0
+    """Hand back a :class:`RowCheckpoint` after every this many emitted tokens (0: never)."""
+    replay: deque[tuple[int, str]] | None = None
+    """A resumed row's saved tokens (with their text) still to hand back."""
+    pending_token: int = 0
+    """A resumed row's pending token (its first input once it decodes)."""
 
 
 class BatchGeneration:
@@ -399,6 +451,8 @@ class BatchGeneration:
         self._rows: dict[str, _Row] = {}
         self._by_uid: dict[int, _Row] = {}
         self._pending: deque[_Row] = deque()
+        self._replaying: list[_Row] = []
+        """Resumed rows handing back their saved tokens (they decode once done)."""
         self._batch: Any = None
         """mlx-lm's ``GenerationBatch`` of the decoding rows, ``None`` while none decode."""
         self._next_uid = 0
@@ -422,12 +476,12 @@ class BatchGeneration:
     @property
     def row_ids(self) -> tuple[str, ...]:
         """Every row held, pending first (in join order), then decoding rows."""
-        return tuple(r.row_id for r in self._pending) + self.decoding
+        return self.pending + self.decoding
 
     @property
     def pending(self) -> tuple[str, ...]:
-        """Rows still forwarding their prompt, in join order."""
-        return tuple(r.row_id for r in self._pending)
+        """Rows still forwarding their prompt (or replaying a checkpoint), in join order."""
+        return tuple(r.row_id for r in self._pending) + tuple(r.row_id for r in self._replaying)
 
     @property
     def decoding(self) -> tuple[str, ...]:
@@ -458,6 +512,7 @@ class BatchGeneration:
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
         snapshot_at: int | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         """Add a row; it starts forwarding its uncached suffix at the next :meth:`step`.
 
@@ -467,8 +522,83 @@ class BatchGeneration:
         :class:`RowSnapshot` of the cache holding ``prompt[:snapshot_at]``
         (the prompt's stable boundary; at most ``len(prompt) - 1``): the
         row's prefill chunks end exactly there. Ignored unless it lies past
-        ``cached_tokens`` (nothing new to keep otherwise).
+        ``cached_tokens`` (nothing new to keep otherwise). ``checkpoint_every``
+        N > 0: a :class:`RowCheckpoint` after every N-th emitted token.
         """
+        row = self._new_row(row_id, prompt, params, cache, cached_tokens, checkpoint_every)
+        if snapshot_at is not None and not 0 < snapshot_at < len(prompt):
+            raise InvalidPrompt(
+                f"snapshot_at={snapshot_at} must lie inside the prompt, before its last token"
+            )
+        row.snapshot_at = (
+            snapshot_at if snapshot_at is not None and snapshot_at > cached_tokens else None
+        )
+        self._add(row)
+        self._pending.append(row)
+
+    def join_resumed(
+        self,
+        row_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache: list[Any],
+        point: CheckpointPoint,
+        checkpoint_every: int = 0,
+    ) -> None:
+        """Add a row resumed from a checkpoint: no forward; it replays, then decodes from the pending token.
+
+        ``cache`` (a restored checkpoint's, the serial lane's kinds) holds
+        ``prompt + point.generated``. The row hands back the saved tokens
+        (at most :data:`REPLAY_PER_STEP` a step, with the text its stream
+        releases), then enters the decode batch with ``point.pending_token``
+        as its next input and its sampler's PRNG key set to
+        ``point.rng_key``: it continues exactly where the checkpoint was
+        taken. Raises :class:`InvalidPrompt` when the pieces do not fit
+        (nothing is added; a cold :meth:`join` is the caller's fallback).
+        """
+        if not cache:
+            raise InvalidPrompt("a resumed row needs the checkpoint's cache")
+        if point.prompt_len != len(prompt):
+            raise InvalidPrompt("the checkpoint was taken for a prompt of another length")
+        if not point.generated or len(point.generated) + 1 >= params.max_tokens:
+            raise InvalidPrompt("the checkpoint's pending token would be past max_tokens")
+        if params.logprobs:
+            raise InvalidPrompt("requests with logprobs are not resumed")
+        # NOTE: checked as a row whose cache holds prompt + generated and whose
+        # one token left to forward is the pending one (what it is).
+        covered = [*prompt, *point.generated]
+        row = self._new_row(row_id, [*covered, int(point.pending_token)], params, cache,
+                            len(covered), checkpoint_every)
+        set_sampler_key(row.sampler, point.rng_key)
+        replay: deque[tuple[int, str]] = deque()
+        for token in point.generated:
+            text = row.text.add(int(token))
+            # NOTE: the saved tokens did not end the original answer (it went on
+            # to sample the pending token), so none of them may end it here.
+            if int(token) in row.stop_ids or row.text.finished:
+                raise InvalidPrompt("a saved checkpoint token ends the answer: not a checkpoint")
+            replay.append((int(token), text))
+        row.prompt = [int(t) for t in prompt]
+        row.cached_tokens = len(row.prompt)
+        row.cursor = len(row.prompt)
+        row.replay = replay
+        row.pending_token = int(point.pending_token)
+        self._add(row)
+        self._replaying.append(row)
+
+    def _new_row(
+        self,
+        row_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        cache: list[Any] | None,
+        cached_tokens: int,
+        checkpoint_every: int,
+    ) -> _Row:
+        """A row checked against the batch's limits and its cache (not added yet)."""
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if row_id in self._rows:
             raise InvalidPrompt(f"row {row_id!r} is already in the batch")
         if len(self._rows) >= self._max_rows:
@@ -487,10 +617,6 @@ class BatchGeneration:
                 f"cached_tokens={cached_tokens} must leave at least one of the "
                 f"{len(prompt)} prompt tokens to forward"
             )
-        if snapshot_at is not None and not 0 < snapshot_at < len(prompt):
-            raise InvalidPrompt(
-                f"snapshot_at={snapshot_at} must lie inside the prompt, before its last token"
-            )
         if cache is not None:
             gate = batch_gate(cache, self._scheme, batch_ssm=True)
             if not gate.batchable:
@@ -503,7 +629,7 @@ class BatchGeneration:
         )
         row = _Row(
             row_id=row_id,
-            uid=self._next_uid,
+            uid=-1,
             prompt=[int(t) for t in prompt],
             params=params,
             cached_tokens=cached_tokens,
@@ -512,21 +638,28 @@ class BatchGeneration:
             processors=make_request_processors(params),
             stop_ids=stop_ids,
             text=TextStream(self._tokenizer.detokenizer, params.stop),
-            snapshot_at=snapshot_at
-            if snapshot_at is not None and snapshot_at > cached_tokens
-            else None,
+            snapshot_at=None,
             cursor=cached_tokens,
+            checkpoint_every=checkpoint_every,
         )
+        return row
+
+    def _add(self, row: _Row) -> None:
+        row.uid = self._next_uid
         self._next_uid += 1
-        self._rows[row_id] = row
+        self._rows[row.row_id] = row
         self._by_uid[row.uid] = row
-        self._pending.append(row)
 
     def cancel(self, row_id: str) -> RowExit:
         """Remove a row now; its cache is extracted before the batch is filtered."""
         row = self._row(row_id)
         with mx.stream(generation_stream):
-            if row in self._pending:
+            if row in self._replaying:
+                self._replaying.remove(row)
+                cache = row.cache if row.cache is not None else []
+                saved = [t for t, _ in row.replay or ()]
+                tokens = [*row.prompt, *row.generated, *saved]
+            elif row in self._pending:
                 self._pending.remove(row)
                 if row.prefill is not None:
                     cache = row.prefill.extract_cache(0)
@@ -546,6 +679,7 @@ class BatchGeneration:
         self._rows.clear()
         self._by_uid.clear()
         self._pending.clear()
+        self._replaying.clear()
         self._batch = None
 
     # -- the step ------------------------------------------------------------
@@ -556,7 +690,8 @@ class BatchGeneration:
         if tuning is not None:
             tuning.before_step()
         with mx.stream(generation_stream):
-            tokens, exits, decode_rows = self._decode()
+            tokens, exits, decode_rows, checkpoints = self._decode()
+            tokens.extend(self._replay())
             snapshots, prefilled, joined = self._prefill()
         if tuning is not None:
             # NOTE: only steps that decoded the same rows and nothing else
@@ -575,11 +710,12 @@ class BatchGeneration:
             decode_rows=decode_rows,
             prefill_tokens=prefilled,
             joined=tuple(joined),
+            checkpoints=tuple(checkpoints),
         )
 
-    def _decode(self) -> tuple[list[RowToken], list[RowExit], int]:
+    def _decode(self) -> tuple[list[RowToken], list[RowExit], int, list[RowCheckpoint]]:
         if self._batch is None:
-            return [], [], 0
+            return [], [], 0, []
         decode_rows = len(self._batch)
         # NOTE: mlx-lm extracts every row it finishes (EOS / stop id / length)
         # before it filters the batch; stop strings are ours and leave below.
@@ -587,6 +723,7 @@ class BatchGeneration:
         tokens: list[RowToken] = []
         exits: list[RowExit] = []
         stopped_by_text: list[_Row] = []
+        due: list[_Row] = []
         for response in responses:
             row = self._by_uid[response.uid]
             token = int(response.token)
@@ -610,12 +747,95 @@ class BatchGeneration:
                 exits.append(self._leave(row, finish, response.prompt_cache, response.all_tokens))
             elif finish is not None:
                 stopped_by_text.append(row)
+            elif row.checkpoint_every and len(row.generated) % row.checkpoint_every == 0:
+                due.append(row)
         for row in stopped_by_text:
             cache, cache_tokens = self._remove_decoding(row)
             exits.append(self._leave(row, "stop", cache, cache_tokens))
         if self._batch is not None and len(self._batch) == 0:
             self._batch = None
-        return tokens, exits, decode_rows
+        # NOTE: after the removals, so each row's batch index is final.
+        checkpoints = [self._checkpoint(row) for row in due]
+        return tokens, exits, decode_rows, checkpoints
+
+    def _checkpoint(self, row: _Row) -> RowCheckpoint:
+        """The row's state at this boundary: its cache covers prompt + emitted, its next token is queued.
+
+        NOTE: the extraction copies the row out of the batch's buffers and is
+        evaluated here, so the batch's next in-place write neither changes it
+        nor has to copy its buffers away from it. Reading the pending token
+        waits for the forward the decode step queued.
+        """
+        batch = self._batch
+        assert batch is not None
+        index = batch.uids.index(row.uid)
+        cache = batch.extract_cache(index)
+        tokens = tuple(int(t) for t in batch.tokens[index])
+        pending = int(batch._next_tokens[index].item())
+        mx.eval(*cache_arrays(cache))
+        return RowCheckpoint(
+            row_id=row.row_id,
+            cache=cache,
+            cache_tokens=tokens,
+            prompt_len=len(row.prompt),
+            pending_token=pending,
+            rng_key=sampler_key(row.sampler),
+        )
+
+    def _replay(self) -> list[RowToken]:
+        """Resumed rows hand back saved tokens; a row done replaying enters the decode batch."""
+        tokens: list[RowToken] = []
+        done: list[_Row] = []
+        for row in self._replaying:
+            replay = row.replay
+            assert replay is not None
+            for _ in range(min(REPLAY_PER_STEP, len(replay))):
+                token, text = replay.popleft()
+                index = len(row.generated)
+                row.generated.append(token)
+                tokens.append(RowToken(row.row_id, index, StepOutput(token, text)))
+            if not replay:
+                done.append(row)
+        for row in done:
+            self._replaying.remove(row)
+            self._enter_resumed(row)
+        return tokens
+
+    def _enter_resumed(self, row: _Row) -> None:
+        """Move a resumed row into the decode batch without a forward: its pending token is its next input.
+
+        NOTE: the state ``start_generation`` leaves after a row's last prompt
+        token was forwarded and its first token sampled, built from the
+        checkpoint instead: caches and token history cover prompt + emitted,
+        the pending token is queued, ``max_tokens`` counts the emitted ones.
+        """
+        assert row.cache is not None
+        history = [*row.prompt, *row.generated]
+        merged = self._merge([row.cache])
+        ready = GreedyGenerationBatch(
+            self._model, [], mx.array([], dtype=mx.uint32), [], [], [], row.sampler, [], [], []
+        )
+        stops = StopSequences([(t,) for t in sorted(row.stop_ids)] or None)
+        ready.uids = [row.uid]
+        ready.prompt_cache = merged
+        ready.tokens = [history]
+        ready.samplers = [row.sampler]
+        ready.logits_processors = [row.processors]
+        ready.stop_sequences = [stops]
+        ready.max_tokens = [row.params.max_tokens]
+        ready._next_tokens = mx.array([row.pending_token], dtype=mx.uint32)
+        # NOTE: read only for rows asking for logprobs, which are never resumed.
+        ready._next_logprobs = [None]
+        ready._token_context = [TokenBuffer(history)]  # type: ignore[no-untyped-call]
+        ready._num_tokens = [len(row.generated)]
+        ready._matchers = [stops.matcher()]
+        ready._equal_offsets = _offsets_equal(self._model, merged)
+        row.cache = None
+        row.replay = None
+        if self._batch is None:
+            self._batch = ready
+        else:
+            self._batch.extend(ready)
 
     def _prefill(self) -> tuple[list[RowSnapshot], int, list[str]]:
         snapshots: list[RowSnapshot] = []

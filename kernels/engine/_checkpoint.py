@@ -41,6 +41,8 @@ __all__ = [
     "replay_pending",
     "replay_step",
     "resume_generation",
+    "sampler_key",
+    "set_sampler_key",
 ]
 
 
@@ -60,7 +62,11 @@ class CheckpointPoint:
 
 
 def _sampler_key(gen: Generation) -> tuple[int, int] | None:
-    sampler = gen._sampler
+    return sampler_key(gen._sampler)
+
+
+def sampler_key(sampler: object) -> tuple[int, int] | None:
+    """The PRNG key of a request's sampler as two words (``None``: the sampler draws no key)."""
     if not isinstance(sampler, _KeyedSampler):
         return None
     raw: Any = sampler._key.tolist()
@@ -90,6 +96,16 @@ def checkpoint_point(gen: Generation) -> CheckpointPoint | None:
         pending_token=pending,
         rng_key=_sampler_key(gen),
     )
+
+
+def set_sampler_key(sampler: object, key: tuple[int, int] | None) -> None:
+    """Give a request's sampler the PRNG key a checkpoint saved (raises when the two do not fit)."""
+    if isinstance(sampler, _KeyedSampler):
+        if key is None:
+            raise InvalidPrompt("a sampled request's checkpoint has no PRNG key")
+        sampler._key = mx.array(list(key), dtype=mx.uint32)
+    elif key is not None:
+        raise InvalidPrompt("a greedy request's checkpoint carries a PRNG key")
 
 
 # NOTE: the replay queue of a resumed generation, by object identity; a
@@ -161,13 +177,7 @@ def resume_generation(
     gen._prefill_done = True
     if gen._processors:
         gen._history = mx.array(tokens)
-    sampler = gen._sampler
-    if isinstance(sampler, _KeyedSampler):
-        if point.rng_key is None:
-            raise InvalidPrompt("a sampled request's checkpoint has no PRNG key")
-        sampler._key = mx.array(list(point.rng_key), dtype=mx.uint32)
-    elif point.rng_key is not None:
-        raise InvalidPrompt("a greedy request's checkpoint carries a PRNG key")
+    set_sampler_key(gen._sampler, point.rng_key)
     # NOTE: the argmax/categorical tokens are uint32 arrays of shape (1,); the
     # second value (log-probabilities) is read only by logprob requests,
     # which are never resumed.
