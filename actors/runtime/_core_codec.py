@@ -5,7 +5,7 @@ the type), so plain lists, strings, numbers, booleans and ``null`` stand for
 themselves and nothing else:
 
 - ``{"$t": [...]}`` tuple, ``{"$d": [[k, v], ...]}`` dict (insertion order,
-  any key type), ``{"$q": [...], "max": n}`` deque, ``{"$s": [...]}`` set and
+  any key type; ``"$od"`` an ``OrderedDict``), ``{"$q": [...], "max": n}`` deque, ``{"$s": [...]}`` set and
   ``{"$f": [...]}`` frozenset (elements sorted by their encoding, so the
   text does not depend on string hashing), ``{"$b": "base64"}`` bytes;
 - ``{"$e": "module:Qual", "v": value}`` an enum member;
@@ -29,7 +29,7 @@ import dataclasses
 import enum
 import importlib
 import json
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,14 +85,18 @@ class Encoder:
             return value
         if isinstance(value, enum.Enum):
             return {"$e": _qualname(type(value)), "v": self.encode(value.value)}
-        if isinstance(value, (int, float)):
-            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            # NOTE: float subclasses (numpy's float64) are written as floats.
+            return float(value)
         if isinstance(value, list):
             return [self.encode(item) for item in value]
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return {"$t": [self.encode(item) for item in value]}
-        if isinstance(value, dict):
-            return {"$d": [[self.encode(k), self.encode(v)] for k, v in value.items()]}
+        if type(value) is dict or type(value) is OrderedDict:
+            tag = "$d" if type(value) is dict else "$od"
+            return {tag: [[self.encode(k), self.encode(v)] for k, v in value.items()]}
         if isinstance(value, deque):
             return {"$q": [self.encode(item) for item in value], "max": value.maxlen}
         if isinstance(value, (set, frozenset)):
@@ -157,6 +161,10 @@ class Decoder:
                 return tuple(items())
             case "$d":
                 return {self.decode(k, depth): self.decode(v, depth) for k, v in _pairs(tree[tag])}
+            case "$od":
+                return OrderedDict(
+                    (self.decode(k, depth), self.decode(v, depth)) for k, v in _pairs(tree[tag])
+                )
             case "$q":
                 maxlen = tree.get("max")
                 return deque(items(), maxlen=None if maxlen is None else int(maxlen))
