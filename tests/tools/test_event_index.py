@@ -6,7 +6,7 @@ import pytest
 
 from actors.kv_events.block_hash import block_digests, external_hash, namespace_root
 from actors.kv_events.wire import AllCleared, Removed, Stored, WireFormat, encode_batch
-from tools.cluster._event_index import BlockIndex, choose, decode_payload
+from tools.cluster._event_index import BlockIndex, Predicted, choose, decode_payload
 
 ROOT = namespace_root(model="m", kv_scheme="bf16", namespace="")
 TOKENS = list(range(100, 100 + 16 * 6))
@@ -43,12 +43,31 @@ def test_a_different_namespace_shares_no_prefix() -> None:
     assert idx.cached_blocks([*CHAIN[:3], 12345]) == 3
 
 
-def test_choose_longest_prefix_then_least_loaded_then_turn() -> None:
-    """The longest cached prefix wins even when busier; equal prefixes go to the least loaded;
-    equal load rotates with the turn."""
-    assert choose([3, 5], [0, 4], 0).replica == 1
-    tie = choose([5, 5, 2], [2, 1, 0], 0)
+def test_choose_least_prefill_then_least_loaded_then_turn() -> None:
+    """A longer cached prefix wins even on a busier replica while its queue costs less than the
+    prefix saves; a longer queue than that spills to the other replica; equal costs go to the
+    least loaded, then rotate with the turn."""
+    # 8-block request: replica 1 holds 5 blocks, 2 queued -> 5 < 8 on the idle replica 0.
+    assert choose(8, [0, 5], [0, 2], [0, 4], 0).replica == 1
+    # the same prefix behind 6 queued blocks costs 9 > 8: spill to the cold replica.
+    spill = choose(8, [0, 5], [0, 6], [0, 1], 0)
+    assert (spill.replica, spill.reason, spill.cached_blocks) == (0, "cost", 0)
+    tie = choose(8, [5, 5, 2], [0, 0, 0], [2, 1, 0], 0)
     assert (tie.replica, tie.reason) == (1, "load")
-    assert {choose([0, 0], [1, 1], t).replica for t in range(2)} == {0, 1}
+    assert {choose(4, [0, 0], [0, 0], [1, 1], t).replica for t in range(2)} == {0, 1}
     with pytest.raises(ValueError):
-        choose([1], [0, 0], 0)
+        choose(1, [1], [0, 0], [0, 0], 0)
+
+
+def test_predicted_chains_count_while_in_flight_then_until_their_deadline() -> None:
+    """A routed chain is held while in flight, until its deadline after it ends, then forgotten;
+    a shorter request's chain predicts only its own prefix."""
+    pred = Predicted()
+    pred.add(CHAIN[:3])
+    assert pred.cached_blocks(CHAIN, now=1e9) == 3  # in flight: no deadline
+    pred.settle(CHAIN[:3], until=10.0)
+    assert pred.cached_blocks(CHAIN, now=9.0) == 3
+    pred.expire(now=9.0)
+    assert pred.cached_blocks(CHAIN, now=10.5) == 0
+    pred.expire(now=10.5)
+    assert pred.until == {}

@@ -3,9 +3,14 @@
 :class:`BlockIndex` applies decoded vLLM ``KVEventBatch`` payloads (both
 the ``array`` and the ``map`` encodings kvtier's ``--kv-events-format``
 sends) and answers how many leading blocks of a request it holds.
-:func:`choose` picks the replica with the longest cached prefix, a tie
-going to the least loaded (fewest requests in flight through this router),
-a further tie to the next replica in turn.
+:class:`Predicted` holds the chains this router sent to a replica that its
+events have not announced yet (in flight, then ``ttl`` seconds more).
+:func:`choose` picks the replica with the least prefill work before the
+request's first token: the blocks it would compute (the request's blocks
+less its cached prefix there) plus the blocks still queued there (the
+uncached blocks of the requests in flight to it); a tie goes to the least
+loaded (fewest requests in flight through this router), a further tie to
+the next replica in turn.
 
 NOTE: kvtier's block hashes are chained (block ``i`` hashes block ``i-1``)
 and every announced chain starts at the namespace root, so a replica that
@@ -15,11 +20,12 @@ prefix is the last request block found in the index.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockIndex", "Choice", "choose", "decode_payload"]
+__all__ = ["BlockIndex", "Choice", "Predicted", "choose", "decode_payload"]
 
 
 def decode_payload(payload: bytes) -> list[Any]:
@@ -98,6 +104,51 @@ class BlockIndex:
         return 0
 
 
+@dataclass
+class Predicted:
+    """Chains routed to one replica that its events may not have announced yet.
+
+    NOTE: a replica announces a prompt's blocks when its prompt cache stores
+    the entry (at the end of the request), so a conversation's next turn, or
+    a second request with the same new prefix sent while the first is
+    still running, would otherwise see no cached prefix anywhere and land on
+    another replica. A routed chain counts as held while its request is in
+    flight (``until`` infinite) and ``ttl`` seconds after it ends, by
+    which time the events have confirmed it (or the replica did not store it).
+    Chains are prefix-closed (block ``i`` implies ``0..i``), as in the index.
+    """
+
+    until: dict[int, float] = field(default_factory=dict)
+
+    def add(self, hashes: Sequence[int]) -> None:
+        """A request with this chain was sent to the replica: held while in flight."""
+        for h in hashes:
+            self.until[h] = math.inf
+
+    def settle(self, hashes: Sequence[int], until: float) -> None:
+        """The request ended: its chain stays predicted until ``until`` (monotonic seconds).
+
+        NOTE: a block shared with another request still in flight (a common
+        system prompt) gets the finite deadline too; the ended request stored
+        it, so the replica's events confirm it within the deadline.
+        """
+        for h in hashes:
+            if h in self.until:
+                self.until[h] = until
+
+    def expire(self, now: float) -> None:
+        """Forget the chains whose deadline passed."""
+        for h in [h for h, t in self.until.items() if t < now]:
+            del self.until[h]
+
+    def cached_blocks(self, hashes: Sequence[int], now: float) -> int:
+        """How many leading blocks of ``hashes`` are predicted at ``now``."""
+        for i in range(len(hashes) - 1, -1, -1):
+            if self.until.get(hashes[i], -math.inf) >= now:
+                return i + 1
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     """Where a request goes, and why."""
@@ -106,23 +157,32 @@ class Choice:
     cached_blocks: int
     """The chosen replica's cached prefix of the request, in blocks."""
     reason: str
-    """``prefix`` (a longest prefix won alone), ``load`` (a tie broken by load), ``turn``."""
+    """``cost`` (the least prefill won alone), ``load`` (a tie broken by load), ``turn``."""
 
 
-def choose(cached: Sequence[int], in_flight: Sequence[int], turn: int) -> Choice:
-    """The replica with the most cached blocks; tie -> fewest in flight; tie -> the next in turn.
+def choose(blocks: int, cached: Sequence[int], queued: Sequence[int],
+           in_flight: Sequence[int], turn: int) -> Choice:
+    """The replica with the least prefill before the request's first token.
 
-    ``turn`` rotates the last tie-break so equal replicas share new work.
+    A request of ``blocks`` blocks costs ``blocks - cached[i] + queued[i]``
+    on replica ``i``: the blocks it would compute there plus the uncached
+    blocks of the requests already in flight to it (each replica's queue of
+    prefill work). A longer cached prefix therefore wins until the replica
+    holding it has more queued work than the prefix saves; a tie goes to
+    the fewest requests in flight, then to the next replica in ``turn``
+    (so equal replicas share new work).
     """
-    if not cached or len(cached) != len(in_flight):
-        raise ValueError("one cached count and one load per replica")
-    best = max(cached)
-    tied = [i for i, c in enumerate(cached) if c == best]
+    n = len(cached)
+    if not n or len(queued) != n or len(in_flight) != n:
+        raise ValueError("one cached count, one queue and one load per replica")
+    cost = [max(0, blocks - cached[i]) + queued[i] for i in range(n)]
+    best = min(cost)
+    tied = [i for i in range(n) if cost[i] == best]
     if len(tied) == 1:
-        return Choice(tied[0], best, "prefix")
+        return Choice(tied[0], cached[tied[0]], "cost")
     least = min(in_flight[i] for i in tied)
     idle = [i for i in tied if in_flight[i] == least]
     if len(idle) == 1:
-        return Choice(idle[0], best, "load")
+        return Choice(idle[0], cached[idle[0]], "load")
     pick = idle[turn % len(idle)]
-    return Choice(pick, best, "turn")
+    return Choice(pick, cached[pick], "turn")

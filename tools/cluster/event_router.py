@@ -19,10 +19,13 @@ replica the router
 A chat or completion request is tokenized as kvtier tokenizes it (the
 model's tokenizer and chat template through ``kernels.render_chat``; the
 namespace from the body's ``cache_salt``), hashed into its block chain, and
-sent to the replica holding the longest prefix of that chain; a tie goes
-to the replica with the fewest requests in flight through this router,
-then to the next in turn. Any other request goes to the least loaded
-replica. The body is forwarded unchanged and the answer streamed back,
+sent to the replica with the least prefill work before its first token:
+the blocks it would compute there (the chain less the longest prefix the
+replica holds, counting the chains this router sent it that its events have
+not announced yet: in flight and ``--predict-ttl`` seconds after) plus the
+uncached blocks of the requests in flight to it. A tie goes to the replica
+with the fewest requests in flight through this router, then to the next
+in turn. Any other request goes to the least loaded replica. The body is forwarded unchanged and the answer streamed back,
 with an ``x-kvtier-replica`` header naming the replica's index.
 ``GET /event_router/stats`` shows the indexes and the routing counts.
 
@@ -41,7 +44,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +66,7 @@ from starlette.routing import Route  # noqa: E402
 
 from actors.kv_events.block_hash import block_digests, external_hash, namespace_root  # noqa: E402
 from messages.prompt_cache import cache_namespace  # noqa: E402
-from tools.cluster._event_index import BlockIndex, choose, decode_payload  # noqa: E402
+from tools.cluster._event_index import BlockIndex, Predicted, choose, decode_payload  # noqa: E402
 
 __all__ = ["EventRouter", "ReplicaLink", "main"]
 
@@ -80,8 +83,11 @@ class ReplicaLink:
     pub: str
     replay: str
     index: BlockIndex = field(default_factory=BlockIndex)
+    predicted: Predicted = field(default_factory=Predicted)
     last_seq: int = -1
     in_flight: int = 0
+    queued_blocks: int = 0
+    """Uncached blocks of the requests in flight to this replica (its prefill queue)."""
     routed: int = 0
     replays: int = 0
     replay_failures: int = 0
@@ -100,9 +106,12 @@ class ReplicaLink:
 class EventRouter:
     """The subscribers, the tokenizer and the forwarding client of one router process."""
 
-    def __init__(self, replicas: Sequence[ReplicaLink], tokenizer: Any) -> None:
+    def __init__(self, replicas: Sequence[ReplicaLink], tokenizer: Any, *,
+                 predict_ttl: float = 30.0) -> None:
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
+        self.predict_ttl = predict_ttl
+        self.reasons: dict[str, int] = {}
         self._ctx = zmq.asyncio.Context()
         self._turn = 0
         self._roots: dict[tuple[int, str], bytes] = {}
@@ -200,25 +209,58 @@ class EventRouter:
             self._roots[key] = root
         return [external_hash(d) for d in block_digests(root, tokens, block_size=r.block_size)]
 
-    async def pick(self, path: str, body: dict[str, Any] | None) -> tuple[int, int]:
-        """(replica index, its cached blocks of the request) for one request."""
+    async def pick(self, path: str, body: dict[str, Any] | None) -> tuple[int, list[int], int]:
+        """(replica index, the request's chain there, its uncached blocks there) for one request."""
         tokens: list[int] | None = None
         if body is not None:
             tokens = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._tokens, path, body)
-        cached = [0] * len(self.replicas)
+        n = len(self.replicas)
+        cached = [0] * n
+        chain_of: list[list[int]] = [[] for _ in range(n)]
         if tokens:
             salt = body.get("cache_salt") if body is not None else None
             salt = salt if isinstance(salt, str) else None
             chains: dict[tuple[str, str, int], list[int]] = {}
+            now = time.monotonic()
             for i, r in enumerate(self.replicas):
                 key = (r.model_fingerprint, r.kv_scheme, r.block_size)
                 if key not in chains:
                     chains[key] = self._hashes(r, tokens, salt)
-                cached[i] = r.index.cached_blocks(chains[key])
+                chain_of[i] = chains[key]
+                r.predicted.expire(now)
+                # NOTE: both sets are prefix-closed, so the longest prefix of
+                # their union is the longer of the two.
+                cached[i] = max(r.index.cached_blocks(chain_of[i]),
+                                r.predicted.cached_blocks(chain_of[i], now))
         self._turn += 1
-        choice = choose(cached, [r.in_flight for r in self.replicas], self._turn)
-        return choice.replica, choice.cached_blocks
+        blocks = max((len(c) for c in chain_of), default=0)
+        choice = choose(blocks, cached, [r.queued_blocks for r in self.replicas],
+                        [r.in_flight for r in self.replicas], self._turn)
+        self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
+        i = choice.replica
+        return i, chain_of[i], len(chain_of[i]) - choice.cached_blocks
+
+    def admit(self, i: int, chain: list[int], uncached: int) -> Callable[[], None]:
+        """Count a request sent to replica ``i``; the callable to call once when it ends.
+
+        While in flight the request's chain counts as held on ``i`` and its
+        uncached blocks as queued there; when it ends its chain stays
+        predicted ``predict_ttl`` seconds more (the replica's events announce
+        it meanwhile).
+        """
+        r = self.replicas[i]
+        r.in_flight += 1
+        r.routed += 1
+        r.queued_blocks += uncached
+        r.predicted.add(chain)
+
+        def ended() -> None:
+            r.in_flight -= 1
+            r.queued_blocks -= uncached
+            r.predicted.settle(chain, time.monotonic() + self.predict_ttl)
+
+        return ended
 
     # ------------------------------------------------------------ HTTP
 
@@ -232,25 +274,24 @@ class EventRouter:
             with contextlib.suppress(ValueError):
                 parsed = json.loads(raw)
                 body = parsed if isinstance(parsed, dict) else None
-        i, _ = await self.pick(path, body)
+        i, chain, uncached = await self.pick(path, body)
         r = self.replicas[i]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         url = f"{r.url}{path}" + (f"?{request.url.query}" if request.url.query else "")
         upstream = self.client.build_request(request.method, url, headers=headers, content=raw)
-        r.in_flight += 1
-        r.routed += 1
+        ended = self.admit(i, chain, uncached)
         # NOTE: the routing decision's own time (parse, tokenize, hash, choose).
         self.route_ms.append((time.perf_counter() - started) * 1000)
         del self.route_ms[:-10_000]
         try:
             resp = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
-            r.in_flight -= 1
+            ended()
             return JSONResponse({"error": {"message": f"replica {i} unreachable: {exc}",
                                            "type": "bad_gateway", "code": 502}}, status_code=502)
 
         async def done() -> None:
-            r.in_flight -= 1
+            ended()
             await resp.aclose()
 
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -264,9 +305,12 @@ class EventRouter:
         return {
             "replicas": [{"url": r.url, "blocks": len(r.index.held), "last_seq": r.last_seq,
                           "batches": r.index.batches, "routed": r.routed,
-                          "in_flight": r.in_flight, "replays": r.replays,
+                          "in_flight": r.in_flight, "queued_blocks": r.queued_blocks,
+                          "predicted_blocks": len(r.predicted.until), "replays": r.replays,
                           "replay_failures": r.replay_failures} for r in self.replicas],
+            "reasons": dict(self.reasons),
             "route_ms_p50": ms[len(ms) // 2] if ms else None,
+            "route_ms_p90": ms[int(len(ms) * 0.9)] if ms else None,
         }
 
     async def aclose(self) -> None:
@@ -324,6 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the replicas' model (for its tokenizer); default: kvtier's default model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--predict-ttl", type=float, default=30.0,
+                   help="seconds a routed request's blocks count as held on its replica after the "
+                        "request ends, until the replica's events announce them (default 30; "
+                        "0: only while in flight)")
     args = p.parse_args(argv)
     links = []
     for spec in args.replica:
@@ -332,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--replica wants URL,PUB,REPLAY, got {spec!r}")
         links.append(ReplicaLink(parts[0].rstrip("/"), parts[1], parts[2]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    router = EventRouter(links, _load_tokenizer(args.model))
+    router = EventRouter(links, _load_tokenizer(args.model), predict_ttl=args.predict_ttl)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning",
                 access_log=False)
     return 0
