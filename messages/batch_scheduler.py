@@ -23,6 +23,7 @@ from pydantic import Field
 from ._base import Body, Request
 
 __all__ = [
+    "BatchCheckpointsLoaded",
     "BatchGather",
     "BatchRetry",
     "BatchStats",
@@ -121,6 +122,13 @@ class BatchGather(Body):
     stop waiting for the other arrivals' lookups."""
 
     kind: Literal["batch.gather"] = "batch.gather"
+
+
+class BatchCheckpointsLoaded(Body):
+    """Scheduler -> itself: generation-checkpoint lookups (worker threads) finished; the
+    shell holds their results and feeds them to the core."""
+
+    kind: Literal["batch.checkpoints_loaded"] = "batch.checkpoints_loaded"
 
 
 class BatchStatsRequest(Request):

@@ -26,17 +26,27 @@ room, so one slow reader never holds up the other rows. The retry alarm
 takes nothing for ``stream_write_timeout_s`` is ended by the core
 (``StreamTimedOut``: logged here once, with the request id) and its row
 leaves the batch at the next step.
+
+Generation checkpoints (``checkpoints``, docs/cold-tier.md): the shell keys
+each admitted request (``CheckpointPort.key_of``), looks a key up on a
+worker thread when the core asks (``LoadCheckpoint``; the results wait in
+``_loaded`` and one ``BatchCheckpointsLoaded`` note to itself feeds them to
+the core), hands snapshots to the spill queue with ``try_tell`` (never
+waits: a full mailbox frees the snapshot, counted ``unsent``) and voids a
+finished answer's checkpoints (``RemoveCheckpoints``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Any, assert_never
 
 import structlog
 
+from actors.checkpoints import CheckpointPort
 from actors.engine_thread.ports import Executor
 from actors.runtime import (
     Actor,
@@ -48,8 +58,9 @@ from actors.runtime import (
     RuntimeFailure,
     UnknownAddress,
 )
-from messages import Envelope, Failure, Release, Take, TakeResult
+from messages import Envelope, Failure, Release, RemoveCheckpoints, Take, TakeResult
 from messages.batch_scheduler import (
+    BatchCheckpointsLoaded,
     BatchGather,
     BatchRetry,
     BatchStats,
@@ -89,6 +100,7 @@ class BatchScheduler(Actor):
     (``chain.run_chain``; the engine's C heap trim).
     ``stream_write_timeout_s``: how long a row's full stream may take nothing
     before it is ended and the row removed (``stream_write_timeout``).
+    ``checkpoints``: generation checkpoints (``None``: off).
     """
 
     def __init__(
@@ -106,8 +118,17 @@ class BatchScheduler(Actor):
         gather_alarm: Alarm | None = None,
         after_step: Callable[[], object] | None = None,
         stream_write_timeout_s: float = 30.0,
+        checkpoints: CheckpointPort | None = None,
     ) -> None:
         self._gateway = gateway
+        self._ckpt = checkpoints
+        # NOTE: checkpoint lookups finished on worker threads, fed to the core
+        # by one note at a time (``_loaded_note``: a note is posted and not yet read).
+        self._loaded: deque[tuple[str, Any]] = deque()
+        self._loaded_note = False
+        # NOTE: found checkpoints (host bytes) by request id until their row
+        # joins; the core knows only that one was found (traces stay small).
+        self._found: dict[str, Any] = {}
         self._executor = executor
         self._after_step = after_step
         self._engine = engine
@@ -163,7 +184,17 @@ class BatchScheduler(Actor):
         event: core.Event
         if isinstance(body, Generate):
             self._requests[body.request_id] = envelope
-            event = core.Admit(body, envelope.correlation_id, now)
+            key = self._ckpt.key_of(body) if self._ckpt is not None else None
+            event = core.Admit(body, envelope.correlation_id, now, key)
+        elif isinstance(body, BatchCheckpointsLoaded):
+            self._loaded_note = False
+            while self._loaded:
+                looked, found = self._loaded.popleft()
+                if found is not None and looked in self.state.rows:
+                    self._found[looked] = found
+                event = core.CheckpointLoaded(looked, looked in self._found, ctx.clock.now())
+                await self._feed(event, ctx)
+            return
         elif isinstance(body, CancelGeneration):
             event = core.Cancel(body.request_id, now)
         elif isinstance(body, TakeResult):
@@ -246,6 +277,10 @@ class BatchScheduler(Actor):
                     follow_up = await self._perform(effect, ctx, refused)
                 if follow_up is not None:
                     todo.append(follow_up)
+        if self._found:
+            # NOTE: a row that left before it joined drops its checkpoint's bytes.
+            for rid in [r for r in self._found if r not in self.state.rows]:
+                del self._found[rid]
 
     async def _perform(
         self, effect: core.Effect, ctx: Context, refused: set[str]
@@ -255,10 +290,35 @@ class BatchScheduler(Actor):
                 await self._answer(effect, ctx)
             case core.StartLookup():
                 return await self._start_lookup(effect, ctx)
+            case core.LoadCheckpoint():
+                return self._load_checkpoint(effect, ctx)
+            case core.SendCheckpoint():
+                self._send_checkpoint(effect, ctx)
+            case core.VoidCheckpoints():
+                if self._ckpt is not None:
+                    try:
+                        ctx.try_tell(self._ckpt.spill_queue,
+                                     RemoveCheckpoints(request_key=effect.key))
+                    except RuntimeFailure as exc:
+                        _log.warning("checkpoint.remove_unsent", error=repr(exc))
+            case core.Resumed():
+                if self._ckpt is not None:
+                    counters = self._ckpt.counters
+                    if effect.replayed >= 0:
+                        counters.resumed += 1
+                        counters.tokens_saved += effect.replayed
+                        counters.prompt_tokens_saved += effect.prompt_tokens
+                    else:
+                        counters.resume_failed += 1
             case core.ReleaseLease():
                 await self._release(effect.lease_id, ctx)
             case core.SubmitStep():
-                return self._submit(effect, ctx)
+                joins = tuple(
+                    dataclasses.replace(j, resume=self._found.pop(j.request.request_id, None))
+                    if j.resume else j
+                    for j in effect.joins
+                )
+                return self._submit(dataclasses.replace(effect, joins=joins), ctx)
             case core.StopChain():
                 chain = self._chain
                 if chain is not None and chain.turn == effect.turn:
@@ -403,6 +463,57 @@ class BatchScheduler(Actor):
             return core.LookupAnswered(request.request_id, None, ctx.clock.now())
         self._lookups[msg_id] = request.request_id
         return None
+
+    # --- generation checkpoints -----------------------------------------------------
+
+    def _load_checkpoint(self, effect: core.LoadCheckpoint, ctx: Context) -> core.Event | None:
+        """Look the key up on a worker thread; its result comes back through ``BatchCheckpointsLoaded``."""
+        port = self._ckpt
+        request = effect.request
+        rid = request.request_id
+        if port is None:
+            return core.CheckpointLoaded(rid, False, ctx.clock.now())
+        ref = ctx.self_ref
+        prompt = tuple(request.prompt_tokens)
+
+        def done(future: asyncio.Future[Any]) -> None:
+            exc = None if future.cancelled() else future.exception()
+            if exc is not None:
+                # NOTE: a lookup that fails is a fresh run, never a failed request.
+                _log.warning("checkpoint.lookup_failed", request_id=rid, error=repr(exc))
+            found = None if future.cancelled() or exc is not None else future.result()
+            self._loaded.append((rid, found))
+            if self._loaded_note:
+                return
+            try:
+                self._loaded_note = ref.post(BatchCheckpointsLoaded())
+            except (ActorStopped, MailboxClosed, UnknownAddress):
+                self._loaded.clear()  # NOTE: stopping: nobody is left to resume.
+
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, port.load, effect.key, request.namespace, prompt)
+        future.add_done_callback(done)
+        return None
+
+    def _send_checkpoint(self, effect: core.SendCheckpoint, ctx: Context) -> None:
+        """Hand a snapshot to the spill queue without waiting; one it does not take is freed."""
+        port = self._ckpt
+        cap = effect.captured
+        sent = False
+        if port is not None and effect.key is not None:
+            port.counters.taken += 1
+            try:
+                # NOTE: never waits: decode goes on whether or not the queue takes it.
+                sent = ctx.try_tell(port.spill_queue, port.enqueue(effect.key, effect.namespace, cap))
+            except RuntimeFailure:
+                sent = False
+            port.counters.unsent += not sent
+        if sent or port is None:
+            return
+        try:
+            port.dispose(cap.handle)
+        except KeyError:
+            pass  # NOTE: the registry no longer knows it: nothing left to free.
 
     async def _release(self, lease_id: str | None, ctx: Context) -> None:
         if lease_id is None or self._prompt_cache is None:

@@ -51,7 +51,16 @@ Invariants (checked by the tests):
   stream-write deadline) is gone: its held events are dropped, it ends at
   once with ``ErrorEvent(stream_write_timeout)`` (``StreamTimedOut``), and
   its row, if still in the batch, is removed by the next step (its cache
-  kept); nothing more is sent to it.
+  kept); nothing more is sent to it;
+- generation checkpoints (docs/cold-tier.md): a row admitted with a
+  checkpoint key looks its checkpoint up first (``LoadCheckpoint`` ...
+  ``CheckpointLoaded``, a worker thread, while it waits, never inside a
+  step); a found one makes it ready without a prompt-cache lookup (it
+  joins resumed), none found goes on to the prompt-cache lookup. Every
+  snapshot a step hands back goes out as ``SendCheckpoint`` (its row gone:
+  with no key, so the shell frees it); an answer that finishes (stop or
+  length) with checkpoints sent or found voids them (``VoidCheckpoints``);
+  a cancel or a failure keeps them.
 """
 
 from __future__ import annotations
@@ -59,8 +68,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Literal, assert_never
+from typing import Any, Literal, assert_never
 
+from actors.checkpoints import Captured
 from actors.engine_thread.ports import Registered
 from messages.batch_scheduler import BatchTurnReport
 from messages.gateway import (
@@ -83,6 +93,7 @@ __all__ = [
     "ArmRetry",
     "BeginDrain",
     "Cancel",
+    "CheckpointLoaded",
     "Deliver",
     "Delivered",
     "Effect",
@@ -93,15 +104,18 @@ __all__ = [
     "GatherDue",
     "JobEnded",
     "JoinRow",
+    "LoadCheckpoint",
     "LookupAnswered",
     "ObservePrefill",
     "Outbox",
     "PutEntry",
     "ReleaseLease",
     "ReportTurn",
+    "Resumed",
     "RetryDelivery",
     "RowFailure",
     "SchedulerState",
+    "SendCheckpoint",
     "StartLookup",
     "Status",
     "StepFailed",
@@ -115,6 +129,7 @@ __all__ = [
     "SubmitStep",
     "TokenOut",
     "TurnGranted",
+    "VoidCheckpoints",
     "YieldTurn",
     "handle",
 ]
@@ -172,7 +187,10 @@ class StepOut:
     (they joined cold). ``failed``: rows that left alone with an error
     (:class:`RowFailure`; the memory guard's refusal), the others going on.
     ``join_s``: seconds the step spent joining rows before its forward
-    (landing SSD hits, copying RAM prefixes): not prefill.
+    (landing SSD hits, copying RAM prefixes): not prefill. ``checkpoints``:
+    rows' checkpoint snapshots (registered, owned by whoever holds them);
+    ``resumed``: rows joined from a checkpoint and the tokens each replays
+    (-1: the checkpoint did not fit, the row joined cold).
     """
 
     tokens: tuple[TokenOut, ...] = ()
@@ -186,6 +204,8 @@ class StepOut:
     restore_failed: tuple[str, ...] = ()
     failed: tuple[RowFailure, ...] = ()
     join_s: float = 0.0
+    checkpoints: tuple[tuple[str, Captured], ...] = ()
+    resumed: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,12 +214,17 @@ class JoinRow:
 
     ``handle``: a RAM entry; ``staging_id``: a cold-tier (SSD) hit whose file
     bytes wait in host buffers; either way its first ``cached_tokens`` are reused.
+    ``checkpoint``: take generation checkpoints of this row; ``resume``: a
+    found checkpoint to join from (the core sets ``True``; the shell, which
+    holds the host bytes, puts the ``actors.checkpoints.ResumeFrom`` there).
     """
 
     request: Generate
     handle: str | None = None
     cached_tokens: int = 0
     staging_id: str | None = None
+    checkpoint: bool = False
+    resume: Any = None
 
 
 # --- events (shell -> core) ----------------------------------------------------------
@@ -207,10 +232,20 @@ class JoinRow:
 
 @dataclass(frozen=True, slots=True)
 class Admit:
-    """A request the gateway routed to the batch lane."""
+    """A request the gateway routed to the batch lane (``checkpoint_key``: its key, ``None``: not checkpointed)."""
 
     request: Generate
     correlation_id: str
+    now: float
+    checkpoint_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLoaded:
+    """``request_id``'s checkpoint lookup ended: ``found`` one (the shell holds its host bytes) or not."""
+
+    request_id: str
+    found: bool
     now: float
 
 
@@ -338,6 +373,7 @@ class Stopping:
 
 Event = (
     Admit
+    | CheckpointLoaded
     | LookupAnswered
     | Cancel
     | StreamGone
@@ -375,6 +411,39 @@ class StartLookup:
 
     request: Generate
     correlation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCheckpoint:
+    """Look ``request``'s checkpoint ``key`` up on a worker thread; answer with ``CheckpointLoaded``."""
+
+    request: Generate
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendCheckpoint:
+    """Hand a checkpoint snapshot to the spill queue without waiting (``key`` ``None``: free it)."""
+
+    key: str | None
+    namespace: str
+    captured: Captured
+
+
+@dataclass(frozen=True, slots=True)
+class VoidCheckpoints:
+    """A finished answer: its checkpoints go (queued ones dropped, files removed)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A row joined from a checkpoint (``replayed`` tokens; -1: it did not fit) with its prompt's length."""
+
+    request_id: str
+    replayed: int
+    prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -495,6 +564,10 @@ class Status:
 Effect = (
     AnswerAdmission
     | StartLookup
+    | LoadCheckpoint
+    | SendCheckpoint
+    | VoidCheckpoints
+    | Resumed
     | ReleaseLease
     | SubmitStep
     | StopChain
@@ -541,6 +614,13 @@ class Row:
     """A submitted job's first step removes it (its cancel was sent)."""
     timed_out: bool = False
     """Its stream was ended at the stream-write deadline: nothing more is sent to it."""
+    checkpoint_key: str | None = None
+    """Its generation-checkpoint key (``None``: not checkpointed)."""
+    checkpoint_looked: bool = False
+    resume: bool = False
+    """A checkpoint was found: the row joins from it (the shell holds its bytes)."""
+    checkpoint_files: bool = False
+    """Checkpoints of its key may exist (found, or one was sent)."""
 
 
 @dataclass(slots=True)
@@ -585,6 +665,11 @@ class Counters:
     streams_full: int = 0
     slow_readers: int = 0
     stream_timeouts: int = 0
+    checkpoint_lookups: int = 0
+    checkpoints_found: int = 0
+    checkpoints_sent: int = 0
+    checkpoints_resumed: int = 0
+    checkpoint_resume_failed: int = 0
 
 
 @dataclass(slots=True)
@@ -719,6 +804,13 @@ class SchedulerState:
                 "slow_readers": s.slow_readers,
                 "write_timeouts": s.stream_timeouts,
             },
+            "checkpoints": {
+                "lookups": s.checkpoint_lookups,
+                "found": s.checkpoints_found,
+                "sent": s.checkpoints_sent,
+                "resumed": s.checkpoints_resumed,
+                "resume_failed": s.checkpoint_resume_failed,
+            },
         }
 
 
@@ -735,6 +827,8 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
     match event:
         case Admit():
             _admit(state, event, out)
+        case CheckpointLoaded():
+            _checkpoint_loaded(state, event, out)
         case LookupAnswered():
             _lookup_answered(state, event, out)
         case Cancel() | StreamGone():
@@ -819,7 +913,7 @@ def _admit(state: SchedulerState, ev: Admit, out: list[Effect]) -> None:
             )
         )
         return
-    state.rows[rid] = Row(ev.request, ev.correlation_id, ev.now)
+    state.rows[rid] = Row(ev.request, ev.correlation_id, ev.now, checkpoint_key=ev.checkpoint_key)
     state.waiting.append(rid)
     state.stats.admitted += 1
     position = 0 if room else len(state.waiting)
@@ -831,12 +925,36 @@ def _place(state: SchedulerState, out: list[Effect], now: float) -> None:
     while state.waiting and state.placed() < state.max_rows:
         rid = state.waiting.popleft()
         row = state.rows[rid]
-        if state.lookups and len(row.request.prompt_tokens) > 1:
+        if row.checkpoint_key is not None and not row.checkpoint_looked:
+            # NOTE: before the prompt-cache lookup: a found checkpoint needs none.
+            row.phase = "lookup"
+            row.checkpoint_looked = True
+            row.lookup_started_at = now
+            state.stats.checkpoint_lookups += 1
+            out.append(LoadCheckpoint(row.request, row.checkpoint_key))
+        elif state.lookups and len(row.request.prompt_tokens) > 1:
             row.phase = "lookup"
             row.lookup_started_at = now
             out.append(StartLookup(row.request, row.correlation_id))
         else:
             row.phase = "ready"
+
+
+def _checkpoint_loaded(state: SchedulerState, ev: CheckpointLoaded, out: list[Effect]) -> None:
+    row = state.rows.get(ev.request_id)
+    if row is None or row.phase != "lookup" or row.lookup is not None:
+        return  # NOTE: the row left while its lookup ran (the shell drops the bytes).
+    if ev.found:
+        state.stats.checkpoints_found += 1
+        row.resume = ev.found
+        row.checkpoint_files = True
+        row.lookup_done_at = ev.now
+        row.phase = "ready"
+    elif state.lookups and len(row.request.prompt_tokens) > 1:
+        out.append(StartLookup(row.request, row.correlation_id))
+    else:
+        row.lookup_done_at = ev.now
+        row.phase = "ready"
 
 
 def _lookup_answered(state: SchedulerState, ev: LookupAnswered, out: list[Effect]) -> None:
@@ -891,10 +1009,13 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
             continue
         if row.phase == "ready":
             lookup = row.lookup
+            keyed = row.checkpoint_key is not None
             if lookup is None:
-                joins.append(JoinRow(row.request))
+                joins.append(JoinRow(row.request, checkpoint=keyed, resume=row.resume))
             else:
-                joins.append(JoinRow(row.request, lookup.handle, _lent(lookup), lookup.staging_id))
+                joins.append(JoinRow(row.request, lookup.handle, _lent(lookup), lookup.staging_id,
+                                     checkpoint=keyed))
+            row.resume = False
             row.phase = "joined"
             row.joined_at = ev.now
         elif row.phase == "joined" and row.cancelled:
@@ -991,7 +1112,7 @@ def _defer(state: SchedulerState, row: Row, out: list[Effect]) -> bool:
     cache), look up again and forward only their own suffix. A row whose
     lookup predates such a snapshot looks up again at once (once).
     """
-    if not state.lookups or not row.request.chat:
+    if not state.lookups or not row.request.chat or row.resume:
         return False
     lookup = row.lookup
     cached = _lent(lookup)
@@ -1126,6 +1247,7 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
     for rid, entry in step.snapshots:
         row = state.rows.get(rid)
         _put(state, row, entry, "snapshot", out)
+    _checkpoints(state, step, out)
     for ex in step.exits:
         row = state.rows.pop(ex.request_id, None)
         if row is None:
@@ -1140,6 +1262,10 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
         elif not (row.slow or row.timed_out):
             stats.cancelled += 1
         _put(state, row, ex.entry, "completion", out)
+        if ex.reason in ("stop", "length") and row.checkpoint_key is not None \
+                and row.checkpoint_files:
+            # NOTE: completion voids the key's checkpoints; a cancel keeps them.
+            out.append(VoidCheckpoints(row.checkpoint_key))
         request = row.request
         if row.timed_out:
             if ex.reason == "cancelled":
@@ -1171,6 +1297,26 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
         _send_final(state, ex.request_id, request.stream_to, done, row.correlation_id, out)
     if ev.last:
         _job_ended(state, ev.turn, out)
+
+
+def _checkpoints(state: SchedulerState, step: StepOut, out: list[Effect]) -> None:
+    """Resumes are counted; every snapshot goes to the spill queue (or is freed: its row is gone)."""
+    for rid, replayed in step.resumed:
+        row = state.rows.get(rid)
+        if replayed >= 0:
+            state.stats.checkpoints_resumed += 1
+        else:
+            state.stats.checkpoint_resume_failed += 1
+        prompt = 0 if row is None else len(row.request.prompt_tokens)
+        out.append(Resumed(rid, replayed, prompt))
+    for rid, cap in step.checkpoints:
+        row = state.rows.get(rid)
+        key = None if row is None else row.checkpoint_key
+        if row is not None and key is not None:
+            row.checkpoint_files = True
+            state.stats.checkpoints_sent += 1
+        namespace = "" if row is None else row.request.namespace
+        out.append(SendCheckpoint(key, namespace, cap))
 
 
 def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> None:

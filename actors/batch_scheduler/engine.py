@@ -15,6 +15,13 @@ before each row's prefill (at its join) and every ``DECODE_CHECK_EVERY``
 tokens of each decoding row (before the step); a row it refuses leaves the
 batch alone (``RowFailure`` with ``MemoryPressure``), the others go on.
 
+Generation checkpoints (docs/cold-tier.md): a row joined with ``checkpoint``
+hands back every ``checkpoint_every`` emitted tokens an owned snapshot of its
+caches, registered here (``Captured``) for the scheduler to hand to the spill
+queue; a row joined with ``resume`` (a checkpoint found at admission, read
+into host memory) is restored from those bytes and joins without a forward
+(``BatchGeneration.join_resumed``); one that does not fit joins cold.
+
 NOTE: every method runs ON the engine thread, one job at a time (the
 scheduler never has two steps in flight), so nothing here needs a lock.
 """
@@ -28,13 +35,17 @@ from typing import Any
 
 import structlog
 
+from actors.checkpoints import Captured
 from actors.engine_thread.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.engine_thread.ports import Registered
 from actors.errors import MemoryPressure
 from kernels import CacheRegistry, InvalidPrompt, KvScheme
+from kernels.cache import materialize
 from kernels.engine import (
     BatchGeneration,
     BlasTuning,
+    CheckpointPoint,
+    RowCheckpoint,
     RowExit,
     RowSnapshot,
     StepTuning,
@@ -79,7 +90,8 @@ class BatchEngine:
     ``kv_scheme``: the server's KV scheme (quantizing: transitioning rows).
     ``blas_tuning``: let the decode steps choose their BLAS thread count by
     measuring them (``kernels.engine._blas_threads``; CPU with OpenBLAS only);
-    the choice outlives each batch.
+    the choice outlives each batch. ``checkpoint_every``: emitted tokens
+    between a checkpointed row's snapshots (0: none; needs ``registry``).
     """
 
     def __init__(
@@ -96,7 +108,11 @@ class BatchEngine:
         guard: MemoryGuard | None = None,
         kv_scheme: KvScheme | None = None,
         blas_tuning: bool = False,
+        checkpoint_every: int = 0,
     ) -> None:
+        if checkpoint_every < 0:
+            raise ValueError("checkpoint_every must be >= 0")
+        self._every = checkpoint_every if registry is not None else 0
         self._model = model
         self._tokenizer = tokenizer
         self._max_rows = max_rows
@@ -163,6 +179,7 @@ class BatchEngine:
                         ExitOut(rid, "cancelled", gone.completion_tokens, self._keep(gone))
                     )
             joined: list[tuple[str, int]] = []
+            resumed: list[tuple[str, int]] = []
             restored: list[str] = []
             restore_failed: list[str] = []
             # NOTE: the joins (landings, prefix copies) are not prefill; the
@@ -174,8 +191,14 @@ class BatchEngine:
                 if refusal is not None:
                     failed.append(refusal)
                     continue
-                cached, outcome = self._join(batch, join)
-                self._live[rid] = _Live(join.request)
+                replayed = self._resume(batch, join) if join.resume is not None else None
+                if replayed is not None:
+                    resumed.append((rid, replayed))
+                if replayed is not None and replayed >= 0:
+                    cached, outcome = len(join.request.prompt_tokens), "resumed"
+                else:
+                    cached, outcome = self._join(batch, join)
+                self._live[rid] = _Live(join.request, emitted=max(0, replayed or 0))
                 joined.append((rid, cached))
                 if outcome == "restored":
                     restored.append(rid)
@@ -210,6 +233,9 @@ class BatchEngine:
                 entry = self._keep(snap)
                 if entry is not None:
                     snapshots.append((snap.row_id, entry))
+            captured = [
+                (c.row_id, cap) for c in result.checkpoints if (cap := self._captured(c)) is not None
+            ]
             return StepOut(
                 tokens=tokens,
                 exits=tuple(exits),
@@ -222,6 +248,8 @@ class BatchEngine:
                 restore_failed=tuple(restore_failed),
                 failed=tuple(failed),
                 join_s=join_s,
+                checkpoints=tuple(captured),
+                resumed=tuple(resumed),
             )
         except BaseException:
             # NOTE: a failed forward leaves the batch's arrays in an unknown
@@ -278,6 +306,45 @@ class BatchEngine:
                 failed.append(RowFailure(rid, MemoryPressure.__name__, str(exc)))
         return failed
 
+    def _resume(self, batch: BatchGeneration, join: JoinRow) -> int:
+        """Join ``join``'s row from its checkpoint: tokens it replays, or -1 (it does not fit: join cold).
+
+        NOTE: the host bytes become MLX arrays here, in the batch step the row
+        joins (as an SSD hit's landing). The memory guard sees the whole
+        covered length before the copy.
+        """
+        request = join.request
+        found = join.resume
+        ck = found.header.checkpoint
+        try:
+            if ck is None:
+                raise InvalidPrompt("not a checkpoint file")
+            if self._guard is not None:
+                self._guard.before_prefill(request, len(request.prompt_tokens))
+            caches = materialize(found.header, found.host, consume=True)
+            point = CheckpointPoint(ck.prompt_len, tuple(found.header.tokens[ck.prompt_len:]),
+                                    ck.pending_token, ck.rng_key)
+            batch.join_resumed(request.request_id, request.prompt_tokens, request.params,
+                               cache=caches, point=point,
+                               checkpoint_every=self._every if join.checkpoint else 0)
+        except Exception as exc:  # noqa: BLE001 - NOTE: a checkpoint that does not fit is a cold join.
+            _log.warning("checkpoint.resume_failed", request_id=request.request_id,
+                         path=found.path, error=repr(exc))
+            return -1
+        return len(point.generated)
+
+    def _captured(self, ck: RowCheckpoint) -> Captured | None:
+        """Register a row's checkpoint snapshot (``None``: it cannot be kept; a lost restart point)."""
+        if self._registry is None:
+            return None
+        try:
+            reg = self._registry.register(ck.cache, offset=len(ck.cache_tokens))
+        except Exception as exc:  # noqa: BLE001 - NOTE: a checkpoint is an optimisation.
+            _log.warning("checkpoint.capture_failed", request_id=ck.row_id, error=repr(exc))
+            return None
+        return Captured(reg.handle, reg.meta, ck.cache_tokens, ck.prompt_len, ck.pending_token,
+                        ck.rng_key)
+
     def _join(self, batch: BatchGeneration, join: JoinRow) -> tuple[int, str]:
         """Join one row with its lent prefix; (prompt tokens reused, how: ram/restored/restore_failed/cold)."""
         request = join.request
@@ -305,6 +372,7 @@ class BatchEngine:
                 cache=cache,
                 cached_tokens=cached,
                 snapshot_at=snapshot_at,
+                checkpoint_every=self._every if join.checkpoint else 0,
             )
         except InvalidPrompt as exc:
             # NOTE: a lent cache the batch cannot take (a layer kind it cannot
@@ -319,6 +387,7 @@ class BatchEngine:
                 request.prompt_tokens,
                 request.params,
                 snapshot_at=self._snapshot_at(request.prompt_tokens, request.chat, 0),
+                checkpoint_every=self._every if join.checkpoint else 0,
             )
         return cached, outcome
 

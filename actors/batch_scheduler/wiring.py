@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from actors.checkpoints import CheckpointPort
 from actors.engine_thread import Executor
 from actors.engine_thread.memory_guard import MemoryGuard
 from kernels import CacheRegistry, KvScheme
@@ -117,9 +118,17 @@ def batch_refusal(parts: Parts) -> str | None:
 
 
 def batch_factory(
-    parts: Parts, *, gateway: str, prompt_cache: str | None
+    parts: Parts,
+    *,
+    gateway: str,
+    prompt_cache: str | None,
+    checkpoints: CheckpointPort | None = None,
 ) -> Callable[[], BatchScheduler] | None:
-    """The batch scheduler's factory (``None`` when :func:`batch_refusal` says no)."""
+    """The batch scheduler's factory (``None`` when :func:`batch_refusal` says no).
+
+    ``checkpoints``: generation checkpoints of batch rows (``None``: off; they
+    need the prompt cache's registry, which owns the snapshots).
+    """
     if batch_refusal(parts) is not None:
         return None
     found = _backend_parts(parts.backend)
@@ -140,6 +149,8 @@ def batch_factory(
         guard=parts.memory_guard,
         kv_scheme=scheme,
         blas_tuning=blas_tune_enabled(),
+        checkpoint_every=checkpoints.every if checkpoints is not None and registry is not None
+        and prompt_cache is not None else 0,
     )
     scheduler = BatchScheduler(
         gateway=gateway,
@@ -153,6 +164,7 @@ def batch_factory(
         observe_prefill=_observe_address(parts),
         after_step=parts.after_step,
         stream_write_timeout_s=cfg.stream_write_timeout_s,
+        checkpoints=checkpoints if registry is not None and prompt_cache is not None else None,
     )
     # NOTE: "resume" keeps this one instance (its rows) when a handler raises.
     return lambda: scheduler

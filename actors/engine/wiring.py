@@ -484,7 +484,8 @@ def _gateway(parts: Parts) -> Factory:
 
 def _batch(parts: Parts) -> Factory | None:
     prompt_cache = PROMPT_CACHE if parts.registry is not None else None
-    return batch_factory(parts, gateway=GATEWAY, prompt_cache=prompt_cache)
+    return batch_factory(parts, gateway=GATEWAY, prompt_cache=prompt_cache,
+                         checkpoints=_checkpoints(parts))
 
 
 CHECKPOINT_SHARE = 0.25
