@@ -19,9 +19,13 @@ first content chunk), cached-token share (sum of
 ``usage.prompt_tokens_details.cached_tokens`` / sum of ``prompt_tokens``),
 throughput (requests and prompt tokens per second of wall time), load
 spread (requests per replica, from each replica's ``/stats``), and the
-router's overhead on a tiny request (``GET /v1/models`` and a one-token
-chat, p50 through the router minus p50 direct). Writes ``cluster.json`` and
-``cluster.png`` under ``--out``.
+router's overhead (:func:`measure_overhead`: the same cheap requests direct
+to a replica and through the router, paired, p50/p90 of the difference).
+Writes ``cluster.json`` and ``cluster.png`` under ``--out``.
+
+    python tools/bench/cluster.py --overhead --overhead-n 1000 --out /tmp/cluster
+
+measures only the routers' overhead (no trace) and writes ``overhead.json``.
 """
 
 from __future__ import annotations
@@ -218,29 +222,73 @@ def ideal_share(args: argparse.Namespace) -> float:
     return repeated / total
 
 
-async def _overhead(direct: str, routed: str, n: int) -> dict[str, float]:
-    """p50 latency of GET /v1/models and of a one-token chat, direct and through the router.
+# NOTE: n=2 passes sglang-router's own request checks (it parses the body
+# into its typed request and runs the policy on it) and kvtier rejects it
+# in its request validation, before any tokenizing or model work: the
+# cheapest request that takes a router's whole chat path to a replica.
+_REJECTED_CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 1, "n": 2}
+_ONE_TOKEN = {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0}
 
-    NOTE: direct and routed requests alternate, so a change in the machine's
-    load during the measurement hits both sides alike.
+
+async def _timed(client: httpx.AsyncClient, kind: str, base: str) -> float:
+    """Seconds for one request of ``kind`` to ``base``; checks that a replica answered it."""
+    t = time.perf_counter()
+    if kind == "chat_rejected":
+        resp = await client.post(f"{base}/v1/chat/completions", json=_REJECTED_CHAT)
+        took = time.perf_counter() - t
+        if resp.status_code != 400 or "only n=1" not in resp.text:
+            raise RuntimeError(f"not kvtier's rejection: {resp.status_code} {resp.text[:200]}")
+    elif kind == "model_info":
+        resp = await client.get(f"{base}/get_model_info")
+        took = time.perf_counter() - t
+        resp.raise_for_status()
+    else:
+        resp = await client.post(f"{base}/v1/completions", json=_ONE_TOKEN)
+        took = time.perf_counter() - t
+        resp.raise_for_status()
+    return took
+
+
+async def measure_overhead(direct: list[str], routed: str, n: int) -> dict[str, Any]:
+    """The router's added latency: paired requests direct to a replica and through the router.
+
+    Kinds: ``chat_rejected`` (a chat request kvtier rejects in validation:
+    the router's whole chat path, policy included, with no model work),
+    ``model_info`` (``GET /get_model_info``, forwarded as is) and, every
+    tenth pair, ``one_token`` (a one-token completion of a one-token
+    prompt). Per kind: p50/p90 of each side and of the per-pair difference
+    (router minus direct), in ms.
+
+    NOTE: each pair's two requests run back to back, in alternating order,
+    the direct one to the replicas in turn, so load changes on the shared
+    machine hit both sides alike and the difference's median cancels them;
+    20 warm-up pairs are dropped.
     """
-    lat: dict[str, list[float]] = {k: [] for k in
-                                   ("models_direct", "models_router", "chat1_direct", "chat1_router")}
-    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 1, "temperature": 0}
+    kinds = ("chat_rejected", "model_info", "one_token")
+    lat: dict[str, dict[str, list[float]]] = {
+        k: {"direct": [], "router": [], "diff": []} for k in kinds}
     async with httpx.AsyncClient(timeout=60) as client:
-        for k in range(n):
-            for name, base in (("direct", direct), ("router", routed)):
-                t = time.perf_counter()
-                (await client.get(f"{base}/v1/models")).raise_for_status()
-                lat[f"models_{name}"].append(time.perf_counter() - t)
-                if k % 10 == 0:
-                    t = time.perf_counter()
-                    (await client.post(f"{base}/v1/chat/completions", json=chat)).raise_for_status()
-                    lat[f"chat1_{name}"].append(time.perf_counter() - t)
-    out = {f"{k}_p50_ms": statistics.median(v) * 1000 for k, v in lat.items()}
-    out["models_overhead_p50_ms"] = out["models_router_p50_ms"] - out["models_direct_p50_ms"]
-    out["chat1_overhead_p50_ms"] = out["chat1_router_p50_ms"] - out["chat1_direct_p50_ms"]
+        for k in range(-20, n):
+            for kind in kinds:
+                if kind == "one_token" and k % 10:
+                    continue
+                base = direct[k % len(direct)]
+                if k % 2:
+                    d = await _timed(client, kind, base)
+                    r = await _timed(client, kind, routed)
+                else:
+                    r = await _timed(client, kind, routed)
+                    d = await _timed(client, kind, base)
+                if k >= 0:
+                    lat[kind]["direct"].append(d)
+                    lat[kind]["router"].append(r)
+                    lat[kind]["diff"].append(r - d)
+    out: dict[str, Any] = {"pairs": n}
+    for kind, sides in lat.items():
+        out[kind] = {f"{side}_{q}_ms": _pct(v, float(q[1:]) / 100) * 1000
+                     for side, v in sides.items() for q in ("p50", "p90")}
+        out[kind]["n"] = len(sides["diff"])
     return out
 
 
@@ -279,6 +327,32 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def overhead_only(args: argparse.Namespace, serve: list[str]) -> int:
+    """``--overhead``: each router of ``--policies`` in front of the replicas, overhead only."""
+    from tools.bench._common import loadavg, machine
+
+    result: dict[str, Any] = {"machine": machine(), "load_before": loadavg(),
+                              "replicas": args.replicas, "routers": {}}
+    with Cluster(args.replicas, args.out / "work", serve, policy=None) as cluster:
+        urls = [r.url for r in cluster.replicas]
+        for policy in args.policies.split(","):
+            if policy == "single":
+                continue
+            target = cluster.route(policy).url
+            entry = asyncio.run(measure_overhead(urls, target, args.overhead_n))
+            entry["load_after"] = loadavg()
+            if policy == "events":
+                entry["router_stats"] = httpx.get(f"{target}/event_router/stats", timeout=10).json()
+            result["routers"][policy] = entry
+            print(policy, json.dumps({k: v for k, v in entry.items() if k != "router_stats"}),
+                  flush=True)
+        result["exit_codes"] = cluster.stop()
+    result["load_after"] = loadavg()
+    (args.out / "overhead.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out / 'overhead.json'}")
+    return 0
+
+
 def main() -> int:
     """Start the replicas, replay the trace per policy, write JSON and PNG."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -290,7 +364,11 @@ def main() -> int:
     p.add_argument("--turn-tokens", type=int, default=192)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--policies", default="single,round_robin,cache_aware,events")
-    p.add_argument("--overhead-n", type=int, default=200)
+    p.add_argument("--overhead-n", type=int, default=200,
+                   help="request pairs (direct, routed) per router for its overhead (default 200; "
+                        "0: not measured)")
+    p.add_argument("--overhead", action="store_true",
+                   help="measure only each router's overhead (no trace); writes overhead.json")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=Path("/tmp/kvtier-bench-cluster"))
     p.add_argument("--serve-args", default="", help="extra kvtier serve arguments (one string)")
@@ -301,6 +379,8 @@ def main() -> int:
     from tools.bench._common import loadavg, machine
 
     serve = args.serve_args.split() + (["--model", args.model] if args.model else [])
+    if args.overhead:
+        return overhead_only(args, serve)
     result: dict[str, Any] = {
         "machine": machine(), "load_before": loadavg(), "replicas": args.replicas,
         "trace": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
@@ -319,8 +399,8 @@ def main() -> int:
             entry: dict[str, Any] = {"summary": summarize(samples, wall, spread),
                                      "samples": [asdict(s) for s in samples],
                                      "load_after": loadavg()}
-            if policy != "single":
-                entry["overhead"] = asyncio.run(_overhead(urls[0], target, args.overhead_n))
+            if policy != "single" and args.overhead_n:
+                entry["overhead"] = asyncio.run(measure_overhead(urls, target, args.overhead_n))
             if policy == "events":
                 entry["router_stats"] = httpx.get(f"{target}/event_router/stats", timeout=10).json()
             result["policies"][policy] = entry

@@ -151,9 +151,13 @@ class Router:
             for r in replicas:
                 cmd += ["--replica", f"{r.url},{r.kv_events},{r.kv_replay}"]
         elif policy in SGLANG_POLICIES:
+            # NOTE: sglang-router 0.3.2's circuit breaker counts a replica's
+            # 4xx answers as failures: two invalid client requests in a row
+            # opened every circuit for 60 s (503 no_available_workers to every
+            # client). Dead replicas still leave through its health checks.
             cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
                    "--port", str(port), "--policy", policy, "--log-level", "warn",
-                   "--worker-urls", *[r.url for r in replicas]]
+                   "--disable-circuit-breaker", "--worker-urls", *[r.url for r in replicas]]
         else:
             raise ValueError(f"unknown policy {policy!r}")
         name = f"router-{policy}"
