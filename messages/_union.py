@@ -32,6 +32,7 @@ _MODULES: tuple[str, ...] = (
     "messages.durability",
     "messages.batch_scheduler",
     "messages.kv_events",
+    "messages.memory",
 )
 
 

@@ -41,12 +41,7 @@ from actors.engine_thread import BackgroundSteps
 from actors.engine_thread.memory_guard import (
     MemoryGauge,
     MemoryGuard,
-    Refuse,
-    Relieve,
-    decide,
-    prompt_scoring_bytes,
     stated_margin,
-    token_logprob_bytes,
 )
 from actors.errors import (
     ContextTooLong,
@@ -75,8 +70,6 @@ from messages import (
     Envelope,
     PromptCacheStats,
     PromptCacheStatsRequest,
-    SpillQueueStats,
-    SpillQueueStatsRequest,
     SpillsDrained,
 )
 from messages.durability import Flush, FlushResult
@@ -95,7 +88,9 @@ from messages.gateway import (
     TokenEvent,
     Usage,
 )
-from messages.prompt_cache import Demote, DemoteResult
+from messages.memory import AdmitMemory, MemoryAdmitted, Relieve, Relieved
+from messages.memory import Refuse as MemoryRefused
+from messages.prompt_cache import DemoteResult
 
 from . import wiring
 from .config import ConfigError, EngineConfig, option_names
@@ -323,9 +318,7 @@ class GenerationStream(_StartClose):
             await anyio.to_thread.run_sync(engine._prepare_grammar, self._params.grammar)
         self._prompt_tokens = len(tokens)
         engine._check_open()
-        await engine._make_room(len(tokens), self._params.max_tokens,
-                                self._params.prompt_logprobs, logprobs=self._params.logprobs,
-                                top_logprobs=self._params.top_logprobs)
+        await engine._admit_memory(self.request_id, len(tokens), self._params)
         system = engine._require_system()
         inbox = system.open_inbox(engine._stream_buffer, prefix=f"stream-{self.request_id}-")
         request = Generate(
@@ -511,8 +504,6 @@ class Engine(_StartClose):
         self._memory: MemoryGuard | None = None
         self._heap_trim: Any = None
         self._process_memory: Any = None
-        self._relief_lock = anyio.Lock()
-        self._memory_counts = {"relieved": 0, "relieved_bytes": 0, "refused": 0}
         self._shutdown_began: float | None = None
         self._final_flush: FlushResult | None = None
         self._final_flush_error: str | None = None
@@ -650,6 +641,8 @@ class Engine(_StartClose):
             cold=tier,
             cloner=cloner,
             after_step=self._heap_trim.after_job,
+            memory_reading=self._process_memory,
+            heap_trim=self._heap_trim,
             # NOTE: the KV events' block-hash namespace (docs/scale-out.md).
             kv_identity=(
                 self._identity.fingerprint if self._identity is not None
@@ -846,140 +839,52 @@ class Engine(_StartClose):
         ``timeout`` (default ``shutdown_timeout``).
         """
         wired = self._wired
-        if wired is None or wiring.PROMPT_CACHE not in wired.refs:
+        if wired is None or wiring.MEMORY not in wired.refs or self._registry is None:
             return None
-        wait_s = self._drain_timeout if timeout is None else timeout
-        queue = wired.refs.get(wiring.SPILL_QUEUE)
+        wait_s = self._config.shutdown_timeout if timeout is None else timeout
+        ask = Relieve(idle_s=idle_s, max_bytes=max_bytes,
+                      dispose_without_tier=dispose_without_tier, wait=wait, timeout_s=wait_s)
         with use_correlation("engine-demote"):
-            before = None
-            if queue is not None and wait:
-                before = await queue.ask(
-                    SpillQueueStatsRequest(), timeout=wait_s, expect=SpillQueueStats
-                )
-            moved = await wired.ref(wiring.PROMPT_CACHE).ask(
-                Demote(idle_s=idle_s, max_bytes=max_bytes,
-                       dispose_without_tier=dispose_without_tier),
-                timeout=wait_s,
-                expect=DemoteResult,
-            )
-            after = None
-            if queue is not None and before is not None:
-                after = await queue.ask(DrainSpills(), timeout=wait_s, expect=SpillsDrained)
-        return CacheDemotion(
-            result=moved,
-            stored=None if after is None or before is None else after.stored - before.stored,
-            dropped=None if after is None or before is None else after.dropped - before.dropped,
-            failed=None if after is None or before is None else after.failed - before.failed,
-        )
+            # NOTE: up to three asks of the memory actor's, each within wait_s.
+            reply = await wired.ref(wiring.MEMORY).ask(ask, timeout=3 * wait_s + 1.0,
+                                                       expect=Relieved)
+        if reply.result is None:
+            raise TurnUnavailable(f"the demotion did not run: {reply.error}")
+        return CacheDemotion(result=reply.result, stored=reply.stored, dropped=reply.dropped,
+                             failed=reply.failed)
 
-    async def _make_room(self, prompt_tokens: int, max_tokens: int,
-                         scoring: int | None = None, *, logprobs: bool = False,
-                         top_logprobs: int = 0) -> None:
-        """The memory guard before admission: fit, or persist and drop LRU RAM entries, or refuse.
-
-        ``scoring``: the request's ``prompt_logprobs`` (its scores count too);
-        ``logprobs``/``top_logprobs``: its generated tokens' reported logprobs
-        (each of ``max_tokens`` tokens' entries counts too).
+    async def _admit_memory(self, request_id: str, prompt_tokens: int,
+                            params: GenerationParams) -> None:
+        """The memory guard before admission: the memory actor admits, relieves first, or refuses.
 
         Raises ``MemoryPressure`` when the request cannot fit and nothing
-        more can be reclaimed. One relief at a time (a lock), each bounded
-        by ``ask_timeout_s``.
+        more can be moved out of memory (``actors/memory``).
         """
-        guard = self._memory
-        if guard is None:
-            return
-        demand = guard.footprint.at_prefill(prompt_tokens, max_tokens)
-        demand += prompt_scoring_bytes(prompt_tokens, scoring)
-        demand += token_logprob_bytes(max_tokens, logprobs, top_logprobs)
-        verdict = decide(active=guard.gauge.active_bytes, demand=demand, budget=guard.budget,
-                         reclaimable=0)
-        if not isinstance(verdict, Relieve | Refuse):
-            return
-        async with self._relief_lock:
-            await self._settle_memory()
-            reclaimable = await self._reclaimable_bytes()
-            for _ in range(4):
-                verdict = decide(active=guard.gauge.active_bytes, demand=demand,
-                                 budget=guard.budget, reclaimable=reclaimable)
-                if isinstance(verdict, Refuse):
-                    self._memory_counts["refused"] += 1
-                    raise MemoryPressure(verdict.message())
-                if not isinstance(verdict, Relieve):
-                    return
-                freed = await self._relieve(verdict.need)
-                # NOTE: nothing handed back means nothing left to reclaim
-                # (every entry is leased or gone): the next round refuses.
-                reclaimable = 0 if freed == 0 else await self._reclaimable_bytes()
-            self._memory_counts["refused"] += 1
-            raise MemoryPressure(
-                "not enough memory for this request after moving cached entries out of memory; "
-                "retry with a shorter prompt or fewer max_tokens, or later"
-            )
-
-    async def _settle_memory(self) -> None:
-        """One idle turn drops freed memory the reading still counts; the executor reads again after it.
-
-        NOTE: MLX's buffer cache and the C heap's free pages are reusable,
-        not in use: they must not make the guard move entries out or refuse.
-        """
-        guard = self._memory
-        if guard is None or guard.settle is None:
-            return
-        try:
-            await self.run_when_idle(guard.settle, timeout=self._ask_timeout)
-        except (RuntimeFailure, TurnUnavailable) as exc:
-            _log.warning("engine.memory_settle_incomplete", error=repr(exc))
-
-    async def _reclaimable_bytes(self) -> int:
-        """Bytes the RAM tier indexes (an upper bound of what a relief can hand back)."""
         wired = self._wired
-        if wired is None or wiring.PROMPT_CACHE not in wired.refs:
-            return 0
+        if wired is None or self._memory is None or wiring.MEMORY not in wired.refs:
+            return
+        ask = AdmitMemory(
+            request_id=request_id,
+            prompt_tokens=prompt_tokens,
+            max_tokens=params.max_tokens,
+            prompt_logprobs=params.prompt_logprobs,
+            logprobs=params.logprobs,
+            top_logprobs=params.top_logprobs,
+        )
+        wait = self._config.memory_relief_timeout_s
         try:
-            stats = await wired.ref(wiring.PROMPT_CACHE).ask(
-                PromptCacheStatsRequest(), timeout=self._ask_timeout, expect=PromptCacheStats
-            )
-        except RuntimeFailure:
-            return 0
-        return stats.bytes
-
-    async def _relieve(self, need: int) -> int:
-        """Persist LRU RAM entries worth ``need`` bytes to the SSD tier, drop them, read memory again.
-
-        Synchronous: it returns once the spill queue wrote them (or gave them
-        up) and an idle engine turn freed their arrays, so no clone is left
-        holding the memory. Without a cold tier the entries are dropped.
-        The bytes handed back (0: nothing could be).
-        """
-        try:
-            moved = await self.demote_cache(
-                max_bytes=need, dispose_without_tier=True, timeout=self._ask_timeout
-            )
-        except RuntimeFailure as exc:
-            _log.warning("engine.memory_relief_incomplete", error=repr(exc))
-            return 0
-        if moved is None:
-            return 0
-        handed = moved.result.spilled_bytes + moved.result.disposed_bytes
-        registry = self._registry
-        if registry is not None and handed:
-            try:
-                # NOTE: one idle turn drops the released arrays and empties MLX's
-                # buffer cache (so they leave RSS too); the executor reads the
-                # memory again when that job ends.
-                from .memory import release_freed_memory
-
-                await self.run_when_idle(functools.partial(release_freed_memory, registry.drain),
-                                         timeout=self._ask_timeout)
-            except (RuntimeFailure, TurnUnavailable) as exc:
-                _log.warning("engine.memory_relief_incomplete", error=repr(exc))
-        self._memory_counts["relieved"] += moved.result.spilled + moved.result.disposed
-        self._memory_counts["relieved_bytes"] += handed
-        reading = None if self._memory is None else self._memory.gauge.active_bytes
-        _log.info("engine.memory_relieved", need=need, handed_bytes=handed,
-                  spilled=moved.result.spilled, disposed=moved.result.disposed,
-                  reading_after=reading)
-        return handed
+            with use_correlation(request_id):
+                reply = await wired.ref(wiring.MEMORY).ask(ask, timeout=wait)
+        except AskTimeout as exc:
+            raise MemoryPressure(
+                f"the memory check did not answer within {wait:g} s; retry later"
+            ) from exc
+        except MailboxClosed as exc:
+            raise ServerShuttingDown(f"the memory actor is not accepting requests ({exc})") from exc
+        if isinstance(reply, MemoryRefused):
+            raise MemoryPressure(reply.detail)
+        if not isinstance(reply, MemoryAdmitted):
+            raise GenerationFailed(f"the memory check answered {reply.kind}")
 
     @property
     def final_flush(self) -> FlushResult | None:
@@ -1344,35 +1249,6 @@ class Engine(_StartClose):
             }
         if self._system is not None:
             out["mailboxes"] = self._system.statistics().as_dict()
-        guard = self._memory
-        if guard is not None:
-            out["memory"] = {
-                "budget_bytes": guard.budget,
-                "active_bytes": guard.gauge.active_bytes,
-                "samples": guard.gauge.samples,
-                "checks_in_turn": guard.checks,
-                "refused_in_turn": guard.refused,
-                "refused_at_admission": self._memory_counts["refused"],
-                "relieved_entries": self._memory_counts["relieved"],
-                "relieved_bytes": self._memory_counts["relieved_bytes"],
-                "settled_in_turn": guard.settled,
-                "margin_bytes": guard.margin,
-            }
-            reading = self._process_memory
-            if reading is not None:
-                # NOTE: the reading's parts at the last engine job (memory.py).
-                out["memory"]["resident_bytes"] = reading.resident
-                out["memory"]["mlx_bytes"] = reading.mlx
-                out["memory"]["resident_at_start_bytes"] = reading.resident_at_start
-                heap = self._heap_trim
-                if heap is not None:
-                    out["memory"]["heap_trims"] = heap.trims
-                    out["memory"]["heap_trim_s"] = round(heap.trim_s, 4)
-                if reading.mlx_parts is not None:
-                    active, cache, peak = reading.mlx_parts
-                    out["memory"]["mlx_active_bytes"] = active
-                    out["memory"]["mlx_cache_bytes"] = cache
-                    out["memory"]["mlx_peak_bytes"] = peak
         return out
 
     # --- internals -----------------------------------------------------------

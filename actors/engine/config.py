@@ -517,6 +517,26 @@ class EngineConfig(BaseModel):
         """
         return 2 if self.max_batch <= 1 else self.max_batch + 2
 
+    @property
+    def max_cold_lookups(self) -> int:
+        """How many SSD index lookups the RAM tier runs at once (a ``Take`` past it is answered from RAM).
+
+        Every request that may wait for its first turn at once (the serial
+        lane's holder and queue head, each placed batch row) may look up the
+        SSD index together, with a floor of 4.
+        """
+        return max(4, self.max_batch + 2)
+
+    @property
+    def memory_relief_timeout_s(self) -> float:
+        """How long admission waits for the memory actor's answer (``AdmitMemory``), in seconds.
+
+        A relief is a settle turn, then up to four rounds of four asks
+        (measure, demote, drain, release), each within ``ask_timeout_s``;
+        one more ``ask_timeout_s`` for a relief already running ahead of it.
+        """
+        return self.ask_timeout_s * 18
+
     # --- construction -----------------------------------------------------------
 
     def __init__(self, **values: Any) -> None:

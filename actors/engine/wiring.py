@@ -51,6 +51,15 @@ from actors.gateway import Gateway, GatewayTurns, TurnRunner
 from actors.gateway.core import DEFAULT_BACKGROUND_SHARE
 from actors.kv_events import KV_EVENTS_ADDRESS, KvEvents
 from actors.kv_events import core as kv_events_core
+from actors.memory import (
+    MEMORY_ADDRESS,
+    GuardGauges,
+    MemoryActor,
+    MemoryConfig,
+    MemoryState,
+    MemoryTargets,
+)
+from actors.memory.ports import HeapTrims, Reading
 from actors.prompt_cache import DRAIN_STEP, PROMPT_CACHE_ADDRESS, HandleDisposer, PromptCache
 from actors.prompt_cache import core as prompt_cache_core
 from actors.runtime import Actor, ActorRef, ActorSystem, RuntimeFailure, Supervision
@@ -90,14 +99,19 @@ from messages import (
 from messages.batch_scheduler import BatchStats, BatchStatsRequest
 from messages.gateway import GatewayStats, GatewayStatsRequest, RunnerStats, RunnerStatsRequest
 from messages.kv_events import KvEventsStats, KvEventsStatsRequest
+from messages.memory import MemoryStats, MemoryStatsRequest
 
 from .config import EngineConfig
+from .memory import release_freed_memory
 
 __all__ = [
     "ACTORS",
     "DURABILITY",
     "GATEWAY",
     "KV_EVENTS",
+    "MEMORY",
+    "MEMORY_RELEASE_STEP",
+    "MEMORY_SETTLE_STEP",
     "PROMPT_CACHE",
     "RUNNER",
     "SCRUB_GATE_STEP",
@@ -128,6 +142,13 @@ SSD_SCRUB = f"{SSD_WRITER}.scrub"
 SPILL_QUEUE = SPILL_QUEUE_ADDRESS
 DURABILITY = DURABILITY_ADDRESS
 KV_EVENTS = KV_EVENTS_ADDRESS
+MEMORY = MEMORY_ADDRESS
+
+MEMORY_SETTLE_STEP = "memory.settle"
+"""A standing background step: drop freed memory the guard's reading still counts."""
+
+MEMORY_RELEASE_STEP = "memory.release"
+"""A standing background step: drop released arrays (the registry's drain), then freed memory."""
 
 SCRUB_INTERVAL_S = 60.0
 """The idle scrubber re-verifies one stored file per minute (at most 32 MiB/s on average)."""
@@ -161,6 +182,10 @@ class Parts:
     """The in-turn memory-pressure checks (``actors/engine_thread/memory_guard.py``); ``None``: none."""
     after_step: Callable[[], object] | None = None
     """Runs on the engine thread after every batch step (``memory.HeapTrim.after_job``)."""
+    memory_reading: Reading | None = None
+    """The guard's reading (``memory.ProcessMemory``): its parts go to ``/stats``."""
+    heap_trim: HeapTrims | None = None
+    """The C-heap trims (``memory.HeapTrim``): their counters go to ``/stats``."""
     kv_identity: tuple[str, str] | None = None
     """The model fingerprint and the KV scheme's cache key: with each entry's cache
     namespace, the namespace of the KV events' block hashes (``--kv-events``)."""
@@ -227,11 +252,9 @@ def _prompt_cache_factory(
         drain_step=DRAIN_STEP if turns is not None else None,
         cold_lookups=cold is not None,
         cold_timeout_s=cfg.ask_timeout_s,
-        # NOTE: every request that may wait for its first turn at once (the
-        # serial lane's holder and queue head, each placed batch row) may look
-        # up the SSD index together; a lookup past the cap is answered from
-        # RAM alone, so a burst of SSD hits bigger than it would join cold.
-        max_cold_lookups=max(4, cfg.max_batch + 2),
+        # NOTE: a lookup past the cap is answered from RAM alone, so a burst
+        # of SSD hits bigger than it would join cold.
+        max_cold_lookups=cfg.max_cold_lookups,
         demote_idle_s=demote,
         # NOTE: one idle scan per quarter of the idle time (within 50 ms..30 s),
         # a few entries per scan: the spill queue receives demotions gradually.
@@ -463,6 +486,49 @@ def _durability_fields(body: Body) -> dict[str, Any]:
     }
 
 
+# --- memory relief -------------------------------------------------------------------
+
+
+def _memory(parts: Parts) -> Factory | None:
+    guard, registry = parts.memory_guard, parts.registry
+    if guard is None and registry is None:
+        return None
+    settle = None
+    if guard is not None and guard.settle is not None:
+        parts.steps.add(MEMORY_SETTLE_STEP, guard.settle, standing=True)
+        settle = MEMORY_SETTLE_STEP
+    release = None
+    if registry is not None:
+        drain = registry.drain
+        parts.steps.add(
+            MEMORY_RELEASE_STEP, lambda: release_freed_memory(drain), standing=True
+        )
+        release = MEMORY_RELEASE_STEP
+    config = MemoryConfig(
+        budget=None if guard is None else guard.budget,
+        footprint=None if guard is None else guard.footprint,
+        margin=0 if guard is None else guard.margin,
+        settle_step=settle,
+        release_step=release,
+        prompt_cache=registry is not None,
+        spill_queue=parts.cold is not None,
+        reply_timeout_s=parts.config.ask_timeout_s,
+    )
+    gauges = GuardGauges(guard, parts.memory_reading, parts.heap_trim)
+    targets = MemoryTargets(gateway=GATEWAY, prompt_cache=PROMPT_CACHE, spill_queue=SPILL_QUEUE)
+    # NOTE: "resume" keeps this one instance (its core state, the job in
+    # flight and its alarm) when a handler raises.
+    actor = MemoryActor(state=MemoryState(config=config), gauges=gauges, targets=targets)
+    return lambda: actor
+
+
+def _memory_fields(body: Body) -> dict[str, Any]:
+    assert isinstance(body, MemoryStats)
+    if body.budget_bytes is None:
+        return {}  # NOTE: no guard (demotion only): no memory section.
+    return body.model_dump(mode="json", exclude={"kind", "reply_to"}, exclude_none=True)
+
+
 # --- the request path ----------------------------------------------------------------
 
 
@@ -607,6 +673,15 @@ ACTORS: tuple[ActorSpec, ...] = (
         supervision=_TURN_ACTORS,
         stats=StatsAsk(BatchStatsRequest, BatchStats, "batch"),
     ),
+    # NOTE: after the gateway, the prompt cache and the spill queue, which it
+    # asks (it stops first). With the RAM tier or the memory guard.
+    ActorSpec(
+        MEMORY,
+        _memory,
+        capacity=lambda cfg: max(64, cfg.max_queue + 16),
+        supervision=Supervision("resume", max_restarts=100, within=1.0),
+        stats=StatsAsk(MemoryStatsRequest, MemoryStats, "memory", render=_memory_fields),
+    ),
     # NOTE: after the gateway, the spill queue and the SSD index, which it
     # sends to (it stops first). The prompt cache tells it of every put;
     # at shutdown those tells find it stopped, after the final flush.
@@ -675,8 +750,9 @@ class Wired:
             body = answers.get(spec.name)
             if body is None or spec.stats is None:
                 continue
-            section = out.setdefault(spec.stats.section, {})
-            section.update(spec.stats.fields(body))
+            fields = spec.stats.fields(body)
+            if fields:
+                out.setdefault(spec.stats.section, {}).update(fields)
         _cold_tier_view(out)
         if self.checkpoints is not None and self.config.generation_checkpoint > 0:
             section = self.checkpoints.snapshot()

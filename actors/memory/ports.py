@@ -1,0 +1,83 @@
+"""What the memory actor's shell reads: the engine thread's memory gauges, and its alarm.
+
+:class:`GuardGauges` reads, without waiting, the figures the engine thread
+writes: the guard's gauge (replaced whole after every engine job, behind its
+lock), the in-turn guard's counters, the reading's parts
+(``actors.engine.memory.ProcessMemory``) and the C-heap trims
+(``actors.engine.memory.HeapTrim``). NOTE: plain int reads of objects the
+engine thread owns, like ``kernels.EngineThread.statistics()``; a reading
+may be one job old, and memory freed between jobs makes it high, never low.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from actors.engine_thread.memory_guard import MemoryGuard
+from actors.runtime import Alarm, LoopAlarm
+
+from .core import Gauges
+
+__all__ = ["Alarm", "GaugePort", "GuardGauges", "HeapTrims", "LoopAlarm", "Reading"]
+
+
+class GaugePort(Protocol):
+    """Where the shell reads :class:`~actors.memory.core.Gauges` (any thread, no waiting)."""
+
+    def read(self) -> Gauges:
+        """The figures now."""
+        ...
+
+
+class Reading(Protocol):
+    """The last reading's parts (``actors.engine.memory.ProcessMemory``)."""
+
+    resident: int | None
+    mlx: int
+    resident_at_start: int | None
+    mlx_parts: tuple[int, int, int] | None
+
+
+class HeapTrims(Protocol):
+    """The C-heap trims' counters (``actors.engine.memory.HeapTrim``)."""
+
+    trims: int
+    trim_s: float
+
+
+class GuardGauges:
+    """:class:`GaugePort` over the guard, its reading and the heap trims (each optional)."""
+
+    def __init__(
+        self,
+        guard: MemoryGuard | None,
+        reading: Reading | None = None,
+        heap: HeapTrims | None = None,
+    ) -> None:
+        self._guard = guard
+        self._reading = reading
+        self._heap = heap
+
+    def read(self) -> Gauges:
+        """See :meth:`GaugePort.read`."""
+        guard, reading, heap = self._guard, self._reading, self._heap
+        if guard is None:
+            return Gauges()
+        if reading is None:
+            return Gauges(
+                active=guard.gauge.active_bytes, samples=guard.gauge.samples,
+                checks=guard.checks, refused=guard.refused, settled=guard.settled,
+            )
+        return Gauges(
+            active=guard.gauge.active_bytes,
+            samples=guard.gauge.samples,
+            checks=guard.checks,
+            refused=guard.refused,
+            settled=guard.settled,
+            resident=reading.resident,
+            mlx=reading.mlx,
+            resident_at_start=reading.resident_at_start,
+            mlx_parts=reading.mlx_parts,
+            heap_trims=None if heap is None else heap.trims,
+            heap_trim_s=None if heap is None else heap.trim_s,
+        )
