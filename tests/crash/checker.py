@@ -31,6 +31,13 @@ every state a second crash during that startup may leave. Each is checked:
    (Without this, the startup's LRU eviction, going by modification times a
    crash may have rolled back, could drop an acknowledged entry and keep
    one that was evicted or never acknowledged.)
+7. (generation checkpoints) the checkpoint the answer's retry resumes
+   after the startup (``find_checkpoint``, then its tensors read with hash
+   verification OFF) is whole and exactly one that was written, and its
+   sample index is at least that of the newest checkpoint answered
+   ``stored`` before the crash (unless the answer completed since): the
+   previous checkpoint survives every crash before the new one is durable,
+   and no torn or stale one is resumed.
 
 The forward run itself is checked too (after every step, settled): no temp
 file left, every entry file on disk is indexed or counted as a leftover
@@ -59,6 +66,7 @@ import anyio
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from actors.checkpoints import CHECKPOINT_SUFFIX, checkpoint_dir, find_checkpoint
 from actors.durability import DurabilityConfig
 from actors.engine.wiring import spawn_durability, spawn_spill_queue, spawn_ssd_writer
 from actors.runtime import Actor, ActorSystem, AskTimeout, Context, SequentialIds
@@ -69,7 +77,9 @@ from kernels.cache import (
     CacheFileCorrupt,
     CacheFileIncompatible,
     EntryPlan,
+    GenerationCheckpoint,
     read_header,
+    read_tensors,
 )
 from kernels.cache._file_port import FilePort
 from kernels.cache._kv_writer import plan_entry, tensor_bytes
@@ -87,6 +97,7 @@ from messages import (
 )
 from messages.durability import Flush, FlushResult, Schedule
 from messages.gateway import RunWhenIdle, TurnDone
+from messages.spill_queue import CheckpointRecord, RemoveCheckpoints
 from messages.ssd_writer import FilesRemoved, ScrubWake
 from tests.crash.crash_fs import (
     CrashFS,
@@ -180,6 +191,56 @@ def originals() -> dict[tuple[str, tuple[int, ...]], tuple[bytes, ...]]:
     return {s.key: s.tensors for s in entries().values()}
 
 
+# --- generation checkpoints ----------------------------------------------------------
+
+
+CKPT_KEY = "c0ffee00" * 4
+"""The request key of the one answer the checkpoint workloads checkpoint."""
+CKPT_PROMPT = (1, 2, 3)
+CKPT_INDEXES = (2, 4, 6)
+"""The sample indexes of the answer's checkpoints, in the order the workloads write them."""
+CKPT_DIR = checkpoint_dir(ROOT, IDENTITY.fingerprint)
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """One checkpoint of the answer: its sample index, tokens, plan template and tensor bytes."""
+
+    sample_index: int
+    tokens: tuple[int, ...]
+    header_len: int
+    plan: EntryPlan
+    tensors: tuple[bytes, ...]
+
+    def fresh_plan(self) -> EntryPlan:
+        """A plan the store worker may consume (the template's header, no arrays)."""
+        return EntryPlan(
+            header=self.plan.header, header_len=self.header_len, _arrays=[None] * len(self.tensors)
+        )
+
+
+def _ckpt_spec(n: int) -> CheckpointSpec:
+    tokens = CKPT_PROMPT + tuple(10 + i for i in range(n))
+    cache = KVCache()
+    # NOTE: contents differ per sample index, so bytes name the checkpoint they came from.
+    keys = (mx.arange(len(tokens) * 2, dtype=mx.float32) + 1000 * n).reshape(1, 1, len(tokens), 2)
+    cache.update_and_fetch(keys, keys + 0.25)
+    record = GenerationCheckpoint(CKPT_KEY, len(CKPT_PROMPT), 50 + n, n, None)
+    plan = plan_entry(
+        [cache], model_id=IDENTITY.model_id, fingerprint=IDENTITY.fingerprint, namespace="",
+        tokenizer_hash=IDENTITY.tokenizer_hash, tokens=tokens, created_at=1.0, checkpoint=record,
+    )  # fmt: skip
+    tensors = tuple(bytes(tensor_bytes(plan, i)) for i in range(len(plan.tensors)))
+    plan.release_arrays()
+    return CheckpointSpec(n, tokens, plan.header_len, plan, tensors)
+
+
+@functools.cache
+def checkpoints() -> dict[int, CheckpointSpec]:
+    """Sample index -> the answer's checkpoint at that index."""
+    return {n: _ckpt_spec(n) for n in CKPT_INDEXES}
+
+
 def _meta(spec: EntrySpec) -> EntryMeta:
     # NOTE: every workload entry is a trimmable KV entry with no minimum
     # reusable offset (plain KV caches).
@@ -258,6 +319,20 @@ class ScriptedSource:
     async def finish(self, plan: EntryPlan) -> None:
         """Nothing to release."""
 
+    async def host_copy(
+        self,
+        handle: str,
+        *,
+        namespace: str,
+        tokens: tuple[int, ...],
+        checkpoint: GenerationCheckpoint,
+    ) -> tuple[EntryPlan, list[bytes]]:
+        """The checkpoint's plan and tensor bytes (``CheckpointSource``)."""
+        spec = checkpoints()[checkpoint.sample_index]
+        if tokens != spec.tokens or checkpoint.request_key != CKPT_KEY:
+            raise KeyError(f"no checkpoint {checkpoint.sample_index} for these tokens")
+        return spec.fresh_plan(), list(spec.tensors)
+
 
 # --- traces and steps --------------------------------------------------------------------
 
@@ -277,6 +352,11 @@ class Trace:
     bounds: list[tuple[str, int]] = field(default_factory=list)
     fault_phase: str | None = None
     fault_superseded: bool = False
+    ckpt_acks: list[tuple[int, int]] = field(default_factory=list)
+    """(sample index, operation count) of each checkpoint write answered ``stored``."""
+    ckpt_done: list[int] = field(default_factory=list)
+    """Crash points from which the answer is complete (the first operation of its checkpoints' removal)."""
+    ckpt_written: int = 0
 
     def prefix_at(self, point: int) -> tuple[str, ...]:
         """Labels of the steps run up to the one a crash after ``point`` operations interrupts.
@@ -306,6 +386,23 @@ class Trace:
             else:
                 live.discard(key)
         return live
+
+
+    def checkpoint_required_at(self, point: int) -> int | None:
+        """The sample index a crash after ``point`` operations must resume at least (``None``: any).
+
+        The newest checkpoint answered ``stored`` before the crash, unless the
+        answer completed since (completion voids its checkpoints; a file the
+        crash kept after that is the same answer's, never a wrong one).
+        """
+        events = sorted([(at, 0, n) for n, at in self.ckpt_acks]
+                        + [(at, 1, 0) for at in self.ckpt_done])
+        required: int | None = None
+        for at, kind, n in events:
+            if at > point:
+                break
+            required = n if kind == 0 else None
+        return required
 
 
 class Run:
@@ -496,6 +593,56 @@ class FlushStep:
             run.dirty.clear()
 
 
+@dataclass(frozen=True)
+class CheckpointStep:
+    """Write the answer's next checkpoint (sample index 2, then 4, then 6) through the SSD tier.
+
+    A ``Store`` carrying the checkpoint record goes to the tier, which hands
+    it to its store worker (``write_checkpoint``: the new file committed
+    under its own name, then the older files of the key removed); a
+    ``stored`` answer acknowledges it.
+    """
+
+    label: str = "ckpt"
+    restarts: bool = False
+
+    async def run(self, run: Run) -> None:
+        """Ask ``Store``; record the acknowledgement at the operation count of the answer."""
+        trace = run.trace
+        spec = checkpoints()[CKPT_INDEXES[trace.ckpt_written % len(CKPT_INDEXES)]]
+        trace.ckpt_written += 1
+        record = CheckpointRecord(request_key=CKPT_KEY, prompt_len=len(CKPT_PROMPT),
+                                  pending_token=50 + spec.sample_index,
+                                  sample_index=spec.sample_index)
+        body = Store(handle=f"ckpt-{spec.sample_index}", namespace="", tokens=spec.tokens,
+                     meta=EntryMeta(offset=len(spec.tokens), nbytes=sum(map(len, spec.tensors)),
+                                    trimmable=True, min_reusable_offset=0),
+                     checkpoint=record)
+        try:
+            res = await run.ask(body, StoreResult)
+        except AskTimeout:
+            trace.problems.append(f"checkpoint {spec.sample_index} was never answered")
+            return
+        if res.stored:
+            trace.ckpt_acks.append((spec.sample_index, trace.fs.op_count))
+        else:
+            trace.problems.append(f"checkpoint {spec.sample_index} was not stored: {res.reason}")
+
+
+@dataclass(frozen=True)
+class CheckpointDoneStep:
+    """The answer completed: ``RemoveCheckpoints`` of its key (a tell, as the spill queue sends it)."""
+
+    label: str = "done"
+    restarts: bool = False
+
+    async def run(self, run: Run) -> None:
+        """Tell the tier; from here on no checkpoint of the answer is required."""
+        # NOTE: from the removal's first operation on, a crash may lose the files.
+        run.trace.ckpt_done.append(run.trace.fs.op_count + 1)
+        await run.system.tell(run.tier.name, RemoveCheckpoints(request_key=CKPT_KEY))
+
+
 ALPHABET: tuple[Step, ...] = (
     StoreStep("A"),
     StoreStep("A+"),
@@ -509,6 +656,14 @@ ALPHABET: tuple[Step, ...] = (
 
 DURABLE_ALPHABET: tuple[Step, ...] = (*ALPHABET, PutStep("A"), PutStep("A+"), FlushStep())
 """The cold tier's steps plus the durability coordinator's: put (write-behind off) and flush."""
+
+CHECKPOINT_ALPHABET: tuple[Step, ...] = (
+    CheckpointStep(),
+    CheckpointDoneStep(),
+    RestartStep(),
+    StoreStep("A"),
+)
+"""Generation checkpoints of one answer (written, completed) among a restart and a prefix store."""
 
 
 def workloads(max_len: int = 3, alphabet: Sequence[Step] = ALPHABET) -> list[tuple[Step, ...]]:
@@ -831,6 +986,8 @@ class Outcome:
     indexed: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
     evicted_over_cap: bool = False
+    checkpoint: int | None = None
+    """The sample index of the checkpoint the answer's retry would resume (``None``: none)."""
 
 
 def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple[Outcome, CrashFS]:
@@ -902,9 +1059,46 @@ def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple
             problems.append(f"{entry.path} serves bytes that differ from the stored ones")
             continue
         servable.append(entry)
+    resumed = _resume_checkpoint(fs, problems)
     outcome = Outcome(problems, servable, tuple(sorted(index.entries)), tuple(sorted(fs.tree())))
     outcome.evicted_over_cap = over_cap
+    outcome.checkpoint = resumed
     return outcome, fs
+
+
+def _resume_checkpoint(fs: CrashFS, problems: list[str]) -> int | None:
+    """What the answer's retry resumes after the startup: the sample index (``None``: runs fresh).
+
+    The serving lookup (``find_checkpoint``: newest valid file of the key,
+    older and corrupt ones removed) and then the tensors read with hash
+    verification OFF: the write protocol alone must make a found checkpoint
+    whole and exactly one that was written (never torn, never mixed).
+    """
+    try:
+        found = find_checkpoint(fs, CKPT_DIR, CKPT_KEY, fingerprint=IDENTITY.fingerprint,
+                                namespace="")
+    except Exception as exc:  # noqa: BLE001 - NOTE: any escape is a violation.
+        problems.append(f"the checkpoint lookup raised {exc!r}")
+        return None
+    if found is None:
+        return None
+    ck = found.header.checkpoint
+    assert ck is not None
+    spec = checkpoints().get(ck.sample_index)
+    if spec is None or found.header.tokens != spec.tokens:
+        problems.append(f"{found.path} is a checkpoint that was never written")
+        return None
+    try:
+        host = read_tensors(fs, found.path, found.header, verify=False)
+    except (CacheFileCorrupt, CacheFileIncompatible):
+        return None  # NOTE: refused on read: the retry runs fresh, never wrong.
+    except Exception as exc:  # noqa: BLE001 - NOTE: an escape from a read is a violation.
+        problems.append(f"reading checkpoint {found.path} raised {exc!r}")
+        return None
+    if tuple(bytes(b) for b in host.buffers) != spec.tensors:
+        problems.append(f"checkpoint {found.path} serves bytes that differ from the written ones")
+        return None
+    return ck.sample_index
 
 
 @dataclass
@@ -943,10 +1137,11 @@ async def actor_restart(state: CrashState, cap: int = CAP) -> ActorOutcome:
 
 
 def _observed(path: str) -> bool:
-    # NOTE: only entry files are ever read at startup or served. Temp files
-    # and the lock file are enumerated with one content each; the mounted
-    # file system raises if the restart reads one, so this cannot hide a bug.
-    return path.endswith(ENTRY_SUFFIX)
+    # NOTE: only entry and checkpoint files are ever read at startup, served
+    # or resumed. Temp files and the lock file are enumerated with one
+    # content each; the mounted file system raises if the restart reads one,
+    # so this cannot hide a bug.
+    return path.endswith((ENTRY_SUFFIX, CHECKPOINT_SUFFIX))
 
 
 def _state_key(state: CrashState) -> tuple[object, ...]:
@@ -975,6 +1170,7 @@ class Report:
     restarts: int = 0
     recovery_states: int = 0
     required_checks: int = 0
+    checkpoint_checks: int = 0
     reduced_points: int = 0
     violations: list[str] = field(default_factory=list)
     untracked: list[str] = field(default_factory=list)
@@ -989,6 +1185,7 @@ class Report:
         self.restarts += other.restarts
         self.recovery_states += other.recovery_states
         self.required_checks += other.required_checks
+        self.checkpoint_checks += other.checkpoint_checks
         self.reduced_points += other.reduced_points
         self.violations.extend(other.violations)
         self.untracked.extend(other.untracked)
@@ -1000,7 +1197,8 @@ class Report:
             f"({self.crash_points - self.shared_points} distinct), "
             f"{self.states} crash states ({self.restarts} distinct restarts, "
             f"{self.recovery_states} more states of a crash during recovery), "
-            f"{self.required_checks} acknowledged-prefix checks, "
+            f"{self.required_checks} acknowledged-prefix checks "
+            f"({self.checkpoint_checks} of them acknowledged checkpoints), "
             f"{len(self.violations)} violations"
         )
 
@@ -1064,6 +1262,7 @@ class Sweeper:
                 continue
             self._points.add(point_key)
             required = trace.required_at(space.point)
+            ckpt_required = trace.checkpoint_required_at(space.point)
             for state in space.states(observe=_observed):
                 report.states += 1
                 where = f"{name}: {state.describe()} (last op: {space.last_op})"
@@ -1075,6 +1274,15 @@ class Sweeper:
                     # keeps whatever of that eviction reached the disk.
                     over_cap = outcome.evicted_over_cap or outcomes[0].evicted_over_cap
                     why = " (the startup evicted over the cap)" if over_cap else ""
+                    if ckpt_required is not None:
+                        report.required_checks += 1
+                        report.checkpoint_checks += 1
+                        got = outcome.checkpoint
+                        if got is None or got < ckpt_required:
+                            report.violations.append(
+                                f"{tag}: acknowledged checkpoint {ckpt_required} is lost "
+                                f"(the retry resumes {got})"
+                            )
                     for ns_tokens in sorted(required):
                         report.required_checks += 1
                         if not _covered(outcome.servable, ns_tokens):
