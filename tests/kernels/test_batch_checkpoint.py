@@ -101,6 +101,8 @@ PARAMS = [
     pytest.param(GenerationParams(max_tokens=40, temperature=0.8, seed=7), id="seeded-0.8"),
     pytest.param(GenerationParams(max_tokens=40, temperature=0.8, seed=5, top_p=0.9,
                                   repetition_penalty=1.3), id="seeded-penalty"),
+    pytest.param(GenerationParams(max_tokens=40, frequency_penalty=1.5,
+                                  frequency_context_size=64), id="greedy-frequency"),
 ]
 
 
