@@ -155,9 +155,13 @@ class Router:
             # 4xx answers as failures: two invalid client requests in a row
             # opened every circuit for 60 s (503 no_available_workers to every
             # client). Dead replicas still leave through its health checks.
+            # Its Prometheus exporter binds 0.0.0.0:29000 by default (a second
+            # router on the host then panics): our host, a free port.
             cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
                    "--port", str(port), "--policy", policy, "--log-level", "warn",
-                   "--disable-circuit-breaker", "--worker-urls", *[r.url for r in replicas]]
+                   "--disable-circuit-breaker", "--prometheus-host", host,
+                   "--prometheus-port", str(free_port()),
+                   "--worker-urls", *[r.url for r in replicas]]
         else:
             raise ValueError(f"unknown policy {policy!r}")
         name = f"router-{policy}"
