@@ -263,7 +263,7 @@ class BatchScheduler(Actor):
     async def _feed(self, event: core.Event, ctx: Context) -> None:
         todo: deque[core.Event] = deque([event])
         while todo:
-            self.state, effects = core.handle(self.state, todo.popleft())
+            self.state, effects = ctx.traced(core.handle, self.state, todo.popleft())
             # NOTE: once a stream refuses an event, its later events of these
             # effects go back to the core unsent, so they stay in order.
             refused: set[str] = set()
