@@ -41,8 +41,10 @@ __all__ = [
     "FilesRemoved",
     "Find",
     "FindResult",
+    "LandingReport",
     "ObservePrefill",
     "ReadEntry",
+    "RemoveEntries",
     "ReserveSpace",
     "Restore",
     "RestoreChoice",
@@ -53,6 +55,9 @@ __all__ = [
     "ScrubTarget",
     "ScrubWake",
     "SpaceReserved",
+    "SsdIndex",
+    "SsdIndexEntry",
+    "SsdIndexRequest",
     "SsdStats",
     "SsdStatsRequest",
     "Store",
@@ -224,6 +229,8 @@ class SsdStats(Body):
     ``scrubbed``/``scrubbed_bytes``: files (bytes) the idle scrubber
     re-verified; ``scrub_corrupt``: files it found bad (removed, and also
     counted in ``corrupt_removed`` when the unlink succeeded).
+    ``landings``/``land_failures``: restored files landed into MLX memory in
+    their engine turn (timed for the estimator), and landings that failed.
     """
 
     kind: Literal["ssd_writer.stats"] = "ssd_writer.stats"
@@ -257,6 +264,39 @@ class SsdStats(Body):
     scrub_corrupt: int = Field(default=0, ge=0)
     leftover_files: int = Field(default=0, ge=0)
     leftover_bytes: int = Field(default=0, ge=0)
+    landings: int = Field(default=0, ge=0)
+    land_failures: int = Field(default=0, ge=0)
+
+
+class SsdIndexRequest(Request):
+    """Ask for :class:`SsdIndex`: every indexed file and every leftover (tests, tools)."""
+
+    kind: Literal["ssd_writer.index_request"] = "ssd_writer.index_request"
+
+
+class SsdIndexEntry(Body):
+    """One indexed file of :class:`SsdIndex`."""
+
+    kind: Literal["ssd_writer.index_entry"] = "ssd_writer.index_entry"
+    path: str
+    namespace: str
+    tokens: tuple[int, ...]
+    file_bytes: int = Field(ge=0)
+    trimmable: bool = False
+    min_reusable_offset: int = Field(default=0, ge=0)
+
+
+class SsdIndex(Body):
+    """Answer to :class:`SsdIndexRequest`: the index's files (path order) and its leftovers.
+
+    ``leftovers``: files not indexed that still count toward the cap
+    (path, bytes), in path order. ``jobs``: the writes in progress (job ids).
+    """
+
+    kind: Literal["ssd_writer.index"] = "ssd_writer.index"
+    entries: tuple[SsdIndexEntry, ...] = ()
+    leftovers: tuple[tuple[str, int], ...] = ()
+    jobs: tuple[str, ...] = ()
 
 
 # --- internal: index <-> store worker / reader --------------------------------
@@ -335,13 +375,50 @@ class FilesRemoved(Body):
 
 
 class ReadEntry(Request):
-    """Index -> reader: read ``path``; reply to the ``Restore`` asker's slot (``reply_to``)."""
+    """Index -> reader: read ``path``; reply to the ``Restore`` asker's slot (``reply_to``).
+
+    ``read_only``: the index writes and removes nothing in this run (another
+    server holds the directory, or the scan was incomplete): the reader then
+    neither touches the file's mtime nor removes it when it is corrupt.
+    """
 
     kind: Literal["ssd_writer.read_entry"] = "ssd_writer.read_entry"
     path: str
     namespace: str
     tokens: tuple[int, ...]
     ticket: str = ""
+    read_only: bool = False
+
+
+class RemoveEntries(Body):
+    """Index -> store worker: remove ``paths`` durably (unlink, directory fsync); ``reason`` is logged.
+
+    The worker answers with :class:`FilesRemoved`. NOTE: the store worker
+    runs it in its mailbox order, so the removal of a path never overtakes
+    a later write of the same path (names derive from the tokens).
+    """
+
+    kind: Literal["ssd_writer.remove_entries"] = "ssd_writer.remove_entries"
+    paths: tuple[str, ...]
+    reason: str = ""
+
+
+class LandingReport(Body):
+    """Host staging -> index: one restore's landing in its engine turn.
+
+    ``nbytes`` landed in ``seconds`` (engine-thread time) when ``ok``;
+    otherwise the file at ``path`` failed the landing's checks
+    (``corrupt``: it changed or a hash disagrees; the index removes it).
+    Posted from the engine thread through the event loop
+    (``actors.ssd_writer.HostStaging``).
+    """
+
+    kind: Literal["ssd_writer.landing_report"] = "ssd_writer.landing_report"
+    path: str
+    nbytes: int = Field(default=0, ge=0)
+    seconds: float = Field(default=0.0, ge=0.0)
+    ok: bool
+    corrupt: bool = False
 
 
 class RestoreReport(Body):
@@ -386,6 +463,8 @@ class ScrubTarget(Body):
     namespace: str = ""
     tokens: tuple[int, ...] = ()
     file_bytes: int = Field(default=0, ge=0)
+    read_only: bool = False
+    """The tier writes and removes nothing in this run: the scrubber stops asking."""
 
 
 class ScrubReport(Body):

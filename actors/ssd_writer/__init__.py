@@ -1,20 +1,23 @@
-"""The SSD cold tier: index + rules (``core``), the actors (``actor``), their ports
-(``ports``) and the blocking file work they run on worker threads (``io``).
+"""The SSD cold tier: the index's rules (``core``) and shell (``actor``), the store
+worker, the reader (``reader_core`` + ``reader``) and the scrubber (``scrubber_core`` +
+``scrubber``), their ports (``ports``) and the blocking file work they run on worker
+threads (``io``).
 
 See ``docs/cold-tier.md``.
 """
 
 from __future__ import annotations
 
-from . import core
+from . import core, reader_core, scrubber_core
 from .actor import (
     SSD_WRITER_ADDRESS,
     ColdTier,
-    Reader,
-    Scrubber,
+    IndexKeep,
+    IoRunner,
     SsdWriter,
     SsdWriterConfig,
     StoreWorker,
+    ThreadPool,
     build_cold_tier,
     cold_tier_stats,
 )
@@ -34,6 +37,8 @@ from .ports import (
     TimedEngineTurns,
     cold_fingerprint,
 )
+from .reader import Reader
+from .scrubber import Scrubber
 
 __all__ = [
     "SSD_WRITER_ADDRESS",
@@ -47,7 +52,9 @@ __all__ = [
     "FingerprintUsage",
     "HostStaging",
     "IndexEntry",
+    "IndexKeep",
     "IndexState",
+    "IoRunner",
     "LandingObservation",
     "PurgeReport",
     "Reader",
@@ -58,6 +65,7 @@ __all__ = [
     "StagedEntry",
     "StoreWorker",
     "TensorSource",
+    "ThreadPool",
     "TimedEngineTurns",
     "build_cold_tier",
     "check_tier_dirs",
@@ -68,4 +76,6 @@ __all__ = [
     "list_tier",
     "namespace_dir",
     "purge_tier",
+    "reader_core",
+    "scrubber_core",
 ]

@@ -32,11 +32,13 @@ goes through the injectable ``FilePort`` instead, on the same kind of pool.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, assert_never
+from typing import Any, Protocol, TypeVar, assert_never
 
 import anyio
 
@@ -49,26 +51,19 @@ from actors.checkpoints import (
 from actors.runtime import (
     Actor,
     ActorStopped,
-    Alarm,
     Context,
-    LoopAlarm,
     MailboxClosed,
-    RuntimeFailure,
     UnknownAddress,
     get_logger,
 )
 from kernels.cache import (
-    CacheFileCorrupt,
-    CacheFileIncompatible,
     CacheFileWriteError,
     EntryPlan,
     FileLock,
     FilePort,
     GenerationCheckpoint,
     KvFileWriter,
-    OpenEntry,
     OsFilePort,
-    PassFailed,
 )
 from messages import (
     Body,
@@ -78,8 +73,6 @@ from messages import (
     RemoveCheckpoints,
     ReserveSpace,
     Restore,
-    RestoreReport,
-    RestoreResult,
     SpaceReserved,
     SpillQueueStats,
     SsdStats,
@@ -88,20 +81,20 @@ from messages import (
     WriteCommitted,
     WriteEntry,
 )
-from messages.gateway import RunWhenIdle, TurnDone
-from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget, ScrubWake
+from messages.ssd_writer import FilesRemoved, LandingReport, RemoveEntries
 
 from . import core, io
-from .ports import CheckpointSource, FileIdentity, HostStaging, StagedEntry, TensorSource
+from .ports import CheckpointSource, FileIdentity, HostStaging, LandingObservation, TensorSource
 
 __all__ = [
     "SSD_WRITER_ADDRESS",
     "ColdTier",
-    "Reader",
-    "Scrubber",
+    "IndexKeep",
+    "IoRunner",
     "SsdWriter",
     "SsdWriterConfig",
     "StoreWorker",
+    "ThreadPool",
     "build_cold_tier",
     "cold_tier_stats",
 ]
@@ -158,23 +151,58 @@ class SsdWriterConfig:
             raise ValueError("scrub_interval_s >= 0, scrub_bytes_per_s > 0, scrub_idle_wait_s > 0")
 
 
-@dataclass
-class ColdTier:
-    """What the tier's actors share (built once by :func:`build_cold_tier`, survives restarts).
+class IoRunner(Protocol):
+    """Runs blocking file work off the event loop (the tier's bounded worker-thread pool)."""
 
-    ``state`` may be read directly for statistics (``core.stats(tier.state)``);
-    ``staging`` is where restored bytes wait for their caller.
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on a worker thread; its result or exception."""
+        ...
+
+
+class ThreadPool:
+    """:class:`IoRunner` over ``anyio.to_thread`` with one ``CapacityLimiter`` of ``threads``.
+
+    A port the tier's actors share: it holds nothing but the limiter, which
+    every actor uses from the event loop (anyio's limiter is made for that).
+    NOTE: the limiter is made on first use, inside the running loop.
+    """
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        self._threads = threads
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """See :meth:`IoRunner.run`."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self._threads)
+        call = functools.partial(fn, *args, **kwargs)
+        return await anyio.to_thread.run_sync(call, limiter=self._limiter)
+
+
+@dataclass(frozen=True)
+class ColdTier:
+    """The cold tier's configuration and ports, built once by :func:`build_cold_tier`.
+
+    Immutable: what the actors know of each other is their addresses;
+    everything they decide on travels in their messages. The fields that are
+    objects are ports: ``port`` (the file port, stateless), ``source`` (the
+    store worker's tensor read-backs; only the store worker calls it),
+    ``staging`` (:class:`HostStaging`, thread-safe), ``io`` (the bounded
+    worker-thread pool), ``checkpoints`` (the generation-checkpoint
+    counters, plain integers the store worker and the index add to on the
+    event loop and ``/stats`` reads). The index's state is not here: the
+    wiring gives the index its own :class:`IndexKeep`.
     """
 
     config: SsdWriterConfig
     port: FilePort
     source: TensorSource
-    state: core.IndexState
     staging: HostStaging
+    io: IoRunner
     name: str = SSD_WRITER_ADDRESS
-    lock: FileLock | None = None
     checkpoints: CheckpointCounters = field(default_factory=CheckpointCounters)
-    _limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
 
     @property
     def store_address(self) -> str:
@@ -186,22 +214,41 @@ class ColdTier:
         """The reader's address."""
         return f"{self.name}.read"
 
-    def stats(self) -> SsdStats:
-        """The index's statistics, read without asking."""
-        return core.stats(self.state)
+    @property
+    def scrub_address(self) -> str:
+        """The scrubber's address."""
+        return f"{self.name}.scrub"
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run blocking ``fn`` on the tier's bounded worker-thread pool."""
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self.config.io_threads)
-        call = functools.partial(fn, *args, **kwargs)
-        return await anyio.to_thread.run_sync(call, limiter=self._limiter)
+        return await self.io.run(fn, *args, **kwargs)
 
-    def release_lock(self) -> None:
-        """Drop the directory lock (the tier's actors have stopped)."""
-        lock, self.lock = self.lock, None
-        if lock is not None:
-            lock.release()
+
+@dataclass
+class IndexKeep:
+    """What the index actor keeps across its restarts: the core's state and the directory lock.
+
+    Given to the index's factory only (never to another actor): a restart
+    after a failing message goes on with the same index instead of
+    scanning again, and the lock stays held until the actor stops.
+    """
+
+    state: core.IndexState
+    lock: FileLock | None = None
+
+    @classmethod
+    def fresh(cls, config: SsdWriterConfig, *, report_tier: bool = False) -> IndexKeep:
+        """An empty index for ``config`` (``report_tier``: KV events of disk entries are on)."""
+        return cls(
+            core.new_state(
+                root=config.root,
+                fingerprint=config.identity.fingerprint,
+                max_bytes=config.max_bytes,
+                min_restore_tokens=config.min_restore_tokens,
+                always_restore=config.always_restore,
+                report_tier=report_tier,
+            )
+        )
 
 
 def cold_tier_stats(ssd: SsdStats, queue: SpillQueueStats) -> dict[str, Any]:
@@ -221,107 +268,78 @@ def cold_tier_stats(ssd: SsdStats, queue: SpillQueueStats) -> dict[str, Any]:
 
 
 class SsdWriter(Actor):
-    """The index actor: scan at start, then ``core.handle`` for every message."""
+    """The index actor: scan at start, then ``core.handle`` for every event; performs its effects.
 
-    def __init__(self, tier: ColdTier, *, kv_events: str | None = None) -> None:
+    ``keep``: the index's state and lock, kept across restarts (the wiring
+    makes one per tier; ``None``: a fresh one for this instance).
+    ``kv_events``: the KV-event publisher told what enters and leaves the
+    index (``None``: nobody).
+    """
+
+    def __init__(
+        self, tier: ColdTier, *, keep: IndexKeep | None = None, kv_events: str | None = None
+    ) -> None:
         self._tier = tier
+        self._keep = keep if keep is not None else IndexKeep.fresh(tier.config)
         self._kv_events = kv_events
 
     async def started(self, ctx: Context) -> None:
-        """Lock the fingerprint directory and scan it (once; a restart keeps the index)."""
-        if not self._tier.state.ready:
+        """Bind the staging's landing reports; lock and scan the directory (once: a restart keeps it)."""
+        self._tier.staging.bind_reports(_landing_poster(ctx), clock=ctx.clock.now)
+        if not self._keep.state.ready:
             await self._load(ctx)
 
     async def stopped(self, ctx: Context) -> None:
         """Close the files still waiting in the staging (worker thread) and release the lock."""
+        tier = self._tier
+        tier.staging.bind_reports(None)
         try:
-            await self._tier.run(self._tier.staging.close)
+            await tier.run(tier.staging.close)
         finally:
-            self._tier.release_lock()
+            lock, self._keep.lock = self._keep.lock, None
+            if lock is not None:
+                lock.release()
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
-        """Apply the rules to one message and perform their effects in order.
-
-        NOTE: the landings the engine thread recorded since the last message
-        are applied first (it cannot send messages itself), so a ``Find``
-        always sees every landing that finished before it arrived.
-        """
-        tier = self._tier
-        landed: list[core.Effect] = []
-        for obs in tier.staging.drain_observations():
-            landed += core.landing_report(
-                tier.state,
-                path=obs.path,
-                nbytes=obs.nbytes,
-                seconds=obs.seconds,
-                ok=obs.ok,
-                corrupt=obs.corrupt,
-            )
-        if landed:
-            await self._perform(landed, ctx)
-        body = envelope.body
-        if (isinstance(body, Store) and body.checkpoint is not None) \
-                or isinstance(body, RemoveCheckpoints):
-            await self._checkpoint_work(envelope, ctx)
-            return
-        tier.state, effects = core.handle(tier.state, envelope)
-        await self._perform(effects, ctx)
-
-    async def _checkpoint_work(self, envelope: Envelope, ctx: Context) -> None:
-        """Hand a checkpoint write or removal to the store worker (outside the index).
-
-        NOTE: checkpoint files are not index entries (no prefix lookup finds
-        them); the store worker runs writes and removals in arrival order,
-        so a completion's removal never overtakes its key's write.
-        """
-        tier, body = self._tier, envelope.body
-        if tier.state.read_only or not tier.state.ready:
-            if isinstance(body, Store):
-                tier.checkpoints.write_failed += 1
-                await ctx.reply(envelope, StoreResult(handle=body.handle, stored=False,
-                                                      reason="read_only"))
-            return
-        if not _try_tell(ctx, tier.store_address, body, envelope.correlation_id) \
-                and isinstance(body, Store):
-            tier.checkpoints.write_failed += 1
-            await ctx.reply(envelope, StoreResult(handle=body.handle, stored=False,
-                                                  reason="writer_unavailable"))
+        """Feed the message to the rules and perform their effects in order."""
+        await self._feed(core.Received(envelope, ctx.clock.now()), ctx)
 
     async def _load(self, ctx: Context) -> None:
-        tier, state = self._tier, self._tier.state
+        """The start hook's file work: lock, scan, directory fsyncs; the rules decide the rest."""
+        tier, keep = self._tier, self._keep
+        fingerprint_dir = keep.state.fingerprint_dir
         try:
-            tier.lock = await tier.run(io.lock_directory, tier.port, state.fingerprint_dir)
+            keep.lock = await tier.run(io.lock_directory, tier.port, fingerprint_dir)
         except OSError as exc:
-            state.read_only = True
             _log.warning(
                 "ssd_cache.unavailable",
-                directory=state.fingerprint_dir,
+                directory=fingerprint_dir,
                 error=str(exc),
                 detail="the SSD cache directory cannot be created or locked; "
                 "the cold tier stores nothing in this run",
             )
         else:
-            if tier.lock is None:
-                state.read_only = True
+            if keep.lock is None:
                 _log.warning(
                     "ssd_cache.read_only",
-                    directory=state.fingerprint_dir,
+                    directory=fingerprint_dir,
                     detail="another kvtier server holds this SSD cache directory; this one "
                     "restores from it but writes and removes nothing",
                 )
+        locked = keep.lock is not None
         try:
             scan = await tier.run(
                 io.scan,
                 tier.port,
-                state.root,
-                state.fingerprint,
+                tier.config.root,
+                tier.config.identity.fingerprint,
                 tokenizer_hash=tier.config.identity.tokenizer_hash,
                 max_header_bytes=tier.config.max_header_bytes,
             )
         except OSError as exc:
-            _log.warning("ssd_cache.scan_failed", root=state.root, error=str(exc))
+            _log.warning("ssd_cache.scan_failed", root=tier.config.root, error=str(exc))
             scan = core.ScanResult(incomplete=True)
-        if not state.read_only and scan.directories:
+        if locked and scan.directories:
             failed = await tier.run(io.sync_directories, tier.port, scan.directories)
             if failed:
                 _log.warning(
@@ -329,29 +347,39 @@ class SsdWriter(Actor):
                     directories=list(failed),
                     detail="an earlier run's unsynced removals there may come back after a crash",
                 )
-        tier.state, effects = core.load_scan(state, scan)
-        await self._perform(effects, ctx)
+        await self._feed(core.ScanLoaded(scan, locked, ctx.clock.now()), ctx)
+        ready = core.stats(keep.state)
         _log.info(
             "ssd_cache.ready",
-            directory=state.fingerprint_dir,
-            entries=len(state.entries),
-            bytes=state.indexed_bytes,
-            max_bytes=state.max_bytes,
-            read_only=state.read_only,
-            corrupt_removed=state.corrupt_removed,
-            orphans_reaped=state.orphans_reaped,
-            foreign_dirs=state.foreign_dirs,
+            directory=fingerprint_dir,
+            entries=ready.entries,
+            bytes=ready.bytes,
+            max_bytes=ready.max_bytes,
+            read_only=ready.read_only,
+            corrupt_removed=ready.corrupt_removed,
+            orphans_reaped=ready.orphans_reaped,
+            foreign_dirs=ready.foreign_dirs,
         )
 
-    async def _perform(self, effects: Sequence[core.Effect], ctx: Context) -> None:
+    async def _feed(self, event: core.Event, ctx: Context) -> None:
+        """The one place the rules run: each event, then the events its effects' outcomes make."""
+        keep = self._keep
+        events: deque[core.Event] = deque([event])
+        while events:
+            keep.state, effects = core.handle(keep.state, events.popleft())
+            for effect in effects:
+                follow = await self._perform(effect, ctx)
+                if follow is not None:
+                    events.append(follow)
+
+    async def _perform(self, effect: core.Effect, ctx: Context) -> core.Event | None:
+        """Carry out one effect; the event its outcome makes for the rules, if any."""
         tier = self._tier
-        work = list(effects)
-        while work:
-            effect = work.pop(0)
-            if isinstance(effect, core.Answer):
-                await ctx.reply(effect.request, effect.body)
-            elif isinstance(effect, core.StartWrite):
-                body = WriteEntry(
+        match effect:
+            case core.Answer(request=request, body=body):
+                await ctx.reply(request, body)
+            case core.StartWrite():
+                write = WriteEntry(
                     job_id=effect.job_id,
                     handle=effect.handle,
                     namespace=effect.namespace,
@@ -361,10 +389,9 @@ class SsdWriter(Actor):
                 # NOTE: never wait on a worker's mailbox: the worker asks this
                 # actor (ReserveSpace, EntryWritten), so blocking here could
                 # deadlock both until the ask deadline.
-                if not _try_tell(ctx, tier.store_address, body, effect.correlation_id):
-                    work[:0] = core.abandon_job(tier.state, effect.job_id, "writer_unavailable")
-            elif isinstance(effect, core.StartRead):
-                request = effect.request
+                if not _try_tell(ctx, tier.store_address, write, effect.correlation_id):
+                    return core.WorkerGone(effect.job_id, "writer_unavailable", ctx.clock.now())
+            case core.StartRead(request=request):
                 assert isinstance(request.body, Restore)
                 read = ReadEntry(
                     path=effect.path,
@@ -372,41 +399,88 @@ class SsdWriter(Actor):
                     tokens=effect.tokens,
                     ticket=request.body.ticket,
                     reply_to=request.body.reply_to,
+                    read_only=effect.read_only,
                 )
                 if not _try_tell(ctx, tier.read_address, read, request.correlation_id):
-                    unavailable = RestoreResult(
-                        ok=False,
-                        path=effect.path,
-                        reason="reader_unavailable",
-                        ticket=request.body.ticket,
-                    )
-                    await ctx.reply(request, unavailable)
-            elif isinstance(effect, core.RemoveFiles):
-                removal = await tier.run(io.remove_durably, tier.port, effect.paths)
-                core.files_removed(
-                    tier.state, FilesRemoved(removed=removal.gone, failed=removal.left)
-                )
+                    return core.ReaderGone(request, effect.path, ctx.clock.now())
+            case core.RemoveFiles(paths=paths, reason=reason):
+                remove = RemoveEntries(paths=paths, reason=reason)
+                if not _try_tell(ctx, tier.store_address, remove, None):
+                    _log.warning("ssd_cache.remove_deferred", paths=list(paths), reason=reason)
+                    return core.Removed((), paths, ctx.clock.now())
+            case core.RemoveNow(paths=paths, reason=reason):
+                removal = await tier.run(io.remove_durably, tier.port, paths)
                 _log.info(
                     "ssd_cache.removed",
-                    reason=effect.reason,
+                    reason=reason,
                     removed=len(removal.gone),
                     failed=len(removal.left),
                 )
-            elif isinstance(effect, core.Log):
-                _log.warning(effect.event, detail=effect.detail)
-            else:
+                return core.Removed(removal.gone, removal.left, ctx.clock.now())
+            case core.ForwardCheckpoint(request=request):
+                body = request.body
+                if not _try_tell(ctx, tier.store_address, body, request.correlation_id) \
+                        and isinstance(body, Store):
+                    await self._refuse_checkpoint(request, "writer_unavailable", ctx)
+            case core.RefuseCheckpoint(request=request, reason=reason):
+                await self._refuse_checkpoint(request, reason, ctx)
+            case core.ReportTier(body=report):
+                await self._report(report, ctx)
+            case core.Log(event=name, detail=detail):
+                _log.warning(name, detail=detail)
+            case _:
                 assert_never(effect)
-        report = core.tier_report(tier.state)
-        if report is not None and self._kv_events is not None:
-            try:
-                # NOTE: a waiting tell: a dropped report would leave the KV-event
-                # subscribers' index wrong; the publisher never waits on this actor.
-                await ctx.tell(self._kv_events, report)
-            except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
-                _log.warning("ssd_cache.kv_events_failed", error=repr(exc))
+        return None
+
+    async def _refuse_checkpoint(self, request: Envelope, reason: str, ctx: Context) -> None:
+        body = request.body
+        assert isinstance(body, Store)
+        self._tier.checkpoints.write_failed += 1
+        await ctx.reply(request, StoreResult(handle=body.handle, stored=False, reason=reason))
+
+    async def _report(self, report: Body, ctx: Context) -> None:
+        if self._kv_events is None:
+            return
+        try:
+            # NOTE: a waiting tell: a dropped report would leave the KV-event
+            # subscribers' index wrong; the publisher never waits on this actor.
+            await ctx.tell(self._kv_events, report)
+        except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
+            _log.warning("ssd_cache.kv_events_failed", error=repr(exc))
 
 
-def _try_tell(ctx: Context, address: str, body: Body, correlation_id: str) -> bool:
+def _landing_poster(ctx: Context) -> Callable[[LandingObservation], None]:
+    """A landing-report sink for :meth:`HostStaging.bind_reports`: posts ``LandingReport`` to ``ctx``.
+
+    NOTE: called on the engine thread, which makes no actor calls: it hands
+    the observation to the event loop, which sends it (into the reserved
+    room when the mailbox is full, so a busy index still learns of a
+    corrupt file). A report lost all the same loses a timing sample, or the
+    removal of a corrupt file, which its next landing reports again.
+    """
+    loop = asyncio.get_running_loop()
+    ref = ctx.self_ref
+
+    def send(obs: LandingObservation) -> None:
+        report = LandingReport(
+            path=obs.path, nbytes=obs.nbytes, seconds=obs.seconds, ok=obs.ok, corrupt=obs.corrupt
+        )
+        try:
+            if not ref.try_tell(report) and not ref.post(report):
+                _log.warning("ssd_cache.landing_report_lost", path=obs.path, ok=obs.ok)
+        except (ActorStopped, MailboxClosed, UnknownAddress):
+            return
+
+    def sink(obs: LandingObservation) -> None:
+        try:
+            loop.call_soon_threadsafe(send, obs)
+        except RuntimeError:
+            return  # NOTE: the loop is closed; nobody is left to tell.
+
+    return sink
+
+
+def _try_tell(ctx: Context, address: str, body: Body, correlation_id: str | None) -> bool:
     """Send without waiting; ``False`` when the worker is gone or its mailbox is full."""
     try:
         return ctx.ref(address).try_tell(body, correlation_id=correlation_id)
@@ -436,6 +510,9 @@ class StoreWorker(Actor):
         if isinstance(body, RemoveCheckpoints):
             await self._remove_checkpoints(body.request_key)
             return
+        if isinstance(body, RemoveEntries):
+            await self._remove(body.paths, body.reason, ctx)
+            return
         if not isinstance(body, WriteEntry):
             raise TypeError(f"store worker has no rule for {body.kind!r}")
         tier = self._tier
@@ -450,11 +527,17 @@ class StoreWorker(Actor):
             tier.name, report, timeout=tier.config.ask_timeout, expect=WriteCommitted
         )
         if committed.remove:
-            removal = await tier.run(io.remove_durably, tier.port, committed.remove)
-            if removal.left:
-                _log.warning("ssd_cache.supersede_unlink_failed", paths=list(removal.left))
-            # NOTE: the index counts these files until it hears they are gone.
-            await ctx.tell(tier.name, FilesRemoved(removed=removal.gone, failed=removal.left))
+            await self._remove(committed.remove, "superseded", ctx)
+
+    async def _remove(self, paths: tuple[str, ...], reason: str, ctx: Context) -> None:
+        """Remove ``paths`` durably and tell the index which are gone (it counts them until then)."""
+        tier = self._tier
+        removal = await tier.run(io.remove_durably, tier.port, paths)
+        if removal.left:
+            _log.warning("ssd_cache.remove_failed", reason=reason, paths=list(removal.left))
+        else:
+            _log.info("ssd_cache.removed", reason=reason, removed=len(removal.gone), failed=0)
+        await ctx.tell(tier.name, FilesRemoved(removed=removal.gone, failed=removal.left))
 
     def _checkpoint_dir(self) -> str:
         ident = self._tier.config.identity
@@ -599,302 +682,6 @@ class StoreWorker(Actor):
             _log.warning("ssd_cache.source_finish_failed", error=type(exc).__name__)
 
 
-# --- the reader --------------------------------------------------------------------------
-
-
-async def _open_owned(tier: ColdTier, path: str, **kwargs: Any) -> OpenEntry:
-    """``io.open_for_restore`` on the worker pool; its file is closed if the caller never gets it.
-
-    NOTE: the worker thread runs to its end even when the awaiting task is
-    cancelled meanwhile; the file it opened is then closed here instead of
-    leaking its descriptor.
-    """
-    produced: list[OpenEntry] = []
-
-    def open_() -> OpenEntry:
-        out = io.open_for_restore(tier.port, path, **kwargs)
-        produced.append(out)
-        return out
-
-    try:
-        return await tier.run(open_)
-    except BaseException:
-        for out in produced:
-            out.close()
-        raise
-
-
-class Reader(Actor):
-    """Opens one file per ``ReadEntry``, stages it, answers the ``Restore`` asker, then passes over it.
-
-    The answer comes once the header is checked and the file open; the
-    pass (every tensor read, hashes checked) runs after it, so the request's
-    engine turn can land the entry right behind the pass (a landing waits
-    for each tensor the pass has not reached yet). What the pass finds is
-    reported to the index: a corrupt file is removed; its landing fails (a
-    miss). The pass always ends (done, failed, or abandoned when its worker
-    never ran), so a landing waiting on it never hangs.
-    """
-
-    def __init__(self, tier: ColdTier) -> None:
-        self._tier = tier
-
-    async def receive(self, envelope: Envelope, ctx: Context) -> None:
-        """Open, stage, answer the asker, pass over the file, report to the index."""
-        body = envelope.body
-        if not isinstance(body, ReadEntry):
-            raise TypeError(f"reader has no rule for {body.kind!r}")
-        tier = self._tier
-        state = tier.state
-        started = ctx.clock.now()
-        try:
-            file = await _open_owned(
-                tier,
-                body.path,
-                fingerprint=state.fingerprint,
-                namespace=body.namespace,
-                tokens=body.tokens,
-                verify=tier.config.verify,
-                max_header_bytes=tier.config.max_header_bytes,
-            )
-        except (CacheFileCorrupt, CacheFileIncompatible) as exc:
-            await self._bad_file(envelope, ctx, body, exc)
-            return
-        except FileNotFoundError:
-            await ctx.reply(
-                envelope, RestoreResult(ok=False, path=body.path, reason="gone", ticket=body.ticket)
-            )
-            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="gone"))
-            return
-        except OSError as exc:
-            await self._io_error(envelope, ctx, body, exc)
-            return
-        try:
-            await self._stage_and_pass(envelope, ctx, body, file, started)
-        finally:
-            # NOTE: a pass that never ran still ends, waking any landing
-            # behind it (a no-op once it ran).
-            file.abandon()
-
-    async def _stage_and_pass(
-        self, envelope: Envelope, ctx: Context, body: ReadEntry, file: OpenEntry, started: float
-    ) -> None:
-        tier = self._tier
-        staging_id = ctx.ids.new_id("restore-")
-        # NOTE: the staging owns the open file from here (it closes it when it
-        # drops the entry, pushes it out, or lands it; closing it during the
-        # pass cancels the pass).
-        if not tier.staging.put(staging_id, StagedEntry(body.path, file)):
-            await ctx.reply(
-                envelope,
-                RestoreResult(ok=False, path=body.path, reason="stopped", ticket=body.ticket),
-            )
-            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="stopped"))
-            return
-        result = RestoreResult(
-            ok=True,
-            path=body.path,
-            staging_id=staging_id,
-            entry_tokens=len(file.header.tokens),
-            bytes=file.nbytes,
-            read_s=max(0.0, ctx.clock.now() - started),
-            ticket=body.ticket,
-        )
-        try:
-            delivered = await ctx.reply(envelope, result)
-        except BaseException:
-            tier.staging.discard(staging_id)
-            raise
-        if not delivered:
-            tier.staging.discard(staging_id)  # NOTE: the asker left; close the file now.
-            file.abandon("the asker left")
-            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="stopped"))
-            return
-        try:
-            read, touched = await tier.run(
-                io.pass_entry, tier.port, file, touch=not tier.state.read_only
-            )
-        except (CacheFileCorrupt, CacheFileIncompatible) as exc:
-            tier.staging.discard(staging_id)
-            await self._bad_file(None, ctx, body, exc)
-            return
-        except PassFailed:
-            # NOTE: the entry was closed during its pass (pushed out, dropped,
-            # a landing that failed): nothing is known against the file.
-            await ctx.tell(tier.name, RestoreReport(path=body.path, ok=False, reason="stopped"))
-            return
-        except OSError as exc:
-            tier.staging.discard(staging_id)
-            await self._io_error(None, ctx, body, exc)
-            return
-        seconds = max(0.0, ctx.clock.now() - started)
-        # NOTE: only a pass that read the file teaches the estimator a read
-        # speed (``bytes=0`` is ignored there): one that found the file in
-        # the page cache read nothing, and its time says nothing of the disk.
-        report = RestoreReport(
-            path=body.path, ok=True, bytes=read, seconds=seconds, touched=touched
-        )
-        await ctx.tell(tier.name, report)
-
-    async def _bad_file(
-        self, envelope: Envelope | None, ctx: Context, body: ReadEntry, exc: Exception
-    ) -> None:
-        tier = self._tier
-        removed = False
-        if not tier.state.read_only:
-            removal = await tier.run(io.remove_durably, tier.port, (body.path,))
-            removed = removal.gone == (body.path,)
-        _log.warning("ssd_cache.corrupt", path=body.path, error=str(exc), removed=removed)
-        if envelope is not None:
-            await ctx.reply(
-                envelope,
-                RestoreResult(ok=False, path=body.path, reason="corrupt", ticket=body.ticket),
-            )
-        report = RestoreReport(path=body.path, ok=False, reason="corrupt", removed=removed)
-        await ctx.tell(tier.name, report)
-
-    async def _io_error(
-        self, envelope: Envelope | None, ctx: Context, body: ReadEntry, exc: OSError
-    ) -> None:
-        _log.warning("ssd_cache.read_failed", path=body.path, error=str(exc))
-        if envelope is not None:
-            await ctx.reply(
-                envelope,
-                RestoreResult(ok=False, path=body.path, reason="io_error", ticket=body.ticket),
-            )
-        await ctx.tell(self._tier.name, RestoreReport(path=body.path, ok=False, reason="io_error"))
-
-
-# --- the scrubber ---------------------------------------------------------------------
-
-
-class Scrubber(Actor):
-    """Re-verifies stored files' hashes while the engine is idle, one file per alarm.
-
-    Each round asks the gateway for one idle engine turn of the standing
-    no-op step ``gate_step`` (granted only when no request runs or waits),
-    then takes the next file from the index (round robin) and checks every
-    tensor's hash on the worker pool, through one reused buffer. A bad file
-    is unlinked (not when read-only) and reported; the index drops it. The
-    next round comes ``scrub_interval_s`` later, or later still so that the
-    bytes read stay under ``scrub_bytes_per_s``. ``gateway`` ``None`` skips
-    the idleness check (tests).
-    """
-
-    def __init__(
-        self,
-        tier: ColdTier,
-        *,
-        gateway: str | None,
-        gate_step: str,
-        alarm: Alarm | None = None,
-    ) -> None:
-        self._tier = tier
-        self._gateway = gateway
-        self._gate_step = gate_step
-        self._alarm = alarm
-
-    async def started(self, ctx: Context) -> None:
-        """Arm the first round one interval from now."""
-        if self._alarm is None:
-            self._alarm = LoopAlarm(ctx.clock)
-        self._arm(ctx, self._tier.config.scrub_interval_s)
-
-    async def stopped(self, ctx: Context) -> None:
-        """Cancel the alarm."""
-        if self._alarm is not None:
-            self._alarm.set(None, _nothing)
-
-    async def receive(self, envelope: Envelope, ctx: Context) -> None:
-        """One round per ``ScrubWake``; then arm the next."""
-        body = envelope.body
-        if not isinstance(body, ScrubWake):
-            raise TypeError(f"scrubber has no rule for {body.kind!r}")
-        config = self._tier.config
-        checked = await self._round(ctx)
-        wait = max(config.scrub_interval_s, checked / config.scrub_bytes_per_s)
-        self._arm(ctx, wait)
-
-    def _arm(self, ctx: Context, delay: float) -> None:
-        alarm = self._alarm
-        if alarm is None or self._tier.config.scrub_interval_s <= 0:
-            return
-        ref = ctx.self_ref
-
-        def wake() -> None:
-            try:
-                # NOTE: a full mailbox already holds a wake; nothing is lost.
-                ref.try_tell(ScrubWake())
-            except (ActorStopped, MailboxClosed, UnknownAddress):
-                return
-
-        alarm.set(ctx.clock.now() + delay, wake)
-
-    async def _idle(self, ctx: Context) -> bool:
-        """Whether the gateway granted the gate step (the engine was idle)."""
-        if self._gateway is None:
-            return True
-        wait = self._tier.config.scrub_idle_wait_s
-        ask = RunWhenIdle(
-            step_id=self._gate_step, label="ssd_writer.scrub", deadline=ctx.clock.now() + wait
-        )
-        try:
-            done = await ctx.ask(self._gateway, ask, timeout=wait, expect=TurnDone)
-        except RuntimeFailure:
-            return False  # NOTE: busy the whole time (or stopping): skip this round.
-        return done.ok
-
-    async def _round(self, ctx: Context) -> int:
-        """Verify one file; the bytes read (0 when nothing was checked)."""
-        tier = self._tier
-        state = tier.state
-        if state.read_only or not state.ready or not await self._idle(ctx):
-            return 0
-        try:
-            target = await ctx.ask(
-                tier.name, ScrubPick(), timeout=tier.config.ask_timeout, expect=ScrubTarget
-            )
-        except RuntimeFailure:
-            return 0  # NOTE: the index is restarting or stopping: try next round.
-        path = target.path
-        if path is None:
-            return 0
-        try:
-            checked = await tier.run(
-                io.verify_entry,
-                tier.port,
-                path,
-                fingerprint=state.fingerprint,
-                namespace=target.namespace,
-                tokens=target.tokens,
-                max_header_bytes=tier.config.max_header_bytes,
-            )
-        except (CacheFileCorrupt, CacheFileIncompatible) as exc:
-            removed = False
-            if not state.read_only:
-                removal = await tier.run(io.remove_durably, tier.port, (path,))
-                removed = removal.gone == (path,)
-            _log.warning("ssd_cache.scrub_corrupt", path=path, error=str(exc), removed=removed)
-            report = ScrubReport(path=path, ok=False, reason="corrupt", removed=removed)
-            checked = target.file_bytes
-        except FileNotFoundError:
-            report, checked = ScrubReport(path=path, ok=False, reason="gone"), 0
-        except OSError as exc:
-            _log.warning("ssd_cache.scrub_failed", path=path, error=str(exc))
-            report, checked = ScrubReport(path=path, ok=False, reason="io_error"), 0
-        else:
-            report = ScrubReport(path=path, ok=True, bytes=checked)
-        try:
-            await ctx.tell(tier.name, report)
-        except RuntimeFailure:
-            _log.warning("ssd_cache.scrub_report_lost", path=path, reason=report.reason)
-        return checked
-
-
-def _nothing() -> None:
-    return None
-
-
 # --- building -----------------------------------------------------------------------------
 
 
@@ -905,25 +692,20 @@ def build_cold_tier(
     port: FilePort | None = None,
     name: str = SSD_WRITER_ADDRESS,
     staging: HostStaging | None = None,
+    io_runner: IoRunner | None = None,
 ) -> ColdTier:
-    """The state the cold tier's actors share (the wiring spawns them over it).
+    """The configuration and ports the cold tier's actors are built over (the wiring spawns them).
 
-    ``staging``: where restored bytes wait (``None``: a new one of
+    ``staging``: where restored files wait (``None``: a new one of
     ``config.staging_entries``); pass the one the engine's backend takes
-    restored entries from.
+    restored entries from. ``io_runner``: where file work runs (``None``: a
+    :class:`ThreadPool` of ``config.io_threads``).
     """
-    state = core.IndexState(
-        root=config.root,
-        fingerprint=config.identity.fingerprint,
-        max_bytes=config.max_bytes,
-        min_restore_tokens=config.min_restore_tokens,
-        estimator=core.Estimator(always_restore=config.always_restore),
-    )
     return ColdTier(
         config=config,
         port=port if port is not None else OsFilePort(),
         source=source,
-        state=state,
         staging=staging if staging is not None else HostStaging(max_entries=config.staging_entries),
+        io=io_runner if io_runner is not None else ThreadPool(config.io_threads),
         name=name,
     )

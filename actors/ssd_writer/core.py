@@ -1,9 +1,13 @@
-"""The cold tier's index and rules as a sans-IO core: ``handle(state, envelope) -> (state, effects)``.
+"""The cold tier's index and rules as a sans-IO core: ``handle(state, event) -> (state, effects)``.
 
 Pure Python over file metadata: no file access, no clock, no arrays. The
-shell (``actors/ssd_writer/actor.py``) performs the effects and feeds back
-what its worker actors observed (``ReserveSpace``, ``EntryWritten``,
-``RestoreReport``, the startup :class:`ScanResult`).
+shell (``actors/ssd_writer/actor.py``) feeds it one :data:`Event` at a time
+(a message: :class:`Received`; the startup scan: :class:`ScanLoaded`; an
+outcome of one of its effects: :class:`WorkerGone`, :class:`ReaderGone`,
+:class:`Removed`) and performs the effects in order. What the worker actors
+observe arrives as messages (``ReserveSpace``, ``EntryWritten``,
+``RestoreReport``, ``FilesRemoved``, ``ScrubReport``), and so do the
+engine thread's landings (``LandingReport``, posted by the host staging).
 
 Invariants kept here (``tests/actors/ssd_writer/test_core.py`` checks them
 against a simple model):
@@ -40,7 +44,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, assert_never
 
 from actors.prompt_cache.core import common_prefix_len
 from messages import (
@@ -65,7 +69,17 @@ from messages import (
     WriteCommitted,
 )
 from messages.kv_events import TierChange, TierChanged
-from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget
+from messages.spill_queue import RemoveCheckpoints
+from messages.ssd_writer import (
+    FilesRemoved,
+    LandingReport,
+    ScrubPick,
+    ScrubReport,
+    ScrubTarget,
+    SsdIndex,
+    SsdIndexEntry,
+    SsdIndexRequest,
+)
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -79,29 +93,34 @@ __all__ = [
     "CostLine",
     "Effect",
     "Estimator",
+    "Event",
+    "ForwardCheckpoint",
     "IndexEntry",
     "IndexState",
     "Log",
+    "ReaderGone",
+    "Received",
+    "RefuseCheckpoint",
     "RemoveFiles",
+    "RemoveNow",
+    "Removed",
+    "ReportTier",
+    "ScanLoaded",
     "ScanResult",
     "ScannedFile",
     "StartRead",
     "StartWrite",
     "StoreJob",
     "UnknownSsdWriterMessage",
-    "abandon_job",
+    "WorkerGone",
     "covers",
     "entry_name",
-    "files_removed",
     "find",
     "handle",
-    "landing_report",
-    "load_scan",
+    "index_listing",
     "namespace_dir",
-    "scrub_pick",
-    "scrub_report",
+    "new_state",
     "stats",
-    "tier_report",
     "usable_tokens",
 ]
 
@@ -456,24 +475,67 @@ class StartWrite:
 
 @dataclass(frozen=True, slots=True)
 class StartRead:
-    """Tell the reader to read ``path``, answering the ``Restore`` in ``request`` itself."""
+    """Tell the reader to read ``path``, answering the ``Restore`` in ``request`` itself.
+
+    ``read_only``: the reader must neither touch nor remove the file. Not
+    delivered (the reader is gone or full): the shell feeds :class:`ReaderGone`.
+    """
 
     request: Envelope
     path: str
     namespace: str
     tokens: tuple[int, ...]
+    read_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RemoveFiles:
-    """Unlink ``paths`` durably (startup scan decisions and corrupt landings; ``reason`` for the log).
+    """Have the store worker unlink ``paths`` durably (``reason`` for the log).
 
-    They are leftovers until then: the shell reports the outcome with
-    :func:`files_removed`.
+    They are leftovers until the worker's ``FilesRemoved`` says they are
+    gone; not delivered, the shell feeds :class:`Removed` with them failed.
     """
 
     paths: tuple[str, ...]
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveNow:
+    """Unlink ``paths`` durably in the start hook, before the first message (scan decisions).
+
+    NOTE: only :class:`ScanLoaded` returns it: the start hook already waits
+    on file work (lock, scan), and the store worker may not be spawned yet.
+    The shell feeds the outcome back as :class:`Removed`.
+    """
+
+    paths: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardCheckpoint:
+    """Hand the checkpoint write or removal in ``request`` to the store worker (not an index entry).
+
+    Not delivered, a write is answered ``writer_unavailable`` by the shell.
+    """
+
+    request: Envelope
+
+
+@dataclass(frozen=True, slots=True)
+class RefuseCheckpoint:
+    """Answer the checkpoint ``Store`` in ``request`` not stored (``reason``), counting the failure."""
+
+    request: Envelope
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportTier:
+    """Tell the KV-event publisher what entered and left the index (medium ``DISK``)."""
+
+    body: TierChanged
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,7 +546,74 @@ class Log:
     detail: str
 
 
-Effect = Answer | StartWrite | StartRead | RemoveFiles | Log
+Effect = (
+    Answer
+    | StartWrite
+    | StartRead
+    | RemoveFiles
+    | RemoveNow
+    | ForwardCheckpoint
+    | RefuseCheckpoint
+    | ReportTier
+    | Log
+)
+
+
+# --- events (shell -> core) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A message arrived at ``now``."""
+
+    envelope: Envelope
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScanLoaded:
+    """The start hook scanned the fingerprint directory.
+
+    ``locked``: it holds the directory's lock (``False``: another server holds
+    it, or it could not be created: the tier stores and removes nothing).
+    """
+
+    scan: ScanResult
+    locked: bool
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGone:
+    """The ``StartWrite`` of job ``job_id`` was not delivered (the store worker is gone or full)."""
+
+    job_id: str
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderGone:
+    """The ``StartRead`` for the ``Restore`` in ``request`` was not delivered."""
+
+    request: Envelope
+    path: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """What became of a removal (:class:`RemoveNow`, or a :class:`RemoveFiles` not delivered).
+
+    ``removed``: durably gone. ``failed``: still on disk or not durably removed.
+    """
+
+    removed: tuple[str, ...]
+    failed: tuple[str, ...]
+    now: float
+
+
+Event = Received | ScanLoaded | WorkerGone | ReaderGone | Removed
 
 
 @dataclass
@@ -498,7 +627,7 @@ class IndexState:
     ready: bool = False
     report_tier: bool = False
     """Files entering and leaving the index are recorded for the KV-event publisher
-    (:func:`tier_report`)."""
+    (a :class:`ReportTier` effect after each event)."""
     tier_changes: list[TierChange] = field(default_factory=list)
     entries: dict[str, IndexEntry] = field(default_factory=dict)
     by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
@@ -531,6 +660,8 @@ class IndexState:
     foreign_dirs: int = 0
     choices_restore: int = 0
     choices_recompute: int = 0
+    landings: int = 0
+    land_failures: int = 0
     scrub_cursor: str = ""
     scrubbed: int = 0
     scrubbed_bytes: int = 0
@@ -583,17 +714,17 @@ def _unindex(state: IndexState, entry: IndexEntry) -> None:
     state.indexed_bytes -= entry.file_bytes
 
 
-def tier_report(state: IndexState) -> TierChanged | None:
+def _report_tier(state: IndexState) -> list[Effect]:
     """The index changes recorded since the last report (medium ``DISK``), and forget them.
 
-    NOTE: the shell takes it after performing each batch of effects, so
-    changes made by any entry point (``handle``, the scan, a landing, an
-    abandoned job) leave in the order they happened.
+    NOTE: :func:`handle` appends it after every event's effects, so changes
+    made by any event (a message, the scan, a landing, an abandoned job)
+    leave in the order they happened.
     """
     if not state.tier_changes:
-        return None
+        return []
     changes, state.tier_changes = tuple(state.tier_changes), []
-    return TierChanged(medium="DISK", changes=changes)
+    return [ReportTier(TierChanged(medium="DISK", changes=changes))]
 
 
 def _add_leftover(state: IndexState, path: str, nbytes: int, *, stuck: bool = False) -> None:
@@ -962,17 +1093,19 @@ def _answer_followers(state: IndexState, job: StoreJob, outcome: StoreResult) ->
     return out
 
 
-def files_removed(state: IndexState, msg: FilesRemoved) -> list[Effect]:
+def _files_removed(
+    state: IndexState, removed: tuple[str, ...], failed: tuple[str, ...]
+) -> list[Effect]:
     """Stop counting leftovers that are durably gone; a failed removal is tried last from now."""
-    for path in msg.removed:
+    for path in removed:
         _drop_leftover(state, path)
-    for path in msg.failed:
+    for path in failed:
         if path in state.leftovers:
             state.stuck.add(path)
     return []
 
 
-def abandon_job(state: IndexState, job_id: str, reason: str) -> list[Effect]:
+def _abandon_job(state: IndexState, job_id: str, reason: str) -> list[Effect]:
     """The store worker never got job ``job_id`` (it is gone): settle the ``Store`` as failed."""
     job = state.jobs.pop(job_id, None)
     if job is None:
@@ -1001,7 +1134,16 @@ def restore(state: IndexState, envelope: Envelope, msg: Restore) -> list[Effect]
         state.restore_failures += 1
         gone = RestoreResult(ok=False, path=msg.path, reason="gone", ticket=msg.ticket)
         return [Answer(envelope, gone)]
-    return [StartRead(envelope, entry.path, entry.namespace, entry.tokens)]
+    return [StartRead(envelope, entry.path, entry.namespace, entry.tokens, state.read_only)]
+
+
+def _reader_gone(state: IndexState, event: ReaderGone) -> list[Effect]:
+    """The reader never got the read: the ``Restore`` fails (a miss)."""
+    request = event.request
+    ticket = request.body.ticket if isinstance(request.body, Restore) else ""
+    state.restore_failures += 1
+    failed = RestoreResult(ok=False, path=event.path, reason="reader_unavailable", ticket=ticket)
+    return [Answer(request, failed)]
 
 
 def _drop_bad_file(state: IndexState, path: str, reason: str, *, removed: bool) -> None:
@@ -1037,10 +1179,8 @@ def restore_report(state: IndexState, msg: RestoreReport) -> list[Effect]:
     return []
 
 
-def landing_report(
-    state: IndexState, *, path: str, nbytes: int, seconds: float, ok: bool, corrupt: bool
-) -> list[Effect]:
-    """Account for a restore's landing in its engine turn (the staging's observation).
+def _landed(state: IndexState, msg: LandingReport) -> list[Effect]:
+    """Account for a restore's landing in its engine turn (the staging's ``LandingReport``).
 
     A landed entry teaches the estimator the in-turn cost. A landing that
     found the file changed or a hash wrong is a failed restore: the file
@@ -1051,11 +1191,14 @@ def landing_report(
     so this is the usual way a bad file is found; a read-only tier only
     stops offering it.
     """
-    if ok:
-        state.estimator.observe_landing(nbytes, seconds)
+    path = msg.path
+    if msg.ok:
+        state.landings += 1
+        state.estimator.observe_landing(msg.nbytes, msg.seconds)
         return []
     state.restore_failures += 1
-    entry = state.entries.get(path) if corrupt else None
+    state.land_failures += 1
+    entry = state.entries.get(path) if msg.corrupt else None
     if entry is None:
         return []
     if state.read_only:
@@ -1071,13 +1214,13 @@ def landing_report(
 
 
 def scrub_pick(state: IndexState) -> ScrubTarget:
-    """The next indexed file to re-verify: round robin in path order (none when read-only).
+    """The next indexed file to re-verify: round robin in path order (none, flagged, when read-only).
 
     NOTE: path order, not LRU order, so every file comes up once per round
     however often restores touch some of them.
     """
     if state.read_only or not state.entries:
-        return ScrubTarget()
+        return ScrubTarget(read_only=state.read_only)
     paths = sorted(state.entries)
     path = next((p for p in paths if p > state.scrub_cursor), paths[0])
     state.scrub_cursor = path
@@ -1105,7 +1248,7 @@ def scrub_report(state: IndexState, msg: ScrubReport) -> list[Effect]:
 # --- startup scan -------------------------------------------------------------------
 
 
-def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Effect]]:
+def _load_scan(state: IndexState, scan: ScanResult, *, locked: bool) -> list[Effect]:
     """Build the index from the startup scan; decide which files go.
 
     Corrupt files, mismatches (another fingerprint or a namespace that does
@@ -1114,10 +1257,12 @@ def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Eff
     lowered) files the scan could not read go first, then the least recently
     used. A file the scan could not read is otherwise kept and counted as a
     leftover. Every file to remove is a leftover until the shell reports it
-    gone (:func:`files_removed`). A read-only tier (another server holds the
-    directory, or the scan could not list all of it) removes nothing and
-    indexes only valid files.
+    gone (:class:`Removed`). A read-only tier (another server holds the
+    directory: ``locked`` false, or the scan could not list all of it)
+    removes nothing and indexes only valid files.
     """
+    if not locked:
+        state.read_only = True
     state.foreign_dirs = scan.foreign_dirs
     effects: list[Effect] = []
     if scan.incomplete and not state.read_only:
@@ -1157,7 +1302,7 @@ def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Eff
     state.clock = max([state.clock, *(e.last_used for e in state.entries.values())])
     if state.read_only:
         state.ready = True
-        return state, effects
+        return effects
     for f in unreadable:
         _add_leftover(state, f.path, f.file_bytes)
     over_cap: list[str] = []
@@ -1194,9 +1339,9 @@ def load_scan(state: IndexState, scan: ScanResult) -> tuple[IndexState, list[Eff
         (over_cap, "over_cap"),
     ):
         if paths:
-            effects.append(RemoveFiles(tuple(paths), reason))
+            effects.append(RemoveNow(tuple(paths), reason))
     state.ready = True
-    return state, effects
+    return effects
 
 
 # --- stats and dispatch ---------------------------------------------------------------
@@ -1236,35 +1381,121 @@ def stats(state: IndexState) -> SsdStats:
         scrub_corrupt=state.scrub_corrupt,
         leftover_files=len(state.leftovers),
         leftover_bytes=state.leftover_bytes,
+        landings=state.landings,
+        land_failures=state.land_failures,
     )
 
 
-def handle(state: IndexState, envelope: Envelope) -> tuple[IndexState, list[Effect]]:
-    """Apply one message to ``state``; return it with the effects to perform, in order."""
+def index_listing(state: IndexState) -> SsdIndex:
+    """Every indexed file and every leftover, in path order (``SsdIndexRequest``)."""
+    entries = tuple(
+        SsdIndexEntry(
+            path=e.path,
+            namespace=e.namespace,
+            tokens=e.tokens,
+            file_bytes=e.file_bytes,
+            trimmable=e.trimmable,
+            min_reusable_offset=e.min_reusable_offset,
+        )
+        for _, e in sorted(state.entries.items())
+    )
+    return SsdIndex(
+        entries=entries,
+        leftovers=tuple(sorted(state.leftovers.items())),
+        jobs=tuple(sorted(state.jobs)),
+    )
+
+
+def _checkpoint(state: IndexState, envelope: Envelope) -> list[Effect]:
+    """A checkpoint write or removal: the store worker's, unless the tier writes nothing.
+
+    NOTE: checkpoint files are not index entries (no prefix lookup finds
+    them); the store worker runs writes and removals in arrival order, so
+    a completion's removal never overtakes its key's write.
+    """
+    if state.read_only or not state.ready:
+        if isinstance(envelope.body, Store):
+            return [RefuseCheckpoint(envelope, "read_only")]
+        return []
+    return [ForwardCheckpoint(envelope)]
+
+
+def _received(state: IndexState, envelope: Envelope) -> list[Effect]:
     body = envelope.body
     if isinstance(body, Find):
-        return state, [Answer(envelope, find(state, body))]
+        return [Answer(envelope, find(state, body))]
     if isinstance(body, Covers):
-        return state, [Answer(envelope, covers(state, body))]
+        return [Answer(envelope, covers(state, body))]
     if isinstance(body, Restore):
-        return state, restore(state, envelope, body)
+        return restore(state, envelope, body)
     if isinstance(body, Store):
-        return state, store(state, envelope, body)
+        if body.checkpoint is not None:
+            return _checkpoint(state, envelope)
+        return store(state, envelope, body)
+    if isinstance(body, RemoveCheckpoints):
+        return _checkpoint(state, envelope)
     if isinstance(body, ReserveSpace):
-        return state, reserve(state, envelope, body)
+        return reserve(state, envelope, body)
     if isinstance(body, EntryWritten):
-        return state, entry_written(state, envelope, body)
+        return entry_written(state, envelope, body)
     if isinstance(body, RestoreReport):
-        return state, restore_report(state, body)
+        return restore_report(state, body)
+    if isinstance(body, LandingReport):
+        return _landed(state, body)
     if isinstance(body, ObservePrefill):
         state.estimator.observe_prefill(body.tokens, body.seconds)
-        return state, []
+        return []
     if isinstance(body, SsdStatsRequest):
-        return state, [Answer(envelope, stats(state))]
+        return [Answer(envelope, stats(state))]
+    if isinstance(body, SsdIndexRequest):
+        return [Answer(envelope, index_listing(state))]
     if isinstance(body, ScrubPick):
-        return state, [Answer(envelope, scrub_pick(state))]
+        return [Answer(envelope, scrub_pick(state))]
     if isinstance(body, ScrubReport):
-        return state, scrub_report(state, body)
+        return scrub_report(state, body)
     if isinstance(body, FilesRemoved):
-        return state, files_removed(state, body)
+        return _files_removed(state, body.removed, body.failed)
     raise UnknownSsdWriterMessage(f"ssd writer has no rule for {body.kind!r}")
+
+
+def new_state(
+    *,
+    root: str,
+    fingerprint: str,
+    max_bytes: int,
+    min_restore_tokens: int = MIN_RESTORE_TOKENS,
+    always_restore: bool = False,
+    report_tier: bool = False,
+) -> IndexState:
+    """An empty index (not ready until :class:`ScanLoaded`)."""
+    return IndexState(
+        root=root,
+        fingerprint=fingerprint,
+        max_bytes=max_bytes,
+        min_restore_tokens=min_restore_tokens,
+        estimator=Estimator(always_restore=always_restore),
+        report_tier=report_tier,
+    )
+
+
+def handle(state: IndexState, event: Event) -> tuple[IndexState, list[Effect]]:
+    """Apply one event to ``state``; return it with the effects to perform, in order.
+
+    The KV-event report of the index changes the event made, if any, comes last.
+    """
+    effects: list[Effect]
+    match event:
+        case Received(envelope=envelope):
+            effects = _received(state, envelope)
+        case ScanLoaded(scan=scan, locked=locked):
+            effects = _load_scan(state, scan, locked=locked)
+        case WorkerGone(job_id=job_id, reason=reason):
+            effects = _abandon_job(state, job_id, reason)
+        case ReaderGone():
+            effects = _reader_gone(state, event)
+        case Removed(removed=removed, failed=failed):
+            effects = _files_removed(state, removed, failed)
+        case _:
+            assert_never(event)
+    effects.extend(_report_tier(state))
+    return state, effects

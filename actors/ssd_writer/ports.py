@@ -18,7 +18,7 @@ import functools
 import hashlib
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -322,7 +322,14 @@ class LandingObservation:
 
 
 class HostStaging:
-    """Restored entries waiting for their caller, by ``staging_id`` (thread-safe, bounded).
+    """Restored entries waiting for their caller, by ``staging_id`` (a thread-safe port, bounded).
+
+    The one object several parties share in the cold tier, so every method
+    takes its lock: the reader puts entries (event loop), the prompt cache
+    discards ones nobody will use (event loop), the backend takes and lands
+    them (engine thread), and the index closes it at shutdown (a worker
+    thread). It holds no decision of the index: what a landing teaches the
+    index leaves as a message (:meth:`bind_reports`).
 
     An entry is an open, already checked file (:class:`StagedEntry`), not
     host bytes: the request's engine turn reads it straight into MLX memory
@@ -336,10 +343,11 @@ class HostStaging:
     NOTE: files are closed on the landing threads (:meth:`release`,
     pushed-out and discarded entries, the end of a landing), never on the
     event loop or the engine thread, which make no file calls. :meth:`land`
-    records each landing's size and time, and each file that failed the
-    landing's checks; the index drains them (:meth:`drain_observations`)
-    into the estimator and its counters. :meth:`close` (on a worker thread,
-    at shutdown) closes every waiting file and stops the landing threads.
+    hands each landing's size and time, and each file that failed the
+    landing's checks, to the report sink the index bound
+    (:meth:`bind_reports`), which posts them to the index as
+    ``LandingReport`` messages. :meth:`close` (on a worker thread, at
+    shutdown) closes every waiting file and stops the landing threads.
     ``landing_threads`` (default: ``kernels.cache.landing_thread_count`` of
     the usable CPUs, ``KVTIER_LANDING_THREADS`` overriding) read and hash
     the landings.
@@ -351,7 +359,6 @@ class HostStaging:
         max_entries: int = 4,
         landing_threads: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        max_observations: int = 64,
     ) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
@@ -367,7 +374,7 @@ class HostStaging:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, StagedEntry] = OrderedDict()
-        self._observed: deque[LandingObservation] = deque(maxlen=max_observations)
+        self._reports: Callable[[LandingObservation], object] | None = None
         self._pool: LandingPool | None = None
         self._closed = False
         self.evicted = 0
@@ -463,20 +470,34 @@ class HostStaging:
             self._pool = LandingPool(self._threads)
         return self._pool
 
+    def bind_reports(
+        self,
+        sink: Callable[[LandingObservation], object] | None,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """Where each landing's observation goes from now on (``None``: nowhere).
+
+        ``sink`` is called on the thread that landed (the engine thread),
+        outside the lock; it must not block (the index binds one that posts a
+        message through the event loop). ``clock``: what times the landings
+        from now on (the index passes its actor system's clock, so a
+        simulated run's reports carry simulated times and replay exactly).
+        """
+        with self._lock:
+            self._reports = sink
+            if clock is not None:
+                self._clock = clock
+
     def _observe(self, obs: LandingObservation) -> None:
         with self._lock:
-            self._observed.append(obs)
+            sink = self._reports
             if obs.ok:
                 self.landed += 1
             else:
                 self.land_failures += 1
-
-    def drain_observations(self) -> list[LandingObservation]:
-        """The landings recorded since the last call (oldest first; at most the newest 64)."""
-        with self._lock:
-            out = list(self._observed)
-            self._observed.clear()
-        return out
+        if sink is not None:
+            sink(obs)
 
     def close(self) -> None:
         """Close every waiting file and stop the landing threads (a worker thread; idempotent).

@@ -11,7 +11,7 @@ touched), restart (a clean stop and a new tier on the same files: a startup scan
 put (the RAM tier tells the coordinator; write-behind off) and flush. The
 file system records every operation; after each one, every state a crash
 may leave (:meth:`CrashSpace.states`) is restarted the way the tier starts
-(directory lock, header scan, ``core.load_scan``, its removals), and so is
+(directory lock, header scan, ``core.ScanLoaded``, its removals), and so is
 every state a second crash during that startup may leave. Each is checked:
 
 1. startup never fails;
@@ -98,7 +98,7 @@ from messages import (
 from messages.durability import Flush, FlushResult, Schedule
 from messages.gateway import RunWhenIdle, TurnDone
 from messages.spill_queue import CheckpointRecord, RemoveCheckpoints
-from messages.ssd_writer import FilesRemoved, ScrubWake
+from messages.ssd_writer import ScrubWake, SsdIndex, SsdIndexEntry, SsdIndexRequest
 from tests.crash.crash_fs import (
     CrashFS,
     CrashSpace,
@@ -423,6 +423,14 @@ class Run:
         """Ask the tier's index."""
         return await self.system.ask(self.tier.name, body, timeout=ASK_S, expect=expect)
 
+    async def stats(self) -> SsdStats:
+        """The index's statistics, asked."""
+        return await self.ask(SsdStatsRequest(), SsdStats)
+
+    async def index(self) -> SsdIndex:
+        """The index's files, leftovers and writes in progress, asked."""
+        return await self.ask(SsdIndexRequest(), SsdIndex)
+
     async def ask_durability(self, body: Request, expect: type[B]) -> B:
         """Ask the durability coordinator."""
         return await self.system.ask("durability", body, timeout=ASK_S, expect=expect)
@@ -485,11 +493,9 @@ class RestoreStep:
 
     async def run(self, run: Run) -> None:
         """Restore each entry; compare the staged bytes with the originals."""
-        for path in sorted(run.tier.state.entries):
-            entry = run.tier.state.entries.get(path)
-            if entry is None:
-                continue
-            failures = run.tier.state.restore_failures
+        for entry in (await run.index()).entries:
+            path = entry.path
+            failures = (await run.stats()).restore_failures
             try:
                 res = await run.ask(Restore(path=path), RestoreResult)
             except AskTimeout:
@@ -502,7 +508,7 @@ class RestoreStep:
                 # NOTE: the answer comes before the reader's pass; a pass that
                 # fails drops the staged entry (a miss) and reports a failure.
                 await settle()
-                if run.tier.state.restore_failures == failures:
+                if (await run.stats()).restore_failures == failures:
                     run.trace.problems.append(f"restore of {path} staged nothing")
                 continue
             want = originals().get((entry.namespace, entry.tokens))
@@ -531,11 +537,11 @@ class ScrubStep:
 
     async def run(self, run: Run) -> None:
         """Wake the scrubber once per entry, each after the previous round settled."""
-        before = run.tier.state.scrubbed
-        for _ in range(len(run.tier.state.entries)):
-            await run.system.tell(f"{run.tier.name}.scrub", ScrubWake())
+        before = (await run.stats()).scrubbed
+        for _ in range((await run.stats()).entries):
+            await run.system.tell(run.tier.scrub_address, ScrubWake())
             await settle()
-        run.trace.scrubbed += run.tier.state.scrubbed - before
+        run.trace.scrubbed += (await run.stats()).scrubbed - before
 
 
 @dataclass(frozen=True)
@@ -729,8 +735,16 @@ def _config(cap: int) -> SsdWriterConfig:
     )
 
 
-async def _inline(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    return fn(*args, **kwargs)
+class _Inline:
+    """File work run on the loop itself (an ``IoRunner``): the crash model never blocks."""
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, here and now."""
+        return fn(*args, **kwargs)
+
+
+INLINE = _Inline()
+"""The inline ``IoRunner`` every tier of the checker runs its file work on."""
 
 
 async def settle() -> None:
@@ -758,7 +772,9 @@ def _disk_bytes(fs: CrashFS) -> int:
     return sum(n for p, n in _entry_files(fs).items() if p.endswith((ENTRY_SUFFIX, TEMP_SUFFIX)))
 
 
-def _covered(entries_: Iterable[core.IndexEntry], key: tuple[str, tuple[int, ...]]) -> bool:
+def _covered(
+    entries_: Iterable[core.IndexEntry | SsdIndexEntry], key: tuple[str, tuple[int, ...]]
+) -> bool:
     ns, tokens = key
     n = len(tokens)
     for e in entries_:
@@ -783,7 +799,7 @@ def _valid_entry(fs: CrashFS, path: str) -> bool:
     return want == tuple(bytes(b) for b in host.buffers)
 
 
-def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
+async def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
     """The settled tier after a step: no temp file, index == entry files on disk, no reservation.
 
     An entry file on disk that the index neither holds nor counts as a
@@ -799,22 +815,23 @@ def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
     temps = sorted(p for p in files if p.endswith(TEMP_SUFFIX))
     if temps:
         problems.append(f"after {after}: temp files left: {temps}")
-    state = run.tier.state
+    index, stats = await run.index(), await run.stats()
+    leftovers = dict(index.leftovers)
     on_disk = {p: n for p, n in files.items() if p.endswith(ENTRY_SUFFIX)}
-    indexed = {p: e.file_bytes for p, e in state.entries.items()}
-    for path in sorted(set(indexed) & set(state.leftovers)):
+    indexed = {e.path: e.file_bytes for e in index.entries}
+    for path in sorted(set(indexed) & set(leftovers)):
         problems.append(f"after {after}: {path} is both indexed and a leftover")
     for path in sorted(set(indexed) | set(on_disk)):
         if path not in on_disk:
             problems.append(f"after {after}: indexed {path} is not on disk")
-        elif path in state.leftovers:
-            if state.leftovers[path] != on_disk[path]:
+        elif path in leftovers:
+            if leftovers[path] != on_disk[path]:
                 problems.append(
                     f"after {after}: leftover {path} has {on_disk[path]} bytes, "
-                    f"counted {state.leftovers[path]}"
+                    f"counted {leftovers[path]}"
                 )
         elif path not in indexed:
-            if state.read_only:
+            if stats.read_only:
                 continue  # NOTE: a read-only tier writes nothing: no cap to keep.
             if _valid_entry(fs, path):
                 run.trace.untracked.append((after, path))
@@ -824,18 +841,18 @@ def _check_forward(run: Run, fs: CrashFS, after: str) -> None:
             problems.append(
                 f"after {after}: {path} has {on_disk[path]} bytes, indexed {indexed[path]}"
             )
-    if state.indexed_bytes != sum(indexed.values()):
-        problems.append(f"after {after}: indexed_bytes {state.indexed_bytes} != sum of entries")
-    if state.leftover_bytes != sum(state.leftovers.values()):
-        problems.append(f"after {after}: leftover_bytes {state.leftover_bytes} != their sum")
-    if state.indexed_bytes + state.leftover_bytes > state.max_bytes:
+    if stats.bytes != sum(indexed.values()):
+        problems.append(f"after {after}: indexed_bytes {stats.bytes} != sum of entries")
+    if stats.leftover_bytes != sum(leftovers.values()):
+        problems.append(f"after {after}: leftover_bytes {stats.leftover_bytes} != their sum")
+    if stats.bytes + stats.leftover_bytes > stats.max_bytes:
         problems.append(
-            f"after {after}: {state.indexed_bytes} indexed + {state.leftover_bytes} leftover "
-            f"bytes exceed the cap {state.max_bytes}"
+            f"after {after}: {stats.bytes} indexed + {stats.leftover_bytes} leftover "
+            f"bytes exceed the cap {stats.max_bytes}"
         )
-    if state.reserved_bytes or state.jobs:
+    if stats.reserved_bytes or index.jobs:
         problems.append(
-            f"after {after}: reservations left {state.reserved_bytes} {list(state.jobs)}"
+            f"after {after}: reservations left {stats.reserved_bytes} {list(index.jobs)}"
         )
 
 
@@ -845,7 +862,7 @@ def _extends(longer: tuple[str, tuple[int, ...]], key: tuple[str, tuple[int, ...
     return longer[0] == key[0] and longer[1][: len(key[1])] == key[1]
 
 
-def _settle_requirements(
+async def _settle_requirements(
     run: Run, start: int, live: set[tuple[str, tuple[int, ...]]], ack_mark: int
 ) -> None:
     """Adjust the durability requirements of prefixes whose covering files this step unlinked.
@@ -867,7 +884,7 @@ def _settle_requirements(
     ops = trace.fs.ops[start:]
     step_acks = trace.acks[ack_mark:]
     specs = list(entries().values())
-    index = list(run.tier.state.entries.values())
+    index = list((await run.index()).entries)
     for key in sorted(live):
         paths = {s.path for s in specs if _extends(s.key, key)}
         unlink = next((op for op in ops if op.kind == "unlink" and op.path in paths), None)
@@ -918,11 +935,11 @@ async def forward(
     while True:
         async with ActorSystem(ids=SequentialIds()) as system:
             ram = RamEntries()
-            tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(ram), port=port)
             # NOTE: file work runs inline on the loop: the simulated port never
             # blocks, and one thread makes the operation order deterministic
             # (so "every task waits" means "settled").
-            tier.run = _inline  # type: ignore[method-assign]
+            tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(ram), port=port,
+                                    io_runner=INLINE)
             if any(isinstance(step, PutStep | FlushStep) for step in steps):
                 # NOTE: the durability path: coordinator -> spill queue -> tier,
                 # with every engine turn granted at once (write-behind off, so
@@ -940,19 +957,19 @@ async def forward(
                 trace.problems.append("the tier never became ready")
             await settle()
             _note_fault(trace, port, "startup")
-            _check_forward(run, fs, "startup")
+            await _check_forward(run, fs, "startup")
             # NOTE: a restart step ends once the new tier has started.
             trace.bounds.append((steps[i - 1].label if i else "start", fs.op_count))
             while i < len(steps) and not steps[i].restarts:
                 start = fs.op_count
                 live = trace.required_at(start)
                 ack_mark = len(trace.acks)
-                superseded = tier.state.superseded
+                superseded = (await run.stats()).superseded
                 await steps[i].run(run)
                 await settle()
-                _note_fault(trace, port, steps[i].label, tier.state.superseded > superseded)
-                _check_forward(run, fs, steps[i].label)
-                _settle_requirements(run, start, live, ack_mark)
+                _note_fault(trace, port, steps[i].label, (await run.stats()).superseded > superseded)
+                await _check_forward(run, fs, steps[i].label)
+                await _settle_requirements(run, start, live, ack_mark)
                 trace.bounds.append((steps[i].label, fs.op_count))
                 i += 1
         if i >= len(steps):
@@ -994,8 +1011,8 @@ def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple
     """Start the tier on ``state`` as its start hook does, then check what it would serve.
 
     The same steps as ``SsdWriter._load``: lock the fingerprint directory,
-    scan the headers, sync the scanned directories, ``core.load_scan``,
-    perform its removals durably and report them. With ``record`` the
+    scan the headers, sync the scanned directories, ``core.ScanLoaded``,
+    perform its removals durably and report them (``core.Removed``). With ``record`` the
     returned file system holds the crash spaces of the startup itself (a
     second crash during recovery).
     """
@@ -1013,9 +1030,9 @@ def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple
         )  # fmt: skip
         if io.sync_directories(fs, scan.directories):
             problems.append("startup: a directory fsync failed")
-        index, effects = core.load_scan(index, scan)
+        index, effects = core.handle(index, core.ScanLoaded(scan, lock is not None, 0.0))
         for effect in effects:
-            if isinstance(effect, core.RemoveFiles) and effect.reason == "over_cap":
+            if isinstance(effect, core.RemoveNow) and effect.reason == "over_cap":
                 over_cap = True
                 # NOTE: the cap is the same as before the crash: the tier must
                 # never have left more than the cap where a crash can see it.
@@ -1023,9 +1040,9 @@ def restart(state: CrashState, cap: int = CAP, *, record: bool = False) -> tuple
                     f"the startup evicted over the cap: a crash left more than the cap in "
                     f"valid files ({list(effect.paths)} evicted)"
                 )
-            if isinstance(effect, core.RemoveFiles):
+            if isinstance(effect, core.RemoveNow):
                 removal = io.remove_durably(fs, effect.paths)
-                core.files_removed(index, FilesRemoved(removed=removal.gone, failed=removal.left))
+                core.handle(index, core.Removed(removal.gone, removal.left, 0.0))
                 if removal.left:
                     problems.append(f"startup could not remove {list(removal.left)}")
     except Exception as exc:  # noqa: BLE001 - NOTE: any escape is the violation "startup failed".
@@ -1115,16 +1132,18 @@ async def actor_restart(state: CrashState, cap: int = CAP) -> ActorOutcome:
     fs = CrashFS.mount(state)
     config = _config(cap)
     async with ActorSystem(ids=SequentialIds()) as system:
-        tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(), port=fs)
-        tier.run = _inline  # type: ignore[method-assign]
+        tier = spawn_ssd_writer(system, config=config, source=ScriptedSource(), port=fs,
+                                io_runner=INLINE)
         await system.ask(tier.name, SsdStatsRequest(), timeout=ASK_S, expect=SsdStats)
         await settle()
-        indexed = tuple(sorted(tier.state.entries))
+        listing = await system.ask(tier.name, SsdIndexRequest(), timeout=ASK_S, expect=SsdIndex)
+        indexed = tuple(e.path for e in listing.entries)
+        namespaces = {e.path: e.namespace for e in listing.entries}
         files = tuple(sorted(fs.tree()))
         served: dict[str, tuple[bytes, ...] | None] = {}
         for path in indexed:
             # NOTE: a Restore names the namespace its Find asked in (cache isolation).
-            ns = tier.state.entries[path].namespace
+            ns = namespaces[path]
             res = await system.ask(
                 tier.name, Restore(path=path, namespace=ns), timeout=ASK_S, expect=RestoreResult
             )

@@ -24,6 +24,7 @@ import pytest
 from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem, SequentialIds
 from messages import SsdStats, SsdStatsRequest, Store, StoreResult
+from messages.ssd_writer import SsdIndex, SsdIndexRequest
 from tests.crash import checker
 from tests.crash.checker import FlushStep, PutStep, RestartStep, RestoreStep, StoreStep
 from tests.crash.crash_fs import CrashFS, Fault, FaultingPort
@@ -139,9 +140,8 @@ async def test_a_failed_rewrite_of_a_stored_entry_never_removes_it() -> None:
     async with ActorSystem(ids=SequentialIds()) as system:
         tier = spawn_ssd_writer(
             system, config=checker._config(checker.CAP), source=checker.ScriptedSource(),
-            port=port,
+            port=port, io_runner=checker.INLINE,
         )  # fmt: skip
-        tier.run = checker._inline  # type: ignore[method-assign]
         await system.ask(tier.name, SsdStatsRequest(), timeout=10, expect=SsdStats)
         results: list[StoreResult] = []
 
@@ -155,6 +155,7 @@ async def test_a_failed_rewrite_of_a_stored_entry_never_removes_it() -> None:
             tg.start_soon(store, "h-2")
         await checker.settle()
         assert spec.path in fs.tree()
-        assert list(tier.state.entries) == [spec.path]
+        index = await system.ask(tier.name, SsdIndexRequest(), timeout=10, expect=SsdIndex)
+        assert [e.path for e in index.entries] == [spec.path]
         assert [r.stored for r in results] == [True, True]
         assert fs.calls["open_temp"] == 1

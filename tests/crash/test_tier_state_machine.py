@@ -57,6 +57,7 @@ from messages import Body, EntryMeta, Envelope, Release, Request, SsdStats, SsdS
 from messages.durability import Flush, FlushResult
 from messages.gateway import RunWhenIdle, TurnDone
 from messages.prompt_cache import Demote, DemoteResult, Put, PutResult, Take, TakeResult
+from messages.ssd_writer import SsdIndex, SsdIndexRequest
 from tests.crash import checker
 from tests.crash.crash_fs import CrashFS
 from tests.crash.ports import NoDirFsyncPort
@@ -188,19 +189,19 @@ class Tier:
         system = self.system
         assert system is not None
         # NOTE: three-token entries: any longer prefix restores (no MIN_RESTORE_TOKENS floor).
+        # NOTE: this harness reads in-memory files at about 0.1 MB/s (per-call
+        # overhead), so the prior prefill speed (1,000 tokens/s) would advise
+        # recompute for three tokens; always_restore keeps every acknowledged
+        # prefix restored, which is what this suite checks.
         config = SsdWriterConfig(
             root=checker.ROOT, identity=checker.IDENTITY, max_bytes=SSD_CAP,
             ask_timeout=checker.ASK_S, scrub_interval_s=3600.0, min_restore_tokens=1,
+            always_restore=True,
         )  # fmt: skip
         cold = spawn_ssd_writer(
-            system, config=config, source=checker.ScriptedSource(self.registry), port=self.port
-        )
-        cold.run = checker._inline  # type: ignore[method-assign]
-        # NOTE: this harness reads in-memory files at about 0.1 MB/s (per-call
-        # overhead), so the prior prefill speed (1,000 tokens/s) would advise
-        # recompute for three tokens; a prior this slow keeps every
-        # acknowledged prefix restored, which is what this suite checks.
-        cold.state.estimator.prior_prefill_tps = 1e-3
+            system, config=config, source=checker.ScriptedSource(self.registry), port=self.port,
+            io_runner=checker.INLINE,
+        )  # fmt: skip
         self.cold = cold
         steps = Steps()
         steps.add(DRAIN_STEP, self.registry.drain, standing=True)
@@ -397,18 +398,20 @@ class TierMachine(RuleBasedStateMachine):
             for p, n in self.fs.tree().items()
             if p.startswith(checker.FP_DIR + "/") and p.endswith(checker.ENTRY_SUFFIX)
         }
-        state = cold.state
-        assert {p: e.file_bytes for p, e in state.entries.items()} == files
-        assert state.indexed_bytes + state.leftover_bytes <= SSD_CAP
-        assert (state.reserved_bytes, state.jobs, state.leftovers) == (0, {}, {})
+        index = self.portal.call(self.tier.ask, cold.name, SsdIndexRequest(), SsdIndex)
+        stats = self.portal.call(self.tier.ask, cold.name, SsdStatsRequest(), SsdStats)
+        assert {e.path: e.file_bytes for e in index.entries} == files
+        assert stats.bytes + stats.leftover_bytes <= SSD_CAP
+        assert (stats.reserved_bytes, index.jobs, index.leftovers) == (0, (), ())
 
     @invariant()
     def every_acknowledged_prefix_is_covered_on_disk(self) -> None:
         """What a durable flush acknowledged has a file (its own or a descendant's)."""
         cold = self.tier.cold
         assert cold is not None
+        index = self.portal.call(self.tier.ask, cold.name, SsdIndexRequest(), SsdIndex)
         for key in self.acked:
-            assert checker._covered(cold.state.entries.values(), key), f"acknowledged {key} lost"
+            assert checker._covered(index.entries, key), f"acknowledged {key} lost"
 
 
 TestTierMachine = TierMachine.TestCase

@@ -48,14 +48,14 @@ async def spill_store_restart_restore(system: SimulatedSystem, *, root: str) -> 
         # NOTE: a dozen-token prompt: any longer prefix restores (no MIN_RESTORE_TOKENS floor).
         cfg = SsdWriterConfig(root=root, identity=IDENTITY, max_bytes=1 << 30,
                               min_restore_tokens=1)
-        first = spawn_ssd_writer(system, config=cfg, source=source, name="ssd_writer")
+        spawn_ssd_writer(system, config=cfg, source=source, name="ssd_writer")
         queue = spawn_spill_queue(system, releaser=registry, writer="ssd_writer")
         await queue.tell(Enqueue(handle=reg.handle, tokens=tokens, meta=reg.meta))
         drained = await queue.ask(DrainSpills(), timeout=ASK, expect=SpillsDrained)
         assert drained.stored == 1
-        # NOTE: the restart: the first tier lets go of the directory, a new
-        # index (fresh state) scans it.
-        first.release_lock()
+        # NOTE: the restart: a new index (fresh state) scans the directory;
+        # the first tier still holds its lock, so the new one restores from it
+        # read-only (no LRU touch), as a second server would.
         second = spawn_ssd_writer(system, config=cfg, source=source, name="ssd_writer_b")
         found = await system.ask(
             "ssd_writer_b", Find(tokens=(*tokens, 1)), timeout=ASK, expect=FindResult

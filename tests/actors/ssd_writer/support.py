@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from actors.ssd_writer import FileIdentity, SsdWriterConfig
+from actors.runtime import ActorSystem
+from actors.ssd_writer import ColdTier, FileIdentity, SsdWriterConfig
 from kernels import CacheRegistry, EngineThread, RegisteredCache, cache_arrays
 from kernels.cache._file_port import (
     BytesLike,
@@ -22,7 +23,8 @@ from kernels.cache._file_port import (
     OsFilePort,
     WritableBuffer,
 )
-from messages import Store
+from messages import SsdStats, SsdStatsRequest, Store
+from messages.ssd_writer import SsdIndex, SsdIndexRequest
 
 ASK = 30.0
 T = TypeVar("T")
@@ -272,3 +274,13 @@ class FaultPort(ForwardingPort):
             self._before("close", fd)
         finally:
             self.inner.close(fd)
+
+
+async def ssd_stats(system: ActorSystem, tier: ColdTier) -> SsdStats:
+    """The index's statistics, asked (no test reads the index's state)."""
+    return await system.ask(tier.name, SsdStatsRequest(), timeout=ASK, expect=SsdStats)
+
+
+async def ssd_index(system: ActorSystem, tier: ColdTier) -> SsdIndex:
+    """The index's files and leftovers, asked."""
+    return await system.ask(tier.name, SsdIndexRequest(), timeout=ASK, expect=SsdIndex)

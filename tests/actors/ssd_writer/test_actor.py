@@ -43,6 +43,7 @@ from tests.actors.ssd_writer.support import (
     files,
     flip_last_byte,
     register,
+    ssd_stats,
     store_body,
 )
 
@@ -69,7 +70,7 @@ async def test_store_restart_scan_find_restore_materialize_round_trip(
         assert drained.stored == 1
         n_tensors = len(originals)
         assert turns.turns == n_tensors + 2  # plan + one per tensor + finish
-        assert tier.stats().spills == 1
+        assert (await ssd_stats(system, tier)).spills == 1
     # the queue released the handle once the store settled
     assert reg.handle not in registry
     (path,) = files(tmp_path, ".kvt")
@@ -158,7 +159,7 @@ async def test_cap_counts_temp_files_and_evicts_lru_before_writing(
             "ssd_writer", store_body(first, (1, 2, 3, 4)), timeout=ASK, expect=StoreResult
         )
         one_file = res.file_bytes
-        assert probe.stats().bytes == one_file
+        assert (await ssd_stats(system, probe)).bytes == one_file
     cap = 2 * one_file + one_file // 2  # room for two files, not three
     port.cap = cap
     handles = []
@@ -175,8 +176,8 @@ async def test_cap_counts_temp_files_and_evicts_lru_before_writing(
             )
             assert res.stored
             assert disk_bytes(tmp_path / "capped") <= cap
-            assert tier.stats().bytes + tier.stats().reserved_bytes <= cap
-        stats = tier.stats()
+            assert (await ssd_stats(system, tier)).bytes + (await ssd_stats(system, tier)).reserved_bytes <= cap
+        stats = await ssd_stats(system, tier)
         assert (stats.entries, stats.evicted) == (2, 3)
         # the two newest survive
         found = await system.ask(
@@ -208,7 +209,7 @@ async def test_an_entry_larger_than_the_cap_is_not_stored(
             "ssd_writer", store_body(reg, (1, 2, 3)), timeout=ASK, expect=StoreResult
         )
         assert (res.stored, res.reason) == (False, "too_large")
-        assert tier.stats().too_large == 1
+        assert (await ssd_stats(system, tier)).too_large == 1
     assert files(tmp_path, ".kvt") == []
     assert files(tmp_path, ".tmp") == []
     registry.dispose(reg.handle)
@@ -238,7 +239,7 @@ async def test_supersession_removes_the_ancestor_file(
             "ssd_writer", Find(tokens=(1, 2, 3, 9)), timeout=ASK, expect=FindResult
         )
         assert (found.path, found.cached_tokens, found.entry_tokens) == (b.path, 3, 6)
-        assert tier.stats().entries == 1
+        assert (await ssd_stats(system, tier)).entries == 1
     assert a.path is not None
     assert not exists(a.path)
     for h in (short.handle, long.handle):
@@ -266,7 +267,7 @@ async def test_scan_reaps_orphans_removes_corrupt_and_ignores_foreign_dirs(
     foreign.mkdir(parents=True)
     (foreign / "keep.kvt").write_bytes(b"x")
     async with ActorSystem() as system:
-        tier = spawn_ssd_writer(system, config=config(tmp_path), source=source)
+        spawn_ssd_writer(system, config=config(tmp_path), source=source)
         stats = await system.ask("ssd_writer", SsdStatsRequest(), timeout=ASK, expect=SsdStats)
     assert (stats.entries, stats.corrupt_removed, stats.orphans_reaped, stats.foreign_dirs) == (
         1,
@@ -277,7 +278,7 @@ async def test_scan_reaps_orphans_removes_corrupt_and_ignores_foreign_dirs(
     assert files(ns_dir, ".tmp") == []
     assert not (ns_dir / "junk.kvt").exists()
     assert (foreign / "keep.kvt").exists()
-    assert tier.stats().ready
+    assert stats.ready
 
 
 async def test_a_flipped_bit_is_a_miss_the_file_is_removed_and_counted(
@@ -308,7 +309,7 @@ async def test_a_flipped_bit_is_a_miss_the_file_is_removed_and_counted(
             "ssd_writer", Find(tokens=(1, 2, 3, 4, 5)), timeout=ASK, expect=FindResult
         )
         assert after.choice == "miss"
-        stats = tier.stats()
+        stats = await ssd_stats(system, tier)
         assert (stats.corrupt_removed, stats.entries) == (1, 0)
     assert not exists(res.path)
     assert len(tier.staging) == 0
@@ -342,10 +343,10 @@ async def test_a_second_server_on_the_directory_is_read_only(
                 "ssd_writer", Find(tokens=(1, 2, 3, 4, 5)), timeout=ASK, expect=FindResult
             )
             assert found.cached_tokens == 4
-            assert other.stats().read_only
+            assert (await ssd_stats(second, other)).read_only
     # the lock is released once the first system stops: a third one may write
     async with ActorSystem() as third:
         tier = spawn_ssd_writer(third, config=config(tmp_path), source=source)
         await third.ask("ssd_writer", SsdStatsRequest(), timeout=ASK, expect=SsdStats)
-        assert not tier.stats().read_only
+        assert not (await ssd_stats(third, tier)).read_only
     registry.dispose(reg.handle)

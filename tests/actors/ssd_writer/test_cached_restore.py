@@ -22,6 +22,7 @@ from tests.actors.ssd_writer.support import (
     ThreadTurns,
     config,
     register,
+    ssd_stats,
     store_body,
 )
 from tests.crash.ports import ForwardingPort
@@ -80,7 +81,7 @@ async def test_a_cached_file_restores_without_a_read_and_teaches_no_disk_speed(
             lambda: [mx.array(a) for a in cache_arrays(tier.staging.land(staged))]
         )
         for _ in range(int(ASK / 0.01)):
-            if tier.stats().restores:
+            if (await ssd_stats(system, tier)).restores:
                 break
             await anyio.sleep(0.01)
         stats = await system.ask("ssd_writer", SsdStatsRequest(), timeout=ASK, expect=SsdStats)

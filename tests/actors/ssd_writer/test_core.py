@@ -44,10 +44,22 @@ def env(body: Body, correlation: str = "c") -> Envelope:
     return Envelope(f"m-{next(_ids)}", correlation, None, "x", "ssd_writer", 0.0, body)
 
 
+def deliver(state: core.IndexState, envelope: Envelope) -> tuple[core.IndexState, list[core.Effect]]:
+    """``core.handle`` of ``envelope`` received (at time 0)."""
+    return core.handle(state, core.Received(envelope, 0.0))
+
+
+def scan_loaded(
+    state: core.IndexState, scan: core.ScanResult
+) -> tuple[core.IndexState, list[core.Effect]]:
+    """``core.handle`` of the start hook's scan (the directory lock held)."""
+    return core.handle(state, core.ScanLoaded(scan, locked=True, now=0.0))
+
+
 def new_state(max_bytes: int = 1000, *, read_only: bool = False) -> core.IndexState:
     """An empty, ready index."""
     state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=max_bytes, read_only=read_only)
-    core.load_scan(state, core.ScanResult())
+    scan_loaded(state, core.ScanResult())
     return state
 
 
@@ -71,7 +83,7 @@ def loaded(*entries: core.IndexEntry, max_bytes: int = 1000) -> core.IndexState:
     """An index loaded from a scan of ``entries``."""
     state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=max_bytes)
     files = tuple(core.ScannedFile(e.path, os.path.dirname(e.path), None, entry=e) for e in entries)
-    core.load_scan(state, core.ScanResult(files=files))
+    scan_loaded(state, core.ScanResult(files=files))
     return state
 
 
@@ -90,7 +102,7 @@ def find(
     state: core.IndexState, prompt: tuple[int, ...], ns: str = "", better: int = 0
 ) -> FindResult:
     """Ask the core for ``prompt``."""
-    _, fx = core.handle(state, env(Find(tokens=prompt, namespace=ns, better_than=better)))
+    _, fx = deliver(state, env(Find(tokens=prompt, namespace=ns, better_than=better)))
     body = answer(fx)
     assert isinstance(body, FindResult)
     return body
@@ -128,7 +140,7 @@ def drive_store(
     to remove are gone, as the worker does after removing them durably.
     """
     request = env(store_msg(tokens, ns))
-    _, fx = core.handle(state, request)
+    _, fx = deliver(state, request)
     starts = [e for e in fx if isinstance(e, core.StartWrite)]
     if not starts:
         body = answer(fx, request)
@@ -136,7 +148,7 @@ def drive_store(
         return Written(body, None, ())
     (start,) = starts
     assert os.path.dirname(start.path) == os.path.join(ROOT, FP, core.namespace_dir(ns))
-    _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
+    _, fx = deliver(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
     reserved = answer(fx)
     assert isinstance(reserved, SpaceReserved)
     assert state.indexed_bytes + state.reserved_bytes <= (state.max_bytes or 2**63) or not reserved.ok
@@ -152,13 +164,13 @@ def drive_store(
             min_reusable_offset=min_offset,
         )
     )
-    _, fx = core.handle(state, report)
+    _, fx = deliver(state, report)
     result = answer(fx, request)
     committed = answer(fx, report)
     assert isinstance(result, StoreResult)
     assert isinstance(committed, WriteCommitted)
     if committed.remove and report_removed:
-        core.handle(state, env(FilesRemoved(removed=committed.remove)))
+        deliver(state, env(FilesRemoved(removed=committed.remove)))
     return Written(result, reserved, committed.remove)
 
 
@@ -209,7 +221,7 @@ def test_covers_exact_or_a_trimmable_descendant_that_may_be_cut_there() -> None:
     )
 
     def covered(tokens: tuple[int, ...]) -> bool:
-        _, fx = core.handle(state, env(Covers(tokens=tokens)))
+        _, fx = deliver(state, env(Covers(tokens=tokens)))
         body = answer(fx)
         assert isinstance(body, CoversResult)
         return body.covered
@@ -230,8 +242,8 @@ def test_estimator_restores_until_it_knows_both_rates_then_picks_the_faster() ->
     state = loaded(entry(tuple(range(100)), nbytes=1_000_000), max_bytes=10**9)
     prompt = (*range(100), 7)
     assert find(state, prompt).choice == "restore"
-    core.handle(state, env(ObservePrefill(tokens=1000, seconds=1.0)))  # 1000 tok/s
-    core.handle(
+    deliver(state, env(ObservePrefill(tokens=1000, seconds=1.0)))  # 1000 tok/s
+    deliver(
         state,
         env(RestoreReport(path="elsewhere", ok=True, bytes=10_000_000, seconds=1.0)),
     )  # 10 MB/s
@@ -239,7 +251,7 @@ def test_estimator_restores_until_it_knows_both_rates_then_picks_the_faster() ->
     assert got.choice == "recompute"
     assert got.predicted_restore_s is not None
     assert got.predicted_prefill_s is not None
-    core.handle(state, env(ObservePrefill(tokens=10, seconds=1.0)))  # prefill slows down
+    deliver(state, env(ObservePrefill(tokens=10, seconds=1.0)))  # prefill slows down
     assert find(state, prompt).choice == "restore"
     stats = core.stats(state)
     assert (stats.choices_restore, stats.choices_recompute) == (2, 1)
@@ -301,11 +313,11 @@ def test_a_store_of_an_entry_being_written_gets_that_writes_outcome() -> None:
     for ok in (True, False):
         state = new_state()
         r1, r2 = env(store_msg((4, 5), handle="a")), env(store_msg((4, 5), handle="b"))
-        _, fx1 = core.handle(state, r1)
-        _, fx2 = core.handle(state, r2)
+        _, fx1 = deliver(state, r1)
+        _, fx2 = deliver(state, r2)
         (start,) = [e for e in (*fx1, *fx2) if isinstance(e, core.StartWrite)]
         assert fx2 == []
-        core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=10)))
+        deliver(state, env(ReserveSpace(job_id=start.job_id, file_bytes=10)))
         report = env(
             EntryWritten(
                 job_id=start.job_id,
@@ -316,7 +328,7 @@ def test_a_store_of_an_entry_being_written_gets_that_writes_outcome() -> None:
                 trimmable=True,
             )
         )
-        _, fx = core.handle(state, report)
+        _, fx = deliver(state, report)
         first, second = answer(fx, r1), answer(fx, r2)
         assert isinstance(first, StoreResult)
         assert isinstance(second, StoreResult)
@@ -345,10 +357,10 @@ def test_disk_full_is_a_soft_failure_warned_once() -> None:
     logs = 0
     for _ in range(2):
         request = env(store_msg((7, 7)))
-        _, fx = core.handle(state, request)
+        _, fx = deliver(state, request)
         (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
-        core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=10)))
-        _, fx = core.handle(
+        deliver(state, env(ReserveSpace(job_id=start.job_id, file_bytes=10)))
+        _, fx = deliver(
             state, env(EntryWritten(job_id=start.job_id, ok=False, reason="disk_full"))
         )
         logs += sum(isinstance(e, core.Log) for e in fx)
@@ -369,13 +381,13 @@ def test_victims_that_could_not_be_unlinked_are_indexed_again() -> None:
     """An eviction unlink that failed leaves that file indexed (it is still valid and on disk)."""
     state = loaded(entry((1,), nbytes=60), max_bytes=100)
     request = env(store_msg((2, 2)))
-    _, fx = core.handle(state, request)
+    _, fx = deliver(state, request)
     (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
-    _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=60)))
+    _, fx = deliver(state, env(ReserveSpace(job_id=start.job_id, file_bytes=60)))
     reserved = answer(fx)
     assert isinstance(reserved, SpaceReserved)
     assert len(reserved.evict) == 1
-    core.handle(
+    deliver(
         state,
         env(
             EntryWritten(
@@ -394,9 +406,9 @@ def _counted(state: core.IndexState) -> int:
 
 def _reserve(state: core.IndexState, tokens: tuple[int, ...], nbytes: int) -> SpaceReserved:
     """Store -> ReserveSpace for ``tokens``; the reservation answer."""
-    _, fx = core.handle(state, env(store_msg(tokens)))
+    _, fx = deliver(state, env(store_msg(tokens)))
     (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
-    _, fx = core.handle(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
+    _, fx = deliver(state, env(ReserveSpace(job_id=start.job_id, file_bytes=nbytes)))
     reserved = answer(fx)
     assert isinstance(reserved, SpaceReserved)
     return reserved
@@ -414,10 +426,10 @@ def test_a_superseded_file_counts_until_its_removal_is_reported() -> None:
     w = drive_store(state, (1, 2, 3), nbytes=40, report_removed=False)
     (old,) = w.remove
     assert (state.indexed_bytes, state.leftovers) == (40, {old: 30})
-    core.handle(state, env(FilesRemoved(failed=(old,))))
+    deliver(state, env(FilesRemoved(failed=(old,))))
     assert state.leftovers == {old: 30}
     assert state.stuck == {old}
-    core.handle(state, env(FilesRemoved(removed=(old,))))
+    deliver(state, env(FilesRemoved(removed=(old,))))
     assert (state.leftovers, state.leftover_bytes, state.stuck) == ({}, 0, set())
     stats = core.stats(state)
     assert (stats.leftover_files, stats.leftover_bytes) == (0, 0)
@@ -429,18 +441,18 @@ def test_leftovers_are_the_first_victims_and_stuck_ones_the_last() -> None:
     free, stuck = "/cache/fp0/x/free.kvt", "/cache/fp0/x/stuck.kvt"
     state = loaded(entry((1,), nbytes=20, mtime=1), entry((2,), nbytes=20, mtime=2), max_bytes=100)
     _reserve(state, (9,), 10)
-    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+    deliver(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
                                         leftover_path=free, leftover_bytes=20)))  # fmt: skip
     _reserve(state, (8,), 10)
-    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+    deliver(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
                                         leftover_path=stuck, leftover_bytes=20)))  # fmt: skip
-    core.handle(state, env(FilesRemoved(failed=(stuck,))))
+    deliver(state, env(FilesRemoved(failed=(stuck,))))
     assert (state.leftover_bytes, state.stuck) == (40, {stuck})
     reserved = _reserve(state, (3,), 60)
     assert reserved.evict == (free, entry((1,)).path)
     assert _counted(state) + state.reserved_bytes == 100
     job_id = _job(state)
-    core.handle(state, env(EntryWritten(job_id=job_id, ok=True, path=state.path_of("", (3,)),
+    deliver(state, env(EntryWritten(job_id=job_id, ok=True, path=state.path_of("", (3,)),
                                         file_bytes=60, trimmable=True)))  # fmt: skip
     assert state.leftovers == {stuck: 20}
     reserved = _reserve(state, (4,), 90)
@@ -453,7 +465,7 @@ def test_unsynced_victims_stay_counted_and_the_store_fails() -> None:
     state = loaded(entry((1,), nbytes=60), max_bytes=100)
     reserved = _reserve(state, (2,), 60)
     job_id = _job(state)
-    core.handle(state, env(EntryWritten(job_id=job_id, ok=False, reason="evict_failed",
+    deliver(state, env(EntryWritten(job_id=job_id, ok=False, reason="evict_failed",
                                         unsynced=reserved.evict)))  # fmt: skip
     assert state.entries == {}
     assert state.leftovers == {entry((1,)).path: 60}
@@ -466,15 +478,15 @@ def test_a_failed_commits_final_file_counts_until_a_store_renames_over_it() -> N
     state = new_state(100)
     _reserve(state, (5,), 40)
     path = state.path_of("", (5,))
-    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+    deliver(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
                                         leftover_path=path, leftover_bytes=40)))  # fmt: skip
     assert (state.leftovers, state.stuck) == ({path: 40}, set())
     reserved = _reserve(state, (6,), 70)
     assert reserved.evict == (path,)  # NOTE: the first victim: its unlink is only synced.
-    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="io_error")))
+    deliver(state, env(EntryWritten(job_id=_job(state), ok=False, reason="io_error")))
     assert state.leftovers == {}
     _reserve(state, (5,), 40)
-    core.handle(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
+    deliver(state, env(EntryWritten(job_id=_job(state), ok=False, reason="fsync_failed",
                                         leftover_path=path, leftover_bytes=40)))  # fmt: skip
     w = drive_store(state, (5,), nbytes=40)
     assert w.result.stored
@@ -485,9 +497,9 @@ def test_abandoned_job_answers_the_store_and_restores_victims() -> None:
     """A job the store worker never got is answered as failed, its victims indexed again."""
     state = new_state()
     request = env(store_msg((3,)))
-    _, fx = core.handle(state, request)
+    _, fx = deliver(state, request)
     (start,) = [e for e in fx if isinstance(e, core.StartWrite)]
-    fx = core.abandon_job(state, start.job_id, "writer_unavailable")
+    _, fx = core.handle(state, core.WorkerGone(start.job_id, "writer_unavailable", 0.0))
     result = answer(fx, request)
     assert isinstance(result, StoreResult)
     assert (result.stored, result.reason) == (False, "writer_unavailable")
@@ -508,12 +520,12 @@ def test_restore_of_an_unindexed_path_is_gone_and_an_indexed_one_goes_to_the_rea
     e = entry((1, 2, 3))
     state = loaded(e)
     request = env(Restore(path="/nope", reply_to="r"))
-    _, fx = core.handle(state, request)
+    _, fx = deliver(state, request)
     body = answer(fx, request)
     assert isinstance(body, RestoreResult)
     assert (body.ok, body.reason) == (False, "gone")
     request = env(Restore(path=e.path, reply_to="r"))
-    _, fx = core.handle(state, request)
+    _, fx = deliver(state, request)
     assert fx == [core.StartRead(request, e.path, "", (1, 2, 3))]
 
 
@@ -521,13 +533,13 @@ def test_restore_reports_update_lru_time_and_remove_corrupt_files() -> None:
     """A good read makes the entry most recently used; a corrupt one drops it and counts."""
     a, b = entry((1,), mtime=1), entry((2,), mtime=2)
     state = loaded(a, b)
-    core.handle(
+    deliver(
         state, env(RestoreReport(path=a.path, ok=True, bytes=10, seconds=0.5, touched=True))
     )
     assert state.entries[a.path].last_used > state.entries[b.path].last_used
-    core.handle(state, env(RestoreReport(path=b.path, ok=False, reason="corrupt", removed=True)))
+    deliver(state, env(RestoreReport(path=b.path, ok=False, reason="corrupt", removed=True)))
     assert list(state.entries) == [a.path]
-    _, fx = core.handle(state, env(SsdStatsRequest(reply_to="s")))
+    _, fx = deliver(state, env(SsdStatsRequest(reply_to="s")))
     stats = answer(fx)
     assert isinstance(stats, SsdStats)
     assert (stats.restores, stats.restore_failures, stats.corrupt_removed) == (1, 1, 1)
@@ -545,13 +557,13 @@ def test_scrub_picks_every_file_in_turn_and_a_bad_one_leaves_the_index() -> None
     state = loaded(a, b, c)
     picks = []
     for _ in range(4):
-        _, fx = core.handle(state, env(ScrubPick(reply_to="s")))
+        _, fx = deliver(state, env(ScrubPick(reply_to="s")))
         target = answer(fx)
         assert isinstance(target, ScrubTarget)
         picks.append(target.path)
     assert picks == [a.path, b.path, c.path, a.path]
-    core.handle(state, env(ScrubReport(path=b.path, ok=False, reason="corrupt", removed=True)))
-    core.handle(state, env(ScrubReport(path=c.path, ok=True, bytes=64)))
+    deliver(state, env(ScrubReport(path=b.path, ok=False, reason="corrupt", removed=True)))
+    deliver(state, env(ScrubReport(path=c.path, ok=True, bytes=64)))
     assert sorted(state.entries) == sorted([a.path, c.path])
     stats = core.stats(state)
     assert (stats.scrubbed, stats.scrubbed_bytes, stats.scrub_corrupt, stats.corrupt_removed) == (
@@ -562,8 +574,8 @@ def test_scrub_picks_every_file_in_turn_and_a_bad_one_leaves_the_index() -> None
     )
     read_only = loaded(entry((4,)))
     read_only.read_only = True
-    _, fx = core.handle(read_only, env(ScrubPick(reply_to="s")))
-    assert answer(fx) == ScrubTarget()
+    _, fx = deliver(read_only, env(ScrubPick(reply_to="s")))
+    assert answer(fx) == ScrubTarget(read_only=True)
 
 
 # --- startup scan -------------------------------------------------------------------------
@@ -590,10 +602,10 @@ def test_scan_removes_corrupt_mismatched_orphans_duplicates_and_over_cap() -> No
         wrong_dir,
     )
     state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=60)
-    _, fx = core.load_scan(
+    _, fx = scan_loaded(
         state, core.ScanResult(files=files, orphans=("/cache/fp0/d/t.kvt.tmp",), foreign_dirs=2)
     )
-    removed = {e.reason: set(e.paths) for e in fx if isinstance(e, core.RemoveFiles)}
+    removed = {e.reason: set(e.paths) for e in fx if isinstance(e, core.RemoveNow)}
     assert removed == {
         "corrupt": {"/cache/fp0/d/bad.kvt", "/cache/fp0/d/other.kvt", "/cache/fp0/0000/x.kvt"},
         "orphan": {"/cache/fp0/d/t.kvt.tmp"},
@@ -614,7 +626,7 @@ def test_a_read_only_scan_removes_nothing() -> None:
         core.ScannedFile("/cache/fp0/d/bad.kvt", "/cache/fp0/d", "corrupt", "bad magic"),
     )
     state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=1, read_only=True)
-    _, fx = core.load_scan(state, core.ScanResult(files=files, orphans=("/x.kvt.tmp",)))
+    _, fx = scan_loaded(state, core.ScanResult(files=files, orphans=("/x.kvt.tmp",)))
     assert fx == []
     assert list(state.entries) == [good.path]
 
@@ -632,15 +644,15 @@ def test_scan_counts_a_file_it_could_not_read_and_evicts_it_first_over_the_cap()
         unreadable,
     )
     state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=100)
-    _, fx = core.load_scan(state, core.ScanResult(files=files))
+    _, fx = scan_loaded(state, core.ScanResult(files=files))
     assert fx == []
     assert (state.indexed_bytes, state.leftovers) == (60, {unreadable.path: 25})
     lowered = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=40)
-    _, fx = core.load_scan(lowered, core.ScanResult(files=files))
-    assert fx == [core.RemoveFiles((unreadable.path, older.path), "over_cap")]
+    _, fx = scan_loaded(lowered, core.ScanResult(files=files))
+    assert fx == [core.RemoveNow((unreadable.path, older.path), "over_cap")]
     assert list(lowered.entries) == [good.path]
     assert lowered.leftovers == {unreadable.path: 25, older.path: 30}
-    core.files_removed(lowered, FilesRemoved(removed=(unreadable.path, older.path)))
+    deliver(lowered, env(FilesRemoved(removed=(unreadable.path, older.path))))
     assert (lowered.leftover_bytes, _counted(lowered)) == (0, 30)
 
 
@@ -651,7 +663,7 @@ def test_an_incomplete_scan_makes_the_tier_read_only() -> None:
     bad = core.ScannedFile("/cache/fp0/d/bad.kvt", "/cache/fp0/d", "corrupt", "bad magic")
     scanned = core.ScannedFile(good.path, os.path.dirname(good.path), None, entry=good)
     state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=100)
-    _, fx = core.load_scan(state, core.ScanResult(files=(scanned, bad), incomplete=True))
+    _, fx = scan_loaded(state, core.ScanResult(files=(scanned, bad), incomplete=True))
     assert [type(e) for e in fx] == [core.Log]
     assert state.read_only
     assert list(state.entries) == [good.path]
@@ -663,9 +675,9 @@ def test_a_corrupt_file_that_could_not_be_removed_stays_counted() -> None:
     not durable it keeps counting toward the cap (and is tried last as a victim)."""
     a, b, c = entry((1,), nbytes=10), entry((2,), nbytes=20), entry((3,), nbytes=30)
     state = loaded(a, b, c)
-    core.handle(state, env(ScrubReport(path=a.path, ok=False, reason="corrupt", removed=False)))
-    core.handle(state, env(RestoreReport(path=b.path, ok=False, reason="corrupt", removed=False)))
-    core.handle(state, env(ScrubReport(path=c.path, ok=False, reason="corrupt", removed=True)))
+    deliver(state, env(ScrubReport(path=a.path, ok=False, reason="corrupt", removed=False)))
+    deliver(state, env(RestoreReport(path=b.path, ok=False, reason="corrupt", removed=False)))
+    deliver(state, env(ScrubReport(path=c.path, ok=False, reason="corrupt", removed=True)))
     assert state.entries == {}
     assert state.leftovers == {a.path: 10, b.path: 20}
     assert state.stuck == {a.path, b.path}

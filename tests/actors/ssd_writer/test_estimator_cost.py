@@ -16,6 +16,7 @@ import pytest
 
 from actors.ssd_writer import CostLine, Estimator, core
 from messages import Envelope, Find, FindResult, ObservePrefill, RestoreReport
+from messages.ssd_writer import LandingReport
 
 _ids = itertools.count()
 MB = 1_000_000
@@ -184,7 +185,7 @@ def test_a_slow_first_landing_does_not_turn_an_untimed_prefill_into_recompute() 
 
 def _send(state: core.IndexState, body: Any) -> list[core.Effect]:
     envelope = Envelope(f"m-{next(_ids)}", "c", None, "x", "ssd_writer", 0.0, body)
-    return core.handle(state, envelope)[1]
+    return core.handle(state, core.Received(envelope, 0.0))[1]
 
 
 def test_the_index_learns_reads_landings_and_prefill_and_advises_by_them() -> None:
@@ -195,12 +196,10 @@ def test_the_index_learns_reads_landings_and_prefill_and_advises_by_them() -> No
     directory = state.directory_of("")
     entry = core.IndexEntry(f"{directory}/a.kvt", "", tokens, 640 * MB, 1, True, 0)
     scanned = core.ScannedFile(entry.path, directory, None, entry=entry)
-    core.load_scan(state, core.ScanResult(files=(scanned,)))
+    core.handle(state, core.ScanLoaded(core.ScanResult(files=(scanned,)), locked=True, now=0.0))
     for n in SIZES:
         _send(state, RestoreReport(path="elsewhere", ok=True, bytes=n, seconds=CPU.read_s(n)))
-        core.landing_report(
-            state, path="elsewhere", nbytes=n, seconds=CPU.land_s(n), ok=True, corrupt=False
-        )
+        _send(state, LandingReport(path="elsewhere", nbytes=n, seconds=CPU.land_s(n), ok=True))
     _send(state, ObservePrefill(tokens=1500, seconds=10.0))  # 150 tok/s
     (effect,) = _send(state, Find(tokens=(*tokens, 1)))
     assert isinstance(effect, core.Answer)

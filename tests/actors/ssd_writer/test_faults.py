@@ -26,6 +26,7 @@ from tests.actors.ssd_writer.support import (
     disk_bytes,
     files,
     register,
+    ssd_stats,
     store_body,
 )
 
@@ -78,7 +79,7 @@ async def test_a_fault_at_any_write_step_soft_fails_and_leaves_nothing(
         assert (res.stored, res.reason) == (False, expected_reason(step, fault))
         assert files(tmp_path, ".tmp") == []
         assert files(tmp_path, ".kvt") == []
-        stats = tier.stats()
+        stats = await ssd_stats(system, tier)
         assert (stats.entries, stats.bytes, stats.reserved_bytes, stats.store_failures) == (
             0,
             0,
@@ -93,6 +94,6 @@ async def test_a_fault_at_any_write_step_soft_fails_and_leaves_nothing(
             "ssd_writer", store_body(second, (5, 6, 7, 8)), timeout=ASK, expect=StoreResult
         )
         assert ok.stored
-        assert tier.stats().bytes == ok.file_bytes == disk_bytes(tmp_path)
+        assert (await ssd_stats(system, tier)).bytes == ok.file_bytes == disk_bytes(tmp_path)
     for h in (first.handle, second.handle):
         registry.dispose(h)

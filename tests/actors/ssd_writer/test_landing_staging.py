@@ -7,18 +7,20 @@ import dataclasses
 import threading
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import mlx.core as mx
 import pytest
 
 from actors.backend.mlx import MlxBackend
-from actors.ssd_writer import HostStaging, StagedEntry, core
+from actors.ssd_writer import HostStaging, LandingObservation, StagedEntry, core
 from kernels.cache import cache_arrays
 from kernels.cache._file_port import FilePort, OsFilePort
 from kernels.cache._kv_header import read_header
 from kernels.cache._kv_reader import open_entry
-from messages import Envelope, Find, FindResult
+from messages import Body, Envelope, Find, FindResult
 from messages.gateway import Generate
-from messages.ssd_writer import FilesRemoved
+from messages.ssd_writer import FilesRemoved, LandingReport
 from tests.crash.ports import ForwardingPort
 from tests.kernels.cache.test_kv_file import _filled_kv, raw, write_entry
 
@@ -102,6 +104,8 @@ def test_a_landing_that_finds_a_flipped_bit_is_a_recorded_corrupt_miss(file: Pat
     observation says corrupt, so the index can drop it."""
     port = CountingPort()
     staging = HostStaging(max_entries=2)
+    seen: list[LandingObservation] = []
+    staging.bind_reports(seen.append)
     staged = _staged(port, file)
     rec = staged.header.tensors[1]
     _flip(file, rec.offset + 3)
@@ -109,7 +113,7 @@ def test_a_landing_that_finds_a_flipped_bit_is_a_recorded_corrupt_miss(file: Pat
         staging.land(staged)
     staging.close()
     assert port.open_fds == set()
-    (obs,) = staging.drain_observations()
+    (obs,) = seen
     assert (obs.path, obs.ok, obs.corrupt) == (str(file), False, True)
     assert staging.land_failures == 1
 
@@ -118,12 +122,13 @@ def test_a_landing_records_its_size_and_time(file: Path) -> None:
     """A good landing records the bytes it landed and its engine-thread seconds (the clock's)."""
     ticks = iter([10.0, 10.25])
     staging = HostStaging(max_entries=2, clock=lambda: next(ticks))
+    seen: list[LandingObservation] = []
+    staging.bind_reports(seen.append)
     staged = _staged(OsFilePort(writeback=None), file)
     caches = staging.land(staged)
     staging.close()
-    (obs,) = staging.drain_observations()
+    (obs,) = seen
     assert (obs.ok, obs.nbytes, obs.seconds) == (True, staged.header.nbytes, 0.25)
-    assert staging.drain_observations() == []
     assert caches[0].offset == len(TOKENS)
 
 
@@ -175,15 +180,23 @@ def _index(path: str) -> core.IndexState:
     state = core.IndexState(root="/cache", fingerprint="fp0", max_bytes=10**9, min_restore_tokens=1)
     directory = state.directory_of("")
     entry = core.IndexEntry(path, "", TOKENS, 1000, 1, True, 0)
-    core.load_scan(
-        state, core.ScanResult(files=(core.ScannedFile(entry.path, directory, None, entry=entry),))
-    )
+    scan = core.ScanResult(files=(core.ScannedFile(entry.path, directory, None, entry=entry),))
+    core.handle(state, core.ScanLoaded(scan, locked=True, now=0.0))
     return state
 
 
+def _send(state: core.IndexState, body: Body) -> list[core.Effect]:
+    envelope = Envelope("m", "c", None, "x", "ssd_writer", 0.0, body)
+    return core.handle(state, core.Received(envelope, 0.0))[1]
+
+
+def _landed(state: core.IndexState, path: str, *, ok: bool, seconds: float) -> list[core.Effect]:
+    report = LandingReport(path=path, nbytes=500, seconds=seconds, ok=ok, corrupt=not ok)
+    return _send(state, report)
+
+
 def _find(state: core.IndexState) -> FindResult:
-    envelope = Envelope("m", "c", None, "x", "ssd_writer", 0.0, Find(tokens=(*TOKENS, 5)))
-    (effect,) = core.handle(state, envelope)[1]
+    (effect,) = _send(state, Find(tokens=(*TOKENS, 5)))
     assert isinstance(effect, core.Answer)
     assert isinstance(effect.body, FindResult)
     return effect.body
@@ -196,11 +209,9 @@ def test_a_corrupt_landing_removes_the_file_and_counts_it() -> None:
     state = _index("/cache/fp0/x/a.kvt")
     path = next(iter(state.entries))
     assert _find(state).path == path
-    assert (
-        core.landing_report(state, path=path, nbytes=500, seconds=0.5, ok=True, corrupt=False) == []
-    )
+    assert _landed(state, path, ok=True, seconds=0.5) == []
     assert state.estimator.land.samples == 1
-    effects = core.landing_report(state, path=path, nbytes=500, seconds=0.0, ok=False, corrupt=True)
+    effects = _landed(state, path, ok=False, seconds=0.0)
     assert [type(e) for e in effects] == [core.Log, core.RemoveFiles]
     remove = effects[1]
     assert isinstance(remove, core.RemoveFiles)
@@ -209,7 +220,7 @@ def test_a_corrupt_landing_removes_the_file_and_counts_it() -> None:
     assert state.leftovers == {path: 1000}
     assert (state.restore_failures, state.corrupt_removed) == (1, 1)
     assert _find(state) == FindResult()
-    core.files_removed(state, FilesRemoved(removed=(path,), failed=()))
+    assert _send(state, FilesRemoved(removed=(path,), failed=())) == []
     assert state.leftovers == {}
 
 
@@ -218,7 +229,7 @@ def test_a_read_only_tier_only_stops_offering_a_corrupt_landing() -> None:
     state = _index("/cache/fp0/x/a.kvt")
     state.read_only = True
     path = next(iter(state.entries))
-    effects = core.landing_report(state, path=path, nbytes=500, seconds=0.0, ok=False, corrupt=True)
+    effects = _landed(state, path, ok=False, seconds=0.0)
     assert [type(e) for e in effects] == [core.Log]
     assert path not in state.entries
     assert (state.leftovers, state.corrupt_removed) == ({}, 0)
@@ -235,23 +246,22 @@ def test_staged_bytes_are_reported_and_nothing_is_host_memory(file: Path) -> Non
 
 
 @pytest.mark.anyio
-async def test_the_index_applies_landings_before_its_next_message(
+async def test_a_landing_reaches_the_index_as_a_message_before_the_next_ask(
     tmp_path: Path, file: Path
 ) -> None:
-    """A landing the engine thread recorded reaches the estimator with the index's next message."""
+    """A landing on another thread is posted to the index as a LandingReport: a stats ask sent
+    after the landing returned counts it (no shared state is drained)."""
     from actors.engine.wiring import spawn_ssd_writer
     from actors.runtime import ActorSystem
-    from messages import SsdStats, SsdStatsRequest
-    from tests.actors.ssd_writer.support import ASK, config
+    from tests.actors.ssd_writer.support import config, ssd_stats
     from tests.crash.checker import ScriptedSource
 
     staging = HostStaging(max_entries=2)
     async with ActorSystem() as system:
-        tier = spawn_ssd_writer(system, config=config(tmp_path / "tier"), source=ScriptedSource())
-        tier.staging = staging
-        await system.ask(tier.name, SsdStatsRequest(), timeout=ASK, expect=SsdStats)
-        assert tier.state.estimator.land.samples == 0
-        staging.land(_staged(OsFilePort(writeback=None), file))
-        await system.ask(tier.name, SsdStatsRequest(), timeout=ASK, expect=SsdStats)
-        assert tier.state.estimator.land.samples == 1
-        assert staging.drain_observations() == []
+        tier = spawn_ssd_writer(
+            system, config=config(tmp_path / "tier"), source=ScriptedSource(), staging=staging
+        )
+        assert (await ssd_stats(system, tier)).landings == 0
+        await anyio.to_thread.run_sync(staging.land, _staged(OsFilePort(writeback=None), file))
+        stats = await ssd_stats(system, tier)
+        assert (stats.landings, stats.land_failures) == (1, 0)

@@ -35,6 +35,7 @@ from tests.actors.ssd_writer.support import (
     ThreadTurns,
     config,
     register,
+    ssd_stats,
     store_body,
 )
 
@@ -96,7 +97,7 @@ async def test_a_restored_file_outlives_an_unused_newer_one_across_a_restart(
         res = await system.ask("ssd_writer", store_body(regs[C], C), timeout=ASK,
                                expect=StoreResult)
         assert res.stored
-        assert tier.stats().evicted == 1
+        assert (await ssd_stats(system, tier)).evicted == 1
         assert (await _find(system, A)).cached_tokens == len(A)
         assert (await _find(system, B)).choice == "miss"
     for reg in regs.values():

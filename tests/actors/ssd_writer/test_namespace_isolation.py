@@ -6,14 +6,14 @@ from actors.ssd_writer import core
 from messages import Find, FindResult, Restore, RestoreResult
 from messages.prompt_cache import cache_namespace
 
-from .test_core import answer, entry, env, loaded
+from .test_core import answer, deliver, entry, env, loaded
 
 SALT_A = cache_namespace("tenant-a")
 SALT_B = cache_namespace("tenant-b")
 
 
 def _find(state: core.IndexState, prompt: tuple[int, ...], ns: str) -> FindResult:
-    _, fx = core.handle(state, env(Find(tokens=prompt, namespace=ns)))
+    _, fx = deliver(state, env(Find(tokens=prompt, namespace=ns)))
     (body,) = [e.body for e in fx if isinstance(e, core.Answer)]
     assert isinstance(body, FindResult)
     return body
@@ -36,14 +36,14 @@ def test_restore_refuses_a_file_of_another_namespace() -> None:
     a = entry(tuple(range(1, 31)), ns=SALT_A)
     state = loaded(a)
     request = env(Restore(path=a.path, namespace=SALT_B, reply_to="r"))
-    _, fx = core.handle(state, request)
+    _, fx = deliver(state, request)
     body = answer(fx, request)
     assert isinstance(body, RestoreResult)
     assert (body.ok, body.reason) == (False, "gone")
     assert not any(isinstance(e, core.StartRead) for e in fx)
     assert state.restore_failures == 1
     request = env(Restore(path=a.path, namespace=SALT_A, reply_to="r"))
-    _, fx = core.handle(state, request)
+    _, fx = deliver(state, request)
     assert fx == [core.StartRead(request, a.path, SALT_A, a.tokens)]
 
 

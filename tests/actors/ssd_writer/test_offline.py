@@ -133,13 +133,13 @@ async def test_purge_stale_fingerprints_keeps_the_current_one_and_the_tier_still
     assert not (tier / OLD).exists()
     assert disk(tier)[IDENTITY.fingerprint][0] == 2
     async with ActorSystem() as system:
-        writer = spawn_ssd_writer(
+        spawn_ssd_writer(
             system, config=config(tier),
             source=EngineTensorSource(ThreadTurns(engine), CacheRegistry(), IDENTITY),
         )
         stats = await system.ask("ssd_writer", SsdStatsRequest(), timeout=ASK, expect=SsdStats)
         assert stats.entries == 2
-        assert writer.stats().evicted == 0
+        assert stats.evicted == 0
 
 
 @pytest.mark.anyio

@@ -14,7 +14,7 @@ import pytest
 
 from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem
-from actors.ssd_writer import EngineTensorSource, HostStaging, StagedEntry
+from actors.ssd_writer import EngineTensorSource, HostStaging, LandingObservation, StagedEntry
 from kernels import CacheRegistry, EngineThread, cache_arrays
 from kernels.cache._file_port import OsFilePort, WritableBuffer
 from kernels.cache._kv_header import read_header
@@ -26,6 +26,7 @@ from tests.actors.ssd_writer.support import (
     ThreadTurns,
     config,
     register,
+    ssd_stats,
     store_body,
 )
 from tests.crash.ports import ForwardingPort
@@ -88,6 +89,8 @@ def test_a_landing_behind_the_pass_reports_only_the_time_after_it(tmp_path: Path
     """Landing started at t=0, pass ended at t=5, landing done at t=6: the estimator gets 1 s."""
     port, staged = _held_entry(tmp_path)
     staging = HostStaging(clock=Clock(0.0, 5.0, 6.0))
+    seen: list[LandingObservation] = []
+    staging.bind_reports(seen.append)
     reader = _run_pass(staged)
     assert port.held.wait(WAIT)
     timer = threading.Timer(0.2, port.release.set)
@@ -99,7 +102,7 @@ def test_a_landing_behind_the_pass_reports_only_the_time_after_it(tmp_path: Path
         reader.join(WAIT)
         staging.close()
     assert len(caches) == 3
-    [obs] = staging.drain_observations()
+    [obs] = seen
     assert (obs.ok, obs.seconds, obs.nbytes) == (True, 1.0, staged.nbytes)
     assert staged.file.closed
 
@@ -108,6 +111,8 @@ def test_a_landing_whose_pass_failed_is_not_recorded_against_the_file(tmp_path: 
     """The pass fails at tensor 3: the landing raises PassFailed, records nothing, closes the file."""
     port, staged = _held_entry(tmp_path, fail_at=3)
     staging = HostStaging()
+    seen: list[LandingObservation] = []
+    staging.bind_reports(seen.append)
     reader = _run_pass(staged)
     assert port.held.wait(WAIT)
     port.release.set()
@@ -117,7 +122,7 @@ def test_a_landing_whose_pass_failed_is_not_recorded_against_the_file(tmp_path: 
     finally:
         reader.join(WAIT)
         staging.close()
-    assert staging.drain_observations() == []
+    assert seen == []
     assert (staging.landed, staging.land_failures) == (0, 0)
     assert staged.file.closed
     assert len(port.closed) == 1
@@ -161,10 +166,10 @@ async def test_the_restore_is_answered_before_the_pass_and_lands_behind_it(
         finally:
             timer.join(WAIT)
         for _ in range(int(ASK / 0.01)):
-            if tier.stats().restores:
+            if (await ssd_stats(system, tier)).restores:
                 break
             await anyio.sleep(0.01)
-        stats = tier.stats()
+        stats = await ssd_stats(system, tier)
     same = await engine.run(
         lambda: [
             bool(mx.array_equal(w, g[..., : w.shape[2], :]).item())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -12,12 +13,12 @@ from mlx_lm.models.cache import KVCache
 
 from actors.engine import wiring
 from actors.runtime import Actor, ActorSystem, Context
-from actors.ssd_writer import ColdTier, SsdWriterConfig, core
+from actors.ssd_writer import SsdWriterConfig, core
 from kernels.cache import KvFileWriter, OsFilePort, plan_entry, read_header, tensor_bytes
-from messages import Envelope
+from messages import Envelope, SsdStats
 from messages.gateway import RunWhenIdle, TurnDone
 
-from .support import IDENTITY
+from .support import IDENTITY, ssd_stats
 
 pytestmark = pytest.mark.anyio
 
@@ -105,8 +106,14 @@ class _UndeletablePort(OsFilePort):
 
 
 async def _run(
-    root: Path, *, idle: bool, until: object, seconds: float, port: OsFilePort | None = None
-) -> tuple[ColdTier, list[str]]:
+    root: Path,
+    *,
+    idle: bool,
+    until: Callable[[SsdStats], bool],
+    seconds: float,
+    port: OsFilePort | None = None,
+) -> tuple[SsdStats, list[str]]:
+    """Run the tier until ``until`` holds for its asked statistics; the last ones and the asks."""
     asks: list[str] = []
     async with ActorSystem() as system:
         system.spawn("gateway", lambda: _Gateway(idle, asks))
@@ -117,12 +124,13 @@ async def _run(
             gateway="gateway",
             port=port,
         )
+        stats = await ssd_stats(system, tier)
         with anyio.move_on_after(seconds):
-            while True:
-                if until(tier):  # type: ignore[operator]
-                    break
+            while not until(stats):
                 await anyio.sleep(0.01)
-    return tier, asks
+                stats = await ssd_stats(system, tier)
+        stats = await ssd_stats(system, tier)
+    return stats, asks
 
 
 async def test_the_scrubber_removes_a_file_whose_tensor_went_bad(tmp_path: Path) -> None:
@@ -130,10 +138,9 @@ async def test_the_scrubber_removes_a_file_whose_tensor_went_bad(tmp_path: Path)
     a flipped bit is removed and counted, the good one stays indexed and on disk."""
     good = _store(tmp_path, (1, 2, 3, 4))
     bad = _store(tmp_path, (5, 6, 7, 8, 9), flip=True)
-    tier, asks = await _run(
-        tmp_path, idle=True, until=lambda t: t.stats().scrubbed >= 3, seconds=20.0
+    stats, asks = await _run(
+        tmp_path, idle=True, until=lambda s: s.scrubbed >= 3, seconds=20.0
     )
-    stats = tier.stats()
     assert stats.scrubbed >= 3
     assert (stats.scrub_corrupt, stats.corrupt_removed, stats.entries) == (1, 1, 1)
     assert (good.exists(), bad.exists()) == (True, False)
@@ -149,14 +156,13 @@ async def test_a_bad_file_the_scrubber_cannot_delete_still_counts_toward_the_cap
     again), but its bytes keep counting: indexed plus leftover bytes equal the bytes on disk."""
     good = _store(tmp_path, (1, 2, 3, 4))
     bad = _store(tmp_path, (5, 6, 7, 8, 9), flip=True)
-    tier, _ = await _run(
+    stats, _ = await _run(
         tmp_path,
         idle=True,
-        until=lambda t: t.stats().scrub_corrupt >= 1,
+        until=lambda s: s.scrub_corrupt >= 1,
         seconds=20.0,
         port=_UndeletablePort(bad),
     )
-    stats = tier.stats()
     assert (stats.scrub_corrupt, stats.corrupt_removed, stats.entries) == (1, 0, 1)
     assert bad.exists()
     on_disk = good.stat().st_size + bad.stat().st_size
@@ -168,7 +174,7 @@ async def test_the_scrubber_reads_nothing_while_the_engine_is_busy(tmp_path: Pat
     """When the gateway refuses the idle turn (requests keep the engine busy), no file is read:
     the flipped file is still there and nothing was scrubbed."""
     bad = _store(tmp_path, (5, 6, 7, 8, 9), flip=True)
-    tier, asks = await _run(tmp_path, idle=False, until=lambda t: False, seconds=0.5)
+    stats, asks = await _run(tmp_path, idle=False, until=lambda s: False, seconds=0.5)
     assert len(asks) >= 3
-    assert (tier.stats().scrubbed, tier.stats().corrupt_removed) == (0, 0)
+    assert (stats.scrubbed, stats.corrupt_removed) == (0, 0)
     assert bad.exists()

@@ -23,6 +23,7 @@ from tests.actors.ssd_writer.support import (
     config,
     files,
     register,
+    ssd_stats,
     store_body,
 )
 
@@ -50,7 +51,7 @@ async def test_a_start_with_cap_zero_keeps_every_existing_file(
         ok = await system.ask(
             "ssd_writer", store_body(second, (5, 6, 7, 8)), timeout=ASK, expect=StoreResult
         )
-        stats = tier.stats()
+        stats = await ssd_stats(system, tier)
         assert ok.stored, ok.reason
         assert (stats.entries, stats.evicted, stats.max_bytes) == (2, 0, 0)
     after = files(tmp_path, ".kvt")
@@ -85,7 +86,7 @@ async def test_without_a_cap_a_full_disk_soft_fails_and_keeps_the_other_files(
         )
         assert port.fired
         assert (full.stored, full.reason) == (False, "disk_full")
-        assert (tier.stats().entries, tier.stats().disk_full) == (1, 1)
+        assert ((await ssd_stats(system, tier)).entries, (await ssd_stats(system, tier)).disk_full) == (1, 1)
     assert files(tmp_path, ".kvt") == kept
     assert files(tmp_path, ".tmp") == []
     for h in (first.handle, second.handle):
@@ -93,7 +94,7 @@ async def test_without_a_cap_a_full_disk_soft_fails_and_keeps_the_other_files(
 
 
 def test_the_startup_scan_of_an_uncapped_tier_removes_nothing() -> None:
-    """load_scan with max_bytes 0 indexes every valid file and asks for no over-cap removal."""
+    """The scan with max_bytes 0 indexes every valid file and asks for no over-cap removal."""
     state = core.IndexState(root="/r", fingerprint="fp", max_bytes=0)
     scanned = tuple(
         core.ScannedFile(
@@ -113,6 +114,8 @@ def test_the_startup_scan_of_an_uncapped_tier_removes_nothing() -> None:
         )
         for i in range(3)
     )
-    state, effects = core.load_scan(state, core.ScanResult(files=scanned))
-    assert [e for e in effects if isinstance(e, core.RemoveFiles)] == []
+    state, effects = core.handle(
+        state, core.ScanLoaded(core.ScanResult(files=scanned), locked=True, now=0.0)
+    )
+    assert [e for e in effects if isinstance(e, core.RemoveNow)] == []
     assert (len(state.entries), state.evicted) == (3, 0)
