@@ -63,6 +63,8 @@ class ScrubberState:
     target: ScrubTarget | None = None
     """The file being checked in this round."""
     in_round: bool = False
+    removing: bool = False
+    """The bad target's removal is under way (its outcome ends the round)."""
     error: str = ""
     """Why the target failed its check (for the log line after its removal)."""
     rounds: int = 0
@@ -117,7 +119,6 @@ class BadRemoved:
 
     removed: bool
     now: float
-    error: str = ""
 
 
 Event = Started | Woke | IdleAnswered | Picked | Verified | BadRemoved
@@ -188,6 +189,7 @@ def _end(state: ScrubberState, now: float, checked: int) -> list[Effect]:
     """End the round: the next wake, later when it read many bytes."""
     state.in_round = False
     state.target = None
+    state.removing = False
     state.error = ""
     state.rounds += 1
     if state.interval_s <= 0:
@@ -218,7 +220,7 @@ def _picked(state: ScrubberState, event: Picked) -> list[Effect]:
 
 def _verified(state: ScrubberState, event: Verified) -> list[Effect]:
     target = state.target
-    if target is None or target.path is None:
+    if target is None or target.path is None or state.removing:
         raise ValueError("a verification outside a round")
     path = target.path
     match event.outcome:
@@ -227,7 +229,7 @@ def _verified(state: ScrubberState, event: Verified) -> list[Effect]:
                     *_end(state, event.now, event.nbytes)]
         case "corrupt":
             if not state.read_only:
-                state.error = event.error
+                state.removing, state.error = True, event.error
                 return [RemoveBad(path)]
             return [
                 Log("ssd_cache.scrub_corrupt", path, event.error, removed=False),
@@ -249,19 +251,25 @@ def _verified(state: ScrubberState, event: Verified) -> list[Effect]:
 
 def _bad_removed(state: ScrubberState, event: BadRemoved) -> list[Effect]:
     target = state.target
-    if target is None or target.path is None:
+    if target is None or target.path is None or not state.removing:
         raise ValueError("a removal outside a round")
     path = target.path
     return [
-        Log("ssd_cache.scrub_corrupt", path, state.error or event.error, removed=event.removed),
+        Log("ssd_cache.scrub_corrupt", path, state.error, removed=event.removed),
         Report(ScrubReport(path=path, ok=False, reason="corrupt", removed=event.removed)),
         *_end(state, event.now, target.file_bytes),
     ]
 
 
 def handle(state: ScrubberState, event: Event) -> tuple[ScrubberState, list[Effect]]:
-    """Apply one event; return the state with the effects to perform, in order."""
+    """Apply one event; return the state with the effects to perform, in order.
+
+    An outcome outside the round that asked for it raises ``ValueError``
+    before anything changes.
+    """
     effects: list[Effect]
+    if isinstance(event, IdleAnswered | Picked) and (not state.in_round or state.target):
+        raise ValueError("an answer outside a round")
     match event:
         case Started(now=now):
             effects = [Arm(now + state.interval_s)] if state.interval_s > 0 else []
