@@ -12,6 +12,9 @@ Public protocol:
 - ``Schedule`` (tell, never dropped: send it with a waiting ``tell``): a
   put stored the RAM entry behind ``handle`` under ``tokens``.
 - ``Flush`` (ask) -> ``FlushResult``.
+- ``FlushAll`` (ask) -> ``FlushResult``: the whole sequence behind
+  ``Engine.flush`` and shutdown: a barrier through the prompt cache, the
+  flush, the spill queue's drain.
 - ``DurabilityStatsRequest`` (ask) -> ``DurabilityStats``.
 
 Internal: ``Wake`` (the coordinator's alarm, sent to itself).
@@ -29,6 +32,7 @@ __all__ = [
     "DurabilityStats",
     "DurabilityStatsRequest",
     "Flush",
+    "FlushAll",
     "FlushResult",
     "Schedule",
     "Wake",
@@ -55,6 +59,21 @@ class Flush(Request):
     """Force every dirty record to the SSD tier and report whether the state is durable."""
 
     kind: Literal["durability.flush"] = "durability.flush"
+
+
+class FlushAll(Request):
+    """Flush every put the RAM tier has handled so far, then wait until the spill queue is empty.
+
+    The coordinator first asks the prompt cache for its statistics (a
+    barrier: the cache tells ``Schedule`` while it handles a ``Put``, so
+    once it answers, every put it received before this message has its
+    ``Schedule`` queued here), then runs a :class:`Flush`, then asks the
+    spill queue to drain (evictions and demotions queued meanwhile reach
+    the writer too). Answered with the flush's :class:`FlushResult`; a
+    barrier or drain that fails or times out is skipped, never fatal.
+    """
+
+    kind: Literal["durability.flush_all"] = "durability.flush_all"
 
 
 class FlushResult(Body):

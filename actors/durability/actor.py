@@ -55,6 +55,7 @@ class DurabilityTargets:
     ssd_writer: str = "ssd_writer"
     spill_queue: str = "spill_queue"
     gateway: str = "gateway"
+    prompt_cache: str = "prompt_cache"
 
 
 class DurabilityCoordinator(Actor):
@@ -133,6 +134,8 @@ class DurabilityCoordinator(Actor):
     def _address(self, target: core.Target) -> str:
         if target == "ssd_writer":
             return self._targets.ssd_writer
+        if target == "prompt_cache":
+            return self._targets.prompt_cache
         return self._targets.spill_queue
 
     def _send(self, ref: str, to: str, body: Request, ctx: Context) -> core.Undelivered | None:

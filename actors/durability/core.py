@@ -73,11 +73,13 @@ from messages.durability import (
     DurabilityStats,
     DurabilityStatsRequest,
     Flush,
+    FlushAll,
     FlushResult,
     Schedule,
     Wake,
 )
 from messages.gateway import TurnDone
+from messages.prompt_cache import PromptCacheStats, PromptCacheStatsRequest
 
 __all__ = [
     "Answer",
@@ -112,7 +114,7 @@ __all__ = [
 Key = tuple[str, tuple[int, ...]]
 """A record's identity: (namespace, exact token sequence)."""
 
-Target = Literal["ssd_writer", "spill_queue"]
+Target = Literal["ssd_writer", "spill_queue", "prompt_cache"]
 """Whom a :class:`Send` goes to (the shell maps these to addresses)."""
 
 
@@ -279,7 +281,7 @@ Effect = Send | RunClone | DropStep | DisposeClone | Answer | SetAlarm | Log
 
 Stage = Literal["covers", "turn", "recheck", "parked", "queued"]
 Outcome = Literal["covered", "stored", "missing", "busy", "retry", "error", "dropped", "failed"]
-Purpose = Literal["attempt", "drain", "verify", "stats"]
+Purpose = Literal["attempt", "drain", "verify", "stats", "barrier", "final_drain"]
 Phase = Literal["settling", "draining", "forcing", "verifying", "stats"]
 
 
@@ -386,6 +388,10 @@ class DurabilityState:
     """Attempts holding a clone until our clone in the spill queue settles."""
     flush: FlushRun | None = None
     flush_queue: list[Envelope] = field(default_factory=list)
+    barriers: dict[str, Envelope] = field(default_factory=dict)
+    """``FlushAll`` askers waiting for their barrier (the prompt cache's answer), by ref."""
+    final_drains: dict[str, tuple[list[Envelope], FlushResult]] = field(default_factory=dict)
+    """``FlushAll`` askers whose flush ended, waiting for the spill queue's drain, by ref."""
     alarm_at: float | None = None
     stopped: bool = False
     seq: int = 0
@@ -747,6 +753,8 @@ def _reply(
         return
     if isinstance(clone, Cloned):
         out.append(DisposeClone(clone.handle))
+    if _sequence_step(state, ref, pending, out):
+        return
     flush = state.flush
     if flush is None:
         return
@@ -765,9 +773,32 @@ def _reply(
         _finish_flush(state, flush, now, out)
 
 
+def _sequence_step(
+    state: DurabilityState, ref: str, pending: _Outstanding, out: list[Effect]
+) -> bool:
+    """A ``FlushAll``'s barrier or final drain ended (answered, failed or timed out): move it on.
+
+    NOTE: a failed barrier or drain is skipped, never fatal: the flush's own
+    result says what is durable.
+    """
+    if pending.purpose == "barrier":
+        asker = state.barriers.pop(ref, None)
+        if asker is not None:
+            state.flush_queue.append(asker)
+        return True
+    if pending.purpose == "final_drain":
+        waiters, result = state.final_drains.pop(ref, ([], None))
+        if result is not None:
+            out.extend(Answer(w, result) for w in waiters)
+        return True
+    return False
+
+
 def _undelivered(state: DurabilityState, ev: Undelivered, now: float, out: list[Effect]) -> None:
     pending = state.outstanding.pop(ev.ref, None)
     if pending is None:
+        return
+    if _sequence_step(state, ev.ref, pending, out):
         return
     flush = state.flush
     if pending.purpose == "attempt":
@@ -809,6 +840,8 @@ def _expire(state: DurabilityState, now: float, out: list[Effect]) -> None:
         state.timeouts += 1
         out.append(Log("durability.reply_timeout", (("purpose", pending.purpose),)))
         flush = state.flush
+        if _sequence_step(state, ref, pending, out):
+            continue
         if pending.purpose == "attempt":
             attempt = state.attempts.get(pending.attempt or -1)
             if attempt is None:
@@ -952,7 +985,14 @@ def _finish_flush(state: DurabilityState, flush: FlushRun, now: float, out: list
     state.last_flush = result
     state.lost_since_flush = 0
     state.evicted_since_flush = 0
-    out.extend(Answer(w, result) for w in flush.waiters)
+    plain = [w for w in flush.waiters if not isinstance(w.body, FlushAll)]
+    out.extend(Answer(w, result) for w in plain)
+    whole = [w for w in flush.waiters if isinstance(w.body, FlushAll)]
+    if whole:
+        # NOTE: what entered the spill queue while the flush ran (evictions,
+        # demotions) reaches the writer before a FlushAll is answered.
+        ref = _request(state, "spill_queue", DrainSpills(), "final_drain", now, out)
+        state.final_drains[ref] = (whole, result)
     if evicted:
         out.append(Log("durability.evicted_unwritten", (("prefixes", evicted),)))
     if not result.durable:
@@ -1099,12 +1139,23 @@ def handle(
                 out.append(Answer(envelope, _stopped_result(state, now)))
             else:
                 state.flush_queue.append(envelope)
+        elif isinstance(body, FlushAll):
+            if state.stopped:
+                out.append(Answer(envelope, _stopped_result(state, now)))
+            else:
+                # NOTE: each FlushAll its own barrier: puts handed to the
+                # prompt cache before THIS message are in its scope.
+                ref = _request(state, "prompt_cache", PromptCacheStatsRequest(), "barrier",
+                               now, out)
+                state.barriers[ref] = envelope
         elif isinstance(body, DurabilityStatsRequest):
             out.append(Answer(envelope, stats(state)))
         elif isinstance(body, Wake):
             pass  # NOTE: the alarm only brings time forward; the pump below acts.
         elif isinstance(
-            body, CoversResult | TurnDone | SpillSettled | SpillsDrained | SsdStats | Failure
+            body,
+            CoversResult | TurnDone | SpillSettled | SpillsDrained | SsdStats | PromptCacheStats
+            | Failure,
         ):
             _reply(state, envelope.correlation_id, body, event.clone, now, out)
         else:
@@ -1136,12 +1187,15 @@ def stop(state: DurabilityState, now: float) -> tuple[DurabilityState, list[Effe
     """The coordinator stops: answer every flush asker (not durable), drop waiting steps, no alarm."""
     state.stopped = True
     out: list[Effect] = []
-    waiters = list(state.flush_queue)
+    waiters = list(state.flush_queue) + list(state.barriers.values())
     if state.flush is not None:
         waiters = state.flush.waiters + waiters
-    state.flush, state.flush_queue = None, []
+    state.flush, state.flush_queue, state.barriers = None, [], {}
     result = _stopped_result(state, now)
     out.extend(Answer(w, result) for w in waiters)
+    for drained, finished in state.final_drains.values():
+        out.extend(Answer(w, finished) for w in drained)
+    state.final_drains = {}
     for attempt in state.attempts.values():
         if attempt.stage == "turn" and attempt.step_id is not None:
             out.append(DropStep(attempt.step_id))

@@ -66,13 +66,9 @@ from actors.runtime import (
     use_correlation,
 )
 from messages import (
-    DrainSpills,
     Envelope,
-    PromptCacheStats,
-    PromptCacheStatsRequest,
-    SpillsDrained,
 )
-from messages.durability import Flush, FlushResult
+from messages.durability import FlushAll, FlushResult
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -781,44 +777,22 @@ class Engine(_StartClose):
     async def flush(self, *, timeout: float | None = None) -> FlushResult | None:
         """Write every RAM entry the cold tier does not hold yet, and wait for the spill queue.
 
-        Asks the durability coordinator for a ``Flush`` (``FlushResult.durable``
-        says, with evidence, whether everything put so far is on disk), then
-        waits until the spill queue is empty. Every request whose final event
-        was delivered before the call is covered (a barrier through the
-        prompt cache first). ``timeout`` (default: ``shutdown_timeout``)
-        bounds the whole call. ``None`` without a cold tier.
+        One ``FlushAll`` to the durability coordinator, which runs the whole
+        sequence: a barrier through the prompt cache (every request whose
+        final event was delivered before the call is covered), the flush
+        (``FlushResult.durable`` says, with evidence, whether everything put
+        so far is on disk), then the spill queue's drain. ``timeout``
+        (default: ``shutdown_timeout``) bounds the whole call. ``None``
+        without a cold tier.
         """
         wired = self._wired
-        if wired is None or self._cold is None:
+        if wired is None or self._cold is None or wiring.DURABILITY not in wired.refs:
             return None
-        wait = self._drain_timeout if timeout is None else timeout
-        # NOTE: one deadline for both waits, so the whole flush is bounded by ``timeout``.
-        deadline = anyio.current_time() + wait
-        result: FlushResult | None = None
+        wait = self._config.shutdown_timeout if timeout is None else timeout
         with use_correlation("engine-flush"):
-            if wiring.PROMPT_CACHE in wired.refs:
-                # NOTE: a barrier. The runner tells a finished request's Put
-                # before it sends the request's DoneEvent, and the prompt cache
-                # tells Schedule while it handles the Put; once this ask is
-                # answered, every Put of a request that ended before flush()
-                # was called has its Schedule queued ahead of the Flush below,
-                # so the flush's scope covers it.
-                await wired.ref(wiring.PROMPT_CACHE).ask(
-                    PromptCacheStatsRequest(), timeout=wait, expect=PromptCacheStats
-                )
-            if wiring.DURABILITY in wired.refs:
-                result = await wired.ref(wiring.DURABILITY).ask(
-                    Flush(),
-                    timeout=max(0.0, deadline - anyio.current_time()),
-                    expect=FlushResult,
-                )
-            if wiring.SPILL_QUEUE in wired.refs:
-                await wired.ref(wiring.SPILL_QUEUE).ask(
-                    DrainSpills(),
-                    timeout=max(0.0, deadline - anyio.current_time()),
-                    expect=SpillsDrained,
-                )
-        return result
+            return await wired.ref(wiring.DURABILITY).ask(
+                FlushAll(), timeout=wait, expect=FlushResult
+            )
 
     async def demote_cache(
         self,

@@ -460,7 +460,9 @@ def _durability_factory(
     return lambda: coordinator
 
 
-_TARGETS = DurabilityTargets(ssd_writer=SSD_WRITER, spill_queue=SPILL_QUEUE, gateway=GATEWAY)
+_TARGETS = DurabilityTargets(
+    ssd_writer=SSD_WRITER, spill_queue=SPILL_QUEUE, gateway=GATEWAY, prompt_cache=PROMPT_CACHE
+)
 
 
 def _durability(parts: Parts) -> Factory | None:
