@@ -231,6 +231,62 @@ _REJECTED_CHAT = {"model": "default", "messages": [{"role": "user", "content": "
 _ONE_TOKEN = {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0}
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def prefill_work(args: argparse.Namespace, turns: int, replicas: int) -> dict[str, float]:
+    """Tokens each placement must prefill for the trace with ``turns`` turns (no model run).
+
+    Replays the trace's arrival order (``--concurrency`` conversations at a
+    time, their turns interleaved) through a model of the replicas' prompt
+    caches (a replica reuses the longest prefix of any prompt it served
+    before), with the model's tokenizer and chat template: ``affinity``
+    keeps a conversation on one replica and spreads conversations in turn
+    (the event router's placement), ``round_robin`` sends request ``k`` to
+    replica ``k % replicas`` with the requests of each round of turns in a
+    random order (completion order varies; in a fixed order round-robin
+    would keep every conversation on one replica by accident), averaged
+    over 16 seeds. The ratio of the two is round-robin's extra prefill, the
+    most TTFT can gain from placement when queueing does not dominate.
+    """
+    import random
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from kernels import default_model_dir, render_chat, resolve_model_path
+
+    tok = load_tokenizer(default_model_dir() if args.model is None else resolve_model_path(args.model))
+    system = system_prompt(args.system_tokens, "sim")
+    rounds: list[list[tuple[int, int]]] = []
+    for wave in range(0, args.conversations, args.concurrency):
+        convs = range(wave, min(wave + args.concurrency, args.conversations))
+        rounds += [[(c, t) for c in convs] for t in range(turns)]
+    prompts: dict[tuple[int, int], list[int]] = {}
+    for conv in range(args.conversations):
+        messages = [{"role": "system", "content": system}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": tool_result(conv, turn, args.turn_tokens)})
+            prompts[conv, turn] = render_chat(tok, messages)
+            messages.append({"role": "assistant", "content": reply(conv, turn)})
+    out: dict[str, float] = {"prompt_tokens": float(sum(len(v) for v in prompts.values()))}
+    seeds = 16
+    for name in ("affinity", "round_robin"):
+        total = 0
+        for seed in range(seeds):
+            rng = random.Random(seed)
+            order = [req for r in rounds for req in rng.sample(r, len(r))]
+            seen: list[list[list[int]]] = [[] for _ in range(replicas)]
+            for k, (conv, turn) in enumerate(order):
+                rep = conv % replicas if name == "affinity" else k % replicas
+                ids = prompts[conv, turn]
+                total += len(ids) - max((_common(ids, old) for old in seen[rep]), default=0)
+                seen[rep].append(ids)
+        out[name] = total / seeds
+    out["ratio"] = out["round_robin"] / out["affinity"]
+    return out
+
+
 async def _timed(client: httpx.AsyncClient, kind: str, base: str) -> float:
     """Seconds for one request of ``kind`` to ``base``; checks that a replica answered it."""
     t = time.perf_counter()
@@ -367,6 +423,9 @@ def main() -> int:
     p.add_argument("--overhead-n", type=int, default=200,
                    help="request pairs (direct, routed) per router for its overhead (default 200; "
                         "0: not measured)")
+    p.add_argument("--simulate", default="",
+                   help="comma-separated turn counts: print the prefill tokens of affinity and "
+                        "round-robin placement for each (tokenizer only, no replicas) and exit")
     p.add_argument("--overhead", action="store_true",
                    help="measure only each router's overhead (no trace); writes overhead.json")
     p.add_argument("--model", default=None)
@@ -381,6 +440,13 @@ def main() -> int:
     serve = args.serve_args.split() + (["--model", args.model] if args.model else [])
     if args.overhead:
         return overhead_only(args, serve)
+    if args.simulate:
+        for turns in (int(t) for t in args.simulate.split(",")):
+            w = prefill_work(args, turns, args.replicas)
+            print(f"turns {turns:3d} replicas {args.replicas}: prompt {w['prompt_tokens']:.0f} "
+                  f"prefill affinity {w['affinity']:.0f} round_robin {w['round_robin']:.0f} "
+                  f"ratio {w['ratio']:.2f}", flush=True)
+        return 0
     result: dict[str, Any] = {
         "machine": machine(), "load_before": loadavg(), "replicas": args.replicas,
         "trace": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
