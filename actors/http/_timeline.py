@@ -110,6 +110,8 @@ class Timeline:
     token_seen: bool = False
     first_byte: float | None = None
     timings: Timings | None = None
+    tokens: int = 0
+    """Generated tokens (the ``DoneEvent``'s usage)."""
 
     def admitted(self) -> None:
         """The admission was answered (accepted)."""
@@ -159,6 +161,7 @@ class TimedStream:
             self._timeline.token_seen = True
         elif isinstance(event, DoneEvent):
             self._timeline.timings = event.timings
+            self._timeline.tokens = event.usage.completion_tokens
         return event
 
     async def aclose(self) -> None:
@@ -193,8 +196,12 @@ class TimelineWindow:
         phases = _phases(marks)
         timings = timeline.timings
         assert timings is not None
+        # NOTE: ``decode_ms`` (engine time in decode turns or steps) with
+        # ``tokens`` gives the engine-side decode rate, to hold against what
+        # a client measures through the socket.
         _log.info("request.timeline", request_id=timeline.request_id,
                    looked_up=timings.lookup_start_s is not None,
+                   tokens=timeline.tokens, decode_ms=round(timings.decode_s * 1e3, 3),
                    **{f"{k}_ms": round(v, 3) for k, v in marks.items()},
                    phases_ms={k: round(v, 3) for k, v in phases.items()})
         row = {**phases, "first_byte": marks["first_byte"]}

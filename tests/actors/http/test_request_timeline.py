@@ -101,8 +101,8 @@ async def _ttft(client: httpx.AsyncClient, prompt: list[int]) -> tuple[str, floa
 
 async def test_phases_are_ordered_and_sum_to_the_clients_ttft(client: httpx.AsyncClient) -> None:
     """Over a real engine: the timeline line of each streamed request has ordered marks, a
-    lookup, and phases that sum to its first byte, within 50 ms of the TTFT the client saw;
-    /stats reports the distributions of both requests."""
+    lookup, and phases that sum to its first byte, within 50 ms of the TTFT the client saw,
+    and the engine's decode time and token count; /stats reports the distributions of both requests."""
     with capture_logs() as logs:
         seen = [await _ttft(client, PROMPT), await _ttft(client, [*PROMPT, 7, 8, 9])]
     lines = {e["request_id"]: e for e in logs if e["event"] == "request.timeline"}
@@ -117,6 +117,9 @@ async def test_phases_are_ordered_and_sum_to_the_clients_ttft(client: httpx.Asyn
         assert sum(line["phases_ms"].values()) == pytest.approx(line["first_byte_ms"], abs=0.01)
         assert line["first_byte_ms"] <= ttft_ms + 1.0
         assert ttft_ms - line["first_byte_ms"] < 50.0, (ttft_ms, line)
+        # the engine-side decode figures: 4 tokens, 3 of them from decode steps
+        assert line["tokens"] == 4, line
+        assert line["decode_ms"] > 0.0, line
     stats = (await client.get("/stats")).json()["http"]["timeline"]
     assert stats["requests"] == stats["recorded"] == 2
     assert set(stats["phases_ms"]) == {*PHASES, "first_byte"}
