@@ -195,6 +195,8 @@ async def bench_batch(streams: int, tokens: int, intervals: list[int], repeats: 
                     texts, rate, emitted = await _streams(engine, streams, tokens)
                     stats = await engine.stats(timeout=5)
             rates[every].append(rate)
+            print(json.dumps({"every": every, "decode_tps": round(rate, 2)}), file=sys.stderr,
+                  flush=True)
             equal &= emitted == streams * tokens
             reference = reference or texts
             equal &= texts == reference
