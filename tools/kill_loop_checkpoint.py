@@ -17,7 +17,15 @@ Against a real ``kvtier serve`` on loopback (the default model unless
    checkpoint was durable).
 
 A completed answer removes its checkpoints, so every cycle starts from an
-empty checkpoint directory. The summary (JSON on stdout) counts cycles,
+empty checkpoint directory.
+
+Every cycle starts new server processes from this tree: run the loop from
+a frozen copy (``git archive HEAD | tar -x -C DIR && git rev-parse --short
+HEAD > DIR/.archived-commit``, then run DIR's tool with this checkout's
+venv), never from a checkout that others edit while it runs, or a restart
+may load half-edited code. The summary records the commit and whether the
+tree held uncommitted changes to code (``tree_dirty``; a frozen copy is
+clean by construction). The summary (JSON on stdout) counts cycles,
 equal and different answers, resumed cycles and tokens saved; the exit code
 is 0 when every answer was equal.
 
@@ -31,6 +39,7 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +76,8 @@ class Summary:
     failures: list[str] = field(default_factory=list)
     kill_at_chunks: list[int] = field(default_factory=list)
     answer_s: list[float] = field(default_factory=list)
+    commit: str | None = None
+    tree_dirty: bool | None = None
 
     @property
     def ok(self) -> bool:
@@ -83,6 +94,22 @@ class Summary:
         out["failures"] = self.failures[:20]
         out["ok"] = self.ok
         return out
+
+
+def _provenance(root: Path) -> tuple[str | None, bool | None]:
+    """The tree's commit and whether its code differs from it (``None``: not a git checkout)."""
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
+                                 "actors", "kernels", "messages"],
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        archived = root / ".archived-commit"
+        if archived.is_file():
+            return archived.read_text().strip()[:40] or None, False
+        return None, None
+    return commit, bool(status.strip())
 
 
 def _body(max_tokens: int, temperature: float, seed: int | None, *, stream: bool) -> dict[str, Any]:
@@ -128,6 +155,7 @@ def run(cycles: int, workdir: Path, *, every: int = 64, max_tokens: int = 400,
     if max_tokens <= every + 2:
         raise ValueError("max_tokens must leave room past the first checkpoint")
     summary = Summary()
+    summary.commit, summary.tree_dirty = _provenance(REPO)
     rng = random.Random(rng_seed)
     args = ["--ssd-cache", str(workdir / "kv"), "--ssd-writebehind", "off",
             "--generation-checkpoint", str(every), "--max-batch", "1", *serve_args]
