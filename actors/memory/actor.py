@@ -82,7 +82,7 @@ class MemoryActor(Actor):
     async def _feed(self, event: core.Event, ctx: Context) -> None:
         events: deque[core.Event] = deque([event])
         while events:
-            self.state, effects = core.handle(self.state, events.popleft())
+            self.state, effects = ctx.traced(core.handle, self.state, events.popleft())
             for effect in effects:
                 match effect:
                     case core.Answer(request=request, body=body):

@@ -11,15 +11,20 @@ themselves and nothing else:
 - ``{"$e": "module:Qual", "v": value}`` an enum member;
 - ``{"$c": "module:Qual", "f": {name: value}}`` a dataclass (every field,
   plus the instance ``__dict__`` of a dataclass without slots, so attributes
-  set in ``__post_init__`` survive) or a pydantic model (its fields);
+  set in ``__post_init__`` survive), a pydantic model (its fields), or a
+  plain object of a class of these packages (its attributes);
+- ``{"$m": object, "name": "method"}`` a bound public method of such an
+  object, ``{"$p": method, "args": [...], "kw": {...}}`` a
+  ``functools.partial`` of one (a core's configured estimate, say);
 - ``{"$o": "Qual", "n": k}`` an object the codec cannot write (a thread-safe
   port, a callable): a stable placeholder, numbered by first appearance in
   one trace, decoded as an :class:`Opaque` that encodes back to the same tag.
 
 Decoding is for untrusted files: a class is imported only from the
-``actors``, ``messages`` and ``kernels`` packages, and only a dataclass, a
-pydantic model or an enum is built (fields set directly: no ``__init__``,
-no validator and no ``__post_init__`` runs). Nesting is bounded.
+``actors``, ``messages`` and ``kernels`` packages, objects are built with
+their attributes set directly (no ``__init__``, no validator and no
+``__post_init__`` runs), a callable is only a public method of an object so
+built (never a function named by the file), and nesting is bounded.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import importlib
+import inspect
 import json
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -63,6 +70,31 @@ def dumps(value: Any) -> str:
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _trusted(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in _TRUSTED_PACKAGES
+
+
+def _slot_names(cls: type) -> list[str]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        names.extend([slots] if isinstance(slots, str) else slots)
+    return [name for name in names if name not in ("__dict__", "__weakref__")]
+
+
+def _own_method(value: object) -> bool:
+    """A public method bound to an object of these packages (what a decoder may rebuild)."""
+    return (inspect.ismethod(value) and not value.__name__.startswith("_")
+            and _trusted(type(value.__self__)))
+
+
+def _plain(value: object) -> bool:
+    """A plain object of our own: its state is its attributes (no exception, no class)."""
+    return not isinstance(value, (BaseException, type)) and (
+        hasattr(value, "__dict__") or bool(_slot_names(type(value)))
+    )
 
 
 class Encoder:
@@ -112,12 +144,23 @@ class Encoder:
                     "f": {name: self.encode(getattr(value, name)) for name in names}}
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {"$c": _qualname(type(value)), "f": self._fields(value)}
+        if isinstance(value, functools.partial) and _own_method(value.func):
+            return {"$p": self.encode(value.func), "args": self.encode(list(value.args)),
+                    "kw": self.encode(dict(value.keywords))}
+        if _own_method(value):
+            return {"$m": self.encode(value.__self__), "name": value.__name__}
+        if _trusted(type(value)) and not callable(value) and _plain(value):
+            return {"$c": _qualname(type(value)), "f": self._fields(value)}
         return self._placeholder(value)
 
     def _fields(self, value: Any) -> dict[str, Any]:
-        if hasattr(value, "__dict__"):
-            return {name: self.encode(item) for name, item in vars(value).items()}
-        return {f.name: self.encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if dataclasses.is_dataclass(value) and not hasattr(value, "__dict__"):
+            return {f.name: self.encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        fields = {name: self.encode(item) for name, item in vars(value).items()}
+        for name in _slot_names(type(value)):
+            if hasattr(value, name):
+                fields[name] = self.encode(getattr(value, name))
+        return fields
 
     def _placeholder(self, value: object) -> dict[str, Any]:
         known = self._opaque.get(id(value))
@@ -183,8 +226,30 @@ class Decoder:
                 return cls(self.decode(tree["v"], depth))
             case "$c":
                 return self._object(self._class(str(tree[tag])), tree["f"], depth)
+            case "$m":
+                return self._method(self.decode(tree[tag], depth), str(tree["name"]))
+            case "$p":
+                function = self.decode(tree[tag], depth)
+                if not inspect.ismethod(function):
+                    raise CodecError("a partial wraps a method of a decoded object only")
+                args = self.decode(tree["args"], depth)
+                keywords = self.decode(tree["kw"], depth)
+                if not isinstance(args, list) or not isinstance(keywords, dict):
+                    raise CodecError("a partial's args are a list and its keywords a dict")
+                return functools.partial(function, *args, **keywords)
             case _:
                 raise CodecError(f"unknown tag {tag!r}")
+
+    @staticmethod
+    def _method(owner: Any, name: str) -> Any:
+        # NOTE: only a public method of an object the trace built, so a trace
+        # cannot reach a function of its own choosing.
+        if not name.isidentifier() or name.startswith("_") or not _trusted(type(owner)):
+            raise CodecError(f"{name!r} is not a public method of a decoded object")
+        method = getattr(owner, name, None)
+        if not inspect.ismethod(method) or method.__self__ is not owner:
+            raise CodecError(f"{type(owner).__qualname__}.{name} is not a method")
+        return method
 
     def _object(self, cls: type, fields: Any, depth: int) -> Any:
         if not isinstance(fields, dict):
@@ -195,12 +260,12 @@ class Decoder:
             if unknown:
                 raise CodecError(f"{cls.__qualname__} has no fields {sorted(unknown)}")
             return cls.model_construct(**values)
-        if not dataclasses.is_dataclass(cls):
-            raise CodecError(f"{cls.__qualname__} is neither a dataclass nor a pydantic model")
-        declared = {f.name for f in dataclasses.fields(cls)}
-        slotted = not hasattr(cls, "__dict__") or "__slots__" in vars(cls)
-        if slotted and set(values) - declared:
-            raise CodecError(f"{cls.__qualname__} has no fields {sorted(set(values) - declared)}")
+        if dataclasses.is_dataclass(cls):
+            declared = {f.name for f in dataclasses.fields(cls)}
+            slotted = "__slots__" in vars(cls)
+            if slotted and set(values) - declared:
+                extra = sorted(set(values) - declared)
+                raise CodecError(f"{cls.__qualname__} has no fields {extra}")
         obj = object.__new__(cls)
         for name, item in values.items():
             # NOTE: object.__setattr__ also sets the fields of frozen dataclasses.
@@ -222,8 +287,8 @@ class Decoder:
             target = getattr(target, part, None)
         if not isinstance(target, type):
             raise CodecError(f"{name!r} is not a class")
-        if not (issubclass(target, (BaseModel, enum.Enum)) or dataclasses.is_dataclass(target)):
-            raise CodecError(f"{name!r} is not a dataclass, pydantic model or enum")
+        if issubclass(target, BaseException) or issubclass(target, type):
+            raise CodecError(f"{name!r} is not a class of data")
         self._classes[name] = target
         return target
 

@@ -73,7 +73,7 @@ class SpillQueue(Actor):
 
     async def stopped(self, ctx: Context) -> None:
         """Release every handle still owned (queued and in flight)."""
-        self.state, effects = core.stop(self.state)
+        self.state, effects = ctx.traced(core.stop, self.state)
         await self._perform(effects, ctx)
 
     async def _perform(self, effects: Sequence[core.Effect], ctx: Context) -> None:

@@ -91,7 +91,7 @@ class Reader(Actor):
         """The one place the rules run: each event, then the events its effects' outcomes make."""
         events: deque[core.Event] = deque([event])
         while events:
-            self._state, effects = core.handle(self._state, events.popleft())
+            self._state, effects = ctx.traced(core.handle, self._state, events.popleft())
             for effect in effects:
                 follow = await self._perform(effect, ctx)
                 if follow is not None:

@@ -69,7 +69,7 @@ def _first_session(tmp_path: Path, kv: Path, trace: Path) -> None:
             assert serial.result()["choices"][0]["logprobs"] is not None
             batch.result()
         assert _cached(_chat(server.url, LONG)) > 0  # the repeat is a RAM hit
-        flushed = httpx.post(f"{server.url}/admin/cache/flush", timeout=120)
+        flushed = httpx.post(f"{server.url}/admin/cache/flush", json={}, timeout=120)
         assert flushed.status_code == 200, flushed.text
         stats = httpx.get(f"{server.url}/stats", timeout=30).json()["engine"]
         assert stats["prompt_cache"]["hits"] >= 1
@@ -90,7 +90,7 @@ def _second_session(tmp_path: Path, kv: Path, trace: Path) -> None:
 
 def _calls(lines: list[str]) -> list[int]:
     """Indexes of the call lines (not the header, state snapshots or the end line)."""
-    return [i for i, line in enumerate(lines) if '"args":' in line and line.startswith('{"n":')]
+    return [i for i, line in enumerate(lines[1:], start=1) if "args" in json.loads(line)]
 
 
 def _renumbered(lines: list[str]) -> list[str]:
@@ -134,7 +134,11 @@ def test_a_recorded_session_replays_and_an_edited_trace_is_rejected(tmp_path: Pa
         assert "replay ok" in result.stdout
         assert "note:" not in result.stdout  # complete: neither truncated nor unclosed
     actors = {json.loads(line)["a"] for line in first.read_text().splitlines()[1:-1]}
-    assert {"gateway", "gateway.runner", "batch", "prompt_cache", "durability", "spill_queue"} <= actors, actors
+    every = {"gateway", "gateway.runner", "batch", "prompt_cache", "durability", "spill_queue",
+             "ssd_writer", "memory"}
+    assert every <= actors, actors
+    restored = {json.loads(line)["a"] for line in second.read_text().splitlines()[1:-1]}
+    assert "ssd_writer.read" in restored, restored  # the restore's file was read
 
     lines = first.read_text().splitlines()
     calls = _calls(lines)

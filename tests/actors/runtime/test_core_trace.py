@@ -3,6 +3,7 @@ replay reproduces a recorded run of a real core and rejects an edited one."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -73,6 +74,29 @@ def test_codec_round_trips_dataclasses_pydantic_bodies_and_envelopes() -> None:
     assert not back.in_scope(("ns", (3,)))
 
 
+def test_plain_objects_methods_and_partials_round_trip() -> None:
+    """A plain class's object (the SSD index's restore estimator) keeps its learned
+    attributes, and a partial of a dataclass's method (the memory guard's
+    bytes-per-token) computes what the original does."""
+    from actors.ssd_writer.core import Estimator
+
+    estimator = Estimator(prior_prefill_tps=123.0)
+    estimator.prefill_tps = 456.0
+    back = _round_trip(estimator)
+    assert type(back) is Estimator
+    assert back.prefill_tps == 456.0
+    assert back.prior_prefill_tps == 123.0
+    assert back.read.predict(1 << 20) == estimator.read.predict(1 << 20)
+
+    private = functools.partial(Opaque("x", 1).__eq__)  # not public: a placeholder
+    assert "$o" in Encoder().encode(private)
+    method = functools.partial(FlushRun(1, [], 0.0, (("ns", (1,)),)).in_scope)  # type: ignore[arg-type]
+    again = _round_trip(method)
+    assert isinstance(again, functools.partial)
+    assert again(("ns", (1,))) is True
+    assert again(("ns", (2,))) is False
+
+
 def test_sets_are_written_in_one_order_whatever_their_iteration_order() -> None:
     """Two equal sets built in different orders encode to the same text (hash order free)."""
     # NOTE: 1, 9, 17, 25 share a slot in a small set's table, so the order
@@ -105,7 +129,10 @@ def test_opaque_objects_get_stable_placeholders() -> None:
     [
         ({"$c": "os:PathLike", "f": {}}, "outside"),
         ({"$c": "builtins:dict", "f": {}}, "outside"),
-        ({"$c": "actors.runtime._core_trace:CoreTraceRecorder", "f": {}}, "not a dataclass"),
+        ({"$c": "actors.runtime._errors:MailboxClosed", "f": {}}, "not a class of data"),
+        ({"$m": {"$c": "actors.ssd_writer.core:Estimator", "f": {}}, "name": "__init__"}, "public"),
+        ({"$m": {"$t": []}, "name": "count"}, "public method"),
+        ({"$p": {"$t": []}, "args": [], "kw": {"$d": []}}, "method of a decoded object"),
         ({"$c": "actors.runtime._core_codec:Opaque", "f": {"bogus": 1}}, "no fields"),
         ({"$zz": 1}, "unknown tag"),
         ({"$d": [[1]]}, "pair"),
