@@ -16,17 +16,59 @@ they cross through ONE owner: the turn runner's :class:`BackgroundSteps`.
   run (the runner reports it ``unknown_step``).
 
 Everything here runs on the event loop thread; nothing is shared with the
-engine thread except the callable itself, which only the runner's job calls.
+engine thread except the callable itself, which only the runner's job calls
+(wrapped so that it times itself: the time is written on the engine thread
+before the job ends and read on the loop in :meth:`BackgroundSteps.settle`,
+after it ended).
+
+A background turn holds the engine: a request that arrives during it waits
+for it (docs/engine-turn.md, rule 5). So every step must be small, and a
+step that ran :data:`SLOW_STEP_S` or longer is logged when it settles
+(``engine.background_step_slow``, with its callable's name and time): the
+line names the step behind a long ``join`` phase in the request timeline.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["BackgroundSteps", "StepHandle", "StepNotRun"]
+import structlog
+
+__all__ = ["SLOW_STEP_S", "BackgroundSteps", "StepHandle", "StepNotRun"]
 
 T = TypeVar("T")
+
+_log = structlog.get_logger("kvtier.engine")
+
+SLOW_STEP_S = 0.010
+"""A background step this long (seconds, on the engine thread) or longer is logged when it settles.
+
+NOTE: about one decode step of an 8B model on a GPU: a request arriving
+during a longer one waits longer than a step for its first turn.
+"""
+
+
+class _Timed:
+    """A step's callable that records how long its run took (engine thread writes, loop reads after)."""
+
+    __slots__ = ("elapsed_s", "fn")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.elapsed_s: float | None = None
+
+    def __call__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.fn()
+        finally:
+            self.elapsed_s = time.perf_counter() - start
+
+
+def _name(fn: Callable[[], Any]) -> str:
+    return str(getattr(fn, "__qualname__", type(fn).__qualname__))
 
 
 class StepNotRun(RuntimeError):
@@ -78,7 +120,11 @@ class BackgroundSteps:
 
     def __init__(self) -> None:
         self._steps: dict[str, tuple[Callable[[], Any], StepHandle[Any], bool]] = {}
-        self._running: dict[str, StepHandle[Any]] = {}
+        self._running: dict[str, tuple[StepHandle[Any], _Timed]] = {}
+        self.slow = 0
+        """Steps that ran :data:`SLOW_STEP_S` or longer."""
+        self.longest_s = 0.0
+        """The longest run of any step so far (seconds on the engine thread)."""
 
     def add(self, step_id: str, fn: Callable[[], T], *, standing: bool = False) -> StepHandle[T]:
         """Register ``fn`` under ``step_id`` (unique among registered and running steps)."""
@@ -96,14 +142,24 @@ class BackgroundSteps:
         fn, handle, standing = entry
         if not standing:
             del self._steps[step_id]
-        self._running[step_id] = handle
-        return fn
+        timed = _Timed(fn)
+        self._running[step_id] = (handle, timed)
+        return timed
 
     def settle(self, step_id: str, result: Any, error: BaseException | None) -> None:
-        """Runner: hand a taken step's outcome to its handle."""
-        handle = self._running.pop(step_id, None)
-        if handle is not None:
-            handle._settle(result, error)
+        """Runner: hand a taken step's outcome to its handle (after the step's job ended)."""
+        running = self._running.pop(step_id, None)
+        if running is None:
+            return
+        handle, timed = running
+        elapsed = timed.elapsed_s
+        if elapsed is not None:
+            self.longest_s = max(self.longest_s, elapsed)
+            if elapsed >= SLOW_STEP_S:
+                self.slow += 1
+                _log.info("engine.background_step_slow", step_id=step_id, fn=_name(timed.fn),
+                          ms=round(elapsed * 1e3, 3))
+        handle._settle(result, error)
 
     def _withdraw(self, step_id: str) -> None:
         self._steps.pop(step_id, None)
