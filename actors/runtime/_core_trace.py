@@ -184,7 +184,10 @@ class CoreTraceRecorder:
                 text = "".join(batch)
                 try:
                     if self._failed is None:
+                        # NOTE: flushed per batch, so a process that dies
+                        # leaves every line the writer had taken.
                         self._file.write(text)
+                        self._file.flush()
                 except OSError as exc:
                     # NOTE: the file is unusable; recording stops (the loop sees
                     # ``truncated``) and the lines already queued are dropped.
