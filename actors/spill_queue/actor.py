@@ -86,7 +86,7 @@ class SpillQueue(Actor):
                 self._release(effect.handle)
             elif isinstance(effect, core.RequestDrain):
                 if not self._request_drain(effect.step_id, ctx):
-                    self.state, more = core.drain_undelivered(self.state)
+                    self.state, more = ctx.traced(core.drain_undelivered, self.state)
                     work.extend(more)
             elif isinstance(effect, core.Answer):
                 await ctx.reply(effect.request, effect.body)
@@ -111,7 +111,7 @@ class SpillQueue(Actor):
             _log.warning(
                 "spill_queue.writer_unavailable", handle=item.handle, error=type(exc).__name__
             )
-            self.state, more = core.store_unavailable(self.state, item.handle, "writer_unavailable")
+            self.state, more = ctx.traced(core.store_unavailable, self.state, item.handle, "writer_unavailable")
             return more
         return []
 
