@@ -27,7 +27,10 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvtier replay``."""
-    parser.add_argument("trace", type=Path, nargs="?", help="the JSONL trace to replay")
+    parser.add_argument(
+        "trace", type=Path, nargs="?",
+        help="the JSONL trace to replay: a simulated run's (--record) or a live one "
+             "(kvtier serve --record-trace)")
     parser.add_argument(
         "--record",
         metavar="MODULE:FUNCTION",
