@@ -1,0 +1,135 @@
+"""What one generation checkpoint costs, against the decode steps between two of them.
+
+On a loaded shared machine an on/off decode-rate comparison cannot separate
+a checkpoint's cost from the load's noise; this measures the pieces
+directly, in one process on the default model (unless ``--model``), with
+the serving path's own calls, after ``--tokens`` greedy tokens:
+
+- ``step_s``: the median decode step (engine thread);
+- ``capture_s``: the boundary (``checkpoint_point``) and the registry's
+  owned snapshot of the caches, evaluated (engine thread, in the step);
+- ``copy_s``: the plan and the host copy of every tensor (the one idle
+  engine turn of ``EngineTensorSource.host_copy``);
+- ``write_s``: ``write_checkpoint`` to a real directory (temp file, every
+  tensor hashed, fsync, rename, directory fsync; a worker thread).
+
+Each is the median of ``--repeats``. ``overhead_at`` gives, per interval N,
+the engine thread's share ``(capture + copy) / (N x step)`` and the share
+with the write counted too (a worker thread, but on a 2-core machine it
+competes for the same cores). Prints one JSON object.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/checkpoint_cost.py --tokens 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from actors.checkpoints import write_checkpoint  # noqa: E402
+from kernels import CacheRegistry, Generation, load_model  # noqa: E402
+from kernels.cache import GenerationCheckpoint, OsFilePort, plan_entry, tensor_bytes  # noqa: E402
+from kernels.engine import encode_prompt  # noqa: E402
+from kernels.engine._checkpoint import checkpoint_point  # noqa: E402
+from kernels.model import default_model_dir  # noqa: E402
+from messages.gateway import GenerationParams  # noqa: E402
+
+PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
+          "bottle, describing every day of the following month, the weather, the ships, "
+          "and the letters the keeper writes back.\n\nChapter 1.")
+
+
+def _reader(data: list[bytes]) -> Callable[[int], memoryview]:
+    return lambda j: memoryview(data[j])
+
+
+def measure(tokens: int, repeats: int, intervals: list[int], model: str | None) -> dict[str, Any]:
+    """The figures (module docstring)."""
+    import mlx.core as mx
+
+    loaded = load_model(model if model is not None else default_model_dir())
+    prompt = encode_prompt(loaded.tokenizer, PROMPT)
+    gen = Generation(loaded.model, loaded.tokenizer, prompt,
+                     GenerationParams(max_tokens=tokens + 8, temperature=0.0))
+    steps: list[float] = []
+    while not gen.prefill_done:
+        gen.prefill_step(None)
+    for _ in range(tokens):
+        began = time.perf_counter()
+        gen.decode_step()
+        steps.append(time.perf_counter() - began)
+    registry = CacheRegistry()
+    capture, copy, write = [], [], []
+    file_bytes = 0
+    with tempfile.TemporaryDirectory(prefix="kvtier-ckpt-cost-") as tmp:
+        port = OsFilePort()
+        for _ in range(repeats):
+            began = time.perf_counter()
+            point = checkpoint_point(gen)
+            assert point is not None
+            toks = (*gen.prompt_tokens, *point.generated)
+            reg = registry.snapshot(gen.cache, offset=len(toks))
+            mx.eval([a for c in registry.get(reg.handle) for a in (c.keys, c.values)])
+            capture.append(time.perf_counter() - began)
+            record = GenerationCheckpoint("ab" * 16, len(prompt), point.pending_token,
+                                          len(point.generated), None)
+            began = time.perf_counter()
+            plan = plan_entry(registry.get(reg.handle), model_id="m", fingerprint="f",
+                              namespace="", tokenizer_hash="t", tokens=toks, checkpoint=record)
+            data = [bytes(tensor_bytes(plan, j)) for j in range(len(plan.tensors))]
+            plan.release_arrays()
+            copy.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            write_checkpoint(port, tmp, plan, _reader(data))
+            write.append(time.perf_counter() - began)
+            file_bytes = plan.file_size
+            registry.dispose(reg.handle)
+    step = statistics.median(steps)
+    cap, cp, wr = statistics.median(capture), statistics.median(copy), statistics.median(write)
+    return {
+        "tokens": tokens,
+        "file_bytes": file_bytes,
+        "step_s_median": round(step, 5),
+        "capture_s_median": round(cap, 5),
+        "copy_s_median": round(cp, 5),
+        "write_s_median": round(wr, 5),
+        "overhead_at": {
+            str(n): {"engine_thread": round((cap + cp) / (n * step), 5),
+                     "with_write": round((cap + cp + wr) / (n * step), 5)}
+            for n in intervals
+        },
+        "capture_s": [round(x, 5) for x in capture],
+        "copy_s": [round(x, 5) for x in copy],
+        "write_s": [round(x, 5) for x in write],
+    }
+
+
+def main() -> int:
+    """Measure and print the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=300,
+                        help="greedy tokens decoded before the checkpoints are taken")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--intervals", default="64,100,256",
+                        help="checkpoint intervals in tokens to report the overhead for")
+    parser.add_argument("--model", default=None)
+    ns = parser.parse_args()
+    intervals = [int(x) for x in ns.intervals.split(",") if x]
+    print(json.dumps(measure(ns.tokens, ns.repeats, intervals, ns.model), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
