@@ -261,3 +261,22 @@ def test_the_recorder_refuses_a_bound_too_small_to_hold_anything(tmp_path: Path)
     with pytest.raises(ValueError, match="at least 1024"):
         CoreTraceRecorder(tmp_path / "t.jsonl", max_bytes=100)
     assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_kvtier_replay_reads_a_live_trace_and_says_when_it_is_truncated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvtier replay` picks the live replay from the header: exit 0 with a note for a
+    truncated trace, exit 1 naming the line for an edited one."""
+    from actors.cli.main import build_parser
+    from actors.cli.replay import run
+
+    path = tmp_path / "t.jsonl"
+    lines = _record_kv_run(path, max_bytes=2048, events=50)
+    assert run(build_parser(["replay", str(path)]).parse_args(["replay", str(path)])) == 0
+    out = capsys.readouterr().out
+    assert "replay ok" in out
+    assert "note: truncated (max_bytes reached)" in out
+    path.write_text("\n".join(lines[:3] + lines[4:]) + "\n")
+    assert run(build_parser(["replay", str(path)]).parse_args(["replay", str(path)])) == 1
+    assert "diverged at line 4" in capsys.readouterr().out
