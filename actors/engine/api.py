@@ -23,14 +23,14 @@ one decode step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
-import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Literal, Self, TypedDict, TypeVar, Unpack
 
 import anyio
 import anyio.to_thread
@@ -39,12 +39,9 @@ from pydantic import ValidationError
 
 from actors.engine_thread import BackgroundSteps
 from actors.engine_thread.memory_guard import (
-    MemoryGauge,
     MemoryGuard,
-    stated_margin,
 )
 from actors.errors import (
-    ContextTooLong,
     EngineClosed,
     EngineNotStarted,
     GenerationFailed,
@@ -88,8 +85,14 @@ from messages.memory import AdmitMemory, MemoryAdmitted, Relieve, Relieved
 from messages.memory import Refuse as MemoryRefused
 from messages.prompt_cache import DemoteResult
 
-from . import wiring
+from . import prompts, startup, wiring
 from .config import ConfigError, EngineConfig, option_names
+from .startup import ModelParts
+
+if TYPE_CHECKING:
+    from actors.ssd_writer import ColdTier
+    from kernels import CacheRegistry, EngineThread, ModelIdentity
+    from kernels.cache import FilePort
 
 __all__ = [
     "CacheDemotion",
@@ -305,18 +308,19 @@ class GenerationStream(_StartClose):
             self._finished = True
             raise InvalidRequest(f"cannot render the prompt: {exc}") from exc
         if self._fit_context:
-            self._params = engine._fit_to_context(tokens, self._params)
-        engine._validate_prompt(tokens, self._params)
+            self._params = prompts.fit_to_context(engine._loaded, tokens, self._params)
+        prompts.validate_prompt(engine._loaded, engine.config, tokens, self._params)
         if self._params.grammar is not None:
             # NOTE: compiling a grammar (and, once per tokenizer, llguidance's
             # view of the vocabulary: about a second) happens on a worker
             # thread, so neither the loop nor the engine thread waits on it.
-            await anyio.to_thread.run_sync(engine._prepare_grammar, self._params.grammar)
+            await anyio.to_thread.run_sync(prompts.prepare_grammar, engine._loaded,
+                                          self._params.grammar)
         self._prompt_tokens = len(tokens)
         engine._check_open()
         await engine._admit_memory(self.request_id, len(tokens), self._params)
         system = engine._require_system()
-        inbox = system.open_inbox(engine._stream_buffer, prefix=f"stream-{self.request_id}-")
+        inbox = system.open_inbox(engine.config.stream_buffer, prefix=f"stream-{self.request_id}-")
         request = Generate(
             request_id=self.request_id,
             prompt_tokens=tuple(tokens),
@@ -328,12 +332,12 @@ class GenerationStream(_StartClose):
         try:
             with use_correlation(self.request_id):
                 reply = await engine._gateway().ask(
-                    request, timeout=engine._ask_timeout, expect=AdmissionReply
+                    request, timeout=engine.config.ask_timeout_s, expect=AdmissionReply
                 )
         except AskTimeout as exc:
             inbox.close()
             self._finished = True
-            raise QueueFull(queued=-1, max_queue=engine._max_queue) from exc
+            raise QueueFull(queued=-1, max_queue=engine.config.max_queue) from exc
         except MailboxClosed as exc:
             inbox.close()
             self._finished = True
@@ -347,7 +351,7 @@ class GenerationStream(_StartClose):
             inbox.close()
             self._finished = True
             if reply.error_code == "queue_full":
-                raise QueueFull(queued=reply.position, max_queue=engine._max_queue)
+                raise QueueFull(queued=reply.position, max_queue=engine.config.max_queue)
             error = _ADMISSION_ERRORS.get(reply.error_code, InvalidRequest)
             raise error(reply.detail or reply.error_code)
         self._inbox = inbox
@@ -473,33 +477,21 @@ class Engine(_StartClose):
         if model is None and cfg.model is not None:
             model = cfg.model
         self._model_arg = model
-        self._max_queue = cfg.max_queue
-        self._max_prompt_tokens = cfg.max_prompt_tokens
-        self._stream_buffer = cfg.stream_buffer
-        self._ask_timeout = cfg.ask_timeout_s
-        self._drain_timeout = cfg.shutdown_timeout
-        self._model: Any = None
-        self._tokenizer: Any = None
         self._model_id = "" if model is None else str(model)
-        self._identity: Any = None
-        self._model_dir: Path | None = None
-        self._fusion: Any = None
-        """``kernels.FusionReport`` of the model this Engine loaded (``None``: given a loaded model)."""
-        self._max_context: int | None = None
-        self._engine_thread: Any = None
-        self._registry: Any = None
+        self._loaded: ModelParts | None = None
+        """The served model (``None`` until loaded; its module is dropped at close when owned)."""
         self._owns_model = True
+        self._file_port: FilePort | None = None
+        self._engine_thread: EngineThread | None = None
+        self._registry: CacheRegistry | None = None
+        self._cold: ColdTier | None = None
+        self._memory: MemoryGuard | None = None
         self._system: ActorSystem | None = None
-        self._cold: Any = None
         self._wired: wiring.Wired | None = None
         self._gateway_ref: ActorRef | None = None
         self._steps = BackgroundSteps()
         self._state = "new"
         self._ids = 0
-        self._file_port: Any = None
-        self._memory: MemoryGuard | None = None
-        self._heap_trim: Any = None
-        self._process_memory: Any = None
         self._shutdown_began: float | None = None
         self._final_flush: FlushResult | None = None
         self._final_flush_error: str | None = None
@@ -507,14 +499,14 @@ class Engine(_StartClose):
     @classmethod
     def from_loaded(
         cls,
-        model: Any,
-        tokenizer: Any,
+        model: object,
+        tokenizer: object,
         *,
         model_id: str,
-        identity: Any = None,
+        identity: ModelIdentity | None = None,
         max_context: int | None = None,
         config: EngineConfig | None = None,
-        file_port: Any = None,
+        file_port: FilePort | None = None,
         **options: Unpack[EngineOptions],
     ) -> Engine:
         """An engine over an already-built mlx-lm model and tokenizer (tests, custom loaders).
@@ -530,11 +522,9 @@ class Engine(_StartClose):
         engine = cls(None, config=config, **options)
         engine._file_port = file_port
         engine._owns_model = False
-        engine._model = model
-        engine._tokenizer = tokenizer
         engine._model_id = model_id
-        engine._identity = identity
-        engine._max_context = max_context
+        engine._loaded = ModelParts(model=model, tokenizer=tokenizer, model_id=model_id,
+                                    identity=identity, max_context=max_context)
         return engine
 
     # --- lifecycle ---------------------------------------------------------
@@ -551,201 +541,24 @@ class Engine(_StartClose):
         thread = kernels.EngineThread(name="kvtier-engine", max_queue=4)
         self._engine_thread = thread
         try:
-            if self._model is None:
-                loaded = await thread.run(self._load)
-                self._model = loaded.model
-                self._tokenizer = loaded.tokenizer
-                self._identity = loaded.identity
-                self._model_dir = loaded.path
-                self._fusion = loaded.fusion
-                self._model_id = loaded.identity.name if self._model_arg is None else str(self._model_arg)
-                self._max_context = _context_limit(loaded.config)
-            cfg = self._config
-            limit = cfg.mlx_cache_limit_bytes
-            await thread.run(
-                functools.partial(
-                    kernels.configure_mlx_memory,
-                    cache_limit_bytes="default" if limit is None else limit,
-                )
-            )
-            scheme = kernels.resolve_kv_scheme(
-                cfg.kv_quant, self._model_dir, missing_config="error"
-            )
-            # NOTE: refuse a scheme this model's cache cannot take now, not in every request.
-            await thread.run(kernels.cache.check_kv_scheme, self._model, scheme)
-            cap = cfg.prompt_cache_bytes
-            if cap is None:
-                cap = kernels.default_prompt_cache_bytes()
-            registry = kernels.CacheRegistry() if cap > 0 else None
-            self._registry = registry
-            cold = await self._cold_settings(thread, scheme) if registry is not None else None
-            backend = _make_backend(
-                self._model,
-                self._tokenizer,
-                cfg.prefill_step_size,
-                scheme,
-                registry,
-                None if cold is None else cold.staging,
-            )
-            if cfg.tensor_parallel:
-                from actors.distributed import lead
-
-                # NOTE: every engine-thread call is mirrored to the other ranks.
-                backend = await thread.run(lead, backend, registry)
-            self._memory = await self._memory_guard(thread, scheme)
-            system = ActorSystem()
-            await system.__aenter__()
+            loaded = self._loaded
+            if loaded is None:
+                loaded = await thread.run(startup.load_model, self._model_arg, self._config)
+                self._loaded = loaded
+                self._model_id = loaded.model_id
+            running = await startup.start(thread, loaded, self._config, self._steps,
+                                          file_port=self._file_port)
         except BaseException:
             self._state = "closed"
             await thread.aclose()
             raise
-        self._system = system
-        tier = None
-        cloner = None
-        if cold is not None and registry is not None:
-            from actors.durability import RegistryCloner
-
-            tier = wiring.cold_tier(
-                cfg,
-                root=cold.root,
-                identity=cold.identity,
-                max_bytes=cold.max_bytes,
-                system=system,
-                steps=self._steps,
-                caches=registry,
-                staging=cold.staging,
-                port=self._file_port,
-            )
-            cloner = RegistryCloner(registry)
-        self._cold = tier
-        guard = self._memory
-        from .memory import HeapTrim
-
-        # NOTE: freed MLX buffers stay in the C heap until trimmed (memory.py: HeapTrim).
-        self._heap_trim = HeapTrim()
-        parts = wiring.Parts(
-            config=cfg,
-            # NOTE: every engine job reads MLX's active memory when it ends,
-            # on the engine thread, for the guard's check before admission.
-            executor=_SamplingExecutor(thread, None if guard is None else guard.gauge,
-                                       self._heap_trim),
-            memory_guard=guard,
-            backend=backend,
-            registry=registry,
-            prompt_cache_bytes=cap,
-            steps=self._steps,
-            cold=tier,
-            cloner=cloner,
-            after_step=self._heap_trim.after_job,
-            memory_reading=self._process_memory,
-            heap_trim=self._heap_trim,
-            # NOTE: the KV events' block-hash namespace (docs/scale-out.md).
-            kv_identity=(
-                self._identity.fingerprint if self._identity is not None
-                else f"model-id:{self._model_id}",
-                scheme.cache_key,
-            ),
-        )
-        self._wired = wiring.start(system, parts)
-        self._gateway_ref = self._wired.ref(wiring.GATEWAY)
+        self._system = running.system
+        self._wired = running.wired
+        self._registry = running.registry
+        self._cold = running.cold
+        self._memory = running.guard
+        self._gateway_ref = running.wired.ref(wiring.GATEWAY)
         self._state = "running"
-
-    async def _memory_guard(self, thread: Any, scheme: Any) -> MemoryGuard | None:
-        """The memory-pressure guard: budget, the model's footprint, a first reading (engine thread)."""
-        from kernels.cache import UnsupportedCacheKind
-
-        from .memory import (
-            ProcessMemory,
-            default_budget_bytes,
-            mlx_cache_limit_bytes,
-            mlx_memory_parts,
-            model_footprint,
-            settle_memory,
-        )
-
-        budget = self._config.memory_budget_bytes
-        if budget is None:
-            budget = await thread.run(default_budget_bytes)
-        try:
-            footprint = await thread.run(
-                model_footprint, self._model, scheme, self._config.prefill_step_size
-            )
-        except (UnsupportedCacheKind, ValueError) as exc:
-            # NOTE: a cache kind the geometry does not know: serve without the guard, say so.
-            _log.warning("engine.memory_guard_off", reason=repr(exc))
-            return None
-        # NOTE: the reading's start figures, on the engine thread, once what
-        # loading freed has left RSS (memory.py: ProcessMemory).
-        await thread.run(settle_memory)
-        reading = await thread.run(functools.partial(ProcessMemory, parts=mlx_memory_parts))
-        self._process_memory = reading
-        gauge = MemoryGauge(reading.read)
-        await thread.run(gauge.sample)
-        margin = stated_margin(await thread.run(mlx_cache_limit_bytes))
-        return MemoryGuard(budget=budget, footprint=footprint, gauge=gauge,
-                           settle=settle_memory, margin=margin)
-
-    async def _cold_settings(self, thread: Any, scheme: Any) -> _ColdSettings | None:
-        """Where and under which fingerprint the SSD tier keeps its files (``None``: tier off)."""
-        cfg = self._config
-        if cfg.ssd_cache is None:
-            return None
-        identity = self._identity
-        if identity is None:
-            raise ConfigError(
-                "the SSD tier (ssd_cache) needs the model's identity to key its files; "
-                "pass identity= to Engine.from_loaded, or leave ssd_cache off"
-            )
-        from actors.backend import runtime_identity
-        from actors.ssd_writer import FileIdentity, HostStaging, cold_fingerprint, default_max_bytes
-        from kernels.cache import FORMAT_VERSION
-
-        runtime = await thread.run(runtime_identity)
-        fingerprint = cold_fingerprint(
-            model=identity.fingerprint,
-            kv_scheme=scheme.cache_key,
-            runtime=runtime,
-            format_version=FORMAT_VERSION,
-        )
-        root = await anyio.to_thread.run_sync(os.path.expanduser, str(cfg.ssd_cache))
-        from actors.ssd_writer import check_tier_dirs
-        from kernels import UntrustedPath
-
-        try:
-            # NOTE: files others could plant there would be served as this model's KV.
-            await anyio.to_thread.run_sync(check_tier_dirs, root, fingerprint)
-        except UntrustedPath as exc:
-            raise ConfigError(f"the SSD tier cannot use {root}: {exc}") from exc
-        max_bytes = cfg.ssd_cache_max_bytes
-        if max_bytes is None:
-            max_bytes = await anyio.to_thread.run_sync(default_max_bytes, root)
-        return _ColdSettings(
-            root=root,
-            identity=FileIdentity(
-                model_id=str(identity.model_id),
-                fingerprint=fingerprint,
-                tokenizer_hash=str(identity.tokenizer_hash),
-            ),
-            max_bytes=max_bytes,
-            staging=HostStaging(max_entries=cfg.ssd_staging_entries),
-        )
-
-    def _load(self) -> Any:
-        import kernels
-
-        path = self._model_arg if self._model_arg is not None else kernels.ensure_default_model()
-        if self._config.tensor_parallel:
-            from actors.distributed import load_shard
-
-            # NOTE: every rank of the mlx.launch group loads its shard now (docs/tensor-parallel.md).
-            return load_shard(path)
-        loaded = kernels.load_model(path)
-        fusion = loaded.fusion
-        if fusion is not None and fusion.few_row_status:
-            # NOTE: one line says whether one-token CPU steps use kvtier's few-row
-            # product, and why not (docs/batching.md "Few-row products (CPU)").
-            _log.info("engine.few_row", products=fusion.few_row, status=fusion.few_row_status)
-        return loaded
 
     def begin_shutdown(self) -> None:
         """Stop admission now: new requests get ``ServerShuttingDown``; in-flight streams finish."""
@@ -874,8 +687,8 @@ class Engine(_StartClose):
         """Seconds left of the shutdown budget (which began with :meth:`begin_shutdown`)."""
         began = self._shutdown_began
         if began is None:
-            return self._drain_timeout
-        return max(0.0, began + self._drain_timeout - anyio.current_time())
+            return self._config.shutdown_timeout
+        return max(0.0, began + self._config.shutdown_timeout - anyio.current_time())
 
     async def aclose(self) -> None:
         """Begin shutdown, drain in-flight requests, flush the cold tier, stop the actors and the engine thread.
@@ -974,8 +787,9 @@ class Engine(_StartClose):
         self._gateway_ref = None
         self._registry = None
         self._cold = None
-        if self._owns_model:
-            self._model = None
+        if self._owns_model and self._loaded is not None:
+            # NOTE: the tokenizer stays (read-only, off the engine thread).
+            self._loaded = dataclasses.replace(self._loaded, model=None)
         from kernels import release_mlx_memory
 
         release_mlx_memory()
@@ -990,33 +804,33 @@ class Engine(_StartClose):
     @property
     def identity(self) -> Any:
         """The loaded model's ``kernels.ModelIdentity`` (``None`` for ``from_loaded`` without one)."""
-        return self._identity
+        return None if self._loaded is None else self._loaded.identity
 
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer (mlx-lm ``TokenizerWrapper``); read-only use off the engine thread."""
-        return self._tokenizer
+        return None if self._loaded is None else self._loaded.tokenizer
 
     @property
     def vocab_size(self) -> int | None:
         """Token ids run ``0..vocab_size - 1`` (``None`` before the model is loaded)."""
-        return self._vocab_size()
+        return prompts.vocab_size(self._loaded)
 
     @functools.cached_property
     def token_bytes(self) -> Any:
         """``kernels.engine.TokenBytes`` of the tokenizer: the bytes of token ids (logprob reports)."""
         from kernels.engine import TokenBytes
 
-        if self._tokenizer is None:
+        if self._loaded is None:
             raise EngineNotStarted("start the engine first")
-        return TokenBytes(self._tokenizer)
+        return TokenBytes(self._loaded.tokenizer)
 
     @property
     def tool_format(self) -> Any:
         """The model's tool-call format (``kernels.engine.ToolFormat``), ``None`` if it has none."""
         from kernels.engine import tool_format
 
-        return tool_format(self._tokenizer) if self._tokenizer is not None else None
+        return tool_format(self._loaded.tokenizer) if self._loaded is not None else None
 
     @property
     def config(self) -> EngineConfig:
@@ -1070,7 +884,7 @@ class Engine(_StartClose):
         def prepare() -> list[int]:
             from kernels import render_chat
 
-            return render_chat(self._tokenizer, msgs, tools=tool_list, **kwargs)
+            return render_chat(self.tokenizer, msgs, tools=tool_list, **kwargs)
 
         return GenerationStream(
             self,
@@ -1101,7 +915,7 @@ class Engine(_StartClose):
             def render() -> list[int]:
                 from kernels import encode_prompt
 
-                return encode_prompt(self._tokenizer, text)
+                return encode_prompt(self.tokenizer, text)
 
             prepare = render
         else:
@@ -1196,7 +1010,7 @@ class Engine(_StartClose):
         and the registry's counters are thread-safe reads.
         """
         out: dict[str, Any] = {"model": self._model_id, "state": self._state}
-        fusion = self._fusion
+        fusion = None if self._loaded is None else self._loaded.fusion
         if fusion is not None and fusion.few_row_status:
             # NOTE: whether one-token CPU steps use the few-row product, and why not.
             out["few_row"] = {"products": fusion.few_row, "status": fusion.few_row_status}
@@ -1250,113 +1064,6 @@ class Engine(_StartClose):
             raise EngineNotStarted("start the engine first")
         return self._gateway_ref
 
-    def _vocab_size(self) -> int | None:
-        # NOTE: plain attribute reads (no MLX): mlx-lm models keep their
-        # ModelArgs; fall back to the tokenizer's size.
-        size = getattr(getattr(self._model, "args", None), "vocab_size", None)
-        if isinstance(size, int) and size > 0:
-            return size
-        try:
-            return len(self._tokenizer) if self._tokenizer is not None else None
-        except TypeError:
-            return None
-
-    def _fit_to_context(self, tokens: Sequence[int], params: GenerationParams) -> GenerationParams:
-        context = self._max_context
-        if context is None or len(tokens) >= context:
-            return params
-        room = context - len(tokens)
-        if params.max_tokens <= room:
-            return params
-        return params.model_copy(update={"max_tokens": room})
-
-    def _prepare_grammar(self, grammar: str) -> None:
-        """Compile ``grammar`` for this tokenizer into the kernel's cache (worker thread).
-
-        A grammar the compiler crashes or stalls on raises ``SchemaTooComplex``
-        (its child process is replaced; this process never runs it);
-        every compiler busy raises ``GrammarCompilerBusy``.
-        """
-        from actors.errors import GrammarCompilerBusy, SchemaTooComplex
-        from kernels.engine import GrammarCompilerBusy as CompilerBusy
-        from kernels.engine import GrammarTooComplex, InvalidGrammar, prepare_grammar
-
-        vocab = self._vocab_size()
-        if vocab is None:
-            raise EngineNotStarted("start the engine first")
-        try:
-            prepare_grammar(self._tokenizer, grammar, vocab)
-        except GrammarTooComplex as exc:
-            raise SchemaTooComplex(f"invalid grammar: {exc}", limit="compile") from None
-        except InvalidGrammar as exc:
-            raise InvalidRequest(f"invalid grammar: {exc}") from None
-        except CompilerBusy as exc:
-            raise GrammarCompilerBusy(str(exc)) from None
-
-    def _validate_prompt(self, tokens: Sequence[int], params: GenerationParams) -> None:
-        # NOTE: runs before admission, so a refused prompt never queues or takes a turn.
-        if not tokens:
-            raise InvalidRequest("the prompt has no tokens")
-        # NOTE: grammar and top_logprobs are served with a batch lane too: the
-        # gateway keeps such a request on the serial lane
-        # (kernels.engine.batch_params_refusal, counted in gateway.token.batch_refused).
-        vocab = self._vocab_size()
-        if vocab is not None:
-            ids = [*tokens, *(params.logit_bias or {}), *params.stop_token_ids]
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                # NOTE: an out-of-range id would fail inside an engine turn instead.
-                raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-            if params.top_k > vocab:
-                raise InvalidRequest(
-                    f"top_k {params.top_k} is larger than the vocabulary ({vocab} tokens)"
-                )
-        if params.prompt_logprobs is not None:
-            from kernels.engine import MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
-
-            entries = prompt_logprob_entries(len(tokens), params.prompt_logprobs)
-            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-                # NOTE: bounds what scoring a prompt holds in memory (kernels.engine).
-                raise InvalidRequest(
-                    f"scoring this prompt would report {entries} log-probabilities "
-                    f"({len(tokens)} tokens x {1 + params.prompt_logprobs}); at most "
-                    f"{MAX_PROMPT_LOGPROB_ENTRIES} are allowed: shorten the prompt or ask "
-                    "for fewer alternatives")
-        cap = self._max_prompt_tokens
-        if cap is not None and len(tokens) > cap:
-            raise ContextTooLong(len(tokens), cap, limit_name="max_prompt_tokens")
-        context = self._max_context
-        if context is not None and len(tokens) + params.max_tokens > context:
-            raise ContextTooLong(
-                len(tokens),
-                context,
-                max_tokens=params.max_tokens,
-                limit_name="the model's context",
-            )
-
-
-def _context_limit(config: Mapping[str, Any]) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _make_backend(
-    model: Any, tokenizer: Any, step: int, scheme: Any, registry: Any, staging: Any
-) -> Any:
-    from actors.backend import MlxBackend
-
-    return MlxBackend(
-        model,
-        tokenizer,
-        prefill_step_size=step,
-        kv_scheme=scheme,
-        registry=registry,
-        staging=staging,
-    )
-
 
 @dataclass(frozen=True, slots=True)
 class CacheDemotion:
@@ -1371,43 +1078,3 @@ class CacheDemotion:
     stored: int | None = None
     dropped: int | None = None
     failed: int | None = None
-
-
-class _SamplingExecutor:
-    """An ``Executor`` that reads the memory in use at the end of every engine job (engine thread).
-
-    ``heap`` (``memory.HeapTrim``) runs first: it trims the C heap when MLX
-    has freed enough since the last trim, so the reading after it is what
-    the process holds.
-    """
-
-    def __init__(self, inner: Any, gauge: MemoryGauge | None, heap: Any = None) -> None:
-        self._inner = inner
-        self._gauge = gauge
-        self._heap = heap
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Queue ``fn(*args)`` on the engine thread, followed by a memory reading."""
-        gauge, heap = self._gauge, self._heap
-
-        def job() -> T:
-            try:
-                return fn(*args)
-            finally:
-                if heap is not None:
-                    heap.after_job()
-                if gauge is not None:
-                    gauge.sample()
-
-        future: asyncio.Future[T] = self._inner.submit(job)
-        return future
-
-
-@dataclass(frozen=True, slots=True)
-class _ColdSettings:
-    """What ``Engine.start`` decided for the SSD tier before the wiring builds it."""
-
-    root: str
-    identity: Any
-    max_bytes: int
-    staging: Any

@@ -430,11 +430,12 @@ async def test_requests_without_params_take_the_config_defaults(model: Any, tok:
 
 async def test_engine_spawns_the_wired_actors_and_asks_their_stats(engine: Engine) -> None:
     """Without a cold tier or batching the engine runs exactly the request path's actors of the
-    wiring, in table order, and /stats sections come from their answers."""
+    wiring and the memory actor (relief with the RAM tier), in table order, and /stats sections
+    come from their answers."""
     from actors.engine import wiring
 
     assert engine.system is not None
-    request_path = {wiring.PROMPT_CACHE, wiring.GATEWAY, wiring.RUNNER}
+    request_path = {wiring.PROMPT_CACHE, wiring.GATEWAY, wiring.RUNNER, wiring.MEMORY}
     expected = tuple(spec.name for spec in wiring.ACTORS if spec.name in request_path)
     assert engine.system.actors() == expected
     stats = await engine.stats()

@@ -40,7 +40,8 @@ async def test_aclose_frees_the_engines_model_on_the_engine_thread(tiny_model_di
     engine = Engine(tiny_model_dir, max_queue=2)
     async with engine:
         await _serve_two_turns(engine)
-        weakref.finalize(engine._model, lambda: freed_on.append(threading.current_thread().name))
+        assert engine._loaded is not None
+        weakref.finalize(engine._loaded.model, lambda: freed_on.append(threading.current_thread().name))
         held = mx.get_active_memory() - before
     assert freed_on == ["kvtier-engine"]
     # NOTE: MLX keeps a few bytes of its own per thread (e.g. the random key).
