@@ -65,7 +65,9 @@ class Opaque:
 
 def dumps(value: Any) -> str:
     """Compact JSON text of an already encoded value (the form traces store and compare)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+    # NOTE: ASCII only: a lone surrogate (a broken detokenization) is escaped,
+    # never an encoding error in the writer.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
 
 
 def _qualname(cls: type) -> str:

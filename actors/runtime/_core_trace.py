@@ -63,6 +63,9 @@ DEFAULT_MAX_PENDING = 64 << 20
 _END_RESERVE = 256
 """Bytes kept free under ``max_bytes`` for the closing line."""
 
+_UNENCODABLE = (RecursionError, TypeError, ValueError)
+"""What writing a value may raise (a cycle recurses without end)."""
+
 Ts = TypeVarTuple("Ts")
 S = TypeVar("S")
 R = TypeVar("R")
@@ -118,19 +121,21 @@ class CoreTraceRecorder:
         return not self._closed and self.truncated is None
 
     def call(self, actor: str, function: Callable[..., Any], state: Any, args: tuple[Any, ...]) -> Any:
-        """Run ``function(state, *args)`` and record it (with the state first if it is new)."""
+        """Run ``function(state, *args)`` and record it (with the state first if it is new).
+
+        Recording never changes what the call does: a value the codec
+        cannot write (a cycle, say) stops the recording (truncated, ``cannot
+        encode``) and the call runs as it would untraced.
+        """
         if not self.active:
             return function(state, *args)
-        name = _function_name(function)
-        if self._last_state.get(actor) is not state:
-            snapshot = {"a": actor, "fn": name, "state": self._encoder.encode(state)}
-            if not self._emit(snapshot):
-                return function(state, *args)
-            self._segment_fn[actor] = name
-        record: dict[str, Any] = {"a": actor}
-        if self._segment_fn.get(actor) != name:
-            record["f"] = name
-        record["args"] = [self._encoder.encode(arg) for arg in args]
+        try:
+            record = self._opening(actor, function, state, args)
+        except _UNENCODABLE as exc:
+            self._truncate(f"cannot encode: {type(exc).__name__}: {exc}")
+            return function(state, *args)
+        if record is None:
+            return function(state, *args)
         try:
             new_state, effects = function(state, *args)
         except Exception as exc:
@@ -140,10 +145,32 @@ class CoreTraceRecorder:
             self._last_state.pop(actor, None)
             self._emit(record)
             raise
-        record["fx"] = [self._encoder.encode(effect) for effect in effects]
+        try:
+            record["fx"] = [self._encoder.encode(effect) for effect in effects]
+        except _UNENCODABLE as exc:
+            self._truncate(f"cannot encode: {type(exc).__name__}: {exc}")
+            return new_state, effects
         self._last_state[actor] = new_state
         self._emit(record)
         return new_state, effects
+
+    def _opening(
+        self, actor: str, function: Callable[..., Any], state: Any, args: tuple[Any, ...]
+    ) -> dict[str, Any] | None:
+        """The call's record so far (the state line emitted first if due); ``None``: bound reached."""
+        name = _function_name(function)
+        if self._last_state.get(actor) is not state:
+            snapshot = {"a": actor, "fn": name, "state": self._encoder.encode(state)}
+            if not self._emit(snapshot):
+                return None
+            self._segment_fn[actor] = name
+            # NOTE: the segment has begun; a failure below truncates the file.
+            self._last_state[actor] = state
+        record: dict[str, Any] = {"a": actor}
+        if self._segment_fn.get(actor) != name:
+            record["f"] = name
+        record["args"] = [self._encoder.encode(arg) for arg in args]
+        return record
 
     def _emit(self, record: dict[str, Any]) -> bool:
         record = {"n": self.lines + 1, **record}

@@ -280,3 +280,34 @@ def test_kvtier_replay_reads_a_live_trace_and_says_when_it_is_truncated(
     path.write_text("\n".join(lines[:3] + lines[4:]) + "\n")
     assert run(build_parser(["replay", str(path)]).parse_args(["replay", str(path)])) == 1
     assert "diverged at line 4" in capsys.readouterr().out
+
+
+def test_a_value_the_codec_cannot_write_stops_recording_not_the_call(tmp_path: Path) -> None:
+    """A state holding a cycle ends the trace as truncated ('cannot encode'); the core's
+    call still returns its state and effects, and later calls run untraced."""
+    path = tmp_path / "t.jsonl"
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    with record_core_trace(path) as recorder:
+        state = kv.CoreState(model="m", kv_scheme="kv:plain")
+        state, _ = traced("kv_events", kv.handle, state, kv.Started(ts=1.0))
+        state.roots["loop"] = cyclic  # type: ignore[assignment]
+        state, effects = traced("other", kv.handle, state, _change("stored", tuple(range(32)), 2.0))
+        assert len(effects) == 1
+        assert recorder.truncated is not None
+        assert recorder.truncated.startswith("cannot encode: RecursionError")
+        state, effects = traced("kv_events", kv.handle, state, _change("stored", tuple(range(64)), 3.0))
+        assert len(effects) == 1
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1])["truncated"]["lines"] == 2
+    report = replay_core_trace(lines)
+    assert report.ok
+    assert "truncated" in str(report.note)
+
+
+def test_a_lone_surrogate_is_written_escaped(tmp_path: Path) -> None:
+    """Text with a lone surrogate (a broken detokenization) is written as ASCII and comes back."""
+    text = "half \ud83d"
+    tree = Encoder().encode(text)
+    assert dumps(tree).isascii()
+    assert Decoder().decode(json.loads(dumps(tree))) == text
