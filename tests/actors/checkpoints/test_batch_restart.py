@@ -18,6 +18,7 @@ import anyio
 import pytest
 
 from actors.engine import Engine
+from kernels.engine import BLAS_TUNE_ENV
 from messages.gateway import GenerationParams
 from tests.actors.checkpoints.test_engine_restart import (
     EVERY,
@@ -37,6 +38,18 @@ CASES = [
     pytest.param(GenerationParams(max_tokens=40), id="greedy"),
     pytest.param(GenerationParams(max_tokens=40, temperature=0.8, seed=11), id="seeded-0.8"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _fixed_blas_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch lane at the process's BLAS thread count in every Engine of a test.
+
+    NOTE: with the thread tuning on, each Engine chooses its decode steps'
+    count by timing them, and some products' low bits depend on it
+    (kernels/engine/_blas_threads.py); on a loaded machine the plain run and
+    the resumed one could then choose differently and a seeded sample flip.
+    """
+    monkeypatch.setenv(BLAS_TUNE_ENV, "0")
 
 
 @pytest.fixture(scope="module")
