@@ -1,5 +1,5 @@
 """The SSD cold tier: the index's rules (``core``) and shell (``actor``), the store
-worker, the reader (``reader_core`` + ``reader``) and the scrubber (``scrubber_core`` +
+worker (``store_core`` + ``store``), the reader (``reader_core`` + ``reader``) and the scrubber (``scrubber_core`` +
 ``scrubber``), their ports (``ports``) and the blocking file work they run on worker
 threads (``io``).
 
@@ -8,7 +8,7 @@ See ``docs/cold-tier.md``.
 
 from __future__ import annotations
 
-from . import core, reader_core, scrubber_core
+from . import core, reader_core, scrubber_core, store_core
 from .actor import (
     SSD_WRITER_ADDRESS,
     ColdTier,
@@ -16,7 +16,6 @@ from .actor import (
     IoRunner,
     SsdWriter,
     SsdWriterConfig,
-    StoreWorker,
     ThreadPool,
     build_cold_tier,
     cold_tier_stats,
@@ -39,6 +38,7 @@ from .ports import (
 )
 from .reader import Reader
 from .scrubber import Scrubber
+from .store import StoreWorker
 
 __all__ = [
     "SSD_WRITER_ADDRESS",
@@ -78,4 +78,5 @@ __all__ = [
     "purge_tier",
     "reader_core",
     "scrubber_core",
+    "store_core",
 ]

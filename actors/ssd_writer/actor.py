@@ -34,20 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, assert_never
 
 import anyio
 
-from actors.checkpoints import (
-    CheckpointCounters,
-    checkpoint_dir,
-    remove_checkpoints,
-    write_checkpoint,
-)
+from actors.checkpoints import CheckpointCounters
 from actors.runtime import (
     Actor,
     ActorStopped,
@@ -56,35 +50,22 @@ from actors.runtime import (
     UnknownAddress,
     get_logger,
 )
-from kernels.cache import (
-    CacheFileWriteError,
-    EntryPlan,
-    FileLock,
-    FilePort,
-    GenerationCheckpoint,
-    KvFileWriter,
-    OsFilePort,
-)
+from kernels.cache import FileLock, FilePort, OsFilePort
 from messages import (
     Body,
-    EntryWritten,
     Envelope,
     ReadEntry,
-    RemoveCheckpoints,
-    ReserveSpace,
     Restore,
-    SpaceReserved,
     SpillQueueStats,
     SsdStats,
     Store,
     StoreResult,
-    WriteCommitted,
     WriteEntry,
 )
-from messages.ssd_writer import FilesRemoved, LandingReport, RemoveEntries
+from messages.ssd_writer import LandingReport, RemoveEntries
 
 from . import core, io
-from .ports import CheckpointSource, FileIdentity, HostStaging, LandingObservation, TensorSource
+from .ports import FileIdentity, HostStaging, LandingObservation, TensorSource
 
 __all__ = [
     "SSD_WRITER_ADDRESS",
@@ -93,7 +74,6 @@ __all__ = [
     "IoRunner",
     "SsdWriter",
     "SsdWriterConfig",
-    "StoreWorker",
     "ThreadPool",
     "build_cold_tier",
     "cold_tier_stats",
@@ -366,7 +346,7 @@ class SsdWriter(Actor):
         keep = self._keep
         events: deque[core.Event] = deque([event])
         while events:
-            keep.state, effects = core.handle(keep.state, events.popleft())
+            keep.state, effects = ctx.traced(core.handle, keep.state, events.popleft())
             for effect in effects:
                 follow = await self._perform(effect, ctx)
                 if follow is not None:
@@ -486,200 +466,6 @@ def _try_tell(ctx: Context, address: str, body: Body, correlation_id: str | None
         return ctx.ref(address).try_tell(body, correlation_id=correlation_id)
     except (ActorStopped, MailboxClosed, UnknownAddress):
         return False
-
-
-# --- the store worker -------------------------------------------------------------------
-
-
-class _SourceFailed(Exception):
-    """The tensor source could not plan or read back the entry (a soft store failure)."""
-
-
-class StoreWorker(Actor):
-    """Writes one entry per ``WriteEntry``; always reports back to the index."""
-
-    def __init__(self, tier: ColdTier) -> None:
-        self._tier = tier
-
-    async def receive(self, envelope: Envelope, ctx: Context) -> None:
-        """Write the job, report it, unlink what it superseded."""
-        body = envelope.body
-        if isinstance(body, Store):
-            await ctx.reply(envelope, await self._write_checkpoint(body))
-            return
-        if isinstance(body, RemoveCheckpoints):
-            await self._remove_checkpoints(body.request_key)
-            return
-        if isinstance(body, RemoveEntries):
-            await self._remove(body.paths, body.reason, ctx)
-            return
-        if not isinstance(body, WriteEntry):
-            raise TypeError(f"store worker has no rule for {body.kind!r}")
-        tier = self._tier
-        try:
-            report = await self._write(body, ctx)
-        except Exception as exc:  # noqa: BLE001 - NOTE: liveness: a Store must always be answered.
-            # An unexpected error is logged with its traceback and counted as a
-            # failed store; the spill queue would otherwise wait for ever.
-            _log.exception("ssd_cache.store_crashed", job=body.job_id, error=type(exc).__name__)
-            report = EntryWritten(job_id=body.job_id, ok=False, reason="internal_error")
-        committed = await ctx.ask(
-            tier.name, report, timeout=tier.config.ask_timeout, expect=WriteCommitted
-        )
-        if committed.remove:
-            await self._remove(committed.remove, "superseded", ctx)
-
-    async def _remove(self, paths: tuple[str, ...], reason: str, ctx: Context) -> None:
-        """Remove ``paths`` durably and tell the index which are gone (it counts them until then)."""
-        tier = self._tier
-        removal = await tier.run(io.remove_durably, tier.port, paths)
-        if removal.left:
-            _log.warning("ssd_cache.remove_failed", reason=reason, paths=list(removal.left))
-        else:
-            _log.info("ssd_cache.removed", reason=reason, removed=len(removal.gone), failed=0)
-        await ctx.tell(tier.name, FilesRemoved(removed=removal.gone, failed=removal.left))
-
-    def _checkpoint_dir(self) -> str:
-        ident = self._tier.config.identity
-        return checkpoint_dir(self._tier.config.root, ident.fingerprint)
-
-    async def _write_checkpoint(self, job: Store) -> StoreResult:
-        """Write one checkpoint file: plan and host copy in ONE idle engine turn, file work on a worker.
-
-        NOTE: the file is committed under its own name before the key's older
-        files go (``actors.checkpoints.write_checkpoint``), so every failure
-        leaves the previous checkpoint valid.
-        """
-        tier = self._tier
-        ck = job.checkpoint
-        assert ck is not None
-        counters = tier.checkpoints
-        record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
-                                      ck.sample_index, ck.rng_key)
-        source, port = tier.source, tier.port
-        try:
-            if not isinstance(source, CheckpointSource):
-                raise _SourceFailed("the tensor source cannot copy a checkpoint")
-            plan, data = await self._source(source.host_copy(
-                job.handle, namespace=job.namespace, tokens=job.tokens, checkpoint=record))
-            directory = self._checkpoint_dir()
-            await tier.run(port.makedirs, directory)
-            path = await tier.run(write_checkpoint, port, directory, plan,
-                                  lambda i: memoryview(data[i]))
-        except (_SourceFailed, ValueError) as exc:
-            counters.write_failed += 1
-            _log.warning("checkpoint.write_failed", reason="source_failed", error=str(exc))
-            return StoreResult(handle=job.handle, stored=False, reason="source_failed")
-        except OSError as exc:
-            counters.write_failed += 1
-            reason = io.store_failure_reason(exc)
-            _log.warning("checkpoint.write_failed", reason=reason, error=str(exc))
-            return StoreResult(handle=job.handle, stored=False, reason=reason)
-        counters.written += 1
-        counters.bytes += plan.file_size
-        return StoreResult(handle=job.handle, stored=True, path=path, file_bytes=plan.file_size)
-
-    async def _remove_checkpoints(self, request_key: str) -> None:
-        try:
-            removed = await self._tier.run(remove_checkpoints, self._tier.port,
-                                           self._checkpoint_dir(), request_key)
-        except OSError as exc:
-            _log.warning("checkpoint.remove_failed", error=str(exc))
-            return
-        self._tier.checkpoints.removed += removed
-
-    async def _source(self, pending: Awaitable[T]) -> T:
-        try:
-            return await pending
-        except Exception as exc:
-            _log.warning("ssd_cache.source_failed", error=type(exc).__name__, detail=str(exc))
-            raise _SourceFailed(str(exc)) from exc
-
-    async def _write(self, job: WriteEntry, ctx: Context) -> EntryWritten:
-        tier = self._tier
-        source, port = tier.source, tier.port
-        plan: EntryPlan | None = None
-        writer: KvFileWriter | None = None
-        unremoved: tuple[str, ...] = ()
-        unsynced: tuple[str, ...] = ()
-        try:
-            plan = await self._source(
-                source.plan(job.handle, namespace=job.namespace, tokens=job.tokens)
-            )
-            reserved = await ctx.ask(
-                tier.name,
-                ReserveSpace(job_id=job.job_id, file_bytes=plan.file_size),
-                timeout=tier.config.ask_timeout,
-                expect=SpaceReserved,
-            )
-            if not reserved.ok:
-                return EntryWritten(job_id=job.job_id, ok=False, reason=reserved.reason)
-            # NOTE: the victims' removal is durable before the new file
-            # exists, so no crash can leave both (with more than the cap).
-            removal = await tier.run(io.remove_durably, port, reserved.evict)
-            unremoved, unsynced = removal.failed, removal.unsynced
-            if removal.left:
-                return EntryWritten(
-                    job_id=job.job_id,
-                    ok=False,
-                    reason="evict_failed",
-                    unremoved=unremoved,
-                    unsynced=unsynced,
-                )
-            directory = os.path.dirname(job.path)
-            await tier.run(port.makedirs, directory)
-            writer = KvFileWriter(port, plan)
-            await tier.run(writer.begin, directory)
-            for i in range(len(plan.tensors)):
-                data = await self._source(source.tensor(plan, i))
-                await tier.run(writer.write_tensor, i, data)
-                # NOTE: drop our reference before the next turn so the source
-                # frees the MLX buffer behind it on the engine thread.
-                del data
-            final = job.path
-            await tier.run(writer.commit, final)
-            header = plan.header
-            return EntryWritten(
-                job_id=job.job_id,
-                ok=True,
-                path=final,
-                file_bytes=plan.file_size,
-                trimmable=header.trimmable,
-                min_reusable_offset=header.min_reusable_offset,
-            )
-        except _SourceFailed:
-            return EntryWritten(job_id=job.job_id, ok=False, reason="source_failed")
-        except OSError as exc:
-            # NOTE: CacheFileWriteError is an OSError; the writer already
-            # discarded its temp file (and the final one after a failed
-            # directory fsync). A failed fsync is never retried as success.
-            reason = io.store_failure_reason(exc)
-            _log.warning("ssd_cache.store_failed", reason=reason, error=str(exc))
-            leftover: str | None = None
-            if isinstance(exc, CacheFileWriteError) and exc.step == "fsync_dir":
-                # NOTE: the rename happened; the final file was unlinked again,
-                # but neither is durable: the index counts it until a later
-                # directory fsync makes its removal durable.
-                leftover = job.path
-            return EntryWritten(
-                job_id=job.job_id,
-                ok=False,
-                reason=reason,
-                leftover_path=leftover,
-                leftover_bytes=plan.file_size if leftover is not None and plan is not None else 0,
-            )
-        finally:
-            with anyio.CancelScope(shield=True):
-                if writer is not None:
-                    await tier.run(writer.abort)  # NOTE: a no-op once committed.
-                if plan is not None:
-                    await self._finish(plan)
-
-    async def _finish(self, plan: EntryPlan) -> None:
-        try:
-            await self._tier.source.finish(plan)
-        except Exception as exc:  # noqa: BLE001 - NOTE: the store's outcome is already decided.
-            _log.warning("ssd_cache.source_finish_failed", error=type(exc).__name__)
 
 
 # --- building -----------------------------------------------------------------------------

@@ -139,9 +139,9 @@ def test_the_sweep_catches_a_writer_that_drops_the_previous_checkpoint_before_th
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With the older file removed first, some crash during the second write loses checkpoint 2."""
-    import actors.ssd_writer.actor as ssd_actor
+    import actors.ssd_writer.store as ssd_store
 
-    monkeypatch.setattr(ssd_actor, "write_checkpoint", _broken_writer)
+    monkeypatch.setattr(ssd_store, "write_checkpoint", _broken_writer)
     report = checker.sweep([(CheckpointStep(), CheckpointStep())], max_violations=50)
     assert any("acknowledged checkpoint 2 is lost (the retry resumes None)" in v
                for v in report.violations), report.violations[:3]

@@ -1,0 +1,125 @@
+"""The store worker's rules (``actors.ssd_writer.store_core``) by plain calls and a property."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.ssd_writer import store_core as core
+from messages import EntryWritten, Envelope, SpaceReserved, WriteCommitted, WriteEntry
+from messages.ssd_writer import FilesRemoved, RemoveEntries
+
+PATH = "/c/fp/ns/a.kvt"
+
+
+def _asked(body: object = None) -> core.StoreState:
+    state = core.StoreState()
+    body = body if body is not None else WriteEntry(
+        job_id="j1", handle="h", namespace="", tokens=(1, 2), path=PATH
+    )
+    request = Envelope("m", "c", None, "ssd_writer", "ssd_writer.store", 0.0, body)  # type: ignore[arg-type]
+    core.handle(state, core.Asked(request, 0.0))
+    return state
+
+
+def _reports(effects: list[core.Effect]) -> list[EntryWritten]:
+    return [e.body for e in effects if isinstance(e, core.Report)]
+
+
+def test_a_write_runs_plan_reserve_evict_tensors_commit_then_reports_and_removes() -> None:
+    """The happy path in order: the victims go before the temp file exists, every tensor is
+    written, the plan is released before the report, superseded files are removed and told."""
+    state = _asked()
+    assert core.handle(state, core.Planned(300, 2, True, 0, 0.0))[1] == [core.Reserve("j1", 300)]
+    answer = SpaceReserved(ok=True, evict=("/c/fp/ns/old.kvt",))
+    assert core.handle(state, core.Reserved(answer, 0.0))[1] == [core.Evict(answer.evict)]
+    assert core.handle(state, core.Evicted((), (), 0.0))[1] == [core.Begin("/c/fp/ns")]
+    assert core.handle(state, core.Begun(0.0))[1] == [core.WriteTensor(0)]
+    assert core.handle(state, core.TensorWritten(0, 0.0))[1] == [core.WriteTensor(1)]
+    assert core.handle(state, core.TensorWritten(1, 0.0))[1] == [core.Commit(PATH)]
+    _, fx = core.handle(state, core.Committed(0.0))
+    assert fx == [core.Release(), core.Report(EntryWritten(
+        job_id="j1", ok=True, path=PATH, file_bytes=300, trimmable=True, min_reusable_offset=0))]
+    _, fx = core.handle(state, core.Settled(WriteCommitted(remove=("/c/fp/ns/b.kvt",)), 0.0))
+    assert fx == [core.Remove(("/c/fp/ns/b.kvt",))]
+    _, fx = core.handle(state, core.Removed(("/c/fp/ns/b.kvt",), (), 0.0))
+    assert core.TellRemoved(FilesRemoved(removed=("/c/fp/ns/b.kvt",))) in fx
+    assert (state.job, state.request) == (None, None)
+
+
+def test_a_victim_that_stays_fails_the_write_before_any_file_is_made() -> None:
+    """An eviction that did not become durable ends the job: no Begin, a report naming them."""
+    state = _asked()
+    core.handle(state, core.Planned(300, 2, True, 0, 0.0))
+    core.handle(state, core.Reserved(SpaceReserved(ok=True, evict=("/v",)), 0.0))
+    _, fx = core.handle(state, core.Evicted((), ("/v",), 0.0))
+    assert not any(isinstance(e, core.Begin) for e in fx)
+    assert _reports(fx) == [EntryWritten(job_id="j1", ok=False, reason="evict_failed",
+                                         unsynced=("/v",))]
+
+
+def test_a_commit_whose_directory_fsync_failed_reports_its_file_as_a_leftover() -> None:
+    """The renamed file may come back after a crash: the report counts it."""
+    state = _asked()
+    core.handle(state, core.Planned(300, 1, True, 0, 0.0))
+    core.handle(state, core.Reserved(SpaceReserved(ok=True), 0.0))
+    core.handle(state, core.Evicted((), (), 0.0))
+    core.handle(state, core.Begun(0.0))
+    core.handle(state, core.TensorWritten(0, 0.0))
+    _, fx = core.handle(state, core.WriteFailed("fsync_failed", "EIO", 0.0, fsync_dir=True))
+    assert _reports(fx) == [EntryWritten(job_id="j1", ok=False, reason="fsync_failed",
+                                         leftover_path=PATH, leftover_bytes=300)]
+
+
+def test_a_removal_the_index_asked_for_is_told_back() -> None:
+    """RemoveEntries: remove, then FilesRemoved with what stayed."""
+    state = _asked(RemoveEntries(paths=("/x", "/y"), reason="corrupt"))
+    _, fx = core.handle(state, core.Removed(("/x",), ("/y",), 0.0))
+    assert core.TellRemoved(FilesRemoved(removed=("/x",), failed=("/y",))) in fx
+
+
+outcomes = st.one_of(
+    st.builds(core.Planned, st.integers(1, 500), st.integers(0, 3), st.booleans(),
+              st.just(0), st.just(0.0)),
+    st.builds(core.SourceFailed, st.just(0.0)),
+    st.builds(core.Reserved, st.sampled_from([None, SpaceReserved(ok=False, reason="no_room"),
+                                               SpaceReserved(ok=True, evict=("/v",))]),
+              st.just(0.0)),
+    st.builds(core.Evicted, st.sampled_from([(), ("/v",)]), st.just(()), st.just(0.0)),
+    st.builds(core.Begun, st.just(0.0)),
+    st.builds(core.TensorWritten, st.integers(0, 3), st.just(0.0)),
+    st.builds(core.Committed, st.just(0.0)),
+    st.builds(core.WriteFailed, st.just("io_error"), st.just("x"), st.just(0.0), st.booleans()),
+    st.builds(core.Crashed, st.just("Boom"), st.just(0.0)),
+    st.builds(core.Settled, st.sampled_from([None, WriteCommitted(),
+                                              WriteCommitted(remove=("/s",))]), st.just(0.0)),
+    st.builds(core.Removed, st.just(("/s",)), st.just(()), st.just(0.0)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(outcomes, max_size=25))
+def test_every_write_reports_once_after_releasing_its_plan(seq: list[core.Event]) -> None:
+    """Whatever outcomes arrive (those that do not fit are refused before any change), a write
+    job reports to the index at most once, always right after releasing its plan, and never
+    creates its file before its victims' removal was found durable."""
+    state = _asked()
+    every: list[core.Effect] = []
+    evicted_ok = False
+    for event in seq:
+        before = (state.job, state.request, state.removing)
+        try:
+            _, fx = core.handle(state, event)
+        except (ValueError, TypeError):
+            assert (state.job, state.request, state.removing) == before
+            continue
+        if isinstance(event, core.Evicted) and not event.failed:
+            evicted_ok = True
+        if any(isinstance(e, core.Begin) for e in fx):
+            assert evicted_ok
+        for i, effect in enumerate(fx):
+            if isinstance(effect, core.Report):
+                assert i > 0
+                assert isinstance(fx[i - 1], core.Release)
+        every.extend(fx)
+    assert len(_reports(every)) <= 1
