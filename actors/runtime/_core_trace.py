@@ -175,7 +175,7 @@ class CoreTraceRecorder:
     def _emit(self, record: dict[str, Any]) -> bool:
         record = {"n": self.lines + 1, **record}
         line = dumps(record) + "\n"
-        size = len(line.encode("utf-8"))
+        size = len(line)  # NOTE: dumps writes ASCII: characters are bytes
         if self.written_bytes + size > self.max_bytes - _END_RESERVE:
             self._truncate("max_bytes reached")
             return False
@@ -192,7 +192,7 @@ class CoreTraceRecorder:
         self._queue(dumps({"truncated": {"lines": self.lines, "reason": reason}}) + "\n")
 
     def _queue(self, line: str) -> None:
-        size = len(line.encode("utf-8"))
+        size = len(line)
         with self._cond:
             self._pending.append(line)
             self._pending_bytes += size
@@ -221,7 +221,7 @@ class CoreTraceRecorder:
                     self._failed = f"write failed: {exc}"
                     self.truncated = self._failed
                 with self._cond:
-                    self._pending_bytes -= len(text.encode("utf-8"))
+                    self._pending_bytes -= len(text)
             if done and not batch:
                 return
 
