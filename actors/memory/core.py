@@ -224,6 +224,7 @@ class Job:
 
     envelope: Envelope
     demand: int = 0
+    need: int = 0
     phase: Phase = "queued"
     ref: str | None = None
     deadline: float = 0.0
@@ -335,6 +336,7 @@ def _decide(
         _refuse(state, job, AFTER_RELIEF_MESSAGE, out)
     else:
         job.rounds += 1
+        job.need = verdict.need
         state.reliefs += 1
         ask = Demote(max_bytes=verdict.need, dispose_without_tier=True)
         _ask(state, job, "demote", "prompt_cache", ask, now, out)
@@ -376,7 +378,7 @@ def _demoted(state: MemoryState, job: Job, body: Body | None, gauges: Gauges, no
         state.relieved_entries += moved
         state.relieved_bytes += job.handed
         out.append(Log("memory.relieved", "info", (
-            ("need", job.demand), ("handed_bytes", job.handed),
+            ("need", job.need), ("handed_bytes", job.handed),
             ("spilled", result.spilled), ("disposed", result.disposed),
             ("reading", gauges.active))))
     waits = not job.admission and job.before is not None
