@@ -84,7 +84,7 @@ from ._schemas import (
     UsageBody,
     _SamplingFields,
 )
-from ._sse import DONE, EventStreamResponse, sse_json
+from ._sse import DONE, EventStreamResponse, TextEvents, sse_json
 from ._state import HttpSettings, HttpState
 from ._status import install_status
 from ._timeline import TimedStream, Timeline
@@ -524,6 +524,13 @@ def create_app(
         ts = created()
         finished = False
         tokens = 0
+        # NOTE: a chat answer's text-only chunks (no logprobs, calls or running
+        # usage: the usual token) are encoded from one template, the same bytes.
+        text_events = (
+            TextEvents.of(lambda t: chat_chunk(rid, ts, model, piece=ChatPiece(content=t)))
+            if isinstance(answer, ChatAnswer) and not answer.reports_logprobs and not continuous
+            else None
+        )
 
         def running() -> UsageBody | None:
             if not continuous:
@@ -544,7 +551,12 @@ def create_app(
                     # NOTE: a token may release nothing yet (part of a character,
                     # text that may start a tool-call marker).
                     piece = answer.feed(event)
-                    if piece is not None:
+                    if piece is None:
+                        continue
+                    if (text_events is not None and isinstance(piece, ChatPiece) and piece.content
+                            and not piece.tool_calls):
+                        yield text_events.event(piece.content)
+                    else:
                         yield _chunk(rid, ts, model, answer, piece, running())
                     continue
                 last = answer.finish(event)

@@ -26,12 +26,14 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import pydantic_core
 import structlog
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-__all__ = ["DONE", "WRITE_STALLED", "EventStreamResponse", "sse_data", "sse_json", "write_stalled"]
+__all__ = ["DONE", "WRITE_STALLED", "EventStreamResponse", "TextEvents", "sse_data", "sse_json",
+           "write_stalled"]
 
 _log = structlog.get_logger("kvtier.http")
 
@@ -62,6 +64,44 @@ def sse_json(body: BaseModel | dict[str, Any]) -> bytes:
     import json
 
     return sse_data(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+
+
+_MARK = "\x00kvtier-text\x00"
+"""A text no tokenizer's output, request id or model name holds (NUL at both ends)."""
+
+
+class TextEvents:
+    """The SSE event of a text-only chunk, byte for byte the model's ``sse_json``, per token at string speed.
+
+    Built from one chunk whose only text is a marker: its event is split
+    around the marker's JSON, and each text is encoded by the same
+    serializer (``pydantic_core.to_json``) between the two halves. NOTE: a
+    token's chunk otherwise builds and dumps a pydantic model per token on
+    the event loop, ~30-120 µs that the engine thread waits for when it
+    needs the GIL back after its step. ``None`` from :meth:`of` when the
+    template does not hold the marker exactly once (the caller then keeps
+    the model path).
+    """
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, head: bytes, tail: bytes) -> None:
+        self._head = head
+        self._tail = tail
+
+    @classmethod
+    def of(cls, build: Callable[[str], BaseModel]) -> TextEvents | None:
+        """The template of ``build(text)``'s events; ``None`` if the marker is not in it exactly once."""
+        event = sse_json(build(_MARK))
+        mark = pydantic_core.to_json(_MARK)
+        if event.count(mark) != 1:
+            return None
+        head, tail = event.split(mark)
+        return cls(head, tail)
+
+    def event(self, text: str) -> bytes:
+        """The event of the chunk carrying ``text``."""
+        return self._head + pydantic_core.to_json(text) + self._tail
 
 
 _SSE_HEADERS = {
