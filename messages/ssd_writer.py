@@ -1,16 +1,19 @@
 """Messages of the SSD cold tier (``actors.ssd_writer``).
 
-The tier is three actors: ``ssd_writer`` keeps the in-memory index of the
+The tier is four actors: ``ssd_writer`` keeps the in-memory index of the
 files on disk and decides (find, cap, supersession, restore-or-recompute);
-``ssd_writer.store`` writes one file at a time; ``ssd_writer.read`` reads
-files back. Only the index actor is addressed from outside; the other two
-speak the internal messages at the end of this module.
+``ssd_writer.store`` writes one file at a time and removes the files the
+index decides to remove; ``ssd_writer.read`` reads files back;
+``ssd_writer.scrub`` re-verifies them while the engine is idle. Only the
+index actor is addressed from outside; the others speak the internal
+messages at the end of this module, and the host staging posts
+``LandingReport`` to the index.
 
 Tensors never travel here. A store names the cache ``handle`` whose tensors
 the writer reads back one engine turn at a time (through the ``TensorSource``
-port); a restore answers with a ``staging_id`` under which the file's bytes
-wait in host memory (``actors.ssd_writer.HostStaging``) until the caller
-turns them into MLX arrays in an engine turn.
+port); a restore answers with a ``staging_id`` under which the checked,
+open file waits (``actors.ssd_writer.HostStaging``) until the caller's
+engine turn lands it into MLX arrays.
 
 Public protocol (``docs/cold-tier.md``):
 

@@ -1,33 +1,35 @@
-"""The cold tier's actors: thin shells over ``actors.ssd_writer.core``.
+"""The SSD index actor (a thin shell over ``actors.ssd_writer.core``) and what the tier is built over.
 
-Four actors share one :class:`ColdTier` (state, file port, worker-thread
-limiter, host staging); ``actors/engine/wiring.py`` spawns them:
+:class:`ColdTier` is immutable configuration and ports; four actors are
+built over it by ``actors/engine/wiring.py``, each a sans-IO core and a
+thin shell:
 
-- ``ssd_writer`` (:class:`SsdWriter`): owns the index. Its startup hook
-  takes the fingerprint directory's lock and scans the headers; afterwards
-  it only decides (``core.handle``) and never waits on a file or an engine
-  turn, so ``Find`` answers stay immediate while a store or a restore runs.
-- ``ssd_writer.store`` (:class:`StoreWorker`): writes one entry at a time:
-  plan (engine turn), reserve room (asks the index), remove the victims
-  durably (unlink, directory fsync), temp file, one engine turn + one
-  positional write per tensor, commit (fsync, rename, directory fsync), then
-  reports (asks the index), removes what the new file superseded durably
-  and tells the index which of those are gone.
-- ``ssd_writer.read`` (:class:`Reader`): checks a file (one pass through
-  a reused buffer, hashes verified) and stages it open for the request's
-  engine turn, which lands it straight into MLX memory; answers the
-  ``Restore`` asker directly, and reports to the index. Separate from the store worker so a
+- ``ssd_writer`` (:class:`SsdWriter`, here): owns the index (its state and
+  directory lock in an :class:`IndexKeep` no other actor sees). Its start
+  hook takes the fingerprint directory's lock, scans the headers and
+  performs the scan's removals; afterwards it only decides
+  (``core.handle``) and never waits on a file or an engine turn, so
+  ``Find`` answers stay immediate while a store or a restore runs.
+  Removals it decides later go to the store worker (``RemoveEntries``).
+- ``ssd_writer.store`` (``StoreWorker``, ``store.py``): writes one entry at
+  a time (plan, reserve, victims removed durably, temp file, one engine
+  turn and one positional write per tensor, commit, report, superseded
+  files removed durably), generation checkpoints, and the index's removals.
+- ``ssd_writer.read`` (``Reader``, ``reader.py``): checks a file and stages
+  it open for the request's engine turn; answers the ``Restore`` asker
+  directly and reports to the index. Separate from the store worker so a
   restore never waits behind a store that waits for an idle engine turn
   (which a request waiting for its restore would never give it).
-- ``ssd_writer.scrub`` (:class:`Scrubber`): while the engine is idle,
-  re-verifies one stored file's hashes per round at a bounded rate and
-  removes a bad one (design 8b).
+- ``ssd_writer.scrub`` (``Scrubber``, ``scrubber.py``): while the engine is
+  idle, re-verifies one stored file's hashes per round at a bounded rate
+  and removes a bad one (design 8b).
 
-All file work runs on worker threads through ``anyio.to_thread`` with one
-shared ``CapacityLimiter`` (the bounded pool): never on the loop, never on
-the engine thread. ``aiofiles`` has no positional writes, ``fsync`` of
-directories, ``O_EXCL|O_NOFOLLOW`` creation or ``flock``; every call here
-goes through the injectable ``FilePort`` instead, on the same kind of pool.
+All file work runs on worker threads through the tier's :class:`IoRunner`
+(``ThreadPool``: ``anyio.to_thread`` with one ``CapacityLimiter``, the
+bounded pool): never on the loop, never on the engine thread. ``aiofiles``
+has no positional writes, ``fsync`` of directories, ``O_EXCL|O_NOFOLLOW``
+creation or ``flock``; every call here goes through the injectable
+``FilePort`` instead, on the same kind of pool.
 """
 
 from __future__ import annotations
