@@ -138,7 +138,7 @@ def test_a_recorded_session_replays_and_an_edited_trace_is_rejected(tmp_path: Pa
         assert "note:" not in result.stdout  # complete: neither truncated nor unclosed
     actors = {json.loads(line)["a"] for line in first.read_text().splitlines()[1:-1]}
     every = {"gateway", "gateway.runner", "batch", "prompt_cache", "durability", "spill_queue",
-             "ssd_writer", "memory"}
+             "ssd_writer", "ssd_writer.store", "memory"}
     assert every <= actors, actors
     restored = {json.loads(line)["a"] for line in second.read_text().splitlines()[1:-1]}
     assert "ssd_writer.read" in restored, restored  # the restore's file was read
