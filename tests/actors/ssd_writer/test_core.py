@@ -32,7 +32,8 @@ from messages import (
     StoreResult,
     WriteCommitted,
 )
-from messages.ssd_writer import FilesRemoved, ScrubPick, ScrubReport, ScrubTarget
+from messages.spill_queue import CheckpointRecord, RemoveCheckpoints
+from messages.ssd_writer import FilesRemoved, LandingReport, ScrubPick, ScrubReport, ScrubTarget
 
 ROOT = "/cache"
 FP = "fp0"
@@ -798,3 +799,64 @@ TestIndexMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_read_the_reader_never_got_is_answered_unavailable_and_counted() -> None:
+    """ReaderGone: the Restore is answered reader_unavailable (a miss) and counted failed."""
+    a = entry((1, 2, 3))
+    state = loaded(a)
+    request = env(Restore(path=a.path, ticket="t", reply_to="asker"))
+    _, fx = deliver(state, request)
+    (start,) = fx
+    assert isinstance(start, core.StartRead)
+    assert not start.read_only
+    _, fx = core.handle(state, core.ReaderGone(request, a.path, 0.0))
+    assert answer(fx, request) == RestoreResult(ok=False, path=a.path, reason="reader_unavailable",
+                                                ticket="t")
+    assert state.restore_failures == 1
+
+
+def test_a_removal_the_store_worker_could_not_take_stays_counted_and_is_tried_last() -> None:
+    """A corrupt landing's RemoveFiles not delivered comes back as Removed(failed): the file
+    keeps counting toward the cap as a stuck leftover until a later removal succeeds."""
+    a = entry((1, 2, 3), nbytes=30)
+    state = loaded(a)
+    _, fx = deliver(state, env(LandingReport(path=a.path, nbytes=30, ok=False, corrupt=True)))
+    assert [e for e in fx if isinstance(e, core.RemoveFiles)] == [
+        core.RemoveFiles((a.path,), "corrupt")
+    ]
+    core.handle(state, core.Removed((), (a.path,), 0.0))
+    assert (state.leftovers, state.stuck) == ({a.path: 30}, {a.path})
+    core.handle(state, core.Removed((a.path,), (), 0.0))
+    assert (state.leftovers, state.leftover_bytes) == ({}, 0)
+
+
+def test_checkpoint_work_goes_to_the_store_worker_unless_the_tier_writes_nothing() -> None:
+    """A checkpoint Store or RemoveCheckpoints is forwarded; a read-only tier refuses the Store
+    (read_only) and drops the removal."""
+    key = "0" * 32
+    record = CheckpointRecord(request_key=key, prompt_len=2, pending_token=5, sample_index=1)
+    ckpt = Store(handle="h", tokens=(1, 2), meta=EntryMeta(offset=2, nbytes=8, trimmable=True, min_reusable_offset=0),
+                 checkpoint=record)
+    request = env(ckpt)
+    assert deliver(new_state(), request)[1] == [core.ForwardCheckpoint(request)]
+    removal = env(RemoveCheckpoints(request_key=key))
+    assert deliver(new_state(), removal)[1] == [core.ForwardCheckpoint(removal)]
+    assert deliver(new_state(read_only=True), request)[1] == [
+        core.RefuseCheckpoint(request, "read_only")
+    ]
+    assert deliver(new_state(read_only=True), removal)[1] == []
+
+
+def test_index_changes_are_reported_after_the_events_effects() -> None:
+    """With KV events on, the changes an event made leave as one ReportTier, last."""
+    state = new_state()
+    state.report_tier = True
+    w = drive_store(state, (1, 2))
+    assert w.result.stored
+    a = entry((1, 2))
+    _, fx = deliver(state, env(LandingReport(path=state.path_of("", (1, 2)), nbytes=10, ok=False,
+                                             corrupt=True)))
+    assert isinstance(fx[-1], core.ReportTier)
+    assert [c.op for c in fx[-1].body.changes] == ["removed"]
+    assert a.tokens == fx[-1].body.changes[0].tokens
