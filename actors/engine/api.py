@@ -436,6 +436,27 @@ class GenerationStream(_StartClose):
         return self._done
 
 
+async def _collect(stream: GenerationStream) -> Completion:
+    """Read ``stream`` to its final event: the whole text and token ids."""
+    parts: list[str] = []
+    ids: list[int] = []
+    async with stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                parts.append(event.text)
+                ids.append(event.token_id)
+            else:
+                return Completion(
+                    request_id=stream.request_id,
+                    text="".join(parts),
+                    token_ids=tuple(ids),
+                    finish_reason=event.finish_reason,
+                    usage=event.usage,
+                    timings=event.timings,
+                )
+    raise GenerationFailed("the stream ended without a final event")
+
+
 class Engine(_StartClose):
     """One model, one engine thread, one actor system: kvtier embedded in an async app.
 
@@ -778,11 +799,7 @@ class Engine(_StartClose):
         (tests/actors/engine/test_engine_lifetime.py). A model passed to
         ``from_loaded`` stays alive: its caller owns it.
         """
-        registry = self._registry
-        if registry is not None:
-            for handle in list(registry.entries()):
-                registry.dispose(handle)
-            registry.drain()
+        startup.release_mlx_state(self._registry)
         self._wired = None
         self._gateway_ref = None
         self._registry = None
@@ -790,9 +807,6 @@ class Engine(_StartClose):
         if self._owns_model and self._loaded is not None:
             # NOTE: the tokenizer stays (read-only, off the engine thread).
             self._loaded = dataclasses.replace(self._loaded, model=None)
-        from kernels import release_mlx_memory
-
-        release_mlx_memory()
 
     # --- identity ----------------------------------------------------------
 
@@ -939,7 +953,7 @@ class Engine(_StartClose):
         cache_salt: str | None = None,
     ) -> Completion:
         """Run a chat request to the end and return the whole text (non-streaming)."""
-        return await self._collect(
+        return await _collect(
             self.chat(
                 messages,
                 params,
@@ -959,30 +973,11 @@ class Engine(_StartClose):
         cache_salt: str | None = None,
     ) -> Completion:
         """Run a raw completion to the end and return the whole text (non-streaming)."""
-        return await self._collect(
+        return await _collect(
             self.generate(
                 prompt, params, request_id=request_id, fit_context=fit_context, cache_salt=cache_salt
             )
         )
-
-    async def _collect(self, stream: GenerationStream) -> Completion:
-        parts: list[str] = []
-        ids: list[int] = []
-        async with stream:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    parts.append(event.text)
-                    ids.append(event.token_id)
-                else:
-                    return Completion(
-                        request_id=stream.request_id,
-                        text="".join(parts),
-                        token_ids=tuple(ids),
-                        finish_reason=event.finish_reason,
-                        usage=event.usage,
-                        timings=event.timings,
-                    )
-        raise GenerationFailed("the stream ended without a final event")
 
     async def run_when_idle(self, fn: Callable[[], T], *, timeout: float | None = None) -> T:
         """Run ``fn()`` as ONE background engine turn, granted when no request runs or waits.
@@ -1017,24 +1012,7 @@ class Engine(_StartClose):
         wired = self._wired
         if wired is not None:
             out.update(await wired.stats(timeout))
-        if self._engine_thread is not None:
-            es = self._engine_thread.statistics()
-            out["engine_thread"] = {
-                "jobs_run": es.jobs_run,
-                "jobs_failed": es.jobs_failed,
-                "busy_s": es.busy_s,
-                "queue_depth": es.queue_depth,
-                "alive": es.alive,
-            }
-        if self._registry is not None:
-            rs = self._registry.statistics()
-            out["cache_registry"] = {
-                "entries": rs.entries,
-                "nbytes": rs.nbytes,
-                # NOTE: disposed entries whose arrays are still alive (outside the cap).
-                "pending_dispose": rs.pending_dispose,
-                "pending_bytes": rs.pending_bytes,
-            }
+        out.update(startup.thread_stats(self._engine_thread, self._registry))
         if self._system is not None:
             out["mailboxes"] = self._system.statistics().as_dict()
         return out
