@@ -315,7 +315,7 @@ class BatchScheduler(Actor):
             case core.SubmitStep():
                 joins = tuple(
                     dataclasses.replace(j, resume=self._found.pop(j.request.request_id, None))
-                    if j.resume else j
+                    if j.resume is True else j
                     for j in effect.joins
                 )
                 return self._submit(dataclasses.replace(effect, joins=joins), ctx)

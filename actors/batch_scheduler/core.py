@@ -1011,7 +1011,7 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
             lookup = row.lookup
             keyed = row.checkpoint_key is not None
             if lookup is None:
-                joins.append(JoinRow(row.request, checkpoint=keyed, resume=row.resume))
+                joins.append(JoinRow(row.request, checkpoint=keyed, resume=row.resume or None))
             else:
                 joins.append(JoinRow(row.request, lookup.handle, _lent(lookup), lookup.staging_id,
                                      checkpoint=keyed))

@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from actors.checkpoints import Captured
+from actors.checkpoints import Captured, ResumeFrom
 from actors.engine_thread.memory_guard import DECODE_CHECK_EVERY, MemoryGuard
 from actors.engine_thread.ports import Registered
 from actors.errors import MemoryPressure
@@ -191,7 +191,9 @@ class BatchEngine:
                 if refusal is not None:
                     failed.append(refusal)
                     continue
-                replayed = self._resume(batch, join) if join.resume is not None else None
+                replayed = (
+                    self._resume(batch, join) if isinstance(join.resume, ResumeFrom) else None
+                )
                 if replayed is not None:
                     resumed.append((rid, replayed))
                 if replayed is not None and replayed >= 0:

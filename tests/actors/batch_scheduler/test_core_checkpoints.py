@@ -58,7 +58,18 @@ def test_unkeyed_row_takes_no_checkpoint_lookup() -> None:
     assert not of(effects, LoadCheckpoint)
     (submit,) = of(core.grant(), SubmitStep)
     assert submit.joins[0].checkpoint is False
-    assert submit.joins[0].resume is False or submit.joins[0].resume is None
+    assert submit.joins[0].resume is None
+
+
+def test_keyed_row_without_checkpoint_or_prompt_cache_joins_fresh() -> None:
+    """No checkpoint found and no prompt cache: the row joins with checkpoints on and nothing to resume."""
+    core = Core(lookups=False)
+    _admit(core, "a", "k" * 32)
+    core.handle(CheckpointLoaded("a", False, 0.1))
+    (submit,) = of(core.grant(), SubmitStep)
+    (join,) = submit.joins
+    assert join.checkpoint is True
+    assert join.resume is None
 
 
 def test_found_checkpoint_joins_resumed_without_a_prompt_cache_lookup() -> None:
