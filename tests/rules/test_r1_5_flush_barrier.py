@@ -1,12 +1,14 @@
 """R1-5: an explicit flush waits for all queued work, including a Put still queued in the RAM tier.
 
-``Engine.flush`` first asks the prompt cache for its statistics (a barrier):
-the answer comes only after every message queued before it, so a finished
-request's ``Put`` (and the ``Schedule`` it tells the durability coordinator)
-is ahead of the ``Flush``. Here the prompt cache is scripted to be slow on
-each ``Put`` (it sleeps before handling it), so the request's answer reaches
-the caller while its ``Put`` still waits: without the barrier the flush's
-scope misses that entry (mutation: delete the barrier in ``Engine.flush``).
+``Engine.flush`` sends the durability coordinator one ``FlushAll``; the
+coordinator first asks the prompt cache for its statistics (a barrier): the
+answer comes only after every message queued before it, so a finished
+request's ``Put`` (and the ``Schedule`` it tells the coordinator) is ahead of
+the flush. Here the prompt cache is scripted to be slow on each ``Put`` (it
+sleeps before handling it), so the request's answer reaches the caller while
+its ``Put`` still waits: without the barrier the flush's scope misses that
+entry (mutation: queue the FlushAll at once in ``actors/durability/core.py``
+instead of asking the barrier: fails).
 """
 
 from __future__ import annotations
