@@ -107,3 +107,34 @@ async def test_a_client_that_reads_is_not_cut() -> None:
     assert closes == [1]
     assert client.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert not [e for e in logs if e["event"] == "http.stream_write_timeout"]
+
+
+async def test_a_write_that_waits_within_the_deadline_completes() -> None:
+    """Writes that suspend (a client slow to read, each taking TIMEOUT / 4) each finish in order
+    and the stream ends whole: the deadline only cuts a write still waiting at its end."""
+
+    class SlowClient(StuckClient):
+        async def send(self, message: Message) -> None:
+            if message["type"] == "http.response.body":
+                await anyio.sleep(TIMEOUT / 4)
+            self.sent.append(message)
+
+    async def three() -> AsyncIterator[bytes]:
+        for n in range(3):
+            yield f"data: {n}\n\n".encode()
+
+    client = SlowClient(room=0)
+    closes: list[int] = []
+
+    async def on_close() -> None:
+        closes.append(1)
+
+    response = EventStreamResponse(three(), on_close=on_close, write_timeout=TIMEOUT)
+    with capture_logs() as logs, anyio.fail_after(5):
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, client.receive,
+                       client.send)
+    assert not response.stalled
+    assert closes == [1]
+    bodies = [m["body"] for m in client.sent if m["type"] == "http.response.body"]
+    assert bodies == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert not [e for e in logs if e["event"] == "http.stream_write_timeout"]
