@@ -747,7 +747,10 @@ class BatchGeneration:
                 exits.append(self._leave(row, finish, response.prompt_cache, response.all_tokens))
             elif finish is not None:
                 stopped_by_text.append(row)
-            elif row.checkpoint_every and len(row.generated) % row.checkpoint_every == 0:
+            elif row.checkpoint_every and len(row.generated) % row.checkpoint_every == 0 \
+                    and len(row.generated) + 1 < row.params.max_tokens:
+                # NOTE: not when the pending token is the last one max_tokens
+                # allows: such a checkpoint would replay all but nothing.
                 due.append(row)
         for row in stopped_by_text:
             cache, cache_tokens = self._remove_decoding(row)

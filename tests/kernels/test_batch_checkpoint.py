@@ -181,6 +181,20 @@ def test_resumed_row_joins_a_running_batch_and_replays_in_chunks(
     assert out.tokens["a"] == full.tokens["a"]
 
 
+def test_no_checkpoint_when_the_pending_token_is_the_last(model: Any, tok: Any) -> None:
+    """A boundary whose pending token is the last max_tokens allows takes no checkpoint (nothing left to save)."""
+    batch = BatchGeneration(model, tok, max_rows=2, prefill_step_size=16)
+    batch.join("a", tok.encode("Hello"), GenerationParams(max_tokens=2 * EVERY + 2),
+               checkpoint_every=EVERY)
+    out = _drive(batch)
+    assert len(out.tokens["a"]) == 2 * EVERY + 2
+    assert [c.sample_index for c in out.checkpoints["a"]] == [EVERY, 2 * EVERY]
+    batch = BatchGeneration(model, tok, max_rows=2, prefill_step_size=16)
+    batch.join("a", tok.encode("Hello"), GenerationParams(max_tokens=EVERY + 1),
+               checkpoint_every=EVERY)
+    assert "a" not in _drive(batch).checkpoints
+
+
 def test_recurrent_row_resumes(tmp_path: Path, tok: Any) -> None:
     """A Mamba row (recurrent state, no trim) resumes from its pending token like the uninterrupted run."""
     model = tiny_mamba(vocab_size=len(tok.vocab))
