@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import TypeVar
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from actors.engine_thread.memory_guard import Footprint
 from actors.memory import core
 from actors.memory.core import Gauges, MemoryConfig, MemoryState
@@ -236,3 +239,73 @@ def test_stats_combine_the_gauges_with_the_actors_counters() -> None:
     assert (stats.refused_at_admission, stats.relieved_entries) == (2, 5)
     assert (stats.mlx_active_bytes, stats.mlx_cache_bytes, stats.mlx_peak_bytes) == (10, 20, 30)
     assert (stats.heap_trims, stats.heap_trim_s) == (3, 0.1235)
+
+
+def _answer_to(ask: core.Ask, size: int, ok: bool) -> Body:
+    """A plausible answer to ``ask`` (``ok`` False: a Failure)."""
+    if not ok:
+        return _filled(Failure, error="HandlerFailed: scripted")
+    body = ask.body
+    if isinstance(body, RunWhenIdle):
+        return TurnDone(step_id=body.step_id, ok=True)
+    if isinstance(body, PromptCacheStatsRequest):
+        return _filled(PromptCacheStats, bytes=size)
+    if isinstance(body, Demote):
+        return DemoteResult(disposed=1 if size else 0, disposed_bytes=size)
+    if isinstance(body, SpillQueueStatsRequest):
+        return _filled(SpillQueueStats, stored=size)
+    assert isinstance(body, DrainSpills)
+    return _filled(SpillsDrained, stored=size)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "small", "relieve", "answer", "fail",
+                                           "late", "wake", "stats"]),
+                          st.integers(0, 2 * BUDGET)), max_size=40))
+def test_every_asker_gets_exactly_one_answer_and_one_ask_is_out_at_a_time(
+    steps: list[tuple[str, int]],
+) -> None:
+    """Random admissions, reliefs, answers, failures, late replies and deadlines: at most one
+    job runs with at most one ask out; after a stop every AdmitMemory and Relieve was answered
+    exactly once (admitted or refused / relieved)."""
+    state = _state()
+    asked: dict[str, int] = {}
+    answered: dict[str, int] = {}
+    out: core.Ask | None = None
+    now = 0.0
+    for kind, size in steps:
+        now += 0.01
+        effects: list[core.Effect] = []
+        if kind in ("admit", "small", "relieve", "stats"):
+            body: Body = {
+                "admit": _admit(f"r{len(asked)}"),
+                "small": AdmitMemory(request_id=f"r{len(asked)}", prompt_tokens=1, max_tokens=0),
+                "relieve": Relieve(max_bytes=size),
+                "stats": MemoryStatsRequest(),
+            }[kind]
+            envelope = _env(body)
+            if kind != "stats":
+                asked[envelope.msg_id] = 0
+            _, effects = core.handle(state, core.Received(envelope, now, Gauges(size)))
+        elif kind in ("answer", "fail") and out is not None:
+            reply = _answer_to(out, size % BUDGET, kind == "answer")
+            effects = _feed(state, reply, now, size, out.ref)
+        elif kind == "late":
+            effects = _feed(state, TurnDone(step_id="old", ok=True), now, size, "mem-old")
+        elif kind == "wake":
+            now += 10.0
+            effects = _feed(state, MemoryWake(), now, size)
+        for effect in effects:
+            if isinstance(effect, core.Answer) and effect.request.msg_id in asked:
+                answered[effect.request.msg_id] = answered.get(effect.request.msg_id, 0) + 1
+        asks = _asks(effects)
+        assert len(asks) <= 1
+        if asks:
+            out = asks[0]
+        # NOTE: a queued job starts as soon as none runs.
+        assert state.job is not None or not state.queue
+    _, effects = core.handle(state, core.Stopping(now + 1, Gauges(0)))
+    for effect in effects:
+        if isinstance(effect, core.Answer) and effect.request.msg_id in asked:
+            answered[effect.request.msg_id] = answered.get(effect.request.msg_id, 0) + 1
+    assert answered == dict.fromkeys(asked, 1)
