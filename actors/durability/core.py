@@ -23,6 +23,12 @@ Every request carries a fresh *ref* as its correlation id; replies are
 matched by it, so a late reply to a request given up (its deadline passed)
 is recognised and ignored.
 
+``FlushAll`` is the whole flush sequence of ``Engine.flush``: a barrier
+(``PromptCacheStatsRequest`` to the prompt cache: once it answers, every
+``Schedule`` of a ``Put`` it had received is queued here), then a flush
+like ``Flush``, then ``DrainSpills`` (what entered the queue meanwhile);
+a barrier or final drain that fails or times out is skipped.
+
 Invariants kept here (``tests/actors/durability`` checks them, the
 simulated-runtime proof over 1,000 seeded runs with faults):
 
