@@ -17,7 +17,11 @@ clock, the OpenBLAS calls, the synchronisation before a change).
 NOTE: a product's low bits depend on the thread count for some shapes:
 a prefill (many rows through OpenBLAS) of the default model with 1 thread
 differs from 2 threads by up to 1.5e-5 in its KV, and on the tests' tiny
-Llama by 2e-6 in a logprob. The chosen count stays set between batch steps
+Llama by 2e-6 in a logprob. The default model's decode steps are bitwise
+the same with 1 or 2 threads (measured over 40 steps: tokens and KV; the
+projections go through the few-row product, which computes every output
+alone, and the attention products split their outputs), so there only a
+prefill under a tuned count can differ. The chosen count stays set between batch steps
 (changing it costs a synchronisation), so the serial lane would otherwise
 run under whatever count the batch lane chose last, and a request (a
 resumed generation checkpoint, a grammar request) would not repeat its
