@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, assert_never
@@ -68,6 +67,7 @@ from messages.ssd_writer import LandingReport, RemoveEntries
 
 from . import core, io
 from .ports import FileIdentity, HostStaging, LandingObservation, TensorSource
+from .shell import feed
 
 __all__ = [
     "SSD_WRITER_ADDRESS",
@@ -344,15 +344,11 @@ class SsdWriter(Actor):
         )
 
     async def _feed(self, event: core.Event, ctx: Context) -> None:
-        """The one place the rules run: each event, then the events its effects' outcomes make."""
+        async def perform(effect: core.Effect) -> core.Event | None:
+            return await self._perform(effect, ctx)
+
         keep = self._keep
-        events: deque[core.Event] = deque([event])
-        while events:
-            keep.state, effects = ctx.traced(core.handle, keep.state, events.popleft())
-            for effect in effects:
-                follow = await self._perform(effect, ctx)
-                if follow is not None:
-                    events.append(follow)
+        keep.state = await feed(ctx, core.handle, keep.state, event, perform)
 
     async def _perform(self, effect: core.Effect, ctx: Context) -> core.Event | None:
         """Carry out one effect; the event its outcome makes for the rules, if any."""

@@ -10,10 +10,9 @@ only further reads, which wait their turn).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, assert_never
 
-from actors.runtime import Actor, Context, get_logger
+from actors.runtime import Actor, Context
 from kernels.cache import CacheFileCorrupt, CacheFileIncompatible, OpenEntry, PassFailed
 from messages import Envelope
 
@@ -21,10 +20,9 @@ from . import io
 from . import reader_core as core
 from .actor import ColdTier
 from .ports import StagedEntry
+from .shell import feed, warn_file
 
 __all__ = ["Reader"]
-
-_log = get_logger("kvtier.ssd_writer")
 
 
 async def _open_owned(tier: ColdTier, path: str, **kwargs: Any) -> OpenEntry:
@@ -88,14 +86,10 @@ class Reader(Actor):
                 file.abandon()
 
     async def _feed(self, event: core.Event, ctx: Context) -> None:
-        """The one place the rules run: each event, then the events its effects' outcomes make."""
-        events: deque[core.Event] = deque([event])
-        while events:
-            self._state, effects = ctx.traced(core.handle, self._state, events.popleft())
-            for effect in effects:
-                follow = await self._perform(effect, ctx)
-                if follow is not None:
-                    events.append(follow)
+        async def perform(effect: core.Effect) -> core.Event | None:
+            return await self._perform(effect, ctx)
+
+        self._state = await feed(ctx, core.handle, self._state, event, perform)
 
     async def _perform(self, effect: core.Effect, ctx: Context) -> core.Event | None:
         tier, request = self._tier, self._request
@@ -131,10 +125,7 @@ class Reader(Actor):
             case core.Report(body=report):
                 await ctx.tell(tier.name, report)
             case core.Log(event=name, path=path, error=error, removed=removed):
-                if removed is None:
-                    _log.warning(name, path=path, error=error)
-                else:
-                    _log.warning(name, path=path, error=error, removed=removed)
+                warn_file(name, path, error, removed)
             case _:
                 assert_never(effect)
         return None

@@ -10,7 +10,6 @@ scrubber's mailbox holds nothing but its own wakes.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import assert_never
 
 from actors.runtime import (
@@ -32,6 +31,7 @@ from messages.ssd_writer import ScrubPick, ScrubTarget, ScrubWake
 from . import io
 from . import scrubber_core as core
 from .actor import ColdTier
+from .shell import feed, warn_file
 
 __all__ = ["Scrubber"]
 
@@ -89,14 +89,10 @@ class Scrubber(Actor):
         await self._feed(core.Woke(ctx.clock.now()), ctx)
 
     async def _feed(self, event: core.Event, ctx: Context) -> None:
-        """The one place the rules run: each event, then the events its effects' outcomes make."""
-        events: deque[core.Event] = deque([event])
-        while events:
-            self._state, effects = ctx.traced(core.handle, self._state, events.popleft())
-            for effect in effects:
-                follow = await self._perform(effect, ctx)
-                if follow is not None:
-                    events.append(follow)
+        async def perform(effect: core.Effect) -> core.Event | None:
+            return await self._perform(effect, ctx)
+
+        self._state = await feed(ctx, core.handle, self._state, event, perform)
 
     async def _perform(self, effect: core.Effect, ctx: Context) -> core.Event | None:
         tier = self._tier
@@ -125,10 +121,7 @@ class Scrubber(Actor):
                     _log.warning("ssd_cache.scrub_report_lost", path=report.path,
                                  reason=report.reason)
             case core.Log(event=name, path=path, error=error, removed=removed):
-                if removed is None:
-                    _log.warning(name, path=path, error=error)
-                else:
-                    _log.warning(name, path=path, error=error, removed=removed)
+                warn_file(name, path, error, removed)
             case _:
                 assert_never(effect)
         return None

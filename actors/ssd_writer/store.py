@@ -12,7 +12,6 @@ which wait their turn).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Awaitable
 from typing import TypeVar, assert_never
 
@@ -34,6 +33,7 @@ from . import io
 from . import store_core as core
 from .actor import ColdTier
 from .ports import CheckpointSource
+from .shell import feed
 
 __all__ = ["StoreWorker"]
 
@@ -84,14 +84,10 @@ class StoreWorker(Actor):
             state.job, state.request, state.removing = None, None, ""
 
     async def _feed(self, event: core.Event, ctx: Context) -> None:
-        """The one place the rules run: each event, then the events its effects' outcomes make."""
-        events: deque[core.Event] = deque([event])
-        while events:
-            self._state, effects = ctx.traced(core.handle, self._state, events.popleft())
-            for effect in effects:
-                follow = await self._perform(effect, ctx)
-                if follow is not None:
-                    events.append(follow)
+        async def perform(effect: core.Effect) -> core.Event | None:
+            return await self._perform(effect, ctx)
+
+        self._state = await feed(ctx, core.handle, self._state, event, perform)
 
     async def _perform(self, effect: core.Effect, ctx: Context) -> core.Event | None:
         tier, request = self._tier, self._request
