@@ -21,7 +21,8 @@ With ``--batch-streams N`` it measures the batch lane instead (``max_batch``
 N): N greedy answers of ``--batch-tokens`` tokens each (distinct prompts,
 EOS ignored, so every row decodes to the end) run at once, with checkpoints
 off and at each interval of ``--batch-every``, the settings interleaved
-within every repeat so that load drifts on a shared machine hit them alike.
+within every repeat (each repeat starting with the next one) so that load
+drifts on a shared machine hit them alike.
 The figure is the aggregate decode rate (the sum over streams of emitted
 tokens / decode seconds), median of ``--repeats``, and each interval's ratio
 to off, side by side. Every setting's answers must equal off's.
@@ -188,8 +189,10 @@ async def bench_batch(streams: int, tokens: int, intervals: list[int], repeats: 
     taken: dict[int, int] = dict.fromkeys(settings, 0)
     reference: list[str] | None = None
     equal = True
-    for _ in range(repeats):
-        for every in settings:
+    for r in range(repeats):
+        # NOTE: each repeat starts with another setting, so a load that drifts
+        # one way over the run does not always favour the same one.
+        for every in settings[r % len(settings):] + settings[:r % len(settings)]:
             with tempfile.TemporaryDirectory(prefix="kvtier-bench-ckpt-") as tmp:
                 async with _engine(Path(tmp), every, model, max_batch=streams) as engine:
                     texts, rate, emitted = await _streams(engine, streams, tokens)
