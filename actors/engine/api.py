@@ -679,6 +679,8 @@ class Engine(_StartClose):
             logprobs=params.logprobs,
             top_logprobs=params.top_logprobs,
         )
+        if wired.admission is not None and wired.admission.fits(ask):
+            return  # NOTE: fits the latest reading: no relief, no round trip.
         wait = self._config.memory_relief_timeout_s
         try:
             with use_correlation(request_id):

@@ -53,6 +53,7 @@ from actors.kv_events import KV_EVENTS_ADDRESS, KvEvents
 from actors.kv_events import core as kv_events_core
 from actors.memory import (
     MEMORY_ADDRESS,
+    AdmissionCheck,
     GuardGauges,
     MemoryActor,
     MemoryConfig,
@@ -491,32 +492,37 @@ def _durability_fields(body: Body) -> dict[str, Any]:
 # --- memory relief -------------------------------------------------------------------
 
 
+def _memory_config(parts: Parts) -> MemoryConfig:
+    guard, registry = parts.memory_guard, parts.registry
+    return MemoryConfig(
+        budget=None if guard is None else guard.budget,
+        footprint=None if guard is None else guard.footprint,
+        margin=0 if guard is None else guard.margin,
+        settle_step=MEMORY_SETTLE_STEP if guard is not None and guard.settle is not None else None,
+        release_step=MEMORY_RELEASE_STEP if registry is not None else None,
+        prompt_cache=registry is not None,
+        spill_queue=parts.cold is not None,
+        reply_timeout_s=parts.config.ask_timeout_s,
+    )
+
+
+def _memory_gauges(parts: Parts) -> GuardGauges:
+    return GuardGauges(parts.memory_guard, parts.memory_reading, parts.heap_trim)
+
+
 def _memory(parts: Parts) -> Factory | None:
     guard, registry = parts.memory_guard, parts.registry
     if guard is None and registry is None:
         return None
-    settle = None
+    config = _memory_config(parts)
     if guard is not None and guard.settle is not None:
         parts.steps.add(MEMORY_SETTLE_STEP, guard.settle, standing=True)
-        settle = MEMORY_SETTLE_STEP
-    release = None
     if registry is not None:
         drain = registry.drain
         parts.steps.add(
             MEMORY_RELEASE_STEP, lambda: release_freed_memory(drain), standing=True
         )
-        release = MEMORY_RELEASE_STEP
-    config = MemoryConfig(
-        budget=None if guard is None else guard.budget,
-        footprint=None if guard is None else guard.footprint,
-        margin=0 if guard is None else guard.margin,
-        settle_step=settle,
-        release_step=release,
-        prompt_cache=registry is not None,
-        spill_queue=parts.cold is not None,
-        reply_timeout_s=parts.config.ask_timeout_s,
-    )
-    gauges = GuardGauges(guard, parts.memory_reading, parts.heap_trim)
+    gauges = _memory_gauges(parts)
     targets = MemoryTargets(gateway=GATEWAY, prompt_cache=PROMPT_CACHE, spill_queue=SPILL_QUEUE)
     # NOTE: "resume" keeps this one instance (its core state, the job in
     # flight and its alarm) when a handler raises.
@@ -719,6 +725,8 @@ class Wired:
     specs: tuple[ActorSpec, ...]
     config: EngineConfig
     checkpoints: CheckpointCounters | None = None
+    admission: AdmissionCheck | None = None
+    """The memory actor's "fits at once" rule for the asker's fast path (``None``: no guard)."""
 
     def ref(self, name: str) -> ActorRef:
         """The ref of the actor at ``name`` (``KeyError`` if it is not wired)."""
@@ -796,8 +804,12 @@ def start(system: ActorSystem, parts: Parts) -> Wired:
         factory = spec.build(parts)
         if factory is not None:
             refs[spec.name] = _spawn(system, spec, factory, parts.config)
+    admission = None
+    if parts.memory_guard is not None and MEMORY in refs:
+        admission = AdmissionCheck(_memory_config(parts), _memory_gauges(parts))
     return Wired(system=system, refs=refs, specs=ACTORS, config=parts.config,
-                 checkpoints=parts.cold.checkpoints if parts.cold is not None else None)
+                 checkpoints=parts.cold.checkpoints if parts.cold is not None else None,
+                 admission=admission)
 
 
 def spawn_prompt_cache(

@@ -10,10 +10,11 @@ from __future__ import annotations
 from . import core
 from .actor import MEMORY_ADDRESS, MemoryActor, MemoryTargets
 from .core import Gauges, MemoryConfig, MemoryState
-from .ports import GaugePort, GuardGauges
+from .ports import AdmissionCheck, GaugePort, GuardGauges
 
 __all__ = [
     "MEMORY_ADDRESS",
+    "AdmissionCheck",
     "GaugePort",
     "Gauges",
     "GuardGauges",

@@ -76,6 +76,7 @@ __all__ = [
     "Target",
     "Undelivered",
     "UnknownMemoryMessage",
+    "fits_now",
     "handle",
     "next_wake",
 ]
@@ -259,6 +260,20 @@ class MemoryState:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def fits_now(config: MemoryConfig, active: int | None, ask: AdmitMemory) -> bool:
+    """Whether ``ask`` fits the budget on the reading ``active`` with nothing moved out.
+
+    The one rule for "admitted at once": the actor answers such an
+    ``AdmitMemory`` without a relief, and :class:`~actors.memory.AdmissionCheck`
+    lets the asker skip the ask (pure: numbers in, a verdict out).
+    """
+    if config.budget is None or config.footprint is None:
+        return True
+    verdict = decide(active=active or 0, demand=_demand(config.footprint, ask),
+                     budget=config.budget, reclaimable=0)
+    return isinstance(verdict, Fits)
 
 
 def _demand(footprint: Footprint, ask: AdmitMemory) -> int:
@@ -517,9 +532,7 @@ def _received(state: MemoryState, event: Received, out: list[Effect]) -> None:
         if state.stopped:
             _refuse(state, job, "the server is shutting down", out)
             return
-        verdict = decide(active=gauges.active or 0, demand=job.demand, budget=cfg.budget,
-                         reclaimable=0)
-        if isinstance(verdict, Fits):
+        if fits_now(cfg, gauges.active, body):
             _admit(state, job, out)
             return
         state.queue.append(job)

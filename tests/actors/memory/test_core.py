@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.engine_thread.memory_guard import Footprint
-from actors.memory import core
+from actors.memory import AdmissionCheck, core
 from actors.memory.core import Gauges, MemoryConfig, MemoryState
 from messages import Body, Envelope, Failure
 from messages.gateway import RunWhenIdle, TurnDone
@@ -309,3 +309,24 @@ def test_every_asker_gets_exactly_one_answer_and_one_ask_is_out_at_a_time(
         if isinstance(effect, core.Answer) and effect.request.msg_id in asked:
             answered[effect.request.msg_id] = answered.get(effect.request.msg_id, 0) + 1
     assert answered == dict.fromkeys(asked, 1)
+
+
+def test_the_admission_check_uses_the_actors_rule_on_the_latest_reading() -> None:
+    """AdmissionCheck.fits agrees with the core: fits at the budget's edge, not one byte over;
+    without a guard everything fits."""
+
+    class Port:
+        def __init__(self, active: int) -> None:
+            self.active = active
+
+        def read(self) -> Gauges:
+            return Gauges(active=self.active)
+
+    config = _state().config
+    edge = Port(BUDGET - DEMAND)
+    check = AdmissionCheck(config, edge)
+    assert check.fits(_admit())
+    edge.active += 1
+    assert not check.fits(_admit())
+    assert not core.fits_now(config, BUDGET - DEMAND + 1, _admit())
+    assert AdmissionCheck(MemoryConfig(), Port(10 * BUDGET)).fits(_admit())
