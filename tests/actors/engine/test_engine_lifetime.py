@@ -56,6 +56,7 @@ async def test_engines_in_turn_reuse_one_engine_thread_without_growing(tiny_mode
         async with Engine(tiny_model_dir, max_queue=2) as engine:
             await _serve_two_turns(engine)
             # NOTE: Thread objects, not idents: a new OS thread may reuse an old ident.
+            assert engine._engine_thread is not None
             threads.append(await engine._engine_thread.run(threading.current_thread))
         after_close.append(mx.get_active_memory())
     assert threads[0] is threads[1] is threads[2]
