@@ -25,6 +25,7 @@ __all__ = [
     "EngineWake",
     "ErrorEvent",
     "FinishReason",
+    "GatewayCheckpointsLoaded",
     "GatewayStats",
     "GatewayStatsRequest",
     "Generate",
@@ -417,6 +418,12 @@ class RunTurn(Request):
     it (and releases its lease); ``None`` means no lookup (a cold prefill).
     ``lookup_started_at``/``lookup_done_at``: when that ``Take`` was sent and
     answered (the gateway's clock; ``None``: none was made), for ``Timings``.
+
+    ``checkpoint_key`` (first turn only): the request's generation-checkpoint
+    key (``None``: not checkpointed). ``checkpoint``: the handle of the
+    checkpoint the gateway loaded beside the ``Take`` (held by the checkpoint
+    port until the runner claims it; ``None``: none found), so the turn never
+    waits for a file lookup.
     """
 
     kind: Literal["gateway.run_turn"] = "gateway.run_turn"
@@ -428,6 +435,15 @@ class RunTurn(Request):
     lookup: TakeResult | None = None
     lookup_started_at: float | None = None
     lookup_done_at: float | None = None
+    checkpoint_key: str | None = None
+    checkpoint: str | None = None
+
+
+class GatewayCheckpointsLoaded(Body):
+    """Gateway -> itself: generation-checkpoint lookups (worker threads) finished; the
+    shell holds their results and feeds them to the core."""
+
+    kind: Literal["gateway.checkpoints_loaded"] = "gateway.checkpoints_loaded"
 
 
 class StopBurst(Body):

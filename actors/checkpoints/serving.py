@@ -6,6 +6,10 @@ for a request's key at admission (:meth:`CheckpointPort.key_of`), looks the
 key up on a worker thread (:meth:`CheckpointPort.load`: the newest valid
 file, read into host memory with every tensor hash checked), and hands the
 owned snapshots :class:`Captured` on the engine thread to the spill queue.
+The serial lane's gateway loads a request's checkpoint beside its
+prompt-cache ``Take`` and hands the found one to the turn runner by handle
+(:meth:`CheckpointPort.hand_over` ... :meth:`CheckpointPort.claim`), so the
+first turn never waits for a file lookup.
 
 :class:`Captured` and :class:`ResumeFrom` cross from the engine thread to the
 loop and back; both are immutable apart from ``ResumeFrom.host``, which the
@@ -14,7 +18,7 @@ engine thread alone consumes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kernels.cache import (
@@ -106,10 +110,22 @@ class CheckpointPort:
     dispose: Any
     counters: CheckpointCounters
     verify: bool = True
+    handed: dict[str, ResumeFrom] = field(default_factory=dict, repr=False)
+    """Checkpoints handed over and not yet claimed (shared by the gateway's and the runner's ports)."""
 
     def __post_init__(self) -> None:
         if self.every <= 0:
             raise ValueError("every must be > 0")
+
+    def hand_over(self, request_id: str, found: ResumeFrom) -> str:
+        """Hold ``found`` for ``request_id``'s first turn; the handle its ``RunTurn`` carries (event loop only)."""
+        handle = f"ckpt:{request_id}"
+        self.handed[handle] = found
+        return handle
+
+    def claim(self, handle: str) -> ResumeFrom | None:
+        """Take the checkpoint held under ``handle`` (``None``: unknown or already claimed)."""
+        return self.handed.pop(handle, None)
 
     def key_of(self, request: Generate) -> str | None:
         """``request``'s checkpoint key, or ``None`` (counted) when v1 does not checkpoint it."""

@@ -190,6 +190,9 @@ class Parts:
     kv_identity: tuple[str, str] | None = None
     """The model fingerprint and the KV scheme's cache key: with each entry's cache
     namespace, the namespace of the KV events' block hashes (``--kv-events``)."""
+    checkpoint_handoff: dict[str, Any] = field(default_factory=dict)
+    """Loaded generation checkpoints on their way from the gateway (which loads them at
+    admission) to the runner (which claims them): shared by every ``CheckpointPort``."""
 
 
 Factory = Callable[[], Actor]
@@ -551,6 +554,8 @@ def _gateway(parts: Parts) -> Factory:
         # NOTE: background steps (write-behind clones, SSD tensor reads) get a
         # bounded share of engine time under load, so durability keeps up.
         background_share=DEFAULT_BACKGROUND_SHARE,
+        # NOTE: serial-lane checkpoints are loaded at admission, beside the Take.
+        checkpoints=_checkpoints(parts),
     )
     # NOTE: "resume" keeps this one instance (its core state) when a handler raises.
     return lambda: gateway
@@ -581,6 +586,7 @@ def _checkpoints(parts: Parts) -> CheckpointPort | None:
         dispose=registry.dispose,
         counters=cold.checkpoints,
         verify=cold.config.verify,
+        handed=parts.checkpoint_handoff,
     )
 
 

@@ -7,6 +7,11 @@ lookups (``Take`` sent as a request whose answer comes back to this
 mailbox), ``RunTurn``/``StopBurst``/``EndRequest`` to the turn runner,
 ``TurnDone`` replies to background askers. It never awaits the engine or an
 answer, so admission, cancels and lookups are handled while a turn runs.
+With generation checkpoints on (``checkpoints``), the shell keys each
+request at admission and loads its checkpoint on a worker thread beside the
+``Take`` (``LoadCheckpoint``); the result comes back as a note to this
+mailbox, and the first ``RunTurn`` carries the key and the found
+checkpoint's handle, so the runner's first turn never waits for a file.
 See docs/engine-turn.md.
 
 A turn that fails without a report (the runner's handler raised: the runtime
@@ -19,13 +24,22 @@ cannot be sent) fails the request holding it with an ``ErrorEvent`` (code
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal, assert_never
 
 import structlog
 
-from actors.runtime import Actor, Context, RuntimeFailure
+from actors.checkpoints import CheckpointPort, ResumeFrom
+from actors.runtime import (
+    Actor,
+    ActorStopped,
+    Context,
+    MailboxClosed,
+    RuntimeFailure,
+    UnknownAddress,
+)
 from kernels.engine import batch_params_refusal
 from messages import Envelope, Failure, Release, Take, TakeResult
 from messages.batch_scheduler import BatchTurnReport, BatchWants, RunBatchStep, StopBatchChain
@@ -39,6 +53,7 @@ from messages.gateway import (
     Drained,
     EndRequest,
     ErrorEvent,
+    GatewayCheckpointsLoaded,
     GatewayStats,
     GatewayStatsRequest,
     Generate,
@@ -70,6 +85,10 @@ class _Admitted:
     """The answered lookup; its lease is the gateway's until the first ``RunTurn`` carries it."""
     lookup_started_at: float | None = None
     lookup_done_at: float | None = None
+    checkpoint_key: str | None = None
+    """Its generation-checkpoint key (``None``: not checkpointed)."""
+    checkpoint: ResumeFrom | None = None
+    """Its loaded checkpoint (host bytes), the gateway's until the first ``RunTurn`` hands it over."""
 
 
 class Gateway(Actor):
@@ -85,7 +104,9 @@ class Gateway(Actor):
     the model passes the batching gates), and the batch's steps share the
     engine-turn token with the serial lane (docs/batching.md).
     ``background_share``: background work's share of engine time under load
-    (``core.GatewayState``; 0 = idle turns only).
+    (``core.GatewayState``; 0 = idle turns only). ``checkpoints``:
+    generation checkpoints of the serial lane (``None``: off); the same port
+    as the runner's, which claims the checkpoints handed over to it.
     """
 
     def __init__(
@@ -97,8 +118,14 @@ class Gateway(Actor):
         prompt_cache: str | None = None,
         batch: str | None = None,
         background_share: float = 0.0,
+        checkpoints: CheckpointPort | None = None,
     ) -> None:
         self._runner = runner
+        self._ckpt = checkpoints
+        # NOTE: checkpoint loads finished on worker threads, fed to the core by
+        # one note at a time (``_loaded_note``: a note is posted and not yet read).
+        self._loaded: deque[tuple[str, ResumeFrom | None]] = deque()
+        self._loaded_note = False
         self._prompt_cache = prompt_cache
         self._batch = batch
         self._batched: set[str] = set()  # request ids forwarded to the batch lane, until they end
@@ -142,8 +169,11 @@ class Gateway(Actor):
                     ),
                 )
                 return
-            self._admitted[body.request_id] = _Admitted(body, now, envelope.correlation_id)
-            event = core.AdmitRequest(body.request_id, now)
+            key = self._ckpt.key_of(body) if self._ckpt is not None else None
+            self._admitted[body.request_id] = _Admitted(
+                body, now, envelope.correlation_id, checkpoint_key=key
+            )
+            event = core.AdmitRequest(body.request_id, now, checkpoint=key is not None)
         elif isinstance(body, CancelGeneration):
             if self._batch is not None and body.request_id in self._batched:
                 await self._tell_batch(body, envelope.correlation_id, ctx)
@@ -179,6 +209,16 @@ class Gateway(Actor):
             rid = self._lookups.pop(envelope.causation_id or "")
             _log.warning("gateway.lookup_failed", request_id=rid, error=f"{body.error}: {body.message}")
             event = self._lookup_done(rid, now)
+        elif isinstance(body, GatewayCheckpointsLoaded):
+            self._loaded_note = False
+            while self._loaded:
+                rid, found = self._loaded.popleft()
+                entry = self._admitted.get(rid)
+                if entry is not None and not entry.started:
+                    entry.checkpoint = found
+                # NOTE: a request gone meanwhile drops its checkpoint's bytes here.
+                await self._feed(core.CheckpointLoaded(rid, ctx.clock.now()), envelope, ctx)
+            return
         elif isinstance(body, RunWhenIdle):
             if body.step_id in self._askers:
                 await ctx.reply(
@@ -255,6 +295,8 @@ class Gateway(Actor):
                     await self._answer_admission(effect, envelope, ctx)
                 case core.StartLookup():
                     follow_up = await self._start_lookup(effect.request_id, ctx)
+                case core.LoadCheckpoint():
+                    follow_up = self._load_checkpoint(effect.request_id, ctx)
                 case core.RunRequestTurn():
                     follow_up = await self._run_request_turn(effect, envelope, ctx)
                 case core.PreemptTurn():
@@ -354,6 +396,35 @@ class Gateway(Actor):
         self._lookups[msg_id] = rid
         return None
 
+    def _load_checkpoint(self, rid: str, ctx: Context) -> core.CoreEvent | None:
+        """Load ``rid``'s checkpoint on a worker thread; the result comes back through ``GatewayCheckpointsLoaded``."""
+        entry = self._admitted.get(rid)
+        port = self._ckpt
+        if entry is None or port is None or entry.checkpoint_key is None:
+            return core.CheckpointLoaded(rid, ctx.clock.now())
+        request = entry.request
+        ref = ctx.self_ref
+
+        def done(future: asyncio.Future[ResumeFrom | None]) -> None:
+            exc = None if future.cancelled() else future.exception()
+            if exc is not None:
+                # NOTE: a lookup that fails is a fresh run, never a failed request.
+                _log.warning("checkpoint.lookup_failed", request_id=rid, error=repr(exc))
+            found = None if future.cancelled() or exc is not None else future.result()
+            self._loaded.append((rid, found))
+            if self._loaded_note:
+                return
+            try:
+                self._loaded_note = ref.post(GatewayCheckpointsLoaded())
+            except (ActorStopped, MailboxClosed, UnknownAddress):
+                self._loaded.clear()  # NOTE: stopping: nobody is left to resume.
+
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, port.load, entry.checkpoint_key, request.namespace,
+                                      tuple(request.prompt_tokens))
+        future.add_done_callback(done)
+        return None
+
     def _lookup_done(self, rid: str, now: float) -> core.LookupDone:
         """``rid``'s lookup ended at ``now`` (its request's timeline marks it)."""
         entry = self._admitted.get(rid)
@@ -381,11 +452,16 @@ class Gateway(Actor):
         admitted_at = 0.0
         looked: tuple[float | None, float | None] = (None, None)
         correlation = envelope.correlation_id
+        key: str | None = None
+        handle: str | None = None
         if entry is not None:
             correlation = entry.correlation_id
             if not entry.started:
                 start, admitted_at, lookup = entry.request, entry.admitted_at, entry.lookup
                 looked = (entry.lookup_started_at, entry.lookup_done_at)
+                key = entry.checkpoint_key
+                if entry.checkpoint is not None and self._ckpt is not None:
+                    handle = self._ckpt.hand_over(effect.request_id, entry.checkpoint)
         turn = RunTurn(
             owner="request",
             ident=effect.request_id,
@@ -396,12 +472,17 @@ class Gateway(Actor):
             lookup=lookup,
             lookup_started_at=looked[0],
             lookup_done_at=looked[1],
+            checkpoint_key=key,
+            checkpoint=handle,
         )
         if not await self._send_turn(turn, correlation, ctx):
+            if handle is not None and self._ckpt is not None:
+                self._ckpt.claim(handle)  # NOTE: never delivered: its bytes go.
             return await self._turn_lost("the turn runner is unavailable", ctx)
         if entry is not None and start is not None:
-            # NOTE: the runner owns the lookup's lease from here (it releases it after materializing).
-            entry.started, entry.lookup = True, None
+            # NOTE: the runner owns the lookup's lease and the checkpoint from
+            # here (it releases the lease after materializing).
+            entry.started, entry.lookup, entry.checkpoint = True, None, None
         return None
 
     async def _run_background_turn(

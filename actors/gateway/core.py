@@ -14,7 +14,10 @@ Invariants (checked by the tests):
 - A request takes its first turn only once its prompt-cache lookup is done
   (``StartLookup`` ... ``LookupDone``): the lookup runs while the request
   waits, never inside a granted turn. It starts when the request becomes
-  the next to run (it takes the lane, or it heads the queue).
+  the next to run (it takes the lane, or it heads the queue). A request
+  admitted with a generation-checkpoint key also has its checkpoint loaded
+  beside that lookup (``LoadCheckpoint`` ... ``CheckpointLoaded``); its
+  first turn waits for both, so no turn waits for a file lookup.
 - A background turn is granted when no request can run: the lane is
   free and nobody queues, or the lane holder has had no turn yet and still
   waits for its lookup. A request that becomes ready during a background
@@ -64,12 +67,14 @@ __all__ = [
     "BatchTurnDone",
     "BeginDrain",
     "CancelRequest",
+    "CheckpointLoaded",
     "CoreEvent",
     "Drained",
     "Effect",
     "ExpireBackground",
     "FinishRequest",
     "GatewayState",
+    "LoadCheckpoint",
     "LookupDone",
     "PreemptBatchTurn",
     "PreemptTurn",
@@ -104,10 +109,11 @@ RequestOutcome = Literal["continue", "finished", "failed", "cancelled"]
 
 @dataclass(frozen=True, slots=True)
 class AdmitRequest:
-    """A requester asks for the lane."""
+    """A requester asks for the lane (``checkpoint``: it has a generation-checkpoint key to load)."""
 
     request_id: str
     now: float
+    checkpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +127,14 @@ class CancelRequest:
 @dataclass(frozen=True, slots=True)
 class LookupDone:
     """The prompt-cache lookup of ``request_id`` answered (hit, miss or failure: all are ready)."""
+
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLoaded:
+    """The checkpoint load of ``request_id`` ended (found, none or failed: all are ready)."""
 
     request_id: str
     now: float
@@ -202,6 +216,7 @@ CoreEvent = (
     AdmitRequest
     | CancelRequest
     | LookupDone
+    | CheckpointLoaded
     | WantBackgroundTurn
     | WithdrawBackground
     | RequestTurnDone
@@ -237,6 +252,13 @@ class RejectRequest:
 @dataclass(frozen=True, slots=True)
 class StartLookup:
     """Ask the prompt cache for ``request_id``'s longest usable prefix; answer with ``LookupDone``."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCheckpoint:
+    """Load ``request_id``'s generation checkpoint on a worker thread; answer with ``CheckpointLoaded``."""
 
     request_id: str
 
@@ -316,6 +338,7 @@ Effect = (
     RequestAdmitted
     | RejectRequest
     | StartLookup
+    | LoadCheckpoint
     | RunRequestTurn
     | FinishRequest
     | PreemptTurn
@@ -363,6 +386,7 @@ class TokenStats:
     background_under_load: int = 0
     background_under_load_s: float = 0.0
     lookups: int = 0
+    checkpoint_loads: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +421,8 @@ class GatewayState:
     started, ``pending`` or ``ready``. ``background_share`` and
     ``background_credit_cap_s``: background work's share of engine time
     under load (module docstring); ``background_credit_s`` is the credit.
+    ``checkpoint`` holds, for the admitted requests with a generation-checkpoint
+    key, whether its load is yet to start (``keyed``), ``pending`` or ``ready``.
     """
 
     max_queue: int
@@ -410,6 +436,7 @@ class GatewayState:
     lane_cancelled: bool = False
     queue: deque[str] = field(default_factory=deque)
     lookup: dict[str, Literal["pending", "ready"]] = field(default_factory=dict)
+    checkpoint: dict[str, Literal["keyed", "pending", "ready"]] = field(default_factory=dict)
     background: deque[BackgroundWait] = field(default_factory=deque)
     turn: Turn | None = None
     draining: bool = False
@@ -446,7 +473,9 @@ class GatewayState:
         return self.turn is None and not self.busy and not self.background
 
     def ready(self, request_id: str) -> bool:
-        """Whether ``request_id`` may take a turn (its lookup, if any, has answered)."""
+        """Whether ``request_id`` may take a turn (its lookup and checkpoint load, if any, have answered)."""
+        if self.checkpoint.get(request_id, "ready") != "ready":
+            return False
         return not self.lookups or self.lookup.get(request_id) == "ready"
 
     def holder(self) -> str | None:
@@ -504,6 +533,7 @@ class GatewayState:
                 "rejected_shutting_down": s.rejected_shutting_down,
             },
             "lookups": s.lookups,
+            "checkpoint_loads": s.checkpoint_loads,
             "background_refused": s.background_refused,
             "background_expired": s.background_expired,
             "background_under_load": {
@@ -535,6 +565,9 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
             if state.lookup.get(event.request_id) == "pending":
                 state.lookup[event.request_id] = "ready"
             # NOTE: an unknown id is a request cancelled while its lookup ran.
+        case CheckpointLoaded():
+            if state.checkpoint.get(event.request_id) == "pending":
+                state.checkpoint[event.request_id] = "ready"
         case WantBackgroundTurn():
             if state.stopped:
                 state.stats.background_refused += 1
@@ -581,6 +614,8 @@ def _admit(state: GatewayState, ev: AdmitRequest, out: list[Effect]) -> None:
         # lane before background when the turn ends).
         _take_lane(state, rid)
         state.stats.admitted += 1
+        if ev.checkpoint:
+            state.checkpoint[rid] = "keyed"
         out.append(RequestAdmitted(rid, 0))
         return
     if len(state.queue) >= state.max_queue:
@@ -589,6 +624,8 @@ def _admit(state: GatewayState, ev: AdmitRequest, out: list[Effect]) -> None:
         return
     state.queue.append(rid)
     state.stats.admitted += 1
+    if ev.checkpoint:
+        state.checkpoint[rid] = "keyed"
     out.append(RequestAdmitted(rid, len(state.queue)))
 
 
@@ -597,6 +634,7 @@ def _cancel(state: GatewayState, ev: CancelRequest, out: list[Effect]) -> None:
     if rid in state.queue:
         state.queue.remove(rid)
         state.lookup.pop(rid, None)
+        state.checkpoint.pop(rid, None)
         state.stats.cancelled += 1
         out.append(FinishRequest(rid, "cancelled", had_turns=False))
     elif rid == state.lane:
@@ -739,20 +777,29 @@ def _take_lane(state: GatewayState, rid: str) -> None:
 def _free_lane(state: GatewayState) -> None:
     if state.lane is not None:
         state.lookup.pop(state.lane, None)
+        state.checkpoint.pop(state.lane, None)
     state.lane = None
     state.lane_had_turns = False
     state.lane_cancelled = False
 
 
 def _start_lookups(state: GatewayState, out: list[Effect]) -> None:
-    """Start the lookup of whoever runs next: the lane holder before its first turn, the queue head."""
-    if not state.lookups:
-        return
+    """Start the lookups of whoever runs next: the lane holder before its first turn, the queue head.
+
+    NOTE: a keyed request's checkpoint load starts beside its prompt-cache
+    lookup (both run while it waits), never inside its first turn.
+    """
     for rid in (state.lane, state.queue[0] if state.queue else None):
-        if rid is not None and rid not in state.lookup:
+        if rid is None:
+            continue
+        if state.lookups and rid not in state.lookup:
             state.lookup[rid] = "pending"
             state.stats.lookups += 1
             out.append(StartLookup(rid))
+        if state.checkpoint.get(rid) == "keyed":
+            state.checkpoint[rid] = "pending"
+            state.stats.checkpoint_loads += 1
+            out.append(LoadCheckpoint(rid))
 
 
 def _expire_background(state: GatewayState, now: float, out: list[Effect]) -> None:

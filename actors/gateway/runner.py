@@ -84,7 +84,9 @@ class TurnRunner(Actor):
     ``stream_write_timeout_s``: how long a token may wait for room in its
     requester's full stream before the stream counts as gone (module docstring).
     ``checkpoints``: generation checkpoints (docs/cold-tier.md): a request's
-    key and lookup at its first turn, snapshots every ``every`` emitted
+    key and found checkpoint come with its first ``RunTurn`` (the gateway
+    loaded it at admission, beside the ``Take``: the turn claims it from the
+    port, it never looks a file up), snapshots every ``every`` emitted
     tokens handed to the spill queue without waiting, completion's removal.
     """
 
@@ -151,7 +153,7 @@ class TurnRunner(Actor):
             await self._drain(body.job, ctx)
         elif isinstance(body, RunTurn):
             if body.start is not None and self._ckpt is not None:
-                await self._checkpoint_lookup(body.start)
+                self._checkpoint_start(body)
             await self._feed(rc.TurnGranted(body, envelope.correlation_id, now), ctx)
         elif isinstance(body, StopBurst):
             await self._feed(rc.Preempt(body.request_id, now), ctx)
@@ -283,21 +285,16 @@ class TurnRunner(Actor):
 
     # --- generation checkpoints ----------------------------------------------------
 
-    async def _checkpoint_lookup(self, request: Any) -> None:
-        """Key ``request`` and look its checkpoint up on a worker thread (never on the loop)."""
-        port = self._ckpt
+    def _checkpoint_start(self, turn: RunTurn) -> None:
+        """Take a first turn's checkpoint key and claim the checkpoint the gateway loaded (no file read here)."""
+        port, request = self._ckpt, turn.start
         assert port is not None
-        key = port.key_of(request)
-        if key is None:
+        assert request is not None
+        found = port.claim(turn.checkpoint) if turn.checkpoint is not None else None
+        if turn.checkpoint_key is None:
             return
         rid = request.request_id
-        self._ckpt_keys[rid] = (key, request.namespace)
-        try:
-            found = await anyio.to_thread.run_sync(port.load, key, request.namespace,
-                                                   tuple(request.prompt_tokens))
-        except OSError as exc:
-            _log.warning("checkpoint.lookup_failed", request_id=rid, error=str(exc))
-            return
+        self._ckpt_keys[rid] = (turn.checkpoint_key, request.namespace)
         if found is not None:
             self._ckpt_found[rid] = found
             self._ckpt_files.add(rid)
