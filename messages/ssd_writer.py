@@ -234,6 +234,9 @@ class SsdStats(Body):
     counted in ``corrupt_removed`` when the unlink succeeded).
     ``landings``/``land_failures``: restored files landed into MLX memory in
     their engine turn (timed for the estimator), and landings that failed.
+    ``checkpoint_bytes``: the generation checkpoint files, counted in
+    ``bytes`` and under ``max_bytes`` too; ``checkpoints_expired``: those the
+    startup scan removed for age.
     """
 
     kind: Literal["ssd_writer.stats"] = "ssd_writer.stats"
@@ -269,6 +272,8 @@ class SsdStats(Body):
     leftover_bytes: int = Field(default=0, ge=0)
     landings: int = Field(default=0, ge=0)
     land_failures: int = Field(default=0, ge=0)
+    checkpoint_bytes: int = Field(default=0, ge=0)
+    checkpoints_expired: int = Field(default=0, ge=0)
 
 
 class SsdIndexRequest(Request):

@@ -146,12 +146,12 @@ def find_checkpoint(
     return best
 
 
-def remove_checkpoints(port: FilePort, directory: str, key: str) -> int:
-    """Remove every checkpoint file of ``key`` durably; how many were removed."""
+def remove_checkpoints(port: FilePort, directory: str, key: str) -> tuple[str, ...]:
+    """Remove every checkpoint file of ``key`` durably; the paths removed (the cap counts them)."""
     _check_key(key)
     files = _files_of(port, directory, key)
     _remove(port, directory, files)
-    return len(files)
+    return tuple(files)
 
 
 def _remove(port: FilePort, directory: str, paths: list[str]) -> None:

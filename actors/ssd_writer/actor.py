@@ -395,11 +395,11 @@ class SsdWriter(Actor):
                     failed=len(removal.left),
                 )
                 return core.Removed(removal.gone, removal.left, ctx.clock.now())
-            case core.ForwardCheckpoint(request=request):
+            case core.ForwardCheckpoint(request=request, job_id=job_id):
                 body = request.body
                 if not _try_tell(ctx, tier.store_address, body, request.correlation_id) \
                         and isinstance(body, Store):
-                    await self._refuse_checkpoint(request, "writer_unavailable", ctx)
+                    return core.WorkerGone(job_id, "writer_unavailable", ctx.clock.now())
             case core.RefuseCheckpoint(request=request, reason=reason):
                 await self._refuse_checkpoint(request, reason, ctx)
             case core.ReportTier(body=report):

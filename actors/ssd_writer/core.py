@@ -82,6 +82,7 @@ from messages.ssd_writer import (
 )
 
 __all__ = [
+    "CHECKPOINT_MAX_AGE_NS",
     "ENTRY_SUFFIX",
     "MIN_RESTORE_TOKENS",
     "PRIOR_DISK_BPS",
@@ -107,12 +108,14 @@ __all__ = [
     "ReportTier",
     "ScanLoaded",
     "ScanResult",
+    "ScannedCheckpoint",
     "ScannedFile",
     "StartRead",
     "StartWrite",
     "StoreJob",
     "UnknownSsdWriterMessage",
     "WorkerGone",
+    "checkpoint_job_id",
     "covers",
     "entry_name",
     "find",
@@ -195,6 +198,24 @@ class ScannedFile:
     file_bytes: int = 0
 
 
+CHECKPOINT_MAX_AGE_NS = 24 * 3600 * 10**9
+"""A generation checkpoint file older than this (by mtime) is removed by the startup scan.
+
+NOTE: a cancelled answer's checkpoint is kept for an identical retry; a
+retry a day later is not the crash-and-retry case checkpoints serve, and
+without a bound such files would only go when an identical request completes.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedCheckpoint:
+    """One ``*.kvc`` file the startup scan listed: its path, size and mtime (ns since the epoch)."""
+
+    path: str
+    file_bytes: int
+    mtime_ns: int
+
+
 @dataclass(frozen=True, slots=True)
 class ScanResult:
     """What the startup scan observed in ``<root>``.
@@ -203,7 +224,8 @@ class ScanResult:
     ``orphans``: ``*.tmp`` files in our namespace directories, with their
     sizes in ``orphan_bytes`` (same order). ``directories``: our namespace
     directories. ``incomplete``: a directory could not be listed, so files
-    the scan does not know may take room.
+    the scan does not know may take room. ``checkpoints``: the generation
+    checkpoint files; ``now_ns``: the wall time of the scan (their age).
     """
 
     files: tuple[ScannedFile, ...] = ()
@@ -212,6 +234,8 @@ class ScanResult:
     orphan_bytes: tuple[int, ...] = ()
     directories: tuple[str, ...] = ()
     incomplete: bool = False
+    checkpoints: tuple[ScannedCheckpoint, ...] = ()
+    now_ns: int = 0
 
 
 MIN_RESTORE_TOKENS = 64
@@ -448,6 +472,8 @@ class StoreJob:
     followers: list[tuple[Envelope, str]] = field(default_factory=list)
     """Stores of the same entry that arrived while this job ran (request, handle): they get
     this job's outcome."""
+    checkpoint: bool = False
+    """A generation checkpoint write: not an index entry; the store worker answers its Store."""
 
 
 # --- effects (core -> shell) ------------------------------------------------
@@ -517,10 +543,11 @@ class RemoveNow:
 class ForwardCheckpoint:
     """Hand the checkpoint write or removal in ``request`` to the store worker (not an index entry).
 
-    Not delivered, a write is answered ``writer_unavailable`` by the shell.
+    Not delivered, a write's job ``job_id`` is abandoned (:class:`WorkerGone`).
     """
 
     request: Envelope
+    job_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -632,6 +659,10 @@ class IndexState:
     entries: dict[str, IndexEntry] = field(default_factory=dict)
     by_namespace: dict[str, dict[tuple[int, ...], str]] = field(default_factory=dict)
     indexed_bytes: int = 0
+    checkpoints: dict[str, int] = field(default_factory=dict)
+    """Generation checkpoint files on disk (path -> bytes); they count toward the cap."""
+    checkpoint_bytes: int = 0
+    checkpoints_expired: int = 0
     leftovers: dict[str, int] = field(default_factory=dict)
     stuck: set[str] = field(default_factory=set)
     leftover_bytes: int = 0
@@ -746,8 +777,36 @@ def _drop_leftover(state: IndexState, path: str) -> int:
 
 
 def _used(state: IndexState) -> int:
-    """Bytes that count toward the cap: indexed files, leftovers, the file being written."""
-    return state.indexed_bytes + state.leftover_bytes + state.reserved_bytes
+    """Bytes that count toward the cap: indexed files, checkpoints, leftovers, the file written."""
+    return (state.indexed_bytes + state.checkpoint_bytes + state.leftover_bytes
+            + state.reserved_bytes)
+
+
+def checkpoint_job_id(handle: str) -> str:
+    """The job id of the checkpoint ``Store`` of ``handle`` (the store worker derives it too)."""
+    return f"checkpoint:{handle}"
+
+
+def _checkpoint_key(path: str) -> str:
+    """The request key in a checkpoint file's name (``<key>-<sample index>.kvc``)."""
+    return os.path.basename(path).split("-", 1)[0]
+
+
+def _count_checkpoint(state: IndexState, path: str, nbytes: int) -> None:
+    state.checkpoint_bytes += nbytes - state.checkpoints.get(path, 0)
+    state.checkpoints[path] = nbytes
+
+
+def _forget_checkpoints(state: IndexState, key: str, *, keep: str | None = None) -> None:
+    """Stop counting every checkpoint file of ``key`` but ``keep`` (they are durably gone).
+
+    NOTE: by key, not by path: the resume path's lookup removes a key's
+    older or corrupt files without telling the index, and both a committed
+    write (older files) and a completion's removal leave no other file of
+    the key on disk.
+    """
+    for path in [p for p in state.checkpoints if p != keep and _checkpoint_key(p) == key]:
+        state.checkpoint_bytes -= state.checkpoints.pop(path)
 
 
 def _cap(state: IndexState) -> int:
@@ -890,7 +949,8 @@ def store(state: IndexState, envelope: Envelope, msg: Store) -> list[Effect]:
             )
         ]
     for running in state.jobs.values():
-        if running.namespace == msg.namespace and running.tokens == msg.tokens:
+        if (not running.checkpoint and running.namespace == msg.namespace
+                and running.tokens == msg.tokens):
             # NOTE: one write per entry at a time. A second write of the same
             # name would rename over the first file, and if its directory
             # fsync then failed, the writer's removal of its final file would
@@ -925,7 +985,11 @@ def reserve(state: IndexState, envelope: Envelope, msg: ReserveSpace) -> list[Ef
         return [Answer(envelope, SpaceReserved(ok=False, reason="unknown_job"))]
     if job.reserved:
         return [Answer(envelope, SpaceReserved(ok=False, reason="already_reserved"))]
+    # NOTE: a checkpoint that cannot get room is refused ``over_cap``: the
+    # answer goes on uncheckpointed; checkpoints never evict each other.
     if msg.file_bytes > _cap(state):
+        if job.checkpoint:
+            return [Answer(envelope, SpaceReserved(ok=False, reason="over_cap"))]
         state.too_large += 1
         return [Answer(envelope, SpaceReserved(ok=False, reason="too_large"))]
     # NOTE: victims in this order: leftovers (they serve nothing; removing one
@@ -958,7 +1022,8 @@ def reserve(state: IndexState, envelope: Envelope, msg: ReserveSpace) -> list[Ef
             _index(state, victim)
         for path, nbytes in freeing.items():
             _add_leftover(state, path, nbytes, stuck=path in stuck)
-        return [Answer(envelope, SpaceReserved(ok=False, reason="no_room"))]
+        reason = "over_cap" if job.checkpoint else "no_room"
+        return [Answer(envelope, SpaceReserved(ok=False, reason=reason))]
     job.reserved = msg.file_bytes
     job.evicting = victims
     job.freeing = freeing
@@ -1008,6 +1073,11 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
         # NOTE: a commit whose directory fsync failed: the final file was
         # unlinked again, but neither its rename nor that unlink is durable.
         _add_leftover(state, msg.leftover_path, msg.leftover_bytes)
+    if job.checkpoint:
+        if msg.ok and msg.path is not None:
+            _forget_checkpoints(state, _checkpoint_key(msg.path), keep=msg.path)
+            _count_checkpoint(state, msg.path, msg.file_bytes)
+        return [Answer(envelope, WriteCommitted())]
     effects: list[Effect] = []
     store_body = StoreResult(handle=job.handle, stored=False, reason=msg.reason or "io_error")
     remove: list[str] = []
@@ -1099,6 +1169,9 @@ def _files_removed(
     """Stop counting leftovers that are durably gone; a failed removal is tried last from now."""
     for path in removed:
         _drop_leftover(state, path)
+    failed_keys = {_checkpoint_key(p) for p in failed if p in state.checkpoints}
+    for key in {_checkpoint_key(p) for p in removed if p in state.checkpoints} - failed_keys:
+        _forget_checkpoints(state, key)
     for path in failed:
         if path in state.leftovers:
             state.stuck.add(path)
@@ -1115,6 +1188,8 @@ def _abandon_job(state: IndexState, job_id: str, reason: str) -> list[Effect]:
         _index(state, victim)
     for path, nbytes in job.freeing.items():
         _add_leftover(state, path, nbytes)
+    if job.checkpoint:
+        return [RefuseCheckpoint(job.request, reason)]
     state.store_failures += 1
     failed = StoreResult(handle=job.handle, stored=False, reason=reason)
     return [Answer(job.request, failed), *_answer_followers(state, job, failed)]
@@ -1305,12 +1380,20 @@ def _load_scan(state: IndexState, scan: ScanResult, *, locked: bool) -> list[Eff
         return effects
     for f in unreadable:
         _add_leftover(state, f.path, f.file_bytes)
+    expired: list[str] = []
+    for ck in scan.checkpoints:
+        if scan.now_ns - ck.mtime_ns > CHECKPOINT_MAX_AGE_NS:
+            expired.append(ck.path)
+            _add_leftover(state, ck.path, ck.file_bytes)
+        else:
+            _count_checkpoint(state, ck.path, ck.file_bytes)
+    state.checkpoints_expired += len(expired)
     over_cap: list[str] = []
     # NOTE: with the cap unchanged this never triggers: every removal is
     # durable before its room is reused, so a crash cannot bring back more
     # than the cap (docs/reliability.md).
     victims: list[str | IndexEntry] = [*sorted(f.path for f in unreadable), *_lru(state)]
-    excess = state.indexed_bytes + state.leftover_bytes - _cap(state)
+    excess = _used(state) - _cap(state)
     for victim in victims:
         if excess <= 0:
             break
@@ -1337,6 +1420,7 @@ def _load_scan(state: IndexState, scan: ScanResult, *, locked: bool) -> list[Eff
         (list(scan.orphans), "orphan"),
         ([d.path for d in duplicates], "duplicate"),
         (over_cap, "over_cap"),
+        (expired, "checkpoint_expired"),
     ):
         if paths:
             effects.append(RemoveNow(tuple(paths), reason))
@@ -1354,7 +1438,9 @@ def stats(state: IndexState) -> SsdStats:
         ready=state.ready,
         read_only=state.read_only,
         entries=len(state.entries),
-        bytes=state.indexed_bytes,
+        bytes=state.indexed_bytes + state.checkpoint_bytes,
+        checkpoint_bytes=state.checkpoint_bytes,
+        checkpoints_expired=state.checkpoints_expired,
         reserved_bytes=state.reserved_bytes,
         max_bytes=state.max_bytes,
         finds=state.finds,
@@ -1413,10 +1499,21 @@ def _checkpoint(state: IndexState, envelope: Envelope) -> list[Effect]:
     them); the store worker runs writes and removals in arrival order, so
     a completion's removal never overtakes its key's write.
     """
+    body = envelope.body
     if state.read_only or not state.ready:
-        if isinstance(envelope.body, Store):
+        if isinstance(body, Store):
             return [RefuseCheckpoint(envelope, "read_only")]
         return []
+    if isinstance(body, Store):
+        job_id = checkpoint_job_id(body.handle)
+        if job_id in state.jobs:
+            return [RefuseCheckpoint(envelope, "busy")]
+        # NOTE: registered so the store worker's ReserveSpace finds it: the
+        # file's size is known only once the worker has planned it.
+        state.jobs[job_id] = StoreJob(job_id=job_id, request=envelope, handle=body.handle,
+                                      namespace=body.namespace, tokens=body.tokens,
+                                      checkpoint=True)
+        return [ForwardCheckpoint(envelope, job_id)]
     return [ForwardCheckpoint(envelope)]
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 from dataclasses import dataclass
 
+from actors.checkpoints import CHECKPOINT_DIR, CHECKPOINT_SUFFIX
 from kernels import UntrustedPath, trust_problem
 from kernels.cache import (
     TEMP_SUFFIX,
@@ -30,7 +32,7 @@ from kernels.cache import (
     verify_tensors,
 )
 
-from .core import ENTRY_SUFFIX, IndexEntry, ScannedFile, ScanResult
+from .core import ENTRY_SUFFIX, IndexEntry, ScannedCheckpoint, ScannedFile, ScanResult
 
 __all__ = [
     "DEFAULT_MAX_BYTES_CEILING",
@@ -127,6 +129,7 @@ def scan(
     *,
     tokenizer_hash: str | None,
     max_header_bytes: int | None,
+    now_ns: int | None = None,
 ) -> ScanResult:
     """Header-only scan of ``<root>/<fingerprint>/*/``: entries, problems, orphans, foreign dirs.
 
@@ -135,6 +138,8 @@ def scan(
     corruption, so it is kept (and counted toward the cap).
     A directory that cannot be listed makes the result ``incomplete``: the
     files in it are unknown, so the tier cannot keep its cap in this run.
+    Generation checkpoint files (``checkpoints/*.kvc``) are listed with
+    their sizes and mtimes, against ``now_ns`` (default: the wall clock).
     """
     try:
         foreign = sum(1 for name, _ in _dirs(port, root) if name != fingerprint)
@@ -144,6 +149,7 @@ def scan(
     orphans: list[str] = []
     orphan_bytes: list[int] = []
     directories: list[str] = []
+    checkpoints: list[ScannedCheckpoint] = []
     try:
         ours = _dirs(port, os.path.join(root, fingerprint))
     except OSError:
@@ -161,7 +167,10 @@ def scan(
         for e in listing:
             if e.is_symlink or not e.is_file:
                 continue  # NOTE: never follow or delete what we did not write.
-            if e.name.endswith(TEMP_SUFFIX):
+            if e.name.endswith(CHECKPOINT_SUFFIX):
+                if os.path.basename(directory) == CHECKPOINT_DIR:
+                    checkpoints.append(ScannedCheckpoint(e.path, e.size, e.mtime_ns))
+            elif e.name.endswith(TEMP_SUFFIX):
                 orphans.append(e.path)
                 orphan_bytes.append(e.size)
             elif e.name.endswith(ENTRY_SUFFIX):
@@ -184,6 +193,8 @@ def scan(
         orphan_bytes=tuple(orphan_bytes),
         directories=tuple(directories),
         incomplete=incomplete,
+        checkpoints=tuple(checkpoints),
+        now_ns=time.time_ns() if now_ns is None else now_ns,
     )
 
 

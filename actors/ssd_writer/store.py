@@ -61,6 +61,7 @@ class StoreWorker(Actor):
         self._request: Envelope | None = None
         self._plan: EntryPlan | None = None
         self._writer: KvFileWriter | None = None
+        self._copy: tuple[EntryPlan, list[bytes]] | None = None
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Run one message to its end (a write: report it, remove what it superseded)."""
@@ -125,8 +126,10 @@ class StoreWorker(Actor):
                 return core.Removed(removal.gone, removal.left, ctx.clock.now())
             case core.TellRemoved(body=body):
                 await ctx.tell(tier.name, body)
-            case core.WriteCheckpoint(body=body):
-                return await self._write_checkpoint(body, ctx)
+            case core.CopyCheckpoint(body=body):
+                return await self._copy_checkpoint(body, ctx)
+            case core.WriteCheckpoint():
+                return await self._write_checkpoint(ctx)
             case core.RemoveCheckpointFiles(request_key=key):
                 try:
                     removed = await tier.run(
@@ -134,7 +137,7 @@ class StoreWorker(Actor):
                     )
                 except OSError as exc:
                     return core.CheckpointsRemoved(0, ctx.clock.now(), error=str(exc))
-                return core.CheckpointsRemoved(removed, ctx.clock.now())
+                return core.CheckpointsRemoved(len(removed), ctx.clock.now(), paths=removed)
             case core.Answer(body=body):
                 await ctx.reply(request, body)
             case core.Count(what=what, n=n, nbytes=nbytes):
@@ -144,6 +147,8 @@ class StoreWorker(Actor):
                     counters.bytes += nbytes
                 elif what == "failed":
                     counters.write_failed += n
+                elif what == "refused":
+                    counters.refuse(effect.reason)
                 else:
                     counters.removed += n
             case core.Log(event=name, fields=fields, level=level):
@@ -222,6 +227,7 @@ class StoreWorker(Actor):
         """Drop the temp file unless committed, release the plan (idempotent, never raises)."""
         writer, self._writer = self._writer, None
         plan, self._plan = self._plan, None
+        self._copy = None  # NOTE: host bytes only (the arrays were released by the copy).
         if writer is not None:
             await self._tier.run(writer.abort)  # NOTE: a no-op once committed.
         if plan is not None:
@@ -246,29 +252,39 @@ class StoreWorker(Actor):
         ident = self._tier.config.identity
         return checkpoint_dir(self._tier.config.root, ident.fingerprint)
 
-    async def _write_checkpoint(self, job: Store, ctx: Context) -> core.Event:
-        """Write one checkpoint file: plan and host copy in ONE idle engine turn, file work on a worker.
+    async def _copy_checkpoint(self, job: Store, ctx: Context) -> core.Event:
+        """Plan the checkpoint file and copy its tensors to host bytes in ONE idle engine turn."""
+        ck = job.checkpoint
+        assert ck is not None
+        record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
+                                      ck.sample_index, ck.rng_key)
+        source = self._tier.source
+        try:
+            if not isinstance(source, CheckpointSource):
+                raise _SourceFailed("the tensor source cannot copy a checkpoint")
+            self._copy = await self._source(source.host_copy(
+                job.handle, namespace=job.namespace, tokens=job.tokens, checkpoint=record))
+        except _SourceFailed:
+            return core.SourceFailed(ctx.clock.now())
+        return core.CheckpointCopied(self._copy[0].file_size, ctx.clock.now())
+
+    async def _write_checkpoint(self, ctx: Context) -> core.Event:
+        """Write the copied checkpoint file (its room is reserved), on a worker thread.
 
         NOTE: the file is committed under its own name before the key's older
         files go (``actors.checkpoints.write_checkpoint``), so every failure
         leaves the previous checkpoint valid.
         """
-        tier = self._tier
-        ck = job.checkpoint
-        assert ck is not None
-        record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
-                                      ck.sample_index, ck.rng_key)
-        source, port = tier.source, tier.port
+        tier, copy = self._tier, self._copy
+        assert copy is not None
+        plan, data = copy
+        port = tier.port
         try:
-            if not isinstance(source, CheckpointSource):
-                raise _SourceFailed("the tensor source cannot copy a checkpoint")
-            plan, data = await self._source(source.host_copy(
-                job.handle, namespace=job.namespace, tokens=job.tokens, checkpoint=record))
             directory = self._checkpoint_dir()
             await tier.run(port.makedirs, directory)
             path = await tier.run(write_checkpoint, port, directory, plan,
                                   lambda i: memoryview(data[i]))
-        except (_SourceFailed, ValueError) as exc:
+        except ValueError as exc:
             return core.CheckpointWritten(False, ctx.clock.now(), reason="source_failed",
                                           error=str(exc))
         except OSError as exc:

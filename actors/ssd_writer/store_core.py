@@ -20,7 +20,12 @@ Rules kept here (``tests/actors/ssd_writer/test_store_core.py``):
 - a commit whose directory fsync failed reports its final file as a
   leftover (neither its rename nor its removal is durable);
 - every removal's outcome is told to the index (``FilesRemoved``): it counts
-  the files until then.
+  the files until then;
+- a checkpoint write reserves its planned size with the index (which makes
+  room by evicting prompt entries, or refuses it ``over_cap``), removes the
+  victims durably before its file exists, and always settles its job with
+  one ``EntryWritten`` (the committed path and size) before its ``Store``
+  is answered; a checkpoint removal tells the index the files it removed.
 """
 
 from __future__ import annotations
@@ -41,15 +46,19 @@ from messages import (
 )
 from messages.ssd_writer import FilesRemoved, RemoveEntries
 
+from .core import checkpoint_job_id
+
 __all__ = [
     "Answer",
     "Asked",
     "Begin",
     "Begun",
+    "CheckpointCopied",
     "CheckpointWritten",
     "CheckpointsRemoved",
     "Commit",
     "Committed",
+    "CopyCheckpoint",
     "Count",
     "Crashed",
     "Effect",
@@ -91,10 +100,24 @@ class WriteJob:
 
 
 @dataclass
+class CheckpointJob:
+    """The checkpoint write in progress (``body`` is its ``Store``)."""
+
+    body: Store
+    job_id: str
+    file_bytes: int = 0
+    reported: bool = False
+    outcome: StoreResult | None = None
+    """The answer to the ``Store`` once the index has settled the job."""
+    counts: tuple[Count, ...] = ()
+
+
+@dataclass
 class StoreState:
     """The message in progress and lifetime counters."""
 
     job: WriteJob | None = None
+    ck: CheckpointJob | None = None
     request: Envelope | None = None
     """The message being handled (its outcome events refer to it)."""
     removing: str = ""
@@ -211,6 +234,14 @@ class Removed:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointCopied:
+    """:class:`CopyCheckpoint` succeeded: the planned file's size."""
+
+    file_bytes: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointWritten:
     """The outcome of :class:`WriteCheckpoint` (``reason`` when not stored)."""
 
@@ -229,6 +260,7 @@ class CheckpointsRemoved:
     count: int
     now: float
     error: str = ""
+    paths: tuple[str, ...] = ()
 
 
 Event = (
@@ -244,6 +276,7 @@ Event = (
     | Crashed
     | Settled
     | Removed
+    | CheckpointCopied
     | CheckpointWritten
     | CheckpointsRemoved
 )
@@ -324,8 +357,16 @@ class TellRemoved:
 
 
 @dataclass(frozen=True, slots=True)
+class CopyCheckpoint:
+    """Plan and host-copy the checkpoint in ``Store`` ``body`` (one engine turn)
+    -> CheckpointCopied | SourceFailed."""
+
+    body: Store
+
+
+@dataclass(frozen=True, slots=True)
 class WriteCheckpoint:
-    """Copy and write the checkpoint in ``Store`` ``body`` -> :class:`CheckpointWritten`."""
+    """Write the copied checkpoint of ``Store`` ``body`` -> :class:`CheckpointWritten`."""
 
     body: Store
 
@@ -346,11 +387,13 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Count:
-    """Add to the generation-checkpoint counters: ``written`` (with ``nbytes``), ``failed``, ``removed``."""
+    """Add to the generation-checkpoint counters: ``written`` (with ``nbytes``), ``failed``,
+    ``removed``, ``refused`` (one request not checkpointed for ``reason``)."""
 
-    what: Literal["written", "failed", "removed"]
+    what: Literal["written", "failed", "removed", "refused"]
     n: int = 1
     nbytes: int = 0
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +416,7 @@ Effect = (
     | Report
     | Remove
     | TellRemoved
+    | CopyCheckpoint
     | WriteCheckpoint
     | RemoveCheckpointFiles
     | Answer
@@ -424,6 +468,7 @@ def _fail(
 
 def _done(state: StoreState) -> list[Effect]:
     state.job = None
+    state.ck = None
     state.request = None
     state.removing = ""
     return []
@@ -440,7 +485,8 @@ def _asked(state: StoreState, event: Asked) -> list[Effect]:
             return [Plan(body.handle, body.namespace, body.tokens)]
         case Store(checkpoint=checkpoint) if checkpoint is not None:
             state.request = event.request
-            return [WriteCheckpoint(body)]
+            state.ck = CheckpointJob(body, checkpoint_job_id(body.handle))
+            return [CopyCheckpoint(body)]
         case RemoveCheckpoints(request_key=key):
             state.request = event.request
             return [RemoveCheckpointFiles(key)]
@@ -512,6 +558,11 @@ def _write_failed(state: StoreState, event: WriteFailed) -> list[Effect]:
 
 
 def _crashed(state: StoreState, event: Crashed) -> list[Effect]:
+    ck = state.ck
+    if ck is not None and not ck.reported:
+        return _ck_fail(state, ck, "internal_error", event.error)
+    if ck is not None:
+        return _done(state)
     job = state.job
     if job is not None and not job.reported:
         # NOTE: liveness: the index must hear of every job, or the Store it
@@ -545,24 +596,62 @@ def _removed(state: StoreState, event: Removed) -> list[Effect]:
     return [log, tell, *_done(state)]
 
 
+def _ck_job(state: StoreState) -> CheckpointJob:
+    if state.ck is None or state.ck.reported:
+        raise ValueError("a checkpoint outcome without a checkpoint write in progress")
+    return state.ck
+
+
+def _ck_end(state: StoreState, ck: CheckpointJob, written: EntryWritten,
+            outcome: StoreResult, counts: tuple[Count, ...], log: Log | None) -> list[Effect]:
+    """Release the copy, then settle the job with the index; the Store is answered after."""
+    ck.reported, ck.outcome, ck.counts = True, outcome, counts
+    return [*([log] if log else []), Release(), Report(written)]
+
+
+def _ck_fail(state: StoreState, ck: CheckpointJob, reason: str, error: str = "", *,
+             unremoved: tuple[str, ...] = (), unsynced: tuple[str, ...] = ()) -> list[Effect]:
+    written = EntryWritten(job_id=ck.job_id, ok=False, reason=reason, unremoved=unremoved,
+                           unsynced=unsynced)
+    outcome = StoreResult(handle=ck.body.handle, stored=False, reason=reason)
+    if reason == "over_cap":
+        # NOTE: a refusal (no room under the cap), not a failed write.
+        return _ck_end(state, ck, written, outcome, (Count("refused", reason=reason),), None)
+    log = Log("checkpoint.write_failed", (("reason", reason), ("error", error)))
+    return _ck_end(state, ck, written, outcome, (Count("failed"),), log)
+
+
+def _ck_reserved(state: StoreState, ck: CheckpointJob, event: Reserved) -> list[Effect]:
+    answer = event.answer
+    if answer is None:
+        return _ck_fail(state, ck, "internal_error")
+    if not answer.ok:
+        return _ck_fail(state, ck, answer.reason)
+    return [Evict(answer.evict)]
+
+
+def _ck_evicted(state: StoreState, ck: CheckpointJob, event: Evicted) -> list[Effect]:
+    if event.failed or event.unsynced:
+        return _ck_fail(state, ck, "evict_failed", unremoved=event.failed,
+                        unsynced=event.unsynced)
+    return [WriteCheckpoint(ck.body)]
+
+
 def _checkpoint_written(state: StoreState, event: CheckpointWritten) -> list[Effect]:
-    request = state.request
-    if request is None or not isinstance(request.body, Store):
-        raise ValueError("a checkpoint outcome without a checkpoint write")
-    handle = request.body.handle
-    if event.stored:
-        out: list[Effect] = [
-            Count("written", nbytes=event.file_bytes),
-            Answer(StoreResult(handle=handle, stored=True, path=event.path,
-                               file_bytes=event.file_bytes)),
-        ]
-    else:
-        out = [
-            Count("failed"),
-            Log("checkpoint.write_failed", (("reason", event.reason), ("error", event.error))),
-            Answer(StoreResult(handle=handle, stored=False, reason=event.reason)),
-        ]
-    return [*out, *_done(state)]
+    ck = _ck_job(state)
+    if not event.stored or event.path is None:
+        return _ck_fail(state, ck, event.reason or "io_error", event.error)
+    written = EntryWritten(job_id=ck.job_id, ok=True, path=event.path,
+                           file_bytes=event.file_bytes)
+    outcome = StoreResult(handle=ck.body.handle, stored=True, path=event.path,
+                          file_bytes=event.file_bytes)
+    return _ck_end(state, ck, written, outcome, (Count("written", nbytes=event.file_bytes),), None)
+
+
+def _ck_settled(state: StoreState, ck: CheckpointJob) -> list[Effect]:
+    if not ck.reported or ck.outcome is None:
+        raise ValueError("a settlement without a reported checkpoint write")
+    return [*ck.counts, Answer(ck.outcome), *_done(state)]
 
 
 def _checkpoints_removed(state: StoreState, event: CheckpointsRemoved) -> list[Effect]:
@@ -571,7 +660,9 @@ def _checkpoints_removed(state: StoreState, event: CheckpointsRemoved) -> list[E
         raise ValueError("a checkpoint removal outcome without a removal")
     if event.error:
         return [Log("checkpoint.remove_failed", (("error", event.error),)), *_done(state)]
-    return [Count("removed", n=event.count), *_done(state)]
+    # NOTE: the index counts the key's files toward the cap until it hears they are gone.
+    tell = [TellRemoved(FilesRemoved(removed=event.paths))] if event.paths else []
+    return [Count("removed", n=event.count), *tell, *_done(state)]
 
 
 def handle(state: StoreState, event: Event) -> tuple[StoreState, list[Effect]]:
@@ -586,10 +677,16 @@ def handle(state: StoreState, event: Event) -> tuple[StoreState, list[Effect]]:
             effects = _asked(state, event)
         case Planned():
             effects = _planned(state, event)
+        case SourceFailed() if state.ck is not None:
+            effects = _ck_fail(state, _ck_job(state), "source_failed")
         case SourceFailed():
             effects = _fail(state, _job(state), "source_failed")
+        case Reserved() if state.ck is not None:
+            effects = _ck_reserved(state, _ck_job(state), event)
         case Reserved():
             effects = _reserved(state, event)
+        case Evicted() if state.ck is not None:
+            effects = _ck_evicted(state, _ck_job(state), event)
         case Evicted():
             effects = _evicted(state, event)
         case Begun():
@@ -603,10 +700,16 @@ def handle(state: StoreState, event: Event) -> tuple[StoreState, list[Effect]]:
             effects = _write_failed(state, event)
         case Crashed():
             effects = _crashed(state, event)
+        case Settled() if state.ck is not None:
+            effects = _ck_settled(state, state.ck)
         case Settled():
             effects = _settled(state, event)
         case Removed():
             effects = _removed(state, event)
+        case CheckpointCopied(file_bytes=nbytes):
+            ck = _ck_job(state)
+            ck.file_bytes = nbytes
+            effects = [Reserve(ck.job_id, nbytes)]
         case CheckpointWritten():
             effects = _checkpoint_written(state, event)
         case CheckpointsRemoved():

@@ -141,5 +141,5 @@ def test_remove_invalidates(directory: str) -> None:
     """Completion's removal leaves nothing to resume."""
     port = OsFilePort()
     _write(port, directory, KEY, 8)
-    assert remove_checkpoints(port, directory, KEY) == 1
+    assert len(remove_checkpoints(port, directory, KEY)) == 1
     assert _found_index(port, directory) is None

@@ -839,7 +839,7 @@ def test_checkpoint_work_goes_to_the_store_worker_unless_the_tier_writes_nothing
     ckpt = Store(handle="h", tokens=(1, 2), meta=EntryMeta(offset=2, nbytes=8, trimmable=True, min_reusable_offset=0),
                  checkpoint=record)
     request = env(ckpt)
-    assert deliver(new_state(), request)[1] == [core.ForwardCheckpoint(request)]
+    assert deliver(new_state(), request)[1] == [core.ForwardCheckpoint(request, "checkpoint:h")]
     removal = env(RemoveCheckpoints(request_key=key))
     assert deliver(new_state(), removal)[1] == [core.ForwardCheckpoint(removal)]
     assert deliver(new_state(read_only=True), request)[1] == [
