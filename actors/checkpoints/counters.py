@@ -1,11 +1,16 @@
 """The generation checkpoints' figures for ``/stats`` (one object shared by the writer and the runner).
 
-Every field is written on the event loop only (the runner's shell, the SSD
-writer's store worker), so no lock is needed; ``/stats`` reads a copy.
+A loop-only port: every field is written on the event loop only (the turn
+runner's and the batch lane's shells, the SSD index and its store worker),
+each update a synchronous ``+=`` with no ``await`` inside, so updates of two
+actors never interleave and no lock is needed; ``/stats`` reads a copy.
+NOTE: the thread that builds the counters owns them; a write from any other
+thread raises instead of racing.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +32,9 @@ class CheckpointCounters:
     checkpoints that could not be used (the request then ran fresh).
     ``refused``: requests not checkpointed, by reason (``grammar``,
     ``logprobs``).
+
+    Shared by several actors as a loop-only port (module docstring): written
+    and read only on the thread that built it (the event loop's).
     """
 
     taken: int = 0
@@ -40,9 +48,23 @@ class CheckpointCounters:
     prompt_tokens_saved: int = 0
     resume_failed: int = 0
     refused: dict[str, int] = field(default_factory=dict)
+    _owner: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_owner", threading.get_ident())
+
+    def __setattr__(self, name: str, value: object) -> None:
+        self._check_thread()
+        object.__setattr__(self, name, value)
+
+    def _check_thread(self) -> None:
+        owner = getattr(self, "_owner", None)  # NOTE: unset while __init__ runs.
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeError("CheckpointCounters are loop-only: written from another thread")
 
     def refuse(self, reason: str) -> None:
         """Count one request not checkpointed for ``reason``."""
+        self._check_thread()
         self.refused[reason] = self.refused.get(reason, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:

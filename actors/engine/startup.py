@@ -125,6 +125,10 @@ class SamplingExecutor:
 
     ``heap`` runs first: it trims the C heap when MLX has freed enough since
     the last trim, so the reading after it is what the process holds.
+
+    A loop-only port the turn runner and the batch lane share: it holds no
+    state of its own; :meth:`submit` is called on the event loop and the
+    engine thread runs the jobs one at a time in submission order.
     """
 
     def __init__(self, inner: EngineThread, gauge: MemoryGauge | None, heap: HeapTrim) -> None:

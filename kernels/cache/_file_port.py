@@ -411,7 +411,11 @@ class _FlockHandle:
 
 
 class OsFilePort:
-    """The real :class:`FilePort`, on POSIX system calls.
+    """The real :class:`FilePort`, on POSIX system calls (a thread-safe port).
+
+    Thread-safe: it holds nothing but the writeback function; every call is
+    system calls on its own arguments, so the cold tier's actors and their
+    worker threads share one instance.
 
     ``writeback`` starts the disk write of each range :meth:`pwrite_all`
     wrote (default: Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``;

@@ -177,6 +177,11 @@ class CacheRegistry:
     ``register`` takes a cache list over (the caller stops using it);
     ``snapshot`` registers zero-copy views of a live cache that keeps running;
     ``materialize`` lends zero-copy views of an entry trimmed to a prefix.
+
+    A thread-safe port, shared by the actors that own handles (the prompt
+    cache, the spill queue, the turn runner, the batch lane): its handle
+    table is under one lock, :meth:`dispose` only queues, and every method
+    that touches arrays runs on the engine thread.
     """
 
     def __init__(self, *, prefix: str = "kv") -> None:
