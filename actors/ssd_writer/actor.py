@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, assert_never
@@ -111,7 +112,9 @@ class SsdWriterConfig:
     offers no file that adds fewer tokens than this to what RAM serves
     (``core.MIN_RESTORE_TOKENS``). ``always_restore``: read every usable
     file instead of asking the restore-or-recompute estimator
-    (``--ssd-restore always``).
+    (``--ssd-restore always``). ``wall_clock_ns``: the wall clock the
+    startup scan ages generation checkpoint files against
+    (``core.CHECKPOINT_MAX_AGE_NS``; a simulated file system brings its own).
     """
 
     root: str
@@ -127,6 +130,7 @@ class SsdWriterConfig:
     scrub_idle_wait_s: float = 5.0
     min_restore_tokens: int = core.MIN_RESTORE_TOKENS
     always_restore: bool = False
+    wall_clock_ns: Callable[[], int] = time.time_ns
 
     def __post_init__(self) -> None:
         if self.scrub_interval_s < 0 or self.scrub_bytes_per_s <= 0 or self.scrub_idle_wait_s <= 0:
@@ -317,6 +321,7 @@ class SsdWriter(Actor):
                 tier.config.identity.fingerprint,
                 tokenizer_hash=tier.config.identity.tokenizer_hash,
                 max_header_bytes=tier.config.max_header_bytes,
+                now_ns=tier.config.wall_clock_ns(),
             )
         except OSError as exc:
             _log.warning("ssd_cache.scan_failed", root=tier.config.root, error=str(exc))

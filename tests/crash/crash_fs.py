@@ -681,6 +681,11 @@ class CrashFS:
         self._now += self._tick
         return self._now
 
+    @property
+    def now_ns(self) -> int:
+        """The file system's clock (ns): the mtime the next change would get, less one tick."""
+        return self._now
+
     # -- path helpers -----------------------------------------------------------------
 
     def _new_ino(self) -> int:
