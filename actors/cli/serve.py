@@ -26,7 +26,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -40,19 +40,27 @@ from actors.engine.config import (
     option_names,
 )
 
-SERVE_MAX_BATCH = 8
-"""``kvtier serve``'s batch rows when neither ``--max-batch`` nor ``KVTIER_MAX_BATCH`` is given.
+DeviceKind = Literal["cpu", "cuda", "metal"]
+"""The device MLX computes on: its CPU, an NVIDIA GPU (CUDA) or an Apple GPU (Metal)."""
 
-NOTE: chosen from measurements (docs/batching.md "The default"): with the
-batch lane, 4 and 8 concurrent clients get more aggregate tok/s than
-one at a time, and a lone client decodes as fast as on the serial lane.
+SERVE_MAX_BATCH: dict[DeviceKind, int] = {"cpu": 8, "cuda": 32, "metal": 8}
+"""``kvtier serve``'s batch rows, by device, when neither ``--max-batch`` nor ``KVTIER_MAX_BATCH`` is given.
+
+NOTE: chosen from measurements (docs/batching.md "The default"). CPU 8:
+with the batch lane, 4 and 8 concurrent clients get more aggregate tok/s
+than one at a time, and a lone client decodes as fast as on the serial
+lane (docs/benchmarks.md, #10). CUDA 32: on the H200 (8B shape), 32
+streams reached 0.60x ``mlx_lm.server`` at 32 rows against 0.32x at 8
+rows (docs/benchmarks.md, #20). Metal: not measured; it keeps the CPU's 8.
 The embedded ``Engine`` keeps 1 (serial lane only) unless configured, like
 the SSD tier: an embedder opts in.
 """
 
 _SERVE_DEFAULTS = {
     "ssd_cache": "$KVTIER_HOME/kv; off with --prompt-cache 0",
-    "max_batch": f"{SERVE_MAX_BATCH} rows",  # NOTE: help shows it as it is: no unit added
+    # NOTE: help shows it as it is: no unit added.
+    "max_batch": "from the device: 8 rows on the CPU, 32 on CUDA, 8 on Metal (unmeasured); "
+                 "measurements in docs/benchmarks.md",
 }
 """Defaults that differ from the embedded Engine's (help text)."""
 
@@ -92,8 +100,23 @@ def _ssd_default(args: argparse.Namespace) -> Path | None:
     return kvtier_home() / "kv"
 
 
-def serve_config(args: argparse.Namespace) -> EngineConfig:
-    """The ``EngineConfig`` of ``kvtier serve``'s parsed flags; raises ``ConfigError``."""
+def device_kind() -> DeviceKind:
+    """The device MLX computes on by default (imports MLX)."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "metal" if mx.metal.is_available() else "cpu"
+
+
+def serve_config(args: argparse.Namespace, *, device: DeviceKind | None = None) -> EngineConfig:
+    """The ``EngineConfig`` of ``kvtier serve``'s parsed flags; raises ``ConfigError``.
+
+    ``device`` (``None``: :func:`device_kind`) picks ``--max-batch``'s
+    default when neither the flag nor its variable is given.
+    """
     serve_defaults: dict[str, Any] = {}
     # NOTE: tensor parallelism has neither the SSD tier nor the batch lane
     # yet (docs/tensor-parallel.md): their serve defaults stay off there, and
@@ -102,7 +125,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
     if args.ssd_cache is None:
         serve_defaults["ssd_cache"] = None if tp else _ssd_default(args)
     if args.max_batch is None:
-        serve_defaults["max_batch"] = 1 if tp else SERVE_MAX_BATCH
+        serve_defaults["max_batch"] = 1 if tp else SERVE_MAX_BATCH[device or device_kind()]
     return config_from_flags(args, serve_defaults=serve_defaults)
 
 

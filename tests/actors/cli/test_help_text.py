@@ -63,7 +63,7 @@ def test_scaled_flags_name_their_unit_and_zero_means_what_it_does() -> None:
         assert "(in GiB; default:" in helps[flag], helps[flag]
     assert "(in MiB; default:" in helps["--mlx-cache-limit"]
     assert "0 = no cap" in helps["--ssd-cache-max"]
-    assert "default: 8 rows;" in helps["--max-batch"]
+    assert "default: from the device: 8 rows on the CPU, 32 on CUDA" in helps["--max-batch"]
     assert "default: 30 s;" in helps["--ask-timeout"]
 
 

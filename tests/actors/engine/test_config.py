@@ -25,9 +25,9 @@ FLOAT_FIELDS = [
 ]
 
 
-def _serve_args(*argv: str) -> EngineConfig:
+def _serve_args(*argv: str, device: typing.Any = None) -> EngineConfig:
     full = ["serve", *argv]
-    return serve_config(build_parser(full).parse_args(full))
+    return serve_config(build_parser(full).parse_args(full), device=device)
 
 
 def test_engine_options_are_exactly_the_engine_fields() -> None:
@@ -203,13 +203,26 @@ def test_docs_table_lists_every_option() -> None:
 def test_serve_runs_the_batch_lane_by_default_and_the_engine_does_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`kvtier serve` defaults to SERVE_MAX_BATCH rows; --max-batch and KVTIER_MAX_BATCH override it; Engine keeps 1."""
-    from actors.cli.serve import SERVE_MAX_BATCH
+    """`kvtier serve` defaults to the device's SERVE_MAX_BATCH rows; --max-batch and KVTIER_MAX_BATCH override it; Engine keeps 1."""
+    from actors.cli.serve import SERVE_MAX_BATCH, device_kind
 
     monkeypatch.delenv("KVTIER_MAX_BATCH", raising=False)
-    assert SERVE_MAX_BATCH > 1
-    assert _serve_args().max_batch == SERVE_MAX_BATCH
+    assert _serve_args().max_batch == SERVE_MAX_BATCH[device_kind()] > 1
     assert _serve_args("--max-batch", "1").max_batch == 1
     assert EngineConfig().max_batch == 1
     monkeypatch.setenv("KVTIER_MAX_BATCH", "3")
     assert _serve_args().max_batch == 3
+
+
+@pytest.mark.parametrize(("device", "rows"), [("cpu", 8), ("cuda", 32), ("metal", 8)])
+def test_serve_max_batch_default_follows_the_device(
+    monkeypatch: pytest.MonkeyPatch, device: str, rows: int
+) -> None:
+    """With neither --max-batch nor KVTIER_MAX_BATCH, serve's rows come from the device (CPU 8, CUDA 32, Metal 8); a flag, a variable or tensor parallelism win."""
+    monkeypatch.delenv("KVTIER_MAX_BATCH", raising=False)
+    monkeypatch.delenv("KVTIER_TENSOR_PARALLEL", raising=False)
+    assert _serve_args(device=device).max_batch == rows
+    assert _serve_args("--max-batch", "5", device=device).max_batch == 5
+    assert _serve_args("--tensor-parallel", "on", device=device).max_batch == 1
+    monkeypatch.setenv("KVTIER_MAX_BATCH", "3")
+    assert _serve_args(device=device).max_batch == 3
