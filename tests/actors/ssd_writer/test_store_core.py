@@ -6,7 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.ssd_writer import store_core as core
-from messages import EntryWritten, Envelope, SpaceReserved, WriteCommitted, WriteEntry
+from messages import (
+    EntryMeta,
+    EntryWritten,
+    Envelope,
+    SpaceReserved,
+    Store,
+    StoreResult,
+    WriteCommitted,
+    WriteEntry,
+)
+from messages.spill_queue import CheckpointRecord, RemoveCheckpoints
 from messages.ssd_writer import FilesRemoved, RemoveEntries
 
 PATH = "/c/fp/ns/a.kvt"
@@ -123,3 +133,48 @@ def test_every_write_reports_once_after_releasing_its_plan(seq: list[core.Event]
                 assert isinstance(fx[i - 1], core.Release)
         every.extend(fx)
     assert len(_reports(every)) <= 1
+
+
+def _checkpoint_store() -> Store:
+    record = CheckpointRecord(request_key="ab" * 16, prompt_len=2, pending_token=5, sample_index=8)
+    meta = EntryMeta(offset=3, nbytes=1, trimmable=True, min_reusable_offset=0)
+    return Store(handle="ck", tokens=(1, 2, 3), meta=meta, checkpoint=record)
+
+
+def test_a_checkpoint_reserves_evicts_writes_then_settles_before_its_answer() -> None:
+    """Copy, reserve the planned size, evict durably, write, report to the index, then answer."""
+    body = _checkpoint_store()
+    state = _asked(body)
+    _, fx = core.handle(state, core.CheckpointCopied(500, 0.0))
+    assert fx == [core.Reserve("checkpoint:ck", 500)]
+    answer = SpaceReserved(ok=True, evict=("/v.kvt",))
+    assert core.handle(state, core.Reserved(answer, 0.0))[1] == [core.Evict(("/v.kvt",))]
+    assert core.handle(state, core.Evicted((), (), 0.0))[1] == [core.WriteCheckpoint(body)]
+    _, fx = core.handle(state, core.CheckpointWritten(True, 0.0, path="/k-8.kvc", file_bytes=500))
+    assert fx == [core.Release(), core.Report(EntryWritten(
+        job_id="checkpoint:ck", ok=True, path="/k-8.kvc", file_bytes=500))]
+    _, fx = core.handle(state, core.Settled(WriteCommitted(), 0.0))
+    assert fx == [core.Count("written", nbytes=500),
+                  core.Answer(StoreResult(handle="ck", stored=True, path="/k-8.kvc",
+                                          file_bytes=500))]
+    assert (state.ck, state.request) == (None, None)
+
+
+def test_a_checkpoint_refused_over_cap_is_counted_refused_and_answered_not_stored() -> None:
+    """An over_cap reservation writes nothing: the job is settled, counted refused, not failed."""
+    state = _asked(_checkpoint_store())
+    core.handle(state, core.CheckpointCopied(500, 0.0))
+    _, fx = core.handle(state, core.Reserved(SpaceReserved(ok=False, reason="over_cap"), 0.0))
+    assert not any(isinstance(e, (core.Evict, core.WriteCheckpoint)) for e in fx)
+    assert _reports(fx) == [EntryWritten(job_id="checkpoint:ck", ok=False, reason="over_cap")]
+    _, fx = core.handle(state, core.Settled(WriteCommitted(), 0.0))
+    assert fx == [core.Count("refused", reason="over_cap"),
+                  core.Answer(StoreResult(handle="ck", stored=False, reason="over_cap"))]
+
+
+def test_a_checkpoint_removal_tells_the_index_which_files_went() -> None:
+    """RemoveCheckpoints: the removed paths reach the index (FilesRemoved), which uncounts them."""
+    state = _asked(RemoveCheckpoints(request_key="ab" * 16))
+    _, fx = core.handle(state, core.CheckpointsRemoved(1, 0.0, paths=("/k-8.kvc",)))
+    assert core.TellRemoved(FilesRemoved(removed=("/k-8.kvc",))) in fx
+    assert core.Count("removed", n=1) in fx
