@@ -31,7 +31,7 @@ from actors.checkpoints import CheckpointCounters
 from actors.engine import Engine
 from actors.engine.startup import SamplingExecutor
 from actors.runtime import Actor
-from actors.ssd_writer import HostStaging
+from actors.ssd_writer import HostStaging, ThreadPool
 from kernels.cache import CacheRegistry, OsFilePort
 from tests.actors.test_cold_tier_engine import IDENTITY
 from tests.tiny_models import tiny_llama, tiny_tokenizer
@@ -39,16 +39,11 @@ from tests.tiny_models import tiny_llama, tiny_tokenizer
 pytestmark = pytest.mark.anyio
 
 SHARED_PORTS: tuple[type, ...] = (
-    CacheRegistry, OsFilePort, HostStaging, SamplingExecutor, CheckpointCounters,
+    CacheRegistry, OsFilePort, HostStaging, ThreadPool, SamplingExecutor, CheckpointCounters,
 )
 """Classes whose instances several actors may hold: each documents itself as a thread-safe or loop-only port."""
 
 KNOWN_SHARED: dict[str, str] = {
-    "EngineTensorSource -> ['Reader', 'Scrubber', 'SsdWriter', 'StoreWorker']":
-        "ColdTier.source: only the store worker calls it, but every cold-tier actor receives "
-        "the tier; to move into the store worker's constructor",
-    "ThreadPool -> ['Reader', 'Scrubber', 'SsdWriter', 'StoreWorker']":
-        "ColdTier.io: loop-only in fact (anyio's limiter), its docstring to say so",
     "dict -> ['BatchScheduler', 'Gateway', 'TurnRunner']":
         "CheckpointPort.handed, the checkpoint handoff from the gateway to the lanes: "
         "a plain dict in every lane's port; to become a documented loop-only port or messages",
@@ -112,6 +107,13 @@ def _reached(arg: Any, allowed: tuple[type, ...], depth: int = 2) -> Iterator[An
     """
     if isinstance(arg, types.MethodType):
         arg = arg.__self__
+    elif isinstance(arg, types.BuiltinFunctionType):
+        # NOTE: a module's function (time.time_ns) holds nothing; a builtin
+        # bound method ({}.get) stands for its object.
+        owner = arg.__self__
+        if owner is None or isinstance(owner, types.ModuleType):
+            return
+        arg = owner
     if isinstance(arg, _IMMUTABLE):
         return
     yield arg

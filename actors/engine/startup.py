@@ -309,11 +309,12 @@ async def start(
     await system.__aenter__()
     try:
         tier = None
+        source = None
         cloner = None
         if cold is not None and registry is not None:
             from actors.durability import RegistryCloner
 
-            tier = wiring.cold_tier(
+            tier, source = wiring.cold_tier(
                 config,
                 root=cold.root,
                 identity=cold.identity,
@@ -337,6 +338,7 @@ async def start(
             prompt_cache_bytes=cap,
             steps=steps,
             cold=tier,
+            tensor_source=source,
             cloner=cloner,
             after_step=heap.after_job,
             memory_reading=reading,

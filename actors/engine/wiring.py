@@ -177,6 +177,8 @@ class Parts:
     steps: BackgroundSteps = field(default_factory=BackgroundSteps)
     cold: ColdTier | None = None
     """The cold tier's shared state (:func:`cold_tier`); ``None``: no cold tier."""
+    tensor_source: TensorSource | None = None
+    """The store worker's tensor read-backs (:func:`cold_tier`); with ``cold``."""
     cloner: Cloner | None = None
     """Clones RAM entries for write-behind snapshots (``RegistryCloner``); with ``cold``."""
     memory_guard: MemoryGuard | None = None
@@ -340,8 +342,10 @@ def cold_tier(
     caches: CacheSource,
     staging: HostStaging,
     port: FilePort | None = None,
-) -> ColdTier:
-    """The cold tier's shared state for :class:`Parts` (its actors are spawned by :func:`start`).
+) -> tuple[ColdTier, TensorSource]:
+    """The cold tier's shared state and the store worker's tensor source, for :class:`Parts`.
+
+    Its actors are spawned by :func:`start`.
 
     The store worker's tensor read-backs run as idle engine turns it asks
     the gateway for itself (:class:`~actors.gateway.GatewayTurns` over
@@ -367,7 +371,7 @@ def cold_tier(
         scrub_interval_s=SCRUB_INTERVAL_S,
     )
     source = EngineTensorSource(RearmingTurns(turns), caches, identity)
-    return build_cold_tier(config=settings, source=source, port=port, staging=staging)
+    return build_cold_tier(config=settings, port=port, staging=staging), source
 
 
 def _ssd_writer(parts: Parts) -> Factory | None:
@@ -382,8 +386,11 @@ def _ssd_writer(parts: Parts) -> Factory | None:
 
 
 def _ssd_store(parts: Parts) -> Factory | None:
-    tier = parts.cold
-    return None if tier is None else lambda: StoreWorker(tier)
+    tier, source = parts.cold, parts.tensor_source
+    if tier is None:
+        return None
+    assert source is not None, "a cold tier needs the store worker's tensor source"
+    return lambda: StoreWorker(tier, source)
 
 
 def _ssd_read(parts: Parts) -> Factory | None:
@@ -914,7 +921,7 @@ def spawn_ssd_writer(
     names the actor that grants its idle turns (``None``: no idleness check).
     ``io_runner``: where file work runs (``None``: the tier's worker threads).
     """
-    tier = build_cold_tier(config=config, source=source, port=port, name=name, staging=staging,
+    tier = build_cold_tier(config=config, port=port, name=name, staging=staging,
                            io_runner=io_runner)
     supervision = _spec(SSD_WRITER).supervision
     keep = IndexKeep.fresh(config)
@@ -922,7 +929,7 @@ def spawn_ssd_writer(
                  supervision=supervision)
     system.spawn(
         tier.store_address,
-        lambda: StoreWorker(tier),
+        lambda: StoreWorker(tier, source),
         capacity=_SSD_STORE_MAILBOX,
         supervision=supervision,
     )

@@ -67,7 +67,7 @@ from messages import (
 from messages.ssd_writer import LandingReport, RemoveEntries
 
 from . import core, io
-from .ports import FileIdentity, HostStaging, LandingObservation, TensorSource
+from .ports import FileIdentity, HostStaging, LandingObservation
 from .shell import feed
 
 __all__ = [
@@ -148,8 +148,9 @@ class IoRunner(Protocol):
 class ThreadPool:
     """:class:`IoRunner` over ``anyio.to_thread`` with one ``CapacityLimiter`` of ``threads``.
 
-    A port the tier's actors share: it holds nothing but the limiter, which
-    every actor uses from the event loop (anyio's limiter is made for that).
+    A loop-only port the tier's actors share: it holds nothing but the
+    limiter, which every actor uses from the event loop (anyio's limiter is
+    made for that).
     NOTE: the limiter is made on first use, inside the running loop.
     """
 
@@ -173,18 +174,16 @@ class ColdTier:
 
     Immutable: what the actors know of each other is their addresses;
     everything they decide on travels in their messages. The fields that are
-    objects are ports: ``port`` (the file port, stateless), ``source`` (the
-    store worker's tensor read-backs; only the store worker calls it),
-    ``staging`` (:class:`HostStaging`, thread-safe), ``io`` (the bounded
-    worker-thread pool), ``checkpoints`` (the generation-checkpoint
-    counters, plain integers the store worker and the index add to on the
-    event loop and ``/stats`` reads). The index's state is not here: the
-    wiring gives the index its own :class:`IndexKeep`.
+    objects are ports every cold-tier actor may share: ``port`` (the file
+    port, thread-safe), ``staging`` (:class:`HostStaging`, thread-safe),
+    ``io`` (the bounded worker-thread pool, loop-only), ``checkpoints`` (the
+    generation-checkpoint counters, loop-only). What one actor alone uses is
+    not here: the wiring gives the index its own :class:`IndexKeep` and the
+    store worker its own tensor source.
     """
 
     config: SsdWriterConfig
     port: FilePort
-    source: TensorSource
     staging: HostStaging
     io: IoRunner
     name: str = SSD_WRITER_ADDRESS
@@ -477,7 +476,6 @@ def _try_tell(ctx: Context, address: str, body: Body, correlation_id: str | None
 def build_cold_tier(
     *,
     config: SsdWriterConfig,
-    source: TensorSource,
     port: FilePort | None = None,
     name: str = SSD_WRITER_ADDRESS,
     staging: HostStaging | None = None,
@@ -493,7 +491,6 @@ def build_cold_tier(
     return ColdTier(
         config=config,
         port=port if port is not None else OsFilePort(),
-        source=source,
         staging=staging if staging is not None else HostStaging(max_entries=config.staging_entries),
         io=io_runner if io_runner is not None else ThreadPool(config.io_threads),
         name=name,

@@ -32,7 +32,7 @@ from messages import (
 from . import io
 from . import store_core as core
 from .actor import ColdTier
-from .ports import CheckpointSource
+from .ports import CheckpointSource, TensorSource
 from .shell import feed
 
 __all__ = ["StoreWorker"]
@@ -55,8 +55,12 @@ class StoreWorker(Actor):
     (``RemoveEntries``).
     """
 
-    def __init__(self, tier: ColdTier) -> None:
+    def __init__(self, tier: ColdTier, source: TensorSource) -> None:
         self._tier = tier
+        # NOTE: the tensor source is the store worker's alone (the other
+        # cold-tier actors get the tier without it): it keeps the last view
+        # of each plan until the next engine turn.
+        self._source_port = source
         self._state = core.StoreState()
         self._request: Envelope | None = None
         self._plan: EntryPlan | None = None
@@ -174,7 +178,7 @@ class StoreWorker(Actor):
     ) -> core.Event:
         try:
             plan = await self._source(
-                self._tier.source.plan(handle, namespace=namespace, tokens=tokens)
+                self._source_port.plan(handle, namespace=namespace, tokens=tokens)
             )
         except _SourceFailed:
             return core.SourceFailed(ctx.clock.now())
@@ -210,7 +214,7 @@ class StoreWorker(Actor):
         assert plan is not None
         assert writer is not None
         try:
-            data = await self._source(tier.source.tensor(plan, index))
+            data = await self._source(self._source_port.tensor(plan, index))
         except _SourceFailed:
             return core.SourceFailed(ctx.clock.now())
         try:
@@ -232,7 +236,7 @@ class StoreWorker(Actor):
             await self._tier.run(writer.abort)  # NOTE: a no-op once committed.
         if plan is not None:
             try:
-                await self._tier.source.finish(plan)
+                await self._source_port.finish(plan)
             except Exception as exc:  # noqa: BLE001 - NOTE: the store's outcome is already decided.
                 _log.warning("ssd_cache.source_finish_failed", error=type(exc).__name__)
 
@@ -258,7 +262,7 @@ class StoreWorker(Actor):
         assert ck is not None
         record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
                                       ck.sample_index, ck.rng_key)
-        source = self._tier.source
+        source = self._source_port
         try:
             if not isinstance(source, CheckpointSource):
                 raise _SourceFailed("the tensor source cannot copy a checkpoint")
