@@ -199,7 +199,8 @@ class ScannedFile:
 
 
 CHECKPOINT_MAX_AGE_NS = 24 * 3600 * 10**9
-"""A generation checkpoint file older than this (by mtime) is removed by the startup scan.
+"""A generation checkpoint file older than this is removed (the startup scan, by mtime; in a
+run, at the scrubber's next pick).
 
 NOTE: a cancelled answer's checkpoint is kept for an identical retry; a
 retry a day later is not the crash-and-retry case checkpoints serve, and
@@ -662,6 +663,8 @@ class IndexState:
     checkpoints: dict[str, int] = field(default_factory=dict)
     """Generation checkpoint files on disk (path -> bytes); they count toward the cap."""
     checkpoint_bytes: int = 0
+    checkpoint_born: dict[str, float] = field(default_factory=dict)
+    """When each checkpoint file was written, on the events' (monotonic) clock."""
     checkpoints_expired: int = 0
     leftovers: dict[str, int] = field(default_factory=dict)
     stuck: set[str] = field(default_factory=set)
@@ -792,9 +795,29 @@ def _checkpoint_key(path: str) -> str:
     return os.path.basename(path).split("-", 1)[0]
 
 
-def _count_checkpoint(state: IndexState, path: str, nbytes: int) -> None:
+def _count_checkpoint(state: IndexState, path: str, nbytes: int, born: float) -> None:
     state.checkpoint_bytes += nbytes - state.checkpoints.get(path, 0)
     state.checkpoints[path] = nbytes
+    state.checkpoint_born[path] = born
+
+
+def _reap_checkpoints(state: IndexState, now: float) -> list[Effect]:
+    """Remove the checkpoint files older than :data:`CHECKPOINT_MAX_AGE_NS` (leftovers until gone).
+
+    NOTE: a cancelled answer's checkpoint that no identical request retries
+    would otherwise hold its room under the cap until the next start.
+    """
+    if state.read_only:
+        return []
+    max_age = CHECKPOINT_MAX_AGE_NS / 1e9
+    expired = sorted(p for p, born in state.checkpoint_born.items() if now - born > max_age)
+    for path in expired:
+        nbytes = state.checkpoints.pop(path)
+        del state.checkpoint_born[path]
+        state.checkpoint_bytes -= nbytes
+        _add_leftover(state, path, nbytes)
+    state.checkpoints_expired += len(expired)
+    return [RemoveFiles(tuple(expired), "checkpoint_expired")] if expired else []
 
 
 def _forget_checkpoints(state: IndexState, key: str, *, keep: str | None = None) -> None:
@@ -807,6 +830,7 @@ def _forget_checkpoints(state: IndexState, key: str, *, keep: str | None = None)
     """
     for path in [p for p in state.checkpoints if p != keep and _checkpoint_key(p) == key]:
         state.checkpoint_bytes -= state.checkpoints.pop(path)
+        state.checkpoint_born.pop(path, None)
 
 
 def _cap(state: IndexState) -> int:
@@ -1050,7 +1074,9 @@ def _supersede(state: IndexState, new: IndexEntry) -> tuple[list[IndexEntry], li
     return duplicates, ancestors
 
 
-def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> list[Effect]:
+def entry_written(
+    state: IndexState, envelope: Envelope, msg: EntryWritten, now: float = 0.0
+) -> list[Effect]:
     """Settle a write job: index the new file and supersede, or count the failure."""
     job = state.jobs.pop(msg.job_id, None)
     if job is None:
@@ -1076,7 +1102,7 @@ def entry_written(state: IndexState, envelope: Envelope, msg: EntryWritten) -> l
     if job.checkpoint:
         if msg.ok and msg.path is not None:
             _forget_checkpoints(state, _checkpoint_key(msg.path), keep=msg.path)
-            _count_checkpoint(state, msg.path, msg.file_bytes)
+            _count_checkpoint(state, msg.path, msg.file_bytes, now)
         return [Answer(envelope, WriteCommitted())]
     effects: list[Effect] = []
     store_body = StoreResult(handle=job.handle, stored=False, reason=msg.reason or "io_error")
@@ -1323,7 +1349,9 @@ def scrub_report(state: IndexState, msg: ScrubReport) -> list[Effect]:
 # --- startup scan -------------------------------------------------------------------
 
 
-def _load_scan(state: IndexState, scan: ScanResult, *, locked: bool) -> list[Effect]:
+def _load_scan(
+    state: IndexState, scan: ScanResult, *, locked: bool, now: float = 0.0
+) -> list[Effect]:
     """Build the index from the startup scan; decide which files go.
 
     Corrupt files, mismatches (another fingerprint or a namespace that does
@@ -1386,7 +1414,8 @@ def _load_scan(state: IndexState, scan: ScanResult, *, locked: bool) -> list[Eff
             expired.append(ck.path)
             _add_leftover(state, ck.path, ck.file_bytes)
         else:
-            _count_checkpoint(state, ck.path, ck.file_bytes)
+            _count_checkpoint(state, ck.path, ck.file_bytes,
+                              now - (scan.now_ns - ck.mtime_ns) / 1e9)
     state.checkpoints_expired += len(expired)
     over_cap: list[str] = []
     # NOTE: with the cap unchanged this never triggers: every removal is
@@ -1517,7 +1546,7 @@ def _checkpoint(state: IndexState, envelope: Envelope) -> list[Effect]:
     return [ForwardCheckpoint(envelope)]
 
 
-def _received(state: IndexState, envelope: Envelope) -> list[Effect]:
+def _received(state: IndexState, envelope: Envelope, now: float) -> list[Effect]:
     body = envelope.body
     if isinstance(body, Find):
         return [Answer(envelope, find(state, body))]
@@ -1534,7 +1563,7 @@ def _received(state: IndexState, envelope: Envelope) -> list[Effect]:
     if isinstance(body, ReserveSpace):
         return reserve(state, envelope, body)
     if isinstance(body, EntryWritten):
-        return entry_written(state, envelope, body)
+        return entry_written(state, envelope, body, now)
     if isinstance(body, RestoreReport):
         return restore_report(state, body)
     if isinstance(body, LandingReport):
@@ -1547,7 +1576,7 @@ def _received(state: IndexState, envelope: Envelope) -> list[Effect]:
     if isinstance(body, SsdIndexRequest):
         return [Answer(envelope, index_listing(state))]
     if isinstance(body, ScrubPick):
-        return [Answer(envelope, scrub_pick(state))]
+        return [*_reap_checkpoints(state, now), Answer(envelope, scrub_pick(state))]
     if isinstance(body, ScrubReport):
         return scrub_report(state, body)
     if isinstance(body, FilesRemoved):
@@ -1582,10 +1611,10 @@ def handle(state: IndexState, event: Event) -> tuple[IndexState, list[Effect]]:
     """
     effects: list[Effect]
     match event:
-        case Received(envelope=envelope):
-            effects = _received(state, envelope)
-        case ScanLoaded(scan=scan, locked=locked):
-            effects = _load_scan(state, scan, locked=locked)
+        case Received(envelope=envelope, now=now):
+            effects = _received(state, envelope, now)
+        case ScanLoaded(scan=scan, locked=locked, now=now):
+            effects = _load_scan(state, scan, locked=locked, now=now)
         case WorkerGone(job_id=job_id, reason=reason):
             effects = _abandon_job(state, job_id, reason)
         case ReaderGone():

@@ -7,7 +7,7 @@ import os
 from actors.ssd_writer import core
 from messages import EntryMeta, EntryWritten, ReserveSpace, SpaceReserved, Store, WriteCommitted
 from messages.spill_queue import CheckpointRecord, RemoveCheckpoints
-from messages.ssd_writer import FilesRemoved
+from messages.ssd_writer import FilesRemoved, ScrubPick
 from tests.actors.ssd_writer.test_core import (
     FP,
     ROOT,
@@ -131,3 +131,24 @@ def test_startup_scan_evicts_prompt_entries_for_counted_checkpoints() -> None:
     _, fx = scan_loaded(rescan, core.ScanResult(files=files, checkpoints=(ck,), now_ns=0))
     assert core.RemoveNow((entry.path,), "over_cap") in fx
     assert (rescan.indexed_bytes, rescan.checkpoint_bytes) == (0, 50)
+
+
+def test_scrubber_pick_reaps_checkpoints_past_the_age_bound() -> None:
+    """In a run, the scrubber's next pick removes checkpoints older than the bound (written or
+    scanned), counting them as leftovers until the worker reports them gone."""
+    now_ns = 1_000 * DAY_NS
+    scanned = core.ScannedCheckpoint(_ck_path("cd" * 16, 8), 30, now_ns - DAY_NS + 3600 * 10**9)
+    state = core.IndexState(root=ROOT, fingerprint=FP, max_bytes=1000)
+    core.handle(state, core.ScanLoaded(core.ScanResult(checkpoints=(scanned,), now_ns=now_ns),
+                                       locked=True, now=100.0))
+    assert _write(state, 50).ok  # NOTE: settled at the events' time 0.
+    _, fx = core.handle(state, core.Received(env(ScrubPick()), 100.0 + 3600 * 2))
+    assert [e for e in fx if isinstance(e, core.RemoveFiles)] == [
+        core.RemoveFiles((scanned.path,), "checkpoint_expired")
+    ]
+    assert (state.checkpoint_bytes, state.leftover_bytes) == (50, 30)
+    _, fx = core.handle(state, core.Received(env(ScrubPick()), DAY_NS / 1e9 + 1))
+    assert core.RemoveFiles((_ck_path(KEY, 8),), "checkpoint_expired") in fx
+    assert (state.checkpoint_bytes, core.stats(state).checkpoints_expired) == (0, 2)
+    deliver(state, env(FilesRemoved(removed=(scanned.path, _ck_path(KEY, 8)))))
+    assert state.leftover_bytes == 0
