@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from actors.checkpoints import CheckpointCounters
+from actors.checkpoints import CheckpointCounters, CheckpointHandoff
 from actors.engine import Engine
 from actors.engine.startup import SamplingExecutor
 from actors.runtime import Actor
@@ -40,13 +40,11 @@ pytestmark = pytest.mark.anyio
 
 SHARED_PORTS: tuple[type, ...] = (
     CacheRegistry, OsFilePort, HostStaging, ThreadPool, SamplingExecutor, CheckpointCounters,
+    CheckpointHandoff,
 )
 """Classes whose instances several actors may hold: each documents itself as a thread-safe or loop-only port."""
 
 KNOWN_SHARED: dict[str, str] = {
-    "dict -> ['BatchScheduler', 'Gateway', 'TurnRunner']":
-        "CheckpointPort.handed, the checkpoint handoff from the gateway to the lanes: "
-        "a plain dict in every lane's port; to become a documented loop-only port or messages",
 }
 """Shared objects not yet a documented port, each with the fix it waits for.
 
@@ -225,3 +223,23 @@ def test_checkpoint_counters_refuse_writes_from_another_thread() -> None:
     assert len(errors) == 2
     assert counters.snapshot()["taken"] == 0
     assert counters.refused == {"grammar": 1}
+
+
+def test_checkpoint_handoff_refuses_another_thread() -> None:
+    """The loop-only handoff raises on a put or take from a thread other than the one that built it."""
+    handoff = CheckpointHandoff()
+    assert handoff.take("ckpt:none") is None
+    errors: list[BaseException] = []
+
+    def use() -> None:
+        for call in (lambda: handoff.take("ckpt:x"), lambda: handoff.put("ckpt:x", None)):  # type: ignore[arg-type]
+            try:
+                call()
+            except RuntimeError as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=use)
+    thread.start()
+    thread.join()
+    assert len(errors) == 2
+    assert len(handoff) == 0

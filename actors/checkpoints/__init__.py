@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .counters import CheckpointCounters
 from .key import KEY_VERSION, checkpoint_refusal, request_key
-from .serving import Captured, CheckpointBackend, CheckpointPort, ResumeFrom
+from .serving import Captured, CheckpointBackend, CheckpointHandoff, CheckpointPort, ResumeFrom
 from .store import (
     CHECKPOINT_DIR,
     CHECKPOINT_SUFFIX,
@@ -30,6 +30,7 @@ __all__ = [
     "Captured",
     "CheckpointBackend",
     "CheckpointCounters",
+    "CheckpointHandoff",
     "CheckpointPort",
     "FoundCheckpoint",
     "ResumeFrom",

@@ -18,6 +18,7 @@ engine thread alone consumes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,7 +37,7 @@ from .counters import CheckpointCounters
 from .key import checkpoint_refusal, request_key
 from .store import find_checkpoint
 
-__all__ = ["Captured", "CheckpointBackend", "CheckpointPort", "ResumeFrom"]
+__all__ = ["Captured", "CheckpointBackend", "CheckpointHandoff", "CheckpointPort", "ResumeFrom"]
 
 
 @runtime_checkable
@@ -92,6 +93,41 @@ class ResumeFrom:
         return 0 if ck is None else ck.sample_index
 
 
+class CheckpointHandoff:
+    """Loaded checkpoints on their way from the gateway to the lane that runs the request (a loop-only port).
+
+    The gateway loads a request's checkpoint at admission and puts it here
+    under the handle its ``RunTurn`` carries; the turn runner or the batch
+    lane takes it in the request's first turn. Shared by their
+    :class:`CheckpointPort` objects as a loop-only port: :meth:`put` and
+    :meth:`take` run on the event loop, each one synchronous dict operation
+    with no ``await``, so two actors' calls never interleave.
+    NOTE: the thread that builds it owns it; a call from any other thread
+    raises instead of racing.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, ResumeFrom] = {}
+        self._owner = threading.get_ident()
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("CheckpointHandoff is loop-only: used from another thread")
+
+    def put(self, handle: str, found: ResumeFrom) -> None:
+        """Hold ``found`` under ``handle`` until it is taken."""
+        self._check_thread()
+        self._held[handle] = found
+
+    def take(self, handle: str) -> ResumeFrom | None:
+        """Take what ``handle`` holds (``None``: unknown or already taken)."""
+        self._check_thread()
+        return self._held.pop(handle, None)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 @dataclass
 class CheckpointPort:
     """The checkpoint settings and figures the turn runner works with.
@@ -110,7 +146,7 @@ class CheckpointPort:
     dispose: Any
     counters: CheckpointCounters
     verify: bool = True
-    handed: dict[str, ResumeFrom] = field(default_factory=dict, repr=False)
+    handed: CheckpointHandoff = field(default_factory=CheckpointHandoff, repr=False)
     """Checkpoints handed over and not yet claimed (shared by the gateway's and the runner's ports)."""
 
     def __post_init__(self) -> None:
@@ -120,12 +156,12 @@ class CheckpointPort:
     def hand_over(self, request_id: str, found: ResumeFrom) -> str:
         """Hold ``found`` for ``request_id``'s first turn; the handle its ``RunTurn`` carries (event loop only)."""
         handle = f"ckpt:{request_id}"
-        self.handed[handle] = found
+        self.handed.put(handle, found)
         return handle
 
     def claim(self, handle: str) -> ResumeFrom | None:
         """Take the checkpoint held under ``handle`` (``None``: unknown or already claimed)."""
-        return self.handed.pop(handle, None)
+        return self.handed.take(handle)
 
     def key_of(self, request: Generate) -> str | None:
         """``request``'s checkpoint key, or ``None`` (counted) when v1 does not checkpoint it."""

@@ -35,7 +35,7 @@ from typing import Any
 import anyio
 
 from actors.batch_scheduler import BATCH_ADDRESS, batch_factory, batch_refusal
-from actors.checkpoints import CheckpointCounters, CheckpointPort, checkpoint_dir
+from actors.checkpoints import CheckpointCounters, CheckpointHandoff, CheckpointPort, checkpoint_dir
 from actors.durability import (
     DURABILITY_ADDRESS,
     Cloner,
@@ -192,7 +192,7 @@ class Parts:
     kv_identity: tuple[str, str] | None = None
     """The model fingerprint and the KV scheme's cache key: with each entry's cache
     namespace, the namespace of the KV events' block hashes (``--kv-events``)."""
-    checkpoint_handoff: dict[str, Any] = field(default_factory=dict)
+    checkpoint_handoff: CheckpointHandoff = field(default_factory=CheckpointHandoff)
     """Loaded generation checkpoints on their way from the gateway (which loads them at
     admission) to the runner (which claims them): shared by every ``CheckpointPort``."""
 
