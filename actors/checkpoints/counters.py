@@ -31,7 +31,8 @@ class CheckpointCounters:
     prefill, counted in ``prompt_tokens_saved``). ``resume_failed``: found
     checkpoints that could not be used (the request then ran fresh).
     ``refused``: requests not checkpointed, by reason (``grammar``,
-    ``logprobs``).
+    ``logprobs``), and checkpoints the SSD cap had no room for
+    (``over_cap``).
 
     Shared by several actors as a loop-only port (module docstring): written
     and read only on the thread that built it (the event loop's).
