@@ -139,7 +139,7 @@ async def test_a_failed_rewrite_of_a_stored_entry_never_removes_it() -> None:
     meta = checker._meta(spec)
     async with ActorSystem(ids=SequentialIds()) as system:
         tier = spawn_ssd_writer(
-            system, config=checker._config(checker.CAP), source=checker.ScriptedSource(),
+            system, config=checker._config(checker.CAP, fs), source=checker.ScriptedSource(),
             port=port, io_runner=checker.INLINE,
         )  # fmt: skip
         await system.ask(tier.name, SsdStatsRequest(), timeout=10, expect=SsdStats)
