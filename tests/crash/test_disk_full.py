@@ -36,7 +36,9 @@ JSON = {"content-type": "application/json"}
 
 def _mount(target: Path, size: str, *, remount: bool = False) -> str | None:
     """Mount (or remount) a tmpfs of ``size`` at ``target``; the error text, or None."""
-    opts = f"remount,size={size}" if remount else f"size={size}"
+    # NOTE: mode 0700: a tmpfs root is 1777 by default, and the SSD tier
+    # refuses a directory others may write to (untrusted files).
+    opts = f"remount,size={size}" if remount else f"size={size},mode=0700"
     try:
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(target)],
