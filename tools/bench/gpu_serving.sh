@@ -39,6 +39,9 @@ PINS=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 ftfy==6.3.1 wcwidth==0.9.4
   h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 loguru==0.7.3 more-itertools==11.2.1
   pydantic-settings==2.16.3 python-dotenv==1.2.4 websockets==17.4 eval-type-backport==0.4.0
+  sniffio==1.3.1 opentelemetry-api==1.45.2
+  # the sampling profiler of `profile`
+  py-spy==0.4.3
 )
 MODEL=${KVTIER_GPU_MODEL:-/tmp/kvtier-gpu/llama3-8b}
 SITE=${SITE:-$HOME/kvtier-gpu/site}
@@ -54,6 +57,18 @@ DEFAULTS=(
   --rate-fractions 0.8 --rate-seconds 30
   --agent 8x4 --system-tokens 4400 --agent-max-tokens 32
 )
+
+# NOTE: the install and the environment every device command shares (the
+# install runs once per machine; later calls on a warm machine skip it).
+device_env() {
+  if [ ! -f "$SITE/.kvtier-installed" ]; then
+    SITE=$SITE bash .gpu/b/install-on-device.sh .gpu/b
+    touch "$SITE/.kvtier-installed"
+  fi
+  export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+  KVTIER_COMMIT=$(cat .gpu/tok/commit 2>/dev/null || echo unknown)
+  export KVTIER_COMMIT
+}
 
 cmd=${1:-}
 shift || true
@@ -73,13 +88,7 @@ case "$cmd" in
     ls ~/kvtier-gpu/stash | wc -l
     ;;
   run)
-    if [ ! -f "$SITE/.kvtier-installed" ]; then
-      SITE=$SITE bash .gpu/b/install-on-device.sh .gpu/b
-      touch "$SITE/.kvtier-installed"
-    fi
-    export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
-    KVTIER_COMMIT=$(cat .gpu/tok/commit 2>/dev/null || echo unknown)
-    export KVTIER_COMMIT
+    device_env
     # NOTE: every call on the same machine is the next round: fresh prompts
     # (seeded by the round), fresh SSD-tier directories, the order alternating.
     mkdir -p "$WORK"
@@ -96,8 +105,47 @@ case "$cmd" in
     tar -czf "$OUT/logs.tgz" -C "$run_dir" . || true
     exit $rc
     ;;
+  profile)
+    # kvtier alone at ${CONC:-32} streams (the model `run` wrote) while py-spy
+    # samples the server's threads for ${PROFILE_SECONDS:-15} s once guidellm's
+    # load has run ${PROFILE_DELAY:-8} s: where the served path's time goes.
+    # Writes profile.txt, pyspy-raw.txt (collapsed stacks per thread),
+    # pyspy-dump.txt and the server log.
+    device_env
+    spy=$(find "$SITE" -name py-spy -type f | head -1)
+    mkdir -p "$WORK/profile"
+    python3 tools/bench/serving.py --servers kvtier --model "$MODEL" --guidellm-python "$(command -v python3)" \
+      --out "$WORK/profile" --first-round 90 --concurrency "${CONC:-32}" --requests-per-stream 4 \
+      --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' \
+      --kvtier-arg=--log-format --kvtier-arg=json "$@" > "$OUT/profile.txt" 2>&1 &
+    bg=$!
+    for _ in $(seq 1 600); do pgrep -f "guidellm" > /dev/null && break; sleep 0.5; done
+    sleep "${PROFILE_DELAY:-8}"
+    pid=$(pgrep -f "actors.cli serve" | head -1 || true)
+    if [ -n "$pid" ] && [ -n "$spy" ]; then
+      "$spy" record --pid "$pid" --duration "${PROFILE_SECONDS:-15}" --rate 200 --threads \
+        --format raw -o "$OUT/pyspy-raw.txt" > "$OUT/pyspy.log" 2>&1 || true
+      "$spy" dump --pid "$pid" > "$OUT/pyspy-dump.txt" 2>&1 || true
+    else
+      echo "no server ($pid) or no py-spy ($spy)" > "$OUT/pyspy.log"
+    fi
+    wait $bg || true
+    tail -n 30 "$OUT/profile.txt"
+    tar -czf "$OUT/profile-logs.tgz" -C "$WORK/profile" . || true
+    ;;
+  extras)
+    # The SSD tier on vs off (20 sequential distinct requests) and the
+    # checkpoint restart at 75 % of a ${CK_TOKENS:-2000}-token answer, on the
+    # model `run` wrote.
+    device_env
+    python3 tools/bench/ssd_ttft.py --model "$MODEL" --requests 20 --prompt-tokens 530 --max-tokens 48 \
+      --json "$OUT/ssd_ttft.json" --plot "$OUT/ssd_ttft.png" 2>&1 | tail -n 40 | tee "$OUT/ssd_ttft.txt" || true
+    python3 tools/bench/checkpoint.py --model "$MODEL" --tokens "${CK_TOKENS:-2000}" --repeats "${CK_REPEATS:-3}" \
+      > "$OUT/checkpoint.json" 2> "$OUT/checkpoint.err" || true
+    tail -c 3000 "$OUT/checkpoint.json"; tail -n 5 "$OUT/checkpoint.err"
+    ;;
   *)
-    sed -n '2,27p' "$0"
+    sed -n '2,28p' "$0"
     exit 2
     ;;
 esac
