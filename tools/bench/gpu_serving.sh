@@ -102,13 +102,14 @@ case "$cmd" in
       --guidellm-python "$(command -v python3)" --out "$run_dir" --first-round "$n" \
       --json "$OUT/serving.json" --plot "$OUT/serving.png" --title "H200" \
       "${DEFAULTS[@]}" "$@" 2>&1 | tee "$OUT/serving.txt" || rc=$?
-    tar -czf "$OUT/logs.tgz" -C "$run_dir" . || true
+    # NOTE: not the SSD tiers' directories (GBs of KV files).
+    tar -czf "$OUT/logs.tgz" --exclude="./kv-*" -C "$run_dir" . || true
     exit $rc
     ;;
   profile)
     # kvtier alone at ${CONC:-32} streams (the model `run` wrote) while py-spy
-    # samples the server's threads for ${PROFILE_SECONDS:-15} s once guidellm's
-    # load has run ${PROFILE_DELAY:-8} s: where the served path's time goes.
+    # samples the server's threads for ${PROFILE_SECONDS:-15} s once guidellm has
+    # run ${PROFILE_DELAY:-12} s: where the served path's time goes.
     # Writes profile.txt, pyspy-raw.txt (collapsed stacks per thread),
     # pyspy-dump.txt and the server log.
     device_env
@@ -119,8 +120,10 @@ case "$cmd" in
       --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' \
       --kvtier-arg=--log-format --kvtier-arg=json "$@" > "$OUT/profile.txt" 2>&1 &
     bg=$!
-    for _ in $(seq 1 600); do pgrep -f "guidellm" > /dev/null && break; sleep 0.5; done
-    sleep "${PROFILE_DELAY:-8}"
+    # NOTE: "--scenario" is on guidellm's command line only (serving.py's
+    # own names --guidellm-python); guidellm needs ~10 s to start its load.
+    for _ in $(seq 1 600); do pgrep -f -- "--scenario" > /dev/null && break; sleep 0.5; done
+    sleep "${PROFILE_DELAY:-12}"
     pid=$(pgrep -f "actors.cli serve" | head -1 || true)
     if [ -n "$pid" ] && [ -n "$spy" ]; then
       "$spy" record --pid "$pid" --duration "${PROFILE_SECONDS:-15}" --rate 200 --threads \
@@ -131,7 +134,9 @@ case "$cmd" in
     fi
     wait $bg || true
     tail -n 30 "$OUT/profile.txt"
-    tar -czf "$OUT/profile-logs.tgz" -C "$WORK/profile" . || true
+    grep -rh --exclude-dir="kv-*" -e request.timeline -e background_step "$WORK/profile" \
+      | tail -n 600 > "$OUT/timeline.txt" || true
+    tar -czf "$OUT/profile-logs.tgz" --exclude="./kv-*" -C "$WORK/profile" . || true
     ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests) and the
