@@ -2,7 +2,9 @@
 
 - :class:`TensorSource`: the store worker reads an entry's tensors back to
   host bytes through it, ONE engine turn per call (design 5.4: background
-  work never delays a request by more than one tensor step). The wiring
+  work never delays a request by more than one tensor step); a generation
+  checkpoint is planned in one turn that hands out views, no copies
+  (:class:`CheckpointSource`). The wiring
   provides :class:`EngineTensorSource` over an :class:`EngineTurns` port
   whose ``run_when_idle`` is the gateway's ``RunWhenIdle`` turn
   (``actors.engine.Engine.run_when_idle`` has that shape).
@@ -88,17 +90,21 @@ class TensorSource(Protocol):
 
 @runtime_checkable
 class CheckpointSource(Protocol):
-    """A :class:`TensorSource` that can also copy a generation checkpoint in one engine turn."""
+    """A :class:`TensorSource` that can also plan a generation checkpoint in one engine turn."""
 
-    async def host_copy(
+    async def checkpoint_views(
         self,
         handle: str,
         *,
         namespace: str,
         tokens: tuple[int, ...],
         checkpoint: GenerationCheckpoint,
-    ) -> tuple[EntryPlan, list[bytes]]:
-        """The checkpoint file's plan and every tensor's bytes (arrays already released)."""
+    ) -> tuple[EntryPlan, list[BytesLike]]:
+        """The checkpoint file's plan and a host view of every tensor (one engine turn, no copy).
+
+        The views stay valid until :meth:`TensorSource.finish` of the plan,
+        which the caller calls on every path after dropping its references.
+        """
         ...
 
 
@@ -185,14 +191,52 @@ class FileIdentity:
     tokenizer_hash: str
 
 
+class _Claim:
+    """Whether the asker of one engine turn still takes what the turn holds (thread-safe).
+
+    The turn runs on the engine thread; the asker's await may end (a
+    cancellation, a timeout) while it runs or right after, and then no one
+    would call :meth:`EngineTensorSource.finish` for what the turn returned.
+    The turn :meth:`take`s its plan; an asker that stopped waiting
+    :meth:`abandon`s the claim and gets the plan back if the turn already took
+    it (it is then released in the source's next turn), or makes the turn
+    release it itself.
+    """
+
+    __slots__ = ("_abandoned", "_lock", "_plan")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plan: EntryPlan | None = None
+        self._abandoned = False
+
+    def take(self, plan: EntryPlan) -> bool:
+        """Engine thread: record ``plan`` as the asker's; ``False`` if the asker stopped waiting."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self._plan = plan
+            return True
+
+    def abandon(self) -> EntryPlan | None:
+        """Asker: stop waiting; the plan the turn already took, if any."""
+        with self._lock:
+            self._abandoned = True
+            plan, self._plan = self._plan, None
+            return plan
+
+
 class EngineTensorSource:
     """:class:`TensorSource` over a registry and an :class:`EngineTurns` port.
 
     NOTE: ``tensor_bytes`` returns a view that keeps an MLX array alive. The
-    source keeps its own reference to the last view of each plan and drops
-    it in the NEXT turn (or in :meth:`finish`), on the engine thread; the
-    worker drops its reference after writing, so the last reference to an
-    MLX buffer is never released on a worker thread or the loop.
+    source keeps its own reference to every view it hands out and drops it
+    on the engine thread: a prompt entry's last view in the NEXT turn (or
+    in :meth:`finish`), a checkpoint's views in :meth:`finish`. The worker
+    drops its references first (after writing), so the last reference to an
+    MLX buffer is never released on a worker thread or the loop. A plan
+    whose asker stopped waiting after its turn ran is released in this
+    source's next turn.
     """
 
     def __init__(self, turns: EngineTurns, caches: CacheSource, identity: FileIdentity) -> None:
@@ -200,13 +244,38 @@ class EngineTensorSource:
         self._caches = caches
         self._identity = identity
         self._last: dict[int, BytesLike] = {}
+        self._held: dict[int, list[BytesLike]] = {}
+        self._orphans_lock = threading.Lock()
+        self._orphans: list[EntryPlan] = []
+
+    def _release_orphans(self) -> None:
+        """Engine thread: release the plans whose askers stopped waiting (see :class:`_Claim`)."""
+        with self._orphans_lock:
+            orphans, self._orphans = self._orphans, []
+        for plan in orphans:
+            self._last.pop(id(plan), None)
+            self._held.pop(id(plan), None)
+            plan.release_arrays()
+
+    async def _claimed(self, step: Callable[[_Claim], T]) -> T:
+        """Run ``step`` in one idle turn; a plan it took is orphaned if the await fails."""
+        claim = _Claim()
+        try:
+            return await self._turns.run_when_idle(functools.partial(step, claim))
+        except BaseException:
+            plan = claim.abandon()
+            if plan is not None:
+                with self._orphans_lock:
+                    self._orphans.append(plan)
+            raise
 
     async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
         """See :meth:`TensorSource.plan`."""
         ident = self._identity
 
-        def step() -> EntryPlan:
-            return plan_entry(
+        def plan_step(claim: _Claim) -> EntryPlan:
+            self._release_orphans()
+            plan = plan_entry(
                 self._caches.get(handle),
                 model_id=ident.model_id,
                 fingerprint=ident.fingerprint,
@@ -214,14 +283,18 @@ class EngineTensorSource:
                 tokenizer_hash=ident.tokenizer_hash,
                 tokens=tokens,
             )
+            if not claim.take(plan):
+                plan.release_arrays()
+            return plan
 
-        return await self._turns.run_when_idle(step)
+        return await self._claimed(plan_step)
 
     async def tensor(self, plan: EntryPlan, index: int) -> BytesLike:
         """See :meth:`TensorSource.tensor`."""
         key = id(plan)
 
         def step() -> BytesLike:
+            self._release_orphans()
             self._last.pop(key, None)
             view = tensor_bytes(plan, index)
             self._last[key] = view
@@ -229,25 +302,31 @@ class EngineTensorSource:
 
         return await self._turns.run_when_idle(step)
 
-    async def host_copy(
+    async def checkpoint_views(
         self,
         handle: str,
         *,
         namespace: str,
         tokens: tuple[int, ...],
         checkpoint: GenerationCheckpoint,
-    ) -> tuple[EntryPlan, list[bytes]]:
-        """Plan a checkpoint file and copy every tensor to host bytes, in ONE idle engine turn.
+    ) -> tuple[EntryPlan, list[BytesLike]]:
+        """Plan a checkpoint file and take a host view of every tensor, in ONE idle engine turn.
 
         NOTE: a checkpoint is written while its answer is still decoding,
         when idle turns are rare (the background share); one turn per tensor
-        would leave it undurable for hundreds of tokens. The copy is the
-        snapshot's size (a few ms per 10 MB); the plan's arrays are released
-        in the same turn, so no MLX buffer outlives it off the engine thread.
+        would leave it undurable for hundreds of tokens. The turn copies
+        nothing: each view shares the (evaluated, contiguous) array's memory,
+        and the store worker reads it on a worker thread while it hashes and
+        writes the file. A host copy inside the turn stalled every decoding
+        row for its length (83-116 ms for an 8B-shape snapshot on CUDA,
+        where reading device memory on the host migrates its pages). The
+        views are held here until :meth:`finish`, which releases them and
+        the plan's arrays on the engine thread.
         """
         ident = self._identity
 
-        def step() -> tuple[EntryPlan, list[bytes]]:
+        def checkpoint_step(claim: _Claim) -> tuple[EntryPlan, list[BytesLike]]:
+            self._release_orphans()
             plan = plan_entry(
                 self._caches.get(handle),
                 model_id=ident.model_id,
@@ -258,18 +337,27 @@ class EngineTensorSource:
                 checkpoint=checkpoint,
             )
             try:
-                return plan, [bytes(tensor_bytes(plan, i)) for i in range(len(plan.tensors))]
-            finally:
+                views: list[BytesLike] = [tensor_bytes(plan, i) for i in range(len(plan.tensors))]
+            except BaseException:
                 plan.release_arrays()
+                raise
+            if not claim.take(plan):
+                views.clear()
+                plan.release_arrays()
+                return plan, []
+            self._held[id(plan)] = views
+            return plan, list(views)
 
-        return await self._turns.run_when_idle(step)
+        return await self._claimed(checkpoint_step)
 
     async def finish(self, plan: EntryPlan) -> None:
         """See :meth:`TensorSource.finish`."""
         key = id(plan)
 
         def step() -> None:
+            self._release_orphans()
             self._last.pop(key, None)
+            self._held.pop(key, None)
             plan.release_arrays()
 
         await self._turns.run_when_idle(step)

@@ -1,10 +1,11 @@
 """The store worker: a thin shell over ``actors.ssd_writer.store_core``.
 
 It performs the core's effects: the tensor source's engine turns (plan,
-one tensor per turn, release), the asks to the index (``ReserveSpace``,
-``EntryWritten``), the file work on the tier's worker pool (victims'
-removal, temp file, positional writes, commit, removals), generation
-checkpoint writes and removals, and the replies. It holds the plan and the
+one tensor per turn, release; a generation checkpoint's plan and views in
+one turn), the asks to the index (``ReserveSpace``, ``EntryWritten``), the
+file work on the tier's worker pool (victims' removal, temp file,
+positional writes, commit, removals), generation checkpoint writes and
+removals, and the replies. It holds the plan and the
 open writer of the write in progress and feeds each outcome back into the
 core as the next event (it awaits it: its mailbox holds only further jobs,
 which wait their turn).
@@ -32,7 +33,7 @@ from messages import (
 from . import io
 from . import store_core as core
 from .actor import ColdTier
-from .ports import CheckpointSource, TensorSource
+from .ports import BytesLike, CheckpointSource, TensorSource
 from .shell import feed
 
 __all__ = ["StoreWorker"]
@@ -65,7 +66,9 @@ class StoreWorker(Actor):
         self._request: Envelope | None = None
         self._plan: EntryPlan | None = None
         self._writer: KvFileWriter | None = None
-        self._copy: tuple[EntryPlan, list[bytes]] | None = None
+        # NOTE: a checkpoint's tensor views (they share the MLX arrays'
+        # memory); the list is emptied before the source's finish turn.
+        self._views: list[BytesLike] = []
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Run one message to its end (a write: report it, remove what it superseded)."""
@@ -130,8 +133,8 @@ class StoreWorker(Actor):
                 return core.Removed(removal.gone, removal.left, ctx.clock.now())
             case core.TellRemoved(body=body):
                 await ctx.tell(tier.name, body)
-            case core.CopyCheckpoint(body=body):
-                return await self._copy_checkpoint(body, ctx)
+            case core.PlanCheckpoint(body=body):
+                return await self._plan_checkpoint(body, ctx)
             case core.WriteCheckpoint():
                 return await self._write_checkpoint(ctx)
             case core.RemoveCheckpointFiles(request_key=key):
@@ -217,21 +220,27 @@ class StoreWorker(Actor):
             data = await self._source(self._source_port.tensor(plan, index))
         except _SourceFailed:
             return core.SourceFailed(ctx.clock.now())
+        # NOTE: the view is lent to the worker thread in a list that is
+        # emptied here once the write returned, so no reference of ours (nor
+        # the worker thread's call frame, which outlives the call) is left
+        # when the source frees the MLX buffer on the engine thread.
+        lent = [data]
+        del data
         try:
-            await tier.run(writer.write_tensor, index, data)
+            await tier.run(_write_lent, writer, index, lent)
         except OSError as exc:
             return core.WriteFailed(io.store_failure_reason(exc), str(exc), ctx.clock.now())
         finally:
-            # NOTE: drop our reference before the next turn so the source
-            # frees the MLX buffer behind it on the engine thread.
-            del data
+            lent.clear()
         return core.TensorWritten(index, ctx.clock.now())
 
     async def _release(self) -> None:
         """Drop the temp file unless committed, release the plan (idempotent, never raises)."""
         writer, self._writer = self._writer, None
         plan, self._plan = self._plan, None
-        self._copy = None  # NOTE: host bytes only (the arrays were released by the copy).
+        # NOTE: emptied in place: the checkpoint write's reader holds this
+        # list, not the views; the source's finish below drops the last ones.
+        self._views.clear()
         if writer is not None:
             await self._tier.run(writer.abort)  # NOTE: a no-op once committed.
         if plan is not None:
@@ -256,8 +265,8 @@ class StoreWorker(Actor):
         ident = self._tier.config.identity
         return checkpoint_dir(self._tier.config.root, ident.fingerprint)
 
-    async def _copy_checkpoint(self, job: Store, ctx: Context) -> core.Event:
-        """Plan the checkpoint file and copy its tensors to host bytes in ONE idle engine turn."""
+    async def _plan_checkpoint(self, job: Store, ctx: Context) -> core.Event:
+        """Plan the checkpoint file and take its tensors' views in ONE idle engine turn (no copy)."""
         ck = job.checkpoint
         assert ck is not None
         record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
@@ -265,29 +274,33 @@ class StoreWorker(Actor):
         source = self._source_port
         try:
             if not isinstance(source, CheckpointSource):
-                raise _SourceFailed("the tensor source cannot copy a checkpoint")
-            self._copy = await self._source(source.host_copy(
+                raise _SourceFailed("the tensor source cannot plan a checkpoint")
+            plan, views = await self._source(source.checkpoint_views(
                 job.handle, namespace=job.namespace, tokens=job.tokens, checkpoint=record))
         except _SourceFailed:
             return core.SourceFailed(ctx.clock.now())
-        return core.CheckpointCopied(self._copy[0].file_size, ctx.clock.now())
+        # NOTE: from here ``_release`` ends the plan with the source's finish
+        # (engine thread), on every path.
+        self._plan, self._views = plan, views
+        return core.CheckpointPlanned(plan.file_size, ctx.clock.now())
 
     async def _write_checkpoint(self, ctx: Context) -> core.Event:
-        """Write the copied checkpoint file (its room is reserved), on a worker thread.
+        """Write the planned checkpoint file (its room is reserved), on a worker thread.
 
-        NOTE: the file is committed under its own name before the key's older
-        files go (``actors.checkpoints.write_checkpoint``), so every failure
-        leaves the previous checkpoint valid.
+        The worker thread reads the tensors' bytes from the views while it
+        hashes and writes them: the device-to-host reads happen here, never
+        in an engine turn. NOTE: the file is committed under its own name
+        before the key's older files go (``actors.checkpoints.write_checkpoint``),
+        so every failure leaves the previous checkpoint valid.
         """
-        tier, copy = self._tier, self._copy
-        assert copy is not None
-        plan, data = copy
+        tier, plan, views = self._tier, self._plan, self._views
+        assert plan is not None
         port = tier.port
         try:
             directory = self._checkpoint_dir()
             await tier.run(port.makedirs, directory)
             path = await tier.run(write_checkpoint, port, directory, plan,
-                                  lambda i: memoryview(data[i]))
+                                  lambda i: memoryview(views[i]))
         except ValueError as exc:
             return core.CheckpointWritten(False, ctx.clock.now(), reason="source_failed",
                                           error=str(exc))
@@ -296,3 +309,8 @@ class StoreWorker(Actor):
                                           reason=io.store_failure_reason(exc), error=str(exc))
         return core.CheckpointWritten(True, ctx.clock.now(), path=path,
                                       file_bytes=plan.file_size)  # fmt: skip
+
+
+def _write_lent(writer: KvFileWriter, index: int, lent: list[BytesLike]) -> None:
+    """Write tensor ``index`` from the one view in ``lent`` (a worker thread)."""
+    writer.write_tensor(index, lent[0])

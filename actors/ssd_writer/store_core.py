@@ -53,12 +53,11 @@ __all__ = [
     "Asked",
     "Begin",
     "Begun",
-    "CheckpointCopied",
+    "CheckpointPlanned",
     "CheckpointWritten",
     "CheckpointsRemoved",
     "Commit",
     "Committed",
-    "CopyCheckpoint",
     "Count",
     "Crashed",
     "Effect",
@@ -67,6 +66,7 @@ __all__ = [
     "Evicted",
     "Log",
     "Plan",
+    "PlanCheckpoint",
     "Planned",
     "Release",
     "Remove",
@@ -234,8 +234,8 @@ class Removed:
 
 
 @dataclass(frozen=True, slots=True)
-class CheckpointCopied:
-    """:class:`CopyCheckpoint` succeeded: the planned file's size."""
+class CheckpointPlanned:
+    """:class:`PlanCheckpoint` succeeded: the planned file's size."""
 
     file_bytes: int
     now: float
@@ -276,7 +276,7 @@ Event = (
     | Crashed
     | Settled
     | Removed
-    | CheckpointCopied
+    | CheckpointPlanned
     | CheckpointWritten
     | CheckpointsRemoved
 )
@@ -357,16 +357,17 @@ class TellRemoved:
 
 
 @dataclass(frozen=True, slots=True)
-class CopyCheckpoint:
-    """Plan and host-copy the checkpoint in ``Store`` ``body`` (one engine turn)
-    -> CheckpointCopied | SourceFailed."""
+class PlanCheckpoint:
+    """Plan the checkpoint in ``Store`` ``body`` and take its tensors' views (one engine turn,
+    no copy) -> CheckpointPlanned | SourceFailed."""
 
     body: Store
 
 
 @dataclass(frozen=True, slots=True)
 class WriteCheckpoint:
-    """Write the copied checkpoint of ``Store`` ``body`` -> :class:`CheckpointWritten`."""
+    """Write the planned checkpoint of ``Store`` ``body`` from its views
+    -> :class:`CheckpointWritten`."""
 
     body: Store
 
@@ -416,7 +417,7 @@ Effect = (
     | Report
     | Remove
     | TellRemoved
-    | CopyCheckpoint
+    | PlanCheckpoint
     | WriteCheckpoint
     | RemoveCheckpointFiles
     | Answer
@@ -486,7 +487,7 @@ def _asked(state: StoreState, event: Asked) -> list[Effect]:
         case Store(checkpoint=checkpoint) if checkpoint is not None:
             state.request = event.request
             state.ck = CheckpointJob(body, checkpoint_job_id(body.handle))
-            return [CopyCheckpoint(body)]
+            return [PlanCheckpoint(body)]
         case RemoveCheckpoints(request_key=key):
             state.request = event.request
             return [RemoveCheckpointFiles(key)]
@@ -604,7 +605,8 @@ def _ck_job(state: StoreState) -> CheckpointJob:
 
 def _ck_end(state: StoreState, ck: CheckpointJob, written: EntryWritten,
             outcome: StoreResult, counts: tuple[Count, ...], log: Log | None) -> list[Effect]:
-    """Release the copy, then settle the job with the index; the Store is answered after."""
+    """Release the plan and its views, then settle the job with the index; the Store is answered
+    after."""
     ck.reported, ck.outcome, ck.counts = True, outcome, counts
     return [*([log] if log else []), Release(), Report(written)]
 
@@ -706,7 +708,7 @@ def handle(state: StoreState, event: Event) -> tuple[StoreState, list[Effect]]:
             effects = _settled(state, event)
         case Removed():
             effects = _removed(state, event)
-        case CheckpointCopied(file_bytes=nbytes):
+        case CheckpointPlanned(file_bytes=nbytes):
             ck = _ck_job(state)
             ck.file_bytes = nbytes
             effects = [Reserve(ck.job_id, nbytes)]

@@ -319,14 +319,14 @@ class ScriptedSource:
     async def finish(self, plan: EntryPlan) -> None:
         """Nothing to release."""
 
-    async def host_copy(
+    async def checkpoint_views(
         self,
         handle: str,
         *,
         namespace: str,
         tokens: tuple[int, ...],
         checkpoint: GenerationCheckpoint,
-    ) -> tuple[EntryPlan, list[bytes]]:
+    ) -> tuple[EntryPlan, list[bytes | bytearray | memoryview]]:
         """The checkpoint's plan and tensor bytes (``CheckpointSource``)."""
         spec = checkpoints()[checkpoint.sample_index]
         if tokens != spec.tokens or checkpoint.request_key != CKPT_KEY:

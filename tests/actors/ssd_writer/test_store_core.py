@@ -142,10 +142,10 @@ def _checkpoint_store() -> Store:
 
 
 def test_a_checkpoint_reserves_evicts_writes_then_settles_before_its_answer() -> None:
-    """Copy, reserve the planned size, evict durably, write, report to the index, then answer."""
+    """Plan, reserve the planned size, evict durably, write, report to the index, then answer."""
     body = _checkpoint_store()
     state = _asked(body)
-    _, fx = core.handle(state, core.CheckpointCopied(500, 0.0))
+    _, fx = core.handle(state, core.CheckpointPlanned(500, 0.0))
     assert fx == [core.Reserve("checkpoint:ck", 500)]
     answer = SpaceReserved(ok=True, evict=("/v.kvt",))
     assert core.handle(state, core.Reserved(answer, 0.0))[1] == [core.Evict(("/v.kvt",))]
@@ -163,7 +163,7 @@ def test_a_checkpoint_reserves_evicts_writes_then_settles_before_its_answer() ->
 def test_a_checkpoint_refused_over_cap_is_counted_refused_and_answered_not_stored() -> None:
     """An over_cap reservation writes nothing: the job is settled, counted refused, not failed."""
     state = _asked(_checkpoint_store())
-    core.handle(state, core.CheckpointCopied(500, 0.0))
+    core.handle(state, core.CheckpointPlanned(500, 0.0))
     _, fx = core.handle(state, core.Reserved(SpaceReserved(ok=False, reason="over_cap"), 0.0))
     assert not any(isinstance(e, (core.Evict, core.WriteCheckpoint)) for e in fx)
     assert _reports(fx) == [EntryWritten(job_id="checkpoint:ck", ok=False, reason="over_cap")]
