@@ -30,7 +30,8 @@ leaves the batch at the next step.
 Generation checkpoints (``checkpoints``, docs/cold-tier.md): the shell keys
 each admitted request (``CheckpointPort.key_of``), looks a key up on a
 worker thread when the core asks (``LoadCheckpoint``; the results wait in
-``_loaded`` and one ``BatchCheckpointsLoaded`` note to itself feeds them to
+``CheckpointLoads`` and one ``BatchCheckpointsLoaded`` note to itself,
+re-posted before the next message if the mailbox was full, feeds them to
 the core), hands snapshots to the spill queue with ``try_tell`` (never
 waits: a full mailbox frees the snapshot, counted ``unsent``) and voids a
 finished answer's checkpoints (``RemoveCheckpoints``).
@@ -46,7 +47,7 @@ from typing import Any, assert_never
 
 import structlog
 
-from actors.checkpoints import CheckpointPort
+from actors.checkpoints import CheckpointLoads, CheckpointPort
 from actors.engine_thread.ports import Executor
 from actors.runtime import (
     Actor,
@@ -123,9 +124,8 @@ class BatchScheduler(Actor):
         self._gateway = gateway
         self._ckpt = checkpoints
         # NOTE: checkpoint lookups finished on worker threads, fed to the core
-        # by one note at a time (``_loaded_note``: a note is posted and not yet read).
-        self._loaded: deque[tuple[str, Any]] = deque()
-        self._loaded_note = False
+        # when their note (``BatchCheckpointsLoaded``) is read.
+        self._loads = CheckpointLoads(BatchCheckpointsLoaded)
         # NOTE: found checkpoints (host bytes) by request id until their row
         # joins; the core knows only that one was found (traces stay small).
         self._found: dict[str, Any] = {}
@@ -180,6 +180,7 @@ class BatchScheduler(Actor):
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Translate one message into a core event and perform the effects."""
         now = ctx.clock.now()
+        self._loads.rewake(ctx.self_ref)  # NOTE: a note that found the mailbox full goes now.
         body = envelope.body
         event: core.Event
         if isinstance(body, Generate):
@@ -187,9 +188,7 @@ class BatchScheduler(Actor):
             key = self._ckpt.key_of(body) if self._ckpt is not None else None
             event = core.Admit(body, envelope.correlation_id, now, key)
         elif isinstance(body, BatchCheckpointsLoaded):
-            self._loaded_note = False
-            while self._loaded:
-                looked, found = self._loaded.popleft()
+            for looked, found in self._loads.take():
                 if found is not None and looked in self.state.rows:
                     self._found[looked] = found
                 event = core.CheckpointLoaded(looked, looked in self._found, ctx.clock.now())
@@ -470,29 +469,10 @@ class BatchScheduler(Actor):
         """Look the key up on a worker thread; its result comes back through ``BatchCheckpointsLoaded``."""
         port = self._ckpt
         request = effect.request
-        rid = request.request_id
         if port is None:
-            return core.CheckpointLoaded(rid, False, ctx.clock.now())
-        ref = ctx.self_ref
-        prompt = tuple(request.prompt_tokens)
-
-        def done(future: asyncio.Future[Any]) -> None:
-            exc = None if future.cancelled() else future.exception()
-            if exc is not None:
-                # NOTE: a lookup that fails is a fresh run, never a failed request.
-                _log.warning("checkpoint.lookup_failed", request_id=rid, error=repr(exc))
-            found = None if future.cancelled() or exc is not None else future.result()
-            self._loaded.append((rid, found))
-            if self._loaded_note:
-                return
-            try:
-                self._loaded_note = ref.post(BatchCheckpointsLoaded())
-            except (ActorStopped, MailboxClosed, UnknownAddress):
-                self._loaded.clear()  # NOTE: stopping: nobody is left to resume.
-
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, port.load, effect.key, request.namespace, prompt)
-        future.add_done_callback(done)
+            return core.CheckpointLoaded(request.request_id, False, ctx.clock.now())
+        self._loads.start(port, ctx.self_ref, request.request_id, effect.key, request.namespace,
+                          tuple(request.prompt_tokens))
         return None
 
     def _send_checkpoint(self, effect: core.SendCheckpoint, ctx: Context) -> None:

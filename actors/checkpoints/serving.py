@@ -4,7 +4,9 @@
 ``generation_checkpoint`` > 0 and the SSD tier is on. The turn runner asks it
 for a request's key at admission (:meth:`CheckpointPort.key_of`), looks the
 key up on a worker thread (:meth:`CheckpointPort.load`: the newest valid
-file, read into host memory with every tensor hash checked), and hands the
+file, read into host memory with every tensor hash checked; the gateway and
+the batch scheduler start it with :meth:`CheckpointPort.load_soon`, whose
+answer comes back on the event loop, see ``loads.CheckpointLoads``), and hands the
 owned snapshots :class:`Captured` on the engine thread to the spill queue.
 The serial lane's gateway loads a request's checkpoint beside its
 prompt-cache ``Take`` and hands the found one to the turn runner by handle
@@ -18,9 +20,13 @@ engine thread alone consumes.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import structlog
 
 from kernels.cache import (
     CacheFileCorrupt,
@@ -38,6 +44,8 @@ from .key import checkpoint_refusal, request_key
 from .store import find_checkpoint
 
 __all__ = ["Captured", "CheckpointBackend", "CheckpointHandoff", "CheckpointPort", "ResumeFrom"]
+
+_log = structlog.get_logger("kvtier.checkpoints")
 
 
 @runtime_checkable
@@ -191,6 +199,32 @@ class CheckpointPort:
         except (CacheFileCorrupt, CacheFileIncompatible, OSError):
             return None
         return ResumeFrom(found.path, found.header, host)
+
+    def load_soon(
+        self,
+        key: str,
+        namespace: str,
+        prompt: tuple[int, ...],
+        on_loaded: Callable[[ResumeFrom | None], object],
+        *,
+        request_id: str = "",
+    ) -> None:
+        """Run :meth:`load` on a worker thread; ``on_loaded(found)`` runs on the event loop when it ends.
+
+        Called on the event loop; never waits. A lookup that raises (or is
+        cancelled) answers ``None``, logged with ``request_id``.
+        """
+        loop = asyncio.get_running_loop()
+
+        def done(future: asyncio.Future[ResumeFrom | None]) -> None:
+            exc = None if future.cancelled() else future.exception()
+            if exc is not None:
+                # NOTE: a lookup that fails is a fresh run, never a failed request.
+                _log.warning("checkpoint.lookup_failed", request_id=request_id, error=repr(exc))
+            on_loaded(None if future.cancelled() or exc is not None else future.result())
+
+        future = loop.run_in_executor(None, self.load, key, namespace, prompt)
+        future.add_done_callback(done)
 
     def enqueue(self, key: str, namespace: str, cap: Captured) -> Enqueue:
         """The spill-queue item of ``cap`` (the queue owns its handle once it accepts it)."""

@@ -9,8 +9,9 @@ mailbox), ``RunTurn``/``StopBurst``/``EndRequest`` to the turn runner,
 answer, so admission, cancels and lookups are handled while a turn runs.
 With generation checkpoints on (``checkpoints``), the shell keys each
 request at admission and loads its checkpoint on a worker thread beside the
-``Take`` (``LoadCheckpoint``); the result comes back as a note to this
-mailbox, and the first ``RunTurn`` carries the key and the found
+``Take`` (``LoadCheckpoint``, ``CheckpointLoads``); the result comes back
+as a note to this mailbox (re-posted before the next message if the mailbox
+was full), and the first ``RunTurn`` carries the key and the found
 checkpoint's handle, so the runner's first turn never waits for a file.
 See docs/engine-turn.md.
 
@@ -24,22 +25,14 @@ cannot be sent) fails the request holding it with an ``ErrorEvent`` (code
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal, assert_never
 
 import structlog
 
-from actors.checkpoints import CheckpointPort, ResumeFrom
-from actors.runtime import (
-    Actor,
-    ActorStopped,
-    Context,
-    MailboxClosed,
-    RuntimeFailure,
-    UnknownAddress,
-)
+from actors.checkpoints import CheckpointLoads, CheckpointPort, ResumeFrom
+from actors.runtime import Actor, Context, RuntimeFailure
 from kernels.engine import batch_params_refusal
 from messages import Envelope, Failure, Release, Take, TakeResult
 from messages.batch_scheduler import BatchTurnReport, BatchWants, RunBatchStep, StopBatchChain
@@ -122,10 +115,9 @@ class Gateway(Actor):
     ) -> None:
         self._runner = runner
         self._ckpt = checkpoints
-        # NOTE: checkpoint loads finished on worker threads, fed to the core by
-        # one note at a time (``_loaded_note``: a note is posted and not yet read).
-        self._loaded: deque[tuple[str, ResumeFrom | None]] = deque()
-        self._loaded_note = False
+        # NOTE: checkpoint loads finished on worker threads, fed to the core
+        # when their note (``GatewayCheckpointsLoaded``) is read.
+        self._loads = CheckpointLoads(GatewayCheckpointsLoaded)
         self._prompt_cache = prompt_cache
         self._batch = batch
         self._batched: set[str] = set()  # request ids forwarded to the batch lane, until they end
@@ -153,6 +145,7 @@ class Gateway(Actor):
         """Translate one message into a core event and perform the effects."""
         now = ctx.clock.now()
         self._now = now
+        self._loads.rewake(ctx.self_ref)  # NOTE: a note that found the mailbox full goes now.
         body = envelope.body
         event: core.CoreEvent
         if isinstance(body, Generate):
@@ -210,9 +203,7 @@ class Gateway(Actor):
             _log.warning("gateway.lookup_failed", request_id=rid, error=f"{body.error}: {body.message}")
             event = self._lookup_done(rid, now)
         elif isinstance(body, GatewayCheckpointsLoaded):
-            self._loaded_note = False
-            while self._loaded:
-                rid, found = self._loaded.popleft()
+            for rid, found in self._loads.take():
                 entry = self._admitted.get(rid)
                 if entry is not None and not entry.started:
                     entry.checkpoint = found
@@ -403,26 +394,8 @@ class Gateway(Actor):
         if entry is None or port is None or entry.checkpoint_key is None:
             return core.CheckpointLoaded(rid, ctx.clock.now())
         request = entry.request
-        ref = ctx.self_ref
-
-        def done(future: asyncio.Future[ResumeFrom | None]) -> None:
-            exc = None if future.cancelled() else future.exception()
-            if exc is not None:
-                # NOTE: a lookup that fails is a fresh run, never a failed request.
-                _log.warning("checkpoint.lookup_failed", request_id=rid, error=repr(exc))
-            found = None if future.cancelled() or exc is not None else future.result()
-            self._loaded.append((rid, found))
-            if self._loaded_note:
-                return
-            try:
-                self._loaded_note = ref.post(GatewayCheckpointsLoaded())
-            except (ActorStopped, MailboxClosed, UnknownAddress):
-                self._loaded.clear()  # NOTE: stopping: nobody is left to resume.
-
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, port.load, entry.checkpoint_key, request.namespace,
-                                      tuple(request.prompt_tokens))
-        future.add_done_callback(done)
+        self._loads.start(port, ctx.self_ref, rid, entry.checkpoint_key, request.namespace,
+                          tuple(request.prompt_tokens))
         return None
 
     def _lookup_done(self, rid: str, now: float) -> core.LookupDone:
