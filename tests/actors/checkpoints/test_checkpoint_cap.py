@@ -15,13 +15,11 @@ import pytest
 
 from actors.engine import Engine
 from messages.gateway import GenerationParams
-from tests.actors.checkpoints.test_engine_restart import (
-    EVERY,
-    _files,
-    _section,
-    _tokens,
-    _until_written,
-)
+from tests.actors.checkpoints.restart_support import EVERY
+from tests.actors.checkpoints.restart_support import files as _files
+from tests.actors.checkpoints.restart_support import section as _section
+from tests.actors.checkpoints.restart_support import tokens as _tokens
+from tests.actors.checkpoints.restart_support import until_written as _until_written
 from tests.actors.test_cold_tier_engine import IDENTITY
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 

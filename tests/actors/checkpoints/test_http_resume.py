@@ -20,13 +20,11 @@ import pytest
 from actors.engine import Engine
 from actors.http import HttpSettings, create_app
 from messages.gateway import GenerationParams
-from tests.actors.checkpoints.test_engine_restart import (
-    PROMPT,
-    _engine,
-    _section,
-    _tokens,
-    _until_written,
-)
+from tests.actors.checkpoints.restart_support import PROMPT
+from tests.actors.checkpoints.restart_support import section as _section
+from tests.actors.checkpoints.restart_support import tiny_engine as _engine
+from tests.actors.checkpoints.restart_support import tokens as _tokens
+from tests.actors.checkpoints.restart_support import until_written as _until_written
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
