@@ -78,8 +78,8 @@ async def test_the_checkpoint_turn_hands_out_views_of_the_snapshot_not_host_copi
     )
 
     def check() -> list[bool]:
-        arrays = [np.frombuffer(memoryview(a).cast("B"), np.uint8)
-                  for a in cache_arrays(registry.get(reg.handle))]
+        snapshot: list[Any] = cache_arrays(registry.get(reg.handle))
+        arrays = [np.frombuffer(memoryview(a).cast("B"), np.uint8) for a in snapshot]
         return [any(np.shares_memory(np.frombuffer(v, np.uint8), a) for a in arrays)
                 for v in views]
 
