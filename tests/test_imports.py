@@ -270,7 +270,7 @@ def test_the_walk_sees_the_packages_and_their_imports(repo: Tree) -> None:
     """The walk finds the packages and resolves absolute, relative and submodule imports."""
     edges = {(imp.source, imp.target) for imp in repo.imports()}
     assert ("actors.gateway", "actors.gateway.actor") in edges  # from .actor import ...
-    assert ("actors.engine.api", "actors.engine_thread.memory_guard") in edges
+    assert ("actors.engine.startup", "actors.engine_thread.memory_guard") in edges
     assert ("actors.gateway.runner", "actors.engine_thread.steps") in edges
     assert len(repo.modules) > 100
 

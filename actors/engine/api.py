@@ -38,9 +38,6 @@ import structlog
 from pydantic import ValidationError
 
 from actors.engine_thread import BackgroundSteps
-from actors.engine_thread.memory_guard import (
-    MemoryGuard,
-)
 from actors.errors import (
     EngineClosed,
     EngineNotStarted,
@@ -81,18 +78,17 @@ from messages.gateway import (
     TokenEvent,
     Usage,
 )
-from messages.memory import AdmitMemory, MemoryAdmitted, Relieve, Relieved
-from messages.memory import Refuse as MemoryRefused
 from messages.prompt_cache import DemoteResult
 
-from . import prompts, startup, wiring
+from . import _memory_asks, _stats, prompts, startup, wiring
+from ._shutdown import Shutdown
 from .config import ConfigError, EngineConfig, option_names
-from .startup import ModelParts
+from .startup import ModelParts, Running
 
 if TYPE_CHECKING:
-    from actors.ssd_writer import ColdTier
     from kernels import CacheRegistry, EngineThread, ModelIdentity
     from kernels.cache import FilePort
+    from kernels.engine import TokenBytes, ToolFormat
 
 __all__ = [
     "CacheDemotion",
@@ -267,7 +263,7 @@ class GenerationStream(_StartClose):
         self,
         engine: Engine,
         request_id: str,
-        prepare: Callable[[], list[int]] | list[int],
+        prepare: prompts.Render | list[int],
         params: GenerationParams,
         *,
         chat: bool,
@@ -300,7 +296,7 @@ class GenerationStream(_StartClose):
             if isinstance(prepare, list):
                 tokens = prepare
             else:
-                tokens = await anyio.to_thread.run_sync(prepare)
+                tokens = await anyio.to_thread.run_sync(prepare, engine.tokenizer)
         except KvtierError:
             self._finished = True
             raise
@@ -318,7 +314,8 @@ class GenerationStream(_StartClose):
                                           self._params.grammar)
         self._prompt_tokens = len(tokens)
         engine._check_open()
-        await engine._admit_memory(self.request_id, len(tokens), self._params)
+        await _memory_asks.admit(engine._running, self.request_id, len(tokens), self._params,
+                                 timeout=engine.config.memory_relief_timeout_s)
         system = engine._require_system()
         inbox = system.open_inbox(engine.config.stream_buffer, prefix=f"stream-{self.request_id}-")
         request = Generate(
@@ -504,18 +501,13 @@ class Engine(_StartClose):
         self._owns_model = True
         self._file_port: FilePort | None = None
         self._engine_thread: EngineThread | None = None
-        self._registry: CacheRegistry | None = None
-        self._cold: ColdTier | None = None
-        self._memory: MemoryGuard | None = None
         self._system: ActorSystem | None = None
-        self._wired: wiring.Wired | None = None
-        self._gateway_ref: ActorRef | None = None
+        self._running: Running | None = None
+        """The wiring and the parts ``start`` built (dropped on the engine thread at close)."""
         self._steps = BackgroundSteps()
         self._state = "new"
         self._ids = 0
-        self._shutdown_began: float | None = None
-        self._final_flush: FlushResult | None = None
-        self._final_flush_error: str | None = None
+        self._shutdown = Shutdown(cfg.shutdown_timeout)
 
     @classmethod
     def from_loaded(
@@ -573,12 +565,7 @@ class Engine(_StartClose):
             self._state = "closed"
             await thread.aclose()
             raise
-        self._system = running.system
-        self._wired = running.wired
-        self._registry = running.registry
-        self._cold = running.cold
-        self._memory = running.guard
-        self._gateway_ref = running.wired.ref(wiring.GATEWAY)
+        self._system, self._running = running.system, running
         self._state = "running"
 
     def begin_shutdown(self) -> None:
@@ -588,7 +575,7 @@ class Engine(_StartClose):
         self._state = "draining"
         # NOTE: the shutdown budget (shutdown_timeout) runs from here: the
         # drain and the final flush of aclose() share it.
-        self._shutdown_began = anyio.current_time()
+        self._shutdown.begin()
         if self._system is not None:
             # NOTE: the engine-side flag refuses new requests at once; the
             # message makes the gateway refuse any already on their way.
@@ -606,7 +593,7 @@ class Engine(_StartClose):
             self.begin_shutdown()
         with use_correlation("engine-drain"):
             await self._gateway().tell(BeginShutdown())
-            await self._gateway().ask(AwaitDrained(), timeout=self._shutdown_left())
+            await self._gateway().ask(AwaitDrained(), timeout=self._shutdown.left())
 
     async def flush(self, *, timeout: float | None = None) -> FlushResult | None:
         """Write every RAM entry the cold tier does not hold yet, and wait for the spill queue.
@@ -619,12 +606,12 @@ class Engine(_StartClose):
         (default: ``shutdown_timeout``) bounds the whole call. ``None``
         without a cold tier.
         """
-        wired = self._wired
-        if wired is None or self._cold is None or wiring.DURABILITY not in wired.refs:
+        running = self._running
+        if running is None or running.cold is None or wiring.DURABILITY not in running.wired.refs:
             return None
         wait = self._config.shutdown_timeout if timeout is None else timeout
         with use_correlation("engine-flush"):
-            return await wired.ref(wiring.DURABILITY).ask(
+            return await running.wired.ref(wiring.DURABILITY).ask(
                 FlushAll(), timeout=wait, expect=FlushResult
             )
 
@@ -646,72 +633,27 @@ class Engine(_StartClose):
         dropped). ``None`` without the RAM tier. Each ask is bounded by
         ``timeout`` (default ``shutdown_timeout``).
         """
-        wired = self._wired
-        if wired is None or wiring.MEMORY not in wired.refs or self._registry is None:
+        running = self._running
+        if running is None or wiring.MEMORY not in running.wired.refs or running.registry is None:
             return None
-        wait_s = self._config.shutdown_timeout if timeout is None else timeout
-        ask = Relieve(idle_s=idle_s, max_bytes=max_bytes,
-                      dispose_without_tier=dispose_without_tier, wait=wait, timeout_s=wait_s)
-        with use_correlation("engine-demote"):
-            # NOTE: up to three asks of the memory actor's, each within wait_s.
-            reply = await wired.ref(wiring.MEMORY).ask(ask, timeout=3 * wait_s + 1.0,
-                                                       expect=Relieved)
+        reply = await _memory_asks.relieve(
+            running.wired, idle_s=idle_s, max_bytes=max_bytes,
+            dispose_without_tier=dispose_without_tier, wait=wait,
+            timeout=self._config.shutdown_timeout if timeout is None else timeout)
         if reply.result is None:
             raise TurnUnavailable(f"the demotion did not run: {reply.error}")
         return CacheDemotion(result=reply.result, stored=reply.stored, dropped=reply.dropped,
                              failed=reply.failed)
 
-    async def _admit_memory(self, request_id: str, prompt_tokens: int,
-                            params: GenerationParams) -> None:
-        """The memory guard before admission: the memory actor admits, relieves first, or refuses.
-
-        Raises ``MemoryPressure`` when the request cannot fit and nothing
-        more can be moved out of memory (``actors/memory``).
-        """
-        wired = self._wired
-        if wired is None or self._memory is None or wiring.MEMORY not in wired.refs:
-            return
-        ask = AdmitMemory(
-            request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            max_tokens=params.max_tokens,
-            prompt_logprobs=params.prompt_logprobs,
-            logprobs=params.logprobs,
-            top_logprobs=params.top_logprobs,
-        )
-        if wired.admission is not None and wired.admission.fits(ask):
-            return  # NOTE: fits the latest reading: no relief, no round trip.
-        wait = self._config.memory_relief_timeout_s
-        try:
-            with use_correlation(request_id):
-                reply = await wired.ref(wiring.MEMORY).ask(ask, timeout=wait)
-        except AskTimeout as exc:
-            raise MemoryPressure(
-                f"the memory check did not answer within {wait:g} s; retry later"
-            ) from exc
-        except MailboxClosed as exc:
-            raise ServerShuttingDown(f"the memory actor is not accepting requests ({exc})") from exc
-        if isinstance(reply, MemoryRefused):
-            raise MemoryPressure(reply.detail)
-        if not isinstance(reply, MemoryAdmitted):
-            raise GenerationFailed(f"the memory check answered {reply.kind}")
-
     @property
     def final_flush(self) -> FlushResult | None:
         """The flush :meth:`aclose` ran (``None``: none ran, see :attr:`final_flush_error`)."""
-        return self._final_flush
+        return self._shutdown.flushed
 
     @property
     def final_flush_error(self) -> str | None:
         """Why :meth:`aclose`'s flush gave no result (timed out, failed); ``None`` otherwise."""
-        return self._final_flush_error
-
-    def _shutdown_left(self) -> float:
-        """Seconds left of the shutdown budget (which began with :meth:`begin_shutdown`)."""
-        began = self._shutdown_began
-        if began is None:
-            return self._config.shutdown_timeout
-        return max(0.0, began + self._config.shutdown_timeout - anyio.current_time())
+        return self._shutdown.error
 
     async def aclose(self) -> None:
         """Begin shutdown, drain in-flight requests, flush the cold tier, stop the actors and the engine thread.
@@ -728,8 +670,7 @@ class Engine(_StartClose):
             self._state = "closed"
             return
         self._state = "closing"
-        if self._shutdown_began is None:
-            self._shutdown_began = anyio.current_time()
+        self._shutdown.begin()
         system = self._system
         try:
             if system is not None:
@@ -738,7 +679,8 @@ class Engine(_StartClose):
                         await self.drain()
                     except RuntimeFailure as exc:
                         _log.warning("engine.drain_incomplete", error=repr(exc))
-                    await self._final_flush_now()
+                    if self._running is not None and self._running.cold is not None:
+                        await self._shutdown.final_flush(lambda left: self.flush(timeout=left))
                     try:
                         await system.tell(_GATEWAY, StopTurns())
                     except RuntimeFailure:
@@ -763,33 +705,6 @@ class Engine(_StartClose):
                         _log.warning("engine.release_failed", error=repr(exc))
                     await self._engine_thread.aclose()
 
-    async def _final_flush_now(self) -> None:
-        """The shutdown flush, within what is left of the shutdown budget; its outcome is kept."""
-        if self._cold is None:
-            return
-        left = self._shutdown_left()
-        if left <= 0:
-            self._final_flush_error = "the shutdown timeout was spent before the flush could run"
-            _log.warning("engine.flush_incomplete", error=self._final_flush_error)
-            return
-        try:
-            flushed = await self.flush(timeout=left)
-        except RuntimeFailure as exc:
-            self._final_flush_error = (
-                f"the flush did not finish within the shutdown timeout ({type(exc).__name__})"
-            )
-            _log.warning("engine.flush_incomplete", error=repr(exc))
-            return
-        self._final_flush = flushed
-        if flushed is not None and not flushed.durable:
-            _log.warning(
-                "engine.flush_not_durable",
-                pending=flushed.pending,
-                dropped=flushed.dropped,
-                failed=flushed.failed,
-                uncovered=flushed.uncovered,
-            )
-
     def _release_mlx_state(self) -> None:
         """Drop every MLX array this engine owns, ON the engine thread.
 
@@ -801,11 +716,8 @@ class Engine(_StartClose):
         (tests/actors/engine/test_engine_lifetime.py). A model passed to
         ``from_loaded`` stays alive: its caller owns it.
         """
-        startup.release_mlx_state(self._registry)
-        self._wired = None
-        self._gateway_ref = None
-        self._registry = None
-        self._cold = None
+        startup.release_mlx_state(None if self._running is None else self._running.registry)
+        self._running = None
         if self._owns_model and self._loaded is not None:
             # NOTE: the tokenizer stays (read-only, off the engine thread).
             self._loaded = dataclasses.replace(self._loaded, model=None)
@@ -818,7 +730,7 @@ class Engine(_StartClose):
         return self._model_id
 
     @property
-    def identity(self) -> Any:
+    def identity(self) -> ModelIdentity | None:
         """The loaded model's ``kernels.ModelIdentity`` (``None`` for ``from_loaded`` without one)."""
         return None if self._loaded is None else self._loaded.identity
 
@@ -833,7 +745,7 @@ class Engine(_StartClose):
         return prompts.vocab_size(self._loaded)
 
     @functools.cached_property
-    def token_bytes(self) -> Any:
+    def token_bytes(self) -> TokenBytes:
         """``kernels.engine.TokenBytes`` of the tokenizer: the bytes of token ids (logprob reports)."""
         from kernels.engine import TokenBytes
 
@@ -842,7 +754,7 @@ class Engine(_StartClose):
         return TokenBytes(self._loaded.tokenizer)
 
     @property
-    def tool_format(self) -> Any:
+    def tool_format(self) -> ToolFormat | None:
         """The model's tool-call format (``kernels.engine.ToolFormat``), ``None`` if it has none."""
         from kernels.engine import tool_format
 
@@ -864,9 +776,9 @@ class Engine(_StartClose):
         return self._steps
 
     @property
-    def cache_registry(self) -> Any:
+    def cache_registry(self) -> CacheRegistry | None:
         """The engine thread's ``kernels.CacheRegistry`` (``None`` with the prompt cache off)."""
-        return self._registry
+        return None if self._running is None else self._running.registry
 
     # --- requests ----------------------------------------------------------
 
@@ -891,21 +803,10 @@ class Engine(_StartClose):
         request reuses only cached prefixes stored under the same salt (and
         ``params.cache_scope``); see docs/prompt-cache.md, "Cache isolation".
         """
-        if not messages:
-            raise InvalidRequest("messages must not be empty")
-        msgs = [dict(m) for m in messages]
-        tool_list = [dict(t) for t in tools] if tools is not None else None
-        kwargs = dict(chat_template_kwargs or {})
-
-        def prepare() -> list[int]:
-            from kernels import render_chat
-
-            return render_chat(self.tokenizer, msgs, tools=tool_list, **kwargs)
-
         return GenerationStream(
             self,
             request_id or self._new_id(),
-            prepare,
+            prompts.chat_renderer(messages, tools, chat_template_kwargs),
             _salted(params or self._config.default_params(), cache_salt),
             chat=True,
             fit_context=fit_context,
@@ -924,18 +825,8 @@ class Engine(_StartClose):
 
         ``fit_context`` and ``cache_salt`` as in :meth:`chat`.
         """
-        prepare: Callable[[], list[int]] | list[int]
-        if isinstance(prompt, str):
-            text = prompt
-
-            def render() -> list[int]:
-                from kernels import encode_prompt
-
-                return encode_prompt(self.tokenizer, text)
-
-            prepare = render
-        else:
-            prepare = [int(t) for t in prompt]
+        prepare = (prompts.text_renderer(prompt) if isinstance(prompt, str)
+                   else [int(t) for t in prompt])
         return GenerationStream(
             self,
             request_id or self._new_id(),
@@ -1006,18 +897,10 @@ class Engine(_StartClose):
         ``unavailable`` instead of delaying the snapshot. The engine thread's
         and the registry's counters are thread-safe reads.
         """
-        out: dict[str, Any] = {"model": self._model_id, "state": self._state}
-        fusion = None if self._loaded is None else self._loaded.fusion
-        if fusion is not None and fusion.few_row_status:
-            # NOTE: whether one-token CPU steps use the few-row product, and why not.
-            out["few_row"] = {"products": fusion.few_row, "status": fusion.few_row_status}
-        wired = self._wired
-        if wired is not None:
-            out.update(await wired.stats(timeout))
-        out.update(startup.thread_stats(self._engine_thread, self._registry))
-        if self._system is not None:
-            out["mailboxes"] = self._system.statistics().as_dict()
-        return out
+        return await _stats.engine_stats(
+            model_id=self._model_id, state=self._state, loaded=self._loaded,
+            running=self._running, system=self._system, thread=self._engine_thread,
+            timeout=timeout)
 
     # --- internals -----------------------------------------------------------
 
@@ -1040,9 +923,9 @@ class Engine(_StartClose):
         return self._system
 
     def _gateway(self) -> ActorRef:
-        if self._gateway_ref is None:
+        if self._running is None:
             raise EngineNotStarted("start the engine first")
-        return self._gateway_ref
+        return self._running.wired.ref(_GATEWAY)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The checks a prompt passes before admission, and the grammar compile (worker thread).
+"""A request's prompt before admission: its rendering into token ids, the checks it passes,
+and the grammar compile (worker thread).
 
 Pure reads of the loaded model's shape (no MLX): its vocabulary size, its
 context length, and ``EngineConfig.max_prompt_tokens``. A refused prompt
@@ -7,7 +8,8 @@ never queues or takes a turn.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from actors.errors import ContextTooLong, EngineNotStarted, InvalidRequest
 from messages.gateway import GenerationParams
@@ -15,7 +17,47 @@ from messages.gateway import GenerationParams
 from .config import EngineConfig
 from .startup import ModelParts
 
-__all__ = ["fit_to_context", "prepare_grammar", "validate_prompt", "vocab_size"]
+__all__ = [
+    "Render",
+    "chat_renderer",
+    "fit_to_context",
+    "prepare_grammar",
+    "text_renderer",
+    "validate_prompt",
+    "vocab_size",
+]
+
+Render = Callable[[Any], list[int]]
+"""Renders a prompt into token ids with the model's tokenizer (mlx-lm's, untyped); worker thread."""
+
+
+def chat_renderer(messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]] | None,
+                  template_kwargs: Mapping[str, Any] | None) -> Render:
+    """The rendering of a chat request with the model's chat template (copies of the inputs)."""
+    if not messages:
+        raise InvalidRequest("messages must not be empty")
+    msgs = [dict(m) for m in messages]
+    tool_list = [dict(t) for t in tools] if tools is not None else None
+    kwargs = dict(template_kwargs or {})
+
+    def render(tokenizer: Any) -> list[int]:
+        from kernels import render_chat
+
+        return render_chat(tokenizer, msgs, tools=tool_list, **kwargs)
+
+    return render
+
+
+def text_renderer(text: str) -> Render:
+    """The encoding of a raw completion prompt (BOS added as mlx-lm does)."""
+
+    def render(tokenizer: Any) -> list[int]:
+        from kernels import encode_prompt
+
+        return encode_prompt(tokenizer, text)
+
+    return render
 
 
 def vocab_size(loaded: ModelParts | None) -> int | None:

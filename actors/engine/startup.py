@@ -44,7 +44,6 @@ __all__ = [
     "load_model",
     "release_mlx_state",
     "start",
-    "thread_stats",
 ]
 
 T = TypeVar("T")
@@ -355,30 +354,6 @@ async def start(
             await system.__aexit__(None, None, None)
         raise
     return Running(system=system, wired=wired, registry=registry, cold=tier, guard=guard)
-
-
-def thread_stats(thread: EngineThread | None, registry: CacheRegistry | None) -> dict[str, Any]:
-    """``/stats``' ``engine_thread`` and ``cache_registry`` sections (thread-safe reads)."""
-    out: dict[str, Any] = {}
-    if thread is not None:
-        es = thread.statistics()
-        out["engine_thread"] = {
-            "jobs_run": es.jobs_run,
-            "jobs_failed": es.jobs_failed,
-            "busy_s": es.busy_s,
-            "queue_depth": es.queue_depth,
-            "alive": es.alive,
-        }
-    if registry is not None:
-        rs = registry.statistics()
-        out["cache_registry"] = {
-            "entries": rs.entries,
-            "nbytes": rs.nbytes,
-            # NOTE: disposed entries whose arrays are still alive (outside the cap).
-            "pending_dispose": rs.pending_dispose,
-            "pending_bytes": rs.pending_bytes,
-        }
-    return out
 
 
 def release_mlx_state(registry: CacheRegistry | None) -> None:
