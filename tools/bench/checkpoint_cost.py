@@ -8,13 +8,18 @@ the serving path's own calls, after ``--tokens`` greedy tokens:
 - ``step_s``: the median decode step (engine thread);
 - ``capture_s``: the boundary (``checkpoint_point``) and the registry's
   owned snapshot of the caches, evaluated (engine thread, in the step);
-- ``copy_s``: the plan and the host copy of every tensor (the one idle
-  engine turn of ``EngineTensorSource.host_copy``);
-- ``write_s``: ``write_checkpoint`` to a real directory (temp file, every
-  tensor hashed, fsync, rename, directory fsync; a worker thread).
+- ``turn_s``: the checkpoint's one idle engine turn as the store worker
+  runs it (``EngineTensorSource.checkpoint_views``: the plan and a view of
+  every tensor, no copy), timed inside the turn;
+- ``host_copy_s``: the plan and a host copy of every tensor, what that turn
+  did before it handed out views (for comparison; no longer on the
+  engine thread);
+- ``write_s``: ``write_checkpoint`` to a real directory from the views
+  (the tensors' bytes read, every tensor hashed, temp file, fsync, rename,
+  directory fsync; a worker thread).
 
 Each is the median of ``--repeats``. ``overhead_at`` gives, per interval N,
-the engine thread's share ``(capture + copy) / (N x step)`` and the share
+the engine thread's share ``(capture + turn) / (N x step)`` and the share
 with the write counted too (a worker thread, but on a 2-core machine it
 competes for the same cores). Prints one JSON object.
 
@@ -25,6 +30,7 @@ competes for the same cores). Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -32,13 +38,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import anyio
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from actors.checkpoints import write_checkpoint  # noqa: E402
+from actors.ssd_writer import EngineTensorSource, FileIdentity  # noqa: E402
 from kernels import CacheRegistry, Generation, load_model  # noqa: E402
 from kernels.cache import GenerationCheckpoint, OsFilePort, plan_entry, tensor_bytes  # noqa: E402
 from kernels.engine import encode_prompt  # noqa: E402
@@ -51,8 +60,25 @@ PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a me
           "and the letters the keeper writes back.\n\nChapter 1.")
 
 
-def _reader(data: list[bytes]) -> Callable[[int], memoryview]:
+T = TypeVar("T")
+
+
+def _reader(data: list[Any]) -> Callable[[int], memoryview]:
     return lambda j: memoryview(data[j])
+
+
+class _TimedTurns:
+    """Engine turns run inline (this thread is the engine thread here); each turn's time."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    async def run_when_idle(self, fn: Callable[[], T]) -> T:
+        began = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.times.append(time.perf_counter() - began)
 
 
 def measure(tokens: int, repeats: int, intervals: list[int], model: str | None) -> dict[str, Any]:
@@ -71,7 +97,9 @@ def measure(tokens: int, repeats: int, intervals: list[int], model: str | None) 
         gen.decode_step()
         steps.append(time.perf_counter() - began)
     registry = CacheRegistry()
-    capture, copy, write = [], [], []
+    turns = _TimedTurns()
+    source = EngineTensorSource(turns, registry, FileIdentity("m", "f", "t"))
+    capture, turn, copy, write = [], [], [], []
     file_bytes = 0
     with tempfile.TemporaryDirectory(prefix="kvtier-ckpt-cost-") as tmp:
         port = OsFilePort()
@@ -85,33 +113,43 @@ def measure(tokens: int, repeats: int, intervals: list[int], model: str | None) 
             capture.append(time.perf_counter() - began)
             record = GenerationCheckpoint("ab" * 16, len(prompt), point.pending_token,
                                           len(point.generated), None)
+            # the serving path's turn: plan + views; the write reads the views
+            plan, views = anyio.run(functools.partial(
+                source.checkpoint_views, reg.handle, namespace="", tokens=toks, checkpoint=record))
+            turn.append(turns.times[-1])
             began = time.perf_counter()
-            plan = plan_entry(registry.get(reg.handle), model_id="m", fingerprint="f",
-                              namespace="", tokenizer_hash="t", tokens=toks, checkpoint=record)
-            data = [bytes(tensor_bytes(plan, j)) for j in range(len(plan.tensors))]
-            plan.release_arrays()
-            copy.append(time.perf_counter() - began)
-            began = time.perf_counter()
-            write_checkpoint(port, tmp, plan, _reader(data))
+            write_checkpoint(port, tmp, plan, _reader(views))
             write.append(time.perf_counter() - began)
             file_bytes = plan.file_size
+            views.clear()
+            anyio.run(source.finish, plan)
+            # the turn before views: plan + a host copy of every tensor
+            began = time.perf_counter()
+            old = plan_entry(registry.get(reg.handle), model_id="m", fingerprint="f",
+                             namespace="", tokenizer_hash="t", tokens=toks, checkpoint=record)
+            data = [bytes(tensor_bytes(old, j)) for j in range(len(old.tensors))]
+            old.release_arrays()
+            copy.append(time.perf_counter() - began)
+            del data
             registry.dispose(reg.handle)
     step = statistics.median(steps)
-    cap, cp, wr = statistics.median(capture), statistics.median(copy), statistics.median(write)
+    cap, tn, wr = statistics.median(capture), statistics.median(turn), statistics.median(write)
     return {
         "tokens": tokens,
         "file_bytes": file_bytes,
         "step_s_median": round(step, 5),
         "capture_s_median": round(cap, 5),
-        "copy_s_median": round(cp, 5),
+        "turn_s_median": round(tn, 5),
+        "host_copy_s_median": round(statistics.median(copy), 5),
         "write_s_median": round(wr, 5),
         "overhead_at": {
-            str(n): {"engine_thread": round((cap + cp) / (n * step), 5),
-                     "with_write": round((cap + cp + wr) / (n * step), 5)}
+            str(n): {"engine_thread": round((cap + tn) / (n * step), 5),
+                     "with_write": round((cap + tn + wr) / (n * step), 5)}
             for n in intervals
         },
         "capture_s": [round(x, 5) for x in capture],
-        "copy_s": [round(x, 5) for x in copy],
+        "turn_s": [round(x, 5) for x in turn],
+        "host_copy_s": [round(x, 5) for x in copy],
         "write_s": [round(x, 5) for x in write],
     }
 
