@@ -1,11 +1,11 @@
 """The durability coordinator actor: a thin shell over ``actors.durability.core``.
 
 The shell reads the clock, hands each message to the core and performs the
-effects. It never awaits another actor's work: every request goes out with
-``try_tell`` (this actor as ``reply_to``, the core's ref as correlation id)
-and its answer arrives later as an ordinary message, so flush and stats
-asks are answered while writes run. A send that a full mailbox refuses, or
-that finds its target gone, goes back to the core as :class:`core.Undelivered`.
+effects. It never awaits another actor's work (``actors.runtime.try_request``,
+the shape it shares with the memory actor): a request's answer arrives
+later as an ordinary message, so flush and stats asks are answered while
+writes run. A send that a full mailbox refuses, or that finds its target
+gone, goes back to the core as :class:`core.Undelivered`.
 
 Clone steps: for :class:`core.RunClone` the shell registers a
 :class:`CloneSlot` step with the turn runner's registry and asks the gateway
@@ -15,26 +15,17 @@ hands it to the core with the message.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
-from actors.runtime import (
-    Actor,
-    ActorRef,
-    ActorStopped,
-    Context,
-    MailboxClosed,
-    UnknownAddress,
-    get_logger,
-)
+from actors.runtime import Actor, Context, WakeAlarm, get_logger, perform_all, try_request
 from messages import Envelope, Request
 from messages.durability import Wake
 from messages.gateway import RunWhenIdle, TurnDone
 
 from . import core
-from .ports import Alarm, Cloner, CloneSlot, LoopAlarm, StepRegistry
+from .ports import Alarm, Cloner, CloneSlot, StepRegistry
 
 __all__ = [
     "DURABILITY_ADDRESS",
@@ -73,16 +64,13 @@ class DurabilityCoordinator(Actor):
         self.state = state
         self._cloner = cloner
         self._steps = steps
-        self._alarm = alarm
+        self._alarm = WakeAlarm(Wake, alarm)
         self._targets = targets or DurabilityTargets()
         self._slots: dict[str, CloneSlot] = {}
-        self._self: ActorRef | None = None
 
     async def started(self, ctx: Context) -> None:
         """Bind the alarm to the system's clock (unless one was injected)."""
-        self._self = ctx.self_ref
-        if self._alarm is None:
-            self._alarm = LoopAlarm(ctx.clock)
+        self._alarm.bind(ctx)
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Hand one message (with a clone step's outcome) to the core; perform the effects."""
@@ -93,9 +81,7 @@ class DurabilityCoordinator(Actor):
             if slot is not None:
                 clone = slot.take()
             self._steps.discard(body.step_id)
-        event = core.Received(envelope, clone)
-        self.state, effects = ctx.traced(core.handle, self.state, event, ctx.clock.now())
-        await self._perform(effects, ctx)
+        await self._perform(self._step(core.Received(envelope, clone), ctx), ctx)
 
     async def stopped(self, ctx: Context) -> None:
         """Answer flush askers (not durable), give up waiting clone steps, cancel the alarm."""
@@ -104,10 +90,12 @@ class DurabilityCoordinator(Actor):
         for step_id in list(self._slots):
             self._drop_step(step_id)
 
+    def _step(self, event: core.Event, ctx: Context) -> Sequence[core.Effect]:
+        self.state, effects = ctx.traced(core.handle, self.state, event, ctx.clock.now())
+        return effects
+
     async def _perform(self, effects: Sequence[core.Effect], ctx: Context) -> None:
-        work = collections.deque(effects)
-        while work:
-            effect = work.popleft()
+        async def perform(effect: core.Effect) -> Sequence[core.Effect]:
             failed: core.Undelivered | None = None
             match effect:
                 case core.Send():
@@ -121,15 +109,14 @@ class DurabilityCoordinator(Actor):
                 case core.Answer():
                     await ctx.reply(effect.request, effect.body)
                 case core.SetAlarm():
-                    assert self._alarm is not None
-                    self._alarm.set(effect.at, self._wake)
+                    self._alarm.set(effect.at)
                 case core.Log():
                     _log.warning(effect.event, **dict(effect.fields))
                 case _:
                     assert_never(effect)
-            if failed is not None:
-                self.state, more = ctx.traced(core.handle, self.state, failed, ctx.clock.now())
-                work.extend(more)
+            return () if failed is None else self._step(failed, ctx)
+
+        await perform_all(effects, perform)
 
     def _address(self, target: core.Target) -> str:
         if target == "ssd_writer":
@@ -139,13 +126,8 @@ class DurabilityCoordinator(Actor):
         return self._targets.spill_queue
 
     def _send(self, ref: str, to: str, body: Request, ctx: Context) -> core.Undelivered | None:
-        request = body.model_copy(update={"reply_to": ctx.name})
-        try:
-            sent = ctx.ref(to).try_tell(request, correlation_id=ref)
-        except (ActorStopped, MailboxClosed, UnknownAddress) as exc:
-            _log.warning("durability.target_gone", to=to, error=type(exc).__name__)
-            return core.Undelivered(ref, "gone")
-        return None if sent else core.Undelivered(ref, "full")
+        failed = try_request(ctx, to, body, ref, log_as="durability")
+        return None if failed is None else core.Undelivered(ref, failed)
 
     def _run_clone(self, effect: core.RunClone, ctx: Context) -> core.Undelivered | None:
         slot = CloneSlot(self._cloner, effect.handle)
@@ -172,14 +154,3 @@ class DurabilityCoordinator(Actor):
             # NOTE: the registry raises UnknownCacheHandle (a KeyError) for a
             # handle it no longer knows; there is nothing left to free.
             _log.warning("durability.dispose_unknown", handle=handle)
-
-    def _wake(self) -> None:
-        ref = self._self
-        if ref is None:
-            return
-        try:
-            # NOTE: a full mailbox means messages are waiting; handling any of
-            # them brings time forward just as this Wake would.
-            ref.try_tell(Wake())
-        except (ActorStopped, MailboxClosed, UnknownAddress):
-            return

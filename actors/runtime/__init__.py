@@ -19,6 +19,7 @@ from ._actor import (
     Tell,
 )
 from ._alarm import Alarm, LoopAlarm
+from ._asking import NotSent, WakeAlarm, perform_all, try_request
 from ._context import current_envelope, use_correlation
 from ._core_codec import CodecError, Decoder, Encoder, Opaque
 from ._core_replay import is_live_trace, replay_core_trace
@@ -90,6 +91,7 @@ __all__ = [
     "MailboxFull",
     "MailboxStatistics",
     "ManualClock",
+    "NotSent",
     "Opaque",
     "ReceiveTimeout",
     "ReplayDiverged",
@@ -112,11 +114,13 @@ __all__ = [
     "Tell",
     "UnexpectedReply",
     "UnknownAddress",
+    "WakeAlarm",
     "configure_logging",
     "current_core_trace",
     "current_envelope",
     "get_logger",
     "is_live_trace",
+    "perform_all",
     "record_core_trace",
     "record_trace",
     "recording",
@@ -124,5 +128,6 @@ __all__ = [
     "replay_trace",
     "set_tracing",
     "traced",
+    "try_request",
     "use_correlation",
 ]
