@@ -257,11 +257,14 @@ class EngineTensorSource:
             self._held.pop(id(plan), None)
             plan.release_arrays()
 
-    async def _claimed(self, step: Callable[[_Claim], T]) -> T:
-        """Run ``step`` in one idle turn; a plan it took is orphaned if the await fails."""
-        claim = _Claim()
+    async def _claimed(self, claim: _Claim, step: Callable[[], T]) -> T:
+        """Run ``step`` in one idle turn; the plan it took in ``claim`` is orphaned if the await fails.
+
+        NOTE: ``step`` is a named closure (not a partial): the engine's slow-step
+        log names it.
+        """
         try:
-            return await self._turns.run_when_idle(functools.partial(step, claim))
+            return await self._turns.run_when_idle(step)
         except BaseException:
             plan = claim.abandon()
             if plan is not None:
@@ -272,8 +275,9 @@ class EngineTensorSource:
     async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
         """See :meth:`TensorSource.plan`."""
         ident = self._identity
+        claim = _Claim()
 
-        def plan_step(claim: _Claim) -> EntryPlan:
+        def plan_step() -> EntryPlan:
             self._release_orphans()
             plan = plan_entry(
                 self._caches.get(handle),
@@ -287,7 +291,7 @@ class EngineTensorSource:
                 plan.release_arrays()
             return plan
 
-        return await self._claimed(plan_step)
+        return await self._claimed(claim, plan_step)
 
     async def tensor(self, plan: EntryPlan, index: int) -> BytesLike:
         """See :meth:`TensorSource.tensor`."""
@@ -324,8 +328,9 @@ class EngineTensorSource:
         the plan's arrays on the engine thread.
         """
         ident = self._identity
+        claim = _Claim()
 
-        def checkpoint_step(claim: _Claim) -> tuple[EntryPlan, list[BytesLike]]:
+        def checkpoint_step() -> tuple[EntryPlan, list[BytesLike]]:
             self._release_orphans()
             plan = plan_entry(
                 self._caches.get(handle),
@@ -348,7 +353,7 @@ class EngineTensorSource:
             self._held[id(plan)] = views
             return plan, list(views)
 
-        return await self._claimed(checkpoint_step)
+        return await self._claimed(claim, checkpoint_step)
 
     async def finish(self, plan: EntryPlan) -> None:
         """See :meth:`TensorSource.finish`."""

@@ -221,9 +221,10 @@ class StoreWorker(Actor):
         except _SourceFailed:
             return core.SourceFailed(ctx.clock.now())
         # NOTE: the view is lent to the worker thread in a list that is
-        # emptied here once the write returned, so no reference of ours (nor
-        # the worker thread's call frame, which outlives the call) is left
-        # when the source frees the MLX buffer on the engine thread.
+        # emptied here once the write returned, so neither we nor the worker
+        # thread (anyio drops a call's arguments only after it reported the
+        # result) hold it when the source frees the MLX buffer on the engine
+        # thread.
         lent = [data]
         del data
         try:
