@@ -81,17 +81,16 @@ class DurabilityCoordinator(Actor):
             if slot is not None:
                 clone = slot.take()
             self._steps.discard(body.step_id)
-        await self._perform(self._step(core.Received(envelope, clone), ctx), ctx)
+        await self._perform(self._step(core.Received(envelope, ctx.clock.now(), clone), ctx), ctx)
 
     async def stopped(self, ctx: Context) -> None:
         """Answer flush askers (not durable), give up waiting clone steps, cancel the alarm."""
-        self.state, effects = ctx.traced(core.stop, self.state, ctx.clock.now())
-        await self._perform(effects, ctx)
+        await self._perform(self._step(core.Stopping(ctx.clock.now()), ctx), ctx)
         for step_id in list(self._slots):
             self._drop_step(step_id)
 
     def _step(self, event: core.Event, ctx: Context) -> Sequence[core.Effect]:
-        self.state, effects = ctx.traced(core.handle, self.state, event, ctx.clock.now())
+        self.state, effects = ctx.traced(core.handle, self.state, event)
         return effects
 
     async def _perform(self, effects: Sequence[core.Effect], ctx: Context) -> None:
@@ -127,7 +126,7 @@ class DurabilityCoordinator(Actor):
 
     def _send(self, ref: str, to: str, body: Request, ctx: Context) -> core.Undelivered | None:
         failed = try_request(ctx, to, body, ref, log_as="durability")
-        return None if failed is None else core.Undelivered(ref, failed)
+        return None if failed is None else core.Undelivered(ref, failed, ctx.clock.now())
 
     def _run_clone(self, effect: core.RunClone, ctx: Context) -> core.Undelivered | None:
         slot = CloneSlot(self._cloner, effect.handle)

@@ -1,7 +1,8 @@
-"""The durability coordinator's rules as a sans-IO core: ``handle(state, event, now) -> (state, effects)``.
+"""The durability coordinator's rules as a sans-IO core: ``handle(state, event) -> (state, effects)``.
 
 Pure Python over token tuples and reply bodies: no arrays, no I/O, no clock
-reads (``now`` comes from the shell's injected clock), no timers (the core
+reads (every event carries ``now``, read by the shell from the injected
+clock), no timers (the core
 asks for ONE alarm with :class:`SetAlarm`). The shell
 (``actors/durability/actor.py``) performs the effects and reports what it
 could not do (:class:`Undelivered`). The protocol is ``docs/durability.md``.
@@ -58,7 +59,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, assert_never
 
 from messages import (
     Body,
@@ -107,6 +108,7 @@ __all__ = [
     "RunClone",
     "Send",
     "SetAlarm",
+    "Stopping",
     "Target",
     "Undelivered",
     "UnknownDurabilityMessage",
@@ -114,7 +116,6 @@ __all__ = [
     "handle",
     "next_wake",
     "stats",
-    "stop",
 ]
 
 Key = tuple[str, tuple[int, ...]]
@@ -200,21 +201,30 @@ CloneOutcome = Cloned | Vanished | CloneFailed
 
 @dataclass(frozen=True, slots=True)
 class Received:
-    """A message arrived. For a ``TurnDone``, ``clone`` is what the step produced, if it ran."""
+    """A message arrived at clock time ``now``. For a ``TurnDone``, ``clone`` is what the step produced, if it ran."""
 
     envelope: Envelope
+    now: float
     clone: CloneOutcome | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Undelivered:
-    """The shell could not send request ``ref``: the mailbox was ``full``, or the actor is ``gone``."""
+    """The shell could not send request ``ref`` at ``now``: the mailbox was ``full``, or the actor is ``gone``."""
 
     ref: str
     reason: Literal["full", "gone"]
+    now: float
 
 
-Event = Received | Undelivered
+@dataclass(frozen=True, slots=True)
+class Stopping:
+    """The coordinator stops at clock time ``now``."""
+
+    now: float
+
+
+Event = Received | Undelivered | Stopping
 
 
 # --- effects (core -> shell) --------------------------------------------------
@@ -1128,48 +1138,57 @@ def stats(state: DurabilityState) -> DurabilityStats:
     )
 
 
-def handle(
-    state: DurabilityState, event: Event, now: float
-) -> tuple[DurabilityState, list[Effect]]:
-    """Apply one event at clock time ``now``; return the state and the effects, in order."""
+def handle(state: DurabilityState, event: Event) -> tuple[DurabilityState, list[Effect]]:
+    """Apply one event (at its clock time ``now``); return the state and the effects, in order."""
+    now = event.now
     out: list[Effect] = []
-    if isinstance(event, Undelivered):
-        _undelivered(state, event, now, out)
-    else:
-        envelope = event.envelope
-        body = envelope.body
-        if isinstance(body, Schedule):
-            _schedule(state, body, now, out)
-        elif isinstance(body, Flush):
-            if state.stopped:
-                out.append(Answer(envelope, _stopped_result(state, now)))
-            else:
-                state.flush_queue.append(envelope)
-        elif isinstance(body, FlushAll):
-            if state.stopped:
-                out.append(Answer(envelope, _stopped_result(state, now)))
-            else:
-                # NOTE: each FlushAll its own barrier: puts handed to the
-                # prompt cache before THIS message are in its scope.
-                ref = _request(state, "prompt_cache", PromptCacheStatsRequest(), "barrier",
-                               now, out)
-                state.barriers[ref] = envelope
-        elif isinstance(body, DurabilityStatsRequest):
-            out.append(Answer(envelope, stats(state)))
-        elif isinstance(body, Wake):
-            pass  # NOTE: the alarm only brings time forward; the pump below acts.
-        elif isinstance(
-            body,
-            CoversResult | TurnDone | SpillSettled | SpillsDrained | SsdStats | PromptCacheStats
-            | Failure,
-        ):
-            _reply(state, envelope.correlation_id, body, event.clone, now, out)
-        else:
-            raise UnknownDurabilityMessage(f"durability has no rule for {body.kind!r}")
+    match event:
+        case Stopping():
+            _stop(state, now, out)
+            return state, out
+        case Undelivered():
+            _undelivered(state, event, now, out)
+        case Received():
+            _received(state, event, now, out)
+        case _:
+            assert_never(event)
     _expire(state, now, out)
     _pump(state, now, out)
     _alarm(state, now, out)
     return state, out
+
+
+def _received(state: DurabilityState, event: Received, now: float, out: list[Effect]) -> None:
+    envelope = event.envelope
+    body = envelope.body
+    if isinstance(body, Schedule):
+        _schedule(state, body, now, out)
+    elif isinstance(body, Flush):
+        if state.stopped:
+            out.append(Answer(envelope, _stopped_result(state, now)))
+        else:
+            state.flush_queue.append(envelope)
+    elif isinstance(body, FlushAll):
+        if state.stopped:
+            out.append(Answer(envelope, _stopped_result(state, now)))
+        else:
+            # NOTE: each FlushAll its own barrier: puts handed to the
+            # prompt cache before THIS message are in its scope.
+            ref = _request(state, "prompt_cache", PromptCacheStatsRequest(), "barrier",
+                           now, out)
+            state.barriers[ref] = envelope
+    elif isinstance(body, DurabilityStatsRequest):
+        out.append(Answer(envelope, stats(state)))
+    elif isinstance(body, Wake):
+        pass  # NOTE: the alarm only brings time forward; the pump in handle acts.
+    elif isinstance(
+        body,
+        CoversResult | TurnDone | SpillSettled | SpillsDrained | SsdStats | PromptCacheStats
+        | Failure,
+    ):
+        _reply(state, envelope.correlation_id, body, event.clone, now, out)
+    else:
+        raise UnknownDurabilityMessage(f"durability has no rule for {body.kind!r}")
 
 
 def _stopped_result(state: DurabilityState, now: float) -> FlushResult:
@@ -1189,10 +1208,9 @@ def _stopped_result(state: DurabilityState, now: float) -> FlushResult:
     )
 
 
-def stop(state: DurabilityState, now: float) -> tuple[DurabilityState, list[Effect]]:
+def _stop(state: DurabilityState, now: float, out: list[Effect]) -> None:
     """The coordinator stops: answer every flush asker (not durable), drop waiting steps, no alarm."""
     state.stopped = True
-    out: list[Effect] = []
     waiters = list(state.flush_queue) + list(state.barriers.values())
     if state.flush is not None:
         waiters = state.flush.waiters + waiters
@@ -1215,4 +1233,3 @@ def stop(state: DurabilityState, now: float) -> tuple[DurabilityState, list[Effe
     if state.alarm_at is not None:
         state.alarm_at = None
         out.append(SetAlarm(None))
-    return state, out

@@ -81,13 +81,13 @@ class Driver:
         self.log: list[core.Effect] = []
 
     def _do(self, event: core.Event) -> list[core.Effect]:
-        self.state, effects = core.handle(self.state, event, self.now)
+        self.state, effects = core.handle(self.state, event)
         self.log.extend(effects)
         return effects
 
     def deliver(self, body: Body, *, correlation: str = "c-ext") -> list[core.Effect]:
         """Deliver ``body`` (a reply when ``correlation`` is a ref)."""
-        return self._do(core.Received(env(body, correlation)))
+        return self._do(core.Received(env(body, correlation), self.now))
 
     def schedule(self, tokens: tuple[int, ...], handle: str, ns: str = "") -> list[core.Effect]:
         """A put of ``tokens`` under ``handle``."""
@@ -100,10 +100,14 @@ class Driver:
         self.now = at if at is not None else alarm  # type: ignore[assignment]
         return self.deliver(Wake())
 
+    def stop(self) -> list[core.Effect]:
+        """The coordinator stops."""
+        return self._do(core.Stopping(self.now))
+
     def flush(self) -> tuple[Envelope, list[core.Effect]]:
         """Ask for a flush; the request envelope (answered later) and the effects."""
         request = env(Flush(reply_to="asker"))
-        return request, self._do(core.Received(request))
+        return request, self._do(core.Received(request, self.now))
 
     def covers(self, ref: str, covered: bool) -> list[core.Effect]:
         """The SSD index answers the Covers ``ref``."""
@@ -114,7 +118,7 @@ class Driver:
     ) -> list[core.Effect]:
         """The gateway answers the RunWhenIdle ``ref`` (the step's outcome with it)."""
         done = TurnDone(step_id=ref, ok=clone is not None, error_code=error)
-        return self._do(core.Received(env(done, ref), clone))
+        return self._do(core.Received(env(done, ref), self.now, clone))
 
     def settle(
         self, ref: str, handle: str, outcome: SpillOutcome, reason: str = ""

@@ -167,7 +167,7 @@ def test_a_clone_refused_by_a_full_queue_is_disposed_and_retried_soon() -> None:
     """Undelivered Enqueue: the clone never reached the queue, so the core disposes it."""
     d = Driver()
     enq = to_queue(d, started(d))
-    effects = d._do(core.Undelivered(enq, "full"))
+    effects = d._do(core.Undelivered(enq, "full", d.now))
     assert core.DisposeClone("c1") in effects
     assert d.state.written == 0
     assert d.state.records[("", T1)].due == pytest.approx(d.now + d.config.retry_s)
@@ -388,7 +388,7 @@ def test_a_send_to_a_stopped_actor_fails_the_attempt() -> None:
     """Undelivered 'gone' on the Covers: the attempt ends and the record backs off."""
     d = Driver()
     ref = started(d)
-    d._do(core.Undelivered(ref, "gone"))
+    d._do(core.Undelivered(ref, "gone", d.now))
     rec = d.state.records[("", T1)]
     assert rec.attempt is None
     assert rec.failures == 1
@@ -399,7 +399,7 @@ def test_stop_answers_flush_askers_not_durable_and_drops_waiting_steps() -> None
     d = Driver()
     turn = only_clone(d.covers(started(d), False))
     _asker, _ = d.flush()
-    d.state, effects = core.stop(d.state, d.now)
+    effects = d.stop()
     (result,) = results(effects)
     assert not result.durable
     assert core.DropStep(turn.step_id) in effects

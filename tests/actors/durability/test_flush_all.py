@@ -25,7 +25,7 @@ def test_a_put_scheduled_before_the_barriers_answer_is_in_the_flush_and_the_queu
     answer is in the flush's scope; the asker is answered only after a second, final drain."""
     d = Driver()
     request = env(FlushAll(reply_to="engine"))
-    effects = d._do(core.Received(request))
+    effects = d._do(core.Received(request, d.now))
     barrier = only_send(effects, "prompt_cache.stats_request")
     assert (barrier.to, barrier.body) == ("prompt_cache", PromptCacheStatsRequest())
     assert _running(d) is None
@@ -54,7 +54,7 @@ def test_a_failed_barrier_still_flushes_and_a_stopping_coordinator_answers_every
     waiting for its barrier and one waiting for its final drain, neither durable."""
     d = Driver()
     first = env(FlushAll(reply_to="engine"))
-    barrier = only_send(d._do(core.Received(first)), "prompt_cache.stats_request")
+    barrier = only_send(d._do(core.Received(first, d.now)), "prompt_cache.stats_request")
     failure = Failure.model_validate({"error": "HandlerFailed: boom"})
     effects = d.deliver(failure, correlation=barrier.ref)
     assert d.state.flush is not None
@@ -63,8 +63,8 @@ def test_a_failed_barrier_still_flushes_and_a_stopping_coordinator_answers_every
     final = only_send(d.stats_reply(stats_ask.ref), "spill_queue.drain")
     assert final.ref in d.state.final_drains
     second = env(FlushAll(reply_to="engine"))
-    assert [s.to for s in sends(d._do(core.Received(second)))] == ["prompt_cache"]
-    d.state, effects = core.stop(d.state, d.now)
+    assert [s.to for s in sends(d._do(core.Received(second, d.now)))] == ["prompt_cache"]
+    effects = d.stop()
     answered = [e.request for e in effects if isinstance(e, core.Answer)]
     assert answered == [second, first]
     assert not results(effects)[0].durable
