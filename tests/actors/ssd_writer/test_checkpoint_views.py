@@ -184,3 +184,38 @@ async def test_views_of_an_abandoned_checkpoint_turn_die_in_the_next_turn_on_the
     assert set(deaths) == {engine_thread}
     await source.finish(plan)
     registry.dispose(reg.handle)
+
+
+class _LateTurns:
+    """Engine turns whose asker stops waiting first: the turn runs only afterwards."""
+
+    def __init__(self) -> None:
+        self.late: list[Callable[[], Any]] = []
+
+    async def run_when_idle(self, fn: Callable[[], T]) -> T:
+        """Keep ``fn`` for a later run and fail the wait at once."""
+        self.late.append(fn)
+        raise TimeoutError("the asker stopped waiting before the turn ran")
+
+
+async def test_a_checkpoint_turn_that_runs_after_its_asker_left_releases_its_views_itself(
+    engine: EngineThread, model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn that runs after its asker stopped waiting releases its views in that same turn,
+    on the engine thread, and leaves nothing held."""
+    handed, deaths = _tracking(monkeypatch)
+    registry = CacheRegistry()
+    reg = await _snapshot(engine, registry, model)
+    turns = _LateTurns()
+    source = EngineTensorSource(turns, registry, IDENTITY)
+    engine_thread = await engine.run(threading.get_ident)
+    with pytest.raises(TimeoutError):
+        await source.checkpoint_views(reg.handle, namespace="", tokens=(*PROMPT, *EMITTED),
+                                      checkpoint=_record())  # fmt: skip
+    (late,) = turns.late
+    _, views = await engine.run(late)
+    assert views == []
+    assert handed
+    assert len(deaths) == len(handed)
+    assert set(deaths) == {engine_thread}
+    registry.dispose(reg.handle)
