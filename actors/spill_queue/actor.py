@@ -73,27 +73,29 @@ class SpillQueue(Actor):
 
     async def stopped(self, ctx: Context) -> None:
         """Release every handle still owned (queued and in flight)."""
-        self.state, effects = ctx.traced(core.stop, self.state)
+        self.state, effects = ctx.traced(core.handle, self.state, core.Stopping())
         await self._perform(effects, ctx)
 
     async def _perform(self, effects: Sequence[core.Effect], ctx: Context) -> None:
         work = collections.deque(effects)
         while work:
             effect = work.popleft()
-            if isinstance(effect, core.SendStore):
-                work.extend(await self._send_store(effect.item, ctx))
-            elif isinstance(effect, core.ReleaseHandle):
-                self._release(effect.handle)
-            elif isinstance(effect, core.RequestDrain):
-                if not self._request_drain(effect.step_id, ctx):
-                    self.state, more = ctx.traced(core.drain_undelivered, self.state)
-                    work.extend(more)
-            elif isinstance(effect, core.Answer):
-                await ctx.reply(effect.request, effect.body)
-            elif isinstance(effect, core.SendRemoveCheckpoints):
-                await self._send_remove(effect.request_key, ctx)
-            else:
-                assert_never(effect)
+            match effect:
+                case core.SendStore(item=item):
+                    work.extend(await self._send_store(item, ctx))
+                case core.ReleaseHandle(handle=handle):
+                    self._release(handle)
+                case core.RequestDrain(step_id=step_id):
+                    if not self._request_drain(step_id, ctx):
+                        undelivered = core.DrainUndelivered()
+                        self.state, more = ctx.traced(core.handle, self.state, undelivered)
+                        work.extend(more)
+                case core.Answer(request=request, body=body):
+                    await ctx.reply(request, body)
+                case core.SendRemoveCheckpoints(request_key=request_key):
+                    await self._send_remove(request_key, ctx)
+                case _:
+                    assert_never(effect)
 
     async def _send_store(self, item: core.Item, ctx: Context) -> list[core.Effect]:
         body = Store(
@@ -111,7 +113,8 @@ class SpillQueue(Actor):
             _log.warning(
                 "spill_queue.writer_unavailable", handle=item.handle, error=type(exc).__name__
             )
-            self.state, more = ctx.traced(core.store_unavailable, self.state, item.handle, "writer_unavailable")
+            unavailable = core.StoreUnavailable(item.handle, "writer_unavailable")
+            self.state, more = ctx.traced(core.handle, self.state, unavailable)
             return more
         return []
 

@@ -1,6 +1,9 @@
-"""The spill queue's rules as a sans-IO core: ``handle(state, envelope) -> (state, effects)``.
+"""The spill queue's rules as a sans-IO core: ``handle(state, event) -> (state, effects)``.
 
-Pure Python over metadata: no arrays, no I/O, no clock. The shell
+Pure Python over metadata: no arrays, no I/O, no clock (no rule here
+depends on time). An event is a message (its :class:`Envelope`) or what the
+shell reports: :class:`StoreUnavailable`, :class:`DrainUndelivered`,
+:class:`Stopping`. The shell
 (``actors/spill_queue/actor.py``) performs the effects: :class:`SendStore`
 hands the in-flight item to the SSD writer, :class:`ReleaseHandle` disposes a
 handle through the registry, :class:`RequestDrain` asks for the background
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from messages import (
     Body,
@@ -67,21 +71,22 @@ from messages.gateway import TurnDone
 __all__ = [
     "DEFAULT_CAP_BYTES",
     "Answer",
+    "DrainUndelivered",
     "Effect",
+    "Event",
     "Item",
     "QueueState",
     "ReleaseHandle",
     "RequestDrain",
     "SendRemoveCheckpoints",
     "SendStore",
+    "Stopping",
+    "StoreUnavailable",
     "UnknownSpillQueueMessage",
-    "drain_undelivered",
     "drained",
     "handle",
     "pending_bytes",
     "stats",
-    "stop",
-    "store_unavailable",
 ]
 
 DEFAULT_CAP_BYTES = 2 * 1024**3
@@ -114,6 +119,30 @@ class Item:
     def nbytes(self) -> int:
         """Bytes the item pins in memory until it settles."""
         return self.meta.nbytes
+
+
+# --- events (shell -> core), besides a message's Envelope ------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUnavailable:
+    """The writer cannot take or answer the in-flight item ``handle`` (``reason``): it failed."""
+
+    handle: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DrainUndelivered:
+    """The drain request (:class:`RequestDrain`) could not be sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stopping:
+    """The queue stops."""
+
+
+Event = Envelope | StoreUnavailable | DrainUndelivered | Stopping
 
 
 # --- effects (core -> shell) ----------------------------------------------
@@ -371,19 +400,17 @@ def store_result(state: QueueState, msg: StoreResult) -> list[Effect]:
     return effects + _after_settle(state)
 
 
-def store_unavailable(
-    state: QueueState, handle_id: str, reason: str
-) -> tuple[QueueState, list[Effect]]:
+def _store_unavailable(state: QueueState, handle_id: str, reason: str) -> list[Effect]:
     """The writer cannot take or answer the in-flight item: it failed."""
     item = state.in_flight
     if item is None or item.handle != handle_id:
-        return state, []
+        return []
     state.in_flight = None
     state.failed += 1
-    return state, _with_drain(state, _settle(state, item, "failed", reason) + _after_settle(state))
+    return _with_drain(state, _settle(state, item, "failed", reason) + _after_settle(state))
 
 
-def stop(state: QueueState) -> tuple[QueueState, list[Effect]]:
+def _stop(state: QueueState) -> list[Effect]:
     """The queue stops: release every item (queued and in flight), answer drain waiters.
 
     NOTE: the in-flight item is released too: a writer still reading it then
@@ -406,7 +433,7 @@ def stop(state: QueueState) -> tuple[QueueState, list[Effect]]:
         body = _drained_body(state)
         waiters, state.drain_waiters = state.drain_waiters, []
         effects += [Answer(w, body) for w in waiters]
-    return state, effects
+    return effects
 
 
 def stats(state: QueueState) -> SpillQueueStats:
@@ -441,17 +468,23 @@ def _with_drain(state: QueueState, effects: list[Effect]) -> list[Effect]:
     return [*effects, RequestDrain(state.drain_step)]
 
 
-def drain_undelivered(state: QueueState) -> tuple[QueueState, list[Effect]]:
-    """The drain request could not be sent: nothing is in flight; the next release asks again."""
-    state.drain_in_flight = False
-    state.undrained += 1
-    return state, []
-
-
-def handle(state: QueueState, envelope: Envelope) -> tuple[QueueState, list[Effect]]:
-    """Apply one message to ``state``; return it with the effects to perform, in order."""
-    state, effects = _handle(state, envelope)
-    return state, _with_drain(state, effects)
+def handle(state: QueueState, event: Event) -> tuple[QueueState, list[Effect]]:
+    """Apply one event to ``state``; return it with the effects to perform, in order."""
+    match event:
+        case Envelope():
+            state, effects = _handle(state, event)
+            return state, _with_drain(state, effects)
+        case StoreUnavailable(handle=handle_id, reason=reason):
+            return state, _store_unavailable(state, handle_id, reason)
+        case DrainUndelivered():
+            # NOTE: nothing is in flight; the next release asks again.
+            state.drain_in_flight = False
+            state.undrained += 1
+            return state, []
+        case Stopping():
+            return state, _stop(state)
+        case _:
+            assert_never(event)
 
 
 def _handle(state: QueueState, envelope: Envelope) -> tuple[QueueState, list[Effect]]:
@@ -473,7 +506,7 @@ def _handle(state: QueueState, envelope: Envelope) -> tuple[QueueState, list[Eff
         # only one Store is ever outstanding, so it is the in-flight item's.
         if state.in_flight is None:
             return state, []
-        return store_unavailable(state, state.in_flight.handle, "writer_failed")
+        return state, _store_unavailable(state, state.in_flight.handle, "writer_failed")
     if isinstance(body, DrainSpills):
         if drained(state):
             return state, [Answer(envelope, _drained_body(state))]

@@ -179,7 +179,7 @@ def test_writer_unavailable_fails_the_item_and_moves_on() -> None:
     state = core.QueueState(cap_bytes=100)
     core.handle(state, env(enqueue("a", 5)))
     core.handle(state, env(enqueue("b", 5)))
-    _, fx = core.store_unavailable(state, "a", "writer_unavailable")
+    _, fx = core.handle(state, core.StoreUnavailable("a", "writer_unavailable"))
     assert released(fx) == ["a"]
     assert sent(fx) == ["b"]
 
@@ -208,7 +208,7 @@ def test_stop_releases_queued_and_in_flight_handles_and_answers_waiters() -> Non
     core.handle(state, env(enqueue("a", 5)))
     core.handle(state, env(enqueue("b", 5)))
     core.handle(state, env(DrainSpills(reply_to="w")))
-    _, fx = core.stop(state)
+    _, fx = core.handle(state, core.Stopping())
     assert sorted(released(fx)) == ["a", "b"]
     assert [type(b) for b in answers(fx)] == [SpillsDrained]
     _, fx = core.handle(state, env(enqueue("c", 5, reply=True)))
@@ -314,7 +314,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule()
     def stop(self) -> None:
         """The queue stops: everything owned is released."""
-        _, fx = core.stop(self.state)
+        _, fx = core.handle(self.state, core.Stopping())
         self._apply(fx)
         self.stopped = True
 

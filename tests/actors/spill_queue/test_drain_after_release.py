@@ -58,7 +58,7 @@ def test_an_unsent_drain_request_is_asked_again_by_the_next_release() -> None:
     state, _ = core.handle(state, env(enqueue("h2", 10)))
     state, effects = core.handle(state, env(StoreResult(handle="h1", stored=True)))
     assert drains(effects) == [STEP]
-    state, _ = core.drain_undelivered(state)
+    state, _ = core.handle(state, core.DrainUndelivered())
     state, effects = core.handle(state, env(StoreResult(handle="h2", stored=True)))
     assert drains(effects) == [STEP]
 
