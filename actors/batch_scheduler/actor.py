@@ -12,8 +12,10 @@ It never awaits the engine: a granted turn's job (a step chain,
 the ``Executor``; each step's output, and the job's end, come back through
 a ``BatchWake`` posted to this mailbox's reserved room, so tokens stream per
 step and cancels, new admissions and the gateway's ``StopBatchChain`` are
-handled while the engine computes (the core answers them with
-``StopChain``, which sets the chain's stop flag). If the handler itself
+handled while the engine computes: rows to join or remove are offered to
+the running chain (``OfferRows``: ``Chain.offer``, taken by its next step;
+a chain that closed hands them back, ``RowsReturned``), and what needs the
+engine back gets ``StopChain``, which sets the chain's stop flag. If the handler itself
 raises while handling a ``RunBatchStep`` or a ``BatchWake``, the runtime
 answers the gateway with a ``Failure`` (their reply slot), and the gateway
 ends the turn.
@@ -243,12 +245,14 @@ class BatchScheduler(Actor):
             if last:
                 # NOTE: before feeding: the core may submit the turn's next job.
                 self._chain = None
+                await self._returned(chain, ctx)
             await self._feed(core.StepFinished(turn, out, ctx.clock.now(), last), ctx)
             if last:
                 return
         if not chain.ended or self._chain is not chain:
             return
         self._chain = None
+        await self._returned(chain, ctx)
         exc, now = chain.error, ctx.clock.now()
         if exc is None:
             await self._feed(core.JobEnded(turn, now), ctx)
@@ -256,6 +260,15 @@ class BatchScheduler(Actor):
         _log.warning("batch.step_failed", turn=turn, error=repr(exc))
         detail = f"{type(exc).__name__}: {exc}"
         await self._feed(core.StepFailed(turn, "batch_step_failed", detail, now), ctx)
+
+    async def _returned(self, chain: Chain, ctx: Context) -> None:
+        """Before the end of ``chain``'s job reaches the core: the offered rows no step took."""
+        joins, cancels = chain.returned
+        if not joins and not cancels:
+            return
+        chain.returned = ((), ())
+        rids = tuple(j.request.request_id for j in joins)
+        await self._feed(core.RowsReturned(chain.turn, rids, cancels, ctx.clock.now()), ctx)
 
     # --- the core -------------------------------------------------------------------
 
@@ -318,6 +331,13 @@ class BatchScheduler(Actor):
                     for j in effect.joins
                 )
                 return self._submit(dataclasses.replace(effect, joins=joins), ctx)
+            case core.OfferRows():
+                chain = self._chain
+                if chain is not None and chain.turn == effect.turn \
+                        and chain.offer(effect.joins, effect.cancels):
+                    return None
+                rids = tuple(j.request.request_id for j in effect.joins)
+                return core.RowsReturned(effect.turn, rids, effect.cancels, ctx.clock.now())
             case core.StopChain():
                 chain = self._chain
                 if chain is not None and chain.turn == effect.turn:

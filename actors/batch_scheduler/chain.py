@@ -3,11 +3,13 @@
 A granted batch turn runs as ONE engine job (:func:`run_chain`): the next
 batch step starts as soon as one ends, without a trip through the event
 loop, the gateway and back, and each step's :class:`~.core.StepOut` is
-handed to the loop as it exists (so tokens still stream per step). The
-scheduler's core decides when the chain must end (a row ready to join, a
-cancel, a slow reader's removal, the gateway asking for the turn back,
-stopping) and the shell sets ``stop``; the engine thread reads it before
-every step after the first. The record and its cross-thread rules are the
+handed to the loop as it exists (so tokens still stream per step). Rows
+ready to join and joined rows to remove (a cancel, a slow reader) are
+offered to the running chain (``Chain.offer``) and taken by its next step.
+The scheduler's core decides when the chain must end (the gateway asking
+for the turn back, stopping, a row the chain cannot take) and the shell
+sets ``stop``; the engine thread reads it before every step after the
+first. The record and its cross-thread rules are the
 serial lane's too: :class:`actors.runtime.EngineJob`.
 """
 
@@ -103,9 +105,19 @@ class Chain(EngineJob[StepOut]):
     ``waker``: how the engine thread wakes the loop after a step
     (:class:`LoopWaker`; ``None``: ``call_soon_threadsafe`` from the engine
     thread itself).
+
+    Rows join a running chain (:meth:`offer`, on the loop): the engine
+    thread takes what was offered before each step after the first
+    (:meth:`next_work`), so a row ready to join enters at the next step
+    without ending the chain and paying a turn's round trip through the
+    loop and the gateway. Once the engine thread has decided to end the
+    chain it is *closed*: an offer is refused, and whatever was offered
+    and not taken is in ``returned`` (read by the loop once the job
+    ended). NOTE: the offer, the take and the close hold one lock, so an
+    offered row is either run by this job or handed back, never lost.
     """
 
-    __slots__ = ("waker",)
+    __slots__ = ("_closed", "_lock", "_offered", "returned", "waker")
 
     def __init__(
         self,
@@ -118,11 +130,53 @@ class Chain(EngineJob[StepOut]):
     ) -> None:
         super().__init__(turn, loop, post, budget=max(1, budget), wake_lost="batch.wake_lost")
         self.waker = waker
+        self._lock = threading.Lock()
+        self._offered: tuple[list[JoinRow], list[str]] = ([], [])
+        self._closed = False
+        self.returned: tuple[tuple[JoinRow, ...], tuple[str, ...]] = ((), ())
+        """Offered joins and cancels no step took (set when the chain closed)."""
 
     @property
     def turn(self) -> int:
         """The batch turn this chain runs."""
         return self.ident
+
+    def offer(self, joins: Sequence[JoinRow], cancels: Sequence[str]) -> bool:
+        """Loop: have the next step join ``joins`` and cancel ``cancels``; False once the chain is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._offered[0].extend(joins)
+            self._offered[1].extend(cancels)
+            return True
+
+    def next_work(self, idle: Callable[[], bool]) -> tuple[list[JoinRow], list[str]] | None:
+        """Engine thread, after a step: the next step's joins and cancels, or ``None`` (the chain closed).
+
+        The chain goes on while :meth:`may_go_on` and the batch holds a row or
+        something was offered; otherwise it closes, handing back what was
+        offered (``returned``).
+        """
+        with self._lock:
+            joins, cancels = self._offered
+            if self.may_go_on() and (joins or cancels or not idle()):
+                self._offered = ([], [])
+                return joins, cancels
+            self._close_locked()
+            return None
+
+    def close(self) -> None:
+        """Engine thread (the job ends, a step raised): refuse later offers, hand back what was offered."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        joins, cancels = self._offered
+        self._offered = ([], [])
+        self.returned = (tuple(joins), tuple(cancels))
 
     def notify(self) -> None:
         """Engine thread: ask the loop to wake the owner, unless a wake is already on its way."""
@@ -147,9 +201,11 @@ def run_chain(
     """ON the engine thread: run batch steps back to back while the chain may go on.
 
     The first step cancels ``cancels`` and joins ``joins``, and always runs;
-    before each further one the chain ends when its budget is used up, the
-    scheduler set ``stop``, the batch holds no row any more (``idle``), or
-    the chain is ``AHEAD`` steps ahead of what the loop has taken. A step
+    each further one takes the rows offered meanwhile (``Chain.offer``).
+    Before each further one the chain ends when its budget is used up, the
+    scheduler set ``stop``, the batch holds no row any more (``idle``) and
+    nothing was offered, or the chain is ``AHEAD`` steps ahead of what the
+    loop has taken; what was offered and not taken is then ``returned``. A step
     that raises ends the job with its exception (the outputs before it stay
     in ``results``). ``after_step`` runs once a step's output is handed
     over (the engine's C heap trim, ``actors/engine/memory.py``
@@ -158,19 +214,21 @@ def run_chain(
     changed the batch, and after every ``HEAP_CHECK_EVERY``-th plain decode
     step.
     """
-    first = True
     plain = 0  # plain decode steps since after_step last ran
-    while True:
-        out = step(joins, cancels) if first else step((), ())
-        first = False
-        chain.hand_over(out)
-        if after_step is not None:
-            plain = plain + 1 if _plain(out) else HEAP_CHECK_EVERY
-            if plain >= HEAP_CHECK_EVERY:
-                plain = 0
-                after_step()
-        if not chain.may_go_on() or idle():
-            return
+    work: tuple[Sequence[JoinRow], Sequence[str]] | None = (joins, cancels)
+    try:
+        while work is not None:
+            out = step(*work)
+            chain.hand_over(out)
+            if after_step is not None:
+                plain = plain + 1 if _plain(out) else HEAP_CHECK_EVERY
+                if plain >= HEAP_CHECK_EVERY:
+                    plain = 0
+                    after_step()
+            work = chain.next_work(idle)
+    finally:
+        # NOTE: a step that raised ends the job too: rows offered after it go back.
+        chain.close()
 
 
 def _plain(out: StepOut) -> bool:

@@ -19,9 +19,13 @@ Invariants (checked by the tests):
   granted (``TurnGranted``), at most its ``max_steps``, and every granted
   turn is reported exactly once (``ReportTurn``);
 - a turn's steps run back to back as a *step chain* (one engine job, its
-  steps handed back one by one as ``StepFinished``) only while nothing
-  needs a decision here: once a row is ready to join, a joined row is to
-  be removed (cancel, slow reader), the gateway asks for the turn back
+  steps handed back one by one as ``StepFinished``); a row ready to join
+  and a joined row to remove (cancel, slow reader) are handed to the
+  running chain (``OfferRows``), whose next step takes them, so rows
+  arriving and leaving all the time never end it. A chain that no longer
+  takes rows hands the offered ones back (``RowsReturned``: they are
+  ready, or to be removed, again) and ends; the turn then goes on with a
+  new job within its grant. Once the gateway asks for the turn back
   (``YieldTurn``) or the scheduler stops, the chain is told to end after
   the step in flight (``StopChain``) and the turn is reported;
 - ``busy`` (told to the gateway with ``Status`` whenever it changes) is
@@ -107,6 +111,7 @@ __all__ = [
     "LoadCheckpoint",
     "LookupAnswered",
     "ObservePrefill",
+    "OfferRows",
     "Outbox",
     "PutEntry",
     "ReleaseLease",
@@ -114,6 +119,7 @@ __all__ = [
     "Resumed",
     "RetryDelivery",
     "RowFailure",
+    "RowsReturned",
     "SchedulerState",
     "SendCheckpoint",
     "StartLookup",
@@ -302,6 +308,16 @@ class JobEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class RowsReturned:
+    """Turn ``turn``'s job did not take these offered rows (``OfferRows``): it had closed."""
+
+    turn: int
+    joins: tuple[str, ...]
+    cancels: tuple[str, ...]
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class YieldTurn:
     """The gateway asks for turn ``turn`` back: its chain ends after the step in flight."""
 
@@ -380,6 +396,7 @@ Event = (
     | TurnGranted
     | StepFinished
     | JobEnded
+    | RowsReturned
     | YieldTurn
     | StepFailed
     | BeginDrain
@@ -463,6 +480,18 @@ class SubmitStep:
     joins: tuple[JoinRow, ...]
     cancels: tuple[str, ...]
     max_steps: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class OfferRows:
+    """Hand turn ``turn``'s running chain rows to join and joined rows to remove, for its next step.
+
+    NOTE: the shell answers a chain that no longer takes rows with ``RowsReturned``.
+    """
+
+    turn: int
+    joins: tuple[JoinRow, ...]
+    cancels: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,6 +599,7 @@ Effect = (
     | Resumed
     | ReleaseLease
     | SubmitStep
+    | OfferRows
     | StopChain
     | EmitToken
     | EndStream
@@ -611,7 +641,9 @@ class Row:
     slow: bool = False
     """Its reader fell ``backlog_max`` tokens behind: the next step removes it."""
     removing: bool = False
-    """A submitted job's first step removes it (its cancel was sent)."""
+    """A submitted job's step removes it (its cancel was sent)."""
+    offered: bool = False
+    """Its join was offered to the running chain and no step has confirmed it yet."""
     timed_out: bool = False
     """Its stream was ended at the stream-write deadline: nothing more is sent to it."""
     checkpoint_key: str | None = None
@@ -722,6 +754,9 @@ class SchedulerState:
     """Steps of the turn in flight handed back so far."""
     chain_stop: bool = False
     """The turn in flight must end after its step in flight (``StopChain`` sent)."""
+    offerable: bool = False
+    """The job in flight may take rows (``OfferRows``): its grant allows more than one step
+    and it has handed back no offered row."""
     yield_asked: bool = False
     """The gateway asked for the turn in flight back."""
     stopping: bool = False
@@ -838,7 +873,9 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
         case StepFinished():
             _step_finished(state, event, out)
         case JobEnded():
-            _job_ended(state, event.turn, out)
+            _job_ended(state, event.turn, event.now, out)
+        case RowsReturned():
+            _rows_returned(state, event)
         case YieldTurn():
             if state.in_flight == event.turn:
                 state.yield_asked = True
@@ -862,8 +899,18 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
     _place(state, out, event.now)
     _deliver_held(state, event, out)
     _gather(state, event.now, out)
+    if (
+        state.in_flight is not None
+        and not state.chain_stop
+        and state.offerable
+        and not (state.yield_asked or state.stopping)
+    ):
+        joins, cancels = _collect(state, event.now, out, offer=True)
+        if joins or cancels:
+            out.append(OfferRows(state.in_flight, tuple(joins), tuple(cancels)))
     if state.in_flight is not None and not state.chain_stop and _must_stop(state):
         state.chain_stop = True
+        state.offerable = False
         if state.chain_budget > 1:
             out.append(StopChain(state.in_flight))
     busy, ready = state.busy, state.ready
@@ -1002,12 +1049,53 @@ def _cancel(
 def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> None:
     if state.in_flight is not None:
         raise ValueError(f"batch turn {ev.turn} granted while turn {state.in_flight} runs")
+    joins, cancels = _collect(state, ev.now, out, offer=False)
+    if not joins and not any(r.phase == "joined" for r in state.rows.values()):
+        # NOTE: the work vanished between the grant and now (every row left).
+        out.append(ReportTurn(_report(state, ev.turn, steps=0)))
+        return
+    state.in_flight = ev.turn
+    state.step_from = ev.now
+    state.chain_budget = max(1, ev.max_steps)
+    state.chain_steps = 0
+    state.yield_asked = False
+    state.last_step = None
+    _submit(state, ev.turn, joins, cancels, state.chain_budget, out)
+
+
+def _submit(
+    state: SchedulerState,
+    turn: int,
+    joins: list[JoinRow],
+    cancels: list[str],
+    steps: int,
+    out: list[Effect],
+) -> None:
+    """Start a job of the turn in flight that may run ``steps`` steps."""
+    state.chain_stop = False
+    # NOTE: a one-step job ends with its first step: rows offered to it would come back.
+    state.offerable = steps > 1
+    out.append(SubmitStep(turn, tuple(joins), tuple(cancels), steps))
+
+
+def _collect(
+    state: SchedulerState, now: float, out: list[Effect], *, offer: bool
+) -> tuple[list[JoinRow], list[str]]:
+    """The rows a step is to join (marked joined) and to remove (marked removing).
+
+    ``offer``: for a running chain (``OfferRows``), which leaves out a row
+    resuming from a checkpoint (its bytes join only with a job's first
+    step) and the cancel of a row whose offered join no step confirmed yet
+    (a cancel taken before that join would find nothing to remove).
+    """
     joins: list[JoinRow] = []
     cancels: list[str] = []
     for rid, row in state.rows.items():
         if row.phase == "ready" and _defer(state, row, out):
             continue
         if row.phase == "ready":
+            if offer and row.resume:
+                continue
             lookup = row.lookup
             keyed = row.checkpoint_key is not None
             if lookup is None:
@@ -1017,22 +1105,27 @@ def _turn_granted(state: SchedulerState, ev: TurnGranted, out: list[Effect]) -> 
                                      checkpoint=keyed))
             row.resume = False
             row.phase = "joined"
-            row.joined_at = ev.now
-        elif row.phase == "joined" and row.cancelled:
+            row.joined_at = now
+            row.offered = offer
+        elif row.phase == "joined" and row.cancelled and not row.removing and not row.offered:
             cancels.append(rid)
             row.removing = True
-    if not joins and not any(r.phase == "joined" for r in state.rows.values()):
-        # NOTE: the work vanished between the grant and now (every row left).
-        out.append(ReportTurn(_report(state, ev.turn, steps=0)))
-        return
-    state.in_flight = ev.turn
-    state.step_from = ev.now
-    state.chain_budget = max(1, ev.max_steps)
-    state.chain_steps = 0
-    state.chain_stop = False
-    state.yield_asked = False
-    state.last_step = None
-    out.append(SubmitStep(ev.turn, tuple(joins), tuple(cancels), state.chain_budget))
+    return joins, cancels
+
+
+def _rows_returned(state: SchedulerState, ev: RowsReturned) -> None:
+    """Offered rows the job did not take: ready (or to be removed) again; the job takes no more."""
+    _check_turn(state, ev.turn)
+    state.offerable = False
+    for rid in ev.joins:
+        row = state.rows.get(rid)
+        if row is not None and row.phase == "joined" and row.offered:
+            row.phase = "ready"
+            row.offered = False
+    for rid in ev.cancels:
+        row = state.rows.get(rid)
+        if row is not None and row.removing:
+            row.removing = False
 
 
 def _gather(state: SchedulerState, now: float, out: list[Effect]) -> None:
@@ -1081,8 +1174,13 @@ def _must_stop(state: SchedulerState) -> bool:
     """
     if state.yield_asked or state.stopping:
         return True
+    if state.offerable:
+        # NOTE: every other row was just offered; one resuming from a checkpoint joins only
+        # with a job's first step.
+        return any(r.phase == "ready" and r.resume for r in state.rows.values())
     return any(
-        r.phase == "ready" or (r.phase == "joined" and r.cancelled and not r.removing)
+        r.phase == "ready"
+        or (r.phase == "joined" and r.cancelled and not r.removing and not r.offered)
         for r in state.rows.values()
     )
 
@@ -1159,20 +1257,25 @@ def _check_turn(state: SchedulerState, turn: int) -> None:
         raise ValueError(f"report of batch turn {turn} but turn {state.in_flight} is in flight")
 
 
-def _job_ended(state: SchedulerState, turn: int, out: list[Effect]) -> None:
+def _job_ended(state: SchedulerState, turn: int, now: float, out: list[Effect]) -> None:
     """The turn's engine job ended: go on with a new job within the grant, or report the turn.
 
-    NOTE: a chain also ends when it runs ``AHEAD`` steps ahead of the loop;
-    when the grant allows more, nothing needs a decision here and rows still
-    decode, the turn goes on with a fresh job (like the serial lane's burst).
+    NOTE: a chain ends when it runs ``AHEAD`` steps ahead of the loop, when
+    a row it cannot take waits (one resuming from a checkpoint) or when it
+    closed with rows offered; when the grant allows more and neither the
+    gateway nor a stop wants the turn back, the turn goes on with a fresh
+    job that joins and removes the waiting rows (like the serial lane's
+    burst), without a trip through the gateway.
     """
     _check_turn(state, turn)
     more = state.chain_budget - state.chain_steps
-    rows = any(r.phase == "joined" for r in state.rows.values())
-    if more > 0 and rows and not state.chain_stop and not _must_stop(state):
-        out.append(SubmitStep(turn, (), (), more))
-        return
+    if more > 0 and not state.yield_asked and not state.stopping:
+        joins, cancels = _collect(state, now, out, offer=False)
+        if joins or any(r.phase == "joined" for r in state.rows.values()):
+            _submit(state, turn, joins, cancels, more, out)
+            return
     state.in_flight = None
+    state.offerable = False
     out.append(ReportTurn(_report(state, turn, state.last_step, steps=state.chain_steps)))
 
 
@@ -1218,6 +1321,7 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
         if row is None:
             continue
         row.cached_tokens = cached
+        row.offered = False
         stats.joined += 1
         stats.cached_tokens += cached
         # NOTE: the handle was materialized on the engine thread: the lease ends.
@@ -1296,7 +1400,7 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
         )
         _send_final(state, ex.request_id, request.stream_to, done, row.correlation_id, out)
     if ev.last:
-        _job_ended(state, ev.turn, out)
+        _job_ended(state, ev.turn, ev.now, out)
 
 
 def _checkpoints(state: SchedulerState, step: StepOut, out: list[Effect]) -> None:
@@ -1322,6 +1426,7 @@ def _checkpoints(state: SchedulerState, step: StepOut, out: list[Effect]) -> Non
 def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> None:
     _check_turn(state, ev.turn)
     state.in_flight = None
+    state.offerable = False
     state.stats.failed_steps += 1
     # NOTE: a failed forward leaves the engine's batch in an unknown state:
     # every joined row fails (the shell drops the engine batch); rows not yet

@@ -14,7 +14,9 @@ from actors.batch_scheduler.core import (
     JobEnded,
     JoinRow,
     LookupAnswered,
+    OfferRows,
     ReportTurn,
+    RowsReturned,
     SchedulerState,
     StepFinished,
     StepOut,
@@ -86,50 +88,85 @@ def test_a_chain_streams_each_step_and_reports_the_turn_once_with_its_steps() ->
     assert core.state.stats.steps == 3
 
 
-def test_a_row_ready_mid_chain_stops_it_and_joins_at_the_next_grant() -> None:
-    """A lookup answered mid-chain sends StopChain once; the report says ready; the next grant joins it."""
+def test_a_row_ready_mid_chain_is_offered_to_it_without_stopping_it() -> None:
+    """A lookup answered mid-chain offers the row to the running chain (once), no StopChain, no report."""
     core = Core(lookups=True)
     core.handle(Admit(gen("a"), "c-a", 0.0))
     core.handle(LookupAnswered("a", None, 0.0))
     core.handle(TurnGranted(1, 0.1, 8))
     core.handle(StepFinished(1, tokens("a"), 0.2, last=False))
-    assert of(core.handle(Admit(gen("b"), "c-b", 0.25)), StopChain) == []  # lookup pending
-    assert of(core.handle(LookupAnswered("b", None, 0.3)), StopChain) == [StopChain(1)]
-    # NOTE: told once: later events of the same turn do not repeat it.
-    assert of(core.handle(StepFinished(1, tokens("a", index=1), 0.4, last=False)), StopChain) == []
-    (report,) = of(core.handle(JobEnded(1, 0.5)), ReportTurn)
-    assert report.report.ready
-    assert report.report.steps == 2
-    (submit,) = of(core.handle(TurnGranted(2, 0.6, 8)), SubmitStep)
+    assert of(core.handle(Admit(gen("b"), "c-b", 0.25)), OfferRows) == []  # lookup pending
+    effects = core.handle(LookupAnswered("b", None, 0.3))
+    assert of(effects, StopChain) == []
+    (offer,) = of(effects, OfferRows)
+    assert offer.turn == 1
+    assert [j.request.request_id for j in offer.joins] == ["b"]
+    # NOTE: offered once: later events of the same turn do not offer it again.
+    effects = core.handle(StepFinished(1, tokens("a", index=1), 0.4, last=False))
+    assert of(effects, OfferRows) == []
+    assert of(effects, StopChain) == []
+    joined = StepOut(tokens=tokens("a", "b", index=2).tokens, joined=(("b", 0),), decode_rows=1)
+    core.handle(StepFinished(1, joined, 0.5, last=False))
+    assert not core.state.rows["b"].offered
+    assert core.state.in_flight == 1
+
+
+def test_rows_the_chain_hands_back_join_a_new_job_of_the_same_turn() -> None:
+    """An offer the chain did not take (RowsReturned): the row is ready again, and the job's end
+    starts a new job of the same turn that joins it, without a report to the gateway."""
+    core = Core(lookups=True)
+    core.handle(Admit(gen("a"), "c-a", 0.0))
+    core.handle(LookupAnswered("a", None, 0.0))
+    core.handle(TurnGranted(1, 0.1, 8))
+    core.handle(Admit(gen("b"), "c-b", 0.25))
+    (_offer,) = of(core.handle(LookupAnswered("b", None, 0.3)), OfferRows)
+    effects = core.handle(RowsReturned(1, ("b",), (), 0.35))
+    assert core.state.rows["b"].phase == "ready"
+    # NOTE: the job no longer takes rows: nothing is offered again to it.
+    assert of(effects, OfferRows) == []
+    effects = core.handle(StepFinished(1, tokens("a"), 0.4, last=True))
+    assert of(effects, ReportTurn) == []
+    (submit,) = of(effects, SubmitStep)
+    assert (submit.turn, submit.max_steps) == (1, 7)
     assert [j.request.request_id for j in submit.joins] == ["b"]
-    assert of(core.handle(StepFinished(2, tokens("a", index=2), 0.7, last=False)), StopChain) == []
 
 
-def test_a_cancel_mid_chain_stops_it_and_the_next_job_removes_the_row() -> None:
-    """Cancelling a joined row stops the chain; the next grant's job cancels it first, and chains on."""
+def test_a_cancel_mid_chain_is_offered_to_it_without_stopping_it() -> None:
+    """Cancelling a joined row offers its removal to the running chain; no StopChain."""
     core = Core()
     chain_running(core, "a", "b")
     core.handle(StepFinished(1, tokens("a", "b"), 0.2, last=False))
-    assert of(core.handle(Cancel("a", 0.25)), StopChain) == [StopChain(1)]
-    core.handle(StepFinished(1, tokens("a", "b", index=1), 0.3, last=True))
-    (submit,) = of(core.handle(TurnGranted(2, 0.4, 8)), SubmitStep)
-    assert submit.cancels == ("a",)
-    assert submit.max_steps == 8
-    # NOTE: the removal is in this job's first step: it does not stop the new chain.
+    effects = core.handle(Cancel("a", 0.25))
+    assert of(effects, StopChain) == []
+    assert [o.cancels for o in of(effects, OfferRows)] == [("a",)]
     exit_a = StepOut(tokens=tokens("b", index=2).tokens, exits=(ExitOut("a", "cancelled", 2),))
-    effects = core.handle(StepFinished(2, exit_a, 0.5, last=False))
+    effects = core.handle(StepFinished(1, exit_a, 0.5, last=False))
     assert of(effects, StopChain) == []
     assert "a" not in core.state.rows
 
 
-def test_a_slow_reader_reaching_the_backlog_stops_the_chain() -> None:
-    """A row whose held tokens reach backlog_max must be removed by a new job: StopChain."""
+def test_a_cancel_of_a_row_whose_offered_join_is_unconfirmed_waits_for_the_join() -> None:
+    """A row offered to the chain and cancelled before a step confirmed its join: its removal is
+    offered only after the step that joined it (a removal taken first would find nothing)."""
+    core = Core()
+    chain_running(core, "a")
+    core.handle(Admit(gen("b"), "c-b", 0.2))
+    assert core.state.rows["b"].offered
+    assert of(core.handle(Cancel("b", 0.25)), OfferRows) == []
+    joined = StepOut(tokens=tokens("a", "b").tokens, joined=(("b", 0),), decode_rows=1)
+    effects = core.handle(StepFinished(1, joined, 0.3, last=False))
+    assert [o.cancels for o in of(effects, OfferRows)] == [("b",)]
+
+
+def test_a_slow_reader_reaching_the_backlog_is_removed_by_the_chain() -> None:
+    """A row whose held tokens reach backlog_max: its removal is offered to the running chain."""
     core = Core(backlog_max=2)
     chain_running(core, "a")
     first = TokenEvent(request_id="a", index=0, token_id=7, text="x")
     core.handle(StreamFull("a", "inbox.a", "c-a", first, 0.2))
     effects = core.handle(StepFinished(1, tokens("a", index=1), 0.3, last=False))
-    assert of(effects, StopChain) == [StopChain(1)]
+    assert [o.cancels for o in of(effects, OfferRows)] == [("a",)]
+    assert of(effects, StopChain) == []
     assert core.state.rows["a"].slow
 
 
@@ -178,8 +215,9 @@ def test_a_single_step_grant_never_sends_stop_chain() -> None:
     (submit,) = of(core.handle(TurnGranted(1, 0.1)), SubmitStep)
     assert submit.max_steps == 1
     assert submit.joins == (JoinRow(gen("a")), JoinRow(gen("b")))
-    assert of(core.handle(Cancel("a", 0.2)), StopChain) == []
-    assert of(core.handle(Admit(gen("c"), "c-c", 0.25)), StopChain) == []
+    for effects in (core.handle(Cancel("a", 0.2)), core.handle(Admit(gen("c"), "c-c", 0.25))):
+        assert of(effects, StopChain) == []
+        assert of(effects, OfferRows) == []
     (report,) = of(core.handle(StepFinished(1, tokens("a", "b"), 0.3)), ReportTurn)
     assert report.report.steps == 1
     assert report.report.ready

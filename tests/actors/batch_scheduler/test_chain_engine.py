@@ -16,6 +16,8 @@ from typing import Any
 import anyio
 import pytest
 
+from actors.batch_scheduler import actor as actor_module
+from actors.batch_scheduler.chain import run_chain
 from actors.batch_scheduler.core import JoinRow, StepOut
 from actors.batch_scheduler.engine import BatchEngine
 from actors.engine import Engine, GenerationParams, TokenEvent
@@ -169,6 +171,46 @@ async def test_rows_joining_mid_chain_join_within_one_step_and_keep_their_serial
         assert log.index_of_join(rid) <= started + 2, (rid, started, log.index_of_join(rid))
     token = stats["gateway"]["token"]
     assert token["batch_lane"]["turns"] < len(log.steps)
+
+
+async def test_rows_joining_and_leaving_mid_chain_keep_its_turn(
+    model: Any, tok: Any, log: StepLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows admitted while a chain runs (and leaving before it ends) join it without ending the
+    turn: the whole run is ONE gateway grant, and the joins are taken by the running chain's later
+    steps, not by new engine jobs (at most one more, should the chain run ``AHEAD`` of the loop)."""
+    prompts = _prompts(tok, 4, seed=7)
+    jobs: list[int] = []
+
+    def counted(chain: Any, *args: Any) -> None:
+        jobs.append(chain.turn)
+        run_chain(chain, *args)
+
+    monkeypatch.setattr(actor_module, "run_chain", counted)
+    async with _engine(model, tok, max_batch=4, max_burst=64) as eng:
+
+        async def first() -> None:
+            n = 0
+            async with eng.generate(prompts[0], _long(tok, 40)) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        n += 1
+                        if n in (5, 12, 20):
+                            tg.start_soon(later, n // 8 + 1)
+
+        async def later(i: int) -> None:
+            await collect(eng, prompts[i], _long(tok, 6))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+        stats = await _settled(eng)
+    joined_at = [i for i, s in enumerate(log.steps, 1) if s.joins]
+    assert len(joined_at) >= 3, joined_at
+    assert joined_at[-1] > 1, joined_at
+    token = stats["gateway"]["token"]
+    assert token["batch_chains"]["steps"] == len(log.steps) < 64
+    assert token["batch_lane"]["turns"] == 1, token
+    assert len(jobs) <= 2, jobs
 
 
 async def test_a_cancel_mid_chain_removes_its_row_within_one_step(

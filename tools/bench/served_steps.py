@@ -1,0 +1,340 @@
+"""Time per decode step through HTTP vs in process, under a closed-loop load, on a model with short steps.
+
+On the H200 a batch step of an 8B-shaped model is ~20 ms, so a fixed cost of
+a few ms per step or per step chain on the served path (the gateway round
+trip when a chain ends, the loop's wake, per-step hooks) is a large share;
+on the CPU with the default model (steps of 100+ ms) it hides. This tool
+makes steps short on the CPU: a seeded random-weight mlx-lm ``llama`` of
+``gpu_engine.SHAPES[--shape]`` (float32) with the default model's
+tokenizer, written to a temporary directory, and drives, rounds
+interleaved in one run:
+
+1. ``kvtier serve`` (subprocess, ``--ssd-cache off``, ``--max-batch B``):
+   ``B`` concurrent streaming clients (httpx, real HTTP), each sending
+   ``--requests`` requests one after the other (guidellm's concurrency
+   profile: a row leaves and another joins all the time), distinct prompts
+   of ``--prompt-tokens`` tokens, ``--max-tokens`` new tokens, greedy,
+   ``ignore_eos``;
+2. ``Engine`` in process on the same directory, ``max_batch=B``, the same
+   load through ``Engine.generate``; every ``BatchGeneration.step`` is
+   timed (the kernel's own step time, the floor of an inter-token gap).
+
+Per contender: aggregate tok/s, ITL p50 (client side, between content
+chunks), and from ``/stats`` (``Engine.stats()``) the batch steps run and the
+batch turns (each turn is one gateway grant; a turn runs a chain of steps):
+steps per turn says how often chains end. Prints the served/in-process
+ratios. ``--json`` writes everything.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/served_steps.py --rows 32 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Server, start_kvtier
+from gpu_engine import DEFAULT_TOK_DIR, filler_ids, load_tokenizer
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def write_model(directory: Path, shape: str, tok_dir: Path, seed: int) -> Path:
+    """A seeded random-weight float32 ``llama`` of ``shape`` with ``tok_dir``'s tokenizer, in ``directory``."""
+    import shutil
+
+    import mlx.core as mx
+    from gpu_engine import SHAPES, build_model
+    from mlx_lm.utils import save_config, save_model
+
+    vocab = len(load_tokenizer(tok_dir))
+    model, _ = build_model(shape, vocab, seed, mx.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_model(directory, model, donate_model=True)
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).exists():
+            shutil.copy(tok_dir / name, directory / name)
+    config = {
+        "model_type": "llama",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "max_position_embeddings": 131072,
+        **SHAPES[shape],
+    }
+    save_config(config, directory / "config.json")
+    return directory
+
+
+class StepClock:
+    """Start and end of every ``BatchGeneration.step`` in this process (the in-process contender)."""
+
+    def __init__(self) -> None:
+        from kernels.engine import BatchGeneration
+
+        self.spans: list[tuple[float, float]] = []
+        inner = BatchGeneration.step
+        spans = self.spans
+
+        def step(gen: Any, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(gen, *a, **k)
+            finally:
+                spans.append((t, time.perf_counter()))
+
+        BatchGeneration.step = step  # type: ignore[method-assign]
+
+    def take(self) -> dict[str, float]:
+        """Median step and the engine thread's idle share between steps since the last call."""
+        spans = sorted(self.spans)
+        self.spans.clear()
+        if len(spans) < 2:
+            return {}
+        busy = sum(b - a for a, b in spans)
+        return {
+            "step_median_ms": statistics.median(b - a for a, b in spans) * 1e3,
+            "kernel_busy_share": busy / (spans[-1][1] - spans[0][0]),
+        }
+
+
+def _prompts(tok: Any, args: argparse.Namespace, tag: str) -> list[list[list[int]]]:
+    """Per client, its ``--requests`` distinct prompts."""
+    return [
+        [filler_ids(tok, args.prompt_tokens, f"{tag}-{c}-{r}") for r in range(args.requests)]
+        for c in range(args.rows)
+    ]
+
+
+def _batch_counts(stats: dict[str, Any]) -> tuple[int, int]:
+    """(batch steps run, batch turns granted) from a ``/stats`` body."""
+    steps = int(stats["batch"]["batch"]["steps"]["run"])
+    turns = int(stats["gateway"]["token"]["batch_chains"]["granted"])
+    return steps, turns
+
+
+def _summary(
+    wall: float, tokens: int, gaps: list[float], before: dict[str, Any], after: dict[str, Any]
+) -> dict[str, Any]:
+    s0, t0 = _batch_counts(before)
+    s1, t1 = _batch_counts(after)
+    steps, turns = s1 - s0, t1 - t0
+    busy = after["engine_thread"]["busy_s"] - before["engine_thread"]["busy_s"]
+    return {
+        "engine_busy_share": busy / wall,
+        "tps": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "itl_p50_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
+        "steps": steps,
+        "turns": turns,
+        "steps_per_turn": steps / turns if turns else 0.0,
+        "wall_per_step_ms": wall / steps * 1e3 if steps else 0.0,
+    }
+
+
+async def served_round(url: str, model: str, prompts: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
+    """Closed loop through HTTP: each client sends its prompts one after the other (streamed completions)."""
+    gaps: list[float] = []
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient, mine: list[list[int]]) -> None:
+        nonlocal tokens
+        for prompt in mine:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            last: float | None = None
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    obj = json.loads(line[5:])
+                    for choice in obj.get("choices") or []:
+                        if choice.get("text") is None:
+                            continue
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                        tokens += 1
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        before = (await http.get(f"{url}/stats")).json()["engine"]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http, mine) for mine in prompts))
+        wall = time.perf_counter() - t0
+        after = (await http.get(f"{url}/stats")).json()["engine"]
+    return _summary(wall, tokens, gaps, before, after)
+
+
+async def engine_round(engine: Any, prompts: list[list[list[int]]], max_tokens: int, clock: StepClock) -> dict[str, Any]:
+    """The same closed loop through ``Engine.generate`` in this process."""
+    from actors.engine import GenerationParams, TokenEvent
+
+    gaps: list[float] = []
+    tokens = 0
+    params = GenerationParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def client(mine: list[list[int]]) -> None:
+        nonlocal tokens
+        for prompt in mine:
+            last: float | None = None
+            async with engine.generate(prompt, params) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                        tokens += 1
+
+    before = await engine.stats()
+    clock.take()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(mine) for mine in prompts))
+    wall = time.perf_counter() - t0
+    steps = clock.take()
+    after = await engine.stats()
+    return {**_summary(wall, tokens, gaps, before, after), **steps}
+
+
+def _line(who: str, r: dict[str, Any]) -> str:
+    extra = f"  engine thread busy {r['engine_busy_share']:.0%}"
+    if "step_median_ms" in r:
+        extra += f"  kernel step p50 {r['step_median_ms']:.2f} ms"
+    return (
+        f"  {who:<10} {r['tps']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
+        f"wall/step {r['wall_per_step_ms']:6.2f} ms  steps {r['steps']:5d}  turns {r['turns']:4d}  "
+        f"steps/turn {r['steps_per_turn']:5.1f}{extra}"
+    )
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every round of every contender; returns the records."""
+    from actors.engine import Engine
+
+    tok = load_tokenizer(args.tok_dir)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-served-steps-"))
+    model_dir = write_model(work / "model", args.shape, args.tok_dir, args.seed)
+    serve_args = ("--ssd-cache", "off", "--max-batch", str(args.rows), "--max-queue",
+                  str(args.rows), *args.kvtier_arg)
+    servers = {"served": start_kvtier(model_dir, work, *serve_args)}
+    if args.baseline_tree is not None:
+        # NOTE: the same command from another checkout: ``-P`` keeps the working
+        # directory (this checkout) off sys.path, so PYTHONPATH decides.
+        env = {"PYTHONPATH": str(args.baseline_tree.resolve())}
+        cmd = [sys.executable, "-P", "-m", "actors.cli", "serve", "--model", str(model_dir),
+               "--port", "0", *serve_args]
+        base = Server(cmd, work, "base", env)
+        base.wait_ready(None, 180.0)
+        servers["served-base"] = base
+    async with httpx.AsyncClient() as http:
+        model = (await http.get(f"{servers['served'].url}/v1/models")).json()["data"][0]["id"]
+    clock = StepClock()
+    records: list[dict[str, Any]] = []
+    try:
+        async with Engine(model_dir, max_batch=args.rows, max_queue=args.rows) as engine:
+            # NOTE: warm-up of each at this row count (first steps build and compile).
+            for name, server in servers.items():
+                await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
+            await engine_round(engine, _prompts(tok, _one_req(args), "w-e"), 8, clock)
+            for rnd in range(args.rounds):
+                order = [*servers, "engine"]
+                if rnd % 2:
+                    order.reverse()
+                rec: dict[str, Any] = {}
+                for who in order:
+                    prompts = _prompts(tok, args, f"{who}-{rnd}")
+                    if who == "engine":
+                        rec[who] = await engine_round(engine, prompts, args.max_tokens, clock)
+                    else:
+                        rec[who] = await served_round(
+                            servers[who].url, model, prompts, args.max_tokens
+                        )
+                print(f"round {rnd} ({args.rows} clients):", flush=True)
+                for who in servers:
+                    rec[f"ratio_tps.{who}"] = rec[who]["tps"] / rec["engine"]["tps"]
+                    rec[f"ratio_itl.{who}"] = rec[who]["itl_p50_ms"] / rec["engine"]["step_median_ms"]
+                    print(_line(who, rec[who]), flush=True)
+                print(_line("in-process", rec["engine"]), flush=True)
+                for who in servers:
+                    print(
+                        f"  {who}: served/in-process tok/s {rec[f'ratio_tps.{who}']:.2f}; "
+                        f"served ITL p50 / kernel step p50 {rec[f'ratio_itl.{who}']:.2f}",
+                        flush=True,
+                    )
+                records.append(rec)
+    finally:
+        for server in servers.values():
+            server.stop()
+    keys = [k for k in records[0] if k.startswith("ratio_")]
+    med = {k: statistics.median(r[k] for r in records) for k in keys}
+    print(f"medians over {len(records)} rounds:", flush=True)
+    for k in keys:
+        print(f"  {k}: {med[k]:.2f}", flush=True)
+    return {"args": {k: str(v) for k, v in vars(args).items() if k != "json"},
+            "records": records, "median": med}
+
+
+def _one_req(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "requests": 1})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run, print, write ``--json``."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--rows", type=int, default=32, help="concurrent clients = --max-batch rows")
+    p.add_argument("--requests", type=int, default=3, help="requests each client sends in turn")
+    p.add_argument("--prompt-tokens", type=int, default=300, help="prompt tokens per request")
+    p.add_argument("--max-tokens", type=int, default=96, help="new tokens per request (EOS ignored)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; the contenders' order alternates")
+    p.add_argument("--shape", default="tiny", help="gpu_engine.SHAPES entry of the random model")
+    p.add_argument("--seed", type=int, default=0, help="weights' seed")
+    p.add_argument("--tok-dir", type=Path, default=DEFAULT_TOK_DIR, help="tokenizer directory")
+    p.add_argument("--kvtier-arg", action="append", default=[], help="extra `kvtier serve` argument (repeat)")
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. a git worktree of the commit before a change): its "
+        "`kvtier serve` runs too, as `served-base` (none: only this tree's)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the records here (none: not written)")
+    args = p.parse_args(argv)
+    out = asyncio.run(run(args))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
