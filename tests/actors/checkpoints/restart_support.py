@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from actors.checkpoints import CHECKPOINT_DIR
 from actors.engine import Engine
@@ -25,9 +26,11 @@ __all__ = [
     "EVERY",
     "PROMPT",
     "STORY",
+    "STORY_CASES",
     "Interrupted",
     "MakeEngine",
     "default_engine",
+    "default_model_restart",
     "files",
     "interrupted_run",
     "resumed_run",
@@ -42,6 +45,12 @@ PROMPT = [3 + (i * 7) % 80 for i in range(30)]
 EVERY = 8
 STORY = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
          "bottle.\n\nChapter 1.")
+
+STORY_CASES = [
+    pytest.param(GenerationParams(max_tokens=80), id="greedy"),
+    pytest.param(GenerationParams(max_tokens=80, temperature=0.8, seed=5), id="seeded-0.8"),
+]
+"""The default model's restart cases: 80 tokens of :data:`STORY`."""
 
 MakeEngine = Callable[[Path | None, int], Engine]
 """``make(root, every)``: an Engine on SSD directory ``root`` (``None``: no SSD tier) checkpointing every ``every`` tokens."""
@@ -136,3 +145,17 @@ async def resumed_run(make: MakeEngine, root: Path, params: GenerationParams, *,
         if flush:
             await second.flush(timeout=30)
     return resumed, stats
+
+
+async def default_model_restart(model: Path, root: Path, params: GenerationParams, *,
+                                max_batch: int) -> dict[str, Any]:
+    """The default model cancelled at 70 of 80 tokens (checkpoints at 32, 64) and restarted answers as uninterrupted, 64 tokens saved; the resumed Engine's ``/stats``."""
+    def make(at: Path | None, every: int) -> Engine:
+        return default_engine(model, at, every, max_batch=max_batch)
+
+    first = await interrupted_run(make, root, params, every=32, length=80, cut=70, prompt=STORY)
+    resumed, stats = await resumed_run(make, root, params, every=32, prompt=STORY)
+    assert resumed == first.expected
+    assert stats["generation_checkpoints"]["resumed"] == 1
+    assert stats["generation_checkpoints"]["tokens_saved"] == 64
+    return stats

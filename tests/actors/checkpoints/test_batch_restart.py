@@ -23,9 +23,9 @@ from messages.gateway import GenerationParams
 from tests.actors.checkpoints.restart_support import (
     EVERY,
     PROMPT,
-    STORY,
+    STORY_CASES,
     MakeEngine,
-    default_engine,
+    default_model_restart,
     interrupted_run,
     resumed_run,
     section,
@@ -131,20 +131,10 @@ async def test_batch_row_resumes_quantized_kv_and_recurrent_caches(tmp_path: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [
-    pytest.param(GenerationParams(max_tokens=80), id="greedy"),
-    pytest.param(GenerationParams(max_tokens=80, temperature=0.8, seed=5), id="seeded-0.8"),
-])
+@pytest.mark.parametrize("params", STORY_CASES)
 async def test_default_model_batch_row_restart_resumes(
     default_model_path: Path, tmp_path: Path, params: GenerationParams
 ) -> None:
     """The default model on the batch lane: cancel at 70 (checkpoints at 32, 64), restart, equal answer."""
-    def make(root: Path | None, every: int) -> Engine:
-        return default_engine(default_model_path, root, every, max_batch=4)
-
-    first = await interrupted_run(make, tmp_path, params, every=32, length=80, cut=70,
-                                  prompt=STORY)
-    resumed, stats = await resumed_run(make, tmp_path, params, every=32, prompt=STORY)
-    assert resumed == first.expected
-    assert stats["generation_checkpoints"]["tokens_saved"] == 64
+    stats = await default_model_restart(default_model_path, tmp_path, params, max_batch=4)
     assert stats["batch"]["batch"]["checkpoints"]["resumed"] == 1

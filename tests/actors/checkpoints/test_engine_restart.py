@@ -18,9 +18,10 @@ from actors.engine import Engine
 from messages.gateway import GenerationParams
 from tests.actors.checkpoints.restart_support import (
     EVERY,
-    STORY,
+    STORY_CASES,
     MakeEngine,
     default_engine,
+    default_model_restart,
     files,
     interrupted_run,
     resumed_run,
@@ -76,23 +77,12 @@ async def test_refused_requests_are_counted_and_write_nothing(model: Any, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [
-    pytest.param(GenerationParams(max_tokens=80), id="greedy"),
-    pytest.param(GenerationParams(max_tokens=80, temperature=0.8, seed=5), id="seeded-0.8"),
-])
+@pytest.mark.parametrize("params", STORY_CASES)
 async def test_default_model_restart_resumes_identical_request(
     default_model_path: Path, tmp_path: Path, params: GenerationParams
 ) -> None:
     """The default model: cancel at 70 tokens (checkpoints at 32, 64), restart, equal answer."""
-    def make(root: Path | None, every: int) -> Engine:
-        return default_engine(default_model_path, root, every, max_batch=1)
-
-    first = await interrupted_run(make, tmp_path, params, every=32, length=80, cut=70,
-                                  prompt=STORY)
-    resumed, stats = await resumed_run(make, tmp_path, params, every=32, prompt=STORY)
-    assert resumed == first.expected
-    assert stats["generation_checkpoints"]["resumed"] == 1
-    assert stats["generation_checkpoints"]["tokens_saved"] == 64
+    await default_model_restart(default_model_path, tmp_path, params, max_batch=1)
 
 
 @pytest.mark.parametrize("kind", ["kv-quant-8", "mamba"])
