@@ -62,7 +62,9 @@ async def test_kv_quant_requests_are_batch_rows_with_the_serial_lanes_tokens(
                 tg.start_soon(one, i)
         warm_follow, done = await collect(eng, follow, params[1])
         stats = await eng.stats()
-        entries = eng.cache_registry.entries()
+        registry = eng.cache_registry
+        assert registry is not None
+        entries = registry.entries()
     for (ids, _), (want, _) in zip(got, expected, strict=True):
         assert ids == want
     batch = stats["batch"]["batch"]

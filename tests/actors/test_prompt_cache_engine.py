@@ -51,6 +51,7 @@ async def test_a_short_completion_keeps_only_its_tokens(tok: Any) -> None:
     ) as engine:
         await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
         registry = engine.cache_registry
+        assert registry is not None
         ((handle, meta),) = registry.entries().items()
         per_token = sum(a.nbytes // a.shape[-2] for a in cache_arrays(list(registry.get(handle))))
         stats = (await engine.stats())["prompt_cache"]

@@ -33,7 +33,9 @@ async def test_engine_stores_entries_in_its_kv_scheme(kv_quant: Any, signature: 
     ) as engine:
         cold = await engine.complete(CHAT, params)
         warm = await engine.complete(CHAT, params)
-        entries = engine.cache_registry.entries()
+        registry = engine.cache_registry
+        assert registry is not None
+        entries = registry.entries()
     assert cold.usage.cached_tokens == 0
     assert warm.usage.cached_tokens == warm.usage.prompt_tokens - 1
     assert warm.text == cold.text

@@ -52,7 +52,9 @@ async def test_concurrent_ssd_hits_with_max_batch_rows_all_restore(
         want = [(await run(serial, p, GREEDY))[0] for p in seconds]
 
     async with engine(model, tok, tmp_path, max_batch=rows) as restarted:
-        cold = restarted._cold
+        running = restarted._running
+        assert running is not None
+        cold = running.cold
         assert cold is not None
         assert (await restarted.stats())["ssd_cache"]["entries"] == rows
         got: list[Any] = [None] * len(seconds)

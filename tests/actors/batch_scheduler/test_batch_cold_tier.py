@@ -83,12 +83,14 @@ async def test_a_batch_row_after_a_restart_restores_its_prefix_from_disk(
         want_other, _ = await run(serial, other, GREEDY)
 
     async with engine(model, tok, tmp_path, max_batch=4) as restarted:
-        assert restarted._cold is not None
+        running = restarted._running
+        assert running is not None and running.cold is not None
+        cold = running.cold
         (got_second, done_second), (got_other, done_other) = await _together(
             restarted, [second, other]
         )
         stats = await restarted.stats()
-        staged = len(restarted._cold.staging)
+        staged = len(cold.staging)
     # NOTE: the serial lane's completion entry holds every token whose forward
     # ran: the prompt and the answer but its last token.
     shared = _shared([*first, *answer[:-1]], second)
