@@ -11,11 +11,11 @@ JSONL file, one line each, in the order the calls happened:
   returned (its first call, a restart with a fresh state): the state as it
   was before that call;
 - ``{"n": i, "a": actor, "args": [...], "fx": [...]}`` per call: the
-  arguments after the state (the event, and the time where the core takes
-  it separately) and the effects returned, each written by the codec of
-  ``_core_codec``; ``"f"`` names the function when it is not the segment's
-  (a second entry point such as ``stop``); ``"err"`` replaces ``"fx"`` when
-  the core raised (its exception's type name);
+  arguments after the state (the event, which carries its time) and the
+  effects returned, each written by the codec of ``_core_codec``; ``"f"``
+  names the function when it is not the segment's (no shell calls one:
+  every core's one entry point is ``handle``); ``"err"`` replaces ``"fx"``
+  when the core raised (its exception's type name);
 - ``{"end": {"lines": i, "truncated": false}}`` when the recording closes.
 
 ``n`` counts the lines after the header, so a line removed or moved is seen
