@@ -407,7 +407,9 @@ def _store_unavailable(state: QueueState, handle_id: str, reason: str) -> list[E
         return []
     state.in_flight = None
     state.failed += 1
-    return _with_drain(state, _settle(state, item, "failed", reason) + _after_settle(state))
+    # NOTE: no drain request here: ``handle`` adds it once for every event
+    # (counting this release twice would leave a phantom undrained handle).
+    return _settle(state, item, "failed", reason) + _after_settle(state)
 
 
 def _stop(state: QueueState) -> list[Effect]:
@@ -475,7 +477,7 @@ def handle(state: QueueState, event: Event) -> tuple[QueueState, list[Effect]]:
             state, effects = _handle(state, event)
             return state, _with_drain(state, effects)
         case StoreUnavailable(handle=handle_id, reason=reason):
-            return state, _store_unavailable(state, handle_id, reason)
+            return state, _with_drain(state, _store_unavailable(state, handle_id, reason))
         case DrainUndelivered():
             # NOTE: nothing is in flight; the next release asks again.
             state.drain_in_flight = False

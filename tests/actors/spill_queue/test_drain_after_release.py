@@ -11,7 +11,7 @@ import pytest
 
 from actors.engine import Engine, GenerationParams
 from actors.spill_queue import core
-from messages import StoreResult
+from messages import Failure, StoreResult
 from messages.gateway import TurnDone
 from tests.actors.spill_queue.test_core import enqueue, env, released
 from tests.actors.test_cold_tier_engine import IDENTITY
@@ -61,6 +61,23 @@ def test_an_unsent_drain_request_is_asked_again_by_the_next_release() -> None:
     state, _ = core.handle(state, core.DrainUndelivered())
     state, effects = core.handle(state, env(StoreResult(handle="h2", stored=True)))
     assert drains(effects) == [STEP]
+
+
+@pytest.mark.parametrize("failure", ["writer_failure", "store_unavailable"])
+def test_a_failed_stores_release_is_counted_once(failure: str) -> None:
+    """A writer failure releases its handle once: one drain asked, and its TurnDone ends the drains."""
+    state = core.QueueState(cap_bytes=100, drain_step=STEP)
+    state, _ = core.handle(state, env(enqueue("h1", 10)))
+    event: core.Event = (
+        env(Failure(error="RuntimeError", actor="ssd_writer"))
+        if failure == "writer_failure"
+        else core.StoreUnavailable(handle="h1", reason="gone")
+    )
+    state, effects = core.handle(state, event)
+    assert (released(effects), drains(effects)) == (["h1"], [STEP])
+    assert state.undrained == 0
+    state, done = core.handle(state, env(TurnDone(step_id=STEP, ok=True)))
+    assert drains(done) == []
 
 
 def test_without_a_drain_step_nothing_is_asked() -> None:
