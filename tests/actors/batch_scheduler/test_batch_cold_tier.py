@@ -84,7 +84,8 @@ async def test_a_batch_row_after_a_restart_restores_its_prefix_from_disk(
 
     async with engine(model, tok, tmp_path, max_batch=4) as restarted:
         running = restarted._running
-        assert running is not None and running.cold is not None
+        assert running is not None
+        assert running.cold is not None
         cold = running.cold
         (got_second, done_second), (got_other, done_other) = await _together(
             restarted, [second, other]
