@@ -1114,9 +1114,14 @@ def _collect(
 
 
 def _rows_returned(state: SchedulerState, ev: RowsReturned) -> None:
-    """Offered rows the job did not take: ready (or to be removed) again; the job takes no more."""
-    _check_turn(state, ev.turn)
-    state.offerable = False
+    """Offered rows the job did not take: ready (or to be removed) again; the job takes no more.
+
+    NOTE: it may come after its turn ended (an offer refused in the batch
+    whose job could not start: ``StepFailed``, handled first, failed every
+    joined row, the offered ones too); then it finds nothing to change.
+    """
+    if state.in_flight == ev.turn:
+        state.offerable = False
     for rid in ev.joins:
         row = state.rows.get(rid)
         if row is not None and row.phase == "joined" and row.offered:

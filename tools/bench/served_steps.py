@@ -20,13 +20,27 @@ interleaved in one run:
    timed (the kernel's own step time, the floor of an inter-token gap).
 
 Per contender: aggregate tok/s, ITL p50 (client side, between content
-chunks), and from ``/stats`` (``Engine.stats()``) the batch steps run and the
-batch turns (each turn is one gateway grant; a turn runs a chain of steps):
-steps per turn says how often chains end. Prints the served/in-process
-ratios. ``--json`` writes everything.
+chunks), and from ``/stats`` (``Engine.stats()``) the batch steps run, the
+batch turns (each turn is one gateway grant; a turn runs a chain of steps:
+steps per turn says how often chains end) and the engine thread's busy
+time. Prints the served/in-process ratios. ``--json`` writes everything.
+
+``--baseline-tree DIR`` adds ``served-base``: the same ``kvtier serve`` from
+another checkout (a git worktree of the commit before a change), so a
+change's before and after run side by side in one run.
+
+On the 2-core box the real kernel's step is CPU-bound and shares the cores
+with the HTTP loop and the clients, which blurs throughput. ``--stand-in
+BUILD_MS,COMPUTE_MS`` swaps the kernel (here and in the servers) for
+``batch_step_cost.py``'s stand-in: BUILD_MS holding the GIL, then COMPUTE_MS
+asleep without it, as a GPU host runs a step. The servers log each stand-in
+step, so every contender also shows its *kernel busy* share: the steps' time
+over the span from the first step's start to the last one's end (what the
+path between steps leaves of the engine).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        .venv/bin/python tools/bench/served_steps.py --rows 32 --rounds 2
+        .venv/bin/python tools/bench/served_steps.py --tok-dir .gpu/tok --rows 32 --rounds 3 \\
+        --stand-in 3,17 --baseline-tree /tmp/wt-base
 """
 
 from __future__ import annotations
@@ -87,13 +101,16 @@ def write_model(directory: Path, shape: str, tok_dir: Path, seed: int) -> Path:
 
 
 class StepClock:
-    """Start and end of every ``BatchGeneration.step`` in this process (the in-process contender)."""
+    """Start and end of every kernel step in this process (the in-process contender):
+    ``BatchGeneration.step``, or the stand-in's step."""
 
-    def __init__(self) -> None:
-        from kernels.engine import BatchGeneration
+    def __init__(self, kernel: Any = None) -> None:
+        if kernel is None:
+            from kernels.engine import BatchGeneration
 
+            kernel = BatchGeneration
         self.spans: list[tuple[float, float]] = []
-        inner = BatchGeneration.step
+        inner = kernel.step
         spans = self.spans
 
         def step(gen: Any, *a: Any, **k: Any) -> Any:
@@ -103,20 +120,78 @@ class StepClock:
             finally:
                 spans.append((t, time.perf_counter()))
 
-        BatchGeneration.step = step  # type: ignore[method-assign]
+        kernel.step = step
 
     def take(self) -> dict[str, float]:
         """Median step and the engine thread's idle share between steps since the last call."""
-        spans = sorted(self.spans)
+        spans = list(self.spans)
         self.spans.clear()
-        if len(spans) < 2:
-            return {}
-        busy = sum(b - a for a, b in spans)
-        return {
-            "step_median_ms": statistics.median(b - a for a, b in spans) * 1e3,
-            "kernel_busy_share": busy / (spans[-1][1] - spans[0][0]),
-        }
+        return span_figures(spans)
 
+
+SITECUSTOMIZE = """
+# Written by tools/bench/served_steps.py --stand-in: the batch lane's kernel is a timed stand-in.
+import os, sys, time
+# NOTE: the packages first, from this interpreter's own path (a baseline tree's
+# PYTHONPATH): batch_step_cost puts the tools' checkout first on sys.path.
+import actors, kernels, messages
+import actors.batch_scheduler.wiring as batch_wiring
+sys.path.insert(0, {bench!r})
+import batch_step_cost
+batch_step_cost.StandIn.build_s = {build_s!r}
+# NOTE: the sleep moves into _hold, which times the two parts apart.
+batch_step_cost.StandIn.compute_s = 0.0
+batch_wiring.BatchEngine = batch_step_cost.StandIn
+# NOTE: per step (CLOCK_MONOTONIC, as the tool's perf_counter), a line each: its start, the end
+# of its GIL-held part, the end of its sleep (the GIL taken back), its end.
+_spans = open(os.path.join({site!r}, "spans-%d.txt" % os.getpid()), "a", buffering=1)
+_marks = []
+_hold_gil = batch_step_cost._hold_gil
+def _hold(seconds):
+    _hold_gil(seconds)
+    _marks.append(time.perf_counter())
+    time.sleep({compute_s!r})
+    _marks.append(time.perf_counter())
+batch_step_cost._hold_gil = _hold
+_inner = batch_step_cost.StandIn.step
+def _step(self, *a, **k):
+    _marks.clear()
+    t = time.perf_counter()
+    try:
+        return _inner(self, *a, **k)
+    finally:
+        held, slept = _marks if len(_marks) == 2 else (t, t)
+        _spans.write("%.6f %.6f %.6f %.6f\\n" % (t, held, slept, time.perf_counter()))
+batch_step_cost.StandIn.step = _step
+"""
+
+
+def stand_in(args: argparse.Namespace, work: Path) -> tuple[Any, dict[str, str], Path]:
+    """Swap the batch lane's kernel for ``batch_step_cost.StandIn`` here and in the servers.
+
+    Returns the stand-in class (for :class:`StepClock`), the servers' extra
+    environment (a ``sitecustomize`` first on ``PYTHONPATH`` does the swap there,
+    and logs each step's start and end) and the directory of those logs.
+    """
+    import batch_step_cost
+
+    import actors.batch_scheduler.wiring as batch_wiring
+
+    build_ms, compute_ms = (float(x) for x in args.stand_in.split(","))
+    batch_step_cost.StandIn.build_s = build_ms / 1000
+    batch_step_cost.StandIn.compute_s = compute_ms / 1000
+    setattr(batch_wiring, "BatchEngine", batch_step_cost.StandIn)  # noqa: B010 - a swap for the run
+    site = work / "stand-in"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        SITECUSTOMIZE.format(
+            bench=str(Path(__file__).resolve().parent),
+            site=str(site),
+            build_s=build_ms / 1000,
+            compute_s=compute_ms / 1000,
+        )
+    )
+    return batch_step_cost.StandIn, {"PYTHONPATH": str(site)}, site
 
 def _prompts(tok: Any, args: argparse.Namespace, tag: str) -> list[list[list[int]]]:
     """Per client, its ``--requests`` distinct prompts."""
@@ -124,6 +199,45 @@ def _prompts(tok: Any, args: argparse.Namespace, tag: str) -> list[list[list[int
         [filler_ids(tok, args.prompt_tokens, f"{tag}-{c}-{r}") for r in range(args.requests)]
         for c in range(args.rows)
     ]
+
+
+def span_figures(spans: list[tuple[float, float]]) -> dict[str, float]:
+    """Median and mean step and the kernel's share of the time from the first step's start to the last's end."""
+    spans = sorted(spans)
+    if len(spans) < 2:
+        return {}
+    busy = sum(b - a for a, b in spans)
+    return {
+        "step_median_ms": statistics.median(b - a for a, b in spans) * 1e3,
+        "step_mean_ms": busy / len(spans) * 1e3,
+        "kernel_busy_share": busy / (spans[-1][1] - spans[0][0]),
+    }
+
+
+def part_figures(marks: list[tuple[float, ...]]) -> dict[str, float]:
+    """Mean ms of a served stand-in step's parts: GIL held (build), asleep + the GIL taken back, the rest."""
+    if not marks:
+        return {}
+    n = len(marks)
+    return {
+        "hold_mean_ms": sum(h - a for a, h, _, _ in marks) / n * 1e3,
+        "sleep_mean_ms": sum(s - h for _, h, s, _ in marks) / n * 1e3,
+        "rest_mean_ms": sum(b - s for _, _, s, b in marks) / n * 1e3,
+    }
+
+
+def server_spans(site: Path, pid: int, t0: float, t1: float) -> list[tuple[float, ...]]:
+    """The stand-in steps a server ran between ``t0`` and ``t1`` (its spans file): start, end of
+    the GIL-held part, end of the sleep, end."""
+    path = site / f"spans-{pid}.txt"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        marks = tuple(float(x) for x in line.split())
+        if marks[0] >= t0 and marks[-1] <= t1:
+            out.append(marks)
+    return out
 
 
 def _batch_counts(stats: dict[str, Any]) -> tuple[int, int]:
@@ -191,7 +305,7 @@ async def served_round(url: str, model: str, prompts: list[list[list[int]]], max
         await asyncio.gather(*(client(http, mine) for mine in prompts))
         wall = time.perf_counter() - t0
         after = (await http.get(f"{url}/stats")).json()["engine"]
-    return _summary(wall, tokens, gaps, before, after)
+    return {**_summary(wall, tokens, gaps, before, after), "t0": t0, "t1": t0 + wall}
 
 
 async def engine_round(engine: Any, prompts: list[list[list[int]]], max_tokens: int, clock: StepClock) -> dict[str, Any]:
@@ -228,7 +342,11 @@ async def engine_round(engine: Any, prompts: list[list[list[int]]], max_tokens: 
 def _line(who: str, r: dict[str, Any]) -> str:
     extra = f"  engine thread busy {r['engine_busy_share']:.0%}"
     if "step_median_ms" in r:
-        extra += f"  kernel step p50 {r['step_median_ms']:.2f} ms"
+        extra += (f"  kernel step p50 {r['step_median_ms']:.2f} mean {r['step_mean_ms']:.2f} ms"
+                  f"  kernel busy {r['kernel_busy_share']:.0%}")
+    if "hold_mean_ms" in r:
+        extra += (f"  (held {r['hold_mean_ms']:.1f} + asleep {r['sleep_mean_ms']:.1f}"
+                  f" + rest {r['rest_mean_ms']:.1f} ms)")
     return (
         f"  {who:<10} {r['tps']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
         f"wall/step {r['wall_per_step_ms']:6.2f} ms  steps {r['steps']:5d}  turns {r['turns']:4d}  "
@@ -245,11 +363,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = write_model(work / "model", args.shape, args.tok_dir, args.seed)
     serve_args = ("--ssd-cache", "off", "--max-batch", str(args.rows), "--max-queue",
                   str(args.rows), *args.kvtier_arg)
-    servers = {"served": start_kvtier(model_dir, work, *serve_args)}
+    kernel, env, site = stand_in(args, work) if args.stand_in else (None, {}, None)
+    servers = {"served": start_kvtier(model_dir, work, *serve_args, env=env)}
     if args.baseline_tree is not None:
         # NOTE: the same command from another checkout: ``-P`` keeps the working
         # directory (this checkout) off sys.path, so PYTHONPATH decides.
-        env = {"PYTHONPATH": str(args.baseline_tree.resolve())}
+        path = [*env.values(), str(args.baseline_tree.resolve())]
+        env = {"PYTHONPATH": ":".join(path)}
         cmd = [sys.executable, "-P", "-m", "actors.cli", "serve", "--model", str(model_dir),
                "--port", "0", *serve_args]
         base = Server(cmd, work, "base", env)
@@ -257,7 +377,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         servers["served-base"] = base
     async with httpx.AsyncClient() as http:
         model = (await http.get(f"{servers['served'].url}/v1/models")).json()["data"][0]["id"]
-    clock = StepClock()
+    clock = StepClock(kernel)
     records: list[dict[str, Any]] = []
     try:
         async with Engine(model_dir, max_batch=args.rows, max_queue=args.rows) as engine:
@@ -278,6 +398,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         rec[who] = await served_round(
                             servers[who].url, model, prompts, args.max_tokens
                         )
+                        if site is not None:
+                            spans = server_spans(site, servers[who].proc.pid, rec[who]["t0"],
+                                                 rec[who]["t1"])
+                            rec[who].update(span_figures([(m[0], m[-1]) for m in spans]))
+                            rec[who].update(part_figures(spans))
                 print(f"round {rnd} ({args.rows} clients):", flush=True)
                 for who in servers:
                     rec[f"ratio_tps.{who}"] = rec[who]["tps"] / rec["engine"]["tps"]
@@ -327,6 +452,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="another checkout (e.g. a git worktree of the commit before a change): its "
         "`kvtier serve` runs too, as `served-base` (none: only this tree's)",
+    )
+    p.add_argument(
+        "--stand-in",
+        default="",
+        metavar="BUILD_MS,COMPUTE_MS",
+        help="replace the batch kernel, here and in the servers, by tools/bench/"
+        "batch_step_cost.py's stand-in: each step holds the GIL BUILD_MS (Python building "
+        "the graph), then sleeps COMPUTE_MS without it (the device computing), e.g. 3,17 "
+        "for an H200-like step; wall per step minus their sum is the path's own cost "
+        "(empty: the real kernel)",
     )
     p.add_argument("--json", type=Path, default=None, help="write the records here (none: not written)")
     args = p.parse_args(argv)

@@ -9,6 +9,7 @@ from actors.batch_scheduler.core import (
     Cancel,
     Effect,
     EmitToken,
+    EndStream,
     Event,
     ExitOut,
     JobEnded,
@@ -18,6 +19,7 @@ from actors.batch_scheduler.core import (
     ReportTurn,
     RowsReturned,
     SchedulerState,
+    StepFailed,
     StepFinished,
     StepOut,
     StopChain,
@@ -221,3 +223,16 @@ def test_a_single_step_grant_never_sends_stop_chain() -> None:
     (report,) = of(core.handle(StepFinished(1, tokens("a", "b"), 0.3)), ReportTurn)
     assert report.report.steps == 1
     assert report.report.ready
+
+
+def test_rows_handed_back_after_their_turn_failed_do_not_raise() -> None:
+    """A refused offer whose turn ended first (its job could not start: StepFailed, which fails
+    every joined row, the offered one too) is ignored: no exception, no row comes back."""
+    core = Core()
+    chain_running(core, "a")
+    core.handle(Admit(gen("b"), "c-b", 0.2))
+    effects = core.handle(StepFailed(1, "engine_unavailable", "gone", 0.25))
+    ended = {e.final.request_id for e in of(effects, EndStream)}
+    assert ended == {"a", "b"}
+    assert of(core.handle(RowsReturned(1, ("b",), (), 0.3)), SubmitStep) == []
+    assert core.state.rows == {}
