@@ -5,7 +5,7 @@ a few ms per step or per step chain on the served path (the gateway round
 trip when a chain ends, the loop's wake, per-step hooks) is a large share;
 on the CPU with the default model (steps of 100+ ms) it hides. This tool
 makes steps short on the CPU: a seeded random-weight mlx-lm ``llama`` of
-``gpu_engine.SHAPES[--shape]`` (float32) with the default model's
+``gpu_engine.SHAPES[--shape]`` (``--dtype``, float32) with the default model's
 tokenizer, written to a temporary directory, and drives, rounds
 interleaved in one run:
 
@@ -74,8 +74,10 @@ TOKENIZER_FILES = (
 )
 
 
-def write_model(directory: Path, shape: str, tok_dir: Path, seed: int) -> Path:
-    """A seeded random-weight float32 ``llama`` of ``shape`` with ``tok_dir``'s tokenizer, in ``directory``."""
+def write_model(
+    directory: Path, shape: str, tok_dir: Path, seed: int, dtype: str = "float32"
+) -> Path:
+    """A seeded random-weight ``llama`` of ``shape`` in ``dtype`` with ``tok_dir``'s tokenizer, in ``directory``."""
     import shutil
 
     import mlx.core as mx
@@ -83,7 +85,7 @@ def write_model(directory: Path, shape: str, tok_dir: Path, seed: int) -> Path:
     from mlx_lm.utils import save_config, save_model
 
     vocab = len(load_tokenizer(tok_dir))
-    model, _ = build_model(shape, vocab, seed, mx.float32)
+    model, _ = build_model(shape, vocab, seed, getattr(mx, dtype))
     directory.mkdir(parents=True, exist_ok=True)
     save_model(directory, model, donate_model=True)
     for name in TOKENIZER_FILES:
@@ -132,6 +134,9 @@ class StepClock:
 SITECUSTOMIZE = """
 # Written by tools/bench/served_steps.py --stand-in: the batch lane's kernel is a timed stand-in.
 import os, sys, time
+# NOTE: --switch-interval-ms, for the `served` server only.
+if os.environ.get("SERVED_STEPS_SWITCH_S"):
+    sys.setswitchinterval(float(os.environ["SERVED_STEPS_SWITCH_S"]))
 # NOTE: the packages first, from this interpreter's own path (a baseline tree's
 # PYTHONPATH): batch_step_cost puts the tools' checkout first on sys.path.
 import actors, kernels, messages
@@ -360,11 +365,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tok = load_tokenizer(args.tok_dir)
     work = Path(tempfile.mkdtemp(prefix="kvtier-served-steps-"))
-    model_dir = write_model(work / "model", args.shape, args.tok_dir, args.seed)
+    model_dir = write_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
     serve_args = ("--ssd-cache", "off", "--max-batch", str(args.rows), "--max-queue",
                   str(args.rows), *args.kvtier_arg)
     kernel, env, site = stand_in(args, work) if args.stand_in else (None, {}, None)
-    servers = {"served": start_kvtier(model_dir, work, *serve_args, env=env)}
+    mine = dict(env)
+    if args.switch_interval_ms > 0:
+        if site is None:
+            raise SystemExit("--switch-interval-ms needs --stand-in")
+        mine["SERVED_STEPS_SWITCH_S"] = str(args.switch_interval_ms / 1000)
+    servers = {"served": start_kvtier(model_dir, work, *serve_args, env=mine)}
     if args.baseline_tree is not None:
         # NOTE: the same command from another checkout: ``-P`` keeps the working
         # directory (this checkout) off sys.path, so PYTHONPATH decides.
@@ -444,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds; the contenders' order alternates")
     p.add_argument("--shape", default="tiny", help="gpu_engine.SHAPES entry of the random model")
     p.add_argument("--seed", type=int, default=0, help="weights' seed")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the weights' type (bfloat16 for an 8B shape on a GPU)",
+    )
     p.add_argument("--tok-dir", type=Path, default=DEFAULT_TOK_DIR, help="tokenizer directory")
     p.add_argument("--kvtier-arg", action="append", default=[], help="extra `kvtier serve` argument (repeat)")
     p.add_argument(
@@ -462,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
         "the graph), then sleeps COMPUTE_MS without it (the device computing), e.g. 3,17 "
         "for an H200-like step; wall per step minus their sum is the path's own cost "
         "(empty: the real kernel)",
+    )
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="with --stand-in: the `served` server's interpreter switch interval in ms "
+        "(sys.setswitchinterval; 0: Python's 5 ms), e.g. against --baseline-tree . of the same code",
     )
     p.add_argument("--json", type=Path, default=None, help="write the records here (none: not written)")
     args = p.parse_args(argv)
