@@ -263,6 +263,18 @@ def run_guidellm(python: Path, spec: dict[str, Any], workdir: Path, name: str) -
     path.write_text(json.dumps(spec, indent=1))
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
+    # NOTE: guidellm runs in its own environment and this tree must not be on
+    # its path: transformers takes kvtier's top-level ``kernels`` package for
+    # Hugging Face's ``kernels``, imports it and fails to load any model config
+    # (a tree benchmarked with PYTHONPATH at it would break every run).
+    search = [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and Path(p).resolve() != REPO.resolve()
+    ]
+    if search:
+        env["PYTHONPATH"] = os.pathsep.join(search)
+    else:
+        env.pop("PYTHONPATH", None)
     env.update(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
