@@ -1310,7 +1310,8 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
     _check_turn(state, ev.turn)
     step = ev.out
     stats = state.stats
-    _observe(state, step, ev.now - state.step_from, out)
+    began = state.step_from
+    _observe(state, step, ev.now - began, out)
     state.step_from = ev.now
     state.chain_steps += 1
     state.last_step = step
@@ -1326,6 +1327,11 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
         if row is None:
             continue
         row.cached_tokens = cached
+        if row.offered:
+            # NOTE: an offered row joined the step that took it, which began
+            # when the one before it ended (not at the offer): the request
+            # timeline's ``join`` phase is the wait for that step.
+            row.joined_at = max(row.joined_at, began)
         row.offered = False
         stats.joined += 1
         stats.cached_tokens += cached

@@ -91,7 +91,7 @@ def test_a_chain_streams_each_step_and_reports_the_turn_once_with_its_steps() ->
 
 
 def test_a_row_ready_mid_chain_is_offered_to_it_without_stopping_it() -> None:
-    """A lookup answered mid-chain offers the row to the running chain (once), no StopChain, no report."""
+    """A row ready mid-chain is offered once (no StopChain, no report) and joins when the taking step began."""
     core = Core(lookups=True)
     core.handle(Admit(gen("a"), "c-a", 0.0))
     core.handle(LookupAnswered("a", None, 0.0))
@@ -111,6 +111,8 @@ def test_a_row_ready_mid_chain_is_offered_to_it_without_stopping_it() -> None:
     core.handle(StepFinished(1, joined, 0.5, last=False))
     assert not core.state.rows["b"].offered
     assert core.state.in_flight == 1
+    # NOTE: joined by the step that began when the one ending at 0.4 ended, not at the offer (0.3).
+    assert core.state.rows["b"].joined_at == 0.4
 
 
 def test_rows_the_chain_hands_back_join_a_new_job_of_the_same_turn() -> None:
