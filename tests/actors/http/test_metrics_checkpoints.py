@@ -22,7 +22,8 @@ from prometheus_client.samples import Sample
 from actors.checkpoints import CHECKPOINT_DIR
 from actors.engine import Engine
 from actors.http import HttpSettings, create_app
-from messages.gateway import GenerationParams, TokenEvent
+from messages.gateway import GenerationParams
+from tests.actors.checkpoints.restart_support import tokens
 from tests.actors.test_cold_tier_engine import IDENTITY
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
@@ -45,14 +46,7 @@ def _engine(model: Any, root: Path, every: int = 8) -> Engine:
 
 
 async def _tokens(engine: Engine, cancel_after: int | None = None) -> list[int]:
-    out: list[int] = []
-    async with engine.generate(PROMPT, PARAMS) as stream:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                out.append(event.token_id)
-                if cancel_after is not None and len(out) == cancel_after:
-                    break
-    return out
+    return await tokens(engine, PARAMS, cancel_after=cancel_after, prompt=PROMPT)
 
 
 async def _until_written(engine: Engine, n: int) -> None:
