@@ -138,6 +138,21 @@ case "$cmd" in
       | tail -n 600 > "$OUT/timeline.txt" || true
     tar -czf "$OUT/profile-logs.tgz" --exclude="./kv-*" -C "$WORK/profile" . || true
     ;;
+  steps)
+    # The same closed loop (${ROWS:-32} clients, each sending requests one after
+    # the other, 512-token prompts, 128 new tokens) through `kvtier serve`
+    # (--ssd-cache off) and through the in-process Engine, on the model `run`
+    # wrote: what the served path leaves of the engine's throughput.
+    device_env
+    if [ ! -f "$MODEL/config.json" ]; then
+      python3 -c 'import sys; sys.path.insert(0, "tools/bench"); from pathlib import Path
+from serving import write_random_model
+write_random_model(Path(sys.argv[1]), sys.argv[2], Path(".gpu/tok"), 0)' "$MODEL" "${KVTIER_GPU_SHAPE:-llama3-8b}"
+    fi
+    python3 tools/bench/served_steps.py --model "$MODEL" --tok-dir .gpu/tok --rows "${ROWS:-32}" \
+      --requests 3 --prompt-tokens 512 --max-tokens 128 --rounds "${ROUNDS:-3}" \
+      --json "$OUT/steps.json" "$@" 2>&1 | tee "$OUT/steps.txt"
+    ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests) and the
     # checkpoint restart at 75 % of a ${CK_TOKENS:-2000}-token answer, on the

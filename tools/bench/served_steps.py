@@ -365,7 +365,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tok = load_tokenizer(args.tok_dir)
     work = Path(tempfile.mkdtemp(prefix="kvtier-served-steps-"))
-    model_dir = write_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
+    model_dir = (
+        args.model
+        if args.model is not None
+        else write_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
+    )
     serve_args = ("--ssd-cache", "off", "--max-batch", str(args.rows), "--max-queue",
                   str(args.rows), *args.kvtier_arg)
     kernel, env, site = stand_in(args, work) if args.stand_in else (None, {}, None)
@@ -461,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the weights' type (bfloat16 for an 8B shape on a GPU)",
     )
     p.add_argument("--tok-dir", type=Path, default=DEFAULT_TOK_DIR, help="tokenizer directory")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="serve this model directory instead of writing a random one (e.g. the 8B "
+        "shape gpu_serving.sh run wrote; --shape, --seed, --dtype are then unused)",
+    )
     p.add_argument("--kvtier-arg", action="append", default=[], help="extra `kvtier serve` argument (repeat)")
     p.add_argument(
         "--baseline-tree",
