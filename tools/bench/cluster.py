@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import statistics
@@ -67,9 +68,33 @@ def system_prompt(tokens: int, nonce: str) -> str:
     return "\n".join(lines)
 
 
+def tool_result_tokens(conv: int, turn: int, mean: int) -> int:
+    """The size of turn ``turn``'s tool result: seeded, skewed, ``mean`` tokens on average.
+
+    NOTE: agents' tool outputs are mostly short (a status, a grep hit, a test
+    summary) with an occasional long one (a file read): a log-normal with
+    sigma 0.8, scaled to ``mean``, clipped to 8 .. 6 x ``mean`` tokens.
+    Seeded by (conversation, turn), so every policy replays the same sizes.
+    """
+    import random
+
+    draw = random.Random(conv * 1_000_003 + turn).lognormvariate(0.0, 0.8) / math.exp(0.32)
+    return int(min(6 * mean, max(8, round(mean * draw))))
+
+
 def tool_result(conv: int, turn: int, tokens: int) -> str:
-    """The tool result a turn appends (distinct per conversation and turn)."""
-    return f"Result of step {turn} for task {conv}: " + _filler(int(tokens / 1.3), conv * 31 + turn)
+    """The tool result a turn appends (distinct per conversation and turn, ~``tokens`` on average)."""
+    size = tool_result_tokens(conv, turn, tokens)
+    return f"Result of step {turn} for task {conv}: " + _filler(int(size / 1.3), conv * 31 + turn)
+
+
+def tool_seconds(conv: int, turn: int, mean: float) -> float:
+    """The agent's tool run after turn ``turn``'s answer: seeded exponential, ``mean`` seconds."""
+    import random
+
+    if mean <= 0:
+        return 0.0
+    return random.Random(conv * 7_919 + turn * 104_729 + 1).expovariate(1.0 / mean)
 
 
 def reply(conv: int, turn: int) -> str:
@@ -141,6 +166,8 @@ async def replay_trace(url: str, policy: str, args: argparse.Namespace) -> tuple
                                       int(rep) if rep is not None else None,
                                       time.perf_counter() - t0))
                 messages.append({"role": "assistant", "content": reply(conv, turn)})
+                if turn + 1 < args.turns:
+                    await asyncio.sleep(tool_seconds(conv, turn, args.tool_s))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
         await asyncio.gather(*(agent(client) for _ in range(args.concurrency)))
@@ -172,7 +199,9 @@ def summarize(samples: list[Sample], wall: float, spread: list[int]) -> dict[str
     return {
         "requests": len(samples),
         "ttft_p50_s": _pct(ttft, 0.50),
+        "ttft_p90_s": _pct(ttft, 0.90),
         "ttft_p99_s": _pct(ttft, 0.99),
+        "ttft_mean_s": statistics.mean(ttft) if ttft else float("nan"),
         "cached_share": cached / prompt if prompt else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
@@ -184,12 +213,17 @@ def summarize(samples: list[Sample], wall: float, spread: list[int]) -> dict[str
     }
 
 
-def ideal_share(args: argparse.Namespace) -> float:
-    """The trace's prefix share: prompt tokens that repeat a prefix sent before / all prompt tokens.
+def ideal_share(args: argparse.Namespace) -> dict[str, float]:
+    """The trace's prefix share, counted with the model's tokenizer and chat template.
 
-    Counted with the model's tokenizer and chat template (what kvtier prefills):
-    turn 1 repeats the shared system prompt's tokens (after the first conversation),
-    a later turn repeats the conversation's previous prompt.
+    ``share``: of all prompt tokens (what kvtier prefills), those that
+    repeat the longest common token prefix with a prompt sent before
+    anywhere in the trace, i.e. what one process with an unbounded prompt
+    cache would find cached. A first turn repeats the shared system prompt
+    (after the first conversation), a later turn its conversation's
+    previous prompt. ``follow_up_share``: the same over turns after the
+    first only (a call inside a running agent loop); ``first_share`` over
+    first turns only.
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -197,29 +231,31 @@ def ideal_share(args: argparse.Namespace) -> float:
 
     tok = load_tokenizer(default_model_dir() if args.model is None else resolve_model_path(args.model))
     system = system_prompt(args.system_tokens, "ideal")
-    repeated = total = 0
-    shared = 0
+    rep = {"first": 0, "follow": 0}
+    tot = {"first": 0, "follow": 0}
+    first: list[int] = []
     for conv in range(args.conversations):
         messages = [{"role": "system", "content": system}]
         prev: list[int] = []
         for turn in range(args.turns):
             messages.append({"role": "user", "content": tool_result(conv, turn, args.turn_tokens)})
             ids = render_chat(tok, messages)
+            kind = "first" if turn == 0 else "follow"
             if turn == 0:
                 if conv == 0:
                     first = ids
                 else:
-                    shared = next((i for i, (a, b) in enumerate(zip(first, ids, strict=False))
-                                   if a != b), min(len(first), len(ids)))
-                    repeated += shared
+                    rep[kind] += _common(first, ids)
             else:
-                same = next((i for i, (a, b) in enumerate(zip(prev, ids, strict=False)) if a != b),
-                            min(len(prev), len(ids)))
-                repeated += same
-            total += len(ids)
+                rep[kind] += _common(prev, ids)
+            tot[kind] += len(ids)
             prev = ids
             messages.append({"role": "assistant", "content": reply(conv, turn)})
-    return repeated / total
+    return {"share": (rep["first"] + rep["follow"]) / (tot["first"] + tot["follow"]),
+            "first_share": rep["first"] / tot["first"] if tot["first"] else 0.0,
+            "follow_up_share": rep["follow"] / tot["follow"] if tot["follow"] else 0.0,
+            "prompt_tokens": float(tot["first"] + tot["follow"]),
+            "mean_prompt_tokens": (tot["first"] + tot["follow"]) / (args.conversations * args.turns)}
 
 
 # NOTE: n=2 passes sglang-router's own request checks (it parses the body
@@ -349,7 +385,7 @@ async def measure_overhead(direct: list[str], routed: str, n: int) -> dict[str, 
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Four panels: TTFT p50/p99, cached-token share, throughput, requests per replica."""
+    """Six panels: TTFT p50/p99, TTFT p50 by turn, cached share, throughput, requests per replica."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,16 +393,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     pols = list(result["policies"])
     rows = [result["policies"][p]["summary"] for p in pols]
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    fig, ax = plt.subplots(2, 3, figsize=(15, 7))
     x = range(len(pols))
     ax[0][0].bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in rows], 0.4, label="p50")
     ax[0][0].bar([i + 0.2 for i in x], [r["ttft_p99_s"] for r in rows], 0.4, label="p99")
     ax[0][0].set_title("TTFT (s)")
     ax[0][0].legend()
-    ax[0][1].bar(x, [r["cached_share"] for r in rows])
-    ax[0][1].axhline(result["trace"]["ideal_share"], color="k", ls="--", label="trace prefix share")
-    ax[0][1].set_title("cached-token share")
+    for p in pols:
+        by_turn: dict[int, list[float]] = {}
+        for smp in result["policies"][p]["samples"]:
+            by_turn.setdefault(int(smp["turn"]), []).append(float(smp["ttft_s"]))
+        turns = sorted(by_turn)
+        ax[0][1].plot([t + 1 for t in turns], [_pct(by_turn[t], 0.5) for t in turns],
+                      marker="o", label=p)
+    ax[0][1].set_title("TTFT p50 (s) by turn of the conversation")
+    ax[0][1].set_xlabel("turn")
     ax[0][1].legend()
+    ax[0][2].bar(x, [r["cached_share"] for r in rows])
+    ax[0][2].axhline(result["trace"]["ideal_share"], color="k", ls="--", label="trace prefix share")
+    ax[0][2].set_title("cached-token share")
+    ax[0][2].legend()
     ax[1][0].bar(x, [r["prompt_tokens_per_s"] for r in rows])
     ax[1][0].set_title("throughput (prompt tokens / s)")
     width = 0.8 / max(1, result["replicas"])
@@ -375,21 +421,33 @@ def plot(result: dict[str, Any], path: Path) -> None:
                      [r["per_replica"][k] for r in rows], width, label=f"replica {k}")
     ax[1][1].set_title("requests per replica")
     ax[1][1].legend()
-    for a in ax.flat:
+    for a in (ax[0][0], ax[0][2], ax[1][0], ax[1][1]):
         a.set_xticks(list(x), pols)
+    ax[1][2].axis("off")
+    t = result["trace"]
+    ax[1][2].text(0.0, 0.95, "\n".join([
+        f"{t['conversations']} conversations x {t['turns']} turns, concurrency {t['concurrency']}",
+        (f"system {t['system_tokens']} tok, tool result mean {t['turn_tokens']} tok, "
+         f"tool time {t.get('tool_s', 0)} s"),
+        f"prefix share {t['ideal_share']:.3f} (follow-up turns {t.get('follow_up_share', 0):.3f})",
+        f"replicas: {result.get('replica_settings', {})}",
+        f"load before {result['load_before']}",
+    ]), va="top", fontsize=8, wrap=True)
     fig.suptitle(f"{result['replicas']} CPU replicas, concurrency {result['trace']['concurrency']}"
                  f" (shared 2-core machine, load {result['load_before']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
-def overhead_only(args: argparse.Namespace, serve: list[str]) -> int:
+def overhead_only(args: argparse.Namespace, serve: list[str],
+                  balance: tuple[float, float] | None) -> int:
     """``--overhead``: each router of ``--policies`` in front of the replicas, overhead only."""
     from tools.bench._common import loadavg, machine
 
     result: dict[str, Any] = {"machine": machine(), "load_before": loadavg(),
                               "replicas": args.replicas, "routers": {}}
-    with Cluster(args.replicas, args.out / "work", serve, policy=None) as cluster:
+    with Cluster(args.replicas, args.out / "work", serve, policy=None, threads=args.threads,
+                 pin=args.pin, balance=balance) as cluster:
         urls = [r.url for r in cluster.replicas]
         for policy in args.policies.split(","):
             if policy == "single":
@@ -414,12 +472,30 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=256)
-    p.add_argument("--turn-tokens", type=int, default=192)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=10, help="calls per agent conversation (default 10)")
+    p.add_argument("--system-tokens", type=int, default=256,
+                   help="the shared system prompt (tool descriptions), tokens (default 256)")
+    p.add_argument("--turn-tokens", type=int, default=48,
+                   help="mean tool-result tokens a turn appends (skewed; default 48)")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--policies", default="single,round_robin,cache_aware,events")
+    p.add_argument("--tool-s", type=float, default=0.0,
+                   help="mean seconds an agent runs its tool between an answer and its next call "
+                        "(seeded exponential; default 0: the next call at once)")
+    p.add_argument("--policies", default="round_robin,cache_aware,events",
+                   help="comma list of single, round_robin, cache_aware, events, in the order of "
+                        "the first round (default round_robin,cache_aware,events)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="replay the trace this many times per policy, the policy order rotated "
+                        "each round (interleaved; default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="BLAS threads per replica (default: the library's, one per core)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each replica to its share of the cores (tools/cluster/launch.py)")
+    p.add_argument("--balance-abs-threshold", type=float, default=None,
+                   help="sglang-router's balance rule, given to cache_aware and events alike "
+                        "(default: theirs, 64)")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
     p.add_argument("--overhead-n", type=int, default=200,
                    help="request pairs (direct, routed) per router for its overhead (default 200; "
                         "0: not measured)")
@@ -438,8 +514,10 @@ def main() -> int:
     from tools.bench._common import loadavg, machine
 
     serve = args.serve_args.split() + (["--model", args.model] if args.model else [])
+    balance = (None if args.balance_abs_threshold is None
+               else (args.balance_abs_threshold, args.balance_rel_threshold))
     if args.overhead:
-        return overhead_only(args, serve)
+        return overhead_only(args, serve, balance)
     if args.simulate:
         for turns in (int(t) for t in args.simulate.split(",")):
             w = prefill_work(args, turns, args.replicas)
@@ -450,30 +528,62 @@ def main() -> int:
     result: dict[str, Any] = {
         "machine": machine(), "load_before": loadavg(), "replicas": args.replicas,
         "trace": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
-                                                  "turn_tokens", "max_tokens", "concurrency")},
-        "policies": {},
+                                                  "turn_tokens", "max_tokens", "concurrency",
+                                                  "tool_s")},
+        "replica_settings": {"threads": args.threads, "pin": args.pin,
+                             "serve_args": serve, "balance": balance},
+        "rounds": args.rounds, "policies": {},
     }
-    result["trace"]["ideal_share"] = ideal_share(args)
-    print(f"trace prefix share {result['trace']['ideal_share']:.3f}", flush=True)
-    with Cluster(args.replicas, args.out / "work", serve, policy=None) as cluster:
+    share = ideal_share(args)
+    result["trace"].update({"ideal_share": share["share"], "first_share": share["first_share"],
+                            "follow_up_share": share["follow_up_share"],
+                            "mean_prompt_tokens": share["mean_prompt_tokens"]})
+    print(f"trace prefix share {share['share']:.3f} (first turns {share['first_share']:.3f}, "
+          f"follow-up turns {share['follow_up_share']:.3f}; mean prompt "
+          f"{share['mean_prompt_tokens']:.0f} tokens)", flush=True)
+    order = args.policies.split(",")
+    gathered: dict[str, dict[str, Any]] = {
+        p: {"samples": [], "wall": 0.0, "spread": [0] * args.replicas, "loads": [],
+            "router_stats": []} for p in order}
+    with Cluster(args.replicas, args.out / "work", serve, policy=None, threads=args.threads,
+                 pin=args.pin, balance=balance) as cluster:
         urls = [r.url for r in cluster.replicas]
-        for policy in args.policies.split(","):
+        result["replica_cpus"] = [sorted(os.sched_getaffinity(r.proc.pid))
+                                  for r in cluster.replicas]
+        for rnd in range(args.rounds):
+            for policy in order[rnd % len(order):] + order[:rnd % len(order)]:
+                target = urls[0] if policy == "single" else cluster.route(policy).url
+                before = [_served(u) for u in urls]
+                samples, wall = asyncio.run(replay_trace(target, policy, args))
+                g = gathered[policy]
+                g["samples"] += samples
+                g["wall"] += wall
+                g["spread"] = [a + _served(u) - b
+                               for a, u, b in zip(g["spread"], urls, before, strict=True)]
+                g["loads"].append(loadavg())
+                if policy == "events":
+                    g["router_stats"].append(
+                        httpx.get(f"{target}/event_router/stats", timeout=10).json())
+                s = summarize(samples, wall, g["spread"])
+                print(f"round {rnd} {policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s "
+                      f"p99 {s['ttft_p99_s']:.3f}s cached {s['cached_share']:.3f} "
+                      f"{s['prompt_tokens_per_s']:.0f} tok/s load {loadavg()}", flush=True)
+        for policy in order:
+            g = gathered[policy]
             target = urls[0] if policy == "single" else cluster.route(policy).url
-            before = [_served(u) for u in urls]
-            samples, wall = asyncio.run(replay_trace(target, policy, args))
-            spread = [_served(u) - b for u, b in zip(urls, before, strict=True)]
-            entry: dict[str, Any] = {"summary": summarize(samples, wall, spread),
-                                     "samples": [asdict(s) for s in samples],
-                                     "load_after": loadavg()}
+            entry: dict[str, Any] = {"summary": summarize(g["samples"], g["wall"], g["spread"]),
+                                     "samples": [asdict(x) for x in g["samples"]],
+                                     "load_after": g["loads"]}
             if policy != "single" and args.overhead_n:
                 entry["overhead"] = asyncio.run(measure_overhead(urls, target, args.overhead_n))
-            if policy == "events":
-                entry["router_stats"] = httpx.get(f"{target}/event_router/stats", timeout=10).json()
+            if g["router_stats"]:
+                entry["router_stats"] = g["router_stats"]
             result["policies"][policy] = entry
             s = entry["summary"]
             print(f"{policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s p99 {s['ttft_p99_s']:.3f}s "
-                  f"cached {s['cached_share']:.3f} {s['prompt_tokens_per_s']:.0f} tok/s "
-                  f"spread {s['per_replica']} overhead {entry.get('overhead', {})}", flush=True)
+                  f"mean {s['ttft_mean_s']:.3f}s cached {s['cached_share']:.3f} "
+                  f"{s['prompt_tokens_per_s']:.0f} tok/s spread {s['per_replica']} "
+                  f"overhead {entry.get('overhead', {})}", flush=True)
         result["exit_codes"] = cluster.stop()
     result["load_after"] = loadavg()
     (args.out / "cluster.json").write_text(json.dumps(result, indent=1))

@@ -10,7 +10,9 @@ request's first token: the blocks it would compute (the request's blocks
 less its cached prefix there) plus the blocks still queued there (the
 uncached blocks of the requests in flight to it); a tie goes to the least
 loaded (fewest requests in flight through this router), a further tie to
-the next replica in turn.
+the next replica in turn. With sglang-router's balance thresholds set
+(:func:`imbalanced`), an imbalanced load leaves only the least loaded
+replicas as candidates.
 
 NOTE: kvtier's block hashes are chained (block ``i`` hashes block ``i-1``)
 and every announced chain starts at the namespace root, so a replica that
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockIndex", "Choice", "Predicted", "choose", "decode_payload"]
+__all__ = ["BlockIndex", "Choice", "Predicted", "choose", "decode_payload", "imbalanced"]
 
 
 def decode_payload(payload: bytes) -> list[Any]:
@@ -157,11 +159,26 @@ class Choice:
     cached_blocks: int
     """The chosen replica's cached prefix of the request, in blocks."""
     reason: str
-    """``cost`` (the least prefill won alone), ``load`` (a tie broken by load), ``turn``."""
+    """``cost`` (the least prefill won alone), ``load`` (a tie broken by load), ``turn``,
+    or ``balance`` (the load was imbalanced: among the least loaded)."""
+
+
+def imbalanced(in_flight: Sequence[int], abs_threshold: float, rel_threshold: float) -> bool:
+    """sglang-router's load-imbalance test, the same numbers meaning the same thing.
+
+    Balancing is on when ``max - min > abs_threshold`` and
+    ``max > min * rel_threshold`` over the replicas' requests in flight
+    (sglang-router 0.3's ``--balance-abs-threshold`` / ``--balance-rel-threshold``).
+    """
+    if not in_flight:
+        return False
+    hi, lo = max(in_flight), min(in_flight)
+    return hi - lo > abs_threshold and hi > lo * rel_threshold
 
 
 def choose(blocks: int, cached: Sequence[int], queued: Sequence[int],
-           in_flight: Sequence[int], turn: int) -> Choice:
+           in_flight: Sequence[int], turn: int, *, abs_threshold: float = math.inf,
+           rel_threshold: float = 1.5) -> Choice:
     """The replica with the least prefill before the request's first token.
 
     A request of ``blocks`` blocks costs ``blocks - cached[i] + queued[i]``
@@ -171,18 +188,30 @@ def choose(blocks: int, cached: Sequence[int], queued: Sequence[int],
     holding it has more queued work than the prefix saves; a tie goes to
     the fewest requests in flight, then to the next replica in ``turn``
     (so equal replicas share new work).
+
+    When the requests in flight are imbalanced by sglang-router's rule
+    (:func:`imbalanced` with ``abs_threshold`` / ``rel_threshold``; off by
+    default) only the least loaded replicas are candidates, and among them
+    the same cost decides (reason ``balance``): a router with the same
+    thresholds as ``cache_aware`` balances when it does, but still keeps
+    what it can of the cached prefix.
     """
     n = len(cached)
     if not n or len(queued) != n or len(in_flight) != n:
         raise ValueError("one cached count, one queue and one load per replica")
     cost = [max(0, blocks - cached[i]) + queued[i] for i in range(n)]
-    best = min(cost)
-    tied = [i for i in range(n) if cost[i] == best]
+    candidates = list(range(n))
+    balancing = imbalanced(in_flight, abs_threshold, rel_threshold)
+    if balancing:
+        least_loaded = min(in_flight)
+        candidates = [i for i in candidates if in_flight[i] == least_loaded]
+    best = min(cost[i] for i in candidates)
+    tied = [i for i in candidates if cost[i] == best]
     if len(tied) == 1:
-        return Choice(tied[0], cached[tied[0]], "cost")
+        return Choice(tied[0], cached[tied[0]], "balance" if balancing else "cost")
     least = min(in_flight[i] for i in tied)
     idle = [i for i in tied if in_flight[i] == least]
     if len(idle) == 1:
-        return Choice(idle[0], cached[idle[0]], "load")
+        return Choice(idle[0], cached[idle[0]], "balance" if balancing else "load")
     pick = idle[turn % len(idle)]
-    return Choice(pick, cached[pick], "turn")
+    return Choice(pick, cached[pick], "balance" if balancing else "turn")

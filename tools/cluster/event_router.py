@@ -25,7 +25,9 @@ replica holds, counting the chains this router sent it that its events have
 not announced yet: in flight and ``--predict-ttl`` seconds after) plus the
 uncached blocks of the requests in flight to it. A tie goes to the replica
 with the fewest requests in flight through this router, then to the next
-in turn. Any other request goes to the least loaded replica. The body is forwarded unchanged and the answer streamed back,
+in turn. When the requests in flight are imbalanced by sglang-router's rule
+(``--balance-abs-threshold``, ``--balance-rel-threshold``, its defaults and
+meaning), only the least loaded replicas are candidates. Any other request goes to the least loaded replica. The body is forwarded unchanged and the answer streamed back,
 with an ``x-kvtier-replica`` header naming the replica's index.
 ``GET /event_router/stats`` shows the indexes and the routing counts.
 
@@ -107,10 +109,13 @@ class EventRouter:
     """The subscribers, the tokenizer and the forwarding client of one router process."""
 
     def __init__(self, replicas: Sequence[ReplicaLink], tokenizer: Any, *,
-                 predict_ttl: float = 30.0) -> None:
+                 predict_ttl: float = 30.0, balance_abs: float = 64.0,
+                 balance_rel: float = 1.5) -> None:
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
         self.predict_ttl = predict_ttl
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
         self.reasons: dict[str, int] = {}
         self._ctx = zmq.asyncio.Context()
         self._turn = 0
@@ -236,7 +241,8 @@ class EventRouter:
         self._turn += 1
         blocks = max((len(c) for c in chain_of), default=0)
         choice = choose(blocks, cached, [r.queued_blocks for r in self.replicas],
-                        [r.in_flight for r in self.replicas], self._turn)
+                        [r.in_flight for r in self.replicas], self._turn,
+                        abs_threshold=self.balance_abs, rel_threshold=self.balance_rel)
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         i = choice.replica
         return i, chain_of[i], len(chain_of[i]) - choice.cached_blocks
@@ -372,6 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="seconds a routed request's blocks count as held on its replica after the "
                         "request ends, until the replica's events announce them (default 30; "
                         "0: only while in flight)")
+    p.add_argument("--balance-abs-threshold", type=float, default=64.0,
+                   help="sglang-router's rule, same meaning: balance by load when the requests in "
+                        "flight differ by more than this (default 64, sglang-router's)")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="... and the most loaded replica has more than this times the least "
+                        "(default 1.5, sglang-router's)")
     args = p.parse_args(argv)
     links = []
     for spec in args.replica:
@@ -380,7 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--replica wants URL,PUB,REPLAY, got {spec!r}")
         links.append(ReplicaLink(parts[0].rstrip("/"), parts[1], parts[2]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    router = EventRouter(links, _load_tokenizer(args.model), predict_ttl=args.predict_ttl)
+    router = EventRouter(links, _load_tokenizer(args.model), predict_ttl=args.predict_ttl,
+                         balance_abs=args.balance_abs_threshold,
+                         balance_rel=args.balance_rel_threshold)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning",
                 access_log=False)
     return 0

@@ -38,7 +38,7 @@ from types import TracebackType
 
 import httpx
 
-__all__ = ["SGLANG_POLICIES", "Cluster", "Replica", "Router", "free_port", "main"]
+__all__ = ["SGLANG_POLICIES", "Cluster", "Replica", "Router", "free_port", "main", "replica_cpus"]
 
 REPO = Path(__file__).resolve().parents[2]
 _OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -54,11 +54,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _env() -> dict[str, str]:
+def _env(threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if "LD_PRELOAD" not in env and os.path.exists(_OPENBLAS):
         env["LD_PRELOAD"] = _OPENBLAS  # NOTE: 20x faster CPU matmuls; optional.
+    if threads is not None:
+        # NOTE: the BLAS pool is the CPU backend's only multi-threaded part;
+        # without a bound every replica starts one thread per core.
+        env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def replica_cpus(index: int, replicas: int, cpus: Sequence[int]) -> set[int]:
+    """The cores replica ``index`` of ``replicas`` is pinned to: an equal share of ``cpus``.
+
+    With at least as many cores as replicas each replica gets its own
+    ``len(cpus) // replicas`` cores; with fewer, replicas share cores in
+    turn (replica ``i`` on core ``i % len(cpus)``), so no core holds two
+    replicas more than another does.
+    """
+    if not cpus:
+        raise ValueError("no cores to pin to")
+    ordered = sorted(cpus)
+    per = len(ordered) // replicas
+    if per >= 1:
+        return set(ordered[index * per:(index + 1) * per])
+    return {ordered[index % len(ordered)]}
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
@@ -89,8 +110,12 @@ class Replica:
 
     @classmethod
     def start(cls, index: int, workdir: Path, serve_args: Sequence[str], *,
-              host: str = "127.0.0.1", port: int = 0, events: bool = True) -> Replica:
-        """Start replica ``index`` (output to ``workdir/replica-I.*``); :meth:`wait_ready` next."""
+              host: str = "127.0.0.1", port: int = 0, events: bool = True,
+              threads: int | None = None, cpus: set[int] | None = None) -> Replica:
+        """Start replica ``index`` (output to ``workdir/replica-I.*``); :meth:`wait_ready` next.
+
+        ``threads`` bounds its BLAS threads; ``cpus`` pins it to those cores.
+        """
         pub = f"tcp://127.0.0.1:{free_port()}" if events else "off"
         replay = f"tcp://127.0.0.1:{free_port()}" if events else "off"
         args = list(serve_args)
@@ -102,7 +127,10 @@ class Replica:
         out_path = workdir / f"replica-{index}.stdout"
         err_path = workdir / f"replica-{index}.stderr"
         with out_path.open("wb") as out, err_path.open("wb") as err:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=err)
+            proc = subprocess.Popen(cmd, cwd=REPO, env=_env(threads), stdout=out, stderr=err)
+        if cpus is not None:
+            # NOTE: pinned before it loads the model (its threads inherit the set).
+            os.sched_setaffinity(proc.pid, cpus)
         return cls(index, workdir, pub, replay, proc)
 
     def wait_ready(self, timeout: float) -> None:
@@ -140,12 +168,19 @@ class Router:
     @classmethod
     def start(cls, policy: str, replicas: Sequence[Replica], workdir: Path, *,
               host: str = "127.0.0.1", port: int = 0, model: str | None = None,
-              timeout: float = 60.0) -> Router:
-        """Start the router for ``policy`` and wait until it forwards ``/v1/models``."""
+              timeout: float = 60.0, balance: tuple[float, float] | None = None) -> Router:
+        """Start the router for ``policy`` and wait until it forwards ``/v1/models``.
+
+        ``balance`` (abs, rel): sglang-router's ``--balance-abs-threshold`` and
+        ``--balance-rel-threshold``, given to ``cache_aware`` and to the event
+        router alike (None: each one's default, 64 and 1.5 for both).
+        """
         port = port or free_port()
+        balance_args = [] if balance is None else [
+            "--balance-abs-threshold", f"{balance[0]:g}", "--balance-rel-threshold", f"{balance[1]:g}"]
         if policy == "events":
             cmd = [sys.executable, str(REPO / "tools" / "cluster" / "event_router.py"),
-                   "--host", host, "--port", str(port)]
+                   "--host", host, "--port", str(port), *balance_args]
             if model is not None:
                 cmd += ["--model", model]
             for r in replicas:
@@ -161,6 +196,7 @@ class Router:
                    "--port", str(port), "--policy", policy, "--log-level", "warn",
                    "--disable-circuit-breaker", "--prometheus-host", host,
                    "--prometheus-port", str(free_port()),
+                   *(balance_args if policy == "cache_aware" else []),
                    "--worker-urls", *[r.url for r in replicas]]
         else:
             raise ValueError(f"unknown policy {policy!r}")
@@ -208,6 +244,12 @@ class Cluster:
     host: str = "127.0.0.1"
     router_port: int = 0
     start_timeout: float = 300.0
+    threads: int | None = None
+    """BLAS threads per replica (None: the library's default, one per core)."""
+    pin: bool = False
+    """Pin each replica to its share of this process's cores (:func:`replica_cpus`)."""
+    balance: tuple[float, float] | None = None
+    """The routers' balance thresholds (:meth:`Router.start`)."""
     replicas: list[Replica] = field(default_factory=list)
     router: Router | None = None
     exit_codes: list[int | None] = field(default_factory=list)
@@ -216,8 +258,12 @@ class Cluster:
         """Start every replica, wait for all of them, then the router (if a policy is set)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
-            self.replicas = [Replica.start(i, self.workdir, self.serve_args, host=self.host)
-                             for i in range(self.replicas_n)]
+            cores = sorted(os.sched_getaffinity(0))
+            self.replicas = [
+                Replica.start(i, self.workdir, self.serve_args, host=self.host,
+                              threads=self.threads,
+                              cpus=replica_cpus(i, self.replicas_n, cores) if self.pin else None)
+                for i in range(self.replicas_n)]
             for r in self.replicas:
                 r.wait_ready(self.start_timeout)
             if self.policy is not None:
@@ -234,7 +280,7 @@ class Cluster:
         self.router = None
         model = _flag(self.serve_args, "--model")
         self.router = Router.start(policy, self.replicas, self.workdir, host=self.host,
-                                   port=port, model=model)
+                                   port=port, model=model, balance=self.balance)
         return self.router
 
     @property
@@ -294,12 +340,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     p.add_argument("--workdir", type=Path, default=Path("kvtier-cluster"),
                    help="replica SSD directories and logs (default ./kvtier-cluster)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="BLAS threads per replica (default: the library's, one per core)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each replica to its share of the cores (one core each when there "
+                        "are enough; else replicas share cores in turn)")
+    p.add_argument("--balance-abs-threshold", type=float, default=None,
+                   help="sglang-router's balance rule for cache_aware and events alike "
+                        "(default: theirs, 64)")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="with --balance-abs-threshold (default 1.5)")
     args = p.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    balance = (None if args.balance_abs_threshold is None
+               else (args.balance_abs_threshold, args.balance_rel_threshold))
     cluster = Cluster(args.replicas, args.workdir.resolve(), serve_args, args.policy,
-                      host=args.host, router_port=args.port)
+                      host=args.host, router_port=args.port, threads=args.threads,
+                      pin=args.pin, balance=balance)
     with cluster:
         for r in cluster.replicas:
             print(f"replica {r.index}: {r.url} (kv events {r.kv_events}, replay {r.kv_replay})")
