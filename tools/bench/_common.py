@@ -2,14 +2,16 @@
 
 Server child processes (output to files, never pipes), the deterministic
 long system prompt, streaming chat requests timed to their first content
-chunk, and a record of the machine and its load. Used by
-``tools/bench/prompt_cache.py``, ``prompt_cache_memory.py`` and
-``cold_tier.py``; the scripts run from the repository root as
+chunk, a timer of the batch kernel's steps, and a record of the machine and
+its load. Used by ``tools/bench/prompt_cache.py``, ``prompt_cache_memory.py``,
+``cold_tier.py``, ``overhead.py``, ``http_ab.py``, ``served_steps.py``,
+``gpu_batching.py`` and others; the scripts run from the repository root as
 ``python tools/bench/<name>.py`` (their own directory is on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -20,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,7 +100,12 @@ class Server:
     """A server child process with files (not pipes) for its output."""
 
     def __init__(
-        self, cmd: list[str], workdir: Path, name: str, env: dict[str, str] | None = None
+        self,
+        cmd: list[str],
+        workdir: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+        cwd: Path = REPO,
     ) -> None:
         self.name = name
         self.stdout = workdir / f"{name}.stdout"
@@ -107,7 +115,7 @@ class Server:
         # process wrote (after ``_log_start``) is searched for its URL.
         self._log_start = self.stdout.stat().st_size if self.stdout.exists() else 0
         with self.stdout.open("ab") as out, self.stderr.open("ab") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(env), stdout=out, stderr=err)
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(env), stdout=out, stderr=err)
         self.url = ""
         self.ready_s = 0.0
 
@@ -195,6 +203,65 @@ def start_mlx_lm(
     )
     server.wait_ready(f"http://127.0.0.1:{port}", timeout)
     return server
+
+
+@contextlib.contextmanager
+def running_server(
+    argv: list[str],
+    workdir: Path,
+    name: str,
+    *,
+    cwd: Path = REPO,
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+) -> Iterator[str]:
+    """``argv --port <a free port>`` as a :class:`Server` child until it answers; its base URL.
+
+    For any server that takes ``--port`` (``kvtier serve``, ``mlx_lm.server``,
+    another tree's ``actors.cli`` with ``cwd`` and ``PYTHONPATH`` in ``env``);
+    its output goes to ``workdir/<name>.stdout|stderr``, and it is stopped on
+    the way out.
+    """
+    port = free_port()
+    server = Server([*argv, "--port", str(port)], workdir, name, env, cwd)
+    try:
+        server.wait_ready(f"http://127.0.0.1:{port}", timeout)
+        yield server.url
+    finally:
+        server.stop()
+
+
+class StepTimer:
+    """Start and end (``perf_counter``) of every ``step`` of a kernel class, on any thread.
+
+    NOTE: wraps the class's ``step`` once, for the whole process (two clock
+    reads a step); ``kernel`` defaults to kvtier's ``BatchGeneration``, or
+    any class with a ``step`` method (a stand-in's).
+    """
+
+    def __init__(self, kernel: Any = None) -> None:
+        if kernel is None:
+            from kernels.engine import BatchGeneration
+
+            kernel = BatchGeneration
+        self.spans: list[tuple[float, float]] = []
+        inner = kernel.step
+        spans = self.spans
+
+        def step(gen: Any, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(gen, *a, **k)
+            finally:
+                spans.append((t, time.perf_counter()))
+
+        kernel.step = step
+
+    def take_spans(self) -> list[tuple[float, float]]:
+        """The steps since the last call, in start order, then forget them."""
+        spans = sorted(self.spans)
+        self.spans.clear()
+        return spans
 
 
 @dataclass

@@ -60,6 +60,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import StepTimer
 from gpu_engine import DEFAULT_TOK_DIR, SHAPES, build_model, filler_ids, load_tokenizer
 
 from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
@@ -89,34 +90,16 @@ class GcClock:
 GC = GcClock()
 
 
-class StepTrace:
+class StepTrace(StepTimer):
     """Start and end of every ``BatchGeneration.step`` (kvtier's kernel, any thread), per run.
 
-    NOTE: wraps the class method once; two clock reads a step. Tells a slow
-    run made of slow steps (device or the step's own host work) from one
-    made of gaps between steps (the actor path).
+    NOTE: tells a slow run made of slow steps (device or the step's own host
+    work) from one made of gaps between steps (the actor path).
     """
-
-    def __init__(self) -> None:
-        from kernels.engine import BatchGeneration
-
-        self.spans: list[tuple[float, float]] = []
-        inner = BatchGeneration.step
-        spans = self.spans
-
-        def step(gen: Any, *a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return inner(gen, *a, **k)
-            finally:
-                spans.append((t, time.perf_counter()))
-
-        BatchGeneration.step = step  # type: ignore[method-assign]
 
     def take(self) -> dict[str, float]:
         """Figures of the steps since the last call (ms), then forget them."""
-        spans = sorted(self.spans)
-        self.spans.clear()
+        spans = self.take_spans()
         if not spans:
             return {}
         lengths = sorted(b - a for a, b in spans)

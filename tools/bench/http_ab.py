@@ -31,16 +31,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import _free_port, _http_sample  # noqa: E402
+from _common import running_server  # noqa: E402
+from overhead import _http_sample  # noqa: E402
 
 import kernels  # noqa: E402
 
@@ -57,37 +55,6 @@ def _extract(commit: str, into: Path) -> tuple[str, Path]:
     archive = subprocess.run(["git", "archive", commit], cwd=REPO, check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
     return short, tree
-
-
-@contextlib.contextmanager
-def _server(argv: list[str], cwd: Path, log: Path) -> Iterator[str]:
-    """A server child (output to a file, never a pipe) until it answers ``/v1/models``."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(cwd))
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*argv, "--port", str(port)], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + _READY_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[:4]} exited: {log.read_text(errors='replace')[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{argv[:4]} not ready within {_READY_S:.0f} s")
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _iqr(values: list[float]) -> tuple[float, float]:
@@ -118,10 +85,16 @@ def main() -> int:
             short, tree = _extract(commit, Path(tmp))
             argv = [py, "-m", "actors.cli", "serve", "--model", model_dir,
                     "--prompt-cache", "0", "--log-level", "warning"]
-            bases[short] = stack.enter_context(_server(argv, tree, Path(tmp) / f"{short}.log"))
+            # NOTE: the tree's own packages, not this checkout's: it is the
+            # working directory and first on PYTHONPATH.
+            bases[short] = stack.enter_context(
+                running_server(argv, Path(tmp), short, cwd=tree, env={"PYTHONPATH": str(tree)}, timeout=_READY_S)
+            )
         if args.mlx:
             argv = [py, "-m", "mlx_lm", "server", "--model", model_dir]
-            bases["mlx_lm.server"] = stack.enter_context(_server(argv, REPO, Path(tmp) / "mlx.log"))
+            bases["mlx_lm.server"] = stack.enter_context(
+                running_server(argv, Path(tmp), "mlx_lm", env={"PYTHONPATH": str(REPO)}, timeout=_READY_S)
+            )
         names = list(bases)
         nonce = 0
         for name in names:  # warm-up: two short answers each

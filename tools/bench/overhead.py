@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +35,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import running_server  # noqa: E402
 
 import kernels  # noqa: E402
 from actors.engine import Engine, GenerationParams, TokenEvent  # noqa: E402
@@ -61,41 +61,6 @@ class Sample:
 
 def _messages(nonce: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Request {nonce}. {QUESTION}"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _server(argv: list[str], port: int, ready_path: str) -> Iterator[str]:
-    env = dict(os.environ)
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"{argv[:3]} exited: {err[-2000:]}")
-            try:
-                if httpx.get(base + ready_path, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{argv[:3]} did not become ready")
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _http_sample(base: str, model: str, nonce: int, max_tokens: int) -> Sample:
@@ -237,11 +202,14 @@ def main() -> int:
 
     if not args.skip_http:
         py = sys.executable
-        kv_port, mlx_port = _free_port(), _free_port()
-        kv_argv = [py, "-m", "actors.cli", "serve", "--model", str(model_dir), "--port", str(kv_port),
+        kv_argv = [py, "-m", "actors.cli", "serve", "--model", str(model_dir),
                    "--prompt-cache", "0", "--log-level", "warning"]
-        mlx_argv = [py, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(mlx_port)]
-        with _server(kv_argv, kv_port, "/v1/models") as kv_base, _server(mlx_argv, mlx_port, "/v1/models") as mlx_base:
+        mlx_argv = [py, "-m", "mlx_lm", "server", "--model", str(model_dir)]
+        with (
+            tempfile.TemporaryDirectory(prefix="kvtier-overhead-") as tmp,
+            running_server(kv_argv, Path(tmp), "kvtier") as kv_base,
+            running_server(mlx_argv, Path(tmp), "mlx_lm") as mlx_base,
+        ):
             contenders: list[tuple[str, Callable[[int, int], Sample]]] = [
                 ("mlx_lm.server", lambda n, m: _http_sample(mlx_base, str(model_dir), n, m)),
                 ("kvtier serve", lambda n, m: _http_sample(kv_base, str(model_dir), n, m)),

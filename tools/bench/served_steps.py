@@ -60,7 +60,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Server, start_kvtier
+from _common import Server, StepTimer, start_kvtier
 from gpu_engine import DEFAULT_TOK_DIR, filler_ids, load_tokenizer
 
 TOKENIZER_FILES = (
@@ -102,33 +102,13 @@ def write_model(
     return directory
 
 
-class StepClock:
+class StepClock(StepTimer):
     """Start and end of every kernel step in this process (the in-process contender):
     ``BatchGeneration.step``, or the stand-in's step."""
 
-    def __init__(self, kernel: Any = None) -> None:
-        if kernel is None:
-            from kernels.engine import BatchGeneration
-
-            kernel = BatchGeneration
-        self.spans: list[tuple[float, float]] = []
-        inner = kernel.step
-        spans = self.spans
-
-        def step(gen: Any, *a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return inner(gen, *a, **k)
-            finally:
-                spans.append((t, time.perf_counter()))
-
-        kernel.step = step
-
     def take(self) -> dict[str, float]:
         """Median step and the engine thread's idle share between steps since the last call."""
-        spans = list(self.spans)
-        self.spans.clear()
-        return span_figures(spans)
+        return span_figures(self.take_spans())
 
 
 SITECUSTOMIZE = """

@@ -1,0 +1,104 @@
+"""tools/bench/_common.py: the shared server start (``running_server``) and the kernel step timer."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "tools" / "bench"
+
+
+def _load_common() -> ModuleType:
+    """tools/bench/_common.py as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "_common.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # NOTE: registered before running it: its dataclasses look their module up.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load_common()
+
+# NOTE: a stand-in server: takes ``--port`` as kvtier serve and mlx_lm.server
+# do, answers /v1/models with the directory it runs in, says on stderr that it
+# started. Standard library only, so it starts in well under a second.
+FAKE_SERVER = textwrap.dedent(
+    """
+    import argparse, http.server, json, os, sys
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    port = p.parse_args().port
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": os.getcwd()}], "env": os.environ.get("FAKE_TAG", "")})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+        def log_message(self, *a):
+            pass
+    print("fake server up", file=sys.stderr, flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def test_running_server_serves_from_cwd_with_env_and_stops(tmp_path: Path) -> None:
+    """The child gets ``--port``, runs in ``cwd`` with ``env`` on top, answers at the URL, and is gone after."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    argv = [sys.executable, str(script)]
+    with common.running_server(argv, tmp_path, "fake", cwd=tree, env={"FAKE_TAG": "t1"}, timeout=30) as url:
+        answer = httpx.get(f"{url}/v1/models", timeout=5).json()
+        assert url.startswith("http://127.0.0.1:")
+        assert answer["data"][0]["id"] == str(tree)
+        assert answer["env"] == "t1"
+    assert "fake server up" in (tmp_path / "fake.stderr").read_text()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/v1/models", timeout=2)
+
+
+def test_running_server_reports_a_child_that_exits(tmp_path: Path) -> None:
+    """A child that dies before answering raises with the tail of its stderr, not a hang."""
+    argv = [sys.executable, "-c", "import sys; sys.exit('no such model here')"]
+    with (
+        pytest.raises(RuntimeError, match="no such model here"),
+        common.running_server(argv, tmp_path, "dead", timeout=30),
+    ):
+        pytest.fail("the body ran for a server that never started")
+
+
+class _Kernel:
+    """A kernel class whose ``step`` returns its argument (or raises on a negative one)."""
+
+    def step(self, x: int) -> int:
+        if x < 0:
+            raise ValueError(x)
+        return x
+
+
+def test_step_timer_records_each_step_and_forgets_on_take() -> None:
+    """Every ``step`` call (also a failing one) leaves one (start, end) span; ``take_spans`` clears them."""
+    timer = common.StepTimer(_Kernel)
+    k: Any = _Kernel()
+    assert k.step(3) == 3
+    with pytest.raises(ValueError, match="-1"):
+        k.step(-1)
+    spans = timer.take_spans()
+    assert len(spans) == 2
+    assert all(a <= b for a, b in spans)
+    assert spans[0][1] <= spans[1][0]
+    assert timer.take_spans() == []
