@@ -38,7 +38,8 @@ from types import TracebackType
 
 import httpx
 
-__all__ = ["SGLANG_POLICIES", "Cluster", "Replica", "Router", "free_port", "main", "replica_cpus"]
+__all__ = ["SGLANG_POLICIES", "Cluster", "Replica", "Router", "free_port", "main", "replica_cpus",
+           "router_command"]
 
 REPO = Path(__file__).resolve().parents[2]
 _OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -157,6 +158,43 @@ class Replica:
         return _stop(self.proc, timeout)
 
 
+def router_command(policy: str, urls: Sequence[str], events: Sequence[tuple[str, str]], *,
+                   host: str, port: int, model: str | None = None,
+                   balance: tuple[float, float] | None = None) -> list[str]:
+    """The command line of the router for ``policy`` in front of the replicas at ``urls``.
+
+    ``events``: each replica's (PUB, replay) endpoints, for ``events``.
+    ``balance`` (abs, rel): sglang-router's ``--balance-abs-threshold`` and
+    ``--balance-rel-threshold``, given to ``cache_aware`` and to the event
+    router alike (None: each one's default, 64 and 1.5 for both).
+    """
+    balance_args = [] if balance is None else [
+        "--balance-abs-threshold", f"{balance[0]:g}", "--balance-rel-threshold", f"{balance[1]:g}"]
+    if policy == "events":
+        cmd = [sys.executable, str(REPO / "tools" / "cluster" / "event_router.py"),
+               "--host", host, "--port", str(port), *balance_args]
+        if model is not None:
+            cmd += ["--model", model]
+        for url, (pub, replay) in zip(urls, events, strict=True):
+            cmd += ["--replica", f"{url},{pub},{replay}"]
+    elif policy in SGLANG_POLICIES:
+        # NOTE: sglang-router 0.3.2's circuit breaker counts a replica's
+        # 4xx answers as failures: two invalid client requests in a row
+        # opened every circuit for 60 s (503 no_available_workers to every
+        # client). Dead replicas still leave through its health checks.
+        # Its Prometheus exporter binds 0.0.0.0:29000 by default (a second
+        # router on the host then panics): our host, a free port.
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+               "--port", str(port), "--policy", policy, "--log-level", "warn",
+               "--disable-circuit-breaker", "--prometheus-host", host,
+               "--prometheus-port", str(free_port()),
+               *(balance_args if policy == "cache_aware" else []),
+               "--worker-urls", *urls]
+    else:
+        raise ValueError(f"unknown policy {policy!r}")
+    return cmd
+
+
 @dataclass
 class Router:
     """A router child process in front of the replicas: ``sglang-router`` or ``event_router``."""
@@ -171,35 +209,12 @@ class Router:
               timeout: float = 60.0, balance: tuple[float, float] | None = None) -> Router:
         """Start the router for ``policy`` and wait until it forwards ``/v1/models``.
 
-        ``balance`` (abs, rel): sglang-router's ``--balance-abs-threshold`` and
-        ``--balance-rel-threshold``, given to ``cache_aware`` and to the event
-        router alike (None: each one's default, 64 and 1.5 for both).
+        ``balance``: as in :func:`router_command`.
         """
         port = port or free_port()
-        balance_args = [] if balance is None else [
-            "--balance-abs-threshold", f"{balance[0]:g}", "--balance-rel-threshold", f"{balance[1]:g}"]
-        if policy == "events":
-            cmd = [sys.executable, str(REPO / "tools" / "cluster" / "event_router.py"),
-                   "--host", host, "--port", str(port), *balance_args]
-            if model is not None:
-                cmd += ["--model", model]
-            for r in replicas:
-                cmd += ["--replica", f"{r.url},{r.kv_events},{r.kv_replay}"]
-        elif policy in SGLANG_POLICIES:
-            # NOTE: sglang-router 0.3.2's circuit breaker counts a replica's
-            # 4xx answers as failures: two invalid client requests in a row
-            # opened every circuit for 60 s (503 no_available_workers to every
-            # client). Dead replicas still leave through its health checks.
-            # Its Prometheus exporter binds 0.0.0.0:29000 by default (a second
-            # router on the host then panics): our host, a free port.
-            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
-                   "--port", str(port), "--policy", policy, "--log-level", "warn",
-                   "--disable-circuit-breaker", "--prometheus-host", host,
-                   "--prometheus-port", str(free_port()),
-                   *(balance_args if policy == "cache_aware" else []),
-                   "--worker-urls", *[r.url for r in replicas]]
-        else:
-            raise ValueError(f"unknown policy {policy!r}")
+        cmd = router_command(policy, [r.url for r in replicas],
+                             [(r.kv_events, r.kv_replay) for r in replicas], host=host,
+                             port=port, model=model, balance=balance)
         name = f"router-{policy}"
         with (workdir / f"{name}.stdout").open("wb") as out, \
                 (workdir / f"{name}.stderr").open("wb") as err:
