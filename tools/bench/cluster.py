@@ -309,6 +309,7 @@ def prefill_work(args: argparse.Namespace, turns: int, replicas: int) -> dict[st
     seeds = 16
     for name in ("affinity", "round_robin"):
         total = 0
+        each: list[float] = []
         for seed in range(seeds):
             rng = random.Random(seed)
             order = [req for r in rounds for req in rng.sample(r, len(r))]
@@ -316,10 +317,14 @@ def prefill_work(args: argparse.Namespace, turns: int, replicas: int) -> dict[st
             for k, (conv, turn) in enumerate(order):
                 rep = conv % replicas if name == "affinity" else k % replicas
                 ids = prompts[conv, turn]
-                total += len(ids) - max((_common(ids, old) for old in seen[rep]), default=0)
+                work = len(ids) - max((_common(ids, old) for old in seen[rep]), default=0)
+                total += work
+                each.append(float(work))
                 seen[rep].append(ids)
         out[name] = total / seeds
+        out[f"{name}_p50"] = _pct(each, 0.5)
     out["ratio"] = out["round_robin"] / out["affinity"]
+    out["ratio_p50"] = out["round_robin_p50"] / out["affinity_p50"]
     return out
 
 
@@ -523,7 +528,8 @@ def main() -> int:
             w = prefill_work(args, turns, args.replicas)
             print(f"turns {turns:3d} replicas {args.replicas}: prompt {w['prompt_tokens']:.0f} "
                   f"prefill affinity {w['affinity']:.0f} round_robin {w['round_robin']:.0f} "
-                  f"ratio {w['ratio']:.2f}", flush=True)
+                  f"ratio {w['ratio']:.2f}; per request p50 {w['affinity_p50']:.0f} vs "
+                  f"{w['round_robin_p50']:.0f}: {w['ratio_p50']:.2f}", flush=True)
         return 0
     result: dict[str, Any] = {
         "machine": machine(), "load_before": loadavg(), "replicas": args.replicas,
