@@ -426,11 +426,15 @@ def blas_line() -> str:
     )
 
 
-def parity(lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int) -> list[str]:
+def parity(
+    lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int, served_url: str = ""
+) -> list[str]:
     """Greedy tokens of ``n`` distinct chat prompts: batch rows (joining as room frees) vs the serial kernel.
 
     For a row that differs, the serial logits of the two tokens at the first
     difference (a one-shot forward of the prompt and the serial tokens before it).
+    With ``served_url`` (a ``kvtier serve`` of the same model), the same
+    prompts also go through HTTP, see :func:`served_parity`.
     """
     import mlx.core as mx
 
@@ -481,7 +485,95 @@ def parity(lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int) -> l
         f"parity: {equal}/{n} rows token-for-token equal ({max_tokens} greedy tokens, {max_rows} rows at a time)",
     )
     lines.append(blas_line())
+    if served_url:
+        lines += served_parity(lm, served_url, convs, serial, max_tokens)
     return lines
+
+
+PARITY_STAGGER_S = 0.5
+"""Served parity: request ``i`` is sent ``i`` x this after the first."""
+
+
+def served_parity(
+    lm: Any,
+    url: str,
+    convs: Sequence[list[dict[str, str]]],
+    serial: Sequence[Sequence[int]],
+    max_tokens: int,
+) -> list[str]:
+    """The same chats through ``kvtier serve``: each answer's text vs the serial kernel's tokens, decoded.
+
+    NOTE: arrivals are staggered (``PARITY_STAGGER_S``) and outnumber the
+    server's rows, so rows join a step chain that is already running (at
+    arrival, and as finished rows free room): the served path's offers,
+    not only rows that start together. The server sends text, so the check
+    is the text of the serial tokens (EOS left out) against the answer's.
+    """
+    texts: list[str] = [""] * len(convs)
+    errors: list[BaseException] = []
+    with httpx.Client(timeout=30) as http:
+        before = http.get(f"{url}/stats").json()
+        served_model = http.get(f"{url}/v1/models").json()["data"][0]["id"]
+    t0 = time.perf_counter()
+
+    def client(i: int) -> None:
+        try:
+            time.sleep(max(0.0, t0 + i * PARITY_STAGGER_S - time.perf_counter()))
+            body = {
+                "model": served_model,
+                "messages": convs[i],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+            }
+            with httpx.Client(timeout=900) as http:
+                resp = http.post(f"{url}/v1/chat/completions", json=body)
+                resp.raise_for_status()
+                texts[i] = str(resp.json()["choices"][0]["message"]["content"] or "")
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread below.
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    with httpx.Client(timeout=30) as http:
+        after = http.get(f"{url}/stats").json()
+    eos = set(lm.tokenizer.eos_token_ids)
+    lines = []
+    equal = 0
+    for i, (want_ids, got) in enumerate(zip(serial, texts, strict=True)):
+        want = lm.tokenizer.decode([t for t in want_ids if t not in eos])
+        if got == want:
+            equal += 1
+            continue
+        k = next(
+            (j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+            min(len(want), len(got)),
+        )
+        lines.append(f"served row {i}: text differs at character {k}: {want[k:k + 30]!r} vs {got[k:k + 30]!r}")
+    steps = _counter(after, ("batch", "batch", "steps", "run")) - _counter(
+        before, ("batch", "batch", "steps", "run")
+    )
+    turns = _counter(after, ("gateway", "token", "batch_chains", "granted")) - _counter(
+        before, ("gateway", "token", "batch_chains", "granted")
+    )
+    lines.insert(
+        0,
+        f"served parity: {equal}/{len(convs)} answers equal to the serial kernel's text "
+        f"(kvtier serve, requests {PARITY_STAGGER_S:g} s apart; {steps} batch steps in {turns} turns)",
+    )
+    return lines
+
+
+def _counter(stats: dict[str, Any], path: Sequence[str]) -> int:
+    """A counter of the engine's ``/stats`` body (``stats["engine"]`` then ``path``); 0 when absent."""
+    node: Any = stats.get("engine", {})
+    for key in path:
+        node = node.get(key, {}) if isinstance(node, dict) else {}
+    return int(node) if isinstance(node, int) else 0
 
 
 def main() -> int:
@@ -506,7 +598,8 @@ def main() -> int:
         "--parity",
         type=int,
         default=0,
-        help="only compare greedy tokens of this many prompts (batch vs serial kernel) and exit",
+        help="only compare greedy tokens of this many prompts (batch vs serial kernel; with --serve "
+        "also kvtier serve's answers, arrivals staggered) and exit",
     )
     parser.add_argument(
         "--serve",
@@ -521,7 +614,32 @@ def main() -> int:
     model_dir = args.model or ensure_default_model()
     lm = load_model(model_dir)
     if args.parity:
-        for line in parity(lm, args.parity, args.max_tokens, args.max_rows, args.prefill_step_size):
+        with tempfile.TemporaryDirectory() as tmp:
+            served = (
+                start_kvtier(
+                    model_dir,
+                    Path(tmp),
+                    "--max-batch",
+                    str(args.max_rows),
+                    "--prefill-step-size",
+                    str(args.prefill_step_size),
+                )
+                if args.serve
+                else None
+            )
+            try:
+                lines = parity(
+                    lm,
+                    args.parity,
+                    args.max_tokens,
+                    args.max_rows,
+                    args.prefill_step_size,
+                    served.url if served is not None else "",
+                )
+            finally:
+                if served is not None:
+                    served.stop()
+        for line in lines:
             print(line)
         return 0
     contenders = ["mlx_lm.server", "kvtier serve", "kvtier batch", "kvtier serial"]
