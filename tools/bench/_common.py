@@ -66,6 +66,18 @@ WORDS = [
     "ribbon",
 ]
 
+QUESTIONS = (
+    "Summarize rule 3 in one sentence.",
+    "What is rule 7 about?",
+    "List two rules that mention a river.",
+    "Which rule comes right after rule 11?",
+    "Give me a short title for these notes.",
+    "What does rule 2 say about lanterns?",
+    "How many rules mention copper?",
+    "Rewrite rule 5 as a question.",
+)
+"""Questions about :func:`system_prompt`'s notes (the shared-prompt loads' user turns)."""
+
 
 def system_prompt(target_tokens: int, nonce: str) -> str:
     """A deterministic filler text of about ``target_tokens`` tokens, tagged with ``nonce``."""

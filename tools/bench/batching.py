@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
+from _common import QUESTIONS  # noqa: E402
 from prompt_cache import start_kvtier, start_mlx_lm, system_prompt  # noqa: E402
 
 from kernels import (  # noqa: E402
@@ -101,16 +102,6 @@ TOPICS = [
     "three tips for learning a new language as an adult",
     "the journey of a letter through the postal system",
     "what makes a good friend, with two short examples",
-]
-QUESTIONS = [
-    "Summarize rule 3 in one sentence.",
-    "What is rule 7 about?",
-    "List two rules that mention a river.",
-    "Which rule comes right after rule 11?",
-    "Give me a short title for these notes.",
-    "What does rule 2 say about lanterns?",
-    "How many rules mention copper?",
-    "Rewrite rule 5 as a question.",
 ]
 LOADS = ("1", "4", "8", "8-shared")
 SHARE_MIN = 64
@@ -426,6 +417,14 @@ def blas_line() -> str:
     )
 
 
+def first_difference(want: Sequence[Any], got: Sequence[Any]) -> int:
+    """The first index where ``want`` and ``got`` differ (the shorter's length when one is a prefix)."""
+    return next(
+        (j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+        min(len(want), len(got)),
+    )
+
+
 def parity(
     lm: Any, n: int, max_tokens: int, max_rows: int, step_size: int, served_url: str = ""
 ) -> list[str]:
@@ -469,10 +468,7 @@ def parity(
         if got == want:
             equal += 1
             continue
-        k = next(
-            (j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
-            min(len(want), len(got)),
-        )
+        k = first_difference(want, got)
         logits = lm.model(mx.array([*prompts[i], *want[:k]])[None])[0, -1]
         gap = (
             float((logits[want[k]] - logits[got[k]]).item())
@@ -549,10 +545,7 @@ def served_parity(
         if got == want:
             equal += 1
             continue
-        k = next(
-            (j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
-            min(len(want), len(got)),
-        )
+        k = first_difference(want, got)
         lines.append(f"served row {i}: text differs at character {k}: {want[k:k + 30]!r} vs {got[k:k + 30]!r}")
     steps = _counter(after, ("batch", "batch", "steps", "run")) - _counter(
         before, ("batch", "batch", "steps", "run")
@@ -574,6 +567,18 @@ def _counter(stats: dict[str, Any], path: Sequence[str]) -> int:
     for key in path:
         node = node.get(key, {}) if isinstance(node, dict) else {}
     return int(node) if isinstance(node, int) else 0
+
+
+def start_serve(model_dir: Path, workdir: Path, args: argparse.Namespace) -> Any:
+    """``kvtier serve --max-batch <max-rows> --prefill-step-size <prefill-step-size>`` (a ``_common.Server``)."""
+    return start_kvtier(
+        model_dir,
+        workdir,
+        "--max-batch",
+        str(args.max_rows),
+        "--prefill-step-size",
+        str(args.prefill_step_size),
+    )
 
 
 def main() -> int:
@@ -615,18 +620,7 @@ def main() -> int:
     lm = load_model(model_dir)
     if args.parity:
         with tempfile.TemporaryDirectory() as tmp:
-            served = (
-                start_kvtier(
-                    model_dir,
-                    Path(tmp),
-                    "--max-batch",
-                    str(args.max_rows),
-                    "--prefill-step-size",
-                    str(args.prefill_step_size),
-                )
-                if args.serve
-                else None
-            )
+            served = start_serve(model_dir, Path(tmp), args) if args.serve else None
             try:
                 lines = parity(
                     lm,
@@ -650,14 +644,7 @@ def main() -> int:
         serve_model = ""
         serve_blas = ""
         if args.serve:
-            serve = start_kvtier(
-                model_dir,
-                Path(tmp),
-                "--max-batch",
-                str(args.max_rows),
-                "--prefill-step-size",
-                str(args.prefill_step_size),
-            )
+            serve = start_serve(model_dir, Path(tmp), args)
             serve_model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
         try:
             if serve is not None:

@@ -62,44 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Server, StepTimer, start_kvtier
 from gpu_engine import DEFAULT_TOK_DIR, filler_ids, load_tokenizer
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
-
-def write_model(
-    directory: Path, shape: str, tok_dir: Path, seed: int, dtype: str = "float32"
-) -> Path:
-    """A seeded random-weight ``llama`` of ``shape`` in ``dtype`` with ``tok_dir``'s tokenizer, in ``directory``."""
-    import shutil
-
-    import mlx.core as mx
-    from gpu_engine import SHAPES, build_model
-    from mlx_lm.utils import save_config, save_model
-
-    vocab = len(load_tokenizer(tok_dir))
-    model, _ = build_model(shape, vocab, seed, getattr(mx, dtype))
-    directory.mkdir(parents=True, exist_ok=True)
-    save_model(directory, model, donate_model=True)
-    for name in TOKENIZER_FILES:
-        if (tok_dir / name).exists():
-            shutil.copy(tok_dir / name, directory / name)
-    config = {
-        "model_type": "llama",
-        "rms_norm_eps": 1e-5,
-        "vocab_size": vocab,
-        "max_position_embeddings": 131072,
-        **SHAPES[shape],
-    }
-    save_config(config, directory / "config.json")
-    return directory
+from serving import write_random_model
 
 
 class StepClock(StepTimer):
@@ -348,7 +311,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = (
         args.model
         if args.model is not None
-        else write_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
+        else write_random_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
     )
     serve_args = ("--ssd-cache", "off", "--max-batch", str(args.rows), "--max-queue",
                   str(args.rows), *args.kvtier_arg)

@@ -65,16 +65,6 @@ SERVERS = ("mlx_lm", "kvtier")
 PEER = "mlx_lm"
 """The server whose saturation sets the constant rate, and the denominator of every ratio."""
 
-QUESTIONS = (
-    "Summarize rule 3 in one sentence.",
-    "What is rule 7 about?",
-    "List two rules that mention a river.",
-    "Which rule comes right after rule 11?",
-    "Give me a short title for these notes.",
-    "What does rule 2 say about lanterns?",
-    "How many rules mention copper?",
-    "Rewrite rule 5 as a question.",
-)
 
 
 # --- figures -----------------------------------------------------------------------
@@ -316,7 +306,7 @@ def agent_trace(
     nonce: str,
 ) -> AgentResult:
     """N conversations at once, M turns each over one shared system prompt; TTFT per turn."""
-    from _common import stream_chat, system_prompt
+    from _common import QUESTIONS, stream_chat, system_prompt
 
     system = system_prompt(system_tokens, nonce)
     result = AgentResult(conversations, turns, system_tokens)
@@ -677,15 +667,27 @@ def guidellm_version(python: Path) -> str:
 
 # --- a random-weight model on disk (GPU runs) --------------------------------------
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+"""The tokenizer directory's files a random model gets (those that exist)."""
 
 
-def write_random_model(directory: Path, shape: str, tok_dir: Path, seed: int) -> Path:
-    """A seeded random-weight mlx-lm ``llama`` of ``shape`` in bf16, with ``tok_dir``'s tokenizer.
+def write_random_model(
+    directory: Path, shape: str, tok_dir: Path, seed: int, dtype: str = "bfloat16"
+) -> Path:
+    """A seeded random-weight mlx-lm ``llama`` of ``shape`` in ``dtype``, with ``tok_dir``'s tokenizer.
 
     The shapes are ``gpu_engine.SHAPES`` (the vocabulary is the tokenizer's).
-    Both servers load the directory. Nothing is written when it already
-    holds a ``config.json`` (a later run on the same machine reuses it).
+    Both servers load the directory (also ``served_steps.py``'s). Nothing is
+    written when it already holds a ``config.json`` (a later run on the same
+    machine reuses it).
     """
     import shutil
 
@@ -696,7 +698,7 @@ def write_random_model(directory: Path, shape: str, tok_dir: Path, seed: int) ->
     from mlx_lm.utils import save_config, save_model
 
     vocab = len(load_tokenizer(tok_dir))
-    model, params_b = build_model(shape, vocab, seed, mx.bfloat16)
+    model, params_b = build_model(shape, vocab, seed, getattr(mx, dtype))
     tmp = directory.with_name(directory.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -715,7 +717,7 @@ def write_random_model(directory: Path, shape: str, tok_dir: Path, seed: int) ->
     save_config(config, tmp / "config.json")
     tmp.rename(directory)
     print(
-        f"wrote {shape} ({params_b:.2f} B parameters, bf16, vocab {vocab}) to {directory}",
+        f"wrote {shape} ({params_b:.2f} B parameters, {dtype}, vocab {vocab}) to {directory}",
         flush=True,
     )
     return directory
