@@ -8,6 +8,7 @@ file, read into host memory with every tensor hash checked; the gateway and
 the batch scheduler start it with :meth:`CheckpointPort.load_soon`, whose
 answer comes back on the event loop, see ``loads.CheckpointLoads``), and hands the
 owned snapshots :class:`Captured` on the engine thread to the spill queue.
+Lookups run on the port's own bounded pool (``LOOKUP_THREADS`` threads).
 The serial lane's gateway loads a request's checkpoint beside its
 prompt-cache ``Take`` and hands the found one to the turn runner by handle
 (:meth:`CheckpointPort.hand_over` ... :meth:`CheckpointPort.claim`), so the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,7 +45,17 @@ from .counters import CheckpointCounters
 from .key import checkpoint_refusal, request_key
 from .store import find_checkpoint
 
-__all__ = ["Captured", "CheckpointBackend", "CheckpointHandoff", "CheckpointPort", "ResumeFrom"]
+__all__ = [
+    "LOOKUP_THREADS",
+    "Captured",
+    "CheckpointBackend",
+    "CheckpointHandoff",
+    "CheckpointPort",
+    "ResumeFrom",
+]
+
+LOOKUP_THREADS = 2
+"""Checkpoint lookups one port runs at once (its own bounded pool, not the loop's default executor)."""
 
 _log = structlog.get_logger("kvtier.checkpoints")
 
@@ -156,6 +168,13 @@ class CheckpointPort:
     verify: bool = True
     handed: CheckpointHandoff = field(default_factory=CheckpointHandoff, repr=False)
     """Checkpoints handed over and not yet claimed (shared by the gateway's and the runner's ports)."""
+    lookups: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            max_workers=LOOKUP_THREADS, thread_name_prefix="kvtier-ckpt-lookup"),
+        repr=False, compare=False)
+    """Where :meth:`load_soon` runs lookups: ``LOOKUP_THREADS`` threads, started on first use,
+    ended when the port is garbage-collected (a burst of admissions queues here instead of
+    taking the loop's default executor)."""
 
     def __post_init__(self) -> None:
         if self.every <= 0:
@@ -209,7 +228,7 @@ class CheckpointPort:
         *,
         request_id: str = "",
     ) -> None:
-        """Run :meth:`load` on a worker thread; ``on_loaded(found)`` runs on the event loop when it ends.
+        """Run :meth:`load` on the port's bounded pool; ``on_loaded(found)`` runs on the event loop when it ends.
 
         Called on the event loop; never waits. A lookup that raises (or is
         cancelled) answers ``None``, logged with ``request_id``.
@@ -223,7 +242,7 @@ class CheckpointPort:
                 _log.warning("checkpoint.lookup_failed", request_id=request_id, error=repr(exc))
             on_loaded(None if future.cancelled() or exc is not None else future.result())
 
-        future = loop.run_in_executor(None, self.load, key, namespace, prompt)
+        future = loop.run_in_executor(self.lookups, self.load, key, namespace, prompt)
         future.add_done_callback(done)
 
     def enqueue(self, key: str, namespace: str, cap: Captured) -> Enqueue:

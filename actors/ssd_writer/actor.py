@@ -26,7 +26,10 @@ thin shell:
 
 All file work runs on worker threads through the tier's :class:`IoRunner`
 (``ThreadPool``: ``anyio.to_thread`` with one ``CapacityLimiter``, the
-bounded pool): never on the loop, never on the engine thread. ``aiofiles``
+bounded pool): never on the loop, never on the engine thread. The store
+worker's (background durability work) runs on ``ColdTier.background``
+instead: its own thread at the lowest CPU priority
+(``background.BackgroundThreads``), so it takes no core from decode. ``aiofiles``
 has no positional writes, ``fsync`` of directories, ``O_EXCL|O_NOFOLLOW``
 creation or ``flock``; every call here goes through the injectable
 ``FilePort`` instead, on the same kind of pool.
@@ -67,6 +70,7 @@ from messages import (
 from messages.ssd_writer import LandingReport, RemoveEntries
 
 from . import core, io
+from .background import BackgroundThreads
 from .ports import FileIdentity, HostStaging, LandingObservation
 from .shell import feed
 
@@ -176,8 +180,9 @@ class ColdTier:
     everything they decide on travels in their messages. The fields that are
     objects are ports every cold-tier actor may share: ``port`` (the file
     port, thread-safe), ``staging`` (:class:`HostStaging`, thread-safe),
-    ``io`` (the bounded worker-thread pool, loop-only), ``checkpoints`` (the
-    generation-checkpoint counters, loop-only). What one actor alone uses is
+    ``io`` (the bounded worker-thread pool, loop-only), ``background`` (the
+    store worker's low-priority threads, loop-only; ``None``: ``io``),
+    ``checkpoints`` (the generation-checkpoint counters, loop-only). What one actor alone uses is
     not here: the wiring gives the index its own :class:`IndexKeep` and the
     store worker its own tensor source.
     """
@@ -188,6 +193,7 @@ class ColdTier:
     io: IoRunner
     name: str = SSD_WRITER_ADDRESS
     checkpoints: CheckpointCounters = field(default_factory=CheckpointCounters)
+    background: IoRunner | None = None
 
     @property
     def store_address(self) -> str:
@@ -207,6 +213,11 @@ class ColdTier:
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run blocking ``fn`` on the tier's bounded worker-thread pool."""
         return await self.io.run(fn, *args, **kwargs)
+
+    async def run_background(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking background durability work ``fn`` (the store worker's) at low CPU priority."""
+        runner = self.background if self.background is not None else self.io
+        return await runner.run(fn, *args, **kwargs)
 
 
 @dataclass
@@ -486,7 +497,9 @@ def build_cold_tier(
     ``staging``: where restored files wait (``None``: a new one of
     ``config.staging_entries``); pass the one the engine's backend takes
     restored entries from. ``io_runner``: where file work runs (``None``: a
-    :class:`ThreadPool` of ``config.io_threads``).
+    :class:`ThreadPool` of ``config.io_threads``); the store worker's runs
+    on one :class:`BackgroundThreads` thread unless ``io_runner`` is given
+    (a simulation's runner then runs all of it).
     """
     return ColdTier(
         config=config,
@@ -494,4 +507,6 @@ def build_cold_tier(
         staging=staging if staging is not None else HostStaging(max_entries=config.staging_entries),
         io=io_runner if io_runner is not None else ThreadPool(config.io_threads),
         name=name,
+        # NOTE: one thread: the store worker runs one file call at a time.
+        background=BackgroundThreads(1) if io_runner is None else None,
     )

@@ -3,7 +3,8 @@
 It performs the core's effects: the tensor source's engine turns (plan,
 one tensor per turn, release; a generation checkpoint's plan and views in
 one turn), the asks to the index (``ReserveSpace``, ``EntryWritten``), the
-file work on the tier's worker pool (victims' removal, temp file,
+file work on the tier's low-priority background thread
+(``ColdTier.run_background``: victims' removal, temp file,
 positional writes, commit, removals), generation checkpoint writes and
 removals, and the replies. It holds the plan and the
 open writer of the write in progress and feeds each outcome back into the
@@ -114,7 +115,7 @@ class StoreWorker(Actor):
                     reserved = None
                 return core.Reserved(reserved, ctx.clock.now())
             case core.Evict(paths=paths):
-                removal = await tier.run(io.remove_durably, tier.port, paths)
+                removal = await tier.run_background(io.remove_durably, tier.port, paths)
                 return core.Evicted(removal.failed, removal.unsynced, ctx.clock.now())
             case core.Begin(directory=directory):
                 return await self._file_step(self._begin(directory), ctx)
@@ -123,13 +124,13 @@ class StoreWorker(Actor):
             case core.Commit(path=path):
                 writer = self._writer
                 assert writer is not None
-                return await self._file_step(tier.run(writer.commit, path), ctx)
+                return await self._file_step(tier.run_background(writer.commit, path), ctx)
             case core.Release():
                 await self._release()
             case core.Report(body=written):
                 return core.Settled(await self._report(written, ctx), ctx.clock.now())
             case core.Remove(paths=paths):
-                removal = await tier.run(io.remove_durably, tier.port, paths)
+                removal = await tier.run_background(io.remove_durably, tier.port, paths)
                 return core.Removed(removal.gone, removal.left, ctx.clock.now())
             case core.TellRemoved(body=body):
                 await ctx.tell(tier.name, body)
@@ -139,7 +140,7 @@ class StoreWorker(Actor):
                 return await self._write_checkpoint(ctx)
             case core.RemoveCheckpointFiles(request_key=key):
                 try:
-                    removed = await tier.run(
+                    removed = await tier.run_background(
                         remove_checkpoints, tier.port, self._checkpoint_dir(), key
                     )
                 except OSError as exc:
@@ -193,9 +194,9 @@ class StoreWorker(Actor):
     async def _begin(self, directory: str) -> core.Event | None:
         tier, plan = self._tier, self._plan
         assert plan is not None
-        await tier.run(tier.port.makedirs, directory)
+        await tier.run_background(tier.port.makedirs, directory)
         self._writer = KvFileWriter(tier.port, plan)
-        await tier.run(self._writer.begin, directory)
+        await tier.run_background(self._writer.begin, directory)
         return None
 
     async def _file_step(self, step: Awaitable[object], ctx: Context) -> core.Event:
@@ -228,7 +229,7 @@ class StoreWorker(Actor):
         lent = [data]
         del data
         try:
-            await tier.run(_write_lent, writer, index, lent)
+            await tier.run_background(_write_lent, writer, index, lent)
         except OSError as exc:
             return core.WriteFailed(io.store_failure_reason(exc), str(exc), ctx.clock.now())
         finally:
@@ -243,7 +244,7 @@ class StoreWorker(Actor):
         # list, not the views; the source's finish below drops the last ones.
         self._views.clear()
         if writer is not None:
-            await self._tier.run(writer.abort)  # NOTE: a no-op once committed.
+            await self._tier.run_background(writer.abort)  # NOTE: a no-op once committed.
         if plan is not None:
             try:
                 await self._source_port.finish(plan)
@@ -299,8 +300,8 @@ class StoreWorker(Actor):
         port = tier.port
         try:
             directory = self._checkpoint_dir()
-            await tier.run(port.makedirs, directory)
-            path = await tier.run(write_checkpoint, port, directory, plan,
+            await tier.run_background(port.makedirs, directory)
+            path = await tier.run_background(write_checkpoint, port, directory, plan,
                                   lambda i: memoryview(views[i]))
         except ValueError as exc:
             return core.CheckpointWritten(False, ctx.clock.now(), reason="source_failed",

@@ -38,23 +38,26 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from actors.engine import Engine  # noqa: E402
-from messages.gateway import GenerationParams, TokenEvent  # noqa: E402
+if TYPE_CHECKING:
+    from actors.engine import Engine
+    from messages.gateway import GenerationParams
 
 PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
           "bottle, describing every day of the following month, the weather, the ships, "
@@ -62,6 +65,8 @@ PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a me
 
 
 def _engine(root: Path, every: int, model: str | None, max_batch: int = 1) -> Engine:
+    from actors.engine import Engine
+
     opts: dict[str, Any] = {"ssd_cache": root, "generation_checkpoint": every,
                             "max_batch": max_batch, "ssd_writebehind": False}
     if model is not None:
@@ -81,6 +86,8 @@ async def _answer(engine: Engine, params: GenerationParams) -> tuple[str, float,
 
 
 async def _cut_at(engine: Engine, params: GenerationParams, tokens: int) -> None:
+    from messages.gateway import TokenEvent
+
     seen = 0
     async with engine.generate(PROMPT, params) as stream:
         async for event in stream:
@@ -103,6 +110,8 @@ async def _written(engine: Engine) -> None:
 async def bench(tokens: int, every: int, repeats: int, model: str | None,
                 restart_every: int = 0) -> dict[str, Any]:
     """The figures (module docstring)."""
+    from messages.gateway import GenerationParams
+
     params = GenerationParams(max_tokens=tokens, temperature=0.0)
     at = (tokens * 3) // 4
     interval = restart_every if restart_every > 0 else at
@@ -163,6 +172,8 @@ async def bench(tokens: int, every: int, repeats: int, model: str | None,
 
 async def _streams(engine: Engine, streams: int, tokens: int) -> tuple[list[str], float, int]:
     """``streams`` answers at once: (texts, aggregate decode tokens/s, tokens emitted)."""
+    from messages.gateway import GenerationParams
+
     params = GenerationParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     texts = [""] * streams
     rates = [0.0] * streams
@@ -228,6 +239,229 @@ async def bench_batch(streams: int, tokens: int, intervals: list[int], repeats: 
     }
 
 
+# --- one run in a child process, and the interleaved comparison of trees ----------------------
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_group(name: str) -> str:
+    """A thread's group for the CPU breakdown (threads without a Python name are native)."""
+    if name.startswith("AnyIO worker"):
+        return "anyio_workers"
+    if name.startswith(("asyncio_", "ThreadPoolExecutor")):
+        return "default_executor"
+    stem, _, index = name.rpartition("_")
+    return stem if stem and index.isdigit() else name
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every live thread of this process, by native id, with its group."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[int, tuple[str, float]] = {}
+    for entry in os.listdir("/proc/self/task"):
+        try:
+            raw = Path(f"/proc/self/task/{entry}/stat").read_text()
+        except OSError:
+            continue  # NOTE: the thread ended between the listing and the read.
+        fields = raw[raw.rfind(")") + 2:].split()
+        tid = int(entry)
+        cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        out[tid] = (_thread_group(names.get(tid, "native")), cpu)
+    return out
+
+
+def _system_cpu() -> dict[str, float]:
+    """The machine's CPU seconds by kind since boot (``/proc/stat``)."""
+    kinds = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    first = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return {k: int(v) / _CLK_TCK for k, v in zip(kinds, first, strict=False)}
+
+
+def _proc_io() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in Path("/proc/self/io").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key.strip()] = int(value)
+    return out
+
+
+def _load() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+async def _child_run(streams: int, tokens: int, every: int, model: str | None) -> dict[str, Any]:
+    """One run of ``streams`` answers at once (``max_batch`` = ``streams``): rate and CPU by thread."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-ckpt-") as tmp:
+        async with _engine(Path(tmp), every, model, max_batch=streams) as engine:
+            threads0, sys0, io0 = _thread_cpu(), _system_cpu(), _proc_io()
+            proc0, wall0 = time.process_time(), time.perf_counter()
+            texts, rate, emitted = await _streams(engine, streams, tokens)
+            wall = time.perf_counter() - wall0
+            proc = time.process_time() - proc0
+            threads1, sys1, io1 = _thread_cpu(), _system_cpu(), _proc_io()
+            stats = await engine.stats(timeout=5)
+    groups: dict[str, float] = {}
+    for tid, (group, cpu) in threads1.items():
+        groups[group] = groups.get(group, 0.0) + cpu - threads0.get(tid, (group, 0.0))[1]
+    # NOTE: threads that ended during the run are in the process's total only.
+    groups["ended_threads"] = proc - sum(groups.values())
+    section = stats.get("generation_checkpoints") or {}
+    return {
+        "decode_tps": rate,
+        "emitted": emitted,
+        "texts_sha": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16],
+        "wall_s": round(wall, 3),
+        "process_cpu_s": round(proc, 3),
+        "cpu_s_by_thread": {k: round(v, 3) for k, v in sorted(groups.items()) if abs(v) >= 0.005},
+        "system_cpu_s": {k: round(sys1[k] - sys0[k], 2) for k in sys0},
+        "write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
+        "wchar": io1.get("wchar", 0) - io0.get("wchar", 0),
+        "checkpoints": {k: section.get(k) for k in ("taken", "written", "bytes", "unsent")},
+        "blas": _find(stats, "blas"),
+    }
+
+
+def _find(tree: Any, key: str) -> Any:
+    """The first value under ``key`` anywhere in a nested stats dict (``None``: absent)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        for value in tree.values():
+            found = _find(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _stub_writes() -> None:
+    """Replace the store worker's checkpoint file write by a no-op (the ``nowrite`` contender).
+
+    The checkpoint is still taken, queued, planned and its views lent, but
+    no byte is read, hashed or written: what stays is the engine's side.
+    """
+    import os as _os
+
+    from actors.ssd_writer import store
+
+    def no_write(port: Any, directory: str, plan: Any, tensor: Any) -> str:
+        ck = plan.header.checkpoint
+        return _os.path.join(directory, f"{ck.request_key}-{ck.sample_index}.kvc")
+
+    store.write_checkpoint = no_write  # type: ignore[assignment]
+
+
+def _label(tree: Path) -> str:
+    marker = tree / ".bench-label"
+    if marker.exists():
+        return marker.read_text().strip()
+    try:
+        out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True)
+        return out.stdout.strip() or tree.name
+    except (OSError, subprocess.CalledProcessError):
+        return tree.name
+
+
+class _Contender:
+    """One measured setting: a source tree, a checkpoint interval, optionally stubbed writes."""
+
+    def __init__(self, spec: str) -> None:
+        name, _, rest = spec.partition("=")
+        parts = rest.split(":")
+        if not name or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "nowrite"):
+            raise ValueError(f"a contender is NAME=TREE:EVERY[:nowrite], got {spec!r}")
+        self.name = name
+        self.tree = Path(parts[0]).resolve()
+        self.every = int(parts[1])
+        self.stub = len(parts) == 3
+
+
+class _BenchLock:
+    """The shared benchmark lock, held for one repeat at a time (``None``: no lock)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._fd: int | None = None
+
+    def __enter__(self) -> None:
+        if self._path:
+            import fcntl
+
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # NOTE: closing the descriptor releases the flock.
+            self._fd = None
+
+
+def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: int,
+            model: str | None, lock: str) -> dict[str, Any]:
+    """Every contender once a repeat, each run in its own process, the order rotated each repeat.
+
+    Ratios are to the first contender with checkpoints off: the ratio of
+    medians, and each repeat's paired ratio (two runs minutes apart, so a
+    slow drift of the machine's load hits both alike).
+    """
+    offs = [c for c in contenders if c.every == 0]
+    if not offs:
+        raise ValueError("one contender must have checkpoints off (EVERY 0)")
+    runs: list[dict[str, Any]] = []
+    for r in range(repeats):
+        shift = r % len(contenders)
+        with _BenchLock(lock):
+            for c in contenders[shift:] + contenders[:shift]:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child-tree", str(c.tree),
+                       "--batch-streams", str(streams), "--batch-tokens", str(tokens),
+                       "--child-every", str(c.every)]
+                if c.stub:
+                    cmd.append("--child-nowrite")
+                if model is not None:
+                    cmd += ["--model", model]
+                load = _load()
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    raise RuntimeError(f"child failed ({c.name}):\n{done.stderr[-4000:]}")
+                out = json.loads(done.stdout.strip().splitlines()[-1])
+                out.update(contender=c.name, tree=_label(c.tree), every=c.every, stub=c.stub,
+                           repeat=r, load_before=load, load_after=_load())
+                runs.append(out)
+                print(json.dumps({k: out[k] for k in ("contender", "repeat", "decode_tps",
+                                                       "load_before", "cpu_s_by_thread")}),
+                      file=sys.stderr, flush=True)
+    ref = offs[0].name
+    off = {x["repeat"]: x["decode_tps"] for x in runs if x["contender"] == ref}
+    off_median = statistics.median(off.values())
+    digests = {x["texts_sha"] for x in runs}
+    summary: dict[str, Any] = {}
+    for c in contenders:
+        mine = [x for x in runs if x["contender"] == c.name]
+        rates = [x["decode_tps"] for x in mine]
+        summary[c.name] = {
+            "tree": _label(c.tree),
+            "every": c.every,
+            "writes": not c.stub,
+            "decode_tps_median": round(statistics.median(rates), 2),
+            "over_off": round(statistics.median(rates) / off_median, 3),
+            "paired_over_off": [round(x["decode_tps"] / off[x["repeat"]], 3) for x in mine],
+            "decode_tps": [round(x, 2) for x in rates],
+            "loads": [x["load_before"] for x in mine],
+        }
+    return {
+        "machine": f"{platform.machine()} {platform.system()}",
+        "lane": "batch" if streams > 1 else "serial",
+        "streams": streams,
+        "tokens_per_stream": tokens,
+        "repeats": repeats,
+        "reference": ref,
+        "summary": summary,
+        "answers_equal": len(digests) == 1
+        and all(x["emitted"] == streams * tokens for x in runs),
+        "runs": runs,
+    }
+
+
 def main() -> int:
     """Run the benchmark and print its JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -246,14 +480,43 @@ def main() -> int:
     parser.add_argument("--batch-every", default="256,512",
                         help="comma-separated checkpoint intervals in tokens, each compared "
                              "with checkpoints off")
+    parser.add_argument("--contenders", default="",
+                        help="comma-separated NAME=TREE:EVERY[:nowrite] (TREE a source tree, "
+                             "e.g. a git archive of a baseline commit; nowrite: the checkpoint "
+                             "file write stubbed out) compared with --batch-streams, each run in "
+                             "its own process, interleaved; one must have EVERY 0")
+    parser.add_argument("--lock", default="",
+                        help="with --contenders: hold this flock file for one repeat at a time")
+    parser.add_argument("--out", default="", help="also write the JSON to this file")
+    parser.add_argument("--child-tree", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--child-every", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child-nowrite", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    if ns.batch_streams > 0:
-        intervals = [int(x) for x in ns.batch_every.split(",") if x.strip()]
+    if ns.child_tree:
+        # NOTE: the child imports the engine from the tree it measures.
+        sys.path.insert(0, str(Path(ns.child_tree).resolve()))
+        if ns.child_nowrite:
+            _stub_writes()
+        child = anyio.run(_child_run, ns.batch_streams, ns.batch_tokens, ns.child_every, ns.model)
+        print(json.dumps(child))
+        return 0
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    intervals = [int(x) for x in ns.batch_every.split(",") if x.strip()]
+    if ns.contenders:
+        if ns.batch_streams <= 0:
+            parser.error("--contenders needs --batch-streams (1 runs the serial lane)")
+        contenders = [_Contender(c) for c in ns.contenders.split(",") if c.strip()]
+        out = compare(contenders, ns.batch_streams, ns.batch_tokens, ns.repeats, ns.model,
+                      ns.lock)
+    elif ns.batch_streams > 0:
         out = anyio.run(bench_batch, ns.batch_streams, ns.batch_tokens, intervals, ns.repeats,
                         ns.model)
     else:
         out = anyio.run(bench, ns.tokens, ns.every, ns.repeats, ns.model, ns.restart_every)
     print(json.dumps(out, indent=2))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0 if out["answers_equal"] else 1
 
 
