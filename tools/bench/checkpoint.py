@@ -397,12 +397,13 @@ class _BenchLock:
 
 
 def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: int,
-            model: str | None, lock: str) -> dict[str, Any]:
+            model: str | None, lock: str, partial: str = "") -> dict[str, Any]:
     """Every contender once a repeat, each run in its own process, the order rotated each repeat.
 
     Ratios are to the first contender with checkpoints off: the ratio of
     medians, and each repeat's paired ratio (two runs minutes apart, so a
-    slow drift of the machine's load hits both alike).
+    slow drift of the machine's load hits both alike). ``partial``: a file
+    that holds the runs so far (JSON lines), one appended after each run.
     """
     offs = [c for c in contenders if c.every == 0]
     if not offs:
@@ -427,6 +428,9 @@ def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: in
                 out.update(contender=c.name, tree=_label(c.tree), every=c.every, stub=c.stub,
                            repeat=r, load_before=load, load_after=_load())
                 runs.append(out)
+                if partial:
+                    with open(partial, "a") as f:
+                        f.write(json.dumps(out) + "\n")
                 print(json.dumps({k: out[k] for k in ("contender", "repeat", "decode_tps",
                                                        "load_before", "cpu_s_by_thread")}),
                       file=sys.stderr, flush=True)
@@ -508,7 +512,7 @@ def main() -> int:
             parser.error("--contenders needs --batch-streams (1 runs the serial lane)")
         contenders = [_Contender(c) for c in ns.contenders.split(",") if c.strip()]
         out = compare(contenders, ns.batch_streams, ns.batch_tokens, ns.repeats, ns.model,
-                      ns.lock)
+                      ns.lock, f"{ns.out}.runs" if ns.out else "")
     elif ns.batch_streams > 0:
         out = anyio.run(bench_batch, ns.batch_streams, ns.batch_tokens, intervals, ns.repeats,
                         ns.model)
