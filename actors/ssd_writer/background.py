@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from actors.runtime import get_logger
 
@@ -66,7 +67,7 @@ class BackgroundThreads:
     the interpreter exits. NOTE: like ``anyio.to_thread.run_sync`` (which
     the tier's shared pool uses), a call is never abandoned: a cancellation
     waits for the call to return, so no argument (a lent tensor view) is
-    left with a running thread.
+    left with a running thread; the caller's next await raises it.
     """
 
     def __init__(self, threads: int = 1, *, nice: int = BACKGROUND_NICE,
@@ -87,6 +88,7 @@ class BackgroundThreads:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on a background thread; its result or exception."""
+        await anyio.lowlevel.checkpoint()  # NOTE: a cancelled caller starts no call.
         future = self._pool().submit(functools.partial(fn, *args, **kwargs))
         with anyio.CancelScope(shield=True):
             result = await asyncio.wrap_future(future)
