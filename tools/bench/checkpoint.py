@@ -466,6 +466,40 @@ def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: in
     }
 
 
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    """One panel per ``compare`` result: each contender's runs (dots) and median (bar), its ratio to off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
+    for ax, res in zip(axes[0], results, strict=True):
+        names = list(res["summary"])
+        for x, name in enumerate(names):
+            entry = res["summary"][name]
+            rates = entry["decode_tps"]
+            ax.bar(x, entry["decode_tps_median"], color="#9ecae1" if entry["every"] else "#cccccc")
+            ax.scatter([x] * len(rates), rates, color="#08519c", s=14, zorder=3)
+            label = f"{entry['over_off']:.3f}x" if entry["every"] else "off"
+            ax.annotate(label, (x, entry["decode_tps_median"]), textcoords="offset points",
+                        xytext=(0, 4), ha="center", fontsize=9)
+        ticks = [f"{n}\n{res['summary'][n]['tree']}"
+                 + (f" /{res['summary'][n]['every']}" if res["summary"][n]["every"] else "")
+                 + ("" if res["summary"][n]["writes"] else "\nno write")
+                 for n in names]
+        ax.set_xticks(range(len(names)), ticks, fontsize=8)
+        loads = [r["load_before"] for r in res["runs"]]
+        ax.set_title(f"{res['streams']} stream(s) x {res['tokens_per_stream']} tokens, "
+                     f"{res['repeats']} repeats\nload {min(loads):.1f}-{max(loads):.1f}",
+                     fontsize=9)
+        ax.set_ylabel("aggregate decode tok/s")
+    fig.suptitle("generation checkpoints: decode rate vs checkpoints off (median ratio)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     """Run the benchmark and print its JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -492,6 +526,11 @@ def main() -> int:
     parser.add_argument("--lock", default="",
                         help="with --contenders: hold this flock file for one repeat at a time")
     parser.add_argument("--out", default="", help="also write the JSON to this file")
+    parser.add_argument("--plot", default="",
+                        help="with --contenders: a PNG of the result; with --plot-from: of those")
+    parser.add_argument("--plot-from", default="",
+                        help="comma-separated JSON files of --contenders runs: plot them side "
+                             "by side to --plot and exit")
     parser.add_argument("--child-tree", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child-every", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child-nowrite", action="store_true", help=argparse.SUPPRESS)
@@ -503,6 +542,9 @@ def main() -> int:
             _stub_writes()
         child = anyio.run(_child_run, ns.batch_streams, ns.batch_tokens, ns.child_every, ns.model)
         print(json.dumps(child))
+        return 0
+    if ns.plot_from:
+        plot([json.loads(Path(p).read_text()) for p in ns.plot_from.split(",") if p], ns.plot)
         return 0
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
@@ -521,6 +563,8 @@ def main() -> int:
     print(json.dumps(out, indent=2))
     if ns.out:
         Path(ns.out).write_text(json.dumps(out, indent=2) + "\n")
+    if ns.plot and ns.contenders:
+        plot([out], ns.plot)
     return 0 if out["answers_equal"] else 1
 
 
