@@ -65,6 +65,7 @@ from ._kv_header import (
 __all__ = [
     "KvFileWriter",
     "WriterState",
+    "host_reads_migrate",
     "plan_entry",
     "tensor_bytes",
 ]
@@ -305,6 +306,42 @@ def plan_entry(
     )
 
 
+_HOST_READ_COPY: bool | None = None
+"""Test hook: force (True) or skip (False) the device-side copy; None: decide by the device."""
+
+_copy_stream: Any = None
+
+
+def host_reads_migrate() -> bool:
+    """Whether reading an MLX array's memory on the host moves it off the device.
+
+    MLX's CUDA backend allocates CUDA managed memory: the host can read a
+    device array directly, but the driver migrates the pages it touches to
+    host memory, and the next kernel that uses the array faults them back.
+    A prompt-cache entry read for write-behind would then be slow on its
+    next hit (a 4.4k-token 8B-shape prefix is ~0.6 GB). CPU and Metal share
+    one memory: nothing moves there.
+    """
+    if _HOST_READ_COPY is not None:
+        return _HOST_READ_COPY
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def _host_copy(a: Any) -> Any:
+    """A row-contiguous copy of ``a`` made on its own stream (engine thread).
+
+    NOTE: its own GPU stream, so the copy does not queue behind the decode
+    step in flight on the default one; ``a * 1`` in ``a``'s dtype is exact
+    for every dtype a cache holds (floats, quantized uint32 words).
+    """
+    global _copy_stream
+    if _copy_stream is None:
+        _copy_stream = mx.new_stream(mx.default_device())
+    copy = mx.multiply(a, mx.array(1, dtype=a.dtype), stream=_copy_stream)
+    return mx.contiguous(copy, stream=_copy_stream)
+
+
 def tensor_bytes(plan: EntryPlan, i: int) -> memoryview:
     """Read tensor ``i`` of ``plan`` back to host memory (engine thread).
 
@@ -322,7 +359,9 @@ def tensor_bytes(plan: EntryPlan, i: int) -> memoryview:
     # NOTE: when ``a`` is already contiguous, ``x`` shares its buffer. That
     # is safe while a worker reads the view: MLX updates a buffer in place
     # only when nothing else references it, and the view keeps ``x`` alive.
-    x: Any = mx.contiguous(a)
+    # Where a host read migrates the buffer's pages (CUDA managed memory) the
+    # view is of a device-side copy instead (see :func:`host_reads_migrate`).
+    x: Any = _host_copy(a) if host_reads_migrate() else mx.contiguous(a)
     mx.eval(x)
     view = memoryview(x).cast("B")
     if len(view) != expected:

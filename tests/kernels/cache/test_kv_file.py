@@ -770,3 +770,32 @@ def test_scandir_stat_and_utime(tmp_path: Path) -> None:
     st = port.stat(str(tmp_path / "f"))
     assert (st.size, st.mtime_ns, st.is_file) == (5, 1_000_000_000_000_000_000, True)
     assert isinstance(port, FilePort)
+
+
+def _address(buf: Any) -> int:
+    """Where a buffer's first byte lives (an MLX array's or a memoryview's)."""
+    view = memoryview(buf).cast("B")
+    return int(np.asarray(view).__array_interface__["data"][0])
+
+
+@pytest.mark.parametrize("migrate", [True, False])
+def test_host_read_views_a_device_copy_where_host_reads_migrate(
+    monkeypatch: pytest.MonkeyPatch, migrate: bool
+) -> None:
+    """Where host reads migrate pages (CUDA managed memory) a tensor's view is of a copy, never the entry's buffer, with equal bytes; elsewhere it shares."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", migrate)
+    # NOTE: 256 tokens fill the cache's buffer exactly: the planned arrays are
+    # the entry's own contiguous buffers, the case a view would share.
+    cache = _filled_kv(256, mx.bfloat16)
+    plan = plan_entry([cache], model_id="tiny", fingerprint=FP, namespace="ns",
+                      tokenizer_hash="tok", tokens=list(range(256)))
+    arrays = [a for a in plan._arrays if a is not None]
+    assert arrays
+    for i, a in enumerate(arrays):
+        mx.eval(a)
+        view = tensor_bytes(plan, i)
+        assert bytes(view) == raw(a)
+        assert (_address(view) != _address(a)) is migrate
+    plan.release_arrays()
