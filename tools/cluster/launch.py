@@ -213,7 +213,8 @@ class Router:
         """
         port = port or free_port()
         cmd = router_command(policy, [r.url for r in replicas],
-                             [(r.kv_events, r.kv_replay) for r in replicas], host=host,
+                             [(r.kv_events, r.kv_replay) for r in replicas]
+                             if policy == "events" else [], host=host,
                              port=port, model=model, balance=balance)
         name = f"router-{policy}"
         with (workdir / f"{name}.stdout").open("wb") as out, \
