@@ -154,15 +154,20 @@ write_random_model(Path(sys.argv[1]), sys.argv[2], Path(".gpu/tok"), 0)' "$MODEL
       --json "$OUT/steps.json" "$@" 2>&1 | tee "$OUT/steps.txt"
     ;;
   extras)
-    # The SSD tier on vs off (20 sequential distinct requests) and the
-    # checkpoint restart at 75 % of a ${CK_TOKENS:-2000}-token answer, on the
-    # model `run` wrote.
+    # The SSD tier on vs off (20 sequential distinct requests), the
+    # checkpoint restart at 75 % of a ${CK_TOKENS:-2000}-token answer and which
+    # answers differ where (checkpoint_parity.py), on the model `run` wrote.
     device_env
     python3 tools/bench/ssd_ttft.py --model "$MODEL" --requests 20 --prompt-tokens 530 --max-tokens 48 \
       --json "$OUT/ssd_ttft.json" --plot "$OUT/ssd_ttft.png" 2>&1 | tail -n 40 | tee "$OUT/ssd_ttft.txt" || true
     python3 tools/bench/checkpoint.py --model "$MODEL" --tokens "${CK_TOKENS:-2000}" --repeats "${CK_REPEATS:-3}" \
       > "$OUT/checkpoint.json" 2> "$OUT/checkpoint.err" || true
     tail -c 3000 "$OUT/checkpoint.json"; tail -n 5 "$OUT/checkpoint.err"
+    # NOTE: checkpoint.py's answers_equal is one flag over every pair; this
+    # names the pair that differs and the token where it does.
+    python3 tools/bench/checkpoint_parity.py --model "$MODEL" --tokens "${CK_TOKENS:-2000}" \
+      > "$OUT/checkpoint_parity.json" 2> "$OUT/checkpoint_parity.err" || true
+    tail -c 1500 "$OUT/checkpoint_parity.json"
     ;;
   *)
     sed -n '2,28p' "$0"
