@@ -70,6 +70,15 @@ device_env() {
   export KVTIER_COMMIT
 }
 
+# NOTE: the 8B directory `run` writes, for the commands that do not run serving.py.
+ensure_model() {
+  if [ ! -f "$MODEL/config.json" ]; then
+    python3 -c 'import sys; sys.path.insert(0, "tools/bench"); from pathlib import Path
+from serving import write_random_model
+write_random_model(Path(sys.argv[1]), sys.argv[2], Path(".gpu/tok"), 0)' "$MODEL" "${KVTIER_GPU_SHAPE:-llama3-8b}"
+  fi
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -144,14 +153,19 @@ case "$cmd" in
     # (--ssd-cache off) and through the in-process Engine, on the model `run`
     # wrote: what the served path leaves of the engine's throughput.
     device_env
-    if [ ! -f "$MODEL/config.json" ]; then
-      python3 -c 'import sys; sys.path.insert(0, "tools/bench"); from pathlib import Path
-from serving import write_random_model
-write_random_model(Path(sys.argv[1]), sys.argv[2], Path(".gpu/tok"), 0)' "$MODEL" "${KVTIER_GPU_SHAPE:-llama3-8b}"
-    fi
+    ensure_model
     python3 tools/bench/served_steps.py --model "$MODEL" --tok-dir .gpu/tok --rows "${ROWS:-32}" \
       --requests 3 --prompt-tokens 512 --max-tokens 128 --rounds "${ROUNDS:-3}" \
       --json "$OUT/steps.json" "$@" 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  joins)
+    # Where a batch step's time goes when rows join and leave (join_cost.py:
+    # the same closed loop on BatchGeneration, each phase timed with the
+    # device synchronized), on the model `run` or `steps` wrote.
+    device_env
+    ensure_model
+    python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --rows "${ROWS:-32}" \
+      --json "$OUT/join_cost.json" "$@" 2>&1 | tee "$OUT/join_cost.txt"
     ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests), the

@@ -1,0 +1,281 @@
+"""Where a batch step's time goes when rows join and leave: per-phase device time, by kind of step.
+
+On the H200 (8B shape, 32 rows, 512-token prompts, 128 new tokens, each
+client sending its requests one after the other) the batch lane's median
+step is ~17 ms and its mean ~37 ms: ~80 ms a joining row, of which a
+511-token prefill explains ~24 ms (docs/benchmarks/serving.md). This tool
+runs that closed loop on :class:`kernels.engine.BatchGeneration` directly
+(no actors, no HTTP) and times each phase of every step with the device
+synchronized before and after it, so each phase's time is its own device
+time:
+
+- ``decode``: the decode batch's ``next`` (the decode forward, the sampled
+  tokens read back) less what is timed inside it;
+- ``filter`` / ``extend``: the batch caches' whole-batch copies when rows
+  leave (``filter``) and join (``extend``);
+- ``extract``: a leaving row's cache copied out of the batch;
+- ``prefill``: joining rows' prompt forwards (``PromptProcessingBatch.prompt``);
+- ``first_token``: a prefilled row's last prompt token forwarded and its
+  first token sampled (``start_generation``, mlx-lm's ``generate``);
+- ``merge``: caches turned into batch form (kvtier's ``_merge``);
+- ``enter``: the rest of a prefilled row's entry into the decode batch;
+- ``other``: the rest of the step (kvtier's bookkeeping).
+
+Prints per phase: total seconds, calls, ms per call, and the share of the
+synchronized run's time; then the mean step time by kind of step (decode
+only, with a join, with a leave, with both). A second pass without any
+synchronization gives the real throughput of the same loop beside it
+(``--no-plain`` skips it). Synchronizing removes the overlap of the host's
+graph building with the device, so the synchronized pass is slower: its
+use is the split, not its total.
+
+    # on the GPU (the model gpu_serving.sh run wrote):
+    python3 tools/bench/join_cost.py --model /tmp/kvtier-gpu/llama3-8b --tok-dir .gpu/tok
+    # on the CPU, a small random shape:
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/join_cost.py --shape tiny --rows 4 --requests 2 \\
+        --prompt-tokens 64 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+
+DEFAULT_TOK_DIR = Path.home() / ".cache/kvtier/models/SmolLM2-135M-Instruct-fp32"
+
+
+class PhaseClock:
+    """Exclusive device time per phase: nested phases are subtracted from their parent."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.totals: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list[float]] = []
+        self.step_phases: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as ``name`` (synchronized before and after)."""
+        self.sync()
+        frame = [time.perf_counter(), 0.0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self.sync()
+            self._stack.pop()
+            took = time.perf_counter() - frame[0]
+            self.totals[name] += took - frame[1]
+            self.calls[name] += 1
+            self.step_phases[name] += 1
+            if self._stack:
+                self._stack[-1][1] += took
+
+
+def _wrap(cls: Any, attr: str, clock: PhaseClock, name: str) -> Callable[[], None]:
+    """Time ``cls.attr`` as phase ``name``; returns the undo."""
+    inner = getattr(cls, attr)
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with clock.phase(name):
+            return inner(self, *args, **kwargs)
+
+    setattr(cls, attr, timed)
+    return lambda: setattr(cls, attr, inner)
+
+
+def _wrap_function(module: Any, attr: str, clock: PhaseClock, name: str) -> Callable[[], None]:
+    """Time the module-level function ``module.attr`` as phase ``name``; returns the undo."""
+    inner = getattr(module, attr)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with clock.phase(name):
+            return inner(*args, **kwargs)
+
+    setattr(module, attr, timed)
+    return lambda: setattr(module, attr, inner)
+
+
+def instrument(clock: PhaseClock) -> list[Callable[[], None]]:
+    """Wrap the phases named in the module docstring; the undos."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from kernels.engine import _batch, _greedy
+
+    decode = _greedy.GreedyGenerationBatch
+    return [
+        _wrap(decode, "next", clock, "decode"),
+        _wrap(decode, "filter", clock, "filter"),
+        _wrap(decode, "extend", clock, "extend"),
+        _wrap(decode, "extract_cache", clock, "extract"),
+        _wrap(PromptProcessingBatch, "prompt", clock, "prefill"),
+        _wrap_function(_batch, "start_generation", clock, "first_token"),
+        _wrap(_batch.BatchGeneration, "_merge", clock, "merge"),
+        _wrap(_batch.BatchGeneration, "_enter_decode", clock, "enter"),
+    ]
+
+
+def _prompts(tok: Any, n: int, length: int, tag: str) -> list[list[int]]:
+    """``n`` distinct prompts of ``length`` token ids (seeded by ``tag``)."""
+    import random
+
+    rng = random.Random(tag)
+    vocab = len(tok)
+    return [[rng.randrange(1000, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def closed_loop(gen: Any, prompts: list[list[int]], rows: int, max_tokens: int,
+                clock: PhaseClock | None) -> dict[str, Any]:
+    """``rows`` clients, each sending its share of ``prompts`` one after the other; every step timed."""
+    from kernels.engine import SamplingParams
+
+    queue = list(enumerate(prompts))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for _ in range(min(rows, len(queue))):
+        i, p = queue.pop(0)
+        gen.join(f"r{i}", p, params)
+    kinds: dict[str, list[float]] = defaultdict(list)
+    tokens = 0
+    t0 = time.perf_counter()
+    while not gen.idle:
+        if clock is not None:
+            clock.step_phases.clear()
+            clock.sync()
+        s = time.perf_counter()
+        step = gen.step()
+        if clock is not None:
+            clock.sync()
+        took = time.perf_counter() - s
+        tokens += len(step.tokens)
+        joined = bool(step.joined) or step.prefill_tokens > 0
+        left = bool(step.exits)
+        kind = {(False, False): "decode only", (True, False): "join", (False, True): "leave",
+                (True, True): "join + leave"}[(joined, left)]
+        kinds[kind].append(took)
+        for _ in step.exits:
+            if queue:
+                i, p = queue.pop(0)
+                gen.join(f"r{i}", p, params)
+    wall = time.perf_counter() - t0
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tps": tokens / wall,
+        "steps": sum(len(v) for v in kinds.values()),
+        "by_kind": {k: {"steps": len(v), "mean_ms": 1000 * sum(v) / len(v),
+                        "total_s": sum(v)} for k, v in kinds.items()},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both passes; the records."""
+    import mlx.core as mx
+    from gpu_engine import load_tokenizer
+
+    from kernels.engine import BatchGeneration
+    from kernels.model import load_model
+
+    model_dir = args.model
+    if model_dir is None:
+        from serving import write_random_model
+
+        model_dir = write_random_model(
+            Path(tempfile.mkdtemp(prefix="kvtier-join-cost-")) / "model", args.shape,
+            args.tok_dir, args.seed, args.dtype,
+        )
+    loaded = load_model(model_dir)
+    tok = load_tokenizer(args.tok_dir)
+    n = args.rows * args.requests
+    out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
+                           "device": str(mx.default_device())}
+
+    def fresh() -> Any:
+        return BatchGeneration(loaded.model, loaded.tokenizer, max_rows=args.rows,
+                               prefill_step_size=args.prefill_step_size)
+
+    # NOTE: a warm-up of the same shapes first (kernel compilation, buffers).
+    warm = fresh()
+    closed_loop(warm, _prompts(tok, args.rows, args.prompt_tokens, "warm"), args.rows,
+                min(args.max_tokens, 16), None)
+    warm.close()
+    if not args.no_plain:
+        gen = fresh()
+        out["plain"] = closed_loop(gen, _prompts(tok, n, args.prompt_tokens, "plain"), args.rows,
+                                   args.max_tokens, None)
+        gen.close()
+        print(f"plain pass: {out['plain']['tps']:.1f} tok/s, {out['plain']['steps']} steps, "
+              f"{out['plain']['wall_s']:.2f} s", flush=True)
+        _print_kinds(out["plain"])
+    clock = PhaseClock(mx.synchronize)
+    undo = instrument(clock)
+    try:
+        gen = fresh()
+        timed = closed_loop(gen, _prompts(tok, n, args.prompt_tokens, "timed"), args.rows,
+                            args.max_tokens, clock)
+        gen.close()
+    finally:
+        for u in undo:
+            u()
+    phases = dict(clock.totals)
+    phases["other"] = timed["wall_s"] - sum(phases.values())
+    timed["phases"] = {k: {"total_s": v, "calls": clock.calls.get(k, 0),
+                           "ms_per_call": 1000 * v / clock.calls[k] if clock.calls.get(k) else None,
+                           "share": v / timed["wall_s"]} for k, v in phases.items()}
+    out["synchronized"] = timed
+    print(f"synchronized pass: {timed['tps']:.1f} tok/s, {timed['steps']} steps, "
+          f"{timed['wall_s']:.2f} s; per phase:", flush=True)
+    for name, f in sorted(timed["phases"].items(), key=lambda kv: -kv[1]["total_s"]):
+        per = f"{f['ms_per_call']:8.2f} ms/call" if f["ms_per_call"] is not None else " " * 16
+        print(f"  {name:<8} {f['total_s']:8.3f} s  {f['calls']:5d} calls {per}  "
+              f"{100 * f['share']:5.1f} %", flush=True)
+    _print_kinds(timed)
+    return out
+
+
+def _print_kinds(rec: dict[str, Any]) -> None:
+    for kind, f in sorted(rec["by_kind"].items()):
+        print(f"  {kind:<13} {f['steps']:5d} steps  mean {f['mean_ms']:8.2f} ms  "
+              f"total {f['total_s']:7.2f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run, print, write ``--json``."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--model", type=Path, default=None, help="model directory (none: a random --shape)")
+    p.add_argument("--shape", default="tiny", help="gpu_engine.SHAPES entry of the random model")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the random model's weights' type")
+    p.add_argument("--seed", type=int, default=0, help="the random model's seed")
+    p.add_argument("--tok-dir", type=Path, default=DEFAULT_TOK_DIR, help="tokenizer directory")
+    p.add_argument("--rows", type=int, default=32, help="clients = the batch's rows")
+    p.add_argument("--requests", type=int, default=3, help="requests each client sends in turn")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prefill-step-size", type=int, default=512, help="the engine's prefill chunk")
+    p.add_argument("--no-plain", action="store_true", help="skip the unsynchronized pass")
+    p.add_argument("--json", type=Path, default=None, help="write the records here")
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
