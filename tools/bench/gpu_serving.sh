@@ -172,6 +172,7 @@ case "$cmd" in
     # checkpoint restart at 75 % of a ${CK_TOKENS:-2000}-token answer and which
     # answers differ where (checkpoint_parity.py), on the model `run` wrote.
     device_env
+    ensure_model
     python3 tools/bench/ssd_ttft.py --model "$MODEL" --requests 20 --prompt-tokens 530 --max-tokens 48 \
       --json "$OUT/ssd_ttft.json" --plot "$OUT/ssd_ttft.png" 2>&1 | tail -n 40 | tee "$OUT/ssd_ttft.txt" || true
     python3 tools/bench/checkpoint.py --model "$MODEL" --tokens "${CK_TOKENS:-2000}" --repeats "${CK_REPEATS:-3}" \
