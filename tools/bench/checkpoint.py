@@ -27,12 +27,27 @@ The figure is the aggregate decode rate (the sum over streams of emitted
 tokens / decode seconds), median of ``--repeats``, and each interval's ratio
 to off, side by side. Every setting's answers must equal off's.
 
+With ``--contenders NAME=TREE:EVERY[:nowrite],...`` (and ``--batch-streams``
+N; 1 runs the serial lane) it compares source trees side by side (e.g. a
+``git archive`` of the commit before a change and of the change): every
+run in its own process importing the engine from its tree, the contenders
+interleaved and rotated every repeat, ``--lock`` held for one repeat at a
+time. Each run also reports the CPU seconds of every thread group of the
+process (``/proc/self/task``; a thread blocked in native code without the
+GIL counts here, unlike in a Python-frame profiler), the bytes it wrote
+(``/proc/self/io``), the machine's CPU by kind (``/proc/stat``) and the
+BLAS tuning's state; ``nowrite`` stubs the checkpoint file write out (the
+engine's side alone). Ratios are to the first contender with EVERY 0.
+
 Prints one JSON object.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/bench/checkpoint.py --repeats 3
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/bench/checkpoint.py --batch-streams 8 --batch-every 256,512
+    git archive BASE | tar -x -C /tmp/base
+    LD_PRELOAD=... .venv/bin/python tools/bench/checkpoint.py --batch-streams 8 \\
+        --contenders off=.:0,base=/tmp/base:100,new=.:100 --lock /tmp/bench.lock --plot out.png
 """
 
 from __future__ import annotations
