@@ -31,7 +31,7 @@ from actors.checkpoints import CheckpointCounters, CheckpointHandoff
 from actors.engine import Engine
 from actors.engine.startup import SamplingExecutor
 from actors.runtime import Actor
-from actors.ssd_writer import HostStaging, ThreadPool
+from actors.ssd_writer import BackgroundThreads, HostStaging, ThreadPool
 from kernels.cache import CacheRegistry, OsFilePort
 from tests.actors.test_cold_tier_engine import IDENTITY
 from tests.tiny_models import tiny_llama, tiny_tokenizer
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.anyio
 
 SHARED_PORTS: tuple[type, ...] = (
     CacheRegistry, OsFilePort, HostStaging, ThreadPool, SamplingExecutor, CheckpointCounters,
-    CheckpointHandoff,
+    CheckpointHandoff, BackgroundThreads,
 )
 """Classes whose instances several actors may hold: each documents itself as a thread-safe or loop-only port."""
 

@@ -20,6 +20,7 @@ from .actor import (
     build_cold_tier,
     cold_tier_stats,
 )
+from .background import BackgroundThreads
 from .core import CostLine, Estimator, IndexEntry, IndexState, namespace_dir
 from .io import check_tier_dirs, default_max_bytes
 from .offline import FingerprintUsage, PurgeReport, list_tier, purge_tier
@@ -42,6 +43,7 @@ from .store import StoreWorker
 
 __all__ = [
     "SSD_WRITER_ADDRESS",
+    "BackgroundThreads",
     "CacheSource",
     "ColdTier",
     "CostLine",

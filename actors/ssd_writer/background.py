@@ -62,7 +62,8 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
 class BackgroundThreads:
     """An ``IoRunner`` over its own ``threads`` worker threads, each at :data:`BACKGROUND_NICE`.
 
-    Loop-only (asyncio). The threads start on first use (named
+    A loop-only port (asyncio): the cold tier's actors share one instance,
+    and every call comes from the event loop's thread. The threads start on first use (named
     ``kvtier-ssd-store_<i>``) and end when the pool is garbage-collected or
     the interpreter exits. NOTE: like ``anyio.to_thread.run_sync`` (which
     the tier's shared pool uses), a call is never abandoned: a cancellation
