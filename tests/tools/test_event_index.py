@@ -44,19 +44,32 @@ def test_a_different_namespace_shares_no_prefix() -> None:
 
 
 def test_choose_least_prefill_then_least_loaded_then_turn() -> None:
-    """A longer cached prefix wins even on a busier replica while its queue costs less than the
-    prefix saves; a longer queue than that spills to the other replica; equal costs go to the
-    least loaded, then rotate with the turn."""
+    """Rule prefill: a longer cached prefix wins even on a busier replica while its queue costs
+    less than the prefix saves; a longer queue than that spills to the other replica; equal costs
+    go to the least loaded, then rotate with the turn."""
     # 8-block request: replica 1 holds 5 blocks, 2 queued -> 5 < 8 on the idle replica 0.
-    assert choose(8, [0, 5], [0, 2], [0, 4], 0).replica == 1
+    assert choose(8, [0, 5], [0, 2], [0, 4], 0, rule="prefill").replica == 1
     # the same prefix behind 6 queued blocks costs 9 > 8: spill to the cold replica.
-    spill = choose(8, [0, 5], [0, 6], [0, 1], 0)
+    spill = choose(8, [0, 5], [0, 6], [0, 1], 0, rule="prefill")
     assert (spill.replica, spill.reason, spill.cached_blocks) == (0, "cost", 0)
-    tie = choose(8, [5, 5, 2], [0, 0, 0], [2, 1, 0], 0)
+    tie = choose(8, [5, 5, 2], [0, 0, 0], [2, 1, 0], 0, rule="prefill")
     assert (tie.replica, tie.reason) == (1, "load")
-    assert {choose(4, [0, 0], [0, 0], [1, 1], t).replica for t in range(2)} == {0, 1}
+    assert {choose(4, [0, 0], [0, 0], [1, 1], t, rule="prefill").replica for t in range(2)} == {0, 1}
     with pytest.raises(ValueError):
         choose(1, [1], [0, 0], [0, 0], 0)
+    with pytest.raises(ValueError):
+        choose(1, [1], [0], [0], 0, rule="fastest")
+
+
+def test_choose_by_prefix_ignores_queued_work_and_leaves_load_to_the_balance_rule() -> None:
+    """Rule prefix (the default): the prefix behind 6 queued blocks still wins (load is the balance
+    rule's), ties still go to the least loaded, and an imbalance still moves the request."""
+    home = choose(8, [0, 5], [0, 6], [0, 1], 0)
+    assert (home.replica, home.reason, home.cached_blocks) == (1, "cost", 5)
+    tie = choose(8, [5, 5, 2], [9, 0, 0], [2, 1, 0], 0)
+    assert (tie.replica, tie.reason) == (1, "load")
+    moved = choose(8, [0, 5], [0, 0], [0, 3], 0, abs_threshold=2, rel_threshold=1.5)
+    assert (moved.replica, moved.reason) == (0, "balance")
 
 
 def test_predicted_chains_count_while_in_flight_then_until_their_deadline() -> None:

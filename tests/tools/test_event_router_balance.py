@@ -66,3 +66,35 @@ async def test_the_routers_threshold_moves_work_off_a_busy_home() -> None:
         finally:
             await router.aclose()
         assert (nxt == home) is stays
+
+
+async def _cold_fleet(rule: str) -> tuple[list[int], int]:
+    """Four agents' first calls at once on 4 replicas (thresholds 2 / 1.5), one 16-block system
+    prompt and 3 blocks of their own each: (the replica of each call, blocks to compute in all)."""
+    links = [ReplicaLink(f"http://127.0.0.1:{9 + k}", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+             for k in range(4)]
+    router = EventRouter(links, _CharTokenizer(), balance_abs=2.0, balance_rel=1.5, rule=rule)
+    system = "S" * 256
+    homes, computed = [], 0
+    try:
+        for agent in range(4):
+            i, chain, uncached = await router.pick(
+                "/v1/completions", {"prompt": system + f"agent {agent:02d} " + "t" * 39})
+            router.admit(i, chain, uncached)  # NOTE: all four stay in flight
+            homes.append(i)
+            computed += uncached
+    finally:
+        await router.aclose()
+    return homes, computed
+
+
+async def test_cold_calls_sharing_a_prompt_stay_together_until_the_balance_rule_moves_one() -> None:
+    """Rule prefix computes the system prompt on 2 replicas (three calls on its holder, the
+    fourth moved by the 2 / 1.5 rule, as cache_aware does); rule prefill, the queued work
+    counted, spread the four calls over 4 replicas and computed it four times."""
+    homes, computed = await _cold_fleet("prefix")
+    assert sorted(homes.count(r) for r in set(homes)) == [1, 3]
+    assert computed == 2 * 16 + 4 * 3
+    spread, spread_computed = await _cold_fleet("prefill")
+    assert sorted(spread) == [0, 1, 2, 3]
+    assert spread_computed == 4 * 16 + 4 * 3

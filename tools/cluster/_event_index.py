@@ -5,14 +5,14 @@ the ``array`` and the ``map`` encodings kvtier's ``--kv-events-format``
 sends) and answers how many leading blocks of a request it holds.
 :class:`Predicted` holds the chains this router sent to a replica that its
 events have not announced yet (in flight, then ``ttl`` seconds more).
-:func:`choose` picks the replica with the least prefill work before the
-request's first token: the blocks it would compute (the request's blocks
-less its cached prefix there) plus the blocks still queued there (the
-uncached blocks of the requests in flight to it); a tie goes to the least
-loaded (fewest requests in flight through this router), a further tie to
-the next replica in turn. With sglang-router's balance thresholds set
-(:func:`imbalanced`), an imbalanced load leaves only the least loaded
-replicas as candidates.
+:func:`choose` picks the replica with the longest cached prefix of the
+request (the fewest blocks to compute there; rule ``prefix``, the default),
+or, with rule ``prefill``, the least prefill work before the first token
+(those blocks plus the uncached blocks of the requests in flight to it); a
+tie goes to the least loaded (fewest requests in flight through this
+router), a further tie to the next replica in turn. With sglang-router's
+balance thresholds set (:func:`imbalanced`), an imbalanced load leaves only
+the least loaded replicas as candidates.
 
 NOTE: kvtier's block hashes are chained (block ``i`` hashes block ``i-1``)
 and every announced chain starts at the namespace root, so a replica that
@@ -27,7 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockIndex", "Choice", "Predicted", "choose", "decode_payload", "imbalanced"]
+__all__ = ["RULES", "BlockIndex", "Choice", "Predicted", "choose", "decode_payload", "imbalanced"]
+
+RULES = ("prefix", "prefill")
+"""The choice rules of :func:`choose`."""
 
 
 def decode_payload(payload: bytes) -> list[Any]:
@@ -159,7 +162,7 @@ class Choice:
     cached_blocks: int
     """The chosen replica's cached prefix of the request, in blocks."""
     reason: str
-    """``cost`` (the least prefill won alone), ``load`` (a tie broken by load), ``turn``,
+    """``cost`` (the least cost won alone), ``load`` (a tie broken by load), ``turn``,
     or ``balance`` (the load was imbalanced: among the least loaded)."""
 
 
@@ -178,16 +181,26 @@ def imbalanced(in_flight: Sequence[int], abs_threshold: float, rel_threshold: fl
 
 def choose(blocks: int, cached: Sequence[int], queued: Sequence[int],
            in_flight: Sequence[int], turn: int, *, abs_threshold: float = math.inf,
-           rel_threshold: float = 1.5) -> Choice:
-    """The replica with the least prefill before the request's first token.
+           rel_threshold: float = 1.5, rule: str = "prefix") -> Choice:
+    """The replica with the longest cached prefix (``prefix``) or the least prefill (``prefill``).
 
-    A request of ``blocks`` blocks costs ``blocks - cached[i] + queued[i]``
-    on replica ``i``: the blocks it would compute there plus the uncached
-    blocks of the requests already in flight to it (each replica's queue of
-    prefill work). A longer cached prefix therefore wins until the replica
-    holding it has more queued work than the prefix saves; a tie goes to
-    the fewest requests in flight, then to the next replica in ``turn``
-    (so equal replicas share new work).
+    A request of ``blocks`` blocks costs ``blocks - cached[i]`` on replica
+    ``i`` under rule ``prefix``: the blocks it would compute there, so the
+    longest cached prefix wins, as in sglang-router's ``cache_aware``, and
+    load enters only through the balance rule below. Under rule ``prefill``
+    the cost adds ``queued[i]``, the uncached blocks of the requests already
+    in flight to ``i`` (its queue of prefill work), so a longer cached prefix
+    wins only until the replica holding it has more queued work than the
+    prefix saves. A tie goes to the fewest requests in flight, then to the
+    next replica in ``turn`` (so equal replicas share new work).
+
+    NOTE: ``prefill`` treats every replica as compute of its own: it spreads
+    cold requests sharing a prefix (an agent fleet's system prompt) over
+    idle replicas, computing that prefix on each. Where replicas share
+    cores (4 replicas on the 2-core benchmark box) that only splits the
+    same cores more ways and loses the shared prefix's hits, and it is a
+    second load rule beside the balance thresholds, which ``cache_aware``
+    does not have; hence ``prefix`` by default (docs/benchmarks/cluster.md).
 
     When the requests in flight are imbalanced by sglang-router's rule
     (:func:`imbalanced` with ``abs_threshold`` / ``rel_threshold``; off by
@@ -199,7 +212,10 @@ def choose(blocks: int, cached: Sequence[int], queued: Sequence[int],
     n = len(cached)
     if not n or len(queued) != n or len(in_flight) != n:
         raise ValueError("one cached count, one queue and one load per replica")
-    cost = [max(0, blocks - cached[i]) + queued[i] for i in range(n)]
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r} (one of {', '.join(RULES)})")
+    weight = 1 if rule == "prefill" else 0
+    cost = [max(0, blocks - cached[i]) + weight * queued[i] for i in range(n)]
     candidates = list(range(n))
     balancing = imbalanced(in_flight, abs_threshold, rel_threshold)
     if balancing:

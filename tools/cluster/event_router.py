@@ -19,13 +19,16 @@ replica the router
 A chat or completion request is tokenized as kvtier tokenizes it (the
 model's tokenizer and chat template through ``kernels.render_chat``; the
 namespace from the body's ``cache_salt``), hashed into its block chain, and
-sent to the replica with the least prefill work before its first token:
-the blocks it would compute there (the chain less the longest prefix the
-replica holds, counting the chains this router sent it that its events have
-not announced yet: in flight and ``--predict-ttl`` seconds after) plus the
-uncached blocks of the requests in flight to it. A tie goes to the replica
-with the fewest requests in flight through this router, then to the next
-in turn. When the requests in flight are imbalanced by sglang-router's rule
+sent to the replica holding its longest cached prefix (the fewest blocks to
+compute there), counting the chains this router sent it that its events
+have not announced yet (in flight and ``--predict-ttl`` seconds after);
+with ``--rule prefill``, to the least prefill work before its first token
+(those blocks plus the uncached blocks of the requests in flight to it; for
+replicas with a device each, see ``_event_index.choose``). A tie goes to
+the replica with the fewest requests in flight through this router, then
+to the next in turn. The tokenizer keeps every piece of the conversations
+it rendered (``_chat_tokens.ChatTokens``), so an agent's next call encodes
+only what it added. When the requests in flight are imbalanced by sglang-router's rule
 (``--balance-abs-threshold``, ``--balance-rel-threshold``, its defaults and
 meaning), only the least loaded replicas are candidates. Any other request goes to the least loaded replica. The body is forwarded unchanged and the answer streamed back,
 with an ``x-kvtier-replica`` header naming the replica's index.
@@ -68,7 +71,8 @@ from starlette.routing import Route  # noqa: E402
 
 from actors.kv_events.block_hash import block_digests, external_hash, namespace_root  # noqa: E402
 from messages.prompt_cache import cache_namespace  # noqa: E402
-from tools.cluster._event_index import BlockIndex, Predicted, choose, decode_payload  # noqa: E402
+from tools.cluster._chat_tokens import ChatTokens  # noqa: E402
+from tools.cluster._event_index import RULES, BlockIndex, Predicted, choose, decode_payload  # noqa: E402
 
 __all__ = ["EventRouter", "ReplicaLink", "main"]
 
@@ -110,9 +114,13 @@ class EventRouter:
 
     def __init__(self, replicas: Sequence[ReplicaLink], tokenizer: Any, *,
                  predict_ttl: float = 30.0, balance_abs: float = 64.0,
-                 balance_rel: float = 1.5) -> None:
+                 balance_rel: float = 1.5, rule: str = "prefix") -> None:
+        if rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}")
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
+        self.rule = rule
+        self._chat: ChatTokens | None = None
         self.predict_ttl = predict_ttl
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
@@ -121,7 +129,7 @@ class EventRouter:
         self._turn = 0
         self._roots: dict[tuple[int, str], bytes] = {}
         # NOTE: one tokenizer thread: tokenizing is CPU work off the event
-        # loop, and the piece cache of kernels.render_chat is per tokenizer.
+        # loop, and ChatTokens' piece cache is used by one thread at a time.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0),
@@ -196,10 +204,10 @@ class EventRouter:
             if not isinstance(messages, list) or not all(
                     isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
                 return None
-            from kernels import render_chat
-
             tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-            return render_chat(self.tokenizer, messages, tools=tools)
+            if self._chat is None:
+                self._chat = ChatTokens(self.tokenizer)
+            return self._chat.chat(messages, tools=tools)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
@@ -242,7 +250,8 @@ class EventRouter:
         blocks = max((len(c) for c in chain_of), default=0)
         choice = choose(blocks, cached, [r.queued_blocks for r in self.replicas],
                         [r.in_flight for r in self.replicas], self._turn,
-                        abs_threshold=self.balance_abs, rel_threshold=self.balance_rel)
+                        abs_threshold=self.balance_abs, rel_threshold=self.balance_rel,
+                        rule=self.rule)
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         i = choice.replica
         return i, chain_of[i], len(chain_of[i]) - choice.cached_blocks
@@ -314,7 +323,11 @@ class EventRouter:
                           "in_flight": r.in_flight, "queued_blocks": r.queued_blocks,
                           "predicted_blocks": len(r.predicted.until), "replays": r.replays,
                           "replay_failures": r.replay_failures} for r in self.replicas],
+            "rule": self.rule,
             "reasons": dict(self.reasons),
+            "tokenizer_pieces": None if self._chat is None else {
+                "encoded": self._chat.encoded, "reused": self._chat.reused,
+                "fallbacks": self._chat.fallbacks},
             "route_ms_p50": ms[len(ms) // 2] if ms else None,
             "route_ms_p90": ms[int(len(ms) * 0.9)] if ms else None,
         }
@@ -384,6 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--balance-rel-threshold", type=float, default=1.5,
                    help="... and the most loaded replica has more than this times the least "
                         "(default 1.5, sglang-router's)")
+    p.add_argument("--rule", choices=RULES, default="prefix",
+                   help="prefix: the longest cached prefix wins, load only by the balance rule "
+                        "(as cache_aware); prefill: the least prefill before the first token, "
+                        "queued work included (replicas with a device each) (default prefix)")
     args = p.parse_args(argv)
     links = []
     for spec in args.replica:
@@ -394,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     router = EventRouter(links, _load_tokenizer(args.model), predict_ttl=args.predict_ttl,
                          balance_abs=args.balance_abs_threshold,
-                         balance_rel=args.balance_rel_threshold)
+                         balance_rel=args.balance_rel_threshold, rule=args.rule)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning",
                 access_log=False)
     return 0
