@@ -464,7 +464,7 @@ def overhead_only(args: argparse.Namespace, serve: list[str],
             target = cluster.route(policy).url
             entry = asyncio.run(measure_overhead(urls, target, args.overhead_n))
             entry["load_after"] = loadavg()
-            if policy == "events":
+            if policy.startswith("events"):
                 entry["router_stats"] = httpx.get(f"{target}/event_router/stats", timeout=10).json()
             result["routers"][policy] = entry
             print(policy, json.dumps({k: v for k, v in entry.items() if k != "router_stats"}),
@@ -492,7 +492,8 @@ def main() -> int:
                    help="mean seconds an agent runs its tool between an answer and its next call "
                         "(seeded exponential; default 0: the next call at once)")
     p.add_argument("--policies", default="round_robin,cache_aware,events",
-                   help="comma list of single, round_robin, cache_aware, events, in the order of "
+                   help="comma list of single, round_robin, cache_aware, events, events_prefill "
+                        "(the event router's --rule prefill), in the order of "
                         "the first round (default round_robin,cache_aware,events)")
     p.add_argument("--rounds", type=int, default=1,
                    help="replay the trace this many times per policy, the policy order rotated "
@@ -571,7 +572,7 @@ def main() -> int:
                 g["spread"] = [a + _served(u) - b
                                for a, u, b in zip(g["spread"], urls, before, strict=True)]
                 g["loads"].append(loadavg())
-                if policy == "events":
+                if policy.startswith("events"):
                     g["router_stats"].append(
                         httpx.get(f"{target}/event_router/stats", timeout=10).json())
                 s = summarize(samples, wall, g["spread"])

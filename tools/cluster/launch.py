@@ -38,7 +38,7 @@ from types import TracebackType
 
 import httpx
 
-__all__ = ["SGLANG_POLICIES", "Cluster", "Replica", "Router", "free_port", "main", "replica_cpus",
+__all__ = ["EVENT_POLICIES", "SGLANG_POLICIES", "Cluster", "Replica", "Router", "free_port", "main", "replica_cpus",
            "router_command"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +46,8 @@ _OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 _READY = re.compile(r"kvtier: ready at (http://\S+)/v1")
 SGLANG_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """``sglang-router`` policies this launcher passes through (``events`` is ours)."""
+EVENT_POLICIES = {"events": "prefix", "events_prefill": "prefill"}
+"""The event router's policies and the ``--rule`` each runs (``tools/cluster/event_router.py``)."""
 
 
 def free_port() -> int:
@@ -170,9 +172,10 @@ def router_command(policy: str, urls: Sequence[str], events: Sequence[tuple[str,
     """
     balance_args = [] if balance is None else [
         "--balance-abs-threshold", f"{balance[0]:g}", "--balance-rel-threshold", f"{balance[1]:g}"]
-    if policy == "events":
+    if policy in EVENT_POLICIES:
         cmd = [sys.executable, str(REPO / "tools" / "cluster" / "event_router.py"),
-               "--host", host, "--port", str(port), *balance_args]
+               "--host", host, "--port", str(port), "--rule", EVENT_POLICIES[policy],
+               *balance_args]
         if model is not None:
             cmd += ["--model", model]
         for url, (pub, replay) in zip(urls, events, strict=True):
@@ -214,7 +217,7 @@ class Router:
         port = port or free_port()
         cmd = router_command(policy, [r.url for r in replicas],
                              [(r.kv_events, r.kv_replay) for r in replicas]
-                             if policy == "events" else [], host=host,
+                             if policy in EVENT_POLICIES else [], host=host,
                              port=port, model=model, balance=balance)
         name = f"router-{policy}"
         with (workdir / f"{name}.stdout").open("wb") as out, \
@@ -351,7 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2, help="kvtier serve replicas (default 2)")
     p.add_argument("--policy", default="cache_aware",
-                   choices=[*SGLANG_POLICIES, "events"], help="router policy (default cache_aware)")
+                   choices=[*SGLANG_POLICIES, *EVENT_POLICIES],
+                   help="router policy (default cache_aware; events_prefill: the event router "
+                        "with --rule prefill)")
     p.add_argument("--host", default="127.0.0.1", help="address of the router and the replicas")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     p.add_argument("--workdir", type=Path, default=Path("kvtier-cluster"),
