@@ -70,8 +70,9 @@ from ._grammar_errors import (
 from ._greedy import (
     GreedyGenerationBatch,
     argmax_with_logprobs,
+    enter_generation,
     greedy_without_logprobs,
-    start_generation,
+    waiting_generation,
 )
 from ._logprobs import (
     MAX_PROMPT_LOGPROB_ENTRIES,
@@ -184,6 +185,7 @@ __all__ = [
     "check_schemas",
     "default_compiler",
     "encode_prompt",
+    "enter_generation",
     "find_openblas",
     "greedy_without_logprobs",
     "json_schema_grammar",
@@ -201,9 +203,9 @@ __all__ = [
     "run_generation",
     "run_with_stack",
     "score_rows",
-    "start_generation",
     "strict_schema",
     "tool_call_grammar",
     "tool_format",
     "top_logprobs",
+    "waiting_generation",
 ]

@@ -9,7 +9,7 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   prompt cache lent it (or none) and only the uncached suffix is forwarded.
 - **Prefill one row at a time, decode together.** A joining row's suffix is
   forwarded alone (batch of one, the serial lane's chunks), then its last
-  prompt token enters the decode batch. No row is ever padded during a
+  prompt token enters the decode batch's next inputs. No row is ever padded during a
   prefill, so recurrent state (which has no mask) never sees a pad token and
   a row's prefill arithmetic is a lone row's. Each turn forwards at most
   ``prefill_step_size`` prompt tokens while any row decodes, so active rows
@@ -17,9 +17,11 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   a turn may forward up to :data:`IDLE_PREFILL_ROWS` chunks (rows arriving
   together prefill in one padded forward, as mlx-lm's ``BatchGenerator``
   prefills ``prefill_batch_size`` prompts at once).
-- **One step is one engine turn**: every decoding row advances by exactly
-  one token (``GenerationBatch.next``), then pending rows prefill within the
-  turn's budget.
+- **One step is one engine turn**: pending rows prefill within the turn's
+  budget, then every decoding row advances by exactly one token
+  (``GenerationBatch.next``); a row whose prefill completed enters with its
+  last prompt token queued, forwarded by that same decode step (no forward
+  of its own), and its first token comes out of the next turn.
 - **Per-row sampling and stops**: each row has its own sampler and logits
   processors (:func:`make_request_sampler` / :func:`make_request_processors`,
   so seeded rows draw from their own key), EOS / stop token ids and
@@ -70,7 +72,6 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    TokenBuffer,
     make_prompt_cache,
 )
 
@@ -83,10 +84,9 @@ from ._checkpoint import CheckpointPoint, sampler_key, set_sampler_key
 from ._detokenize import TextStream
 from ._generation import KernelFinishReason, StepOutput, _check_cache_offset
 from ._greedy import (
-    GreedyGenerationBatch,
-    _offsets_equal,
     argmax_with_logprobs,
-    start_generation,
+    enter_generation,
+    waiting_generation,
 )
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 from ._transitioning import TransitioningBatchKVCache
@@ -367,9 +367,12 @@ class BatchStep:
     ``tokens``: one per decoding row, in batch order; ``exits``: rows that
     finished in this step (their last token is in ``tokens``);
     ``snapshots``: prompt-boundary caches of rows that asked for one;
-    ``decode_rows``: rows the decode forward covered; ``prefill_tokens``:
-    prompt tokens forwarded for joining rows; ``joined``: rows that entered
-    the decode batch (their first token comes with the next step);
+    ``decode_rows``: rows that decoded a token (the decode forward also
+    takes the last prompt token of rows entering the batch, ``joined``; that
+    part of the forward belongs to their prefill, as mlx-lm's separate
+    first forward would); ``prefill_tokens``: prompt tokens forwarded for
+    joining rows; ``joined``: rows that entered the decode batch (their
+    first token comes with the next step);
     ``checkpoints``: rows at a checkpoint boundary this step (``checkpoint_every``).
     """
 
@@ -685,14 +688,18 @@ class BatchGeneration:
     # -- the step ------------------------------------------------------------
 
     def step(self) -> BatchStep:
-        """One engine turn: one token for every decoding row, then prefill within the budget."""
+        """One engine turn: prefill within the budget, then one token for every decoding row."""
         tuning = self._tuning
         if tuning is not None:
             tuning.before_step()
         with mx.stream(generation_stream):
+            # NOTE: prefill first: rows it completes enter the decode batch with
+            # their last prompt token queued, and this turn's decode forward
+            # takes it with every other row (one forward, not two); their
+            # first token is emitted by the next turn, as before.
+            snapshots, prefilled, joined = self._prefill()
             tokens, exits, decode_rows, checkpoints = self._decode()
             tokens.extend(self._replay())
-            snapshots, prefilled, joined = self._prefill()
         if tuning is not None:
             # NOTE: only steps that decoded the same rows and nothing else
             # compare thread counts (a prefill or a row leaving costs more).
@@ -716,7 +723,7 @@ class BatchGeneration:
     def _decode(self) -> tuple[list[RowToken], list[RowExit], int, list[RowCheckpoint]]:
         if self._batch is None:
             return [], [], 0, []
-        decode_rows = len(self._batch)
+        decode_rows = len(self._batch) - self._batch.priming_rows
         # NOTE: mlx-lm extracts every row it finishes (EOS / stop id / length)
         # before it filters the batch; stop strings are ours and leave below.
         responses = self._batch.next()
@@ -807,32 +814,28 @@ class BatchGeneration:
     def _enter_resumed(self, row: _Row) -> None:
         """Move a resumed row into the decode batch without a forward: its pending token is its next input.
 
-        NOTE: the state ``start_generation`` leaves after a row's last prompt
-        token was forwarded and its first token sampled, built from the
+        NOTE: the state a joined row reaches after its priming step (its last
+        prompt token forwarded, its first token sampled), built from the
         checkpoint instead: caches and token history cover prompt + emitted,
         the pending token is queued, ``max_tokens`` counts the emitted ones.
         """
         assert row.cache is not None
         history = [*row.prompt, *row.generated]
-        merged = self._merge([row.cache])
-        ready = GreedyGenerationBatch(
-            self._model, [], mx.array([], dtype=mx.uint32), [], [], [], row.sampler, [], [], []
-        )
         stops = StopSequences([(t,) for t in sorted(row.stop_ids)] or None)
-        ready.uids = [row.uid]
-        ready.prompt_cache = merged
-        ready.tokens = [history]
-        ready.samplers = [row.sampler]
-        ready.logits_processors = [row.processors]
-        ready.stop_sequences = [stops]
-        ready.max_tokens = [row.params.max_tokens]
-        ready._next_tokens = mx.array([row.pending_token], dtype=mx.uint32)
-        # NOTE: read only for rows asking for logprobs, which are never resumed.
-        ready._next_logprobs = [None]
-        ready._token_context = [TokenBuffer(history)]  # type: ignore[no-untyped-call]
-        ready._num_tokens = [len(row.generated)]
-        ready._matchers = [stops.matcher()]
-        ready._equal_offsets = _offsets_equal(self._model, merged)
+        ready = waiting_generation(
+            self._model,
+            [row.uid],
+            [row.pending_token],
+            self._merge([row.cache]),
+            [history],
+            [row.sampler],
+            row.sampler,
+            [row.processors],
+            [stops],
+            [row.params.max_tokens],
+            num_tokens=[len(row.generated)],
+            priming=False,
+        )
         row.cache = None
         row.replay = None
         if self._batch is None:
@@ -950,13 +953,16 @@ class BatchGeneration:
         if self._scheme is None:
             self._enter_decode_together(rows)
             return
+        # NOTE: these rows forward their last prompt token at once, apart from
+        # the decode batch (mlx-lm's order): priming them inside it would make
+        # that forward read converted and plain rows together.
         done = [row for row in rows if _all_converted(row.prefill.prompt_cache)]
         rest = [row for row in rows if not _all_converted(row.prefill.prompt_cache)]
         for part in (done, rest):
             if part:
-                self._enter_decode_together(part)
+                self._enter_decode_together(part, forward_now=True)
 
-    def _enter_decode_together(self, rows: list[_Row]) -> None:
+    def _enter_decode_together(self, rows: list[_Row], *, forward_now: bool = False) -> None:
         # NOTE: one forward of every such row's last prompt token (a batch of
         # len(rows)) instead of one forward each: on a memory-bound CPU every
         # forward reads all the weights once. Rows prefilled as a group share
@@ -967,15 +973,15 @@ class BatchGeneration:
             if id(row.prefill) not in seen:
                 seen.add(id(row.prefill))
                 merged.extend(row.prefill)
-        # NOTE: generate() forwards the last prompt tokens (their samples are
-        # queued, read by the next step) and hands the rows' caches over.
+        # NOTE: the last prompt tokens are queued, not forwarded: the next
+        # decode step forwards them with every other row (enter_generation).
         order = {uid: i for i, uid in enumerate(merged.uids)}
         last: list[int] = [0] * len(order)
         for row in rows:
             last[order[row.uid]] = row.prompt[-1]
-        # NOTE: mlx-lm's generate(), building kvtier's decode batch (whose
-        # all-greedy steps skip the log-softmax nobody reads: _greedy.py).
-        ready = start_generation(merged, last)
+        # NOTE: kvtier's decode batch (whose all-greedy steps skip the
+        # log-softmax nobody reads: _greedy.py).
+        ready = enter_generation(merged, last, forward_now=forward_now)
         for row in rows:
             row.prefill = None
             row.cache = None

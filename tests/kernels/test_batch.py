@@ -118,6 +118,8 @@ class Run:
     left_step: dict[str, int] = field(default_factory=dict)
     steps: list[tuple[int, int, int]] = field(default_factory=list)
     """(decode rows, tokens out, prefill tokens) per step."""
+    entered: list[int] = field(default_factory=list)
+    """Rows that entered the decode batch per step (forwarded their last prompt token, emitted nothing)."""
 
     def ids(self, row_id: str) -> list[int]:
         return [o.token_id for o in self.outputs[row_id]]
@@ -148,6 +150,7 @@ def drive(batch: BatchGeneration, plans: Sequence[Plan], *, max_steps: int = 200
             run.joined_step[p.row_id] = step
         result = batch.step()
         run.steps.append((result.decode_rows, len(result.tokens), result.prefill_tokens))
+        run.entered.append(len(result.joined))
         for t in result.tokens:
             assert t.index == len(run.outputs[t.row_id])
             run.outputs[t.row_id].append(t.output)
@@ -526,13 +529,18 @@ def test_cancel_while_pending_or_mid_prefill(model: Any, tok: Any) -> None:
 def test_one_step_forwards_at_most_one_chunk_of_prompt_and_one_token_per_decoding_row(
     model: Any, tok: Any
 ) -> None:
-    """Joining rows share a per-step prefill budget while decoding rows each get exactly one token per step."""
+    """Joining rows share a per-step prefill budget while decoding rows each get exactly one token per step.
+
+    A row entering the decode batch is forwarded by that step's decode (its
+    last prompt token) without emitting a token, and is not a decoding row yet.
+    """
     prompts = _prompts(len(tok), 4, seed=12, lo=25, hi=40)
     plans = [Plan("early", prompts[0][:6], SamplingParams(max_tokens=40))] + [
         Plan(str(i), p, SamplingParams(max_tokens=3), join_at=3) for i, p in enumerate(prompts[1:])
     ]
     run = drive(BatchGeneration(model, tok, prefill_step_size=8), plans)
     assert all(prefill <= 8 for _, _, prefill in run.steps)
+    assert sum(run.entered) == len(plans)
     assert all(out == rows for rows, out, _ in run.steps)
     # While the late rows prefill (steps 3..), the early row still gets a token every step.
     early_steps = [i for i, (rows, _, prefill) in enumerate(run.steps) if prefill > 0 and i >= 3]

@@ -62,6 +62,7 @@ DEFAULTS=(
 # install runs once per machine; later calls on a warm machine skip it).
 device_env() {
   if [ ! -f "$SITE/.kvtier-installed" ]; then
+    cp .gpu/b/*.whl "$HOME/kvtier-gpu/stash/"
     SITE=$SITE bash .gpu/b/install-on-device.sh .gpu/b
     touch "$SITE/.kvtier-installed"
   fi
@@ -88,6 +89,10 @@ case "$cmd" in
     for f in tokenizer.json tokenizer_config.json special_tokens_map.json; do
       cp "$TOK_SRC/$f" .gpu/tok/
     done
+    # NOTE: the device takes at most 64 MiB a call, the working tree included:
+    # three of the larger small wheels travel with the second call instead
+    # (device_env stashes them before the install).
+    mv .gpu/a/faker-*.whl .gpu/a/py_spy-*.whl .gpu/a/pydantic_core-*.whl .gpu/b/
     # NOTE: the device gets the working tree without .git: name the code here.
     echo "$(git rev-parse --short HEAD)+$(git status --porcelain | wc -l)-changed" > .gpu/tok/commit
     du -sh .gpu/a .gpu/b .gpu/tok

@@ -15,8 +15,13 @@ time:
   leave (``filter``) and join (``extend``);
 - ``extract``: a leaving row's cache copied out of the batch;
 - ``prefill``: joining rows' prompt forwards (``PromptProcessingBatch.prompt``);
-- ``first_token``: a prefilled row's last prompt token forwarded and its
-  first token sampled (``start_generation``, mlx-lm's ``generate``);
+- ``first_token``: building the decode batch of prefilled rows
+  (``enter_generation``; mlx-lm's ``generate`` forwarded their last prompt
+  tokens here, 13.9 ms a join on the H200; kvtier's decode step takes them
+  with every other row since);
+- ``trim``: dropping the left padding every row of a layer has after rows
+  left (``_settle_trim``; mlx-lm's filter read each layer's minimum back
+  inside ``filter``);
 - ``merge``: caches turned into batch form (kvtier's ``_merge``);
 - ``enter``: the rest of a prefilled row's entry into the decode batch;
 - ``other``: the rest of the step (kvtier's bookkeeping).
@@ -65,7 +70,6 @@ class PhaseClock:
         self.totals: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list[float]] = []
-        self.step_phases: dict[str, int] = defaultdict(int)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -81,7 +85,6 @@ class PhaseClock:
             took = time.perf_counter() - frame[0]
             self.totals[name] += took - frame[1]
             self.calls[name] += 1
-            self.step_phases[name] += 1
             if self._stack:
                 self._stack[-1][1] += took
 
@@ -123,7 +126,8 @@ def instrument(clock: PhaseClock) -> list[Callable[[], None]]:
         _wrap(decode, "extend", clock, "extend"),
         _wrap(decode, "extract_cache", clock, "extract"),
         _wrap(PromptProcessingBatch, "prompt", clock, "prefill"),
-        _wrap_function(_batch, "start_generation", clock, "first_token"),
+        _wrap_function(_batch, "enter_generation", clock, "first_token"),
+        _wrap(decode, "_settle_trim", clock, "trim"),
         _wrap(_batch.BatchGeneration, "_merge", clock, "merge"),
         _wrap(_batch.BatchGeneration, "_enter_decode", clock, "enter"),
     ]
@@ -153,7 +157,6 @@ def closed_loop(gen: Any, prompts: list[list[int]], rows: int, max_tokens: int,
     t0 = time.perf_counter()
     while not gen.idle:
         if clock is not None:
-            clock.step_phases.clear()
             clock.sync()
         s = time.perf_counter()
         step = gen.step()
