@@ -154,6 +154,17 @@ class GreedyGenerationBatch(GenerationBatch):
         finally:
             self.prompt_cache = caches
 
+    def extract_cache(self, idx: int) -> list[Any]:
+        """mlx-lm's per-layer extraction, every layer's left padding evaluated in one call.
+
+        NOTE: ``BatchKVCache.extract`` evaluates its layer's ``left_padding``;
+        after a trim or an extend each layer's is a separate lazy array, so
+        32 layers were 32 device round trips (8.7 ms a leaving row, H200).
+        """
+        layers: list[Any] = list(self.prompt_cache)
+        mx.eval([c.left_padding for c in layers if type(c) is BatchKVCache])
+        return [c.extract(idx) for c in layers]
+
     def _settle_trim(self) -> None:
         """Drop the left padding every row of a layer has (mlx-lm's filter's shift), once its minimum is known."""
         trim, self._trim = self._trim, []
