@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "tools" / "bench"
+from tests.tools._bench_modules import load_bench
 
-
-def _load(name: str) -> ModuleType:
-    """A tools/bench script as a module (tools/ is not a package; its folder goes on sys.path as when run)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-batching = _load("batching")
-common = _load("_common")
+batching = load_bench("batching")
+common = load_bench("_common")
 
 # NOTE: a stand-in kvtier serve: answers a chat with "ans " + the user's text,
 # /stats counts one more batch step per chat answered (and one turn per two).

@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "tools" / "bench"
+from tests.tools._bench_modules import load_bench
 
-
-def _load_common() -> ModuleType:
-    """tools/bench/_common.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "_common.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # NOTE: registered before running it: its dataclasses look their module up.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-common = _load_common()
+common = load_bench("_common")
 
 # NOTE: a stand-in server: takes ``--port`` as kvtier serve and mlx_lm.server
 # do, answers /v1/models with the directory it runs in, says on stderr that it

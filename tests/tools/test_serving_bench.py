@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "tools" / "bench"
+from tests.tools._bench_modules import BENCH, REPO, load_bench
 
-
-def _load_serving() -> ModuleType:
-    """tools/bench/serving.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("serving_bench", BENCH / "serving.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # NOTE: registered before running it: its dataclasses look their module up.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-serving = _load_serving()
+serving = load_bench("serving")
 
 
 def _record(start: float, end: float, ttft_ms: float, itl_ms: float, out: int) -> dict[str, Any]:
