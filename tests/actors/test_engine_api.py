@@ -407,6 +407,9 @@ async def test_engine_failure_mid_stream_raises_generation_failed_and_frees_lane
         assert (await eng.stats())["gateway"]["token"]["requests"]["failed"] == 1
 
 
+# NOTE: slow: tests/e2e/test_embed_exit.py runs the same example (tiny model,
+# as a process) in the default suite with the same two checks.
+@pytest.mark.slow
 @pytest.mark.model
 def test_docs_embedding_example_runs(default_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """docs/examples/embed.py runs as documented: it streams an answer and its follow-up reuses the prompt cache."""
