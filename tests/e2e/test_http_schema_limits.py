@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -22,12 +21,9 @@ SMALL = {"type": "object", "properties": {"yes": {"type": "boolean"}}, "required
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """kvtier serve on the default model."""
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-schema-limits"), "--max-tokens", "12",
-                        "--prompt-cache", "0.2")
-    yield srv
-    assert srv.stop() == 0, srv.logs()
+def server(default_model_server: ServerProcess) -> ServerProcess:
+    """kvtier serve on the default model (the session's shared one)."""
+    return default_model_server
 
 
 @pytest.fixture(scope="module")

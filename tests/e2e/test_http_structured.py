@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 
 import jsonschema
 import openai
@@ -28,12 +27,9 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """kvtier serve on the default model."""
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-structured"), "--max-tokens", "16",
-                        "--prompt-cache", "0.2")
-    yield srv
-    assert srv.stop() == 0, srv.logs()
+def server(default_model_server: ServerProcess) -> ServerProcess:
+    """kvtier serve on the default model (the session's shared one)."""
+    return default_model_server
 
 
 @pytest.fixture(scope="module")
