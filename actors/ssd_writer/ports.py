@@ -1,8 +1,10 @@
 """Ports of the cold tier: where a store's tensors come from, where a restore's bytes wait.
 
 - :class:`TensorSource`: the store worker reads an entry's tensors back to
-  host bytes through it, ONE engine turn per call (design 5.4: background
-  work never delays a request by more than one tensor step); a generation
+  host bytes through it, at most one engine turn per call (design 5.4:
+  background work never delays a request by more than one short step;
+  :class:`EngineTensorSource` takes the views of up to
+  :data:`VIEW_GROUP_BYTES` of tensors in one turn); a generation
   checkpoint is planned in one turn that hands out views, no copies
   (:class:`CheckpointSource`). The wiring
   provides :class:`EngineTensorSource` over an :class:`EngineTurns` port
@@ -39,11 +41,12 @@ from kernels.cache import (
     land_entry,
     landing_thread_count,
     plan_entry,
-    tensor_bytes,
+    tensors_bytes,
     usable_cpus,
 )
 
 __all__ = [
+    "VIEW_GROUP_BYTES",
     "CacheSource",
     "CheckpointSource",
     "EngineTensorSource",
@@ -64,6 +67,18 @@ BytesLike = bytes | bytearray | memoryview
 """Host bytes of one tensor (what ``KvFileWriter.write_tensor`` takes)."""
 
 _log = get_logger("kvtier.ssd_writer")
+
+VIEW_GROUP_BYTES = 64 * 1024 * 1024
+"""Tensor bytes whose host views one engine turn of a prompt spill takes (at least one tensor).
+
+NOTE: one turn per tensor was 64 turns per 8B-shape entry; under load each
+background turn cuts the batch's step chain (a trip through the event loop
+and back), and at 32 streams on the H200 the chain cuts, not the copies,
+took the engine's time (the engine thread idle ~46 % of a guidellm run).
+The group bounds what one turn holds: on CUDA each view is of a
+device-side copy, so up to two groups' copies (the one being written and
+the previous, released in the next turn) are alive per spill.
+"""
 
 
 class TensorSource(Protocol):
@@ -226,13 +241,25 @@ class _Claim:
             return plan
 
 
+def _view_group(plan: EntryPlan, first: int) -> list[int]:
+    """The tensor indices from ``first`` whose bytes fit :data:`VIEW_GROUP_BYTES` together (at least ``first``)."""
+    indices = [first]
+    total = plan.tensors[first].nbytes
+    for i in range(first + 1, len(plan.tensors)):
+        total += plan.tensors[i].nbytes
+        if total > VIEW_GROUP_BYTES:
+            break
+        indices.append(i)
+    return indices
+
+
 class EngineTensorSource:
     """:class:`TensorSource` over a registry and an :class:`EngineTurns` port.
 
-    NOTE: ``tensor_bytes`` returns a view that keeps an MLX array alive. The
+    NOTE: ``tensors_bytes`` returns views that keep MLX arrays alive. The
     source keeps its own reference to every view it hands out and drops it
-    on the engine thread: a prompt entry's last view in the NEXT turn (or
-    in :meth:`finish`), a checkpoint's views in :meth:`finish`. The worker
+    on the engine thread: a prompt entry's group of views in its NEXT turn
+    (or in :meth:`finish`), a checkpoint's views in :meth:`finish`. The worker
     drops its references first (after writing), so the last reference to an
     MLX buffer is never released on a worker thread or the loop. A plan
     whose asker stopped waiting after its turn ran is released in this
@@ -243,7 +270,7 @@ class EngineTensorSource:
         self._turns = turns
         self._caches = caches
         self._identity = identity
-        self._last: dict[int, BytesLike] = {}
+        self._last: dict[int, dict[int, BytesLike]] = {}
         self._held: dict[int, list[BytesLike]] = {}
         self._orphans_lock = threading.Lock()
         self._orphans: list[EntryPlan] = []
@@ -294,15 +321,22 @@ class EngineTensorSource:
         return await self._claimed(claim, plan_step)
 
     async def tensor(self, plan: EntryPlan, index: int) -> BytesLike:
-        """See :meth:`TensorSource.tensor`."""
+        """See :meth:`TensorSource.tensor`; a turn takes the views of the tensors from ``index`` up to :data:`VIEW_GROUP_BYTES`."""
         key = id(plan)
+        group = self._last.get(key)
+        if group is not None and index in group:
+            # NOTE: taken by an earlier turn; the source keeps its own reference
+            # until the plan's next turn or finish (both on the engine thread).
+            return group[index]
 
         def step() -> BytesLike:
             self._release_orphans()
+            # NOTE: the previous group's views are dropped here, on the engine thread.
             self._last.pop(key, None)
-            view = tensor_bytes(plan, index)
-            self._last[key] = view
-            return view
+            indices = _view_group(plan, index)
+            views: dict[int, BytesLike] = dict(zip(indices, tensors_bytes(plan, indices), strict=True))
+            self._last[key] = views
+            return views[index]
 
         return await self._turns.run_when_idle(step)
 
@@ -342,7 +376,7 @@ class EngineTensorSource:
                 checkpoint=checkpoint,
             )
             try:
-                views: list[BytesLike] = [tensor_bytes(plan, i) for i in range(len(plan.tensors))]
+                views: list[BytesLike] = list(tensors_bytes(plan, range(len(plan.tensors))))
             except BaseException:
                 plan.release_arrays()
                 raise

@@ -98,6 +98,7 @@ from ._kv_writer import (
     KvFileWriter,
     plan_entry,
     tensor_bytes,
+    tensors_bytes,
 )
 from ._registry import (
     CacheOffsetMismatch,
@@ -179,6 +180,7 @@ __all__ = [
     "read_tensors",
     "resolve_kv_scheme",
     "tensor_bytes",
+    "tensors_bytes",
     "trim_caches",
     "uninstall_contiguous_quantized_attention",
     "usable_cpus",

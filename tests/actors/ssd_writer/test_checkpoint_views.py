@@ -26,7 +26,7 @@ from actors.engine.wiring import spawn_ssd_writer
 from actors.runtime import ActorSystem
 from actors.ssd_writer import EngineTensorSource
 from kernels import CacheRegistry, EngineThread, RegisteredCache, cache_arrays
-from kernels.cache import GenerationCheckpoint, tensor_bytes
+from kernels.cache import GenerationCheckpoint, tensors_bytes
 from messages import EntryMeta, Store, StoreResult
 from messages.spill_queue import CheckpointRecord
 from tests.actors.ssd_writer.support import ASK, IDENTITY, ThreadTurns, config, files, register
@@ -107,14 +107,16 @@ def _tracking(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
     handed: list[int] = []
     deaths: list[int] = []
 
-    def tracked_bytes(plan: Any, index: int) -> memoryview:
-        real = tensor_bytes(plan, index)
-        buf = _Tracked(real)
-        buf.deaths = deaths
-        handed.append(index)
-        return memoryview(buf)
+    def tracked_bytes(plan: Any, indices: Any) -> list[memoryview]:
+        out: list[memoryview] = []
+        for index, real in zip(indices, tensors_bytes(plan, indices), strict=True):
+            buf = _Tracked(real)
+            buf.deaths = deaths
+            handed.append(index)
+            out.append(memoryview(buf))
+        return out
 
-    monkeypatch.setattr(ports, "tensor_bytes", tracked_bytes)
+    monkeypatch.setattr(ports, "tensors_bytes", tracked_bytes)
     return handed, deaths
 
 
