@@ -370,7 +370,9 @@ def machine() -> dict[str, Any]:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
             mem_kb = int(line.split()[1])
-    commit = subprocess.run(
+    # NOTE: the device machine's copy of the tree carries a stale .git (its
+    # HEAD is not the code sent); gpu_serving.sh names the code in KVTIER_COMMIT.
+    commit = os.environ.get("KVTIER_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],
         cwd=REPO,
         capture_output=True,
