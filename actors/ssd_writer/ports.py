@@ -91,7 +91,7 @@ class TensorSource(Protocol):
     """
 
     async def plan(self, handle: str, *, namespace: str, tokens: tuple[int, ...]) -> EntryPlan:
-        """Plan the file for ``handle`` (one engine turn)."""
+        """Plan the file for ``handle`` (one engine turn; it may take the first tensors' views too)."""
         ...
 
     async def tensor(self, plan: EntryPlan, index: int) -> BytesLike:
@@ -316,6 +316,15 @@ class EngineTensorSource:
             )
             if not claim.take(plan):
                 plan.release_arrays()
+                return plan
+            if plan.tensors:
+                # NOTE: the first group's views in the plan's own turn: one
+                # background turn (one cut of a step chain) fewer per spill.
+                indices = _view_group(plan, 0)
+                views: dict[int, BytesLike] = dict(
+                    zip(indices, tensors_bytes(plan, indices), strict=True)
+                )
+                self._last[id(plan)] = views
             return plan
 
         return await self._claimed(claim, plan_step)
