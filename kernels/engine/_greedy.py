@@ -181,22 +181,21 @@ class GreedyGenerationBatch(GenerationBatch):
             c.left_padding = c.left_padding - shift
 
     def next(self) -> list[Any]:
-        """mlx-lm's ``next``; a priming row's step returns nothing for it, and a pending trim lands."""
+        """mlx-lm's ``next`` (its loop, in its order); a priming row's step returns nothing for it, and a pending trim lands."""
         self_: Any = self
         if not self_.uids:
             return []
         priming = self._priming
-        if not any(priming):
-            responses: list[Any] = super().next()
-            self._settle_trim()
-            return responses
-        self._priming = [False] * len(self_.uids)
+        if any(priming):
+            self._priming = [False] * len(self_.uids)
         tokens, logprobs = self._step()
-        # NOTE: the queued forward waits behind the minima (async_eval order), so
-        # reading them here waits for nothing the step did not already wait for.
+        # NOTE: here, between the step and this step's filter: the minima of the
+        # previous filter were queued before this step's forward, so reading
+        # them waits for nothing the step did not already wait for (after this
+        # step's filter, they would wait for its whole forward).
         self._settle_trim()
         keep: list[int] = []
-        responses = []
+        responses: list[Any] = []
         for i in range(len(self_.uids)):
             if priming[i]:
                 keep.append(i)
