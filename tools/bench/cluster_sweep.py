@@ -38,7 +38,7 @@ def points(paths: list[Path]) -> list[dict[str, Any]]:
         for policy, entry in run["policies"].items():
             s = entry["summary"]
             rows.append({
-                "path": str(path), "agents": int(trace["concurrency"]),
+                "path": str(path), "run": path.parent.name, "agents": int(trace["concurrency"]),
                 "conversations": int(trace["conversations"]), "tool_s": trace.get("tool_s", 0.0),
                 "policy": policy, "order": order.index(policy), "replicas": run["replicas"],
                 "load_before": run.get("load_before"), "load_after": entry.get("load_after"),
@@ -47,21 +47,21 @@ def points(paths: list[Path]) -> list[dict[str, Any]]:
                 "prompt_tokens_per_s": s["prompt_tokens_per_s"], "per_replica": s["per_replica"],
                 "rr_over_this_p50": (base["ttft_p50_s"] / s["ttft_p50_s"]) if base else None,
             })
-    return sorted(rows, key=lambda r: (r["agents"], r["policy"]))
+    return sorted(rows, key=lambda r: (r["agents"], r["run"], r["order"]))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table."""
-    out = [("| agents | policy (run order) | TTFT p50 | p90 | p99 | round-robin p50 / this | "
+    out = [("| agents | run | policy (order) | TTFT p50 | p90 | p99 | round-robin p50 / this | "
             "cached share | prompt tok/s | requests per replica | load after |"),
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "" if r["rr_over_this_p50"] is None else f"{r['rr_over_this_p50']:.2f} ×"
         out.append(
-            f"| {r['agents']} | {r['policy']} ({r['order'] + 1}) | {r['ttft_p50_s']:.2f} s | "
+            f"| {r['agents']} | {r['run']} | {r['policy']} ({r['order'] + 1}) | {r['ttft_p50_s']:.2f} s | "
             f"{r['ttft_p90_s']:.2f} s | {r['ttft_p99_s']:.2f} s | {ratio} | "
             f"{r['cached_share']:.3f} | {r['prompt_tokens_per_s']:.0f} | "
-            f"{' / '.join(str(x) for x in r['per_replica'])} | {r['load_after']} |")
+            f"{' / '.join(str(x) for x in r['per_replica'])} | {'; '.join(r['load_after'] or [])} |")
     return "\n".join(out)
 
 
@@ -76,17 +76,26 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     policies = sorted({r["policy"] for r in rows})
     for k, policy in enumerate(policies):
         mine = [r for r in rows if r["policy"] == policy]
-        xs = [r["agents"] for r in mine]
+        xs = sorted({r["agents"] for r in mine})
         color = f"C{k}"
-        ax[0].plot(xs, [r["ttft_p50_s"] for r in mine], marker="o", color=color,
-                   label=f"{policy} p50")
-        ax[0].plot(xs, [r["ttft_p90_s"] for r in mine], ls="--", color=color, alpha=0.6,
+
+        def mean(key: str, x: int, of: list[dict[str, Any]] = mine) -> float:
+            vals = [float(r[key]) for r in of if r["agents"] == x and r[key] is not None]
+            return sum(vals) / len(vals) if vals else float("nan")
+
+        # NOTE: a load point run more than once shows every run as a dot; the
+        # line joins the runs' means.
+        ax[0].scatter([r["agents"] for r in mine], [r["ttft_p50_s"] for r in mine], color=color)
+        ax[0].plot(xs, [mean("ttft_p50_s", x) for x in xs], color=color, label=f"{policy} p50")
+        ax[0].plot(xs, [mean("ttft_p90_s", x) for x in xs], ls="--", color=color, alpha=0.6,
                    label=f"{policy} p90")
         if policy != "round_robin":
-            ax[1].plot(xs, [r["rr_over_this_p50"] for r in mine], marker="o", color=color,
-                       label=policy)
-        ax[2].plot(xs, [r["prompt_tokens_per_s"] for r in mine], marker="o", color=color,
-                   label=policy)
+            ax[1].scatter([r["agents"] for r in mine], [r["rr_over_this_p50"] for r in mine],
+                          color=color)
+            ax[1].plot(xs, [mean("rr_over_this_p50", x) for x in xs], color=color, label=policy)
+        ax[2].scatter([r["agents"] for r in mine], [r["prompt_tokens_per_s"] for r in mine],
+                      color=color)
+        ax[2].plot(xs, [mean("prompt_tokens_per_s", x) for x in xs], color=color, label=policy)
     ax[0].set_title("TTFT (s) against concurrent agents")
     ax[0].set_yscale("log")
     ax[1].axhline(3.0, color="k", ls=":", label="3 × (#24's line)")
