@@ -123,7 +123,11 @@ class GreedyGenerationBatch(GenerationBatch):
     def filter(self, keep: list[int]) -> None:
         """mlx-lm's filter; ``BatchKVCache`` layers trim their left padding later, without a sync."""
         self._priming = [self._priming[i] for i in keep]
-        plain = [c for c in self.prompt_cache if type(c) is BatchKVCache]
+        # NOTE: only when every layer is a BatchKVCache: a layer kind that trims
+        # inside its own filter (transitioning, rotating) would leave the
+        # layers' lengths apart until the next step, and the model builds one
+        # mask for all of them.
+        plain = all(type(c) is BatchKVCache for c in self.prompt_cache)
         if not keep or not plain:
             self._trim = []
             super().filter(keep)
@@ -132,9 +136,6 @@ class GreedyGenerationBatch(GenerationBatch):
         trim: list[tuple[Any, mx.array]] = []
         layers: list[Any] = list(self.prompt_cache)
         for layer in layers:
-            if type(layer) is not BatchKVCache:
-                layer.filter(keep)
-                continue
             # NOTE: Any: mlx-lm declares the arrays None until set.
             c: Any = layer
             if c.keys is not None:

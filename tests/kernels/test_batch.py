@@ -629,7 +629,12 @@ def test_gate_refusals_name_their_reason(tok: Any, monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.model
 def test_default_model_rows_match_serial_greedy(default_model_path: Path) -> None:
-    """8 chat prompts on the default fp32 model, staggered: every row's greedy tokens equal its serial run."""
+    """6 chat prompts on the default fp32 model, staggered: every row's greedy tokens equal its serial run.
+
+    NOTE: six rows of the eight `tools/bench/batching.py --parity` compares
+    (16 of 16 recorded): enough for joins and leaves while others decode,
+    within the default suite's budget.
+    """
     lm = load_model(default_model_path)
     questions = [
         "Hi",
@@ -637,8 +642,6 @@ def test_default_model_rows_match_serial_greedy(default_model_path: Path) -> Non
         "Name three colours of the rainbow.",
         "Write one short sentence about the sea and the wind.",
         "What does a CPU do? Answer in two short sentences, for a curious child of eight.",
-        "Give me a haiku about autumn leaves falling on a quiet river at dusk, then explain its imagery.",
-        "Translate 'good morning' into French, Spanish, German, Italian and Portuguese, one per line, with no other text.",
         "List the first five prime numbers and explain briefly why each of them is prime; then say which is the only even one and why that matters.",
     ]
     prompts = [render_chat(lm.tokenizer, [{"role": "user", "content": q}]) for q in questions]

@@ -103,6 +103,7 @@ def test_saturation_is_the_best_concurrency_level_and_ratios_are_kvtier_over_pee
     assert by_level[4.0]["ratio"]["ttft_p50"]["median"] == pytest.approx(100.0 / 400.0)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.model
 def test_agent_trace_end_to_end_against_kvtier(default_model_path: Path, tmp_path: Path) -> None:
