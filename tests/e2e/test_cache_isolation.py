@@ -63,6 +63,10 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"}
 
 
+# NOTE: slow (20-32 s, a server and a drain): tests/actors/test_cache_isolation_engine.py
+# proves the same isolation on the engine in the default suite (RAM, chat, SSD after a
+# restart, demoted and evicted entries).
+@pytest.mark.slow
 def test_different_salts_share_no_cached_tokens_in_ram_and_on_disk(tmp_path: Path) -> None:
     """RAM: after a salted request, another salt and no salt report 0 cached tokens for the
     same secret prompt, the same salt all but the last prompt token. SSD: once

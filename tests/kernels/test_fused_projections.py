@@ -146,6 +146,9 @@ def test_the_environment_switch() -> None:
         assert not fused_projections_enabled({"KVTIER_FUSED_PROJECTIONS": off})
 
 
+# NOTE: slow (13 s): the tiny-model tests above prove the same bit-for-bit
+# prefill and batched decode in the default suite.
+@pytest.mark.slow
 @pytest.mark.model
 def test_default_model_fused_is_bitwise_the_unfused_model(default_model_path: Any) -> None:
     """The real default model (fp32): prefills and 1-8-row decode steps give the unfused logits and KV exactly."""

@@ -49,6 +49,9 @@ def test_kernel_greedy_equals_mlx_lm_generate(loaded: LoadedModel) -> None:
     assert len(text) > 0
 
 
+# NOTE: slow (11 s): tests/actors/test_engine_api.py's default-model chat
+# drives the same engine thread to mlx-lm's greedy tokens in the default suite.
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_stepping_through_engine_thread_equals_mlx_lm(loaded: LoadedModel) -> None:
     """Driving prefill and decode one turn at a time through EngineThread.run gives mlx_lm's tokens."""
