@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
 from kernels import Generation, SamplingParams, run_generation
 from kernels.engine import BatchGeneration
+from tests.kernels.test_batch import ForwardSpy
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 
@@ -34,21 +34,6 @@ def model(tok: Any) -> Any:
     return lively_llama(len(tok), seed=1)
 
 
-class CountingModel:
-    """The model, counting its forwards and the tokens each one takes (a scripted wrapper, not a mock)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.forwards: list[tuple[int, int]] = []
-
-    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> Any:
-        self.forwards.append((int(inputs.shape[0]), int(inputs.shape[1])))
-        return self.inner(inputs, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def _serial(model: Any, tok: Any, prompt: list[int], max_tokens: int) -> list[int]:
     outputs = run_generation(
         Generation(model, tok, prompt, SamplingParams(max_tokens=max_tokens), prefill_step_size=16)
@@ -58,20 +43,20 @@ def _serial(model: Any, tok: Any, prompt: list[int], max_tokens: int) -> list[in
 
 def test_a_joining_row_is_forwarded_by_the_decode_step_it_joins(model: Any, tok: Any) -> None:
     """The step a row's prefill completes runs its prefill forward and one decode forward covering every row."""
-    counting = CountingModel(model)
+    counting = ForwardSpy(model)
     batch = BatchGeneration(counting, tok, prefill_step_size=64)
     prompt_a = [5 + i % 40 for i in range(12)]
     prompt_b = [7 + i % 30 for i in range(20)]
     batch.join("a", prompt_a, SamplingParams(max_tokens=8))
     batch.step()
     batch.step()
-    counting.forwards.clear()
+    counting.shapes.clear()
     batch.join("b", prompt_b, SamplingParams(max_tokens=4))
     step = batch.step()
     assert step.joined == ("b",)
     # NOTE: b's prefill (all but its last prompt token, batch of one), then one
     # decode forward of both rows, one token each; no forward of b alone.
-    assert counting.forwards == [(1, len(prompt_b) - 1), (2, 1)]
+    assert counting.shapes == [(1, len(prompt_b) - 1), (2, 1)]
     assert [t.row_id for t in step.tokens] == ["a"]
     assert step.decode_rows == 1
     out: dict[str, list[int]] = {"a": [], "b": []}
