@@ -19,6 +19,14 @@ Against a real ``kvtier serve`` on loopback (the default model unless
 A completed answer removes its checkpoints, so every cycle starts from an
 empty checkpoint directory.
 
+``--progress FILE`` makes one recorded run span several sittings: after
+every cycle the file is replaced (write, fsync, rename) with the summary so
+far, the loop's random state and the reference answer; started again with
+the same file (and the same ``--workdir``-independent settings), the loop
+answers the reference again, refuses to go on unless it equals the stored
+one and the settings and commit are the same, and continues the count
+where it stopped (``--cycles`` is the run's total).
+
 Every cycle starts new server processes from this tree: run the loop from
 a frozen copy (``git archive HEAD | tar -x -C DIR && git rev-parse --short
 HEAD > DIR/.archived-commit``, then run DIR's tool with this checkout's
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -55,7 +64,7 @@ if str(REPO) not in sys.path:
 
 from tools._serve_child import Server  # noqa: E402
 
-__all__ = ["PROMPT", "Summary", "run"]
+__all__ = ["PROMPT", "ProgressMismatch", "Summary", "run"]
 
 PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
           "bottle, describing every day of the following month, the weather, the ships, "
@@ -148,15 +157,66 @@ def _checkpoints(http: httpx.Client, url: str) -> dict[str, Any]:
     return section
 
 
+class ProgressMismatch(RuntimeError):
+    """A progress file written by a run with other settings, another commit or another reference answer."""
+
+
+def _settings(every: int, max_tokens: int, temperature: float, seed: int | None,
+              rng_seed: int, serve_args: tuple[str, ...]) -> dict[str, Any]:
+    return {"every": every, "max_tokens": max_tokens, "temperature": temperature,
+            "seed": seed, "rng_seed": rng_seed, "serve_args": list(serve_args)}
+
+
+def _save_progress(path: Path, summary: Summary, rng: random.Random,
+                   settings: dict[str, Any], expected: tuple[str, int]) -> None:
+    """Replace ``path`` with the run so far: written and fsynced beside it, then renamed over it."""
+    version, internal, gauss = rng.getstate()
+    state = {"settings": settings, "expected": list(expected), "summary": asdict(summary),
+             "rng": [version, list(internal), gauss]}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_progress(path: Path, settings: dict[str, Any],
+                   summary: Summary) -> tuple[Summary, random.Random, tuple[str, int]] | None:
+    """The run ``path`` holds, checked against this run's settings and commit (``None``: no file yet)."""
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text(encoding="utf-8"))
+    if state.get("settings") != settings:
+        raise ProgressMismatch(f"{path} was written with {state.get('settings')}, not {settings}")
+    stored = Summary(**state["summary"])
+    if (stored.commit, stored.tree_dirty) != (summary.commit, summary.tree_dirty):
+        raise ProgressMismatch(f"{path} was written by commit {stored.commit} "
+                               f"(dirty {stored.tree_dirty}), this tree is {summary.commit} "
+                               f"(dirty {summary.tree_dirty})")
+    version, internal, gauss = state["rng"]
+    rng = random.Random()
+    rng.setstate((version, tuple(internal), gauss))
+    text, tokens = state["expected"]
+    return stored, rng, (str(text), int(tokens))
+
+
 def run(cycles: int, workdir: Path, *, every: int = 64, max_tokens: int = 400,
         temperature: float = 0.0, seed: int | None = None, rng_seed: int = 0,
-        serve_args: tuple[str, ...] = (), log: Any = None) -> Summary:
-    """Run ``cycles`` stream/kill/restart cycles with the SSD tier in ``workdir / "kv"``."""
+        serve_args: tuple[str, ...] = (), log: Any = None,
+        progress: Path | None = None) -> Summary:
+    """Run stream/kill/restart cycles with the SSD tier in ``workdir / "kv"`` until ``cycles`` in all.
+
+    ``progress``: the run's state after every cycle, and where a run
+    started again with the same file continues (module docstring).
+    """
     if max_tokens <= every + 2:
         raise ValueError("max_tokens must leave room past the first checkpoint")
     summary = Summary()
     summary.commit, summary.tree_dirty = _provenance(REPO)
     rng = random.Random(rng_seed)
+    settings = _settings(every, max_tokens, temperature, seed, rng_seed, serve_args)
+    resumed = _load_progress(progress, settings, summary) if progress is not None else None
     args = ["--ssd-cache", str(workdir / "kv"), "--ssd-writebehind", "off",
             "--generation-checkpoint", str(every), "--max-batch", "1", *serve_args]
     with httpx.Client(timeout=600) as http:
@@ -166,12 +226,18 @@ def run(cycles: int, workdir: Path, *, every: int = 64, max_tokens: int = 400,
             expected = _answer(http, ref.url, _body(max_tokens, temperature, seed, stream=False))
         finally:
             ref.kill()
+        if resumed is not None:
+            summary, rng, stored = resumed
+            if expected != stored:
+                raise ProgressMismatch(
+                    f"the reference answer ({expected[1]} tokens) differs from the one in "
+                    f"{progress} ({stored[1]} tokens)")
         summary.reference_tokens = expected[1]
         if expected[1] <= every + 1:
             raise RuntimeError(f"the reference answer has only {expected[1]} tokens")
         server = Server(workdir, args, append_stderr=True)
         try:
-            for cycle in range(cycles):
+            for cycle in range(summary.cycles, cycles):
                 # NOTE: past the first checkpoint, before the answer's end.
                 target = rng.randint(every + 1, expected[1] - 1)
                 summary.kill_at_chunks.append(target)
@@ -201,6 +267,8 @@ def run(cycles: int, workdir: Path, *, every: int = 64, max_tokens: int = 400,
                     summary.tokens_saved += int(section["tokens_saved"])
                 else:
                     summary.fresh += 1
+                if progress is not None:
+                    _save_progress(progress, summary, rng, settings, expected)
                 if log is not None:
                     print(f"cycle {cycle + 1}/{cycles}: killed at {target}, equal "
                           f"{summary.equal}, resumed {summary.resumed}", file=log, flush=True)
@@ -220,12 +288,18 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="kvtier serve --model (default model)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the SSD tier and logs go (default: a temp directory)")
+    parser.add_argument("--progress", type=Path, default=None,
+                        help="the run's state after every cycle; started again with the same "
+                             "file, the run continues where it stopped")
+    parser.add_argument("--rng-seed", type=int, default=0,
+                        help="seed of the kill points")
     ns = parser.parse_args()
     extra: tuple[str, ...] = ("--model", ns.model) if ns.model else ()
     began = time.monotonic()
     kwargs: dict[str, Any] = {"every": ns.every, "max_tokens": ns.max_tokens,
                               "temperature": ns.temperature, "seed": ns.seed,
-                              "serve_args": extra, "log": sys.stderr}
+                              "serve_args": extra, "log": sys.stderr,
+                              "rng_seed": ns.rng_seed, "progress": ns.progress}
     if ns.workdir is not None:
         ns.workdir.mkdir(parents=True, exist_ok=True)
         summary = run(ns.cycles, ns.workdir, **kwargs)
