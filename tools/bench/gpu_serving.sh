@@ -189,6 +189,31 @@ case "$cmd" in
       > "$OUT/checkpoint_parity.json" 2> "$OUT/checkpoint_parity.err" || true
     tail -c 1500 "$OUT/checkpoint_parity.json"
     ;;
+  ckpt)
+    # Issue 23's decode cost of generation checkpoints at the default interval
+    # (every 100 tokens) against none, ${CK_STREAMS:-8 1} streams in turn,
+    # each contender in its own process, interleaved, ${CK_REPEATS:-3} repeats,
+    # on the model `run` wrote (KVTIER_GPU_SHAPE picks another shape).
+    device_env
+    ensure_model
+    for n in ${CK_STREAMS:-8 1}; do
+      python3 tools/bench/checkpoint.py --model "$MODEL" --batch-streams "$n" \
+        --batch-tokens "${CK_TOKENS:-600}" --contenders off=.:0,on=.:100 \
+        --repeats "${CK_REPEATS:-3}" --out "$OUT/checkpoint-onoff-$n.json" \
+        --plot "$OUT/checkpoint-onoff-$n.png" > /dev/null 2> "$OUT/checkpoint-onoff-$n.err" || true
+      python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[2], "streams:", {k: v for k, v in d.items() if not isinstance(v, (list, dict))})' \
+        "$OUT/checkpoint-onoff-$n.json" "$n" || tail -n 5 "$OUT/checkpoint-onoff-$n.err"
+    done
+    ;;
+  ttft)
+    # One request's time to first token through the in-process Engine and
+    # through mlx-lm's stream_generate on the same ${TTFT_TOKENS:-530}-token
+    # prompt (gpu_engine.py part 1, interleaved rounds; no HTTP).
+    device_env
+    python3 tools/bench/gpu_engine.py --tok-dir .gpu/tok --shapes "${KVTIER_GPU_SHAPE:-llama3-8b}" \
+      --decode-prompt-tokens "${TTFT_TOKENS:-530}" --max-tokens 32 --rounds "${TTFT_ROUNDS:-5}" \
+      --skip-cache --json "$OUT/ttft.json" 2>&1 | tail -n 20 | tee "$OUT/ttft.txt"
+    ;;
   *)
     sed -n '2,28p' "$0"
     exit 2
