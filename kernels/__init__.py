@@ -28,6 +28,7 @@ from ._memory import (
     default_mlx_cache_limit_bytes,
     default_prompt_cache_bytes,
     release_mlx_memory,
+    weights_bytes,
 )
 from .cache import (
     KV_CONFIG_FILE,
@@ -178,5 +179,6 @@ __all__ = [
     "tokenizer_hash",
     "trim_caches",
     "trust_problem",
+    "weights_bytes",
     "weights_digest",
 ]

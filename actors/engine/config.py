@@ -231,7 +231,9 @@ class EngineConfig(BaseModel):
         int | None,
         Field(ge=0, description="MLX buffer-cache bound: freed buffers MLX keeps for reuse"),
         Setting("KVTIER_MLX_CACHE_LIMIT_MB", "--mlx-cache-limit", unit="MiB", scale=MIB,
-                metavar="MB", shown_default="16 MiB on the CPU, 2048 MiB on a GPU"),
+                metavar="MB", shown_default="16 MiB on the CPU, 2048 MiB on Metal; under "
+                                "CUDA the model's weight bytes (at least 2048 MiB, at most "
+                                "half the device)"),
     ] = None
     memory_budget_bytes: Annotated[
         int | None,

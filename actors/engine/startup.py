@@ -277,9 +277,11 @@ async def start(
     import kernels
 
     limit = config.mlx_cache_limit_bytes
+    weights = await thread.run(kernels.weights_bytes, loaded.model) if limit is None else 0
     await thread.run(
         functools.partial(
-            kernels.configure_mlx_memory, cache_limit_bytes="default" if limit is None else limit
+            kernels.configure_mlx_memory, cache_limit_bytes="default" if limit is None else limit,
+            weights_bytes=weights,
         )
     )
     scheme = kernels.resolve_kv_scheme(config.kv_quant, loaded.path, missing_config="error")
