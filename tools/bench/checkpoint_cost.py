@@ -23,8 +23,23 @@ the engine thread's share ``(capture + turn) / (N x step)`` and the share
 with the write counted too (a worker thread, but on a 2-core machine it
 competes for the same cores). Prints one JSON object.
 
+``--batch-rows N`` measures the batch lane instead (``BatchGeneration``, N
+rows decoding ``--tokens`` each, checkpoints every ``--every``), the way
+``kvtier serve`` runs it: steps back to back without synchronizing, and
+after a step that hands out checkpoints, each checkpoint's registration,
+its views turn and its finish turn run inline, as the engine thread runs
+them between two step chains. Passes with and without checkpoints
+alternate (``--repeats`` each). Reported: the pass's decode rate on/off;
+the median plain step and the median step that hands out checkpoints
+(the in-step capture: extraction, the pending token read, the snapshot's
+evaluation); per checkpoint the registration, the first views turn after
+the step (it waits for the forward still in flight) and the later ones,
+the finish turn and the step right after the turns (no forward in flight
+to overlap); and the wall time a checkpoint adds, per checkpoint.
+
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/bench/checkpoint_cost.py --tokens 300
+    ... tools/bench/checkpoint_cost.py --batch-rows 8 --tokens 300 --every 100
 """
 
 from __future__ import annotations
@@ -154,6 +169,114 @@ def measure(tokens: int, repeats: int, intervals: list[int], model: str | None) 
     }
 
 
+def _batch_pass(loaded: Any, prompts: list[list[int]], tokens: int, every: int,
+                source: EngineTensorSource, turns: _TimedTurns,
+                registry: CacheRegistry) -> dict[str, Any]:
+    """One batch-lane pass (module docstring): every step timed as served, the checkpoint turns inline."""
+    import mlx.core as mx
+
+    from kernels.engine import BatchGeneration, SamplingParams
+
+    gen = BatchGeneration(loaded.model, loaded.tokenizer, max_rows=len(prompts))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        gen.join(f"r{i}", prompt, params, checkpoint_every=every)
+    plain: list[float] = []
+    at_checkpoint: list[float] = []
+    after_turns: list[float] = []
+    register: list[float] = []
+    first_turn: list[float] = []
+    later_turns: list[float] = []
+    finish: list[float] = []
+    emitted = 0
+    checkpoints = 0
+    turned = False
+    began_pass = time.perf_counter()
+    try:
+        while not gen.idle:
+            began = time.perf_counter()
+            step = gen.step()
+            took = time.perf_counter() - began
+            emitted += len(step.tokens)
+            if step.checkpoints:
+                at_checkpoint.append(took)
+            elif turned:
+                after_turns.append(took)
+            elif step.decode_rows and not step.prefill_tokens and not step.exits:
+                plain.append(took)
+            turned = False
+            for index, ck in enumerate(step.checkpoints):
+                checkpoints += 1
+                began = time.perf_counter()
+                reg = registry.register(ck.cache, offset=len(ck.cache_tokens))
+                register.append(time.perf_counter() - began)
+                record = GenerationCheckpoint("ab" * 16, ck.prompt_len, ck.pending_token,
+                                              ck.sample_index, ck.rng_key)
+                plan, views = anyio.run(functools.partial(
+                    source.checkpoint_views, reg.handle, namespace="",
+                    tokens=ck.cache_tokens, checkpoint=record))
+                (first_turn if index == 0 else later_turns).append(turns.times[-1])
+                views.clear()
+                anyio.run(source.finish, plan)
+                finish.append(turns.times[-1])
+                registry.dispose(reg.handle)
+                turned = True
+    finally:
+        gen.close()
+    mx.synchronize()
+    wall = time.perf_counter() - began_pass
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 6) if xs else None
+
+    return {"tokens": emitted, "wall_s": round(wall, 4), "tps": round(emitted / wall, 2),
+            "checkpoints": checkpoints, "plain_step_s": med(plain),
+            "checkpoint_step_s": med(at_checkpoint), "step_after_turns_s": med(after_turns),
+            "register_s": med(register), "first_views_turn_s": med(first_turn),
+            "later_views_turn_s": med(later_turns), "finish_turn_s": med(finish)}
+
+
+def measure_batch(rows: int, tokens: int, every: int, repeats: int,
+                  model: str | None) -> dict[str, Any]:
+    """The batch-lane figures (module docstring)."""
+    loaded = load_model(model if model is not None else default_model_dir())
+    base = encode_prompt(loaded.tokenizer, PROMPT)
+    # NOTE: distinct prompts of one length: the rows reach their boundaries together.
+    prompts = [[*base[:-1], base[-1] + i] for i in range(rows)]
+    registry = CacheRegistry()
+    turns = _TimedTurns()
+    source = EngineTensorSource(turns, registry, FileIdentity("m", "f", "t"))
+    # NOTE: a warm-up pass of each kind first (kernel compilation, buffers).
+    _batch_pass(loaded, prompts, min(tokens, every + 8), every, source, turns, registry)
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for _ in range(repeats):
+        for name, interval in (("off", 0), ("on", every)):
+            runs[name].append(_batch_pass(loaded, prompts, tokens, interval, source, turns,
+                                          registry))
+    off = statistics.median(r["tps"] for r in runs["off"])
+    on = statistics.median(r["tps"] for r in runs["on"])
+    walls_off = statistics.median(r["wall_s"] for r in runs["off"])
+    walls_on = statistics.median(r["wall_s"] for r in runs["on"])
+    count = statistics.median(r["checkpoints"] for r in runs["on"])
+
+    def med(key: str) -> float | None:
+        xs = [r[key] for r in runs["on"] if r[key] is not None]
+        return round(statistics.median(xs), 6) if xs else None
+
+    return {
+        "lane": "batch", "rows": rows, "tokens": tokens, "every": every, "repeats": repeats,
+        "tps_off_median": round(off, 2), "tps_on_median": round(on, 2),
+        "on_over_off": round(on / off, 4),
+        "checkpoints_per_pass": count,
+        "added_s_per_checkpoint": round((walls_on - walls_off) / count, 6) if count else None,
+        "plain_step_s": med("plain_step_s"), "checkpoint_step_s": med("checkpoint_step_s"),
+        "step_after_turns_s": med("step_after_turns_s"), "register_s": med("register_s"),
+        "first_views_turn_s": med("first_views_turn_s"),
+        "later_views_turn_s": med("later_views_turn_s"), "finish_turn_s": med("finish_turn_s"),
+        "runs": runs,
+    }
+
+
 def main() -> int:
     """Measure and print the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -163,7 +286,17 @@ def main() -> int:
     parser.add_argument("--intervals", default="64,100,256",
                         help="checkpoint intervals in tokens to report the overhead for")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--batch-rows", type=int, default=0,
+                        help="measure the batch lane with this many rows (0: the serial lane)")
+    parser.add_argument("--every", type=int, default=100,
+                        help="with --batch-rows: the checkpoint interval in tokens")
     ns = parser.parse_args()
+    if ns.batch_rows > 0:
+        if ns.tokens <= ns.every + 1:
+            parser.error("--tokens must pass the first checkpoint (--every)")
+        print(json.dumps(measure_batch(ns.batch_rows, ns.tokens, ns.every, ns.repeats, ns.model),
+                         indent=2))
+        return 0
     intervals = [int(x) for x in ns.intervals.split(",") if x]
     print(json.dumps(measure(ns.tokens, ns.repeats, intervals, ns.model), indent=2))
     return 0

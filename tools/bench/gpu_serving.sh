@@ -196,6 +196,12 @@ case "$cmd" in
     # on the model `run` wrote (KVTIER_GPU_SHAPE picks another shape).
     device_env
     ensure_model
+    # NOTE: first where a checkpoint's time goes on the batch lane (in-step
+    # capture, views turn, finish turn, the step after them), in process.
+    python3 tools/bench/checkpoint_cost.py --model "$MODEL" --batch-rows "${CK_ROWS:-8}" \
+      --tokens "${CK_TOKENS:-600}" --every 100 --repeats "${CK_REPEATS:-3}" \
+      > "$OUT/checkpoint-cost.json" 2> "$OUT/checkpoint-cost.err" || true
+    grep -v '^      ' "$OUT/checkpoint-cost.json" | head -n 24 || tail -n 5 "$OUT/checkpoint-cost.err"
     for n in ${CK_STREAMS:-8 1}; do
       python3 tools/bench/checkpoint.py --model "$MODEL" --batch-streams "$n" \
         --batch-tokens "${CK_TOKENS:-600}" --contenders off=.:0,on=.:100 \
