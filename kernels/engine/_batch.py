@@ -80,7 +80,7 @@ from kernels._errors import InvalidPrompt, KernelError
 from kernels.cache import KvScheme, LayerQuant, cache_arrays
 
 from ._blas_threads import StepTuning
-from ._checkpoint import CheckpointPoint, sampler_key, set_sampler_key
+from ._checkpoint import CheckpointPoint, key_words, sampler_key_array, set_sampler_key
 from ._detokenize import TextStream
 from ._generation import KernelFinishReason, StepOutput, _check_cache_offset
 from ._greedy import (
@@ -388,6 +388,23 @@ class BatchStep:
 # --- rows ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Capture:
+    """A row's checkpoint boundary taken by one step and completed by the next.
+
+    NOTE: the next step emits the pending token, so it is read there, with
+    that step's tokens, instead of waiting for its forward at the boundary
+    (which would stop the host building the next step while the device
+    runs this one). ``cache`` is the extracted copy, its evaluation queued;
+    ``key`` the sampler's PRNG key array after the pending draw, unread.
+    """
+
+    cache: list[Any]
+    cache_tokens: tuple[int, ...]
+    prompt_len: int
+    key: Any
+
+
 @dataclass(eq=False)
 class _Row:
     row_id: str
@@ -456,6 +473,8 @@ class BatchGeneration:
         self._pending: deque[_Row] = deque()
         self._replaying: list[_Row] = []
         """Resumed rows handing back their saved tokens (they decode once done)."""
+        self._captures: dict[int, _Capture] = {}
+        """Checkpoint boundaries of the last step, by row uid, completed by the next step."""
         self._batch: Any = None
         """mlx-lm's ``GenerationBatch`` of the decoding rows, ``None`` while none decode."""
         self._next_uid = 0
@@ -683,6 +702,7 @@ class BatchGeneration:
         self._by_uid.clear()
         self._pending.clear()
         self._replaying.clear()
+        self._captures.clear()
         self._batch = None
 
     # -- the step ------------------------------------------------------------
@@ -722,6 +742,7 @@ class BatchGeneration:
 
     def _decode(self) -> tuple[list[RowToken], list[RowExit], int, list[RowCheckpoint]]:
         if self._batch is None:
+            self._captures.clear()  # NOTE: their rows left; nothing completes them.
             return [], [], 0, []
         decode_rows = len(self._batch) - self._batch.priming_rows
         # NOTE: mlx-lm extracts every row it finishes (EOS / stop id / length)
@@ -731,6 +752,8 @@ class BatchGeneration:
         exits: list[RowExit] = []
         stopped_by_text: list[_Row] = []
         due: list[_Row] = []
+        captures, self._captures = self._captures, {}
+        checkpoints: list[RowCheckpoint] = []
         for response in responses:
             row = self._by_uid[response.uid]
             token = int(response.token)
@@ -749,6 +772,11 @@ class BatchGeneration:
                     finish = "length"
                     text += row.text.finish()
             tokens.append(RowToken(row.row_id, index, StepOutput(token, text, finish, logprob)))
+            capture = captures.pop(response.uid, None)
+            if capture is not None and finish is None:
+                # NOTE: this token is the boundary's pending one. A row this
+                # token ends keeps no checkpoint: its completion removes them.
+                checkpoints.append(_completed(row, capture, token))
             if response.finish_reason is not None:
                 assert finish is not None, "mlx-lm finished a row kvtier did not"
                 exits.append(self._leave(row, finish, response.prompt_cache, response.all_tokens))
@@ -764,33 +792,29 @@ class BatchGeneration:
             exits.append(self._leave(row, "stop", cache, cache_tokens))
         if self._batch is not None and len(self._batch) == 0:
             self._batch = None
-        # NOTE: after the removals, so each row's batch index is final.
-        checkpoints = [self._checkpoint(row) for row in due]
+        # NOTE: after the removals, so each row's batch index is final; a
+        # capture whose row left (stopped, cancelled) is dropped with ``captures``.
+        for row in due:
+            self._captures[row.uid] = self._capture(row)
         return tokens, exits, decode_rows, checkpoints
 
-    def _checkpoint(self, row: _Row) -> RowCheckpoint:
+    def _capture(self, row: _Row) -> _Capture:
         """The row's state at this boundary: its cache covers prompt + emitted, its next token is queued.
 
-        NOTE: the extraction copies the row out of the batch's buffers and is
-        evaluated here, so the batch's next in-place write neither changes it
-        nor has to copy its buffers away from it. Reading the pending token
-        waits for the forward the decode step queued.
+        NOTE: the extraction copies the row out of the batch's buffers; its
+        evaluation is queued here, behind the forward that writes the last
+        emitted token's KV and ahead of the next step's writes, so the
+        batch's next in-place write neither changes it nor has to copy its
+        buffers away from it. Nothing here waits for the device: the
+        pending token and the key are read by the next step (:class:`_Capture`).
         """
         batch = self._batch
         assert batch is not None
         index = batch.uids.index(row.uid)
         cache = batch.extract_cache(index)
         tokens = tuple(int(t) for t in batch.tokens[index])
-        pending = int(batch._next_tokens[index].item())
-        mx.eval(*cache_arrays(cache))
-        return RowCheckpoint(
-            row_id=row.row_id,
-            cache=cache,
-            cache_tokens=tokens,
-            prompt_len=len(row.prompt),
-            pending_token=pending,
-            rng_key=sampler_key(row.sampler),
-        )
+        mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
+        return _Capture(cache, tokens, len(row.prompt), sampler_key_array(row.sampler))
 
     def _replay(self) -> list[RowToken]:
         """Resumed rows hand back saved tokens; a row done replaying enters the decode batch."""
@@ -1061,6 +1085,18 @@ class BatchGeneration:
             completion_tokens=len(row.generated),
             cached_tokens=row.cached_tokens,
         )
+
+
+def _completed(row: _Row, capture: _Capture, pending: int) -> RowCheckpoint:
+    """The checkpoint of ``capture``, now that the step after its boundary emitted ``pending``."""
+    return RowCheckpoint(
+        row_id=row.row_id,
+        cache=capture.cache,
+        cache_tokens=capture.cache_tokens,
+        prompt_len=capture.prompt_len,
+        pending_token=pending,
+        rng_key=None if capture.key is None else key_words(capture.key),
+    )
 
 
 def _row_sampler(params: SamplingParams, stop_ids: frozenset[int]) -> Any:

@@ -67,9 +67,24 @@ def _sampler_key(gen: Generation) -> tuple[int, int] | None:
 
 def sampler_key(sampler: object) -> tuple[int, int] | None:
     """The PRNG key of a request's sampler as two words (``None``: the sampler draws no key)."""
+    key = sampler_key_array(sampler)
+    return None if key is None else key_words(key)
+
+
+def sampler_key_array(sampler: object) -> Any:
+    """The sampler's PRNG key array as it is now, unread (``None``: the sampler draws no key).
+
+    NOTE: each draw replaces the sampler's key array, so the array taken
+    now stays the key after the last draw, whenever it is read.
+    """
     if not isinstance(sampler, _KeyedSampler):
         return None
-    raw: Any = sampler._key.tolist()
+    return sampler._key
+
+
+def key_words(key: Any) -> tuple[int, int]:
+    """A PRNG key array as two words (reading it waits for its computation)."""
+    raw: Any = key.tolist()
     words = [int(w) for w in raw]
     if len(words) != 2:
         raise ValueError(f"a PRNG key of {len(words)} words")

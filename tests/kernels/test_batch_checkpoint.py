@@ -195,6 +195,59 @@ def test_no_checkpoint_when_the_pending_token_is_the_last(model: Any, tok: Any) 
     assert "a" not in _drive(batch).checkpoints
 
 
+def test_the_step_after_a_boundary_hands_out_its_checkpoint_with_that_steps_token(
+    model: Any, tok: Any
+) -> None:
+    """A boundary's checkpoint comes with the next step, whose emitted token is its pending one."""
+    batch = BatchGeneration(model, tok, max_rows=2, prefill_step_size=16)
+    batch.join("a", tok.encode("The sea at night is"), GenerationParams(max_tokens=3 * EVERY),
+               checkpoint_every=EVERY)
+    emitted: list[int] = []
+    seen: list[tuple[int, RowCheckpoint]] = []
+    while not batch.idle:
+        step = batch.step()
+        emitted.extend(t.output.token_id for t in step.tokens)
+        seen.extend((len(emitted), c) for c in step.checkpoints)
+    assert [c.sample_index for _, c in seen] == [EVERY, 2 * EVERY]
+    for after, ck in seen:
+        # NOTE: handed out once the pending token was emitted, not before.
+        assert after == ck.sample_index + 1
+        assert ck.pending_token == emitted[ck.sample_index]
+
+
+def test_a_boundary_step_queues_the_snapshot_instead_of_waiting_for_it(
+    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No synchronous evaluation is ever asked for a checkpoint's snapshot arrays: their copy is queued."""
+    import mlx.core as mx
+
+    from kernels.cache import cache_arrays
+
+    batch = BatchGeneration(model, tok, max_rows=2, prefill_step_size=16)
+    batch.join("a", tok.encode("Hello there"), GenerationParams(max_tokens=3 * EVERY),
+               checkpoint_every=EVERY)
+    evaluated: list[Any] = []  # NOTE: the arrays themselves: their ids cannot be reused.
+    real_eval = mx.eval
+
+    def spy_eval(*args: Any, **kwargs: Any) -> None:
+        stack = list(args)
+        while stack:
+            a = stack.pop()
+            if isinstance(a, list | tuple):
+                stack.extend(a)
+            else:
+                evaluated.append(a)
+        real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(mx, "eval", spy_eval)
+    out = _drive(batch)
+    taken = out.checkpoints["a"]
+    assert taken
+    asked = {id(a) for a in evaluated}
+    for ck in taken:
+        assert not asked & {id(a) for a in cache_arrays(ck.cache)}
+
+
 def test_recurrent_row_resumes(tmp_path: Path, tok: Any) -> None:
     """A Mamba row (recurrent state, no trim) resumes from its pending token like the uninterrupted run."""
     model = tiny_mamba(vocab_size=len(tok.vocab))
