@@ -202,9 +202,14 @@ case "$cmd" in
       --tokens "${CK_TOKENS:-600}" --every 100 --repeats "${CK_REPEATS:-3}" \
       > "$OUT/checkpoint-cost.json" 2> "$OUT/checkpoint-cost.err" || true
     grep -v '^      ' "$OUT/checkpoint-cost.json" | head -n 24 || tail -n 5 "$OUT/checkpoint-cost.err"
+    # NOTE: a baseline tree beside the working tree, when one was carried:
+    #   git archive <commit> actors kernels messages tools | tar -x -C .gpu/tok/base
+    # (the device's copy has no usable .git; .gpu/tok travels with call 2).
+    contenders=off=.:0,on=.:100
+    if [ -d .gpu/tok/base ]; then contenders=off=.:0,base=.gpu/tok/base:100,on=.:100; fi
     for n in ${CK_STREAMS:-8 1}; do
       python3 tools/bench/checkpoint.py --model "$MODEL" --batch-streams "$n" \
-        --batch-tokens "${CK_TOKENS:-600}" --contenders off=.:0,on=.:100 \
+        --batch-tokens "${CK_TOKENS:-600}" --contenders "$contenders" \
         --repeats "${CK_REPEATS:-3}" --out "$OUT/checkpoint-onoff-$n.json" \
         --plot "$OUT/checkpoint-onoff-$n.png" > /dev/null 2> "$OUT/checkpoint-onoff-$n.err" || true
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[2], "streams:", {k: v for k, v in d.items() if not isinstance(v, (list, dict))})' \
