@@ -327,6 +327,10 @@ class RunWhenIdle(Request):
     step_id: str
     label: str = ""
     deadline: float | None = None
+    idle_only: bool = False
+    """Never granted ahead of request or batch work (out of the background
+    share): for steps whose work every request and batch turn already does
+    as it ends (the prompt cache's drain), needed only on an idle engine."""
 
 
 class TurnDone(Body):

@@ -218,7 +218,7 @@ class Gateway(Actor):
                 )
                 return
             self._askers[body.step_id] = envelope
-            event = core.WantBackgroundTurn(body.step_id, now, body.deadline)
+            event = core.WantBackgroundTurn(body.step_id, now, body.deadline, body.idle_only)
         elif isinstance(body, RequestTurnReport):
             if body.outcome != "continue":
                 self._admitted.pop(body.request_id, None)

@@ -147,6 +147,8 @@ class WantBackgroundTurn:
     step_id: str
     now: float
     deadline: float | None = None
+    idle_only: bool = False
+    """Granted only while no request or batch work can run (``RunWhenIdle.idle_only``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +412,7 @@ class BackgroundWait:
     step_id: str
     asked: float
     deadline: float | None
+    idle_only: bool = False
 
 
 @dataclass(slots=True)
@@ -573,7 +576,9 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
                 state.stats.background_refused += 1
                 effects.append(RefuseBackground(event.step_id))
             else:
-                state.background.append(BackgroundWait(event.step_id, event.now, event.deadline))
+                state.background.append(
+                    BackgroundWait(event.step_id, event.now, event.deadline, event.idle_only)
+                )
         case WithdrawBackground():
             _withdraw(state, event, effects)
         case RequestTurnDone():
@@ -746,18 +751,25 @@ def _earn_credit(state: GatewayState, held: float) -> None:
 
 
 def _background_due(state: GatewayState) -> bool:
-    """A background step waits and has earned a turn ahead of request and batch work."""
+    """A background step that may run under load waits and has earned a turn ahead of request and batch work."""
     return (
-        bool(state.background)
-        and not state.stopped
+        not state.stopped
         and state.background_share > 0.0
         and state.background_credit_s > 0.0
+        and any(not wait.idle_only for wait in state.background)
     )
 
 
 def _grant_background(state: GatewayState, now: float, out: list[Effect], *,
                       under_load: bool) -> None:
-    wait = state.background.popleft()
+    """Grant the oldest waiting step; under load the oldest one that may run under load."""
+    if under_load:
+        # NOTE: an idle-only step keeps its place: a later request or batch
+        # turn does its work as it ends, or the engine idles and grants it.
+        wait = next(w for w in state.background if not w.idle_only)
+        state.background.remove(wait)
+    else:
+        wait = state.background.popleft()
     waited = max(0.0, now - wait.asked)
     state.stats.background_wait_s += waited
     state.stats.max_background_wait_s = max(state.stats.max_background_wait_s, waited)

@@ -239,7 +239,11 @@ class PromptCache(Actor):
 
     def _request_drain(self, step_id: str, ctx: Context) -> bool:
         """Ask the gateway for the drain step's turn; ``False`` if the ask was not sent."""
-        ask = RunWhenIdle(step_id=step_id, label="prompt_cache.drain", reply_to=ctx.name)
+        # NOTE: idle only: every serial turn and batch step drains the
+        # registry as it ends (MlxBackend.end_turn, BatchEngine.step), so
+        # under load this turn would only cut a step chain for nothing.
+        ask = RunWhenIdle(step_id=step_id, label="prompt_cache.drain", reply_to=ctx.name,
+                          idle_only=True)
         return self._send(self._turns, ask, ctx)
 
     async def _reply(self, envelope: Envelope | None, effect: core.Reply, ctx: Context) -> bool:

@@ -147,3 +147,26 @@ def test_bad_shares_are_refused() -> None:
             GatewayState(max_queue=1, background_share=bad)
     with pytest.raises(ValueError, match="credit_cap"):
         GatewayState(max_queue=1, background_credit_cap_s=-1.0)
+
+
+def test_an_idle_only_step_never_cuts_a_chain_and_runs_once_the_engine_idles() -> None:
+    """An idle-only ask (the prompt cache's drain) waits through chains, lets an ordinary ask pass, then runs at idle."""
+    state = GatewayState(max_queue=4, max_burst=64, background_share=DEFAULT_BACKGROUND_SHARE)
+    state, effects = handle(state, BatchStatus(busy=True, ready=True, now=0.0))
+    assert [type(e) for e in effects] == [RunBatchTurn]
+    # NOTE: a long chain earns the background share plenty of credit.
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=10.0, steps=64))
+    assert [type(e) for e in effects] == [RunBatchTurn]
+    state, effects = handle(state, WantBackgroundTurn("drain", now=10.0, idle_only=True))
+    assert not any(isinstance(e, PreemptBatchTurn | RunBackgroundTurn) for e in effects)
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=20.0, steps=64))
+    assert [type(e) for e in effects] == [RunBatchTurn]
+    # NOTE: an ordinary ask behind it is due: it cuts the chain and is granted first.
+    state, effects = handle(state, WantBackgroundTurn("spill", now=20.0))
+    assert any(isinstance(e, PreemptBatchTurn) for e in effects)
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=20.5, steps=1))
+    assert effects == [RunBackgroundTurn("spill")]
+    state, effects = handle(state, BackgroundTurnDone("spill", now=20.51))
+    assert [type(e) for e in effects] == [RunBatchTurn]
+    state, effects = handle(state, BatchTurnDone(busy=False, ready=False, now=30.0, steps=64))
+    assert RunBackgroundTurn("drain") in effects

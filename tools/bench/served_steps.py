@@ -215,37 +215,58 @@ def _summary(
     }
 
 
-async def served_round(url: str, model: str, prompts: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
-    """Closed loop through HTTP: each client sends its prompts one after the other (streamed completions)."""
+async def served_round(url: str, model: str, prompts: list[list[list[int]]], max_tokens: int,
+                       chat_tok: Any = None) -> dict[str, Any]:
+    """Closed loop through HTTP: each client sends its prompts one after the other (streamed completions).
+
+    ``chat_tok``: send each prompt's text (decoded with this tokenizer) as
+    one user message to ``/v1/chat/completions`` instead, as guidellm's
+    load does (the chat path: template, the prompt cache's conversation
+    snapshot); tokens are then counted from the stream's usage.
+    """
     gaps: list[float] = []
     tokens = 0
 
     async def client(http: httpx.AsyncClient, mine: list[list[int]]) -> None:
         nonlocal tokens
         for prompt in mine:
-            body = {
+            body: dict[str, Any] = {
                 "model": model,
-                "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
                 "stream": True,
                 "ignore_eos": True,
             }
+            if chat_tok is None:
+                body["prompt"] = prompt
+                path = "/v1/completions"
+            else:
+                body["messages"] = [{"role": "user", "content": chat_tok.decode(prompt)}]
+                body["stream_options"] = {"include_usage": True}
+                path = "/v1/chat/completions"
             last: float | None = None
-            async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            async with http.stream("POST", f"{url}{path}", json=body) as resp:
                 resp.raise_for_status()
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
                     obj = json.loads(line[5:])
+                    usage = obj.get("usage")
+                    if chat_tok is not None and usage:
+                        tokens += int(usage["completion_tokens"])
                     for choice in obj.get("choices") or []:
-                        if choice.get("text") is None:
+                        piece = (choice.get("text") if chat_tok is None
+                                 else (choice.get("delta") or {}).get("content"))
+                        if not piece and chat_tok is not None:
+                            continue
+                        if piece is None:
                             continue
                         now = time.perf_counter()
                         if last is not None:
                             gaps.append(now - last)
                         last = now
-                        tokens += 1
+                        if chat_tok is None:
+                            tokens += 1
 
     async with httpx.AsyncClient(timeout=600) as http:
         before = (await http.get(f"{url}/stats")).json()["engine"]
@@ -342,8 +363,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, server in servers.items():
                 await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
             await engine_round(engine, _prompts(tok, _one_req(args), "w-e"), 8, clock)
+            contenders = [*servers, *(["served-chat"] if args.chat else [])]
+            if args.chat:
+                await served_round(servers["served"].url, model,
+                                   _prompts(tok, _one_req(args), "w-chat"), 8, chat_tok=tok)
             for rnd in range(args.rounds):
-                order = [*servers, "engine"]
+                order = [*contenders, "engine"]
                 if rnd % 2:
                     order.reverse()
                 rec: dict[str, Any] = {}
@@ -351,6 +376,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     prompts = _prompts(tok, args, f"{who}-{rnd}")
                     if who == "engine":
                         rec[who] = await engine_round(engine, prompts, args.max_tokens, clock)
+                    elif who == "served-chat":
+                        rec[who] = await served_round(
+                            servers["served"].url, model, prompts, args.max_tokens, chat_tok=tok
+                        )
                     else:
                         rec[who] = await served_round(
                             servers[who].url, model, prompts, args.max_tokens
@@ -361,12 +390,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             rec[who].update(span_figures([(m[0], m[-1]) for m in spans]))
                             rec[who].update(part_figures(spans))
                 print(f"round {rnd} ({args.rows} clients):", flush=True)
-                for who in servers:
+                for who in contenders:
                     rec[f"ratio_tps.{who}"] = rec[who]["tps"] / rec["engine"]["tps"]
                     rec[f"ratio_itl.{who}"] = rec[who]["itl_p50_ms"] / rec["engine"]["step_median_ms"]
                     print(_line(who, rec[who]), flush=True)
                 print(_line("in-process", rec["engine"]), flush=True)
-                for who in servers:
+                for who in contenders:
                     print(
                         f"  {who}: served/in-process tok/s {rec[f'ratio_tps.{who}']:.2f}; "
                         f"served ITL p50 / kernel step p50 {rec[f'ratio_itl.{who}']:.2f}",
@@ -440,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --stand-in: the `served` server's interpreter switch interval in ms "
         "(sys.setswitchinterval; 0: Python's 5 ms), e.g. against --baseline-tree . of the same code",
     )
+    p.add_argument("--chat", action="store_true",
+                   help="also the same prompts as chat requests to the same server (served-chat), "
+                        "the request format guidellm's load uses")
     p.add_argument("--json", type=Path, default=None, help="write the records here (none: not written)")
     args = p.parse_args(argv)
     out = asyncio.run(run(args))
