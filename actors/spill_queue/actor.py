@@ -131,7 +131,11 @@ class SpillQueue(Actor):
         """Ask the gateway for the drain turn; ``False`` if the ask was not sent."""
         if self._turns is None:
             return False
-        ask = RunWhenIdle(step_id=step_id, label="spill_queue.drain", reply_to=ctx.name)
+        # NOTE: idle only: every serial turn and batch step drains the
+        # registry as it ends, so under load this turn would only cut a
+        # step chain (one per spilled entry) for nothing.
+        ask = RunWhenIdle(step_id=step_id, label="spill_queue.drain", reply_to=ctx.name,
+                          idle_only=True)
         try:
             return ctx.try_tell(self._turns, ask)
         except (ActorStopped, MailboxClosed, UnknownAddress) as exc:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.engine.wiring import spawn_spill_queue
+from actors.engine.wiring import _spill_queue_factory, spawn_spill_queue
 from actors.runtime import Actor, ActorSystem, Context
+from actors.spill_queue import core as spill_core
 from messages import (
     DrainSpills,
     Enqueue,
@@ -19,6 +20,7 @@ from messages import (
     Store,
     StoreResult,
 )
+from messages.gateway import RunWhenIdle, TurnDone
 
 pytestmark = pytest.mark.anyio
 ASK = 5.0
@@ -126,3 +128,42 @@ async def test_stopping_the_system_releases_what_the_queue_still_owns() -> None:
         await queue.ask(SpillQueueStatsRequest(), timeout=ASK, expect=SpillQueueStats)
         await system.stop(order=["spill_queue"])
     assert sorted(releaser.disposed) == ["a", "b"]
+
+
+class RecordingGateway(Actor):
+    """A scripted gateway: records each RunWhenIdle and answers that it ran."""
+
+    def __init__(self, asked: list[RunWhenIdle], got: anyio.Event) -> None:
+        self.asked = asked
+        self.got = got
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        """Record the ask, answer TurnDone."""
+        body = envelope.body
+        assert isinstance(body, RunWhenIdle)
+        self.asked.append(body)
+        self.got.set()
+        await ctx.reply(envelope, TurnDone(step_id=body.step_id, ok=True))
+
+
+async def test_the_drain_after_a_release_is_asked_for_idle_only() -> None:
+    """A stored item's release asks the gateway for the drain turn, idle only (every turn drains as it ends)."""
+    releaser = RecordingReleaser()
+    gate = anyio.Event()
+    gate.set()
+    asked: list[RunWhenIdle] = []
+    got = anyio.Event()
+    state = spill_core.QueueState(cap_bytes=100, drain_step="prompt_cache.drain")
+    async with ActorSystem() as system:
+        system.spawn("gateway", lambda: RecordingGateway(asked, got))
+        system.spawn("ssd_writer", lambda: GatedWriter(gate, []))
+        queue = system.spawn("spill_queue",
+                             _spill_queue_factory(state, releaser, "ssd_writer", "gateway"))
+        await queue.tell(item("a", 10))
+        drained = await queue.ask(DrainSpills(), timeout=ASK, expect=SpillsDrained)
+        assert drained.stored == 1
+        with anyio.fail_after(ASK):
+            await got.wait()
+    assert releaser.disposed == ["a"]
+    assert [a.step_id for a in asked] == ["prompt_cache.drain"]
+    assert all(a.idle_only for a in asked)
