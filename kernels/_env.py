@@ -16,6 +16,7 @@ variable                      what it sets                                read b
 ``KVTIER_FUSED_PROJECTIONS``  switch: q/k/v and gate/up fused at load     ``kernels.model``
 ``KVTIER_BATCH_BLAS_TUNE``    switch: the batch lane's BLAS thread count  ``kernels.engine``
 ``KVTIER_BATCH_SSM``          switch: recurrent models on the batch lane  ``kernels.engine``
+``KVTIER_BATCH_SLOT_REUSE``   switch: a leaving row's slot is reused    ``kernels.engine``
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
 ``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``

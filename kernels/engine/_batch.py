@@ -95,6 +95,7 @@ __all__ = [
     "BATCH_SSM_ENV",
     "IDLE_PREFILL_ROWS",
     "REPLAY_PER_STEP",
+    "SLOT_REUSE_ENV",
     "BatchFull",
     "BatchGate",
     "BatchGeneration",
@@ -115,6 +116,9 @@ __all__ = [
 
 BATCH_SSM_ENV = "KVTIER_BATCH_SSM"
 """Environment switch: ``0`` keeps models with recurrent state on the serial lane."""
+
+SLOT_REUSE_ENV = "KVTIER_BATCH_SLOT_REUSE"
+"""Environment switch: ``0`` filters leaving rows out and appends joining ones (no holes)."""
 
 LayerKind = Literal["full", "transitioning", "rotating", "recurrent", "list"]
 """How a layer's cache joins, filters and extracts in a batch.
@@ -444,7 +448,10 @@ class BatchGeneration:
     ``tuning``: called around every step (``kernels.engine._blas_threads``:
     the BLAS thread count of the decode steps, chosen by measuring them);
     told each step's decoding rows and whether it only decoded, and released
-    when the batch goes idle. Call :meth:`close` when done.
+    when the batch goes idle. ``reuse_slots``: a leaving row's slot waits
+    for the next joining row (``GreedyGenerationBatch``); ``None`` reads
+    ``KVTIER_BATCH_SLOT_REUSE`` (on unless an off word). Call :meth:`close`
+    when done.
     """
 
     def __init__(
@@ -456,6 +463,7 @@ class BatchGeneration:
         prefill_step_size: int = 2048,
         kv_scheme: KvScheme | None = None,
         tuning: StepTuning | None = None,
+        reuse_slots: bool | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -467,6 +475,7 @@ class BatchGeneration:
         self._step_size = prefill_step_size
         self._scheme = kv_scheme if kv_scheme is not None and kv_scheme.quantized else None
         self._tuning = tuning
+        self._reuse_slots = env_switch(SLOT_REUSE_ENV) if reuse_slots is None else reuse_slots
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
         self._rows: dict[str, _Row] = {}
         self._by_uid: dict[int, _Row] = {}
@@ -510,7 +519,8 @@ class BatchGeneration:
         """Rows in the decode batch, in batch order."""
         if self._batch is None:
             return ()
-        return tuple(self._by_uid[uid].row_id for uid in self._batch.uids)
+        # NOTE: a vacant slot (a hole, uid < 0) is no row.
+        return tuple(self._by_uid[uid].row_id for uid in self._batch.uids if uid >= 0)
 
     @property
     def idle(self) -> bool:
@@ -744,7 +754,7 @@ class BatchGeneration:
         if self._batch is None:
             self._captures.clear()  # NOTE: their rows left; nothing completes them.
             return [], [], 0, []
-        decode_rows = len(self._batch) - self._batch.priming_rows
+        decode_rows = self._batch.decoding_rows
         # NOTE: mlx-lm extracts every row it finishes (EOS / stop id / length)
         # before it filters the batch; stop strings are ours and leave below.
         responses = self._batch.next()
@@ -859,13 +869,14 @@ class BatchGeneration:
             [row.params.max_tokens],
             num_tokens=[len(row.generated)],
             priming=False,
+            reuse_slots=self._reuse_slots,
         )
         row.cache = None
         row.replay = None
         if self._batch is None:
             self._batch = ready
         else:
-            self._batch.extend(ready)
+            self._batch.absorb(ready)
 
     def _prefill(self) -> tuple[list[RowSnapshot], int, list[str]]:
         snapshots: list[RowSnapshot] = []
@@ -1005,7 +1016,9 @@ class BatchGeneration:
             last[order[row.uid]] = row.prompt[-1]
         # NOTE: kvtier's decode batch (whose all-greedy steps skip the
         # log-softmax nobody reads: _greedy.py).
-        ready = enter_generation(merged, last, forward_now=forward_now)
+        ready = enter_generation(
+            merged, last, forward_now=forward_now, reuse_slots=self._reuse_slots
+        )
         for row in rows:
             row.prefill = None
             row.cache = None
@@ -1013,7 +1026,9 @@ class BatchGeneration:
         if self._batch is None:
             self._batch = ready
         else:
-            self._batch.extend(ready)
+            # NOTE: into the slots of rows that left where they fit (no
+            # whole-batch copy), the rest appended (GreedyGenerationBatch).
+            self._batch.absorb(ready)
 
     def _precision(self, row: _Row) -> tuple[int, ...]:
         """The layers in which the row's lent prefix is already quantized (``()``: none, or no prefix)."""
@@ -1060,12 +1075,10 @@ class BatchGeneration:
     def _remove_decoding(self, row: _Row) -> tuple[list[Any], list[int]]:
         assert self._batch is not None
         index = self._batch.uids.index(row.uid)
-        # NOTE: extract before filter: filter rebuilds the batched arrays without the row.
-        cache = self._batch.extract_cache(index)
-        tokens = list(self._batch.tokens[index])
-        keep = [i for i in range(len(self._batch)) if i != index]
-        self._batch.filter(keep)
-        if not keep:
+        # NOTE: extracted, then its slot left as a hole for the next joining
+        # row (or the batch filtered, for layer kinds that cannot hold one).
+        cache, tokens = self._batch.vacate(index)
+        if len(self._batch) == 0:
             self._batch = None
         return cache, tokens
 

@@ -30,20 +30,33 @@ from __future__ import annotations
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch
+from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
+from kernels.cache import cache_arrays
 from kernels.model import declare_equal_offsets, has_shared_rope
 
 from ._sampling import _argmax
 
 __all__ = [
+    "HOLE_STEPS",
+    "TRIM_MIN_TOKENS",
     "GreedyGenerationBatch",
     "argmax_with_logprobs",
     "enter_generation",
     "greedy_without_logprobs",
     "waiting_generation",
 ]
+
+
+HOLE_STEPS = 8
+"""Steps a vacated slot waits for a joining row before the batch is compacted without it."""
+
+TRIM_MIN_TOKENS = 64
+"""The least left padding every row of a layer shares that a trim drops (a trim copies the layer)."""
+
+_HOLE_UID = -1
+"""The uid of a vacant slot (a row's uid is never negative)."""
 
 
 def argmax_with_logprobs(logprobs: mx.array) -> mx.array:
@@ -93,6 +106,17 @@ class GreedyGenerationBatch(GenerationBatch):
       12.8 ms a filter on the H200). Here the minima are computed
       asynchronously and the trim is applied after the next step's forward
       was queued (:meth:`_settle_trim`), or before an extend.
+    - **A leaving row's slot is reused** (every layer a ``BatchKVCache``):
+      the row is extracted and its slot stays in the batch as a *hole*
+      (forwarded with the rest, its output dropped) instead of every
+      layer's keys and values being gathered into new arrays; a row
+      entering later is written into a hole's slot (:meth:`absorb`, one
+      in-place slice per layer) instead of every layer being padded and
+      concatenated. On the H200 (8B shape, 32 rows) the decode forward after
+      a join or a leave took ~29 ms against ~18 ms for a plain one: those
+      whole-batch copies. A hole nobody takes for :data:`HOLE_STEPS` steps
+      is compacted away (one filter), and a trim waits until the shared
+      left padding reaches :data:`TRIM_MIN_TOKENS` (each trim is a copy).
     """
 
     def __init__(self, model: Any, uids: Any, inputs: Any, prompt_cache: Any, *rest: Any) -> None:
@@ -103,12 +127,141 @@ class GreedyGenerationBatch(GenerationBatch):
         # NOTE: per BatchKVCache layer, its rows' smallest left padding after a
         # filter, evaluated asynchronously; applied by _settle_trim.
         self._trim: list[tuple[Any, mx.array]] = []
+        # NOTE: per row: None for a row, else the steps its slot has been vacant.
+        self._hole_age: list[int | None] = [None] * len(uids)
         super().__init__(model, uids, inputs, prompt_cache, *rest)
 
     @property
     def priming_rows(self) -> int:
         """Rows whose queued input is their last prompt token (the next step forwards it, emits nothing)."""
         return sum(self._priming)
+
+    @property
+    def holes(self) -> int:
+        """Vacant slots: forwarded with the rows, their output dropped, waiting for a joining row."""
+        return sum(age is not None for age in self._hole_age)
+
+    @property
+    def decoding_rows(self) -> int:
+        """Rows whose next step emits a token (neither priming nor a hole)."""
+        return len(self._hole_age) - self.holes - self.priming_rows
+
+    reuse_slots: bool = True
+    """Leave holes for joining rows (``False``: mlx-lm's filter and extend; ``KVTIER_BATCH_SLOT_REUSE``)."""
+
+    def _slots_reusable(self) -> bool:
+        """True when every layer is a ``BatchKVCache`` holding arrays (a slot can be vacated and refilled)."""
+        layers: list[Any] = list(self.prompt_cache)
+        return self.reuse_slots and bool(layers) and all(type(c) is BatchKVCache and c.keys is not None for c in layers)
+
+    def vacate(self, index: int) -> tuple[list[Any], list[int]]:
+        """Take row ``index`` out: its extracted cache and token ids; its slot becomes a hole when reusable.
+
+        Otherwise (a layer kind that cannot hold a hole) the batch is
+        filtered, as mlx-lm does. When no row is left but holes, the batch
+        is emptied (``len(self) == 0``).
+        """
+        self_: Any = self
+        cache = self.extract_cache(index)
+        tokens = list(self_.tokens[index])
+        # NOTE: the extraction's copies are queued now, ahead of the next
+        # step's in-place writes: once queued they no longer hold the layer's
+        # buffers, so the next write updates them in place instead of copying.
+        mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
+        if self._slots_reusable():
+            self._make_hole(index)
+            if all(age is not None for age in self._hole_age):
+                self.filter([])
+        else:
+            self.filter([i for i in range(len(self_.uids)) if i != index])
+        return cache, tokens
+
+    def _make_hole(self, index: int) -> None:
+        """Turn slot ``index`` into a hole: no row's state, every layer's padding covering it."""
+        self_: Any = self
+        self_.uids[index] = _HOLE_UID
+        self_.tokens[index] = []
+        self_.samplers[index] = _argmax
+        self_.logits_processors[index] = []
+        self_.max_tokens[index] = 0
+        self_.stop_sequences[index] = StopSequences(None)
+        self_._matchers[index] = self_.stop_sequences[index].matcher()
+        self_._token_context[index] = TokenBuffer([])  # type: ignore[no-untyped-call]
+        self_._num_tokens[index] = 0
+        self_._next_logprobs[index] = None
+        self._priming[index] = False
+        self._hole_age[index] = 0
+        slot = mx.arange(len(self_.uids)) == index
+        trim: list[tuple[Any, mx.array]] = []
+        for layer in self.prompt_cache:
+            c: Any = layer
+            # NOTE: all padding: the slot's stale keys are masked, it holds no
+            # token a trim must keep, and its position restarts at 0.
+            c.left_padding = mx.where(slot, c._idx, c.left_padding)
+            c.offset = mx.where(slot, 0, c.offset)
+            trim.append((c, mx.min(c.left_padding)))
+        self._trim = trim
+        mx.async_eval([m for _, m in trim])  # type: ignore[no-untyped-call]
+
+    def absorb(self, batch: GreedyGenerationBatch) -> None:
+        """Add ``batch``'s rows: each into a hole where one is free and the row fits, the rest by :meth:`extend`.
+
+        A row fits a hole when its cache (``len(batch.tokens[j])`` tokens,
+        left-padded in ``batch``'s layers) is no longer than this batch's
+        time axis: it is written right-aligned into the hole's slot of every
+        layer, the slot's padding and offset set to match.
+        """
+        other: Any = batch
+        holes = [i for i, age in enumerate(self._hole_age) if age is not None]
+        placed: list[int] = []
+        if holes and self._slots_reusable() and batch._slots_reusable():
+            self._settle_trim()
+            for j in range(len(other.uids)):
+                if other._hole_age[j] is not None:
+                    continue
+                n = len(other.tokens[j])
+                if not holes or any(n > c._idx or n > o._idx for c, o in
+                                    zip(self.prompt_cache, other.prompt_cache, strict=True)):
+                    continue
+                self._fill(holes.pop(0), other, j, n)
+                placed.append(j)
+        if len(placed) == len(other.uids):
+            self._equal_offsets = self._equal_offsets and bool(batch._equal_offsets)
+            return
+        if placed:
+            batch.filter([j for j in range(len(other.uids)) if j not in placed])
+        self.extend(batch)
+
+    def _fill(self, index: int, other: Any, j: int, n: int) -> None:
+        """Write row ``j`` of ``other`` (``n`` cached tokens) into hole ``index``."""
+        self_: Any = self
+        slot = mx.arange(len(self_.uids)) == index
+        for layer, source in zip(self.prompt_cache, other.prompt_cache, strict=True):
+            c: Any = layer
+            o: Any = source
+            end = c._idx
+            # NOTE: an in-place slice write into the layer's buffers (no other
+            # reference holds them once the previous step is queued).
+            c.keys[index : index + 1, :, end - n : end, :] = o.keys[j : j + 1, :, o._idx - n : o._idx, :]
+            c.values[index : index + 1, :, end - n : end, :] = o.values[
+                j : j + 1, :, o._idx - n : o._idx, :
+            ]
+            c.left_padding = mx.where(slot, end - n, c.left_padding)
+            c.offset = mx.where(slot, n, c.offset)
+        self_.uids[index] = other.uids[j]
+        self_.tokens[index] = other.tokens[j]
+        self_.samplers[index] = other.samplers[j]
+        self_.logits_processors[index] = other.logits_processors[j]
+        self_.max_tokens[index] = other.max_tokens[j]
+        self_.stop_sequences[index] = other.stop_sequences[j]
+        self_._matchers[index] = other._matchers[j]
+        self_._token_context[index] = other._token_context[j]
+        self_._num_tokens[index] = other._num_tokens[j]
+        self_._next_logprobs[index] = other._next_logprobs[j]
+        self_._next_tokens = mx.where(slot, other._next_tokens[j], self_._next_tokens)
+        self._priming[index] = other._priming[j]
+        self._hole_age[index] = None
+        self._equal_offsets = self._equal_offsets and bool(other._equal_offsets)
 
     def extend(self, batch: Any) -> None:
         """mlx-lm's extend; offsets stay equal across layers when they were in both batches."""
@@ -119,10 +272,12 @@ class GreedyGenerationBatch(GenerationBatch):
         super().extend(batch)  # type: ignore[no-untyped-call]
         self._equal_offsets = equal
         self._priming.extend(batch._priming)
+        self._hole_age.extend(batch._hole_age)
 
     def filter(self, keep: list[int]) -> None:
         """mlx-lm's filter; ``BatchKVCache`` layers trim their left padding later, without a sync."""
         self._priming = [self._priming[i] for i in keep]
+        self._hole_age = [self._hole_age[i] for i in keep]
         # NOTE: only when every layer is a BatchKVCache: a layer kind that trims
         # inside its own filter (transitioning, rotating) would leave the
         # layers' lengths apart until the next step, and the model builds one
@@ -173,7 +328,9 @@ class GreedyGenerationBatch(GenerationBatch):
             return
         shifts = cast("list[int]", mx.stack([m for _, m in trim]).tolist())
         for (c, _), shift in zip(trim, shifts, strict=True):
-            if shift <= 0:
+            if shift < TRIM_MIN_TOKENS:
+                # NOTE: a trim copies the layer (the next in-place write finds a
+                # strided view); a little shared padding costs less per step.
                 continue
             if c.keys is not None:
                 c.keys = c.keys[..., shift:, :]
@@ -196,9 +353,11 @@ class GreedyGenerationBatch(GenerationBatch):
         # step's filter, they would wait for its whole forward).
         self._settle_trim()
         keep: list[int] = []
+        done_rows: list[int] = []
         responses: list[Any] = []
+        holes = self._hole_age
         for i in range(len(self_.uids)):
-            if priming[i]:
+            if priming[i] or holes[i] is not None:
                 keep.append(i)
                 continue
             finish_reason = None
@@ -220,9 +379,31 @@ class GreedyGenerationBatch(GenerationBatch):
             )
             if not done:
                 keep.append(i)
+            else:
+                done_rows.append(i)
+        if done_rows:
+            for response in responses:
+                if response.prompt_cache is not None:
+                    mx.async_eval(*cache_arrays(response.prompt_cache))  # type: ignore[no-untyped-call]
+            if self._slots_reusable():
+                for i in done_rows:
+                    self._make_hole(i)
+                keep = sorted([*keep, *done_rows])
+        keep = self._age_holes(keep)
         if len(keep) < len(self_.uids):
             self.filter(keep)
         return responses
+
+    def _age_holes(self, keep: list[int]) -> list[int]:
+        """Count a step for every hole in ``keep``; drop those past :data:`HOLE_STEPS`, and all when no row is left."""
+        ages = self._hole_age
+        for i in keep:
+            age = ages[i]
+            if age is not None:
+                ages[i] = age + 1
+        if all(ages[i] is not None for i in keep):
+            return []
+        return [i for i in keep if (ages[i] or 0) <= HOLE_STEPS]
 
     def _step(self) -> tuple[list[int], list[Any]]:
         # NOTE: mlx-lm's attributes are untyped (None until set); read them as Any.
@@ -289,6 +470,7 @@ def waiting_generation(
     *,
     num_tokens: list[int],
     priming: bool,
+    reuse_slots: bool = True,
 ) -> GreedyGenerationBatch:
     """A decode batch whose rows' next inputs are queued and not forwarded yet (its next step does).
 
@@ -296,6 +478,7 @@ def waiting_generation(
     emits nothing); otherwise sampled tokens not emitted yet (a resumed
     row's pending token), emitted by the next step like any other.
     ``num_tokens``: tokens each row has emitted (counted against ``max_tokens``).
+    ``reuse_slots``: :attr:`GreedyGenerationBatch.reuse_slots`.
     """
     batch = GreedyGenerationBatch(
         model, [], mx.array([], dtype=mx.uint32), [], [], [], fallback_sampler, [], [], []
@@ -317,11 +500,13 @@ def waiting_generation(
     self_._matchers = [s.matcher() for s in stop_sequences]
     batch._equal_offsets = _offsets_equal(model, prompt_cache)
     batch._priming = [priming] * len(uids)
+    batch._hole_age = [None] * len(uids)
+    batch.reuse_slots = reuse_slots
     return batch
 
 
 def enter_generation(
-    prefill: Any, last_tokens: list[int], *, forward_now: bool = False
+    prefill: Any, last_tokens: list[int], *, forward_now: bool = False, reuse_slots: bool = True
 ) -> GreedyGenerationBatch:
     """The decode batch of a prefill batch whose rows forwarded all but ``last_tokens``, without a forward.
 
@@ -345,6 +530,7 @@ def enter_generation(
         prefill.max_tokens,
         num_tokens=[0] * len(prefill.uids),
         priming=True,
+        reuse_slots=reuse_slots,
     )
     prefill.uids = []
     prefill.prompt_cache = []

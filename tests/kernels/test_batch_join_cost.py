@@ -18,6 +18,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from kernels import Generation, SamplingParams, run_generation
 from kernels.engine import BatchGeneration
+from kernels.engine._greedy import HOLE_STEPS, TRIM_MIN_TOKENS
 from tests.kernels.test_batch import ForwardSpy
 from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
@@ -73,12 +74,113 @@ def test_a_joining_row_is_forwarded_by_the_decode_step_it_joins(model: Any, tok:
     assert out["b"] == _serial(model, tok, prompt_b, 4)
 
 
-def test_the_padding_a_leaving_row_leaves_behind_is_trimmed_by_the_next_step(
+def _drain(batch: BatchGeneration, out: dict[str, list[int]]) -> None:
+    while not batch.idle:
+        for t in batch.step().tokens:
+            out.setdefault(t.row_id, []).append(t.output.token_id)
+
+
+def _step_until(batch: BatchGeneration, out: dict[str, list[int]], done: Any) -> None:
+    for _ in range(200):
+        if done():
+            return
+        for t in batch.step().tokens:
+            out.setdefault(t.row_id, []).append(t.output.token_id)
+    raise AssertionError("the condition never held")
+
+
+def test_a_row_joining_after_another_left_takes_its_slot_without_copying_the_batch(
     model: Any, tok: Any
 ) -> None:
-    """After a long row leaves, the short row's shared left padding is dropped a step later; its tokens stay the serial ones."""
+    """A leaving row's slot stays as a hole; the next row is written into it (same arrays, same rows); tokens stay serial."""
+    batch = BatchGeneration(model, tok, max_rows=3, prefill_step_size=64)
+    prompt_a = [5 + i % 40 for i in range(12)]
+    prompt_b = [7 + i % 30 for i in range(20)]
+    prompt_c = [11 + i % 25 for i in range(15)]
+    batch.join("a", prompt_a, SamplingParams(max_tokens=3))
+    batch.join("b", prompt_b, SamplingParams(max_tokens=30))
+    out: dict[str, list[int]] = {}
+    _step_until(batch, out, lambda: "a" not in batch)
+    gen: Any = batch._batch
+    assert (len(gen), gen.holes) == (2, 1)
+    slot = gen.uids.index(-1)
+    layer: Any = gen.prompt_cache[0]
+    keys_shape = layer.keys.shape
+    batch.join("c", prompt_c, SamplingParams(max_tokens=10))
+    _step_until(batch, out, lambda: batch.decoding == ("c", "b") or batch.decoding == ("b", "c"))
+    gen = batch._batch
+    assert (len(gen), gen.holes) == (2, 0)
+    assert batch.decoding[slot] == "c"
+    # NOTE: written into the slot in place: the layer keeps its rows and length.
+    assert gen.prompt_cache[0].keys.shape == keys_shape
+    _drain(batch, out)
+    assert out["a"] == _serial(model, tok, prompt_a, 3)
+    assert out["b"] == _serial(model, tok, prompt_b, 30)
+    assert out["c"] == _serial(model, tok, prompt_c, 10)
+
+
+def test_without_slot_reuse_a_leaving_row_is_filtered_out_at_once(model: Any, tok: Any) -> None:
+    """reuse_slots=False (KVTIER_BATCH_SLOT_REUSE=0): mlx-lm's filter the step a row leaves, no hole; tokens stay serial."""
+    batch = BatchGeneration(model, tok, prefill_step_size=64, reuse_slots=False)
+    prompt_a = [5 + i % 40 for i in range(12)]
+    prompt_b = [7 + i % 30 for i in range(20)]
+    batch.join("a", prompt_a, SamplingParams(max_tokens=2))
+    batch.join("b", prompt_b, SamplingParams(max_tokens=10))
+    out: dict[str, list[int]] = {}
+    _step_until(batch, out, lambda: "a" not in batch)
+    gen: Any = batch._batch
+    assert (len(gen), gen.holes) == (1, 0)
+    _drain(batch, out)
+    assert out["b"] == _serial(model, tok, prompt_b, 10)
+
+
+def test_a_hole_nobody_takes_is_compacted_after_hole_steps(model: Any, tok: Any) -> None:
+    """With no row joining, the vacated slot is forwarded HOLE_STEPS steps, then the batch drops it."""
     batch = BatchGeneration(model, tok, prefill_step_size=64)
-    long_prompt = [3 + i % 50 for i in range(40)]
+    prompt_a = [5 + i % 40 for i in range(12)]
+    prompt_b = [7 + i % 30 for i in range(20)]
+    batch.join("a", prompt_a, SamplingParams(max_tokens=2))
+    batch.join("b", prompt_b, SamplingParams(max_tokens=HOLE_STEPS + 12))
+    out: dict[str, list[int]] = {}
+    _step_until(batch, out, lambda: "a" not in batch)
+    sizes: list[int] = []
+    while not batch.idle:
+        for t in batch.step().tokens:
+            out.setdefault(t.row_id, []).append(t.output.token_id)
+        if batch._batch is not None:
+            sizes.append(len(batch._batch))
+    assert sizes[: HOLE_STEPS - 1] == [2] * (HOLE_STEPS - 1)
+    assert sizes[HOLE_STEPS:], "b decoded on after the hole was compacted"
+    assert set(sizes[HOLE_STEPS:]) == {1}
+    assert out["b"] == _serial(model, tok, prompt_b, HOLE_STEPS + 12)
+
+
+def test_a_row_longer_than_the_batch_is_appended_not_put_in_a_hole(model: Any, tok: Any) -> None:
+    """A joining row whose cache is longer than the batch's time axis extends the batch; its tokens stay serial."""
+    batch = BatchGeneration(model, tok, max_rows=3, prefill_step_size=64)
+    prompt_a = [5 + i % 40 for i in range(5)]
+    prompt_b = [7 + i % 30 for i in range(6)]
+    prompt_c = [11 + i % 25 for i in range(60)]
+    batch.join("a", prompt_a, SamplingParams(max_tokens=2))
+    batch.join("b", prompt_b, SamplingParams(max_tokens=20))
+    out: dict[str, list[int]] = {}
+    _step_until(batch, out, lambda: "a" not in batch)
+    batch.join("c", prompt_c, SamplingParams(max_tokens=6))
+    _step_until(batch, out, lambda: "c" in batch.decoding)
+    gen: Any = batch._batch
+    assert (len(gen), gen.holes) == (3, 1)
+    _drain(batch, out)
+    assert out["b"] == _serial(model, tok, prompt_b, 20)
+    assert out["c"] == _serial(model, tok, prompt_c, 6)
+
+
+@pytest.mark.parametrize(("long_len", "trimmed"), [(40, False), (TRIM_MIN_TOKENS + 40, True)])
+def test_shared_padding_a_leaving_row_leaves_is_trimmed_from_trim_min_tokens(
+    model: Any, tok: Any, long_len: int, trimmed: bool
+) -> None:
+    """After a long row leaves, the short row's padding is dropped a step later when it reaches TRIM_MIN_TOKENS, kept below; tokens stay serial."""
+    batch = BatchGeneration(model, tok, prefill_step_size=256)
+    long_prompt = [3 + i % 50 for i in range(long_len)]
     short_prompt = [9 + i % 20 for i in range(5)]
     batch.join("long", long_prompt, SamplingParams(max_tokens=2))
     batch.join("short", short_prompt, SamplingParams(max_tokens=12))
@@ -87,14 +189,14 @@ def test_the_padding_a_leaving_row_leaves_behind_is_trimmed_by_the_next_step(
     while not batch.idle:
         step = batch.step()
         out.extend(t.output.token_id for t in step.tokens if t.row_id == "short")
-        gen = batch._batch
-        if gen is not None and len(gen) == 1:
+        gen: Any = batch._batch
+        if gen is not None and "long" not in batch:
             layer: Any = gen.prompt_cache[0]
             assert type(layer) is BatchKVCache
             row_pads: Any = layer.left_padding.tolist()
-            pads.append(int(row_pads[0]))
-    # NOTE: the long prompt padded the short row by 35 when they prefilled
-    # together; the step after the long row left must have trimmed it all.
-    assert pads, "the short row decoded alone after the long one left"
-    assert pads[-1] == 0
+            pads.append(int(row_pads[gen.uids.index(batch._rows["short"].uid)]))
+    # NOTE: the long prompt padded the short row by long_len - 5 when they
+    # prefilled together.
+    assert pads, "the short row decoded after the long one left"
+    assert pads[-1] == (0 if trimmed else long_len - 5)
     assert out == _serial(model, tok, short_prompt, 12)

@@ -12,7 +12,9 @@ time:
 - ``decode``: the decode batch's ``next`` (the decode forward, the sampled
   tokens read back) less what is timed inside it;
 - ``filter`` / ``extend``: the batch caches' whole-batch copies when rows
-  leave (``filter``) and join (``extend``);
+  leave (``filter``) and join (``extend``); since slot reuse a leaving row
+  leaves a hole (no copy) and ``filter`` runs only when a hole is compacted;
+- ``fill``: a joining row written into a hole's slot (one slice per layer);
 - ``extract``: a leaving row's cache copied out of the batch;
 - ``prefill``: joining rows' prompt forwards (``PromptProcessingBatch.prompt``);
 - ``first_token``: building the decode batch of prefilled rows
@@ -34,6 +36,12 @@ synchronization gives the real throughput of the same loop beside it
 graph building with the device, so the synchronized pass is slower: its
 use is the split, not its total.
 
+``--stagger F`` draws each request's ``max_tokens`` within ``± F`` of
+``--max-tokens`` (seeded), so rows leave and join at different steps, as
+under a served load; ``--slot-reuse on,off --rounds N`` runs the
+unsynchronized pass with and without slot reuse, interleaved, on the same
+requests, and prints their ratio.
+
     # on the GPU (the model gpu_serving.sh run wrote):
     python3 tools/bench/join_cost.py --model /tmp/kvtier-gpu/llama3-8b --tok-dir .gpu/tok
     # on the CPU, a small random shape:
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -124,6 +133,7 @@ def instrument(clock: PhaseClock) -> list[Callable[[], None]]:
         _wrap(decode, "next", clock, "decode"),
         _wrap(decode, "filter", clock, "filter"),
         _wrap(decode, "extend", clock, "extend"),
+        _wrap(decode, "_fill", clock, "fill"),
         _wrap(decode, "extract_cache", clock, "extract"),
         _wrap(PromptProcessingBatch, "prompt", clock, "prefill"),
         _wrap_function(_batch, "enter_generation", clock, "first_token"),
@@ -142,16 +152,29 @@ def _prompts(tok: Any, n: int, length: int, tag: str) -> list[list[int]]:
     return [[rng.randrange(1000, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
-def closed_loop(gen: Any, prompts: list[list[int]], rows: int, max_tokens: int,
+def _lengths(n: int, max_tokens: int, stagger: float, tag: str) -> list[int]:
+    """Each request's ``max_tokens``: all equal, or drawn within ``± stagger`` of it (seeded by ``tag``)."""
+    import random
+
+    rng = random.Random(f"len-{tag}")
+    low = max(1, round(max_tokens * (1 - stagger)))
+    high = max(low, round(max_tokens * (1 + stagger)))
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+def closed_loop(gen: Any, prompts: list[list[int]], rows: int, max_tokens: list[int],
                 clock: PhaseClock | None) -> dict[str, Any]:
     """``rows`` clients, each sending its share of ``prompts`` one after the other; every step timed."""
     from kernels.engine import SamplingParams
 
     queue = list(enumerate(prompts))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    def params(i: int) -> Any:
+        return SamplingParams(max_tokens=max_tokens[i], temperature=0.0)
+
     for _ in range(min(rows, len(queue))):
         i, p = queue.pop(0)
-        gen.join(f"r{i}", p, params)
+        gen.join(f"r{i}", p, params(i))
     kinds: dict[str, list[float]] = defaultdict(list)
     tokens = 0
     t0 = time.perf_counter()
@@ -172,7 +195,7 @@ def closed_loop(gen: Any, prompts: list[list[int]], rows: int, max_tokens: int,
         for _ in step.exits:
             if queue:
                 i, p = queue.pop(0)
-                gen.join(f"r{i}", p, params)
+                gen.join(f"r{i}", p, params(i))
     wall = time.perf_counter() - t0
     return {
         "tokens": tokens,
@@ -206,29 +229,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
                            "device": str(mx.default_device())}
 
-    def fresh() -> Any:
+    contenders = [c.strip() for c in args.slot_reuse.split(",") if c.strip()]
+    for c in contenders:
+        if c not in ("on", "off"):
+            raise SystemExit(f"--slot-reuse takes on / off, got {c!r}")
+
+    def fresh(reuse: str) -> Any:
         return BatchGeneration(loaded.model, loaded.tokenizer, max_rows=args.rows,
-                               prefill_step_size=args.prefill_step_size)
+                               prefill_step_size=args.prefill_step_size,
+                               reuse_slots=reuse == "on")
 
     # NOTE: a warm-up of the same shapes first (kernel compilation, buffers).
-    warm = fresh()
+    warm = fresh(contenders[0])
     closed_loop(warm, _prompts(tok, args.rows, args.prompt_tokens, "warm"), args.rows,
-                min(args.max_tokens, 16), None)
+                [min(args.max_tokens, 16)] * args.rows, None)
     warm.close()
+    plain_lengths = _lengths(n, args.max_tokens, args.stagger, "plain")
     if not args.no_plain:
-        gen = fresh()
-        out["plain"] = closed_loop(gen, _prompts(tok, n, args.prompt_tokens, "plain"), args.rows,
-                                   args.max_tokens, None)
-        gen.close()
-        print(f"plain pass: {out['plain']['tps']:.1f} tok/s, {out['plain']['steps']} steps, "
-              f"{out['plain']['wall_s']:.2f} s", flush=True)
-        _print_kinds(out["plain"])
+        # NOTE: contenders interleaved per round, each on the same prompts.
+        out["plain_rounds"] = []
+        for r in range(args.rounds):
+            for c in contenders:
+                gen = fresh(c)
+                rec = closed_loop(gen, _prompts(tok, n, args.prompt_tokens, "plain"), args.rows,
+                                  plain_lengths, None)
+                gen.close()
+                rec["slot_reuse"] = c
+                rec["round"] = r
+                out["plain_rounds"].append(rec)
+                print(f"plain pass, round {r}, slot reuse {c}: {rec['tps']:.1f} tok/s, "
+                      f"{rec['steps']} steps, {rec['wall_s']:.2f} s", flush=True)
+                _print_kinds(rec)
+        out["plain"] = out["plain_rounds"][0]
+        medians = {c: statistics.median(x["tps"] for x in out["plain_rounds"]
+                                        if x["slot_reuse"] == c) for c in contenders}
+        out["plain_tps_median"] = medians
+        if set(contenders) == {"on", "off"}:
+            pairs = [on["tps"] / off["tps"] for on, off in zip(
+                [x for x in out["plain_rounds"] if x["slot_reuse"] == "on"],
+                [x for x in out["plain_rounds"] if x["slot_reuse"] == "off"], strict=True)]
+            out["on_over_off"] = {"median_of_medians": medians["on"] / medians["off"],
+                                  "paired": pairs}
+            print(f"slot reuse on / off, plain tok/s: {medians['on']:.1f} / {medians['off']:.1f} "
+                  f"= {medians['on'] / medians['off']:.3f} (paired "
+                  f"{', '.join(f'{x:.3f}' for x in pairs)})", flush=True)
+    if args.no_sync:
+        return out
     clock = PhaseClock(mx.synchronize)
     undo = instrument(clock)
     try:
-        gen = fresh()
+        gen = fresh(contenders[0])
         timed = closed_loop(gen, _prompts(tok, n, args.prompt_tokens, "timed"), args.rows,
-                            args.max_tokens, clock)
+                            _lengths(n, args.max_tokens, args.stagger, "timed"), clock)
         gen.close()
     finally:
         for u in undo:
@@ -271,7 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--prefill-step-size", type=int, default=512, help="the engine's prefill chunk")
+    p.add_argument("--stagger", type=float, default=0.0,
+                   help="each request's max_tokens drawn within +- this fraction of --max-tokens "
+                        "(seeded), so rows leave and join at different steps")
+    p.add_argument("--slot-reuse", default="on",
+                   help="contenders of the unsynchronized pass, interleaved per round: on, off or "
+                        "on,off (BatchGeneration(reuse_slots=...)); the synchronized pass runs the first")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the unsynchronized pass")
     p.add_argument("--no-plain", action="store_true", help="skip the unsynchronized pass")
+    p.add_argument("--no-sync", action="store_true", help="skip the synchronized pass")
     p.add_argument("--json", type=Path, default=None, help="write the records here")
     args = p.parse_args(argv)
     out = run(args)
