@@ -11,7 +11,10 @@ step runs) and whether a step has work (``ready``); the gateway grants one
 batch turn at a time (``RunBatchStep``: up to ``max_steps`` steps run back to
 back as one engine job, a *step chain*) and the scheduler reports it
 (``BatchTurnReport``). The gateway asks for a chain's turn back with
-``StopBatchChain`` (the serial lane has work). See docs/batching.md.
+``StopBatchChain`` (the serial lane has work). A background step due under
+load is lent to the running chain (``LendBackgroundStep``) instead of
+cutting it; the scheduler reports it (``LentStepReport``) before the
+turn's own report. See docs/batching.md.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = [
     "BatchTurnReport",
     "BatchWake",
     "BatchWants",
+    "LendBackgroundStep",
+    "LentStepReport",
     "RunBatchStep",
     "StopBatchChain",
 ]
@@ -75,6 +80,32 @@ class StopBatchChain(Body):
 
     kind: Literal["batch.stop_chain"] = "batch.stop_chain"
     turn: int = Field(ge=0)
+
+
+class LendBackgroundStep(Body):
+    """Gateway -> scheduler: run background step ``step_id`` between two steps of turn ``turn``'s chain.
+
+    The scheduler takes the step's callable from the background-step
+    registry and the chain's engine thread runs it after its step in
+    flight; a chain that ended (or ends first) hands it back. Exactly one
+    :class:`LentStepReport` answers it, before the turn's own report.
+    """
+
+    kind: Literal["batch.lend_step"] = "batch.lend_step"
+    turn: int = Field(ge=0)
+    step_id: str
+
+
+class LentStepReport(Body):
+    """Scheduler -> gateway: a lent background step ran (``ran``: ``ok`` or failed, ``held_s``) or came back unrun."""
+
+    kind: Literal["batch.lent_step_report"] = "batch.lent_step_report"
+    step_id: str
+    ran: bool
+    ok: bool = True
+    error_code: str = ""
+    detail: str = ""
+    held_s: float = Field(default=0.0, ge=0.0)
 
 
 class BatchTurnReport(Body):

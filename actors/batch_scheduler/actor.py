@@ -51,6 +51,7 @@ import structlog
 
 from actors.checkpoints import CheckpointLoads, CheckpointPort
 from actors.engine_thread.ports import Executor
+from actors.engine_thread.steps import BackgroundSteps
 from actors.runtime import (
     Actor,
     ActorStopped,
@@ -70,6 +71,8 @@ from messages.batch_scheduler import (
     BatchStatsRequest,
     BatchWake,
     BatchWants,
+    LendBackgroundStep,
+    LentStepReport,
     RunBatchStep,
     StopBatchChain,
 )
@@ -104,6 +107,11 @@ class BatchScheduler(Actor):
     ``stream_write_timeout_s``: how long a row's full stream may take nothing
     before it is ended and the row removed (``stream_write_timeout``).
     ``checkpoints``: generation checkpoints (``None``: off).
+    ``steps``: the background-step registry, from which a step the gateway
+    lends to a running chain (``LendBackgroundStep``) is taken; its chain
+    runs it between two steps, and the scheduler settles it and reports it
+    (``LentStepReport``) before the turn's own report (``None``: lent steps
+    are handed back unrun).
     """
 
     def __init__(
@@ -122,8 +130,10 @@ class BatchScheduler(Actor):
         after_step: Callable[[], object] | None = None,
         stream_write_timeout_s: float = 30.0,
         checkpoints: CheckpointPort | None = None,
+        steps: BackgroundSteps | None = None,
     ) -> None:
         self._gateway = gateway
+        self._steps = steps
         self._ckpt = checkpoints
         # NOTE: checkpoint lookups finished on worker threads, fed to the core
         # when their note (``BatchCheckpointsLoaded``) is read.
@@ -215,6 +225,9 @@ class BatchScheduler(Actor):
             event = core.TurnGranted(body.turn, now, body.max_steps)
         elif isinstance(body, StopBatchChain):
             event = core.YieldTurn(body.turn, now)
+        elif isinstance(body, LendBackgroundStep):
+            await self._lend(body, ctx)
+            return
         elif isinstance(body, BatchWake):
             await self._drain(body.turn, ctx)
             return
@@ -238,6 +251,9 @@ class BatchScheduler(Actor):
             return  # NOTE: a late wake of a job already drained.
         # NOTE: cleared BEFORE draining: a step appended from now on posts a new wake.
         chain.wake_pending = False
+        # NOTE: first, so each lent step's report reaches the gateway before
+        # the report of the turn it ran in.
+        await self._lent_ran(chain, ctx)
         while chain.results:
             out = chain.results.popleft()
             chain.consumed += 1
@@ -261,8 +277,50 @@ class BatchScheduler(Actor):
         detail = f"{type(exc).__name__}: {exc}"
         await self._feed(core.StepFailed(turn, "batch_step_failed", detail, now), ctx)
 
+    async def _lend(self, body: LendBackgroundStep, ctx: Context) -> None:
+        """Hand a lent background step to the running chain of its turn, or back to the gateway."""
+        chain, steps = self._chain, self._steps
+        if steps is None or chain is None or chain.turn != body.turn:
+            await self._tell_gateway(LentStepReport(step_id=body.step_id, ran=False), ctx)
+            return
+        fn = steps.take(body.step_id)
+        if fn is None:
+            # NOTE: withdrawn by its asker (or never registered): nothing to run.
+            report = LentStepReport(step_id=body.step_id, ran=True, ok=False,
+                                    error_code="unknown_step", detail="step not registered")
+            await self._tell_gateway(report, ctx)
+            return
+        if not chain.lend(body.step_id, fn):
+            steps.put_back(body.step_id)
+            await self._tell_gateway(LentStepReport(step_id=body.step_id, ran=False), ctx)
+
+    async def _lent_ran(self, chain: Chain, ctx: Context) -> None:
+        """Settle the lent steps ``chain`` ran and report each to the gateway."""
+        runs = chain.lent_runs()
+        if not runs:
+            return
+        steps = self._steps
+        assert steps is not None, "a chain ran a lent step without a registry"
+        for run in runs:
+            # NOTE: settled before the report, so the asker's handle holds the
+            # outcome once its TurnDone arrives (as the runner does).
+            steps.settle(run.step_id, run.value, run.error)
+            error = run.error
+            report = LentStepReport(
+                step_id=run.step_id, ran=True, ok=error is None,
+                error_code="" if error is None else type(error).__name__,
+                detail="" if error is None else str(error), held_s=run.held_s,
+            )
+            await self._tell_gateway(report, ctx)
+
     async def _returned(self, chain: Chain, ctx: Context) -> None:
-        """Before the end of ``chain``'s job reaches the core: the offered rows no step took."""
+        """Before the end of ``chain``'s job reaches the core: lent steps and offered rows it did not take."""
+        await self._lent_ran(chain, ctx)
+        lent, chain.returned_lent = chain.returned_lent, ()
+        for step_id in lent:
+            if self._steps is not None:
+                self._steps.put_back(step_id)
+            await self._tell_gateway(LentStepReport(step_id=step_id, ran=False), ctx)
         joins, cancels = chain.returned
         if not joins and not cancels:
             return

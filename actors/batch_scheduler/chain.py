@@ -6,6 +6,9 @@ loop, the gateway and back, and each step's :class:`~.core.StepOut` is
 handed to the loop as it exists (so tokens still stream per step). Rows
 ready to join and joined rows to remove (a cancel, a slow reader) are
 offered to the running chain (``Chain.offer``) and taken by its next step.
+A background step the gateway lends to the chain (``Chain.lend``) runs on
+the engine thread right after the step in flight, before the next one:
+the chain goes on instead of ending for it.
 The scheduler's core decides when the chain must end (the gateway asking
 for the turn back, stopping, a row the chain cannot take) and the shell
 sets ``stop``; the engine thread reads it before every step after the
@@ -17,14 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from actors.engine_thread import AHEAD, EngineJob
 
 from .core import JoinRow, StepOut
 
-__all__ = ["AHEAD", "HEAP_CHECK_EVERY", "Chain", "LoopWaker", "run_chain"]
+__all__ = ["AHEAD", "HEAP_CHECK_EVERY", "Chain", "LentRun", "LoopWaker", "run_chain"]
 
 HEAP_CHECK_EVERY = 8
 """Plain decode steps of a chain between two runs of its ``after_step`` hook.
@@ -99,6 +105,16 @@ class LoopWaker:
                 return
 
 
+@dataclass(frozen=True, slots=True)
+class LentRun:
+    """A lent background step's run inside a chain: its outcome and its time on the engine thread."""
+
+    step_id: str
+    value: Any
+    error: BaseException | None
+    held_s: float
+
+
 class Chain(EngineJob[StepOut]):
     """One batch turn's engine job and what it has produced so far (``ident`` is the turn).
 
@@ -117,7 +133,8 @@ class Chain(EngineJob[StepOut]):
     offered row is either run by this job or handed back, never lost.
     """
 
-    __slots__ = ("_closed", "_lock", "_offered", "returned", "waker")
+    __slots__ = ("_closed", "_lent", "_lent_runs", "_lock", "_offered", "returned",
+                 "returned_lent", "waker")
 
     def __init__(
         self,
@@ -135,6 +152,10 @@ class Chain(EngineJob[StepOut]):
         self._closed = False
         self.returned: tuple[tuple[JoinRow, ...], tuple[str, ...]] = ((), ())
         """Offered joins and cancels no step took (set when the chain closed)."""
+        self._lent: list[tuple[str, Callable[[], Any]]] = []
+        self._lent_runs: list[LentRun] = []
+        self.returned_lent: tuple[str, ...] = ()
+        """Lent steps the chain did not run (set when it closed)."""
 
     @property
     def turn(self) -> int:
@@ -149,6 +170,43 @@ class Chain(EngineJob[StepOut]):
             self._offered[0].extend(joins)
             self._offered[1].extend(cancels)
             return True
+
+    def lend(self, step_id: str, fn: Callable[[], Any]) -> bool:
+        """Loop: run ``fn`` after the step in flight, before the next; False once the chain is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._lent.append((step_id, fn))
+            return True
+
+    def run_lent(self) -> None:
+        """Engine thread, between two steps: run the steps lent so far; the loop reads :meth:`lent_runs`.
+
+        NOTE: a step's exception is its asker's outcome (its handle re-raises
+        it), not the chain's: the chain goes on.
+        """
+        with self._lock:
+            todo, self._lent = self._lent, []
+        if not todo:
+            return
+        for step_id, fn in todo:
+            start = time.perf_counter()
+            value: Any = None
+            error: BaseException | None = None
+            try:
+                value = fn()
+            except Exception as exc:  # noqa: BLE001 - the asker's outcome, handed to its handle
+                error = exc
+            run = LentRun(step_id, value, error, time.perf_counter() - start)
+            with self._lock:
+                self._lent_runs.append(run)
+        self.notify()
+
+    def lent_runs(self) -> list[LentRun]:
+        """Loop: the lent steps run since the last call, in order."""
+        with self._lock:
+            runs, self._lent_runs = self._lent_runs, []
+        return runs
 
     def next_work(self, idle: Callable[[], bool]) -> tuple[list[JoinRow], list[str]] | None:
         """Engine thread, after a step: the next step's joins and cancels, or ``None`` (the chain closed).
@@ -177,6 +235,8 @@ class Chain(EngineJob[StepOut]):
         joins, cancels = self._offered
         self._offered = ([], [])
         self.returned = (tuple(joins), tuple(cancels))
+        self.returned_lent = tuple(step_id for step_id, _ in self._lent)
+        self._lent = []
 
     def notify(self) -> None:
         """Engine thread: ask the loop to wake the owner, unless a wake is already on its way."""
@@ -207,7 +267,8 @@ def run_chain(
     nothing was offered, or the chain is ``AHEAD`` steps ahead of what the
     loop has taken; what was offered and not taken is then ``returned``. A step
     that raises ends the job with its exception (the outputs before it stay
-    in ``results``). ``after_step`` runs once a step's output is handed
+    in ``results``). Background steps lent to the chain (``Chain.lend``) run
+    after each step's output is handed over. ``after_step`` runs once a step's output is handed
     over (the engine's C heap trim, ``actors/engine/memory.py``
     ``HeapTrim``: a chain of steps is one engine job, and the memory its
     steps free must not wait for the job's end): after every step that
@@ -225,6 +286,8 @@ def run_chain(
                 if plain >= HEAP_CHECK_EVERY:
                     plain = 0
                     after_step()
+            # NOTE: background steps lent meanwhile run here, between two steps.
+            chain.run_lent()
             work = chain.next_work(idle)
     finally:
         # NOTE: a step that raised ends the job too: rows offered after it go back.

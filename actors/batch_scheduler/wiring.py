@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from actors.checkpoints import CheckpointPort
-from actors.engine_thread import Executor
+from actors.engine_thread import BackgroundSteps, Executor
 from actors.engine_thread.memory_guard import MemoryGuard
 from kernels import CacheRegistry, KvScheme
 from kernels.engine import blas_tune_enabled, model_batch_gate
@@ -67,6 +67,11 @@ class Parts(Protocol):
     @property
     def after_step(self) -> Callable[[], object] | None:
         """Runs on the engine thread after every batch step."""
+        ...
+
+    @property
+    def steps(self) -> BackgroundSteps:
+        """The background-step registry (steps the gateway lends to a running chain)."""
         ...
 
 
@@ -165,6 +170,7 @@ def batch_factory(
         after_step=parts.after_step,
         stream_write_timeout_s=cfg.stream_write_timeout_s,
         checkpoints=checkpoints if registry is not None and prompt_cache is not None else None,
+        steps=parts.steps,
     )
     # NOTE: "resume" keeps this one instance (its rows) when a handler raises.
     return lambda: scheduler

@@ -7,10 +7,12 @@ they cross through ONE owner: the turn runner's :class:`BackgroundSteps`.
 
 - The asker registers its callable (``add``) and gets a typed
   :class:`StepHandle`, then asks the gateway for a turn with ``RunWhenIdle(step_id=handle.step_id)``.
-- The runner, and only the runner, takes the callable when the turn is
-  granted, runs it on the engine thread and settles the handle (on the
-  event loop) before it reports the turn; so once ``TurnDone`` arrives the
-  handle holds the outcome.
+- The runner takes the callable when the turn is granted, runs it on the
+  engine thread and settles the handle (on the event loop) before it
+  reports the turn; so once ``TurnDone`` arrives the handle holds the
+  outcome. A step the gateway lends to a running batch chain is taken,
+  run and settled the same way by the batch scheduler instead (its chain
+  runs it between two steps); the gateway grants each step to one of them.
 - The asker reads the outcome from its handle (``result()``), or
   ``withdraw()``s a step it no longer waits for; a withdrawn step is never
   run (the runner reports it ``unknown_step``).
@@ -111,8 +113,9 @@ class StepHandle(Generic[T]):
 class BackgroundSteps:
     """The turn runner's registry of background step callables, keyed by ``RunWhenIdle.step_id``.
 
-    Askers call :meth:`add` only (and keep the handle); :meth:`take` and
-    :meth:`settle` are the runner's. A one-shot step is registered until it
+    Askers call :meth:`add` only (and keep the handle); :meth:`take`,
+    :meth:`put_back` and :meth:`settle` are the runner's (the batch
+    scheduler's for a step lent to its chain). A one-shot step is registered until it
     is taken or withdrawn; a *standing* step (e.g. the prompt cache's
     disposal drain, asked for again and again) stays registered until
     withdrawn, and its handle holds the outcome of its latest run.
@@ -145,6 +148,15 @@ class BackgroundSteps:
         timed = _Timed(fn)
         self._running[step_id] = (handle, timed)
         return timed
+
+    def put_back(self, step_id: str) -> None:
+        """A taker that did not run a taken step: it is registered again, as before :meth:`take`."""
+        running = self._running.pop(step_id, None)
+        if running is None:
+            return
+        handle, timed = running
+        if step_id not in self._steps:
+            self._steps[step_id] = (timed.fn, handle, False)
 
     def settle(self, step_id: str, result: Any, error: BaseException | None) -> None:
         """Runner: hand a taken step's outcome to its handle (after the step's job ended)."""

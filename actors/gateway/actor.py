@@ -35,7 +35,14 @@ from actors.checkpoints import CheckpointLoads, CheckpointPort, ResumeFrom
 from actors.runtime import Actor, Context, RuntimeFailure
 from kernels.engine import batch_params_refusal
 from messages import Envelope, Failure, Release, Take, TakeResult
-from messages.batch_scheduler import BatchTurnReport, BatchWants, RunBatchStep, StopBatchChain
+from messages.batch_scheduler import (
+    BatchTurnReport,
+    BatchWants,
+    LendBackgroundStep,
+    LentStepReport,
+    RunBatchStep,
+    StopBatchChain,
+)
 from messages.gateway import (
     AdmissionReply,
     AwaitDrained,
@@ -97,7 +104,9 @@ class Gateway(Actor):
     the model passes the batching gates), and the batch's steps share the
     engine-turn token with the serial lane (docs/batching.md).
     ``background_share``: background work's share of engine time under load
-    (``core.GatewayState``; 0 = idle turns only). ``checkpoints``:
+    (``core.GatewayState``; 0 = idle turns only). ``chain_background``: a
+    background step due under load is lent to the running batch chain
+    (``LendBackgroundStep``) instead of cutting it. ``checkpoints``:
     generation checkpoints of the serial lane (``None``: off); the same port
     as the runner's, which claims the checkpoints handed over to it.
     """
@@ -111,6 +120,7 @@ class Gateway(Actor):
         prompt_cache: str | None = None,
         batch: str | None = None,
         background_share: float = 0.0,
+        chain_background: bool = False,
         checkpoints: CheckpointPort | None = None,
     ) -> None:
         self._runner = runner
@@ -125,6 +135,7 @@ class Gateway(Actor):
         self.state = core.GatewayState(
             max_queue=max_queue, max_burst=max_burst, lookups=prompt_cache is not None,
             background_share=background_share,
+            chain_background=chain_background and batch is not None,
         )
         self._admitted: dict[str, _Admitted] = {}
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id
@@ -180,10 +191,25 @@ class Gateway(Actor):
             if self.state.turn is None or self.state.turn.owner != "batch":
                 return  # NOTE: a report of a turn already ended by a failure.
             event = core.BatchTurnDone(body.busy, body.ready, now, body.steps)
+        elif isinstance(body, LentStepReport):
+            if body.ran:
+                asker = self._askers.pop(body.step_id, None)
+                if asker is not None:
+                    done = TurnDone(step_id=body.step_id, ok=body.ok,
+                                    error_code=body.error_code, detail=body.detail)
+                    await self._answer(asker, done, ctx)
+            event = core.LentBackgroundDone(body.step_id, now, body.ran, body.held_s)
         elif isinstance(body, Failure) and self._batch is not None and body.actor == self._batch:
             # NOTE: the scheduler's handler raised: the batch turn (if one runs)
             # ends here; the scheduler's next report or status tells the truth.
             _log.error("gateway.batch_failed", error=f"{body.error}: {body.message}")
+            lent = self.state.lent
+            if lent is not None:
+                # NOTE: whether the lent step ran is unknown: its asker hears
+                # it failed, and the core stops waiting for its report.
+                await self._deny_step(lent.step_id, "turn_failed", body.message, ctx)
+                await self._feed(core.LentBackgroundDone(lent.step_id, now, ran=True),
+                                 envelope, ctx)
             turn = self.state.turn
             if turn is None or turn.owner != "batch":
                 return
@@ -307,6 +333,12 @@ class Gateway(Actor):
                 case core.PreemptBatchTurn():
                     stop = StopBatchChain(turn=effect.turn)
                     await self._tell_batch(stop, envelope.correlation_id, ctx)
+                case core.LendBackground():
+                    lend = LendBackgroundStep(turn=effect.turn, step_id=effect.step_id)
+                    if not await self._tell_batch(lend, envelope.correlation_id, ctx):
+                        follow_up = core.LentBackgroundDone(
+                            effect.step_id, ctx.clock.now(), ran=False
+                        )
                 case core.RefuseBackground():
                     await self._deny_step(
                         effect.step_id, "turn_unavailable", "the gateway grants no more turns", ctx

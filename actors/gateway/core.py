@@ -35,6 +35,13 @@ Invariants (checked by the tests):
   is granted within one step while the credit is positive, else within one
   turn after the foreground time that repays the last step's overdraft.
   ``background_share == 0`` keeps the design's rule (idle turns only).
+- With ``chain_background``, a due background step does not cut a batch
+  step chain: it is *lent* to the chain (``LendBackground``), which runs it
+  on the engine thread between two of its steps and reports it
+  (``LentBackgroundDone``); its time is taken off the credit as a granted
+  step's is, and off the time the batch turn earns credit for. At most one
+  step is lent at a time; a chain that ended before running it hands it
+  back, and it waits at the head of the background queue again.
 - A background waiter whose deadline passed (or whose asker is gone) is
   dropped, never granted.
 - The lane holder takes its turns back to back; the next owner is chosen
@@ -74,6 +81,8 @@ __all__ = [
     "ExpireBackground",
     "FinishRequest",
     "GatewayState",
+    "LendBackground",
+    "LentBackgroundDone",
     "LoadCheckpoint",
     "LookupDone",
     "PreemptBatchTurn",
@@ -182,6 +191,16 @@ class BackgroundTurnDone:
 
 
 @dataclass(frozen=True, slots=True)
+class LentBackgroundDone:
+    """The batch chain a step was lent to ran it (``ran``; ``held_s`` on the engine thread) or handed it back."""
+
+    step_id: str
+    now: float
+    ran: bool
+    held_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class BatchStatus:
     """The batch lane changed: rows exist (``busy``), a batch step has work (``ready``)."""
 
@@ -223,6 +242,7 @@ CoreEvent = (
     | WithdrawBackground
     | RequestTurnDone
     | BackgroundTurnDone
+    | LentBackgroundDone
     | BatchStatus
     | BatchTurnDone
     | BeginDrain
@@ -309,6 +329,14 @@ class RunBackgroundTurn:
 
 
 @dataclass(frozen=True, slots=True)
+class LendBackground:
+    """Hand background step ``step_id`` to batch turn ``turn``'s chain: run it between two steps, then report it."""
+
+    turn: int
+    step_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class RunBatchTurn:
     """Run up to ``max_steps`` batch steps as one turn (the batch scheduler performs them,
     then ``BatchTurnDone``)."""
@@ -346,6 +374,7 @@ Effect = (
     | PreemptTurn
     | PreemptBatchTurn
     | RunBackgroundTurn
+    | LendBackground
     | RunBatchTurn
     | RefuseBackground
     | ExpireBackground
@@ -387,6 +416,8 @@ class TokenStats:
     background_expired: int = 0
     background_under_load: int = 0
     background_under_load_s: float = 0.0
+    background_in_chain: int = 0
+    """Steps run inside a batch chain (lent), counted in the two above as well."""
     lookups: int = 0
     checkpoint_loads: int = 0
 
@@ -441,6 +472,15 @@ class GatewayState:
     lookup: dict[str, Literal["pending", "ready"]] = field(default_factory=dict)
     checkpoint: dict[str, Literal["keyed", "pending", "ready"]] = field(default_factory=dict)
     background: deque[BackgroundWait] = field(default_factory=deque)
+    chain_background: bool = False
+    """Lend due background steps to a running batch chain instead of cutting it (module docstring)."""
+    lent: BackgroundWait | None = None
+    """The background step lent to a batch chain, until its report."""
+    lent_at: float = 0.0
+    lend_refused: bool = False
+    """A chain handed a lent step back: the next due step takes a turn of its own (cut), then lending resumes."""
+    lent_in_turn_s: float = 0.0
+    """Engine time lent steps took inside the batch turn in flight (earns no credit)."""
     turn: Turn | None = None
     draining: bool = False
     stopped: bool = False
@@ -473,7 +513,9 @@ class GatewayState:
     @property
     def idle(self) -> bool:
         """True when no turn runs and nobody waits: nothing to drain."""
-        return self.turn is None and not self.busy and not self.background
+        return (
+            self.turn is None and not self.busy and not self.background and self.lent is None
+        )
 
     def ready(self, request_id: str) -> bool:
         """Whether ``request_id`` may take a turn (its lookup and checkpoint load, if any, have answered)."""
@@ -498,6 +540,7 @@ class GatewayState:
             "queued": len(self.queue),
             "max_queue": self.max_queue,
             "background_waiting": len(self.background),
+            "background_lent": None if self.lent is None else self.lent.step_id,
             "lookups_pending": sum(1 for v in self.lookup.values() if v == "pending"),
             "draining": self.draining,
             "stopped": self.stopped,
@@ -542,6 +585,7 @@ class GatewayState:
             "background_under_load": {
                 "turns": s.background_under_load,
                 "held_s": s.background_under_load_s,
+                "in_chain": s.background_in_chain,
                 "share": self.background_share,
                 "credit_s": self.background_credit_s,
             },
@@ -585,6 +629,8 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
             _request_turn_done(state, event, effects)
         case BackgroundTurnDone():
             _background_turn_done(state, event)
+        case LentBackgroundDone():
+            _lent_done(state, event)
         case BatchStatus():
             state.batch_busy, state.batch_ready = event.busy, event.ready
         case BatchTurnDone():
@@ -720,11 +766,40 @@ def _background_turn_done(state: GatewayState, ev: BackgroundTurnDone) -> None:
             f"background turn report for {ev.step_id!r} but holder is {state.holder()!r}"
         )
     state.turn = None
+    # NOTE: a step handed back by a chain has now run in a turn of its own.
+    state.lend_refused = False
     held = max(0.0, ev.now - turn.started)
     state.stats.background_held_s += held
     if turn.under_load:
         state.stats.background_under_load_s += held
         state.background_credit_s -= held
+
+
+def _lent_done(state: GatewayState, ev: LentBackgroundDone) -> None:
+    lent = state.lent
+    if lent is None or lent.step_id != ev.step_id:
+        return  # NOTE: a report the core does not wait for changes nothing.
+    state.lent = None
+    if not ev.ran:
+        # NOTE: the chain ended first (or cannot run it): the step keeps its
+        # place at the head and takes a turn of its own (the chain in flight,
+        # if it still runs, is cut for it), so a chain that cannot run lent
+        # steps never has one lent again and again.
+        state.background.appendleft(lent)
+        state.lend_refused = True
+        return
+    stats = state.stats
+    waited = max(0.0, state.lent_at - lent.asked)
+    stats.background_wait_s += waited
+    stats.max_background_wait_s = max(stats.max_background_wait_s, waited)
+    held = max(0.0, ev.held_s)
+    stats.background_turns += 1
+    stats.background_under_load += 1
+    stats.background_in_chain += 1
+    stats.background_held_s += held
+    stats.background_under_load_s += held
+    state.background_credit_s -= held
+    state.lent_in_turn_s += held
 
 
 def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
@@ -733,8 +808,11 @@ def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
         raise ValueError(f"batch turn report but holder is {state.holder()!r}")
     state.turn = None
     stats = state.stats
-    stats.batch_held_s += max(0.0, ev.now - turn.started)
-    _earn_credit(state, ev.now - turn.started)
+    held = max(0.0, ev.now - turn.started)
+    # NOTE: the steps lent to this chain are background time, not batch time.
+    lent, state.lent_in_turn_s = state.lent_in_turn_s, 0.0
+    stats.batch_held_s += max(0.0, held - lent)
+    _earn_credit(state, held - lent)
     stats.batch_steps += ev.steps
     stats.batch_longest = max(stats.batch_longest, ev.steps)
     state.batch_busy, state.batch_ready = ev.busy, ev.ready
@@ -827,7 +905,17 @@ def _expire_background(state: GatewayState, now: float, out: list[Effect]) -> No
     state.background = kept
 
 
-def _preempt_for_other_lane(state: GatewayState, turn: Turn, out: list[Effect]) -> None:
+def _lend(state: GatewayState, turn: Turn, now: float, out: list[Effect]) -> None:
+    """Lend the oldest step that may run under load to the batch chain in flight."""
+    wait = next(w for w in state.background if not w.idle_only)
+    state.background.remove(wait)
+    state.lent = wait
+    state.lent_at = now
+    out.append(LendBackground(int(turn.ident), wait.step_id))
+
+
+def _preempt_for_other_lane(state: GatewayState, turn: Turn, now: float,
+                            out: list[Effect]) -> None:
     """Cut a multi-step turn short once the other lane has work, so the lanes alternate.
 
     NOTE: a serial burst stops for batch rows ready to step, a batch step
@@ -835,6 +923,13 @@ def _preempt_for_other_lane(state: GatewayState, turn: Turn, out: list[Effect]) 
     its step in flight.
     """
     if turn.max_steps <= 1 or turn.preempted:
+        return
+    if turn.owner == "batch" and state.chain_background and _background_due(state) \
+            and not state.lend_refused:
+        # NOTE: the chain runs the step between two of its steps: no trip
+        # through the loop and the gateway, no restart of the chain.
+        if state.lent is None:
+            _lend(state, turn, now, out)
         return
     if turn.owner != "background" and _background_due(state):
         # NOTE: background has earned a turn and waits: the burst or chain
@@ -869,12 +964,13 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         _take_lane(state, state.queue.popleft())
     _start_lookups(state, out)
     if state.turn is not None:
-        _preempt_for_other_lane(state, state.turn, out)
+        _preempt_for_other_lane(state, state.turn, now, out)
         return
     lane = state.lane
     lane_ok = lane is not None and state.ready(lane)
     batch_ok = state.batch_ready
-    if (lane_ok or batch_ok) and _background_due(state):
+    lend = state.chain_background and batch_ok and not lane_ok and not state.lend_refused
+    if (lane_ok or batch_ok) and _background_due(state) and not lend:
         # NOTE: the engine is busy, but background work has earned a turn
         # (its share of the request and batch turns' time): one step, then
         # the lanes again. Its time is taken off the credit when it ends.
@@ -908,6 +1004,9 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         state.turn = Turn("batch", str(state.stats.batch_turns), now, steps)
         state.last_owner = "batch"
         out.append(RunBatchTurn(state.stats.batch_turns, steps))
+        # NOTE: a step due now rides the new chain (after its first step)
+        # instead of taking a turn of its own before it.
+        _preempt_for_other_lane(state, state.turn, now, out)
         return
     # NOTE: here no request can run: the lane is free (and so is the queue),
     # or its holder has had no turn and still waits for its lookup; and no

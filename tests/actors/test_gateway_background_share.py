@@ -26,6 +26,8 @@ from actors.gateway.core import (
     CoreEvent,
     Effect,
     GatewayState,
+    LendBackground,
+    LentBackgroundDone,
     PreemptBatchTurn,
     PreemptTurn,
     RequestTurnDone,
@@ -170,3 +172,103 @@ def test_an_idle_only_step_never_cuts_a_chain_and_runs_once_the_engine_idles() -
     assert [type(e) for e in effects] == [RunBatchTurn]
     state, effects = handle(state, BatchTurnDone(busy=False, ready=False, now=30.0, steps=64))
     assert RunBackgroundTurn("drain") in effects
+
+
+def _lending_state() -> GatewayState:
+    return GatewayState(max_queue=4, max_burst=64, background_share=DEFAULT_BACKGROUND_SHARE,
+                        chain_background=True)
+
+
+def test_a_due_step_is_lent_to_the_running_chain_instead_of_cutting_it() -> None:
+    """With chain_background, a due step goes to the chain in flight (no PreemptBatchTurn); one at a time; its time is charged as a granted step's."""
+    state = _lending_state()
+    state, effects = handle(state, BatchStatus(busy=True, ready=True, now=0.0))
+    assert effects == [RunBatchTurn(1, 64)]
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=10.0, steps=64))
+    assert effects == [RunBatchTurn(2, 64)]
+    credit = state.background_credit_s
+    assert credit > 0.0
+    state, effects = handle(state, WantBackgroundTurn("spill", now=10.0))
+    assert effects == [LendBackground(2, "spill")]
+    # NOTE: one lent step at a time: the next due one waits for its report.
+    state, effects = handle(state, WantBackgroundTurn("clone", now=10.1))
+    assert effects == []
+    state, effects = handle(state, LentBackgroundDone("spill", now=10.2, ran=True, held_s=0.03))
+    assert effects == [LendBackground(2, "clone")]
+    assert state.background_credit_s == pytest.approx(credit - 0.03)
+    state, effects = handle(state, LentBackgroundDone("clone", now=10.3, ran=True, held_s=0.02))
+    assert effects == []
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=12.0, steps=64))
+    assert effects == [RunBatchTurn(3, 64)]
+    stats = state.stats
+    assert (stats.background_turns, stats.background_in_chain, stats.background_under_load) == (2, 2, 2)
+    assert stats.batch_preempted == 0
+    # NOTE: the lent 0.05 s were background time, not batch time.
+    assert stats.batch_held_s == pytest.approx(10.0 + 2.0 - 0.05)
+    assert stats.background_under_load_s == pytest.approx(0.05)
+
+
+def test_a_lent_step_the_chain_hands_back_keeps_its_place_and_that_chain_is_cut_for_it() -> None:
+    """A step handed back unrun (the chain was ending) heads the queue again; the turn in flight is cut once, not lent to again."""
+    state = _lending_state()
+    state, _ = handle(state, BatchStatus(busy=True, ready=True, now=0.0))
+    state, _ = handle(state, BatchTurnDone(busy=True, ready=True, now=10.0, steps=64))
+    state, effects = handle(state, WantBackgroundTurn("spill", now=10.0))
+    assert effects == [LendBackground(2, "spill")]
+    state, effects = handle(state, LentBackgroundDone("spill", now=10.1, ran=False))
+    assert effects == [PreemptBatchTurn(2)]
+    assert [w.step_id for w in state.background] == ["spill"]
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=10.2, steps=1))
+    assert effects == [RunBackgroundTurn("spill")]
+    state, effects = handle(state, BackgroundTurnDone("spill", now=10.25))
+    assert effects == [RunBatchTurn(3, 64)]
+    # NOTE: the next turn lends again.
+    state, effects = handle(state, WantBackgroundTurn("clone", now=10.3))
+    assert effects == [LendBackground(3, "clone")]
+
+
+def test_lending_keeps_background_within_its_share_and_never_cuts_a_chain() -> None:
+    """Sustained batch load, an asker that asks again at once: no chain is cut, background time stays within the share bound and reaches half of it."""
+    state = _lending_state()
+    fg_step, bg_step = 0.02, 0.002
+    now = bg_s = fg_s = 0.0
+    cuts = 0
+    asked = 0
+
+    def feed(event: CoreEvent) -> list[Effect]:
+        nonlocal state
+        state, effects = handle(state, event)
+        return effects
+
+    effects = feed(BatchStatus(busy=True, ready=True, now=0.0))
+    effects += feed(WantBackgroundTurn("bg-0", now=0.0))
+    while now < 60.0:
+        grants = [e for e in effects if isinstance(e, RunBatchTurn)]
+        assert not any(isinstance(e, RunBackgroundTurn) for e in effects)
+        (grant,) = grants
+        lent = [e for e in effects if isinstance(e, LendBackground)]
+        effects = []
+        steps = 0
+        while steps < grant.max_steps:
+            cuts += any(isinstance(e, PreemptBatchTurn) for e in effects)
+            now += fg_step
+            fg_s += fg_step
+            steps += 1
+            lent += [e for e in effects if isinstance(e, LendBackground)]
+            effects = []
+            # NOTE: the chain runs what was lent during its step, then asks again.
+            for e in lent:
+                assert e.turn == grant.turn
+                now += bg_step
+                bg_s += bg_step
+                effects += feed(LentBackgroundDone(e.step_id, now=now, ran=True, held_s=bg_step))
+                asked += 1
+                effects += feed(WantBackgroundTurn(f"bg-{asked}", now=now))
+            lent = []
+        effects += feed(BatchTurnDone(busy=True, ready=True, now=now, steps=steps))
+    assert cuts == 0
+    assert state.stats.batch_preempted == 0
+    ratio = DEFAULT_BACKGROUND_SHARE / (1 - DEFAULT_BACKGROUND_SHARE)
+    assert bg_s <= ratio * fg_s + state.background_credit_cap_s + bg_step
+    assert bg_s >= 0.5 * ratio * fg_s
+    assert state.stats.background_in_chain == asked

@@ -9,7 +9,7 @@ makes steps short on the CPU: a seeded random-weight mlx-lm ``llama`` of
 tokenizer, written to a temporary directory, and drives, rounds
 interleaved in one run:
 
-1. ``kvtier serve`` (subprocess, ``--ssd-cache off``, ``--max-batch B``):
+1. ``kvtier serve`` (subprocess, ``--ssd-cache off`` unless ``--ssd``, ``--max-batch B``):
    ``B`` concurrent streaming clients (httpx, real HTTP), each sending
    ``--requests`` requests one after the other (guidellm's concurrency
    profile: a row leaves and another joins all the time), distinct prompts
@@ -23,7 +23,10 @@ Per contender: aggregate tok/s, ITL p50 (client side, between content
 chunks), and from ``/stats`` (``Engine.stats()``) the batch steps run, the
 batch turns (each turn is one gateway grant; a turn runs a chain of steps:
 steps per turn says how often chains end) and the engine thread's busy
-time. Prints the served/in-process ratios. ``--json`` writes everything.
+time; with ``--ssd`` (each server with its own SSD tier, so write-behind's
+background steps run under the load) also the background steps granted,
+how many ran inside a chain (lent to it) and how many chains were cut.
+Prints the served/in-process ratios. ``--json`` writes everything.
 
 ``--baseline-tree DIR`` adds ``served-base``: the same ``kvtier serve`` from
 another checkout (a git worktree of the commit before a change), so a
@@ -202,7 +205,21 @@ def _summary(
     s1, t1 = _batch_counts(after)
     steps, turns = s1 - s0, t1 - t0
     busy = after["engine_thread"]["busy_s"] - before["engine_thread"]["busy_s"]
+
+    def token(stats: dict[str, Any], *keys: str) -> int:
+        node: Any = stats["gateway"]["token"]
+        for key in keys:
+            node = node.get(key, 0) if isinstance(node, dict) else 0
+        return int(node or 0)
+
+    def delta(*keys: str) -> int:
+        return token(after, *keys) - token(before, *keys)
+
     return {
+        "background_grants": delta("grants", "background"),
+        "background_under_load": delta("background_under_load", "turns"),
+        "background_in_chain": delta("background_under_load", "in_chain"),
+        "chains_cut": delta("batch_chains", "preempted"),
         "engine_busy_share": busy / wall,
         "tps": tokens / wall,
         "wall_s": wall,
@@ -316,6 +333,9 @@ def _line(who: str, r: dict[str, Any]) -> str:
     if "hold_mean_ms" in r:
         extra += (f"  (held {r['hold_mean_ms']:.1f} + asleep {r['sleep_mean_ms']:.1f}"
                   f" + rest {r['rest_mean_ms']:.1f} ms)")
+    if r.get("background_grants"):
+        extra += (f"  background {r['background_grants']} (under load {r['background_under_load']},"
+                  f" in a chain {r['background_in_chain']}), chains cut {r['chains_cut']}")
     return (
         f"  {who:<10} {r['tps']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
         f"wall/step {r['wall_per_step_ms']:6.2f} ms  steps {r['steps']:5d}  turns {r['turns']:4d}  "
@@ -342,14 +362,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if site is None:
             raise SystemExit("--switch-interval-ms needs --stand-in")
         mine["SERVED_STEPS_SWITCH_S"] = str(args.switch_interval_ms / 1000)
-    servers = {"served": start_kvtier(model_dir, work, *serve_args, env=mine)}
+    # NOTE: --ssd: each server its own SSD tier (a directory is locked by one server).
+    ssd = ("--ssd-cache", str(work / "ssd-served")) if args.ssd else ()
+    servers = {"served": start_kvtier(model_dir, work, *serve_args, *ssd, env=mine)}
     if args.baseline_tree is not None:
         # NOTE: the same command from another checkout: ``-P`` keeps the working
         # directory (this checkout) off sys.path, so PYTHONPATH decides.
         path = [*env.values(), str(args.baseline_tree.resolve())]
         env = {"PYTHONPATH": ":".join(path)}
         cmd = [sys.executable, "-P", "-m", "actors.cli", "serve", "--model", str(model_dir),
-               "--port", "0", *serve_args]
+               "--port", "0", *serve_args,
+               *(("--ssd-cache", str(work / "ssd-base")) if args.ssd else ())]
         base = Server(cmd, work, "base", env)
         base.wait_ready(None, 180.0)
         servers["served-base"] = base
@@ -469,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --stand-in: the `served` server's interpreter switch interval in ms "
         "(sys.setswitchinterval; 0: Python's 5 ms), e.g. against --baseline-tree . of the same code",
     )
+    p.add_argument("--ssd", action="store_true",
+                   help="the servers with the SSD tier on (each in its own directory; the in-process "
+                        "Engine stays without it): write-behind's background steps under load")
     p.add_argument("--chat", action="store_true",
                    help="also the same prompts as chat requests to the same server (served-chat), "
                         "the request format guidellm's load uses")

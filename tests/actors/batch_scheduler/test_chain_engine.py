@@ -324,3 +324,39 @@ async def test_background_work_gets_its_share_between_the_steps_of_active_rows(
     assert len(seen) == 1
     assert 0 < seen[0] < len(log.steps)
     assert stats["batch"]["batch"]["steps"]["run"] == len(log.steps)
+
+
+async def test_a_background_step_due_under_load_runs_inside_the_chain_without_cutting_it(
+    model: Any, tok: Any, log: StepLog
+) -> None:
+    """Asked for while rows chain, a background step rides the next chain (lent, once the chain that ended earned its share): it runs between two steps, before the rows end, and no chain is cut for it."""
+    prompts = _prompts(tok, 2, seed=17)
+    params = _long(tok, 60)
+    seen: list[int] = []
+    async with _engine(model, tok, max_batch=4, max_burst=8) as eng:
+
+        async def row(i: int) -> None:
+            n = 0
+            async with eng.generate(prompts[i], params) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        n += 1
+                        if i == 0 and n == 5:
+                            tg.start_soon(background)
+
+        async def background() -> None:
+            await eng.run_when_idle(lambda: seen.append(len(log.steps)), timeout=30)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(row, 0)
+            tg.start_soon(row, 1)
+        stats = await _settled(eng)
+    token = stats["gateway"]["token"]
+    assert len(seen) == 1
+    assert 0 < seen[0] < len(log.steps)
+    assert token["background_under_load"]["in_chain"] == 1
+    assert token["grants"]["background"] == 1
+    assert token["batch_chains"]["preempted"] == 0
+    # NOTE: every chain ran its 8 steps but the last (nothing cut one short).
+    assert token["batch_chains"]["steps"] == len(log.steps)
+    assert token["batch_chains"]["granted"] == -(-len(log.steps) // 8)
