@@ -27,7 +27,9 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   so seeded rows draw from their own key), EOS / stop token ids and
   ``max_tokens`` end a row inside mlx-lm, stop strings are matched on each
   row's own :class:`TextStream`.
-- **Rows leave through per-row extraction before the batch is filtered**:
+- **Rows leave through per-row extraction**, then their slot waits for the
+  next joining row (``GreedyGenerationBatch``: no whole-batch copy; the
+  batch is filtered for layer kinds that cannot hold a vacant slot):
   a finished or cancelled row hands back a per-layer cache list of the
   serial lane's kinds (``KVCache`` / ``RotatingKVCache`` / ``ArraysCache``,
   ``QuantizedKVCache`` for a converted transitioning row), together with the
@@ -683,7 +685,7 @@ class BatchGeneration:
         self._by_uid[row.uid] = row
 
     def cancel(self, row_id: str) -> RowExit:
-        """Remove a row now; its cache is extracted before the batch is filtered."""
+        """Remove a row now; its cache is extracted before its slot is vacated (or the batch filtered)."""
         row = self._row(row_id)
         with mx.stream(generation_stream):
             if row in self._replaying:

@@ -20,7 +20,7 @@ Outside such a tie the tokens are the same; the serial lane and the batch
 lane both use this rule, so they agree with each other.
 
 :class:`GreedyGenerationBatch` is mlx-lm's ``GenerationBatch`` with that
-one change in ``_step`` (and two in what joining and leaving cost, in its
+one change in ``_step`` (and three in what joining and leaving cost, in its
 docstring); :func:`enter_generation` builds it where mlx-lm's
 ``PromptProcessingBatch.generate`` would build its own. Engine thread only.
 """
@@ -92,7 +92,7 @@ class GreedyGenerationBatch(GenerationBatch):
     rows' caches hold the same tokens in every layer); filtering keeps it,
     since mlx-lm applies the same rows to every layer.
 
-    Two changes to what rows joining and leaving cost:
+    Three changes to what rows joining and leaving cost:
 
     - **Rows enter without a forward of their own** (:func:`enter_generation`):
       a prefilled row's last prompt token waits in the batch's next inputs

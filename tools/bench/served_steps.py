@@ -206,20 +206,22 @@ def _summary(
     steps, turns = s1 - s0, t1 - t0
     busy = after["engine_thread"]["busy_s"] - before["engine_thread"]["busy_s"]
 
-    def token(stats: dict[str, Any], *keys: str) -> int:
+    def token(stats: dict[str, Any], *keys: str) -> float:
         node: Any = stats["gateway"]["token"]
         for key in keys:
             node = node.get(key, 0) if isinstance(node, dict) else 0
-        return int(node or 0)
+        return float(node or 0)
 
     def delta(*keys: str) -> int:
-        return token(after, *keys) - token(before, *keys)
+        return int(token(after, *keys) - token(before, *keys))
 
     return {
         "background_grants": delta("grants", "background"),
         "background_under_load": delta("background_under_load", "turns"),
         "background_in_chain": delta("background_under_load", "in_chain"),
         "chains_cut": delta("batch_chains", "preempted"),
+        "background_under_load_s": token(after, "background_under_load", "held_s")
+        - token(before, "background_under_load", "held_s"),
         "engine_busy_share": busy / wall,
         "tps": tokens / wall,
         "wall_s": wall,
@@ -334,8 +336,9 @@ def _line(who: str, r: dict[str, Any]) -> str:
         extra += (f"  (held {r['hold_mean_ms']:.1f} + asleep {r['sleep_mean_ms']:.1f}"
                   f" + rest {r['rest_mean_ms']:.1f} ms)")
     if r.get("background_grants"):
-        extra += (f"  background {r['background_grants']} (under load {r['background_under_load']},"
-                  f" in a chain {r['background_in_chain']}), chains cut {r['chains_cut']}")
+        extra += (f"  background {r['background_grants']} (under load {r['background_under_load']}"
+                  f" for {r['background_under_load_s'] * 1e3:.0f} ms, in a chain"
+                  f" {r['background_in_chain']}), chains cut {r['chains_cut']}")
     return (
         f"  {who:<10} {r['tps']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
         f"wall/step {r['wall_per_step_ms']:6.2f} ms  steps {r['steps']:5d}  turns {r['turns']:4d}  "
