@@ -30,6 +30,7 @@ import pytest
 from actors.checkpoints import CheckpointCounters, CheckpointHandoff
 from actors.engine import Engine
 from actors.engine.startup import SamplingExecutor
+from actors.engine_thread import BackgroundSteps
 from actors.runtime import Actor
 from actors.ssd_writer import BackgroundThreads, HostStaging, ThreadPool
 from kernels.cache import CacheRegistry, OsFilePort
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.anyio
 
 SHARED_PORTS: tuple[type, ...] = (
     CacheRegistry, OsFilePort, HostStaging, ThreadPool, SamplingExecutor, CheckpointCounters,
-    CheckpointHandoff, BackgroundThreads,
+    CheckpointHandoff, BackgroundThreads, BackgroundSteps,
 )
 """Classes whose instances several actors may hold: each documents itself as a thread-safe or loop-only port."""
 

@@ -111,14 +111,18 @@ class StepHandle(Generic[T]):
 
 
 class BackgroundSteps:
-    """The turn runner's registry of background step callables, keyed by ``RunWhenIdle.step_id``.
+    """The registry of background step callables, keyed by ``RunWhenIdle.step_id``: a loop-only port.
 
     Askers call :meth:`add` only (and keep the handle); :meth:`take`,
-    :meth:`put_back` and :meth:`settle` are the runner's (the batch
-    scheduler's for a step lent to its chain). A one-shot step is registered until it
-    is taken or withdrawn; a *standing* step (e.g. the prompt cache's
-    disposal drain, asked for again and again) stays registered until
-    withdrawn, and its handle holds the outcome of its latest run.
+    :meth:`put_back` and :meth:`settle` are the turn runner's, or the batch
+    scheduler's for a step the gateway lent to its chain (the gateway grants
+    each step to one of them, so they never take the same step). A one-shot
+    step is registered until it is taken or withdrawn; a *standing* step
+    (e.g. the prompt cache's disposal drain, asked for again and again)
+    stays registered until withdrawn, and its handle holds the outcome of
+    its latest run. NOTE: loop-only: every method runs on the event loop
+    and none awaits, so the actors holding it (the runner, the batch
+    scheduler) may share it; the engine thread only calls a taken callable.
     """
 
     def __init__(self) -> None:
