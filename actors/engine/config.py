@@ -196,6 +196,15 @@ class EngineConfig(BaseModel):
                                 "long loses its stream, and its engine turn ends within one step"),
         Setting("KVTIER_STREAM_WRITE_TIMEOUT", "--stream-write-timeout", unit="s"),
     ] = 30.0
+    background_in_chain: Annotated[
+        bool,
+        Field(description="under load, a background step due from its share (write-behind, "
+                          "the SSD writer) runs inside the batch lane's running step chain, "
+                          "between two steps, instead of ending the chain (docs/batching.md, "
+                          "\"Background steps inside a chain\"); off until measured on a GPU: "
+                          "on the 2-core CPU it cost served throughput"),
+        Setting("KVTIER_BACKGROUND_IN_CHAIN", "--background-in-chain", metavar="on|off"),
+    ] = False
     snapshot_min_new_tokens: Annotated[
         int,
         Field(ge=0, description="uncached prompt tokens a chat request needs before its "

@@ -561,10 +561,10 @@ def _gateway(parts: Parts) -> Factory:
         # NOTE: background steps (write-behind clones, SSD tensor reads) get a
         # bounded share of engine time under load, so durability keeps up.
         background_share=DEFAULT_BACKGROUND_SHARE,
-        # NOTE: such a step runs inside the batch's step chain, between two
-        # steps, instead of ending it (docs/batching.md, "Background steps
-        # inside a chain").
-        chain_background=True,
+        # NOTE: such a step may run inside the batch's step chain, between
+        # two steps, instead of ending it (docs/batching.md, "Background
+        # steps inside a chain"); off by default until measured on a GPU.
+        chain_background=cfg.background_in_chain,
         # NOTE: serial-lane checkpoints are loaded at admission, beside the Take.
         checkpoints=_checkpoints(parts),
     )

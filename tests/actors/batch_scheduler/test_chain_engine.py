@@ -333,7 +333,7 @@ async def test_a_background_step_due_under_load_runs_inside_the_chain_without_cu
     prompts = _prompts(tok, 2, seed=17)
     params = _long(tok, 60)
     seen: list[int] = []
-    async with _engine(model, tok, max_batch=4, max_burst=8) as eng:
+    async with _engine(model, tok, max_batch=4, max_burst=8, background_in_chain=True) as eng:
 
         async def row(i: int) -> None:
             n = 0
