@@ -789,9 +789,7 @@ def _lent_done(state: GatewayState, ev: LentBackgroundDone) -> None:
         state.lend_refused = True
         return
     stats = state.stats
-    waited = max(0.0, state.lent_at - lent.asked)
-    stats.background_wait_s += waited
-    stats.max_background_wait_s = max(stats.max_background_wait_s, waited)
+    _count_wait(state, lent, state.lent_at)
     held = max(0.0, ev.held_s)
     stats.background_turns += 1
     stats.background_under_load += 1
@@ -799,7 +797,8 @@ def _lent_done(state: GatewayState, ev: LentBackgroundDone) -> None:
     stats.background_held_s += held
     stats.background_under_load_s += held
     state.background_credit_s -= held
-    state.lent_in_turn_s += held
+    if state.turn is not None and state.turn.owner == "batch":
+        state.lent_in_turn_s += held
 
 
 def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
@@ -848,14 +847,19 @@ def _grant_background(state: GatewayState, now: float, out: list[Effect], *,
         state.background.remove(wait)
     else:
         wait = state.background.popleft()
-    waited = max(0.0, now - wait.asked)
-    state.stats.background_wait_s += waited
-    state.stats.max_background_wait_s = max(state.stats.max_background_wait_s, waited)
+    _count_wait(state, wait, now)
     state.stats.background_turns += 1
     if under_load:
         state.stats.background_under_load += 1
     state.turn = Turn("background", wait.step_id, now, under_load=under_load)
     out.append(RunBackgroundTurn(wait.step_id))
+
+
+def _count_wait(state: GatewayState, wait: BackgroundWait, granted: float) -> None:
+    """How long ``wait`` waited for its grant (or its lending), into the statistics."""
+    waited = max(0.0, granted - wait.asked)
+    state.stats.background_wait_s += waited
+    state.stats.max_background_wait_s = max(state.stats.max_background_wait_s, waited)
 
 
 def _take_lane(state: GatewayState, rid: str) -> None:

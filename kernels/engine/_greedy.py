@@ -58,6 +58,12 @@ TRIM_MIN_TOKENS = 64
 _HOLE_UID = -1
 """The uid of a vacant slot (a row's uid is never negative)."""
 
+_ROW_LISTS = (
+    "uids", "tokens", "samplers", "logits_processors", "max_tokens", "stop_sequences",
+    "_matchers", "_token_context", "_num_tokens", "_next_logprobs", "_priming",
+)
+"""mlx-lm's (and kvtier's) per-row lists of a decode batch: what a row filling a hole brings."""
+
 
 def argmax_with_logprobs(logprobs: mx.array) -> mx.array:
     """The greedy sampler of a row that reads its logprobs (same tokens as ``_argmax``; another identity)."""
@@ -248,18 +254,9 @@ class GreedyGenerationBatch(GenerationBatch):
             ]
             c.left_padding = mx.where(slot, end - n, c.left_padding)
             c.offset = mx.where(slot, n, c.offset)
-        self_.uids[index] = other.uids[j]
-        self_.tokens[index] = other.tokens[j]
-        self_.samplers[index] = other.samplers[j]
-        self_.logits_processors[index] = other.logits_processors[j]
-        self_.max_tokens[index] = other.max_tokens[j]
-        self_.stop_sequences[index] = other.stop_sequences[j]
-        self_._matchers[index] = other._matchers[j]
-        self_._token_context[index] = other._token_context[j]
-        self_._num_tokens[index] = other._num_tokens[j]
-        self_._next_logprobs[index] = other._next_logprobs[j]
+        for name in _ROW_LISTS:
+            getattr(self, name)[index] = getattr(other, name)[j]
         self_._next_tokens = mx.where(slot, other._next_tokens[j], self_._next_tokens)
-        self._priming[index] = other._priming[j]
         self._hole_age[index] = None
         self._equal_offsets = self._equal_offsets and bool(other._equal_offsets)
 
@@ -327,10 +324,12 @@ class GreedyGenerationBatch(GenerationBatch):
         if not trim:
             return
         shifts = cast("list[int]", mx.stack([m for _, m in trim]).tolist())
+        # NOTE: with slot reuse a trim is the only copy left: it copies the
+        # layer (the next in-place write finds a strided view), and a little
+        # shared padding costs less per step. Without it, mlx-lm's rule.
+        least = TRIM_MIN_TOKENS if self.reuse_slots else 1
         for (c, _), shift in zip(trim, shifts, strict=True):
-            if shift < TRIM_MIN_TOKENS:
-                # NOTE: a trim copies the layer (the next in-place write finds a
-                # strided view); a little shared padding costs less per step.
+            if shift < least:
                 continue
             if c.keys is not None:
                 c.keys = c.keys[..., shift:, :]

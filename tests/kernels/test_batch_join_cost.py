@@ -74,6 +74,10 @@ def test_a_joining_row_is_forwarded_by_the_decode_step_it_joins(model: Any, tok:
     assert out["b"] == _serial(model, tok, prompt_b, 4)
 
 
+PROMPT_A = [5 + i % 40 for i in range(12)]
+PROMPT_B = [7 + i % 30 for i in range(20)]
+
+
 def _drain(batch: BatchGeneration, out: dict[str, list[int]]) -> None:
     while not batch.idle:
         for t in batch.step().tokens:
@@ -94,8 +98,7 @@ def test_a_row_joining_after_another_left_takes_its_slot_without_copying_the_bat
 ) -> None:
     """A leaving row's slot stays as a hole; the next row is written into it (same arrays, same rows); tokens stay serial."""
     batch = BatchGeneration(model, tok, max_rows=3, prefill_step_size=64)
-    prompt_a = [5 + i % 40 for i in range(12)]
-    prompt_b = [7 + i % 30 for i in range(20)]
+    prompt_a, prompt_b = PROMPT_A, PROMPT_B
     prompt_c = [11 + i % 25 for i in range(15)]
     batch.join("a", prompt_a, SamplingParams(max_tokens=3))
     batch.join("b", prompt_b, SamplingParams(max_tokens=30))
@@ -122,8 +125,7 @@ def test_a_row_joining_after_another_left_takes_its_slot_without_copying_the_bat
 def test_without_slot_reuse_a_leaving_row_is_filtered_out_at_once(model: Any, tok: Any) -> None:
     """reuse_slots=False (KVTIER_BATCH_SLOT_REUSE=0): mlx-lm's filter the step a row leaves, no hole; tokens stay serial."""
     batch = BatchGeneration(model, tok, prefill_step_size=64, reuse_slots=False)
-    prompt_a = [5 + i % 40 for i in range(12)]
-    prompt_b = [7 + i % 30 for i in range(20)]
+    prompt_a, prompt_b = PROMPT_A, PROMPT_B
     batch.join("a", prompt_a, SamplingParams(max_tokens=2))
     batch.join("b", prompt_b, SamplingParams(max_tokens=10))
     out: dict[str, list[int]] = {}
@@ -137,8 +139,7 @@ def test_without_slot_reuse_a_leaving_row_is_filtered_out_at_once(model: Any, to
 def test_a_hole_nobody_takes_is_compacted_after_hole_steps(model: Any, tok: Any) -> None:
     """With no row joining, the vacated slot is forwarded HOLE_STEPS steps, then the batch drops it."""
     batch = BatchGeneration(model, tok, prefill_step_size=64)
-    prompt_a = [5 + i % 40 for i in range(12)]
-    prompt_b = [7 + i % 30 for i in range(20)]
+    prompt_a, prompt_b = PROMPT_A, PROMPT_B
     batch.join("a", prompt_a, SamplingParams(max_tokens=2))
     batch.join("b", prompt_b, SamplingParams(max_tokens=HOLE_STEPS + 12))
     out: dict[str, list[int]] = {}
@@ -174,12 +175,14 @@ def test_a_row_longer_than_the_batch_is_appended_not_put_in_a_hole(model: Any, t
     assert out["c"] == _serial(model, tok, prompt_c, 6)
 
 
-@pytest.mark.parametrize(("long_len", "trimmed"), [(40, False), (TRIM_MIN_TOKENS + 40, True)])
+@pytest.mark.parametrize(("long_len", "reuse", "trimmed"), [
+    (40, True, False), (TRIM_MIN_TOKENS + 40, True, True), (40, False, True),
+])
 def test_shared_padding_a_leaving_row_leaves_is_trimmed_from_trim_min_tokens(
-    model: Any, tok: Any, long_len: int, trimmed: bool
+    model: Any, tok: Any, long_len: int, reuse: bool, trimmed: bool
 ) -> None:
-    """After a long row leaves, the short row's padding is dropped a step later when it reaches TRIM_MIN_TOKENS, kept below; tokens stay serial."""
-    batch = BatchGeneration(model, tok, prefill_step_size=256)
+    """After a long row leaves, the short row's padding is dropped a step later when it reaches TRIM_MIN_TOKENS (any padding without slot reuse), kept below; tokens stay serial."""
+    batch = BatchGeneration(model, tok, prefill_step_size=256, reuse_slots=reuse)
     long_prompt = [3 + i % 50 for i in range(long_len)]
     short_prompt = [9 + i % 20 for i in range(5)]
     batch.join("long", long_prompt, SamplingParams(max_tokens=2))

@@ -291,6 +291,36 @@ async def test_the_serial_lane_gets_turns_while_a_chain_runs(
     assert token["batch_refused"] == {"top_logprobs": 1}
 
 
+async def _background_while_rows_chain(
+    eng: Engine, tok: Any, log: StepLog, *, seed: int, max_tokens: int, at_token: int
+) -> tuple[list[int], dict[str, Any]]:
+    """Two long rows; a background step asked for at row 0's ``at_token``-th token.
+
+    Returns the batch steps run when the step ran (one entry per run) and
+    the settled stats.
+    """
+    prompts = _prompts(tok, 2, seed=seed)
+    params = _long(tok, max_tokens)
+    seen: list[int] = []
+
+    async def row(i: int) -> None:
+        n = 0
+        async with eng.generate(prompts[i], params) as stream:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    n += 1
+                    if i == 0 and n == at_token:
+                        tg.start_soon(background)
+
+    async def background() -> None:
+        await eng.run_when_idle(lambda: seen.append(len(log.steps)), timeout=30)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(row, 0)
+        tg.start_soon(row, 1)
+    return seen, await _settled(eng)
+
+
 async def test_background_work_gets_its_share_between_the_steps_of_active_rows(
     model: Any, tok: Any, log: StepLog
 ) -> None:
@@ -300,27 +330,9 @@ async def test_background_work_gets_its_share_between_the_steps_of_active_rows(
     must progress while the server is busy, so it no longer waits for the
     last batch step; it runs at a step boundary, never inside a step.
     """
-    prompts = _prompts(tok, 2, seed=13)
-    params = _long(tok, 40)
-    seen: list[int] = []
     async with _engine(model, tok, max_batch=4, max_burst=8) as eng:
-
-        async def row(i: int) -> None:
-            n = 0
-            async with eng.generate(prompts[i], params) as stream:
-                async for event in stream:
-                    if isinstance(event, TokenEvent):
-                        n += 1
-                        if i == 0 and n == 3:
-                            tg.start_soon(background)
-
-        async def background() -> None:
-            await eng.run_when_idle(lambda: seen.append(len(log.steps)), timeout=30)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(row, 0)
-            tg.start_soon(row, 1)
-        stats = await _settled(eng)
+        seen, stats = await _background_while_rows_chain(eng, tok, log, seed=13, max_tokens=40,
+                                                         at_token=3)
     assert len(seen) == 1
     assert 0 < seen[0] < len(log.steps)
     assert stats["batch"]["batch"]["steps"]["run"] == len(log.steps)
@@ -330,27 +342,9 @@ async def test_a_background_step_due_under_load_runs_inside_the_chain_without_cu
     model: Any, tok: Any, log: StepLog
 ) -> None:
     """Asked for while rows chain, a background step rides the next chain (lent, once the chain that ended earned its share): it runs between two steps, before the rows end, and no chain is cut for it."""
-    prompts = _prompts(tok, 2, seed=17)
-    params = _long(tok, 60)
-    seen: list[int] = []
     async with _engine(model, tok, max_batch=4, max_burst=8, background_in_chain=True) as eng:
-
-        async def row(i: int) -> None:
-            n = 0
-            async with eng.generate(prompts[i], params) as stream:
-                async for event in stream:
-                    if isinstance(event, TokenEvent):
-                        n += 1
-                        if i == 0 and n == 5:
-                            tg.start_soon(background)
-
-        async def background() -> None:
-            await eng.run_when_idle(lambda: seen.append(len(log.steps)), timeout=30)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(row, 0)
-            tg.start_soon(row, 1)
-        stats = await _settled(eng)
+        seen, stats = await _background_while_rows_chain(eng, tok, log, seed=17, max_tokens=60,
+                                                         at_token=5)
     token = stats["gateway"]["token"]
     assert len(seen) == 1
     assert 0 < seen[0] < len(log.steps)
