@@ -346,6 +346,35 @@ def agent_trace(
     return result
 
 
+def warm_up(url: str, model: str, levels: Sequence[int], prompt_tokens: int, nonce: str) -> None:
+    """One burst of short requests at each concurrency level, before anything is measured.
+
+    NOTE: MLX compiles kernels on first use per shape (on CUDA at every new
+    batch size and prompt length); without this the server that runs first
+    on a fresh machine pays those compiles inside its measured levels.
+    Distinct prompts of the measured length, 4 new tokens each.
+    """
+    from _common import stream_chat, system_prompt
+
+    errors: list[BaseException] = []
+
+    def one(i: int, level: int) -> None:
+        try:
+            text = system_prompt(prompt_tokens, f"warm {nonce} {level} {i}")
+            stream_chat(url, [{"role": "user", "content": text}], model, 4)
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread below.
+            errors.append(exc)
+
+    for level in levels:
+        threads = [threading.Thread(target=one, args=(i, level)) for i in range(level)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+
+
 # --- servers -----------------------------------------------------------------------
 
 
@@ -399,6 +428,9 @@ def run_server(
         if who == "kvtier" and model_id(url) != served:
             raise RuntimeError(f"kvtier serves {model_id(url)!r}, not {served!r}")
         stream_chat(url, [{"role": "user", "content": f"warm-up {rnd}"}], served, 8)
+        if args.warmup and not args.skip_loadgen:
+            warm_up(url, served, [int(c) for c in args.concurrency.split(",") if c],
+                    args.prompt_tokens, f"{who}-{tag}")
         if not args.skip_loadgen:
             levels = [int(c) for c in args.concurrency.split(",") if c]
             counts = [max(args.min_requests, c * args.requests_per_stream) for c in levels]
@@ -746,6 +778,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="number of the first round (prompts are seeded by the round: a later run continues the series)",
     )
     p.add_argument("--concurrency", default="1,4,8", help="concurrent-stream levels")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before the measured levels, one burst of short requests per concurrency level (first compiles)",
+    )
     p.add_argument(
         "--requests-per-stream", type=int, default=3, help="requests per level = this x streams"
     )
