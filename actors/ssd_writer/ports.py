@@ -41,6 +41,7 @@ from kernels.cache import (
     land_entry,
     landing_thread_count,
     plan_entry,
+    release_host_copies,
     tensors_bytes,
     usable_cpus,
 )
@@ -279,10 +280,23 @@ class EngineTensorSource:
         """Engine thread: release the plans whose askers stopped waiting (see :class:`_Claim`)."""
         with self._orphans_lock:
             orphans, self._orphans = self._orphans, []
+        dropped = False
         for plan in orphans:
-            self._last.pop(id(plan), None)
-            self._held.pop(id(plan), None)
+            dropped |= self._drop(id(plan))
             plan.release_arrays()
+        if dropped:
+            release_host_copies()
+
+    def _drop(self, key: int) -> bool:
+        """Engine thread: drop this source's references to plan ``key``'s views; whether it held any.
+
+        NOTE: the caller then calls :func:`release_host_copies` (after every
+        drop of the turn): on CUDA the views' buffers are managed memory that
+        must not go back into MLX's buffer cache.
+        """
+        group = self._last.pop(key, None)
+        held = self._held.pop(key, None)
+        return bool(group) or bool(held)
 
     async def _claimed(self, claim: _Claim, step: Callable[[], T]) -> T:
         """Run ``step`` in one idle turn; the plan it took in ``claim`` is orphaned if the await fails.
@@ -340,8 +354,10 @@ class EngineTensorSource:
 
         def step() -> BytesLike:
             self._release_orphans()
-            # NOTE: the previous group's views are dropped here, on the engine thread.
-            self._last.pop(key, None)
+            # NOTE: the previous group's views are dropped here, on the engine
+            # thread, and their memory freed before this group's copies are made.
+            if self._last.pop(key, None):
+                release_host_copies()
             indices = _view_group(plan, index)
             views: dict[int, BytesLike] = dict(zip(indices, tensors_bytes(plan, indices), strict=True))
             self._last[key] = views
@@ -404,9 +420,10 @@ class EngineTensorSource:
 
         def step() -> None:
             self._release_orphans()
-            self._last.pop(key, None)
-            self._held.pop(key, None)
+            dropped = self._drop(key)
             plan.release_arrays()
+            if dropped:
+                release_host_copies()
 
         await self._turns.run_when_idle(step)
 

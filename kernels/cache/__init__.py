@@ -97,6 +97,7 @@ from ._kv_scheme import (
 from ._kv_writer import (
     KvFileWriter,
     plan_entry,
+    release_host_copies,
     tensor_bytes,
     tensors_bytes,
 )
@@ -178,6 +179,7 @@ __all__ = [
     "plan_entry",
     "read_header",
     "read_tensors",
+    "release_host_copies",
     "resolve_kv_scheme",
     "tensor_bytes",
     "tensors_bytes",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -67,6 +68,7 @@ __all__ = [
     "WriterState",
     "host_reads_migrate",
     "plan_entry",
+    "release_host_copies",
     "tensor_bytes",
     "tensors_bytes",
 ]
@@ -310,7 +312,8 @@ def plan_entry(
 _HOST_READ_COPY: bool | None = None
 """Test hook: force (True) or skip (False) the device-side copy; None: decide by the device."""
 
-_copy_stream: Any = None
+_copy_streams = threading.local()
+"""The copy stream of each thread that made host copies (MLX streams belong to the thread that made them)."""
 
 
 def host_reads_migrate() -> bool:
@@ -329,6 +332,24 @@ def host_reads_migrate() -> bool:
     return bool(cuda is not None and cuda.is_available())
 
 
+def release_host_copies() -> None:
+    """Free the memory of host-read copies whose last reference was just dropped (engine thread).
+
+    NOTE: on MLX's CUDA backend a host read (the ``memoryview`` that
+    :func:`tensors_bytes` takes) moves the device-side copy into a fresh
+    CUDA managed buffer. Freed, that buffer goes to MLX's buffer cache,
+    which hands it to the next allocation of its size whatever the device:
+    a later decode kernel's temporaries would then live in pages the
+    worker's reads moved to the host, and fault them back on every step
+    that uses them. Clearing the cache frees them (and the cached device
+    buffers, which the next steps allocate again from CUDA's pool, as after
+    mlx-lm's periodic ``clear_cache``). Where nothing migrates (CPU, Metal)
+    the cache is kept.
+    """
+    if host_reads_migrate():
+        mx.clear_cache()
+
+
 def _host_copy(a: Any) -> Any:
     """A row-contiguous copy of ``a`` made on its own stream (engine thread).
 
@@ -336,11 +357,14 @@ def _host_copy(a: Any) -> Any:
     step in flight on the default one; ``a * 1`` in ``a``'s dtype is exact
     for every dtype a cache holds (floats, quantized uint32 words).
     """
-    global _copy_stream
-    if _copy_stream is None:
-        _copy_stream = mx.new_stream(mx.default_device())
-    copy = mx.multiply(a, mx.array(1, dtype=a.dtype), stream=_copy_stream)
-    return mx.contiguous(copy, stream=_copy_stream)
+    # NOTE: one stream per thread: MLX refuses a stream on a thread other than
+    # its maker's, and an engine thread may be replaced (a new Engine in the
+    # same process).
+    stream = getattr(_copy_streams, "stream", None)
+    if stream is None:
+        stream = _copy_streams.stream = mx.new_stream(mx.default_device())
+    copy = mx.multiply(a, mx.array(1, dtype=a.dtype), stream=stream)
+    return mx.contiguous(copy, stream=stream)
 
 
 def tensor_bytes(plan: EntryPlan, i: int) -> memoryview:

@@ -223,3 +223,68 @@ async def test_a_checkpoint_turn_that_runs_after_its_asker_left_releases_its_vie
     assert len(deaths) == len(handed)
     assert set(deaths) == {engine_thread}
     registry.dispose(reg.handle)
+
+
+def _fill_cache() -> int:
+    """Engine thread: free a 4 MiB array into MLX's buffer cache; the cache's bytes afterwards."""
+    filler = mx.zeros((1 << 20,), dtype=mx.float32)
+    mx.eval(filler)
+    del filler
+    return int(mx.get_cache_memory())
+
+
+@pytest.mark.parametrize("migrate", [True, False])
+async def test_a_finished_checkpoint_frees_its_host_copies_where_host_reads_migrate(
+    engine: EngineThread, model: Any, monkeypatch: pytest.MonkeyPatch, migrate: bool
+) -> None:
+    """Where host reads migrate pages (CUDA managed memory) the checkpoint's finish turn empties
+    MLX's buffer cache, so no freed host-read buffer is handed to a later kernel; elsewhere the
+    cache is kept."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", migrate)
+    registry = CacheRegistry()
+    reg = await _snapshot(engine, registry, model)
+    source = EngineTensorSource(ThreadTurns(engine), registry, IDENTITY)
+    plan, views = await source.checkpoint_views(
+        reg.handle, namespace="", tokens=(*PROMPT, *EMITTED), checkpoint=_record()
+    )
+    assert views
+    views.clear()
+    filled = await engine.run(_fill_cache)
+    assert filled >= 4 << 20
+    await source.finish(plan)
+    # NOTE: the turn's own transients (the next group's copy intermediates)
+    # may be cached afterwards; the 4 MiB freed before it must be gone.
+    after = await engine.run(lambda: int(mx.get_cache_memory()))
+    assert (after < filled) is migrate
+    registry.dispose(reg.handle)
+
+
+@pytest.mark.parametrize("migrate", [True, False])
+async def test_a_spill_frees_each_dropped_group_of_host_copies_where_host_reads_migrate(
+    engine: EngineThread, model: Any, monkeypatch: pytest.MonkeyPatch, migrate: bool
+) -> None:
+    """A prompt spill's turn that drops the previous group's views empties MLX's buffer cache
+    where host reads migrate pages, before it takes the next group's; elsewhere the cache is kept."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", migrate)
+    # NOTE: one tensor per group, so the second tensor's turn drops the first group.
+    monkeypatch.setattr(ports, "VIEW_GROUP_BYTES", 1)
+    registry = CacheRegistry()
+    prompt = await register(engine, registry, model, PROMPT)
+    source = EngineTensorSource(ThreadTurns(engine), registry, IDENTITY)
+    plan = await source.plan(prompt.handle, namespace="", tokens=PROMPT)
+    assert len(plan.tensors) >= 2
+    assert len(await source.tensor(plan, 0)) == plan.tensors[0].nbytes
+    filled = await engine.run(_fill_cache)
+    second = await source.tensor(plan, 1)
+    assert len(second) == plan.tensors[1].nbytes
+    # NOTE: the turn's own transients (the next group's copy intermediates)
+    # may be cached afterwards; the 4 MiB freed before it must be gone.
+    after = await engine.run(lambda: int(mx.get_cache_memory()))
+    assert (after < filled) is migrate
+    del second
+    await source.finish(plan)
+    registry.dispose(prompt.handle)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -799,3 +800,32 @@ def test_host_read_views_a_device_copy_where_host_reads_migrate(
         assert bytes(view) == raw(a)
         assert (_address(view) != _address(a)) is migrate
     plan.release_arrays()
+
+
+def test_host_copies_work_on_each_thread_that_makes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host-read copies made on one thread, then on another (an engine thread replaced in the same
+    process), both hold the tensor's bytes: the copy stream is the calling thread's own."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
+    cache = _filled_kv(64, mx.float32)
+    plan = plan_entry([cache], model_id="tiny", fingerprint=FP, namespace="ns",
+                      tokenizer_hash="tok", tokens=list(range(64)))
+    expected = raw(next(a for a in plan._arrays if a is not None))
+    got: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            got.append(bytes(tensor_bytes(plan, 0)))
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the test's thread below.
+            errors.append(exc)
+
+    for _ in range(2):
+        worker = threading.Thread(target=read)
+        worker.start()
+        worker.join()
+    read()
+    if errors:
+        raise errors[0]
+    assert got == [expected] * 3
