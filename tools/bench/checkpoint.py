@@ -27,7 +27,7 @@ The figure is the aggregate decode rate (the sum over streams of emitted
 tokens / decode seconds), median of ``--repeats``, and each interval's ratio
 to off, side by side. Every setting's answers must equal off's.
 
-With ``--contenders NAME=TREE:EVERY[:nowrite],...`` (and ``--batch-streams``
+With ``--contenders NAME=TREE:EVERY[:nowrite][:VAR=VALUE...],...`` (and ``--batch-streams``
 N; 1 runs the serial lane) it compares source trees side by side (e.g. a
 ``git archive`` of the commit before a change and of the change): every
 run in its own process importing the engine from its tree, the contenders
@@ -37,7 +37,9 @@ process (``/proc/self/task``; a thread blocked in native code without the
 GIL counts here, unlike in a Python-frame profiler), the bytes it wrote
 (``/proc/self/io``), the machine's CPU by kind (``/proc/stat``) and the
 BLAS tuning's state; ``nowrite`` stubs the checkpoint file write out (the
-engine's side alone). Ratios are to the first contender with EVERY 0.
+engine's side alone); ``VAR=VALUE`` sets an environment variable for that
+contender's process (an ``EngineConfig`` setting such as
+``KVTIER_BACKGROUND_IN_CHAIN=on``). Ratios are to the first contender with EVERY 0.
 
 Prints one JSON object.
 
@@ -378,17 +380,20 @@ def _label(tree: Path) -> str:
 
 
 class _Contender:
-    """One measured setting: a source tree, a checkpoint interval, optionally stubbed writes."""
+    """One measured setting: a source tree, a checkpoint interval, optionally stubbed writes and
+    extra environment variables (e.g. ``KVTIER_BACKGROUND_IN_CHAIN=on``)."""
 
     def __init__(self, spec: str) -> None:
         name, _, rest = spec.partition("=")
         parts = rest.split(":")
-        if not name or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "nowrite"):
-            raise ValueError(f"a contender is NAME=TREE:EVERY[:nowrite], got {spec!r}")
+        extras = parts[2:]
+        if not name or len(parts) < 2 or any(x != "nowrite" and "=" not in x for x in extras):
+            raise ValueError(f"a contender is NAME=TREE:EVERY[:nowrite][:VAR=VALUE...], got {spec!r}")
         self.name = name
         self.tree = Path(parts[0]).resolve()
         self.every = int(parts[1])
-        self.stub = len(parts) == 3
+        self.stub = "nowrite" in extras
+        self.env = dict(x.split("=", 1) for x in extras if x != "nowrite")
 
 
 class _BenchLock:
@@ -436,12 +441,13 @@ def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: in
                 if model is not None:
                     cmd += ["--model", model]
                 load = _load()
-                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                      env={**os.environ, **c.env})
                 if done.returncode != 0:
                     raise RuntimeError(f"child failed ({c.name}):\n{done.stderr[-4000:]}")
                 out = json.loads(done.stdout.strip().splitlines()[-1])
                 out.update(contender=c.name, tree=_label(c.tree), every=c.every, stub=c.stub,
-                           repeat=r, load_before=load, load_after=_load())
+                           env=c.env, repeat=r, load_before=load, load_after=_load())
                 runs.append(out)
                 if partial:
                     with open(partial, "a") as f:
@@ -461,6 +467,7 @@ def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: in
             "tree": _label(c.tree),
             "every": c.every,
             "writes": not c.stub,
+            "env": c.env,
             "decode_tps_median": round(statistics.median(rates), 2),
             "over_off": round(statistics.median(rates) / off_median, 3),
             "paired_over_off": [round(x["decode_tps"] / off[x["repeat"]], 3) for x in mine],
@@ -534,9 +541,10 @@ def main() -> int:
                         help="comma-separated checkpoint intervals in tokens, each compared "
                              "with checkpoints off")
     parser.add_argument("--contenders", default="",
-                        help="comma-separated NAME=TREE:EVERY[:nowrite] (TREE a source tree, "
-                             "e.g. a git archive of a baseline commit; nowrite: the checkpoint "
-                             "file write stubbed out) compared with --batch-streams, each run in "
+                        help="comma-separated NAME=TREE:EVERY[:nowrite][:VAR=VALUE...] (TREE a "
+                             "source tree, e.g. a git archive of a baseline commit; nowrite: the "
+                             "checkpoint file write stubbed out; VAR=VALUE: the contender's "
+                             "environment) compared with --batch-streams, each run in "
                              "its own process, interleaved; one must have EVERY 0")
     parser.add_argument("--lock", default="",
                         help="with --contenders: hold this flock file for one repeat at a time")

@@ -204,9 +204,13 @@ case "$cmd" in
     grep -v '^      ' "$OUT/checkpoint-cost.json" | head -n 24 || tail -n 5 "$OUT/checkpoint-cost.err"
     # NOTE: a baseline tree beside the working tree, when one was carried:
     #   git archive <commit> actors kernels messages tools | tar -x -C .gpu/tok/base
+    #   echo <commit> > .gpu/tok/base/.bench-label
     # (the device's copy has no usable .git; .gpu/tok travels with call 2).
+    # CK_CONTENDERS replaces the list, e.g. with a contender's environment:
+    #   off=.:0,on=.:100,lend=.:100:KVTIER_BACKGROUND_IN_CHAIN=on
     contenders=off=.:0,on=.:100
     if [ -d .gpu/tok/base ]; then contenders=off=.:0,base=.gpu/tok/base:100,on=.:100; fi
+    contenders=${CK_CONTENDERS:-$contenders}
     for n in ${CK_STREAMS:-8 1}; do
       python3 tools/bench/checkpoint.py --model "$MODEL" --batch-streams "$n" \
         --batch-tokens "${CK_TOKENS:-600}" --contenders "$contenders" \
