@@ -350,21 +350,17 @@ def release_host_copies() -> None:
         mx.clear_cache()
 
 
-def _host_copy(a: Any) -> Any:
-    """A row-contiguous copy of ``a`` made on its own stream (engine thread).
+def _thread_copy_stream() -> Any:
+    """The calling thread's copy stream (made on first use).
 
-    NOTE: its own GPU stream, so the copy does not queue behind the decode
-    step in flight on the default one; ``a * 1`` in ``a``'s dtype is exact
-    for every dtype a cache holds (floats, quantized uint32 words).
+    NOTE: one stream per thread: MLX refuses a stream on a thread other than
+    its maker's, and an engine thread may be replaced (a new Engine in the
+    same process).
     """
-    # NOTE: one stream per thread: MLX refuses a stream on a thread other than
-    # its maker's, and an engine thread may be replaced (a new Engine in the
-    # same process).
     stream = getattr(_copy_streams, "stream", None)
     if stream is None:
         stream = _copy_streams.stream = mx.new_stream(mx.default_device())
-    copy = mx.multiply(a, mx.array(1, dtype=a.dtype), stream=stream)
-    return mx.contiguous(copy, stream=stream)
+    return stream
 
 
 def tensor_bytes(plan: EntryPlan, i: int) -> memoryview:
@@ -392,14 +388,13 @@ def tensors_bytes(plan: EntryPlan, indices: Sequence[int]) -> list[memoryview]:
         if a is None:
             raise RuntimeError("plan arrays were released")
         arrays.append(a)
-    migrate = host_reads_migrate()
+    if host_reads_migrate():
+        return _flat_host_views(plan, indices, arrays)
     # NOTE: when ``a`` is already contiguous, ``x`` shares its buffer. That
     # is safe while a worker reads the view: MLX updates a buffer in place
     # only when nothing else references it, and the view keeps ``x`` alive.
-    # Where a host read migrates the buffer's pages (CUDA managed memory) the
-    # view is of a device-side copy instead (see :func:`host_reads_migrate`).
     copies: list[Any] = [
-        None if plan.tensors[i].nbytes == 0 else (_host_copy(a) if migrate else mx.contiguous(a))
+        None if plan.tensors[i].nbytes == 0 else mx.contiguous(a)
         for i, a in zip(indices, arrays, strict=True)
     ]
     mx.eval([x for x in copies if x is not None])
@@ -412,6 +407,43 @@ def tensors_bytes(plan: EntryPlan, indices: Sequence[int]) -> list[memoryview]:
         if len(view) != plan.tensors[i].nbytes:
             raise RuntimeError(f"tensor {i} read back {len(view)} bytes, planned {plan.tensors[i].nbytes}")
         views.append(view)
+    return views
+
+
+def _flat_host_views(plan: EntryPlan, indices: Sequence[int], arrays: Sequence[Any]) -> list[memoryview]:
+    """Where host reads migrate: every tensor's bytes copied into ONE device buffer, one view each into it.
+
+    NOTE: on MLX's CUDA backend each array's first host read allocates a
+    managed buffer and copies into it synchronously, holding the GIL; one
+    buffer per call makes that one allocation and one copy per group (a
+    checkpoint, a spill's 64 MiB group) instead of one per tensor. The copy
+    runs on the thread's own copy stream, so it does not queue behind the
+    decode step in flight on the default one, and never
+    touches the entry's own buffers. Row-major bytes of each tensor, as
+    :func:`mx.contiguous` would lay them out.
+    """
+    stream = _thread_copy_stream()
+    parts = [
+        mx.flatten(mx.view(a, mx.uint8, stream=stream), stream=stream)
+        for i, a in zip(indices, arrays, strict=True)
+        if plan.tensors[i].nbytes
+    ]
+    if not parts:
+        return [memoryview(b"") for _ in indices]
+    # NOTE: a concatenation always writes a new buffer; a lone part may be a
+    # view of the entry's own buffer, so it is copied (``x * 1`` is exact on bytes).
+    flat: Any = (mx.concatenate(parts, stream=stream) if len(parts) > 1
+                 else mx.multiply(parts[0], mx.array(1, dtype=mx.uint8), stream=stream))
+    mx.eval(flat)
+    whole = memoryview(flat).cast("B")
+    views: list[memoryview] = []
+    at = 0
+    for i in indices:
+        n = plan.tensors[i].nbytes
+        views.append(whole[at:at + n] if n else memoryview(b""))
+        at += n
+    if at != len(whole):
+        raise RuntimeError(f"tensors {list(indices)} read back {len(whole)} bytes, planned {at}")
     return views
 
 

@@ -43,7 +43,13 @@ from kernels.cache._kv_format import (
 from kernels.cache._kv_header import read_header
 from kernels.cache._kv_reader import read_tensors
 from kernels.cache._kv_restore import materialize
-from kernels.cache._kv_writer import KvFileWriter, WriterState, plan_entry, tensor_bytes
+from kernels.cache._kv_writer import (
+    KvFileWriter,
+    WriterState,
+    plan_entry,
+    tensor_bytes,
+    tensors_bytes,
+)
 
 FP = "fp-test"
 
@@ -829,3 +835,27 @@ def test_host_copies_work_on_each_thread_that_makes_them(monkeypatch: pytest.Mon
     if errors:
         raise errors[0]
     assert got == [expected] * 3
+
+
+def test_a_migrating_host_read_copies_a_whole_group_into_one_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where host reads migrate pages, one read of several tensors makes ONE device-side copy (one
+    host allocation on CUDA): every view lies in one buffer, back to back, holds its tensor's bytes,
+    and none is the entry's own memory."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
+    cache = _filled_kv(256, mx.bfloat16)
+    plan = plan_entry([cache], model_id="tiny", fingerprint=FP, namespace="ns",
+                      tokenizer_hash="tok", tokens=list(range(256)))
+    indices = [i for i, a in enumerate(plan._arrays) if a is not None]
+    assert len(indices) >= 2
+    views = tensors_bytes(plan, indices)
+    starts = [_address(v) for v in views]
+    for view, i, start, nxt in zip(views, indices, starts, [*starts[1:], None], strict=True):
+        a = plan._arrays[i]
+        assert bytes(view) == raw(a)
+        assert start != _address(a)
+        if nxt is not None:
+            assert nxt == start + plan.tensors[i].nbytes
