@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
+# NOTE: `make test` runs pytest in this many worker processes (pytest-xdist),
+# whole files at a time so a module's shared fixtures are built once.
+TEST_WORKERS ?= 2
 
 # NOTE: the mlx[cpu] wheel links a reference BLAS; Debian's OpenBLAS makes
 # prefill ~20x faster on Linux CPUs. Preload it when present, never require it.
@@ -58,7 +61,7 @@ lint: venv
 typecheck: lint
 
 test: venv lint fetch-model native
-	$(RUN_ENV) $(VENV)/bin/pytest -q
+	$(RUN_ENV) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: venv fetch-model
 	$(RUN_ENV) $(VENV)/bin/pytest -q -m slow --timeout 1800
