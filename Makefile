@@ -14,6 +14,11 @@ TEST_WORKERS ?= 2
 # prefill ~20x faster on Linux CPUs. Preload it when present, never require it.
 OPENBLAS := $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3)
 RUN_ENV := $(if $(OPENBLAS),LD_PRELOAD=$(firstword $(OPENBLAS)),)
+# NOTE: the tests keep compiled modules (__pycache__, ignored by git) even
+# where the environment sets PYTHONDONTWRITEBYTECODE: without them each pytest
+# worker re-rewrites ~600 test modules (~8 s) and every server or script the
+# tests start compiles kvtier's packages again; about 40 s of `make test`.
+TEST_ENV := env -u PYTHONDONTWRITEBYTECODE $(RUN_ENV)
 
 .PHONY: venv serve test test-slow lint typecheck bench fetch-model native clean openblas-hint
 
@@ -61,10 +66,10 @@ lint: venv
 typecheck: lint
 
 test: venv lint fetch-model native
-	$(RUN_ENV) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(TEST_ENV) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: venv fetch-model
-	$(RUN_ENV) $(VENV)/bin/pytest -q -m slow --timeout 1800
+	$(TEST_ENV) $(VENV)/bin/pytest -q -m slow --timeout 1800
 
 bench: venv fetch-model
 	$(RUN_ENV) $(PY) tools/bench/runtime.py
