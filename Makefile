@@ -7,7 +7,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
 # NOTE: `make test` runs pytest in this many worker processes (pytest-xdist),
-# whole files at a time so a module's shared fixtures are built once.
+# whole files at a time so a module's shared fixtures are built once
+# (`make test TEST_WORKERS=0` runs it in one process).
 TEST_WORKERS ?= 2
 
 # NOTE: the mlx[cpu] wheel links a reference BLAS; Debian's OpenBLAS makes
