@@ -139,6 +139,11 @@ class MeteredStream:
         self._last: float | None = None
         self._tokens = 0
         self._settled = False
+        # NOTE: the labelled children, looked up once per stream: ``labels()``
+        # takes a lock and builds a key, and a token's path runs it per token.
+        self._ttft = metrics.ttft.labels(kind)
+        self._inter_token = metrics.inter_token.labels(kind)
+        self._generated = metrics.generated.labels(kind)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -170,15 +175,14 @@ class MeteredStream:
             raise
         now = self._clock()
         if isinstance(event, TokenEvent):
-            m = self._metrics
             if self._first is None:
                 self._first = now
-                m.ttft.labels(self._kind).observe(now - self._began)
+                self._ttft.observe(now - self._began)
             elif self._last is not None:
-                m.inter_token.labels(self._kind).observe(now - self._last)
+                self._inter_token.observe(now - self._last)
             self._last = now
             self._tokens += 1
-            m.generated.labels(self._kind).inc()
+            self._generated.inc()
         elif isinstance(event, DoneEvent):
             self._done(event)
         return event
