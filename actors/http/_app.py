@@ -524,13 +524,15 @@ def create_app(
         ts = created()
         finished = False
         tokens = 0
-        # NOTE: a chat answer's text-only chunks (no logprobs, calls or running
+        # NOTE: an answer's text-only chunks (no logprobs, calls or running
         # usage: the usual token) are encoded from one template, the same bytes.
-        text_events = (
-            TextEvents.of(lambda t: chat_chunk(rid, ts, model, piece=ChatPiece(content=t)))
-            if isinstance(answer, ChatAnswer) and not answer.reports_logprobs and not continuous
-            else None
-        )
+        text_events: TextEvents | None = None
+        if not continuous and isinstance(answer, ChatAnswer) and not answer.reports_logprobs:
+            text_events = TextEvents.of(
+                lambda t: chat_chunk(rid, ts, model, piece=ChatPiece(content=t)))
+        elif not continuous and isinstance(answer, CompletionAnswer):
+            text_events = TextEvents.of(
+                lambda t: completion_chunk(rid, ts, model, piece=CompletionPiece(text=t)))
 
         def running() -> UsageBody | None:
             if not continuous:
@@ -556,6 +558,9 @@ def create_app(
                     if (text_events is not None and isinstance(piece, ChatPiece) and piece.content
                             and not piece.tool_calls):
                         yield text_events.event(piece.content)
+                    elif (text_events is not None and isinstance(piece, CompletionPiece)
+                          and piece.text and piece.logprobs is None):
+                        yield text_events.event(piece.text)
                     else:
                         yield _chunk(rid, ts, model, answer, piece, running())
                     continue

@@ -1,4 +1,4 @@
-"""The template encoding of a chat answer's text chunks equals the model's own SSE event byte for byte."""
+"""The template encoding of a chat or text-completion answer's text chunks equals the model's own SSE event byte for byte."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from actors.http._answer import ChatPiece
-from actors.http._convert import chat_chunk
+from actors.http._answer import ChatPiece, CompletionPiece
+from actors.http._convert import chat_chunk, completion_chunk
 from actors.http._sse import TextEvents, sse_json
 
 # NOTE: texts a detokenizer emits: any Unicode (control characters, quotes,
@@ -24,6 +24,20 @@ def test_template_event_equals_the_model_event(text: str, rid: str, model: str, 
     for the same chunk built as a pydantic model."""
     def build(t: str) -> BaseModel:
         return chat_chunk(rid, created, model, piece=ChatPiece(content=t))
+
+    events = TextEvents.of(build)
+    assert events is not None
+    assert events.event(text) == sse_json(build(text))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_TEXT, rid=_NAME, model=_NAME, created=st.integers(0, 2**40))
+def test_completion_template_event_equals_the_model_event(
+    text: str, rid: str, model: str, created: int
+) -> None:
+    """The same for a text completion's chunk (/v1/completions): TextEvents gives sse_json's bytes."""
+    def build(t: str) -> BaseModel:
+        return completion_chunk(rid, created, model, piece=CompletionPiece(text=t))
 
     events = TextEvents.of(build)
     assert events is not None
