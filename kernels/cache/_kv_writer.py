@@ -319,12 +319,13 @@ _copy_streams = threading.local()
 def host_reads_migrate() -> bool:
     """Whether reading an MLX array's memory on the host moves it off the device.
 
-    MLX's CUDA backend allocates CUDA managed memory: the host can read a
-    device array directly, but the driver migrates the pages it touches to
-    host memory, and the next kernel that uses the array faults them back.
-    A prompt-cache entry read for write-behind would then be slow on its
-    next hit (a 4.4k-token 8B-shape prefix is ~0.6 GB). CPU and Metal share
-    one memory: nothing moves there.
+    MLX's CUDA backend keeps a kernel's output in device memory; the first
+    host read of an array moves it into a fresh CUDA managed buffer (a
+    synchronous copy) whose pages the host's reads then fault over, and the
+    next kernel that uses the array faults them back. A prompt-cache entry
+    read for write-behind would then be slow on its next hit (a 4.4k-token
+    8B-shape prefix is ~0.6 GB). CPU and Metal share one memory: nothing
+    moves there.
     """
     if _HOST_READ_COPY is not None:
         return _HOST_READ_COPY
@@ -367,9 +368,9 @@ def tensor_bytes(plan: EntryPlan, i: int) -> memoryview:
     """Read tensor ``i`` of ``plan`` back to host memory (engine thread).
 
     Returns a byte view of a contiguous copy (or the array itself when
-    already contiguous); the view keeps that array alive until dropped, so
-    at most one tensor's transient exists if callers drop each view after
-    writing it.
+    already contiguous; where host reads migrate, always a device-side
+    copy); the view keeps that array alive until dropped, so at most one
+    tensor's transient exists if callers drop each view after writing it.
     """
     return tensors_bytes(plan, [i])[0]
 

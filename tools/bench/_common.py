@@ -21,8 +21,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,6 +304,25 @@ class ChatResult:
         details = self.usage.get("prompt_tokens_details") or {}
         value = details.get("cached_tokens")
         return int(value) if isinstance(value, int) else None
+
+
+def in_threads(fn: Callable[[int], None], n: int) -> None:
+    """Run ``fn(0)`` .. ``fn(n - 1)`` on ``n`` threads at once, wait for all, re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the calling thread below.
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
 
 
 def stream_chat(

@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
-from _common import QUESTIONS  # noqa: E402
+from _common import QUESTIONS, in_threads  # noqa: E402
 from prompt_cache import start_kvtier, start_mlx_lm, system_prompt  # noqa: E402
 
 from kernels import (  # noqa: E402
@@ -506,35 +506,25 @@ def served_parity(
     is the text of the serial tokens (EOS left out) against the answer's.
     """
     texts: list[str] = [""] * len(convs)
-    errors: list[BaseException] = []
     with httpx.Client(timeout=30) as http:
         before = http.get(f"{url}/stats").json()
         served_model = http.get(f"{url}/v1/models").json()["data"][0]["id"]
     t0 = time.perf_counter()
 
     def client(i: int) -> None:
-        try:
-            time.sleep(max(0.0, t0 + i * PARITY_STAGGER_S - time.perf_counter()))
-            body = {
-                "model": served_model,
-                "messages": convs[i],
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-            }
-            with httpx.Client(timeout=900) as http:
-                resp = http.post(f"{url}/v1/chat/completions", json=body)
-                resp.raise_for_status()
-                texts[i] = str(resp.json()["choices"][0]["message"]["content"] or "")
-        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread below.
-            errors.append(exc)
+        time.sleep(max(0.0, t0 + i * PARITY_STAGGER_S - time.perf_counter()))
+        body = {
+            "model": served_model,
+            "messages": convs[i],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        with httpx.Client(timeout=900) as http:
+            resp = http.post(f"{url}/v1/chat/completions", json=body)
+            resp.raise_for_status()
+            texts[i] = str(resp.json()["choices"][0]["message"]["content"] or "")
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    in_threads(client, len(convs))
     with httpx.Client(timeout=30) as http:
         after = http.get(f"{url}/stats").json()
     eos = set(lm.tokenizer.eos_token_ids)

@@ -306,42 +306,32 @@ def agent_trace(
     nonce: str,
 ) -> AgentResult:
     """N conversations at once, M turns each over one shared system prompt; TTFT per turn."""
-    from _common import QUESTIONS, stream_chat, system_prompt
+    from _common import QUESTIONS, in_threads, stream_chat, system_prompt
 
     system = system_prompt(system_tokens, nonce)
     result = AgentResult(conversations, turns, system_tokens)
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def conversation(c: int) -> None:
         messages = [{"role": "system", "content": system}]
-        try:
-            for t in range(1, turns + 1):
-                q = QUESTIONS[(c * turns + t) % len(QUESTIONS)]
-                messages.append({"role": "user", "content": f"[{c}.{t}] {q}"})
-                r = stream_chat(url, messages, model, max_tokens)
-                messages.append({"role": "assistant", "content": r.text})
-                prompt = (r.usage or {}).get("prompt_tokens")
-                with lock:
-                    result.turns_list.append(
-                        AgentTurn(
-                            c,
-                            t,
-                            1000.0 * r.ttft_s,
-                            int(prompt) if isinstance(prompt, int) else None,
-                            r.cached_tokens,
-                        )
+        for t in range(1, turns + 1):
+            q = QUESTIONS[(c * turns + t) % len(QUESTIONS)]
+            messages.append({"role": "user", "content": f"[{c}.{t}] {q}"})
+            r = stream_chat(url, messages, model, max_tokens)
+            messages.append({"role": "assistant", "content": r.text})
+            prompt = (r.usage or {}).get("prompt_tokens")
+            with lock:
+                result.turns_list.append(
+                    AgentTurn(
+                        c,
+                        t,
+                        1000.0 * r.ttft_s,
+                        int(prompt) if isinstance(prompt, int) else None,
+                        r.cached_tokens,
                     )
-        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread below.
-            errors.append(exc)
+                )
 
-    threads = [threading.Thread(target=conversation, args=(c,)) for c in range(conversations)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    in_threads(conversation, conversations)
     result.turns_list.sort(key=lambda t: (t.conversation, t.turn))
     return result
 
@@ -354,25 +344,14 @@ def warm_up(url: str, model: str, levels: Sequence[int], prompt_tokens: int, non
     on a fresh machine pays those compiles inside its measured levels.
     Distinct prompts of the measured length, 4 new tokens each.
     """
-    from _common import stream_chat, system_prompt
-
-    errors: list[BaseException] = []
-
-    def one(i: int, level: int) -> None:
-        try:
-            text = system_prompt(prompt_tokens, f"warm {nonce} {level} {i}")
-            stream_chat(url, [{"role": "user", "content": text}], model, 4)
-        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the main thread below.
-            errors.append(exc)
+    from _common import in_threads, stream_chat, system_prompt
 
     for level in levels:
-        threads = [threading.Thread(target=one, args=(i, level)) for i in range(level)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        def one(i: int, level: int = level) -> None:
+            text = system_prompt(prompt_tokens, f"warm {nonce} {level} {i}")
+            stream_chat(url, [{"role": "user", "content": text}], model, 4)
+
+        in_threads(one, level)
 
 
 # --- servers -----------------------------------------------------------------------
