@@ -59,6 +59,11 @@ MakeEngine = Callable[[Path | None, int], Engine]
 def tiny_engine(net: Any, root: Path | None, every: int = EVERY, *, max_batch: int = 1,
                 **extra: Any) -> Engine:
     """An Engine on the loaded tiny ``net`` (``max_batch`` 1: the serial lane; a fixed identity, so a restart finds the files of the one before)."""
+    # NOTE: a stream of 2 events keeps the engine within 3 tokens of its
+    # reader, so a cancel lands before the next checkpoint boundary however
+    # loaded the machine (with 64 a tiny model ran ahead of a slow reader
+    # and took a checkpoint past the cut).
+    extra.setdefault("stream_buffer", 2)
     return Engine.from_loaded(net, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
                               prompt_cache_bytes=1 << 26, ssd_cache=root, max_batch=max_batch,
                               ssd_writebehind=False, generation_checkpoint=every, **extra)
@@ -122,7 +127,7 @@ class Interrupted:
 
 
 async def interrupted_run(make: MakeEngine, root: Path, params: GenerationParams, *,
-                          every: int = EVERY, length: int = 40, cut: int = 21,
+                          every: int = EVERY, length: int = 40, cut: int = 18,
                           written: int = 2, prompt: Any = PROMPT) -> Interrupted:
     """Answer ``prompt`` with checkpoints off (``length`` tokens), then on ``root`` cancel after ``cut`` tokens and wait for ``written`` checkpoints."""
     async with make(None, 0) as plain:

@@ -1,7 +1,7 @@
 """A restarted Engine resumes an identical request from its generation checkpoint on the BATCH lane.
 
 The first Engine (``max_batch`` 4: every request is a batch row) runs the
-request until a client cancel after 21 tokens (a cancel keeps the
+request until a client cancel after 18 tokens (a cancel keeps the
 checkpoints taken at 8 and 16 tokens), waits until they are durable and
 closes; a new Engine on the same SSD directory gets the identical request
 and must answer exactly what an uninterrupted batch run answers, having

@@ -1,6 +1,6 @@
 """A restarted Engine resumes an identical request from its generation checkpoint (tiny Llama, serial lane).
 
-The first Engine runs the request until a client cancel after 21 tokens
+The first Engine runs the request until a client cancel after 18 tokens
 (a cancel keeps the checkpoints taken at 8 and 16 tokens), waits until
 they are durable and closes; a new Engine on the same SSD directory gets
 the identical request and must answer exactly what an uninterrupted run
