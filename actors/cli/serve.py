@@ -56,11 +56,26 @@ The embedded ``Engine`` keeps 1 (serial lane only) unless configured, like
 the SSD tier: an embedder opts in.
 """
 
+SERVE_PREFILL_STEP: dict[DeviceKind, int] = {"cpu": 512, "cuda": 2048, "metal": 2048}
+"""``kvtier serve``'s prompt tokens per prefill chunk, by device, when neither ``--prefill-step-size`` nor its variable is given.
+
+NOTE: a chunk is one forward. On a GPU a forward has a fixed cost
+(launches, the weights read once) that a 512-token chunk does not amortize:
+on the H200 (8B shape) a ~530-token prompt took two prefill forwards and the
+decode step's, where ``mlx_lm.server`` (2,048-token chunks) takes one and
+its first step (docs/benchmarks/serving.md). Metal keeps mlx-lm's 2,048
+(not measured here). The CPU keeps 512: there a forward's cost is its
+arithmetic, and a smaller chunk bounds how long decoding rows wait behind a
+joining row's prefill. The embedded ``Engine`` keeps ``EngineConfig``'s 512.
+"""
+
 _SERVE_DEFAULTS = {
     "ssd_cache": "$KVTIER_HOME/kv; off with --prompt-cache 0",
     # NOTE: help shows it as it is: no unit added.
     "max_batch": "from the device: 8 rows on the CPU, 32 on CUDA, 8 on Metal (unmeasured); "
                  "measurements in docs/benchmarks.md",
+    "prefill_step_size": "from the device: 512 tokens on the CPU, 2048 on CUDA and Metal; "
+                         "measurements in docs/benchmarks.md",
 }
 """Defaults that differ from the embedded Engine's (help text)."""
 
@@ -114,10 +129,12 @@ def device_kind() -> DeviceKind:
 def serve_config(args: argparse.Namespace, *, device: DeviceKind | None = None) -> EngineConfig:
     """The ``EngineConfig`` of ``kvtier serve``'s parsed flags; raises ``ConfigError``.
 
-    ``device`` (``None``: :func:`device_kind`) picks ``--max-batch``'s
-    default when neither the flag nor its variable is given.
+    ``device`` (``None``: :func:`device_kind`) picks the defaults of
+    ``--max-batch`` and ``--prefill-step-size`` where neither the flag nor its
+    variable is given.
     """
     serve_defaults: dict[str, Any] = {}
+    kind = device
     # NOTE: tensor parallelism has neither the SSD tier nor the batch lane
     # yet (docs/tensor-parallel.md): their serve defaults stay off there, and
     # only an explicit flag or variable is refused (EngineConfig).
@@ -125,7 +142,10 @@ def serve_config(args: argparse.Namespace, *, device: DeviceKind | None = None) 
     if args.ssd_cache is None:
         serve_defaults["ssd_cache"] = None if tp else _ssd_default(args)
     if args.max_batch is None:
-        serve_defaults["max_batch"] = 1 if tp else SERVE_MAX_BATCH[device or device_kind()]
+        kind = kind or device_kind()
+        serve_defaults["max_batch"] = 1 if tp else SERVE_MAX_BATCH[kind]
+    if args.prefill_step_size is None:
+        serve_defaults["prefill_step_size"] = SERVE_PREFILL_STEP[kind or device_kind()]
     return config_from_flags(args, serve_defaults=serve_defaults)
 
 

@@ -20,7 +20,9 @@ Per shape, in one process:
    buffer-cache limit (the Engine sets kvtier's 16 MiB limit process-wide).
    The Engine runs decode bursts of ``--max-burst`` steps per turn;
    ``--with-single-step`` adds an ``Engine(max_burst=1)`` row (one gateway
-   turn per token, the protocol before bursts) to the same rounds.
+   turn per token, the protocol before bursts) to the same rounds;
+   ``--variants 32:512,32:2048`` adds Engines of other ``max_batch`` and
+   ``prefill_step_size`` (32 rows: the batch lane ``kvtier serve`` uses on CUDA).
 2. *Prompt cache*: TTFT of chat requests through an Engine with the RAM
    prompt cache on, over a ``--long-tokens`` system prompt: cold (fresh
    system prompt), shared-prefix (same system prompt, another user
@@ -296,6 +298,9 @@ async def run_decode(
     }
     if args.with_single_step:
         runs["engine max_burst=1"] = []
+    variants = _variants(args.variants)
+    for name in variants:
+        runs[name] = []
 
     # NOTE: reference row under MLX's default buffer-cache limit; the Engine
     # below sets kvtier's limit for the whole process.
@@ -312,7 +317,12 @@ async def run_decode(
         # NOTE: "engine" uses decode bursts (--max-burst); the optional
         # "engine max_burst=1" row is the one-gateway-turn-per-token protocol,
         # measured in the same rounds.
-        for name, burst in (("engine", args.max_burst), ("engine max_burst=1", 1)):
+        configs = {
+            "engine": (args.max_burst, 1, args.prefill_step_size),
+            "engine max_burst=1": (1, 1, args.prefill_step_size),
+            **{name: (args.max_burst, rows, step) for name, (rows, step) in variants.items()},
+        }
+        for name, (burst, rows, step) in configs.items():
             if name in runs:
                 engines[name] = await stack.enter_async_context(
                     Engine.from_loaded(
@@ -320,9 +330,10 @@ async def run_decode(
                         tok,
                         model_id=res.shape,
                         prompt_cache_bytes=0,
-                        prefill_step_size=args.prefill_step_size,
+                        prefill_step_size=step,
                         max_queue=4,
                         max_burst=burst,
+                        max_batch=rows,
                     )
                 )
         for engine in engines.values():
@@ -604,6 +615,15 @@ def _device_line() -> str:
     return f"{mx.default_device()} ({name}{mem_s})"
 
 
+def _variants(spec: str) -> dict[str, tuple[int, int]]:
+    """``--variants``' Engines: name -> (max_batch, prefill_step_size)."""
+    out: dict[str, tuple[int, int]] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        rows, _, step = item.partition(":")
+        out[f"engine {rows} rows, step {step}"] = (int(rows), int(step))
+    return out
+
+
 def main() -> int:
     """Measure every requested shape; print tables and ratios; optionally dump JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -629,6 +649,11 @@ def main() -> int:
         "--with-single-step",
         action="store_true",
         help="also run an Engine with max_burst=1 (one gateway turn per token) in the same rounds",
+    )
+    parser.add_argument(
+        "--variants", default="",
+        help="more Engines in the same rounds, ROWS:STEP each (max_batch, prefill_step_size; "
+             "ROWS > 1 is the batch lane, which kvtier serve uses), e.g. 32:512,32:2048,1:512",
     )
     parser.add_argument(
         "--anatomy", action="store_true", help="diagnostic timers instead of the benchmark"

@@ -184,6 +184,8 @@ case "$cmd" in
     ensure_model
     python3 tools/bench/ssd_ttft.py --model "$MODEL" --requests 20 --prompt-tokens 530 --max-tokens 48 \
       --json "$OUT/ssd_ttft.json" --plot "$OUT/ssd_ttft.png" 2>&1 | tail -n 40 | tee "$OUT/ssd_ttft.txt" || true
+    # NOTE: EXTRAS=ssd stops here (the checkpoint lines below were met and recorded).
+    if [ "${EXTRAS:-all}" = ssd ]; then exit 0; fi
     python3 tools/bench/checkpoint.py --model "$MODEL" --tokens "${CK_TOKENS:-2000}" --repeats "${CK_REPEATS:-3}" \
       > "$OUT/checkpoint.json" 2> "$OUT/checkpoint.err" || true
     tail -c 3000 "$OUT/checkpoint.json"; tail -n 5 "$OUT/checkpoint.err"
@@ -227,11 +229,12 @@ case "$cmd" in
   ttft)
     # One request's time to first token through the in-process Engine and
     # through mlx-lm's stream_generate on the same ${TTFT_TOKENS:-530}-token
-    # prompt (gpu_engine.py part 1, interleaved rounds; no HTTP).
+    # prompt (gpu_engine.py part 1, interleaved rounds; no HTTP). Extra
+    # arguments go to gpu_engine.py, e.g. --variants 32:512,32:2048.
     device_env
     python3 tools/bench/gpu_engine.py --tok-dir .gpu/tok --shapes "${KVTIER_GPU_SHAPE:-llama3-8b}" \
       --decode-prompt-tokens "${TTFT_TOKENS:-530}" --max-tokens 32 --rounds "${TTFT_ROUNDS:-5}" \
-      --skip-cache --json "$OUT/ttft.json" 2>&1 | tail -n 20 | tee "$OUT/ttft.txt"
+      --skip-cache --json "$OUT/ttft.json" "$@" 2>&1 | tail -n 20 | tee "$OUT/ttft.txt"
     ;;
   *)
     sed -n '2,28p' "$0"
