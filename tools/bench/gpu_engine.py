@@ -390,9 +390,14 @@ async def run_decode(
 
 
 async def run_prompt_cache(
-    model: Any, tok: Any, args: argparse.Namespace, res: ShapeResult, out: Report
+    model: Any, tok: Any, args: argparse.Namespace, res: ShapeResult, out: Report, rows: int = 1
 ) -> None:
-    """Part 2: cold / shared-prefix / exact-repeat TTFT through the Engine's RAM prompt cache."""
+    """Part 2: cold / shared-prefix / exact-repeat TTFT through the Engine's RAM prompt cache.
+
+    ``rows`` is the Engine's ``max_batch`` (> 1: the batch lane, as ``kvtier
+    serve`` runs); its figures are keyed with a `` rows=N`` suffix then.
+    """
+    tag = "" if rows == 1 else f" rows={rows}"
     params = GenerationParams(max_tokens=args.cache_max_tokens)
     cap = int(args.prompt_cache_gb * 1e9)
     runs: dict[str, list[Sample]] = {
@@ -409,6 +414,7 @@ async def run_prompt_cache(
         prompt_cache_bytes=cap,
         prefill_step_size=args.prefill_step_size,
         max_queue=4,
+        max_batch=rows,
     ) as engine:
         for r in range(args.repeats + 1):
             system = system_text(tok, args.long_tokens, f"{res.shape}-{r}-{time.time_ns()}")
@@ -440,8 +446,8 @@ async def run_prompt_cache(
         stats = (await engine.stats()).get("prompt_cache", {})
 
     out(
-        f"## {res.shape}: prompt cache, chat prompt {prompt_len} tokens, prefill chunk "
-        f"{args.prefill_step_size}, cap {args.prompt_cache_gb:g} GB, medians of {args.repeats}"
+        f"## {res.shape}: prompt cache, Engine max_batch {rows}, chat prompt {prompt_len} tokens, "
+        f"prefill chunk {args.prefill_step_size}, cap {args.prompt_cache_gb:g} GB, medians of {args.repeats}"
     )
     out(f"{'request':<24}{'TTFT ms':>10}{'engine TTFT ms':>16}{'cached tokens':>15}")
     for name, samples in runs.items():
@@ -450,19 +456,21 @@ async def run_prompt_cache(
         out(
             f"{name:<24}{_med(samples, 'ttft_s') * 1e3:>10.2f}{eng_ms}{int(_med(samples, 'cached_tokens')):>15d}"
         )
-        res.cache[name] = [asdict(s) for s in samples]
+        res.cache[name + tag] = [asdict(s) for s in samples]
     cold_ms = _med(runs["cold"], "ttft_s")
     shared_r = _med(runs["shared"], "ttft_s") / cold_ms
     repeat_r = _med(runs["repeat"], "ttft_s") / cold_ms
     floor_r = cold_ms / _med(runs["stream_generate cold"], "ttft_s")
     res.summary |= {
-        "cache_prompt_tokens": prompt_len,
-        "cold_ttft_ms": cold_ms * 1e3,
-        "shared_ttft_ms": _med(runs["shared"], "ttft_s") * 1e3,
-        "repeat_ttft_ms": _med(runs["repeat"], "ttft_s") * 1e3,
-        "shared_over_cold": shared_r,
-        "repeat_over_cold": repeat_r,
-        "engine_cold_over_stream_generate_cold": floor_r,
+        key + tag.replace(" ", "_"): value for key, value in {
+            "cache_prompt_tokens": prompt_len,
+            "cold_ttft_ms": cold_ms * 1e3,
+            "shared_ttft_ms": _med(runs["shared"], "ttft_s") * 1e3,
+            "repeat_ttft_ms": _med(runs["repeat"], "ttft_s") * 1e3,
+            "shared_over_cold": shared_r,
+            "repeat_over_cold": repeat_r,
+            "engine_cold_over_stream_generate_cold": floor_r,
+        }.items()
     }
     out(
         f"shared/cold {shared_r:.4f}, repeat/cold {repeat_r:.4f} (target <= 0.02); "
@@ -644,6 +652,11 @@ def main() -> int:
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--prompt-cache-gb", type=float, default=16.0)
     parser.add_argument("--skip-cache", action="store_true")
+    parser.add_argument(
+        "--cache-rows", default="1",
+        help="part 2 once per value, comma list: the Engine's max_batch (32: the batch lane "
+             "kvtier serve runs on CUDA)",
+    )
     parser.add_argument("--max-burst", type=int, default=64, help="decode steps per engine turn")
     parser.add_argument(
         "--with-single-step",
@@ -700,7 +713,8 @@ def main() -> int:
             else:
                 anyio.run(run_decode, model, tok, args, res, out, default_cache_limit)
             if not args.skip_cache and not args.anatomy:
-                anyio.run(run_prompt_cache, model, tok, args, res, out)
+                for rows in (int(r) for r in args.cache_rows.split(",") if r.strip()):
+                    anyio.run(run_prompt_cache, model, tok, args, res, out, rows)
         except Exception as exc:  # noqa: BLE001 - keep the other shapes' figures
             out(f"!! {shape} failed: {exc!r}")
             res.summary["failed"] = 1.0

@@ -230,11 +230,14 @@ case "$cmd" in
     # One request's time to first token through the in-process Engine and
     # through mlx-lm's stream_generate on the same ${TTFT_TOKENS:-530}-token
     # prompt (gpu_engine.py part 1, interleaved rounds; no HTTP). Extra
-    # arguments go to gpu_engine.py, e.g. --variants 32:512,32:2048.
+    # arguments go to gpu_engine.py, e.g. --variants 32:512,32:2048;
+    # TTFT_CACHE=1 adds part 2 (the prompt cache's cold / shared / repeat
+    # TTFT), e.g. with --cache-rows 1,32 --long-tokens 4400.
     device_env
     python3 tools/bench/gpu_engine.py --tok-dir .gpu/tok --shapes "${KVTIER_GPU_SHAPE:-llama3-8b}" \
       --decode-prompt-tokens "${TTFT_TOKENS:-530}" --max-tokens 32 --rounds "${TTFT_ROUNDS:-5}" \
-      --skip-cache --json "$OUT/ttft.json" "$@" 2>&1 | tail -n 20 | tee "$OUT/ttft.txt"
+      $([ -n "${TTFT_CACHE:-}" ] || echo --skip-cache) --json "$OUT/ttft.json" "$@" 2>&1 \
+      | tail -n 40 | tee "$OUT/ttft.txt"
     ;;
   *)
     sed -n '2,28p' "$0"
