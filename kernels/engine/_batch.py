@@ -90,6 +90,7 @@ from ._greedy import (
     enter_generation,
     waiting_generation,
 )
+from ._lone_row import lone_row_masks, plain_masks
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 from ._transitioning import TransitioningBatchKVCache
 
@@ -1012,6 +1013,8 @@ class BatchGeneration:
                 merged.extend(row.prefill)
         # NOTE: the last prompt tokens are queued, not forwarded: the next
         # decode step forwards them with every other row (enter_generation).
+        # NOTE: from here on the cache is the decode batch's, which pads rows.
+        plain_masks(merged.prompt_cache)
         order = {uid: i for i, uid in enumerate(merged.uids)}
         last: list[int] = [0] * len(order)
         for row in rows:
@@ -1072,6 +1075,10 @@ class BatchGeneration:
             max_tokens=[row.params.max_tokens for row in rows],
         )
         batch.prompt_cache = self._merge(caches)
+        if len(rows) == 1:
+            # NOTE: no padding in a batch of one: the serial lane's causal mask
+            # (the fused attention kernel on CUDA; _lone_row).
+            lone_row_masks(batch.prompt_cache)
         return batch
 
     def _remove_decoding(self, row: _Row) -> tuple[list[Any], list[int]]:
