@@ -195,6 +195,41 @@ case "$cmd" in
       > "$OUT/checkpoint_parity.json" 2> "$OUT/checkpoint_parity.err" || true
     tail -c 1500 "$OUT/checkpoint_parity.json"
     ;;
+  ssdprofile)
+    # Issue 20's SSD line (decode 0.63 x with the tier on): ${N:-80} sequential
+    # distinct requests through one `kvtier serve` (ssd_ttft.py, MODE=${MODE:-on};
+    # MODE=off for the reference) while py-spy samples the server's threads,
+    # once ${PROFILE_DELAY:-20} s in: 10 s of every thread (--idle), then 10 s
+    # of the GIL's holder only (--gil). Writes ssdprofile.txt (the requests),
+    # pyspy-all.txt / pyspy-gil.txt (raw stacks) and threads-all.txt /
+    # threads-gil.txt (tools/bench/pyspy_threads.py). Environment variables
+    # reach the server; extra arguments go to ssd_ttft.py.
+    device_env
+    ensure_model
+    spy=$(find "$SITE" -name py-spy -type f | head -1)
+    python3 tools/bench/ssd_ttft.py --model "$MODEL" --modes "${MODE:-on}" --requests "${N:-80}" \
+      --prompt-tokens 530 --max-tokens 48 --json "$OUT/ssd_ttft-${MODE:-on}.json" "$@" \
+      > "$OUT/ssdprofile.txt" 2>&1 &
+    bg=$!
+    pid=""
+    for _ in $(seq 1 600); do pid=$(pgrep -f "actors.cli serve" | head -1 || true); [ -n "$pid" ] && break; sleep 0.5; done
+    sleep "${PROFILE_DELAY:-20}"
+    if [ -n "$pid" ] && [ -n "$spy" ]; then
+      "$spy" record --pid "$pid" --duration 10 --rate 250 --threads --idle --format raw \
+        -o "$OUT/pyspy-all.txt" > "$OUT/pyspy.log" 2>&1 || true
+      "$spy" record --pid "$pid" --duration 10 --rate 250 --threads --gil --format raw \
+        -o "$OUT/pyspy-gil.txt" >> "$OUT/pyspy.log" 2>&1 || true
+    else
+      echo "no server ($pid) or no py-spy ($spy)" > "$OUT/pyspy.log"
+    fi
+    wait $bg || true
+    for kind in all gil; do
+      if [ -f "$OUT/pyspy-$kind.txt" ]; then
+        python3 tools/bench/pyspy_threads.py "$OUT/pyspy-$kind.txt" --top 12 > "$OUT/threads-$kind.txt" || true
+      fi
+    done
+    tail -n 3 "$OUT/ssdprofile.txt"; head -n 60 "$OUT/threads-all.txt" 2>/dev/null || cat "$OUT/pyspy.log"
+    ;;
   ckpt)
     # Issue 23's decode cost of generation checkpoints at the default interval
     # (every 100 tokens) against none, ${CK_STREAMS:-8 1} streams in turn,

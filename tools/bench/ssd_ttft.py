@@ -194,7 +194,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="3 requests of ~64 prompt tokens, 8 new tokens per mode")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG here")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma list of on,off (default both); one mode prints its own figures "
+                        "only (a profiler attached to its server, or a variant set by environment)")
     args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        p.error(f"--modes takes a comma list of {', '.join(MODES)}")
     if args.smoke:
         args.requests, args.prompt_tokens, args.max_tokens, args.settle = 3, 64, 8, 0.0
     return args
@@ -210,8 +216,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-ssd-ttft-") as tmp:
         for mode in ("off", "on"):
+            if mode not in args.modes:
+                continue
             print(f"SSD tier {mode}:", flush=True)
             runs[mode] = run_mode(mode, args.model, Path(tmp), args)
+    if len(runs) < len(MODES):
+        mode, run = next(iter(runs.items()))
+        lines = [f"SSD tier {mode}: " + ", ".join(
+            f"{key} {run[key]:.1f}" for key in ("ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms", "decode_tps_p50"))]
+        print("\n".join(lines))
+        if args.json:
+            args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
+                                             "runs": runs, "summary": lines}, indent=2))
+        return 0
     lines = summary_lines(runs)
     print("\n".join(lines))
     title = (f"kvtier serve TTFT, {args.requests} sequential distinct ~{args.prompt_tokens}-token "
