@@ -371,6 +371,11 @@ def _label(tree: Path) -> str:
     marker = tree / ".bench-label"
     if marker.exists():
         return marker.read_text().strip()
+    # NOTE: the device machine's copy of the working tree carries a stale .git
+    # (a past commit's HEAD); gpu_serving.sh names the code sent in KVTIER_COMMIT.
+    sent = os.environ.get("KVTIER_COMMIT")
+    if sent and tree.resolve() == Path.cwd().resolve():
+        return sent
     try:
         out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, check=True)
