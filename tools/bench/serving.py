@@ -195,6 +195,9 @@ class ServerRun:
     levels: list[LevelResult] = field(default_factory=list)
     agent: AgentResult | None = None
     guidellm_reports: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    """kvtier only: parts of ``/stats`` (the tiers, the lanes, the timeline) after the load
+    generator (``loads``) and after the agent trace (``agent``)."""
 
 
 # --- guidellm ----------------------------------------------------------------------
@@ -451,6 +454,8 @@ def run_server(
                 new = level_results(report)
                 run.levels += new
                 _print_levels(who, rnd, new)
+        if who == "kvtier":
+            run.stats["loads"] = server_stats(url)
         if args.agent:
             n, m = (int(x) for x in args.agent.lower().split("x"))
             run.agent = agent_trace(
@@ -462,9 +467,33 @@ def run_server(
                 f"turns 2+ {a.ttft(False).p50:.0f} ms (p90 {a.ttft(False).p90:.0f})",
                 flush=True,
             )
+            if who == "kvtier":
+                run.stats["agent"] = server_stats(url)
     finally:
         server.stop()
     return run
+
+
+_STATS_KEYS = ("prompt_cache", "ssd_cache", "batch", "memory", "gateway", "checkpoints")
+"""The ``/stats`` ``engine`` sections a run keeps (the rest is the actors' mailboxes)."""
+
+
+def server_stats(url: str) -> dict[str, Any]:
+    """The parts of kvtier's ``/stats`` that say what the tiers and lanes did (``{"error": ...}`` if unreadable).
+
+    NOTE: read between phases, so a run's JSON shows e.g. how many of the
+    agent trace's hits came from RAM and how many from the SSD tier.
+    """
+    import httpx
+
+    try:
+        body = httpx.get(f"{url}/stats", timeout=10.0).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": repr(exc)}
+    engine = body.get("engine", {}) if isinstance(body, dict) else {}
+    out = {key: engine[key] for key in _STATS_KEYS if key in engine}
+    out["timeline"] = body.get("http", {}).get("timeline") if isinstance(body, dict) else None
+    return out
 
 
 def _floats(text: str) -> list[float]:
