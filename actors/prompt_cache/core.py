@@ -456,16 +456,34 @@ class CoreState:
 # --- matching -----------------------------------------------------------------------------
 
 
+_GALLOP_FIRST = 16
+"""Tokens the first slice of :func:`common_prefix_len`'s gallop compares."""
+
+
 def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """Length of the longest common prefix of two token tuples.
 
-    NOTE: binary search over slice equality keeps the element comparisons in
-    C; a Python loop over 3k-token prompts per entry would stall the loop.
+    NOTE: slice equality keeps the element comparisons in C (a Python loop
+    over 3k-token prompts per entry would stall the loop), and the slices
+    gallop: blocks of 16, 32, 64, ... tokens from the start until one
+    differs, then a binary search inside it. Every lookup scans every entry
+    of its namespace (RAM tier and SSD index), and most entries part from
+    the prompt within a chat template's first tokens: comparing whole
+    prompts first cost ~12 us an entry, 3.7 ms a lookup over 300 entries of
+    ~600 tokens (the H200 runs' 32-64 streams queued lookups behind each
+    other in the prompt cache's mailbox). A prompt sharing all of an
+    entry compares about twice its length, as before.
     """
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    lo, step = 0, _GALLOP_FIRST
+    while True:
+        if lo >= n:
+            return n
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo, step = hi, step * 2
+    # NOTE: a[:lo] == b[:lo] and a[lo:hi] != b[lo:hi].
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:

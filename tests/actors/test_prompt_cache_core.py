@@ -57,8 +57,13 @@ def _disposed(effects: list[core.Effect]) -> list[str]:
 
 
 def test_common_prefix_len_matches_a_plain_loop() -> None:
-    """The binary-search prefix length equals an element-by-element count."""
+    """The galloping prefix length equals an element-by-element count, at every split point of every block."""
     cases = [((), ()), ((1,), (2,)), ((1, 2, 3), (1, 2, 4)), ((1, 2), (1, 2, 3)), ((5,) * 50, (5,) * 49 + (6,))]
+    base = tuple(range(300))
+    # NOTE: a mismatch at every offset (inside and at the edges of the 16 / 32 / 64 ... blocks),
+    # and prefixes of every length, both ways round.
+    cases += [(base, (*base[:k], -1, *base[k + 1:])) for k in range(300)]
+    cases += [(base[:k], base) for k in range(0, 300, 7)] + [(base, base[:k]) for k in range(0, 300, 11)]
     for a, b in cases:
         expected = 0
         while expected < min(len(a), len(b)) and a[expected] == b[expected]:
