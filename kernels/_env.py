@@ -19,6 +19,9 @@ variable                      what it sets                                read b
 ``KVTIER_BATCH_SLOT_REUSE``   switch: a leaving row's slot is reused    ``kernels.engine``
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
+``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` host reads (CUDA)     ``kernels.cache``
+``KVTIER_CUDA_RELEASE_CACHE`` diagnostic switch: clear MLX's buffer       ``kernels.cache``
+                              cache after host reads (CUDA)
 ``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``
 ``CC``, ``CXX``               compilers for the few-row module            ``kernels.native``
 ============================  ==========================================  =====================

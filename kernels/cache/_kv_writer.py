@@ -24,6 +24,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from kernels._env import env_switch, env_text
+
 from ._file_port import BytesLike, FilePort
 from ._kv_format import (
     _DTYPE_SIZE,
@@ -312,6 +314,13 @@ def plan_entry(
 _HOST_READ_COPY: bool | None = None
 """Test hook: force (True) or skip (False) the device-side copy; None: decide by the device."""
 
+HOST_READ_ENV = "KVTIER_CUDA_HOST_READ"
+"""Diagnostic: ``direct`` reads each tensor's own contiguous array where host reads migrate
+(no one-buffer device-side copy per group); unset or ``flat``: the copy."""
+
+RELEASE_CACHE_ENV = "KVTIER_CUDA_RELEASE_CACHE"
+"""Diagnostic switch: off keeps MLX's buffer cache after host-read views are dropped on CUDA."""
+
 _copy_streams = threading.local()
 """The copy stream of each thread that made host copies (MLX streams belong to the thread that made them)."""
 
@@ -347,7 +356,7 @@ def release_host_copies() -> None:
     mlx-lm's periodic ``clear_cache``). Where nothing migrates (CPU, Metal)
     the cache is kept.
     """
-    if host_reads_migrate():
+    if host_reads_migrate() and env_switch(RELEASE_CACHE_ENV):
         mx.clear_cache()
 
 
@@ -389,7 +398,10 @@ def tensors_bytes(plan: EntryPlan, indices: Sequence[int]) -> list[memoryview]:
         if a is None:
             raise RuntimeError("plan arrays were released")
         arrays.append(a)
-    if host_reads_migrate():
+    # NOTE: KVTIER_CUDA_HOST_READ=direct is a diagnostic (which part of the
+    # SSD tier's host reads slows decoding on CUDA): it reads the entry's own
+    # arrays, whose pages then move to the host.
+    if host_reads_migrate() and (env_text(HOST_READ_ENV) or "flat").lower() != "direct":
         return _flat_host_views(plan, indices, arrays)
     # NOTE: when ``a`` is already contiguous, ``x`` shares its buffer. That
     # is safe while a worker reads the view: MLX updates a buffer in place

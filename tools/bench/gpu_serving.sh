@@ -230,6 +230,28 @@ case "$cmd" in
     done
     tail -n 3 "$OUT/ssdprofile.txt"; head -n 60 "$OUT/threads-all.txt" 2>/dev/null || cat "$OUT/pyspy.log"
     ;;
+  ssdvariants)
+    # Which part of the SSD tier's write-behind slows decoding (issue 20's SSD
+    # line; decode 0.63 x with the tier on): ssd_ttft.py once with the tier
+    # off, then with it on under each variant, ${N:-20} sequential distinct
+    # requests each, one server per variant. One summary line per variant.
+    device_env
+    ensure_model
+    run_variant() {  # name, then environment assignments / ssd_ttft.py arguments
+      local name=$1; shift
+      local envs=() args=()
+      for a in "$@"; do case $a in KVTIER_*=*) envs+=("$a");; *) args+=("$a");; esac; done
+      env "${envs[@]}" python3 tools/bench/ssd_ttft.py --model "$MODEL" --requests "${N:-20}" \
+        --prompt-tokens 530 --max-tokens 48 --json "$OUT/ssd-$name.json" "${args[@]}" \
+        > "$OUT/ssd-$name.txt" 2>&1 || true
+      echo "$name: $(tail -n 1 "$OUT/ssd-$name.txt")"
+    }
+    run_variant off --modes off
+    run_variant on --modes on
+    run_variant writebehind-off --modes on --serve-arg=--ssd-writebehind --serve-arg=off
+    run_variant host-read-direct --modes on KVTIER_CUDA_HOST_READ=direct
+    run_variant keep-buffer-cache --modes on KVTIER_CUDA_RELEASE_CACHE=off
+    ;;
   ckpt)
     # Issue 23's decode cost of generation checkpoints at the default interval
     # (every 100 tokens) against none, ${CK_STREAMS:-8 1} streams in turn,

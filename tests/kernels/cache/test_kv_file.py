@@ -859,3 +859,40 @@ def test_a_migrating_host_read_copies_a_whole_group_into_one_buffer(
         assert start != _address(a)
         if nxt is not None:
             assert nxt == start + plan.tensors[i].nbytes
+
+
+def test_direct_host_reads_view_each_tensor_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTIER_CUDA_HOST_READ=direct (a diagnostic) skips the one-buffer copy where host reads migrate: each view is its own tensor's contiguous array, bytes equal."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
+    monkeypatch.setenv(_kv_writer.HOST_READ_ENV, "direct")
+    cache = _filled_kv(256, mx.bfloat16)
+    plan = plan_entry([cache], model_id="tiny", fingerprint=FP, namespace="ns",
+                      tokenizer_hash="tok", tokens=list(range(256)))
+    indices = [i for i, a in enumerate(plan._arrays) if a is not None]
+    views = tensors_bytes(plan, indices)
+    for view, i in zip(views, indices, strict=True):
+        a = plan._arrays[i]
+        assert bytes(view) == raw(a)
+        # NOTE: 256 tokens fill the buffer: the contiguous array is the entry's own.
+        assert _address(view) == _address(a)
+    plan.release_arrays()
+
+
+@pytest.mark.parametrize(("switch", "clears"), [(None, 1), ("on", 1), ("off", 0)])
+def test_release_host_copies_clears_the_buffer_cache_unless_switched_off(
+    monkeypatch: pytest.MonkeyPatch, switch: str | None, clears: int
+) -> None:
+    """Where host reads migrate, dropping views clears MLX's buffer cache; KVTIER_CUDA_RELEASE_CACHE=off (a diagnostic) keeps it."""
+    from kernels.cache import _kv_writer
+
+    calls: list[None] = []
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
+    monkeypatch.setattr(_kv_writer.mx, "clear_cache", lambda: calls.append(None))
+    if switch is None:
+        monkeypatch.delenv(_kv_writer.RELEASE_CACHE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_kv_writer.RELEASE_CACHE_ENV, switch)
+    _kv_writer.release_host_copies()
+    assert len(calls) == clears
