@@ -101,6 +101,7 @@ class BatchEngine:
         *,
         max_rows: int,
         prefill_step_size: int,
+        prefill_budget: int | None = None,
         registry: CacheRegistry | None = None,
         snapshot_point: SnapshotPoint | None = None,
         snapshot_min_new_tokens: int = 64,
@@ -117,6 +118,7 @@ class BatchEngine:
         self._tokenizer = tokenizer
         self._max_rows = max_rows
         self._step_size = prefill_step_size
+        self._budget = prefill_budget
         self._registry = registry
         self._point = snapshot_point
         self._snapshot_min = snapshot_min_new_tokens
@@ -139,6 +141,7 @@ class BatchEngine:
                 self._tokenizer,
                 max_rows=self._max_rows,
                 prefill_step_size=self._step_size,
+                prefill_budget=self._budget,
                 kv_scheme=self._scheme,
                 tuning=self._tuning,
             )

@@ -147,6 +147,7 @@ def batch_factory(
         tokenizer,
         max_rows=cfg.max_batch,
         prefill_step_size=step,
+        prefill_budget=cfg.prefill_budget or step,
         registry=registry if prompt_cache is not None else None,
         snapshot_point=None if point is None else (lambda prompt: point().stable_prefix(prompt)),
         snapshot_min_new_tokens=cfg.snapshot_min_new_tokens,

@@ -129,6 +129,7 @@ class EngineOptions(TypedDict, total=False):
 
     max_queue: int
     prefill_step_size: int
+    prefill_budget: int
     max_burst: int
     max_batch: int
     prompt_cache_bytes: int | None

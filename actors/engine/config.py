@@ -151,6 +151,15 @@ class EngineConfig(BaseModel):
         Field(ge=1, description="prompt tokens per prefill engine turn"),
         Setting("KVTIER_PREFILL_STEP_SIZE", "--prefill-step-size", unit="tokens"),
     ] = 512
+    # NOTE: 0 keeps the batch step's prefill budget at one chunk; the knob
+    # exists to measure a chunk larger than the budget on a GPU (one forward
+    # per prompt, one joining prompt per step), docs/batching.md.
+    prefill_budget: Annotated[
+        int,
+        Field(ge=0, description="prompt tokens a batch step forwards while rows decode (a "
+                                "joining row's first chunk always goes); 0 = one prefill chunk"),
+        Setting("KVTIER_PREFILL_BUDGET", "--prefill-budget", unit="tokens"),
+    ] = 0
     max_burst: Annotated[
         int,
         Field(ge=1, description="decode steps per engine turn while a request holds the lane; "

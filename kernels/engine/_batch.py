@@ -442,7 +442,10 @@ class BatchGeneration:
 
     ``max_rows`` bounds the rows held (pending and decoding);
     ``prefill_step_size`` is both a joining row's chunk size (the serial
-    lane's) and the most prompt tokens one :meth:`step` forwards.
+    lane's) and, unless ``prefill_budget`` is given, the most prompt tokens
+    one :meth:`step` forwards while rows decode (a row's first chunk of the
+    step always goes, so a budget below the chunk size means one joining
+    chunk per step).
     ``kv_scheme``: the server's KV scheme; when it quantizes, the
     full-attention layers it converts are transitioning rows
     (:class:`TransitioningBatchKVCache`) that convert where the serial lane's
@@ -464,6 +467,7 @@ class BatchGeneration:
         *,
         max_rows: int = 8,
         prefill_step_size: int = 2048,
+        prefill_budget: int | None = None,
         kv_scheme: KvScheme | None = None,
         tuning: StepTuning | None = None,
         reuse_slots: bool | None = None,
@@ -472,10 +476,13 @@ class BatchGeneration:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
         self._model = model
         self._tokenizer = tokenizer
         self._max_rows = max_rows
         self._step_size = prefill_step_size
+        self._budget = prefill_step_size if prefill_budget is None else prefill_budget
         self._scheme = kv_scheme if kv_scheme is not None and kv_scheme.quantized else None
         self._tuning = tuning
         self._reuse_slots = env_switch(SLOT_REUSE_ENV) if reuse_slots is None else reuse_slots
@@ -889,7 +896,7 @@ class BatchGeneration:
         # with none decoding, a wider turn costs nobody latency and saves the
         # partial decode steps a trickle of joins would run (H200, 8B shape,
         # 32 rows of 512 tokens: 8 turns of 4 rows became one forward).
-        limit = self._step_size if self._batch is not None else self._step_size * IDLE_PREFILL_ROWS
+        limit = self._budget if self._batch is not None else self._step_size * IDLE_PREFILL_ROWS
         while self._pending:
             group = self._group(limit - used)
             if len(group) > 1:

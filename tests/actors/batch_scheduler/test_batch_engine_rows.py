@@ -158,3 +158,19 @@ def test_a_row_refused_during_decode_leaves_alone_and_the_others_go_on(
     assert tokens["a"] == solo["a"]
     assert scripted.guard.refused == 1
     assert engine.step([], []).tokens == ()
+
+
+@pytest.mark.parametrize(("budget", "per_step"), [(None, 2), (4, 1)])
+def test_the_prefill_budget_sets_how_many_joining_prompts_a_decoding_step_takes(
+    model: Any, tok: Any, budget: int | None, per_step: int
+) -> None:
+    """Two rows joining while another decodes prefill in one step under the default budget (one 64-token chunk holds both) and one a step under prefill_budget=4; tokens are the same."""
+    options: dict[str, Any] = {} if budget is None else {"prefill_budget": budget}
+    engine = _engine(model, tok, **options)
+    first = engine.step([JoinRow(_gen("a", _prompt(6, 1), 12))], [])
+    assert first.prefill_tokens == 5
+    out = engine.step([JoinRow(_gen("b", _prompt(20, 2), 4)), JoinRow(_gen("c", _prompt(24, 3), 4))], [])
+    assert out.decode_rows == 1, "the second step decodes row a"
+    assert out.prefill_tokens == (19 + 23 if per_step == 2 else 19)
+    assert len(out.prefilled) == per_step
+    engine.reset()
