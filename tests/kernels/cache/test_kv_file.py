@@ -889,7 +889,7 @@ def test_release_host_copies_clears_the_buffer_cache_unless_switched_off(
 
     calls: list[None] = []
     monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
-    monkeypatch.setattr(_kv_writer.mx, "clear_cache", lambda: calls.append(None))
+    monkeypatch.setattr(mx, "clear_cache", lambda: calls.append(None))
     if switch is None:
         monkeypatch.delenv(_kv_writer.RELEASE_CACHE_ENV, raising=False)
     else:
