@@ -24,8 +24,20 @@
 #      defaults below), e.g. `bash tools/bench/gpu_serving.sh run --rows 32`.
 #
 # What comes back in $OUT: serving.txt (the printout), serving.json (every
-# figure, versions, commit, machine), serving.png, logs.tgz (guidellm's JSON
+# figure, versions, commit, machine, kvtier's /stats tiers after the loads
+# and after the agent trace), serving.png, logs.tgz (guidellm's JSON
 # reports, the servers' logs).
+#
+# Other subcommands (same carry as `run`; each says more where it is defined):
+#   profile      py-spy over kvtier serve at ${CONC:-32} streams
+#   ssdprofile   py-spy over kvtier serve while requests decode behind write-behind
+#   ssdvariants  SSD tier off / on / write-behind off / diagnostic switches
+#   steps        the same closed loop served and in process (served_steps.py)
+#   joins        where a batch step's time goes (join_cost.py)
+#   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
+#   ckpt         checkpoints' decode cost, contenders side by side (checkpoint.py)
+#   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
+#                --variants ROWS:STEP, TTFT_CACHE=1 --cache-rows --cache-burst)
 set -euo pipefail
 
 PINS=(
@@ -297,7 +309,7 @@ case "$cmd" in
       | tail -n 40 | tee "$OUT/ttft.txt"
     ;;
   *)
-    sed -n '2,28p' "$0"
+    sed -n '2,/^set -euo/p' "$0" | sed '$d'
     exit 2
     ;;
 esac
