@@ -11,9 +11,11 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   forwarded alone (batch of one, the serial lane's chunks), then its last
   prompt token enters the decode batch's next inputs. No row is ever padded during a
   prefill, so recurrent state (which has no mask) never sees a pad token and
-  a row's prefill arithmetic is a lone row's. Each turn forwards at most
-  ``prefill_step_size`` prompt tokens while any row decodes, so active rows
-  never wait for more than one chunk; with no row decoding nobody waits, and
+  a row's prefill arithmetic is a lone row's (under the serial lane's
+  causal mask: ``_lone_row``). Each turn forwards at most
+  ``prefill_budget`` (by default ``prefill_step_size``) prompt tokens while
+  any row decodes, its first chunk always, so active rows never wait for
+  more than one chunk; with no row decoding nobody waits, and
   a turn may forward up to :data:`IDLE_PREFILL_ROWS` chunks (rows arriving
   together prefill in one padded forward, as mlx-lm's ``BatchGenerator``
   prefills ``prefill_batch_size`` prompts at once).

@@ -22,8 +22,6 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-_THREAD = re.compile(r"^thread \((0x[0-9a-fA-F]+|\d+)\)|^thread \d+")
-
 
 def parse(lines: Iterable[str]) -> dict[str, list[tuple[list[str], int]]]:
     """Stacks per thread: ``{thread: [(frames root first, count), ...]}``; lines without a count are skipped."""
@@ -36,7 +34,8 @@ def parse(lines: Iterable[str]) -> dict[str, list[tuple[list[str], int]]]:
         frames = stack.split(";")
         thread = "?"
         for i, frame in enumerate(frames[:3]):
-            if _THREAD.match(frame) or frame.startswith("thread "):
+            # NOTE: py-spy names the thread "thread (ID): NAME" in one of the first frames.
+            if frame.startswith("thread "):
                 thread = frame
                 frames = frames[i + 1:]
                 break
