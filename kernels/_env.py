@@ -22,6 +22,8 @@ variable                      what it sets                                read b
 ``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` host reads (CUDA)     ``kernels.cache``
 ``KVTIER_CUDA_RELEASE_CACHE`` diagnostic switch: clear MLX's buffer       ``kernels.cache``
                               cache after host reads (CUDA)
+``KVTIER_CUDA_MASKED_ATTENTION``  switch: masked decode attention as      ``kernels.model``
+                              folded products (CUDA)
 ``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``
 ``CC``, ``CXX``               compilers for the few-row module            ``kernels.native``
 ============================  ==========================================  =====================

@@ -48,6 +48,15 @@ from ._loading import (
     transform_forward,
     weights_digest,
 )
+from ._masked_attention import (
+    MASKED_ATTENTION_ENV,
+    MAX_QUERY,
+    masked_attention,
+    masked_dispatch,
+    takes_masked_path,
+)
+from ._masked_attention import bind as bind_masked_attention
+from ._masked_attention import unbind as unbind_masked_attention
 from ._rope import (
     SharedRope,
     declare_equal_offsets,
@@ -62,6 +71,8 @@ __all__ = [
     "FUSED_MODEL_TYPES",
     "FUSED_PROJECTIONS_ENV",
     "FUSE_MAX_ROWS",
+    "MASKED_ATTENTION_ENV",
+    "MAX_QUERY",
     "DefaultModelFetchError",
     "FewRowHead",
     "FewRowLinear",
@@ -79,6 +90,7 @@ __all__ = [
     "WeightsMemo",
     "apply_few_row",
     "apply_few_row_products",
+    "bind_masked_attention",
     "check_trusted",
     "config_fingerprint",
     "convert_gguf",
@@ -95,12 +107,16 @@ __all__ = [
     "kvtier_home",
     "load_model",
     "make_private_dirs",
+    "masked_attention",
+    "masked_dispatch",
     "pip_download_command",
     "resolve_model_path",
     "share_rope_tables",
+    "takes_masked_path",
     "tokenizer_hash",
     "transform_for_device",
     "transform_forward",
     "trust_problem",
+    "unbind_masked_attention",
     "weights_digest",
 ]

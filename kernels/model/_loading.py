@@ -21,6 +21,7 @@ from kernels._paths import kvtier_home
 
 from ._few_row import apply_few_row
 from ._fused import FusionReport, fuse_gate_up, fuse_projections, fused_projections_enabled
+from ._masked_attention import install as install_masked_attention
 from ._rope import share_rope_tables
 from ._weights import MEMO_NAME, WeightFiles, WeightsMemo, hash_weights
 
@@ -305,7 +306,8 @@ def transform_for_device(
     """kvtier's load-time changes to the forward for the default device, in place (engine thread).
 
     CPU: fused projections and shared RoPE tables (bitwise), then one-token
-    products through the few-row product. CUDA: gate|up as one product.
+    products through the few-row product. CUDA: gate|up as one product, and
+    short queries under an array mask as folded products (:mod:`._masked_attention`).
     Metal: none. ``fuse`` / ``few_row`` as :func:`load_model`'s. Returns
     what was done (``None``: nothing applied).
     """
@@ -326,6 +328,9 @@ def transform_for_device(
         few_row = on_cpu
     if few_row:
         fusion = apply_few_row_products(model, fusion or FusionReport())
+    # NOTE: CUDA only (a no-op elsewhere): the batch lane's masked decode
+    # attention as folded products (_masked_attention).
+    install_masked_attention(model)
     return fusion
 
 

@@ -34,6 +34,7 @@
 #   ssdvariants  SSD tier off / on / write-behind off / diagnostic switches
 #   steps        the same closed loop served and in process (served_steps.py)
 #   joins        where a batch step's time goes (join_cost.py)
+#   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost, contenders side by side (checkpoint.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
@@ -187,6 +188,22 @@ case "$cmd" in
     ensure_model
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --rows "${ROWS:-32}" \
       --json "$OUT/join_cost.json" "$@" 2>&1 | tee "$OUT/join_cost.txt"
+    ;;
+  attention)
+    # The batch lane's masked decode attention, MLX's fallback vs kvtier's
+    # folded products (kernels/model/_masked_attention.py): the operation
+    # alone (masked_attention.py), then on the 8B shape a burst of 8 rows
+    # over a cached 5,100-token prefix and the 32-row closed loop, each with
+    # the folded path on and off, interleaved (join_cost.py --attention on,off).
+    device_env
+    ensure_model
+    python3 tools/bench/masked_attention.py --json "$OUT/masked_attention.json" 2>&1 | tee "$OUT/masked_attention.txt"
+    python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst 8 --prefix-tokens 5100 \
+      --suffix-tokens 56 --max-tokens 32 --prompt-tokens 530 --prefill-step-size 2048 --rounds 3 \
+      --background 0,8 --attention on,off --json "$OUT/burst.json" 2>&1 | tee "$OUT/burst.txt"
+    python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --rows 32 --requests 2 \
+      --prompt-tokens 512 --max-tokens 128 --prefill-step-size 2048 --stagger 0.25 --rounds 3 \
+      --attention on,off --no-sync --json "$OUT/loop.json" "$@" 2>&1 | tee "$OUT/loop.txt"
     ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests), the

@@ -207,6 +207,121 @@ def closed_loop(gen: Any, prompts: list[list[int]], rows: int, max_tokens: list[
     }
 
 
+def set_attention(model: Any, folded: bool) -> None:
+    """Bind the model module's attention to kvtier's masked dispatch (``folded``) or mlx-lm's own."""
+    from kernels.model import bind_masked_attention, unbind_masked_attention
+
+    if folded:
+        bind_masked_attention(model)
+    else:
+        unbind_masked_attention(model)
+
+
+def prefix_cache(model: Any, prefix: list[int], step: int) -> list[Any]:
+    """The KV of ``prefix`` in the serial lane's cache kinds (what the prompt cache lends a row)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for at in range(0, len(prefix), step):
+        model(mx.array([prefix[at : at + step]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def burst(gen: Any, cache: list[Any], prefix: list[int], suffixes: list[list[int]],
+          background: list[list[int]], max_tokens: int, clock: PhaseClock | None,
+          tag: str) -> dict[str, Any]:
+    """``len(suffixes)`` rows sharing the cached ``prefix`` join at once beside ``background`` decoding rows.
+
+    Each burst row is lent ``cache`` (``prefix``'s KV, copied into the batch,
+    never written: the prompt cache's lease) and forwards only its suffix.
+    Returns each burst row's time to its first token and every step's time
+    until the last of them has it (the agent trace's turns 2+ in process).
+    """
+    from kernels.engine import SamplingParams
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for i, p in enumerate(background):
+        gen.join(f"{tag}-b{i}", p, SamplingParams(max_tokens=10_000, temperature=0.0))
+    while gen.pending:
+        gen.step()
+    for _ in range(3):  # NOTE: background rows decoding in steady state.
+        gen.step()
+    if clock is not None:
+        clock.sync()
+        clock.totals.clear()  # NOTE: from the burst's joins to its last first token only.
+        clock.calls.clear()
+    t0 = time.perf_counter()
+    for j, s in enumerate(suffixes):
+        gen.join(f"{tag}-s{j}", [*prefix, *s], greedy, cache=cache, cached_tokens=len(prefix))
+    first: dict[str, float] = {}
+    steps: list[dict[str, Any]] = []
+    while len(first) < len(suffixes):
+        s0 = time.perf_counter()
+        step = gen.step()
+        if clock is not None:
+            clock.sync()
+        now = time.perf_counter()
+        steps.append({"ms": 1000 * (now - s0), "prefill_tokens": step.prefill_tokens,
+                      "joined": len(step.joined), "decode_rows": step.decode_rows})
+        for t in step.tokens:
+            if t.row_id.startswith(f"{tag}-s") and t.row_id not in first:
+                first[t.row_id] = 1000 * (now - t0)
+    phases = {k: 1000 * v for k, v in clock.totals.items()} if clock is not None else None
+    for row_id in list(gen.row_ids):
+        gen.cancel(row_id)
+    ttft = sorted(first.values())
+    return {"ttft_ms": ttft, "ttft_p50_ms": statistics.median(ttft), "ttft_max_ms": ttft[-1],
+            "steps": steps, "phases_ms": phases}
+
+
+def run_burst(args: argparse.Namespace, loaded: Any, tok: Any, out: dict[str, Any]) -> None:
+    """``--burst``: rows sharing one cached prefix joining at once (agent turns 2+), timed."""
+    import mlx.core as mx
+
+    from kernels.engine import BatchGeneration
+
+    prefix = _prompts(tok, 1, args.prefix_tokens, "prefix")[0]
+    cache = prefix_cache(loaded.model, prefix, args.prefill_step_size)
+
+    def fresh() -> Any:
+        return BatchGeneration(loaded.model, loaded.tokenizer, max_rows=args.rows,
+                               prefill_step_size=args.prefill_step_size)
+
+    out["burst"] = []
+    for r in range(args.rounds + 1):  # NOTE: round 0 warms the shapes up, unrecorded.
+        for bg, att, sync in [(bg, att, sync) for bg in args.background for att in args.attention
+                              for sync in (False, True)]:
+            set_attention(loaded.model, att == "on")
+            clock = PhaseClock(mx.synchronize) if sync else None
+            undo = instrument(clock) if clock is not None else []
+            gen = fresh()
+            try:
+                tag = f"r{r}-bg{bg}-{att}-{'sync' if sync else 'plain'}"
+                rec = burst(gen, cache, prefix,
+                            _prompts(tok, args.burst, args.suffix_tokens, tag),
+                            _prompts(tok, bg, args.prompt_tokens, f"bg-{tag}"),
+                            args.max_tokens, clock, tag)
+            finally:
+                gen.close()
+                for u in undo:
+                    u()
+            if r == 0:
+                continue
+            rec.update(round=r, background=bg, synchronized=sync, attention=att)
+            out["burst"].append(rec)
+            steps = ", ".join(f"{s['ms']:.1f}" for s in rec["steps"])
+            print(f"burst {args.burst} x {args.suffix_tokens} tokens over a cached "
+                  f"{args.prefix_tokens}, {bg} rows decoding, folded attention {att}, round {r}, "
+                  f"{'synchronized' if sync else 'plain'}: TTFT p50 {rec['ttft_p50_ms']:.1f} "
+                  f"max {rec['ttft_max_ms']:.1f} ms; steps ms [{steps}]", flush=True)
+            if clock is not None:
+                print("  phases ms: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in sorted(rec["phases_ms"].items(),
+                                                       key=lambda kv: -kv[1])), flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Both passes; the records."""
     import mlx.core as mx
@@ -228,6 +343,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.rows * args.requests
     out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
                            "device": str(mx.default_device())}
+    if args.burst:
+        run_burst(args, loaded, tok, out)
+        return out
 
     contenders = [c.strip() for c in args.slot_reuse.split(",") if c.strip()]
     for c in contenders:
@@ -249,15 +367,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # NOTE: contenders interleaved per round, each on the same prompts.
         out["plain_rounds"] = []
         for r in range(args.rounds):
-            for c in contenders:
+            for c, att in [(c, att) for c in contenders for att in args.attention]:
+                set_attention(loaded.model, att == "on")
                 gen = fresh(c)
                 rec = closed_loop(gen, _prompts(tok, n, args.prompt_tokens, "plain"), args.rows,
                                   plain_lengths, None)
                 gen.close()
                 rec["slot_reuse"] = c
+                rec["attention"] = att
                 rec["round"] = r
                 out["plain_rounds"].append(rec)
-                print(f"plain pass, round {r}, slot reuse {c}: {rec['tps']:.1f} tok/s, "
+                print(f"plain pass, round {r}, slot reuse {c}, folded attention {att}: "
+                      f"{rec['tps']:.1f} tok/s, "
                       f"{rec['steps']} steps, {rec['wall_s']:.2f} s", flush=True)
                 _print_kinds(rec)
         out["plain"] = out["plain_rounds"][0]
@@ -332,6 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of the unsynchronized pass")
     p.add_argument("--no-plain", action="store_true", help="skip the unsynchronized pass")
     p.add_argument("--no-sync", action="store_true", help="skip the synchronized pass")
+    p.add_argument("--burst", type=int, default=0,
+                   help="instead of the closed loop: this many rows sharing a cached prefix join "
+                        "at once (the agent trace's turns 2+), each --rounds, plain and synchronized")
+    p.add_argument("--prefix-tokens", type=int, default=5100, help="--burst: the cached prefix")
+    p.add_argument("--suffix-tokens", type=int, default=56, help="--burst: each row's own suffix")
+    p.add_argument("--background", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2],
+                   help="--burst: rows already decoding when the burst joins (comma list)")
+    p.add_argument("--attention", type=lambda v: [x.strip() for x in v.split(",")], default=["on"],
+                   help="contenders: kvtier's folded masked attention on / off (mlx-lm's own), "
+                        "e.g. on,off (the burst and the unsynchronized pass)")
     p.add_argument("--json", type=Path, default=None, help="write the records here")
     args = p.parse_args(argv)
     out = run(args)

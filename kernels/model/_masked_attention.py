@@ -1,0 +1,160 @@
+"""Attention under an array mask as two batched products with the query heads folded per key head.
+
+The batch lane's caches pad rows on the left, so every decode step of a
+batch hands attention an array mask (mlx-lm's ``BatchKVCache.make_mask``).
+MLX's CUDA backend has no fused kernel for a short query under an array
+mask (0.32: the vector kernel and the cuDNN decode path both refuse one), so
+it runs its generic fallback: the query heads unflattened to
+``(B, kv_heads, repeats, L, D)`` against keys broadcast over ``repeats``,
+a batched product whose batch axes do not collapse. On the H200 (8B shape)
+a decode step of 8 rows over 5.1k cached tokens took ~25 ms against ~7 ms
+for one row (tools/bench/join_cost.py ``--burst``).
+
+:func:`masked_attention` computes the same attention with the ``repeats``
+query heads of each key head folded into the product's rows:
+``(B, kv_heads, repeats * L, D) @ (B, kv_heads, D, T)``, whose batch axes
+``(B, kv_heads)`` are one stride of the cache's buffer, so keys and values
+are read once, in place. Same operations as MLX's fallback otherwise (the
+scale on the queries, a boolean mask as the dtype's lowest value, an
+additive one added, a precise softmax), so only the products' summation
+order can differ.
+
+:func:`install` rebinds the name ``scaled_dot_product_attention`` in a
+loaded model's mlx-lm module to :func:`masked_dispatch`, which takes this path only
+where MLX's CUDA backend falls back (a batch cache's array mask, a query of
+at most :data:`MAX_QUERY` positions, no sinks, not quantized) and calls
+mlx-lm's own function otherwise; it installs on CUDA only. ``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves
+the module alone (the A/B switch of the measurement).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import base as _base
+
+from kernels._env import env_switch
+
+__all__ = [
+    "MASKED_ATTENTION_ENV",
+    "MAX_QUERY",
+    "bind",
+    "install",
+    "masked_attention",
+    "masked_dispatch",
+    "takes_masked_path",
+    "unbind",
+]
+
+MASKED_ATTENTION_ENV = "KVTIER_CUDA_MASKED_ATTENTION"
+"""Switch: the folded masked attention on CUDA (on unless its value is an off word)."""
+
+MAX_QUERY = 4
+"""Longest query :func:`masked_dispatch` diverts (MLX's fused vector kernel takes queries shorter than 4 without a mask)."""
+
+_ORIGINAL = _base.scaled_dot_product_attention
+"""mlx-lm's dispatcher (quantized caches, then ``mx.fast``)."""
+
+
+def masked_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: mx.array
+) -> mx.array:
+    """Softmax attention of ``queries`` ``(B, H, L, D)`` over ``keys``/``values`` ``(B, Hkv, T, D)`` under ``mask``.
+
+    ``mask`` broadcasts to ``(B, H, L, T)``: boolean (False hides a key) or
+    additive. ``H`` is a multiple of ``Hkv`` (grouped-query attention).
+    """
+    b, h, length, d = queries.shape
+    hkv = keys.shape[1]
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} key heads")
+    rep = h // hkv
+    t = keys.shape[2]
+    # NOTE: (B, H, L, D) -> (B, Hkv, rep, L, D) -> (B, Hkv, rep * L, D): query
+    # head j * rep + r reads key head j, as in MLX's fallback.
+    q = (queries * mx.array(scale, dtype=queries.dtype)).reshape(b, hkv, rep * length, d)
+    scores = q @ keys.swapaxes(-1, -2)
+    m = mask
+    while m.ndim < 4:
+        m = m[None]
+    mb, mh, ml = m.shape[0], m.shape[1], m.shape[2]
+    if mh != 1 or ml != 1:
+        # NOTE: per-head or per-position masks laid out as the folded rows;
+        # one mask for every head and position (the decode step's (B, 1, 1,
+        # T)) broadcasts against the scores as it is.
+        if mh == 1:
+            m = mx.broadcast_to(m[:, :, None], (mb, 1, rep, length, t))
+        else:
+            m = mx.broadcast_to(m, (mb, h, length, t)).reshape(mb, hkv, rep, length, t)
+        m = m.reshape(mb, m.shape[1], rep * length, t)
+    if m.dtype == mx.bool_:
+        scores = mx.where(m, scores, mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype))
+    else:
+        scores = scores + m.astype(scores.dtype)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = weights @ values
+    return out.reshape(b, hkv, rep, length, d).reshape(b, h, length, d)
+
+
+def takes_masked_path(queries: Any, cache: Any, mask: Any, sinks: Any) -> bool:
+    """Whether :func:`masked_dispatch` diverts this call: a short query under an array mask, no sinks, not quantized."""
+    return (
+        isinstance(mask, mx.array)
+        and sinks is None
+        and not hasattr(cache, "bits")
+        and queries.shape[2] <= MAX_QUERY
+    )
+
+
+def _cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def masked_dispatch(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: Any = None,
+) -> Any:
+    """mlx-lm's ``scaled_dot_product_attention``, with short masked queries on CUDA folded (:func:`masked_attention`)."""
+    if takes_masked_path(queries, cache, mask, sinks):
+        return masked_attention(queries, keys, values, scale=scale, mask=mask)
+    return _ORIGINAL(queries, keys, values, cache, scale, mask, sinks)
+
+
+def install(model: Any) -> bool:
+    """Rebind ``scaled_dot_product_attention`` in ``model``'s mlx-lm module to :func:`masked_dispatch`.
+
+    Returns whether it did: only where measured faster (CUDA), with the
+    switch on, for a module that took mlx-lm's own function by that name.
+    Idempotent.
+    """
+    if not _cuda() or not env_switch(MASKED_ATTENTION_ENV):
+        return False
+    return bind(model)
+
+
+def bind(model: Any) -> bool:
+    """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests)."""
+    module = sys.modules.get(type(model).__module__)
+    if module is None or getattr(module, "scaled_dot_product_attention", None) not in (
+        _ORIGINAL, masked_dispatch
+    ):
+        return False
+    # NOTE: a module-global rebinding: every instance of this architecture in
+    # the process takes it; masked_dispatch() leaves every other call to mlx-lm.
+    module.scaled_dot_product_attention = masked_dispatch  # type: ignore[attr-defined]
+    return True
+
+
+def unbind(model: Any) -> None:
+    """Give the model module mlx-lm's own attention back (benchmarks, tests)."""
+    module = sys.modules.get(type(model).__module__)
+    if module is not None and getattr(module, "scaled_dot_product_attention", None) is masked_dispatch:
+        module.scaled_dot_product_attention = _ORIGINAL  # type: ignore[attr-defined]
