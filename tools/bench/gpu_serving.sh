@@ -197,7 +197,7 @@ case "$cmd" in
     # the folded path on and off, interleaved (join_cost.py --attention on,off).
     device_env
     ensure_model
-    python3 tools/bench/masked_attention.py --json "$OUT/masked_attention.json" 2>&1 | tee "$OUT/masked_attention.txt"
+    python3 tools/bench/masked_attention.py --json "$OUT/masked_attention.json" --plot "$OUT/masked_attention.png" 2>&1 | tee "$OUT/masked_attention.txt"
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst 8 --prefix-tokens 5100 \
       --suffix-tokens 56 --max-tokens 32 --prompt-tokens 530 --prefill-step-size 2048 --rounds 3 \
       --background 0,8 --attention on,off --json "$OUT/burst.json" 2>&1 | tee "$OUT/burst.txt"

@@ -7,6 +7,8 @@ attention with the query heads folded per key head (see its module). This
 tool times, per shape, in one process, interleaved:
 
 - ``mlx``: ``mx.fast.scaled_dot_product_attention`` with the boolean mask;
+- ``mlx-additive``: the same with the mask as an additive one per row
+  (``(B, 1, L, T)`` in the queries' dtype, built inside the timed call);
 - ``folded``: ``kernels.model.masked_attention`` with the same mask;
 - ``unmasked``: ``mx.fast.scaled_dot_product_attention`` without a mask (the
   fused kernel where one exists: a lower bound, not the same attention);
@@ -75,8 +77,16 @@ def contenders() -> dict[str, Any]:
 
     from kernels.model import masked_attention
 
+    def additive(q: Any, k: Any, v: Any, s: float, m: Any) -> Any:
+        # NOTE: the same mask as an additive one in the queries' dtype, one per
+        # row (B, 1, L, T): MLX then skips its boolean-to-additive conversion,
+        # which materializes a (B, H, L, T) mask for the cuDNN path.
+        add = mx.where(m, mx.array(0, dtype=q.dtype), mx.array(-mx.inf, dtype=q.dtype))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=add)
+
     return {
         "mlx": lambda q, k, v, s, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=m),
+        "mlx-additive": additive,
         "folded": lambda q, k, v, s, m: masked_attention(q, k, v, scale=s, mask=m),
         "unmasked": lambda q, k, v, s, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=s),
     }
@@ -95,6 +105,33 @@ def time_calls(fn: Any, c: dict[str, Any], iters: int) -> float:
     return 1e6 * (time.perf_counter() - t0) / iters
 
 
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Microseconds per call, per shape and contender (log scale), from a ``--json`` document."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = doc["records"]
+    names = [n for n in ("mlx", "mlx-additive", "folded", "unmasked")
+             if any(n in r["us"] for r in records)]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j, r in enumerate(records) if name in r["us"]]
+        ys = [r["us"][name] for r in records if name in r["us"]]
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(records))])
+    ax.set_xticklabels([f"{r['rows']}x{r['keys']}x{r['query']}" for r in records])
+    ax.set_yscale("log")
+    ax.set_ylabel("us per call (one layer)")
+    ax.set_xlabel("rows x keys x query positions")
+    ax.set_title(f"Attention under a padding mask, {doc['device']}, MLX {doc['mlx']}, {doc['dtype']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, time every shape, print, write ``--json``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -103,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=32, help="calls per timing (a model's layers)")
     p.add_argument("--repeats", type=int, default=5, help="timings per contender, interleaved")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="a PNG of the figures")
+    p.add_argument("--replot", type=Path, default=None, help="plot this --json document and exit")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return 0
 
     import mlx.core as mx
 
@@ -112,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     print(f"# masked attention: mlx {mx.__version__}, device {mx.default_device()}, {args.dtype}, "
           f"{args.iters} calls per timing, median of {args.repeats}", flush=True)
-    print(f"{'rows x keys x query':<20} {'mlx us':>9} {'folded us':>10} {'unmasked us':>12} "
-          f"{'mlx/folded':>11} {'max |diff|':>11}", flush=True)
+    print(f"{'rows x keys x query':<20} {'mlx us':>9} {'additive us':>12} {'folded us':>10} "
+          f"{'unmasked us':>12} {'mlx/folded':>11} {'max |diff|':>11}", flush=True)
     for b, t, length in _shapes(args.shapes):
         c = case(b, t, length, dtype, seed=b * 7919 + t)
         scale = 128 ** -0.5
@@ -130,11 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         rec = {"rows": b, "keys": t, "query": length, "us": med, "us_all": times,
                "mlx_over_folded": med["mlx"] / med["folded"], "max_abs_diff": diff}
         records.append(rec)
-        print(f"{f'{b} x {t} x {length}':<20} {med['mlx']:9.1f} {med['folded']:10.1f} "
+        print(f"{f'{b} x {t} x {length}':<20} {med['mlx']:9.1f} {med['mlx-additive']:12.1f} "
+              f"{med['folded']:10.1f} "
               f"{med['unmasked']:12.1f} {rec['mlx_over_folded']:11.2f} {diff:11.2e}", flush=True)
+    doc = {"device": str(mx.default_device()), "mlx": mx.__version__, "dtype": args.dtype,
+           "records": records}
     if args.json is not None:
-        args.json.write_text(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__,
-                                         "dtype": args.dtype, "records": records}, indent=2))
+        args.json.write_text(json.dumps(doc, indent=2))
+    if args.plot is not None:
+        plot(doc, args.plot)
     return 0
 
 
