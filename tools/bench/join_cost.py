@@ -231,13 +231,16 @@ def prefix_cache(model: Any, prefix: list[int], step: int) -> list[Any]:
 
 def burst(gen: Any, cache: list[Any], prefix: list[int], suffixes: list[list[int]],
           background: list[list[int]], max_tokens: int, clock: PhaseClock | None,
-          tag: str) -> dict[str, Any]:
+          tag: str, snapshot_tokens: int = 0) -> dict[str, Any]:
     """``len(suffixes)`` rows sharing the cached ``prefix`` join at once beside ``background`` decoding rows.
 
     Each burst row is lent ``cache`` (``prefix``'s KV, copied into the batch,
     never written: the prompt cache's lease) and forwards only its suffix.
     Returns each burst row's time to its first token and every step's time
     until the last of them has it (the agent trace's turns 2+ in process).
+    ``snapshot_tokens`` > 0: each row asks for a snapshot that many tokens
+    into its suffix (as ``kvtier serve`` does at a chat prompt's stable
+    boundary, so the next turn finds it): the prefill then ends a chunk there.
     """
     from kernels.engine import SamplingParams
 
@@ -254,7 +257,9 @@ def burst(gen: Any, cache: list[Any], prefix: list[int], suffixes: list[list[int
         clock.calls.clear()
     t0 = time.perf_counter()
     for j, s in enumerate(suffixes):
-        gen.join(f"{tag}-s{j}", [*prefix, *s], greedy, cache=cache, cached_tokens=len(prefix))
+        at = len(prefix) + snapshot_tokens if 0 < snapshot_tokens < len(s) else None
+        gen.join(f"{tag}-s{j}", [*prefix, *s], greedy, cache=cache, cached_tokens=len(prefix),
+                 snapshot_at=at)
     first: dict[str, float] = {}
     steps: list[dict[str, Any]] = []
     while len(first) < len(suffixes):
@@ -264,7 +269,8 @@ def burst(gen: Any, cache: list[Any], prefix: list[int], suffixes: list[list[int
             clock.sync()
         now = time.perf_counter()
         steps.append({"ms": 1000 * (now - s0), "prefill_tokens": step.prefill_tokens,
-                      "joined": len(step.joined), "decode_rows": step.decode_rows})
+                      "joined": len(step.joined), "decode_rows": step.decode_rows,
+                      "snapshots": len(step.snapshots)})
         for t in step.tokens:
             if t.row_id.startswith(f"{tag}-s") and t.row_id not in first:
                 first[t.row_id] = 1000 * (now - t0)
@@ -302,7 +308,7 @@ def run_burst(args: argparse.Namespace, loaded: Any, tok: Any, out: dict[str, An
                 rec = burst(gen, cache, prefix,
                             _prompts(tok, args.burst, args.suffix_tokens, tag),
                             _prompts(tok, bg, args.prompt_tokens, f"bg-{tag}"),
-                            args.max_tokens, clock, tag)
+                            args.max_tokens, clock, tag, args.snapshot_tokens)
             finally:
                 gen.close()
                 for u in undo:
@@ -458,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                         "at once (the agent trace's turns 2+), each --rounds, plain and synchronized")
     p.add_argument("--prefix-tokens", type=int, default=5100, help="--burst: the cached prefix")
     p.add_argument("--suffix-tokens", type=int, default=56, help="--burst: each row's own suffix")
+    p.add_argument("--snapshot-tokens", type=int, default=0,
+                   help="--burst: each row asks for a snapshot this far into its suffix (0: none)")
     p.add_argument("--background", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2],
                    help="--burst: rows already decoding when the burst joins (comma list)")
     p.add_argument("--attention", type=lambda v: [x.strip() for x in v.split(",")], default=["on"],

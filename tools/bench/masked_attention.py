@@ -9,7 +9,12 @@ tool times, per shape, in one process, interleaved:
 - ``mlx``: ``mx.fast.scaled_dot_product_attention`` with the boolean mask;
 - ``mlx-additive``: the same with the mask as an additive one per row
   (``(B, 1, L, T)`` in the queries' dtype, built inside the timed call);
+- ``cudnn-2q``: a one-position query doubled to two with that additive
+  mask, so MLX's CUDA backend takes cuDNN's fused attention (its
+  one-position paths refuse a mask), the first position kept;
 - ``folded``: ``kernels.model.masked_attention`` with the same mask;
+- ``kernel`` (CUDA only): the candidate kernel of ``decode_kernel.py``
+  (one-position queries; longer ones are MLX's);
 - ``unmasked``: ``mx.fast.scaled_dot_product_attention`` without a mask (the
   fused kernel where one exists: a lower bound, not the same attention);
 
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
 DEFAULT_SHAPES = "1x640x1,8x640x1,32x640x1,8x5156x1,32x5156x1,64x640x1,8x5156x56"
@@ -84,12 +90,36 @@ def contenders() -> dict[str, Any]:
         add = mx.where(m, mx.array(0, dtype=q.dtype), mx.array(-mx.inf, dtype=q.dtype))
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=add)
 
-    return {
+    def two_queries(q: Any, k: Any, v: Any, s: float, m: Any) -> Any:
+        # NOTE: a one-position query doubled: MLX 0.32's CUDA backend sends a
+        # masked query of more than one position to cuDNN's fused attention
+        # (the one-position path refuses masks); the first position's output
+        # is the answer. Longer queries pass through unchanged.
+        if q.shape[2] != 1:
+            return additive(q, k, v, s, m)
+        q2 = mx.concatenate([q, q], axis=2)
+        m2 = mx.concatenate([m, m], axis=2) if m.shape[2] == 1 else m
+        return additive(q2, k, v, s, m2)[:, :, :1]
+
+    out: dict[str, Any] = {
         "mlx": lambda q, k, v, s, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=m),
         "mlx-additive": additive,
+        "cudnn-2q": two_queries,
         "folded": lambda q, k, v, s, m: masked_attention(q, k, v, scale=s, mask=m),
         "unmasked": lambda q, k, v, s, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=s),
     }
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        from decode_kernel import decode_attention
+
+        def kernel(q: Any, k: Any, v: Any, s: float, m: Any) -> Any:
+            # NOTE: one-position queries only; longer ones are MLX's.
+            if q.shape[2] != 1:
+                return mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=m)
+            return decode_attention(q, k, v, scale=s, mask=m)
+
+        out["kernel"] = kernel
+    return out
 
 
 def time_calls(fn: Any, c: dict[str, Any], iters: int) -> float:
@@ -113,7 +143,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = doc["records"]
-    names = [n for n in ("mlx", "mlx-additive", "folded", "unmasked")
+    names = [n for n in ("mlx", "mlx-additive", "cudnn-2q", "folded", "kernel", "unmasked")
              if any(n in r["us"] for r in records)]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(names)
@@ -154,14 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     print(f"# masked attention: mlx {mx.__version__}, device {mx.default_device()}, {args.dtype}, "
           f"{args.iters} calls per timing, median of {args.repeats}", flush=True)
-    print(f"{'rows x keys x query':<20} {'mlx us':>9} {'additive us':>12} {'folded us':>10} "
-          f"{'unmasked us':>12} {'mlx/folded':>11} {'max |diff|':>11}", flush=True)
+    print(f"{'rows x keys x query':<20} {'mlx us':>9} {'additive us':>12} {'cudnn-2q us':>12} "
+          f"{'folded us':>10} {'unmasked us':>12} {'mlx/folded':>11} {'max |diff|':>11} "
+          f"{'2q |diff|':>10}", flush=True)
     for b, t, length in _shapes(args.shapes):
         c = case(b, t, length, dtype, seed=b * 7919 + t)
         scale = 128 ** -0.5
         ref = fns["mlx"](c["q"], c["k"], c["v"], scale, c["mask"]).astype(mx.float32)
         got = fns["folded"](c["q"], c["k"], c["v"], scale, c["mask"]).astype(mx.float32)
         diff = float(mx.max(mx.abs(ref - got)).item())
+        got2 = fns["cudnn-2q"](c["q"], c["k"], c["v"], scale, c["mask"]).astype(mx.float32)
+        diff2 = float(mx.max(mx.abs(ref - got2)).item())
+        diffk = None
+        if "kernel" in fns:
+            gotk = fns["kernel"](c["q"], c["k"], c["v"], scale, c["mask"]).astype(mx.float32)
+            diffk = float(mx.max(mx.abs(ref - gotk)).item())
         for fn in fns.values():  # NOTE: warm-up (kernel compilation, buffers).
             time_calls(fn, c, 2)
         times: dict[str, list[float]] = {name: [] for name in fns}
@@ -170,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time_calls(fn, c, args.iters))
         med = {name: statistics.median(v) for name, v in times.items()}
         rec = {"rows": b, "keys": t, "query": length, "us": med, "us_all": times,
-               "mlx_over_folded": med["mlx"] / med["folded"], "max_abs_diff": diff}
+               "mlx_over_folded": med["mlx"] / med["folded"], "max_abs_diff": diff,
+               "max_abs_diff_2q": diff2, "max_abs_diff_kernel": diffk}
         records.append(rec)
         print(f"{f'{b} x {t} x {length}':<20} {med['mlx']:9.1f} {med['mlx-additive']:12.1f} "
-              f"{med['folded']:10.1f} "
-              f"{med['unmasked']:12.1f} {rec['mlx_over_folded']:11.2f} {diff:11.2e}", flush=True)
+              f"{med['cudnn-2q']:12.1f} {med['folded']:10.1f} "
+              f"{med['unmasked']:12.1f} {rec['mlx_over_folded']:11.2f} {diff:11.2e} {diff2:10.2e}"
+              + (f"  kernel {med['kernel']:.1f} us, |diff| {diffk:.2e}" if diffk is not None else ""),
+              flush=True)
     doc = {"device": str(mx.default_device()), "mlx": mx.__version__, "dtype": args.dtype,
            "records": records}
     if args.json is not None:
