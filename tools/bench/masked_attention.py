@@ -13,7 +13,7 @@ tool times, per shape, in one process, interleaved:
   mask, so MLX's CUDA backend takes cuDNN's fused attention (its
   one-position paths refuse a mask), the first position kept;
 - ``folded``: ``kernels.model.masked_attention`` with the same mask;
-- ``kernel`` (CUDA only): the candidate kernel of ``decode_kernel.py``
+- ``kernel`` (CUDA only): the candidate kernel of ``_decode_kernel.py``
   (one-position queries; longer ones are MLX's);
 - ``unmasked``: ``mx.fast.scaled_dot_product_attention`` without a mask (the
   fused kernel where one exists: a lower bound, not the same attention);
@@ -110,7 +110,7 @@ def contenders() -> dict[str, Any]:
     }
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
-        from decode_kernel import decode_attention
+        from _decode_kernel import decode_attention
 
         def kernel(q: Any, k: Any, v: Any, s: float, m: Any) -> Any:
             # NOTE: one-position queries only; longer ones are MLX's.
