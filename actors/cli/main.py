@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol, cast
 
 
@@ -53,8 +55,39 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def shadowed_packages() -> list[str]:
+    """kvtier's top-level packages that another installed distribution's module of the same name hides.
+
+    NOTE: kvtier's packages are top-level (``kernels``, ``messages``);
+    Hugging Face's ``kernels`` distribution (a dependency of transformers
+    5.25 and later) installs a module of that name into site-packages,
+    where it wins over an editable install's. Found without importing
+    anything (``find_spec`` of a top-level name runs no package code).
+    """
+    home = Path(__file__).resolve().parents[2]
+    hidden: list[str] = []
+    for name in ("actors", "kernels", "messages"):
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None else None
+        if origin is None or Path(origin).resolve().parent.parent != home:
+            hidden.append(f"{name} ({origin or 'not found'})")
+    return hidden
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script."""
+    hidden = shadowed_packages()
+    if hidden:
+        # NOTE: said before any subcommand imports them: the alternative is an
+        # ImportError about a name that kvtier's own package does export.
+        print(
+            "kvtier: another installed package hides kvtier's own: "
+            + ", ".join(hidden)
+            + ". Hugging Face's 'kernels' (pulled in by transformers >= 5.25) is the known one: "
+            "install kvtier with transformers < 5.25, or in an environment without it.",
+            file=sys.stderr,
+        )
+        return 2
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(args_list)
     args = parser.parse_args(args_list)
