@@ -58,18 +58,6 @@ from tests.tiny_models import tiny_gemma3, tiny_mamba
 NEAR_TIE = 1e-3
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=1)
-
-
 def _lively(build: Any, vocab: int) -> Any:
     model = build(vocab_size=vocab, seed=1, dtype=mx.float32)
     model.update(tree_map(lambda p: p * 2.0, model.parameters()))

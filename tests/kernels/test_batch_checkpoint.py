@@ -26,24 +26,11 @@ from kernels.engine import (
     RowCheckpoint,
 )
 from messages.gateway import GenerationParams
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 from tests.tiny_models import tiny_mamba
 
 PORT = OsFilePort()
 KEY = "cd" * 16
 EVERY = 8
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=1)
 
 
 @dataclass

@@ -8,21 +8,8 @@ import pytest
 
 from kernels.engine import IDLE_PREFILL_ROWS, BatchGeneration, SamplingParams
 from tests.kernels.test_batch import ForwardSpy, Plan, _prompts, _serial, drive
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 STEP = 16
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=1)
 
 
 def test_rows_arriving_together_prefill_in_one_turn_when_no_row_decodes(

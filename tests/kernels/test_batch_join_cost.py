@@ -20,19 +20,6 @@ from kernels import Generation, SamplingParams, run_generation
 from kernels.engine import BatchGeneration
 from kernels.engine._greedy import HOLE_STEPS, TRIM_MIN_TOKENS
 from tests.kernels.test_batch import ForwardSpy
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=1)
 
 
 def _serial(model: Any, tok: Any, prompt: list[int], max_tokens: int) -> list[int]:

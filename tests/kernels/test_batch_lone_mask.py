@@ -5,25 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import pytest
 
 from kernels.engine import BatchGeneration, SamplingParams
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 STEP = 16
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=1)
 
 
 class MaskSpy:

@@ -10,19 +10,6 @@ import pytest
 
 from kernels import Generation, SamplingParams, run_generation
 from kernels.engine import BatchGeneration
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=1)
 
 
 @pytest.fixture

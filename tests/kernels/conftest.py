@@ -1,0 +1,21 @@
+"""The kernel tests' shared fixtures: the ASCII tiny tokenizer and a tiny fp32 Llama (a module may define its own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.kernels.test_generation import lively_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The ASCII tiny tokenizer."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    """A tiny fp32 Llama with varied greedy output."""
+    return lively_llama(len(tok), seed=1)
