@@ -21,8 +21,8 @@ order can differ.
 
 :func:`install` rebinds the name ``scaled_dot_product_attention`` in a
 loaded model's mlx-lm module to :func:`masked_dispatch`, which takes this path only
-where MLX's CUDA backend falls back (a batch cache's array mask, a query of
-at most :data:`MAX_QUERY` positions, no sinks, not quantized) and calls
+where MLX's CUDA backend falls back (a batch cache's array mask, a
+one-position query, no sinks, not quantized) and calls
 mlx-lm's own function otherwise; it installs on CUDA only. ``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves
 the module alone (the A/B switch of the measurement).
 """
@@ -51,8 +51,14 @@ __all__ = [
 MASKED_ATTENTION_ENV = "KVTIER_CUDA_MASKED_ATTENTION"
 """Switch: the folded masked attention on CUDA (on unless its value is an off word)."""
 
-MAX_QUERY = 4
-"""Longest query :func:`masked_dispatch` diverts (MLX's fused vector kernel takes queries shorter than 4 without a mask)."""
+MAX_QUERY = 1
+"""Longest query :func:`masked_dispatch` diverts.
+
+NOTE: MLX 0.32's CUDA backend sends a masked query of two or more positions
+to cuDNN's fused attention, which takes the mask; only the one-position
+query (a decode step) has no fused kernel under a mask. Longer queries
+stay MLX's (a 56-position prefill chunk was 0.75 x as fast folded).
+"""
 
 _ORIGINAL = _base.scaled_dot_product_attention
 """mlx-lm's dispatcher (quantized caches, then ``mx.fast``)."""
