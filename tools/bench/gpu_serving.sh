@@ -201,11 +201,12 @@ case "$cmd" in
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst 8 --prefix-tokens 5100 \
       --suffix-tokens 56 --max-tokens 32 --prompt-tokens 530 --prefill-step-size 2048 --rounds 3 \
       --background 0,8 --attention on,off --json "$OUT/burst.json" 2>&1 | tee "$OUT/burst.txt"
-    # NOTE: as served, each row also asks for a snapshot at its stable boundary
-    # (here 24 tokens into its suffix), which ends a prefill chunk there.
+    # NOTE: as served, the agent's suffixes differ in length (24-56 tokens):
+    # the group is right-padded and its caches rolled after the forward
+    # (the `roll` phase).
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst 8 --prefix-tokens 5100 \
-      --suffix-tokens 56 --snapshot-tokens 24 --max-tokens 32 --prompt-tokens 530 --prefill-step-size 2048 \
-      --rounds 3 --background 8 --attention on --json "$OUT/burst-snapshot.json" 2>&1 | tee "$OUT/burst-snapshot.txt"
+      --suffix-tokens 40 --suffix-spread 0.4 --max-tokens 32 --prompt-tokens 530 --prefill-step-size 2048 \
+      --rounds 3 --background 0,8 --attention on --json "$OUT/burst-spread.json" 2>&1 | tee "$OUT/burst-spread.txt"
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --rows 32 --requests 2 \
       --prompt-tokens 512 --max-tokens 128 --prefill-step-size 2048 --stagger 0.25 --rounds 3 \
       --attention on,off --no-sync --json "$OUT/loop.json" "$@" 2>&1 | tee "$OUT/loop.txt"

@@ -16,7 +16,9 @@ time:
   leaves a hole (no copy) and ``filter`` runs only when a hole is compacted;
 - ``fill``: a joining row written into a hole's slot (one slice per layer);
 - ``extract``: a leaving row's cache copied out of the batch;
-- ``prefill``: joining rows' prompt forwards (``PromptProcessingBatch.prompt``);
+- ``prefill``: joining rows' prompt forwards (``PromptProcessingBatch.prompt``)
+  less ``roll``: a padded group's right padding rolled to the left, every
+  layer's whole cache (``BatchKVCache.finalize``, inside ``prompt``);
 - ``first_token``: building the decode batch of prefilled rows
   (``enter_generation``; mlx-lm's ``generate`` forwarded their last prompt
   tokens here, 13.9 ms a join on the H200; kvtier's decode step takes them
@@ -125,11 +127,13 @@ def _wrap_function(module: Any, attr: str, clock: PhaseClock, name: str) -> Call
 def instrument(clock: PhaseClock) -> list[Callable[[], None]]:
     """Wrap the phases named in the module docstring; the undos."""
     from mlx_lm.generate import PromptProcessingBatch
+    from mlx_lm.models.cache import BatchKVCache
 
     from kernels.engine import _batch, _greedy
 
     decode = _greedy.GreedyGenerationBatch
     return [
+        _wrap(BatchKVCache, "finalize", clock, "roll"),
         _wrap(decode, "next", clock, "decode"),
         _wrap(decode, "filter", clock, "filter"),
         _wrap(decode, "extend", clock, "extend"),
@@ -150,6 +154,18 @@ def _prompts(tok: Any, n: int, length: int, tag: str) -> list[list[int]]:
     rng = random.Random(tag)
     vocab = len(tok)
     return [[rng.randrange(1000, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def _suffixes(tok: Any, n: int, length: int, spread: float, tag: str) -> list[list[int]]:
+    """``n`` distinct suffixes of ``length`` tokens, or lengths drawn within ``± spread`` of it (seeded)."""
+    import random
+
+    rng = random.Random(f"suffix-{tag}")
+    low = max(1, round(length * (1 - spread)))
+    high = max(low, round(length * (1 + spread)))
+    vocab = len(tok)
+    return [[rng.randrange(1000, vocab - 1) for _ in range(rng.randint(low, high))]
+            for _ in range(n)]
 
 
 def _lengths(n: int, max_tokens: int, stagger: float, tag: str) -> list[int]:
@@ -306,7 +322,7 @@ def run_burst(args: argparse.Namespace, loaded: Any, tok: Any, out: dict[str, An
             try:
                 tag = f"r{r}-bg{bg}-{att}-{'sync' if sync else 'plain'}"
                 rec = burst(gen, cache, prefix,
-                            _prompts(tok, args.burst, args.suffix_tokens, tag),
+                            _suffixes(tok, args.burst, args.suffix_tokens, args.suffix_spread, tag),
                             _prompts(tok, bg, args.prompt_tokens, f"bg-{tag}"),
                             args.max_tokens, clock, tag, args.snapshot_tokens)
             finally:
@@ -464,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                         "at once (the agent trace's turns 2+), each --rounds, plain and synchronized")
     p.add_argument("--prefix-tokens", type=int, default=5100, help="--burst: the cached prefix")
     p.add_argument("--suffix-tokens", type=int, default=56, help="--burst: each row's own suffix")
+    p.add_argument("--suffix-spread", type=float, default=0.0,
+                   help="--burst: each suffix's length drawn within +- this fraction of "
+                        "--suffix-tokens (seeded; 0: all equal, so the group needs no padding)")
     p.add_argument("--snapshot-tokens", type=int, default=0,
                    help="--burst: each row asks for a snapshot this far into its suffix (0: none)")
     p.add_argument("--background", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2],
