@@ -29,7 +29,10 @@ Invariants (checked by the tests):
   ``background_share / (1 - background_share)`` of its time as *credit*
   (capped at ``background_credit_cap_s``); while the credit is positive
   the oldest background waiter goes first (a burst or step chain in flight
-  is cut after its current step), and its time is taken off the credit.
+  is cut after its current step), one step at a time: the lanes take a turn
+  before the next (a turn of one step while background is still due), so a
+  row waits for one background step, never for the whole credit. Its time
+  is taken off the credit.
   Hence, over any stretch of load, background time <= share/(1-share) x
   request and batch time + the cap + one background step; a waiting step
   is granted within one step while the credit is positive, else within one
@@ -491,6 +494,8 @@ class GatewayState:
     """A batch step has work now."""
     last_owner: str = ""
     """Who had the last request or batch turn (both lanes with work alternate)."""
+    lanes_owed: bool = False
+    """A background step ran under load and no request or batch turn has run since: the lanes go next."""
     stats: TokenStats = field(default_factory=TokenStats)
 
     def __post_init__(self) -> None:
@@ -974,12 +979,17 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
     lane_ok = lane is not None and state.ready(lane)
     batch_ok = state.batch_ready
     lend = state.chain_background and batch_ok and not lane_ok and not state.lend_refused
-    if (lane_ok or batch_ok) and _background_due(state) and not lend:
+    if (lane_ok or batch_ok) and _background_due(state) and not lend and not state.lanes_owed:
         # NOTE: the engine is busy, but background work has earned a turn
         # (its share of the request and batch turns' time): one step, then
         # the lanes again. Its time is taken off the credit when it ends.
+        # ``lanes_owed`` keeps it to one step: with credit left, a second
+        # step back to back would hold a joining or decoding row behind the
+        # whole credit (up to background_credit_cap_s) instead of one step.
         _grant_background(state, now, out, under_load=True)
+        state.lanes_owed = True
         return
+    state.lanes_owed = False
     if lane_ok and batch_ok:
         # NOTE: both lanes have work: they alternate turns, so neither starves.
         if state.last_owner == "batch":

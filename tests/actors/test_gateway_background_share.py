@@ -49,6 +49,8 @@ class Load:
     fg_step_s: float
     bg_step_s: float
     batch: bool = False
+    askers: int = 1
+    """Background askers always waiting (write-behind, checkpoints, the scrubber may wait at once)."""
     now: float = 0.0
     bg_asked_at: float = 0.0
     waits: list[float] = field(default_factory=list)
@@ -56,6 +58,8 @@ class Load:
     fg_s: float = 0.0
     bg_s: float = 0.0
     steps: int = 0
+    grants: list[str] = field(default_factory=list)
+    """Each grant in order: ``bg`` or ``fg``."""
 
     def feed(self, event: CoreEvent) -> list[Effect]:
         self.state, effects = handle(self.state, event)
@@ -67,12 +71,14 @@ class Load:
             effects = self.feed(BatchStatus(busy=True, ready=True, now=0.0))
         else:
             effects = self.feed(AdmitRequest("long", now=0.0))
-        effects += self.feed(WantBackgroundTurn("bg-0", now=0.0))
+        for a in range(self.askers):
+            effects += self.feed(WantBackgroundTurn(f"bg-{a}-0", now=0.0))
         while self.now < until:
             grants = [e for e in effects
                       if isinstance(e, RunRequestTurn | RunBackgroundTurn | RunBatchTurn)]
             cut = any(isinstance(e, PreemptTurn | PreemptBatchTurn) for e in effects)
             (grant,) = grants
+            self.grants.append("bg" if isinstance(grant, RunBackgroundTurn) else "fg")
             if isinstance(grant, RunBackgroundTurn):
                 self.waits.append(self.now - self.bg_asked_at)
                 self.now += self.bg_step_s
@@ -80,7 +86,8 @@ class Load:
                 self.steps += 1
                 effects = self.feed(BackgroundTurnDone(grant.step_id, now=self.now))
                 self.bg_asked_at = self.now
-                more = self.feed(WantBackgroundTurn(f"bg-{self.steps}", now=self.now))
+                asker = grant.step_id.split("-")[1]
+                more = self.feed(WantBackgroundTurn(f"bg-{asker}-{self.steps}", now=self.now))
                 # NOTE: a cut asked for while the foreground turn runs its first step.
                 effects += more
                 continue
@@ -120,6 +127,23 @@ def test_background_gets_its_share_under_sustained_load_and_no_more(
     assert isinstance(snap, dict)
     assert snap["turns"] in (load.steps, load.steps + 1)  # NOTE: the last grant never ran.
     assert snap["held_s"] == pytest.approx(load.bg_s)
+
+
+@pytest.mark.parametrize("lane", ["serial", "batch"])
+def test_under_load_background_runs_one_step_at_a_time(lane: str) -> None:
+    """With credit for hundreds of short background steps and three askers always waiting, each
+    background step is followed by a foreground step: a ready row waits for one background step,
+    never for the whole credit."""
+    state = GatewayState(max_queue=4, max_burst=64, background_share=DEFAULT_BACKGROUND_SHARE,
+                         background_credit_cap_s=0.25)
+    load = Load(state, fg_step_s=0.01, bg_step_s=0.0005, batch=lane == "batch", askers=3)
+    load.run(until=30.0)
+    assert load.grants.count("bg") > 100
+    pairs = list(zip(load.grants, load.grants[1:], strict=False))
+    assert ("bg", "bg") not in pairs
+    # NOTE: and background still takes its share (one step per foreground step at most).
+    ratio = DEFAULT_BACKGROUND_SHARE / (1 - DEFAULT_BACKGROUND_SHARE)
+    assert load.bg_s >= 0.5 * min(ratio * load.fg_s, load.grants.count("fg") * 0.0005)
 
 
 @pytest.mark.parametrize("lane", ["serial", "batch"])
