@@ -31,6 +31,7 @@
 # Other subcommands (same carry as `run`; each says more where it is defined):
 #   profile      py-spy over kvtier serve at ${CONC:-32} streams
 #   ssdprofile   py-spy over kvtier serve while requests decode behind write-behind
+#   ssdline      the SSD line: ${PAIRS:-3} pairs of servers, tier on / off, order alternating
 #   ssdvariants  SSD tier off / on / write-behind off / diagnostic switches
 #   steps        the same closed loop served and in process (served_steps.py)
 #   joins        where a batch step's time goes (join_cost.py)
@@ -264,6 +265,18 @@ case "$cmd" in
       fi
     done
     tail -n 3 "$OUT/ssdprofile.txt"; head -n 60 "$OUT/threads-all.txt" 2>/dev/null || cat "$OUT/pyspy.log"
+    ;;
+  ssdline)
+    # Issue 20's SSD line as the issue states it: TTFT p99 of 20 sequential
+    # distinct requests, tier on vs off, ${PAIRS:-3} pairs of servers with
+    # the order alternating (ssd_ttft.py --repeats): every pair's ratios,
+    # their median and spread (one server per mode was within this GPU's
+    # process-to-process spread).
+    device_env
+    ensure_model
+    python3 tools/bench/ssd_ttft.py --model "$MODEL" --requests "${N:-20}" --prompt-tokens 530 \
+      --max-tokens 48 --repeats "${PAIRS:-3}" --json "$OUT/ssd_ttft.json" --plot "$OUT/ssd_ttft.png" "$@" \
+      2>&1 | tee "$OUT/ssd_ttft.txt" | tail -n 12
     ;;
   ssdvariants)
     # Which part of the SSD tier's write-behind slows decoding (issue 20's SSD
