@@ -18,7 +18,9 @@ combine, written with ``mx.fast.cuda_kernel``:
   normalized (a row whose every key is hidden, a reused slot's hole, gets
   zeros).
 
-Keys and values are read in place through their strides (slices of the
+NOTE: the body compiles with NVRTC inside ``mlx::core::cu`` after MLX's
+device ``utils.cuh`` (``-inf`` is its ``Limits<float>::min()``: NVRTC has no
+``INFINITY`` macro). Keys and values are read in place through their strides (slices of the
 cache's buffer). ``masked_attention.py`` times it as ``kernel`` beside MLX's
 path and the folded products, and prints its largest difference from MLX.
 """
@@ -53,7 +55,7 @@ _PASS1 = r"""
             qv[r][i] = static_cast<float>(q[qoff + (lane * 4 + i) * q_strides[3]]) * sc;
             o[r][i] = 0.0f;
         }
-        m[r] = -INFINITY;
+        m[r] = Limits<float>::min();
         l[r] = 0.0f;
     }
     const int64_t kbase = b * k_strides[0] + h * k_strides[1];
@@ -104,13 +106,13 @@ _PASS1 = r"""
     for (int j = threadIdx.x; j < REP * 128; j += blockDim.x) {
         const int r = j / 128;
         const int d = j % 128;
-        float M = -INFINITY;
+        float M = Limits<float>::min();
         for (int w = 0; w < BN; ++w) {
             M = fmaxf(M, sm[w * REP + r]);
         }
         float L = 0.0f;
         float O = 0.0f;
-        if (M != -INFINITY) {
+        if (M != Limits<float>::min()) {
             for (int w = 0; w < BN; ++w) {
                 const float e = expf(sm[w * REP + r] - M);
                 L += sl[w * REP + r] * e;
@@ -130,13 +132,13 @@ _PASS1 = r"""
 _PASS2 = r"""
     const int bh = blockIdx.x;
     const int d = threadIdx.x;
-    float M = -INFINITY;
+    float M = Limits<float>::min();
     for (int s = 0; s < SPLIT; ++s) {
         M = fmaxf(M, m_part[bh * SPLIT + s]);
     }
     float L = 0.0f;
     float O = 0.0f;
-    if (M != -INFINITY) {
+    if (M != Limits<float>::min()) {
         for (int s = 0; s < SPLIT; ++s) {
             const float e = expf(m_part[bh * SPLIT + s] - M);
             L += l_part[bh * SPLIT + s] * e;
