@@ -41,7 +41,7 @@ _PASS1 = r"""
     const int T = k_shape[2];
     const int chunk = (T + SPLIT - 1) / SPLIT;
     const int t0 = split * chunk;
-    const int t1 = min(T, t0 + chunk);
+    const int t1 = T < t0 + chunk ? T : t0 + chunk;
     const float sc = scale[0];
 
     float qv[REP][4];
