@@ -201,7 +201,7 @@ case "$cmd" in
     python3 tools/bench/masked_attention.py --json "$OUT/masked_attention.json" --plot "$OUT/masked_attention.png" 2>&1 | tee "$OUT/masked_attention.txt"
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst 8 --prefix-tokens 5100 \
       --suffix-tokens 56 --max-tokens 32 --prompt-tokens 530 --prefill-step-size 2048 --rounds 3 \
-      --background 0,8 --attention on,off --json "$OUT/burst.json" 2>&1 | tee "$OUT/burst.txt"
+      --background 0,8 --attention on,off,kernel --json "$OUT/burst.json" 2>&1 | tee "$OUT/burst.txt"
     # NOTE: as served, the agent's suffixes differ in length (24-56 tokens):
     # the group is right-padded and its caches rolled after the forward
     # (the `roll` phase).
@@ -210,7 +210,7 @@ case "$cmd" in
       --rounds 3 --background 0,8 --attention on --json "$OUT/burst-spread.json" 2>&1 | tee "$OUT/burst-spread.txt"
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --rows 32 --requests 2 \
       --prompt-tokens 512 --max-tokens 128 --prefill-step-size 2048 --stagger 0.25 --rounds 3 \
-      --attention on,off --no-sync --json "$OUT/loop.json" "$@" 2>&1 | tee "$OUT/loop.txt"
+      --attention on,off,kernel --no-sync --json "$OUT/loop.json" "$@" 2>&1 | tee "$OUT/loop.txt"
     ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests), the

@@ -223,14 +223,57 @@ def closed_loop(gen: Any, prompts: list[list[int]], rows: int, max_tokens: list[
     }
 
 
-def set_attention(model: Any, folded: bool) -> None:
-    """Bind the model module's attention to kvtier's masked dispatch (``folded``) or mlx-lm's own."""
-    from kernels.model import bind_masked_attention, unbind_masked_attention
+def _kernel_dispatch(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
+                     sinks: Any = None) -> Any:
+    """mlx-lm's attention, with one-position masked queries through the candidate kernel (_decode_kernel)."""
+    import mlx.core as mx
+    from _decode_kernel import decode_attention
+    from mlx_lm.models import base
 
-    if folded:
+    from kernels.model import takes_masked_path
+
+    if takes_masked_path(queries, cache, mask, sinks) and mask.dtype == mx.bool_:
+        return decode_attention(queries, keys, values, scale=scale, mask=mask)
+    return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+
+
+def kernel_usable() -> str | None:
+    """Why the candidate kernel cannot run here (``None``: it compiled and matched MLX on a small case)."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return "no CUDA device"
+    from _decode_kernel import decode_attention
+
+    try:
+        mx.random.seed(0)
+        q = mx.random.normal((2, 8, 1, 128)).astype(mx.bfloat16)
+        k = mx.random.normal((2, 2, 300, 128)).astype(mx.bfloat16)
+        v = mx.random.normal((2, 2, 300, 128)).astype(mx.bfloat16)
+        mask = (mx.arange(300)[None, None, None, :] >= mx.array([0, 120])[:, None, None, None])
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask=mask)
+        got = decode_attention(q, k, v, scale=0.088, mask=mask)
+        diff = float(mx.max(mx.abs(want.astype(mx.float32) - got.astype(mx.float32))).astype(mx.float32).tolist())  # type: ignore[arg-type]
+    except (RuntimeError, ValueError) as exc:
+        return f"it failed: {exc}"
+    return None if diff < 2e-2 else f"its result differs from MLX's by {diff:.3g}"
+
+
+def set_attention(model: Any, mode: str) -> None:
+    """Bind the model module's attention: ``on`` kvtier's folded dispatch, ``off`` mlx-lm's own, ``kernel`` the candidate kernel."""
+    from mlx_lm.models import base
+
+    from kernels.model import bind_masked_attention
+
+    module = sys.modules[type(model).__module__]
+    module.scaled_dot_product_attention = base.scaled_dot_product_attention  # type: ignore[attr-defined]
+    if mode == "on":
         bind_masked_attention(model)
-    else:
-        unbind_masked_attention(model)
+    elif mode == "kernel":
+        module.scaled_dot_product_attention = _kernel_dispatch  # type: ignore[attr-defined]
+    elif mode != "off":
+        raise SystemExit(f"--attention takes on, off, kernel; got {mode!r}")
 
 
 def prefix_cache(model: Any, prefix: list[int], step: int) -> list[Any]:
@@ -315,7 +358,7 @@ def run_burst(args: argparse.Namespace, loaded: Any, tok: Any, out: dict[str, An
     for r in range(args.rounds + 1):  # NOTE: round 0 warms the shapes up, unrecorded.
         for bg, att, sync in [(bg, att, sync) for bg in args.background for att in args.attention
                               for sync in (False, True)]:
-            set_attention(loaded.model, att == "on")
+            set_attention(loaded.model, att)
             clock = PhaseClock(mx.synchronize) if sync else None
             undo = instrument(clock) if clock is not None else []
             gen = fresh()
@@ -390,7 +433,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["plain_rounds"] = []
         for r in range(args.rounds):
             for c, att in [(c, att) for c in contenders for att in args.attention]:
-                set_attention(loaded.model, att == "on")
+                set_attention(loaded.model, att)
                 gen = fresh(c)
                 rec = closed_loop(gen, _prompts(tok, n, args.prompt_tokens, "plain"), args.rows,
                                   plain_lengths, None)
@@ -488,10 +531,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--background", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2],
                    help="--burst: rows already decoding when the burst joins (comma list)")
     p.add_argument("--attention", type=lambda v: [x.strip() for x in v.split(",")], default=["on"],
-                   help="contenders: kvtier's folded masked attention on / off (mlx-lm's own), "
-                        "e.g. on,off (the burst and the unsynchronized pass)")
+                   help="contenders: kvtier's folded masked attention on / off (mlx-lm's own) / "
+                        "kernel (the candidate of _decode_kernel.py, CUDA), e.g. on,off,kernel "
+                        "(the burst and the unsynchronized pass)")
     p.add_argument("--json", type=Path, default=None, help="write the records here")
     args = p.parse_args(argv)
+    if "kernel" in args.attention:
+        why = kernel_usable()
+        if why is not None:
+            # NOTE: the candidate was written without a GPU at hand: say so and
+            # measure the other contenders.
+            print(f"# the kernel contender is dropped: {why}", flush=True)
+            args.attention = [a for a in args.attention if a != "kernel"] or ["on"]
     out = run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
