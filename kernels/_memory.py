@@ -29,6 +29,7 @@ __all__ = [
     "configure_mlx_memory",
     "default_mlx_cache_limit_bytes",
     "default_prompt_cache_bytes",
+    "on_cuda",
     "weights_bytes",
 ]
 
@@ -117,7 +118,8 @@ def weights_bytes(model: object) -> int:
     return sum(int(a.nbytes) for _, a in flat)
 
 
-def _on_cuda() -> bool:
+def on_cuda() -> bool:
+    """Whether MLX computes on a CUDA GPU here (a CUDA build with the GPU as its default device)."""
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available()) and mx.default_device().type == mx.DeviceType.gpu
 
@@ -145,7 +147,7 @@ def configure_mlx_memory(
     """
     if cache_limit_bytes == "default":
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
-        cuda = _on_cuda()
+        cuda = on_cuda()
         cache_limit_bytes = default_mlx_cache_limit_bytes(
             gpu=on_gpu, cuda=cuda, weights_bytes=weights_bytes,
             device_bytes=_device_bytes() if cuda else 0,

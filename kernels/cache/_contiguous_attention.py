@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm.models.base as _mlx_base
 
+from kernels._memory import on_cuda
+
 __all__ = [
     "contiguous_quantized_sdpa",
     "install_contiguous_quantized_attention",
@@ -54,11 +56,7 @@ def contiguous_quantized_sdpa(
     return attend(queries, keys, values, scale, mask, group_size, bits)
 
 
-def _cuda_default() -> bool:
-    return bool(mx.cuda.is_available()) and mx.default_device().type == mx.DeviceType.gpu
-
-
-def install_contiguous_quantized_attention(*, on_cuda: Callable[[], bool] = _cuda_default) -> bool:
+def install_contiguous_quantized_attention(*, on_cuda: Callable[[], bool] = on_cuda) -> bool:
     """Route mlx-lm's quantized attention through :func:`contiguous_quantized_sdpa` on CUDA.
 
     Idempotent; returns whether the wrapper is installed. ``on_cuda`` is the

@@ -307,7 +307,8 @@ def transform_for_device(
 
     CPU: fused projections and shared RoPE tables (bitwise), then one-token
     products through the few-row product. CUDA: gate|up as one product, and
-    short queries under an array mask as folded products (:mod:`._masked_attention`).
+    one-position queries under an array mask as folded products
+    (:mod:`._masked_attention`).
     Metal: none. ``fuse`` / ``few_row`` as :func:`load_model`'s. Returns
     what was done (``None``: nothing applied).
     """

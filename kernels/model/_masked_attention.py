@@ -2,8 +2,8 @@
 
 The batch lane's caches pad rows on the left, so every decode step of a
 batch hands attention an array mask (mlx-lm's ``BatchKVCache.make_mask``).
-MLX's CUDA backend has no fused kernel for a short query under an array
-mask (0.32: the vector kernel and the cuDNN decode path both refuse one), so
+MLX's CUDA backend has no fused kernel for a one-position query under an
+array mask (0.32: the vector kernel and the cuDNN decode path both refuse one), so
 it runs its generic fallback: the query heads unflattened to
 ``(B, kv_heads, repeats, L, D)`` against keys broadcast over ``repeats``,
 a batched product whose batch axes do not collapse. On the H200 (8B shape)
@@ -20,11 +20,12 @@ additive one added, a precise softmax), so only the products' summation
 order can differ.
 
 :func:`install` rebinds the name ``scaled_dot_product_attention`` in a
-loaded model's mlx-lm module to :func:`masked_dispatch`, which takes this path only
-where MLX's CUDA backend falls back (a batch cache's array mask, a
-one-position query, no sinks, not quantized) and calls
-mlx-lm's own function otherwise; it installs on CUDA only. ``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves
-the module alone (the A/B switch of the measurement).
+loaded model's mlx-lm module to :func:`masked_dispatch`, which takes this
+path only where MLX's CUDA backend falls back (a batch cache's array mask,
+a one-position query, no sinks, not quantized) and calls mlx-lm's own
+function otherwise. It installs on CUDA only;
+``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves the module alone (the A/B switch
+of the measurement).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import mlx.core as mx
 from mlx_lm.models import base as _base
 
 from kernels._env import env_switch
+from kernels._memory import on_cuda
 
 __all__ = [
     "MASKED_ATTENTION_ENV",
@@ -105,18 +107,13 @@ def masked_attention(
 
 
 def takes_masked_path(queries: Any, cache: Any, mask: Any, sinks: Any) -> bool:
-    """Whether :func:`masked_dispatch` diverts this call: a short query under an array mask, no sinks, not quantized."""
+    """Whether :func:`masked_dispatch` diverts this call: a one-position query under an array mask, no sinks, not quantized."""
     return (
         isinstance(mask, mx.array)
         and sinks is None
         and not hasattr(cache, "bits")
         and queries.shape[2] <= MAX_QUERY
     )
-
-
-def _cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
 
 
 def masked_dispatch(
@@ -128,7 +125,7 @@ def masked_dispatch(
     mask: Any,
     sinks: Any = None,
 ) -> Any:
-    """mlx-lm's ``scaled_dot_product_attention``, with short masked queries on CUDA folded (:func:`masked_attention`)."""
+    """mlx-lm's ``scaled_dot_product_attention``, with one-position masked queries folded (:func:`masked_attention`)."""
     if takes_masked_path(queries, cache, mask, sinks):
         return masked_attention(queries, keys, values, scale=scale, mask=mask)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, sinks)
@@ -141,7 +138,7 @@ def install(model: Any) -> bool:
     switch on, for a module that took mlx-lm's own function by that name.
     Idempotent.
     """
-    if not _cuda() or not env_switch(MASKED_ATTENTION_ENV):
+    if not on_cuda() or not env_switch(MASKED_ATTENTION_ENV):
         return False
     return bind(model)
 

@@ -134,10 +134,10 @@ def test_install_binds_on_cuda_only_and_honours_its_switch(
     """install() rebinds the model module's attention where CUDA is available, not elsewhere nor with the switch off; unbind gives it back."""
     module = sys.modules[type(model).__module__]
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
-    monkeypatch.setattr(impl, "_cuda", lambda: False)
+    monkeypatch.setattr(impl, "on_cuda", lambda: False)
     assert not impl.install(model)
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
-    monkeypatch.setattr(impl, "_cuda", lambda: True)
+    monkeypatch.setattr(impl, "on_cuda", lambda: True)
     monkeypatch.setenv(MASKED_ATTENTION_ENV, "off")
     assert not impl.install(model)
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
