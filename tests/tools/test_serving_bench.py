@@ -64,6 +64,32 @@ def test_help_does_not_import_mlx() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path: Path) -> None:
+    """Each agent turn gets the phases of the ``request.timeline`` line naming its request id."""
+    console = tmp_path / "kvtier.stderr"
+    console.write_text(
+        "2026-12-03 [info ] request.served request_id=chatcmpl-a\n"
+        "2026-12-03 [info ] request.timeline request_id=chatcmpl-a looked_up=True "
+        "phases_ms={'admission': 1.5, 'join': 20.0, 'first_step': 90.25}\n"
+    )
+    jsonl = tmp_path / "kvtier.stdout"
+    jsonl.write_text(
+        json.dumps({"event": "request.timeline", "request_id": "chatcmpl-b",
+                    "phases_ms": {"admission": 2.0, "join": 5.0, "first_step": 30.0}}) + "\n"
+    )
+    agent = serving.AgentResult(1, 3, 10, [
+        serving.AgentTurn(0, 1, 100.0, 10, 0, "chatcmpl-a"),
+        serving.AgentTurn(0, 2, 40.0, 12, 9, "chatcmpl-b"),
+        serving.AgentTurn(0, 3, 40.0, 14, 11, "chatcmpl-c"),
+    ])
+    serving.attach_phases(agent, [console, jsonl, tmp_path / "absent.log"])
+    assert [t.phases_ms for t in agent.turns_list] == [
+        {"admission": 1.5, "join": 20.0, "first_step": 90.25},
+        {"admission": 2.0, "join": 5.0, "first_step": 30.0},
+        None,
+    ]
+
+
 def test_level_figures_come_from_the_request_records() -> None:
     """Throughput is output tokens over first start to last end; TTFT/ITL are nearest-rank percentiles."""
     records = [

@@ -287,6 +287,8 @@ class ChatResult:
     token_times: list[float] = field(default_factory=list)
     """Arrival time of each content chunk, seconds after the request was sent."""
     usage: dict[str, Any] | None = None
+    request_id: str | None = None
+    """The response's ``X-Request-Id`` (kvtier's ``request.timeline`` log line names it)."""
 
     @property
     def decode_tps(self) -> float:
@@ -346,6 +348,7 @@ def stream_chat(
         client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp,
     ):
         resp.raise_for_status()
+        request_id = resp.headers.get("x-request-id")
         for line in resp.iter_lines():
             if not line.startswith("data:"):
                 continue
@@ -362,7 +365,8 @@ def stream_chat(
                     parts.append(content)
     if not times:
         raise RuntimeError("no content chunk in the stream")
-    return ChatResult(ttft_s=times[0], text="".join(parts), token_times=times, usage=usage)
+    return ChatResult(ttft_s=times[0], text="".join(parts), token_times=times, usage=usage,
+                      request_id=request_id)
 
 
 def ttft(url: str, messages: list[dict[str, str]], model: str, max_tokens: int = 4) -> float:

@@ -43,9 +43,11 @@ environment of its own, e.g.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -170,6 +172,9 @@ class AgentTurn:
     ttft_ms: float
     prompt_tokens: int | None
     cached_tokens: int | None
+    request_id: str | None = None
+    phases_ms: dict[str, float] | None = None
+    """kvtier: the server's timeline phases of this request (its ``request.timeline`` log line)."""
 
 
 @dataclass
@@ -331,6 +336,7 @@ def agent_trace(
                         1000.0 * r.ttft_s,
                         int(prompt) if isinstance(prompt, int) else None,
                         r.cached_tokens,
+                        r.request_id,
                     )
                 )
 
@@ -469,9 +475,61 @@ def run_server(
             )
             if who == "kvtier":
                 run.stats["agent"] = server_stats(url)
+                attach_phases(a, [server.stdout, server.stderr])
+                print_turn_phases(who, rnd, a)
     finally:
         server.stop()
     return run
+
+
+_TIMELINE_ID = re.compile(r"request_id=['\"]?([\w.-]+)")
+_TIMELINE_PHASES = re.compile(r"phases_ms=(\{[^}]*\})")
+
+
+def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
+    """Each ``request.timeline`` log line's phases (ms) by request id, console or JSON log format."""
+    found: dict[str, dict[str, float]] = {}
+    for log in logs:
+        if not log.exists():
+            continue
+        for line in log.read_text(errors="replace").splitlines():
+            if "request.timeline" not in line:
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                rid, phases = obj.get("request_id"), obj.get("phases_ms")
+            else:
+                m_id, m_ph = _TIMELINE_ID.search(line), _TIMELINE_PHASES.search(line)
+                if m_id is None or m_ph is None:
+                    continue
+                rid, phases = m_id.group(1), ast.literal_eval(m_ph.group(1))
+            if isinstance(rid, str) and isinstance(phases, dict):
+                found[rid] = {str(k): float(v) for k, v in phases.items()}
+    return found
+
+
+def attach_phases(agent: AgentResult, logs: Sequence[Path]) -> None:
+    """Give each agent turn the server's timeline phases of its request (where the log has them)."""
+    phases = timeline_phases(logs)
+    for turn in agent.turns_list:
+        if turn.request_id is not None:
+            turn.phases_ms = phases.get(turn.request_id)
+
+
+def print_turn_phases(who: str, rnd: int, agent: AgentResult) -> None:
+    """Per turn of the agent trace: the median TTFT and the median of each server-side phase."""
+    for t in sorted({x.turn for x in agent.turns_list}):
+        turns = [x for x in agent.turns_list if x.turn == t]
+        timed = [x.phases_ms for x in turns if x.phases_ms]
+        parts = [f"TTFT p50 {statistics.median(x.ttft_ms for x in turns):.0f} ms"]
+        if timed:
+            keys = [k for k in timed[0] if k != "first_byte"]
+            parts += [f"{k} {statistics.median(p.get(k, 0.0) for p in timed):.1f}" for k in keys]
+            parts.append(f"({len(timed)}/{len(turns)} timed)")
+        print(f"round {rnd} {who:<7} agent turn {t}: " + ", ".join(parts), flush=True)
 
 
 _STATS_KEYS = ("prompt_cache", "ssd_cache", "batch", "memory", "gateway", "checkpoints")
