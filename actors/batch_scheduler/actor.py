@@ -262,6 +262,14 @@ class BatchScheduler(Actor):
                 # NOTE: before feeding: the core may submit the turn's next job.
                 self._chain = None
                 await self._returned(chain, ctx)
+            if out.joined:
+                # NOTE: one line per step that joined rows (at most one per
+                # request): what a join costs, beside each request's
+                # ``request.timeline`` (its ``first_step`` phase).
+                _log.info("batch.join_step", turn=turn, joined=[rid for rid, _ in out.joined],
+                          cached=[c for _, c in out.joined], prefill_tokens=out.prefill_tokens,
+                          decode_rows=out.decode_rows, join_ms=round(out.join_s * 1e3, 3),
+                          step_ms=round(out.step_s * 1e3, 3))
             await self._feed(core.StepFinished(turn, out, ctx.clock.now(), last), ctx)
             if last:
                 return

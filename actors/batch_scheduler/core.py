@@ -196,7 +196,8 @@ class StepOut:
     (landing SSD hits, copying RAM prefixes): not prefill. ``checkpoints``:
     rows' checkpoint snapshots (registered, owned by whoever holds them);
     ``resumed``: rows joined from a checkpoint and the tokens each replays
-    (-1: the checkpoint did not fit, the row joined cold).
+    (-1: the checkpoint did not fit, the row joined cold). ``step_s``: the
+    step's seconds on the engine thread, joins included (0: not measured).
     """
 
     tokens: tuple[TokenOut, ...] = ()
@@ -212,6 +213,7 @@ class StepOut:
     join_s: float = 0.0
     checkpoints: tuple[tuple[str, Captured], ...] = ()
     resumed: tuple[tuple[str, int], ...] = ()
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

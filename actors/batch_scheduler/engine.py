@@ -170,6 +170,7 @@ class BatchEngine:
 
     def step(self, joins: Sequence[JoinRow], cancels: Sequence[str]) -> StepOut:
         """Cancel, join, step once; register what rows hand back."""
+        began = time.perf_counter()
         try:
             batch = self._kernel()
             exits: list[ExitOut] = []
@@ -255,6 +256,7 @@ class BatchEngine:
                 join_s=join_s,
                 checkpoints=tuple(captured),
                 resumed=tuple(resumed),
+                step_s=time.perf_counter() - began,
             )
         except BaseException:
             # NOTE: a failed forward leaves the batch's arrays in an unknown

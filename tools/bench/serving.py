@@ -175,6 +175,9 @@ class AgentTurn:
     request_id: str | None = None
     phases_ms: dict[str, float] | None = None
     """kvtier: the server's timeline phases of this request (its ``request.timeline`` log line)."""
+    join_step: dict[str, float] | None = None
+    """kvtier: the batch step it joined in (its ``batch.join_step`` log line): ``step_ms``,
+    ``join_ms``, ``rows`` joined, ``prefill_tokens``, ``decode_rows``."""
 
 
 @dataclass
@@ -520,12 +523,52 @@ def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
     return found
 
 
+_STEP_FIELDS = ("step_ms", "join_ms", "prefill_tokens", "decode_rows")
+_STEP_JOINED = re.compile(r"joined=(\[[^\]]*\])")
+_STEP_NUMBER = {k: re.compile(rf"\b{k}=([0-9.]+)") for k in _STEP_FIELDS}
+
+
+def join_steps(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
+    """Each ``batch.join_step`` log line's figures by the request ids it joined, console or JSON."""
+    found: dict[str, dict[str, float]] = {}
+    for log in logs:
+        if not log.exists():
+            continue
+        for line in log.read_text(errors="replace").splitlines():
+            if "batch.join_step" not in line:
+                continue
+            fields: dict[str, Any]
+            if line.lstrip().startswith("{"):
+                try:
+                    fields = json.loads(line)
+                except ValueError:
+                    continue
+            else:
+                m = _STEP_JOINED.search(line)
+                if m is None:
+                    continue
+                fields = {"joined": ast.literal_eval(m.group(1))}
+                for key, rx in _STEP_NUMBER.items():
+                    if (n := rx.search(line)) is not None:
+                        fields[key] = float(n.group(1))
+            joined = fields.get("joined")
+            if not isinstance(joined, list):
+                continue
+            figures = {k: float(fields[k]) for k in _STEP_FIELDS if k in fields}
+            figures["rows"] = float(len(joined))
+            for rid in joined:
+                found[str(rid)] = figures
+    return found
+
+
 def attach_phases(agent: AgentResult, logs: Sequence[Path]) -> None:
-    """Give each agent turn the server's timeline phases of its request (where the log has them)."""
+    """Give each agent turn the server's timeline phases of its request and the step it joined in."""
     phases = timeline_phases(logs)
+    steps = join_steps(logs)
     for turn in agent.turns_list:
         if turn.request_id is not None:
             turn.phases_ms = phases.get(turn.request_id)
+            turn.join_step = steps.get(turn.request_id)
 
 
 def print_turn_phases(who: str, rnd: int, agent: AgentResult) -> None:
@@ -538,6 +581,11 @@ def print_turn_phases(who: str, rnd: int, agent: AgentResult) -> None:
             keys = [k for k in timed[0] if k != "first_byte"]
             parts += [f"{k} {statistics.median(p.get(k, 0.0) for p in timed):.1f}" for k in keys]
             parts.append(f"({len(timed)}/{len(turns)} timed)")
+        steps = [x.join_step for x in turns if x.join_step]
+        if steps:
+            parts.append("join step " + ", ".join(
+                f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.1f}"
+                for k in ("step_ms", "join_ms", "rows", "prefill_tokens", "decode_rows")))
         print(f"round {rnd} {who:<7} agent turn {t}: " + ", ".join(parts), flush=True)
 
 
