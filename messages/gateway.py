@@ -15,6 +15,7 @@ from .prompt_cache import CACHE_SALT_MAX_CHARS, TakeResult, cache_namespace
 
 __all__ = [
     "AdmissionReply",
+    "Arriving",
     "AwaitDrained",
     "BackgroundTurnReport",
     "BeginShutdown",
@@ -217,6 +218,19 @@ class AdmissionReply(Body):
     position: int = 0
     error_code: str = ""
     detail: str = ""
+
+
+class Arriving(Body):
+    """A request is being prepared (rendered, tokenized, checked); its ``Generate`` follows.
+
+    A hint, nothing owed: an idle batch lane lets a row that is ready wait a
+    moment for it, so requests sent together start in one step instead of
+    one step each; one that never comes (refused, or served by the serial
+    lane) stops being waited for after the lane's gather window.
+    """
+
+    kind: Literal["gateway.arriving"] = "gateway.arriving"
+    request_id: str
 
 
 class CancelGeneration(Body):

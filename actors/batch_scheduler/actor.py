@@ -76,7 +76,7 @@ from messages.batch_scheduler import (
     RunBatchStep,
     StopBatchChain,
 )
-from messages.gateway import AdmissionReply, BeginShutdown, CancelGeneration, Generate
+from messages.gateway import AdmissionReply, Arriving, BeginShutdown, CancelGeneration, Generate
 from messages.ssd_writer import ObservePrefill
 
 from . import core
@@ -199,6 +199,8 @@ class BatchScheduler(Actor):
             self._requests[body.request_id] = envelope
             key = self._ckpt.key_of(body) if self._ckpt is not None else None
             event = core.Admit(body, envelope.correlation_id, now, key)
+        elif isinstance(body, Arriving):
+            event = core.Arriving(body.request_id, now)
         elif isinstance(body, BatchCheckpointsLoaded):
             for looked, found in self._loads.take():
                 if found is not None and looked in self.state.rows:

@@ -33,8 +33,11 @@ Invariants (checked by the tests):
   no background step between the steps of active rows;
 - rows arriving together start together: while no row is joined, a ready
   row waits (``ready`` stays false) for the lookups of the other placed
-  rows, at most ``gather_s`` (``ArmGather`` ... ``GatherDue``), so their
-  prompts prefill in shared steps instead of one step per arrival;
+  rows and for requests announced as arriving (``Arriving``: rendered and
+  tokenized before their ``Admit``), at most ``gather_s`` (``ArmGather`` ...
+  ``GatherDue``), so their prompts prefill in shared steps instead of one
+  step per arrival; an announced request that is never admitted here stops
+  counting ``gather_s`` after its announcement;
 - at most ``max_rows`` rows hold a lookup, wait to join or are joined; at
   most ``max_queue`` more wait for room, later ones are refused
   (``queue_full``);
@@ -249,6 +252,14 @@ class Admit:
 
 
 @dataclass(frozen=True, slots=True)
+class Arriving:
+    """A request is being prepared; its ``Admit`` may follow (a hint for the gather)."""
+
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointLoaded:
     """``request_id``'s checkpoint lookup ended: ``found`` one (the shell holds its host bytes) or not."""
 
@@ -391,6 +402,7 @@ class Stopping:
 
 Event = (
     Admit
+    | Arriving
     | CheckpointLoaded
     | LookupAnswered
     | Cancel
@@ -737,8 +749,11 @@ class SchedulerState:
     """How long after the last event the held streams are tried again."""
     write_timeout_s: float = 30.0
     """How long a held stream may take nothing before it is gone (``stream_write_timeout``)."""
-    gather_s: float = 0.02
-    """How long, at most, rows ready to start an idle batch wait for the other placed rows' lookups."""
+    gather_s: float = 0.05
+    """How long, at most, rows ready to start an idle batch wait for the other placed rows'
+    lookups and for announced arrivals (and how long an announcement counts)."""
+    arriving: dict[str, float] = field(default_factory=dict)
+    """Requests announced (``Arriving``) and not admitted yet: when each was announced."""
     gather_until: float | None = None
     """While set, ready rows of an idle batch wait for lookups until this clock time (alarm armed)."""
     gathered: bool = False
@@ -863,7 +878,12 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
     out: list[Effect] = []
     match event:
         case Admit():
+            state.arriving.pop(event.request.request_id, None)
             _admit(state, event, out)
+        case Arriving():
+            # NOTE: bounded: no more announcements are kept than rows could be admitted.
+            if len(state.arriving) < state.max_rows + state.max_queue:
+                state.arriving[event.request_id] = event.now
         case CheckpointLoaded():
             _checkpoint_loaded(state, event, out)
         case LookupAnswered():
@@ -1149,6 +1169,8 @@ def _gather(state: SchedulerState, now: float, out: list[Effect]) -> None:
     joined rows exist, a ready row never waits: decoding rows would.
     """
     rows = state.rows.values()
+    for rid in [r for r, at in state.arriving.items() if now >= at + state.gather_s]:
+        del state.arriving[rid]  # NOTE: never admitted here (refused, or the serial lane's).
     if state.gather_until is not None and now >= state.gather_until:
         # NOTE: checked on every event, so a lost alarm note delays nothing past the next event.
         state.gather_until = None
@@ -1160,7 +1182,7 @@ def _gather(state: SchedulerState, now: float, out: list[Effect]) -> None:
         idle
         and not state.gathered
         and any(r.phase == "ready" for r in rows)
-        and any(r.phase == "lookup" for r in rows)
+        and (any(r.phase == "lookup" for r in rows) or bool(state.arriving))
     )
     if hold and state.gather_until is None:
         state.gather_until = now + state.gather_s

@@ -65,6 +65,7 @@ from messages import (
 from messages.durability import FlushAll, FlushResult
 from messages.gateway import (
     AdmissionReply,
+    Arriving,
     AwaitDrained,
     BeginShutdown,
     CancelGeneration,
@@ -293,6 +294,17 @@ class GenerationStream(_StartClose):
         self._started = True
         engine = self._engine
         engine._check_open()
+        # NOTE: a hint, sent before the prompt is rendered and checked (tens
+        # of ms for a long chat): an idle batch lane lets rows that are ready
+        # wait for this one, so requests sent together start in one step.
+        # Dropped if the gateway's mailbox is full; nothing waits on it, and a
+        # closed gateway is reported by the admission ask below.
+        try:
+            engine._require_system().try_tell(
+                _GATEWAY, Arriving(request_id=self.request_id), correlation_id=self.request_id
+            )
+        except RuntimeFailure:
+            pass
         try:
             prepare = self._prepare
             if isinstance(prepare, list):

@@ -45,6 +45,7 @@ from messages.batch_scheduler import (
 )
 from messages.gateway import (
     AdmissionReply,
+    Arriving,
     AwaitDrained,
     BackgroundTurnReport,
     BeginShutdown,
@@ -159,6 +160,11 @@ class Gateway(Actor):
         self._loads.rewake(ctx.self_ref)  # NOTE: a note that found the mailbox full goes now.
         body = envelope.body
         event: core.CoreEvent
+        if isinstance(body, Arriving):
+            # NOTE: only the batch lane gathers arrivals; the serial lane has no use for the hint.
+            if self._batch is not None and not self.state.draining:
+                await self._tell_batch(body, envelope.correlation_id, ctx)
+            return
         if isinstance(body, Generate):
             if self._batch is not None and await self._route_to_batch(body, envelope, ctx):
                 return

@@ -7,6 +7,7 @@ from typing import Any
 from actors.batch_scheduler.core import (
     Admit,
     ArmGather,
+    Arriving,
     Effect,
     Event,
     GatherDue,
@@ -111,3 +112,43 @@ def test_a_lone_request_starts_without_waiting() -> None:
     effects = core.handle(LookupAnswered("a", None, 0.001))
     assert of(effects, ArmGather) == []
     assert of(effects, Status) == [Status(busy=True, ready=True)]
+
+
+def test_a_ready_row_waits_for_an_announced_request_then_both_start_in_one_step() -> None:
+    """b announced (still rendering) holds a's start; b's admission and lookup end the wait and
+    one grant joins both; a's own announcement never holds a."""
+    core = Core()
+    core.handle(Arriving("a", 0.0))
+    core.handle(Arriving("b", 0.001))
+    core.handle(Admit(gen("a"), "c-a", 0.002))
+    effects = core.handle(LookupAnswered("a", None, 0.003))
+    assert of(effects, ArmGather) == [ArmGather(0.023)]
+    assert not core.state.ready
+    core.handle(Admit(gen("b"), "c-b", 0.01))
+    effects = core.handle(LookupAnswered("b", None, 0.012))
+    assert of(effects, ArmGather) == [ArmGather(None)]
+    assert of(effects, Status) == [Status(busy=True, ready=True)]
+    assert joined(core.handle(TurnGranted(1, 0.013))) == ["a", "b"]
+
+
+def test_an_announcement_never_admitted_holds_only_until_the_alarm() -> None:
+    """b announced but never admitted here (refused, or the serial lane's): a starts at the alarm."""
+    core = Core()
+    core.handle(Arriving("b", 0.0))
+    core.handle(Admit(gen("a"), "c-a", 0.001))
+    core.handle(LookupAnswered("a", None, 0.002))
+    assert not core.state.ready
+    effects = core.handle(GatherDue(0.022))
+    assert of(effects, Status) == [Status(busy=True, ready=True)]
+    assert joined(core.handle(TurnGranted(1, 0.023))) == ["a"]
+
+
+def test_a_stale_announcement_holds_nobody() -> None:
+    """An announcement older than the gather window is forgotten: a row ready after it starts at once."""
+    core = Core()
+    core.handle(Arriving("b", 0.0))
+    core.handle(Admit(gen("a"), "c-a", 0.03))
+    effects = core.handle(LookupAnswered("a", None, 0.031))
+    assert of(effects, ArmGather) == []
+    assert of(effects, Status) == [Status(busy=True, ready=True)]
+    assert core.state.arriving == {}
