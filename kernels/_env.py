@@ -17,6 +17,8 @@ variable                      what it sets                                read b
 ``KVTIER_BATCH_BLAS_TUNE``    switch: the batch lane's BLAS thread count  ``kernels.engine``
 ``KVTIER_BATCH_SSM``          switch: recurrent models on the batch lane  ``kernels.engine``
 ``KVTIER_BATCH_SLOT_REUSE``   switch: a leaving row's slot is reused    ``kernels.engine``
+``KVTIER_BATCH_ALIGN_SUFFIXES``  switch: a joining group's suffixes     ``kernels.engine``
+                              aligned, not padded and rolled
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
 ``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` host reads (CUDA)     ``kernels.cache``

@@ -214,6 +214,13 @@ class BatchEngine:
             failed.extend(self._decode_checks(batch))
             result = batch.step()
             self.steps_run += 1
+            # NOTE: what the rows really reuse: a group aligning its suffixes
+            # re-forwards the last few lent tokens of its shorter rows.
+            left = {e.row_id: e.cached_tokens for e in result.exits}
+            joined = [
+                (rid, batch.reused(rid) if rid in batch else left.get(rid, cached))
+                for rid, cached in joined
+            ]
             for t in result.tokens:
                 if (live := self._live.get(t.row_id)) is not None:
                     live.emitted = t.index + 1

@@ -7,6 +7,7 @@ the engine thread.
 from __future__ import annotations
 
 from ._batch import (
+    ALIGN_SUFFIXES_ENV,
     BATCH_SSM_ENV,
     IDLE_PREFILL_ROWS,
     REPLAY_PER_STEP,
@@ -124,6 +125,7 @@ from ._transitioning import (
 )
 
 __all__ = [
+    "ALIGN_SUFFIXES_ENV",
     "BATCH_SSM_ENV",
     "BLAS_TUNE_ENV",
     "BUSY_FRACTION",

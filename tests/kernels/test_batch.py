@@ -688,3 +688,100 @@ def test_rows_starting_together_prefill_as_one_padded_group(model: Any, tok: Any
         for ours, theirs in zip(snap.cache, gen.cache, strict=True):
             assert mx.allclose(ours.keys, theirs.keys[..., : theirs.offset, :], atol=1e-5).item()
     assert "2" not in run.snapshots
+
+
+class PaddingSpy:
+    """Records the right padding every ``BatchKVCache.prepare`` is given (what ``finalize`` then rolls)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from mlx_lm.models.cache import BatchKVCache
+
+        self.right: list[list[int]] = []
+        inner = BatchKVCache.prepare
+
+        def prepare(cache: Any, **kw: Any) -> Any:
+            if kw.get("right_padding") is not None:
+                self.right.append(list(kw["right_padding"]))
+            return inner(cache, **kw)
+
+        monkeypatch.setattr(BatchKVCache, "prepare", prepare)
+
+    @property
+    def padded(self) -> bool:
+        return any(max(pads) > 0 for pads in self.right)
+
+
+def _shared_prefix_plans(
+    model: Any, tok: Any, suffixes: Sequence[int], params: SamplingParams, *, cold: int = -1
+) -> tuple[list[Plan], list[Any]]:
+    """Rows over one lent 30-token prefix with suffixes of these lengths (row ``cold`` without the cache)."""
+    rng = random.Random(21)
+    prefix = [rng.randrange(0, len(tok) - 2) for _ in range(30)]
+    gen = Generation(model, tok, [*prefix, 1], params)
+    while not gen.prefill_step():
+        pass
+    plans: list[Plan] = []
+    lent: list[Any] = []
+    for i, n in enumerate(suffixes):
+        prompt = [*prefix, *(rng.randrange(0, len(tok) - 2) for _ in range(n))]
+        if i == cold:
+            plans.append(Plan(f"r{i}", prompt, params))
+            continue
+        cache = clone_caches(gen.cache, len(prefix))
+        lent.append(cache)
+        plans.append(Plan(f"r{i}", prompt, params, cache=cache, cached_tokens=len(prefix)))
+    return plans, lent
+
+
+def test_suffixes_of_different_lengths_are_aligned_not_padded(
+    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows over one lent prefix with suffixes of 5, 9 and 14 tokens prefill in one unpadded
+    forward of 14 tokens each (the shorter re-forward their prefix's last tokens), give the
+    serial lane's tokens, and leave the lent caches as they were."""
+    params = SamplingParams(max_tokens=10)
+    plans, lent = _shared_prefix_plans(model, tok, [5, 9, 14], params)
+    offsets = [[layer.offset for layer in cache] for cache in lent]
+    pads = PaddingSpy(monkeypatch)
+    spy = ForwardSpy(model)
+    run = drive(BatchGeneration(spy, tok, prefill_step_size=2048), plans)
+    assert spy.shapes[0] == (3, 13), f"one aligned forward of the longest suffix: {spy.shapes[:3]}"
+    assert not pads.padded, f"a padded (rolled) prefill: {pads.right}"
+    assert run.steps[0][2] == 3 * 13
+    for p in plans:
+        assert_greedy_parity(
+            model, p.prompt, [o.token_id for o in _serial(model, tok, p.prompt, params)],
+            run.ids(p.row_id),
+        )
+        assert run.exits[p.row_id].cache_tokens == (*p.prompt, *run.ids(p.row_id))
+        assert run.exits[p.row_id].cached_tokens == len(p.prompt) - 14, "the prefix given back"
+    assert [[layer.offset for layer in cache] for cache in lent] == offsets
+
+
+def test_a_cold_row_shorter_than_the_others_keeps_the_padded_group(
+    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row with nothing cached cannot give tokens back: the group pads as before (and still
+    gives the serial lane's tokens)."""
+    params = SamplingParams(max_tokens=8)
+    plans, _ = _shared_prefix_plans(model, tok, [40, 12], params, cold=1)
+    plans[1] = Plan("r1", plans[1].prompt[25:], params)  # NOTE: 17 tokens, cold.
+    pads = PaddingSpy(monkeypatch)
+    run = drive(BatchGeneration(model, tok, prefill_step_size=2048), plans)
+    assert pads.padded
+    for p in plans:
+        assert_greedy_parity(
+            model, p.prompt, [o.token_id for o in _serial(model, tok, p.prompt, params)],
+            run.ids(p.row_id),
+        )
+
+
+def test_align_suffixes_off_pads_the_group(model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """align_suffixes=False (KVTIER_BATCH_ALIGN_SUFFIXES=0): the group pads its shorter suffixes and
+    every row keeps its whole lent prefix."""
+    params = SamplingParams(max_tokens=6)
+    plans, _ = _shared_prefix_plans(model, tok, [5, 14], params)
+    pads = PaddingSpy(monkeypatch)
+    run = drive(BatchGeneration(model, tok, prefill_step_size=2048, align_suffixes=False), plans)
+    assert pads.padded
+    assert [run.exits[p.row_id].cached_tokens for p in plans] == [30, 30]

@@ -1,0 +1,56 @@
+"""Rows joining together over one cached prefix with suffixes of different lengths (an agent's turns).
+
+The batch lane aligns them (the shorter re-forward the last tokens of their
+lent prefix) instead of padding and rolling every layer's cache; what a row
+reports as ``cached_tokens`` is what it really reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from actors.engine import DoneEvent, GenerationParams
+
+from .cold_support import engine, ids, run
+
+pytestmark = pytest.mark.anyio
+
+GREEDY = GenerationParams(max_tokens=6)
+
+
+async def test_turns_over_one_prefix_report_the_prefix_they_really_reused(
+    model: Any, tok: Any
+) -> None:
+    """Two follow-ups of one stored exchange, sent together, join in one step: the longer reuses
+    the whole stored prefix, the shorter gives back the difference of their suffixes, the step
+    forwards the longer suffix for both, and both answer like a cold engine."""
+    first = ids(tok, "Agents send their turns together over one system prompt. " * 2)
+    short_q = ids(tok, " Why?")
+    long_q = ids(tok, " And what happens to the shorter one then?")
+    async with engine(model, tok, None, max_batch=4) as eng:
+        answer, _ = await run(eng, first, GREEDY)
+        stored = [*first, *answer]
+        prompts = [[*stored, *short_q], [*stored, *long_q]]
+        out: list[Any] = [None, None]
+
+        async def one(i: int) -> None:
+            out[i] = await run(eng, prompts[i], GREEDY)
+
+        before = (await eng.stats())["batch"]["batch"]["steps"]["prefill_tokens"]
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(one, i)
+        after = (await eng.stats())["batch"]["batch"]["steps"]["prefill_tokens"]
+    done: list[DoneEvent] = [o[1] for o in out]
+    reused = [d.usage.cached_tokens for d in done]
+    shared = len(stored)
+    assert reused[1] == shared
+    assert reused[0] == shared - (len(long_q) - len(short_q))
+    assert after - before == 2 * (len(long_q) - 1), "both forward the longer suffix, once"
+    async with engine(model, tok, None, max_batch=1) as cold:
+        for prompt, (tokens, _) in zip(prompts, out, strict=True):
+            want, _ = await run(cold, prompt, GREEDY)
+            assert tokens == want
