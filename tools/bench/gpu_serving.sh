@@ -36,6 +36,7 @@
 #   steps        the same closed loop served and in process (served_steps.py)
 #   joins        where a batch step's time goes (join_cost.py)
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
+#   agent        the agent line: ragged suffixes aligned vs padded in process, then served
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost, contenders side by side (checkpoint.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
@@ -211,6 +212,30 @@ case "$cmd" in
     python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --rows 32 --requests 2 \
       --prompt-tokens 512 --max-tokens 128 --prefill-step-size 2048 --stagger 0.25 --rounds 3 \
       --attention on,off,kernel --no-sync --json "$OUT/loop.json" "$@" 2>&1 | tee "$OUT/loop.txt"
+    ;;
+  agent)
+    # Issue 20's agent line, split: in process, 8 rows over a cached 5,100-token
+    # prefix with suffixes of different lengths (as served), the group's
+    # suffixes aligned (default) vs padded and rolled (KVTIER_BATCH_ALIGN_SUFFIXES=0),
+    # interleaved; then served, both servers, the agent trace only (an agent
+    # warm-up of the same shape first), each kvtier turn with its server-side
+    # phases and the batch step it joined in.
+    device_env
+    ensure_model
+    for r in 1 2 3; do
+      for a in 1 0; do
+        KVTIER_BATCH_ALIGN_SUFFIXES=$a python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok \
+          --burst 8 --prefix-tokens 5100 --suffix-tokens 40 --suffix-spread 0.4 --max-tokens 32 \
+          --prompt-tokens 530 --prefill-step-size 2048 --rounds 1 --background 0,8 --attention on \
+          --json "$OUT/burst-spread-align$a-r$r.json" 2>&1 | grep -E "synchronized|phases" | sed "s/^/align=$a /"
+      done
+    done | tee "$OUT/burst-align.txt"
+    mkdir -p "$WORK"
+    n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+    echo $((n + 1)) > "$WORK/calls"
+    python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok --model "$MODEL" \
+      --out "$WORK/call-$n" --first-round "$n" --json "$OUT/agent.json" --title "H200 agent" \
+      --skip-loadgen --agent 8x4 --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | tee "$OUT/agent.txt" | grep -E "agent"
     ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests), the

@@ -476,6 +476,12 @@ def run_server(
             run.stats["loads"] = server_stats(url)
         if args.agent:
             n, m = (int(x) for x in args.agent.lower().split("x"))
+            if args.warmup and args.skip_loadgen:
+                # NOTE: without the load generator's warm-up, the first turns
+                # would pay the first long prompts' one-time costs (kernel
+                # compilation on CUDA): two conversations of the same shape first.
+                agent_trace(url, served, 2, 2, args.system_tokens, args.agent_max_tokens,
+                            f"agent-warm-r{rnd}")
             run.agent = agent_trace(
                 url, served, n, m, args.system_tokens, args.agent_max_tokens, f"agent-r{rnd}"
             )
