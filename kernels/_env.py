@@ -19,6 +19,8 @@ variable                      what it sets                                read b
 ``KVTIER_BATCH_SLOT_REUSE``   switch: a leaving row's slot is reused    ``kernels.engine``
 ``KVTIER_BATCH_ALIGN_SUFFIXES``  switch: a joining group's suffixes     ``kernels.engine``
                               aligned, not padded and rolled
+``KVTIER_BATCH_PREFILL_CLEAR``  switch: MLX's buffer cache emptied     ``kernels.engine``
+                              after each batch-lane prefill forward
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
 ``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` host reads (CUDA)     ``kernels.cache``

@@ -66,7 +66,6 @@ from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm.generate import (
-    PromptProcessingBatch,
     StopSequences,
     generation_stream,
 )
@@ -93,6 +92,7 @@ from ._greedy import (
     waiting_generation,
 )
 from ._lone_row import lone_row_masks, plain_masks
+from ._prefill_batch import PREFILL_CLEAR_ENV, PrefillBatch
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 from ._transitioning import TransitioningBatchKVCache
 
@@ -100,6 +100,7 @@ __all__ = [
     "ALIGN_SUFFIXES_ENV",
     "BATCH_SSM_ENV",
     "IDLE_PREFILL_ROWS",
+    "PREFILL_CLEAR_ENV",
     "REPLAY_PER_STEP",
     "SLOT_REUSE_ENV",
     "BatchFull",
@@ -1084,7 +1085,7 @@ class BatchGeneration:
         ]
         # NOTE: mlx-lm merges each layer with its first row's class's merge;
         # kvtier merges (the same classes, plus transitioning layers) itself.
-        batch = PromptProcessingBatch(
+        batch = PrefillBatch(
             self._model,
             [row.uid for row in rows],
             [],

@@ -785,3 +785,29 @@ def test_align_suffixes_off_pads_the_group(model: Any, tok: Any, monkeypatch: py
     run = drive(BatchGeneration(model, tok, prefill_step_size=2048, align_suffixes=False), plans)
     assert pads.padded
     assert [run.exits[p.row_id].cached_tokens for p in plans] == [30, 30]
+
+
+def test_prefill_keeps_the_buffer_cache_when_told(
+    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVTIER_BATCH_PREFILL_CLEAR=0: the batch lane's prefill forwards leave MLX's buffer cache
+    alone (mlx-lm empties it after each), and every row's tokens are the same."""
+    params = SamplingParams(max_tokens=6)
+    prompts = _prompts(len(tok), 3, seed=5, lo=20, hi=50)
+    cleared: list[int] = []
+    inner = mx.clear_cache
+
+    def counted() -> None:
+        cleared.append(1)
+        inner()
+
+    monkeypatch.setattr(mx, "clear_cache", counted)
+    runs: dict[str, Run] = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KVTIER_BATCH_PREFILL_CLEAR", switch)
+        cleared.clear()
+        plans = [Plan(str(i), p, params, join_at=i) for i, p in enumerate(prompts)]
+        runs[switch] = drive(BatchGeneration(model, tok, prefill_step_size=16), plans)
+        assert (len(cleared) > 0) == (switch == "1"), f"{len(cleared)} releases with the switch {switch}"
+    for i in range(len(prompts)):
+        assert runs["0"].ids(str(i)) == runs["1"].ids(str(i))

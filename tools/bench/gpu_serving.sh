@@ -215,27 +215,37 @@ case "$cmd" in
     ;;
   agent)
     # Issue 20's agent line, split: in process, 8 rows over a cached 5,100-token
-    # prefix with suffixes of different lengths (as served), the group's
+    # prefix with suffixes of different lengths (as served): the group's
     # suffixes aligned (default) vs padded and rolled (KVTIER_BATCH_ALIGN_SUFFIXES=0),
+    # and MLX's buffer cache kept across prefill forwards (KVTIER_BATCH_PREFILL_CLEAR=0),
     # interleaved; then served, both servers, the agent trace only (an agent
     # warm-up of the same shape first), each kvtier turn with its server-side
-    # phases and the batch step it joined in.
+    # phases and the batch step it joined in; then kvtier alone with the buffer
+    # cache kept.
     device_env
     ensure_model
     for r in 1 2 3; do
-      for a in 1 0; do
-        KVTIER_BATCH_ALIGN_SUFFIXES=$a python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok \
-          --burst 8 --prefix-tokens 5100 --suffix-tokens 40 --suffix-spread 0.4 --max-tokens 32 \
-          --prompt-tokens 530 --prefill-step-size 2048 --rounds 1 --background 0,8 --attention on \
-          --json "$OUT/burst-spread-align$a-r$r.json" 2>&1 | grep -E "synchronized|phases" | sed "s/^/align=$a /"
+      for v in "1 1" "0 1" "1 0"; do
+        set -- $v
+        KVTIER_BATCH_ALIGN_SUFFIXES=$1 KVTIER_BATCH_PREFILL_CLEAR=$2 python3 tools/bench/join_cost.py \
+          --model "$MODEL" --tok-dir .gpu/tok --burst 8 --prefix-tokens 5100 --suffix-tokens 40 \
+          --suffix-spread 0.4 --max-tokens 32 --prompt-tokens 530 --prefill-step-size 2048 --rounds 1 \
+          --background 0,8 --attention on --json "$OUT/burst-align$1-clear$2-r$r.json" 2>&1 \
+          | grep -E "synchronized|phases" | sed "s/^/align=$1 clear=$2 /"
       done
     done | tee "$OUT/burst-align.txt"
     mkdir -p "$WORK"
-    n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
-    echo $((n + 1)) > "$WORK/calls"
-    python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok --model "$MODEL" \
-      --out "$WORK/call-$n" --first-round "$n" --json "$OUT/agent.json" --title "H200 agent" \
-      --skip-loadgen --agent 8x4 --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | tee "$OUT/agent.txt" | grep -E "agent"
+    for variant in default noclear; do
+      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+      echo $((n + 1)) > "$WORK/calls"
+      servers=mlx_lm,kvtier
+      clear=1
+      if [ "$variant" = noclear ]; then servers=kvtier; clear=0; fi
+      KVTIER_BATCH_PREFILL_CLEAR=$clear python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
+        --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers "$servers" \
+        --json "$OUT/agent-$variant.json" --title "H200 agent" --skip-loadgen --agent 8x4 \
+        --system-tokens 4400 --agent-max-tokens 32 2>&1 | tee "$OUT/agent-$variant.txt" | grep -E "agent"
+    done
     ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests), the

@@ -16,7 +16,7 @@ time:
   leaves a hole (no copy) and ``filter`` runs only when a hole is compacted;
 - ``fill``: a joining row written into a hole's slot (one slice per layer);
 - ``extract``: a leaving row's cache copied out of the batch;
-- ``prefill``: joining rows' prompt forwards (``PromptProcessingBatch.prompt``)
+- ``prefill``: joining rows' prompt forwards (``PrefillBatch.prompt``, mlx-lm's)
   less ``roll``: a padded group's right padding rolled to the left, every
   layer's whole cache (``BatchKVCache.finalize``, inside ``prompt``);
 - ``first_token``: building the decode batch of prefilled rows
@@ -126,10 +126,9 @@ def _wrap_function(module: Any, attr: str, clock: PhaseClock, name: str) -> Call
 
 def instrument(clock: PhaseClock) -> list[Callable[[], None]]:
     """Wrap the phases named in the module docstring; the undos."""
-    from mlx_lm.generate import PromptProcessingBatch
     from mlx_lm.models.cache import BatchKVCache
 
-    from kernels.engine import _batch, _greedy
+    from kernels.engine import _batch, _greedy, _prefill_batch
 
     decode = _greedy.GreedyGenerationBatch
     return [
@@ -139,7 +138,7 @@ def instrument(clock: PhaseClock) -> list[Callable[[], None]]:
         _wrap(decode, "extend", clock, "extend"),
         _wrap(decode, "_fill", clock, "fill"),
         _wrap(decode, "extract_cache", clock, "extract"),
-        _wrap(PromptProcessingBatch, "prompt", clock, "prefill"),
+        _wrap(_prefill_batch.PrefillBatch, "prompt", clock, "prefill"),
         _wrap_function(_batch, "enter_generation", clock, "first_token"),
         _wrap(decode, "_settle_trim", clock, "trim"),
         _wrap(_batch.BatchGeneration, "_merge", clock, "merge"),
