@@ -65,17 +65,22 @@ def test_help_does_not_import_mlx() -> None:
 
 
 def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path: Path) -> None:
-    """Each agent turn gets the phases of the ``request.timeline`` line naming its request id."""
+    """Each agent turn gets the phases of the ``request.timeline`` line naming its request id and
+    the figures of the ``batch.join_step`` line that joined it."""
     console = tmp_path / "kvtier.stderr"
     console.write_text(
         "2026-12-03 [info ] request.served request_id=chatcmpl-a\n"
         "2026-12-03 [info ] request.timeline request_id=chatcmpl-a looked_up=True "
         "phases_ms={'admission': 1.5, 'join': 20.0, 'first_step': 90.25}\n"
+        "2026-12-03 [info ] batch.join_step actor=batch cached=[5162] decode_rows=7 "
+        "join_ms=0.844 joined=['chatcmpl-a'] prefill_tokens=23 step_ms=177.38 turn=5\n"
     )
     jsonl = tmp_path / "kvtier.stdout"
     jsonl.write_text(
         json.dumps({"event": "request.timeline", "request_id": "chatcmpl-b",
                     "phases_ms": {"admission": 2.0, "join": 5.0, "first_step": 30.0}}) + "\n"
+        + json.dumps({"event": "batch.join_step", "joined": ["chatcmpl-b", "chatcmpl-c"],
+                      "prefill_tokens": 48, "decode_rows": 0, "join_ms": 1.5, "step_ms": 90.0}) + "\n"
     )
     agent = serving.AgentResult(1, 3, 10, [
         serving.AgentTurn(0, 1, 100.0, 10, 0, "chatcmpl-a"),
@@ -87,6 +92,12 @@ def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path:
         {"admission": 1.5, "join": 20.0, "first_step": 90.25},
         {"admission": 2.0, "join": 5.0, "first_step": 30.0},
         None,
+    ]
+    both = {"step_ms": 90.0, "join_ms": 1.5, "prefill_tokens": 48.0, "decode_rows": 0.0, "rows": 2.0}
+    assert [t.join_step for t in agent.turns_list] == [
+        {"step_ms": 177.38, "join_ms": 0.844, "prefill_tokens": 23.0, "decode_rows": 7.0, "rows": 1.0},
+        both,
+        both,
     ]
 
 

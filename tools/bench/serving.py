@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -500,70 +500,62 @@ def run_server(
     return run
 
 
-_TIMELINE_ID = re.compile(r"request_id=['\"]?([\w.-]+)")
-_TIMELINE_PHASES = re.compile(r"phases_ms=(\{[^}]*\})")
+_FIELD = re.compile(r"(\w+)=(\{[^}]*\}|\[[^\]]*\]|\S+)")
 
 
-def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
-    """Each ``request.timeline`` log line's phases (ms) by request id, console or JSON log format."""
-    found: dict[str, dict[str, float]] = {}
+def log_events(logs: Sequence[Path], event: str) -> Iterator[dict[str, Any]]:
+    """The fields of every ``event`` line of kvtier's logs, console (``key=value``) or JSON format.
+
+    NOTE: console values that are Python literals (dicts, lists, numbers,
+    quoted strings) come back as such; the rest as text.
+    """
     for log in logs:
         if not log.exists():
             continue
         for line in log.read_text(errors="replace").splitlines():
-            if "request.timeline" not in line:
+            if event not in line:
                 continue
             if line.lstrip().startswith("{"):
                 try:
                     obj = json.loads(line)
                 except ValueError:
                     continue
-                rid, phases = obj.get("request_id"), obj.get("phases_ms")
-            else:
-                m_id, m_ph = _TIMELINE_ID.search(line), _TIMELINE_PHASES.search(line)
-                if m_id is None or m_ph is None:
-                    continue
-                rid, phases = m_id.group(1), ast.literal_eval(m_ph.group(1))
-            if isinstance(rid, str) and isinstance(phases, dict):
-                found[rid] = {str(k): float(v) for k, v in phases.items()}
+                if isinstance(obj, dict) and obj.get("event") == event:
+                    yield obj
+                continue
+            fields: dict[str, Any] = {}
+            for key, raw in _FIELD.findall(line):
+                try:
+                    fields[key] = ast.literal_eval(raw)
+                except (ValueError, SyntaxError):
+                    fields[key] = raw
+            yield fields
+
+
+def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
+    """Each ``request.timeline`` log line's phases (ms) by request id."""
+    found: dict[str, dict[str, float]] = {}
+    for fields in log_events(logs, "request.timeline"):
+        rid, phases = fields.get("request_id"), fields.get("phases_ms")
+        if isinstance(rid, str) and isinstance(phases, dict):
+            found[rid] = {str(k): float(v) for k, v in phases.items()}
     return found
 
 
 _STEP_FIELDS = ("step_ms", "join_ms", "prefill_tokens", "decode_rows")
-_STEP_JOINED = re.compile(r"joined=(\[[^\]]*\])")
-_STEP_NUMBER = {k: re.compile(rf"\b{k}=([0-9.]+)") for k in _STEP_FIELDS}
 
 
 def join_steps(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
-    """Each ``batch.join_step`` log line's figures by the request ids it joined, console or JSON."""
+    """Each ``batch.join_step`` log line's figures by the request ids it joined."""
     found: dict[str, dict[str, float]] = {}
-    for log in logs:
-        if not log.exists():
+    for fields in log_events(logs, "batch.join_step"):
+        joined = fields.get("joined")
+        if not isinstance(joined, list):
             continue
-        for line in log.read_text(errors="replace").splitlines():
-            if "batch.join_step" not in line:
-                continue
-            fields: dict[str, Any]
-            if line.lstrip().startswith("{"):
-                try:
-                    fields = json.loads(line)
-                except ValueError:
-                    continue
-            else:
-                m = _STEP_JOINED.search(line)
-                if m is None:
-                    continue
-                fields = {"joined": ast.literal_eval(m.group(1))}
-                for key, rx in _STEP_NUMBER.items():
-                    if (n := rx.search(line)) is not None:
-                        fields[key] = float(n.group(1))
-            joined = fields.get("joined")
-            if not isinstance(joined, list):
-                continue
-            figures = {k: float(fields[k]) for k in _STEP_FIELDS if k in fields}
-            figures["rows"] = float(len(joined))
-            for rid in joined:
-                found[str(rid)] = figures
+        figures = {k: float(fields[k]) for k in _STEP_FIELDS if isinstance(fields.get(k), int | float)}
+        figures["rows"] = float(len(joined))
+        for rid in joined:
+            found[str(rid)] = figures
     return found
 
 
