@@ -8,7 +8,6 @@ import pytest
 
 from kernels.engine import BatchGeneration, BlasTuning, SamplingParams, ThreadChooser, find_openblas
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 
 class Feeder:
@@ -135,18 +134,6 @@ class RecordingTuning:
 
     def release(self) -> None:
         self.calls.append(("release", 0, False))
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=3)
 
 
 def test_kernel_reports_only_pure_decode_steps_as_clean_and_releases_when_idle(

@@ -16,7 +16,6 @@ from kernels.engine import BlasTuning, ThreadChooser, find_openblas
 from kernels.engine._blas_threads import serial_threads, track_tuning
 from messages.gateway import Generate, GenerationParams
 from tests.kernels.test_batch import _prompts
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 
 class FakePort:
@@ -47,18 +46,6 @@ def test_serial_threads_gives_a_tracked_tuning_s_threads_back_after_a_synchronis
     assert (tuning.threads, port.sets, port.syncs) == (2, [1, 2], 2)
     assert serial_threads() == 0, "at the default: no synchronisation, no call"
     assert port.syncs == 2
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=3)
 
 
 def _serial_run(backend: MlxBackend, prompt: list[int], max_tokens: int) -> tuple[list[int], list[Any]]:
