@@ -1166,9 +1166,8 @@ def _align_suffixes(group: list[_Row]) -> int:
     if any(row.cache is None for row in group):
         return 0  # NOTE: a cold row's prefill dwarfs the roll; warm rows keep their whole reuse.
     for row, back in short:
-        if row.cache is None or back > row.cursor or back > row.cached_tokens:
-            return 0
-        if not all(type(layer) is KVCache for layer in row.cache):
+        # NOTE: a grouped row has not started its prefill: cursor == cached_tokens.
+        if back > row.cached_tokens or not all(type(c) is KVCache for c in row.cache or ()):
             return 0
     for row, back in short:
         row.cache = [_shortened(layer, back) for layer in row.cache or ()]
