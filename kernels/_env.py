@@ -19,11 +19,11 @@ variable                      what it sets                                read b
 ``KVTIER_BATCH_SLOT_REUSE``   switch: a leaving row's slot is reused    ``kernels.engine``
 ``KVTIER_BATCH_ALIGN_SUFFIXES``  switch: a joining group's suffixes     ``kernels.engine``
                               aligned, not padded and rolled
-``KVTIER_BATCH_PREFILL_CLEAR``  switch: MLX's buffer cache emptied     ``kernels.engine``
-                              after each batch-lane prefill forward
+``KVTIER_BATCH_PREFILL_CLEAR``  switch (default off): MLX's buffer cache ``kernels.engine``
+                              emptied after each batch-lane prefill forward
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
-``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` host reads (CUDA)     ``kernels.cache``
+``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` / ``host`` reads (CUDA) ``kernels.cache``
 ``KVTIER_CUDA_RELEASE_CACHE`` diagnostic switch: clear MLX's buffer       ``kernels.cache``
                               cache after host reads (CUDA)
 ``KVTIER_CUDA_MASKED_ATTENTION``  switch: masked decode attention as      ``kernels.model``
@@ -62,7 +62,9 @@ def env_text(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return raw.strip()
 
 
-def env_switch(name: str, env: Mapping[str, str] | None = None) -> bool:
-    """Whether the switch ``name`` is on: unless its value is an off word (unset: on)."""
+def env_switch(name: str, env: Mapping[str, str] | None = None, *, default: bool = True) -> bool:
+    """Whether the switch ``name`` is on: unless its value is an off word (unset: ``default``)."""
     value = env_text(name, env)
-    return value is None or value.lower() not in OFF_WORDS
+    if value is None:
+        return default
+    return value.lower() not in OFF_WORDS

@@ -4,13 +4,18 @@ mlx-lm's ``prompt`` empties MLX's buffer cache (``mx.clear_cache``) after
 every prefill forward and again after rolling a padded group. In a server
 whose cache holds gigabytes of freed buffers (prompt-cache entries that
 left, earlier batches), each release hands them all back to the device
-allocator and the next step allocates afresh: suspected (not yet measured)
-of the 120-190 ms that one agent turn's 24-token join took on the H200
-against ~85 ms for eight rows' 56 tokens in a fresh process. The batch
-lane releases the cache on its own schedule anyway (``_CLEAR_EVERY`` steps)
-and its memory guard settles it before a reading that could refuse.
-``KVTIER_BATCH_PREFILL_CLEAR=0`` keeps the buffers; the default keeps
-mlx-lm's behaviour until a GPU run decides.
+allocator and the next step allocates afresh. kvtier keeps them by default:
+the buffer cache is bounded anyway (``kernels._memory``: 16 MiB on the CPU,
+the weights' size under CUDA), the batch lane releases it on its own
+schedule (``_CLEAR_EVERY`` steps) and its memory guard settles it before a
+reading that could refuse.
+
+NOTE: measured on the H200 (8B shape, ``gpu_serving.sh agent`` at
+``be8d971``, docs/benchmarks/serving.md): eight 40-token suffixes over a
+cached 5,100-token prefix joined in 128 / 138 / 128 ms kept against 148 /
+160 / 155 ms emptied (three rounds, interleaved), 208-242 vs 252-271 ms
+beside eight decoding rows; served agent turns 2-4 TTFT p50 373 vs 459 ms.
+``KVTIER_BATCH_PREFILL_CLEAR=1`` restores mlx-lm's releases.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kernels._env import env_switch
 __all__ = ["PREFILL_CLEAR_ENV", "PrefillBatch"]
 
 PREFILL_CLEAR_ENV = "KVTIER_BATCH_PREFILL_CLEAR"
-"""Environment switch: ``0`` keeps MLX's buffer cache across the batch lane's prefill forwards."""
+"""Environment switch: ``1`` empties MLX's buffer cache after each batch-lane prefill forward (default off)."""
 
 
 class PrefillBatch(PromptProcessingBatch):
@@ -33,13 +38,16 @@ class PrefillBatch(PromptProcessingBatch):
 
     def __init__(self, *args: Any, clear: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.clear = env_switch(PREFILL_CLEAR_ENV) if clear is None else clear
+        self.clear = env_switch(PREFILL_CLEAR_ENV, default=False) if clear is None else clear
 
     def prompt(self, tokens: list[list[int]]) -> None:
         """Forward ``tokens`` (one list per row) into the rows' caches, as mlx-lm's ``prompt``."""
         # NOTE: mlx-lm's ``split`` copies a batch through ``__new__`` (no
-        # ``__init__``): such a copy keeps mlx-lm's behaviour.
-        if getattr(self, "clear", True):
+        # ``__init__``): such a copy follows the environment's switch.
+        clear = getattr(self, "clear", None)
+        if clear is None:
+            clear = env_switch(PREFILL_CLEAR_ENV, default=False)
+        if clear:
             super().prompt(tokens)
             return
         if len(self.uids) != len(tokens):

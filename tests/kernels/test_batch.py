@@ -787,11 +787,11 @@ def test_align_suffixes_off_pads_the_group(model: Any, tok: Any, monkeypatch: py
     assert [run.exits[p.row_id].cached_tokens for p in plans] == [30, 30]
 
 
-def test_prefill_keeps_the_buffer_cache_when_told(
+def test_prefill_keeps_the_buffer_cache_unless_told(
     model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """KVTIER_BATCH_PREFILL_CLEAR=0: the batch lane's prefill forwards leave MLX's buffer cache
-    alone (mlx-lm empties it after each), and every row's tokens are the same."""
+    """KVTIER_BATCH_PREFILL_CLEAR unset or 0: the batch lane's prefill forwards leave MLX's buffer
+    cache alone (mlx-lm, and the switch at 1, empty it after each); every row's tokens are the same."""
     params = SamplingParams(max_tokens=6)
     prompts = _prompts(len(tok), 3, seed=5, lo=20, hi=50)
     cleared: list[int] = []
@@ -803,11 +803,14 @@ def test_prefill_keeps_the_buffer_cache_when_told(
 
     monkeypatch.setattr(mx, "clear_cache", counted)
     runs: dict[str, Run] = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("KVTIER_BATCH_PREFILL_CLEAR", switch)
+    for switch in ("1", "0", ""):
+        if switch:
+            monkeypatch.setenv("KVTIER_BATCH_PREFILL_CLEAR", switch)
+        else:
+            monkeypatch.delenv("KVTIER_BATCH_PREFILL_CLEAR", raising=False)
         cleared.clear()
         plans = [Plan(str(i), p, params, join_at=i) for i, p in enumerate(prompts)]
         runs[switch] = drive(BatchGeneration(model, tok, prefill_step_size=16), plans)
         assert (len(cleared) > 0) == (switch == "1"), f"{len(cleared)} releases with the switch {switch}"
     for i in range(len(prompts)):
-        assert runs["0"].ids(str(i)) == runs["1"].ids(str(i))
+        assert runs["0"].ids(str(i)) == runs["1"].ids(str(i)) == runs[""].ids(str(i))

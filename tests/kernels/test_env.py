@@ -28,3 +28,10 @@ def test_text_is_stripped_and_blank_is_unset(monkeypatch: pytest.MonkeyPatch) ->
     assert env_text("KVTIER_X", {}) is None
     monkeypatch.setenv("KVTIER_X", "/tmp/home ")
     assert env_text("KVTIER_X") == "/tmp/home"
+
+
+@pytest.mark.parametrize(("env", "on"), [({}, False), ({"KVTIER_X": " "}, False), ({"KVTIER_X": "1"}, True),
+                                         ({"KVTIER_X": "off"}, False)])
+def test_a_switch_off_by_default_is_on_only_when_set(env: dict[str, str], on: bool) -> None:
+    """default=False: unset or blank leave the switch off; a word other than an off word turns it on."""
+    assert env_switch("KVTIER_X", env, default=False) is on
