@@ -316,7 +316,9 @@ _HOST_READ_COPY: bool | None = None
 
 HOST_READ_ENV = "KVTIER_CUDA_HOST_READ"
 """Diagnostic: ``direct`` reads each tensor's own contiguous array where host reads migrate
-(no one-buffer device-side copy per group); unset or ``flat``: the copy."""
+(no one-buffer device-side copy per group); ``host`` makes the one-buffer copy and then copies
+its bytes into host memory on the engine thread, so the SSD writer never touches device-managed
+pages; unset or ``flat``: the one-buffer copy, read by the writer."""
 
 RELEASE_CACHE_ENV = "KVTIER_CUDA_RELEASE_CACHE"
 """Diagnostic switch: off keeps MLX's buffer cache after host-read views are dropped on CUDA."""
@@ -401,8 +403,9 @@ def tensors_bytes(plan: EntryPlan, indices: Sequence[int]) -> list[memoryview]:
     # NOTE: KVTIER_CUDA_HOST_READ=direct is a diagnostic (which part of the
     # SSD tier's host reads slows decoding on CUDA): it reads the entry's own
     # arrays, whose pages then move to the host.
-    if host_reads_migrate() and (env_text(HOST_READ_ENV) or "flat").lower() != "direct":
-        return _flat_host_views(plan, indices, arrays)
+    mode = (env_text(HOST_READ_ENV) or "flat").lower()
+    if host_reads_migrate() and mode != "direct":
+        return _flat_host_views(plan, indices, arrays, host_copy=mode == "host")
     # NOTE: when ``a`` is already contiguous, ``x`` shares its buffer. That
     # is safe while a worker reads the view: MLX updates a buffer in place
     # only when nothing else references it, and the view keeps ``x`` alive.
@@ -423,7 +426,9 @@ def tensors_bytes(plan: EntryPlan, indices: Sequence[int]) -> list[memoryview]:
     return views
 
 
-def _flat_host_views(plan: EntryPlan, indices: Sequence[int], arrays: Sequence[Any]) -> list[memoryview]:
+def _flat_host_views(
+    plan: EntryPlan, indices: Sequence[int], arrays: Sequence[Any], *, host_copy: bool = False
+) -> list[memoryview]:
     """Where host reads migrate: every tensor's bytes copied into ONE device buffer, one view each into it.
 
     NOTE: on MLX's CUDA backend each array's first host read allocates a
@@ -449,6 +454,12 @@ def _flat_host_views(plan: EntryPlan, indices: Sequence[int], arrays: Sequence[A
                  else mx.multiply(parts[0], mx.array(1, dtype=mx.uint8), stream=stream))
     mx.eval(flat)
     whole = memoryview(flat).cast("B")
+    if host_copy:
+        # NOTE: the diagnostic ``host`` read (HOST_READ_ENV): every page of the
+        # managed buffer is read here, at once, on the engine thread; the
+        # writer then reads plain host memory. Tests whether the writer's
+        # page faults over device-managed memory slow decoding on CUDA.
+        whole = memoryview(bytearray(whole))
     views: list[memoryview] = []
     at = 0
     for i in indices:

@@ -74,7 +74,9 @@ def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace) ->
         extra += ["--ssd-cache", "off"]
     else:
         extra += ["--ssd-cache", str(workdir / "kv")]
-    server = _common.start_kvtier(model, workdir, *extra, name=f"kvtier-ssd-{mode}")
+    # NOTE: --on-env reaches the SSD-on server only (a variant of the tier against the same off server).
+    server = _common.start_kvtier(model, workdir, *extra, name=f"kvtier-ssd-{mode}",
+                                  env=args.on_env if mode == "on" else None)
     try:
         name = _common.model_id(server.url)
         warm = [{"role": "user", "content": _common.system_prompt(args.prompt_tokens, "warm")}]
@@ -201,7 +203,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma list of on,off (default both); one mode prints its own figures "
                         "only (a profiler attached to its server, or a variant set by environment)")
+    p.add_argument("--on-env", action="append", default=[], metavar="KVTIER_NAME=VALUE",
+                   help="an environment variable for the SSD-on server only (repeatable): a "
+                        "variant of the tier against the same off server, e.g. "
+                        "--on-env KVTIER_CUDA_HOST_READ=host")
     args = p.parse_args(argv)
+    on_env: dict[str, str] = {}
+    for item in args.on_env:
+        name, eq, value = item.partition("=")
+        if not eq or not name.startswith("KVTIER_"):
+            p.error(f"--on-env takes KVTIER_NAME=VALUE, got {item!r}")
+        on_env[name] = value
+    args.on_env = on_env
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         p.error(f"--modes takes a comma list of {', '.join(MODES)}")

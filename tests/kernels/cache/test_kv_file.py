@@ -880,6 +880,24 @@ def test_direct_host_reads_view_each_tensor_apart(monkeypatch: pytest.MonkeyPatc
     plan.release_arrays()
 
 
+def test_host_reads_copy_a_group_into_host_memory_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTIER_CUDA_HOST_READ=host (a diagnostic): the group's one-buffer copy is copied again into host-owned bytes, back to back, bytes equal."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
+    monkeypatch.setenv(_kv_writer.HOST_READ_ENV, "host")
+    cache = _filled_kv(256, mx.bfloat16)
+    plan = plan_entry([cache], model_id="tiny", fingerprint=FP, namespace="ns",
+                      tokenizer_hash="tok", tokens=list(range(256)))
+    indices = [i for i, a in enumerate(plan._arrays) if a is not None]
+    views = tensors_bytes(plan, indices)
+    for view, i in zip(views, indices, strict=True):
+        assert isinstance(view.obj, bytearray)
+        assert bytes(view) == raw(plan._arrays[i])
+    assert views[0].obj is views[-1].obj
+    plan.release_arrays()
+
+
 @pytest.mark.parametrize(("switch", "clears"), [(None, 1), ("on", 1), ("off", 0)])
 def test_release_host_copies_clears_the_buffer_cache_unless_switched_off(
     monkeypatch: pytest.MonkeyPatch, switch: str | None, clears: int
