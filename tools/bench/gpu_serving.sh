@@ -36,7 +36,7 @@
 #   steps        the same closed loop served and in process (served_steps.py)
 #   joins        where a batch step's time goes (join_cost.py)
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
-#   agent        the agent line: ragged suffixes aligned vs padded in process, then served
+#   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost, contenders side by side (checkpoint.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
@@ -217,15 +217,15 @@ case "$cmd" in
     # Issue 20's agent line, split: in process, 8 rows over a cached 5,100-token
     # prefix with suffixes of different lengths (as served): the group's
     # suffixes aligned (default) vs padded and rolled (KVTIER_BATCH_ALIGN_SUFFIXES=0),
-    # and MLX's buffer cache kept across prefill forwards (KVTIER_BATCH_PREFILL_CLEAR=0),
-    # interleaved; then served, both servers, the agent trace only (an agent
-    # warm-up of the same shape first), each kvtier turn with its server-side
-    # phases and the batch step it joined in; then kvtier alone with the buffer
-    # cache kept.
+    # and MLX's buffer cache kept across prefill forwards (default) vs emptied
+    # after each (KVTIER_BATCH_PREFILL_CLEAR=1, mlx-lm's way), interleaved; then
+    # served, both servers, the agent trace only (an agent warm-up of the same
+    # shape first), each kvtier turn with its server-side phases and the batch
+    # step it joined in; then kvtier alone with the buffer cache emptied.
     device_env
     ensure_model
     for r in 1 2 3; do
-      for v in "1 1" "0 1" "1 0"; do
+      for v in "1 0" "0 0" "1 1"; do
         set -- $v
         KVTIER_BATCH_ALIGN_SUFFIXES=$1 KVTIER_BATCH_PREFILL_CLEAR=$2 python3 tools/bench/join_cost.py \
           --model "$MODEL" --tok-dir .gpu/tok --burst 8 --prefix-tokens 5100 --suffix-tokens 40 \
@@ -234,13 +234,15 @@ case "$cmd" in
           | grep -E "synchronized|phases" | sed "s/^/align=$1 clear=$2 /"
       done
     done | tee "$OUT/burst-align.txt"
+    # NOTE: one archive: the device call brings back only a few files.
+    tar czf "$OUT/burst-align.tgz" -C "$OUT" $(cd "$OUT" && ls burst-align*-r*.json) && rm -f "$OUT"/burst-align*-r*.json
     mkdir -p "$WORK"
-    for variant in default noclear; do
+    for variant in kept clear; do
       n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
       echo $((n + 1)) > "$WORK/calls"
       servers=mlx_lm,kvtier
-      clear=1
-      if [ "$variant" = noclear ]; then servers=kvtier; clear=0; fi
+      clear=0
+      if [ "$variant" = clear ]; then servers=kvtier; clear=1; fi
       KVTIER_BATCH_PREFILL_CLEAR=$clear python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
         --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers "$servers" \
         --json "$OUT/agent-$variant.json" --title "H200 agent" --skip-loadgen --agent 8x4 \
@@ -306,7 +308,9 @@ case "$cmd" in
     # distinct requests, tier on vs off, ${PAIRS:-3} pairs of servers with
     # the order alternating (ssd_ttft.py --repeats): every pair's ratios,
     # their median and spread (one server per mode was within this GPU's
-    # process-to-process spread).
+    # process-to-process spread). A variant of the tier against the same off
+    # servers: extra arguments, e.g. `ssdline --on-env KVTIER_CUDA_HOST_READ=host`
+    # (the writer reads host copies, not device-managed pages).
     device_env
     ensure_model
     python3 tools/bench/ssd_ttft.py --model "$MODEL" --requests "${N:-20}" --prompt-tokens 530 \
