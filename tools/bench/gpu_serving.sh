@@ -37,6 +37,7 @@
 #   joins        where a batch step's time goes (join_cost.py)
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
+#   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost, contenders side by side (checkpoint.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
@@ -248,6 +249,25 @@ case "$cmd" in
         --json "$OUT/agent-$variant.json" --title "H200 agent" --skip-loadgen --agent 8x4 \
         --system-tokens 4400 --agent-max-tokens 32 2>&1 | tee "$OUT/agent-$variant.txt" | grep -E "agent"
     done
+    ;;
+  lonejoin)
+    # Issue 20's agent turn, the lone row: served at be8d971, one row joining
+    # with 23-25 prefill tokens over a lent 5,162-token prefix took 142-149 ms
+    # engine-side (its batch.join_step lines) against 128 ms in process for
+    # 8 rows x 40 tokens. In process here: 1 and 8 rows x 24 tokens over a
+    # cached 5,100, nothing else decoding, 3 rounds; then the same with a
+    # snapshot point 8 tokens into each suffix (served rows ask the prompt
+    # cache for one).
+    device_env
+    ensure_model
+    for snap in 0 8; do
+      for b in 1 8; do
+        python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst "$b" \
+          --prefix-tokens 5100 --suffix-tokens 24 --max-tokens 16 --prompt-tokens 530 \
+          --prefill-step-size 2048 --rounds 3 --background 0 --attention on --snapshot-tokens "$snap" \
+          --json "$OUT/lonejoin-b$b-s$snap.json" 2>&1 | grep -E "synchronized|phases" | sed "s/^/snapshot=$snap /"
+      done
+    done | tee "$OUT/lonejoin.txt"
     ;;
   extras)
     # The SSD tier on vs off (20 sequential distinct requests), the
