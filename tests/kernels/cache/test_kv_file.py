@@ -861,17 +861,23 @@ def test_a_migrating_host_read_copies_a_whole_group_into_one_buffer(
             assert nxt == start + plan.tensors[i].nbytes
 
 
-def test_direct_host_reads_view_each_tensor_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVTIER_CUDA_HOST_READ=direct (a diagnostic) skips the one-buffer copy where host reads migrate: each view is its own tensor's contiguous array, bytes equal."""
+def _migrating_read(monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[EntryPlan, list[int], list[memoryview]]:
+    """A 256-token bf16 entry's plan, its tensors' indices and their views read with KVTIER_CUDA_HOST_READ=``mode``
+    where host reads migrate."""
     from kernels.cache import _kv_writer
 
     monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
-    monkeypatch.setenv(_kv_writer.HOST_READ_ENV, "direct")
+    monkeypatch.setenv(_kv_writer.HOST_READ_ENV, mode)
     cache = _filled_kv(256, mx.bfloat16)
     plan = plan_entry([cache], model_id="tiny", fingerprint=FP, namespace="ns",
                       tokenizer_hash="tok", tokens=list(range(256)))
     indices = [i for i, a in enumerate(plan._arrays) if a is not None]
-    views = tensors_bytes(plan, indices)
+    return plan, indices, tensors_bytes(plan, indices)
+
+
+def test_direct_host_reads_view_each_tensor_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTIER_CUDA_HOST_READ=direct (a diagnostic) skips the one-buffer copy where host reads migrate: each view is its own tensor's contiguous array, bytes equal."""
+    plan, indices, views = _migrating_read(monkeypatch, "direct")
     for view, i in zip(views, indices, strict=True):
         a = plan._arrays[i]
         assert bytes(view) == raw(a)
@@ -882,15 +888,7 @@ def test_direct_host_reads_view_each_tensor_apart(monkeypatch: pytest.MonkeyPatc
 
 def test_host_reads_copy_a_group_into_host_memory_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
     """KVTIER_CUDA_HOST_READ=host (a diagnostic): the group's one-buffer copy is copied again into host-owned bytes, back to back, bytes equal."""
-    from kernels.cache import _kv_writer
-
-    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
-    monkeypatch.setenv(_kv_writer.HOST_READ_ENV, "host")
-    cache = _filled_kv(256, mx.bfloat16)
-    plan = plan_entry([cache], model_id="tiny", fingerprint=FP, namespace="ns",
-                      tokenizer_hash="tok", tokens=list(range(256)))
-    indices = [i for i, a in enumerate(plan._arrays) if a is not None]
-    views = tensors_bytes(plan, indices)
+    plan, indices, views = _migrating_read(monkeypatch, "host")
     for view, i in zip(views, indices, strict=True):
         assert isinstance(view.obj, bytearray)
         assert bytes(view) == raw(plan._arrays[i])
