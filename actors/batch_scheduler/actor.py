@@ -129,6 +129,7 @@ class BatchScheduler(Actor):
         gather_alarm: Alarm | None = None,
         after_step: Callable[[], object] | None = None,
         stream_write_timeout_s: float = 30.0,
+        gather_s: float = 0.05,
         checkpoints: CheckpointPort | None = None,
         steps: BackgroundSteps | None = None,
     ) -> None:
@@ -155,6 +156,7 @@ class BatchScheduler(Actor):
             backlog_max=backlog_max,
             observe_prefill=observe_prefill is not None,
             write_timeout_s=stream_write_timeout_s,
+            gather_s=gather_s,
         )
         self._requests: dict[str, Envelope] = {}  # forwarded Generate envelopes, until answered
         self._lookups: dict[str, str] = {}  # Take msg_id -> request id

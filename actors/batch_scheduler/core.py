@@ -819,6 +819,7 @@ class SchedulerState:
         return {
             "max_rows": self.max_rows,
             "max_queue": self.max_queue,
+            "gather_ms": round(self.gather_s * 1000),
             "busy": self.busy,
             "step_in_flight": self.in_flight is not None,
             "rows": by_phase,

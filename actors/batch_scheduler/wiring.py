@@ -170,6 +170,7 @@ def batch_factory(
         observe_prefill=_observe_address(parts),
         after_step=parts.after_step,
         stream_write_timeout_s=cfg.stream_write_timeout_s,
+        gather_s=cfg.batch_gather_s,
         checkpoints=checkpoints if registry is not None and prompt_cache is not None else None,
         steps=parts.steps,
     )

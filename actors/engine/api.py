@@ -138,6 +138,7 @@ class EngineOptions(TypedDict, total=False):
     max_prompt_tokens: int | None
     stream_buffer: int
     stream_write_timeout_s: float
+    batch_gather_s: float
     background_in_chain: bool
     snapshot_min_new_tokens: int
     ask_timeout_s: float

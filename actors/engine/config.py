@@ -205,6 +205,13 @@ class EngineConfig(BaseModel):
                                 "long loses its stream, and its engine turn ends within one step"),
         Setting("KVTIER_STREAM_WRITE_TIMEOUT", "--stream-write-timeout", unit="s"),
     ] = 30.0
+    batch_gather_s: Annotated[
+        float,
+        Field(ge=0, le=10, description="how long, at most, an idle batch lane's ready rows wait for "
+                                       "requests announced at the same moment (an agent's "
+                                       "turns sent together start in one step); 0 = no wait"),
+        Setting("KVTIER_BATCH_GATHER", "--batch-gather", unit="s"),
+    ] = 0.05
     background_in_chain: Annotated[
         bool,
         Field(description="under load, a background step due from its share (write-behind, "

@@ -30,7 +30,11 @@ async def test_turns_over_one_prefix_report_the_prefix_they_really_reused(
     first = ids(tok, "Agents send their turns together over one system prompt. " * 2)
     short_q = ids(tok, " Why?")
     long_q = ids(tok, " And what happens to the shorter one then?")
-    async with engine(model, tok, None, max_batch=4) as eng:
+    # NOTE: a wide gather window: on a loaded machine the second request's
+    # lookup may take longer than the default 50 ms, and the test is about
+    # two rows joining in one step, not about the window's default.
+    async with engine(model, tok, None, max_batch=4, batch_gather_s=5.0) as eng:
+        assert (await eng.stats())["batch"]["batch"]["gather_ms"] == 5000
         answer, _ = await run(eng, first, GREEDY)
         stored = [*first, *answer]
         prompts = [[*stored, *short_q], [*stored, *long_q]]
