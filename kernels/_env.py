@@ -23,6 +23,8 @@ variable                      what it sets                                read b
                               emptied after each batch-lane prefill forward
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
+``KVTIER_CHECKPOINT_DELTA``   switch (default: CUDA only): a checkpoint  ``kernels.cache``
+                              reads back only its answer's new tokens
 ``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` / ``host`` reads (CUDA) ``kernels.cache``
 ``KVTIER_CUDA_RELEASE_CACHE`` diagnostic switch: clear MLX's buffer       ``kernels.cache``
                               cache after host reads (CUDA)

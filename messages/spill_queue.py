@@ -62,6 +62,9 @@ class CheckpointRecord(BaseModel):
     pending_token: int = Field(ge=0, lt=1 << 32)
     sample_index: int = Field(ge=0)
     rng_key: tuple[int, int] | None = None
+    writer: str = Field(default="", max_length=256)
+    """The request that took it (its id): a checkpoint delta builds only on a file of the same
+    request written by this process ("": never a delta base)."""
 
 SpillOutcome = Literal["stored", "failed", "dropped", "refused"]
 """How an item settled. ``stored``: the writer committed the file; ``failed``:

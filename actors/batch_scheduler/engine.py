@@ -357,7 +357,7 @@ class BatchEngine:
             _log.warning("checkpoint.capture_failed", request_id=ck.row_id, error=repr(exc))
             return None
         return Captured(reg.handle, reg.meta, ck.cache_tokens, ck.prompt_len, ck.pending_token,
-                        ck.rng_key)
+                        ck.rng_key, writer=ck.row_id)
 
     def _join(self, batch: BatchGeneration, join: JoinRow) -> tuple[int, str]:
         """Join one row with its lent prefix; (prompt tokens reused, how: ram/restored/restore_failed/cold)."""

@@ -18,6 +18,7 @@ from .serving import Captured, CheckpointBackend, CheckpointHandoff, CheckpointP
 from .store import (
     CHECKPOINT_DIR,
     CHECKPOINT_SUFFIX,
+    DeltaBase,
     FoundCheckpoint,
     checkpoint_dir,
     find_checkpoint,
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointHandoff",
     "CheckpointLoads",
     "CheckpointPort",
+    "DeltaBase",
     "FoundCheckpoint",
     "ResumeFrom",
     "checkpoint_dir",

@@ -25,6 +25,9 @@ class CheckpointCounters:
     the queue could not take (its mailbox full or gone; the snapshot was
     released). ``written``/``bytes``: files committed (fsync + rename);
     ``write_failed``: writes that did not commit (the previous file stays).
+    ``deltas``: files composed from the previous file of their answer plus
+    the tokens since (``kernels.cache._kv_delta``); ``delta_reused_bytes``:
+    the tensor bytes they took from it instead of reading the live caches.
     ``removed``: files removed when their answer completed. ``resumed``:
     requests that restored a checkpoint; ``tokens_saved``: emitted tokens
     they replayed instead of computing (plus the prompt they did not
@@ -42,6 +45,8 @@ class CheckpointCounters:
     unsent: int = 0
     written: int = 0
     bytes: int = 0
+    deltas: int = 0
+    delta_reused_bytes: int = 0
     write_failed: int = 0
     removed: int = 0
     resumed: int = 0
@@ -75,6 +80,8 @@ class CheckpointCounters:
             "unsent": self.unsent,
             "written": self.written,
             "bytes": self.bytes,
+            "deltas": self.deltas,
+            "delta_reused_bytes": self.delta_reused_bytes,
             "write_failed": self.write_failed,
             "removed": self.removed,
             "resumed": self.resumed,

@@ -91,6 +91,8 @@ class Captured:
     prompt_len: int
     pending_token: int
     rng_key: tuple[int, int] | None
+    writer: str = ""
+    """The request it belongs to (its id; a checkpoint delta builds only on the same request's file)."""
 
     @property
     def sample_index(self) -> int:
@@ -249,6 +251,7 @@ class CheckpointPort:
         """The spill-queue item of ``cap`` (the queue owns its handle once it accepts it)."""
         record = CheckpointRecord(request_key=key, prompt_len=cap.prompt_len,
                                   pending_token=cap.pending_token,
-                                  sample_index=cap.sample_index, rng_key=cap.rng_key)
+                                  sample_index=cap.sample_index, rng_key=cap.rng_key,
+                                  writer=cap.writer)
         return Enqueue(handle=cap.handle, namespace=namespace, tokens=cap.tokens, meta=cap.meta,
                        source="checkpoint", checkpoint=record)

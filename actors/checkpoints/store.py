@@ -19,12 +19,16 @@ Rules (worker threads only; every file call goes through the ``FilePort``):
   it cannot read for an OS reason is left alone.
 - :func:`remove_checkpoints` deletes every file of a key durably (completion
   invalidates its checkpoint).
+- A delta (``kernels.cache._kv_delta``) reads the previous file of the same
+  answer, every tensor hash-checked, BEFORE the new file is committed (so
+  before the previous one is removed) and writes the same bytes a whole
+  read-back would have: the rules above are unchanged.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kernels.cache import (
@@ -34,12 +38,15 @@ from kernels.cache import (
     FilePort,
     KvFileHeader,
     KvFileWriter,
+    compose_tail,
     read_header,
+    read_tensors,
 )
 
 __all__ = [
     "CHECKPOINT_DIR",
     "CHECKPOINT_SUFFIX",
+    "DeltaBase",
     "FoundCheckpoint",
     "checkpoint_dir",
     "find_checkpoint",
@@ -77,24 +84,51 @@ def _files_of(port: FilePort, directory: str, key: str) -> list[str]:
                   and e.name.endswith(CHECKPOINT_SUFFIX))
 
 
+@dataclass(frozen=True, slots=True)
+class DeltaBase:
+    """The previous checkpoint file of the same answer and what a delta takes from it.
+
+    ``starts`` maps a tensor index (the same in both files: their layer
+    structure matched) to the tokens the previous file holds of it
+    (``kernels.cache.tail_starts``); the new file's view of such a tensor
+    holds only the tokens after.
+    """
+
+    path: str
+    header: KvFileHeader
+    starts: Mapping[int, int]
+
+
 def write_checkpoint(
-    port: FilePort, directory: str, plan: EntryPlan, tensor: Callable[[int], memoryview]
+    port: FilePort,
+    directory: str,
+    plan: EntryPlan,
+    tensor: Callable[[int], memoryview],
+    base: DeltaBase | None = None,
 ) -> str:
     """Write the checkpoint ``plan`` durably, then remove the older files of its key; its path.
 
     ``tensor(i)`` gives tensor ``i``'s bytes (in serving, one idle engine
-    turn each). Raises the codec's ``CacheFileWriteError`` (nothing of this
-    write is left; the older files are untouched) or ``ValueError``.
+    turn each); with ``base``, only the tokens after ``base.starts[i]`` for
+    the tensors it lists, the rest read from the previous file (every tensor
+    hash-checked). Raises the codec's ``CacheFileWriteError`` (nothing of
+    this write is left; the older files are untouched), ``CacheFileCorrupt``
+    (a previous file that fails its checks) or ``ValueError``.
     """
     ck = plan.header.checkpoint
     if ck is None:
         raise ValueError("the plan carries no checkpoint section")
     _check_key(ck.request_key)
     final = os.path.join(directory, _name(ck.request_key, ck.sample_index))
+    # NOTE: read before the new file commits: the commit removes the previous one.
+    prev = read_tensors(port, base.path, base.header, verify=True) if base and base.starts else None
     with KvFileWriter(port, plan) as writer:
         writer.begin(directory)
         for i in range(len(plan.tensors)):
-            writer.write_tensor(i, tensor(i))
+            data = tensor(i)
+            if prev is not None and base is not None and i in base.starts:
+                data = compose_tail(prev.buffers[i], data, plan.tensors[i], base.starts[i])
+            writer.write_tensor(i, data)
         writer.commit(final)
     older = [p for p in _files_of(port, directory, ck.request_key) if p != final]
     _remove(port, directory, older)

@@ -209,7 +209,7 @@ class EngineWork:
             return None
         point, reg = taken
         return Captured(reg.handle, reg.meta, reg.tokens, point.prompt_len, point.pending_token,
-                        point.rng_key)
+                        point.rng_key, writer=gen.request.request_id)
 
     def _wants_snapshot(self, gen: _Gen) -> bool:
         request = gen.request

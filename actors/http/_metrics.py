@@ -407,6 +407,11 @@ def _checkpoint_families(f: _Families, ck: Mapping[str, Any] | None) -> None:
               [([], ck.get("written"))])
     f.counter("kvtier_checkpoint_bytes", "Bytes of the checkpoint files committed.",
               [([], ck.get("bytes"))])
+    f.counter("kvtier_checkpoint_deltas", "Checkpoint files composed from the previous file "
+              "of their answer plus the tokens since.", [([], ck.get("deltas"))])
+    f.counter("kvtier_checkpoint_delta_reused_bytes", "Tensor bytes checkpoint deltas took "
+              "from the previous file instead of reading the live caches.",
+              [([], ck.get("delta_reused_bytes"))])
     f.gauge("kvtier_checkpoints_pending", "Checkpoint writes queued or in flight.",
             [([], ck.get("pending"))])
     f.counter("kvtier_checkpoint_failures", "Checkpoints lost, by where: unsent (the spill "

@@ -42,6 +42,7 @@ from kernels.cache import (
     landing_thread_count,
     plan_entry,
     release_host_copies,
+    tail_starts,
     tensors_bytes,
     usable_cpus,
 )
@@ -115,11 +116,15 @@ class CheckpointSource(Protocol):
         namespace: str,
         tokens: tuple[int, ...],
         checkpoint: GenerationCheckpoint,
+        base: KvFileHeader | None = None,
     ) -> tuple[EntryPlan, list[BytesLike]]:
         """The checkpoint file's plan and a host view of every tensor (one engine turn, no copy).
 
-        The views stay valid until :meth:`TensorSource.finish` of the plan,
-        which the caller calls on every path after dropping its references.
+        With ``base`` (the previous file of the same answer), the view of
+        each tensor ``kernels.cache.tail_starts(plan.header, base)`` lists
+        holds only the tokens after that file's. The views stay valid until
+        :meth:`TensorSource.finish` of the plan, which the caller calls on
+        every path after dropping its references.
         """
         ...
 
@@ -372,6 +377,7 @@ class EngineTensorSource:
         namespace: str,
         tokens: tuple[int, ...],
         checkpoint: GenerationCheckpoint,
+        base: KvFileHeader | None = None,
     ) -> tuple[EntryPlan, list[BytesLike]]:
         """Plan a checkpoint file and take a host view of every tensor, in ONE idle engine turn.
 
@@ -400,8 +406,9 @@ class EngineTensorSource:
                 tokens=tokens,
                 checkpoint=checkpoint,
             )
+            tails = tail_starts(plan.header, base) if base is not None else None
             try:
-                views: list[BytesLike] = list(tensors_bytes(plan, range(len(plan.tensors))))
+                views: list[BytesLike] = list(tensors_bytes(plan, range(len(plan.tensors)), tails))
             except BaseException:
                 plan.release_arrays()
                 raise

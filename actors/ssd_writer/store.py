@@ -19,9 +19,20 @@ from typing import TypeVar, assert_never
 
 import anyio
 
-from actors.checkpoints import checkpoint_dir, remove_checkpoints, write_checkpoint
+from actors.checkpoints import DeltaBase, checkpoint_dir, remove_checkpoints, write_checkpoint
 from actors.runtime import Actor, Context, RuntimeFailure, get_logger
-from kernels.cache import CacheFileWriteError, EntryPlan, GenerationCheckpoint, KvFileWriter
+from kernels.cache import (
+    CacheFileCorrupt,
+    CacheFileIncompatible,
+    CacheFileWriteError,
+    EntryPlan,
+    GenerationCheckpoint,
+    KvFileHeader,
+    KvFileWriter,
+    delta_enabled,
+    read_header,
+    tail_starts,
+)
 from messages import (
     EntryWritten,
     Envelope,
@@ -70,6 +81,8 @@ class StoreWorker(Actor):
         # NOTE: a checkpoint's tensor views (they share the MLX arrays'
         # memory); the list is emptied before the source's finish turn.
         self._views: list[BytesLike] = []
+        # NOTE: the previous file a checkpoint delta builds on (set with its plan).
+        self._base: DeltaBase | None = None
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Run one message to its end (a write: report it, remove what it superseded)."""
@@ -134,8 +147,8 @@ class StoreWorker(Actor):
                 return core.Removed(removal.gone, removal.left, ctx.clock.now())
             case core.TellRemoved(body=body):
                 await ctx.tell(tier.name, body)
-            case core.PlanCheckpoint(body=body):
-                return await self._plan_checkpoint(body, ctx)
+            case core.PlanCheckpoint(body=body, base=base):
+                return await self._plan_checkpoint(body, base, ctx)
             case core.WriteCheckpoint():
                 return await self._write_checkpoint(ctx)
             case core.RemoveCheckpointFiles(request_key=key):
@@ -148,11 +161,14 @@ class StoreWorker(Actor):
                 return core.CheckpointsRemoved(len(removed), ctx.clock.now(), paths=removed)
             case core.Answer(body=body):
                 await ctx.reply(request, body)
-            case core.Count(what=what, n=n, nbytes=nbytes):
+            case core.Count(what=what, n=n, nbytes=nbytes, reused=reused):
                 counters = tier.checkpoints
                 if what == "written":
                     counters.written += n
                     counters.bytes += nbytes
+                    if reused:
+                        counters.deltas += n
+                        counters.delta_reused_bytes += reused
                 elif what == "failed":
                     counters.write_failed += n
                 elif what == "refused":
@@ -240,6 +256,7 @@ class StoreWorker(Actor):
         """Drop the temp file unless committed, release the plan (idempotent, never raises)."""
         writer, self._writer = self._writer, None
         plan, self._plan = self._plan, None
+        self._base = None
         # NOTE: emptied in place: the checkpoint write's reader holds this
         # list, not the views; the source's finish below drops the last ones.
         self._views.clear()
@@ -267,23 +284,46 @@ class StoreWorker(Actor):
         ident = self._tier.config.identity
         return checkpoint_dir(self._tier.config.root, ident.fingerprint)
 
-    async def _plan_checkpoint(self, job: Store, ctx: Context) -> core.Event:
-        """Plan the checkpoint file and take its tensors' views in ONE idle engine turn (no copy)."""
+    async def _base_header(self, path: str | None) -> KvFileHeader | None:
+        """The validated header of a delta's previous file (``None``: no delta this time)."""
+        if path is None or not delta_enabled():
+            return None
+        tier = self._tier
+        try:
+            return await tier.run_background(read_header, tier.port, path,
+                                             expected_fingerprint=tier.config.identity.fingerprint)
+        except (CacheFileCorrupt, CacheFileIncompatible, OSError):
+            # NOTE: gone or damaged: this checkpoint is read back whole.
+            return None
+
+    async def _plan_checkpoint(self, job: Store, base_path: str | None, ctx: Context) -> core.Event:
+        """Plan the checkpoint file and take its tensors' views in ONE idle engine turn (no copy).
+
+        With ``base_path`` (the previous file of the same answer) and deltas
+        on, the views of the attention tensors hold only the tokens after
+        that file's (``kernels.cache._kv_delta``).
+        """
         ck = job.checkpoint
         assert ck is not None
         record = GenerationCheckpoint(ck.request_key, ck.prompt_len, ck.pending_token,
                                       ck.sample_index, ck.rng_key)
         source = self._source_port
+        base = await self._base_header(base_path)
         try:
             if not isinstance(source, CheckpointSource):
                 raise _SourceFailed("the tensor source cannot plan a checkpoint")
             plan, views = await self._source(source.checkpoint_views(
-                job.handle, namespace=job.namespace, tokens=job.tokens, checkpoint=record))
+                job.handle, namespace=job.namespace, tokens=job.tokens, checkpoint=record,
+                base=base))
         except _SourceFailed:
             return core.SourceFailed(ctx.clock.now())
         # NOTE: from here ``_release`` ends the plan with the source's finish
         # (engine thread), on every path.
         self._plan, self._views = plan, views
+        if base is not None and base_path is not None:
+            # NOTE: the same pure function the engine turn applied to the same headers.
+            starts = tail_starts(plan.header, base)
+            self._base = DeltaBase(base_path, base, starts) if starts else None
         return core.CheckpointPlanned(plan.file_size, ctx.clock.now())
 
     async def _write_checkpoint(self, ctx: Context) -> core.Event:
@@ -295,22 +335,30 @@ class StoreWorker(Actor):
         before the key's older files go (``actors.checkpoints.write_checkpoint``),
         so every failure leaves the previous checkpoint valid.
         """
-        tier, plan, views = self._tier, self._plan, self._views
+        tier, plan, views, base = self._tier, self._plan, self._views, self._base
         assert plan is not None
         port = tier.port
         try:
             directory = self._checkpoint_dir()
             await tier.run_background(port.makedirs, directory)
             path = await tier.run_background(write_checkpoint, port, directory, plan,
-                                  lambda i: memoryview(views[i]))
+                                             lambda i: memoryview(views[i]), base)
+        except (CacheFileCorrupt, CacheFileIncompatible) as exc:
+            # NOTE: the delta's previous file failed its checks: this restart point is lost
+            # (the next checkpoint is read back whole), never a wrong one.
+            return core.CheckpointWritten(False, ctx.clock.now(), reason="delta_base_failed",
+                                          error=str(exc))
         except ValueError as exc:
             return core.CheckpointWritten(False, ctx.clock.now(), reason="source_failed",
                                           error=str(exc))
         except OSError as exc:
             return core.CheckpointWritten(False, ctx.clock.now(),
                                           reason=io.store_failure_reason(exc), error=str(exc))
+        reused = 0 if base is None else sum(
+            plan.tensors[i].nbytes // plan.tensors[i].shape[-2] * n
+            for i, n in base.starts.items() if plan.tensors[i].shape[-2])
         return core.CheckpointWritten(True, ctx.clock.now(), path=path,
-                                      file_bytes=plan.file_size)  # fmt: skip
+                                      file_bytes=plan.file_size, reused_bytes=reused)  # fmt: skip
 
 
 def _write_lent(writer: KvFileWriter, index: int, lent: list[BytesLike]) -> None:

@@ -31,7 +31,7 @@ Rules kept here (``tests/actors/ssd_writer/test_store_core.py``):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, assert_never
 
 from messages import (
@@ -49,6 +49,7 @@ from messages.ssd_writer import FilesRemoved, RemoveEntries
 from .core import checkpoint_job_id
 
 __all__ = [
+    "MAX_CHECKPOINT_BASES",
     "Answer",
     "Asked",
     "Begin",
@@ -85,6 +86,10 @@ __all__ = [
     "WriteTensor",
     "handle",
 ]
+
+MAX_CHECKPOINT_BASES = 1024
+"""Delta bases remembered at most (an answer cancelled mid-way keeps its file and its entry
+here until pushed out; a finished one's goes with its files)."""
 
 
 @dataclass
@@ -125,6 +130,9 @@ class StoreState:
     written: int = 0
     failed: int = 0
     removed_files: int = 0
+    ck_bases: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Request key -> (writer, path) of the checkpoint this worker last wrote for it: the base a
+    delta of the same writer builds on (at most ``MAX_CHECKPOINT_BASES``, oldest dropped)."""
 
 
 # --- events ------------------------------------------------------------------------------
@@ -251,6 +259,8 @@ class CheckpointWritten:
     path: str | None = None
     file_bytes: int = 0
     error: str = ""
+    reused_bytes: int = 0
+    """Tensor bytes a delta took from the previous file instead of the live caches (0: read whole)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,9 +369,11 @@ class TellRemoved:
 @dataclass(frozen=True, slots=True)
 class PlanCheckpoint:
     """Plan the checkpoint in ``Store`` ``body`` and take its tensors' views (one engine turn,
-    no copy) -> CheckpointPlanned | SourceFailed."""
+    no copy) -> CheckpointPlanned | SourceFailed. ``base``: the previous file of the same
+    answer, which a delta may build on (``kernels.cache._kv_delta``)."""
 
     body: Store
+    base: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,13 +400,15 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Count:
-    """Add to the generation-checkpoint counters: ``written`` (with ``nbytes``), ``failed``,
-    ``removed``, ``refused`` (one request not checkpointed for ``reason``)."""
+    """Add to the generation-checkpoint counters: ``written`` (with ``nbytes``, and ``reused``
+    bytes when a delta), ``failed``, ``removed``, ``refused`` (one request not checkpointed for
+    ``reason``)."""
 
     what: Literal["written", "failed", "removed", "refused"]
     n: int = 1
     nbytes: int = 0
     reason: str = ""
+    reused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,9 +501,13 @@ def _asked(state: StoreState, event: Asked) -> list[Effect]:
         case Store(checkpoint=checkpoint) if checkpoint is not None:
             state.request = event.request
             state.ck = CheckpointJob(body, checkpoint_job_id(body.handle))
-            return [PlanCheckpoint(body)]
+            last = state.ck_bases.get(checkpoint.request_key)
+            base = last[1] if last is not None and checkpoint.writer and last[0] == checkpoint.writer \
+                else None
+            return [PlanCheckpoint(body, base)]
         case RemoveCheckpoints(request_key=key):
             state.request = event.request
+            state.ck_bases.pop(key, None)
             return [RemoveCheckpointFiles(key)]
         case RemoveEntries(paths=paths, reason=reason):
             state.request = event.request
@@ -641,13 +659,22 @@ def _ck_evicted(state: StoreState, ck: CheckpointJob, event: Evicted) -> list[Ef
 
 def _checkpoint_written(state: StoreState, event: CheckpointWritten) -> list[Effect]:
     ck = _ck_job(state)
+    record = ck.body.checkpoint
+    assert record is not None
+    # NOTE: after a failed write the previous file may be gone or damaged: the next is whole.
+    state.ck_bases.pop(record.request_key, None)
     if not event.stored or event.path is None:
         return _ck_fail(state, ck, event.reason or "io_error", event.error)
+    if record.writer:
+        state.ck_bases[record.request_key] = (record.writer, event.path)
+        while len(state.ck_bases) > MAX_CHECKPOINT_BASES:
+            del state.ck_bases[next(iter(state.ck_bases))]
     written = EntryWritten(job_id=ck.job_id, ok=True, path=event.path,
                            file_bytes=event.file_bytes)
     outcome = StoreResult(handle=ck.body.handle, stored=True, path=event.path,
                           file_bytes=event.file_bytes)
-    return _ck_end(state, ck, written, outcome, (Count("written", nbytes=event.file_bytes),), None)
+    count = Count("written", nbytes=event.file_bytes, reused=event.reused_bytes)
+    return _ck_end(state, ck, written, outcome, (count,), None)
 
 
 def _ck_settled(state: StoreState, ck: CheckpointJob) -> list[Effect]:

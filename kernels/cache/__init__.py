@@ -1,5 +1,5 @@
 """KV caches: adapters over mlx-lm's cache classes, the engine-owned registry, KV schemes,
-the KV file codec (``_kv_format``, ``_kv_writer``, ``_kv_header``,
+the KV file codec (``_kv_format``, ``_kv_writer``, ``_kv_header``, ``_kv_delta``,
 ``_kv_reader``, ``_kv_restore``, ``_kv_landing``) and the file port it writes through (``_file_port``),
 and the CUDA guard for attention over quantized KV (``_contiguous_attention``).
 
@@ -39,6 +39,12 @@ from ._file_port import (
     PageCacheProbe,
     ShortRead,
     full_fsync,
+)
+from ._kv_delta import (
+    DELTA_ENV,
+    compose_tail,
+    delta_enabled,
+    tail_starts,
 )
 from ._kv_format import (
     ALIGNMENT,
@@ -112,6 +118,7 @@ from ._registry import (
 __all__ = [
     "ALIGNMENT",
     "CHECKPOINT_FORMAT_VERSION",
+    "DELTA_ENV",
     "FILL_STREAMS_ENV",
     "FILL_STREAMS_MAX",
     "FORMAT_VERSION",
@@ -164,10 +171,12 @@ __all__ = [
     "caches_trimmable",
     "check_kv_scheme",
     "clone_caches",
+    "compose_tail",
     "convert_caches",
     "declare_min_reusable_offset",
     "declared_min_reusable_offset",
     "default_fill_streams",
+    "delta_enabled",
     "fill_stream_count",
     "full_fsync",
     "install_contiguous_quantized_attention",
@@ -181,6 +190,7 @@ __all__ = [
     "read_tensors",
     "release_host_copies",
     "resolve_kv_scheme",
+    "tail_starts",
     "tensor_bytes",
     "tensors_bytes",
     "trim_caches",

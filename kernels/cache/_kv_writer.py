@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NoReturn
@@ -386,51 +386,65 @@ def tensor_bytes(plan: EntryPlan, i: int) -> memoryview:
     return tensors_bytes(plan, [i])[0]
 
 
-def tensors_bytes(plan: EntryPlan, indices: Sequence[int]) -> list[memoryview]:
+def tensors_bytes(
+    plan: EntryPlan, indices: Sequence[int], tails: Mapping[int, int] | None = None
+) -> list[memoryview]:
     """Read the tensors ``indices`` of ``plan`` back to host memory, evaluated together (engine thread).
 
-    Each view is what :func:`tensor_bytes` returns for its index.
+    Each view is what :func:`tensor_bytes` returns for its index. ``tails``
+    maps an index to a token count: that tensor's view holds only the
+    tokens after it (its axis -2 from there on; a checkpoint delta,
+    ``kernels.cache._kv_delta``).
     NOTE: one evaluation for all of them: evaluating per tensor is one
     device round trip per tensor (64 for an 8B-shape entry, ~20 ms on the
     H200's CUDA backend, inside an engine turn).
     """
+    tails = tails or {}
     arrays: list[Any] = []
+    sizes: list[int] = []
     for i in indices:
         a = plan._arrays[i]
         if a is None:
             raise RuntimeError("plan arrays were released")
+        rec = plan.tensors[i]
+        start = tails.get(i)
+        if start is not None:
+            if len(rec.shape) < 2 or not 0 <= start <= rec.shape[-2]:
+                raise ValueError(f"tensor {i} has no tokens after {start}")
+            a = a[..., start:, :]
+            sizes.append(rec.nbytes // rec.shape[-2] * (rec.shape[-2] - start) if rec.shape[-2] else 0)
+        else:
+            sizes.append(rec.nbytes)
         arrays.append(a)
     # NOTE: KVTIER_CUDA_HOST_READ=direct is a diagnostic (which part of the
     # SSD tier's host reads slows decoding on CUDA): it reads the entry's own
     # arrays, whose pages then move to the host.
     mode = (env_text(HOST_READ_ENV) or "flat").lower()
     if host_reads_migrate() and mode != "direct":
-        return _flat_host_views(plan, indices, arrays, host_copy=mode == "host")
+        return _flat_host_views(indices, arrays, sizes, host_copy=mode == "host")
     # NOTE: when ``a`` is already contiguous, ``x`` shares its buffer. That
     # is safe while a worker reads the view: MLX updates a buffer in place
     # only when nothing else references it, and the view keeps ``x`` alive.
-    copies: list[Any] = [
-        None if plan.tensors[i].nbytes == 0 else mx.contiguous(a)
-        for i, a in zip(indices, arrays, strict=True)
-    ]
+    copies: list[Any] = [None if n == 0 else mx.contiguous(a) for n, a in zip(sizes, arrays, strict=True)]
     mx.eval([x for x in copies if x is not None])
     views: list[memoryview] = []
-    for i, x in zip(indices, copies, strict=True):
+    for i, n, x in zip(indices, sizes, copies, strict=True):
         if x is None:
             views.append(memoryview(b""))
             continue
         view = memoryview(x).cast("B")
-        if len(view) != plan.tensors[i].nbytes:
-            raise RuntimeError(f"tensor {i} read back {len(view)} bytes, planned {plan.tensors[i].nbytes}")
+        if len(view) != n:
+            raise RuntimeError(f"tensor {i} read back {len(view)} bytes, planned {n}")
         views.append(view)
     return views
 
 
 def _flat_host_views(
-    plan: EntryPlan, indices: Sequence[int], arrays: Sequence[Any], *, host_copy: bool = False
+    indices: Sequence[int], arrays: Sequence[Any], sizes: Sequence[int], *, host_copy: bool = False
 ) -> list[memoryview]:
     """Where host reads migrate: every tensor's bytes copied into ONE device buffer, one view each into it.
 
+    ``sizes``: each tensor's planned bytes (what its array holds).
     NOTE: on MLX's CUDA backend each array's first host read allocates a
     managed buffer and copies into it synchronously, holding the GIL; one
     buffer per call makes that one allocation and one copy per group (a
@@ -443,8 +457,8 @@ def _flat_host_views(
     stream = _thread_copy_stream()
     parts = [
         mx.flatten(mx.view(a, mx.uint8, stream=stream), stream=stream)
-        for i, a in zip(indices, arrays, strict=True)
-        if plan.tensors[i].nbytes
+        for n, a in zip(sizes, arrays, strict=True)
+        if n
     ]
     if not parts:
         return [memoryview(b"") for _ in indices]
@@ -462,8 +476,7 @@ def _flat_host_views(
         whole = memoryview(bytearray(whole))
     views: list[memoryview] = []
     at = 0
-    for i in indices:
-        n = plan.tensors[i].nbytes
+    for n in sizes:
         views.append(whole[at:at + n] if n else memoryview(b""))
         at += n
     if at != len(whole):

@@ -78,6 +78,7 @@ from kernels.cache import (
     CacheFileIncompatible,
     EntryPlan,
     GenerationCheckpoint,
+    KvFileHeader,
     read_header,
     read_tensors,
 )
@@ -326,8 +327,18 @@ class ScriptedSource:
         namespace: str,
         tokens: tuple[int, ...],
         checkpoint: GenerationCheckpoint,
+        base: KvFileHeader | None = None,
     ) -> tuple[EntryPlan, list[bytes | bytearray | memoryview]]:
-        """The checkpoint's plan and tensor bytes (``CheckpointSource``)."""
+        """The checkpoint's plan and tensor bytes (``CheckpointSource``).
+
+        NOTE: the workloads' checkpoints carry no ``writer``, so no delta
+        base is ever offered: their contents differ per sample index (bytes
+        name the checkpoint they came from), which a delta's append-only
+        rule would not hold for. A delta changes what the write reads, not
+        the file operations these runs crash between.
+        """
+        if base is not None:
+            raise AssertionError("the crash workloads never offer a delta base")
         spec = checkpoints()[checkpoint.sample_index]
         if tokens != spec.tokens or checkpoint.request_key != CKPT_KEY:
             raise KeyError(f"no checkpoint {checkpoint.sample_index} for these tokens")

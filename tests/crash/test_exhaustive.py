@@ -123,7 +123,8 @@ def test_a_checkpoint_is_required_from_its_answer_until_completion() -> None:
 
 
 def _broken_writer(
-    port: FilePort, directory: str, plan: EntryPlan, tensor: Callable[[int], memoryview]
+    port: FilePort, directory: str, plan: EntryPlan, tensor: Callable[[int], memoryview],
+    base: object = None,
 ) -> str:
     """write_checkpoint with its order reversed: the key's older files go BEFORE the new one commits."""
     ck = plan.header.checkpoint

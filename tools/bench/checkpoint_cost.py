@@ -64,7 +64,13 @@ if str(REPO) not in sys.path:
 from actors.checkpoints import write_checkpoint  # noqa: E402
 from actors.ssd_writer import EngineTensorSource, FileIdentity  # noqa: E402
 from kernels import CacheRegistry, Generation, load_model  # noqa: E402
-from kernels.cache import GenerationCheckpoint, OsFilePort, plan_entry, tensor_bytes  # noqa: E402
+from kernels.cache import (  # noqa: E402
+    GenerationCheckpoint,
+    OsFilePort,
+    delta_enabled,
+    plan_entry,
+    tensor_bytes,
+)
 from kernels.engine import encode_prompt  # noqa: E402
 from kernels.engine._checkpoint import checkpoint_point  # noqa: E402
 from kernels.model import default_model_dir  # noqa: E402
@@ -191,6 +197,10 @@ def _batch_pass(loaded: Any, prompts: list[list[int]], tokens: int, every: int,
     emitted = 0
     checkpoints = 0
     turned = False
+    # NOTE: with deltas on (KVTIER_CHECKPOINT_DELTA; CUDA's default), each row's previous
+    # checkpoint plan stands for its file: its views turn reads back only the tokens since.
+    bases: dict[str, Any] = {}
+    delta = delta_enabled()
     began_pass = time.perf_counter()
     try:
         while not gen.idle:
@@ -214,7 +224,9 @@ def _batch_pass(loaded: Any, prompts: list[list[int]], tokens: int, every: int,
                                               ck.sample_index, ck.rng_key)
                 plan, views = anyio.run(functools.partial(
                     source.checkpoint_views, reg.handle, namespace="",
-                    tokens=ck.cache_tokens, checkpoint=record))
+                    tokens=ck.cache_tokens, checkpoint=record,
+                    base=bases.get(ck.row_id) if delta else None))
+                bases[ck.row_id] = plan.header
                 (first_turn if index == 0 else later_turns).append(turns.times[-1])
                 views.clear()
                 anyio.run(source.finish, plan)

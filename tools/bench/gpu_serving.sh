@@ -39,7 +39,7 @@
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
-#   ckpt         checkpoints' decode cost, contenders side by side (checkpoint.py)
+#   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
 #                --variants ROWS:STEP, TTFT_CACHE=1 --cache-rows --cache-burst)
 set -euo pipefail
@@ -368,17 +368,21 @@ case "$cmd" in
     ensure_model
     # NOTE: first where a checkpoint's time goes on the batch lane (in-step
     # capture, views turn, finish turn, the step after them), in process.
-    python3 tools/bench/checkpoint_cost.py --model "$MODEL" --batch-rows "${CK_ROWS:-8}" \
-      --tokens "${CK_TOKENS:-600}" --every 100 --repeats "${CK_REPEATS:-3}" \
-      > "$OUT/checkpoint-cost.json" 2> "$OUT/checkpoint-cost.err" || true
-    grep -v '^      ' "$OUT/checkpoint-cost.json" | head -n 24 || tail -n 5 "$OUT/checkpoint-cost.err"
+    # Deltas (the default under CUDA) and whole read-backs (KVTIER_CHECKPOINT_DELTA=0).
+    for d in 1 0; do
+      KVTIER_CHECKPOINT_DELTA=$d python3 tools/bench/checkpoint_cost.py --model "$MODEL" \
+        --batch-rows "${CK_ROWS:-8}" --tokens "${CK_TOKENS:-600}" --every 100 --repeats "${CK_REPEATS:-3}" \
+        > "$OUT/checkpoint-cost-delta$d.json" 2> "$OUT/checkpoint-cost-delta$d.err" || true
+      echo "delta=$d"
+      grep -v '^      ' "$OUT/checkpoint-cost-delta$d.json" | head -n 24 || tail -n 5 "$OUT/checkpoint-cost-delta$d.err"
+    done
     # NOTE: a baseline tree beside the working tree, when one was carried:
     #   git archive <commit> actors kernels messages tools | tar -x -C .gpu/tok/base
     #   echo <commit> > .gpu/tok/base/.bench-label
     # (the device's copy has no usable .git; .gpu/tok travels with call 2).
     # CK_CONTENDERS replaces the list, e.g. with a contender's environment:
     #   off=.:0,on=.:100,lend=.:100:KVTIER_BACKGROUND_IN_CHAIN=on
-    contenders=off=.:0,on=.:100
+    contenders=off=.:0,whole=.:100:KVTIER_CHECKPOINT_DELTA=0,on=.:100
     if [ -d .gpu/tok/base ]; then contenders=off=.:0,base=.gpu/tok/base:100,on=.:100; fi
     contenders=${CK_CONTENDERS:-$contenders}
     for n in ${CK_STREAMS:-8 1}; do

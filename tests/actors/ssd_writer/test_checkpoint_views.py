@@ -107,9 +107,9 @@ def _tracking(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
     handed: list[int] = []
     deaths: list[int] = []
 
-    def tracked_bytes(plan: Any, indices: Any) -> list[memoryview]:
+    def tracked_bytes(plan: Any, indices: Any, tails: Any = None) -> list[memoryview]:
         out: list[memoryview] = []
-        for index, real in zip(indices, tensors_bytes(plan, indices), strict=True):
+        for index, real in zip(indices, tensors_bytes(plan, indices, tails), strict=True):
             buf = _Tracked(real)
             buf.deaths = deaths
             handed.append(index)

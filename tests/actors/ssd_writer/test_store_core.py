@@ -178,3 +178,64 @@ def test_a_checkpoint_removal_tells_the_index_which_files_went() -> None:
     _, fx = core.handle(state, core.CheckpointsRemoved(1, 0.0, paths=("/k-8.kvc",)))
     assert core.TellRemoved(FilesRemoved(removed=("/k-8.kvc",))) in fx
     assert core.Count("removed", n=1) in fx
+
+
+def _ask(state: core.StoreState, body: object) -> list[core.Effect]:
+    request = Envelope("m", "c", None, "ssd_writer", "ssd_writer.store", 0.0, body)  # type: ignore[arg-type]
+    return core.handle(state, core.Asked(request, 0.0))[1]
+
+
+def _ck(writer: str, index: int, key: str = "ab" * 16) -> Store:
+    record = CheckpointRecord(request_key=key, prompt_len=2, pending_token=5, sample_index=index,
+                              writer=writer)
+    meta = EntryMeta(offset=2 + index, nbytes=1, trimmable=True, min_reusable_offset=0)
+    return Store(handle=f"ck-{index}", tokens=tuple(range(2 + index)), meta=meta, checkpoint=record)
+
+
+def _finish(state: core.StoreState, written: core.CheckpointWritten) -> list[core.Effect]:
+    core.handle(state, core.CheckpointPlanned(500, 0.0))
+    core.handle(state, core.Reserved(SpaceReserved(ok=True), 0.0))
+    core.handle(state, core.Evicted((), (), 0.0))
+    core.handle(state, written)
+    return core.handle(state, core.Settled(WriteCommitted(), 0.0))[1]
+
+
+def test_a_checkpoint_builds_on_the_file_its_request_wrote_last() -> None:
+    """The next checkpoint of a request is planned on the file this worker last wrote for its key;
+    another request of the same key, a failed write, a completion's removal or no writer plans
+    none; a delta's reused bytes are counted with the write."""
+    state = core.StoreState()
+    first = _ck("req-1", 8)
+    assert _ask(state, first) == [core.PlanCheckpoint(first, None)]
+    _finish(state, core.CheckpointWritten(True, 0.0, path="/k-8.kvc", file_bytes=500))
+    second = _ck("req-1", 16)
+    assert _ask(state, second) == [core.PlanCheckpoint(second, "/k-8.kvc")]
+    fx = _finish(state, core.CheckpointWritten(True, 0.0, path="/k-16.kvc", file_bytes=900,
+                                               reused_bytes=400))
+    assert core.Count("written", nbytes=900, reused=400) in fx
+    other = _ck("req-2", 24)
+    assert _ask(state, other) == [core.PlanCheckpoint(other, None)]
+    _finish(state, core.CheckpointWritten(False, 0.0, reason="io_error"))
+    after_failure = _ck("req-2", 32)
+    assert _ask(state, after_failure) == [core.PlanCheckpoint(after_failure, None)]
+    _finish(state, core.CheckpointWritten(True, 0.0, path="/k-32.kvc", file_bytes=500))
+    _ask(state, RemoveCheckpoints(request_key="ab" * 16))
+    core.handle(state, core.CheckpointsRemoved(1, 0.0, paths=("/k-32.kvc",)))
+    again = _ck("req-2", 40)
+    assert _ask(state, again) == [core.PlanCheckpoint(again, None)]
+    _finish(state, core.CheckpointWritten(True, 0.0, path="/k-40.kvc", file_bytes=500))
+    anonymous = _ck("", 48)
+    assert _ask(state, anonymous) == [core.PlanCheckpoint(anonymous, None)]
+
+
+def test_the_bases_remembered_are_bounded() -> None:
+    """Past MAX_CHECKPOINT_BASES keys (answers cancelled mid-way keep their files), the oldest
+    key's base is forgotten first."""
+    state = core.StoreState()
+    keys = [f"{i:032x}" for i in range(core.MAX_CHECKPOINT_BASES + 1)]
+    for key in keys:
+        _ask(state, _ck("r", 8, key))
+        _finish(state, core.CheckpointWritten(True, 0.0, path=f"/{key}-8.kvc", file_bytes=1))
+    assert len(state.ck_bases) == core.MAX_CHECKPOINT_BASES
+    assert keys[0] not in state.ck_bases
+    assert keys[-1] in state.ck_bases
