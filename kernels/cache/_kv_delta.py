@@ -110,8 +110,12 @@ def tail_starts(new: KvFileHeader, old: KvFileHeader) -> dict[int, int]:
             continue
         if (a.bits, a.group_size, a.head_dim) != (b.bits, b.group_size, b.head_dim):
             return {}
+        # NOTE: each layer must hold exactly its file's tokens: then the previous file's keys
+        # and values are those of the token prefix checked above.
+        if a.offset != len(new.tokens) or b.offset != len(old.tokens):
+            return {}
         for ta, tb in zip(a.tensors, b.tensors, strict=True):
-            if not _same_but_tokens(ta, tb, a.offset, b.offset) or b.offset > a.offset:
+            if not _same_but_tokens(ta, tb, a.offset, b.offset):
                 return {}
             starts[index[id(ta)]] = b.offset
     return starts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,8 @@ def test_a_delta_writes_the_bytes_a_whole_read_back_writes(
 
 def test_only_attention_layers_of_the_same_structure_take_part() -> None:
     """tail_starts lists the kv and quantized layers' tensors at the previous file's length; a
-    rotating layer is read whole; another namespace, tokens that are not a prefix, or another
-    layer structure give no delta."""
+    rotating layer is read whole; another namespace, tokens that are not a prefix, another layer
+    structure, or layers holding other than their file's tokens give no delta."""
     kv, qkv, rot = KVCache(), QuantizedKVCache(group_size=32, bits=8), RotatingKVCache(max_size=64)
     for c in (kv, qkv, rot):
         _grow(c, len(PROMPT) + 3, seed=3)
@@ -114,6 +115,8 @@ def test_only_attention_layers_of_the_same_structure_take_part() -> None:
                        tokens=[1, *PROMPT[1:], *range(100, 105)],
                        checkpoint=GenerationCheckpoint(KEY, len(PROMPT), 45, 5, None))
     assert tail_starts(other.header, old) == {}
+    assert tail_starts(new, dataclasses.replace(old, tokens=old.tokens[:-1])) == {}, \
+        "a file whose layers hold more tokens than it names is no base"
 
 
 def test_a_damaged_previous_file_fails_the_write_and_leaves_it(dirs: tuple[str, str]) -> None:
