@@ -29,7 +29,9 @@ __all__ = [
     "configure_mlx_memory",
     "default_mlx_cache_limit_bytes",
     "default_prompt_cache_bytes",
+    "device_memory_bytes",
     "on_cuda",
+    "prompt_cache_room_bytes",
     "weights_bytes",
 ]
 
@@ -125,11 +127,47 @@ def on_cuda() -> bool:
 
 
 def _device_bytes() -> int:
+    """The device's total memory as MLX reports it (0: not reported).
+
+    NOTE: MLX's CUDA backend names it ``total_memory`` (beside a fresh
+    ``free_memory``) where Metal says ``memory_size``; either is taken.
+    """
     try:
-        size = mx.device_info().get("memory_size", 0)
+        info = mx.device_info()
     except (AttributeError, RuntimeError):
         return 0
-    return int(size) if isinstance(size, int | float) else 0
+    for key in ("total_memory", "memory_size"):
+        size = info.get(key)
+        if isinstance(size, int | float) and size > 0:
+            return int(size)
+    return 0
+
+
+def device_memory_bytes() -> int:
+    """The memory of the device MLX computes on, where that is not the host's (engine thread).
+
+    CUDA: the GPU's total memory (0 if MLX does not report it). CPU and
+    Metal: 0 (their arrays live in the host's memory, which
+    :func:`available_memory_bytes` reads).
+    """
+    return _device_bytes() if on_cuda() else 0
+
+
+def prompt_cache_room_bytes() -> int:
+    """The memory the RAM tier's default cap is a quarter of (engine thread, after the model loaded).
+
+    The host's available memory; under CUDA, where the tier's entries live
+    in device memory, at most the device memory MLX has not taken (weights,
+    buffer cache): a quarter of the host's 125 GiB on an H200 (141 GiB of
+    device memory, 15 GiB of weights) is the same cap, but a 24 GiB card
+    holding 14 GiB of weights has 10 GiB left, not the host's quarter.
+    """
+    room = available_memory_bytes()
+    device = device_memory_bytes()
+    if device > 0:
+        taken = int(mx.get_active_memory()) + int(mx.get_cache_memory())
+        room = min(room, max(0, device - taken))
+    return room
 
 
 def configure_mlx_memory(

@@ -177,7 +177,8 @@ class EngineConfig(BaseModel):
         int | None,
         Field(ge=0, description="RAM prompt-cache cap; 0 disables it"),
         Setting("KVTIER_PROMPT_CACHE_GB", "--prompt-cache", unit="GiB", scale=GIB, metavar="GB",
-                shown_default="a quarter of available memory, within 0.25..8 GiB"),
+                shown_default="a quarter of available memory (CUDA: of the device's, if less), "
+                              "within 0.25..8 GiB"),
     ] = None
     kv_quant: Annotated[
         Literal["off", "4", "8", "config"],
@@ -268,7 +269,7 @@ class EngineConfig(BaseModel):
                                 "MemoryPressure (HTTP 503)"),
         Setting("KVTIER_MEMORY_BUDGET_GB", "--memory-budget", unit="GiB", scale=GIB,
                 metavar="GB", shown_default="the smaller of usable RAM and the device's "
-                                            "working set"),
+                                            "memory"),
     ] = None
 
     # --- sampling defaults (a request's own fields win) -----------------------

@@ -333,24 +333,28 @@ def mlx_cache_limit_bytes() -> int:
 
 
 def default_budget_bytes() -> int:
-    """The smaller of usable RAM and the device's recommended working set (engine thread, at start).
+    """The smaller of usable RAM and the device's memory (engine thread, at start).
 
     Usable RAM: what the system still has available plus what the process
     already holds (its RSS, at least MLX's active and cached memory: the
-    weights are read before this is called). The working set is the
-    device's ``max_recommended_working_set_size`` where MLX reports one
-    (Metal); the CPU reports none.
+    weights are read before this is called). The device's memory: Metal's
+    ``max_recommended_working_set_size``; under CUDA the GPU's total memory,
+    where MLX's arrays live (a 24 GiB card in a 64 GiB host must not be
+    budgeted the host's RAM); the CPU reports none.
     """
     import mlx.core as mx
 
-    from kernels import available_memory_bytes
+    from kernels import available_memory_bytes, device_memory_bytes
 
     held = max(resident_memory_bytes() or 0, mlx_memory_bytes())
     usable = available_memory_bytes() + held
     info = mx.device_info()
     working = info.get("max_recommended_working_set_size") if isinstance(info, dict) else None
     if isinstance(working, int) and working > 0:
-        return min(usable, working)
+        usable = min(usable, working)
+    device = device_memory_bytes()
+    if device > 0:
+        usable = min(usable, device)
     return usable
 
 

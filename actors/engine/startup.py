@@ -289,7 +289,7 @@ async def start(
     await thread.run(kernels.cache.check_kv_scheme, loaded.model, scheme)
     cap = config.prompt_cache_bytes
     if cap is None:
-        cap = kernels.default_prompt_cache_bytes()
+        cap = kernels.default_prompt_cache_bytes(await thread.run(kernels.prompt_cache_room_bytes))
     registry = kernels.CacheRegistry() if cap > 0 else None
     cold = (
         await _cold_settings(thread, config, loaded.identity, scheme)

@@ -15,7 +15,7 @@ of the KV it already holds (a growing buffer is concatenated, so the old one
 lives until the new one exists) and, before prefill, the prefill workspace;
 a request that reports logprobs adds what their entries hold on the host
 (:func:`token_logprob_bytes`, :func:`prompt_scoring_bytes`). The budget is
-the smaller of usable RAM and the device's working set unless
+the smaller of usable RAM and the device's memory (Metal's working set, CUDA's total) unless
 ``EngineConfig.memory_budget_bytes`` names one.
 
 What the process's RSS can reach is the budget plus :func:`stated_margin`:

@@ -74,3 +74,49 @@ def test_weights_bytes_counts_every_parameter() -> None:
 
     assert weights_bytes(_Model()) == (16 * 8 + 16) * 4 + 4 * 16 * 2
     assert weights_bytes(object()) == 0
+
+
+def _cuda(monkeypatch: pytest.MonkeyPatch, info: dict[str, object], *, taken: int) -> None:
+    """Make kernels._memory see a CUDA device reporting ``info``, with ``taken`` bytes in MLX's hands."""
+    from kernels import _memory
+
+    monkeypatch.setattr(_memory, "on_cuda", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: info)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: taken)
+    monkeypatch.setattr(mx, "get_cache_memory", lambda: 0)
+    monkeypatch.setattr(_memory, "available_memory_bytes", lambda: 60 * GIB)
+
+
+@pytest.mark.parametrize("key", ["total_memory", "memory_size"])
+def test_under_cuda_the_tier_cap_is_a_quarter_of_the_device_memory_left(
+    monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    """A 24 GiB card with 14 GiB taken leaves 10 GiB: the default cap is 2.5 GiB, not a quarter of
+    the host's 60 GiB (clamped to 8); MLX's CUDA key (total_memory) and Metal's both read."""
+    from kernels import device_memory_bytes, prompt_cache_room_bytes
+
+    _cuda(monkeypatch, {key: 24 * GIB}, taken=14 * GIB)
+    assert device_memory_bytes() == 24 * GIB
+    assert prompt_cache_room_bytes() == 10 * GIB
+    assert default_prompt_cache_bytes(prompt_cache_room_bytes()) == 10 * GIB // 4
+
+
+def test_a_device_larger_than_the_host_leaves_the_host_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H200-like device (141 GiB, 15 taken) beside 60 GiB of host memory: the host's figure
+    stands; a device that reports no size changes nothing."""
+    from kernels import prompt_cache_room_bytes
+
+    _cuda(monkeypatch, {"total_memory": 141 * GIB}, taken=15 * GIB)
+    assert prompt_cache_room_bytes() == 60 * GIB
+    _cuda(monkeypatch, {"device_name": "x"}, taken=15 * GIB)
+    assert prompt_cache_room_bytes() == 60 * GIB
+
+
+def test_off_cuda_the_device_is_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU (and Metal) no separate device memory is reported: the room is the host's."""
+    from kernels import _memory, device_memory_bytes, prompt_cache_room_bytes
+
+    monkeypatch.setattr(_memory, "on_cuda", lambda: False)
+    monkeypatch.setattr(_memory, "available_memory_bytes", lambda: 7 * GIB)
+    assert device_memory_bytes() == 0
+    assert prompt_cache_room_bytes() == 7 * GIB
