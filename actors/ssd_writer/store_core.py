@@ -25,7 +25,11 @@ Rules kept here (``tests/actors/ssd_writer/test_store_core.py``):
   room by evicting prompt entries, or refuses it ``over_cap``), removes the
   victims durably before its file exists, and always settles its job with
   one ``EntryWritten`` (the committed path and size) before its ``Store``
-  is answered; a checkpoint removal tells the index the files it removed.
+  is answered; a checkpoint removal tells the index the files it removed;
+- a checkpoint is planned on a delta base (``PlanCheckpoint.base``) only
+  when this worker's last committed file of its key was written for the
+  same request (``CheckpointRecord.writer``); a failed write or the key's
+  removal forgets the base, so the next file is read back whole.
 """
 
 from __future__ import annotations
