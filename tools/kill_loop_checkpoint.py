@@ -81,6 +81,8 @@ class Summary:
     resumed: int = 0
     fresh: int = 0
     tokens_saved: int = 0
+    deltas: int = 0
+    """Checkpoint files the restarted servers wrote as deltas (``KVTIER_CHECKPOINT_DELTA``)."""
     reference_tokens: int = 0
     failures: list[str] = field(default_factory=list)
     kill_at_chunks: list[int] = field(default_factory=list)
@@ -250,6 +252,7 @@ def run(cycles: int, workdir: Path, *, every: int = 64, max_tokens: int = 400,
                 summary.answer_s.append(time.perf_counter() - began)
                 section = _checkpoints(http, server.url)
                 summary.cycles += 1
+                summary.deltas += int(section.get("deltas", 0))
                 if got == expected:
                     summary.equal += 1
                 else:
