@@ -232,3 +232,24 @@ def test_tiny_run_through_guidellm_both_servers(default_model_path: Path, tmp_pa
         assert all(lv["ok"] == 2 and lv["errored"] == 0 for lv in levels)
         assert all(lv["output_tokens"] > 0 for lv in levels)
     assert all("ratio" in row for row in data["summary"]["levels"])
+
+
+def test_slow_background_turns_are_summed_by_callable_from_either_log_format(tmp_path: Path) -> None:
+    """engine.background_step_slow lines (console and JSON) are grouped by the callable's short
+    name with their count, median, max and total milliseconds; other lines are ignored."""
+    console = tmp_path / "kvtier.stderr"
+    console.write_text(
+        "2026-12-03 [info ] engine.background_step_slow actor=gateway.runner "
+        "fn=EngineTensorSource.plan.<locals>.plan_step ms=16.6 step_id=s-1\n"
+        "2026-12-03 [info ] engine.background_step_slow actor=gateway.runner "
+        "fn=EngineTensorSource.plan.<locals>.plan_step ms=10.4 step_id=s-3\n"
+        "2026-12-03 [info ] batch.join_step actor=batch joined=['x'] step_ms=9.0\n"
+    )
+    as_json = tmp_path / "kvtier.stdout"
+    as_json.write_text(json.dumps({"event": "engine.background_step_slow",
+                                   "fn": "EngineTensorSource.finish.<locals>.step", "ms": 24.0}) + "\n")
+    slow = serving.slow_background_turns([console, as_json])
+    assert slow == {
+        "finish": {"count": 1.0, "median_ms": 24.0, "max_ms": 24.0, "total_ms": 24.0},
+        "plan": {"count": 2.0, "median_ms": 13.5, "max_ms": 16.6, "total_ms": 27.0},
+    }

@@ -497,6 +497,13 @@ def run_server(
                 print_turn_phases(who, rnd, a)
     finally:
         server.stop()
+    if who == "kvtier":
+        slow = slow_background_turns([server.stdout, server.stderr])
+        run.stats["background_slow"] = slow
+        for name, f in slow.items():
+            print(f"round {rnd} {who:<7} slow background turns {name}: {f['count']:.0f} x median "
+                  f"{f['median_ms']:.1f} ms (max {f['max_ms']:.1f}, {f['total_ms']:.0f} ms in all)",
+                  flush=True)
     return run
 
 
@@ -557,6 +564,22 @@ def join_steps(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
         for rid in joined:
             found[str(rid)] = figures
     return found
+
+
+def slow_background_turns(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
+    """The ``engine.background_step_slow`` lines by the callable's short name: count, median, max, total ms.
+
+    NOTE: each such engine turn (write-behind plans and reads, checkpoint
+    views, their finish) stalled every decoding row for its length.
+    """
+    found: dict[str, list[float]] = {}
+    for fields in log_events(logs, "engine.background_step_slow"):
+        fn, ms = fields.get("fn"), fields.get("ms")
+        if isinstance(fn, str) and isinstance(ms, int | float):
+            name = fn.split(".<locals>")[0].rsplit(".", 1)[-1]
+            found.setdefault(name, []).append(float(ms))
+    return {name: {"count": float(len(v)), "median_ms": statistics.median(v), "max_ms": max(v),
+                   "total_ms": sum(v)} for name, v in sorted(found.items())}
 
 
 def attach_phases(agent: AgentResult, logs: Sequence[Path]) -> None:
