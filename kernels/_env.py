@@ -26,7 +26,7 @@ variable                      what it sets                                read b
 ``KVTIER_CHECKPOINT_DELTA``   switch (default: CUDA only): a checkpoint  ``kernels.cache``
                               reads back only its answer's new tokens
 ``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` / ``host`` reads (CUDA) ``kernels.cache``
-``KVTIER_CUDA_RELEASE_CACHE`` diagnostic switch: clear MLX's buffer       ``kernels.cache``
+``KVTIER_CUDA_RELEASE_CACHE`` switch (default off): clear MLX's buffer    ``kernels.cache``
                               cache after host reads (CUDA)
 ``KVTIER_CUDA_MASKED_ATTENTION``  switch: masked decode attention as      ``kernels.model``
                               folded products (CUDA)

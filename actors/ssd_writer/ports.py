@@ -296,8 +296,8 @@ class EngineTensorSource:
         """Engine thread: drop this source's references to plan ``key``'s views; whether it held any.
 
         NOTE: the caller then calls :func:`release_host_copies` (after every
-        drop of the turn): on CUDA the views' buffers are managed memory that
-        must not go back into MLX's buffer cache.
+        drop of the turn): on CUDA, where switched on, it empties MLX's
+        buffer cache of the views' managed buffers.
         """
         group = self._last.pop(key, None)
         held = self._held.pop(key, None)

@@ -357,7 +357,7 @@ case "$cmd" in
     run_variant on --modes on
     run_variant writebehind-off --modes on --serve-arg=--ssd-writebehind --serve-arg=off
     run_variant host-read-direct --modes on KVTIER_CUDA_HOST_READ=direct
-    run_variant keep-buffer-cache --modes on KVTIER_CUDA_RELEASE_CACHE=off
+    run_variant release-buffer-cache --modes on KVTIER_CUDA_RELEASE_CACHE=on
     ;;
   ckpt)
     # Issue 23's decode cost of generation checkpoints at the default interval

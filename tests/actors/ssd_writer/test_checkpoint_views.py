@@ -233,16 +233,33 @@ def _fill_cache() -> int:
     return int(mx.get_cache_memory())
 
 
-@pytest.mark.parametrize("migrate", [True, False])
-async def test_a_finished_checkpoint_frees_its_host_copies_where_host_reads_migrate(
-    engine: EngineThread, model: Any, monkeypatch: pytest.MonkeyPatch, migrate: bool
-) -> None:
-    """Where host reads migrate pages (CUDA managed memory) the checkpoint's finish turn empties
-    MLX's buffer cache, so no freed host-read buffer is handed to a later kernel; elsewhere the
-    cache is kept."""
+RELEASE_CASES = [(True, "on", True), (True, None, False), (False, "on", False)]
+"""(host reads migrate, KVTIER_CUDA_RELEASE_CACHE, whether the turn empties MLX's buffer cache)."""
+
+
+def _release_switch(monkeypatch: pytest.MonkeyPatch, migrate: bool, release: str | None) -> None:
     from kernels.cache import _kv_writer
 
     monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", migrate)
+    if release is None:
+        monkeypatch.delenv(_kv_writer.RELEASE_CACHE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_kv_writer.RELEASE_CACHE_ENV, release)
+
+
+@pytest.mark.parametrize(("migrate", "release", "empties"), RELEASE_CASES)
+async def test_a_finished_checkpoint_frees_its_host_copies_where_switched_on(
+    engine: EngineThread,
+    model: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    migrate: bool,
+    release: str | None,
+    empties: bool,
+) -> None:
+    """Where host reads migrate pages (CUDA managed memory) and KVTIER_CUDA_RELEASE_CACHE=on, the
+    checkpoint's finish turn empties MLX's buffer cache; by default, and where nothing migrates,
+    the cache is kept."""
+    _release_switch(monkeypatch, migrate, release)
     registry = CacheRegistry()
     reg = await _snapshot(engine, registry, model)
     source = EngineTensorSource(ThreadTurns(engine), registry, IDENTITY)
@@ -257,19 +274,23 @@ async def test_a_finished_checkpoint_frees_its_host_copies_where_host_reads_migr
     # NOTE: the turn's own transients (the next group's copy intermediates)
     # may be cached afterwards; the 4 MiB freed before it must be gone.
     after = await engine.run(lambda: int(mx.get_cache_memory()))
-    assert (after < filled) is migrate
+    assert (after < filled) is empties
     registry.dispose(reg.handle)
 
 
-@pytest.mark.parametrize("migrate", [True, False])
-async def test_a_spill_frees_each_dropped_group_of_host_copies_where_host_reads_migrate(
-    engine: EngineThread, model: Any, monkeypatch: pytest.MonkeyPatch, migrate: bool
+@pytest.mark.parametrize(("migrate", "release", "empties"), RELEASE_CASES)
+async def test_a_spill_frees_each_dropped_group_of_host_copies_where_switched_on(
+    engine: EngineThread,
+    model: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    migrate: bool,
+    release: str | None,
+    empties: bool,
 ) -> None:
     """A prompt spill's turn that drops the previous group's views empties MLX's buffer cache
-    where host reads migrate pages, before it takes the next group's; elsewhere the cache is kept."""
-    from kernels.cache import _kv_writer
-
-    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", migrate)
+    before it takes the next group's where host reads migrate and KVTIER_CUDA_RELEASE_CACHE=on;
+    otherwise the cache is kept."""
+    _release_switch(monkeypatch, migrate, release)
     # NOTE: one tensor per group, so the second tensor's turn drops the first group.
     monkeypatch.setattr(ports, "VIEW_GROUP_BYTES", 1)
     registry = CacheRegistry()
@@ -284,7 +305,7 @@ async def test_a_spill_frees_each_dropped_group_of_host_copies_where_host_reads_
     # NOTE: the turn's own transients (the next group's copy intermediates)
     # may be cached afterwards; the 4 MiB freed before it must be gone.
     after = await engine.run(lambda: int(mx.get_cache_memory()))
-    assert (after < filled) is migrate
+    assert (after < filled) is empties
     del second
     await source.finish(plan)
     registry.dispose(prompt.handle)
