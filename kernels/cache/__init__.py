@@ -23,6 +23,7 @@ from ._adapters import (
     clone_caches,
     declare_min_reusable_offset,
     declared_min_reusable_offset,
+    snapshot_cuttable,
     trim_caches,
 )
 from ._contiguous_attention import (
@@ -190,6 +191,7 @@ __all__ = [
     "read_tensors",
     "release_host_copies",
     "resolve_kv_scheme",
+    "snapshot_cuttable",
     "tail_starts",
     "tensor_bytes",
     "tensors_bytes",

@@ -50,6 +50,7 @@ __all__ = [
     "clone_caches",
     "declare_min_reusable_offset",
     "declared_min_reusable_offset",
+    "snapshot_cuttable",
     "trim_caches",
 ]
 
@@ -355,6 +356,23 @@ def caches_offset(caches: Sequence[object]) -> int:
 def caches_trimmable(caches: Sequence[object]) -> bool:
     """Whether every layer can drop trailing tokens."""
     return all(adapter_for(c).is_trimmable(c) for c in caches)
+
+
+def snapshot_cuttable(caches: Sequence[object]) -> bool:
+    """Whether a prefix of ``caches`` can be cut off after a forward ran past it.
+
+    True when every layer is a plain or quantized KV cache with no declared
+    minimum offset: trimming such a layer to ``n`` tokens leaves exactly the
+    KV its forwards computed for those ``n`` (causal: later tokens never
+    change earlier ones), so a prompt-boundary snapshot need not end a
+    prefill chunk (which costs a second forward over the whole prefix).
+    Rotating rings (which may wrap inside the chunk), recurrent state (no
+    token axis) and layers converted during the prefill are not.
+    """
+    return all(
+        type(c) in (KVCache, QuantizedKVCache) and declared_min_reusable_offset(c) == 0
+        for c in caches
+    )
 
 
 def caches_min_reusable_offset(caches: Sequence[object]) -> int:

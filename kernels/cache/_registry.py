@@ -217,25 +217,37 @@ class CacheRegistry:
         meta = self._measure(owned, offset, retained=retained)
         return self._insert(owned, meta)
 
-    def snapshot(self, caches: Sequence[Any], *, offset: int | None = None) -> RegisteredCache:
+    def snapshot(
+        self, caches: Sequence[Any], *, offset: int | None = None, tokens: int | None = None
+    ) -> RegisteredCache:
         """Register a copy of a live cache that the caller keeps using.
 
         KV layers are copied out to their real length (compact; the live
         cache then keeps writing its own buffer in place). A wrapped rotating
         ring stays a zero-copy view: the live ring's next write copies away
         from it (MLX never writes a shared buffer in place), and
-        ``meta.nbytes`` bills the whole ring it keeps.
+        ``meta.nbytes`` bills the whole ring it keeps. ``tokens`` (fewer
+        than the live cache holds) registers only that prefix: a
+        prompt-boundary snapshot cut from a forward that ran past its point
+        (every layer trimmable, :class:`CacheNotTrimmable` otherwise).
         """
         self.drain()
         live = list(caches)
         if offset is not None:
             _check_offsets(live, offset)
         covered = offset if offset is not None else caches_offset(live)
+        if tokens is not None and not 0 < tokens <= covered:
+            raise ValueError(f"cannot snapshot {tokens} tokens of a {covered}-token cache")
         mx.eval(*cache_arrays(live))
         # NOTE: the live list is never stamped or trimmed; every layer is cloned
-        # whole at its own offset, and recurrent layers are compacted copies.
+        # at its own offset (or cut to ``tokens``), and recurrent layers are
+        # compacted copies.
         donor_bytes = {id(a): self._retained_bytes(a) for a in cache_arrays(live)}
-        views = clone_caches(live)
+        if tokens is not None and tokens < covered:
+            views = clone_caches(live, tokens)
+            covered = tokens
+        else:
+            views = clone_caches(live)
         self._remember_views(views, live, donor_bytes)
         _compact_recurrent(views)
         retained = self._compact(views, always=True)

@@ -80,7 +80,7 @@ from mlx_lm.models.cache import (
 
 from kernels._env import env_switch
 from kernels._errors import InvalidPrompt, KernelError
-from kernels.cache import KvScheme, LayerQuant, cache_arrays
+from kernels.cache import KvScheme, LayerQuant, cache_arrays, snapshot_cuttable, trim_caches
 
 from ._blas_threads import StepTuning
 from ._checkpoint import CheckpointPoint, key_words, sampler_key_array, set_sampler_key
@@ -509,6 +509,8 @@ class BatchGeneration:
         self._steps = 0
         self._recurrent: bool | None = None
         """Whether the model holds recurrent state (decided on the first prefill)."""
+        self._cut: bool | None = None
+        """Whether a snapshot is cut from a chunk that ran past its point (decided on first use)."""
 
     # -- state ---------------------------------------------------------------
 
@@ -576,8 +578,10 @@ class BatchGeneration:
         prompt cache; it is copied into the batch, never written). An empty
         list or ``None`` means a cold row. ``snapshot_at`` asks for a
         :class:`RowSnapshot` of the cache holding ``prompt[:snapshot_at]``
-        (the prompt's stable boundary; at most ``len(prompt) - 1``): the
-        row's prefill chunks end exactly there. Ignored unless it lies past
+        (the prompt's stable boundary; at most ``len(prompt) - 1``): cut
+        from the chunk that reaches it where every layer can be cut back
+        (plain KV, no converting scheme), else the row's prefill chunks end
+        exactly there (the serial lane's rule). Ignored unless it lies past
         ``cached_tokens`` (nothing new to keep otherwise). ``checkpoint_every``
         N > 0: a :class:`RowCheckpoint` after every N-th emitted token.
         """
@@ -932,7 +936,7 @@ class BatchGeneration:
                 row.prefill.prompt([row.prompt[row.cursor : row.cursor + n]])
                 row.cursor += n
                 used += n
-                if row.cursor == row.snapshot_at:
+                if _reached(row, n):
                     snapshots.append(self._snapshot(row, 0))
             if len(row.prompt) - row.cursor > 1:
                 break  # NOTE: the turn's prefill budget is spent.
@@ -943,17 +947,32 @@ class BatchGeneration:
         return snapshots, used, [row.row_id for row in prefilled]
 
     def _chunk(self, row: _Row) -> int:
-        """The row's next prefill chunk: at most a step, never past its snapshot point or last token."""
+        """The row's next prefill chunk: at most a step, never past its last token, nor past its
+        snapshot point unless the snapshot is cut (:meth:`_cuts`)."""
         n = min(self._step_size, len(row.prompt) - row.cursor - 1)
         point = row.snapshot_at
-        if point is not None and point > row.cursor:
+        if point is not None and point > row.cursor and not self._cuts():
             n = min(n, point - row.cursor)
         return n
 
+    def _cuts(self) -> bool:
+        """Whether snapshots are cut from chunks that ran past their point (the serial lane's rule)."""
+        if self._cut is None:
+            self._cut = self._scheme is None and snapshot_cuttable(make_prompt_cache(self._model))
+        return self._cut
+
     def _snapshot(self, row: _Row, index: int) -> RowSnapshot:
-        return RowSnapshot(
-            row.row_id, row.prefill.extract_cache(index), tuple(row.prefill.tokens[index])
-        )
+        cache = row.prefill.extract_cache(index)
+        tokens = tuple(row.prefill.tokens[index])
+        point = row.snapshot_at
+        assert point is not None
+        assert len(tokens) >= point
+        if len(tokens) > point:
+            # NOTE: the chunk ran past the point (_cuts): the extracted copy is
+            # the row's own, so cutting it back touches nothing else.
+            trim_caches(cache, len(tokens) - point)
+            tokens = tokens[:point]
+        return RowSnapshot(row.row_id, cache, tokens)
 
     def _group(self, budget: int) -> list[_Row]:
         """Pending rows not started yet whose whole prefill fits ``budget`` together (attention-only models)."""
@@ -989,7 +1008,7 @@ class BatchGeneration:
         # suffixes differ in length are aligned first where their caches allow
         # it (_align_suffixes), so no chunk is padded and nothing is rolled.
         if self._align:
-            _align_suffixes(group)
+            _align_suffixes(group, cut=self._cuts())
         batch = self._start_prefill(group)
         for row in group:
             row.prefill = batch
@@ -1003,7 +1022,7 @@ class BatchGeneration:
                 used += n
             batch.prompt(chunks)
             for index, row in enumerate(group):
-                if chunks[index] and row.cursor == row.snapshot_at:
+                if chunks[index] and _reached(row, len(chunks[index])):
                     snapshots.append(self._snapshot(row, index))
         return used
 
@@ -1134,7 +1153,13 @@ class BatchGeneration:
         )
 
 
-def _align_suffixes(group: list[_Row]) -> int:
+def _reached(row: _Row, n: int) -> bool:
+    """Whether the chunk of ``n`` tokens that just moved ``row.cursor`` reached its snapshot point."""
+    point = row.snapshot_at
+    return point is not None and row.cursor - n < point <= row.cursor
+
+
+def _align_suffixes(group: list[_Row], *, cut: bool = False) -> int:
     """Give back the last cached tokens of the group's shorter suffixes, so every row prefills as many.
 
     NOTE: rows joining together over one cached prefix (an agent's turns)
@@ -1151,9 +1176,9 @@ def _align_suffixes(group: list[_Row]) -> int:
     lengths always do, and nothing is rolled. Only rows whose lent caches
     are plain ``KVCache`` layers are shortened (new cache objects over the
     same arrays: the lent ones may be shared; the merge copies
-    ``[:offset]``), and only where no row has a snapshot
-    point ahead (its chunks would stop there) and every row joined warm;
-    otherwise the group pads as before. A shortened row's ``cached_tokens``
+    ``[:offset]``), and only where every row joined warm and no row has a
+    snapshot point ahead, unless snapshots are ``cut`` (then no chunk stops
+    at one); otherwise the group pads as before. A shortened row's ``cached_tokens``
     is what it really reuses. Returns the tokens given back (0: unchanged).
     """
     need = [len(row.prompt) - row.cursor - 1 for row in group]
@@ -1161,7 +1186,7 @@ def _align_suffixes(group: list[_Row]) -> int:
     short = [(row, longest - n) for row, n in zip(group, need, strict=True) if n < longest]
     if not short:
         return 0
-    if any(row.snapshot_at is not None and row.snapshot_at > row.cursor for row in group):
+    if not cut and any(row.snapshot_at is not None and row.snapshot_at > row.cursor for row in group):
         return 0
     if any(row.cache is None for row in group):
         return 0  # NOTE: a cold row's prefill dwarfs the roll; warm rows keep their whole reuse.

@@ -381,6 +381,45 @@ def test_prompt_boundary_snapshot_at_the_named_offset(model: Any, tok: Any) -> N
     )
 
 
+def test_a_snapshot_point_on_plain_kv_is_cut_from_one_forward(model: Any, tok: Any) -> None:
+    """A snapshot point inside a plain-KV row's suffix does not end its prefill chunk: one forward,
+    the snapshot cut back to the point (a serial prefill's KV there), tokens equal serial."""
+    prompt = _prompts(len(tok), 1, seed=21, lo=30, hi=30)[0]
+    params = SamplingParams(max_tokens=6)
+    spy = ForwardSpy(model)
+    run = drive(
+        BatchGeneration(spy, tok, prefill_step_size=2048),
+        [Plan("r", prompt, params, snapshot_at=12)],
+    )
+    assert spy.shapes[0] == (1, len(prompt) - 1), f"one prefill forward: {spy.shapes[:3]}"
+    snap = run.snapshots["r"]
+    assert snap.cache_tokens == tuple(prompt[:12])
+    gen = Generation(model, tok, prompt[:13], params)
+    while not gen.prefill_step():
+        pass
+    for ours, theirs in zip(snap.cache, gen.cache, strict=True):
+        assert ours.offset == theirs.offset == 12
+        assert mx.allclose(ours.keys[..., :12, :], theirs.keys[..., :12, :], atol=1e-5).item()
+        assert mx.allclose(ours.values[..., :12, :], theirs.values[..., :12, :], atol=1e-5).item()
+    assert run.ids("r") == [o.token_id for o in _serial(model, tok, prompt, params)]
+
+
+@pytest.mark.parametrize(
+    "build", [tiny_gemma3, tiny_mamba], ids=["gemma3-rotating", "mamba-recurrent"]
+)
+def test_a_snapshot_point_ends_the_chunk_where_caches_cannot_be_cut(build: Any, tok: Any) -> None:
+    """Rotating rings and recurrent state keep the chunk that ends exactly at the snapshot point."""
+    m = _lively(build, len(tok))
+    prompt = _prompts(len(tok), 1, seed=21, lo=30, hi=30)[0]
+    spy = ForwardSpy(m)
+    run = drive(
+        BatchGeneration(spy, tok, prefill_step_size=2048),
+        [Plan("r", prompt, SamplingParams(max_tokens=4), snapshot_at=12)],
+    )
+    assert spy.shapes[:2] == [(1, 12), (1, len(prompt) - 1 - 12)], spy.shapes[:3]
+    assert run.snapshots["r"].cache_tokens == tuple(prompt[:12])
+
+
 # --- per-row sampling and stops -------------------------------------------------
 
 
@@ -686,7 +725,10 @@ def test_rows_starting_together_prefill_as_one_padded_group(model: Any, tok: Any
         while not gen.prefill_step():
             pass
         for ours, theirs in zip(snap.cache, gen.cache, strict=True):
-            assert mx.allclose(ours.keys, theirs.keys[..., : theirs.offset, :], atol=1e-5).item()
+            assert ours.offset == theirs.offset == point
+            assert mx.allclose(
+                ours.keys[..., : ours.offset, :], theirs.keys[..., : theirs.offset, :], atol=1e-5
+            ).item()
     assert "2" not in run.snapshots
 
 

@@ -379,3 +379,36 @@ def test_registry_meta_for_each_kind(llama: Any, gemma: Any, mamba: Any) -> None
     assert stats.entries == 4
     assert stats.registered == 4
     assert stats.materialized == 1
+
+
+def test_only_plain_and_quantized_kv_without_a_declared_minimum_are_cuttable() -> None:
+    """snapshot_cuttable: plain and quantized KV yes; rotating rings, recurrent state and a layer
+    with a declared minimum reusable offset (converted during the prefill) no."""
+    from kernels.cache import declare_min_reusable_offset, snapshot_cuttable
+
+    assert snapshot_cuttable(make_prompt_cache(tiny_llama(vocab_size=64)))
+    assert snapshot_cuttable([KVCache(), QuantizedKVCache()])
+    assert not snapshot_cuttable(make_prompt_cache(tiny_gemma3(vocab_size=64)))
+    assert not snapshot_cuttable(make_prompt_cache(tiny_mamba(vocab_size=64)))
+    converted = KVCache()
+    declare_min_reusable_offset(converted, 4)
+    assert not snapshot_cuttable([KVCache(), converted])
+
+
+def test_a_registry_snapshot_cut_to_fewer_tokens_holds_only_those() -> None:
+    """CacheRegistry.snapshot(tokens=n) registers the live cache's first n tokens, compact, and
+    leaves the live cache whole; n outside (0, offset] is refused."""
+    model = tiny_llama(vocab_size=64)
+    live = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(1, 21))]), cache=live))
+    registry = CacheRegistry()
+    reg = registry.snapshot(live, offset=20, tokens=12)
+    assert reg.meta.offset == 12
+    for cut, whole in zip(registry.get(reg.handle), live, strict=True):
+        assert cut.offset == 12
+        assert cut.keys.shape[-2] == 12
+        assert mx.array_equal(cut.keys, whole.keys[..., :12, :]).item()
+        assert whole.offset == 20
+    for bad in (0, 21):
+        with pytest.raises(ValueError, match="cannot snapshot"):
+            registry.snapshot(live, offset=20, tokens=bad)
