@@ -361,7 +361,9 @@ case "$cmd" in
     ;;
   ckpt)
     # Issue 23's decode cost of generation checkpoints at the default interval
-    # (every 100 tokens) against none, ${CK_STREAMS:-8 1} streams in turn,
+    # (every 100 tokens) against none, ${CK_STREAMS:-8 1} streams in turn
+    # (CK_CONTENDERS=off=.:0,on=.:100 drops the whole read-backs: 6 runs, not 9;
+    # 8 streams took ~35 s a run at the 8B shape, each server's start included),
     # each contender in its own process, interleaved, ${CK_REPEATS:-3} repeats,
     # on the model `run` wrote (KVTIER_GPU_SHAPE picks another shape).
     device_env
@@ -369,7 +371,8 @@ case "$cmd" in
     # NOTE: first where a checkpoint's time goes on the batch lane (in-step
     # capture, views turn, finish turn, the step after them), in process.
     # Deltas (the default under CUDA) and whole read-backs (KVTIER_CHECKPOINT_DELTA=0).
-    for d in 1 0; do
+    # CK_PROBE="1" (deltas only) or "" (none) shortens it: ~60 s each at the 8B shape.
+    for d in ${CK_PROBE-1 0}; do
       KVTIER_CHECKPOINT_DELTA=$d python3 tools/bench/checkpoint_cost.py --model "$MODEL" \
         --batch-rows "${CK_ROWS:-8}" --tokens "${CK_TOKENS:-600}" --every 100 --repeats "${CK_REPEATS:-3}" \
         > "$OUT/checkpoint-cost-delta$d.json" 2> "$OUT/checkpoint-cost-delta$d.err" || true
