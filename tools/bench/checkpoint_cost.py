@@ -35,7 +35,9 @@ the median plain step and the median step that hands out checkpoints
 evaluation); per checkpoint the registration, the first views turn after
 the step (it waits for the forward still in flight) and the later ones,
 the finish turn and the step right after the turns (no forward in flight
-to overlap); and the wall time a checkpoint adds, per checkpoint.
+to overlap); the views turn's parts (``views_plan_s``: the file's plan,
+``views_read_s``: the read-back, ``views_read_eval_s``: its evaluation);
+and the wall time a checkpoint adds, per checkpoint.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/bench/checkpoint_cost.py --tokens 300
@@ -86,6 +88,56 @@ T = TypeVar("T")
 
 def _reader(data: list[Any]) -> Callable[[int], memoryview]:
     return lambda j: memoryview(data[j])
+
+
+class _Parts:
+    """Times the parts of each views turn: the plan, the read-back, and its evaluation inside it.
+
+    NOTE: wraps the names ``actors.ssd_writer.ports`` calls (``plan_entry``,
+    ``tensors_bytes``) and ``kernels.cache._kv_writer``'s ``mx.eval`` for the
+    probe's lifetime; what the read-back spends outside its evaluation is
+    building the copy's graph and taking the host view (on CUDA: the managed
+    buffer and its copy).
+    """
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {"plan": [], "read": [], "read_eval": []}
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[key].append(time.perf_counter() - began)
+        return call
+
+    def __enter__(self) -> _Parts:
+        import types
+
+        import mlx.core as mx
+
+        from actors.ssd_writer import ports
+        from kernels.cache import _kv_writer
+
+        proxy = types.SimpleNamespace(**{n: getattr(mx, n) for n in dir(mx) if not n.startswith("__")})
+        proxy.eval = self._timed("read_eval", mx.eval)
+        for owner, name, new in ((ports, "plan_entry", self._timed("plan", ports.plan_entry)),
+                                 (ports, "tensors_bytes", self._timed("read", ports.tensors_bytes)),
+                                 (_kv_writer, "mx", proxy)):
+            self._patched.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, new)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, old in reversed(self._patched):
+            setattr(owner, name, old)
+
+    def medians(self) -> dict[str, float | None]:
+        """Each part's median over the views turns so far (seconds)."""
+        return {f"views_{k}_s": round(statistics.median(v), 6) if v else None
+                for k, v in self.times.items()}
 
 
 class _TimedTurns:
@@ -261,10 +313,11 @@ def measure_batch(rows: int, tokens: int, every: int, repeats: int,
     # NOTE: a warm-up pass of each kind first (kernel compilation, buffers).
     _batch_pass(loaded, prompts, min(tokens, every + 8), every, source, turns, registry)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for _ in range(repeats):
-        for name, interval in (("off", 0), ("on", every)):
-            runs[name].append(_batch_pass(loaded, prompts, tokens, interval, source, turns,
-                                          registry))
+    with _Parts() as parts:
+        for _ in range(repeats):
+            for name, interval in (("off", 0), ("on", every)):
+                runs[name].append(_batch_pass(loaded, prompts, tokens, interval, source, turns,
+                                              registry))
     off = statistics.median(r["tps"] for r in runs["off"])
     on = statistics.median(r["tps"] for r in runs["on"])
     walls_off = statistics.median(r["wall_s"] for r in runs["off"])
@@ -285,6 +338,7 @@ def measure_batch(rows: int, tokens: int, every: int, repeats: int,
         "step_after_turns_s": med("step_after_turns_s"), "register_s": med("register_s"),
         "first_views_turn_s": med("first_views_turn_s"),
         "later_views_turn_s": med("later_views_turn_s"), "finish_turn_s": med("finish_turn_s"),
+        **parts.medians(),
         "runs": runs,
     }
 
