@@ -101,7 +101,7 @@ class TensorSource(Protocol):
         ...
 
     async def finish(self, plan: EntryPlan) -> None:
-        """Release everything ``plan`` holds (one engine turn)."""
+        """Release everything ``plan`` holds, on the engine thread (no turn of its own needed)."""
         ...
 
 
@@ -181,10 +181,14 @@ class RearmingTurns:
 
 
 class CacheSource(Protocol):
-    """Where the cache lists behind handles live (``kernels.CacheRegistry.get``)."""
+    """Where the cache lists behind handles live (``kernels.CacheRegistry``)."""
 
     def get(self, handle: str) -> Any:
         """The entry's per-layer caches (engine thread)."""
+        ...
+
+    def release_later(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread at the next drain (any thread may call this)."""
         ...
 
 
@@ -265,11 +269,13 @@ class EngineTensorSource:
     NOTE: ``tensors_bytes`` returns views that keep MLX arrays alive. The
     source keeps its own reference to every view it hands out and drops it
     on the engine thread: a prompt entry's group of views in its NEXT turn
-    (or in :meth:`finish`), a checkpoint's views in :meth:`finish`. The worker
+    (or once finished), a checkpoint's views once finished. The worker
     drops its references first (after writing), so the last reference to an
-    MLX buffer is never released on a worker thread or the loop. A plan
-    whose asker stopped waiting after its turn ran is released in this
-    source's next turn.
+    MLX buffer is never released on a worker thread or the loop. A finished
+    plan, and one whose asker stopped waiting after its turn ran, is
+    released at the registry's next drain (every batch step, request turn
+    and registry operation drains) or in this source's next turn, whichever
+    comes first: :meth:`finish` takes no engine turn of its own.
     """
 
     def __init__(self, turns: EngineTurns, caches: CacheSource, identity: FileIdentity) -> None:
@@ -422,17 +428,15 @@ class EngineTensorSource:
         return await self._claimed(claim, checkpoint_step)
 
     async def finish(self, plan: EntryPlan) -> None:
-        """See :meth:`TensorSource.finish`."""
-        key = id(plan)
+        """See :meth:`TensorSource.finish`: queued, released without a turn of its own (class note).
 
-        def step() -> None:
-            self._release_orphans()
-            dropped = self._drop(key)
-            plan.release_arrays()
-            if dropped:
-                release_host_copies()
-
-        await self._turns.run_when_idle(step)
+        NOTE: a turn of its own was one more background turn per written
+        file and per checkpoint, each granted from the background share
+        under load and each ending the batch lane's step chain.
+        """
+        with self._orphans_lock:
+            self._orphans.append(plan)
+        self._caches.release_later(self._release_orphans)
 
 
 @dataclass(eq=False, slots=True)

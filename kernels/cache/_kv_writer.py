@@ -360,7 +360,7 @@ def release_host_copies() -> None:
     decode 0.95x and TTFT p99 1.08x. Emptying it also drops every device
     buffer the batch lane's prefill and decode steps keep for reuse
     (``KVTIER_BATCH_PREFILL_CLEAR``), which the following steps then
-    allocate afresh, and the ``finish`` turn that empties it held the
+    allocate afresh, and the ``finish`` turn that emptied it held the
     engine thread ~18 ms each time.
     """
     if host_reads_migrate() and env_switch(RELEASE_CACHE_ENV, default=False):

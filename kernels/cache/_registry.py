@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +190,7 @@ class CacheRegistry:
         self._lock = threading.Lock()
         self._slots: dict[str, _Slot] = {}
         self._pending: list[_Slot] = []
+        self._later: list[Callable[[], None]] = []
         # id(view) -> (weak ref to a view issued by materialize/snapshot, bytes of
         # the buffer behind it): a view that comes back in ``register`` unchanged
         # is billed at the buffer it keeps alive, not at its view size.
@@ -280,12 +281,18 @@ class CacheRegistry:
         return tuple(slot.caches)
 
     def drain(self) -> int:
-        """Drop the arrays of disposed entries (engine thread); returns how many."""
+        """Drop the arrays of disposed entries and run the queued releases (engine thread).
+
+        Returns how many entries it dropped.
+        """
         with self._lock:
             pending, self._pending = self._pending, []
+            later, self._later = self._later, []
         count = len(pending)
         for slot in pending:
             slot.caches.clear()
+        for fn in later:
+            fn()
         self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
         return count
 
@@ -302,6 +309,16 @@ class CacheRegistry:
                 raise UnknownCacheHandle(handle)
             self._pending.append(slot)
             self._disposed += 1
+
+    def release_later(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread at the next :meth:`drain` (thread-safe, non-blocking).
+
+        For releases that must happen on the engine thread (the last reference
+        to an MLX buffer) but need no engine turn of their own: every batch
+        step, request turn and registry operation drains.
+        """
+        with self._lock:
+            self._later.append(fn)
 
     def meta(self, handle: str) -> EntryMeta:
         """The :class:`EntryMeta` recorded when ``handle`` was registered."""

@@ -77,13 +77,13 @@ async def _spill(
 async def test_every_tensor_is_read_back_inside_a_granted_turn_on_the_engine_thread(
     engine: EngineThread, model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Plan, the read-back and finish: every read-back happens while its turn runs, on the engine thread; a small entry's tensors in the plan's turn."""
+    """Plan, the read-back and finish: every read-back happens while its turn runs, on the engine thread; a small entry's tensors in the plan's turn, finish in none."""
     turns, reads, engine_thread, sizes, n = await _spill(engine, model, monkeypatch)
     assert n >= 2
     assert sum(sizes) <= ports.VIEW_GROUP_BYTES
-    # NOTE: the plan's turn takes the views too: plan + finish, no turn of its own.
+    # NOTE: the plan's turn takes the views too; finish takes no turn.
     assert reads == [(True, engine_thread, n)]
-    assert turns.turns == 2
+    assert turns.turns == 1
 
 
 async def test_a_turn_takes_at_most_a_group_of_tensor_bytes(
@@ -103,5 +103,32 @@ async def test_a_turn_takes_at_most_a_group_of_tensor_bytes(
     assert all(inside and thread == engine_thread for inside, thread, _ in reads)
     assert all(1 <= count <= 2 for _, _, count in reads)
     assert sum(count for _, _, count in reads) == n
-    # NOTE: the first group rides the plan's turn.
-    assert turns.turns == len(reads) + 1
+    # NOTE: the first group rides the plan's turn; finish takes none.
+    assert turns.turns == len(reads)
+
+
+async def test_finish_takes_no_turn_and_releases_at_the_registrys_next_drain_on_the_engine_thread(
+    engine: EngineThread, model: Any
+) -> None:
+    """A finished plan keeps its arrays until the registry's next drain (no engine turn of its
+    own), and that drain, on the engine thread, drops them; so does the source's next turn."""
+    registry = CacheRegistry()
+    reg = await register(engine, registry, model, (1, 2, 3, 4, 5))
+    turns = WatchedTurns(engine)
+    source = EngineTensorSource(turns, registry, IDENTITY)
+    engine_thread = await engine.run(threading.get_ident)
+    for release in ("drain", "next turn"):
+        plan = await source.plan(reg.handle, namespace="", tokens=(1, 2, 3, 4, 5))
+        before = turns.turns
+        await source.finish(plan)
+        assert turns.turns == before, "finish asked for a turn"
+        assert all(a is not None for a in plan._arrays), "released off the engine thread"
+        if release == "drain":
+            released_on = await engine.run(lambda: (registry.drain(), threading.get_ident())[1])
+            assert released_on == engine_thread
+        else:
+            # NOTE: the source's next turn releases it first thing (a spill while idle).
+            await source.finish(await source.plan(reg.handle, namespace="", tokens=(1, 2, 3, 4, 5)))
+        assert all(a is None for a in plan._arrays), f"not released by the {release}"
+    await engine.run(registry.drain)
+    registry.dispose(reg.handle)
