@@ -1159,7 +1159,7 @@ def _reached(row: _Row, n: int) -> bool:
     return point is not None and row.cursor - n < point <= row.cursor
 
 
-def _align_suffixes(group: list[_Row], *, cut: bool = False) -> int:
+def _align_suffixes(group: list[_Row], *, cut: bool) -> int:
     """Give back the last cached tokens of the group's shorter suffixes, so every row prefills as many.
 
     NOTE: rows joining together over one cached prefix (an agent's turns)

@@ -240,33 +240,30 @@ def _fill_cache() -> int:
     return int(mx.get_cache_memory())
 
 
-RELEASE_CASES = [(True, "on", True), (True, None, False), (False, "on", False)]
-"""(host reads migrate, KVTIER_CUDA_RELEASE_CACHE, whether the turn empties MLX's buffer cache)."""
-
-
-def _release_switch(monkeypatch: pytest.MonkeyPatch, migrate: bool, release: str | None) -> None:
+@pytest.fixture(
+    params=[(True, "on", True), (True, None, False), (False, "on", False)],
+    ids=["migrating-on", "migrating-default", "not-migrating-on"],
+)
+def empties(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Host reads migrating or not, KVTIER_CUDA_RELEASE_CACHE on or unset; whether a release
+    should then empty MLX's buffer cache."""
     from kernels.cache import _kv_writer
 
+    migrate, release, expected = request.param
     monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", migrate)
     if release is None:
         monkeypatch.delenv(_kv_writer.RELEASE_CACHE_ENV, raising=False)
     else:
         monkeypatch.setenv(_kv_writer.RELEASE_CACHE_ENV, release)
+    return bool(expected)
 
 
-@pytest.mark.parametrize(("migrate", "release", "empties"), RELEASE_CASES)
 async def test_a_finished_checkpoint_frees_its_host_copies_where_switched_on(
-    engine: EngineThread,
-    model: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    migrate: bool,
-    release: str | None,
-    empties: bool,
+    engine: EngineThread, model: Any, empties: bool
 ) -> None:
     """Where host reads migrate pages (CUDA managed memory) and KVTIER_CUDA_RELEASE_CACHE=on, the
     release of a finished checkpoint (at the registry's next drain) empties MLX's buffer cache;
     by default, and where nothing migrates, the cache is kept."""
-    _release_switch(monkeypatch, migrate, release)
     registry = CacheRegistry()
     reg = await _snapshot(engine, registry, model)
     source = EngineTensorSource(ThreadTurns(engine), registry, IDENTITY)
@@ -288,19 +285,12 @@ async def test_a_finished_checkpoint_frees_its_host_copies_where_switched_on(
     registry.dispose(reg.handle)
 
 
-@pytest.mark.parametrize(("migrate", "release", "empties"), RELEASE_CASES)
 async def test_a_spill_frees_each_dropped_group_of_host_copies_where_switched_on(
-    engine: EngineThread,
-    model: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    migrate: bool,
-    release: str | None,
-    empties: bool,
+    engine: EngineThread, model: Any, monkeypatch: pytest.MonkeyPatch, empties: bool
 ) -> None:
     """A prompt spill's turn that drops the previous group's views empties MLX's buffer cache
     before it takes the next group's where host reads migrate and KVTIER_CUDA_RELEASE_CACHE=on;
     otherwise the cache is kept."""
-    _release_switch(monkeypatch, migrate, release)
     # NOTE: one tensor per group, so the second tensor's turn drops the first group.
     monkeypatch.setattr(ports, "VIEW_GROUP_BYTES", 1)
     registry = CacheRegistry()
