@@ -38,6 +38,7 @@
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
+#   newshapes    the same joins with no shape repeated, prefill folding on / off, beside 0 / 4 decoding rows
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
 #   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
@@ -257,6 +258,21 @@ case "$cmd" in
     # products beside it. No model needed.
     device_env
     python3 tools/bench/sdpa_shapes.py --json "$OUT/sdpa_shapes.json" "$@" 2>&1 | tee "$OUT/sdpa_shapes.txt"
+    ;;
+  newshapes)
+    # Served joins rarely repeat a shape (each has its own group size, suffix
+    # and cached length); lonejoin's rounds do. Here every burst is one token
+    # longer than the last: 1 and 8 rows x ~24 tokens over a cached 5,100,
+    # beside 0 and 4 decoding rows, kvtier's dispatch with prefill folding on
+    # and off (--attention on,decode), interleaved.
+    device_env
+    ensure_model
+    for b in 1 8; do
+      python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst "$b" \
+        --prefix-tokens 5100 --suffix-tokens 24 --max-tokens 8 --prompt-tokens 530 \
+        --prefill-step-size 2048 --rounds "${ROUNDS:-2}" --background 0,4 --attention on,decode --new-shapes \
+        --json "$OUT/newshapes-b$b.json" 2>&1 | grep -E "synchronized|phases|plain"
+    done | tee "$OUT/newshapes.txt"
     ;;
   lonejoin)
     # Issue 20's agent turn, the lone row: served at be8d971, one row joining

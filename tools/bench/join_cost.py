@@ -260,19 +260,19 @@ def kernel_usable() -> str | None:
 
 
 def set_attention(model: Any, mode: str) -> None:
-    """Bind the model module's attention: ``on`` kvtier's folded dispatch, ``off`` mlx-lm's own, ``kernel`` the candidate kernel."""
+    """Bind the model module's attention: ``on`` kvtier's dispatch (folded decode, prefill of new shapes folded), ``decode`` the folded decode only, ``off`` mlx-lm's own, ``kernel`` the candidate kernel."""
     from mlx_lm.models import base
 
     from kernels.model import bind_masked_attention
 
     module = sys.modules[type(model).__module__]
     module.scaled_dot_product_attention = base.scaled_dot_product_attention  # type: ignore[attr-defined]
-    if mode == "on":
-        bind_masked_attention(model)
+    if mode in ("on", "decode"):
+        bind_masked_attention(model, fold_prefill=mode == "on")
     elif mode == "kernel":
         module.scaled_dot_product_attention = _kernel_dispatch  # type: ignore[attr-defined]
     elif mode != "off":
-        raise SystemExit(f"--attention takes on, off, kernel; got {mode!r}")
+        raise SystemExit(f"--attention takes on, decode, off, kernel; got {mode!r}")
 
 
 def prefix_cache(model: Any, prefix: list[int], step: int) -> list[Any]:
@@ -354,6 +354,7 @@ def run_burst(args: argparse.Namespace, loaded: Any, tok: Any, out: dict[str, An
                                prefill_step_size=args.prefill_step_size)
 
     out["burst"] = []
+    bursts = 0
     for r in range(args.rounds + 1):  # NOTE: round 0 warms the shapes up, unrecorded.
         for bg, att, sync in [(bg, att, sync) for bg in args.background for att in args.attention
                               for sync in (False, True)]:
@@ -363,8 +364,12 @@ def run_burst(args: argparse.Namespace, loaded: Any, tok: Any, out: dict[str, An
             gen = fresh()
             try:
                 tag = f"r{r}-bg{bg}-{att}-{'sync' if sync else 'plain'}"
+                # NOTE: --new-shapes: every burst one token longer than the one
+                # before, so no step repeats a shape (as served joins rarely do).
+                bursts += 1
+                suffix_tokens = args.suffix_tokens + (bursts if args.new_shapes else 0)
                 rec = burst(gen, cache, prefix,
-                            _suffixes(tok, args.burst, args.suffix_tokens, args.suffix_spread, tag),
+                            _suffixes(tok, args.burst, suffix_tokens, args.suffix_spread, tag),
                             _prompts(tok, bg, args.prompt_tokens, f"bg-{tag}"),
                             args.max_tokens, clock, tag, args.snapshot_tokens)
             finally:
@@ -522,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                         "at once (the agent trace's turns 2+), each --rounds, plain and synchronized")
     p.add_argument("--prefix-tokens", type=int, default=5100, help="--burst: the cached prefix")
     p.add_argument("--suffix-tokens", type=int, default=56, help="--burst: each row's own suffix")
+    p.add_argument("--new-shapes", action="store_true",
+                   help="--burst: each burst's suffixes one token longer than the last (no shape repeats)")
     p.add_argument("--suffix-spread", type=float, default=0.0,
                    help="--burst: each suffix's length drawn within +- this fraction of "
                         "--suffix-tokens (seeded; 0: all equal, so the group needs no padding)")
@@ -530,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--background", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2],
                    help="--burst: rows already decoding when the burst joins (comma list)")
     p.add_argument("--attention", type=lambda v: [x.strip() for x in v.split(",")], default=["on"],
-                   help="contenders: kvtier's folded masked attention on / off (mlx-lm's own) / "
+                   help="contenders: kvtier's attention dispatch on / decode (prefill never folded) / off (mlx-lm's own) / "
                         "kernel (the candidate of _decode_kernel.py, CUDA), e.g. on,off,kernel "
                         "(the burst and the unsynchronized pass)")
     p.add_argument("--json", type=Path, default=None, help="write the records here")
