@@ -38,6 +38,7 @@
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
+#   shapes       a new query length's cost op by op: matmul, forward, forward over a cached 5,100 (shape_costs.py)
 #   newshapes    the same joins with no shape repeated, prefill folding on / off, beside 0 / 4 decoding rows
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
@@ -258,6 +259,12 @@ case "$cmd" in
     # products beside it. No model needed.
     device_env
     python3 tools/bench/sdpa_shapes.py --json "$OUT/sdpa_shapes.json" "$@" 2>&1 | tee "$OUT/sdpa_shapes.txt"
+    ;;
+  shapes)
+    # What a query length MLX has not run before costs, op by op (shape_costs.py).
+    device_env
+    ensure_model
+    python3 tools/bench/shape_costs.py --model "$MODEL" --json "$OUT/shape_costs.json" "$@" 2>&1 | tee "$OUT/shape_costs.txt"
     ;;
   newshapes)
     # Served joins rarely repeat a shape (each has its own group size, suffix
