@@ -30,8 +30,8 @@ variable                      what it sets                                read b
                               cache after host reads (CUDA)
 ``KVTIER_CUDA_MASKED_ATTENTION``  switch: masked decode attention as      ``kernels.model``
                               folded products (CUDA)
-``KVTIER_CUDA_PREFILL_FOLD``  switch: prefill attention of a shape new   ``kernels.model``
-                              to cuDNN as folded products (CUDA)
+``KVTIER_CUDA_PREFILL_FOLD``  switch (default off): prefill attention  ``kernels.model``
+                              of a shape new to cuDNN folded (CUDA)
 ``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``
 ``CC``, ``CXX``               compilers for the few-row module            ``kernels.native``
 ============================  ==========================================  =====================

@@ -27,10 +27,13 @@ function otherwise. It installs on CUDA only;
 ``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves the module alone (the A/B switch
 of the measurement).
 
-The same dispatch folds the prefill calls whose cuDNN graph MLX would have
-to build (a shape new to this thread, with few enough scores: see
-:mod:`._prefill_route`); ``KVTIER_CUDA_PREFILL_FOLD=off`` sends every
-prefill call to MLX as before.
+The same dispatch can fold the prefill calls whose cuDNN graph MLX would
+have to build (a shape new to this thread, with few enough scores: see
+:mod:`._prefill_route`), with ``KVTIER_CUDA_PREFILL_FOLD=on``. Off by
+default: alone, such a call costs 5 ms folded against 65 ms for the build
+(H200), but neither a served run nor an in-process join with every shape
+new moved with it (docs/benchmarks.md, #20), so the cost a new shape brings
+is mostly elsewhere in the step.
 """
 
 from __future__ import annotations
@@ -72,12 +75,12 @@ stay MLX's (a 56-position prefill chunk was 0.75 x as fast folded).
 """
 
 PREFILL_FOLD_ENV = "KVTIER_CUDA_PREFILL_FOLD"
-"""Switch: prefill calls of a shape new to cuDNN run folded (on unless its value is an off word)."""
+"""Switch (default off): prefill calls of a shape new to cuDNN run folded."""
 
 _ORIGINAL = _base.scaled_dot_product_attention
 """mlx-lm's dispatcher (quantized caches, then ``mx.fast``)."""
 
-_fold_prefill = True
+_fold_prefill = False
 """Whether :func:`masked_dispatch` consults :mod:`._prefill_route` (set by :func:`install` / :func:`bind`)."""
 
 
@@ -172,10 +175,10 @@ def install(model: Any) -> bool:
     """
     if not on_cuda() or not env_switch(MASKED_ATTENTION_ENV):
         return False
-    return bind(model, fold_prefill=env_switch(PREFILL_FOLD_ENV))
+    return bind(model, fold_prefill=env_switch(PREFILL_FOLD_ENV, default=False))
 
 
-def bind(model: Any, *, fold_prefill: bool = True) -> bool:
+def bind(model: Any, *, fold_prefill: bool = False) -> bool:
     """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests).
 
     ``fold_prefill``: whether prefill calls of new shapes fold too (for
@@ -196,6 +199,8 @@ def bind(model: Any, *, fold_prefill: bool = True) -> bool:
 
 def unbind(model: Any) -> None:
     """Give the model module mlx-lm's own attention back (benchmarks, tests)."""
+    global _fold_prefill
+    _fold_prefill = False
     module = sys.modules.get(type(model).__module__)
     if module is not None and getattr(module, "scaled_dot_product_attention", None) is masked_dispatch:
         module.scaled_dot_product_attention = _ORIGINAL  # type: ignore[attr-defined]

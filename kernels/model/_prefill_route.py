@@ -20,7 +20,10 @@ comes back builds its graph on its second sighting and is warm from then
 on. A new larger shape goes to cuDNN (its build is a smaller share of the
 step).
 
-Only the decision lives here; ``_masked_attention.masked_dispatch`` acts on it.
+Only the decision lives here; ``_masked_attention.masked_dispatch`` acts on
+it when ``KVTIER_CUDA_PREFILL_FOLD=on`` (off by default: served runs and an
+in-process join with every shape new did not move with it; a new shape
+costs the step more than its attention's graph).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 from kernels.engine import BatchGeneration, SamplingParams
 from kernels.model import (
     FOLD_SCORES,
+    PREFILL_FOLD_ENV,
     ShapeMemory,
     bind_masked_attention,
     folds_prefill,
@@ -26,9 +27,10 @@ SCALE = 0.125
 
 @pytest.fixture
 def memory(monkeypatch: pytest.MonkeyPatch) -> ShapeMemory:
-    """A fresh shape memory for this thread (no shape seen by earlier tests)."""
+    """Prefill folding on, with a fresh shape memory for this thread (no shape seen by earlier tests)."""
     fresh = ShapeMemory(4)
     monkeypatch.setattr(route._local, "memory", fresh, raising=False)
+    monkeypatch.setattr(impl, "_fold_prefill", True)
     return fresh
 
 
@@ -141,6 +143,21 @@ def model(tok: Any) -> Any:
     m = lively_llama(len(tok), seed=3)
     yield m
     unbind_masked_attention(m)
+
+
+def test_install_folds_prefill_only_when_its_switch_says_on(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA, install() leaves prefill folding off unless KVTIER_CUDA_PREFILL_FOLD says on; unbind turns it off."""
+    monkeypatch.setattr(impl, "on_cuda", lambda: True)
+    monkeypatch.delenv(PREFILL_FOLD_ENV, raising=False)
+    assert impl.install(model)
+    assert impl._fold_prefill is False
+    monkeypatch.setenv(PREFILL_FOLD_ENV, "on")
+    assert impl.install(model)
+    assert impl._fold_prefill is True
+    unbind_masked_attention(model)
+    assert impl._fold_prefill is False
 
 
 def test_folded_prefill_chunks_generate_the_serial_tokens(model: Any, tok: Any, memory: ShapeMemory) -> None:

@@ -271,13 +271,13 @@ case "$cmd" in
     # and cached length); lonejoin's rounds do. Here every burst is one token
     # longer than the last: 1 and 8 rows x ~24 tokens over a cached 5,100,
     # beside 0 and 4 decoding rows, kvtier's dispatch with prefill folding on
-    # and off (--attention on,decode), interleaved.
+    # and off (--attention fold,on), interleaved.
     device_env
     ensure_model
     for b in 1 8; do
       python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst "$b" \
         --prefix-tokens 5100 --suffix-tokens 24 --max-tokens 8 --prompt-tokens 530 \
-        --prefill-step-size 2048 --rounds "${ROUNDS:-2}" --background 0,4 --attention on,decode --new-shapes \
+        --prefill-step-size 2048 --rounds "${ROUNDS:-2}" --background 0,4 --attention fold,on --new-shapes \
         --json "$OUT/newshapes-b$b.json" 2>&1 | grep -E "synchronized|phases|plain"
     done | tee "$OUT/newshapes.txt"
     ;;
