@@ -98,6 +98,32 @@ def step_ms(fn: Any, c: dict[str, Any], layers: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Milliseconds per step per shape: fused new / fused warm / folded new, side by side (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["shapes"]
+    names = [f"{r['rows']}x{r['query']}x{r['keys']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.27
+    for i, (label, key) in enumerate(
+        [("fused, new shape", "fused-new"), ("fused, warm", "fused-warm"), ("folded, new shape", "folded-new")]
+    ):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], [r["median_ms"][key] for r in rows],
+               width, label=label)
+    ax.set_xticks(range(len(rows)), names, rotation=20, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"ms per step ({doc['layers']} calls)")
+    ax.set_xlabel("rows x query positions x keys")
+    ax.set_title(f"Prefill attention, {doc['device']}, MLX {doc['mlx']}: a new shape's cuDNN graph build")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time the contenders per shape and print milliseconds per step."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -106,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=32, help="attention calls per step (a model's layers)")
     p.add_argument("--repeats", type=int, default=5, help="timings per contender, interleaved")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="a PNG of the figures")
+    p.add_argument("--replot", type=Path, default=None, help="plot this --json document and exit")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return 0
 
     import mlx.core as mx
 
@@ -154,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(doc, args.plot)
     return 0
 
 
