@@ -17,6 +17,8 @@ variable                      what it sets                                read b
 ``KVTIER_BATCH_BLAS_TUNE``    switch: the batch lane's BLAS thread count  ``kernels.engine``
 ``KVTIER_BATCH_SSM``          switch: recurrent models on the batch lane  ``kernels.engine``
 ``KVTIER_BATCH_SLOT_REUSE``   switch: a leaving row's slot is reused    ``kernels.engine``
+``KVTIER_BATCH_FIRST_TOKEN_FIRST``  switch: no prefill in the turn that ``kernels.engine``
+                              hands out rows' first tokens
 ``KVTIER_BATCH_ALIGN_SUFFIXES``  switch: a joining group's suffixes     ``kernels.engine``
                               aligned, not padded and rolled
 ``KVTIER_BATCH_PREFILL_CLEAR``  switch (default off): MLX's buffer cache ``kernels.engine``

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._batch import (
     ALIGN_SUFFIXES_ENV,
     BATCH_SSM_ENV,
+    FIRST_TOKEN_FIRST_ENV,
     IDLE_PREFILL_ROWS,
     REPLAY_PER_STEP,
     SLOT_REUSE_ENV,
@@ -131,6 +132,7 @@ __all__ = [
     "BUSY_FRACTION",
     "CHILD_STACK_BYTES",
     "COMPILE_STACK_BYTES",
+    "FIRST_TOKEN_FIRST_ENV",
     "IDLE_PREFILL_ROWS",
     "MAX_PROMPT_LOGPROB_ENTRIES",
     "REPLAY_PER_STEP",

@@ -24,6 +24,10 @@ filter and extract). kvtier adds what its engine turn and prompt cache need:
   (``GenerationBatch.next``); a row whose prefill completed enters with its
   last prompt token queued, forwarded by that same decode step (no forward
   of its own), and its first token comes out of the next turn.
+- **First token first**: the turn that hands out rows' first tokens
+  prefills nothing, so those tokens leave after one decode step, not after
+  the next joiner's prefill chunk as well (which waits one decode step);
+  ``KVTIER_BATCH_FIRST_TOKEN_FIRST=0`` prefills in every turn.
 - **Per-row sampling and stops**: each row has its own sampler and logits
   processors (:func:`make_request_sampler` / :func:`make_request_processors`,
   so seeded rows draw from their own key), EOS / stop token ids and
@@ -99,6 +103,7 @@ from ._transitioning import TransitioningBatchKVCache
 __all__ = [
     "ALIGN_SUFFIXES_ENV",
     "BATCH_SSM_ENV",
+    "FIRST_TOKEN_FIRST_ENV",
     "IDLE_PREFILL_ROWS",
     "PREFILL_CLEAR_ENV",
     "REPLAY_PER_STEP",
@@ -126,6 +131,9 @@ BATCH_SSM_ENV = "KVTIER_BATCH_SSM"
 
 SLOT_REUSE_ENV = "KVTIER_BATCH_SLOT_REUSE"
 """Environment switch: ``0`` filters leaving rows out and appends joining ones (no holes)."""
+
+FIRST_TOKEN_FIRST_ENV = "KVTIER_BATCH_FIRST_TOKEN_FIRST"
+"""Environment switch: ``0`` prefills in the turn that hands out rows' first tokens too."""
 
 ALIGN_SUFFIXES_ENV = "KVTIER_BATCH_ALIGN_SUFFIXES"
 """Environment switch: ``0`` pads a group's shorter suffixes instead of aligning them (``_align_suffixes``)."""
@@ -463,8 +471,10 @@ class BatchGeneration:
     told each step's decoding rows and whether it only decoded, and released
     when the batch goes idle. ``reuse_slots``: a leaving row's slot waits
     for the next joining row (``GreedyGenerationBatch``); ``None`` reads
-    ``KVTIER_BATCH_SLOT_REUSE`` (on unless an off word). Call :meth:`close`
-    when done.
+    ``KVTIER_BATCH_SLOT_REUSE`` (on unless an off word).
+    ``first_token_first``: the turn that hands out rows' first tokens
+    prefills nothing; ``None`` reads ``KVTIER_BATCH_FIRST_TOKEN_FIRST`` (on
+    unless an off word). Call :meth:`close` when done.
     """
 
     def __init__(
@@ -479,6 +489,7 @@ class BatchGeneration:
         tuning: StepTuning | None = None,
         reuse_slots: bool | None = None,
         align_suffixes: bool | None = None,
+        first_token_first: bool | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -495,6 +506,11 @@ class BatchGeneration:
         self._tuning = tuning
         self._reuse_slots = env_switch(SLOT_REUSE_ENV) if reuse_slots is None else reuse_slots
         self._align = env_switch(ALIGN_SUFFIXES_ENV) if align_suffixes is None else align_suffixes
+        self._first_token_first = (
+            env_switch(FIRST_TOKEN_FIRST_ENV) if first_token_first is None else first_token_first
+        )
+        self._owes_first = False
+        """Whether rows entered the decode batch last turn (this turn's decode hands out their first tokens)."""
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
         self._rows: dict[str, _Row] = {}
         self._by_uid: dict[int, _Row] = {}
@@ -755,7 +771,17 @@ class BatchGeneration:
             # their last prompt token queued, and this turn's decode forward
             # takes it with every other row (one forward, not two); their
             # first token is emitted by the next turn, as before.
-            snapshots, prefilled, joined = self._prefill()
+            if self._owes_first and self._first_token_first and self._batch is not None:
+                # NOTE: first token first: this turn's decode hands out the
+                # first tokens of the rows that entered last turn; a prefill
+                # here would hold them back by a whole chunk. Pending rows
+                # wait one decode step instead (the next turn owes nothing).
+                snapshots: list[RowSnapshot] = []
+                joined: list[str] = []
+                prefilled = 0
+            else:
+                snapshots, prefilled, joined = self._prefill()
+            self._owes_first = bool(joined)
             tokens, exits, decode_rows, checkpoints = self._decode()
             tokens.extend(self._replay())
         if tuning is not None:

@@ -1,0 +1,219 @@
+"""TTFT under staggered arrivals with the batch lane's first-token-first rule on and off, through HTTP.
+
+A row whose prefill completes in one engine turn gets its first token from
+the next turn's decode; unless the rule holds that turn's prefill back, the
+token also waits for the next joiner's prefill chunk
+(``kernels/engine/_batch.py``, "First token first";
+``KVTIER_BATCH_FIRST_TOKEN_FIRST``). This tool starts ``kvtier serve`` with
+the rule on and with it off (``--ssd-cache off`` for both: the scheduling is
+what is measured), in alternating order per round, and sends each the same
+open-loop arrivals: ``--requests`` streamed chat requests with distinct
+prompts of about ``--prompt-tokens`` tokens, greedy, ``--max-tokens`` new
+tokens, one every ``--gap`` seconds (each on its own thread, so arrivals
+land while earlier answers decode), plus the agent pattern when
+``--pairs`` > 0: pairs of requests over one shared ~``--system-tokens``
+system prompt (cached after a warm-up), the second ``--pair-gap`` seconds
+after the first. Prints TTFT p50 / p90 / max per mode and round, the
+on/off ratios side by side, and each mode's output tokens per second over
+the whole arrival run (the rule must not cost throughput). ``--json`` and
+``--plot`` write everything.
+
+CPU (default model)::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/first_token.py --rounds 3 --json /tmp/ft.json --plot /tmp/ft.png
+
+``--smoke``: one round of 3 short requests and one pair (an end-to-end check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+MODES = ("on", "off")
+"""``on``: the rule (kvtier serve's default); ``off``: ``KVTIER_BATCH_FIRST_TOKEN_FIRST=0``."""
+
+_ENV = {"on": {"KVTIER_BATCH_FIRST_TOKEN_FIRST": "1"}, "off": {"KVTIER_BATCH_FIRST_TOKEN_FIRST": "0"}}
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0..1) of ``values``; NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def arrivals(url: str, model: str, prompts: list[str], gap: float, max_tokens: int) -> tuple[list[float], float, int]:
+    """Open loop: request ``i`` sent at ``i * gap`` on its own thread; TTFTs (s), wall time, tokens out."""
+    results: list[_common.ChatResult | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    start = time.perf_counter()
+
+    def send(i: int) -> None:
+        delay = start + i * gap - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        try:
+            with httpx.Client(timeout=900) as client:
+                results[i] = _common.stream_chat(url, [{"role": "user", "content": prompts[i]}], model,
+                                                 max_tokens, client=client)
+        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the calling thread below.
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    wall = time.perf_counter() - start
+    done = [r for r in results if r is not None]
+    return [r.ttft_s for r in done], wall, sum(len(r.token_times) for r in done)
+
+
+def pairs(url: str, model: str, system: str, n: int, gap: float, max_tokens: int, tag: str) -> list[float]:
+    """``n`` pairs over the cached ``system`` prompt, the second request ``gap`` s after the first; TTFTs (s)."""
+    out: list[float] = []
+    for k in range(n):
+        got: list[float] = [math.nan, math.nan]
+
+        def send(i: int, k: int = k, got: list[float] = got) -> None:
+            if i:
+                time.sleep(gap)
+            msgs = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"{tag} pair {k} side {i}: {_common.system_prompt(24, f'{tag}{k}{i}')}"}]
+            with httpx.Client(timeout=900) as client:
+                got[i] = _common.stream_chat(url, msgs, model, max_tokens, client=client).ttft_s
+
+        _common.in_threads(send, 2)
+        out.extend(got)
+    return out
+
+
+def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
+    """One server with the rule ``mode``: warm-up, the arrivals, the pairs."""
+    server = _common.start_kvtier(model, workdir, "--ssd-cache", "off", name=f"kvtier-ft-{mode}-r{rnd}",
+                                  env=_ENV[mode])
+    try:
+        served = _common.model_id(server.url)
+        system = _common.system_prompt(args.system_tokens, f"sys-r{rnd}")
+        # NOTE: warm-up: the first forwards' allocations, and the pairs' system prompt cached.
+        _common.stream_chat(server.url, [{"role": "system", "content": system},
+                                         {"role": "user", "content": "warm up"}], served, 4)
+        prompts = [_common.system_prompt(args.prompt_tokens, f"r{rnd}-{i}") for i in range(args.requests)]
+        ttfts, wall, tokens = arrivals(server.url, served, prompts, args.gap, args.max_tokens)
+        pair_ttfts = pairs(server.url, served, system, args.pairs, args.pair_gap, args.max_tokens, f"r{rnd}")
+    finally:
+        server.stop()
+    rec = {
+        "mode": mode, "round": rnd, "ttft_s": ttfts, "wall_s": wall, "tokens": tokens,
+        "tps": tokens / wall, "pair_ttft_s": pair_ttfts,
+        "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p90_ms": pct(ttfts, 0.9) * 1e3,
+        "ttft_max_ms": max(ttfts) * 1e3,
+        "pair_ttft_p50_ms": pct(pair_ttfts, 0.5) * 1e3 if pair_ttfts else math.nan,
+        "pair_second_p50_ms": pct(pair_ttfts[1::2], 0.5) * 1e3 if pair_ttfts else math.nan,
+        "pair_first_p50_ms": pct(pair_ttfts[0::2], 0.5) * 1e3 if pair_ttfts else math.nan,
+    }
+    print(f"round {rnd} {mode:>3}: arrivals TTFT p50 {rec['ttft_p50_ms']:7.0f} p90 {rec['ttft_p90_ms']:7.0f} "
+          f"max {rec['ttft_max_ms']:7.0f} ms, {rec['tps']:6.1f} tok/s | pairs TTFT first "
+          f"{rec['pair_first_p50_ms']:6.0f} second {rec['pair_second_p50_ms']:6.0f} ms  "
+          f"(load {_common.loadavg()})", flush=True)
+    return rec
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """TTFT p50 / p90 of the arrivals and the pairs' p50 per round, on vs off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    for ax, key, title in zip(axes, ("ttft_p50_ms", "ttft_p90_ms", "pair_ttft_p50_ms"),
+                              ("arrivals TTFT p50", "arrivals TTFT p90", "pairs TTFT p50"), strict=True):
+        for mode in MODES:
+            recs = [r for r in doc["runs"] if r["mode"] == mode]
+            ax.plot([r["round"] for r in recs], [r[key] for r in recs], "o-", label=f"rule {mode}")
+        ax.set_title(title)
+        ax.set_xlabel("round")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kvtier serve, first token first on / off ({doc['machine'].get('cpus', '?')} CPUs, "
+                 f"{doc['args']['requests']} arrivals every {doc['args']['gap']} s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rounds; print and write the figures."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: kvtier's default model)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=12, help="arrivals per round")
+    p.add_argument("--gap", type=float, default=0.5, help="seconds between arrivals")
+    p.add_argument("--prompt-tokens", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--pairs", type=int, default=4, help="agent-like pairs per round (0: none)")
+    p.add_argument("--pair-gap", type=float, default=0.2, help="seconds between a pair's two requests")
+    p.add_argument("--system-tokens", type=int, default=1500, help="the pairs' shared system prompt")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--replot", type=Path, default=None, help="plot this --json document and exit")
+    p.add_argument("--smoke", action="store_true", help="one round, 3 short arrivals, one pair")
+    args = p.parse_args(argv)
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return 0
+    if args.smoke:
+        args.rounds, args.requests, args.prompt_tokens, args.max_tokens = 1, 3, 64, 8
+        args.pairs, args.system_tokens = 1, 200
+    if args.model is None:
+        from kernels import ensure_default_model
+
+        args.model = ensure_default_model()
+    doc: dict[str, Any] = {"machine": _common.machine(), "args": {k: str(v) if isinstance(v, Path) else v
+                                                                   for k, v in vars(args).items()},
+                           "runs": []}
+    with tempfile.TemporaryDirectory(prefix="kvtier-first-token-") as tmp:
+        for rnd in range(args.rounds):
+            order = MODES if rnd % 2 == 0 else tuple(reversed(MODES))
+            for mode in order:
+                doc["runs"].append(run_mode(mode, args.model, Path(tmp), args, rnd))
+    summary: dict[str, Any] = {}
+    for key in ("ttft_p50_ms", "ttft_p90_ms", "pair_ttft_p50_ms", "pair_second_p50_ms", "tps"):
+        on = [r[key] for r in doc["runs"] if r["mode"] == "on"]
+        off = [r[key] for r in doc["runs"] if r["mode"] == "off"]
+        paired = [a / b for a, b in zip(on, off, strict=True) if b]
+        summary[key] = {"on_median": statistics.median(on), "off_median": statistics.median(off),
+                        "on_over_off_paired": paired,
+                        "on_over_off_median": statistics.median(paired) if paired else math.nan}
+        print(f"{key:>20}: on {summary[key]['on_median']:8.1f}  off {summary[key]['off_median']:8.1f}  "
+              f"on/off paired {', '.join(f'{x:.2f}' for x in paired)} (median "
+              f"{summary[key]['on_over_off_median']:.2f})", flush=True)
+    doc["summary"] = summary
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
