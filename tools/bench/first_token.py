@@ -152,6 +152,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             recs = [r for r in doc["runs"] if r["mode"] == mode]
             ax.plot([r["round"] for r in recs], [r[key] for r in recs], "o-", label=f"rule {mode}")
         ax.set_title(title)
+        ax.set_xticks(sorted({r["round"] for r in doc["runs"]}))
         ax.set_xlabel("round")
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
