@@ -261,10 +261,18 @@ case "$cmd" in
     python3 tools/bench/sdpa_shapes.py --json "$OUT/sdpa_shapes.json" "$@" 2>&1 | tee "$OUT/sdpa_shapes.txt"
     ;;
   shapes)
-    # What a query length MLX has not run before costs, op by op (shape_costs.py).
+    # What a query length MLX has not run before costs, op by op (shape_costs.py),
+    # under each of ${SHAPES_ENVS:-default MLX_USE_CUDA_GRAPHS=0 MLX_CUDA_USE_CUDNN_SDPA=0}
+    # (one process each): MLX's CUDA graphs and cuDNN attention are the
+    # per-shape suspects.
     device_env
     ensure_model
-    python3 tools/bench/shape_costs.py --model "$MODEL" --json "$OUT/shape_costs.json" "$@" 2>&1 | tee "$OUT/shape_costs.txt"
+    for e in ${SHAPES_ENVS:-default MLX_USE_CUDA_GRAPHS=0 MLX_CUDA_USE_CUDNN_SDPA=0}; do
+      echo "== $e"
+      if [ "$e" = default ]; then envs=(); else envs=("$e"); fi
+      env "${envs[@]}" python3 tools/bench/shape_costs.py --model "$MODEL" \
+        --json "$OUT/shape_costs-${e//[^A-Za-z0-9]/_}.json" "$@" 2>&1
+    done | tee "$OUT/shape_costs.txt"
     ;;
   newshapes)
     # Served joins rarely repeat a shape (each has its own group size, suffix
