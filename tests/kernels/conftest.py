@@ -1,4 +1,4 @@
-"""The kernel tests' shared fixtures: the ASCII tiny tokenizer and a tiny fp32 Llama (a module may define its own)."""
+"""The kernel tests' shared fixtures: the ASCII tiny tokenizer and tiny fp32 Llamas (a module may define its own)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,13 @@ def tok() -> Any:
 def model(tok: Any) -> Any:
     """A tiny fp32 Llama with varied greedy output."""
     return lively_llama(len(tok), seed=1)
+
+
+@pytest.fixture
+def unbinding_model(tok: Any) -> Any:
+    """A tiny fp32 Llama (seed 3) whose module's attention goes back to mlx-lm's afterwards (tests that bind kvtier's)."""
+    from kernels.model import unbind_masked_attention
+
+    m = lively_llama(len(tok), seed=3)
+    yield m
+    unbind_masked_attention(m)

@@ -10,19 +10,6 @@ import pytest
 from kernels import SamplingParams
 from kernels.engine import FIRST_TOKEN_FIRST_ENV, BatchGeneration
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output."""
-    return lively_llama(len(tok), seed=5)
 
 
 def _plans(tok: Any) -> list[Plan]:

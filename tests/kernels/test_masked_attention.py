@@ -20,7 +20,6 @@ from kernels.model import (
 )
 from kernels.model import _masked_attention as impl
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 SCALE = 0.125
 
@@ -114,24 +113,11 @@ def test_the_dispatch_calls_mlx_lm_outside_the_folded_path(monkeypatch: pytest.M
     assert seen == [(q, "k", "v", "cache", SCALE, "causal", None)]
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output; its module's attention given back to mlx-lm afterwards."""
-    m = lively_llama(len(tok), seed=3)
-    yield m
-    unbind_masked_attention(m)
-
-
 def test_install_binds_on_cuda_only_and_honours_its_switch(
-    model: Any, monkeypatch: pytest.MonkeyPatch
+    unbinding_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """install() rebinds the model module's attention where CUDA is available, not elsewhere nor with the switch off; unbind gives it back."""
+    model = unbinding_model
     module = sys.modules[type(model).__module__]
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
     monkeypatch.setattr(impl, "on_cuda", lambda: False)
@@ -149,9 +135,10 @@ def test_install_binds_on_cuda_only_and_honours_its_switch(
 
 
 def test_a_padded_batch_decodes_its_serial_tokens_through_the_folded_path(
-    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+    unbinding_model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows of different lengths (left-padded, array-masked decode steps) bound to the folded path decode their serial greedy tokens, and the path ran."""
+    model = unbinding_model
     prompts = _prompts(len(tok), 3, seed=77, lo=6, hi=40)
     params = SamplingParams(max_tokens=10)
     calls: list[int] = []

@@ -20,7 +20,6 @@ from kernels.model import (
 from kernels.model import _masked_attention as impl
 from kernels.model import _prefill_route as route
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
-from tests.kernels.test_generation import lively_llama, tiny_tokenizer
 
 SCALE = 0.125
 
@@ -140,24 +139,11 @@ def test_switched_off_every_prefill_call_is_mlx_lms(monkeypatch: pytest.MonkeyPa
     assert memory.folded == 0
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The ASCII tiny tokenizer."""
-    return tiny_tokenizer()
-
-
-@pytest.fixture
-def model(tok: Any) -> Any:
-    """A tiny fp32 Llama with varied greedy output; its module's attention given back to mlx-lm afterwards."""
-    m = lively_llama(len(tok), seed=3)
-    yield m
-    unbind_masked_attention(m)
-
-
 def test_install_folds_prefill_only_when_its_switch_says_on(
-    model: Any, monkeypatch: pytest.MonkeyPatch
+    unbinding_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On CUDA, install() leaves prefill folding off unless KVTIER_CUDA_PREFILL_FOLD says on; unbind turns it off."""
+    model = unbinding_model
     monkeypatch.setattr(impl, "on_cuda", lambda: True)
     monkeypatch.delenv(PREFILL_FOLD_ENV, raising=False)
     assert impl.install(model)
@@ -169,8 +155,9 @@ def test_install_folds_prefill_only_when_its_switch_says_on(
     assert not _folding()
 
 
-def test_folded_prefill_chunks_generate_the_serial_tokens(model: Any, tok: Any, memory: ShapeMemory) -> None:
+def test_folded_prefill_chunks_generate_the_serial_tokens(unbinding_model: Any, tok: Any, memory: ShapeMemory) -> None:
     """Rows joining with chunked prefills that fold (serial lane and batch lane) produce the unfolded serial run's greedy tokens."""
+    model = unbinding_model
     prompts = _prompts(len(tok), 3, seed=91, lo=20, hi=60)
     params = SamplingParams(max_tokens=8)
     plain = [[o.token_id for o in _serial(model, tok, p, params, step=16)] for p in prompts]

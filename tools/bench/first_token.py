@@ -34,7 +34,6 @@ import math
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,27 +61,17 @@ def pct(values: Sequence[float], q: float) -> float:
 def arrivals(url: str, model: str, prompts: list[str], gap: float, max_tokens: int) -> tuple[list[float], float, int]:
     """Open loop: request ``i`` sent at ``i * gap`` on its own thread; TTFTs (s), wall time, tokens out."""
     results: list[_common.ChatResult | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
     start = time.perf_counter()
 
     def send(i: int) -> None:
         delay = start + i * gap - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        try:
-            with httpx.Client(timeout=900) as client:
-                results[i] = _common.stream_chat(url, [{"role": "user", "content": prompts[i]}], model,
-                                                 max_tokens, client=client)
-        except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised on the calling thread below.
-            errors.append(exc)
+        with httpx.Client(timeout=900) as client:
+            results[i] = _common.stream_chat(url, [{"role": "user", "content": prompts[i]}], model,
+                                             max_tokens, client=client)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    _common.in_threads(send, len(prompts))
     wall = time.perf_counter() - start
     done = [r for r in results if r is not None]
     return [r.ttft_s for r in done], wall, sum(len(r.token_times) for r in done)
