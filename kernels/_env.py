@@ -19,6 +19,8 @@ variable                      what it sets                                read b
 ``KVTIER_BATCH_SLOT_REUSE``   switch: a leaving row's slot is reused    ``kernels.engine``
 ``KVTIER_BATCH_FIRST_TOKEN_FIRST``  switch: no prefill in the turn that ``kernels.engine``
                               hands out rows' first tokens
+``KVTIER_BATCH_PREFILL_BUCKET``  a warm row's prefill forward rounded ``kernels.engine``
+                              up to a multiple of N tokens (default 0: off)
 ``KVTIER_BATCH_ALIGN_SUFFIXES``  switch: a joining group's suffixes     ``kernels.engine``
                               aligned, not padded and rolled
 ``KVTIER_BATCH_PREFILL_CLEAR``  switch (default off): MLX's buffer cache ``kernels.engine``

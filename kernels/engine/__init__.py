@@ -11,6 +11,7 @@ from ._batch import (
     BATCH_SSM_ENV,
     FIRST_TOKEN_FIRST_ENV,
     IDLE_PREFILL_ROWS,
+    PREFILL_BUCKET_ENV,
     REPLAY_PER_STEP,
     SLOT_REUSE_ENV,
     BatchFull,
@@ -29,6 +30,7 @@ from ._batch import (
     batch_params_refusal,
     batch_ssm_enabled,
     model_batch_gate,
+    prefill_bucket_setting,
 )
 from ._blas_threads import (
     BLAS_TUNE_ENV,
@@ -135,6 +137,7 @@ __all__ = [
     "FIRST_TOKEN_FIRST_ENV",
     "IDLE_PREFILL_ROWS",
     "MAX_PROMPT_LOGPROB_ENTRIES",
+    "PREFILL_BUCKET_ENV",
     "REPLAY_PER_STEP",
     "SCORE_ELEMENTS",
     "SLOT_REUSE_ENV",
@@ -201,6 +204,7 @@ __all__ = [
     "model_batch_gate",
     "on_engine_thread",
     "parse_tool_call",
+    "prefill_bucket_setting",
     "prepare_grammar",
     "probe_snapshot_boundary",
     "prompt_logprob_entries",

@@ -82,7 +82,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from kernels._env import env_switch
+from kernels._env import env_switch, env_text
 from kernels._errors import InvalidPrompt, KernelError
 from kernels.cache import KvScheme, LayerQuant, cache_arrays, snapshot_cuttable, trim_caches
 
@@ -124,6 +124,7 @@ __all__ = [
     "batch_params_refusal",
     "batch_ssm_enabled",
     "model_batch_gate",
+    "prefill_bucket_setting",
 ]
 
 BATCH_SSM_ENV = "KVTIER_BATCH_SSM"
@@ -134,6 +135,9 @@ SLOT_REUSE_ENV = "KVTIER_BATCH_SLOT_REUSE"
 
 FIRST_TOKEN_FIRST_ENV = "KVTIER_BATCH_FIRST_TOKEN_FIRST"
 """Environment switch: ``0`` prefills in the turn that hands out rows' first tokens too."""
+
+PREFILL_BUCKET_ENV = "KVTIER_BATCH_PREFILL_BUCKET"
+"""Environment setting: a warm row's prefill forward rounded up to a multiple of this many tokens (0: off)."""
 
 ALIGN_SUFFIXES_ENV = "KVTIER_BATCH_ALIGN_SUFFIXES"
 """Environment switch: ``0`` pads a group's shorter suffixes instead of aligning them (``_align_suffixes``)."""
@@ -208,6 +212,20 @@ class BatchGate:
     def recurrent(self) -> bool:
         """True when some layer holds recurrent state."""
         return "recurrent" in self.kinds or "list" in self.kinds
+
+
+def prefill_bucket_setting(env: Mapping[str, str] | None = None) -> int:
+    """``KVTIER_BATCH_PREFILL_BUCKET`` in tokens (unset: 0, off); anything but a whole number >= 0 raises ``ValueError``."""
+    text = env_text(PREFILL_BUCKET_ENV, env)
+    if text is None:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{PREFILL_BUCKET_ENV} must be a whole number of tokens, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{PREFILL_BUCKET_ENV} must be >= 0, got {value}")
+    return value
 
 
 def batch_ssm_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -474,7 +492,11 @@ class BatchGeneration:
     ``KVTIER_BATCH_SLOT_REUSE`` (on unless an off word).
     ``first_token_first``: the turn that hands out rows' first tokens
     prefills nothing; ``None`` reads ``KVTIER_BATCH_FIRST_TOKEN_FIRST`` (on
-    unless an off word). Call :meth:`close` when done.
+    unless an off word). ``prefill_bucket``: a warm row's (or warm group's)
+    prefill forward is rounded up to a multiple of this many tokens by
+    re-forwarding the last tokens of its lent prefix, so a served lane's
+    prefill shapes repeat (0: off; ``None`` reads
+    ``KVTIER_BATCH_PREFILL_BUCKET``, default 0). Call :meth:`close` when done.
     """
 
     def __init__(
@@ -490,6 +512,7 @@ class BatchGeneration:
         reuse_slots: bool | None = None,
         align_suffixes: bool | None = None,
         first_token_first: bool | None = None,
+        prefill_bucket: int | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -509,6 +532,9 @@ class BatchGeneration:
         self._first_token_first = (
             env_switch(FIRST_TOKEN_FIRST_ENV) if first_token_first is None else first_token_first
         )
+        self._bucket = prefill_bucket_setting() if prefill_bucket is None else prefill_bucket
+        if self._bucket < 0:
+            raise ValueError(f"prefill_bucket must be >= 0, got {self._bucket}")
         self._owes_first = False
         """Whether rows entered the decode batch last turn (this turn's decode hands out their first tokens)."""
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
@@ -951,6 +977,10 @@ class BatchGeneration:
                 continue
             row = self._pending[0]
             if row.prefill is None:
+                if self._bucket > 1:
+                    # NOTE: a lone warm row's forward rounded up like a group's
+                    # (_align_suffixes with one row: only the bucket moves it).
+                    _align_suffixes([row], cut=self._cuts(), bucket=self._bucket)
                 row.prefill = self._start_prefill([row])
             # NOTE: every chunk is the serial lane's chunk (prefill_step_size from
             # the row's cached offset), so a row's prefill arithmetic does not
@@ -1034,7 +1064,7 @@ class BatchGeneration:
         # suffixes differ in length are aligned first where their caches allow
         # it (_align_suffixes), so no chunk is padded and nothing is rolled.
         if self._align:
-            _align_suffixes(group, cut=self._cuts())
+            _align_suffixes(group, cut=self._cuts(), bucket=self._bucket)
         batch = self._start_prefill(group)
         for row in group:
             row.prefill = batch
@@ -1185,7 +1215,7 @@ def _reached(row: _Row, n: int) -> bool:
     return point is not None and row.cursor - n < point <= row.cursor
 
 
-def _align_suffixes(group: list[_Row], *, cut: bool) -> int:
+def _align_suffixes(group: list[_Row], *, cut: bool, bucket: int = 0) -> int:
     """Give back the last cached tokens of the group's shorter suffixes, so every row prefills as many.
 
     NOTE: rows joining together over one cached prefix (an agent's turns)
@@ -1205,26 +1235,41 @@ def _align_suffixes(group: list[_Row], *, cut: bool) -> int:
     ``[:offset]``), and only where every row joined warm and no row has a
     snapshot point ahead, unless snapshots are ``cut`` (then no chunk stops
     at one); otherwise the group pads as before. A shortened row's ``cached_tokens``
-    is what it really reuses. Returns the tokens given back (0: unchanged).
+    is what it really reuses.
+
+    ``bucket`` > 1: the common length is rounded up to a multiple of it
+    where every row has that many cached tokens to give back (else it stays
+    the longest suffix). NOTE: on MLX's CUDA backend a step whose shapes are
+    new cost ~90-110 ms more than a repeated one (H200, 8B shape,
+    ``join_cost.py --new-shapes``); rounding makes a served lane's prefill
+    shapes repeat. A group's budget was counted before the rounding, so a
+    step may forward up to ``bucket - 1`` tokens a row past it. Returns the
+    tokens given back (0: unchanged).
     """
     need = [len(row.prompt) - row.cursor - 1 for row in group]
     longest = max(need)
-    short = [(row, longest - n) for row, n in zip(group, need, strict=True) if n < longest]
-    if not short:
-        return 0
+    targets = [longest]
+    if bucket > 1 and longest % bucket:
+        targets.insert(0, longest + bucket - longest % bucket)
     if not cut and any(row.snapshot_at is not None and row.snapshot_at > row.cursor for row in group):
         return 0
     if any(row.cache is None for row in group):
         return 0  # NOTE: a cold row's prefill dwarfs the roll; warm rows keep their whole reuse.
-    for row, back in short:
-        # NOTE: a grouped row has not started its prefill: cursor == cached_tokens.
-        if back > row.cached_tokens or not all(type(c) is KVCache for c in row.cache or ()):
+    for target in targets:
+        short = [(row, target - n) for row, n in zip(group, need, strict=True) if n < target]
+        if not short:
             return 0
-    for row, back in short:
-        row.cache = [_shortened(layer, back) for layer in row.cache or ()]
-        row.cursor -= back
-        row.cached_tokens -= back
-    return sum(back for _, back in short)
+        # NOTE: a row that has not started its prefill has cursor == cached_tokens.
+        if all(
+            back <= row.cached_tokens and all(type(c) is KVCache for c in row.cache or ())
+            for row, back in short
+        ):
+            for row, back in short:
+                row.cache = [_shortened(layer, back) for layer in row.cache or ()]
+                row.cursor -= back
+                row.cached_tokens -= back
+            return sum(back for _, back in short)
+    return 0
 
 
 def _shortened(layer: Any, back: int) -> Any:
