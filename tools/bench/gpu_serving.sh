@@ -279,14 +279,20 @@ case "$cmd" in
     # and cached length); lonejoin's rounds do. Here every burst is one token
     # longer than the last: 1 and 8 rows x ~24 tokens over a cached 5,100,
     # beside 0 and 4 decoding rows, kvtier's dispatch with prefill folding on
-    # and off (--attention fold,on), interleaved.
+    # and off (--attention fold,on), interleaved; under each environment of
+    # ${NS_ENVS:-default KVTIER_BATCH_PREFILL_BUCKET=32 MLX_USE_CUDA_GRAPHS=0}
+    # (prefill buckets; MLX's CUDA graphs off), one process per burst size.
     device_env
     ensure_model
-    for b in 1 8; do
-      python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst "$b" \
-        --prefix-tokens 5100 --suffix-tokens 24 --max-tokens 8 --prompt-tokens 530 \
-        --prefill-step-size 2048 --rounds "${ROUNDS:-2}" --background 0,4 --attention fold,on --new-shapes \
-        --json "$OUT/newshapes-b$b.json" 2>&1 | grep -E "synchronized|phases|plain"
+    for e in ${NS_ENVS:-default KVTIER_BATCH_PREFILL_BUCKET=32 MLX_USE_CUDA_GRAPHS=0}; do
+      if [ "$e" = default ]; then envs=(); else envs=("$e"); fi
+      for b in 1 8; do
+        echo "== $e, burst $b"
+        env "${envs[@]}" python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst "$b" \
+          --prefix-tokens 5100 --suffix-tokens 24 --max-tokens 8 --prompt-tokens 530 \
+          --prefill-step-size 2048 --rounds "${ROUNDS:-2}" --background 0,4 --attention fold,on --new-shapes \
+          --json "$OUT/newshapes-${e//[^A-Za-z0-9]/_}-b$b.json" 2>&1 | grep -E "synchronized|phases|plain"
+      done
     done | tee "$OUT/newshapes.txt"
     ;;
   lonejoin)
