@@ -14,7 +14,8 @@ from tests.kernels.test_batch import Plan, _prompts, _serial, drive
 
 def _plans(tok: Any) -> list[Plan]:
     """A short row joining first, a long one (five 8-token chunks) arriving while the first one's first token is owed."""
-    short, long = _prompts(len(tok), 2, seed=31, lo=6, hi=7)[0], _prompts(len(tok), 1, seed=32, lo=41, hi=42)[0]
+    (short,) = _prompts(len(tok), 1, seed=31, lo=6, hi=6)
+    (long,) = _prompts(len(tok), 1, seed=32, lo=41, hi=41)
     return [
         Plan("a", short, SamplingParams(max_tokens=6)),
         Plan("b", long, SamplingParams(max_tokens=6), join_at=1),
