@@ -11,7 +11,8 @@ times, synchronized, each of these with a query length never used before
 - ``forward+cache``: the model over ``L`` tokens after a cached prefix of
   ``--prefix`` tokens (the served join).
 
-    python3 tools/bench/shape_costs.py --model DIR
+    python3 tools/bench/shape_costs.py --model DIR --json OUT.json
+    python3 tools/bench/shape_costs.py --plot OUT.png default=A.json graphs-off=B.json ...
 """
 
 from __future__ import annotations
@@ -39,15 +40,55 @@ def _timed(fn: Any) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def plot(out: Path, runs: list[str]) -> None:
+    """Bars of the median ms per call, new shape and warm, per op, for each ``LABEL=JSON`` run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = []
+    for run in runs:
+        label, _, path = run.partition("=")
+        docs.append((label, json.loads(Path(path).read_text())))
+    ops = list(docs[0][1]["results"])
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 4.2), squeeze=False)
+    width = 0.38
+    for ax, op in zip(axes[0], ops, strict=True):
+        xs = range(len(docs))
+        new = [statistics.median(d["results"][op]["new_ms"]) for _, d in docs]
+        warm = [statistics.median(d["results"][op]["warm_ms"]) for _, d in docs]
+        ax.bar([x - width / 2 for x in xs], new, width, label="new query length", color="tab:red")
+        ax.bar([x + width / 2 for x in xs], warm, width, label="same length again", color="tab:blue")
+        for x, (n, w) in enumerate(zip(new, warm, strict=True)):
+            ax.text(x - width / 2, n, f"{n:.1f}", ha="center", va="bottom", fontsize=8)
+            ax.text(x + width / 2, w, f"{w:.1f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [label for label, _ in docs], fontsize=8)
+        ax.set_title(op)
+        ax.set_ylabel("ms per call (median)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"a new query length's cost, op by op (prefix {docs[0][1]['prefix']} for forward+cache)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print milliseconds per call, new shape against warm, per contender."""
+    """Print milliseconds per call, new shape against warm, per contender (or plot saved runs)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="plot the LABEL=JSON runs given and exit")
+    p.add_argument("runs", nargs="*", help="with --plot: LABEL=JSON of earlier --json runs")
     p.add_argument("--length", type=int, default=24, help="the first new query length")
     p.add_argument("--prefix", type=int, default=5100, help="forward+cache: the cached prefix")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.plot is not None:
+        plot(args.plot, args.runs)
+        return 0
+    if args.model is None:
+        p.error("--model is required (or --plot)")
 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
