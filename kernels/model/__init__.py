@@ -9,6 +9,7 @@ from __future__ import annotations
 from kernels._paths import kvtier_home
 from kernels._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 
+from ._attention_buckets import ATTENTION_BUCKETS_ENV, bucketed_attention, key_bucket, query_bucket
 from ._default_model import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_PACKAGE,
@@ -69,6 +70,7 @@ from ._rope import (
 from ._weights import FileKey, OsWeightFiles, WeightFiles, WeightsMemo
 
 __all__ = [
+    "ATTENTION_BUCKETS_ENV",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_PACKAGE",
     "FOLD_SCORES",
@@ -97,6 +99,7 @@ __all__ = [
     "apply_few_row",
     "apply_few_row_products",
     "bind_masked_attention",
+    "bucketed_attention",
     "check_trusted",
     "config_fingerprint",
     "convert_gguf",
@@ -111,12 +114,14 @@ __all__ = [
     "fused_projections_enabled",
     "has_shared_rope",
     "is_converted_dir",
+    "key_bucket",
     "kvtier_home",
     "load_model",
     "make_private_dirs",
     "masked_attention",
     "masked_dispatch",
     "pip_download_command",
+    "query_bucket",
     "resolve_model_path",
     "shape_memory",
     "share_rope_tables",

@@ -47,6 +47,7 @@ from mlx_lm.models import base as _base
 from kernels._env import env_switch
 from kernels._memory import on_cuda
 
+from ._attention_buckets import ATTENTION_BUCKETS_ENV, bucketed_attention, buckets_apply
 from ._prefill_route import causal_mask, prefill_key, shape_memory
 
 __all__ = [
@@ -82,6 +83,9 @@ _ORIGINAL = _base.scaled_dot_product_attention
 
 _fold_prefill = False
 """Whether :func:`masked_dispatch` consults :mod:`._prefill_route` (set by :func:`install` / :func:`bind`)."""
+
+_buckets = False
+"""Whether :func:`masked_dispatch` runs prefill calls at bucketed shapes (:mod:`._attention_buckets`)."""
 
 
 def masked_attention(
@@ -163,6 +167,11 @@ def masked_dispatch(
         if isinstance(mask, str):
             mask = causal_mask(queries.shape[2], keys.shape[2])
         return masked_attention(queries, keys, values, scale=scale, mask=mask)
+    if _buckets and buckets_apply(queries, keys, cache, mask, sinks):
+        return bucketed_attention(
+            queries, keys, values, scale=scale, mask=mask,
+            attend=lambda q, k, v, *, scale, mask: _ORIGINAL(q, k, v, cache, scale, mask, sinks),
+        )
     return _ORIGINAL(queries, keys, values, cache, scale, mask, sinks)
 
 
@@ -175,17 +184,23 @@ def install(model: Any) -> bool:
     """
     if not on_cuda() or not env_switch(MASKED_ATTENTION_ENV):
         return False
-    return bind(model, fold_prefill=env_switch(PREFILL_FOLD_ENV, default=False))
+    return bind(
+        model,
+        fold_prefill=env_switch(PREFILL_FOLD_ENV, default=False),
+        buckets=env_switch(ATTENTION_BUCKETS_ENV, default=False),
+    )
 
 
-def bind(model: Any, *, fold_prefill: bool = False) -> bool:
+def bind(model: Any, *, fold_prefill: bool = False, buckets: bool = False) -> bool:
     """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests).
 
-    ``fold_prefill``: whether prefill calls of new shapes fold too (for
+    ``fold_prefill``: whether prefill calls of new shapes fold too;
+    ``buckets``: whether the other prefill calls run at bucketed shapes (for
     every model the dispatch serves in this process).
     """
-    global _fold_prefill
+    global _fold_prefill, _buckets
     _fold_prefill = fold_prefill
+    _buckets = buckets
     module = sys.modules.get(type(model).__module__)
     if module is None or getattr(module, "scaled_dot_product_attention", None) not in (
         _ORIGINAL, masked_dispatch
@@ -199,8 +214,9 @@ def bind(model: Any, *, fold_prefill: bool = False) -> bool:
 
 def unbind(model: Any) -> None:
     """Give the model module mlx-lm's own attention back (benchmarks, tests)."""
-    global _fold_prefill
+    global _fold_prefill, _buckets
     _fold_prefill = False
+    _buckets = False
     module = sys.modules.get(type(model).__module__)
     if module is not None and getattr(module, "scaled_dot_product_attention", None) is masked_dispatch:
         module.scaled_dot_product_attention = _ORIGINAL  # type: ignore[attr-defined]

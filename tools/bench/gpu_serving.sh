@@ -281,7 +281,9 @@ case "$cmd" in
     # beside 0 and 4 decoding rows, kvtier's dispatch with prefill folding on
     # and off (--attention fold,on), interleaved; under each environment of
     # ${NS_ENVS:-default KVTIER_BATCH_PREFILL_BUCKET=32 MLX_USE_CUDA_GRAPHS=0}
-    # (prefill buckets; MLX's CUDA graphs off), one process per burst size.
+    # (prefill buckets; MLX's CUDA graphs off), one process per burst size;
+    # NS_ATTENTION picks the dispatches (e.g. on,buckets: attention at
+    # bucketed shapes, KVTIER_CUDA_ATTENTION_BUCKETS).
     device_env
     ensure_model
     for e in ${NS_ENVS:-default KVTIER_BATCH_PREFILL_BUCKET=32 MLX_USE_CUDA_GRAPHS=0}; do
@@ -290,7 +292,7 @@ case "$cmd" in
         echo "== $e, burst $b"
         env "${envs[@]}" python3 tools/bench/join_cost.py --model "$MODEL" --tok-dir .gpu/tok --burst "$b" \
           --prefix-tokens 5100 --suffix-tokens 24 --max-tokens 8 --prompt-tokens 530 \
-          --prefill-step-size 2048 --rounds "${ROUNDS:-2}" --background 0,4 --attention fold,on --new-shapes \
+          --prefill-step-size 2048 --rounds "${ROUNDS:-2}" --background 0,4 --attention "${NS_ATTENTION:-fold,on}" --new-shapes \
           --json "$OUT/newshapes-${e//[^A-Za-z0-9]/_}-b$b.json" 2>&1 | grep -E "synchronized|phases|plain"
       done
     done | tee "$OUT/newshapes.txt"

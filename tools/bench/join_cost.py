@@ -260,19 +260,19 @@ def kernel_usable() -> str | None:
 
 
 def set_attention(model: Any, mode: str) -> None:
-    """Bind the model module's attention: ``on`` kvtier's dispatch (folded decode), ``fold`` the same with prefill of new shapes folded too, ``off`` mlx-lm's own, ``kernel`` the candidate kernel."""
+    """Bind the model module's attention: ``on`` kvtier's dispatch (folded decode), ``fold`` the same with prefill of new shapes folded too, ``buckets`` with prefill at bucketed shapes, ``off`` mlx-lm's own, ``kernel`` the candidate kernel."""
     from mlx_lm.models import base
 
     from kernels.model import bind_masked_attention
 
     module = sys.modules[type(model).__module__]
     module.scaled_dot_product_attention = base.scaled_dot_product_attention  # type: ignore[attr-defined]
-    if mode in ("on", "fold"):
-        bind_masked_attention(model, fold_prefill=mode == "fold")
+    if mode in ("on", "fold", "buckets"):
+        bind_masked_attention(model, fold_prefill=mode == "fold", buckets=mode == "buckets")
     elif mode == "kernel":
         module.scaled_dot_product_attention = _kernel_dispatch  # type: ignore[attr-defined]
     elif mode != "off":
-        raise SystemExit(f"--attention takes on, fold, off, kernel; got {mode!r}")
+        raise SystemExit(f"--attention takes on, fold, buckets, off, kernel; got {mode!r}")
 
 
 def prefix_cache(model: Any, prefix: list[int], step: int) -> list[Any]:
@@ -537,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--background", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2],
                    help="--burst: rows already decoding when the burst joins (comma list)")
     p.add_argument("--attention", type=lambda v: [x.strip() for x in v.split(",")], default=["on"],
-                   help="contenders: kvtier's attention dispatch on / fold (prefill of new shapes folded too) / off (mlx-lm's own) / "
+                   help="contenders: kvtier's attention dispatch on / fold (prefill of new shapes folded too) / "
+                        "buckets (prefill attention at bucketed shapes) / off (mlx-lm's own) / "
                         "kernel (the candidate of _decode_kernel.py, CUDA), e.g. on,off,kernel "
                         "(the burst and the unsynchronized pass)")
     p.add_argument("--json", type=Path, default=None, help="write the records here")

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", type=int, default=5100, help="forward+cache: the cached prefix")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--attention-buckets", action="store_true",
+                   help="prefill attention at bucketed shapes (kvtier's KVTIER_CUDA_ATTENTION_BUCKETS)")
     args = p.parse_args(argv)
     if args.plot is not None:
         plot(args.plot, args.runs)
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model(args.model)
     model = loaded.model
+    if args.attention_buckets:
+        from kernels.model import bind_masked_attention
+
+        bind_masked_attention(model, buckets=True)
     args_m = model.args
     hidden, inter = args_m.hidden_size, args_m.intermediate_size
     dtype = model.layers[0].mlp.down_proj.weight.dtype
