@@ -50,7 +50,7 @@ fetch-model: venv
 # NOTE: builds the few-row product once (cached under $$KVTIER_HOME/native);
 # optional: where it cannot build, kvtier says why and keeps MLX's product.
 native: venv
-	@echo "kvtier: checking the few-row product (built on the first run only, into $${KVTIER_HOME:-~/.cache/kvtier}/native)"
+	@echo "kvtier: checking the native CPU kernels (built on the first run only, into $${KVTIER_HOME:-~/.cache/kvtier}/native)"
 	$(RUN_ENV) $(PY) -m kernels.native
 
 serve: venv openblas-hint fetch-model native

@@ -39,6 +39,7 @@ is mostly elsewhere in the step.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -59,6 +60,7 @@ __all__ = [
     "install",
     "masked_attention",
     "masked_dispatch",
+    "takes_cpu_path",
     "takes_masked_path",
     "unbind",
 ]
@@ -87,14 +89,34 @@ _fold_prefill = False
 _buckets = False
 """Whether :func:`masked_dispatch` runs prefill calls at bucketed shapes (:mod:`._attention_buckets`)."""
 
+_cpu_softmax: Callable[[mx.array], mx.array] | None = None
+"""The CPU's native softmax: where set, :func:`masked_dispatch` runs every float32 call as folded products with it."""
+
+
+def takes_cpu_path(queries: Any, cache: Any, mask: Any, sinks: Any) -> bool:
+    """Whether :func:`masked_dispatch` runs this call with the native softmax: bound on the CPU, float32, no sinks, not quantized, a mask of None, ``"causal"`` or an array."""
+    if _cpu_softmax is None or sinks is not None or hasattr(cache, "bits"):
+        return False
+    if queries.dtype != mx.float32:
+        return False
+    return mask is None or isinstance(mask, mx.array) or mask == "causal"
+
 
 def masked_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | None,
+    softmax: Callable[[mx.array], mx.array] | None = None,
 ) -> mx.array:
     """Softmax attention of ``queries`` ``(B, H, L, D)`` over ``keys``/``values`` ``(B, Hkv, T, D)`` under ``mask``.
 
     ``mask`` broadcasts to ``(B, H, L, T)``: boolean (False hides a key) or
-    additive. ``H`` is a multiple of ``Hkv`` (grouped-query attention).
+    additive; ``None`` hides nothing. ``H`` is a multiple of ``Hkv``
+    (grouped-query attention). ``softmax`` replaces MLX's precise softmax
+    over the last axis (the CPU's native one).
     """
     b, h, length, d = queries.shape
     hkv = keys.shape[1]
@@ -106,6 +128,9 @@ def masked_attention(
     # head j * rep + r reads key head j, as in MLX's fallback.
     q = (queries * mx.array(scale, dtype=queries.dtype)).reshape(b, hkv, rep * length, d)
     scores = q @ keys.swapaxes(-1, -2)
+    if mask is None:
+        weights = mx.softmax(scores, axis=-1, precise=True) if softmax is None else softmax(scores)
+        return (weights @ values).reshape(b, hkv, rep, length, d).reshape(b, h, length, d)
     m = mask
     while m.ndim < 4:
         m = m[None]
@@ -123,7 +148,7 @@ def masked_attention(
         scores = mx.where(m, scores, mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype))
     else:
         scores = scores + m.astype(scores.dtype)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    weights = mx.softmax(scores, axis=-1, precise=True) if softmax is None else softmax(scores)
     out = weights @ values
     return out.reshape(b, hkv, rep, length, d).reshape(b, h, length, d)
 
@@ -161,6 +186,12 @@ def masked_dispatch(
     sinks: Any = None,
 ) -> Any:
     """mlx-lm's ``scaled_dot_product_attention``, with one-position masked queries and prefill calls of new shapes folded (:func:`masked_attention`)."""
+    if _cpu_softmax is not None and takes_cpu_path(queries, cache, mask, sinks):
+        if isinstance(mask, str):
+            # NOTE: one query sees every key; longer ones bottom-right causal.
+            length = queries.shape[2]
+            mask = causal_mask(length, keys.shape[2]) if length > 1 else None
+        return masked_attention(queries, keys, values, scale=scale, mask=mask, softmax=_cpu_softmax)
     if takes_masked_path(queries, cache, mask, sinks):
         return masked_attention(queries, keys, values, scale=scale, mask=mask)
     if folds_prefill(queries, keys, cache, mask, sinks):
@@ -178,29 +209,49 @@ def masked_dispatch(
 def install(model: Any) -> bool:
     """Rebind ``scaled_dot_product_attention`` in ``model``'s mlx-lm module to :func:`masked_dispatch`.
 
-    Returns whether it did: only where measured faster (CUDA), with the
-    switch on, for a module that took mlx-lm's own function by that name.
-    Idempotent.
+    Returns whether it did: only where measured faster, for a module that
+    took mlx-lm's own function by that name. On CUDA (switch on): the folded
+    masked decode attention. On the CPU, where the native softmax runs
+    (``KVTIER_NATIVE_SOFTMAX``, on by default): every float32 attention call
+    as folded products with it (MLX's CPU backend on x86 spends most of a
+    long prefill's attention in its per-element ``expf``). Idempotent.
     """
-    if not on_cuda() or not env_switch(MASKED_ATTENTION_ENV):
+    if on_cuda():
+        if not env_switch(MASKED_ATTENTION_ENV):
+            return False
+        return bind(
+            model,
+            fold_prefill=env_switch(PREFILL_FOLD_ENV, default=False),
+            buckets=env_switch(ATTENTION_BUCKETS_ENV, default=False),
+        )
+    if mx.default_device() != mx.cpu:
         return False
-    return bind(
-        model,
-        fold_prefill=env_switch(PREFILL_FOLD_ENV, default=False),
-        buckets=env_switch(ATTENTION_BUCKETS_ENV, default=False),
-    )
+    # NOTE: imported here: kernels.native loads MLX extensions on first use.
+    from kernels.native import softmax_op
+
+    op = softmax_op()
+    return op is not None and bind(model, cpu_softmax=op)
 
 
-def bind(model: Any, *, fold_prefill: bool = False, buckets: bool = False) -> bool:
+def bind(
+    model: Any,
+    *,
+    fold_prefill: bool = False,
+    buckets: bool = False,
+    cpu_softmax: Callable[[mx.array], mx.array] | None = None,
+) -> bool:
     """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests).
 
     ``fold_prefill``: whether prefill calls of new shapes fold too;
-    ``buckets``: whether the other prefill calls run at bucketed shapes (for
-    every model the dispatch serves in this process).
+    ``buckets``: whether the other prefill calls run at bucketed shapes;
+    ``cpu_softmax``: every float32 call as folded products with this
+    softmax (the CPU's native one) (for every model the dispatch serves in
+    this process).
     """
-    global _fold_prefill, _buckets
+    global _fold_prefill, _buckets, _cpu_softmax
     _fold_prefill = fold_prefill
     _buckets = buckets
+    _cpu_softmax = cpu_softmax
     module = sys.modules.get(type(model).__module__)
     if module is None or getattr(module, "scaled_dot_product_attention", None) not in (
         _ORIGINAL, masked_dispatch
@@ -214,9 +265,10 @@ def bind(model: Any, *, fold_prefill: bool = False, buckets: bool = False) -> bo
 
 def unbind(model: Any) -> None:
     """Give the model module mlx-lm's own attention back (benchmarks, tests)."""
-    global _fold_prefill, _buckets
+    global _fold_prefill, _buckets, _cpu_softmax
     _fold_prefill = False
     _buckets = False
+    _cpu_softmax = None
     module = sys.modules.get(type(model).__module__)
     if module is not None and getattr(module, "scaled_dot_product_attention", None) is masked_dispatch:
         module.scaled_dot_product_attention = _ORIGINAL  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""Native code kvtier builds on this machine: the few-row product of one-token CPU steps.
+"""Native code kvtier builds on this machine: the few-row product of one-token CPU steps, and a softmax for CPU attention.
 
 Every name is re-exported from a private module. See ``_build.py`` for how
 the extension is built and cached, ``_few_row.py`` for the operation.
@@ -24,12 +24,14 @@ from ._few_row import (
     few_row_status,
     few_row_threads,
 )
+from ._softmax import NATIVE_SOFTMAX_ENV, native_softmax_enabled, softmax_op, softmax_status
 
 __all__ = [
     "FAILURE_RECORD",
     "FEW_ROW_ENV",
     "FEW_ROW_THREADS_ENV",
     "MODULE_NAME",
+    "NATIVE_SOFTMAX_ENV",
     "NativeUnavailable",
     "cpu_supports_kernel",
     "discard_build",
@@ -39,5 +41,8 @@ __all__ = [
     "few_row_status",
     "few_row_threads",
     "load_extension",
+    "native_softmax_enabled",
+    "softmax_op",
+    "softmax_status",
     "toolchain_identity",
 ]

@@ -60,7 +60,7 @@ __all__ = [
 
 MODULE_NAME = "_kvtier_few_row"
 _SRC = Path(__file__).resolve().parent / "src"
-_SOURCES = ("few_row.c", "few_row.cpp")
+_SOURCES = ("few_row.c", "softmax.c", "few_row.cpp")
 _BUILD_TIMEOUT_S = 600.0
 FAILURE_RECORD = "build-failed.json"
 """The record of a failed build in the key directory (JSON: toolchain and reason)."""
@@ -233,6 +233,20 @@ def _build(directory: Path) -> None:
         )
         _run(
             [
+                cc,
+                *common,
+                "-std=gnu11",
+                "-mavx2",
+                "-mfma",
+                "-c",
+                str(_SRC / "softmax.c"),
+                "-o",
+                "softmax.o",
+            ],
+            tmp,
+        )
+        _run(
+            [
                 cxx,
                 *cxx_flags,
                 "-DNB_BUILD",
@@ -268,6 +282,7 @@ def _build(directory: Path) -> None:
                 "module.o",
                 "nanobind.o",
                 "kernel.o",
+                "softmax.o",
                 f"-L{mlx_lib}",
                 f"-Wl,-rpath,{mlx_lib}",
                 "-lmlx",

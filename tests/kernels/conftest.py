@@ -27,5 +27,8 @@ def unbinding_model(tok: Any) -> Any:
     from kernels.model import unbind_masked_attention
 
     m = lively_llama(len(tok), seed=3)
+    # NOTE: from mlx-lm's own attention (a model loaded earlier in this process
+    # may have bound kvtier's, e.g. the CPU's native softmax).
+    unbind_masked_attention(m)
     yield m
     unbind_masked_attention(m)

@@ -114,6 +114,7 @@ def test_the_dispatch_buckets_prefill_calls_only_when_switched_on(monkeypatch: p
 
     monkeypatch.setattr(impl, "_ORIGINAL", original)
     monkeypatch.setattr(impl, "_fold_prefill", False)
+    monkeypatch.setattr(impl, "_cpu_softmax", None)
     q, k, v = _case(1, 5, 23, seed=3)
     monkeypatch.setattr(impl, "_buckets", False)
     masked_dispatch(q, k, v, object(), SCALE, "causal")

@@ -108,6 +108,7 @@ def test_the_dispatch_calls_mlx_lm_outside_the_folded_path(monkeypatch: pytest.M
         return "mlx-lm"
 
     monkeypatch.setattr(impl, "_ORIGINAL", spy)
+    monkeypatch.setattr(impl, "_cpu_softmax", None)
     q = mx.zeros((1, 4, 1, 64))
     assert masked_dispatch(q, "k", "v", "cache", SCALE, "causal", None) == "mlx-lm"
     assert seen == [(q, "k", "v", "cache", SCALE, "causal", None)]
@@ -117,10 +118,14 @@ def test_install_binds_on_cuda_only_and_honours_its_switch(
     unbinding_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """install() rebinds the model module's attention where CUDA is available, not elsewhere nor with the switch off; unbind gives it back."""
+    import kernels.native
+
     model = unbinding_model
     module = sys.modules[type(model).__module__]
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
     monkeypatch.setattr(impl, "on_cuda", lambda: False)
+    # NOTE: off CUDA, only the CPU's native softmax binds (its own test).
+    monkeypatch.setattr(kernels.native, "softmax_op", lambda: None)
     assert not impl.install(model)
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
     monkeypatch.setattr(impl, "on_cuda", lambda: True)

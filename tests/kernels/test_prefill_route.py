@@ -30,6 +30,7 @@ def memory(monkeypatch: pytest.MonkeyPatch) -> ShapeMemory:
     fresh = ShapeMemory(4)
     monkeypatch.setattr(route._local, "memory", fresh, raising=False)
     monkeypatch.setattr(impl, "_fold_prefill", True)
+    monkeypatch.setattr(impl, "_cpu_softmax", None)
     return fresh
 
 

@@ -17,6 +17,7 @@ namespace nb = nanobind;
 
 extern "C" int kvtier_few_row_matmul(
     const float* x, const float* w, float* y, int M, int K, int N, int threads);
+extern "C" void kvtier_softmax_rows(const float* x, float* y, long rows, int n);
 
 namespace {
 
@@ -81,10 +82,62 @@ mx::array few_row(const mx::array& x, const mx::array& w, int threads) {
       std::move(shape), mx::float32, std::make_shared<FewRowMatmul>(stream, threads), {xc, wc});
 }
 
+// Softmax over the last axis of a float32 array (src/softmax.c): an 8-lane exp
+// where MLX's CPU backend on x86 calls expf per element.
+class SoftmaxRows : public mx::Primitive {
+ public:
+  explicit SoftmaxRows(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& out = outputs[0];
+    if (!x.flags().row_contiguous) {
+      throw std::runtime_error("softmax: the input must be row-contiguous");
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    const int n = x.ndim() == 0 ? 1 : static_cast<int>(x.shape(-1));
+    const long rows = n == 0 ? 0 : static_cast<long>(x.size() / n);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x),
+                      out = mx::array::unsafe_weak_copy(out), rows, n]() mutable {
+      kvtier_softmax_rows(x.data<float>(), out.data<float>(), rows, n);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("softmax runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "KvtierSoftmaxRows";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+mx::array softmax(const mx::array& x) {
+  if (x.dtype() != mx::float32) {
+    throw std::invalid_argument("softmax: x must be float32");
+  }
+  if (x.ndim() < 1 || x.shape(-1) > (1 << 30)) {
+    throw std::invalid_argument("softmax: x must have a last axis of at most 2^30");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  auto xc = mx::contiguous(x, false, stream);
+  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream), {xc});
+}
+
 }  // namespace
 
 NB_MODULE(_kvtier_few_row, m) {
   m.def("few_row", &few_row, nb::arg("x"), nb::arg("w"), nb::arg("threads") = 2,
         "x @ w.T on the CPU stream for float32 x (..., K) and w (N, K), each output row "
         "independent of the others.");
+  m.def("softmax", &softmax, nb::arg("x"),
+        "Softmax over the last axis of a float32 x on the CPU stream; a row's result does not "
+        "depend on leading elements whose exp is zero.");
 }

@@ -1,0 +1,89 @@
+"""The native softmax as an MLX operation: availability, the switch, the check.
+
+:func:`softmax_op` returns a callable ``x -> softmax(x, axis=-1)`` for
+float32 arrays on the CPU stream (``src/softmax.c``: an 8-lane exp where
+MLX's CPU backend on x86 calls ``expf`` per element), or ``None`` where it is
+switched off or cannot run here (:func:`softmax_status` says why). The
+first call loads the extension the few-row product lives in (built on demand,
+``_build.py``) and checks the operation against MLX's softmax on random rows
+before trusting it, and that a row's result does not change with leading
+hidden elements. Every failure becomes a status and ``None``, so attention
+keeps MLX's softmax. The outcome is kept for the life of the process.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import mlx.core as mx
+
+from kernels._env import env_switch
+
+from ._build import NativeUnavailable, cpu_supports_kernel, load_extension
+
+__all__ = ["NATIVE_SOFTMAX_ENV", "native_softmax_enabled", "softmax_op", "softmax_status"]
+
+NATIVE_SOFTMAX_ENV = "KVTIER_NATIVE_SOFTMAX"
+"""Environment switch: ``0`` keeps MLX's softmax in attention on the CPU."""
+
+_state: dict[str, Any] = {}
+
+
+def native_softmax_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """False when ``KVTIER_NATIVE_SOFTMAX`` is ``0``/``false``/``off``/``no`` (default: enabled)."""
+    return env_switch(NATIVE_SOFTMAX_ENV, env)
+
+
+def _check(fn: Callable[[mx.array], mx.array]) -> None:
+    """The op against MLX's softmax, and leading hidden elements changing nothing; raises NativeUnavailable."""
+    x = mx.random.normal((5, 3, 77), key=mx.random.key(11)) * 4.0
+    hidden = mx.full((5, 3, 13), mx.finfo(mx.float32).min)
+    try:
+        got = fn(x)
+        ref = mx.softmax(x, axis=-1, precise=True)
+        padded = fn(mx.concatenate([hidden, x], axis=-1))
+        mx.eval(got, ref, padded)
+        agrees = got.shape == ref.shape and mx.allclose(got, ref, rtol=1e-5, atol=1e-7).item()
+        same = agrees and mx.array_equal(padded[..., 13:], got).item() and not mx.any(padded[..., :13]).item()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise NativeUnavailable(f"the native softmax failed its check: {exc}") from exc
+    if not agrees:
+        raise NativeUnavailable("the native softmax disagrees with MLX's")
+    if not same:
+        raise NativeUnavailable("the native softmax's rows change with leading hidden elements")
+
+
+def softmax_op() -> Callable[[mx.array], mx.array] | None:
+    """``x -> softmax(x, axis=-1)`` for float32 through the extension, or ``None`` (switched off, or unavailable here)."""
+    if "op" in _state:
+        op: Callable[[mx.array], mx.array] | None = _state["op"]
+        return op
+    if not native_softmax_enabled():
+        _state["op"], _state["status"] = None, f"off ({NATIVE_SOFTMAX_ENV}=0)"
+        return None
+    if not cpu_supports_kernel():
+        _state["op"], _state["status"] = None, "unavailable: this CPU lacks AVX2 and FMA"
+        return None
+    try:
+        module = load_extension()
+        raw = getattr(module, "softmax", None)
+        if not callable(raw):
+            raise NativeUnavailable("the extension has no softmax function")
+
+        def fn(x: mx.array) -> mx.array:
+            out: mx.array = raw(x)
+            return out
+
+        _check(fn)
+    except (NativeUnavailable, OSError) as exc:
+        _state["op"], _state["status"] = None, f"unavailable: {exc}"
+        return None
+    _state["op"], _state["status"] = fn, "on"
+    return fn
+
+
+def softmax_status() -> str:
+    """What :func:`softmax_op` decided (``"not tried"`` before its first call)."""
+    return str(_state.get("status", "not tried"))

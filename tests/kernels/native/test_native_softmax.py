@@ -1,0 +1,175 @@
+"""The CPU's native softmax: MLX's answer within rounding, rows independent of leading hidden keys, attention and tokens through it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import base
+
+import kernels.native
+from kernels.engine import BatchGeneration, SamplingParams
+from kernels.model import _masked_attention as impl
+from kernels.model import bind_masked_attention, masked_dispatch, unbind_masked_attention
+from kernels.native import native_softmax_enabled, softmax_op, softmax_status
+from tests.kernels.test_batch import Plan, _prompts, _serial, drive
+
+Softmax = Callable[[mx.array], mx.array]
+SCALE = 0.125
+HIDDEN = float(mx.finfo(mx.float32).min)
+
+
+@pytest.fixture(scope="module")
+def op() -> Softmax:
+    """The native softmax as kvtier uses it (skips where it cannot run: no AVX2, no compiler)."""
+    fn = softmax_op()
+    if fn is None:
+        status = softmax_status()
+        if "native softmax" in status:
+            # NOTE: it built and loaded but failed its own check: a bug, not a platform limit.
+            pytest.fail(f"the native softmax failed its check: {status}")
+        pytest.skip(f"the native softmax does not run here: {status}")
+    return fn
+
+
+def _diff(a: mx.array, b: mx.array) -> float:
+    return float(mx.max(mx.abs(a - b)).tolist())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 77, 3000])
+def test_rows_equal_mlx_softmax_within_rounding(op: Softmax, n: int) -> None:
+    """Rows of every length (a partial last vector included) sum to one and equal MLX's softmax within rounding."""
+    x = mx.random.normal((4, 3, n), key=mx.random.key(n)) * 6.0
+    got = op(x)
+    want = mx.softmax(x, axis=-1, precise=True)
+    assert got.shape == x.shape
+    assert got.dtype == mx.float32
+    # NOTE: MLX's own sum (one element after another) is the less exact of the two.
+    assert mx.allclose(got, want, rtol=2e-5, atol=1e-7).item()
+    assert _diff(mx.sum(got, axis=-1), mx.ones((4, 3))) < 1e-5
+
+
+def test_hidden_keys_get_zero_and_leading_ones_change_no_bit(op: Softmax) -> None:
+    """Keys hidden with the dtype's lowest value weigh exactly 0, and a row's weights keep their bits with any number of hidden keys before it."""
+    x = mx.random.normal((2, 53), key=mx.random.key(3)) * 3.0
+    alone = op(x)
+    for pad in (1, 5, 8, 13):
+        padded = op(mx.concatenate([mx.full((2, pad), HIDDEN), x], axis=1))
+        assert mx.array_equal(padded[:, pad:], alone).item()
+        assert not mx.any(padded[:, :pad]).item()
+    # NOTE: hidden keys after the row (a causal mask's) weigh 0 too.
+    tail = op(mx.concatenate([x, mx.full((2, 6), HIDDEN)], axis=1))
+    assert not mx.any(tail[:, 53:]).item()
+    assert _diff(tail[:, :53], alone) < 1e-7
+
+
+def test_inside_a_lazy_graph_and_on_views(op: Softmax) -> None:
+    """The op takes a lazy, strided input (made contiguous) and feeds later ops."""
+    x = mx.random.normal((6, 40), key=mx.random.key(9))
+    view = (x * 2.0).T[:, ::2]
+    got = op(view) @ mx.ones((3,))
+    want = mx.softmax(view, axis=-1, precise=True) @ mx.ones((3,))
+    assert _diff(got, want) < 2e-6
+
+
+def test_other_dtypes_are_refused(op: Softmax) -> None:
+    """Only float32: half precision is refused, not silently widened."""
+    with pytest.raises(ValueError, match="float32"):
+        op(mx.zeros((2, 4), dtype=mx.float16))
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTIER_NATIVE_SOFTMAX=0 (or off) switches it off; unset or 1 leaves it on."""
+    assert native_softmax_enabled({})
+    assert native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "1"})
+    assert not native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "0"})
+    assert not native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "off"})
+
+
+def _case(b: int, length: int, t: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    """fp32 queries (9 heads) and keys/values (3 heads) sliced from a longer buffer, as a cache's are."""
+    mx.random.seed(seed)
+    q = mx.random.normal((b, 9, length, 64))
+    kbuf = mx.random.normal((b, 3, t + 11, 64))
+    vbuf = mx.random.normal((b, 3, t + 11, 64))
+    return q, kbuf[..., :t, :], vbuf[..., :t, :]
+
+
+def test_attention_through_it_equals_mlx(op: Softmax, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the CPU path bound, causal prefill chunks, a decode step, a padded batch's mask and no mask equal mx.fast's attention."""
+    monkeypatch.setattr(impl, "_cpu_softmax", op)
+    q, k, v = _case(1, 24, 300, seed=1)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal")
+    assert _diff(masked_dispatch(q, k, v, object(), SCALE, "causal"), want) < 1e-5
+    q1, k1, v1 = _case(2, 1, 70, seed=2)
+    want = mx.fast.scaled_dot_product_attention(q1, k1, v1, scale=SCALE)
+    assert _diff(masked_dispatch(q1, k1, v1, object(), SCALE, "causal"), want) < 1e-5
+    assert _diff(masked_dispatch(q1, k1, v1, object(), SCALE, None), want) < 1e-5
+    b, length, t = 3, 4, 30
+    q, k, v = _case(b, length, t, seed=4)
+    pad = mx.array([0, 5, 11])[:, None, None, None]
+    kpos = mx.arange(t)[None, None, None, :]
+    qpos = (mx.arange(length) + (t - length))[None, None, :, None]
+    mask = (kpos >= pad) & (kpos <= qpos)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)
+    assert _diff(masked_dispatch(q, k, v, object(), SCALE, mask), want) < 1e-5
+
+
+def test_sinks_quantized_caches_and_half_precision_stay_mlx_lms(op: Softmax, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU path takes float32 calls only, without sinks and outside quantized caches."""
+    monkeypatch.setattr(impl, "_cpu_softmax", op)
+    q = mx.zeros((1, 4, 3, 64))
+
+    class Quantized:
+        bits = 4
+
+    assert impl.takes_cpu_path(q, object(), "causal", None)
+    assert impl.takes_cpu_path(q, object(), None, None)
+    assert not impl.takes_cpu_path(q, object(), "causal", mx.zeros((4,)))
+    assert not impl.takes_cpu_path(q, Quantized(), "causal", None)
+    assert not impl.takes_cpu_path(q.astype(mx.float16), object(), "causal", None)
+    monkeypatch.setattr(impl, "_cpu_softmax", None)
+    assert not impl.takes_cpu_path(q, object(), "causal", None)
+
+
+def test_install_binds_it_on_the_cpu(unbinding_model: Any, op: Softmax, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off CUDA, install() binds the dispatch with the native softmax where it runs, and not where it does not."""
+    model = unbinding_model
+    module = sys.modules[type(model).__module__]
+    monkeypatch.setattr(impl, "on_cuda", lambda: False)
+    monkeypatch.setattr(kernels.native, "softmax_op", lambda: None)
+    assert not impl.install(model)
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+    monkeypatch.setattr(kernels.native, "softmax_op", lambda: op)
+    assert impl.install(model)
+    assert module.scaled_dot_product_attention is masked_dispatch
+    assert impl._cpu_softmax is op
+    unbind_masked_attention(model)
+    assert impl._cpu_softmax is None
+
+
+def test_padded_batch_rows_generate_their_serial_tokens_through_it(
+    unbinding_model: Any, tok: Any, op: Softmax, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of different lengths (left-padded, masked) decode exactly their serial runs' greedy tokens with the native softmax, and it ran."""
+    model = unbinding_model
+    calls: list[int] = []
+
+    def counted(x: mx.array) -> mx.array:
+        calls.append(1)
+        return op(x)
+
+    prompts = _prompts(len(tok), 4, seed=95, lo=6, hi=60)
+    params = SamplingParams(max_tokens=12)
+    assert bind_masked_attention(model, cpu_softmax=counted)
+    run = drive(
+        BatchGeneration(model, tok, prefill_step_size=16),
+        [Plan(str(i), p, params, join_at=i) for i, p in enumerate(prompts)],
+    )
+    serial = [[o.token_id for o in _serial(model, tok, p, params, step=16)] for p in prompts]
+    assert calls, "no attention call took the native softmax"
+    for i in range(len(prompts)):
+        assert run.ids(str(i)) == serial[i]
