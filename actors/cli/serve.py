@@ -56,7 +56,7 @@ The embedded ``Engine`` keeps 1 (serial lane only) unless configured, like
 the SSD tier: an embedder opts in.
 """
 
-SERVE_PREFILL_STEP: dict[DeviceKind, int] = {"cpu": 512, "cuda": 2048, "metal": 2048}
+SERVE_PREFILL_STEP: dict[DeviceKind, int] = {"cpu": 256, "cuda": 2048, "metal": 2048}
 """``kvtier serve``'s prompt tokens per prefill chunk, by device, when neither ``--prefill-step-size`` nor its variable is given.
 
 NOTE: a chunk is one forward. On a GPU a forward has a fixed cost
@@ -64,9 +64,13 @@ NOTE: a chunk is one forward. On a GPU a forward has a fixed cost
 on the H200 (8B shape) a ~530-token prompt took two prefill forwards and the
 decode step's, where ``mlx_lm.server`` (2,048-token chunks) takes one and
 its first step (docs/benchmarks/serving.md). Metal keeps mlx-lm's 2,048
-(not measured here). The CPU keeps 512: there a forward's cost is its
-arithmetic, and a smaller chunk bounds how long decoding rows wait behind a
-joining row's prefill. The embedded ``Engine`` keeps ``EngineConfig``'s 512.
+(not measured here). The CPU takes 256: there a forward's cost is its
+arithmetic, attention's grows with the chunk (each chunk's scores are
+chunk x cached tokens), and a smaller chunk bounds how long decoding rows
+wait behind a joining row's prefill; with the native softmax a 3,000-token
+prompt prefilled in 12.6 s at 256 against 15.6 s at 512
+(``tools/bench/cpu_attention.py``, docs/benchmarks.md). The embedded
+``Engine`` keeps ``EngineConfig``'s 512.
 """
 
 _SERVE_DEFAULTS = {
@@ -74,7 +78,7 @@ _SERVE_DEFAULTS = {
     # NOTE: help shows it as it is: no unit added.
     "max_batch": "from the device: 8 rows on the CPU, 32 on CUDA, 8 on Metal (unmeasured); "
                  "measurements in docs/benchmarks.md",
-    "prefill_step_size": "from the device: 512 tokens on the CPU, 2048 on CUDA and Metal; "
+    "prefill_step_size": "from the device: 256 tokens on the CPU, 2048 on CUDA and Metal; "
                          "measurements in docs/benchmarks.md",
 }
 """Defaults that differ from the embedded Engine's (help text)."""

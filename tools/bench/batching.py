@@ -580,7 +580,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--system-tokens", type=int, default=1000)
-    parser.add_argument("--prefill-step-size", type=int, default=512)
+    parser.add_argument("--prefill-step-size", type=int, default=256,
+                        help="kvtier's prefill chunk, both kvtier contenders (default: kvtier serve's CPU default)")
     parser.add_argument("--max-rows", type=int, default=8)
     parser.add_argument(
         "--loads", default=",".join(LOADS), help="comma-separated subset of " + ",".join(LOADS)

@@ -214,11 +214,11 @@ def test_serve_runs_the_batch_lane_by_default_and_the_engine_does_not(
     assert _serve_args().max_batch == 3
 
 
-@pytest.mark.parametrize(("device", "tokens"), [("cpu", 512), ("cuda", 2048), ("metal", 2048)])
+@pytest.mark.parametrize(("device", "tokens"), [("cpu", 256), ("cuda", 2048), ("metal", 2048)])
 def test_serve_prefill_chunk_default_follows_the_device(
     monkeypatch: pytest.MonkeyPatch, device: str, tokens: int
 ) -> None:
-    """With neither --prefill-step-size nor its variable, serve's chunk comes from the device (CPU 512, CUDA and Metal 2048); a flag or variable wins; Engine keeps 512."""
+    """With neither --prefill-step-size nor its variable, serve's chunk comes from the device (CPU 256, CUDA and Metal 2048); a flag or variable wins; Engine keeps 512."""
     monkeypatch.delenv("KVTIER_PREFILL_STEP_SIZE", raising=False)
     assert _serve_args(device=device).prefill_step_size == tokens
     assert _serve_args("--prefill-step-size", "64", device=device).prefill_step_size == 64
