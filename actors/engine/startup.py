@@ -108,6 +108,12 @@ def load_model(model_arg: str | Path | None, config: EngineConfig) -> ModelParts
             # NOTE: one line says whether one-token CPU steps use kvtier's few-row
             # product, and why not (docs/batching.md "Few-row products (CPU)").
             _log.info("engine.few_row", products=fusion.few_row, status=fusion.few_row_status)
+        if fusion is not None and fusion.few_row_status:
+            # NOTE: the same for CPU attention's native softmax (docs/operations.md);
+            # its status is decided at load, on the CPU only (as the few-row product's).
+            from kernels.native import softmax_status
+
+            _log.info("engine.native_softmax", status=softmax_status())
     return ModelParts(
         model=loaded.model,
         tokenizer=loaded.tokenizer,
