@@ -1,8 +1,9 @@
 """Build the few-row product's MLX extension on demand, cache it, load it.
 
-The extension (``src/few_row.c``: the kernel; ``src/few_row.cpp``: an MLX
-primitive around it, bound with nanobind in MLX's type domain) must be
-compiled against the MLX that is installed, so it is built on this machine:
+The extension (``src/few_row.c``: the few-row kernel; ``src/softmax.c``:
+CPU attention's softmax; ``src/few_row.cpp``: MLX primitives around them,
+bound with nanobind in MLX's type domain) must be compiled against the MLX
+that is installed, so it is built on this machine:
 the first time it is asked for, into ``$KVTIER_HOME/native/<key>``, where
 the key digests the sources, MLX's and nanobind's versions and the Python
 ABI. Later processes load the cached module. A file lock serializes builds,
@@ -60,7 +61,11 @@ __all__ = [
 
 MODULE_NAME = "_kvtier_few_row"
 _SRC = Path(__file__).resolve().parent / "src"
-_SOURCES = ("few_row.c", "softmax.c", "few_row.cpp")
+_SOURCES = ("kvtier_simd.h", "few_row.c", "softmax.c", "few_row.cpp")
+
+_C_OBJECTS = (("few_row.c", "kernel.o"), ("softmax.c", "softmax.o"))
+"""The C kernels (AVX2 + FMA) and their object files, linked into the module with few_row.cpp."""
+
 _BUILD_TIMEOUT_S = 600.0
 FAILURE_RECORD = "build-failed.json"
 """The record of a failed build in the key directory (JSON: toolchain and reason)."""
@@ -217,34 +222,8 @@ def _build(directory: Path) -> None:
             f"-I{py_include}",
             f"-I{nb_root / 'include'}",
         ]
-        _run(
-            [
-                cc,
-                *common,
-                "-std=gnu11",
-                "-mavx2",
-                "-mfma",
-                "-c",
-                str(_SRC / "few_row.c"),
-                "-o",
-                "kernel.o",
-            ],
-            tmp,
-        )
-        _run(
-            [
-                cc,
-                *common,
-                "-std=gnu11",
-                "-mavx2",
-                "-mfma",
-                "-c",
-                str(_SRC / "softmax.c"),
-                "-o",
-                "softmax.o",
-            ],
-            tmp,
-        )
+        for source, obj in _C_OBJECTS:
+            _run([cc, *common, "-std=gnu11", "-mavx2", "-mfma", "-c", str(_SRC / source), "-o", obj], tmp)
         _run(
             [
                 cxx,
@@ -281,8 +260,7 @@ def _build(directory: Path) -> None:
                 str(out),
                 "module.o",
                 "nanobind.o",
-                "kernel.o",
-                "softmax.o",
+                *(obj for _, obj in _C_OBJECTS),
                 f"-L{mlx_lib}",
                 f"-Wl,-rpath,{mlx_lib}",
                 "-lmlx",

@@ -19,17 +19,9 @@ from kernels.model import (
 )
 from kernels.model import _masked_attention as impl
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
+from tests.kernels.test_prefill_route import _case
 
 SCALE = 0.125
-
-
-def _case(b: int, length: int, t: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    """fp32 queries (8 heads) and keys/values (2 heads) sliced from a longer buffer, as a cache's are."""
-    mx.random.seed(seed)
-    q = mx.random.normal((b, 8, length, 32))
-    kbuf = mx.random.normal((b, 2, t + 21, 32))
-    vbuf = mx.random.normal((b, 2, t + 21, 32))
-    return q, kbuf[..., :t, :], vbuf[..., :t, :]
 
 
 def _diff(a: mx.array, b: mx.array) -> float:

@@ -9,16 +9,10 @@
  * the CPU before loading this code.
  */
 #include <immintrin.h>
+
+#include "kvtier_simd.h"
 #include <pthread.h>
 #include <stddef.h>
-
-static inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
 
 /* MM (a compile-time count, so the accumulators stay in registers) input rows
    against weight rows [n0, n1). */

@@ -18,6 +18,8 @@
  * (softmax arguments are <= 0). AVX2 + FMA; the caller checks the CPU.
  */
 #include <immintrin.h>
+
+#include "kvtier_simd.h"
 #include <stddef.h>
 #include <string.h>
 
@@ -40,14 +42,6 @@ static inline __m256 exp8(__m256 x) {
   y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
   __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
-}
-
-static inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
 }
 
 static void row(const float* restrict x, float* restrict y, int n) {

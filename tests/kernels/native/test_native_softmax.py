@@ -16,6 +16,7 @@ from kernels.model import _masked_attention as impl
 from kernels.model import bind_masked_attention, masked_dispatch, unbind_masked_attention
 from kernels.native import native_softmax_enabled, softmax_op, softmax_status
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
+from tests.kernels.test_prefill_route import _case
 
 Softmax = Callable[[mx.array], mx.array]
 SCALE = 0.125
@@ -87,15 +88,6 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "1"})
     assert not native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "0"})
     assert not native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "off"})
-
-
-def _case(b: int, length: int, t: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    """fp32 queries (9 heads) and keys/values (3 heads) sliced from a longer buffer, as a cache's are."""
-    mx.random.seed(seed)
-    q = mx.random.normal((b, 9, length, 64))
-    kbuf = mx.random.normal((b, 3, t + 11, 64))
-    vbuf = mx.random.normal((b, 3, t + 11, 64))
-    return q, kbuf[..., :t, :], vbuf[..., :t, :]
 
 
 def test_attention_through_it_equals_mlx(op: Softmax, monkeypatch: pytest.MonkeyPatch) -> None:
