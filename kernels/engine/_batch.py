@@ -791,14 +791,27 @@ class BatchGeneration:
     def step(self) -> BatchStep:
         """One engine turn: prefill within the budget, then one token for every decoding row."""
         tuning = self._tuning
+        first_token_turn = self._owes_first and self._first_token_first and self._batch is not None
+        prefill_turn = bool(self._pending) and not first_token_turn
         if tuning is not None:
-            tuning.before_step()
+            if prefill_turn:
+                # NOTE: a turn that prefills runs at the process's default count,
+                # the serial lane's: the tuned count is chosen on decode steps
+                # (where the few-row product, not BLAS, takes the projections
+                # on the CPU), and one thread made a prefill's many-row products
+                # take one core of two (CPU 4 / 8 clients by wall clock 1.32 /
+                # 1.16 x mlx_lm.server tuned, 1.53 / 1.27 untuned,
+                # docs/benchmarks.md). It also gives a row's prefill the serial
+                # lane's products, bit for bit (_blas_threads' NOTE).
+                tuning.release()
+            else:
+                tuning.before_step()
         with mx.stream(generation_stream):
             # NOTE: prefill first: rows it completes enter the decode batch with
             # their last prompt token queued, and this turn's decode forward
             # takes it with every other row (one forward, not two); their
             # first token is emitted by the next turn, as before.
-            if self._owes_first and self._first_token_first and self._batch is not None:
+            if first_token_turn:
                 # NOTE: first token first: this turn's decode hands out the
                 # first tokens of the rows that entered last turn; a prefill
                 # here would hold them back by a whole chunk. Pending rows
@@ -814,7 +827,7 @@ class BatchGeneration:
         if tuning is not None:
             # NOTE: only steps that decoded the same rows and nothing else
             # compare thread counts (a prefill or a row leaving costs more).
-            clean = not exits and not joined and prefilled == 0
+            clean = not exits and not joined and prefilled == 0 and not prefill_turn
             tuning.after_step(decode_rows, clean)
             if not self._rows:
                 tuning.release()

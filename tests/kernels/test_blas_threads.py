@@ -139,7 +139,7 @@ class RecordingTuning:
 def test_kernel_reports_only_pure_decode_steps_as_clean_and_releases_when_idle(
     model: Any, tok: Any
 ) -> None:
-    """Steps that prefill, join or lose a row are not clean; every step is bracketed; the batch going idle releases."""
+    """Steps that prefill, join or lose a row are not clean; a decode step starts with before_step, a prefill step with release (the default count); the batch going idle releases."""
     prompts = _prompts(len(tok), 2, seed=31, lo=6, hi=9)
     tuning = RecordingTuning()
     run = drive(
@@ -151,7 +151,10 @@ def test_kernel_reports_only_pure_decode_steps_as_clean_and_releases_when_idle(
     )
     after = [(rows, clean) for kind, rows, clean in tuning.calls if kind == "after"]
     assert len(after) == len(run.steps)
-    assert [c[0] for c in tuning.calls].count("before") == len(run.steps)
+    # NOTE: what opens each step: the call before each "after".
+    opening = [tuning.calls[i - 1][0] for i, c in enumerate(tuning.calls) if c[0] == "after"]
+    assert opening[0] == "release", "the prefill step runs at the default count"
+    assert opening.count("release") + opening.count("before") == len(run.steps)
     assert after[0] == (0, False), "the prefill step"
     finishing = {run.left_step["a"], run.left_step["b"]}
     for i, (rows, clean) in enumerate(after):
