@@ -92,6 +92,9 @@ _buckets = False
 _cpu_softmax: Callable[[mx.array], mx.array] | None = None
 """The CPU's native softmax: where set, :func:`masked_dispatch` runs every float32 call as folded products with it."""
 
+_cpu_causal: Callable[[mx.array, int, int], mx.array] | None = None
+"""Its causal rows (``(scores, L, T - L)``): a ``"causal"`` prefill call with no mask array built or applied."""
+
 
 def takes_cpu_path(queries: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether :func:`masked_dispatch` runs this call with the native softmax: bound on the CPU, float32, no sinks, not quantized, a mask of None, ``"causal"`` or an array."""
@@ -187,11 +190,21 @@ def masked_dispatch(
 ) -> Any:
     """mlx-lm's ``scaled_dot_product_attention``, with one-position masked queries and prefill calls of new shapes folded (:func:`masked_attention`)."""
     if _cpu_softmax is not None and takes_cpu_path(queries, cache, mask, sinks):
+        softmax = _cpu_softmax
         if isinstance(mask, str):
-            # NOTE: one query sees every key; longer ones bottom-right causal.
-            length = queries.shape[2]
-            mask = causal_mask(length, keys.shape[2]) if length > 1 else None
-        return masked_attention(queries, keys, values, scale=scale, mask=mask, softmax=_cpu_softmax)
+            # NOTE: one query sees every key; longer ones bottom-right causal,
+            # in the softmax's own rows where it can (no mask built, no where:
+            # a sixth of a long prefill's attention), else as a mask.
+            length, t = queries.shape[2], keys.shape[2]
+            causal = _cpu_causal
+            if length == 1:
+                mask = None
+            elif causal is not None:
+                mask = None
+                softmax = lambda s: causal(s, length, t - length)  # noqa: E731
+            else:
+                mask = causal_mask(length, t)
+        return masked_attention(queries, keys, values, scale=scale, mask=mask, softmax=softmax)
     if takes_masked_path(queries, cache, mask, sinks):
         return masked_attention(queries, keys, values, scale=scale, mask=mask)
     if folds_prefill(queries, keys, cache, mask, sinks):
@@ -227,10 +240,10 @@ def install(model: Any) -> bool:
     if mx.default_device() != mx.cpu:
         return False
     # NOTE: imported here: kernels.native loads MLX extensions on first use.
-    from kernels.native import softmax_op
+    from kernels.native import causal_softmax_op, softmax_op
 
     op = softmax_op()
-    return op is not None and bind(model, cpu_softmax=op)
+    return op is not None and bind(model, cpu_softmax=op, cpu_causal=causal_softmax_op())
 
 
 def bind(
@@ -239,19 +252,22 @@ def bind(
     fold_prefill: bool = False,
     buckets: bool = False,
     cpu_softmax: Callable[[mx.array], mx.array] | None = None,
+    cpu_causal: Callable[[mx.array, int, int], mx.array] | None = None,
 ) -> bool:
     """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests).
 
     ``fold_prefill``: whether prefill calls of new shapes fold too;
     ``buckets``: whether the other prefill calls run at bucketed shapes;
     ``cpu_softmax``: every float32 call as folded products with this
-    softmax (the CPU's native one) (for every model the dispatch serves in
-    this process).
+    softmax (the CPU's native one); ``cpu_causal``: its causal rows, for
+    ``"causal"`` prefill calls (for every model the dispatch serves in this
+    process).
     """
-    global _fold_prefill, _buckets, _cpu_softmax
+    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal
     _fold_prefill = fold_prefill
     _buckets = buckets
     _cpu_softmax = cpu_softmax
+    _cpu_causal = cpu_causal if cpu_softmax is not None else None
     module = sys.modules.get(type(model).__module__)
     if module is None or getattr(module, "scaled_dot_product_attention", None) not in (
         _ORIGINAL, masked_dispatch
@@ -265,10 +281,11 @@ def bind(
 
 def unbind(model: Any) -> None:
     """Give the model module mlx-lm's own attention back (benchmarks, tests)."""
-    global _fold_prefill, _buckets, _cpu_softmax
+    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal
     _fold_prefill = False
     _buckets = False
     _cpu_softmax = None
+    _cpu_causal = None
     module = sys.modules.get(type(model).__module__)
     if module is not None and getattr(module, "scaled_dot_product_attention", None) is masked_dispatch:
         module.scaled_dot_product_attention = _ORIGINAL  # type: ignore[attr-defined]

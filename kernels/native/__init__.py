@@ -24,7 +24,13 @@ from ._few_row import (
     few_row_status,
     few_row_threads,
 )
-from ._softmax import NATIVE_SOFTMAX_ENV, native_softmax_enabled, softmax_op, softmax_status
+from ._softmax import (
+    NATIVE_SOFTMAX_ENV,
+    causal_softmax_op,
+    native_softmax_enabled,
+    softmax_op,
+    softmax_status,
+)
 
 __all__ = [
     "FAILURE_RECORD",
@@ -33,6 +39,7 @@ __all__ = [
     "MODULE_NAME",
     "NATIVE_SOFTMAX_ENV",
     "NativeUnavailable",
+    "causal_softmax_op",
     "cpu_supports_kernel",
     "discard_build",
     "extension_dir",

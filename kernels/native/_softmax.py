@@ -23,7 +23,13 @@ from kernels._env import env_switch
 
 from ._build import NativeUnavailable, cpu_supports_kernel, load_extension
 
-__all__ = ["NATIVE_SOFTMAX_ENV", "native_softmax_enabled", "softmax_op", "softmax_status"]
+__all__ = [
+    "NATIVE_SOFTMAX_ENV",
+    "causal_softmax_op",
+    "native_softmax_enabled",
+    "softmax_op",
+    "softmax_status",
+]
 
 NATIVE_SOFTMAX_ENV = "KVTIER_NATIVE_SOFTMAX"
 """Environment switch: ``0`` keeps MLX's softmax in attention on the CPU."""
@@ -53,6 +59,52 @@ def _check(fn: Callable[[mx.array], mx.array]) -> None:
         raise NativeUnavailable("the native softmax disagrees with MLX's")
     if not same:
         raise NativeUnavailable("the native softmax's rows change with leading hidden elements")
+
+
+def _check_causal(fn: Callable[[mx.array, int, int], mx.array]) -> None:
+    """The causal rows against MLX's softmax under the same bottom-right mask; raises NativeUnavailable."""
+    period, offset, n = 5, 9, 14
+    x = mx.random.normal((2, 3 * period, n), key=mx.random.key(12)) * 4.0
+    query = mx.arange(3 * period)[:, None] % period
+    seen = mx.arange(n)[None, :] <= query + offset
+    try:
+        got = fn(x, period, offset)
+        ref = mx.softmax(mx.where(seen, x, mx.finfo(mx.float32).min), axis=-1, precise=True)
+        mx.eval(got, ref)
+        agrees = mx.allclose(got, ref, rtol=1e-5, atol=1e-7).item() and not mx.any(mx.where(seen, 0.0, got)).item()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise NativeUnavailable(f"the native causal softmax failed its check: {exc}") from exc
+    if not agrees:
+        raise NativeUnavailable("the native causal softmax disagrees with MLX's")
+
+
+def causal_softmax_op() -> Callable[[mx.array, int, int], mx.array] | None:
+    """``(x, period, offset) -> softmax`` where row ``r`` sees its first ``offset + r % period + 1`` elements, or ``None``.
+
+    Available when :func:`softmax_op` is (same extension, same switch) and
+    its own check passes.
+    """
+    if "causal" in _state:
+        op: Callable[[mx.array, int, int], mx.array] | None = _state["causal"]
+        return op
+    _state["causal"] = None
+    if softmax_op() is None:
+        return None
+    try:
+        raw = getattr(load_extension(), "softmax_causal", None)
+        if not callable(raw):
+            raise NativeUnavailable("the extension has no softmax_causal function")
+
+        def fn(x: mx.array, period: int, offset: int) -> mx.array:
+            out: mx.array = raw(x, period, offset)
+            return out
+
+        _check_causal(fn)
+    except (NativeUnavailable, OSError) as exc:
+        _state["status"] = f"on (causal rows unavailable: {exc})"
+        return None
+    _state["causal"] = fn
+    return fn
 
 
 def softmax_op() -> Callable[[mx.array], mx.array] | None:

@@ -18,6 +18,8 @@ namespace nb = nanobind;
 extern "C" int kvtier_few_row_matmul(
     const float* x, const float* w, float* y, int M, int K, int N, int threads);
 extern "C" void kvtier_softmax_rows(const float* x, float* y, long rows, int n);
+extern "C" void kvtier_softmax_causal_rows(
+    const float* x, float* y, long rows, int n, int period, int offset);
 
 namespace {
 
@@ -86,7 +88,9 @@ mx::array few_row(const mx::array& x, const mx::array& w, int threads) {
 // where MLX's CPU backend on x86 calls expf per element.
 class SoftmaxRows : public mx::Primitive {
  public:
-  explicit SoftmaxRows(mx::Stream stream) : mx::Primitive(stream) {}
+  // period 0: plain rows; otherwise row r sees offset + r % period + 1 elements.
+  SoftmaxRows(mx::Stream stream, int period, int offset)
+      : mx::Primitive(stream), period_(period), offset_(offset) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
@@ -101,8 +105,13 @@ class SoftmaxRows : public mx::Primitive {
     const int n = x.ndim() == 0 ? 1 : static_cast<int>(x.shape(-1));
     const long rows = n == 0 ? 0 : static_cast<long>(x.size() / n);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(x),
-                      out = mx::array::unsafe_weak_copy(out), rows, n]() mutable {
-      kvtier_softmax_rows(x.data<float>(), out.data<float>(), rows, n);
+                      out = mx::array::unsafe_weak_copy(out), rows, n,
+                      period = period_, offset = offset_]() mutable {
+      if (period > 0) {
+        kvtier_softmax_causal_rows(x.data<float>(), out.data<float>(), rows, n, period, offset);
+      } else {
+        kvtier_softmax_rows(x.data<float>(), out.data<float>(), rows, n);
+      }
     });
   }
 
@@ -114,21 +123,41 @@ class SoftmaxRows : public mx::Primitive {
     return "KvtierSoftmaxRows";
   }
 
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const SoftmaxRows&>(other);
+    return period_ == o.period_ && offset_ == o.offset_;
   }
+
+ private:
+  int period_;
+  int offset_;
 };
 
-mx::array softmax(const mx::array& x) {
+mx::array softmax_impl(const mx::array& x, int period, int offset) {
   if (x.dtype() != mx::float32) {
     throw std::invalid_argument("softmax: x must be float32");
   }
   if (x.ndim() < 1 || x.shape(-1) > (1 << 30)) {
     throw std::invalid_argument("softmax: x must have a last axis of at most 2^30");
   }
+  if (period < 0 || offset < 0) {
+    throw std::invalid_argument("softmax: period and offset must be >= 0");
+  }
   auto stream = mx::default_stream(mx::Device::cpu);
   auto xc = mx::contiguous(x, false, stream);
-  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream), {xc});
+  return mx::array(
+      x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream, period, offset), {xc});
+}
+
+mx::array softmax(const mx::array& x) {
+  return softmax_impl(x, 0, 0);
+}
+
+mx::array softmax_causal(const mx::array& x, int period, int offset) {
+  if (period < 1) {
+    throw std::invalid_argument("softmax_causal: period must be >= 1");
+  }
+  return softmax_impl(x, period, offset);
 }
 
 }  // namespace
@@ -140,4 +169,7 @@ NB_MODULE(_kvtier_few_row, m) {
   m.def("softmax", &softmax, nb::arg("x"),
         "Softmax over the last axis of a float32 x on the CPU stream; a row's result does not "
         "depend on leading elements whose exp is zero.");
+  m.def("softmax_causal", &softmax_causal, nb::arg("x"), nb::arg("period"), nb::arg("offset"),
+        "Softmax over the last axis where row r sees only its first offset + r % period + 1 "
+        "elements (bottom-right causal attention with the queries folded); the rest are 0.");
 }

@@ -77,3 +77,17 @@ static void row(const float* restrict x, float* restrict y, int n) {
 void kvtier_softmax_rows(const float* x, float* y, long rows, int n) {
   for (long r = 0; r < rows; r++) row(x + (size_t)r * n, y + (size_t)r * n, n);
 }
+
+/* Bottom-right causal rows: row r is query r % period, which sees its first
+   offset + r % period + 1 elements; the rest weigh exactly 0 (not read). The
+   same bits as kvtier_softmax_rows over a row whose hidden elements hold the
+   dtype's lowest value: those add exact zeros to the lanes. */
+void kvtier_softmax_causal_rows(const float* x, float* y, long rows, int n, int period, int offset) {
+  for (long r = 0; r < rows; r++) {
+    long seen = (long)offset + r % period + 1;
+    int vis = seen < 1 ? 1 : seen > n ? n : (int)seen;
+    float* yr = y + (size_t)r * n;
+    row(x + (size_t)r * n, yr, vis);
+    if (vis < n) memset(yr + vis, 0, (size_t)(n - vis) * sizeof(float));
+  }
+}

@@ -14,11 +14,12 @@ import kernels.native
 from kernels.engine import BatchGeneration, SamplingParams
 from kernels.model import _masked_attention as impl
 from kernels.model import bind_masked_attention, masked_dispatch, unbind_masked_attention
-from kernels.native import native_softmax_enabled, softmax_op, softmax_status
+from kernels.native import causal_softmax_op, native_softmax_enabled, softmax_op, softmax_status
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
 from tests.kernels.test_prefill_route import _case
 
 Softmax = Callable[[mx.array], mx.array]
+Causal = Callable[[mx.array, int, int], mx.array]
 SCALE = 0.125
 HIDDEN = float(mx.finfo(mx.float32).min)
 
@@ -33,6 +34,15 @@ def op() -> Softmax:
             # NOTE: it built and loaded but failed its own check: a bug, not a platform limit.
             pytest.fail(f"the native softmax failed its check: {status}")
         pytest.skip(f"the native softmax does not run here: {status}")
+    return fn
+
+
+@pytest.fixture(scope="module")
+def causal(op: Softmax) -> Causal:
+    """The native causal rows (fails where the plain op runs and these do not: same extension)."""
+    fn = causal_softmax_op()
+    if fn is None:
+        pytest.fail(f"the native causal softmax is unavailable: {softmax_status()}")
     return fn
 
 
@@ -67,6 +77,20 @@ def test_hidden_keys_get_zero_and_leading_ones_change_no_bit(op: Softmax) -> Non
     assert _diff(tail[:, :53], alone) < 1e-7
 
 
+@pytest.mark.parametrize(("period", "offset", "n"), [(1, 0, 9), (4, 0, 4), (5, 9, 14), (24, 300, 324), (3, 2, 40)])
+def test_causal_rows_equal_the_masked_softmax_bit_for_bit(
+    op: Softmax, causal: Causal, period: int, offset: int, n: int
+) -> None:
+    """Row r seeing its first offset + r % period + 1 elements gives the plain op's bits on the row with the rest hidden, and zeros past them."""
+    x = mx.random.normal((2, 3 * period, n), key=mx.random.key(period + n)) * 5.0
+    query = mx.arange(3 * period)[:, None] % period
+    seen = mx.arange(n)[None, :] <= query + offset
+    masked = op(mx.where(seen, x, HIDDEN))
+    got = causal(x, period, offset)
+    assert mx.array_equal(got, masked).item()
+    assert mx.allclose(got, mx.softmax(mx.where(seen, x, HIDDEN), axis=-1, precise=True), rtol=2e-5, atol=1e-7).item()
+
+
 def test_inside_a_lazy_graph_and_on_views(op: Softmax) -> None:
     """The op takes a lazy, strided input (made contiguous) and feeds later ops."""
     x = mx.random.normal((6, 40), key=mx.random.key(9))
@@ -90,9 +114,13 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "off"})
 
 
-def test_attention_through_it_equals_mlx(op: Softmax, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the CPU path bound, causal prefill chunks, a decode step, a padded batch's mask and no mask equal mx.fast's attention."""
+@pytest.mark.parametrize("with_causal", [False, True])
+def test_attention_through_it_equals_mlx(
+    op: Softmax, causal: Causal, monkeypatch: pytest.MonkeyPatch, with_causal: bool
+) -> None:
+    """With the CPU path bound (causal rows or a causal mask), causal prefill chunks, a decode step, a padded batch's mask and no mask equal mx.fast's attention."""
     monkeypatch.setattr(impl, "_cpu_softmax", op)
+    monkeypatch.setattr(impl, "_cpu_causal", causal if with_causal else None)
     q, k, v = _case(1, 24, 300, seed=1)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal")
     assert _diff(masked_dispatch(q, k, v, object(), SCALE, "causal"), want) < 1e-5
@@ -144,24 +172,32 @@ def test_install_binds_it_on_the_cpu(unbinding_model: Any, op: Softmax, monkeypa
 
 
 def test_padded_batch_rows_generate_their_serial_tokens_through_it(
-    unbinding_model: Any, tok: Any, op: Softmax, monkeypatch: pytest.MonkeyPatch
+    unbinding_model: Any, tok: Any, op: Softmax, causal: Causal, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows of different lengths (left-padded, masked) decode exactly their serial runs' greedy tokens with the native softmax, and it ran."""
     model = unbinding_model
     calls: list[int] = []
+    causal_calls: list[int] = []
 
     def counted(x: mx.array) -> mx.array:
         calls.append(1)
         return op(x)
 
+    def counted_causal(x: mx.array, period: int, offset: int) -> mx.array:
+        causal_calls.append(1)
+        return causal(x, period, offset)
+
     prompts = _prompts(len(tok), 4, seed=95, lo=6, hi=60)
     params = SamplingParams(max_tokens=12)
-    assert bind_masked_attention(model, cpu_softmax=counted)
+    # NOTE: the serial lane's prefill takes the causal rows, the batch lane's
+    # padded rows the plain op under their mask: the tokens must agree.
+    assert bind_masked_attention(model, cpu_softmax=counted, cpu_causal=counted_causal)
     run = drive(
         BatchGeneration(model, tok, prefill_step_size=16),
         [Plan(str(i), p, params, join_at=i) for i, p in enumerate(prompts)],
     )
     serial = [[o.token_id for o in _serial(model, tok, p, params, step=16)] for p in prompts]
     assert calls, "no attention call took the native softmax"
+    assert causal_calls, "no causal prefill took the causal rows"
     for i in range(len(prompts)):
         assert run.ids(str(i)) == serial[i]
