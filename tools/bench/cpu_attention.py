@@ -73,14 +73,15 @@ def _decode_ms(model: Any, rows: int, context: int, steps: int = 8) -> float:
 
 def _contender(model: Any, name: str) -> None:
     from kernels.model import bind_masked_attention, unbind_masked_attention
-    from kernels.native import softmax_op
+    from kernels.native import causal_softmax_op, softmax_op
 
     unbind_masked_attention(model)
     if name == "native":
+        # NOTE: as kvtier binds it on the CPU: the plain rows and the causal ones.
         op = softmax_op()
         if op is None:
             raise SystemExit("the native softmax does not run here")
-        bind_masked_attention(model, cpu_softmax=op)
+        bind_masked_attention(model, cpu_softmax=op, cpu_causal=causal_softmax_op())
 
 
 def plot(doc: dict[str, Any], out: Path) -> None:
