@@ -13,6 +13,7 @@ variable                      what it sets                                read b
 ``KVTIER_HOME``               root of kvtier's caches                     ``kernels._paths``
 ``KVTIER_FEW_ROW``            switch: the few-row product on the CPU      ``kernels.native``
 ``KVTIER_FEW_ROW_THREADS``    threads of one few-row product (1-16)       ``kernels.native``
+``KVTIER_NATIVE_SOFTMAX``     switch: CPU attention's native softmax      ``kernels.native``
 ``KVTIER_FUSED_PROJECTIONS``  switch: q/k/v and gate/up fused at load     ``kernels.model``
 ``KVTIER_BATCH_BLAS_TUNE``    switch: the batch lane's BLAS thread count  ``kernels.engine``
 ``KVTIER_BATCH_SSM``          switch: recurrent models on the batch lane  ``kernels.engine``
@@ -36,6 +37,8 @@ variable                      what it sets                                read b
                               folded products (CUDA)
 ``KVTIER_CUDA_PREFILL_FOLD``  switch (default off): prefill attention  ``kernels.model``
                               of a shape new to cuDNN folded (CUDA)
+``KVTIER_CUDA_ATTENTION_BUCKETS``  switch (default off): prefill     ``kernels.model``
+                              attention at padded shapes (CUDA)
 ``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``
 ``CC``, ``CXX``               compilers for the few-row module            ``kernels.native``
 ============================  ==========================================  =====================

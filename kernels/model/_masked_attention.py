@@ -23,9 +23,15 @@ order can differ.
 loaded model's mlx-lm module to :func:`masked_dispatch`, which takes this
 path only where MLX's CUDA backend falls back (a batch cache's array mask,
 a one-position query, no sinks, not quantized) and calls mlx-lm's own
-function otherwise. It installs on CUDA only;
-``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves the module alone (the A/B switch
-of the measurement).
+function otherwise. On CUDA ``KVTIER_CUDA_MASKED_ATTENTION=off`` leaves the
+module alone (the A/B switch of the measurement).
+
+On the CPU it installs where kvtier's native softmax runs
+(``kernels.native``, ``KVTIER_NATIVE_SOFTMAX``): MLX's CPU backend on x86
+computes a softmax's ``exp`` one element at a time, most of a long
+prefill's attention, so every float32 call there runs as these folded
+products around the native softmax, and a ``"causal"`` prefill call uses its
+causal rows (no mask built or applied).
 
 The same dispatch can fold the prefill calls whose cuDNN graph MLX would
 have to build (a shape new to this thread, with few enough scores: see
@@ -189,20 +195,22 @@ def masked_dispatch(
     sinks: Any = None,
 ) -> Any:
     """mlx-lm's ``scaled_dot_product_attention``, with one-position masked queries and prefill calls of new shapes folded (:func:`masked_attention`)."""
-    if _cpu_softmax is not None and takes_cpu_path(queries, cache, mask, sinks):
-        softmax = _cpu_softmax
+    cpu_softmax = _cpu_softmax
+    if cpu_softmax is not None and takes_cpu_path(queries, cache, mask, sinks):
+        softmax = cpu_softmax
         if isinstance(mask, str):
             # NOTE: one query sees every key; longer ones bottom-right causal,
             # in the softmax's own rows where it can (no mask built, no where:
             # a sixth of a long prefill's attention), else as a mask.
             length, t = queries.shape[2], keys.shape[2]
             causal = _cpu_causal
-            if length == 1:
-                mask = None
-            elif causal is not None:
-                mask = None
-                softmax = lambda s: causal(s, length, t - length)  # noqa: E731
-            else:
+            mask = None
+            if length > 1 and causal is not None:
+
+                def softmax(scores: mx.array) -> mx.array:
+                    return causal(scores, length, t - length)
+
+            elif length > 1:
                 mask = causal_mask(length, t)
         return masked_attention(queries, keys, values, scale=scale, mask=mask, softmax=softmax)
     if takes_masked_path(queries, cache, mask, sinks):

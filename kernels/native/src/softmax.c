@@ -28,7 +28,9 @@
 static inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(EXP_LO);
   __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37626266f)), lo);
+  /* NOTE: operands in this order pass a NaN through (min/max return their
+     second operand when either is NaN): a NaN score gives NaN weights, as MLX's. */
+  x = _mm256_max_ps(lo, _mm256_min_ps(_mm256_set1_ps(88.37626266f), x));
   __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);

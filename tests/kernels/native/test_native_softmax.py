@@ -100,13 +100,23 @@ def test_inside_a_lazy_graph_and_on_views(op: Softmax) -> None:
     assert _diff(got, want) < 2e-6
 
 
+def test_a_nan_score_is_not_hidden(op: Softmax) -> None:
+    """A NaN among a row's scores makes that row NaN, as MLX's softmax does; other rows stay finite."""
+    x = mx.random.normal((3, 20), key=mx.random.key(4))
+    x = mx.where((mx.arange(3)[:, None] == 1) & (mx.arange(20)[None, :] == 7), mx.array(float("nan")), x)
+    got = op(x)
+    assert mx.all(mx.isnan(got[1])).item()
+    assert not mx.any(mx.isnan(got[0])).item()
+    assert not mx.any(mx.isnan(got[2])).item()
+
+
 def test_other_dtypes_are_refused(op: Softmax) -> None:
     """Only float32: half precision is refused, not silently widened."""
     with pytest.raises(ValueError, match="float32"):
         op(mx.zeros((2, 4), dtype=mx.float16))
 
 
-def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch() -> None:
     """KVTIER_NATIVE_SOFTMAX=0 (or off) switches it off; unset or 1 leaves it on."""
     assert native_softmax_enabled({})
     assert native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "1"})
