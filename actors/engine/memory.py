@@ -170,6 +170,10 @@ class ProcessMemory:
         self.mlx_parts = parts()
         return self.mlx_parts[0] + self.mlx_parts[1]
 
+    def resident_now(self) -> int | None:
+        """The process's RSS now (any thread: a procfs or Mach read, no MLX call; ``None`` where unreadable)."""
+        return self._rss()
+
     def read(self) -> int:
         """The reading now (engine thread)."""
         mlx = self._mlx()

@@ -248,8 +248,10 @@ class MemoryGauge:
     MLX's active and cached memory). NOTE: one int, replaced whole (atomic
     under the GIL); the loop reads it like the engine thread's other
     statistics. Memory grows only inside engine jobs; memory freed between
-    jobs makes the reading high, never low, so a decision on it errs on the
-    safe side.
+    jobs makes the reading high, never low. A job still running has grown
+    memory the reading does not show yet: a decision made off the engine
+    thread on it alone may be low (``actors.memory.ports.GuardGauges`` reads
+    RSS now beside it).
     """
 
     def __init__(self, read: Callable[[], int]) -> None:

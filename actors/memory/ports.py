@@ -47,6 +47,10 @@ class Reading(Protocol):
     resident_at_start: int | None
     mlx_parts: tuple[int, int, int] | None
 
+    def resident_now(self) -> int | None:
+        """The process's RSS now (any thread, no MLX call; ``None`` where unreadable)."""
+        ...
+
 
 class HeapTrims(Protocol):
     """The C-heap trims' counters (``actors.engine.memory.HeapTrim``)."""
@@ -56,7 +60,20 @@ class HeapTrims(Protocol):
 
 
 class GuardGauges:
-    """:class:`GaugePort` over the guard, its reading and the heap trims (each optional)."""
+    """:class:`GaugePort` over the guard, its reading and the heap trims (each optional).
+
+    ``active`` is the larger of the guard's latest reading and the process's
+    RSS now (``Reading.resident_now``). NOTE: the latest reading is taken
+    when an engine job ends, so the job running now has grown memory it
+    does not show: a batch chain streams a row's last token before it ends,
+    and that row's client may ask again at once. Admitted at once on that
+    stale figure (by :class:`AdmissionCheck` or by the actor), such a
+    request met the in-turn check (fresh, and unable to relieve: it runs
+    inside a turn) and was refused although moving cached entries out would
+    have made room (``tests/e2e/test_memory_guard_rss.py``, batch lane).
+    RSS now covers what the running job has allocated so far; where MLX's
+    memory is not resident memory (CUDA) it adds nothing.
+    """
 
     def __init__(
         self,
@@ -79,7 +96,7 @@ class GuardGauges:
                 checks=guard.checks, refused=guard.refused, settled=guard.settled,
             )
         return Gauges(
-            active=guard.gauge.active_bytes,
+            active=max(guard.gauge.active_bytes, reading.resident_now() or 0),
             samples=guard.gauge.samples,
             checks=guard.checks,
             refused=guard.refused,

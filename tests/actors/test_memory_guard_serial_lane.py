@@ -4,7 +4,8 @@ decode tokens the engine thread reads the memory in use again and fails the requ
 The checks are exercised through a real Engine on its serial lane (``max_batch=1``, tiny fp32
 Llama). The memory in use is the process's RSS, so the test raises it for real: it fills a
 buffer the size of several budgets' headroom, which no settle can give back. Admission decides
-on the reading the last engine job left, so memory that grows after it is seen only by the
+on the reading the last engine job left and the process's RSS now; memory it cannot see (grown
+after the request was admitted, or not resident: CUDA's device memory) is seen only by the
 in-turn checks; each test shows them refusing what admission let through.
 """
 
@@ -98,10 +99,16 @@ async def test_decode_check_fails_the_request_at_256_tokens_when_memory_grew(mod
     assert memory["settled_in_turn"] >= 1
 
 
-async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(model: Any) -> None:
-    """Memory that grew after the last engine job is not in admission's reading: the request is
-    admitted, and the check before its prefill reads again and fails it with no token; the next
-    request, once the memory is back, runs."""
+async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where admission cannot see memory that grew after the last engine job (RSS now unreadable;
+    under CUDA, MLX's device memory is not resident memory), the request is admitted on the
+    latest reading, and the check before its prefill reads again and fails it with no token; the
+    next request, once the memory is back, runs."""
+    from actors.engine.memory import ProcessMemory
+
+    monkeypatch.setattr(ProcessMemory, "resident_now", lambda self: None)
     async with _serial(model, await _budget(model)) as engine:
         params = GenerationParams(max_tokens=8, temperature=0.0)
         grown = [_resident(GROWTH)]
@@ -116,4 +123,25 @@ async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(model:
         await _tokens(engine, params, after)
     assert tokens == []
     assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (1, 0)
+    assert len(after) == 8
+
+
+async def test_admission_sees_memory_grown_since_the_last_engine_job(model: Any) -> None:
+    """RSS now is in admission's figure: memory grown after the last engine job fails the request
+    at admission (where relief could run), not in its turn; the next request, once the memory is
+    back, runs."""
+    async with _serial(model, await _budget(model)) as engine:
+        params = GenerationParams(max_tokens=8, temperature=0.0)
+        grown = [_resident(GROWTH)]
+        tokens: list[int] = []
+        try:
+            with pytest.raises(MemoryPressure, match="memory budget"):
+                await _tokens(engine, params, tokens)
+        finally:
+            grown.clear()
+        refused = await _memory(engine)
+        after: list[int] = []
+        await _tokens(engine, params, after)
+    assert tokens == []
+    assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (0, 1)
     assert len(after) == 8

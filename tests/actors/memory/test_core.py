@@ -330,3 +330,36 @@ def test_the_admission_check_uses_the_actors_rule_on_the_latest_reading() -> Non
     assert not check.fits(_admit())
     assert not core.fits_now(config, BUDGET - DEMAND + 1, _admit())
     assert AdmissionCheck(MemoryConfig(), Port(10 * BUDGET)).fits(_admit())
+
+
+def test_the_gauges_read_rss_now_when_it_is_above_the_latest_reading() -> None:
+    """A job in flight has grown memory the latest reading (taken at a job's end) does not show:
+    the gauges' ``active`` is RSS now where that is higher, so neither the fast path nor the
+    actor admits at once on the stale figure; a lower RSS (or none) leaves the reading."""
+    from actors.engine_thread.memory_guard import Footprint, MemoryGauge, MemoryGuard
+    from actors.memory.ports import GuardGauges
+
+    class Reading:
+        resident: int | None = None
+        mlx = 0
+        resident_at_start: int | None = None
+        mlx_parts: tuple[int, int, int] | None = None
+        now: int | None = BUDGET - DEMAND + 1
+
+        def resident_now(self) -> int | None:
+            return self.now
+
+    gauge = MemoryGauge(lambda: BUDGET - DEMAND)
+    gauge.sample()
+    guard = MemoryGuard(budget=BUDGET, footprint=Footprint(kv_bytes_at=lambda n: 1000 * n,
+                                                           chunk=512), gauge=gauge)
+    reading = Reading()
+    gauges = GuardGauges(guard, reading)
+    check = AdmissionCheck(_state().config, gauges)
+    assert gauges.read().active == BUDGET - DEMAND + 1
+    assert not check.fits(_admit())
+    reading.now = 0
+    assert gauges.read().active == BUDGET - DEMAND
+    assert check.fits(_admit())
+    reading.now = None
+    assert check.fits(_admit())
