@@ -42,6 +42,7 @@
 #   newshapes    the same joins with no shape repeated, prefill folding on / off, beside 0 / 4 decoding rows
 #   extras       SSD on/off TTFT; checkpoint restart at 75 % (EXTRAS=ssd: the first only)
 #   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
+#   readback     a checkpoint read-back's pieces on CUDA: gather, first host view, host read (cuda_readback.py)
 #   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
 #                --variants ROWS:STEP, TTFT_CACHE=1 --cache-rows --cache-burst)
@@ -259,6 +260,13 @@ case "$cmd" in
     # products beside it. No model needed.
     device_env
     python3 tools/bench/sdpa_shapes.py --json "$OUT/sdpa_shapes.json" "$@" 2>&1 | tee "$OUT/sdpa_shapes.txt"
+    ;;
+  readback)
+    # Where the batch lane's ~9.4 ms checkpoint views turn goes: the one-buffer
+    # copy, the first host view of it, the host read, idle and behind a
+    # decode-sized matmul chain (no model needed).
+    device_env
+    python3 tools/bench/cuda_readback.py --json "$OUT/cuda_readback.json" "$@" 2>&1 | tee "$OUT/cuda_readback.txt"
     ;;
   shapes)
     # What a query length MLX has not run before costs, op by op (shape_costs.py),
