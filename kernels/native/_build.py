@@ -1,7 +1,8 @@
 """Build the few-row product's MLX extension on demand, cache it, load it.
 
 The extension (``src/few_row.c``: the few-row kernel; ``src/softmax.c``:
-CPU attention's softmax; ``src/few_row.cpp``: MLX primitives around them,
+CPU attention's softmax; ``src/pool.c``: their worker threads;
+``src/few_row.cpp``: MLX primitives around them,
 bound with nanobind in MLX's type domain) must be compiled against the MLX
 that is installed, so it is built on this machine:
 the first time it is asked for, into ``$KVTIER_HOME/native/<key>``, where
@@ -61,9 +62,9 @@ __all__ = [
 
 MODULE_NAME = "_kvtier_few_row"
 _SRC = Path(__file__).resolve().parent / "src"
-_SOURCES = ("kvtier_simd.h", "few_row.c", "softmax.c", "few_row.cpp")
+_SOURCES = ("kvtier_simd.h", "kvtier_pool.h", "pool.c", "few_row.c", "softmax.c", "few_row.cpp")
 
-_C_OBJECTS = (("few_row.c", "kernel.o"), ("softmax.c", "softmax.o"))
+_C_OBJECTS = (("pool.c", "pool.o"), ("few_row.c", "kernel.o"), ("softmax.c", "softmax.o"))
 """The C kernels (AVX2 + FMA) and their object files, linked into the module with few_row.cpp."""
 
 _BUILD_TIMEOUT_S = 600.0

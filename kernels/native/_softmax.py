@@ -7,7 +7,8 @@ switched off or cannot run here (:func:`softmax_status` says why). The
 first call loads the extension the few-row product lives in (built on demand,
 ``_build.py``) and checks the operation against MLX's softmax on random rows
 before trusting it, and that a row's result does not change with leading
-hidden elements. Every failure becomes a status and ``None``, so attention
+hidden elements nor with the threads its rows are split across (as many as
+the few-row product uses, :func:`few_row_threads`). Every failure becomes a status and ``None``, so attention
 keeps MLX's softmax. The outcome is kept for the life of the process.
 Engine thread only.
 """
@@ -22,6 +23,7 @@ import mlx.core as mx
 from kernels._env import env_switch
 
 from ._build import NativeUnavailable, cpu_supports_kernel, load_extension
+from ._few_row import few_row_threads
 
 __all__ = [
     "NATIVE_SOFTMAX_ENV",
@@ -61,6 +63,20 @@ def _check(fn: Callable[[mx.array], mx.array]) -> None:
         raise NativeUnavailable("the native softmax's rows change with leading hidden elements")
 
 
+def _check_split(split: mx.array, whole: mx.array) -> None:
+    """The same rows computed split across threads and on one: the same bits; raises NativeUnavailable."""
+    try:
+        same = mx.array_equal(split, whole).item()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise NativeUnavailable(f"the native softmax failed its check: {exc}") from exc
+    if not same:
+        raise NativeUnavailable("the native softmax's rows change with the threads they run on")
+
+
+SPLIT_CHECK_SHAPE = (3, 40, 1100)
+"""A check input large enough to be split across threads (the kernel splits from 2^15 elements a thread)."""
+
+
 def _check_causal(fn: Callable[[mx.array, int, int], mx.array]) -> None:
     """The causal rows against MLX's softmax under the same bottom-right mask; raises NativeUnavailable."""
     period, offset, n = 5, 9, 14
@@ -95,11 +111,15 @@ def causal_softmax_op() -> Callable[[mx.array, int, int], mx.array] | None:
         if not callable(raw):
             raise NativeUnavailable("the extension has no softmax_causal function")
 
+        threads = few_row_threads()
+
         def fn(x: mx.array, period: int, offset: int) -> mx.array:
-            out: mx.array = raw(x, period, offset)
+            out: mx.array = raw(x, period, offset, threads)
             return out
 
         _check_causal(fn)
+        big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(13)) * 4.0
+        _check_split(fn(big, 7, 900), raw(big, 7, 900, 1))
     except (NativeUnavailable, OSError) as exc:
         _state["status"] = f"on (causal rows unavailable: {exc})"
         return None
@@ -124,15 +144,19 @@ def softmax_op() -> Callable[[mx.array], mx.array] | None:
         if not callable(raw):
             raise NativeUnavailable("the extension has no softmax function")
 
+        threads = few_row_threads()
+
         def fn(x: mx.array) -> mx.array:
-            out: mx.array = raw(x)
+            out: mx.array = raw(x, threads)
             return out
 
         _check(fn)
+        big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(13)) * 4.0
+        _check_split(fn(big), raw(big, 1))
     except (NativeUnavailable, OSError) as exc:
         _state["op"], _state["status"] = None, f"unavailable: {exc}"
         return None
-    _state["op"], _state["status"] = fn, "on"
+    _state["op"], _state["status"] = fn, f"on ({threads} threads)"
     return fn
 
 

@@ -10,8 +10,8 @@
  */
 #include <immintrin.h>
 
+#include "kvtier_pool.h"
 #include "kvtier_simd.h"
-#include <pthread.h>
 #include <stddef.h>
 
 /* MM (a compile-time count, so the accumulators stay in registers) input rows
@@ -48,15 +48,16 @@ typedef struct {
   const float* x;
   const float* w;
   float* y;
-  int M, K, N, n0, n1;
-} job_t;
+  int M, K, N;
+} product_t;
 
-/* Weight rows in tiles that stay in the L2 cache while every block of up to 4
-   input rows reads them: the weights come from memory once per call. */
+/* Weight rows [n0, n1) in tiles that stay in the L2 cache while every block of
+   up to 4 input rows reads them: the weights come from memory once per call. */
 #define TILE 32
-static void run(const job_t* j) {
-  for (int t0 = j->n0; t0 < j->n1; t0 += TILE) {
-    int t1 = t0 + TILE < j->n1 ? t0 + TILE : j->n1;
+static void run(void* ctx, long n0, long n1) {
+  const product_t* j = (const product_t*)ctx;
+  for (int t0 = (int)n0; t0 < (int)n1; t0 += TILE) {
+    int t1 = t0 + TILE < (int)n1 ? t0 + TILE : (int)n1;
     for (int m0 = 0; m0 < j->M; m0 += 4) {
       int mm = j->M - m0 < 4 ? j->M - m0 : 4;
       ROWS_FN[mm](j->x + (size_t)m0 * j->K, j->w, j->y + (size_t)m0 * j->N, j->K, j->N, t0, t1);
@@ -64,84 +65,8 @@ static void run(const job_t* j) {
   }
 }
 
-/* A small pool of persistent workers: a decode step makes ~200 calls, too many
-   to create threads for each. Calls are serialized by `call_mu`. */
-#define MAX_THREADS 16
-static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t start_cv = PTHREAD_COND_INITIALIZER;
-static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;
-static job_t jobs[MAX_THREADS];
-static int workers = 0;      /* started workers (thread i runs jobs[i + 1]) */
-static int active = 0;       /* workers taking part in the current call */
-static unsigned long round_no = 0;
-static int pending = 0;
-
-static void* worker(void* arg) {
-  int i = (int)(size_t)arg;
-  unsigned long seen = 0;
-  pthread_mutex_lock(&mu);
-  for (;;) {
-    while (round_no == seen) pthread_cond_wait(&start_cv, &mu);
-    seen = round_no;
-    if (i >= active) continue;
-    pthread_mutex_unlock(&mu);
-    run(&jobs[i + 1]);
-    pthread_mutex_lock(&mu);
-    if (--pending == 0) pthread_cond_signal(&done_cv);
-  }
-  return 0;
-}
-
-/* A forked child has the parent's counters but none of its threads: start over. */
-static void reset_in_child(void) {
-  pthread_mutex_init(&call_mu, 0);
-  pthread_mutex_init(&mu, 0);
-  pthread_cond_init(&start_cv, 0);
-  pthread_cond_init(&done_cv, 0);
-  workers = 0;
-  active = 0;
-  pending = 0;
-}
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-static void register_atfork(void) { pthread_atfork(0, 0, reset_in_child); }
-
+/* The weight rows split across `threads` (kvtier_pool.h); returns the threads used. */
 int kvtier_few_row_matmul(const float* x, const float* w, float* y, int M, int K, int N, int threads) {
-  pthread_once(&atfork_once, register_atfork);
-  if (threads < 1) threads = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads > N) threads = N > 0 ? N : 1;
-  pthread_mutex_lock(&call_mu);
-  pthread_mutex_lock(&mu);
-  while (workers < threads - 1) {
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, worker, (void*)(size_t)workers) != 0) {
-      pthread_attr_destroy(&attr);
-      break;
-    }
-    pthread_attr_destroy(&attr);
-    workers++;
-  }
-  if (threads - 1 > workers) threads = workers + 1;
-  int per = (N + threads - 1) / threads;
-  for (int i = 0; i < threads; i++) {
-    int a = i * per > N ? N : i * per, b = a + per > N ? N : a + per;
-    jobs[i] = (job_t){x, w, y, M, K, N, a, b};
-  }
-  active = threads - 1;
-  pending = threads - 1;
-  if (pending > 0) {
-    round_no++;
-    pthread_cond_broadcast(&start_cv);
-  }
-  pthread_mutex_unlock(&mu);
-  run(&jobs[0]);
-  pthread_mutex_lock(&mu);
-  while (pending > 0) pthread_cond_wait(&done_cv, &mu);
-  pthread_mutex_unlock(&mu);
-  pthread_mutex_unlock(&call_mu);
-  return threads;
+  product_t job = {x, w, y, M, K, N};
+  return kvtier_parallel(threads, N, run, &job);
 }

@@ -17,9 +17,9 @@ namespace nb = nanobind;
 
 extern "C" int kvtier_few_row_matmul(
     const float* x, const float* w, float* y, int M, int K, int N, int threads);
-extern "C" void kvtier_softmax_rows(const float* x, float* y, long rows, int n);
+extern "C" void kvtier_softmax_rows(const float* x, float* y, long rows, int n, int threads);
 extern "C" void kvtier_softmax_causal_rows(
-    const float* x, float* y, long rows, int n, int period, int offset);
+    const float* x, float* y, long rows, int n, int period, int offset, int threads);
 
 namespace {
 
@@ -89,8 +89,8 @@ mx::array few_row(const mx::array& x, const mx::array& w, int threads) {
 class SoftmaxRows : public mx::Primitive {
  public:
   // period 0: plain rows; otherwise row r sees offset + r % period + 1 elements.
-  SoftmaxRows(mx::Stream stream, int period, int offset)
-      : mx::Primitive(stream), period_(period), offset_(offset) {}
+  SoftmaxRows(mx::Stream stream, int period, int offset, int threads)
+      : mx::Primitive(stream), period_(period), offset_(offset), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
@@ -106,11 +106,12 @@ class SoftmaxRows : public mx::Primitive {
     const long rows = n == 0 ? 0 : static_cast<long>(x.size() / n);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(x),
                       out = mx::array::unsafe_weak_copy(out), rows, n,
-                      period = period_, offset = offset_]() mutable {
+                      period = period_, offset = offset_, threads = threads_]() mutable {
       if (period > 0) {
-        kvtier_softmax_causal_rows(x.data<float>(), out.data<float>(), rows, n, period, offset);
+        kvtier_softmax_causal_rows(
+            x.data<float>(), out.data<float>(), rows, n, period, offset, threads);
       } else {
-        kvtier_softmax_rows(x.data<float>(), out.data<float>(), rows, n);
+        kvtier_softmax_rows(x.data<float>(), out.data<float>(), rows, n, threads);
       }
     });
   }
@@ -125,15 +126,16 @@ class SoftmaxRows : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const SoftmaxRows&>(other);
-    return period_ == o.period_ && offset_ == o.offset_;
+    return period_ == o.period_ && offset_ == o.offset_ && threads_ == o.threads_;
   }
 
  private:
   int period_;
   int offset_;
+  int threads_;
 };
 
-mx::array softmax_impl(const mx::array& x, int period, int offset) {
+mx::array softmax_impl(const mx::array& x, int period, int offset, int threads) {
   if (x.dtype() != mx::float32) {
     throw std::invalid_argument("softmax: x must be float32");
   }
@@ -143,21 +145,25 @@ mx::array softmax_impl(const mx::array& x, int period, int offset) {
   if (period < 0 || offset < 0) {
     throw std::invalid_argument("softmax: period and offset must be >= 0");
   }
+  if (threads < 1 || threads > 16) {
+    throw std::invalid_argument("softmax: threads must be 1-16");
+  }
   auto stream = mx::default_stream(mx::Device::cpu);
   auto xc = mx::contiguous(x, false, stream);
   return mx::array(
-      x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream, period, offset), {xc});
+      x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream, period, offset, threads),
+      {xc});
 }
 
-mx::array softmax(const mx::array& x) {
-  return softmax_impl(x, 0, 0);
+mx::array softmax(const mx::array& x, int threads) {
+  return softmax_impl(x, 0, 0, threads);
 }
 
-mx::array softmax_causal(const mx::array& x, int period, int offset) {
+mx::array softmax_causal(const mx::array& x, int period, int offset, int threads) {
   if (period < 1) {
     throw std::invalid_argument("softmax_causal: period must be >= 1");
   }
-  return softmax_impl(x, period, offset);
+  return softmax_impl(x, period, offset, threads);
 }
 
 }  // namespace
@@ -166,10 +172,12 @@ NB_MODULE(_kvtier_few_row, m) {
   m.def("few_row", &few_row, nb::arg("x"), nb::arg("w"), nb::arg("threads") = 2,
         "x @ w.T on the CPU stream for float32 x (..., K) and w (N, K), each output row "
         "independent of the others.");
-  m.def("softmax", &softmax, nb::arg("x"),
+  m.def("softmax", &softmax, nb::arg("x"), nb::arg("threads") = 1,
         "Softmax over the last axis of a float32 x on the CPU stream; a row's result does not "
-        "depend on leading elements whose exp is zero.");
+        "depend on leading elements whose exp is zero, nor on the threads its rows are split "
+        "across.");
   m.def("softmax_causal", &softmax_causal, nb::arg("x"), nb::arg("period"), nb::arg("offset"),
+        nb::arg("threads") = 1,
         "Softmax over the last axis where row r sees only its first offset + r % period + 1 "
         "elements (bottom-right causal attention with the queries folded); the rest are 0.");
 }

@@ -19,6 +19,7 @@
  */
 #include <immintrin.h>
 
+#include "kvtier_pool.h"
 #include "kvtier_simd.h"
 #include <stddef.h>
 #include <string.h>
@@ -46,10 +47,28 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
 }
 
+/* The row's maximum as the scalar `m = x[j] > m ? x[j] : m` from m = x[0]
+   finds it: a NaN counts only at x[0] (then the maximum is NaN). Eight lanes
+   start from x[0] and max_ps(v, lanes) keeps the lane where v is NaN, so a
+   lane is NaN only when x[0] is; the max of numbers is the same in any order. */
+static inline float row_max(const float* restrict x, int n) {
+  float m = x[0];
+  int j = 0;
+  if (n >= 8) {
+    __m256 lanes = _mm256_set1_ps(x[0]);
+    for (; j + 8 <= n; j += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(x + j), lanes);
+    float l[8];
+    _mm256_storeu_ps(l, lanes);
+    m = l[0];
+    for (int k = 1; k < 8; k++) m = l[k] > m ? l[k] : m;
+  }
+  for (; j < n; j++) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
 static void row(const float* restrict x, float* restrict y, int n) {
   if (n <= 0) return;
-  float m = x[0];
-  for (int j = 1; j < n; j++) m = x[j] > m ? x[j] : m;
+  const float m = row_max(x, n);
   /* NOTE: leading elements whose exp is zero are written as zero and skipped,
      so the lanes below line up with the first element that counts. */
   int j0 = 0;
@@ -76,20 +95,51 @@ static void row(const float* restrict x, float* restrict y, int n) {
   for (; j < n; j++) y[j] *= s;
 }
 
-void kvtier_softmax_rows(const float* x, float* y, long rows, int n) {
-  for (long r = 0; r < rows; r++) row(x + (size_t)r * n, y + (size_t)r * n, n);
+typedef struct {
+  const float* x;
+  float* y;
+  int n, period, offset;
+} rows_t;
+
+static void plain_rows(void* ctx, long a, long b) {
+  const rows_t* j = (const rows_t*)ctx;
+  for (long r = a; r < b; r++) row(j->x + (size_t)r * j->n, j->y + (size_t)r * j->n, j->n);
 }
 
 /* Bottom-right causal rows: row r is query r % period, which sees its first
    offset + r % period + 1 elements; the rest weigh exactly 0 (not read). The
-   same bits as kvtier_softmax_rows over a row whose hidden elements hold the
-   dtype's lowest value: those add exact zeros to the lanes. */
-void kvtier_softmax_causal_rows(const float* x, float* y, long rows, int n, int period, int offset) {
-  for (long r = 0; r < rows; r++) {
-    long seen = (long)offset + r % period + 1;
+   same bits as plain rows over a row whose hidden elements hold the dtype's
+   lowest value: those add exact zeros to the lanes. */
+static void causal_rows(void* ctx, long a, long b) {
+  const rows_t* j = (const rows_t*)ctx;
+  const int n = j->n;
+  for (long r = a; r < b; r++) {
+    long seen = (long)j->offset + r % j->period + 1;
     int vis = seen < 1 ? 1 : seen > n ? n : (int)seen;
-    float* yr = y + (size_t)r * n;
-    row(x + (size_t)r * n, yr, vis);
+    float* yr = j->y + (size_t)r * n;
+    row(j->x + (size_t)r * n, yr, vis);
     if (vis < n) memset(yr + vis, 0, (size_t)(n - vis) * sizeof(float));
   }
+}
+
+/* Rows go to the pool's threads in contiguous parts (a row's bits do not
+   depend on the split) once a call has MIN_SPLIT elements per thread: below
+   that, waking a worker costs more than it saves. */
+#define MIN_SPLIT (1L << 15)
+static int threads_for(long rows, int n, int threads) {
+  long per = (long)MIN_SPLIT;
+  long most = rows * (long)n / per;
+  if (most < 1) most = 1;
+  return threads < most ? threads : (int)most;
+}
+
+void kvtier_softmax_rows(const float* x, float* y, long rows, int n, int threads) {
+  rows_t job = {x, y, n, 0, 0};
+  kvtier_parallel(threads_for(rows, n, threads), rows, plain_rows, &job);
+}
+
+void kvtier_softmax_causal_rows(const float* x, float* y, long rows, int n, int period, int offset,
+                                int threads) {
+  rows_t job = {x, y, n, period, offset};
+  kvtier_parallel(threads_for(rows, n, threads), rows, causal_rows, &job);
 }
