@@ -6,8 +6,10 @@ prefill's attention that is most of the time. kvtier's native softmax
 (``kernels/native/src/softmax.c``, ``KVTIER_NATIVE_SOFTMAX``) runs every
 float32 attention call on the CPU as folded products with an 8-lane exp.
 
-For each contender (``mlx``: mlx-lm's attention; ``native``: kvtier's
-dispatch with the native softmax), interleaved over ``--rounds``:
+For each contender of ``--contenders`` (``mlx``: mlx-lm's attention;
+``native``: kvtier's dispatch with the native softmax as kvtier binds it,
+its rows split across the few-row product's threads; ``native1``: the same
+on one thread), interleaved over ``--rounds``:
 
 - prefill: a prompt of ``--prompt-tokens`` in chunks of each ``--chunks``
   size, the cache evaluated after every chunk (as the engine does), seconds
@@ -24,6 +26,7 @@ Prints the medians and native/mlx ratios, writes JSON and a PNG.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -73,19 +76,26 @@ def _decode_ms(model: Any, rows: int, context: int, steps: int = 8) -> float:
 
 def _contender(model: Any, name: str) -> None:
     from kernels.model import bind_masked_attention, unbind_masked_attention
-    from kernels.native import causal_softmax_op, softmax_op
+    from kernels.native import causal_softmax_op, load_extension, softmax_op
 
     unbind_masked_attention(model)
-    if name == "native":
-        # NOTE: as kvtier binds it on the CPU: the plain rows and the causal ones.
-        op = softmax_op()
-        if op is None:
-            raise SystemExit("the native softmax does not run here")
-        bind_masked_attention(model, cpu_softmax=op, cpu_causal=causal_softmax_op())
+    if name == "mlx":
+        return
+    # NOTE: as kvtier binds it on the CPU: the plain rows and the causal ones.
+    op, causal = softmax_op(), causal_softmax_op()
+    if op is None or causal is None:
+        raise SystemExit("the native softmax does not run here")
+    if name == "native1":
+        ext = load_extension()
+        op = functools.partial(ext.softmax, threads=1)
+        causal = functools.partial(ext.softmax_causal, threads=1)
+    elif name != "native":
+        raise SystemExit(f"no contender {name!r} (mlx, native, native1)")
+    bind_masked_attention(model, cpu_softmax=op, cpu_causal=causal)
 
 
 def plot(doc: dict[str, Any], out: Path) -> None:
-    """Two panels: prefill tok/s per chunk size, decode ms per step; mlx vs native."""
+    """Two panels: prefill tok/s per chunk size, decode ms per step; one bar per contender."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,10 +103,11 @@ def plot(doc: dict[str, Any], out: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
     chunks = [str(c) for c in doc["chunks"]]
-    width = 0.38
-    for i, name in enumerate(("mlx", "native")):
+    names = list(doc["decode_ms"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
         tps = [doc["prompt_tokens"] / statistics.median(doc["prefill_s"][name][c]) for c in chunks]
-        xs = [j + (i - 0.5) * width for j in range(len(chunks))]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(chunks))]
         left.bar(xs, tps, width, label=name)
         for x, v in zip(xs, tps, strict=True):
             left.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
@@ -104,8 +115,8 @@ def plot(doc: dict[str, Any], out: Path) -> None:
     left.set_xlabel("prefill chunk (tokens)")
     left.set_ylabel(f"prefill tok/s, {doc['prompt_tokens']}-token prompt (median)")
     left.legend()
-    ms = [statistics.median(doc["decode_ms"][n]) for n in ("mlx", "native")]
-    right.bar(["mlx", "native"], ms, color=["tab:blue", "tab:orange"])
+    ms = [statistics.median(doc["decode_ms"][n]) for n in names]
+    right.bar(names, ms, color=["tab:blue", "tab:orange", "tab:green"][: len(names)])
     for x, v in enumerate(ms):
         right.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
     right.set_ylabel(f"ms per decode step, {doc['rows']} rows x {doc['context']} cached (median)")
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--context", type=int, default=1152)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--contenders", default="mlx,native", help="comma list of mlx, native, native1")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
@@ -134,17 +146,18 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_model(args.model or default_model_dir()).model
     chunks = [int(c) for c in args.chunks.split(",")]
+    names = args.contenders.split(",")
     doc: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.system()}",
         "prompt_tokens": args.prompt_tokens,
         "chunks": chunks,
         "rows": args.rows,
         "context": args.context,
-        "prefill_s": {n: {str(c): [] for c in chunks} for n in ("mlx", "native")},
-        "decode_ms": {"mlx": [], "native": []},
+        "prefill_s": {n: {str(c): [] for c in chunks} for n in names},
+        "decode_ms": {n: [] for n in names},
     }
     for r in range(args.rounds):
-        order = ("mlx", "native") if r % 2 == 0 else ("native", "mlx")
+        order = names if r % 2 == 0 else names[::-1]
         for name in order:
             _contender(model, name)
             for c in chunks:
@@ -156,12 +169,14 @@ def main(argv: list[str] | None = None) -> int:
             doc["decode_ms"][name].append(ms)
             print(f"round {r} {name:>6} decode {args.rows} rows x {args.context}: {ms:6.1f} ms", flush=True)
     print()
+    first = names[0]
     for c in chunks:
-        m, n = (statistics.median(doc["prefill_s"][k][str(c)]) for k in ("mlx", "native"))
-        print(f"prefill {args.prompt_tokens} tokens, chunk {c:>4}: mlx {m:6.2f} s, native {n:6.2f} s, "
-              f"speed-up {m / n:4.2f} x")
-    m, n = (statistics.median(doc["decode_ms"][k]) for k in ("mlx", "native"))
-    print(f"decode {args.rows} rows x {args.context}: mlx {m:6.1f} ms, native {n:6.1f} ms, speed-up {m / n:4.2f} x")
+        med = {k: statistics.median(doc["prefill_s"][k][str(c)]) for k in names}
+        print(f"prefill {args.prompt_tokens} tokens, chunk {c:>4}: "
+              + ", ".join(f"{k} {v:6.2f} s ({med[first] / v:4.2f} x {first})" for k, v in med.items()))
+    med = {k: statistics.median(doc["decode_ms"][k]) for k in names}
+    print(f"decode {args.rows} rows x {args.context}: "
+          + ", ".join(f"{k} {v:6.1f} ms ({med[first] / v:4.2f} x)" for k, v in med.items()))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if args.plot:

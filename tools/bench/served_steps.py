@@ -357,8 +357,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.model is not None
         else write_random_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
     )
-    serve_args = ("--ssd-cache", "off", "--max-batch", str(args.rows), "--max-queue",
-                  str(args.rows), *args.kvtier_arg)
+    batch = args.max_batch or args.rows
+    serve_args = ("--ssd-cache", "off", "--max-batch", str(batch), "--max-queue",
+                  str(max(batch, args.rows)), *args.kvtier_arg)
     kernel, env, site = stand_in(args, work) if args.stand_in else (None, {}, None)
     mine = dict(env)
     if args.switch_interval_ms > 0:
@@ -384,7 +385,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     clock = StepClock(kernel)
     records: list[dict[str, Any]] = []
     try:
-        async with Engine(model_dir, max_batch=args.rows, max_queue=args.rows) as engine:
+        async with Engine(model_dir, max_batch=args.max_batch or args.rows,
+                          max_queue=max(args.max_batch or 0, args.rows)) as engine:
             # NOTE: warm-up of each at this row count (first steps build and compile).
             for name, server in servers.items():
                 await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
@@ -450,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--rows", type=int, default=32, help="concurrent clients = --max-batch rows")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="--max-batch of both contenders (0: --rows); e.g. 8 with --rows 1 is "
+                        "kvtier serve's default lane under one client")
     p.add_argument("--requests", type=int, default=3, help="requests each client sends in turn")
     p.add_argument("--prompt-tokens", type=int, default=300, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per request (EOS ignored)")
