@@ -34,6 +34,7 @@ from kernels.cache import (
     CacheFileCorrupt,
     EntryPlan,
     GenerationCheckpoint,
+    HostRead,
     KvFileHeader,
     LandingPool,
     OpenEntry,
@@ -41,6 +42,7 @@ from kernels.cache import (
     land_entry,
     landing_thread_count,
     plan_entry,
+    read_fits,
     release_host_copies,
     tail_starts,
     tensors_bytes,
@@ -191,6 +193,10 @@ class CacheSource(Protocol):
         """Run ``fn`` on the engine thread at the next drain (any thread may call this)."""
         ...
 
+    def take_read(self, handle: str) -> object | None:
+        """The entry's host bytes read ahead (``kernels.cache.HostRead``), taken from it (engine thread)."""
+        ...
+
 
 def cold_fingerprint(*, model: str, kv_scheme: str, runtime: str, format_version: int) -> str:
     """The name of the fingerprint directory: a digest of everything that makes KV reusable.
@@ -286,6 +292,10 @@ class EngineTensorSource:
         self._held: dict[int, list[BytesLike]] = {}
         self._orphans_lock = threading.Lock()
         self._orphans: list[EntryPlan] = []
+        # NOTE: checkpoints whose views came from a read-ahead, and those that
+        # had one that did not fit (another base): engine thread, read anywhere.
+        self.read_ahead_used = 0
+        self.read_ahead_missed = 0
 
     def _release_orphans(self) -> None:
         """Engine thread: release the plans whose askers stopped waiting (see :class:`_Claim`)."""
@@ -413,8 +423,17 @@ class EngineTensorSource:
                 checkpoint=checkpoint,
             )
             tails = tail_starts(plan.header, base) if base is not None else None
+            ahead = self._caches.take_read(handle)
             try:
-                views: list[BytesLike] = list(tensors_bytes(plan, range(len(plan.tensors)), tails))
+                views: list[BytesLike]
+                if isinstance(ahead, HostRead) and read_fits(plan, ahead, tails):
+                    # NOTE: read with the other checkpoints of its batch step in one
+                    # read-back (kernels.cache.read_ahead): this turn reads nothing.
+                    views = list(ahead.views)
+                    self.read_ahead_used += 1
+                else:
+                    views = list(tensors_bytes(plan, range(len(plan.tensors)), tails))
+                    self.read_ahead_missed += ahead is not None
             except BaseException:
                 plan.release_arrays()
                 raise

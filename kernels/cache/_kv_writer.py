@@ -404,23 +404,7 @@ def tensors_bytes(
     device round trip per tensor (64 for an 8B-shape entry, ~20 ms on the
     H200's CUDA backend, inside an engine turn).
     """
-    tails = tails or {}
-    arrays: list[Any] = []
-    sizes: list[int] = []
-    for i in indices:
-        a = plan._arrays[i]
-        if a is None:
-            raise RuntimeError("plan arrays were released")
-        rec = plan.tensors[i]
-        start = tails.get(i)
-        if start is not None:
-            if len(rec.shape) < 2 or not 0 <= start <= rec.shape[-2]:
-                raise ValueError(f"tensor {i} has no tokens after {start}")
-            a = a[..., start:, :]
-            sizes.append(rec.nbytes // rec.shape[-2] * (rec.shape[-2] - start) if rec.shape[-2] else 0)
-        else:
-            sizes.append(rec.nbytes)
-        arrays.append(a)
+    arrays, sizes = _tail_arrays(plan, indices, tails or {})
     # NOTE: KVTIER_CUDA_HOST_READ=direct is a diagnostic (which part of the
     # SSD tier's host reads slows decoding on CUDA): it reads the entry's own
     # arrays, whose pages then move to the host.
@@ -442,6 +426,113 @@ def tensors_bytes(
             raise RuntimeError(f"tensor {i} read back {len(view)} bytes, planned {n}")
         views.append(view)
     return views
+
+
+def _tail_arrays(
+    plan: EntryPlan, indices: Sequence[int], tails: Mapping[int, int]
+) -> tuple[list[Any], list[int]]:
+    """The arrays :func:`tensors_bytes` reads for ``indices`` (each cut to its tail) and their bytes."""
+    arrays: list[Any] = []
+    sizes: list[int] = []
+    for i in indices:
+        a = plan._arrays[i]
+        if a is None:
+            raise RuntimeError("plan arrays were released")
+        rec = plan.tensors[i]
+        start = tails.get(i)
+        if start is not None:
+            if len(rec.shape) < 2 or not 0 <= start <= rec.shape[-2]:
+                raise ValueError(f"tensor {i} has no tokens after {start}")
+            a = a[..., start:, :]
+            sizes.append(rec.nbytes // rec.shape[-2] * (rec.shape[-2] - start) if rec.shape[-2] else 0)
+        else:
+            sizes.append(rec.nbytes)
+        arrays.append(a)
+    return arrays, sizes
+
+
+@dataclass(frozen=True, slots=True)
+class HostRead:
+    """A plan's tensor views read ahead of its file's views turn: what :func:`tensors_bytes` gives for ``tails``.
+
+    ``views[i]`` is tensor ``i``'s bytes (its tail after ``tails[i]`` tokens
+    where ``tails`` names it); ``nbytes`` their sum. The views keep their
+    one read-back buffer alive until the last is dropped.
+    """
+
+    tails: Mapping[int, int]
+    views: tuple[memoryview, ...]
+    nbytes: int
+
+
+READ_AHEAD_ENV = "KVTIER_CHECKPOINT_READ_AHEAD"
+"""Switch (default off until measured on CUDA): the batch lane reads a step's checkpoints back in one
+read-back (:func:`read_ahead`) where host reads migrate, instead of one views turn's read-back each."""
+
+
+def read_ahead_enabled() -> bool:
+    """Whether the batch lane reads a step's checkpoints ahead: host reads migrate and :data:`READ_AHEAD_ENV` is on."""
+    return host_reads_migrate() and env_switch(READ_AHEAD_ENV, default=False)
+
+
+def read_ahead(plans: Sequence[tuple[EntryPlan, Mapping[int, int]]]) -> list[HostRead]:
+    """Every tensor of several plans read back to host memory in ONE buffer (engine thread).
+
+    Each result holds exactly the bytes :func:`tensors_bytes` would give for
+    its plan and tails (same arrays, same cuts, row-major). Where host reads
+    migrate (CUDA) a read-back's cost is mostly per call: one managed
+    allocation and one synchronous copy, whatever the bytes (~9 ms on the
+    H200 for a checkpoint's 13 MB or 140 MB); reading a batch step's
+    checkpoints together pays it once. Elsewhere each plan's views are taken
+    as :func:`tensors_bytes` takes them (no copy to save).
+    """
+    if not plans:
+        return []
+    # NOTE: the diagnostic read modes (HOST_READ_ENV) keep their per-plan reads.
+    if not host_reads_migrate() or (env_text(HOST_READ_ENV) or "flat").lower() != "flat":
+        return [_host_read(tails, tensors_bytes(plan, range(len(plan.tensors)), tails))
+                for plan, tails in plans]
+    arrays: list[Any] = []
+    sizes: list[int] = []
+    counts: list[int] = []
+    for plan, tails in plans:
+        a, n = _tail_arrays(plan, range(len(plan.tensors)), tails)
+        arrays.extend(a)
+        sizes.extend(n)
+        counts.append(len(a))
+    views = _flat_host_views(range(len(arrays)), arrays, sizes)
+    out: list[HostRead] = []
+    at = 0
+    for (_, tails), count in zip(plans, counts, strict=True):
+        out.append(_host_read(tails, views[at:at + count]))
+        at += count
+    return out
+
+
+def read_fits(plan: EntryPlan, read: HostRead, tails: Mapping[int, int] | None) -> bool:
+    """Whether ``read`` holds what :func:`tensors_bytes` would read for ``plan`` with ``tails``.
+
+    The same cuts (``tails``, ``{}`` for none) and, tensor by tensor, the
+    planned byte counts: a read made for another base, or for another
+    cache, never stands in for this one.
+    """
+    if dict(read.tails) != dict(tails or {}) or len(read.views) != len(plan.tensors):
+        return False
+    for i, (rec, view) in enumerate(zip(plan.tensors, read.views, strict=True)):
+        start = read.tails.get(i)
+        if start is None:
+            want = rec.nbytes
+        elif len(rec.shape) < 2 or not 0 <= start <= rec.shape[-2]:
+            return False
+        else:
+            want = rec.nbytes // rec.shape[-2] * (rec.shape[-2] - start) if rec.shape[-2] else 0
+        if len(view) != want:
+            return False
+    return True
+
+
+def _host_read(tails: Mapping[int, int], views: Sequence[memoryview]) -> HostRead:
+    return HostRead(tails=dict(tails), views=tuple(views), nbytes=sum(len(v) for v in views))
 
 
 def _flat_host_views(

@@ -76,6 +76,9 @@ class RegistryStats:
 class _Slot:
     caches: list[Any]
     meta: EntryMeta
+    # NOTE: host bytes of the entry read ahead of its file's write
+    # (``kernels.cache.read_ahead``); dropped with the arrays.
+    ahead: Any = None
 
 
 def _compact_recurrent(caches: Sequence[Any]) -> None:
@@ -291,10 +294,33 @@ class CacheRegistry:
         count = len(pending)
         for slot in pending:
             slot.caches.clear()
+            slot.ahead = None
         for fn in later:
             fn()
         self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
         return count
+
+    def attach_read(self, handle: str, read: object) -> None:
+        """Keep ``read`` (host bytes of the entry read ahead, ``kernels.cache.HostRead``) with ``handle`` (engine thread).
+
+        It goes with the entry's arrays (the drain after :meth:`dispose`) unless
+        :meth:`take_read` takes it first.
+        """
+        with self._lock:
+            slot = self._slots.get(handle)
+        if slot is None:
+            raise UnknownCacheHandle(handle)
+        slot.ahead = read
+
+    def take_read(self, handle: str) -> object | None:
+        """The read kept with ``handle``, removed from it (``None``: none, or no such entry; engine thread)."""
+        with self._lock:
+            slot = self._slots.get(handle)
+        if slot is None:
+            return None
+        read: object | None = slot.ahead
+        slot.ahead = None
+        return read
 
     # -- any thread -------------------------------------------------------------
 
