@@ -443,6 +443,7 @@ case "$cmd" in
     # (the device's copy has no usable .git; .gpu/tok travels with call 2).
     # CK_CONTENDERS replaces the list, e.g. with a contender's environment:
     #   off=.:0,on=.:100,lend=.:100:KVTIER_BACKGROUND_IN_CHAIN=on
+    #   off=.:0,on=.:100,ahead=.:100:KVTIER_CHECKPOINT_READ_AHEAD=on (a step's checkpoints read back together)
     contenders=off=.:0,whole=.:100:KVTIER_CHECKPOINT_DELTA=0,on=.:100
     if [ -d .gpu/tok/base ]; then contenders=off=.:0,base=.gpu/tok/base:100,on=.:100; fi
     contenders=${CK_CONTENDERS:-$contenders}
