@@ -99,6 +99,25 @@ async def test_decode_check_fails_the_request_at_256_tokens_when_memory_grew(mod
     assert memory["settled_in_turn"] >= 1
 
 
+async def _grown_then_back(model: Any) -> tuple[list[int], dict[str, Any], list[int]]:
+    """With :data:`GROWTH` resident since the last engine job, an 8-token request fails with
+    MemoryPressure; then, the memory back, another runs: the first's tokens, the guard's
+    figures after it, the second's tokens."""
+    async with _serial(model, await _budget(model)) as engine:
+        params = GenerationParams(max_tokens=8, temperature=0.0)
+        grown = [_resident(GROWTH)]
+        tokens: list[int] = []
+        try:
+            with pytest.raises(MemoryPressure, match="memory budget"):
+                await _tokens(engine, params, tokens)
+        finally:
+            grown.clear()
+        refused = await _memory(engine)
+        after: list[int] = []
+        await _tokens(engine, params, after)
+    return tokens, refused, after
+
+
 async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(
     model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -109,18 +128,7 @@ async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(
     from actors.engine.memory import ProcessMemory
 
     monkeypatch.setattr(ProcessMemory, "resident_now", lambda self: None)
-    async with _serial(model, await _budget(model)) as engine:
-        params = GenerationParams(max_tokens=8, temperature=0.0)
-        grown = [_resident(GROWTH)]
-        tokens: list[int] = []
-        try:
-            with pytest.raises(MemoryPressure, match="memory budget"):
-                await _tokens(engine, params, tokens)
-        finally:
-            grown.clear()
-        refused = await _memory(engine)
-        after: list[int] = []
-        await _tokens(engine, params, after)
+    tokens, refused, after = await _grown_then_back(model)
     assert tokens == []
     assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (1, 0)
     assert len(after) == 8
@@ -130,18 +138,7 @@ async def test_admission_sees_memory_grown_since_the_last_engine_job(model: Any)
     """RSS now is in admission's figure: memory grown after the last engine job fails the request
     at admission (where relief could run), not in its turn; the next request, once the memory is
     back, runs."""
-    async with _serial(model, await _budget(model)) as engine:
-        params = GenerationParams(max_tokens=8, temperature=0.0)
-        grown = [_resident(GROWTH)]
-        tokens: list[int] = []
-        try:
-            with pytest.raises(MemoryPressure, match="memory budget"):
-                await _tokens(engine, params, tokens)
-        finally:
-            grown.clear()
-        refused = await _memory(engine)
-        after: list[int] = []
-        await _tokens(engine, params, after)
+    tokens, refused, after = await _grown_then_back(model)
     assert tokens == []
     assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (0, 1)
     assert len(after) == 8
