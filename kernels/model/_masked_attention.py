@@ -57,6 +57,9 @@ from kernels._memory import on_cuda
 from ._attention_buckets import ATTENTION_BUCKETS_ENV, bucketed_attention, buckets_apply
 from ._prefill_route import causal_mask, prefill_key, shape_memory
 
+MaskedSoftmax = Callable[[mx.array, mx.array, int, int, int], mx.array]
+"""``kernels.native.MaskedSoftmax`` (not imported here: that package loads native code on first use)."""
+
 __all__ = [
     "MASKED_ATTENTION_ENV",
     "MAX_QUERY",
@@ -101,6 +104,9 @@ _cpu_softmax: Callable[[mx.array], mx.array] | None = None
 _cpu_causal: Callable[[mx.array, int, int], mx.array] | None = None
 """Its causal rows (``(scores, L, T - L)``): a ``"causal"`` prefill call with no mask array built or applied."""
 
+_cpu_masked: MaskedSoftmax | None = None
+"""Its masked rows (``kernels.native.MaskedSoftmax``): a boolean mask array applied inside the softmax, no ``where`` pass."""
+
 
 def takes_cpu_path(queries: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether :func:`masked_dispatch` runs this call with the native softmax: bound on the CPU, float32, no sinks, not quantized, a mask of None, ``"causal"`` or an array."""
@@ -119,13 +125,16 @@ def masked_attention(
     scale: float,
     mask: mx.array | None,
     softmax: Callable[[mx.array], mx.array] | None = None,
+    masked_softmax: MaskedSoftmax | None = None,
 ) -> mx.array:
     """Softmax attention of ``queries`` ``(B, H, L, D)`` over ``keys``/``values`` ``(B, Hkv, T, D)`` under ``mask``.
 
     ``mask`` broadcasts to ``(B, H, L, T)``: boolean (False hides a key) or
     additive; ``None`` hides nothing. ``H`` is a multiple of ``Hkv``
     (grouped-query attention). ``softmax`` replaces MLX's precise softmax
-    over the last axis (the CPU's native one).
+    over the last axis (the CPU's native one); ``masked_softmax`` (its masked
+    rows) takes a boolean mask of one head ``(B or 1, 1, L or 1, T)`` into the
+    softmax itself: the same bits as ``where`` then ``softmax``.
     """
     b, h, length, d = queries.shape
     hkv = keys.shape[1]
@@ -144,6 +153,14 @@ def masked_attention(
     while m.ndim < 4:
         m = m[None]
     mb, mh, ml = m.shape[0], m.shape[1], m.shape[2]
+    if (masked_softmax is not None and m.dtype == mx.bool_ and mh == 1 and mb in (1, b)
+            and ml in (1, length) and m.shape[3] == t):
+        # NOTE: the folded rows of batch i, head j, repeat r, position p are
+        # row ((i * Hkv + j) * rep + r) * L + p: within a batch every L-th row
+        # takes the same mask row, so the mask is never broadcast to them.
+        weights = masked_softmax(scores, m.reshape(mb * ml, t), hkv * rep * length, mb, ml)
+        out = weights @ values
+        return out.reshape(b, hkv, rep, length, d).reshape(b, h, length, d)
     if mh != 1 or ml != 1:
         # NOTE: per-head or per-position masks laid out as the folded rows;
         # one mask for every head and position (the decode step's (B, 1, 1,
@@ -212,7 +229,8 @@ def masked_dispatch(
 
             elif length > 1:
                 mask = causal_mask(length, t)
-        return masked_attention(queries, keys, values, scale=scale, mask=mask, softmax=softmax)
+        return masked_attention(queries, keys, values, scale=scale, mask=mask, softmax=softmax,
+                                masked_softmax=_cpu_masked)
     if takes_masked_path(queries, cache, mask, sinks):
         return masked_attention(queries, keys, values, scale=scale, mask=mask)
     if folds_prefill(queries, keys, cache, mask, sinks):
@@ -248,10 +266,11 @@ def install(model: Any) -> bool:
     if mx.default_device() != mx.cpu:
         return False
     # NOTE: imported here: kernels.native loads MLX extensions on first use.
-    from kernels.native import causal_softmax_op, softmax_op
+    from kernels.native import causal_softmax_op, masked_softmax_op, softmax_op
 
     op = softmax_op()
-    return op is not None and bind(model, cpu_softmax=op, cpu_causal=causal_softmax_op())
+    return op is not None and bind(model, cpu_softmax=op, cpu_causal=causal_softmax_op(),
+                                   cpu_masked=masked_softmax_op())
 
 
 def bind(
@@ -261,6 +280,7 @@ def bind(
     buckets: bool = False,
     cpu_softmax: Callable[[mx.array], mx.array] | None = None,
     cpu_causal: Callable[[mx.array, int, int], mx.array] | None = None,
+    cpu_masked: MaskedSoftmax | None = None,
 ) -> bool:
     """Rebind the model module's attention to :func:`masked_dispatch` on any device (benchmarks, tests).
 
@@ -268,14 +288,15 @@ def bind(
     ``buckets``: whether the other prefill calls run at bucketed shapes;
     ``cpu_softmax``: every float32 call as folded products with this
     softmax (the CPU's native one); ``cpu_causal``: its causal rows, for
-    ``"causal"`` prefill calls (for every model the dispatch serves in this
-    process).
+    ``"causal"`` prefill calls; ``cpu_masked``: its masked rows, for boolean
+    mask arrays (for every model the dispatch serves in this process).
     """
-    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal
+    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal, _cpu_masked
     _fold_prefill = fold_prefill
     _buckets = buckets
     _cpu_softmax = cpu_softmax
     _cpu_causal = cpu_causal if cpu_softmax is not None else None
+    _cpu_masked = cpu_masked if cpu_softmax is not None else None
     module = sys.modules.get(type(model).__module__)
     if module is None or getattr(module, "scaled_dot_product_attention", None) not in (
         _ORIGINAL, masked_dispatch
@@ -289,11 +310,12 @@ def bind(
 
 def unbind(model: Any) -> None:
     """Give the model module mlx-lm's own attention back (benchmarks, tests)."""
-    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal
+    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal, _cpu_masked
     _fold_prefill = False
     _buckets = False
     _cpu_softmax = None
     _cpu_causal = None
+    _cpu_masked = None
     module = sys.modules.get(type(model).__module__)
     if module is not None and getattr(module, "scaled_dot_product_attention", None) is masked_dispatch:
         module.scaled_dot_product_attention = _ORIGINAL  # type: ignore[attr-defined]

@@ -26,7 +26,9 @@ from ._few_row import (
 )
 from ._softmax import (
     NATIVE_SOFTMAX_ENV,
+    MaskedSoftmax,
     causal_softmax_op,
+    masked_softmax_op,
     native_softmax_enabled,
     softmax_op,
     softmax_status,
@@ -38,6 +40,7 @@ __all__ = [
     "FEW_ROW_THREADS_ENV",
     "MODULE_NAME",
     "NATIVE_SOFTMAX_ENV",
+    "MaskedSoftmax",
     "NativeUnavailable",
     "causal_softmax_op",
     "cpu_supports_kernel",
@@ -48,6 +51,7 @@ __all__ = [
     "few_row_status",
     "few_row_threads",
     "load_extension",
+    "masked_softmax_op",
     "native_softmax_enabled",
     "softmax_op",
     "softmax_status",

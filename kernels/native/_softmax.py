@@ -27,7 +27,9 @@ from ._few_row import few_row_threads
 
 __all__ = [
     "NATIVE_SOFTMAX_ENV",
+    "MaskedSoftmax",
     "causal_softmax_op",
+    "masked_softmax_op",
     "native_softmax_enabled",
     "softmax_op",
     "softmax_status",
@@ -124,6 +126,60 @@ def causal_softmax_op() -> Callable[[mx.array, int, int], mx.array] | None:
         _state["status"] = f"on (causal rows unavailable: {exc})"
         return None
     _state["causal"] = fn
+    return fn
+
+
+MaskedSoftmax = Callable[[mx.array, mx.array, int, int, int], mx.array]
+"""``(x, mask, per_batch, mask_batches, period) -> weights``: x row ``g`` under mask row
+``((g // per_batch) % mask_batches) * period + (g % per_batch) % period`` (False hides)."""
+
+
+def _check_masked(fn: MaskedSoftmax, plain: Callable[[mx.array], mx.array]) -> None:
+    """The masked rows against ``where`` then the plain rows, bit for bit; raises NativeUnavailable."""
+    b, heads, length, n = 2, 3, 5, 14
+    x = mx.random.normal((b, heads * length, n), key=mx.random.key(14)) * 4.0
+    pad = mx.array([0, 4])[:, None, None]
+    k = mx.arange(n)[None, None, :]
+    mask = (k >= pad) & (k <= mx.arange(length)[None, :, None] + n - length)
+    rows = mx.broadcast_to(mask[:, None], (b, heads, length, n)).reshape(b, heads * length, n)
+    try:
+        got = fn(x, mask, heads * length, b, length)
+        ref = plain(mx.where(rows, x, mx.finfo(mx.float32).min))
+        same = mx.array_equal(got, ref).item()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise NativeUnavailable(f"the native masked softmax failed its check: {exc}") from exc
+    if not same:
+        raise NativeUnavailable("the native masked softmax disagrees with where and the plain rows")
+
+
+def masked_softmax_op() -> MaskedSoftmax | None:
+    """The masked rows (:data:`MaskedSoftmax`: ``where(mask, x, lowest)`` and the softmax in one pass), or ``None``.
+
+    Available when :func:`softmax_op` is (same extension, same switch) and
+    its own check passes: the same bits as ``where`` then the plain rows.
+    """
+    if "masked" in _state:
+        op: MaskedSoftmax | None = _state["masked"]
+        return op
+    _state["masked"] = None
+    plain = softmax_op()
+    if plain is None:
+        return None
+    try:
+        raw = getattr(load_extension(), "softmax_masked", None)
+        if not callable(raw):
+            raise NativeUnavailable("the extension has no softmax_masked function")
+        threads = few_row_threads()
+
+        def fn(x: mx.array, mask: mx.array, per_batch: int, mask_batches: int, period: int) -> mx.array:
+            out: mx.array = raw(x, mask, per_batch, mask_batches, period, threads)
+            return out
+
+        _check_masked(fn, plain)
+    except (NativeUnavailable, OSError) as exc:
+        _state["status"] = f"{_state.get('status', 'on')} (masked rows unavailable: {exc})"
+        return None
+    _state["masked"] = fn
     return fn
 
 

@@ -20,6 +20,9 @@ extern "C" int kvtier_few_row_matmul(
 extern "C" void kvtier_softmax_rows(const float* x, float* y, long rows, int n, int threads);
 extern "C" void kvtier_softmax_causal_rows(
     const float* x, float* y, long rows, int n, int period, int offset, int threads);
+extern "C" void kvtier_softmax_masked_rows(const float* x, const unsigned char* mask, float* y,
+                                           long rows, int n, long per_batch, long mask_batches,
+                                           long period, int threads);
 
 namespace {
 
@@ -135,6 +138,95 @@ class SoftmaxRows : public mx::Primitive {
   int threads_;
 };
 
+// Softmax over the last axis where a boolean mask row hides elements (src/softmax.c's
+// masked rows): x row g reads mask row ((g / per_batch) % mask_batches) * period +
+// (g % per_batch) % period.
+class SoftmaxMaskedRows : public mx::Primitive {
+ public:
+  SoftmaxMaskedRows(mx::Stream stream, long per_batch, long mask_batches, long period, int threads)
+      : mx::Primitive(stream),
+        per_batch_(per_batch),
+        mask_batches_(mask_batches),
+        period_(period),
+        threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& mask = inputs[1];
+    auto& out = outputs[0];
+    if (!x.flags().row_contiguous || !mask.flags().row_contiguous) {
+      throw std::runtime_error("softmax_masked: the inputs must be row-contiguous");
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(mask);
+    encoder.set_output_array(out);
+    const int n = static_cast<int>(x.shape(-1));
+    const long rows = n == 0 ? 0 : static_cast<long>(x.size() / n);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), mask = mx::array::unsafe_weak_copy(mask),
+                      out = mx::array::unsafe_weak_copy(out), rows, n, per_batch = per_batch_,
+                      mask_batches = mask_batches_, period = period_,
+                      threads = threads_]() mutable {
+      kvtier_softmax_masked_rows(x.data<float>(), mask.data<unsigned char>(), out.data<float>(),
+                                 rows, n, per_batch, mask_batches, period, threads);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("softmax_masked runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "KvtierSoftmaxMaskedRows";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const SoftmaxMaskedRows&>(other);
+    return per_batch_ == o.per_batch_ && mask_batches_ == o.mask_batches_ &&
+        period_ == o.period_ && threads_ == o.threads_;
+  }
+
+ private:
+  long per_batch_;
+  long mask_batches_;
+  long period_;
+  int threads_;
+};
+
+mx::array softmax_masked(const mx::array& x, const mx::array& mask, long per_batch,
+                         long mask_batches, long period, int threads) {
+  if (x.dtype() != mx::float32) {
+    throw std::invalid_argument("softmax_masked: x must be float32");
+  }
+  if (mask.dtype() != mx::bool_) {
+    throw std::invalid_argument("softmax_masked: mask must be bool");
+  }
+  if (x.ndim() < 1 || x.shape(-1) < 1 || x.shape(-1) > (1 << 30)) {
+    throw std::invalid_argument("softmax_masked: x must have a last axis of 1 to 2^30");
+  }
+  if (mask.ndim() < 1 || mask.shape(-1) != x.shape(-1)) {
+    throw std::invalid_argument("softmax_masked: mask rows must be as long as x's");
+  }
+  if (per_batch < 1 || mask_batches < 1 || period < 1 || threads < 1 || threads > 16) {
+    throw std::invalid_argument(
+        "softmax_masked: per_batch, mask_batches and period must be >= 1, threads 1-16");
+  }
+  const long rows = static_cast<long>(x.size() / x.shape(-1));
+  const long mask_rows = static_cast<long>(mask.size() / mask.shape(-1));
+  if (mask_rows != mask_batches * period || rows % per_batch != 0) {
+    throw std::invalid_argument(
+        "softmax_masked: the mask needs mask_batches x period rows and x whole batches");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  auto xc = mx::contiguous(x, false, stream);
+  auto mc = mx::contiguous(mask, false, stream);
+  return mx::array(
+      x.shape(), mx::float32,
+      std::make_shared<SoftmaxMaskedRows>(stream, per_batch, mask_batches, period, threads),
+      {xc, mc});
+}
+
 mx::array softmax_impl(const mx::array& x, int period, int offset, int threads) {
   if (x.dtype() != mx::float32) {
     throw std::invalid_argument("softmax: x must be float32");
@@ -176,6 +268,11 @@ NB_MODULE(_kvtier_few_row, m) {
         "Softmax over the last axis of a float32 x on the CPU stream; a row's result does not "
         "depend on leading elements whose exp is zero, nor on the threads its rows are split "
         "across.");
+  m.def("softmax_masked", &softmax_masked, nb::arg("x"), nb::arg("mask"), nb::arg("per_batch"),
+        nb::arg("mask_batches"), nb::arg("period"), nb::arg("threads") = 1,
+        "Softmax over the last axis of a float32 x where a bool mask row hides elements: x row "
+        "g reads mask row ((g / per_batch) % mask_batches) * period + (g % per_batch) % period; "
+        "the same bits as where(mask, x, lowest) then softmax.");
   m.def("softmax_causal", &softmax_causal, nb::arg("x"), nb::arg("period"), nb::arg("offset"),
         nb::arg("threads") = 1,
         "Softmax over the last axis where row r sees only its first offset + r % period + 1 "

@@ -29,6 +29,10 @@
 static inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(EXP_LO);
   __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  /* NOTE: lanes under EXP_LO give 0 below whatever is computed for them; they
+     compute e^0 here, since e^EXP_LO's last product is subnormal and x86 takes
+     a microcode assist for it (a hidden key cost ~3 ns an element that way). */
+  x = _mm256_blendv_ps(x, _mm256_setzero_ps(), under);
   /* NOTE: operands in this order pass a NaN through (min/max return their
      second operand when either is NaN): a NaN score gives NaN weights, as MLX's. */
   x = _mm256_max_ps(lo, _mm256_min_ps(_mm256_set1_ps(88.37626266f), x));
@@ -51,7 +55,7 @@ static inline __m256 exp8(__m256 x) {
    finds it: a NaN counts only at x[0] (then the maximum is NaN). Eight lanes
    start from x[0] and max_ps(v, lanes) keeps the lane where v is NaN, so a
    lane is NaN only when x[0] is; the max of numbers is the same in any order. */
-static inline float row_max(const float* restrict x, int n) {
+static inline float row_max(const float* x, int n) {
   float m = x[0];
   int j = 0;
   if (n >= 8) {
@@ -66,7 +70,8 @@ static inline float row_max(const float* restrict x, int n) {
   return m;
 }
 
-static void row(const float* restrict x, float* restrict y, int n) {
+/* NOTE: x may be y (the masked rows run in place); no restrict. */
+static void row(const float* x, float* y, int n) {
   if (n <= 0) return;
   const float m = row_max(x, n);
   /* NOTE: leading elements whose exp is zero are written as zero and skipped,
@@ -101,6 +106,14 @@ typedef struct {
   int n, period, offset;
 } rows_t;
 
+typedef struct {
+  const float* x;
+  float* y;
+  const unsigned char* mask;
+  int n;
+  long per_batch, mask_batches, period;
+} masked_t;
+
 static void plain_rows(void* ctx, long a, long b) {
   const rows_t* j = (const rows_t*)ctx;
   for (long r = a; r < b; r++) row(j->x + (size_t)r * j->n, j->y + (size_t)r * j->n, j->n);
@@ -119,6 +132,34 @@ static void causal_rows(void* ctx, long a, long b) {
     float* yr = j->y + (size_t)r * n;
     row(j->x + (size_t)r * n, yr, vis);
     if (vis < n) memset(yr + vis, 0, (size_t)(n - vis) * sizeof(float));
+  }
+}
+
+/* Masked rows: row g reads mask row ((g / per_batch) % mask_batches) * period
+   + (g % per_batch) % period, and an element the mask hides (0) counts as the
+   dtype's lowest value: the same bits as `where(mask, x, lowest)` then the
+   plain rows, without that pass (written into y, then the row in place). */
+static void masked_rows(void* ctx, long a, long b) {
+  const masked_t* j = (const masked_t*)ctx;
+  const int n = j->n;
+  const float lowest = -3.40282346638528859812e+38f;
+  for (long r = a; r < b; r++) {
+    long mr = ((r / j->per_batch) % j->mask_batches) * j->period + (r % j->per_batch) % j->period;
+    const unsigned char* m = j->mask + (size_t)mr * n;
+    const float* xr = j->x + (size_t)r * n;
+    float* yr = j->y + (size_t)r * n;
+    const __m256 low = _mm256_set1_ps(lowest);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+      /* eight mask bytes widened to lanes: all ones where the byte is not 0 */
+      __m256i keep = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(m + k)));
+      keep = _mm256_xor_si256(_mm256_cmpeq_epi32(keep, _mm256_setzero_si256()),
+                              _mm256_set1_epi32(-1));
+      _mm256_storeu_ps(yr + k, _mm256_blendv_ps(low, _mm256_loadu_ps(xr + k),
+                                                _mm256_castsi256_ps(keep)));
+    }
+    for (; k < n; k++) yr[k] = m[k] ? xr[k] : lowest;
+    row(yr, yr, n);
   }
 }
 
@@ -142,4 +183,10 @@ void kvtier_softmax_causal_rows(const float* x, float* y, long rows, int n, int 
                                 int threads) {
   rows_t job = {x, y, n, period, offset};
   kvtier_parallel(threads_for(rows, n, threads), rows, causal_rows, &job);
+}
+
+void kvtier_softmax_masked_rows(const float* x, const unsigned char* mask, float* y, long rows, int n,
+                                long per_batch, long mask_batches, long period, int threads) {
+  masked_t job = {x, y, mask, n, per_batch, mask_batches, period};
+  kvtier_parallel(threads_for(rows, n, threads), rows, masked_rows, &job);
 }

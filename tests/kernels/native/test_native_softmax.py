@@ -14,7 +14,14 @@ import kernels.native
 from kernels.engine import BatchGeneration, SamplingParams
 from kernels.model import _masked_attention as impl
 from kernels.model import bind_masked_attention, masked_dispatch, unbind_masked_attention
-from kernels.native import causal_softmax_op, native_softmax_enabled, softmax_op, softmax_status
+from kernels.native import (
+    MaskedSoftmax,
+    causal_softmax_op,
+    masked_softmax_op,
+    native_softmax_enabled,
+    softmax_op,
+    softmax_status,
+)
 from tests.kernels.native.conftest import unavailable
 from tests.kernels.test_batch import Plan, _prompts, _serial, drive
 from tests.kernels.test_prefill_route import _case
@@ -41,6 +48,15 @@ def causal(op: Softmax) -> Causal:
     fn = causal_softmax_op()
     if fn is None:
         pytest.fail(f"the native causal softmax is unavailable: {softmax_status()}")
+    return fn
+
+
+@pytest.fixture(scope="module")
+def masked(op: Softmax) -> MaskedSoftmax:
+    """The native masked rows (fails where the plain op runs and these do not: same extension)."""
+    fn = masked_softmax_op()
+    if fn is None:
+        pytest.fail(f"the native masked softmax is unavailable: {softmax_status()}")
     return fn
 
 
@@ -87,6 +103,38 @@ def test_causal_rows_equal_the_masked_softmax_bit_for_bit(
     got = causal(x, period, offset)
     assert mx.array_equal(got, masked).item()
     assert mx.allclose(got, mx.softmax(mx.where(seen, x, HIDDEN), axis=-1, precise=True), rtol=2e-5, atol=1e-7).item()
+
+
+@pytest.mark.parametrize(("b", "mb", "length", "ml"), [(3, 3, 16, 16), (3, 1, 16, 16), (4, 4, 1, 1), (2, 2, 9, 1)],
+                         ids=["per-row prefill", "one mask", "decode", "one position per row"])
+def test_masked_rows_equal_where_then_the_plain_rows_bit_for_bit(
+    op: Softmax, masked: MaskedSoftmax, b: int, mb: int, length: int, ml: int
+) -> None:
+    """A boolean mask (left padding and causal, per batch row or one for all, per position or
+    one per row) applied inside the softmax gives the bits of where(mask, x, lowest) then the
+    plain rows, over folded rows (3 key heads x 2 repeats x L positions per batch row)."""
+    heads, t = 6, 1100
+    x = mx.random.normal((b, heads * length, t), key=mx.random.key(b * 7 + length)) * 5.0
+    pad = (mx.arange(mb) * 37)[:, None, None]
+    kpos = mx.arange(t)[None, None, :]
+    qpos = (mx.arange(ml) + (t - ml))[None, :, None]
+    mask = (kpos >= pad) & (kpos <= qpos)
+    # NOTE: folded row (i, head, p) takes mask row (i or 0, p or 0): broadcast, as MLX would.
+    rows = mx.broadcast_to(mask[:, None], (b, heads, length, t)).reshape(b, heads * length, t)
+    want = op(mx.where(rows, x, HIDDEN))
+    got = masked(x, mask, heads * length, mb, ml)
+    assert mx.array_equal(got, want).item()
+
+
+def test_masked_rows_refuse_a_mask_that_does_not_cover_the_rows(masked: MaskedSoftmax) -> None:
+    """A mask of other rows or length is refused, never read out of bounds."""
+    x = mx.zeros((2, 8, 10))
+    with pytest.raises(ValueError, match="mask"):
+        masked(x, mx.ones((3, 10), dtype=mx.bool_), 8, 2, 2)
+    with pytest.raises(ValueError, match="mask"):
+        masked(x, mx.ones((4, 9), dtype=mx.bool_), 8, 2, 2)
+    with pytest.raises(ValueError, match="bool"):
+        masked(x, mx.ones((4, 10)), 8, 2, 2)
 
 
 def test_inside_a_lazy_graph_and_on_views(op: Softmax) -> None:
@@ -147,13 +195,14 @@ def test_the_switch() -> None:
     assert not native_softmax_enabled({"KVTIER_NATIVE_SOFTMAX": "off"})
 
 
-@pytest.mark.parametrize("with_causal", [False, True])
+@pytest.mark.parametrize("with_rows", [False, True], ids=["mask-then-plain", "causal-and-masked-rows"])
 def test_attention_through_it_equals_mlx(
-    op: Softmax, causal: Causal, monkeypatch: pytest.MonkeyPatch, with_causal: bool
+    op: Softmax, causal: Causal, masked: MaskedSoftmax, monkeypatch: pytest.MonkeyPatch, with_rows: bool
 ) -> None:
-    """With the CPU path bound (causal rows or a causal mask), causal prefill chunks, a decode step, a padded batch's mask and no mask equal mx.fast's attention."""
+    """With the CPU path bound (causal and masked rows, or masks applied before the plain rows), causal prefill chunks, a decode step, a padded batch's mask and no mask equal mx.fast's attention."""
     monkeypatch.setattr(impl, "_cpu_softmax", op)
-    monkeypatch.setattr(impl, "_cpu_causal", causal if with_causal else None)
+    monkeypatch.setattr(impl, "_cpu_causal", causal if with_rows else None)
+    monkeypatch.setattr(impl, "_cpu_masked", masked if with_rows else None)
     q, k, v = _case(1, 24, 300, seed=1)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal")
     assert _diff(masked_dispatch(q, k, v, object(), SCALE, "causal"), want) < 1e-5
@@ -200,17 +249,24 @@ def test_install_binds_it_on_the_cpu(unbinding_model: Any, op: Softmax, monkeypa
     assert impl.install(model)
     assert module.scaled_dot_product_attention is masked_dispatch
     assert impl._cpu_softmax is op
+    bound = impl._cpu_masked
+    assert bound is not None
     unbind_masked_attention(model)
+    assert impl._cpu_masked is None
     assert impl._cpu_softmax is None
 
 
+@pytest.mark.parametrize("with_masked", [False, True], ids=["where-then-rows", "masked-rows"])
 def test_padded_batch_rows_generate_their_serial_tokens_through_it(
-    unbinding_model: Any, tok: Any, op: Softmax, causal: Causal, monkeypatch: pytest.MonkeyPatch
+    unbinding_model: Any, tok: Any, op: Softmax, causal: Causal, masked: MaskedSoftmax,
+    monkeypatch: pytest.MonkeyPatch, with_masked: bool,
 ) -> None:
-    """Rows of different lengths (left-padded, masked) decode exactly their serial runs' greedy tokens with the native softmax, and it ran."""
+    """Rows of different lengths (left-padded, masked: by ``where`` before the plain rows, or in
+    the masked rows) decode exactly their serial runs' greedy tokens with the native softmax, and it ran."""
     model = unbinding_model
     calls: list[int] = []
     causal_calls: list[int] = []
+    masked_calls: list[int] = []
 
     def counted(x: mx.array) -> mx.array:
         calls.append(1)
@@ -220,11 +276,17 @@ def test_padded_batch_rows_generate_their_serial_tokens_through_it(
         causal_calls.append(1)
         return causal(x, period, offset)
 
+    def counted_masked(x: mx.array, mask: mx.array, per_batch: int, mask_batches: int,
+                       period: int) -> mx.array:
+        masked_calls.append(1)
+        return masked(x, mask, per_batch, mask_batches, period)
+
     prompts = _prompts(len(tok), 4, seed=95, lo=6, hi=60)
     params = SamplingParams(max_tokens=12)
     # NOTE: the serial lane's prefill takes the causal rows, the batch lane's
     # padded rows the plain op under their mask: the tokens must agree.
-    assert bind_masked_attention(model, cpu_softmax=counted, cpu_causal=counted_causal)
+    assert bind_masked_attention(model, cpu_softmax=counted, cpu_causal=counted_causal,
+                                 cpu_masked=counted_masked if with_masked else None)
     run = drive(
         BatchGeneration(model, tok, prefill_step_size=16),
         [Plan(str(i), p, params, join_at=i) for i, p in enumerate(prompts)],
@@ -232,5 +294,6 @@ def test_padded_batch_rows_generate_their_serial_tokens_through_it(
     serial = [[o.token_id for o in _serial(model, tok, p, params, step=16)] for p in prompts]
     assert calls, "no attention call took the native softmax"
     assert causal_calls, "no causal prefill took the causal rows"
+    assert bool(masked_calls) == with_masked, "the masked rows ran where not bound, or not where bound"
     for i in range(len(prompts)):
         assert run.ids(str(i)) == serial[i]
