@@ -15,7 +15,13 @@ on one thread), interleaved over ``--rounds``:
   size, the cache evaluated after every chunk (as the engine does), seconds
   and tokens per second;
 - decode: one step of ``--rows`` rows over ``--context`` cached tokens
-  (random keys and values), ms per step.
+  (random keys and values), ms per step;
+- batch prefill (``--batch-prefill``): ``--rows`` left-padded rows of up to
+  ``--batch-tokens`` tokens prefilled together through mlx-lm's
+  ``BatchKVCache`` (a boolean mask array: the batch lane's joins), seconds.
+
+``native-where`` is ``native`` with a mask array applied by MLX's ``where``
+before the plain rows (the path before the masked rows).
 
 Prints the medians and native/mlx ratios, writes JSON and a PNG.
 
@@ -74,34 +80,55 @@ def _decode_ms(model: Any, rows: int, context: int, steps: int = 8) -> float:
     return statistics.median(times) * 1e3
 
 
+def _batch_prefill_s(model: Any, rows: int, tokens: int) -> float:
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    # NOTE: rows of tokens, tokens - 37, tokens - 74, ...: left padding under a mask array.
+    pads = [min(i * 37, tokens - 1) for i in range(rows)]
+    ids = mx.array([[0] * p + [(i * 13 + j) % 1000 + 10 for j in range(tokens - p)]
+                    for i, p in enumerate(pads)])
+    cache = [BatchKVCache(pads) for _ in model.layers]
+    t0 = time.perf_counter()
+    mx.eval(model(ids, cache=cache))
+    mx.eval([c.state for c in cache])
+    return time.perf_counter() - t0
+
+
 def _contender(model: Any, name: str) -> None:
     from kernels.model import bind_masked_attention, unbind_masked_attention
-    from kernels.native import causal_softmax_op, load_extension, softmax_op
+    from kernels.native import causal_softmax_op, load_extension, masked_softmax_op, softmax_op
 
     unbind_masked_attention(model)
     if name == "mlx":
         return
-    # NOTE: as kvtier binds it on the CPU: the plain rows and the causal ones.
-    op, causal = softmax_op(), causal_softmax_op()
-    if op is None or causal is None:
+    # NOTE: as kvtier binds it on the CPU: the plain rows, the causal and the masked ones.
+    op, causal, masked = softmax_op(), causal_softmax_op(), masked_softmax_op()
+    if op is None or causal is None or masked is None:
         raise SystemExit("the native softmax does not run here")
     if name == "native1":
         ext = load_extension()
         op = functools.partial(ext.softmax, threads=1)
         causal = functools.partial(ext.softmax_causal, threads=1)
+        masked = functools.partial(ext.softmax_masked, threads=1)
+    elif name == "native-where":
+        masked = None
     elif name != "native":
-        raise SystemExit(f"no contender {name!r} (mlx, native, native1)")
-    bind_masked_attention(model, cpu_softmax=op, cpu_causal=causal)
+        raise SystemExit(f"no contender {name!r} (mlx, native, native1, native-where)")
+    bind_masked_attention(model, cpu_softmax=op, cpu_causal=causal, cpu_masked=masked)
 
 
 def plot(doc: dict[str, Any], out: Path) -> None:
-    """Two panels: prefill tok/s per chunk size, decode ms per step; one bar per contender."""
+    """Panels: prefill tok/s per chunk size, decode ms per step, the masked batch prefill's seconds (when run); one bar per contender."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    batch = any(doc.get("batch_prefill_s", {}).values())
+    fig, axes = plt.subplots(1, 3 if batch else 2, figsize=(15 if batch else 10, 4.2))
+    left, right = axes[0], axes[1]
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
     chunks = [str(c) for c in doc["chunks"]]
     names = list(doc["decode_ms"])
     width = 0.8 / len(names)
@@ -116,10 +143,17 @@ def plot(doc: dict[str, Any], out: Path) -> None:
     left.set_ylabel(f"prefill tok/s, {doc['prompt_tokens']}-token prompt (median)")
     left.legend()
     ms = [statistics.median(doc["decode_ms"][n]) for n in names]
-    right.bar(names, ms, color=["tab:blue", "tab:orange", "tab:green"][: len(names)])
+    right.bar(names, ms, color=colors[: len(names)])
     for x, v in enumerate(ms):
         right.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
     right.set_ylabel(f"ms per decode step, {doc['rows']} rows x {doc['context']} cached (median)")
+    if batch:
+        secs = [statistics.median(doc["batch_prefill_s"][n]) for n in names]
+        axes[2].bar(names, secs, color=colors[: len(names)])
+        for x, v in enumerate(secs):
+            axes[2].text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        axes[2].set_ylabel(f"s, batch prefill of {doc['rows']} left-padded rows x "
+                           f"{doc.get('batch_tokens')} (median)")
     fig.suptitle(f"CPU attention: MLX's softmax vs kvtier's native one ({doc['machine']})")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -137,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--context", type=int, default=1152)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--contenders", default="mlx,native", help="comma list of mlx, native, native1")
+    p.add_argument("--contenders", default="mlx,native",
+                   help="comma list of mlx, native, native1, native-where")
+    p.add_argument("--batch-prefill", action="store_true", help="also time a masked batch prefill")
+    p.add_argument("--batch-tokens", type=int, default=512)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
@@ -152,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "chunks": chunks,
         "rows": args.rows,
+        "batch_tokens": args.batch_tokens,
         "context": args.context,
         "prefill_s": {n: {str(c): [] for c in chunks} for n in names},
         "decode_ms": {n: [] for n in names},
+        "batch_prefill_s": {n: [] for n in names},
     }
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
@@ -165,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                 doc["prefill_s"][name][str(c)].append(s)
                 print(f"round {r} {name:>6} prefill chunk {c:>4}: {s:6.2f} s ({args.prompt_tokens / s:5.0f} tok/s)",
                       flush=True)
+            if args.batch_prefill:
+                s = _batch_prefill_s(model, args.rows, args.batch_tokens)
+                doc["batch_prefill_s"][name].append(s)
+                print(f"round {r} {name:>6} batch prefill {args.rows} rows x {args.batch_tokens}: "
+                      f"{s:6.2f} s", flush=True)
             ms = _decode_ms(model, args.rows, args.context)
             doc["decode_ms"][name].append(ms)
             print(f"round {r} {name:>6} decode {args.rows} rows x {args.context}: {ms:6.1f} ms", flush=True)
@@ -174,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         med = {k: statistics.median(doc["prefill_s"][k][str(c)]) for k in names}
         print(f"prefill {args.prompt_tokens} tokens, chunk {c:>4}: "
               + ", ".join(f"{k} {v:6.2f} s ({med[first] / v:4.2f} x {first})" for k, v in med.items()))
+    if args.batch_prefill:
+        med = {k: statistics.median(doc["batch_prefill_s"][k]) for k in names}
+        print(f"batch prefill {args.rows} rows x {args.batch_tokens} (left-padded, masked): "
+              + ", ".join(f"{k} {v:6.2f} s ({med[first] / v:4.2f} x)" for k, v in med.items()))
     med = {k: statistics.median(doc["decode_ms"][k]) for k in names}
     print(f"decode {args.rows} rows x {args.context}: "
           + ", ".join(f"{k} {v:6.1f} ms ({med[first] / v:4.2f} x)" for k, v in med.items()))
