@@ -373,7 +373,11 @@ class BatchEngine:
         after the row's previous checkpoint here (a delta on that file, as the
         store writes it when that file is the answer's base); the views turn
         takes it only when its own plan and base ask for exactly those bytes
-        (``kernels.cache.read_fits``), else it reads as before.
+        (``kernels.cache.read_fits``), else it reads as before. The read's
+        host bytes live with the registry entry until that turn takes them or
+        the entry is disposed (a checkpoint the spill queue drops): MLX's
+        memory, which the memory guard's reading counts, but not the spill
+        queue's byte budget, which bills the entry's own bytes.
         """
         registry = self._registry
         assert registry is not None
