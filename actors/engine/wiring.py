@@ -744,6 +744,8 @@ class Wired:
     checkpoints: CheckpointCounters | None = None
     admission: AdmissionCheck | None = None
     """The memory actor's "fits at once" rule for the asker's fast path (``None``: no guard)."""
+    tensor_source: TensorSource | None = None
+    """The cold tier's tensor source (``None``: no SSD tier): its checkpoint read-ahead counts."""
 
     def ref(self, name: str) -> ActorRef:
         """The ref of the actor at ``name`` (``KeyError`` if it is not wired)."""
@@ -785,6 +787,11 @@ class Wired:
             section = self.checkpoints.snapshot()
             section["interval_tokens"] = self.config.generation_checkpoint
             section["pending"] = out.get("ssd_cache", {}).get("pending_checkpoints", 0)
+            # NOTE: views turns that took a batch step's read-ahead, and those that had one
+            # that did not fit (another base); engine-thread ints, read whole.
+            source = self.tensor_source
+            section["read_ahead_used"] = getattr(source, "read_ahead_used", 0)
+            section["read_ahead_missed"] = getattr(source, "read_ahead_missed", 0)
             out["generation_checkpoints"] = section
         if missing:
             out["unavailable"] = missing
@@ -826,7 +833,7 @@ def start(system: ActorSystem, parts: Parts) -> Wired:
         admission = AdmissionCheck(_memory_config(parts), _memory_gauges(parts))
     return Wired(system=system, refs=refs, specs=ACTORS, config=parts.config,
                  checkpoints=parts.cold.checkpoints if parts.cold is not None else None,
-                 admission=admission)
+                 admission=admission, tensor_source=parts.tensor_source)
 
 
 def spawn_prompt_cache(

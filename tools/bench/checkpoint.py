@@ -333,7 +333,8 @@ async def _child_run(streams: int, tokens: int, every: int, model: str | None) -
         "system_cpu_s": {k: round(sys1[k] - sys0[k], 2) for k in sys0},
         "write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
         "wchar": io1.get("wchar", 0) - io0.get("wchar", 0),
-        "checkpoints": {k: section.get(k) for k in ("taken", "written", "bytes", "unsent")},
+        "checkpoints": {k: section.get(k) for k in ("taken", "written", "bytes", "unsent",
+                                                     "read_ahead_used", "read_ahead_missed")},
         "blas": _find(stats, "blas"),
     }
 

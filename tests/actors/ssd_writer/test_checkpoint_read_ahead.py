@@ -39,6 +39,7 @@ from messages.gateway import GenerationParams
 from tests.actors.checkpoints.restart_support import (
     files,
     resumed_run,
+    section,
     tiny_engine,
     tokens,
     until_written,
@@ -132,8 +133,9 @@ def _tensor_bytes(root: Path) -> dict[str, bytes]:
 
 
 async def _two_answers(root: Path, model: Any, params: GenerationParams,
-                       prompts: list[list[int]]) -> list[list[int]]:
-    """Two answers decoding together on the batch lane, cut at 18 tokens, every checkpoint durable."""
+                       prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
+    """Two answers decoding together on the batch lane, cut at 18 tokens, every checkpoint
+    durable: their tokens and the ``generation_checkpoints`` statistics."""
     got: list[list[int]] = [[], []]
     async with tiny_engine(model, root, 8, max_batch=4) as first:
         async def run(i: int) -> None:
@@ -146,7 +148,8 @@ async def _two_answers(root: Path, model: Any, params: GenerationParams,
         # are written depends on the writer's pace; the flush waits for every one queued.
         await until_written(first, 2)
         await first.flush(timeout=30)
-    return got
+        counted = await section(first)
+    return got, counted
 
 
 async def test_the_batch_lane_reads_a_steps_checkpoints_ahead_and_a_restart_resumes_from_them(
@@ -162,11 +165,11 @@ async def test_the_batch_lane_reads_a_steps_checkpoints_ahead_and_a_restart_resu
     fits: list[bool] = []
     real_fits = read_fits
 
-    def counted(*args: Any) -> bool:
+    def spied(*args: Any) -> bool:
         fits.append(real_fits(*args))
         return fits[-1]
 
-    monkeypatch.setattr(ports, "read_fits", counted)
+    monkeypatch.setattr(ports, "read_fits", spied)
     params = GenerationParams(max_tokens=40)
     prompts = [[3 + (i * 7) % 80 for i in range(30)], [5 + (i * 11) % 70 for i in range(30)]]
 
@@ -176,11 +179,16 @@ async def test_the_batch_lane_reads_a_steps_checkpoints_ahead_and_a_restart_resu
     async with make(None, 0) as plain:
         expected = [await tokens(plain, params, prompt=p) for p in prompts]
     monkeypatch.setenv(READ_AHEAD_ENV, "off")
-    assert await _two_answers(tmp_path / "off", model, params, prompts) == [e[:18] for e in expected]
+    got, counted = await _two_answers(tmp_path / "off", model, params, prompts)
+    assert got == [e[:18] for e in expected]
     assert fits == []
+    assert (counted["read_ahead_used"], counted["read_ahead_missed"]) == (0, 0)
     monkeypatch.setenv(READ_AHEAD_ENV, "on")
-    assert await _two_answers(tmp_path / "on", model, params, prompts) == [e[:18] for e in expected]
+    got, counted = await _two_answers(tmp_path / "on", model, params, prompts)
+    assert got == [e[:18] for e in expected]
     assert True in fits
+    assert counted["read_ahead_used"] == fits.count(True) >= 1
+    assert counted["read_ahead_missed"] == fits.count(False)
     off, on = _tensor_bytes(tmp_path / "off"), _tensor_bytes(tmp_path / "on")
     assert len(on) == 2
     assert on == off
