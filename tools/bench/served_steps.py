@@ -26,7 +26,8 @@ steps per turn says how often chains end) and the engine thread's busy
 time; with ``--ssd`` (each server with its own SSD tier, so write-behind's
 background steps run under the load) also the background steps granted,
 how many ran inside a chain (lent to it) and how many chains were cut.
-Prints the served/in-process ratios. ``--json`` writes everything.
+Prints the served/in-process ratios. ``--json`` writes everything;
+``--plot OUT LABEL=JSON ...`` draws runs' rounds side by side.
 
 ``--baseline-tree DIR`` adds ``served-base``: the same ``kvtier serve`` from
 another checkout (a git worktree of the commit before a change), so a
@@ -446,8 +447,42 @@ def _one_req(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "requests": 1})
 
 
+def plot(out: Path, runs: list[str]) -> None:
+    """Bars of served and in-process tok/s per round for each ``LABEL=JSON`` run, the ratio above each pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
+    for ax, run_arg in zip(axes[0], runs, strict=True):
+        label, _, path = run_arg.partition("=")
+        doc = json.loads(Path(path).read_text())
+        records = doc["records"]
+        xs = range(len(records))
+        served = [r["served"]["tps"] for r in records]
+        engine = [r["engine"]["tps"] for r in records]
+        ax.bar([x - 0.2 for x in xs], served, 0.4, label="served (HTTP)")
+        ax.bar([x + 0.2 for x in xs], engine, 0.4, label="in process")
+        for x, a, b in zip(xs, served, engine, strict=True):
+            ax.text(x, max(a, b), f"{a / b:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [f"round {x}" for x in xs])
+        ax.set_ylabel("tok/s")
+        ax.set_title(f"{label}: {doc['args']['rows']} client(s), --max-batch "
+                     f"{doc['args'].get('max_batch') or doc['args']['rows']}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse the options, run, print, write ``--json``."""
+    """Parse the options, run, print, write ``--json``; or ``--plot OUT LABEL=JSON ...`` only."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--plot"]:
+        plot(Path(argv[1]), argv[2:])
+        return 0
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
