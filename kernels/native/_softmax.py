@@ -96,6 +96,15 @@ def _check_causal(fn: Callable[[mx.array, int, int], mx.array]) -> None:
         raise NativeUnavailable("the native causal softmax disagrees with MLX's")
 
 
+def _raw(name: str) -> Callable[..., mx.array]:
+    """The extension's function ``name``; raises NativeUnavailable where the module lacks it."""
+    raw = getattr(load_extension(), name, None)
+    if not callable(raw):
+        raise NativeUnavailable(f"the extension has no {name} function")
+    fn: Callable[..., mx.array] = raw
+    return fn
+
+
 def causal_softmax_op() -> Callable[[mx.array, int, int], mx.array] | None:
     """``(x, period, offset) -> softmax`` where row ``r`` sees its first ``offset + r % period + 1`` elements, or ``None``.
 
@@ -109,10 +118,7 @@ def causal_softmax_op() -> Callable[[mx.array, int, int], mx.array] | None:
     if softmax_op() is None:
         return None
     try:
-        raw = getattr(load_extension(), "softmax_causal", None)
-        if not callable(raw):
-            raise NativeUnavailable("the extension has no softmax_causal function")
-
+        raw = _raw("softmax_causal")
         threads = few_row_threads()
 
         def fn(x: mx.array, period: int, offset: int) -> mx.array:
@@ -166,9 +172,7 @@ def masked_softmax_op() -> MaskedSoftmax | None:
     if plain is None:
         return None
     try:
-        raw = getattr(load_extension(), "softmax_masked", None)
-        if not callable(raw):
-            raise NativeUnavailable("the extension has no softmax_masked function")
+        raw = _raw("softmax_masked")
         threads = few_row_threads()
 
         def fn(x: mx.array, mask: mx.array, per_batch: int, mask_batches: int, period: int) -> mx.array:
@@ -176,6 +180,11 @@ def masked_softmax_op() -> MaskedSoftmax | None:
             return out
 
         _check_masked(fn, plain)
+        big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(15)) * 4.0
+        rows, n = SPLIT_CHECK_SHAPE[1], SPLIT_CHECK_SHAPE[2]
+        mask = mx.random.uniform(shape=(SPLIT_CHECK_SHAPE[0] * rows, n), key=mx.random.key(16)) > 0.2
+        _check_split(fn(big, mask, rows, SPLIT_CHECK_SHAPE[0], rows),
+                     raw(big, mask, rows, SPLIT_CHECK_SHAPE[0], rows, 1))
     except (NativeUnavailable, OSError) as exc:
         _state["status"] = f"{_state.get('status', 'on')} (masked rows unavailable: {exc})"
         return None
@@ -195,11 +204,7 @@ def softmax_op() -> Callable[[mx.array], mx.array] | None:
         _state["op"], _state["status"] = None, "unavailable: this CPU lacks AVX2 and FMA"
         return None
     try:
-        module = load_extension()
-        raw = getattr(module, "softmax", None)
-        if not callable(raw):
-            raise NativeUnavailable("the extension has no softmax function")
-
+        raw = _raw("softmax")
         threads = few_row_threads()
 
         def fn(x: mx.array) -> mx.array:
