@@ -16,6 +16,7 @@ __all__ = [
     "InvalidRequest",
     "KvtierError",
     "MemoryPressure",
+    "MemoryShortAtStart",
     "QueueFull",
     "SchemaTooComplex",
     "ServerShuttingDown",
@@ -136,6 +137,16 @@ class MemoryPressure(KvtierError):
     reclaimed (HTTP 503); the server keeps serving smaller requests."""
 
     code = "memory_pressure"
+
+
+class MemoryShortAtStart(MemoryPressure):
+    """The in-turn guard refused a request before its prefill (HTTP 503 where it reaches a client).
+
+    Nothing of the request has run or been produced. Admission decided on a
+    reading without the rows that started since (or joined in the same
+    step), and nothing can be reclaimed inside a turn; the engine API takes
+    such a request back to admission once, where relief can run.
+    """
 
 
 class TurnUnavailable(KvtierError):

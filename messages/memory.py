@@ -46,6 +46,11 @@ class AdmitMemory(Request):
     memory of reported log-probabilities (``prompt_logprobs``: the prompt's
     scores, ``None`` when not asked; ``logprobs``/``top_logprobs``: the
     generated tokens'). Answered with :class:`MemoryAdmitted` or :class:`Refuse`.
+
+    ``refused_in_turn``: this request was admitted once and then refused by
+    the in-turn guard before its prefill (the reading it was admitted on did
+    not show the rows that started since): it is never admitted at once on
+    the reading; the actor settles, measures and relieves first.
     """
 
     kind: Literal["memory.admit"] = "memory.admit"
@@ -55,6 +60,7 @@ class AdmitMemory(Request):
     prompt_logprobs: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0)
+    refused_in_turn: bool = False
 
 
 class MemoryAdmitted(Body):
@@ -122,7 +128,8 @@ class MemoryStats(Body):
     (``samples`` of them); ``checks_in_turn``/``refused_in_turn``/
     ``settled_in_turn``: the in-turn guard's checks (engine thread);
     ``refused_at_admission``, ``relieved_entries``, ``relieved_bytes``,
-    ``reliefs``: this actor's; the reading's parts at the last engine job
+    ``reliefs``, ``readmissions`` (requests refused in turn before their
+    prefill and asked again): this actor's; the reading's parts at the last engine job
     (``resident_bytes``, ``mlx_bytes``, ``resident_at_start_bytes``,
     ``mlx_active_bytes``, ``mlx_cache_bytes``, ``mlx_peak_bytes``) and the
     C-heap trims (``heap_trims``, ``heap_trim_s``).
@@ -138,6 +145,7 @@ class MemoryStats(Body):
     relieved_entries: int = 0
     relieved_bytes: int = 0
     reliefs: int = 0
+    readmissions: int = 0
     settled_in_turn: int | None = None
     margin_bytes: int | None = None
     resident_bytes: int | None = None

@@ -203,15 +203,20 @@ class BatchEngine:
             # NOTE: the joins (landings, prefix copies) are not prefill; the
             # scheduler leaves their time out of the prefill speed it reports.
             joins_began = time.perf_counter()
+            # NOTE: the joins' prefill runs in the step below, after every
+            # check: each join is checked beside the demand of those before it.
+            pending = 0
             for join in joins:
                 rid = join.request.request_id
-                refusal = self._refused_before_prefill(join)
+                refusal, demand = self._refused_before_prefill(join, pending)
                 if refusal is not None:
                     failed.append(refusal)
                     continue
                 replayed = (
-                    self._resume(batch, join) if isinstance(join.resume, ResumeFrom) else None
+                    self._resume(batch, join, pending)
+                    if isinstance(join.resume, ResumeFrom) else None
                 )
+                pending += demand
                 if replayed is not None:
                     resumed.append((rid, replayed))
                 if replayed is not None and replayed >= 0:
@@ -297,17 +302,18 @@ class BatchEngine:
         self._batch = None
         self._live.clear()
 
-    def _refused_before_prefill(self, join: JoinRow) -> RowFailure | None:
-        """The guard's check before a row's prefill (``None``: it fits, or no guard)."""
+    def _refused_before_prefill(self, join: JoinRow, pending: int) -> tuple[RowFailure | None, int]:
+        """The guard's check before a row's prefill beside ``pending`` bytes of this step's earlier
+        joins: the refusal (``None``: it fits, or no guard) and the demand it counted."""
         if self._guard is None:
-            return None
+            return None, 0
         try:
-            self._guard.before_prefill(join.request, join.cached_tokens)
+            demand = self._guard.before_prefill(join.request, join.cached_tokens, pending)
         except MemoryPressure as exc:
             # NOTE: before the restore: an SSD hit's host bytes stay staged and
             # go when the scheduler releases the row's lease.
-            return RowFailure(join.request.request_id, MemoryPressure.__name__, str(exc))
-        return None
+            return RowFailure(join.request.request_id, type(exc).__name__, str(exc)), 0
+        return None, demand
 
     def _decode_checks(self, batch: BatchGeneration) -> list[RowFailure]:
         """Every ``DECODE_CHECK_EVERY`` tokens of a decoding row, ask the guard (before the step).
@@ -336,7 +342,7 @@ class BatchEngine:
                 failed.append(RowFailure(rid, MemoryPressure.__name__, str(exc)))
         return failed
 
-    def _resume(self, batch: BatchGeneration, join: JoinRow) -> int:
+    def _resume(self, batch: BatchGeneration, join: JoinRow, pending: int) -> int:
         """Join ``join``'s row from its checkpoint: tokens it replays, or -1 (it does not fit: join cold).
 
         NOTE: the host bytes become MLX arrays here, in the batch step the row
@@ -350,7 +356,7 @@ class BatchEngine:
             if ck is None:
                 raise InvalidPrompt("not a checkpoint file")
             if self._guard is not None:
-                self._guard.before_prefill(request, len(request.prompt_tokens))
+                self._guard.before_prefill(request, len(request.prompt_tokens), pending)
             caches = materialize(found.header, found.host, consume=True)
             point = CheckpointPoint(ck.prompt_len, tuple(found.header.tokens[ck.prompt_len:]),
                                     ck.pending_token, ck.rng_key)

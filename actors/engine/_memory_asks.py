@@ -20,8 +20,12 @@ __all__ = ["admit", "relieve"]
 
 
 async def admit(running: Running | None, request_id: str, prompt_tokens: int,
-                params: GenerationParams, *, timeout: float) -> None:
+                params: GenerationParams, *, timeout: float, refused_in_turn: bool = False) -> None:
     """The memory guard before admission: the memory actor admits, relieves first, or refuses.
+
+    ``refused_in_turn``: the in-turn guard refused this request before its
+    prefill after a first admission; no fast path then (its reading is the
+    one that was contradicted): the actor settles, measures and relieves.
 
     Raises ``MemoryPressure`` when the request cannot fit and nothing more
     can be moved out of memory, or when the actor does not answer within
@@ -38,8 +42,9 @@ async def admit(running: Running | None, request_id: str, prompt_tokens: int,
         prompt_logprobs=params.prompt_logprobs,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        refused_in_turn=refused_in_turn,
     )
-    if wired.admission is not None and wired.admission.fits(ask):
+    if not refused_in_turn and wired.admission is not None and wired.admission.fits(ask):
         return  # NOTE: fits the latest reading: no relief, no round trip.
     try:
         with use_correlation(request_id):

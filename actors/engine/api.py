@@ -45,6 +45,7 @@ from actors.errors import (
     InvalidRequest,
     KvtierError,
     MemoryPressure,
+    MemoryShortAtStart,
     QueueFull,
     ServerShuttingDown,
     TurnUnavailable,
@@ -283,6 +284,9 @@ class GenerationStream(_StartClose):
         self._fit_context = fit_context
         self._inbox: Inbox | None = None
         self._prompt_tokens: int | None = None
+        self._tokens: list[int] | None = None
+        self._yielded = False
+        self._readmitted = False
         self._started = False
         self._finished = False
         self._done: DoneEvent | None = None
@@ -328,9 +332,15 @@ class GenerationStream(_StartClose):
             await anyio.to_thread.run_sync(prompts.prepare_grammar, engine._loaded,
                                           self._params.grammar)
         self._prompt_tokens = len(tokens)
+        self._tokens = tokens
         engine._check_open()
         await _memory_asks.admit(engine._running, self.request_id, len(tokens), self._params,
                                  timeout=engine.config.memory_relief_timeout_s)
+        await self._submit(tokens)
+
+    async def _submit(self, tokens: list[int]) -> None:
+        """Hand the admitted request to the gateway with a fresh stream inbox."""
+        engine = self._engine
         system = engine._require_system()
         inbox = system.open_inbox(engine.config.stream_buffer, prefix=f"stream-{self.request_id}-")
         request = Generate(
@@ -367,6 +377,7 @@ class GenerationStream(_StartClose):
             error = _ADMISSION_ERRORS.get(reply.error_code, InvalidRequest)
             raise error(reply.detail or reply.error_code)
         self._inbox = inbox
+        self._finished = False
         self._finalizer = weakref.finalize(
             self,
             _abandon_soon,
@@ -376,6 +387,26 @@ class GenerationStream(_StartClose):
             self.request_id,
         )
 
+    async def _readmit(self, refusal: ErrorEvent) -> None:
+        """Take a request the in-turn guard refused before its prefill back to admission, once.
+
+        NOTE: admission decided on a reading without the rows that started
+        since (or joined in the same step); inside a turn nothing can be
+        reclaimed, at admission the memory actor can move cached entries
+        out. Nothing of the request ran, so the client sees one answer. A
+        second refusal (or a refusal at admission) reaches the caller.
+        """
+        tokens = self._tokens
+        if self._readmitted or self._yielded or tokens is None:
+            raise MemoryPressure(refusal.detail)
+        self._readmitted = True
+        engine = self._engine
+        engine._check_open()
+        await _memory_asks.admit(engine._running, self.request_id, len(tokens), self._params,
+                                 timeout=engine.config.memory_relief_timeout_s,
+                                 refused_in_turn=True)
+        await self._submit(tokens)
+
     def __aiter__(self) -> Self:
         return self
 
@@ -383,28 +414,33 @@ class GenerationStream(_StartClose):
         """The next event; admits first if :meth:`start` was not called."""
         if not self._started:
             await self.start()
-        if self._finished or self._inbox is None:
-            raise StopAsyncIteration
-        try:
-            envelope: Envelope = await self._inbox.receive()
-        except MailboxClosed:
-            # NOTE: the stream ended without a DoneEvent (cancelled elsewhere).
+        while True:
+            if self._finished or self._inbox is None:
+                raise StopAsyncIteration
+            try:
+                envelope: Envelope = await self._inbox.receive()
+            except MailboxClosed:
+                # NOTE: the stream ended without a DoneEvent (cancelled elsewhere).
+                self._close_inbox()
+                raise StopAsyncIteration from None
+            body = envelope.body
+            if isinstance(body, TokenEvent):
+                self._yielded = True
+                return body
+            if isinstance(body, DoneEvent):
+                self._done = body
+                self._close_inbox()
+                return body
             self._close_inbox()
-            raise StopAsyncIteration from None
-        body = envelope.body
-        if isinstance(body, TokenEvent):
-            return body
-        if isinstance(body, DoneEvent):
-            self._done = body
-            self._close_inbox()
-            return body
-        self._close_inbox()
-        if isinstance(body, ErrorEvent):
-            if body.error_code == MemoryPressure.__name__:
-                # NOTE: the in-turn guard refused the request (engine thread).
-                raise MemoryPressure(body.detail)
-            raise GenerationFailed(f"{body.error_code}: {body.detail}")
-        raise GenerationFailed(f"unexpected message on the stream: {body.kind}")
+            if isinstance(body, ErrorEvent):
+                if body.error_code == MemoryShortAtStart.__name__:
+                    await self._readmit(body)
+                    continue
+                if body.error_code == MemoryPressure.__name__:
+                    # NOTE: the in-turn guard refused the request (engine thread).
+                    raise MemoryPressure(body.detail)
+                raise GenerationFailed(f"{body.error_code}: {body.detail}")
+            raise GenerationFailed(f"unexpected message on the stream: {body.kind}")
 
     async def aclose(self) -> None:
         """Cancel the request if it is still queued or running; safe to call twice."""

@@ -45,7 +45,10 @@ job), the geometry once at start. Two places act on the verdict:
   ``EngineWork``): nothing can be reclaimed inside a turn (writing an entry
   needs engine turns of its own), so an over-budget request fails there with
   ``MemoryPressure`` (after ``settle`` dropped freed memory and a second
-  reading agreed); the server goes on serving.
+  reading agreed); the server goes on serving. A request refused before its
+  prefill (``MemoryShortAtStart``: admitted on a reading without the rows
+  that started since) has run nothing: the engine API takes it back to
+  admission once, where relief can run (``actors/engine/_memory_asks.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.errors import MemoryPressure
+from actors.errors import MemoryPressure, MemoryShortAtStart
 from kernels.engine import SCORE_ELEMENTS, prompt_logprob_entries
 from messages.gateway import Generate
 
@@ -296,8 +299,15 @@ class MemoryGuard:
     settled: int = 0
     margin: int = 0
 
-    def before_prefill(self, request: Generate, cached_tokens: int) -> None:
-        """Before the request's first turn opens its generation.
+    def before_prefill(self, request: Generate, cached_tokens: int, pending: int = 0) -> int:
+        """Before the request's first turn opens its generation; the demand it counted.
+
+        ``pending``: the demand of rows admitted in the same step before this
+        one, whose prefill has not run yet (so the reading does not show
+        them): the batch lane's joins of one step are checked one after the
+        other, and each must fit beside the ones before it. Over budget
+        raises :class:`~actors.errors.MemoryShortAtStart`: nothing of the
+        request has run, so it can go back to admission.
 
         NOTE: ``cached_tokens`` does not lower the demand: a reused prefix is
         a view of the entry, copied into a new buffer when the cache first grows.
@@ -308,7 +318,8 @@ class MemoryGuard:
         demand += prompt_scoring_bytes(prompt, request.params.prompt_logprobs)
         params = request.params
         demand += token_logprob_bytes(params.max_tokens, params.logprobs, params.top_logprobs)
-        self._check(demand)
+        self._check(demand + max(pending, 0), at_start=True)
+        return demand
 
     def during_decode(self, request: Generate, tokens_now: int) -> None:
         """Every :data:`DECODE_CHECK_EVERY` decode tokens.
@@ -320,9 +331,9 @@ class MemoryGuard:
         final = len(request.prompt_tokens) + params.max_tokens
         demand = self.footprint.in_decode(tokens_now, final)
         demand += token_logprob_bytes(final - tokens_now, params.logprobs, params.top_logprobs)
-        self._check(demand)
+        self._check(demand, at_start=False)
 
-    def _check(self, demand: int) -> None:
+    def _check(self, demand: int, *, at_start: bool) -> None:
         self.checks += 1
         verdict = decide(active=self.gauge.sample(), demand=demand, budget=self.budget,
                          reclaimable=0)
@@ -333,4 +344,6 @@ class MemoryGuard:
                              reclaimable=0)
         if isinstance(verdict, Refuse):
             self.refused += 1
+            if at_start:
+                raise MemoryShortAtStart(verdict.message())
             raise MemoryPressure(verdict.message())

@@ -350,6 +350,8 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
     f.counter("kvtier_memory_refused", "Requests refused by the memory guard.",
               [(["admission"], memory.get("refused_at_admission")),
                (["turn"], memory.get("refused_in_turn"))], ["where"])
+    f.counter("kvtier_memory_readmissions", "Requests refused in turn before their prefill "
+              "and taken back to admission (relief first).", [([], memory.get("readmissions"))])
     f.counter("kvtier_memory_relieved_bytes", "Bytes of RAM entries persisted and dropped "
               "under memory pressure.", [([], memory.get("relieved_bytes"))])
 

@@ -9,7 +9,9 @@ as a message with the ask's ``ref`` as correlation id), :class:`SetAlarm`
 for the earliest reply deadline, :class:`Log`.
 
 An ``AdmitMemory`` is decided at once when it fits
-(:func:`actors.engine_thread.memory_guard.decide`). One that does not fit
+(:func:`actors.engine_thread.memory_guard.decide`), unless the in-turn guard
+already refused that request before its prefill (``refused_in_turn``: the
+reading it fitted was too low). One that does not fit, or was so refused,
 becomes a job; jobs run one at a time, in arrival order (the relief of one
 request must not be counted twice by the next). An admission job:
 
@@ -256,6 +258,7 @@ class MemoryState:
     relieved_entries: int = 0
     relieved_bytes: int = 0
     reliefs: int = 0
+    readmissions: int = 0
     timeouts: int = 0
 
 
@@ -506,6 +509,7 @@ def _stats(state: MemoryState, g: Gauges) -> MemoryStats:
         relieved_entries=state.relieved_entries,
         relieved_bytes=state.relieved_bytes,
         reliefs=state.reliefs,
+        readmissions=state.readmissions,
         settled_in_turn=g.settled,
         margin_bytes=cfg.margin if cfg.budget is not None else None,
         resident_bytes=g.resident,
@@ -532,7 +536,11 @@ def _received(state: MemoryState, event: Received, out: list[Effect]) -> None:
         if state.stopped:
             _refuse(state, job, "the server is shutting down", out)
             return
-        if fits_now(cfg, gauges.active, body):
+        if body.refused_in_turn:
+            # NOTE: the reading it would fit at once is the one the in-turn
+            # check contradicted: settle, measure and relieve first.
+            state.readmissions += 1
+        elif fits_now(cfg, gauges.active, body):
             _admit(state, job, out)
             return
         state.queue.append(job)

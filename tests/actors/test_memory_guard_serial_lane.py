@@ -123,14 +123,16 @@ async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(
 ) -> None:
     """Where admission cannot see memory that grew after the last engine job (RSS now unreadable;
     under CUDA, MLX's device memory is not resident memory), the request is admitted on the
-    latest reading, and the check before its prefill reads again and fails it with no token; the
-    next request, once the memory is back, runs."""
+    latest reading, and the check before its prefill reads again and refuses it with no token;
+    taken back to admission once (where relief could run), it is refused there (nothing cached
+    to move out); the next request, once the memory is back, runs."""
     from actors.engine.memory import ProcessMemory
 
     monkeypatch.setattr(ProcessMemory, "resident_now", lambda self: None)
     tokens, refused, after = await _grown_then_back(model)
     assert tokens == []
-    assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (1, 0)
+    assert (refused["refused_in_turn"], refused["readmissions"],
+            refused["refused_at_admission"]) == (1, 1, 1)
     assert len(after) == 8
 
 

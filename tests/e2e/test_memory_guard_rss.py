@@ -247,3 +247,47 @@ def test_a_low_budget_refuses_the_large_request_serves_the_small_one_and_bounds_
           f"{calibration.margin / MIB:.1f} MiB, peak {peak / MIB:.1f} MiB, unguarded peak "
           f"{calibration.large_peak / MIB:.1f} MiB")
     assert peak <= memory["budget_bytes"] + memory["margin_bytes"]
+
+
+OTHER = [6 + i % 83 for i in range(250)]
+"""A second 250-token prompt sharing no prefix with :data:`MEDIUM`."""
+
+
+def test_two_requests_that_fit_only_one_at_a_time_both_succeed_on_the_batch_lane(
+    tmp_path: Path, wide_model_dir: Path, calibration: Calibration
+) -> None:
+    """Two 250-token requests sent together, under a budget that fits one at a time: they
+    start in the same step, where the second is checked beside the first's demand and waits
+    for it to leave; its check then sees the first's cached entry, and taken back to admission
+    it is admitted once that entry moved to disk. Both answer (the second as it does alone),
+    no 503, and RSS stays under budget + margin."""
+    budget = _budget(calibration)
+    with _serve(tmp_path / "w", wide_model_dir, "--memory-budget", f"{budget / GIB:.6f}",
+                "--max-batch", "8") as served:
+        answers: dict[str, httpx.Response] = {}
+
+        def send(name: str, prompt: list[int]) -> None:
+            answers[name] = served.complete(prompt, 6)
+
+        threads = [threading.Thread(target=send, args=(name, prompt))
+                   for name, prompt in (("a", MEDIUM), ("b", OTHER))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=200)
+        engine = served.client.get("/stats").json()["engine"]
+        alone = served.complete(OTHER, 6)
+        time.sleep(0.05)
+        peak = max(served.sampler.stop(), served.hwm())
+    for name in ("a", "b"):
+        assert answers[name].status_code == 200, answers[name].text
+        assert answers[name].json()["usage"]["completion_tokens"] == 6
+    assert alone.status_code == 200, alone.text
+    assert answers["b"].json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    memory = engine["memory"]
+    assert engine["batch"]["batch"]["memory_waits"] == 1
+    assert memory["readmissions"] == 1
+    assert memory["refused_at_admission"] == 0
+    assert memory["relieved_entries"] >= 1
+    print(f"budget {budget / MIB:.1f} MiB, peak {peak / MIB:.1f} MiB, memory {memory}")
+    assert peak <= memory["budget_bytes"] + memory["margin_bytes"]

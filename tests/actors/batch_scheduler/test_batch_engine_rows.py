@@ -98,8 +98,9 @@ def test_an_ssd_hit_that_cannot_be_restored_joins_cold_with_the_right_tokens(
 def test_a_row_refused_before_its_prefill_leaves_alone_and_is_never_restored(
     model: Any, tok: Any
 ) -> None:
-    """With the guard over budget for one row only, that row fails with MemoryPressure at its
-    join (its SSD hit is not restored), the other row joins and gives its solo tokens."""
+    """With the guard over budget for one row only, that row fails with MemoryShortAtStart (a
+    MemoryPressure before its prefill) at its join (its SSD hit is not restored), the other row
+    joins and gives its solo tokens."""
     small, big = _prompt(12, 2), _prompt(40, 3)
     solo, _ = _drive(_engine(model, tok), [JoinRow(_gen("a", small, 10))])
     # NOTE: at prefill a row needs KV(prompt + max_tokens) + KV(prompt), in 256-token steps:
@@ -115,12 +116,28 @@ def test_a_row_refused_before_its_prefill_leaves_alone_and_is_never_restored(
     joins = [JoinRow(_gen("a", small, 10)), JoinRow(_gen("b", big, 600), None, 30, "staged-b")]
     got, outs = _drive(engine, joins)
     (failure,) = outs[0].failed
-    assert (failure.request_id, failure.error_code) == ("b", "MemoryPressure")
+    assert (failure.request_id, failure.error_code) == ("b", "MemoryShortAtStart")
     assert "not enough memory" in failure.detail
     assert outs[0].joined == (("a", 0),)
     assert restored == []
     assert got == {"a": solo["a"]}
     assert scripted.guard.refused == 1
+
+
+def test_rows_joining_in_one_step_are_checked_beside_each_other(model: Any, tok: Any) -> None:
+    """Two rows that each fit the budget alone (512k of 800k) but not together join the same
+    step: the reading shows neither (their prefill runs after the checks), so the second is
+    checked beside the first's demand and refused before its prefill; the first runs alone."""
+    a, b = _prompt(12, 6), _prompt(12, 7)
+    solo, _ = _drive(_engine(model, tok), [JoinRow(_gen("a", a, 10))])
+    scripted = _Guard(budget=800 * KV_PER_TOKEN)
+    engine = _engine(model, tok, guard=scripted.guard)
+    got, outs = _drive(engine, [JoinRow(_gen("a", a, 10)), JoinRow(_gen("b", b, 10))])
+    (failure,) = outs[0].failed
+    assert (failure.request_id, failure.error_code) == ("b", "MemoryShortAtStart")
+    assert outs[0].joined == (("a", 0),)
+    assert got == {"a": solo["a"]}
+    assert (scripted.guard.checks, scripted.guard.refused) == (2, 1)
 
 
 def test_a_row_refused_during_decode_leaves_alone_and_the_others_go_on(

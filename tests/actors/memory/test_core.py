@@ -84,6 +84,28 @@ def test_a_request_that_fits_is_admitted_at_once_without_asking_anyone() -> None
     assert state.job is None
 
 
+def test_a_request_refused_in_turn_is_never_admitted_at_once_on_the_reading() -> None:
+    """An AdmitMemory marked refused_in_turn (the in-turn guard contradicted the reading it
+    fitted) is not answered at once even where the reading fits: it settles first and is
+    decided on the reading after that turn (admitted here); readmissions counts it."""
+    state = _state()
+    again = AdmitMemory(request_id="r1", prompt_tokens=100, max_tokens=28, refused_in_turn=True)
+    effects = _feed(state, again, 0.0, BUDGET - DEMAND)
+    assert _answers(effects) == []
+    (settle,) = _asks(effects)
+    assert isinstance(settle.body, RunWhenIdle)
+    assert settle.body.step_id == "memory.settle"
+    effects = _feed(state, TurnDone(step_id="memory.settle", ok=True), 0.1, BUDGET - DEMAND,
+                    settle.ref)
+    (measure,) = _asks(effects)
+    stats = _filled(PromptCacheStats, entries=0, bytes=0)
+    assert _answers(_feed(state, stats, 0.2, BUDGET - DEMAND, measure.ref)) == [
+        MemoryAdmitted(request_id="r1")]
+    (report,) = _answers(_feed(state, MemoryStatsRequest(), 0.3, 0))
+    assert isinstance(report, MemoryStats)
+    assert report.readmissions == 1
+
+
 def test_an_over_budget_request_settles_measures_demotes_drains_releases_and_is_admitted() -> None:
     """The relief sequence in order; the need asked for is the bytes over the budget; the
     reading after the release turn decides; the counters count what the RAM tier handed back."""
