@@ -14,6 +14,28 @@ if TYPE_CHECKING:
     from mlx_lm.models import gemma3_text, mamba
 
 
+ATTENTION_GAIN = 4.0
+""":func:`kv_llama`'s gain: how much the tiny Llama's attention is sharpened after init.
+
+NOTE: at random init its answer barely depends on its KV cache: greedy, 16
+tokens after a 30-token prompt came out identical with another prompt's KV
+in 13 of 20 prompts and with one cached token missing in 16 of 20, so a test
+restoring a wrong or short cache would still pass. Sharper attention (queries
+x16: scores as with queries and keys x4) whose output counts (``o_proj`` x4)
+makes both differ in 20 of 20 (``tests/test_tiny_models.py`` keeps it so).
+Tests whose point is the cache's content (restores, resumes, lent
+prefixes) build :func:`kv_llama`; the plain :func:`tiny_llama` stays as it
+was for the rest, whose expectations (answers running to ``max_tokens``,
+absolute tolerances) were set on it."""
+
+SPECIAL_IDS = (96, 97)
+""":func:`tiny_tokenizer`'s ``<s>`` and ``</s>``: the tiny Llama embeds them as zeros.
+
+NOTE: tied embeddings make their logit 0, below the top token's, so greedy
+answers run to ``max_tokens`` as the tests expect (the sharper attention
+otherwise brings ``</s>`` up now and then)."""
+
+
 def tiny_llama(
     *,
     seed: int = 0,
@@ -21,11 +43,13 @@ def tiny_llama(
     layers: int = 2,
     dtype: Any = None,
     head_dim: int | None = None,
+    attention_gain: float = 1.0,
 ) -> llama.Model:
     """A 2-layer Llama (grouped-query attention, tied embeddings) with random weights.
 
     ``head_dim`` defaults to 16 (64 / 4 heads); quantized-KV tests pass 32 so
-    K/V rows divide into MLX's smallest quantization group.
+    K/V rows divide into MLX's smallest quantization group. ``attention_gain``
+    sharpens its attention (:data:`ATTENTION_GAIN`, :func:`kv_llama`).
     """
     mx.random.seed(seed)
     args = llama.ModelArgs(
@@ -41,10 +65,24 @@ def tiny_llama(
         head_dim=head_dim,
     )
     model = llama.Model(args)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        # NOTE: the queries take the whole sharpening, so the cached keys and
+        # values keep their usual size (tests compare them with absolute tolerances).
+        attn.q_proj.weight = attn.q_proj.weight * attention_gain**2
+        attn.o_proj.weight = attn.o_proj.weight * attention_gain
+    if attention_gain != 1.0 and vocab_size > max(SPECIAL_IDS):
+        keep = mx.ones((vocab_size, 1)).at[mx.array(SPECIAL_IDS)].multiply(0.0)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * keep
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def kv_llama(**kwargs: Any) -> llama.Model:
+    """:func:`tiny_llama` whose answer depends on its KV cache (:data:`ATTENTION_GAIN`)."""
+    return tiny_llama(attention_gain=ATTENTION_GAIN, **kwargs)
 
 
 def tiny_gemma3(

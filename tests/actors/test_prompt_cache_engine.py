@@ -9,7 +9,7 @@ import pytest
 
 from actors.engine import Engine, GenerationParams
 from kernels import cache_arrays
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +27,7 @@ async def test_an_idle_engine_drops_the_arrays_of_disposed_entries(tok: Any) -> 
     the replaced entry's arrays are still dropped (a background turn), and /stats shows no
     pending disposal once that turn ran."""
     async with Engine.from_loaded(
-        tiny_llama(vocab_size=len(tok)), tok, model_id="tiny", prompt_cache_bytes=1 << 26
+        kv_llama(vocab_size=len(tok)), tok, model_id="tiny", prompt_cache_bytes=1 << 26
     ) as engine:
         params = GenerationParams(max_tokens=3)
         await engine.complete_prompt(PROMPT, params)
@@ -47,7 +47,7 @@ async def test_a_short_completion_keeps_only_its_tokens(tok: Any) -> None:
     """The entry of a short request holds its own tokens' KV, not a 256-token slab, and the
     cache's byte count says so."""
     async with Engine.from_loaded(
-        tiny_llama(vocab_size=len(tok)), tok, model_id="tiny", prompt_cache_bytes=1 << 26
+        kv_llama(vocab_size=len(tok)), tok, model_id="tiny", prompt_cache_bytes=1 << 26
     ) as engine:
         await engine.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
         registry = engine.cache_registry

@@ -9,7 +9,7 @@ import pytest
 from actors.engine import Engine, GenerationParams
 from kernels import render_chat
 from tests.chat_templates import thinking_tokenizer
-from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_gemma3, tiny_mamba, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +27,7 @@ def tok() -> Any:
 
 def _model(arch: str, tok: Any) -> Any:
     if arch == "llama":
-        return tiny_llama(vocab_size=len(tok))
+        return kv_llama(vocab_size=len(tok))
     if arch == "mamba":
         return tiny_mamba(vocab_size=len(tok))
     return tiny_gemma3(vocab_size=len(tok), sliding_window=16)

@@ -10,7 +10,7 @@ import pytest
 from actors.prompt_cache import core as core
 from kernels import CacheRegistry, Generation, SamplingParams, run_generation
 from messages import Put, Release, Take, TakeResult
-from tests.tiny_models import tiny_gemma3, tiny_llama, tiny_mamba, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_gemma3, tiny_mamba, tiny_tokenizer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -66,7 +66,7 @@ def test_hit_continuation_equals_cold_prefill(arch: str, tok: Any) -> None:
     """Turn 2 served from turn 1's entry (trimmed where the rules allow) decodes like a cold run."""
     vocab = len(tok)
     model = {
-        "llama": lambda: tiny_llama(vocab_size=vocab),
+        "llama": lambda: kv_llama(vocab_size=vocab),
         "gemma3": lambda: tiny_gemma3(vocab_size=vocab, sliding_window=64),
         "mamba": lambda: tiny_mamba(vocab_size=vocab),
     }[arch]()

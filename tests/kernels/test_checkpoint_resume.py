@@ -30,7 +30,7 @@ from kernels.engine._checkpoint import (
     resume_generation,
 )
 from messages.gateway import GenerationParams
-from tests.tiny_models import tiny_llama, tiny_mamba, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_mamba, tiny_tokenizer
 
 PORT = OsFilePort()
 KEY = "ab" * 16
@@ -91,7 +91,7 @@ PARAMS = [
 def test_resumed_answer_equals_uninterrupted(tmp_path: Path, tok: Any, params: GenerationParams,
                                              at: int) -> None:
     """Tokens and text of checkpoint -> file -> new generation -> replay + continue equal one run."""
-    model = tiny_llama(vocab_size=len(tok.vocab))
+    model = kv_llama(vocab_size=len(tok.vocab))
     prompt = tok.encode("The sea at night is")
     full = _run(Generation(model, tok, prompt, params))
     assert len(full) > at + 1  # NOTE: the cut is mid-answer: a pending token exists.
@@ -125,7 +125,7 @@ def test_recurrent_model_resumes(tmp_path: Path, tok: Any) -> None:
 
 def test_no_point_outside_the_boundary(tok: Any) -> None:
     """No checkpoint before the first token, or once the answer finished."""
-    model = tiny_llama(vocab_size=len(tok.vocab))
+    model = kv_llama(vocab_size=len(tok.vocab))
     gen = Generation(model, tok, tok.encode("abc"), GenerationParams(max_tokens=3))
     assert checkpoint_point(gen) is None
     _run(gen)
@@ -270,7 +270,7 @@ SWEEP_PARAMS = [
 def test_every_boundary_resumes_bitwise(tmp_path: Path, tok: Any, params: GenerationParams,
                                         lag: int) -> None:
     """Tiny Llama: a checkpoint at each of 290 boundaries (past the 256-slot KV growth), written now or 7 steps later, resumes bit for bit."""
-    model = tiny_llama(vocab_size=len(tok.vocab))
+    model = kv_llama(vocab_size=len(tok.vocab))
     prompt = tok.encode("The sea at night is dark and the lighthouse keeper watches it")
     assert _sweep(model, tok, prompt, params, 290, tmp_path, lag=lag) == []
 

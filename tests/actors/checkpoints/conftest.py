@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
     """One tiny fp32 Llama for the module (the same weights in every Engine)."""
-    return tiny_llama(vocab_size=len(tiny_tokenizer()))
+    return kv_llama(vocab_size=len(tiny_tokenizer()))

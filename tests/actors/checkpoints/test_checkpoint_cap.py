@@ -21,7 +21,7 @@ from tests.actors.checkpoints.restart_support import section as _section
 from tests.actors.checkpoints.restart_support import tokens as _tokens
 from tests.actors.checkpoints.restart_support import until_written as _until_written
 from tests.actors.test_cold_tier_engine import IDENTITY
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -31,7 +31,7 @@ PARAMS = GenerationParams(max_tokens=40)
 @pytest.fixture(scope="module")
 def model() -> Any:
     """One tiny fp32 Llama for the module (the same weights in every Engine)."""
-    return tiny_llama(vocab_size=len(tiny_tokenizer()))
+    return kv_llama(vocab_size=len(tiny_tokenizer()))
 
 
 def _engine(model: Any, root: Path | None, *, max_bytes: int | None = None,

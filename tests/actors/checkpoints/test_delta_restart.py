@@ -20,7 +20,7 @@ from tests.actors.checkpoints.restart_support import (
     until_removed,
     until_written,
 )
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -41,7 +41,7 @@ async def test_a_delta_checkpoint_resumes_like_an_uninterrupted_run(
     monkeypatch.setenv(BLAS_TUNE_ENV, "0")
     params = GenerationParams(max_tokens=40)
     # NOTE: 8-bit KV needs a head dimension its group size divides.
-    net = model if kv_quant is None else tiny_llama(vocab_size=len(tiny_tokenizer()), head_dim=64)
+    net = model if kv_quant is None else kv_llama(vocab_size=len(tiny_tokenizer()), head_dim=64)
 
     def make(root: Path | None, every: int) -> Any:
         return tiny_engine(net, root, every, max_batch=max_batch, kv_quant=kv_quant)

@@ -25,7 +25,7 @@ from tests.actors.checkpoints.restart_support import section as _section
 from tests.actors.checkpoints.restart_support import tiny_engine as _engine
 from tests.actors.checkpoints.restart_support import tokens as _tokens
 from tests.actors.checkpoints.restart_support import until_written as _until_written
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -35,7 +35,7 @@ MAX = 40
 @pytest.fixture(scope="module")
 def model() -> Any:
     """One tiny fp32 Llama for the module."""
-    return tiny_llama(vocab_size=len(tiny_tokenizer()))
+    return kv_llama(vocab_size=len(tiny_tokenizer()))
 
 
 @asynccontextmanager
