@@ -17,7 +17,7 @@ import pytest
 
 from actors.engine import Engine, GenerationParams, InvalidRequest
 from kernels import ModelIdentity
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -43,7 +43,7 @@ def tok() -> Any:
 @pytest.fixture(scope="module")
 def model(tok: Any) -> Any:
     """One tiny fp32 Llama shared by every engine of this module."""
-    return tiny_llama(vocab_size=len(tok))
+    return kv_llama(vocab_size=len(tok))
 
 
 def _ids(tok: Any, text: str) -> list[int]:

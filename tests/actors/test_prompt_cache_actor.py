@@ -25,7 +25,7 @@ from messages import (
 )
 from messages.gateway import RunWhenIdle, TurnDone
 from messages.spill_queue import Enqueue
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import kv_llama
 
 pytestmark = pytest.mark.anyio
 ASK = 5.0
@@ -34,7 +34,7 @@ ASK = 5.0
 @pytest.fixture(scope="module")
 def model() -> Any:
     """A tiny fp32 Llama."""
-    return tiny_llama()
+    return kv_llama()
 
 
 def _register(registry: CacheRegistry, model: Any, tokens: tuple[int, ...]) -> RegisteredCache:

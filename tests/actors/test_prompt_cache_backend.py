@@ -11,14 +11,14 @@ from actors.backend import MlxBackend
 from kernels import CacheRegistry, Generation, SamplingParams, cache_arrays, run_generation
 from kernels.engine import SnapshotBoundary
 from messages.gateway import Generate, GenerationParams
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 
 def test_a_cache_that_disagrees_with_its_token_record_is_never_registered() -> None:
     """register/snapshot refuse (None, nothing kept) when the live cache holds more tokens
     than the generation's token record, instead of indexing KV under the wrong tokens."""
     tok = tiny_tokenizer()
-    model = tiny_llama(vocab_size=len(tok))
+    model = kv_llama(vocab_size=len(tok))
     registry = CacheRegistry()
     backend = MlxBackend(model, tok, prefill_step_size=64, registry=registry)
     prompt = [int(t) for t in tok.encode("a prompt for the registry")]
@@ -36,7 +36,7 @@ def test_a_cache_that_disagrees_with_its_token_record_is_never_registered() -> N
 def test_an_agreeing_cache_is_registered_under_its_tokens() -> None:
     """A finished generation's cache is registered under exactly its token record."""
     tok = tiny_tokenizer()
-    model = tiny_llama(vocab_size=len(tok))
+    model = kv_llama(vocab_size=len(tok))
     registry = CacheRegistry()
     backend = MlxBackend(model, tok, prefill_step_size=64, registry=registry)
     gen = Generation(model, tok, [int(t) for t in tok.encode("hello")], SamplingParams(max_tokens=4))
@@ -54,7 +54,7 @@ def _chat_snapshot(prefill_step_size: int, tail: int) -> tuple[list[int], list[A
     Returns the prompt, the registered snapshot's tokens and caches, the model and the steps' phases.
     """
     tok = tiny_tokenizer()
-    model = tiny_llama(vocab_size=len(tok))
+    model = kv_llama(vocab_size=len(tok))
     prompt = [int(t) for t in tok.encode("a chat prompt whose generation tail is re-rendered")]
     registry = CacheRegistry()
     backend = MlxBackend(

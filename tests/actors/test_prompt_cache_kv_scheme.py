@@ -8,7 +8,7 @@ import pytest
 
 from actors.engine import Engine, GenerationParams
 from kernels.cache import InvalidKvScheme
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +26,7 @@ async def test_engine_stores_entries_in_its_kv_scheme(kv_quant: Any, signature: 
     the same greedy text as the cold request that stored it."""
     tok = tiny_tokenizer()
     # NOTE: head_dim 64 so K/V rows divide into the server's 64-element groups.
-    model = tiny_llama(vocab_size=len(tok), head_dim=64)
+    model = kv_llama(vocab_size=len(tok), head_dim=64)
     params = GenerationParams(max_tokens=6)
     async with Engine.from_loaded(
         model, tok, model_id="tiny", prompt_cache_bytes=1 << 26, kv_quant=kv_quant
@@ -49,7 +49,7 @@ async def test_a_scheme_the_model_cannot_take_is_refused_at_start() -> None:
     clear message instead of starting a server whose every request would fail."""
     tok = tiny_tokenizer()
     engine = Engine.from_loaded(
-        tiny_llama(vocab_size=len(tok)), tok, model_id="tiny", prompt_cache_bytes=1 << 26, kv_quant=8
+        kv_llama(vocab_size=len(tok)), tok, model_id="tiny", prompt_cache_bytes=1 << 26, kv_quant=8
     )
     with pytest.raises(InvalidKvScheme, match="not divisible by the group size 64"):
         await engine.start()

@@ -27,7 +27,7 @@ from tests.actors.persistence_faults import (
     wait_for_stats,
     wait_set,
 )
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -45,7 +45,7 @@ def tok() -> Any:
 @pytest.fixture(scope="module")
 def model(tok: Any) -> Any:
     """One tiny fp32 Llama for the module."""
-    return tiny_llama(vocab_size=len(tok))
+    return kv_llama(vocab_size=len(tok))
 
 
 def _conversation(tok: Any, text: str) -> list[int]:

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from kernels import EngineThread
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import kv_llama
 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
     """A tiny fp32 Llama."""
-    return tiny_llama()
+    return kv_llama()
 
 
 @pytest.fixture

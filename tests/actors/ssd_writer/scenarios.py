@@ -23,7 +23,7 @@ from actors.ssd_writer import EngineTensorSource, SsdWriterConfig
 from kernels import CacheRegistry, EngineThread, cache_arrays
 from messages import DrainSpills, Enqueue, Find, FindResult, Restore, RestoreResult, SpillsDrained
 from tests.actors.ssd_writer.support import ASK, IDENTITY, ThreadTurns, register
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import kv_llama
 
 
 def _fresh(root: str) -> None:
@@ -36,7 +36,7 @@ async def spill_store_restart_restore(system: SimulatedSystem, *, root: str) -> 
     await anyio.to_thread.run_sync(_fresh, root)
     tokens = tuple(range(3, 13))
     async with EngineThread() as engine:
-        model = await engine.run(tiny_llama)
+        model = await engine.run(kv_llama)
         registry = CacheRegistry()
         reg = await register(engine, registry, model, tokens)
         original = await engine.run(

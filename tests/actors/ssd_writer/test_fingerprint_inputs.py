@@ -18,7 +18,7 @@ from actors.engine import Engine
 from actors.ssd_writer import cold_fingerprint
 from kernels import ModelIdentity, resolve_kv_scheme
 from kernels.cache import FORMAT_VERSION
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 BASE: dict[str, Any] = {
     "model": "model-digest",
@@ -76,7 +76,7 @@ def tok() -> Any:
 @pytest.fixture(scope="module")
 def quant_model(tok: Any) -> Any:
     """A tiny fp32 Llama with 64-wide heads (its K/V rows divide into the 64-element quantization groups)."""
-    return tiny_llama(vocab_size=len(tok), head_dim=64)
+    return kv_llama(vocab_size=len(tok), head_dim=64)
 
 
 def _fingerprint_dirs(root: Path) -> set[str]:

@@ -11,7 +11,7 @@ import pytest
 from actors.engine import ConfigError, Engine
 from actors.ssd_writer import check_tier_dirs
 from kernels import ModelIdentity, UntrustedPath
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import kv_llama, tiny_tokenizer
 
 IDENTITY = ModelIdentity(
     model_id="tiny-llama",
@@ -69,7 +69,7 @@ async def test_an_engine_on_a_group_writable_tier_does_not_start(tmp_path: Path)
     root.chmod(0o770)
     tok: Any = tiny_tokenizer()
     engine = Engine.from_loaded(
-        tiny_llama(vocab_size=len(tok)), tok, model_id="tiny", identity=IDENTITY,
+        kv_llama(vocab_size=len(tok)), tok, model_id="tiny", identity=IDENTITY,
         prompt_cache_bytes=1 << 24, ssd_cache=root,
     )
     try:
