@@ -144,3 +144,42 @@ async def test_admission_sees_memory_grown_since_the_last_engine_job(model: Any)
     assert tokens == []
     assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (0, 1)
     assert len(after) == 8
+
+
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["serial-lane", "batch-lane"])
+async def test_a_request_refused_before_its_prefill_is_admitted_again_and_answers_in_full(
+    model: Any, monkeypatch: pytest.MonkeyPatch, max_batch: int
+) -> None:
+    """The check before a request's prefill refuses it once (scripted: the first check raises
+    MemoryShortAtStart); the engine API takes it back to admission and submits it again under
+    the same id, and the caller gets one whole answer equal to an unrefused run's, on either lane."""
+    from actors.engine_thread.memory_guard import MemoryGuard
+    from actors.errors import MemoryShortAtStart
+
+    params = GenerationParams(max_tokens=8, temperature=0.0)
+    budget = 1 << 40
+
+    async def answer() -> tuple[list[int], dict[str, Any]]:
+        engine = Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                                    prompt_cache_bytes=16 * MIB, max_batch=max_batch,
+                                    memory_budget_bytes=budget)
+        async with engine:
+            seen: list[int] = []
+            await _tokens(engine, params, seen)
+            return seen, await _memory(engine)
+
+    expected, _ = await answer()
+    real = MemoryGuard.before_prefill
+    refusals: list[str] = []
+
+    def refuse_once(self: MemoryGuard, request: Any, cached_tokens: int, pending: int = 0) -> int:
+        if not refusals:
+            refusals.append(request.request_id)
+            raise MemoryShortAtStart("scripted: not enough memory before the prefill")
+        return real(self, request, cached_tokens, pending)
+
+    monkeypatch.setattr(MemoryGuard, "before_prefill", refuse_once)
+    got, memory = await answer()
+    assert len(refusals) == 1
+    assert got == expected
+    assert (memory["readmissions"], memory["refused_at_admission"]) == (1, 0)
