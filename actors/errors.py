@@ -15,6 +15,7 @@ __all__ = [
     "GrammarCompilerBusy",
     "InvalidRequest",
     "KvtierError",
+    "MemoryBusy",
     "MemoryPressure",
     "MemoryShortAtStart",
     "QueueFull",
@@ -137,6 +138,16 @@ class MemoryPressure(KvtierError):
     reclaimed (HTTP 503); the server keeps serving smaller requests."""
 
     code = "memory_pressure"
+
+
+class MemoryBusy(MemoryPressure):
+    """Admission refused for memory that running requests hold (HTTP 503 where it reaches a client).
+
+    Nothing more can be moved out of memory now, but the request fits beside
+    the least memory the process has held (its weights, no request running,
+    nothing cached): the engine API waits for a running request to end and
+    asks again, within ``EngineConfig.memory_relief_timeout_s``.
+    """
 
 
 class MemoryShortAtStart(MemoryPressure):

@@ -72,11 +72,17 @@ class MemoryAdmitted(Body):
 
 
 class Refuse(Body):
-    """The request does not fit and nothing more can be moved out: ``detail`` is the client's explanation."""
+    """The request does not fit and nothing more can be moved out: ``detail`` is the client's explanation.
+
+    ``may_fit_later``: it would fit beside the least memory the process has
+    held (no request running, nothing cached): memory running requests hold
+    now may come back when they end.
+    """
 
     kind: Literal["memory.refuse"] = "memory.refuse"
     request_id: str
     detail: str
+    may_fit_later: bool = False
 
 
 class Relieve(Request):
@@ -126,7 +132,9 @@ class MemoryStats(Body):
     ``budget_bytes``, ``margin_bytes``: the budget and how far RSS may pass
     it; ``active_bytes``: the latest reading, taken after every engine job
     (``samples`` of them); ``checks_in_turn``/``refused_in_turn``/
-    ``settled_in_turn``: the in-turn guard's checks (engine thread);
+    ``settled_in_turn``: the in-turn guard's checks (engine thread), and
+    ``refused_before_prefill`` of its refusals came before a prefill (the
+    request waited or went back to admission: not a failure);
     ``refused_at_admission``, ``relieved_entries``, ``relieved_bytes``,
     ``reliefs``, ``readmissions`` (requests refused in turn before their
     prefill and asked again): this actor's; the reading's parts at the last engine job
@@ -141,6 +149,7 @@ class MemoryStats(Body):
     samples: int | None = None
     checks_in_turn: int | None = None
     refused_in_turn: int | None = None
+    refused_before_prefill: int | None = None
     refused_at_admission: int = 0
     relieved_entries: int = 0
     relieved_bytes: int = 0

@@ -7,7 +7,7 @@ engine API's typed errors.
 
 from __future__ import annotations
 
-from actors.errors import GenerationFailed, MemoryPressure, ServerShuttingDown
+from actors.errors import GenerationFailed, MemoryBusy, MemoryPressure, ServerShuttingDown
 from actors.runtime import AskTimeout, MailboxClosed, use_correlation
 from messages.gateway import GenerationParams
 from messages.memory import AdmitMemory, MemoryAdmitted, Relieve, Relieved
@@ -28,7 +28,8 @@ async def admit(running: Running | None, request_id: str, prompt_tokens: int,
     one that was contradicted): the actor settles, measures and relieves.
 
     Raises ``MemoryPressure`` when the request cannot fit and nothing more
-    can be moved out of memory, or when the actor does not answer within
+    can be moved out of memory (``MemoryBusy`` when it would fit once
+    running requests end), or when the actor does not answer within
     ``timeout`` seconds; ``ServerShuttingDown`` when it has stopped. Without
     a memory guard (or no engine running) there is nothing to check.
     """
@@ -56,6 +57,8 @@ async def admit(running: Running | None, request_id: str, prompt_tokens: int,
     except MailboxClosed as exc:
         raise ServerShuttingDown(f"the memory actor is not accepting requests ({exc})") from exc
     if isinstance(reply, MemoryRefused):
+        if reply.may_fit_later:
+            raise MemoryBusy(reply.detail)
         raise MemoryPressure(reply.detail)
     if not isinstance(reply, MemoryAdmitted):
         raise GenerationFailed(f"the memory check answered {reply.kind}")

@@ -44,6 +44,7 @@ from actors.errors import (
     GenerationFailed,
     InvalidRequest,
     KvtierError,
+    MemoryBusy,
     MemoryPressure,
     MemoryShortAtStart,
     QueueFull,
@@ -84,6 +85,7 @@ from messages.prompt_cache import DemoteResult
 
 from . import _memory_asks, _stats, prompts, startup, wiring
 from ._shutdown import Shutdown
+from ._stream_ends import StreamEnds
 from .config import ConfigError, EngineConfig, option_names
 from .startup import ModelParts, Running
 
@@ -204,12 +206,13 @@ class Completion:
     timings: Timings
 
 
-def _abandon(system: ActorSystem, inbox: Inbox, request_id: str) -> None:
+def _abandon(system: ActorSystem, inbox: Inbox, request_id: str, ended: StreamEnds) -> None:
     # NOTE: runs on the loop. Closing the inbox unblocks a runner waiting on
     # a full stream (it then stops the request); the cancel makes the
     # gateway drop a queued request or stop a running burst (StopBurst to
     # the runner) after its current step.
     inbox.close()
+    ended.ended()
     try:
         system.try_tell(_GATEWAY, CancelGeneration(request_id=request_id), correlation_id=request_id)
     except RuntimeFailure:
@@ -221,11 +224,12 @@ def _abandon_soon(
     system: ActorSystem,
     inbox: Inbox,
     request_id: str,
+    ended: StreamEnds,
 ) -> None:
     # NOTE: weakref finalizer of a stream dropped unfinished; the garbage
     # collector may run it on any thread, so hop to the loop.
     try:
-        loop.call_soon_threadsafe(_abandon, system, inbox, request_id)
+        loop.call_soon_threadsafe(_abandon, system, inbox, request_id, ended)
     except RuntimeError:
         pass  # the loop is closed: nothing left to cancel
 
@@ -287,6 +291,7 @@ class GenerationStream(_StartClose):
         self._tokens: list[int] | None = None
         self._yielded = False
         self._readmitted = False
+        self._counted = False
         self._started = False
         self._finished = False
         self._done: DoneEvent | None = None
@@ -334,9 +339,34 @@ class GenerationStream(_StartClose):
         self._prompt_tokens = len(tokens)
         self._tokens = tokens
         engine._check_open()
-        await _memory_asks.admit(engine._running, self.request_id, len(tokens), self._params,
-                                 timeout=engine.config.memory_relief_timeout_s)
+        await self._admit_memory(len(tokens))
         await self._submit(tokens)
+
+    async def _admit_memory(self, prompt_tokens: int, *, refused_in_turn: bool = False) -> None:
+        """Admission's memory check, waiting while running requests hold the memory it needs.
+
+        NOTE: a ``MemoryBusy`` refusal fits beside the memory the process
+        holds at rest: a running request that ends hands its KV to the
+        prompt cache, where the next check's relief can move it out. So
+        admission waits for a stream to end and asks again, within
+        ``memory_relief_timeout_s`` in all; with no stream running there is
+        nothing to wait for and it raises.
+        """
+        engine = self._engine
+        timeout = engine.config.memory_relief_timeout_s
+        deadline = anyio.current_time() + timeout
+        while True:
+            try:
+                await _memory_asks.admit(engine._running, self.request_id, prompt_tokens,
+                                         self._params, timeout=timeout,
+                                         refused_in_turn=refused_in_turn)
+                return
+            except MemoryBusy:
+                streams = engine._streams
+                left = deadline - anyio.current_time()
+                if left <= 0 or streams.live == 0:
+                    raise
+                await streams.wait(left)
 
     async def _submit(self, tokens: list[int]) -> None:
         """Hand the admitted request to the gateway with a fresh stream inbox."""
@@ -378,6 +408,8 @@ class GenerationStream(_StartClose):
             raise error(reply.detail or reply.error_code)
         self._inbox = inbox
         self._finished = False
+        engine._streams.started()
+        self._counted = True
         self._finalizer = weakref.finalize(
             self,
             _abandon_soon,
@@ -385,6 +417,7 @@ class GenerationStream(_StartClose):
             system,
             inbox,
             self.request_id,
+            engine._streams,
         )
 
     async def _readmit(self, refusal: ErrorEvent) -> None:
@@ -400,11 +433,8 @@ class GenerationStream(_StartClose):
         if self._readmitted or self._yielded or tokens is None:
             raise MemoryPressure(refusal.detail)
         self._readmitted = True
-        engine = self._engine
-        engine._check_open()
-        await _memory_asks.admit(engine._running, self.request_id, len(tokens), self._params,
-                                 timeout=engine.config.memory_relief_timeout_s,
-                                 refused_in_turn=True)
+        self._engine._check_open()
+        await self._admit_memory(len(tokens), refused_in_turn=True)
         await self._submit(tokens)
 
     def __aiter__(self) -> Self:
@@ -468,6 +498,9 @@ class GenerationStream(_StartClose):
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
+        if self._counted:
+            self._counted = False
+            self._engine._streams.ended()
         if self._inbox is not None:
             self._inbox.close()
 
@@ -556,6 +589,7 @@ class Engine(_StartClose):
         self._running: Running | None = None
         """The wiring and the parts ``start`` built (dropped on the engine thread at close)."""
         self._steps = BackgroundSteps()
+        self._streams = StreamEnds()
         self._state = "new"
         self._ids = 0
         self._shutdown = Shutdown(cfg.shutdown_timeout)
@@ -948,10 +982,16 @@ class Engine(_StartClose):
         ``unavailable`` instead of delaying the snapshot. The engine thread's
         and the registry's counters are thread-safe reads.
         """
-        return await _stats.engine_stats(
+        stats = await _stats.engine_stats(
             model_id=self._model_id, state=self._state, loaded=self._loaded,
             running=self._running, system=self._system, thread=self._engine_thread,
             timeout=timeout)
+        memory = stats.get("memory")
+        if isinstance(memory, dict) and "budget_bytes" in memory:
+            # NOTE: the admissions that waited for running requests to end (MemoryBusy).
+            memory["admission_waits"] = self._streams.waits
+            memory["streams_live"] = self._streams.live
+        return stats
 
     # --- internals -----------------------------------------------------------
 

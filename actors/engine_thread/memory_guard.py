@@ -286,7 +286,9 @@ class MemoryGuard:
     (optional, engine thread) drops freed memory the reading still counts
     (MLX's buffer cache, the C heap's free pages): a check that would refuse
     settles, reads again and decides on that (``settled`` counts those).
-    ``refused`` counts the requests failed here. ``margin``: how far RSS may
+    ``refused`` counts the refusals here; ``refused_before_prefill`` those of
+    them before a prefill (the request did not fail: a batch row waits, the
+    engine API takes the request back to admission). ``margin``: how far RSS may
     pass the budget (:func:`stated_margin`; 0 when not stated).
     """
 
@@ -298,6 +300,7 @@ class MemoryGuard:
     settle: Callable[[], object] | None = None
     settled: int = 0
     margin: int = 0
+    refused_before_prefill: int = 0
 
     def before_prefill(self, request: Generate, cached_tokens: int, pending: int = 0) -> int:
         """Before the request's first turn opens its generation; the demand it counted.
@@ -345,5 +348,6 @@ class MemoryGuard:
         if isinstance(verdict, Refuse):
             self.refused += 1
             if at_start:
+                self.refused_before_prefill += 1
                 raise MemoryShortAtStart(verdict.message())
             raise MemoryPressure(verdict.message())

@@ -347,9 +347,18 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
             [([], memory.get("budget_bytes"))])
     f.gauge("kvtier_memory_active_bytes", "The guard's memory reading at the last engine job (resident memory, device growth included).",
             [([], memory.get("active_bytes"))])
-    f.counter("kvtier_memory_refused", "Requests refused by the memory guard.",
+    in_turn, before = memory.get("refused_in_turn"), memory.get("refused_before_prefill")
+    if isinstance(in_turn, int) and isinstance(before, int):
+        # NOTE: a refusal before the prefill fails nothing (the request waits
+        # or goes back to admission): the failures in turn are the decode's.
+        in_turn -= before
+    f.counter("kvtier_memory_refused", "Requests refused by the memory guard (at admission, "
+              "or in turn during decode).",
               [(["admission"], memory.get("refused_at_admission")),
-               (["turn"], memory.get("refused_in_turn"))], ["where"])
+               (["turn"], in_turn)], ["where"])
+    f.counter("kvtier_memory_refused_before_prefill", "In-turn refusals before a prefill: the "
+              "request waited for a row to leave or went back to admission.",
+              [([], before)])
     f.counter("kvtier_memory_readmissions", "Requests refused in turn before their prefill "
               "and taken back to admission (relief first).", [([], memory.get("readmissions"))])
     f.counter("kvtier_memory_relieved_bytes", "Bytes of RAM entries persisted and dropped "

@@ -136,6 +136,7 @@ class Gauges:
     samples: int | None = None
     checks: int | None = None
     refused: int | None = None
+    refused_before_prefill: int | None = None
     settled: int | None = None
     resident: int | None = None
     mlx: int | None = None
@@ -260,6 +261,8 @@ class MemoryState:
     reliefs: int = 0
     readmissions: int = 0
     timeouts: int = 0
+    floor: int | None = None
+    """The least memory reading seen (the process at rest: weights, nothing cached)."""
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -315,11 +318,19 @@ def _finish(state: MemoryState, job: Job, body: Body, out: list[Effect]) -> None
         state.job = None
 
 
-def _refuse(state: MemoryState, job: Job, detail: str, out: list[Effect]) -> None:
+def _refuse(state: MemoryState, job: Job, detail: str, out: list[Effect], *,
+            later: bool = False) -> None:
     state.refused += 1
     body = job.envelope.body
     assert isinstance(body, AdmitMemory)
-    _finish(state, job, Refuse(request_id=body.request_id, detail=detail), out)
+    _finish(state, job, Refuse(request_id=body.request_id, detail=detail, may_fit_later=later),
+            out)
+
+
+def _may_fit_later(state: MemoryState, job: Job) -> bool:
+    """Whether ``job``'s demand fits beside the least memory seen (see ``Refuse.may_fit_later``)."""
+    budget, floor = state.config.budget, state.floor
+    return budget is not None and floor is not None and floor + job.demand <= budget
 
 
 def _admit(state: MemoryState, job: Job, out: list[Effect]) -> None:
@@ -349,9 +360,9 @@ def _decide(
     if isinstance(verdict, Fits):
         _admit(state, job, out)
     elif not isinstance(verdict, Relieve):
-        _refuse(state, job, verdict.message(), out)
+        _refuse(state, job, verdict.message(), out, later=_may_fit_later(state, job))
     elif job.rounds >= cfg.rounds:
-        _refuse(state, job, AFTER_RELIEF_MESSAGE, out)
+        _refuse(state, job, AFTER_RELIEF_MESSAGE, out, later=_may_fit_later(state, job))
     else:
         job.rounds += 1
         job.need = verdict.need
@@ -505,6 +516,7 @@ def _stats(state: MemoryState, g: Gauges) -> MemoryStats:
         samples=g.samples,
         checks_in_turn=g.checks,
         refused_in_turn=g.refused,
+        refused_before_prefill=g.refused_before_prefill,
         refused_at_admission=state.refused,
         relieved_entries=state.relieved_entries,
         relieved_bytes=state.relieved_bytes,
@@ -586,6 +598,11 @@ def handle(state: MemoryState, event: Event) -> tuple[MemoryState, list[Effect]]
     """Apply one input; return the state and the effects, in order."""
     out: list[Effect] = []
     now, gauges = event.now, event.gauges
+    # NOTE: the reading at the engine's start (after loading, settled) seeds
+    # the floor: the actor may first hear of memory while requests run.
+    for seen in (gauges.active, gauges.resident_at_start):
+        if seen is not None:
+            state.floor = seen if state.floor is None else min(state.floor, seen)
     match event:
         case Received():
             _received(state, event, out)

@@ -94,12 +94,14 @@ class GuardGauges:
             return Gauges(
                 active=guard.gauge.active_bytes, samples=guard.gauge.samples,
                 checks=guard.checks, refused=guard.refused, settled=guard.settled,
+                refused_before_prefill=guard.refused_before_prefill,
             )
         return Gauges(
             active=max(guard.gauge.active_bytes, reading.resident_now() or 0),
             samples=guard.gauge.samples,
             checks=guard.checks,
             refused=guard.refused,
+            refused_before_prefill=guard.refused_before_prefill,
             settled=guard.settled,
             resident=reading.resident,
             mlx=reading.mlx,

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import pytest
 
 from actors.engine import Engine
@@ -94,7 +95,7 @@ async def test_decode_check_fails_the_request_at_256_tokens_when_memory_grew(mod
             grown.clear()
         memory = await _memory(engine)
     assert len(tokens) == DECODE_CHECK_EVERY
-    assert memory["refused_in_turn"] == 1
+    assert (memory["refused_in_turn"], memory["refused_before_prefill"]) == (1, 0)
     assert memory["refused_at_admission"] == 0
     assert memory["settled_in_turn"] >= 1
 
@@ -131,8 +132,8 @@ async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(
     monkeypatch.setattr(ProcessMemory, "resident_now", lambda self: None)
     tokens, refused, after = await _grown_then_back(model)
     assert tokens == []
-    assert (refused["refused_in_turn"], refused["readmissions"],
-            refused["refused_at_admission"]) == (1, 1, 1)
+    assert (refused["refused_in_turn"], refused["refused_before_prefill"],
+            refused["readmissions"], refused["refused_at_admission"]) == (1, 1, 1, 1)
     assert len(after) == 8
 
 
@@ -183,3 +184,80 @@ async def test_a_request_refused_before_its_prefill_is_admitted_again_and_answer
     assert len(refusals) == 1
     assert got == expected
     assert (memory["readmissions"], memory["refused_at_admission"]) == (1, 0)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["serial-lane", "batch-lane"])
+async def test_admission_refused_for_memory_running_requests_hold_waits_for_one_to_end(
+    model: Any, monkeypatch: pytest.MonkeyPatch, max_batch: int
+) -> None:
+    """While a first stream is live the memory check answers MemoryBusy (scripted: the memory
+    running requests hold); a second request waits for the first to end instead of failing,
+    is asked again and answers in full, its first token after the first's final event."""
+    from actors.engine import _memory_asks
+    from actors.errors import MemoryBusy
+    from messages.gateway import DoneEvent
+
+    order: list[str] = []
+    asked: list[int] = []
+
+    engine = Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                                prompt_cache_bytes=16 * MIB, max_batch=max_batch,
+                                memory_budget_bytes=1 << 40)
+
+    async def scripted(running: Any, request_id: str, prompt_tokens: int, params: Any, *,
+                       timeout: float, refused_in_turn: bool = False) -> None:
+        asked.append(prompt_tokens)
+        if prompt_tokens == len(PROMPT) + 2 and engine._streams.live > 0:
+            raise MemoryBusy("scripted: running requests hold the memory")
+
+    monkeypatch.setattr(_memory_asks, "admit", scripted)
+
+    async def run(name: str, prompt: list[int], params: GenerationParams,
+                  admitted: anyio.Event | None = None) -> None:
+        async with engine.generate(prompt, params) as stream:
+            await stream.start()
+            if admitted is not None:
+                admitted.set()
+            async for event in stream:
+                if isinstance(event, DoneEvent):
+                    order.append(f"{name}.done")
+                elif f"{name}.first" not in order:
+                    order.append(f"{name}.first")
+
+    async with engine:
+        first_admitted = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "a", PROMPT, GenerationParams(max_tokens=40, temperature=0.0),
+                          first_admitted)
+            await first_admitted.wait()
+            tg.start_soon(run, "b", [*PROMPT, 5, 6], GenerationParams(max_tokens=8,
+                                                                       temperature=0.0))
+        memory = await _memory(engine)
+    assert order.index("a.done") < order.index("b.first")
+    assert order[-1] == "b.done"
+    assert asked.count(len(PROMPT) + 2) == 2
+    assert memory["admission_waits"] >= 1
+
+
+async def test_admission_refused_for_memory_with_nothing_running_fails_at_once(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no stream live there is nothing to wait for: a MemoryBusy answer reaches the caller
+    as MemoryPressure at once, without a wait or another ask."""
+    from actors.engine import _memory_asks
+    from actors.errors import MemoryBusy
+
+    asked: list[int] = []
+
+    async def scripted(running: Any, request_id: str, prompt_tokens: int, params: Any, *,
+                       timeout: float, refused_in_turn: bool = False) -> None:
+        asked.append(prompt_tokens)
+        raise MemoryBusy("scripted: running requests hold the memory")
+
+    monkeypatch.setattr(_memory_asks, "admit", scripted)
+    async with _serial(model, 1 << 40) as engine:
+        with pytest.raises(MemoryPressure, match="scripted"):
+            await _tokens(engine, GenerationParams(max_tokens=4), [])
+        memory = await _memory(engine)
+    assert len(asked) == 1
+    assert memory["admission_waits"] == 0

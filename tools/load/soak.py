@@ -159,7 +159,7 @@ async def agent(s: Soak, client: httpx.AsyncClient, rng: random.Random) -> None:
         r = await client.post("/v1/chat/completions", json=_chat(
             messages, temperature=0.7, seed=rng.randrange(1 << 30), max_tokens=16))
         if r.status_code != 200:
-            s.violate(f"agent turn {turn}: {r.status_code} {r.text[:200]}")
+            s.violate(f"agent turn {turn}: {r.status_code} {r.text[:400]}")
             return
         messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
     s.outcomes["agent.ok"] += 1
@@ -361,6 +361,10 @@ async def settle(s: Soak) -> dict[str, Any]:
     return figures
 
 
+_MEMORY_FIGURES = ("refused_at_admission", "refused_in_turn", "readmissions", "reliefs",
+                   "relieved_entries", "admission_waits")
+
+
 async def soak(url: str, args: argparse.Namespace) -> Soak:
     """Run the clients and the probe; then the check at rest."""
     s = Soak(url, args.conversations, args.stall_s)
@@ -370,6 +374,13 @@ async def soak(url: str, args: argparse.Namespace) -> Soak:
     s.outcomes["rest"] = 1
     rest = await settle(s)
     s.outcomes.update({f"rest.{k}": int(v) for k, v in rest.items()})
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+        engine = (await client.get("/stats")).json()["engine"]
+    memory = engine.get("memory", {})
+    s.outcomes.update({f"memory.{k}": int(memory[k]) for k in _MEMORY_FIGURES if k in memory})
+    waits = engine.get("batch", {}).get("batch", {}).get("memory_waits")
+    if waits is not None:
+        s.outcomes["memory.batch_waits"] = int(waits)
     return s
 
 

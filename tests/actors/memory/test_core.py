@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import TypeVar
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,6 +153,25 @@ def test_nothing_reclaimable_refuses_with_the_budget_in_the_message() -> None:
     assert "memory budget" in refused.detail
     assert _asks(effects) == []
     assert state.refused == 1
+
+
+@pytest.mark.parametrize(("at_start", "later"), [(BUDGET - DEMAND, True),
+                                                 (BUDGET - DEMAND + 1, False)])
+def test_a_refusal_says_whether_the_request_fits_beside_the_memory_at_rest(
+    at_start: int, later: bool
+) -> None:
+    """Refused with nothing reclaimable, the answer says may_fit_later exactly when the demand
+    fits beside the least reading seen (seeded by the engine's reading at start): memory that
+    running requests hold may come back, the rest never will."""
+    state = _state(settle_step=None)
+    busy = Gauges(BUDGET, resident_at_start=at_start)
+    _, effects = core.handle(state, core.Received(_env(_admit()), 0.0, busy))
+    (measure,) = _asks(effects)
+    stats = _env(_filled(PromptCacheStats, entries=0, bytes=0), measure.ref)
+    _, effects = core.handle(state, core.Received(stats, 0.1, busy))
+    (refused,) = _answers(effects)
+    assert isinstance(refused, Refuse)
+    assert refused.may_fit_later is later
 
 
 def test_a_demotion_that_hands_nothing_back_refuses_after_one_round() -> None:
