@@ -137,7 +137,9 @@ class MemoryStats(Body):
     request waited or went back to admission: not a failure);
     ``refused_at_admission``, ``relieved_entries``, ``relieved_bytes``,
     ``reliefs``, ``readmissions`` (requests refused in turn before their
-    prefill and asked again): this actor's; the reading's parts at the last engine job
+    prefill and asked again), ``busy_at_admission`` (refusals that may fit
+    once running requests end: the asker waits; not in
+    ``refused_at_admission``): this actor's; the reading's parts at the last engine job
     (``resident_bytes``, ``mlx_bytes``, ``resident_at_start_bytes``,
     ``mlx_active_bytes``, ``mlx_cache_bytes``, ``mlx_peak_bytes``) and the
     C-heap trims (``heap_trims``, ``heap_trim_s``).
@@ -151,6 +153,7 @@ class MemoryStats(Body):
     refused_in_turn: int | None = None
     refused_before_prefill: int | None = None
     refused_at_admission: int = 0
+    busy_at_admission: int = 0
     relieved_entries: int = 0
     relieved_bytes: int = 0
     reliefs: int = 0

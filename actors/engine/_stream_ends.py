@@ -23,6 +23,8 @@ class StreamEnds:
         self.live = 0
         self.waits = 0
         """Admissions that waited for a stream to end."""
+        self.busy_failed = 0
+        """Admissions that stayed busy (no stream left to wait for, or past the bound): 503s."""
         self._ended: anyio.Event | None = None
 
     def started(self) -> None:

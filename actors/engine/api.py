@@ -365,6 +365,7 @@ class GenerationStream(_StartClose):
                 streams = engine._streams
                 left = deadline - anyio.current_time()
                 if left <= 0 or streams.live == 0:
+                    streams.busy_failed += 1
                     raise
                 await streams.wait(left)
 
@@ -990,6 +991,7 @@ class Engine(_StartClose):
         if isinstance(memory, dict) and "budget_bytes" in memory:
             # NOTE: the admissions that waited for running requests to end (MemoryBusy).
             memory["admission_waits"] = self._streams.waits
+            memory["admission_busy_failed"] = self._streams.busy_failed
             memory["streams_live"] = self._streams.live
         return stats
 

@@ -352,10 +352,14 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
         # NOTE: a refusal before the prefill fails nothing (the request waits
         # or goes back to admission): the failures in turn are the decode's.
         in_turn -= before
+    at_admission = memory.get("refused_at_admission")
+    busy_failed = memory.get("admission_busy_failed")
+    if isinstance(at_admission, int) and isinstance(busy_failed, int):
+        # NOTE: a busy refusal waits for running requests; only one that stays busy fails.
+        at_admission += busy_failed
     f.counter("kvtier_memory_refused", "Requests refused by the memory guard (at admission, "
               "or in turn during decode).",
-              [(["admission"], memory.get("refused_at_admission")),
-               (["turn"], in_turn)], ["where"])
+              [(["admission"], at_admission), (["turn"], in_turn)], ["where"])
     f.counter("kvtier_memory_refused_before_prefill", "In-turn refusals before a prefill: the "
               "request waited for a row to leave or went back to admission.",
               [([], before)])

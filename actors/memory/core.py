@@ -260,6 +260,8 @@ class MemoryState:
     relieved_bytes: int = 0
     reliefs: int = 0
     readmissions: int = 0
+    busy: int = 0
+    """Refusals that may fit later (``Refuse.may_fit_later``): the asker waits, not a failure."""
     timeouts: int = 0
     floor: int | None = None
     """The least memory reading seen (the process at rest: weights, nothing cached)."""
@@ -320,7 +322,10 @@ def _finish(state: MemoryState, job: Job, body: Body, out: list[Effect]) -> None
 
 def _refuse(state: MemoryState, job: Job, detail: str, out: list[Effect], *,
             later: bool = False) -> None:
-    state.refused += 1
+    if later:
+        state.busy += 1
+    else:
+        state.refused += 1
     body = job.envelope.body
     assert isinstance(body, AdmitMemory)
     _finish(state, job, Refuse(request_id=body.request_id, detail=detail, may_fit_later=later),
@@ -518,6 +523,7 @@ def _stats(state: MemoryState, g: Gauges) -> MemoryStats:
         refused_in_turn=g.refused,
         refused_before_prefill=g.refused_before_prefill,
         refused_at_admission=state.refused,
+        busy_at_admission=state.busy,
         relieved_entries=state.relieved_entries,
         relieved_bytes=state.relieved_bytes,
         reliefs=state.reliefs,

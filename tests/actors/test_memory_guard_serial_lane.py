@@ -126,14 +126,16 @@ async def test_prefill_check_fails_a_request_admitted_on_an_older_reading(
     under CUDA, MLX's device memory is not resident memory), the request is admitted on the
     latest reading, and the check before its prefill reads again and refuses it with no token;
     taken back to admission once (where relief could run), it is refused there (nothing cached
-    to move out); the next request, once the memory is back, runs."""
+    to move out; it would fit at rest, but no other request runs to wait for); the next
+    request, once the memory is back, runs."""
     from actors.engine.memory import ProcessMemory
 
     monkeypatch.setattr(ProcessMemory, "resident_now", lambda self: None)
     tokens, refused, after = await _grown_then_back(model)
     assert tokens == []
     assert (refused["refused_in_turn"], refused["refused_before_prefill"],
-            refused["readmissions"], refused["refused_at_admission"]) == (1, 1, 1, 1)
+            refused["readmissions"], refused["busy_at_admission"],
+            refused["admission_busy_failed"]) == (1, 1, 1, 1, 1)
     assert len(after) == 8
 
 
@@ -143,7 +145,8 @@ async def test_admission_sees_memory_grown_since_the_last_engine_job(model: Any)
     back, runs."""
     tokens, refused, after = await _grown_then_back(model)
     assert tokens == []
-    assert (refused["refused_in_turn"], refused["refused_at_admission"]) == (0, 1)
+    assert (refused["refused_in_turn"], refused["busy_at_admission"],
+            refused["admission_busy_failed"]) == (0, 1, 1)
     assert len(after) == 8
 
 

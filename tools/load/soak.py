@@ -361,8 +361,9 @@ async def settle(s: Soak) -> dict[str, Any]:
     return figures
 
 
-_MEMORY_FIGURES = ("refused_at_admission", "refused_in_turn", "readmissions", "reliefs",
-                   "relieved_entries", "admission_waits")
+_MEMORY_FIGURES = ("refused_at_admission", "busy_at_admission", "admission_waits",
+                   "admission_busy_failed", "refused_in_turn", "refused_before_prefill",
+                   "readmissions", "reliefs", "relieved_entries")
 
 
 async def soak(url: str, args: argparse.Namespace) -> Soak:

@@ -207,17 +207,17 @@ async def test_an_engine_snapshot_is_reused_for_at_most_a_second() -> None:
 
 async def test_memory_refusals_in_turn_count_failures_and_refusals_before_prefill_apart() -> None:
     """Of 7 in-turn refusals, 5 came before a prefill (the requests waited or went back to
-    admission): kvtier_memory_refused counts 2 in turn beside 3 at admission, and the 5 go to
-    kvtier_memory_refused_before_prefill."""
+    admission): kvtier_memory_refused counts 2 in turn beside 4 at admission (3 refused, 1 that
+    stayed busy after waiting), and the 5 go to kvtier_memory_refused_before_prefill."""
 
     async def stats() -> dict[str, Any]:
         return {"state": "running", "memory": {
             "budget_bytes": 1 << 30, "refused_at_admission": 3, "refused_in_turn": 7,
-            "refused_before_prefill": 5}}
+            "refused_before_prefill": 5, "busy_at_admission": 9, "admission_busy_failed": 1}}
 
     f = _families((await HttpMetrics(stats, HttpState()).render()).decode())
     refused = f["kvtier_memory_refused"]
-    assert _value(refused, "kvtier_memory_refused_total", where="admission") == 3
+    assert _value(refused, "kvtier_memory_refused_total", where="admission") == 4
     assert _value(refused, "kvtier_memory_refused_total", where="turn") == 2
     before = f["kvtier_memory_refused_before_prefill"]
     assert _value(before, "kvtier_memory_refused_before_prefill_total") == 5

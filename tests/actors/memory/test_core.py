@@ -172,6 +172,8 @@ def test_a_refusal_says_whether_the_request_fits_beside_the_memory_at_rest(
     (refused,) = _answers(effects)
     assert isinstance(refused, Refuse)
     assert refused.may_fit_later is later
+    # NOTE: one that may fit later is not a failure: the asker waits.
+    assert (state.busy, state.refused) == ((1, 0) if later else (0, 1))
 
 
 def test_a_demotion_that_hands_nothing_back_refuses_after_one_round() -> None:
