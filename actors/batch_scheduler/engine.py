@@ -206,9 +206,13 @@ class BatchEngine:
             # NOTE: the joins' prefill runs in the step below, after every
             # check: each join is checked beside the demand of those before it.
             pending = 0
+            # NOTE: one settle a step: a second refusal in the same step finds
+            # nothing more freed (each settle clears MLX's cache and trims the heap).
+            settles = self._guard.settled if self._guard is not None else 0
             for join in joins:
                 rid = join.request.request_id
-                refusal, demand = self._refused_before_prefill(join, pending)
+                fresh = self._guard is None or self._guard.settled == settles
+                refusal, demand = self._refused_before_prefill(join, pending, fresh)
                 if refusal is not None:
                     failed.append(refusal)
                     continue
@@ -302,13 +306,16 @@ class BatchEngine:
         self._batch = None
         self._live.clear()
 
-    def _refused_before_prefill(self, join: JoinRow, pending: int) -> tuple[RowFailure | None, int]:
+    def _refused_before_prefill(self, join: JoinRow, pending: int,
+                                settle: bool) -> tuple[RowFailure | None, int]:
         """The guard's check before a row's prefill beside ``pending`` bytes of this step's earlier
-        joins: the refusal (``None``: it fits, or no guard) and the demand it counted."""
+        joins (``settle``: it may settle memory first): the refusal (``None``: it fits, or no
+        guard) and the demand it counted."""
         if self._guard is None:
             return None, 0
         try:
-            demand = self._guard.before_prefill(join.request, join.cached_tokens, pending)
+            demand = self._guard.before_prefill(join.request, join.cached_tokens, pending,
+                                                settle)
         except MemoryPressure as exc:
             # NOTE: before the restore: an SSD hit's host bytes stay staged and
             # go when the scheduler releases the row's lease.

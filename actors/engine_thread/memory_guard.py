@@ -302,7 +302,8 @@ class MemoryGuard:
     margin: int = 0
     refused_before_prefill: int = 0
 
-    def before_prefill(self, request: Generate, cached_tokens: int, pending: int = 0) -> int:
+    def before_prefill(self, request: Generate, cached_tokens: int, pending: int = 0,
+                       settle: bool = True) -> int:
         """Before the request's first turn opens its generation; the demand it counted.
 
         ``pending``: the demand of rows admitted in the same step before this
@@ -310,7 +311,8 @@ class MemoryGuard:
         them): the batch lane's joins of one step are checked one after the
         other, and each must fit beside the ones before it. Over budget
         raises :class:`~actors.errors.MemoryShortAtStart`: nothing of the
-        request has run, so it can go back to admission.
+        request has run, so it can go back to admission. ``settle`` False:
+        decide on the first reading (memory was settled in this step already).
 
         NOTE: ``cached_tokens`` does not lower the demand: a reused prefix is
         a view of the entry, copied into a new buffer when the cache first grows.
@@ -321,7 +323,7 @@ class MemoryGuard:
         demand += prompt_scoring_bytes(prompt, request.params.prompt_logprobs)
         params = request.params
         demand += token_logprob_bytes(params.max_tokens, params.logprobs, params.top_logprobs)
-        self._check(demand + max(pending, 0), at_start=True)
+        self._check(demand + max(pending, 0), at_start=True, settle=settle)
         return demand
 
     def during_decode(self, request: Generate, tokens_now: int) -> None:
@@ -336,11 +338,11 @@ class MemoryGuard:
         demand += token_logprob_bytes(final - tokens_now, params.logprobs, params.top_logprobs)
         self._check(demand, at_start=False)
 
-    def _check(self, demand: int, *, at_start: bool) -> None:
+    def _check(self, demand: int, *, at_start: bool, settle: bool = True) -> None:
         self.checks += 1
         verdict = decide(active=self.gauge.sample(), demand=demand, budget=self.budget,
                          reclaimable=0)
-        if isinstance(verdict, Refuse) and self.settle is not None:
+        if isinstance(verdict, Refuse) and settle and self.settle is not None:
             self.settle()
             self.settled += 1
             verdict = decide(active=self.gauge.sample(), demand=demand, budget=self.budget,

@@ -140,6 +140,21 @@ def test_rows_joining_in_one_step_are_checked_beside_each_other(model: Any, tok:
     assert (scripted.guard.checks, scripted.guard.refused) == (2, 1)
 
 
+def test_one_step_settles_memory_once_however_many_joins_it_refuses(model: Any, tok: Any) -> None:
+    """Three joins of one step over the budget: each is refused before its prefill, but only the
+    first refusal settles memory (clears MLX's cache, trims the heap) and reads again; the next
+    two decide on their first reading."""
+    scripted = _Guard(budget=100)
+    settles: list[int] = []
+    scripted.guard.settle = lambda: settles.append(1)
+    engine = _engine(model, tok, guard=scripted.guard)
+    joins = [JoinRow(_gen(rid, _prompt(12, i), 10)) for i, rid in enumerate("abc")]
+    out = engine.step(joins, [])
+    assert [f.request_id for f in out.failed] == ["a", "b", "c"]
+    assert (scripted.guard.checks, scripted.guard.refused, len(settles)) == (3, 3, 1)
+    assert scripted.guard.settled == 1
+
+
 def test_a_row_refused_during_decode_leaves_alone_and_the_others_go_on(
     model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
