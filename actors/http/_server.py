@@ -303,6 +303,28 @@ class _HardenedH11(H11Protocol):
         self.lingering = False
         self._lingered_bytes = 0
         self._raw: asyncio.Transport | None = None
+        self.app = self._aborting_stalled(self.app)
+
+    def _aborting_stalled(self, inner: Any) -> Any:
+        """``inner`` (the ASGI app) with the connection of a stream ended at its write deadline
+        aborted as the app returns.
+
+        NOTE: uvicorn logs an error ("ASGI callable returned without completing
+        response") for every response the app leaves unfinished unless the
+        client is gone. At the write deadline the client is as good as gone (it
+        reads nothing): the connection is aborted here, before uvicorn looks, and
+        the cut is logged once as the warning ``http.stream_write_timeout``.
+        """
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await inner(scope, receive, send)
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is scope and write_stalled(scope) \
+                    and not cycle.response_complete:
+                cycle.disconnected = True
+                self.abort_stalled()
+
+        return app
 
     # -- lifecycle ----------------------------------------------------------
 

@@ -12,10 +12,14 @@ random (seeded by ``--seed``):
 - ``agent``: a three-turn conversation over the same system prompt, sampled
   (seeded), each turn sent with the previous answer appended.
 - ``cancel``: a stream closed after its first one to three chunks.
-- ``stall``: a raw socket with a 4 KiB receive buffer asks for 300 tokens,
-  reads the head, stops reading for ``--stall-s`` seconds, then reads the
-  rest: the answer ends normally or with the server's slow-reader /
-  stream-write-timeout error event, never anything else.
+- ``stall``: a raw socket with a 4 KiB receive buffer and 536-byte segments
+  asks for 200 tokens with ``top_logprobs`` 20 and ``ignore_eos`` (about
+  2 KB a token, so the answer outgrows the socket and server buffers within
+  seconds), reads the head, stops reading for ``--stall-s`` seconds, then
+  reads the rest: the answer ends normally (``[DONE]``; ``stall.cut`` when
+  its last event is an error), or the server's write deadline
+  (``--stream-write-timeout``) aborts the connection mid-answer
+  (``stall.write_deadline``, never more of them than the server logged).
 - ``invalid``: a malformed request (bad JSON, a bad field, an unknown model,
   a prompt past the context): a 4xx with an OpenAI-style error body.
 - ``logprobs``: a text completion with ``logprobs`` 3.
@@ -186,32 +190,57 @@ async def stall(s: Soak, rng: random.Random) -> None:
     """A reader with a 4 KiB buffer that stops reading for a while mid-answer."""
     parts = urlsplit(s.url)
     body = json.dumps(_chat([{"role": "user", "content": _user(rng.randrange(1000))}],
-                            max_tokens=300, stream=True)).encode()
+                            max_tokens=200, stream=True, ignore_eos=True,
+                            logprobs=True, top_logprobs=20)).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n").encode()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    # NOTE: loopback's 64 KiB segments let the server's send buffer grow to megabytes
+    # (the whole answer): small segments keep it at tens of KiB, so a stall can fill it.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     sock.setblocking(False)
     loop = asyncio.get_running_loop()
     await loop.sock_connect(sock, (parts.hostname or "127.0.0.1", parts.port or 80))
-    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+    # NOTE: a StreamReader reads ahead up to twice its limit before it stops taking
+    # bytes: a small limit keeps the client's own buffer at a few KiB too.
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    began = time.monotonic()
+    phase = "status line"
+    chunks: list[bytes] = []
+    reset = False
     try:
         writer.write(head + body)
         await writer.drain()
         status = await asyncio.wait_for(reader.readline(), 60)
         await asyncio.sleep(s.stall_s)
-        rest = await asyncio.wait_for(reader.read(), 120)
+        phase = "end of the answer"
+        async with asyncio.timeout(180):
+            while chunk := await reader.read(1 << 16):
+                chunks.append(chunk)
+    except TimeoutError:
+        s.violate(f"stall: no {phase} {time.monotonic() - began:.1f} s after the request")
+        return
+    except ConnectionResetError:
+        # NOTE: the server's write deadline aborts the connection (no graceful close
+        # while the client reads nothing): what arrived before it is all there is.
+        reset = True
     finally:
         writer.close()
-    text = rest.decode(errors="replace")
+    text = b"".join(chunks).decode(errors="replace")
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     if b" 200 " not in status:
         s.violate(f"stall: {status!r}")
-    elif "[DONE]" in text or "slow_reader" in text or "stream_write_timeout" in text:
-        kind = "done" if '"finish_reason":"' in text and "error" not in text else "cut"
-        s.outcomes[f"stall.{kind}"] += 1
+    elif events and events[-1] == "[DONE]":
+        last = json.loads(events[-2]) if len(events) > 1 else {}
+        s.outcomes["stall.cut" if "error" in last else "stall.done"] += 1
     else:
-        s.violate(f"stall: the stream ended without [DONE] or an error event: {text[-200:]!r}")
+        # NOTE: an answer that ends without [DONE] (the connection reset or closed
+        # mid-stream) must be the write deadline's abort: main() holds this count
+        # against the server log's http.stream_write_timeout warnings.
+        s.outcomes["stall.write_deadline"] += 1
+        s.outcomes["stall.write_deadline.reset"] += int(reset)
 
 
 INVALID: list[tuple[str, Any]] = [
@@ -385,8 +414,12 @@ async def soak(url: str, args: argparse.Namespace) -> Soak:
     return s
 
 
+def _log_text(server: Server) -> str:
+    return server.stderr.read_text(errors="replace") + server.stdout.read_text(errors="replace")
+
+
 def _log_problems(server: Server) -> list[str]:
-    text = server.stderr.read_text(errors="replace") + server.stdout.read_text(errors="replace")
+    text = _log_text(server)
     return [line[:300] for line in text.splitlines()
             if "Traceback" in line or "[error" in line or '"level": "error"' in line][:20]
 
@@ -402,6 +435,7 @@ def main() -> int:
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more `kvtier serve` argument (repeatable)")
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument("--keep-log", type=Path, default=None, help="copy the server's log here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:
         work = Path(tmp)
@@ -412,11 +446,17 @@ def main() -> int:
             s = asyncio.run(soak(server.url, args))
             wall = time.monotonic() - began
             problems = _log_problems(server)
+            deadlines = _log_text(server).count("http.stream_write_timeout")
+            if args.keep_log is not None:
+                args.keep_log.write_text(_log_text(server))
             alive = server.alive()
         finally:
             server.stop()
     for line in problems:
         s.violate(f"server log: {line}")
+    if s.outcomes["stall.write_deadline"] > deadlines:
+        s.violate(f"{s.outcomes['stall.write_deadline']} stalled answers ended without [DONE], "
+                  f"{deadlines} write deadlines in the server log")
     if not alive:
         s.violate("the server died")
     health = sorted(s.health_ms)

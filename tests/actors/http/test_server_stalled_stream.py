@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -105,10 +106,32 @@ async def _until(state: HttpState, done: Callable[[dict[str, int]], bool]) -> No
     raise AssertionError("the connection statistics never reached the expected state")
 
 
-async def test_a_stream_past_its_write_deadline_aborts_its_connection() -> None:
+class _Records(logging.Handler):
+    """Keeps every record logged to the logger it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def uvicorn_records() -> Iterator[_Records]:
+    """What uvicorn logs (its ``uvicorn.error`` logger) during the test."""
+    handler = _Records()
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+async def test_a_stream_past_its_write_deadline_aborts_its_connection(
+        uvicorn_records: _Records) -> None:
     """A client that never reads: after the write deadline the server aborts the socket (the
     client sees a reset or EOF at once, not after reading), the open-connection count drops
-    to 0 and ``stalled_aborts`` counts it; /stats shows both."""
+    to 0 and ``stalled_aborts`` counts it; /stats shows both; uvicorn logs no error for it."""
     engine = FakeEngine(scripts=[BIG])
     async with _serving(engine) as (port, state):
         client = await anyio.to_thread.run_sync(_request, port)
@@ -125,3 +148,5 @@ async def test_a_stream_past_its_write_deadline_aborts_its_connection() -> None:
             # kernel still holds ends in a reset or EOF, never waits.
             end = await anyio.to_thread.run_sync(_read_to_end, client, 5.0)
             assert end in ("reset", "eof")
+    errors = [r.getMessage() for r in uvicorn_records.records if r.levelno >= logging.ERROR]
+    assert errors == [], "a write-deadline cut is the client's doing, not a server error"
