@@ -8,6 +8,7 @@ module; other helpers add their re-exports below with small additive edits.
 
 from __future__ import annotations
 
+from ._device import DeviceChoice, select_device
 from ._env import env_switch, env_text
 from ._errors import (
     EngineQueueFull,
@@ -112,6 +113,7 @@ __all__ = [
     "CacheNotTrimmable",
     "CacheRegistry",
     "DefaultModelFetchError",
+    "DeviceChoice",
     "EngineQueueFull",
     "EngineStats",
     "EngineThread",
@@ -180,6 +182,7 @@ __all__ = [
     "resolve_kv_scheme",
     "resolve_model_path",
     "run_generation",
+    "select_device",
     "tokenizer_hash",
     "trim_caches",
     "trust_problem",

@@ -133,12 +133,15 @@ def device_kind() -> DeviceKind:
 def serve_config(args: argparse.Namespace, *, device: DeviceKind | None = None) -> EngineConfig:
     """The ``EngineConfig`` of ``kvtier serve``'s parsed flags; raises ``ConfigError``.
 
-    ``device`` (``None``: :func:`device_kind`) picks the defaults of
+    ``device`` (``None``: ``cpu`` under ``--device cpu``, else :func:`device_kind`) picks the defaults of
     ``--max-batch`` and ``--prefill-step-size`` where neither the flag nor its
     variable is given.
     """
     serve_defaults: dict[str, Any] = {}
     kind = device
+    if kind is None and getattr(args, "device", None) == "cpu":
+        # NOTE: --device cpu (or KVTIER_DEVICE=cpu): the CPU's defaults beside a GPU too.
+        kind = "cpu"
     # NOTE: tensor parallelism has neither the SSD tier nor the batch lane
     # yet (docs/tensor-parallel.md): their serve defaults stay off there, and
     # only an explicit flag or variable is refused (EngineConfig).

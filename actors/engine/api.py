@@ -148,6 +148,7 @@ class EngineOptions(TypedDict, total=False):
     stats_timeout_s: float
     shutdown_timeout: float
     tensor_parallel: bool
+    device: Literal["auto", "cpu"]
     mlx_cache_limit_bytes: int | None
     memory_budget_bytes: int | None
     max_tokens: int

@@ -253,6 +253,13 @@ class EngineConfig(BaseModel):
                           "--max-batch 1 and no SSD tier (docs/tensor-parallel.md)"),
         Setting("KVTIER_TENSOR_PARALLEL", "--tensor-parallel", metavar="on|off"),
     ] = False
+    device: Annotated[
+        Literal["auto", "cpu"],
+        Field(description="the device MLX computes on: auto = MLX's default (its GPU where it "
+                          "has one: CUDA or Metal), cpu = the CPU even beside a GPU (e.g. CPU "
+                          "replicas on a GPU host); one setting of the whole process"),
+        Setting("KVTIER_DEVICE", "--device"),
+    ] = "auto"
     mlx_cache_limit_bytes: Annotated[
         int | None,
         Field(ge=0, description="MLX buffer-cache bound: freed buffers MLX keeps for reuse"),

@@ -96,6 +96,9 @@ def load_model(model_arg: str | Path | None, config: EngineConfig) -> ModelParts
     import kernels
 
     path = model_arg if model_arg is not None else kernels.ensure_default_model()
+    # NOTE: before anything is computed: the weights, the tiers' buffers and the
+    # memory defaults (configure_mlx_memory) follow the device chosen here.
+    kernels.select_device(config.device)
     if config.tensor_parallel:
         from actors.distributed import load_shard
 

@@ -25,6 +25,7 @@ import numpy as np
 import xxhash
 
 from kernels._env import env_switch, env_text
+from kernels._memory import on_cuda
 
 from ._file_port import BytesLike, FilePort
 from ._kv_format import (
@@ -340,8 +341,9 @@ def host_reads_migrate() -> bool:
     """
     if _HOST_READ_COPY is not None:
         return _HOST_READ_COPY
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
+    # NOTE: on_cuda, not CUDA's presence: with the CPU chosen beside a GPU
+    # (--device cpu) arrays live in host memory.
+    return on_cuda()
 
 
 def release_host_copies() -> None:

@@ -239,3 +239,20 @@ def test_serve_max_batch_default_follows_the_device(
     assert _serve_args("--tensor-parallel", "on", device=device).max_batch == 1
     monkeypatch.setenv("KVTIER_MAX_BATCH", "3")
     assert _serve_args(device=device).max_batch == 3
+
+
+def test_device_cpu_gives_serve_the_cpu_defaults_beside_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cpu (or KVTIER_DEVICE=cpu) makes serve take the CPU's rows and prefill chunk where a GPU is found; auto keeps the GPU's."""
+    import actors.cli.serve as serve
+
+    for name in ("KVTIER_MAX_BATCH", "KVTIER_PREFILL_STEP_SIZE", "KVTIER_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(serve, "device_kind", lambda: "cuda")
+    auto = _serve_args()
+    assert (auto.device, auto.max_batch, auto.prefill_step_size) == ("auto", 32, 2048)
+    cpu = _serve_args("--device", "cpu")
+    assert (cpu.device, cpu.max_batch, cpu.prefill_step_size) == ("cpu", 8, 256)
+    monkeypatch.setenv("KVTIER_DEVICE", "cpu")
+    assert _serve_args().max_batch == 8
+    with pytest.raises(SystemExit):
+        _serve_args("--device", "tpu")
