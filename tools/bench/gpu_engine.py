@@ -90,6 +90,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
         "tie_word_embeddings": True,
     },
+    # NOTE: the default model's shape (SmolLM2-135M-Instruct), for CPU runs on a
+    # machine the weights cannot be sent to (tools/bench/gpu_serving.sh cluster).
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 2,

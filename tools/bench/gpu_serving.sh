@@ -46,6 +46,9 @@
 #   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
 #                --variants ROWS:STEP, TTFT_CACHE=1 --cache-rows --cache-burst)
+#   cluster      issue 24's CPU lines on the device's 16 cores: replicas behind
+#                sglang-router / the event router (cluster.py, --device cpu);
+#                needs `prepare-cluster` here and one more stash call (.gpu/d)
 set -euo pipefail
 
 PINS=(
@@ -64,6 +67,10 @@ PINS=(
   # the sampling profiler of `profile`
   py-spy==0.4.3
 )
+# NOTE: issue 24's router and KV-event plane, for `cluster` (prepare-cluster puts
+# them in .gpu/d: the router's wheel alone is 31 MB); the image has aiohttp,
+# fastapi comes with PINS, msgpack is there.
+CLUSTER_PINS=(sglang-router==0.3.2 orjson==3.11.4 setproctitle==1.3.7 pyzmq==27.3.0 msgspec==0.23.0)
 MODEL=${KVTIER_GPU_MODEL:-/tmp/kvtier-gpu/llama3-8b}
 SITE=${SITE:-$HOME/kvtier-gpu/site}
 WORK=${KVTIER_GPU_WORK:-/tmp/kvtier-gpu/serving}
@@ -122,10 +129,29 @@ case "$cmd" in
     echo "$(git rev-parse --short HEAD)+$(git status --porcelain | wc -l)-changed" > .gpu/tok/commit
     du -sh .gpu/a .gpu/b .gpu/c .gpu/tok
     ;;
+  prepare-cluster)
+    # Here, after `prepare`: what `cluster` needs beyond `run`'s install, into
+    # .gpu/d (~37 MB: stash it in a call of its own, carry [".gpu/d"], before
+    # the call that installs): sglang-router and its imports, pyzmq and
+    # msgspec (the KV events), and Debian's pthread OpenBLAS with its Fortran
+    # runtime (MLX's CPU backend bundles the reference BLAS; the Makefile
+    # preloads OpenBLAS here for the same ~20x).
+    rm -rf .gpu/d && mkdir -p .gpu/d
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .gpu/d "${CLUSTER_PINS[@]}"
+    ob=$(mktemp -d)
+    cp -L /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
+      /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+      /lib/x86_64-linux-gnu/libgfortran.so.5 /lib/x86_64-linux-gnu/libquadmath.so.0 "$ob"/
+    tar -cJf .gpu/d/openblas.tar.xz -C "$ob" .
+    rm -rf "$ob"
+    du -sh .gpu/d
+    ;;
   stash)
-    # NOTE: whichever of .gpu/a and .gpu/c this call carried.
+    # NOTE: whichever of .gpu/a, .gpu/c and .gpu/d this call carried.
     mkdir -p ~/kvtier-gpu/stash
-    for d in .gpu/a .gpu/c; do if [ -d "$d" ]; then cp "$d"/* ~/kvtier-gpu/stash/; fi; done
+    for d in .gpu/a .gpu/c .gpu/d; do if [ -d "$d" ]; then cp "$d"/* ~/kvtier-gpu/stash/; fi; done
     ls ~/kvtier-gpu/stash | wc -l
     ;;
   run)
@@ -454,6 +480,54 @@ case "$cmd" in
         --plot "$OUT/checkpoint-onoff-$n.png" > /dev/null 2> "$OUT/checkpoint-onoff-$n.err" || true
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[2], "streams:", {k: v for k, v in d.items() if not isinstance(v, (list, dict))})' \
         "$OUT/checkpoint-onoff-$n.json" "$n" || tail -n 5 "$OUT/checkpoint-onoff-$n.err"
+    done
+    ;;
+  cluster)
+    # Issue 24's CPU lines where cores are not the bound: N replicas of the
+    # default model's shape (random fp32 weights written here: the weights
+    # cannot be carried, and the trace's replies are scripted, so the answers'
+    # text does not matter) on MLX's CPU backend (--device cpu), each pinned
+    # to its share of the 16 cores, behind round-robin, sglang-router's
+    # cache_aware and the event router, at the balance thresholds the 2-core
+    # runs used (docs/benchmarks/cluster.md). CL_POINTS: REPLICAS:AGENTS load
+    # points, each a cluster.py run of 2 x AGENTS conversations of 10 calls
+    # with CL_TOOL_S s of tool time, cut at CL_POINT_S s.
+    device_env
+    ob=$HOME/kvtier-gpu/openblas
+    if [ ! -f "$ob/libblas.so.3" ] && [ -f "$HOME/kvtier-gpu/stash/openblas.tar.xz" ]; then
+      mkdir -p "$ob" && tar -xJf "$HOME/kvtier-gpu/stash/openblas.tar.xz" -C "$ob"
+    fi
+    if [ -f "$ob/libblas.so.3" ]; then
+      export LD_PRELOAD=$ob/libblas.so.3 LD_LIBRARY_PATH=$ob${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    else
+      echo "no OpenBLAS carried: MLX's bundled reference BLAS (prefill ~20x slower)"
+    fi
+    export KVTIER_DEVICE=cpu
+    cpu_model=${KVTIER_CPU_MODEL:-/tmp/kvtier-gpu/smollm2-135m}
+    python3 -c 'import sys; sys.path.insert(0, "tools/bench"); from pathlib import Path
+from serving import write_random_model
+write_random_model(Path(sys.argv[1]), "smollm2-135m", Path(".gpu/tok"), 0, "float32")' "$cpu_model"
+    nproc
+    # NOTE: the native CPU kernels build once here (the replicas would wait on
+    # the build lock); a failure says why and the replicas keep MLX's products.
+    python3 -m kernels.native 2>&1 | tail -n 3 || true
+    python3 -c 'import time, mlx.core as mx
+mx.set_default_device(mx.cpu)
+a = mx.random.normal((2048, 576)); b = mx.random.normal((576, 1536)); mx.eval(a, b)
+for _ in range(3): mx.eval(a @ b)
+t = time.perf_counter(); n = 20
+for _ in range(n): mx.eval(a @ b)
+print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_counter() - t) / 1e9:.0f} GFLOP/s")'
+    cores=$(nproc)
+    for point in ${CL_POINTS:-4:8 2:4}; do
+      r=${point%%:*}; c=${point##*:}
+      name=cluster-${r}r-${c}a
+      timeout "${CL_POINT_S:-270}" python3 tools/bench/cluster.py --replicas "$r" --concurrency "$c" \
+        --conversations $((2 * c)) --turns 10 --tool-s "${CL_TOOL_S:-2}" --threads $((cores / r)) --pin \
+        --balance-abs-threshold 2 --balance-rel-threshold 1.5 --overhead-n "${CL_OVERHEAD_N:-200}" \
+        --model "$cpu_model" --serve-args "--device cpu" --out "$OUT/$name" "$@" \
+        > "$OUT/$name.txt" 2>&1 || echo "$name: exit $?"
+      tail -n 30 "$OUT/$name.txt"
     done
     ;;
   ttft)
