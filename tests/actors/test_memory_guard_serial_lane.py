@@ -176,11 +176,12 @@ async def test_a_request_refused_before_its_prefill_is_admitted_again_and_answer
     real = MemoryGuard.before_prefill
     refusals: list[str] = []
 
-    def refuse_once(self: MemoryGuard, request: Any, cached_tokens: int, pending: int = 0) -> int:
+    def refuse_once(self: MemoryGuard, request: Any, cached_tokens: int, pending: int = 0,
+                    settle: bool = True) -> int:
         if not refusals:
             refusals.append(request.request_id)
             raise MemoryShortAtStart("scripted: not enough memory before the prefill")
-        return real(self, request, cached_tokens, pending)
+        return real(self, request, cached_tokens, pending, settle)
 
     monkeypatch.setattr(MemoryGuard, "before_prefill", refuse_once)
     got, memory = await answer()
