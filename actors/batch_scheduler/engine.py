@@ -204,8 +204,12 @@ class BatchEngine:
             # scheduler leaves their time out of the prefill speed it reports.
             joins_began = time.perf_counter()
             # NOTE: the joins' prefill runs in the step below, after every
-            # check: each join is checked beside the demand of those before it.
-            pending = 0
+            # check: each join is checked beside the demand of those before it,
+            # and beside what the rows already running may still grow by (the
+            # reading shows their KV so far only): admitting a row must not
+            # leave a running one short later, when its decode check would
+            # fail it mid-answer. A join refused so waits for a row to leave.
+            pending = self._growth_ahead() if joins else 0
             # NOTE: one settle a step: a second refusal in the same step finds
             # nothing more freed (each settle clears MLX's cache and trims the heap).
             settles = self._guard.settled if self._guard is not None else 0
@@ -305,6 +309,14 @@ class BatchEngine:
             self._batch.close()
         self._batch = None
         self._live.clear()
+
+    def _growth_ahead(self) -> int:
+        """What the rows in the batch may still add to memory, to their ``max_tokens`` (0: no guard)."""
+        guard = self._guard
+        if guard is None:
+            return 0
+        return sum(guard.growth(live.request, len(live.request.prompt_tokens) + live.emitted)
+                   for live in self._live.values())
 
     def _refused_before_prefill(self, join: JoinRow, pending: int,
                                 settle: bool) -> tuple[RowFailure | None, int]:

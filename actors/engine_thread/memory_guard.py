@@ -237,11 +237,14 @@ class Footprint:
         overlap = self.kv_bytes_at(_steps(prompt_tokens))
         return final + overlap + self.workspace(prompt_tokens, prompt_tokens)
 
+    def growth(self, tokens_now: int, final_tokens: int) -> int:
+        """The KV still to come of a cache holding ``tokens_now`` tokens that may reach ``final_tokens``."""
+        now = self.kv_bytes_at(_steps(tokens_now))
+        return max(self.kv_bytes_at(_steps(final_tokens)) - now, 0)
+
     def in_decode(self, tokens_now: int, final_tokens: int) -> int:
         """During decode: the KV still to come, plus a copy of what it holds (the next growth)."""
-        now = self.kv_bytes_at(_steps(tokens_now))
-        final = self.kv_bytes_at(_steps(final_tokens))
-        return max(final - now, 0) + now
+        return self.growth(tokens_now, final_tokens) + self.kv_bytes_at(_steps(tokens_now))
 
 
 class MemoryGauge:
@@ -337,6 +340,20 @@ class MemoryGuard:
         demand = self.footprint.in_decode(tokens_now, final)
         demand += token_logprob_bytes(final - tokens_now, params.logprobs, params.top_logprobs)
         self._check(demand, at_start=False)
+
+    def growth(self, request: Generate, tokens_now: int) -> int:
+        """What a running request may still add to memory, holding ``tokens_now`` tokens of KV.
+
+        Its KV still to come (to ``max_tokens``) and the logprobs of the tokens
+        still to come: what the reading does not show yet. The batch lane
+        checks a join beside the growth of the rows already running, so a row
+        admitted now cannot leave a running one short of memory later.
+        """
+        params = request.params
+        final = len(request.prompt_tokens) + params.max_tokens
+        return (self.footprint.growth(tokens_now, final)
+                + token_logprob_bytes(max(final - tokens_now, 0), params.logprobs,
+                                      params.top_logprobs))
 
     def _check(self, demand: int, *, at_start: bool, settle: bool = True) -> None:
         self.checks += 1

@@ -140,3 +140,15 @@ async def test_admission_refuses_top_logprobs_that_do_not_fit_and_serves_the_pla
     assert plain.status_code == 200, plain.text
     assert memory["refused_at_admission"] == 1
 
+
+
+def test_a_running_requests_growth_is_its_kv_and_logprobs_still_to_come() -> None:
+    """``growth``: the KV buffers still to allocate up to max_tokens (256-token steps) plus the
+    logprobs of the tokens still to come; nothing once the request holds its final length."""
+    guard = _guard(0)
+    kv = guard.footprint.kv_bytes_at
+    plain, top = _request(1000), _request(1000, logprobs=True, top=5)
+    assert guard.growth(plain, 64) == kv(1280) - kv(256)
+    assert guard.growth(top, 64) == kv(1280) - kv(256) + token_logprob_bytes(1000, True, 5)
+    assert guard.growth(plain, 1064) == 0
+    assert guard.growth(top, 1064) == 0

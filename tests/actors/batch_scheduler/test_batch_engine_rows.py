@@ -140,6 +140,30 @@ def test_rows_joining_in_one_step_are_checked_beside_each_other(model: Any, tok:
     assert (scripted.guard.checks, scripted.guard.refused) == (2, 1)
 
 
+@pytest.mark.parametrize(("running_max_tokens", "joins"), [(600, False), (20, True)])
+def test_a_join_is_checked_beside_what_the_running_rows_may_still_grow_by(
+    model: Any, tok: Any, running_max_tokens: int, joins: bool
+) -> None:
+    """A row joining beside a decoding one is checked beside the KV that row may still add (to
+    its max_tokens): with 600 tokens to come (512k more KV) the join that fits the reading
+    (600k in use + 512k of 1,500k) is refused before its prefill; with 20 to come (no new KV
+    buffer) it joins."""
+    scripted = _Guard(budget=1500 * KV_PER_TOKEN)
+    engine = _engine(model, tok, guard=scripted.guard)
+    first = engine.step([JoinRow(_gen("a", _prompt(10, 8), running_max_tokens))], [])
+    assert (first.joined, first.failed) == ((("a", 0),), ())
+    scripted.active = 600 * KV_PER_TOKEN
+    out = engine.step([JoinRow(_gen("b", _prompt(12, 9), 10))], [])
+    if joins:
+        assert (out.joined, out.failed) == ((("b", 0),), ())
+    else:
+        (failure,) = out.failed
+        assert (failure.request_id, failure.error_code) == ("b", "MemoryShortAtStart")
+        assert out.joined == ()
+    assert any(t.request_id == "a" for t in out.tokens), "the running row went on"
+    engine.reset()
+
+
 def test_one_step_settles_memory_once_however_many_joins_it_refuses(model: Any, tok: Any) -> None:
     """Three joins of one step over the budget: each is refused before its prefill, but only the
     first refusal settles memory (clears MLX's cache, trims the heap) and reads again; the next
