@@ -138,6 +138,12 @@ class BatchEngine:
         self._tune = blas_tuning
         self._tuning: StepTuning | None = None
         self._live: dict[str, _Live] = {}
+        # NOTE: what the rows in the batch may still add, as of the last
+        # step's start or end (the guard's "batch" growth source): a step's
+        # own joins are in their own demand (pending) until the step ends.
+        self._growth = 0
+        if guard is not None:
+            guard.growth_sources["batch"] = lambda: self._growth
         self.steps_run = 0
         # NOTE: where host reads migrate (CUDA) and KVTIER_CHECKPOINT_READ_AHEAD is on,
         # a step's checkpoints are read back together (_read_ahead); each row's
@@ -205,11 +211,13 @@ class BatchEngine:
             joins_began = time.perf_counter()
             # NOTE: the joins' prefill runs in the step below, after every
             # check: each join is checked beside the demand of those before it,
-            # and beside what the rows already running may still grow by (the
-            # reading shows their KV so far only): admitting a row must not
-            # leave a running one short later, when its decode check would
-            # fail it mid-answer. A join refused so waits for a row to leave.
-            pending = self._growth_ahead() if joins else 0
+            # and (the guard's growth sources) beside what the requests already
+            # running may still grow by (the reading shows their KV so far
+            # only): admitting a row must not leave a running one short later,
+            # when its decode check would fail it mid-answer. A join refused so
+            # waits for a row to leave.
+            self._growth = self._growth_ahead()
+            pending = 0
             # NOTE: one settle a step: a second refusal in the same step finds
             # nothing more freed (each settle clears MLX's cache and trims the heap).
             settles = self._guard.settled if self._guard is not None else 0
@@ -253,6 +261,9 @@ class BatchEngine:
                     live.emitted = t.index + 1
             for e in result.exits:
                 self._live.pop(e.row_id, None)
+            # NOTE: this step's joins are running now: the serial lane's next
+            # check counts their growth too.
+            self._growth = self._growth_ahead()
             tokens = tuple(
                 TokenOut(
                     t.row_id,
@@ -309,6 +320,7 @@ class BatchEngine:
             self._batch.close()
         self._batch = None
         self._live.clear()
+        self._growth = 0
 
     def _growth_ahead(self) -> int:
         """What the rows in the batch may still add to memory, to their ``max_tokens`` (0: no guard)."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actors.errors import MemoryPressure, MemoryShortAtStart
 from kernels.engine import SCORE_ELEMENTS, prompt_logprob_entries
@@ -293,11 +293,16 @@ class MemoryGuard:
     them before a prefill (the request did not fail: a batch row waits, the
     engine API takes the request back to admission). ``margin``: how far RSS may
     pass the budget (:func:`stated_margin`; 0 when not stated).
+    ``growth_sources``: per lane (``"serial"``, ``"batch"``), what its running
+    requests may still add (:meth:`growth` summed, engine thread); every check
+    before a prefill counts them all, so a request opened on one lane cannot
+    leave a running one on either lane short of memory later.
     """
 
     budget: int
     footprint: Footprint
     gauge: MemoryGauge
+    growth_sources: dict[str, Callable[[], int]] = field(default_factory=dict)
     refused: int = 0
     checks: int = 0
     settle: Callable[[], object] | None = None
@@ -312,7 +317,9 @@ class MemoryGuard:
         ``pending``: the demand of rows admitted in the same step before this
         one, whose prefill has not run yet (so the reading does not show
         them): the batch lane's joins of one step are checked one after the
-        other, and each must fit beside the ones before it. Over budget
+        other, and each must fit beside the ones before it. The running
+        requests' growth still to come (``growth_sources``) is counted too.
+        Over budget
         raises :class:`~actors.errors.MemoryShortAtStart`: nothing of the
         request has run, so it can go back to admission. ``settle`` False:
         decide on the first reading (memory was settled in this step already).
@@ -326,8 +333,13 @@ class MemoryGuard:
         demand += prompt_scoring_bytes(prompt, request.params.prompt_logprobs)
         params = request.params
         demand += token_logprob_bytes(params.max_tokens, params.logprobs, params.top_logprobs)
-        self._check(demand + max(pending, 0), at_start=True, settle=settle)
+        self._check(demand + max(pending, 0) + self.running_growth(), at_start=True,
+                    settle=settle)
         return demand
+
+    def running_growth(self) -> int:
+        """What the running requests of every lane may still add to memory (``growth_sources``)."""
+        return sum(source() for source in self.growth_sources.values())
 
     def during_decode(self, request: Generate, tokens_now: int) -> None:
         """Every :data:`DECODE_CHECK_EVERY` decode tokens.

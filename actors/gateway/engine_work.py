@@ -93,7 +93,19 @@ class EngineWork:
         self._keep = keep_entries
         self._snapshot_min = snapshot_min_new_tokens
         self._gens: dict[str, _Gen] = {}
+        if guard is not None:
+            # NOTE: the batch lane's joins are checked beside this lane's
+            # running requests' growth (and this lane's openings beside the batch's).
+            guard.growth_sources["serial"] = self._growth_ahead
         self.decode_steps = 0
+
+    def _growth_ahead(self) -> int:
+        """What this lane's open requests may still add to memory, to their ``max_tokens``."""
+        guard = self._guard
+        if guard is None:
+            return 0
+        return sum(guard.growth(gen.request, len(gen.request.prompt_tokens) + gen.decoded)
+                   for gen in self._gens.values())
 
     def step(self, request_id: str, opening: Opening | None) -> StepOutput:
         """One prefill chunk or decode step of ``request_id`` (opening its generation first if asked)."""
