@@ -435,7 +435,17 @@ class GenerationStream(_StartClose):
         if self._readmitted or self._yielded or tokens is None:
             raise MemoryPressure(refusal.detail)
         self._readmitted = True
-        self._engine._check_open()
+        engine = self._engine
+        engine._check_open()
+        streams = engine._streams
+        if streams.live > 0:
+            # NOTE: the turn counted what the requests running now may still
+            # grow by, which the reading (all admission sees) does not show:
+            # asked again at once, it would meet them at the same size. Wait
+            # for one to end first (its KV then goes to the prompt cache,
+            # where admission's relief can move it out), bounded like
+            # admission's own waits.
+            await streams.wait(engine.config.memory_relief_timeout_s)
         await self._admit_memory(len(tokens), refused_in_turn=True)
         await self._submit(tokens)
 

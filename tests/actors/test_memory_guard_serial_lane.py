@@ -265,3 +265,55 @@ async def test_admission_refused_for_memory_with_nothing_running_fails_at_once(
         memory = await _memory(engine)
     assert len(asked) == 1
     assert memory["admission_waits"] == 0
+
+
+async def test_a_request_refused_before_its_prefill_beside_a_running_one_waits_for_it_to_end(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch-lane request refused before its prefill (scripted, once) while a serial-lane request
+    (top_logprobs) runs, with no batch row to wait for, goes back to admission only after that
+    request ended: its first token comes after the other's final event, and it answers in full."""
+    from actors.engine_thread.memory_guard import MemoryGuard
+    from actors.errors import MemoryShortAtStart
+    from messages.gateway import DoneEvent
+
+    real = MemoryGuard.before_prefill
+    refusals: list[str] = []
+    order: list[str] = []
+    b_prompt = [*PROMPT, 5, 6]
+
+    def refuse_b_once(self: MemoryGuard, request: Any, cached_tokens: int, pending: int = 0,
+                      settle: bool = True) -> int:
+        if list(request.prompt_tokens) == b_prompt and not refusals:
+            refusals.append(request.request_id)
+            raise MemoryShortAtStart("scripted: not enough memory beside the running request")
+        return real(self, request, cached_tokens, pending, settle)
+
+    monkeypatch.setattr(MemoryGuard, "before_prefill", refuse_b_once)
+    engine = Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                                prompt_cache_bytes=16 * MIB, max_batch=4,
+                                memory_budget_bytes=1 << 40)
+
+    async def run(name: str, prompt: list[int], params: GenerationParams,
+                  first: anyio.Event | None = None) -> None:
+        async with engine.generate(prompt, params) as stream:
+            async for event in stream:
+                if isinstance(event, DoneEvent):
+                    order.append(f"{name}.done")
+                elif f"{name}.first" not in order:
+                    order.append(f"{name}.first")
+                    if first is not None:
+                        first.set()
+
+    async with engine:
+        a_first = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "a", PROMPT, GenerationParams(
+                max_tokens=60, temperature=0.0, logprobs=True, top_logprobs=2), a_first)
+            await a_first.wait()
+            tg.start_soon(run, "b", b_prompt, GenerationParams(max_tokens=8, temperature=0.0))
+        memory = await _memory(engine)
+    assert len(refusals) == 1
+    assert order.index("a.done") < order.index("b.first")
+    assert order[-1] == "b.done"
+    assert memory["readmissions"] == 1
