@@ -69,7 +69,15 @@ typecheck: lint
 test: venv lint fetch-model native
 	$(TEST_ENV) $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test-slow: venv fetch-model
+# NOTE: the slow suite also drives the agent frameworks (openai-agents,
+# pydantic-ai) and sglang-router, installed here once; Ray (the `ray` extra,
+# several hundred MB) is left out: its test skips without it.
+$(VENV)/.installed-slow: $(VENV)/.installed
+	@echo "kvtier: installing the agents and cluster extras for the slow suite"
+	$(PY) -m pip install -q -e '.[dev,agents,cluster]'
+	touch $@
+
+test-slow: $(VENV)/.installed-slow fetch-model native
 	$(TEST_ENV) $(VENV)/bin/pytest -q -m slow --timeout 1800
 
 bench: venv fetch-model
