@@ -138,12 +138,13 @@ class BatchEngine:
         self._tune = blas_tuning
         self._tuning: StepTuning | None = None
         self._live: dict[str, _Live] = {}
-        # NOTE: what the rows in the batch may still add, as of the last
-        # step's start or end (the guard's "batch" growth source): a step's
-        # own joins are in their own demand (pending) until the step ends.
-        self._growth = 0
+        # NOTE: the guard's "batch" growth source: what the rows in the batch
+        # may still add, computed when asked (the serial lane asks between
+        # steps); during a step's joins, as of the step's start, since the
+        # joins already checked count in their own demand (pending).
+        self._growth_at_joins: int | None = None
         if guard is not None:
-            guard.growth_sources["batch"] = lambda: self._growth
+            guard.growth_sources["batch"] = self._growth_source
         self.steps_run = 0
         # NOTE: where host reads migrate (CUDA) and KVTIER_CHECKPOINT_READ_AHEAD is on,
         # a step's checkpoints are read back together (_read_ahead); each row's
@@ -216,7 +217,7 @@ class BatchEngine:
             # only): admitting a row must not leave a running one short later,
             # when its decode check would fail it mid-answer. A join refused so
             # waits for a row to leave.
-            self._growth = self._growth_ahead()
+            self._growth_at_joins = self._growth_ahead() if joins else None
             pending = 0
             # NOTE: one settle a step: a second refusal in the same step finds
             # nothing more freed (each settle clears MLX's cache and trims the heap).
@@ -245,6 +246,7 @@ class BatchEngine:
                     restored.append(rid)
                 elif outcome == "restore_failed":
                     restore_failed.append(rid)
+            self._growth_at_joins = None
             join_s = time.perf_counter() - joins_began
             failed.extend(self._decode_checks(batch))
             result = batch.step()
@@ -261,9 +263,6 @@ class BatchEngine:
                     live.emitted = t.index + 1
             for e in result.exits:
                 self._live.pop(e.row_id, None)
-            # NOTE: this step's joins are running now: the serial lane's next
-            # check counts their growth too.
-            self._growth = self._growth_ahead()
             tokens = tuple(
                 TokenOut(
                     t.row_id,
@@ -320,7 +319,12 @@ class BatchEngine:
             self._batch.close()
         self._batch = None
         self._live.clear()
-        self._growth = 0
+        self._growth_at_joins = None
+
+    def _growth_source(self) -> int:
+        """The guard's ``"batch"`` growth source (see ``__init__``)."""
+        at_joins = self._growth_at_joins
+        return self._growth_ahead() if at_joins is None else at_joins
 
     def _growth_ahead(self) -> int:
         """What the rows in the batch may still add to memory, to their ``max_tokens`` (0: no guard)."""

@@ -388,7 +388,10 @@ def model_footprint(model: Any, scheme: Any, chunk: int) -> Footprint:
     intermediate = _int(args, "intermediate_size") or 4 * hidden
     dtype_bytes = _compute_dtype_bytes(model)
     return Footprint(
-        kv_bytes_at=functools.partial(geometry.bytes_at, scheme=kv_scheme),
+        # NOTE: cached: asked per running request before every prefill (their
+        # growth), always at multiples of the KV buffers' 256-token step.
+        kv_bytes_at=functools.lru_cache(maxsize=4096)(
+            functools.partial(geometry.bytes_at, scheme=kv_scheme)),
         chunk=chunk,
         hidden=hidden,
         intermediate=intermediate,

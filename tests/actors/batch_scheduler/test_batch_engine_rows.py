@@ -186,6 +186,17 @@ def test_the_batch_lane_reports_its_rows_growth_and_checks_joins_beside_the_seri
     assert scripted.guard.growth_sources["batch"]() == 0
 
 
+def test_a_join_of_the_same_step_counts_once_beside_the_next(model: Any, tok: Any) -> None:
+    """Two joins of one step that fit together (1,024k + 512k of 1,600k): the first's growth to its
+    600 tokens is in its own demand, not counted again as a running row's for the second."""
+    scripted = _Guard(budget=1600 * KV_PER_TOKEN)
+    engine = _engine(model, tok, guard=scripted.guard)
+    out = engine.step([JoinRow(_gen("a", _prompt(10, 8), 600)),
+                       JoinRow(_gen("b", _prompt(12, 9), 10))], [])
+    assert (out.joined, out.failed) == ((("a", 0), ("b", 0)), ())
+    engine.reset()
+
+
 def test_one_step_settles_memory_once_however_many_joins_it_refuses(model: Any, tok: Any) -> None:
     """Three joins of one step over the budget: each is refused before its prefill, but only the
     first refusal settles memory (clears MLX's cache, trims the heap) and reads again; the next
