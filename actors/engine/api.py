@@ -291,7 +291,7 @@ class GenerationStream(_StartClose):
         self._prompt_tokens: int | None = None
         self._tokens: list[int] | None = None
         self._yielded = False
-        self._readmitted = False
+        self._readmit_until: float | None = None
         self._counted = False
         self._started = False
         self._finished = False
@@ -423,29 +423,34 @@ class GenerationStream(_StartClose):
         )
 
     async def _readmit(self, refusal: ErrorEvent) -> None:
-        """Take a request the in-turn guard refused before its prefill back to admission, once.
+        """Take a request the in-turn guard refused before its prefill back to admission.
 
         NOTE: admission decided on a reading without the rows that started
-        since (or joined in the same step); inside a turn nothing can be
-        reclaimed, at admission the memory actor can move cached entries
-        out. Nothing of the request ran, so the client sees one answer. A
-        second refusal (or a refusal at admission) reaches the caller.
+        since (or joined in the same step), and without the growth still to
+        come of the requests running now, which the turn counts; inside a
+        turn nothing can be reclaimed, at admission the memory actor can move
+        cached entries out. The first refusal goes back at once (a relief may
+        be all it takes). A later one waits for a running stream to end first
+        (its KV then goes to the prompt cache, where relief can move it out):
+        asked again at once, it would meet the same requests at the same size.
+        All within ``memory_relief_timeout_s`` of the first refusal. Nothing
+        of the request ran, so the client sees one answer. A refusal with no
+        stream left to wait for, past that bound, or at admission reaches the
+        caller.
         """
         tokens = self._tokens
-        if self._readmitted or self._yielded or tokens is None:
+        if self._yielded or tokens is None:
             raise MemoryPressure(refusal.detail)
-        self._readmitted = True
         engine = self._engine
+        now = anyio.current_time()
+        if self._readmit_until is None:
+            self._readmit_until = now + engine.config.memory_relief_timeout_s
+        else:
+            streams = engine._streams
+            left = self._readmit_until - now
+            if left <= 0 or streams.live == 0 or not await streams.wait(left):
+                raise MemoryPressure(refusal.detail)
         engine._check_open()
-        streams = engine._streams
-        if streams.live > 0:
-            # NOTE: the turn counted what the requests running now may still
-            # grow by, which the reading (all admission sees) does not show:
-            # asked again at once, it would meet them at the same size. Wait
-            # for one to end first (its KV then goes to the prompt cache,
-            # where admission's relief can move it out), bounded like
-            # admission's own waits.
-            await streams.wait(engine.config.memory_relief_timeout_s)
         await self._admit_memory(len(tokens), refused_in_turn=True)
         await self._submit(tokens)
 

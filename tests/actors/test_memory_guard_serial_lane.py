@@ -267,12 +267,13 @@ async def test_admission_refused_for_memory_with_nothing_running_fails_at_once(
     assert memory["admission_waits"] == 0
 
 
-async def test_a_request_refused_before_its_prefill_beside_a_running_one_waits_for_it_to_end(
+async def test_a_request_refused_again_beside_a_running_one_waits_for_it_to_end(
     model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch-lane request refused before its prefill (scripted, once) while a serial-lane request
-    (top_logprobs) runs, with no batch row to wait for, goes back to admission only after that
-    request ended: its first token comes after the other's final event, and it answers in full."""
+    """A batch-lane request refused before its prefill twice (scripted) while a serial-lane
+    request (top_logprobs) runs, with no batch row to wait for: the first refusal goes back to
+    admission at once, the second only after the running request ended; its first token comes
+    after the other's final event, and it answers in full."""
     from actors.engine_thread.memory_guard import MemoryGuard
     from actors.errors import MemoryShortAtStart
     from messages.gateway import DoneEvent
@@ -284,8 +285,9 @@ async def test_a_request_refused_before_its_prefill_beside_a_running_one_waits_f
 
     def refuse_b_once(self: MemoryGuard, request: Any, cached_tokens: int, pending: int = 0,
                       settle: bool = True) -> int:
-        if list(request.prompt_tokens) == b_prompt and not refusals:
+        if list(request.prompt_tokens) == b_prompt and len(refusals) < 2:
             refusals.append(request.request_id)
+            order.append(f"b.refused{len(refusals)}")
             raise MemoryShortAtStart("scripted: not enough memory beside the running request")
         return real(self, request, cached_tokens, pending, settle)
 
@@ -313,7 +315,31 @@ async def test_a_request_refused_before_its_prefill_beside_a_running_one_waits_f
             await a_first.wait()
             tg.start_soon(run, "b", b_prompt, GenerationParams(max_tokens=8, temperature=0.0))
         memory = await _memory(engine)
-    assert len(refusals) == 1
-    assert order.index("a.done") < order.index("b.first")
+    assert len(refusals) == 2
+    # NOTE: the first refusal went back at once: the second came while "a" still ran.
+    assert order.index("b.refused2") < order.index("a.done") < order.index("b.first")
     assert order[-1] == "b.done"
+    assert memory["readmissions"] == 2
+
+
+async def test_a_second_refusal_with_nothing_running_is_the_503(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before its prefill twice (scripted) with no other stream to wait for: the first
+    refusal goes back to admission, the second reaches the caller as MemoryPressure."""
+    from actors.engine_thread.memory_guard import MemoryGuard
+    from actors.errors import MemoryShortAtStart
+
+    def refuse(self: MemoryGuard, request: Any, cached_tokens: int, pending: int = 0,
+               settle: bool = True) -> int:
+        raise MemoryShortAtStart("scripted: not enough memory before the prefill")
+
+    monkeypatch.setattr(MemoryGuard, "before_prefill", refuse)
+    engine = Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
+                                prompt_cache_bytes=16 * MIB, max_batch=1,
+                                memory_budget_bytes=1 << 40)
+    async with engine:
+        with pytest.raises(MemoryPressure, match="scripted"):
+            await _tokens(engine, GenerationParams(max_tokens=8, temperature=0.0), [])
+        memory = await _memory(engine)
     assert memory["readmissions"] == 1
