@@ -71,7 +71,8 @@ test: venv lint fetch-model native
 
 # NOTE: the slow suite also drives the agent frameworks (openai-agents,
 # pydantic-ai) and sglang-router, installed here once; Ray (the `ray` extra,
-# several hundred MB) is left out: its test skips without it.
+# several hundred MB), lm-eval (`eval`) and guidellm (its own venv) are left
+# out: their tests skip without them.
 $(VENV)/.installed-slow: $(VENV)/.installed
 	@echo "kvtier: installing the agents and cluster extras for the slow suite"
 	$(PY) -m pip install -q -e '.[dev,agents,cluster]'
