@@ -138,13 +138,6 @@ class BatchEngine:
         self._tune = blas_tuning
         self._tuning: StepTuning | None = None
         self._live: dict[str, _Live] = {}
-        # NOTE: the guard's "batch" growth source: what the rows in the batch
-        # may still add, computed when asked (the serial lane asks between
-        # steps); during a step's joins, as of the step's start, since the
-        # joins already checked count in their own demand (pending).
-        self._growth_at_joins: int | None = None
-        if guard is not None:
-            guard.growth_sources["batch"] = self._growth_source
         self.steps_run = 0
         # NOTE: where host reads migrate (CUDA) and KVTIER_CHECKPOINT_READ_AHEAD is on,
         # a step's checkpoints are read back together (_read_ahead); each row's
@@ -212,12 +205,11 @@ class BatchEngine:
             joins_began = time.perf_counter()
             # NOTE: the joins' prefill runs in the step below, after every
             # check: each join is checked beside the demand of those before it,
-            # and (the guard's growth sources) beside what the requests already
-            # running may still grow by (the reading shows their KV so far
-            # only): admitting a row must not leave a running one short later,
-            # when its decode check would fail it mid-answer. A join refused so
-            # waits for a row to leave.
-            self._growth_at_joins = self._growth_ahead() if joins else None
+            # and (the guard's ledger, published at the last step's end) beside
+            # what the requests already running may still grow by (the reading
+            # shows their KV so far only): admitting a row must not leave a
+            # running one short later, when its decode check would fail it
+            # mid-answer. A join refused so waits for a row to leave.
             pending = 0
             # NOTE: one settle a step: a second refusal in the same step finds
             # nothing more freed (each settle clears MLX's cache and trims the heap).
@@ -246,7 +238,6 @@ class BatchEngine:
                     restored.append(rid)
                 elif outcome == "restore_failed":
                     restore_failed.append(rid)
-            self._growth_at_joins = None
             join_s = time.perf_counter() - joins_began
             failed.extend(self._decode_checks(batch))
             result = batch.step()
@@ -263,6 +254,7 @@ class BatchEngine:
                     live.emitted = t.index + 1
             for e in result.exits:
                 self._live.pop(e.row_id, None)
+            self._publish_growth()
             tokens = tuple(
                 TokenOut(
                     t.row_id,
@@ -319,20 +311,20 @@ class BatchEngine:
             self._batch.close()
         self._batch = None
         self._live.clear()
-        self._growth_at_joins = None
+        self._publish_growth()
 
-    def _growth_source(self) -> int:
-        """The guard's ``"batch"`` growth source (see ``__init__``)."""
-        at_joins = self._growth_at_joins
-        return self._growth_ahead() if at_joins is None else at_joins
+    def _publish_growth(self) -> None:
+        """Tell the guard's ledger what the rows in the batch may still add, to their ``max_tokens``.
 
-    def _growth_ahead(self) -> int:
-        """What the rows in the batch may still add to memory, to their ``max_tokens`` (0: no guard)."""
+        NOTE: once a step, at its end (the rows it joined included): the next
+        step's joins and the serial lane's openings are checked beside it.
+        """
         guard = self._guard
         if guard is None:
-            return 0
-        return sum(guard.growth(live.request, len(live.request.prompt_tokens) + live.emitted)
-                   for live in self._live.values())
+            return
+        guard.ahead.publish("batch", sum(
+            guard.growth(live.request, len(live.request.prompt_tokens) + live.emitted)
+            for live in self._live.values()))
 
     def _refused_before_prefill(self, join: JoinRow, pending: int,
                                 settle: bool) -> tuple[RowFailure | None, int]:

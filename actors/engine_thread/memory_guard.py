@@ -281,6 +281,34 @@ class MemoryGauge:
             return self._value
 
 
+class GrowthLedger:
+    """What each lane's running requests may still add to memory, as the lane last published it.
+
+    Thread-safe: the serial and batch lanes' engine halves publish their
+    figure after every step (engine thread); a check before a prefill reads
+    the sum. Plain numbers, so neither lane holds anything of the other.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_lane: dict[str, int] = {}
+
+    def publish(self, lane: str, growth_bytes: int) -> None:
+        """``lane``'s running requests may still add ``growth_bytes`` (replaces its last figure)."""
+        with self._lock:
+            self._by_lane[lane] = max(int(growth_bytes), 0)
+
+    def total(self) -> int:
+        """Every lane's last figure, summed."""
+        with self._lock:
+            return sum(self._by_lane.values())
+
+    def snapshot(self) -> dict[str, int]:
+        """Each lane's last figure."""
+        with self._lock:
+            return dict(self._by_lane)
+
+
 @dataclass
 class MemoryGuard:
     """The in-turn checks (engine thread): ``EngineWork`` calls them; over budget raises ``MemoryPressure``.
@@ -293,16 +321,17 @@ class MemoryGuard:
     them before a prefill (the request did not fail: a batch row waits, the
     engine API takes the request back to admission). ``margin``: how far RSS may
     pass the budget (:func:`stated_margin`; 0 when not stated).
-    ``growth_sources``: per lane (``"serial"``, ``"batch"``), what its running
-    requests may still add (:meth:`growth` summed, engine thread); every check
-    before a prefill counts them all, so a request opened on one lane cannot
-    leave a running one on either lane short of memory later.
+    ``ahead``: per lane (``"serial"``, ``"batch"``), what its running
+    requests may still add (:meth:`growth` summed, published by the lane
+    after each step); every check before a prefill counts them all, so a
+    request opened on one lane cannot leave a running one on either lane
+    short of memory later.
     """
 
     budget: int
     footprint: Footprint
     gauge: MemoryGauge
-    growth_sources: dict[str, Callable[[], int]] = field(default_factory=dict)
+    ahead: GrowthLedger = field(default_factory=GrowthLedger)
     refused: int = 0
     checks: int = 0
     settle: Callable[[], object] | None = None
@@ -318,7 +347,7 @@ class MemoryGuard:
         one, whose prefill has not run yet (so the reading does not show
         them): the batch lane's joins of one step are checked one after the
         other, and each must fit beside the ones before it. The running
-        requests' growth still to come (``growth_sources``) is counted too.
+        requests' growth still to come (``ahead``) is counted too.
         Over budget
         raises :class:`~actors.errors.MemoryShortAtStart`: nothing of the
         request has run, so it can go back to admission. ``settle`` False:
@@ -338,8 +367,8 @@ class MemoryGuard:
         return demand
 
     def running_growth(self) -> int:
-        """What the running requests of every lane may still add to memory (``growth_sources``)."""
-        return sum(source() for source in self.growth_sources.values())
+        """What the running requests of every lane may still add to memory (``ahead``)."""
+        return self.ahead.total()
 
     def during_decode(self, request: Generate, tokens_now: int) -> None:
         """Every :data:`DECODE_CHECK_EVERY` decode tokens.

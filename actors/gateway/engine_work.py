@@ -93,19 +93,20 @@ class EngineWork:
         self._keep = keep_entries
         self._snapshot_min = snapshot_min_new_tokens
         self._gens: dict[str, _Gen] = {}
-        if guard is not None:
-            # NOTE: the batch lane's joins are checked beside this lane's
-            # running requests' growth (and this lane's openings beside the batch's).
-            guard.growth_sources["serial"] = self._growth_ahead
         self.decode_steps = 0
 
-    def _growth_ahead(self) -> int:
-        """What this lane's open requests may still add to memory, to their ``max_tokens``."""
+    def _publish_growth(self) -> None:
+        """Tell the guard's ledger what this lane's open requests may still add, to their ``max_tokens``.
+
+        NOTE: after every step and drop: the batch lane's joins are checked
+        beside it (and this lane's openings beside the batch's figure).
+        """
         guard = self._guard
         if guard is None:
-            return 0
-        return sum(guard.growth(gen.request, len(gen.request.prompt_tokens) + gen.decoded)
-                   for gen in self._gens.values())
+            return
+        guard.ahead.publish("serial", sum(
+            guard.growth(gen.request, len(gen.request.prompt_tokens) + gen.decoded)
+            for gen in self._gens.values()))
 
     def step(self, request_id: str, opening: Opening | None) -> StepOutput:
         """One prefill chunk or decode step of ``request_id`` (opening its generation first if asked)."""
@@ -170,6 +171,7 @@ class EngineWork:
                     backend.discard(gen.state)
             return StepOutput(result, tuple(entries), cached, open_s, captured, resumed)
         finally:
+            self._publish_growth()
             backend.end_turn()
 
     def drop(self, request_id: str, *, keep: bool) -> Registered | None:
@@ -184,6 +186,7 @@ class EngineWork:
             backend.discard(gen.state)
             return None
         finally:
+            self._publish_growth()
             backend.end_turn()
 
     def _resume(self, request_id: str, opening: Opening) -> int:

@@ -1,4 +1,4 @@
-"""Both lanes' running requests count in every check before a prefill (the guard's growth sources)."""
+"""Both lanes' running requests count in every check before a prefill (the guard's growth ledger)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ class _Backend:
     def end_turn(self) -> None:
         """Nothing to end."""
 
+    def discard(self, gen: Any) -> None:
+        """Nothing to free."""
+
 
 class _Opened:
     def __init__(self, cached_tokens: int) -> None:
@@ -51,23 +54,24 @@ def test_a_check_before_a_prefill_counts_every_lanes_growth() -> None:
     """A request whose own demand fits (512k of 1,000k) is refused beside 600k of another lane's
     growth still to come, and passes once that growth is gone."""
     guard = _guard(1000 * KV_PER_TOKEN)
-    ahead = [600 * KV_PER_TOKEN]
-    guard.growth_sources["batch"] = lambda: ahead[0]
+    guard.ahead.publish("batch", 600 * KV_PER_TOKEN)
     with pytest.raises(MemoryShortAtStart):
         guard.before_prefill(_request("r", 10), cached_tokens=0)
-    ahead[0] = 0
+    guard.ahead.publish("batch", 0)
     assert guard.before_prefill(_request("r", 10), cached_tokens=0) == 512 * KV_PER_TOKEN
 
 
 def test_the_serial_lane_reports_its_open_requests_growth() -> None:
-    """Once the serial lane opened a request of 600 tokens to come, its growth source reports that
-    request's KV still to come (768k - 256k); a check that fits alone (768k of 1,100k) is refused
-    beside it."""
+    """Once the serial lane opened a request of 600 tokens to come, it publishes that request's KV
+    still to come (768k - 256k); a check that fits alone (768k of 1,100k) is refused beside it;
+    dropped, the request's growth is gone."""
     guard = _guard(1100 * KV_PER_TOKEN)
     work = EngineWork(_Backend(), keep_entries=False, guard=guard)  # type: ignore[arg-type]
-    assert guard.growth_sources["serial"]() == 0
+    assert guard.ahead.total() == 0
     work.step("a", Opening(_request("a", 600), cached_tokens=0))
-    assert guard.growth_sources["serial"]() == 512 * KV_PER_TOKEN
+    assert guard.ahead.snapshot() == {"serial": 512 * KV_PER_TOKEN}
     assert guard.footprint.at_prefill(10, 300) <= guard.budget
     with pytest.raises(MemoryShortAtStart):
         guard.before_prefill(_request("b", 300), cached_tokens=0)
+    work.drop("a", keep=False)
+    assert guard.ahead.snapshot() == {"serial": 0}

@@ -167,23 +167,22 @@ def test_a_join_is_checked_beside_what_the_running_rows_may_still_grow_by(
 def test_the_batch_lane_reports_its_rows_growth_and_checks_joins_beside_the_serial_lanes(
     model: Any, tok: Any
 ) -> None:
-    """After a step the batch lane's growth source reports its row's KV still to come (a row of
-    10 + 600 tokens: 768k - 256k); a join that fits beside it alone is refused beside 600k more
-    of the serial lane's growth, and joins once that is gone."""
+    """After a step the batch lane publishes its row's KV still to come (a row of 10 + 600
+    tokens: 768k - 256k); a join that fits beside it alone is refused beside 600k more of the
+    serial lane's published growth, and joins once that is gone; reset publishes 0."""
     scripted = _Guard(budget=2000 * KV_PER_TOKEN)
     engine = _engine(model, tok, guard=scripted.guard)
     engine.step([JoinRow(_gen("a", _prompt(10, 8), 600))], [])
-    assert scripted.guard.growth_sources["batch"]() == 512 * KV_PER_TOKEN
-    serial = [600 * KV_PER_TOKEN]
-    scripted.guard.growth_sources["serial"] = lambda: serial[0]
+    assert scripted.guard.ahead.snapshot() == {"batch": 512 * KV_PER_TOKEN}
+    scripted.guard.ahead.publish("serial", 600 * KV_PER_TOKEN)
     scripted.active = 600 * KV_PER_TOKEN
     refused = engine.step([JoinRow(_gen("b", _prompt(12, 9), 10))], [])
     assert [f.request_id for f in refused.failed] == ["b"]
-    serial[0] = 0
+    scripted.guard.ahead.publish("serial", 0)
     joined = engine.step([JoinRow(_gen("b", _prompt(12, 9), 10))], [])
     assert (joined.joined, joined.failed) == ((("b", 0),), ())
     engine.reset()
-    assert scripted.guard.growth_sources["batch"]() == 0
+    assert scripted.guard.ahead.snapshot()["batch"] == 0
 
 
 def test_a_join_of_the_same_step_counts_once_beside_the_next(model: Any, tok: Any) -> None:
