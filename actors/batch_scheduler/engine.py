@@ -319,12 +319,10 @@ class BatchEngine:
         NOTE: once a step, at its end (the rows it joined included): the next
         step's joins and the serial lane's openings are checked beside it.
         """
-        guard = self._guard
-        if guard is None:
-            return
-        guard.ahead.publish("batch", sum(
-            guard.growth(live.request, len(live.request.prompt_tokens) + live.emitted)
-            for live in self._live.values()))
+        if self._guard is not None:
+            self._guard.publish_growth("batch", (
+                (live.request, len(live.request.prompt_tokens) + live.emitted)
+                for live in self._live.values()))
 
     def _refused_before_prefill(self, join: JoinRow, pending: int,
                                 settle: bool) -> tuple[RowFailure | None, int]:

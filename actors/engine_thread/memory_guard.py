@@ -54,7 +54,7 @@ job), the geometry once at start. Two places act on the verdict:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from actors.errors import MemoryPressure, MemoryShortAtStart
@@ -395,6 +395,11 @@ class MemoryGuard:
         return (self.footprint.growth(tokens_now, final)
                 + token_logprob_bytes(max(final - tokens_now, 0), params.logprobs,
                                       params.top_logprobs))
+
+    def publish_growth(self, lane: str, running: Iterable[tuple[Generate, int]]) -> None:
+        """Publish into ``ahead`` what ``lane``'s running requests (each with the tokens of KV it
+        holds) may still add: :meth:`growth` summed."""
+        self.ahead.publish(lane, sum(self.growth(request, held) for request, held in running))
 
     def _check(self, demand: int, *, at_start: bool, settle: bool = True) -> None:
         self.checks += 1

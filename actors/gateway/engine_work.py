@@ -101,12 +101,10 @@ class EngineWork:
         NOTE: after every step and drop: the batch lane's joins are checked
         beside it (and this lane's openings beside the batch's figure).
         """
-        guard = self._guard
-        if guard is None:
-            return
-        guard.ahead.publish("serial", sum(
-            guard.growth(gen.request, len(gen.request.prompt_tokens) + gen.decoded)
-            for gen in self._gens.values()))
+        if self._guard is not None:
+            self._guard.publish_growth("serial", (
+                (gen.request, len(gen.request.prompt_tokens) + gen.decoded)
+                for gen in self._gens.values()))
 
     def step(self, request_id: str, opening: Opening | None) -> StepOutput:
         """One prefill chunk or decode step of ``request_id`` (opening its generation first if asked)."""

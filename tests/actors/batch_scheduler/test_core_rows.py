@@ -127,16 +127,22 @@ def test_every_path_of_a_row_holding_an_ssd_hit_releases_its_lease() -> None:
     assert of(stopping.handle(Stopping(0.3)), ReleaseLease) == [], "released once"
 
 
-def test_a_row_failing_alone_ends_with_its_error_and_the_others_go_on() -> None:
-    """A RowFailure (the memory guard's refusal) ends that row's stream with an ErrorEvent
-    carrying MemoryPressure and its lease released; the other row's token is streamed, it
-    stays in the batch, and the report lists only the failed row as gone."""
+def _two_rows_granted() -> Core:
+    """A core with rows "a" (nothing cached) and "b" (an SSD hit, lease L1) looked up and granted."""
     core = Core()
     core.handle(Admit(gen("a"), "c-a", 0.0))
     core.handle(Admit(gen("b"), "c-b", 0.0))
     core.handle(LookupAnswered("a", TakeResult(), 0.1))
     core.handle(LookupAnswered("b", SSD_HIT, 0.1))
     core.grant()
+    return core
+
+
+def test_a_row_failing_alone_ends_with_its_error_and_the_others_go_on() -> None:
+    """A RowFailure (the memory guard's refusal) ends that row's stream with an ErrorEvent
+    carrying MemoryPressure and its lease released; the other row's token is streamed, it
+    stays in the batch, and the report lists only the failed row as gone."""
+    core = _two_rows_granted()
     out = StepOut(
         joined=(("a", 0),),
         failed=(RowFailure("b", "MemoryPressure", "not enough memory"),),
@@ -219,12 +225,7 @@ def test_a_row_refused_for_memory_beside_a_joined_row_waits_for_it_to_leave() ->
     """A row the guard refused before its prefill (MemoryShortAtStart) while another row is
     joined keeps its lookup and lease and ends no stream; the next step does not join it again,
     and once the other row has left the step after joins it with the same lent hit."""
-    core = Core()
-    core.handle(Admit(gen("a"), "c-a", 0.0))
-    core.handle(Admit(gen("b"), "c-b", 0.0))
-    core.handle(LookupAnswered("a", TakeResult(), 0.1))
-    core.handle(LookupAnswered("b", SSD_HIT, 0.1))
-    core.grant()
+    core = _two_rows_granted()
     out = StepOut(joined=(("a", 0),),
                   failed=(RowFailure("b", "MemoryShortAtStart", "not enough memory"),))
     effects = core.handle(StepFinished(1, out, 1.0))
