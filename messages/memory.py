@@ -142,7 +142,11 @@ class MemoryStats(Body):
     ``refused_at_admission``): this actor's; the reading's parts at the last engine job
     (``resident_bytes``, ``mlx_bytes``, ``resident_at_start_bytes``,
     ``mlx_active_bytes``, ``mlx_cache_bytes``, ``mlx_peak_bytes``) and the
-    C-heap trims (``heap_trims``, ``heap_trim_s``).
+    C-heap trims (``heap_trims``, ``heap_trim_s``); ``growth_ahead_bytes``:
+    what the requests running now may still add (their KV up to
+    ``max_tokens``, their logprobs still to come), which admission and the
+    check before a prefill count beside the reading, and
+    ``growth_ahead_by_lane`` its parts by lane (``serial``, ``batch``).
     """
 
     kind: Literal["memory.stats"] = "memory.stats"
@@ -168,6 +172,8 @@ class MemoryStats(Body):
     mlx_active_bytes: int | None = None
     mlx_cache_bytes: int | None = None
     mlx_peak_bytes: int | None = None
+    growth_ahead_bytes: int | None = None
+    growth_ahead_by_lane: dict[str, int] | None = None
 
 
 class MemoryWake(Body):

@@ -425,9 +425,10 @@ class GenerationStream(_StartClose):
     async def _readmit(self, refusal: ErrorEvent) -> None:
         """Take a request the in-turn guard refused before its prefill back to admission.
 
-        NOTE: admission decided on a reading without the rows that started
-        since (or joined in the same step), and without the growth still to
-        come of the requests running now, which the turn counts; inside a
+        NOTE: admission decided on a reading (and the running requests'
+        growth as the lanes last published it) without the requests
+        admitted beside it that started since or joined in the same step,
+        which the turn counts; inside a
         turn nothing can be reclaimed, at admission the memory actor can move
         cached entries out. The first refusal goes back at once (a relief may
         be all it takes). A later one waits for a running stream to end first

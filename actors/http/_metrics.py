@@ -347,6 +347,9 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
             [([], memory.get("budget_bytes"))])
     f.gauge("kvtier_memory_active_bytes", "The guard's memory reading at the last engine job (resident memory, device growth included).",
             [([], memory.get("active_bytes"))])
+    f.gauge("kvtier_memory_growth_ahead_bytes", "What the running requests may still add to "
+            "memory (their KV up to max_tokens), counted beside the reading at admission.",
+            [([], memory.get("growth_ahead_bytes"))])
     in_turn, before = memory.get("refused_in_turn"), memory.get("refused_before_prefill")
     if isinstance(in_turn, int) and isinstance(before, int):
         # NOTE: a refusal before the prefill fails nothing (the request waits

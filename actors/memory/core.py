@@ -128,11 +128,15 @@ class MemoryConfig:
 class Gauges:
     """What the shell read from the engine thread's gauges when an input arrived.
 
-    ``active``: the memory in use (``None``: no gauge). The rest feed
+    ``active``: the memory in use (``None``: no gauge). ``ahead``: what the
+    requests running now may still add to it (every lane's figure in the
+    guard's growth ledger, by lane): their KV still to come up to their
+    ``max_tokens``, which ``active`` does not show yet. The rest feed
     :class:`MemoryStats` only (thread-safe reads of engine-thread counters).
     """
 
     active: int | None = None
+    ahead: tuple[tuple[str, int], ...] = ()
     samples: int | None = None
     checks: int | None = None
     refused: int | None = None
@@ -144,6 +148,11 @@ class Gauges:
     mlx_parts: tuple[int, int, int] | None = None
     heap_trims: int | None = None
     heap_trim_s: float | None = None
+
+    @property
+    def in_use(self) -> int:
+        """The memory an admission must fit beside: ``active`` and the running requests' growth."""
+        return (self.active or 0) + sum(growth for _, growth in self.ahead)
 
 
 # --- inputs --------------------------------------------------------------------------
@@ -270,16 +279,22 @@ class MemoryState:
 # --- helpers -------------------------------------------------------------------------------
 
 
-def fits_now(config: MemoryConfig, active: int | None, ask: AdmitMemory) -> bool:
-    """Whether ``ask`` fits the budget on the reading ``active`` with nothing moved out.
+def fits_now(config: MemoryConfig, gauges: Gauges, ask: AdmitMemory) -> bool:
+    """Whether ``ask`` fits the budget beside ``gauges.in_use`` with nothing moved out.
 
     The one rule for "admitted at once": the actor answers such an
     ``AdmitMemory`` without a relief, and :class:`~actors.memory.AdmissionCheck`
     lets the asker skip the ask (pure: numbers in, a verdict out).
+
+    NOTE: the running requests' growth counts here as in the check before
+    the prefill (``MemoryGuard.before_prefill``): admitted on the reading
+    alone, a request that fit it met that check, which cannot relieve (it
+    runs inside a turn), and waited for a row to leave or went back to
+    admission, where a relief could have made room at once.
     """
     if config.budget is None or config.footprint is None:
         return True
-    verdict = decide(active=active or 0, demand=_demand(config.footprint, ask),
+    verdict = decide(active=gauges.in_use, demand=_demand(config.footprint, ask),
                      budget=config.budget, reclaimable=0)
     return isinstance(verdict, Fits)
 
@@ -360,7 +375,7 @@ def _decide(
 ) -> None:
     cfg = state.config
     assert cfg.budget is not None
-    verdict = decide(active=gauges.active or 0, demand=job.demand, budget=cfg.budget,
+    verdict = decide(active=gauges.in_use, demand=job.demand, budget=cfg.budget,
                      reclaimable=reclaimable)
     if isinstance(verdict, Fits):
         _admit(state, job, out)
@@ -538,6 +553,8 @@ def _stats(state: MemoryState, g: Gauges) -> MemoryStats:
         mlx_active_bytes=None if parts is None else parts[0],
         mlx_cache_bytes=None if parts is None else parts[1],
         mlx_peak_bytes=None if parts is None else parts[2],
+        growth_ahead_bytes=None if cfg.budget is None else sum(n for _, n in g.ahead),
+        growth_ahead_by_lane=None if cfg.budget is None else dict(g.ahead),
     )
 
 
@@ -558,7 +575,7 @@ def _received(state: MemoryState, event: Received, out: list[Effect]) -> None:
             # NOTE: the reading it would fit at once is the one the in-turn
             # check contradicted: settle, measure and relieve first.
             state.readmissions += 1
-        elif fits_now(cfg, gauges.active, body):
+        elif fits_now(cfg, gauges, body):
             _admit(state, job, out)
             return
         state.queue.append(job)

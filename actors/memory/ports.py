@@ -72,7 +72,9 @@ class GuardGauges:
     inside a turn) and was refused although moving cached entries out would
     have made room (``tests/e2e/test_memory_guard_rss.py``, batch lane).
     RSS now covers what the running job has allocated so far; where MLX's
-    memory is not resident memory (CUDA) it adds nothing.
+    memory is not resident memory (CUDA) it adds nothing. ``ahead`` is the
+    guard's growth ledger (``MemoryGuard.ahead``), by lane: what the running
+    requests may still add, published by each lane after every step.
     """
 
     def __init__(
@@ -90,14 +92,16 @@ class GuardGauges:
         guard, reading, heap = self._guard, self._reading, self._heap
         if guard is None:
             return Gauges()
+        ahead = tuple(sorted(guard.ahead.snapshot().items()))
         if reading is None:
             return Gauges(
-                active=guard.gauge.active_bytes, samples=guard.gauge.samples,
+                active=guard.gauge.active_bytes, ahead=ahead, samples=guard.gauge.samples,
                 checks=guard.checks, refused=guard.refused, settled=guard.settled,
                 refused_before_prefill=guard.refused_before_prefill,
             )
         return Gauges(
             active=max(guard.gauge.active_bytes, reading.resident_now() or 0),
+            ahead=ahead,
             samples=guard.gauge.samples,
             checks=guard.checks,
             refused=guard.refused,
@@ -128,4 +132,4 @@ class AdmissionCheck:
 
     def fits(self, ask: AdmitMemory) -> bool:
         """Whether ``ask`` fits the budget now with nothing moved out (:func:`core.fits_now`)."""
-        return fits_now(self.config, self.gauges.read().active, ask)
+        return fits_now(self.config, self.gauges.read(), ask)

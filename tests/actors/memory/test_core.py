@@ -85,6 +85,30 @@ def test_a_request_that_fits_is_admitted_at_once_without_asking_anyone() -> None
     assert state.job is None
 
 
+def test_admission_counts_the_running_requests_growth_beside_the_reading() -> None:
+    """A request that fits the reading alone but not beside what the running requests may
+    still add is not admitted at once: it goes to a relief whose need counts that growth
+    (the check before its prefill would count it and could not relieve)."""
+    state = _state()
+    active, ahead = BUDGET - DEMAND - 50_000, (("batch", 100_000), ("serial", 50_000))
+    gauges = Gauges(active, ahead=ahead)
+    assert gauges.in_use == active + 150_000
+    assert not core.fits_now(state.config, gauges, _admit())
+    assert core.fits_now(state.config, Gauges(active), _admit())
+
+    def feed(body: Body, now: float, correlation: str = "c") -> list[core.Effect]:
+        _, effects = core.handle(state, core.Received(_env(body, correlation), now, gauges))
+        return effects
+
+    effects = feed(_admit(), 0.0)
+    assert _answers(effects) == []
+    (settle,) = _asks(effects)
+    (measure,) = _asks(feed(TurnDone(step_id="memory.settle", ok=True), 0.1, settle.ref))
+    stats = _filled(PromptCacheStats, entries=3, bytes=300_000)
+    (demote,) = _asks(feed(stats, 0.2, measure.ref))
+    assert demote.body == Demote(max_bytes=100_000, dispose_without_tier=True)
+
+
 def test_a_request_refused_in_turn_is_never_admitted_at_once_on_the_reading() -> None:
     """An AdmitMemory marked refused_in_turn (the in-turn guard contradicted the reading it
     fitted) is not answered at once even where the reading fits: it settles first and is
@@ -283,6 +307,13 @@ def test_stats_combine_the_gauges_with_the_actors_counters() -> None:
     assert (stats.refused_at_admission, stats.relieved_entries) == (2, 5)
     assert (stats.mlx_active_bytes, stats.mlx_cache_bytes, stats.mlx_peak_bytes) == (10, 20, 30)
     assert (stats.heap_trims, stats.heap_trim_s) == (3, 0.1235)
+    assert (stats.growth_ahead_bytes, stats.growth_ahead_by_lane) == (0, {})
+    gauges = Gauges(active=123, ahead=(("batch", 7), ("serial", 5)))
+    _, effects = core.handle(state, core.Received(_env(MemoryStatsRequest()), 0.1, gauges))
+    (stats,) = _answers(effects)
+    assert isinstance(stats, MemoryStats)
+    assert (stats.growth_ahead_bytes, stats.growth_ahead_by_lane) == (12, {"batch": 7,
+                                                                           "serial": 5})
 
 
 def _answer_to(ask: core.Ask, size: int, ok: bool) -> Body:
@@ -372,7 +403,7 @@ def test_the_admission_check_uses_the_actors_rule_on_the_latest_reading() -> Non
     assert check.fits(_admit())
     edge.active += 1
     assert not check.fits(_admit())
-    assert not core.fits_now(config, BUDGET - DEMAND + 1, _admit())
+    assert not core.fits_now(config, Gauges(BUDGET - DEMAND + 1), _admit())
     assert AdmissionCheck(MemoryConfig(), Port(10 * BUDGET)).fits(_admit())
 
 
@@ -406,4 +437,26 @@ def test_the_gauges_read_rss_now_when_it_is_above_the_latest_reading() -> None:
     assert gauges.read().active == BUDGET - DEMAND
     assert check.fits(_admit())
     reading.now = None
+    assert check.fits(_admit())
+
+
+def test_the_gauges_carry_the_guards_growth_ledger_to_the_admission_check() -> None:
+    """What a lane publishes into the guard's growth ledger reaches ``Gauges.ahead`` by lane,
+    and a request that fits the reading stops fitting at once once the running requests'
+    growth leaves it no room; a lane's figure back to 0 makes it fit again."""
+    from actors.engine_thread.memory_guard import Footprint, MemoryGauge, MemoryGuard
+    from actors.memory.ports import GuardGauges
+
+    gauge = MemoryGauge(lambda: BUDGET - DEMAND - 10)
+    gauge.sample()
+    guard = MemoryGuard(budget=BUDGET, footprint=Footprint(kv_bytes_at=lambda n: 1000 * n,
+                                                           chunk=512), gauge=gauge)
+    gauges = GuardGauges(guard)
+    check = AdmissionCheck(_state().config, gauges)
+    assert check.fits(_admit())
+    guard.ahead.publish("batch", 11)
+    guard.ahead.publish("serial", 0)
+    assert gauges.read().ahead == (("batch", 11), ("serial", 0))
+    assert not check.fits(_admit())
+    guard.ahead.publish("batch", 0)
     assert check.fits(_admit())
