@@ -668,9 +668,6 @@ class Row:
     """A checkpoint was found: the row joins from it (the shell holds its bytes)."""
     checkpoint_files: bool = False
     """Checkpoints of its key may exist (found, or one was sent)."""
-    memory_wait: bool = False
-    """Refused before its prefill for memory while other rows were joined: it stays ready
-    (lookup and lease kept) and joins again once a row has left."""
 
 
 @dataclass(slots=True)
@@ -712,7 +709,7 @@ class Counters:
     restore_failed: int = 0
     failed_alone: int = 0
     memory_refused: int = 0
-    memory_waits: int = 0
+    memory_taken_back: int = 0
     streams_full: int = 0
     slow_readers: int = 0
     stream_timeouts: int = 0
@@ -855,7 +852,7 @@ class SchedulerState:
             },
             "rows_failed_alone": s.failed_alone,
             "memory_refused": s.memory_refused,
-            "memory_waits": s.memory_waits,
+            "memory_taken_back": s.memory_taken_back,
             "streams": {
                 "held": len(self.outboxes),
                 "held_events": sum(len(b.events) for b in self.outboxes.values()),
@@ -1120,8 +1117,6 @@ def _collect(
     joins: list[JoinRow] = []
     cancels: list[str] = []
     for rid, row in state.rows.items():
-        if row.phase == "ready" and row.memory_wait:
-            continue
         if row.phase == "ready" and _defer(state, row, out):
             continue
         if row.phase == "ready":
@@ -1443,7 +1438,6 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
             timings=_timings(row, ev.now),
         )
         _send_final(state, ex.request_id, request.stream_to, done, row.correlation_id, out)
-    _end_memory_waits(state, left=bool(step.exits))
     if ev.last:
         _job_ended(state, ev.turn, ev.now, out)
 
@@ -1486,58 +1480,32 @@ def _step_failed(state: SchedulerState, ev: StepFailed, out: list[Effect]) -> No
             continue  # NOTE: its stream already ended (stream-write deadline).
         error = ErrorEvent(request_id=rid, error_code=ev.error_code, detail=ev.detail)
         _send_final(state, rid, row.request.stream_to, error, row.correlation_id, out)
-    _end_memory_waits(state, left=True)
     report = _report(state, ev.turn, steps=state.chain_steps + 1)
     out.append(ReportTurn(report.model_copy(update={"ok": False, "error_code": ev.error_code})))
 
 
-_MEMORY_REFUSALS = frozenset({MemoryPressure.__name__, MemoryShortAtStart.__name__})
-"""The error codes of the guard's in-turn refusals (before a prefill, or during decode)."""
-
-
-def _memory_wait(state: SchedulerState, failure: RowFailure) -> bool:
-    """Whether ``failure`` puts its row back to wait for a row to leave (see :attr:`Row.memory_wait`).
-
-    NOTE: the guard refused the row before its prefill (nothing of it ran)
-    beside joined rows, whose memory goes when they leave; admission cannot
-    relieve that. With no other row joined, waiting would not free anything:
-    the row fails and the engine API takes it back to admission, where
-    cached entries can be moved out. A row resuming a checkpoint fails as
-    before (its bytes went with the join).
-    """
-    row = state.rows.get(failure.request_id)
-    if failure.error_code != MemoryShortAtStart.__name__ or row is None \
-            or row.phase != "joined" or row.checkpoint_files or row.cancelled or row.timed_out:
-        return False
-    return any(rid != failure.request_id and other.phase == "joined"
-               for rid, other in state.rows.items())
-
-
-def _end_memory_waits(state: SchedulerState, *, left: bool) -> None:
-    """Rows waiting for memory may join again: a row left, or no row is joined to leave."""
-    waiting = [row for row in state.rows.values() if row.memory_wait]
-    if not waiting:
-        return
-    if left or not any(row.phase == "joined" for row in state.rows.values()):
-        for row in waiting:
-            row.memory_wait = False
-
-
 def _fail_row(state: SchedulerState, failure: RowFailure, out: list[Effect]) -> None:
-    """A row the engine removed alone with an error: its stream ends with it, the batch goes on
-    (a row refused for memory beside joined rows waits for one of them to leave instead)."""
-    if _memory_wait(state, failure):
-        held = state.rows[failure.request_id]
-        held.phase, held.offered, held.memory_wait = "ready", False, True
-        state.stats.memory_waits += 1
-        return
+    """A row the engine removed alone with an error: its stream ends with it, the batch goes on.
+
+    NOTE: a row the guard refused before its prefill (``MemoryShortAtStart``:
+    nothing of it ran) is not a failure: its stream ends with that code and
+    the engine API takes the request back to admission, where cached
+    entries can be moved out of memory (a relief), or, with nothing to move,
+    the request waits for a running stream to end. Held here instead until
+    a row left, it waited while the RAM tier kept the bytes it needed: the
+    budgeted soak's answer times (p99) fell by a third or more with the
+    take-back (docs/benchmarks.md, 2026-12-05 evening).
+    """
     row = state.rows.pop(failure.request_id, None)
     if row is None:
         return
     state.ended.append(failure.request_id)
-    state.stats.failed += 1
-    state.stats.failed_alone += 1
-    if failure.error_code in _MEMORY_REFUSALS:
+    if failure.error_code == MemoryShortAtStart.__name__:
+        state.stats.memory_taken_back += 1
+    else:
+        state.stats.failed += 1
+        state.stats.failed_alone += 1
+    if failure.error_code == MemoryPressure.__name__:
         state.stats.memory_refused += 1
     if row.lookup is not None and row.lookup.lease_id is not None:
         # NOTE: refused before it joined: its lease (and an SSD hit's host bytes) goes back.

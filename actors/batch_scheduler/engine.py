@@ -209,7 +209,8 @@ class BatchEngine:
             # what the requests already running may still grow by (the reading
             # shows their KV so far only): admitting a row must not leave a
             # running one short later, when its decode check would fail it
-            # mid-answer. A join refused so waits for a row to leave.
+            # mid-answer. A join refused so ends with MemoryShortAtStart: the
+            # engine API takes it back to admission, where a relief can run.
             pending = 0
             # NOTE: one settle a step: a second refusal in the same step finds
             # nothing more freed (each settle clears MLX's cache and trims the heap).

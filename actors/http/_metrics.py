@@ -364,7 +364,7 @@ def _engine_families(snap: Mapping[str, Any], http: HttpState) -> list[Metric]:
               "or in turn during decode).",
               [(["admission"], at_admission), (["turn"], in_turn)], ["where"])
     f.counter("kvtier_memory_refused_before_prefill", "In-turn refusals before a prefill: the "
-              "request waited for a row to leave or went back to admission.",
+              "request went back to admission.",
               [([], before)])
     f.counter("kvtier_memory_readmissions", "Requests refused in turn before their prefill "
               "and taken back to admission (relief first).", [([], memory.get("readmissions"))])

@@ -289,8 +289,8 @@ def fits_now(config: MemoryConfig, gauges: Gauges, ask: AdmitMemory) -> bool:
     NOTE: the running requests' growth counts here as in the check before
     the prefill (``MemoryGuard.before_prefill``): admitted on the reading
     alone, a request that fit it met that check, which cannot relieve (it
-    runs inside a turn), and waited for a row to leave or went back to
-    admission, where a relief could have made room at once.
+    runs inside a turn), and went back to admission, where a relief could
+    have made room at once.
     """
     if config.budget is None or config.footprint is None:
         return True

@@ -257,9 +257,8 @@ def test_two_requests_that_fit_only_one_at_a_time_both_succeed_on_the_batch_lane
     tmp_path: Path, wide_model_dir: Path, calibration: Calibration
 ) -> None:
     """Two 250-token requests sent together, under a budget that fits one at a time: they
-    start in the same step, where the second is checked beside the first's demand and waits
-    for it to leave; its check then sees the first's cached entry, and taken back to admission
-    it is admitted once that entry moved to disk. Both answer (the second as it does alone),
+    start in the same step, where the second is checked beside the first's demand and is
+    taken back to admission, where it is admitted once the first's entry moved to disk. Both answer (the second as it does alone),
     no 503, and RSS stays under budget + margin."""
     budget = _budget(calibration)
     with _serve(tmp_path / "w", wide_model_dir, "--memory-budget", f"{budget / GIB:.6f}",
@@ -285,8 +284,8 @@ def test_two_requests_that_fit_only_one_at_a_time_both_succeed_on_the_batch_lane
     assert alone.status_code == 200, alone.text
     assert answers["b"].json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
     memory = engine["memory"]
-    assert engine["batch"]["batch"]["memory_waits"] == 1
-    assert memory["readmissions"] == 1
+    assert engine["batch"]["batch"]["memory_taken_back"] == 1
+    assert memory["readmissions"] >= 1
     assert memory["refused_at_admission"] == 0
     assert memory["relieved_entries"] >= 1
     print(f"budget {budget / MIB:.1f} MiB, peak {peak / MIB:.1f} MiB, memory {memory}")

@@ -46,7 +46,6 @@ import asyncio
 import json
 import random
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -92,6 +91,8 @@ class Soak:
     violations: list[str] = field(default_factory=list)
     answers: dict[int, str] = field(default_factory=dict)
     health_ms: list[float] = field(default_factory=list)
+    latency_ms: dict[str, list[float]] = field(default_factory=dict)
+    """Each answered request's whole time, by kind (``greedy``, ``agent_turn``)."""
     rss: list[tuple[float, int]] = field(default_factory=list)
 
     def violate(self, what: str) -> None:
@@ -138,6 +139,7 @@ async def greedy(s: Soak, client: httpx.AsyncClient, rng: random.Random) -> None
     i = rng.randrange(s.conversations)
     body = _chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(i)}],
                  temperature=0, max_tokens=24)
+    began = time.perf_counter()
     if rng.random() < 0.5:
         status, text, finish, error = await _stream_text(client, body)
     else:
@@ -148,6 +150,7 @@ async def greedy(s: Soak, client: httpx.AsyncClient, rng: random.Random) -> None
     if status != 200 or error is not None or finish not in ("stop", "length"):
         s.violate(f"greedy {i}: status {status}, finish {finish}, error {error}")
         return
+    s.latency_ms.setdefault("greedy", []).append((time.perf_counter() - began) * 1e3)
     seen = s.answers.setdefault(i, text)
     if seen != text:
         s.violate(f"greedy {i}: answer {text!r} differs from {seen!r}")
@@ -160,11 +163,13 @@ async def agent(s: Soak, client: httpx.AsyncClient, rng: random.Random) -> None:
     messages = [{"role": "system", "content": SYSTEM}]
     for turn in range(3):
         messages.append({"role": "user", "content": _user(rng.randrange(1000)) + f" (turn {turn})"})
+        began = time.perf_counter()
         r = await client.post("/v1/chat/completions", json=_chat(
             messages, temperature=0.7, seed=rng.randrange(1 << 30), max_tokens=16))
         if r.status_code != 200:
             s.violate(f"agent turn {turn}: {r.status_code} {r.text[:400]}")
             return
+        s.latency_ms.setdefault("agent_turn", []).append((time.perf_counter() - began) * 1e3)
         messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
     s.outcomes["agent.ok"] += 1
 
@@ -408,9 +413,9 @@ async def soak(url: str, args: argparse.Namespace) -> Soak:
         engine = (await client.get("/stats")).json()["engine"]
     memory = engine.get("memory", {})
     s.outcomes.update({f"memory.{k}": int(memory[k]) for k in _MEMORY_FIGURES if k in memory})
-    waits = engine.get("batch", {}).get("batch", {}).get("memory_waits")
-    if waits is not None:
-        s.outcomes["memory.batch_waits"] = int(waits)
+    taken_back = engine.get("batch", {}).get("batch", {}).get("memory_taken_back")
+    if taken_back is not None:
+        s.outcomes["memory.batch_taken_back"] = int(taken_back)
     return s
 
 
@@ -422,6 +427,17 @@ def _log_problems(server: Server) -> list[str]:
     text = _log_text(server)
     return [line[:300] for line in text.splitlines()
             if "Traceback" in line or "[error" in line or '"level": "error"' in line][:20]
+
+
+def _spread(values: list[float]) -> dict[str, float | int | None]:
+    """n, p50, p90, p99 and max of ``values`` (milliseconds, one decimal)."""
+    ordered = sorted(values)
+
+    def at(q: float) -> float | None:
+        return round(ordered[int(q * (len(ordered) - 1))], 1) if ordered else None
+
+    return {"n": len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99),
+            "max": at(1.0)}
 
 
 def main() -> int:
@@ -459,19 +475,14 @@ def main() -> int:
                   f"{deadlines} write deadlines in the server log")
     if not alive:
         s.violate("the server died")
-    health = sorted(s.health_ms)
     summary = {
         "clients": args.clients, "seconds": args.seconds, "wall_s": round(wall, 1),
         "outcomes": dict(sorted(s.outcomes.items())),
         "violations": s.violations,
         "distinct_greedy_chats": len(s.answers),
         "greedy_repeats": s.outcomes["greedy.ok"] - len(s.answers),
-        "health_ms": {
-            "n": len(health),
-            "p50": round(statistics.median(health), 1) if health else None,
-            "p99": round(health[int(0.99 * (len(health) - 1))], 1) if health else None,
-            "max": round(health[-1], 1) if health else None,
-        },
+        "health_ms": _spread(s.health_ms),
+        "latency_ms": {kind: _spread(values) for kind, values in sorted(s.latency_ms.items())},
         "rss_mib": {k: round(v / 2**20, 1) for k, v in (
             ("start", s.rss[0][1] if s.rss else 0),
             ("middle", s.rss[len(s.rss) // 2][1] if s.rss else 0),

@@ -221,32 +221,31 @@ def _joins(effects: list[Effect]) -> list[str]:
     return [j.request.request_id for s in of(effects, SubmitStep) for j in s.joins]
 
 
-def test_a_row_refused_for_memory_beside_a_joined_row_waits_for_it_to_leave() -> None:
+def test_a_row_refused_for_memory_beside_a_joined_row_goes_back_to_admission_at_once() -> None:
     """A row the guard refused before its prefill (MemoryShortAtStart) while another row is
-    joined keeps its lookup and lease and ends no stream; the next step does not join it again,
-    and once the other row has left the step after joins it with the same lent hit."""
+    joined is not held until that row leaves: its stream ends with that code at once (the
+    engine API takes it back to admission, where a relief can move cached entries out), its
+    lease goes back, it counts as taken back, not failed, and the joined row goes on."""
     core = _two_rows_granted()
     out = StepOut(joined=(("a", 0),),
                   failed=(RowFailure("b", "MemoryShortAtStart", "not enough memory"),))
     effects = core.handle(StepFinished(1, out, 1.0))
-    assert of(effects, EndStream) == []
-    assert of(effects, ReleaseLease) == []
-    assert set(core.state.rows) == {"a", "b"}
-    assert _joins(core.grant(2.0)) == []
-    core.handle(StepFinished(2, StepOut(tokens=(TokenOut("a", 0, 9, "x"),), decode_rows=1), 2.0))
-    assert _joins(core.grant(3.0)) == []
-    core.handle(StepFinished(3, StepOut(exits=(ExitOut("a", "length", 4),)), 3.0))
-    (step,) = of(core.grant(4.0), SubmitStep)
-    (join,) = step.joins
-    assert (join.request.request_id, join.cached_tokens, join.staging_id) == ("b", 6, "s1")
+    (end,) = of(effects, EndStream)
+    assert isinstance(end.final, ErrorEvent)
+    assert (end.final.request_id, end.final.error_code) == ("b", "MemoryShortAtStart")
+    assert len(of(effects, ReleaseLease)) == 1
+    assert set(core.state.rows) == {"a"}
     snap = core.state.snapshot()
-    assert (snap["memory_waits"], snap["memory_refused"], snap["rows_failed_alone"]) == (1, 0, 0)
+    assert (snap["memory_taken_back"], snap["memory_refused"], snap["rows_failed_alone"]) \
+        == (1, 0, 0)
+    (step,) = of(core.grant(2.0), SubmitStep)
+    assert step.joins == ()
 
 
-def test_a_row_refused_for_memory_with_no_other_row_joined_fails_at_once() -> None:
-    """With no other row joined nothing will leave to free memory: a MemoryShortAtStart
-    refusal ends the row's stream with that error code (the engine API takes it back to
-    admission, where relief can run) and releases its lease."""
+def test_a_row_refused_for_memory_with_no_other_row_joined_goes_back_at_once() -> None:
+    """With no other row joined the same: a MemoryShortAtStart refusal ends the row's stream
+    with that error code (the engine API takes it back to admission, where relief can run),
+    releases its lease and counts as taken back, not as a failure."""
     core = Core()
     core.handle(Admit(gen("b"), "c-b", 0.0))
     core.handle(LookupAnswered("b", SSD_HIT, 0.1))
@@ -258,21 +257,6 @@ def test_a_row_refused_for_memory_with_no_other_row_joined_fails_at_once() -> No
     assert isinstance(end.final, ErrorEvent)
     assert end.final.error_code == "MemoryShortAtStart"
     assert core.state.rows == {}
-    assert core.state.snapshot()["memory_refused"] == 1
-
-
-def test_two_rows_refused_together_do_not_wait_on_each_other() -> None:
-    """Two rows refused for memory in the same step, no other row joined: the first waits on
-    the second, the second fails (nothing else is joined), and the first, with nothing left to
-    wait for, joins the next step instead of waiting for ever."""
-    core = Core()
-    core.handle(Admit(gen("a"), "c-a", 0.0))
-    core.handle(Admit(gen("b"), "c-b", 0.0))
-    core.handle(LookupAnswered("a", TakeResult(), 0.1))
-    core.handle(LookupAnswered("b", TakeResult(), 0.1))
-    core.grant()
-    out = StepOut(failed=(RowFailure("a", "MemoryShortAtStart", "m"),
-                          RowFailure("b", "MemoryShortAtStart", "m")))
-    effects = core.handle(StepFinished(1, out, 1.0))
-    assert [e.stream_to for e in of(effects, EndStream)] == ["inbox.b"]
-    assert _joins(core.grant(2.0)) == ["a"]
+    snap = core.state.snapshot()
+    assert (snap["memory_taken_back"], snap["memory_refused"], snap["rows_failed_alone"]) \
+        == (1, 0, 0)
