@@ -33,7 +33,9 @@ stream, no prompt-cache lease, nothing queued. Its log must hold no
 traceback and no error-level line.
 
 Prints a JSON summary (outcomes per behaviour, violations, /health latency,
-RSS at the start, middle and end) and exits 1 when anything was violated.
+the answer times of greedy chats and agent turns, RSS at the start, middle
+and end) and exits 1 when anything was violated.
+``tools/bench/soak_compare.py`` plots the answer times of several summaries.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/load/soak.py --clients 12 --seconds 300
