@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -292,6 +293,7 @@ class GenerationStream(_StartClose):
         self._tokens: list[int] | None = None
         self._yielded = False
         self._readmit_until: float | None = None
+        self._readmitted_at: float | None = None
         self._counted = False
         self._started = False
         self._finished = False
@@ -454,6 +456,7 @@ class GenerationStream(_StartClose):
         engine._check_open()
         await self._admit_memory(len(tokens), refused_in_turn=True)
         await self._submit(tokens)
+        self._readmitted_at = time.monotonic()
 
     def __aiter__(self) -> Self:
         return self
@@ -533,6 +536,15 @@ class GenerationStream(_StartClose):
     def done(self) -> DoneEvent | None:
         """The final event once the stream has ended normally, else ``None``."""
         return self._done
+
+    @property
+    def readmitted_at(self) -> float | None:
+        """When the request was last admitted again after a take-back (``time.monotonic``).
+
+        ``None``: it was never taken back (a refusal for memory before its
+        prefill sends it back to admission; the client still sees one answer).
+        """
+        return self._readmitted_at
 
 
 async def _collect(stream: GenerationStream) -> Completion:

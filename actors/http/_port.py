@@ -48,6 +48,11 @@ class StreamPort(Protocol):
         """Tokens in the rendered prompt (known once admitted)."""
         ...
 
+    @property
+    def readmitted_at(self) -> float | None:
+        """When it was last admitted again after a take-back to admission (monotonic); ``None``: never."""
+        ...
+
 
 class EnginePort(Protocol):
     """The engine surface the HTTP app uses."""

@@ -23,7 +23,8 @@ stay ordered and the phases always sum to the first byte's time.
 
 Phases are the gaps between consecutive marks: ``admission`` (arrival to
 admitted: body parsing, prompt rendering and tokenizing, the admission
-ask), ``queue`` (admitted to lookup start: waiting for a place), ``lookup``,
+ask; for a request taken back to admission by a refusal for memory before
+its prefill, everything up to its second admission), ``queue`` (admitted to lookup start: waiting for a place), ``lookup``,
 ``join`` (lookup answered to joined: waiting for the engine turn or the
 next step), ``first_step`` (joined to first token: the prefill, restore
 included) and ``write`` (first token to first byte: delivery, detokenizing,
@@ -112,10 +113,22 @@ class Timeline:
     timings: Timings | None = None
     tokens: int = 0
     """Generated tokens (the ``DoneEvent``'s usage)."""
+    readmitted_at: float | None = None
+    """When it was admitted again after a take-back (``None``: never taken back)."""
 
     def admitted(self) -> None:
         """The admission was answered (accepted)."""
         self.admit_seen = self.clock()
+
+    def readmitted(self, at: float) -> None:
+        """The request was taken back to admission and admitted again at ``at`` (this clock).
+
+        NOTE: the engine's marks then count from that second admission; kept
+        at the first, the wait in between fell into ``write`` (the marks are
+        clamped to the admission the edge saw). It is ``admission`` time.
+        """
+        self.readmitted_at = at
+        self.admit_seen = at if self.admit_seen is None else max(self.admit_seen, at)
 
     def wrote(self) -> None:
         """A body chunk was written; the first one after the first token is the first byte."""
@@ -162,6 +175,9 @@ class TimedStream:
         elif isinstance(event, DoneEvent):
             self._timeline.timings = event.timings
             self._timeline.tokens = event.usage.completion_tokens
+            again = self._inner.readmitted_at
+            if again is not None:
+                self._timeline.readmitted(again)
         return event
 
     async def aclose(self) -> None:
@@ -201,6 +217,7 @@ class TimelineWindow:
         # a client measures through the socket.
         _log.info("request.timeline", request_id=timeline.request_id,
                    looked_up=timings.lookup_start_s is not None,
+                   taken_back=timeline.readmitted_at is not None,
                    tokens=timeline.tokens, decode_ms=round(timings.decode_s * 1e3, 3),
                    **{f"{k}_ms": round(v, 3) for k, v in marks.items()},
                    phases_ms={k: round(v, 3) for k, v in phases.items()})

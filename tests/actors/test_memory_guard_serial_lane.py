@@ -12,6 +12,7 @@ in-turn checks; each test shows them refusing what admission let through.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -156,12 +157,15 @@ async def test_a_request_refused_before_its_prefill_is_admitted_again_and_answer
 ) -> None:
     """The check before a request's prefill refuses it once (scripted: the first check raises
     MemoryShortAtStart); the engine API takes it back to admission and submits it again under
-    the same id, and the caller gets one whole answer equal to an unrefused run's, on either lane."""
+    the same id, and the caller gets one whole answer equal to an unrefused run's, on either lane;
+    the stream tells when it was admitted again (the HTTP timeline's admission phase ends there)."""
     from actors.engine_thread.memory_guard import MemoryGuard
     from actors.errors import MemoryShortAtStart
 
     params = GenerationParams(max_tokens=8, temperature=0.0)
     budget = 1 << 40
+
+    readmitted: list[float | None] = []
 
     async def answer() -> tuple[list[int], dict[str, Any]]:
         engine = Engine.from_loaded(model, tiny_tokenizer(), model_id="tiny", identity=IDENTITY,
@@ -169,10 +173,16 @@ async def test_a_request_refused_before_its_prefill_is_admitted_again_and_answer
                                     memory_budget_bytes=budget)
         async with engine:
             seen: list[int] = []
-            await _tokens(engine, params, seen)
+            async with engine.generate(PROMPT, params) as stream:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        seen.append(event.token_id)
+                readmitted.append(stream.readmitted_at)
             return seen, await _memory(engine)
 
+    began = time.monotonic()
     expected, _ = await answer()
+    assert readmitted == [None]
     real = MemoryGuard.before_prefill
     refusals: list[str] = []
 
@@ -188,6 +198,9 @@ async def test_a_request_refused_before_its_prefill_is_admitted_again_and_answer
     assert len(refusals) == 1
     assert got == expected
     assert (memory["readmissions"], memory["refused_at_admission"]) == (1, 0)
+    again = readmitted[1]
+    assert again is not None
+    assert began < again < time.monotonic()
 
 
 @pytest.mark.parametrize("max_batch", [1, 4], ids=["serial-lane", "batch-lane"])

@@ -33,8 +33,8 @@ stream, no prompt-cache lease, nothing queued. Its log must hold no
 traceback and no error-level line.
 
 Prints a JSON summary (outcomes per behaviour, violations, /health latency,
-the answer times of greedy chats and agent turns, RSS at the start, middle
-and end) and exits 1 when anything was violated.
+the answer times of greedy chats and agent turns, the server's per-request
+timeline of streamed requests, RSS at the start, middle and end) and exits 1 when anything was violated.
 ``tools/bench/soak_compare.py`` plots the answer times of several summaries.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
@@ -95,6 +95,8 @@ class Soak:
     health_ms: list[float] = field(default_factory=list)
     latency_ms: dict[str, list[float]] = field(default_factory=dict)
     """Each answered request's whole time, by kind (``greedy``, ``agent_turn``)."""
+    timeline: dict[str, Any] = field(default_factory=dict)
+    """``/stats`` ``http.timeline`` at the end: where streamed requests' time to first byte went."""
     rss: list[tuple[float, int]] = field(default_factory=list)
 
     def violate(self, what: str) -> None:
@@ -412,7 +414,9 @@ async def soak(url: str, args: argparse.Namespace) -> Soak:
     rest = await settle(s)
     s.outcomes.update({f"rest.{k}": int(v) for k, v in rest.items()})
     async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
-        engine = (await client.get("/stats")).json()["engine"]
+        stats = (await client.get("/stats")).json()
+    engine = stats["engine"]
+    s.timeline = stats.get("http", {}).get("timeline", {})
     memory = engine.get("memory", {})
     s.outcomes.update({f"memory.{k}": int(memory[k]) for k in _MEMORY_FIGURES if k in memory})
     taken_back = engine.get("batch", {}).get("batch", {}).get("memory_taken_back")
@@ -485,6 +489,7 @@ def main() -> int:
         "greedy_repeats": s.outcomes["greedy.ok"] - len(s.answers),
         "health_ms": _spread(s.health_ms),
         "latency_ms": {kind: _spread(values) for kind, values in sorted(s.latency_ms.items())},
+        "timeline": s.timeline,
         "rss_mib": {k: round(v / 2**20, 1) for k, v in (
             ("start", s.rss[0][1] if s.rss else 0),
             ("middle", s.rss[len(s.rss) // 2][1] if s.rss else 0),

@@ -61,6 +61,8 @@ class Script:
     logprobs: Sequence[float] | None = None
     top: Sequence[Sequence[tuple[int, float]]] | None = None
     eos: bool = False
+    readmitted_at: float | None = None
+    """What the stream reports as its take-back's second admission (``None``: none)."""
 
 
 @dataclass
@@ -148,6 +150,10 @@ class FakeStream:
     @property
     def prompt_tokens(self) -> int:
         return self._script.prompt_tokens
+
+    @property
+    def readmitted_at(self) -> float | None:
+        return self._script.readmitted_at
 
 
 class FakeTokenBytes:

@@ -6,7 +6,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -14,8 +15,15 @@ from structlog.testing import capture_logs
 
 from actors.engine import Engine
 from actors.http import HttpSettings, create_app
-from actors.http._timeline import MARKS, PHASES, Timeline, TimelineWindow, timeline_marks
-from messages.gateway import Timings
+from actors.http._timeline import (
+    MARKS,
+    PHASES,
+    TimedStream,
+    Timeline,
+    TimelineWindow,
+    timeline_marks,
+)
+from messages.gateway import DoneEvent, GenerationEvent, Timings, TokenEvent, Usage
 from tests.actors.test_cold_tier_engine import IDENTITY
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
@@ -44,6 +52,72 @@ def test_marks_stay_ordered_when_the_engine_clock_is_not_the_edges() -> None:
     assert marks["admitted"] == pytest.approx(2.0)
     assert marks["first_byte"] == pytest.approx(100.0)
     assert marks["first_token"] == pytest.approx(100.0)
+
+
+class _TakenBack:
+    """A stream the engine took back to admission once: admitted again at 4.999 s (its engine
+    marks count from there), a token 50 ms later, then its end."""
+
+    def __init__(self, readmitted_at: float | None) -> None:
+        self._readmitted_at = readmitted_at
+        self._events: list[GenerationEvent] = [
+            TokenEvent(request_id="r", index=0, token_id=101, text="Hi"),
+            DoneEvent(request_id="r", finish_reason="stop",
+                      usage=Usage(prompt_tokens=7, completion_tokens=1, cached_tokens=0),
+                      timings=Timings(admitted_at=4.999, queued_s=0.01, ttft_s=0.05)),
+        ]
+
+    async def start(self) -> None:
+        return None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        return None
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if not self._events:
+            raise StopAsyncIteration
+        return self._events.pop(0)
+
+    async def aclose(self) -> None:
+        return None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return 7
+
+    @property
+    def readmitted_at(self) -> float | None:
+        return self._readmitted_at
+
+
+async def test_a_take_back_to_admission_is_admission_time_not_write_time() -> None:
+    """A request first admitted at 1 ms, taken back and admitted again at 5 s: its wait is the
+    ``admission`` phase and ``write`` is only the 11 ms from its first token to its first byte
+    (kept at the first admission, the engine's marks were clamped there and ~5 s fell into
+    ``write``); the log line says it was taken back."""
+    now = [0.001]
+    timeline = Timeline("r", arrived=0.0, clock=lambda: now[0])
+    timeline.admitted()
+    async for event in TimedStream(_TakenBack(readmitted_at=4.9995), timeline):
+        if isinstance(event, TokenEvent):
+            now[0] = 5.060
+            timeline.wrote()
+    with capture_logs() as logs:
+        marks = TimelineWindow().record(timeline)
+    assert marks is not None
+    (line,) = [entry for entry in logs if entry["event"] == "request.timeline"]
+    assert line["taken_back"] is True
+    phases = line["phases_ms"]
+    assert phases["admission"] == pytest.approx(4999.0)
+    assert phases["write"] == pytest.approx(11.0)
+    assert sum(phases.values()) == pytest.approx(5060.0)
 
 
 def test_window_keeps_the_last_requests_and_reports_nearest_rank_percentiles() -> None:
