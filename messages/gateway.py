@@ -32,10 +32,12 @@ __all__ = [
     "Generate",
     "GenerationEvent",
     "GenerationParams",
+    "LaneUnblocked",
     "PromptLogprobs",
     "RequestTurnReport",
     "RunTurn",
     "RunWhenIdle",
+    "RunnerRetry",
     "RunnerStats",
     "RunnerStatsRequest",
     "ShutdownStarted",
@@ -413,7 +415,9 @@ class RunnerStats(Body):
 
 TurnOwner = Literal["request", "background"]
 TurnPhase = Literal["prefill", "decode"]
-TurnOutcome = Literal["continue", "finished", "failed", "cancelled"]
+TurnOutcome = Literal["continue", "finished", "failed", "cancelled", "blocked"]
+"""``blocked``: the request's stream was full; its tokens are held and it takes no turn until
+they went out (``LaneUnblocked``)."""
 
 
 class RunTurn(Request):
@@ -462,6 +466,23 @@ class GatewayCheckpointsLoaded(Body):
     shell holds their results and feeds them to the core."""
 
     kind: Literal["gateway.checkpoints_loaded"] = "gateway.checkpoints_loaded"
+
+
+class LaneUnblocked(Body):
+    """Runner -> gateway: the lane holder whose turn ended ``blocked`` (its stream was full) is
+    past that: its held tokens went out (``continue``: it takes turns again; ``finished``: its
+    last token was among them), or its reader left or took nothing for the stream-write
+    deadline (``cancelled``: the runner ended its stream and kept its cache)."""
+
+    kind: Literal["gateway.lane_unblocked"] = "gateway.lane_unblocked"
+    request_id: str
+    outcome: Literal["continue", "finished", "cancelled"]
+
+
+class RunnerRetry(Body):
+    """The runner's retry alarm went off (sent to itself): try the held streams again."""
+
+    kind: Literal["gateway.runner_retry"] = "gateway.runner_retry"
 
 
 class StopBurst(Body):

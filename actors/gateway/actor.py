@@ -58,6 +58,7 @@ from messages.gateway import (
     GatewayStats,
     GatewayStatsRequest,
     Generate,
+    LaneUnblocked,
     RequestTurnReport,
     RunTurn,
     RunWhenIdle,
@@ -252,11 +253,15 @@ class Gateway(Actor):
             self._askers[body.step_id] = envelope
             event = core.WantBackgroundTurn(body.step_id, now, body.deadline, body.idle_only)
         elif isinstance(body, RequestTurnReport):
-            if body.outcome != "continue":
+            if body.outcome not in ("continue", "blocked"):
                 self._admitted.pop(body.request_id, None)
             elif (entry := self._admitted.get(body.request_id)) is not None:
                 entry.phase = body.phase
             event = core.RequestTurnDone(body.request_id, body.phase, body.outcome, now, body.steps)
+        elif isinstance(body, LaneUnblocked):
+            if body.outcome != "continue":
+                self._admitted.pop(body.request_id, None)
+            event = core.LaneUnblocked(body.request_id, body.outcome, now)
         elif isinstance(body, BackgroundTurnReport):
             asker = self._askers.pop(body.step_id, None)
             if asker is not None:

@@ -51,6 +51,10 @@ Invariants (checked by the tests):
   lane first, then queue, then background.
 - A cancelled queued request leaves the queue at once; a cancelled lane
   holder is finished when its in-flight turn ends (within one step).
+- A lane holder whose turn ended ``blocked`` (its stream was full: the
+  runner holds its tokens) takes no turn until ``LaneUnblocked``: the other
+  lane and background work run meanwhile; a reader that stops reading never
+  holds the engine.
 - A request turn may be a *burst* of up to ``max_burst`` steps. Rule "lane
   first" makes that equivalent to granting the steps one by one: nobody
   else could get the turn before the lane holder ends anyway. Only a cancel
@@ -84,6 +88,7 @@ __all__ = [
     "ExpireBackground",
     "FinishRequest",
     "GatewayState",
+    "LaneUnblocked",
     "LendBackground",
     "LentBackgroundDone",
     "LoadCheckpoint",
@@ -113,7 +118,7 @@ recorded traces replay unchanged; the engine's wiring passes this value.
 """
 
 Phase = Literal["prefill", "decode"]
-RequestOutcome = Literal["continue", "finished", "failed", "cancelled"]
+RequestOutcome = Literal["continue", "finished", "failed", "cancelled", "blocked"]
 
 
 # --- events (shell -> core) -------------------------------------------------
@@ -186,6 +191,16 @@ class RequestTurnDone:
 
 
 @dataclass(frozen=True, slots=True)
+class LaneUnblocked:
+    """The blocked lane holder's held tokens went out (``continue``), its last among them
+    (``finished``), or its stream is gone (``cancelled``: the runner already cleaned up)."""
+
+    request_id: str
+    outcome: Literal["continue", "finished", "cancelled"]
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class BackgroundTurnDone:
     """A background engine turn ended (successfully or not; the shell replies to the asker)."""
 
@@ -244,6 +259,7 @@ CoreEvent = (
     | WantBackgroundTurn
     | WithdrawBackground
     | RequestTurnDone
+    | LaneUnblocked
     | BackgroundTurnDone
     | LentBackgroundDone
     | BatchStatus
@@ -423,6 +439,8 @@ class TokenStats:
     """Steps run inside a batch chain (lent), counted in the two above as well."""
     lookups: int = 0
     checkpoint_loads: int = 0
+    blocked_turns: int = 0
+    """Request turns that ended on a full stream (its tokens held, the engine free for others)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,6 +489,8 @@ class GatewayState:
     lane: str | None = None
     lane_had_turns: bool = False
     lane_cancelled: bool = False
+    lane_blocked: bool = False
+    """The lane holder's last turn ended ``blocked``: no turn until ``LaneUnblocked``."""
     queue: deque[str] = field(default_factory=deque)
     lookup: dict[str, Literal["pending", "ready"]] = field(default_factory=dict)
     checkpoint: dict[str, Literal["keyed", "pending", "ready"]] = field(default_factory=dict)
@@ -523,8 +543,11 @@ class GatewayState:
         )
 
     def ready(self, request_id: str) -> bool:
-        """Whether ``request_id`` may take a turn (its lookup and checkpoint load, if any, have answered)."""
+        """Whether ``request_id`` may take a turn (its lookup and checkpoint load, if any, have
+        answered; it is not blocked on its full stream)."""
         if self.checkpoint.get(request_id, "ready") != "ready":
+            return False
+        if self.lane_blocked and request_id == self.lane:
             return False
         return not self.lookups or self.lookup.get(request_id) == "ready"
 
@@ -585,6 +608,7 @@ class GatewayState:
             },
             "lookups": s.lookups,
             "checkpoint_loads": s.checkpoint_loads,
+            "blocked_turns": s.blocked_turns,
             "background_refused": s.background_refused,
             "background_expired": s.background_expired,
             "background_under_load": {
@@ -632,6 +656,8 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
             _withdraw(state, event, effects)
         case RequestTurnDone():
             _request_turn_done(state, event, effects)
+        case LaneUnblocked():
+            _lane_unblocked(state, event)
         case BackgroundTurnDone():
             _background_turn_done(state, event)
         case LentBackgroundDone():
@@ -762,6 +788,21 @@ def _request_turn_done(state: GatewayState, ev: RequestTurnDone, out: list[Effec
         stats.cancelled += 1
         out.append(FinishRequest(ev.request_id, "cancelled", had_turns=True))
         _free_lane(state)
+    elif ev.outcome == "blocked":
+        stats.blocked_turns += 1
+        state.lane_blocked = True
+
+
+def _lane_unblocked(state: GatewayState, ev: LaneUnblocked) -> None:
+    if ev.request_id != state.lane or not state.lane_blocked:
+        return  # NOTE: the holder was cancelled meanwhile (the runner dropped it).
+    state.lane_blocked = False
+    if ev.outcome == "finished":
+        state.stats.completed += 1
+        _free_lane(state)
+    elif ev.outcome == "cancelled":
+        state.stats.cancelled += 1
+        _free_lane(state)
 
 
 def _background_turn_done(state: GatewayState, ev: BackgroundTurnDone) -> None:
@@ -880,6 +921,7 @@ def _free_lane(state: GatewayState) -> None:
     state.lane = None
     state.lane_had_turns = False
     state.lane_cancelled = False
+    state.lane_blocked = False
 
 
 def _start_lookups(state: GatewayState, out: list[Effect]) -> None:
@@ -1026,5 +1068,8 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
     # or its holder has had no turn and still waits for its lookup; and no
     # batch step has work. Rows of the batch lane (even waiting ones) keep
     # background work out: it never runs between the steps of active rows.
-    if state.background and not state.stopped and not state.batch_busy:
+    # NOTE: nor a lane holder blocked on its full stream: its reader may make
+    # room any moment, and its next step must not wait behind background work
+    # (as before, when its turn waited for the reader).
+    if state.background and not state.stopped and not state.batch_busy and not state.lane_blocked:
         _grant_background(state, now, out, under_load=False)

@@ -14,14 +14,16 @@ runner keeps reading its mailbox while the engine works: a ``StopBurst``
 from the gateway reaches a running burst at once and sets the stop flag the
 engine thread checks before every step.
 
-The runner waits on nothing but sends. The one send that waits on a client
-is a token into the requester's full stream (backpressure: the engine
-thread, its chain ``AHEAD`` steps past the stream, has already ended its
-job). That wait has a deadline, ``stream_write_timeout_s``: a stream still
-full at the deadline is gone (``StreamGone(stalled=True)``): the request
-stops like a cancel (its cache kept), its stream ends with
-``ErrorEvent(stream_write_timeout)``, and the lane moves on. So no reader
-holds the engine turn longer than the deadline plus the step in flight.
+The runner waits on nothing but sends, and never on a client: a token finds
+its requester's stream full (backpressure: the engine thread, its chain
+``AHEAD`` steps past the stream, has already ended its job) is held
+(``StreamFull``), the turn ends ``blocked`` and the engine serves the other
+lane; a retry alarm sends the held tokens as the reader makes room
+(``DeliverHeld``) and the gateway grants the request turns again once all
+went out (``LaneUnblocked``). A held stream that took nothing for
+``stream_write_timeout_s`` is gone: the request stops like a cancel (its
+cache kept), its stream ends with ``ErrorEvent(stream_write_timeout)``, and
+the lane moves on. So no reader holds the engine turn at all.
 
 Failure handling: an engine job that raises fails its request (``ErrorEvent``
 as the stream's final message, ``outcome="failed"`` to the gateway) and the
@@ -39,18 +41,28 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, assert_never
 
-import anyio
 import structlog
 
 from actors.checkpoints import CheckpointPort, ResumeFrom
 from actors.engine_thread.memory_guard import MemoryGuard
 from actors.engine_thread.ports import Backend, Executor
 from actors.engine_thread.steps import BackgroundSteps
-from actors.runtime import Actor, Context, MailboxClosed, RuntimeFailure, UnknownAddress
+from actors.runtime import (
+    Actor,
+    ActorStopped,
+    Alarm,
+    Context,
+    LoopAlarm,
+    MailboxClosed,
+    RuntimeFailure,
+    UnknownAddress,
+)
 from messages import Envelope, Release, RemoveCheckpoints
 from messages.gateway import (
     EndRequest,
     EngineWake,
+    ErrorEvent,
+    RunnerRetry,
     RunnerStats,
     RunnerStatsRequest,
     RunTurn,
@@ -81,8 +93,9 @@ class TurnRunner(Actor):
     request's measured prefill (``ObservePrefill``, the cold tier's
     restore-or-recompute estimator). ``memory_guard`` checks each request's
     memory before its prefill and during its decode (``memory_guard.py``).
-    ``stream_write_timeout_s``: how long a token may wait for room in its
-    requester's full stream before the stream counts as gone (module docstring).
+    ``stream_write_timeout_s``: how long a held stream may take nothing before
+    it counts as gone (module docstring); ``alarm``: the retry timer of the
+    held streams (default: one on the event loop).
     ``checkpoints``: generation checkpoints (docs/cold-tier.md): a request's
     key and found checkpoint come with its first ``RunTurn`` (the gateway
     loaded it at admission, beside the ``Take``: the turn claims it from the
@@ -104,10 +117,12 @@ class TurnRunner(Actor):
         memory_guard: MemoryGuard | None = None,
         stream_write_timeout_s: float = 30.0,
         checkpoints: CheckpointPort | None = None,
+        alarm: Alarm | None = None,
     ) -> None:
         if not stream_write_timeout_s > 0:
             raise ValueError("stream_write_timeout_s must be > 0")
         self._write_timeout = stream_write_timeout_s
+        self._alarm = alarm
         self._gateway = gateway
         self._observe_to = observe_prefill
         self._chain_steps = chain_steps
@@ -127,7 +142,8 @@ class TurnRunner(Actor):
         self._ckpt_keys: dict[str, tuple[str, str]] = {}
         self._ckpt_found: dict[str, ResumeFrom] = {}
         self._ckpt_files: set[str] = set()
-        self.state = rc.RunnerState(keep_entries=prompt_cache is not None)
+        self.state = rc.RunnerState(keep_entries=prompt_cache is not None,
+                                    write_timeout_s=stream_write_timeout_s)
         self._burst: Burst | None = None
 
     @property
@@ -145,11 +161,23 @@ class TurnRunner(Actor):
         """The background-step registry this runner owns (askers ``register`` and keep the handle)."""
         return self._steps
 
+    async def started(self, ctx: Context) -> None:
+        """Make the held streams' retry timer (on the event loop) unless one was given."""
+        if self._alarm is None:
+            self._alarm = LoopAlarm(ctx.clock)
+
+    async def stopped(self, ctx: Context) -> None:
+        """Cancel the retry timer."""
+        if self._alarm is not None:
+            self._alarm.set(None, lambda: None)
+
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Turn a message into a core event (or drain an engine job's outputs) and perform the effects."""
         body = envelope.body
         now = ctx.clock.now()
-        if isinstance(body, EngineWake):
+        if isinstance(body, RunnerRetry):
+            await self._feed(rc.RetryHeld(now), ctx)
+        elif isinstance(body, EngineWake):
             await self._drain(body.job, ctx)
         elif isinstance(body, RunTurn):
             if body.start is not None and self._ckpt is not None:
@@ -185,19 +213,22 @@ class TurnRunner(Actor):
                     burst.stop = True
             case rc.EmitToken():
                 try:
-                    # NOTE: the one wait on a client: bounded, so a reader that
-                    # stops reading never holds the engine turn past the deadline.
-                    with anyio.fail_after(self._write_timeout):
-                        await ctx.tell(effect.stream_to, effect.event, correlation_id=effect.correlation_id)
+                    # NOTE: never a wait on a client: a full stream's token is held.
+                    sent = ctx.ref(effect.stream_to).try_tell(
+                        effect.event, correlation_id=effect.correlation_id)
                 except (MailboxClosed, UnknownAddress):
                     return rc.StreamGone(ctx.clock.now())
-                except TimeoutError:
-                    _log.warning("gateway.stream_write_timeout", request_id=effect.event.request_id,
-                                 timeout_s=self._write_timeout)
-                    return rc.StreamGone(ctx.clock.now(), stalled=True)
-                return rc.TokenDelivered(ctx.clock.now())
+                return rc.TokenDelivered(ctx.clock.now()) if sent else rc.StreamFull(ctx.clock.now())
+            case rc.DeliverHeld():
+                return self._deliver_held(effect, ctx)
+            case rc.ArmRetry():
+                self._arm(effect.at, ctx)
             case rc.EndStream():
-                ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)
+                final = effect.final
+                if isinstance(final, ErrorEvent) and final.error_code == rc.STREAM_WRITE_TIMEOUT:
+                    _log.warning("gateway.stream_write_timeout", request_id=final.request_id,
+                                 timeout_s=self._write_timeout)
+                ctx.end_stream(effect.stream_to, final, correlation_id=effect.correlation_id)
             case rc.Report():
                 await ctx.tell(self._gateway, effect.body, correlation_id=effect.correlation_id)
             case rc.PutEntry():
@@ -224,6 +255,36 @@ class TurnRunner(Actor):
             case _:
                 assert_never(effect)
         return None
+
+    @staticmethod
+    def _deliver_held(effect: rc.DeliverHeld, ctx: Context) -> rc.Event:
+        """Send held tokens in order until the stream refuses one."""
+        sent = 0
+        now = ctx.clock.now()
+        try:
+            ref = ctx.ref(effect.stream_to)
+            for event in effect.events:
+                if not ref.try_tell(event, correlation_id=effect.correlation_id):
+                    break
+                sent += 1
+        except (MailboxClosed, UnknownAddress):
+            return rc.HeldDelivered(effect.request_id, sent, True, now)
+        return rc.HeldDelivered(effect.request_id, sent, False, now)
+
+    def _arm(self, at: float | None, ctx: Context) -> None:
+        alarm = self._alarm
+        if alarm is None:
+            return
+        ref = ctx.self_ref
+
+        def wake() -> None:
+            try:
+                # NOTE: a full mailbox holds messages already; the retry comes with the next alarm.
+                ref.try_tell(RunnerRetry())
+            except (ActorStopped, MailboxClosed, UnknownAddress):
+                return
+
+        alarm.set(at, wake)
 
     # --- engine jobs -----------------------------------------------------------------
 

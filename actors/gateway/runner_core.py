@@ -7,7 +7,16 @@ at a time; later jobs wait in ``queued``) and comes back as events
 (``StepDone`` per step, ``JobEnded`` once the job is over). Streaming a
 token is the one effect whose outcome the core needs: ``EmitToken`` is
 always the last effect of its batch and the shell answers it with
-``TokenDelivered`` or ``StreamGone``.
+``TokenDelivered``, ``StreamGone`` or, when the stream has no room now,
+``StreamFull``: nothing waits on a reader. The token is then *held* (with
+any later token of the job in flight), the turn ends ``blocked`` (the
+gateway grants the request no turn until told, so the engine serves the
+other lane meanwhile), and the held tokens go out through ``DeliverHeld``
+as the reader makes room, tried by a retry alarm (``ArmRetry``,
+``RetryHeld``); once all went out the gateway hears ``LaneUnblocked``. A
+held stream that takes nothing for ``write_timeout_s`` is gone: its
+request stops (cache kept) and its stream ends with
+``ErrorEvent(stream_write_timeout)``.
 
 Invariants (checked by the tests):
 
@@ -20,6 +29,9 @@ Invariants (checked by the tests):
   stream gone, request finished) no further job is started for it and the
   running one is asked to stop (``StopSteps``): at most the step in flight
   completes;
+- a request's tokens reach its stream in order, none dropped, while it
+  lives; one whose turn ended ``blocked`` is told unblocked (or finished,
+  or cancelled) to the gateway exactly once;
 - every cache entry the engine registered is handed to the prompt cache
   (``PutEntry``), whatever happened to its request; every lookup lease the
   runner received is released once, after the generation opened (or failed).
@@ -37,6 +49,7 @@ from messages.gateway import (
     DoneEvent,
     ErrorEvent,
     Generate,
+    LaneUnblocked,
     RequestTurnReport,
     RunTurn,
     Timings,
@@ -52,14 +65,17 @@ from .engine_work import Opening
 
 __all__ = [
     "STREAM_WRITE_TIMEOUT",
+    "ArmRetry",
     "BackgroundJob",
     "Crash",
+    "DeliverHeld",
     "DropJob",
     "Effect",
     "EmitToken",
     "EndRequested",
     "EndStream",
     "Event",
+    "HeldDelivered",
     "Job",
     "JobEnded",
     "JobError",
@@ -69,10 +85,12 @@ __all__ = [
     "PutEntry",
     "ReleaseLease",
     "Report",
+    "RetryHeld",
     "RunnerState",
     "StepDone",
     "StepJob",
     "StopSteps",
+    "StreamFull",
     "StreamGone",
     "Submit",
     "TokenDelivered",
@@ -180,11 +198,33 @@ class TokenDelivered:
 
 @dataclass(frozen=True, slots=True)
 class StreamGone:
-    """The last ``EmitToken`` found its stream closed (the requester left), or, ``stalled``,
-    still full at the stream-write deadline (the reader stopped reading)."""
+    """The last ``EmitToken`` found its stream closed (the requester left)."""
 
     now: float
-    stalled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFull:
+    """The last ``EmitToken`` found its stream without room now: the token is held."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class RetryHeld:
+    """The retry alarm went off: try the held streams again."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeldDelivered:
+    """A ``DeliverHeld`` sent the first ``sent`` held tokens (``gone``: the stream is closed)."""
+
+    request_id: str
+    sent: int
+    gone: bool
+    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +244,8 @@ class Crash:
     now: float
 
 
-Event = TurnGranted | Preempt | EndRequested | StepDone | TokenDelivered | StreamGone | JobEnded | Crash
+Event = (TurnGranted | Preempt | EndRequested | StepDone | TokenDelivered | StreamGone | StreamFull
+         | RetryHeld | HeldDelivered | JobEnded | Crash)
 
 
 # --- effects (core -> shell) ---------------------------------------------------
@@ -237,6 +278,24 @@ class EmitToken:
 
 
 @dataclass(frozen=True, slots=True)
+class DeliverHeld:
+    """Send ``events`` (a request's held tokens, in order) without waiting, until the stream
+    refuses one; answer ``HeldDelivered``."""
+
+    request_id: str
+    stream_to: str
+    correlation_id: str
+    events: tuple[TokenEvent, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ArmRetry:
+    """Post a ``RetryHeld`` at clock time ``at`` (``None``: no held stream, disarm)."""
+
+    at: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class EndStream:
     """End the stream with ``final`` (delivered even when the stream is full)."""
 
@@ -250,7 +309,7 @@ class Report:
     """Tell the gateway the turn ended."""
 
     correlation_id: str
-    body: RequestTurnReport | BackgroundTurnReport
+    body: RequestTurnReport | BackgroundTurnReport | LaneUnblocked
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +334,8 @@ class Observe:
     body: ObservePrefill
 
 
-Effect = Submit | StopSteps | EmitToken | EndStream | Report | PutEntry | ReleaseLease | Observe
+Effect = (Submit | StopSteps | EmitToken | DeliverHeld | ArmRetry | EndStream | Report | PutEntry
+          | ReleaseLease | Observe)
 
 MIN_OBSERVED_PREFILL = 32
 """Prefills shorter than this many computed tokens are not reported (their time is mostly overhead)."""
@@ -303,6 +363,13 @@ class Live:
     emitted: int = 0
     first_token_at: float | None = None
     started_at: float | None = None
+    held: deque[tuple[TokenEvent, StepResult]] = field(default_factory=deque)
+    """Tokens its full stream did not take yet, in order (the turn that produced them ended
+    ``blocked``); the last one's result says whether it finished."""
+    held_since: float = 0.0
+    """When the held stream last took something (or was first found full)."""
+    delivering: bool = False
+    """A ``DeliverHeld`` of its held tokens is out."""
     prefill_s: float = 0.0
     open_s: float = 0.0
     """Of ``prefill_s``: the openings (an SSD landing, a RAM entry's copy), not prefill work."""
@@ -326,6 +393,7 @@ class Turn:
     """The last step allows another one (a decode step that did not finish)."""
     outcome: TurnOutcome = "continue"
     delivering: StepResult | None = None
+    delivering_event: TokenEvent | None = None
     silent: bool = False
     """The gateway already ended this turn: report nothing."""
 
@@ -335,6 +403,10 @@ class RunnerState:
     """Everything the runner's rules know. ``keep_entries``: a prompt cache takes registered entries."""
 
     keep_entries: bool = False
+    write_timeout_s: float = 30.0
+    """The stream-write deadline: a held stream that takes nothing this long is gone."""
+    retry_s: float = 0.02
+    """How often the held streams are tried again."""
     live: dict[str, Live] = field(default_factory=dict)
     turn: Turn | None = None
     running: tuple[int, Job] | None = None
@@ -368,10 +440,16 @@ def handle(state: RunnerState, event: Event) -> tuple[RunnerState, list[Effect]]
             turn = state.turn
             if turn is None or turn.delivering is None:
                 raise UnknownTurn("a token delivery outcome without a token in flight")
-            result, turn.delivering = turn.delivering, None
+            result, turn.delivering, turn.delivering_event = turn.delivering, None, None
             _after_step(state, turn, result, event.now, out)
         case StreamGone():
             _stream_gone(state, event, out)
+        case StreamFull():
+            _stream_full(state, event, out)
+        case RetryHeld():
+            _retry_held(state, event.now, out)
+        case HeldDelivered():
+            _held_delivered(state, event, out)
         case JobEnded():
             _job_ended(state, event, out)
         case Crash():
@@ -456,7 +534,8 @@ def _step_done(state: RunnerState, ev: StepDone, out: list[Effect]) -> None:
         if live.lease_id is not None:
             out.append(ReleaseLease(live.lease_id))
             live.lease_id = None
-    if live is None or turn.outcome != "continue":
+    blocked = live is not None and turn.outcome == "blocked" and bool(live.held)
+    if live is None or (turn.outcome != "continue" and not blocked):
         return  # NOTE: a step the engine ran after the request stopped: nothing to stream.
     elapsed = max(0.0, ev.now - turn.began)
     turn.began = ev.now
@@ -483,7 +562,12 @@ def _step_done(state: RunnerState, ev: StepDone, out: list[Effect]) -> None:
         prompt_logprobs=token.prompt_logprobs,
     )
     live.emitted += 1
-    turn.delivering = result
+    if blocked:
+        # NOTE: a step the chain ran ahead of the full stream: held behind the others.
+        live.held.append((event, result))
+        _maybe_end_turn(state, turn, out)
+        return
+    turn.delivering, turn.delivering_event = result, event
     out.append(EmitToken(live.request.stream_to, live.correlation_id, event))
 
 
@@ -502,10 +586,11 @@ def _after_step(state: RunnerState, turn: Turn, result: StepResult, now: float, 
 
 
 def _stream_gone(state: RunnerState, ev: StreamGone, out: list[Effect]) -> None:
+    del ev
     turn = state.turn
     if turn is None or turn.delivering is None:
         raise UnknownTurn("a token delivery outcome without a token in flight")
-    turn.delivering = None
+    turn.delivering = turn.delivering_event = None
     live = state.live.pop(turn.ident, None)
     # NOTE: the requester closed its stream (client left): stop now and keep
     # what was computed for the prompt cache, after the job in flight (one
@@ -514,18 +599,102 @@ def _stream_gone(state: RunnerState, ev: StreamGone, out: list[Effect]) -> None:
     _stop(state, turn, out)
     if live is not None:
         _drop(state, live, keep=True, out=out)
-        if ev.stalled:
-            # NOTE: the reader is still there but took nothing for the whole
-            # deadline: its stream ends (the final uses the reserved room), so
-            # a reader that comes back learns why instead of waiting forever.
-            final = ErrorEvent(
-                request_id=turn.ident,
-                error_code=STREAM_WRITE_TIMEOUT,
-                detail="the stream stayed full past the stream-write deadline; "
-                "the request was stopped so the other requests go on",
-            )
-            out.append(EndStream(live.request.stream_to, live.correlation_id, final))
     _maybe_end_turn(state, turn, out)
+
+
+def _stream_full(state: RunnerState, ev: StreamFull, out: list[Effect]) -> None:
+    """The token found no room: hold it, stop the turn's steps and end it ``blocked``.
+
+    NOTE: waiting here for the reader held the one engine turn, so a client
+    that stopped reading a serial-lane answer (grammar, ``top_logprobs``,
+    ``--max-batch 1``) stopped every other client, the batch lane's too, for
+    up to the stream-write deadline (measured: a batch request took 26 s
+    instead of 0.7 s beside such a reader). The engine goes on with the
+    other lane; the request takes turns again once its tokens went out.
+    """
+    turn = state.turn
+    if turn is None or turn.delivering is None or turn.delivering_event is None:
+        raise UnknownTurn("a token delivery outcome without a token in flight")
+    live = state.live.get(turn.ident)
+    result, event = turn.delivering, turn.delivering_event
+    turn.delivering = turn.delivering_event = None
+    if live is None:
+        _maybe_end_turn(state, turn, out)
+        return
+    live.held.append((event, result))
+    live.held_since = ev.now
+    turn.outcome = "blocked"
+    _stop(state, turn, out)
+    out.append(ArmRetry(ev.now + state.retry_s))
+    _maybe_end_turn(state, turn, out)
+
+
+def _retry_held(state: RunnerState, now: float, out: list[Effect]) -> None:
+    """Try every held stream whose turn has ended; end those past the deadline; re-arm."""
+    turn = state.turn
+    for rid, live in list(state.live.items()):
+        if not live.held or live.delivering:
+            continue
+        if turn is not None and turn.owner == "request" and turn.ident == rid:
+            continue  # NOTE: its blocked turn is still ending: the gateway hears that first.
+        if now - live.held_since >= state.write_timeout_s:
+            _stalled(state, rid, live, out)
+            continue
+        live.delivering = True
+        events = tuple(event for event, _ in live.held)
+        out.append(DeliverHeld(rid, live.request.stream_to, live.correlation_id, events))
+    _arm(state, now, out)
+
+
+def _arm(state: RunnerState, now: float, out: list[Effect]) -> None:
+    held = any(live.held for live in state.live.values())
+    out.append(ArmRetry(now + state.retry_s if held else None))
+
+
+def _held_delivered(state: RunnerState, ev: HeldDelivered, out: list[Effect]) -> None:
+    rid = ev.request_id
+    live = state.live.get(rid)
+    if live is None or not live.delivering:
+        return  # NOTE: the request ended meanwhile (the gateway cancelled it).
+    live.delivering = False
+    last: StepResult | None = None
+    for _ in range(min(ev.sent, len(live.held))):
+        _, last = live.held.popleft()
+    if ev.sent:
+        live.held_since = ev.now  # NOTE: the reader took something: the deadline starts again.
+    if ev.gone:
+        del state.live[rid]
+        _drop(state, live, keep=True, out=out)
+        out.append(Report(live.correlation_id, LaneUnblocked(request_id=rid, outcome="cancelled")))
+    elif not live.held:
+        assert last is not None
+        if last.finish_reason is not None:
+            del state.live[rid]
+            _observe(live, out)
+            final = _done(live, last.finish_reason, ev.now)
+            out.append(EndStream(live.request.stream_to, live.correlation_id, final))
+            outcome: Literal["continue", "finished"] = "finished"
+        else:
+            outcome = "continue"
+        out.append(Report(live.correlation_id, LaneUnblocked(request_id=rid, outcome=outcome)))
+    _arm(state, ev.now, out)
+
+
+def _stalled(state: RunnerState, rid: str, live: Live, out: list[Effect]) -> None:
+    """A held stream that took nothing for the deadline: the request stops, its cache kept."""
+    del state.live[rid]
+    _drop(state, live, keep=True, out=out)
+    # NOTE: the reader is still there but took nothing for the whole deadline:
+    # its stream ends (the final uses the reserved room), so a reader that comes
+    # back learns why instead of waiting forever.
+    final = ErrorEvent(
+        request_id=rid,
+        error_code=STREAM_WRITE_TIMEOUT,
+        detail="the stream stayed full past the stream-write deadline; "
+        "the request was stopped so the other requests go on",
+    )
+    out.append(EndStream(live.request.stream_to, live.correlation_id, final))
+    out.append(Report(live.correlation_id, LaneUnblocked(request_id=rid, outcome="cancelled")))
 
 
 def _end_requested(state: RunnerState, ev: EndRequested, out: list[Effect]) -> None:

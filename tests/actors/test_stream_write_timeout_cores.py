@@ -1,6 +1,6 @@
-"""The stream-write deadline in the two sans-IO cores: the turn runner's (a stalled stream
-ends with ``stream_write_timeout`` and the turn ends after the step in flight) and the batch
-scheduler's (a held stream that takes nothing for the deadline is ended and its row removed)."""
+"""Full streams and the stream-write deadline in the two sans-IO cores: the turn runner's (a
+full stream's tokens are held and the turn ends ``blocked``; held past the deadline, the stream
+ends with ``stream_write_timeout``) and the batch scheduler's (a held stream that takes nothing for the deadline is ended and its row removed)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from actors.batch_scheduler.core import (
     TokenOut,
 )
 from actors.gateway import runner_core as rc
-from messages.gateway import ErrorEvent, RequestTurnReport
+from messages.gateway import DoneEvent, ErrorEvent, LaneUnblocked, RequestTurnReport
 from tests.actors.batch_scheduler.test_core_streams import Core as StreamsCore
 from tests.actors.batch_scheduler.test_core_streams import of
 from tests.actors.test_runner_core import Core as RunnerCore
@@ -26,29 +26,90 @@ from tests.actors.test_runner_core import _decode, _grant, _kinds
 # --- the turn runner ----------------------------------------------------------------
 
 
-def test_a_stalled_stream_ends_with_the_timeout_and_the_turn_ends_after_the_running_step() -> None:
-    """StreamGone(stalled) stops the running job, ends the stream with
-    ErrorEvent(stream_write_timeout) (a reader that comes back learns why), and once the
-    running job ends the turn reports cancelled and the request's cache is kept."""
+def _blocked_core() -> tuple[RunnerCore, rc.Submit]:
+    """A turn whose first token met a full stream (held) and whose chain ran one step ahead."""
     core = RunnerCore()
     submit = core.handle(_grant(max_steps=100))[0]
     assert isinstance(submit, rc.Submit)
     core.handle(rc.StepDone(_decode(1), 0.1))
-    effects = core.handle(rc.StreamGone(30.1, stalled=True))
-    assert _kinds(effects) == ["StopSteps", "EndStream"]
-    stop, end = effects
-    assert stop == rc.StopSteps(submit.job_id)
+    return core, submit
+
+
+def test_a_full_stream_holds_the_tokens_and_ends_the_turn_blocked() -> None:
+    """StreamFull holds the token, stops the running job and arms the retry; a step the chain
+    ran ahead is held behind it (none dropped, none sent past a full stream); once the job
+    ends the turn reports ``blocked`` (the engine is free for the other lane), nothing dropped."""
+    core, submit = _blocked_core()
+    effects = core.handle(rc.StreamFull(0.1))
+    assert effects == [rc.StopSteps(submit.job_id), rc.ArmRetry(0.1 + core.state.retry_s)]
+    assert core.handle(rc.StepDone(_decode(2), 0.15)) == []
+    (report,) = core.handle(rc.JobEnded(0.2))
+    assert isinstance(report, rc.Report)
+    assert isinstance(report.body, RequestTurnReport)
+    assert report.body.outcome == "blocked"
+    assert [e.token_id for e, _ in core.state.live["r1"].held] == [1, 2]
+
+
+def test_held_tokens_go_out_in_order_and_the_lane_is_unblocked_once_all_did() -> None:
+    """A retry sends every held token; the stream takes one (the rest stays held, the deadline
+    restarts), then the other: the gateway hears ``LaneUnblocked(continue)`` once, after all."""
+    core, _ = _blocked_core()
+    core.handle(rc.StreamFull(0.1))
+    core.handle(rc.StepDone(_decode(2), 0.15))
+    core.handle(rc.JobEnded(0.2))
+    (deliver, arm) = core.handle(rc.RetryHeld(0.3))
+    assert isinstance(deliver, rc.DeliverHeld)
+    assert [e.token_id for e in deliver.events] == [1, 2]
+    assert arm == rc.ArmRetry(0.3 + core.state.retry_s)
+    assert _kinds(core.handle(rc.HeldDelivered("r1", 1, False, 0.4))) == ["ArmRetry"]
+    assert core.state.live["r1"].held_since == 0.4
+    (deliver, _) = core.handle(rc.RetryHeld(0.5))
+    assert isinstance(deliver, rc.DeliverHeld)
+    assert [e.token_id for e in deliver.events] == [2]
+    (report, disarm) = core.handle(rc.HeldDelivered("r1", 1, False, 0.6))
+    assert isinstance(report, rc.Report)
+    assert report.body == LaneUnblocked(request_id="r1", outcome="continue")
+    assert disarm == rc.ArmRetry(None)
+
+
+def test_a_held_last_token_finishes_the_request_once_it_went_out() -> None:
+    """When the held token is the answer's last, its delivery ends the stream (DoneEvent with
+    every token counted) and tells the gateway ``finished``."""
+    core = RunnerCore()
+    core.handle(_grant(max_steps=100))
+    core.handle(rc.StepDone(_decode(1, finish=True), 0.1))
+    core.handle(rc.StreamFull(0.1))
+    core.handle(rc.JobEnded(0.2))
+    core.handle(rc.RetryHeld(0.3))
+    effects = core.handle(rc.HeldDelivered("r1", 1, False, 0.4))
+    assert _kinds(effects) == ["EndStream", "Report", "ArmRetry"]
+    end, report, _ = effects
+    assert isinstance(end, rc.EndStream)
+    assert isinstance(end.final, DoneEvent)
+    assert (end.final.finish_reason, end.final.usage.completion_tokens) == ("length", 1)
+    assert isinstance(report, rc.Report)
+    assert report.body == LaneUnblocked(request_id="r1", outcome="finished")
+    assert "r1" not in core.state.live
+
+
+def test_a_held_stream_that_takes_nothing_for_the_deadline_ends_with_the_timeout() -> None:
+    """A held stream that took nothing for ``write_timeout_s``: the retry ends it with
+    ErrorEvent(stream_write_timeout) (a reader that comes back learns why), keeps the
+    request's cache (a DropJob that keeps) and tells the gateway ``cancelled``."""
+    core, _ = _blocked_core()
+    core.handle(rc.StreamFull(0.1))
+    core.handle(rc.JobEnded(0.2))
+    core.handle(rc.RetryHeld(0.3))
+    core.handle(rc.HeldDelivered("r1", 0, False, 0.3))
+    effects = core.handle(rc.RetryHeld(0.1 + core.state.write_timeout_s))
+    assert _kinds(effects) == ["EndStream", "Report", "ArmRetry", "Submit"]
+    end, report, disarm, keep = effects
     assert isinstance(end, rc.EndStream)
     assert isinstance(end.final, ErrorEvent)
     assert (end.final.request_id, end.final.error_code) == ("r1", rc.STREAM_WRITE_TIMEOUT)
-    # NOTE: a step the chain ran ahead streams nothing more.
-    assert core.handle(rc.StepDone(_decode(2), 30.2)) == []
-    effects = core.handle(rc.JobEnded(30.2))
-    assert _kinds(effects) == ["Report", "Submit"]
-    report, keep = effects
     assert isinstance(report, rc.Report)
-    assert isinstance(report.body, RequestTurnReport)
-    assert report.body.outcome == "cancelled"
+    assert report.body == LaneUnblocked(request_id="r1", outcome="cancelled")
+    assert disarm == rc.ArmRetry(None)
     assert isinstance(keep, rc.Submit)
     assert keep.job == rc.DropJob("r1", True, "", "c-1")
 
