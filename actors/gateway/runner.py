@@ -277,10 +277,15 @@ class TurnRunner(Actor):
             return
         ref = ctx.self_ref
 
+        retry_s = self.state.retry_s
+        clock = ctx.clock
+
         def wake() -> None:
             try:
-                # NOTE: a full mailbox holds messages already; the retry comes with the next alarm.
-                ref.try_tell(RunnerRetry())
+                if not ref.try_tell(RunnerRetry()):
+                    # NOTE: the mailbox is full: try again later, or the held
+                    # streams would wait for an event that may never come.
+                    alarm.set(clock.now() + retry_s, wake)
             except (ActorStopped, MailboxClosed, UnknownAddress):
                 return
 
