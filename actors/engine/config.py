@@ -195,8 +195,8 @@ class EngineConfig(BaseModel):
     ] = None
     stream_buffer: Annotated[
         int,
-        Field(ge=1, description="events a request's stream holds before the runner waits "
-                                "for the reader"),
+        Field(ge=1, description="events a request's stream holds before its tokens are "
+                                "held back (the engine goes on with other requests)"),
         Setting("KVTIER_STREAM_BUFFER", "--stream-buffer", unit="events"),
     ] = 64
     stream_write_timeout_s: Annotated[
