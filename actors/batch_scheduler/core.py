@@ -163,6 +163,7 @@ class TokenOut:
     text: str
     logprob: float | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1385,6 +1386,7 @@ def _step_finished(state: SchedulerState, ev: StepFinished, out: list[Effect]) -
             token_id=tok.token_id,
             text=tok.text,
             logprob=tok.logprob,
+            top_logprobs=tok.top_logprobs,
         )
         _send_token(state, row, event, out)
     for rid, entry in step.snapshots:

@@ -264,6 +264,7 @@ class BatchEngine:
                     t.output.text,
                     t.output.logprob,
                     t.output.finish_reason,
+                    t.output.top_logprobs,
                 )
                 for t in result.tokens
             )

@@ -95,6 +95,7 @@ from ._greedy import (
     enter_generation,
     waiting_generation,
 )
+from ._logprobs import top_logprobs
 from ._lone_row import lone_row_masks, plain_masks
 from ._prefill_batch import PREFILL_CLEAR_ENV, PrefillBatch
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
@@ -317,14 +318,13 @@ def batch_gate(
 def batch_params_refusal(params: SamplingParams) -> str | None:
     """The request option a batch row cannot serve (it runs on the serial lane), or ``None``.
 
-    ``grammar`` (constrained decoding), ``top_logprobs`` and
-    ``prompt_logprobs`` (scoring the prompt) are implemented by the serial
-    kernel only; a batch row would silently drop them.
+    ``grammar`` (constrained decoding) and ``prompt_logprobs`` (scoring the
+    prompt) are implemented by the serial kernel only; a batch row would
+    silently drop them. ``top_logprobs`` a row reports from its own
+    log-probabilities, the distribution its token was sampled from.
     """
     if params.grammar is not None:
         return "grammar"
-    if params.top_logprobs > 0:
-        return "top_logprobs"
     if params.prompt_logprobs is not None:
         return "prompt_logprobs"
     return None
@@ -864,6 +864,8 @@ class BatchGeneration:
             index = len(row.generated)
             row.generated.append(token)
             logprob = float(response.logprobs[token].item()) if row.params.logprobs else None
+            k = row.params.top_logprobs
+            top = top_logprobs(response.logprobs, k) if k else ()
             finish: KernelFinishReason | None = None
             if token in row.stop_ids:
                 finish = "stop"
@@ -875,7 +877,7 @@ class BatchGeneration:
                 elif response.finish_reason is not None:
                     finish = "length"
                     text += row.text.finish()
-            tokens.append(RowToken(row.row_id, index, StepOutput(token, text, finish, logprob)))
+            tokens.append(RowToken(row.row_id, index, StepOutput(token, text, finish, logprob, top)))
             capture = captures.pop(response.uid, None)
             if capture is not None and finish is None:
                 # NOTE: this token is the boundary's pending one. A row this
@@ -1310,7 +1312,7 @@ def _row_sampler(params: SamplingParams, stop_ids: frozenset[int]) -> Any:
     sampler = make_request_sampler(params, xtc_special_tokens=sorted(stop_ids))
     # NOTE: a decode step skips the log-softmax only when every sampler is the
     # plain greedy one (greedy_without_logprobs), so this row keeps it.
-    if params.greedy and params.logprobs:
+    if params.greedy and (params.logprobs or params.top_logprobs):
         return argmax_with_logprobs
     return sampler
 

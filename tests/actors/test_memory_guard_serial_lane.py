@@ -284,7 +284,7 @@ async def test_a_request_refused_again_beside_a_running_one_waits_for_it_to_end(
     model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch-lane request refused before its prefill twice (scripted) while a serial-lane
-    request (top_logprobs) runs, with no batch row to wait for: the first refusal goes back to
+    request (prompt_logprobs) runs, with no batch row to wait for: the first refusal goes back to
     admission at once, the second only after the running request ended; its first token comes
     after the other's final event, and it answers in full."""
     from actors.engine_thread.memory_guard import MemoryGuard
@@ -324,7 +324,7 @@ async def test_a_request_refused_again_beside_a_running_one_waits_for_it_to_end(
         a_first = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, "a", PROMPT, GenerationParams(
-                max_tokens=60, temperature=0.0, logprobs=True, top_logprobs=2), a_first)
+                max_tokens=60, temperature=0.0, prompt_logprobs=1), a_first)
             await a_first.wait()
             tg.start_soon(run, "b", b_prompt, GenerationParams(max_tokens=8, temperature=0.0))
         memory = await _memory(engine)

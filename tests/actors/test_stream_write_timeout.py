@@ -20,10 +20,10 @@ TIMEOUT = 0.5
 MARGIN = 10.0
 """What a finished request may take beyond the deadline on a loaded 2-core machine."""
 LONG = GenerationParams(max_tokens=3000)
-SERIAL_LONG = GenerationParams(max_tokens=3000, logprobs=True, top_logprobs=3)
-"""``top_logprobs``: only the serial lane serves it, also with the batch lane on."""
+SERIAL_LONG = GenerationParams(max_tokens=3000, prompt_logprobs=1)
+"""``prompt_logprobs``: only the serial lane serves it, also with the batch lane on."""
 SHORT = GenerationParams(max_tokens=8)
-SERIAL_SHORT = GenerationParams(max_tokens=8, logprobs=True, top_logprobs=3)
+SERIAL_SHORT = GenerationParams(max_tokens=8, prompt_logprobs=1)
 
 
 @pytest.fixture(scope="module")

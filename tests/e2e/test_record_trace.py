@@ -1,8 +1,9 @@
 """End to end: ``kvtier serve --record-trace`` records a served session that ``kvtier replay`` reproduces.
 
 Two real servers on one SSD directory, each recording its own live trace:
-the first answers concurrent requests on both lanes (a ``top_logprobs``
-request takes the serial lane while a plain one runs on the batch lane), a
+the first answers concurrent requests on both lanes (a ``json_object``
+request, constrained decoding, takes the serial lane while a plain one runs
+on the batch lane), a
 repeated prompt (a RAM hit) and a flush; the second, after a restart,
 answers a request restored from the SSD tier. ``kvtier replay`` feeds every
 recorded call through the same cores and finds every effect equal; a copy
@@ -67,9 +68,9 @@ def _first_session(tmp_path: Path, kv: Path, trace: Path) -> None:
                            "--admin-loopback", "on", "--record-trace", str(trace))
     try:
         with ThreadPoolExecutor(2) as pool:
-            serial = pool.submit(_chat, server.url, OTHER, logprobs=True, top_logprobs=2)
+            serial = pool.submit(_chat, server.url, OTHER, response_format={"type": "json_object"})
             batch = pool.submit(_chat, server.url, LONG)
-            assert serial.result()["choices"][0]["logprobs"] is not None
+            assert serial.result()["choices"][0]["message"]["content"]
             batch.result()
         assert _cached(_chat(server.url, LONG)) > 0  # the repeat is a RAM hit
         flushed = httpx.post(f"{server.url}/admin/cache/flush", json={}, timeout=120)
@@ -162,4 +163,7 @@ def test_a_recorded_session_replays_and_an_edited_trace_is_rejected(tmp_path: Pa
     assert report.line == a + 1
     report = replay_core_trace(_renumbered(swapped))
     assert not report.ok  # the cores themselves see the new order
-    assert report.line in (a + 1, b + 1), report
+    # NOTE: at the swap or after it: two calls taken in the other order may
+    # each give what the other gave, and the cores' states part a few calls later.
+    assert report.line is not None
+    assert report.line > a, report

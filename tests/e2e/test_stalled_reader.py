@@ -1,13 +1,14 @@
-"""End to end: a client that never reads its streamed ``top_logprobs`` answer does not stall
+"""End to end: a client that never reads its streamed serial-lane answer does not stall
 the server (``--stream-write-timeout 2``).
 
 The stalled client is a raw socket with a small receive buffer and a small segment size
 (so the server's socket buffers stay small and fill within seconds) that sends a streamed
-``top_logprobs`` request (served on the serial lane) and then reads nothing. Meanwhile
-another client's serial-lane request (queued behind it on the lane) and a batch-lane
-request must finish within a margin of the moment the server gives up on the stalled
-stream (its ``stream_write_timeout`` warning); the stalled response ends unfinished (no
-``[DONE]``) and its connection closes once the client reads it.
+text completion with ``echo`` and ``logprobs`` 5 (the prompt is scored: served on the
+serial lane; each token carries its alternatives) and then reads nothing. Meanwhile another
+client's serial-lane request (queued behind it on the lane) and a batch-lane request must
+finish within a margin of the moment the server gives up on the stalled stream (its
+``stream_write_timeout`` warning); the stalled response ends unfinished (no ``[DONE]``) and
+its connection closes once the client reads it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 def _stalled_client(url: str) -> socket.socket:
-    """Send a streamed top_logprobs request on a socket with a small receive buffer; read nothing."""
+    """Send a streamed, scored completion on a socket with a small receive buffer; read nothing."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # NOTE: set before connecting, so the window the server sees stays small.
@@ -56,11 +57,10 @@ def _stalled_client(url: str) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     sock.connect((host, int(port)))
     body = json.dumps({
-        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-        "max_tokens": 4000, "temperature": 0, "stream": True,
-        "logprobs": True, "top_logprobs": 20,
+        "prompt": "Write a very long story about a dragon.", "max_tokens": 4000,
+        "temperature": 0, "stream": True, "echo": True, "logprobs": 5, "ignore_eos": True,
     }).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock.sendall(head + body)
     return sock
@@ -101,15 +101,15 @@ def _read_to_eof(sock: socket.socket, limit_s: float) -> tuple[bytes, bool]:
 def test_a_client_that_never_reads_does_not_delay_the_others_past_the_timeout(
     server: ServerProcess,
 ) -> None:
-    """While a raw-socket client reads none of its streamed top_logprobs answer, a serial-lane
-    (top_logprobs, queued behind it) and a batch-lane request from other clients answer 200
+    """While a raw-socket client reads none of its streamed scored completion, a serial-lane
+    (a json_object answer, queued behind it) and a batch-lane request from other clients answer 200
     within a margin of the server giving up on the stalled stream; the stalled response was
     cut (no [DONE]) and its connection closes."""
     stalled = _stalled_client(server.url)
     try:
         question = [{"role": "user", "content": "Say hello."}]
         serial = {"messages": question, "max_tokens": 8, "temperature": 0,
-                  "logprobs": True, "top_logprobs": 2}
+                  "response_format": {"type": "json_object"}}
         batch = {"messages": question, "max_tokens": 8, "temperature": 0}
         time.sleep(1.0)  # NOTE: the stalled request is admitted first and holds the lane.
         with ThreadPoolExecutor(2) as pool:

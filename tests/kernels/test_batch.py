@@ -452,6 +452,33 @@ def test_per_row_sampling_parameters_match_each_rows_serial_run(model: Any, tok:
     assert all(o.logprob is None for o in run.outputs["0"])
 
 
+def test_top_logprobs_rows_report_the_serial_runs_alternatives(model: Any, tok: Any) -> None:
+    """Rows asking for top_logprobs (greedy and seeded sampling, beside a plain row) report, for
+    every token, the serial run's alternatives: the same ids in the same order, values within
+    1e-4, the chosen token first at temperature 0; the plain row reports none."""
+    prompts = _prompts(len(tok), 3, seed=5, lo=10, hi=40)
+    variants: list[dict[str, Any]] = [
+        {"logprobs": True, "top_logprobs": 4},
+        {"temperature": 0.9, "seed": 21, "logprobs": True, "top_logprobs": 3},
+        {},
+    ]
+    plans = [
+        Plan(str(i), p, SamplingParams(max_tokens=12, **v), join_at=i)
+        for i, (p, v) in enumerate(zip(prompts, variants, strict=True))
+    ]
+    run = drive(BatchGeneration(model, tok, max_rows=4, prefill_step_size=16), plans)
+    for p in plans[:2]:
+        serial = _serial(model, tok, p.prompt, p.params)
+        assert run.ids(p.row_id) == [o.token_id for o in serial]
+        for ours, theirs in zip(run.outputs[p.row_id], serial, strict=True):
+            assert len(ours.top_logprobs) == p.params.top_logprobs
+            assert [i for i, _ in ours.top_logprobs] == [i for i, _ in theirs.top_logprobs]
+            for (_, mine), (_, ref) in zip(ours.top_logprobs, theirs.top_logprobs, strict=True):
+                assert mine == pytest.approx(ref, abs=1e-4)
+    assert all(o.top_logprobs[0][0] == o.token_id for o in run.outputs["0"])
+    assert all(o.top_logprobs == () for o in run.outputs["2"])
+
+
 def test_stop_strings_stop_ids_and_length_end_each_row_like_serial(model: Any, tok: Any) -> None:
     """Per-row stop strings, stop token ids and max_tokens: same text, token count and finish reason as serial."""
     prompt = _prompts(len(tok), 1, seed=8, lo=20, hi=30)[0]
@@ -596,9 +623,8 @@ def test_admission_errors(model: Any, tok: Any) -> None:
     quant = [QuantizedKVCache(), QuantizedKVCache()]
     with pytest.raises(InvalidPrompt, match="quantized"):
         small.join("x", [1, 2, 3, 4], SamplingParams(), cache=quant, cached_tokens=3)
-    with pytest.raises(InvalidPrompt, match="top_logprobs"):
-        small.join("x", [1, 2, 3], SamplingParams(top_logprobs=2))
     assert batch_params_refusal(SamplingParams(grammar="start: 'a'")) == "grammar"
+    assert batch_params_refusal(SamplingParams(logprobs=True, top_logprobs=2)) is None
     assert batch_params_refusal(SamplingParams(logprobs=True)) is None
     with pytest.raises(InvalidPrompt, match="snapshot_at"):
         small.join("x", [1, 2, 3], SamplingParams(), snapshot_at=3)

@@ -2,8 +2,9 @@
 
 Starts its own ``kvtier serve`` (the default model, any ``--serve-arg``) unless ``--url`` names
 one, opens a raw socket with a 4 KiB receive buffer and 536-byte segments, asks for a
-streamed chat answer with ``top_logprobs`` 20 (served on the serial lane; about 2 KB a token,
-so the socket and server buffers fill within seconds) and reads none of it. Meanwhile it
+streamed text completion with ``echo`` and ``logprobs`` 5 (the prompt is scored: served on
+the serial lane; each token carries its alternatives, so the socket and server buffers fill
+within seconds) and reads none of it. Meanwhile it
 sends ``--requests`` short batch-lane chat requests, one every ``--every`` seconds, and
 prints each one's time; a server whose serial lane waited on the stalled reader inside its
 engine turn held them for up to ``--stream-write-timeout`` (30 s by default). Prints a JSON
@@ -36,18 +37,17 @@ from tools._serve_child import Server  # noqa: E402
 
 
 def _stall(url: str) -> socket.socket:
-    """Send a streamed top_logprobs request on a small-windowed socket that reads nothing."""
+    """Send a streamed, scored completion on a small-windowed socket that reads nothing."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     sock.connect((host, int(port)))
     body = json.dumps({
-        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-        "max_tokens": 4000, "temperature": 0, "stream": True, "logprobs": True,
-        "top_logprobs": 20, "ignore_eos": True,
+        "prompt": "Write a very long story about a dragon.", "max_tokens": 4000,
+        "temperature": 0, "stream": True, "echo": True, "logprobs": 5, "ignore_eos": True,
     }).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock.sendall(head + body)
     return sock

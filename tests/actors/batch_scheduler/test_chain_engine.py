@@ -255,11 +255,11 @@ async def test_a_cancel_mid_chain_removes_its_row_within_one_step(
 async def test_the_serial_lane_gets_turns_while_a_chain_runs(
     model: Any, tok: Any, log: StepLog
 ) -> None:
-    """A top_logprobs request (serial lane) arriving mid-chain preempts it and finishes long before
-    the batch row, with its serial-only tokens."""
+    """A prompt-scoring request (serial lane) arriving mid-chain preempts it and finishes long
+    before the batch row, with its serial-only tokens."""
     prompts = _prompts(tok, 2, seed=11)
     batch_params = _long(tok, 150)
-    serial_params = GenerationParams(max_tokens=10, logprobs=True, top_logprobs=2)
+    serial_params = GenerationParams(max_tokens=10, prompt_logprobs=1)
     async with _engine(model, tok, max_batch=1) as alone:
         want, _ = await collect(alone, prompts[1], serial_params)
     finished: list[str] = []
@@ -288,7 +288,7 @@ async def test_the_serial_lane_gets_turns_while_a_chain_runs(
     assert finished == ["serial", "batch"]
     token = stats["gateway"]["token"]
     assert token["batch_chains"]["preempted"] >= 1
-    assert token["batch_refused"] == {"top_logprobs": 1}
+    assert token["batch_refused"] == {"prompt_logprobs": 1}
 
 
 async def _background_while_rows_chain(

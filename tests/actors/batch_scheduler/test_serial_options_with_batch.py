@@ -1,8 +1,9 @@
 """Serial-only options with the batch lane on: ``Engine(max_batch=4)`` on a tiny fp32 Llama.
 
-A request with a grammar (constrained decoding) or ``top_logprobs`` is served
-on the serial lane, counted in ``gateway.token.batch_refused``, while plain
-requests keep running as batch rows; every answer equals its serial-only run.
+A request with a grammar (constrained decoding) is served on the serial lane,
+counted in ``gateway.token.batch_refused``, while plain requests keep running
+as batch rows; a ``top_logprobs`` request joins them as a row; every answer
+equals its serial-only run.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def _answers(events: list[TokenEvent]) -> tuple[list[int], list[Any]]:
     return [e.token_id for e in events], [(e.logprob, e.top_logprobs) for e in events]
 
 
-async def test_grammar_and_top_logprobs_run_on_the_serial_lane_while_batch_rows_run(
+async def test_grammar_runs_on_the_serial_lane_and_top_logprobs_as_a_row_while_batch_rows_run(
     model: Any, tok: Any
 ) -> None:
-    """With max_batch=4, a grammar request and a top_logprobs request are admitted (not refused),
-    served on the serial lane (gateway.token.batch_refused counts each) while three plain requests
-    are joined batch rows, and give their serial-only answers; the rows give theirs too."""
+    """With max_batch=4, a grammar request is served on the serial lane (gateway.token.
+    batch_refused counts it) while three plain requests are joined batch rows, and a
+    top_logprobs request joins them as a fourth row; each gives its serial-only answer, the
+    top_logprobs one with the same alternatives (values within float32 rounding)."""
     grammar = GenerationParams(max_tokens=60, grammar=json_schema_grammar(SCHEMA))
     structured = _prompt(tok, "Weather as JSON, please.")
     ranked = _prompt(tok, "Rank your next words.")
@@ -150,5 +152,5 @@ async def test_grammar_and_top_logprobs_run_on_the_serial_lane_while_batch_rows_
     for (events, done), want in zip(plain_out, want_plain, strict=True):
         assert [e.token_id for e in events] == [e.token_id for e in want]
         assert done.usage.completion_tokens == len(want)
-    assert stats["gateway"]["token"]["batch_refused"] == {"grammar": 1, "top_logprobs": 1}
-    assert stats["batch"]["batch"]["joined"] == 3
+    assert stats["gateway"]["token"]["batch_refused"] == {"grammar": 1}
+    assert stats["batch"]["batch"]["joined"] == 4
