@@ -2,9 +2,10 @@
 
 Starts its own ``kvtier serve`` (the default model, any ``--serve-arg``) unless ``--url`` names
 one, opens a raw socket with a 4 KiB receive buffer and 536-byte segments, asks for a
-streamed text completion with ``echo`` and ``logprobs`` 5 (the prompt is scored: served on
-the serial lane; each token carries its alternatives, so the socket and server buffers fill
-within seconds) and reads none of it. Meanwhile it
+streamed text completion of a ~1,600-token prompt with ``echo`` and ``logprobs`` 5 (the
+prompt is scored: served on the serial lane; the scores of the prompt's tokens, about half a
+megabyte, fill the socket and server buffers at once, each later token carries its
+alternatives) and reads none of it. Meanwhile it
 sends ``--requests`` short batch-lane chat requests, one every ``--every`` seconds, and
 prints each one's time; a server whose serial lane waited on the stalled reader inside its
 engine turn held them for up to ``--stream-write-timeout`` (30 s by default). Prints a JSON
@@ -44,7 +45,7 @@ def _stall(url: str) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     sock.connect((host, int(port)))
     body = json.dumps({
-        "prompt": "Write a very long story about a dragon.", "max_tokens": 4000,
+        "prompt": "Write a very long story about a dragon. " * 160, "max_tokens": 4000,
         "temperature": 0, "stream": True, "echo": True, "logprobs": 5, "ignore_eos": True,
     }).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
