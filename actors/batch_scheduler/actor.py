@@ -61,6 +61,7 @@ from actors.runtime import (
     MailboxClosed,
     RuntimeFailure,
     UnknownAddress,
+    send_while_room,
 )
 from messages import Envelope, Failure, Release, RemoveCheckpoints, Take, TakeResult
 from messages.batch_scheduler import (
@@ -483,16 +484,10 @@ class BatchScheduler(Actor):
     @staticmethod
     def _deliver(effect: core.Deliver, ctx: Context) -> core.Event:
         """Send held events in order until the stream refuses one; end it if all went out."""
-        sent = 0
         now = ctx.clock.now()
-        try:
-            ref = ctx.ref(effect.stream_to)
-            for event in effect.events:
-                if not ref.try_tell(event, correlation_id=effect.correlation_id):
-                    return core.Delivered(effect.request_id, sent, False, False, now)
-                sent += 1
-        except (MailboxClosed, UnknownAddress):
-            return core.Delivered(effect.request_id, sent, False, True, now)
+        sent, gone = send_while_room(ctx, effect.stream_to, effect.events, effect.correlation_id)
+        if gone or sent < len(effect.events):
+            return core.Delivered(effect.request_id, sent, False, gone, now)
         if effect.final is None:
             return core.Delivered(effect.request_id, sent, False, False, now)
         ctx.end_stream(effect.stream_to, effect.final, correlation_id=effect.correlation_id)

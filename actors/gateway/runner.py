@@ -49,13 +49,13 @@ from actors.engine_thread.ports import Backend, Executor
 from actors.engine_thread.steps import BackgroundSteps
 from actors.runtime import (
     Actor,
-    ActorStopped,
     Alarm,
     Context,
-    LoopAlarm,
     MailboxClosed,
     RuntimeFailure,
     UnknownAddress,
+    WakeAlarm,
+    send_while_room,
 )
 from messages import Envelope, Release, RemoveCheckpoints
 from messages.gateway import (
@@ -122,7 +122,6 @@ class TurnRunner(Actor):
         if not stream_write_timeout_s > 0:
             raise ValueError("stream_write_timeout_s must be > 0")
         self._write_timeout = stream_write_timeout_s
-        self._alarm = alarm
         self._gateway = gateway
         self._observe_to = observe_prefill
         self._chain_steps = chain_steps
@@ -144,6 +143,9 @@ class TurnRunner(Actor):
         self._ckpt_files: set[str] = set()
         self.state = rc.RunnerState(keep_entries=prompt_cache is not None,
                                     write_timeout_s=stream_write_timeout_s)
+        # NOTE: only a retry (or a reader's room) moves held tokens on: a retry
+        # that finds the mailbox full must come again.
+        self._alarm = WakeAlarm(RunnerRetry, alarm, again_s=self.state.retry_s)
         self._burst: Burst | None = None
 
     @property
@@ -162,14 +164,12 @@ class TurnRunner(Actor):
         return self._steps
 
     async def started(self, ctx: Context) -> None:
-        """Make the held streams' retry timer (on the event loop) unless one was given."""
-        if self._alarm is None:
-            self._alarm = LoopAlarm(ctx.clock)
+        """Bind the held streams' retry timer (on the event loop unless one was given)."""
+        self._alarm.bind(ctx)
 
     async def stopped(self, ctx: Context) -> None:
         """Cancel the retry timer."""
-        if self._alarm is not None:
-            self._alarm.set(None, lambda: None)
+        self._alarm.set(None)
 
     async def receive(self, envelope: Envelope, ctx: Context) -> None:
         """Turn a message into a core event (or drain an engine job's outputs) and perform the effects."""
@@ -222,7 +222,7 @@ class TurnRunner(Actor):
             case rc.DeliverHeld():
                 return self._deliver_held(effect, ctx)
             case rc.ArmRetry():
-                self._arm(effect.at, ctx)
+                self._alarm.set(effect.at)
             case rc.EndStream():
                 final = effect.final
                 if isinstance(final, ErrorEvent) and final.error_code == rc.STREAM_WRITE_TIMEOUT:
@@ -259,37 +259,8 @@ class TurnRunner(Actor):
     @staticmethod
     def _deliver_held(effect: rc.DeliverHeld, ctx: Context) -> rc.Event:
         """Send held tokens in order until the stream refuses one."""
-        sent = 0
-        now = ctx.clock.now()
-        try:
-            ref = ctx.ref(effect.stream_to)
-            for event in effect.events:
-                if not ref.try_tell(event, correlation_id=effect.correlation_id):
-                    break
-                sent += 1
-        except (MailboxClosed, UnknownAddress):
-            return rc.HeldDelivered(effect.request_id, sent, True, now)
-        return rc.HeldDelivered(effect.request_id, sent, False, now)
-
-    def _arm(self, at: float | None, ctx: Context) -> None:
-        alarm = self._alarm
-        if alarm is None:
-            return
-        ref = ctx.self_ref
-
-        retry_s = self.state.retry_s
-        clock = ctx.clock
-
-        def wake() -> None:
-            try:
-                if not ref.try_tell(RunnerRetry()):
-                    # NOTE: the mailbox is full: try again later, or the held
-                    # streams would wait for an event that may never come.
-                    alarm.set(clock.now() + retry_s, wake)
-            except (ActorStopped, MailboxClosed, UnknownAddress):
-                return
-
-        alarm.set(at, wake)
+        sent, gone = send_while_room(ctx, effect.stream_to, effect.events, effect.correlation_id)
+        return rc.HeldDelivered(effect.request_id, sent, gone, ctx.clock.now())
 
     # --- engine jobs -----------------------------------------------------------------
 

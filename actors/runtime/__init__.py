@@ -19,7 +19,7 @@ from ._actor import (
     Tell,
 )
 from ._alarm import Alarm, LoopAlarm
-from ._asking import NotSent, WakeAlarm, perform_all, try_request
+from ._asking import NotSent, WakeAlarm, perform_all, send_while_room, try_request
 from ._context import current_envelope, use_correlation
 from ._core_codec import CodecError, Decoder, Encoder, Opaque
 from ._core_replay import is_live_trace, replay_core_trace
@@ -126,6 +126,7 @@ __all__ = [
     "recording",
     "replay_core_trace",
     "replay_trace",
+    "send_while_room",
     "set_tracing",
     "traced",
     "try_request",

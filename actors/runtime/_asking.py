@@ -23,7 +23,7 @@ from ._errors import ActorStopped, MailboxClosed, UnknownAddress
 from ._system import ActorRef
 from ._tracing import get_logger
 
-__all__ = ["NotSent", "WakeAlarm", "perform_all", "try_request"]
+__all__ = ["NotSent", "WakeAlarm", "perform_all", "send_while_room", "try_request"]
 
 F = TypeVar("F")
 
@@ -65,21 +65,47 @@ def try_request(
     return None if sent else "full"
 
 
+def send_while_room(ctx: Context, to: str, bodies: Sequence[Body],
+                    correlation_id: str) -> tuple[int, bool]:
+    """Send ``bodies`` in order without waiting until ``to``'s mailbox refuses one.
+
+    Returns how many went, and whether ``to`` is gone (closed or unknown):
+    a reader's full stream keeps the rest for a later try.
+    """
+    sent = 0
+    try:
+        ref = ctx.ref(to)
+        for body in bodies:
+            if not ref.try_tell(body, correlation_id=correlation_id):
+                break
+            sent += 1
+    except (MailboxClosed, UnknownAddress):
+        return sent, True
+    return sent, False
+
+
 class WakeAlarm:
     """A shell's ONE alarm: at the time the core set, the actor gets ``wake()`` from itself.
 
     ``alarm`` ``None``: a :class:`LoopAlarm` on the system's clock, bound in
     the actor's ``started`` (:meth:`bind`); a simulated run injects its own.
+    ``again_s``: when the actor's mailbox is full as the alarm fires, fire
+    again that much later (``None``: not; for a core whose every message
+    brings time forward, a full mailbox already does).
     """
 
-    def __init__(self, wake: Callable[[], Body], alarm: Alarm | None = None) -> None:
+    def __init__(self, wake: Callable[[], Body], alarm: Alarm | None = None, *,
+                 again_s: float | None = None) -> None:
         self._wake = wake
         self._alarm = alarm
+        self._again_s = again_s
+        self._clock: Callable[[], float] | None = None
         self._self: ActorRef | None = None
 
     def bind(self, ctx: Context) -> None:
         """Know the actor to wake, and the clock (unless an alarm was injected); call in ``started``."""
         self._self = ctx.self_ref
+        self._clock = ctx.clock.now
         if self._alarm is None:
             self._alarm = LoopAlarm(ctx.clock)
 
@@ -94,7 +120,10 @@ class WakeAlarm:
             return
         try:
             # NOTE: a full mailbox means messages are waiting; handling any of
-            # them brings time forward just as this wake-up would.
-            ref.try_tell(self._wake())
+            # them brings time forward just as this wake-up would (unless the
+            # actor asked to be woken again: ``again_s``).
+            sent = ref.try_tell(self._wake())
         except (ActorStopped, MailboxClosed, UnknownAddress):
             return
+        if not sent and self._again_s is not None and self._clock is not None:
+            self.set(self._clock() + self._again_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import anyio
 import pytest
@@ -150,3 +151,42 @@ async def test_wake_alarm_without_an_injected_alarm_runs_on_the_loop() -> None:
         with anyio.fail_after(5):
             await event.wait()
     assert woken == [3]
+
+
+async def test_wake_alarm_with_again_fires_again_when_the_mailbox_is_full() -> None:
+    """``again_s``: a wake-up the actor's full mailbox refused sets the alarm ``again_s`` later
+    (held tokens have no other message to move them on); once sent, nothing more is set.
+    Without ``again_s`` a refused wake-up sets nothing."""
+
+    class _Ref:
+        def __init__(self) -> None:
+            self.room = False
+            self.sent: list[object] = []
+
+        def try_tell(self, body: object) -> bool:
+            if self.room:
+                self.sent.append(body)
+            return self.room
+
+    class _Clock:
+        def now(self) -> float:
+            return 100.0
+
+    class _Ctx:
+        def __init__(self) -> None:
+            self.self_ref, self.clock = _Ref(), _Clock()
+
+    for again in (0.02, None):
+        scripted, ctx = _ScriptedAlarm(), _Ctx()
+        alarm = WakeAlarm(lambda: Add(amount=1), scripted, again_s=again)
+        alarm.bind(cast("Context", ctx))
+        alarm.set(5.0)
+        scripted.wake()
+        if again is None:
+            assert scripted.settings == [5.0]
+            continue
+        assert scripted.settings == [5.0, 100.02]
+        ctx.self_ref.room = True
+        scripted.wake()
+        assert scripted.settings == [5.0, 100.02]
+        assert ctx.self_ref.sent == [Add(amount=1)]
