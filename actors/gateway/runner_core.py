@@ -392,8 +392,8 @@ class Turn:
     more: bool = False
     """The last step allows another one (a decode step that did not finish)."""
     outcome: TurnOutcome = "continue"
-    delivering: StepResult | None = None
-    delivering_event: TokenEvent | None = None
+    delivering: tuple[TokenEvent, StepResult] | None = None
+    """The token on its way to the stream, with the step that made it."""
     silent: bool = False
     """The gateway already ended this turn: report nothing."""
 
@@ -440,7 +440,7 @@ def handle(state: RunnerState, event: Event) -> tuple[RunnerState, list[Effect]]
             turn = state.turn
             if turn is None or turn.delivering is None:
                 raise UnknownTurn("a token delivery outcome without a token in flight")
-            result, turn.delivering, turn.delivering_event = turn.delivering, None, None
+            (_, result), turn.delivering = turn.delivering, None
             _after_step(state, turn, result, event.now, out)
         case StreamGone():
             _stream_gone(state, event, out)
@@ -567,7 +567,7 @@ def _step_done(state: RunnerState, ev: StepDone, out: list[Effect]) -> None:
         live.held.append((event, result))
         _maybe_end_turn(state, turn, out)
         return
-    turn.delivering, turn.delivering_event = result, event
+    turn.delivering = (event, result)
     out.append(EmitToken(live.request.stream_to, live.correlation_id, event))
 
 
@@ -590,7 +590,7 @@ def _stream_gone(state: RunnerState, ev: StreamGone, out: list[Effect]) -> None:
     turn = state.turn
     if turn is None or turn.delivering is None:
         raise UnknownTurn("a token delivery outcome without a token in flight")
-    turn.delivering = turn.delivering_event = None
+    turn.delivering = None
     live = state.live.pop(turn.ident, None)
     # NOTE: the requester closed its stream (client left): stop now and keep
     # what was computed for the prompt cache, after the job in flight (one
@@ -613,15 +613,14 @@ def _stream_full(state: RunnerState, ev: StreamFull, out: list[Effect]) -> None:
     other lane; the request takes turns again once its tokens went out.
     """
     turn = state.turn
-    if turn is None or turn.delivering is None or turn.delivering_event is None:
+    if turn is None or turn.delivering is None:
         raise UnknownTurn("a token delivery outcome without a token in flight")
     live = state.live.get(turn.ident)
-    result, event = turn.delivering, turn.delivering_event
-    turn.delivering = turn.delivering_event = None
+    held, turn.delivering = turn.delivering, None
     if live is None:
         _maybe_end_turn(state, turn, out)
         return
-    live.held.append((event, result))
+    live.held.append(held)
     live.held_since = ev.now
     turn.outcome = "blocked"
     _stop(state, turn, out)
