@@ -283,7 +283,8 @@ class Gateway(Actor):
                 lane = self.state.lane
                 await ctx.reply(
                     envelope,
-                    ShutdownStarted(in_flight=0 if lane is None else 1, queued=len(self.state.queue)),
+                    ShutdownStarted(in_flight=(0 if lane is None else 1) + len(self.state.parked),
+                                    queued=len(self.state.queue)),
                 )
             await self._perform(effects, envelope, ctx)
             return

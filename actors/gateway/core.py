@@ -54,7 +54,10 @@ Invariants (checked by the tests):
 - A lane holder whose turn ended ``blocked`` (its stream was full: the
   runner holds its tokens) takes no turn until ``LaneUnblocked``: the other
   lane and background work run meanwhile; a reader that stops reading never
-  holds the engine.
+  holds the engine. While another request waits for the lane, the blocked
+  holder *parks* (gives the lane up; its generation stays open on the
+  engine) so a reader that stops reading never holds the serial lane
+  either; once unblocked it takes the lane back before the queue.
 - A request turn may be a *burst* of up to ``max_burst`` steps. Rule "lane
   first" makes that equivalent to granting the steps one by one: nobody
   else could get the turn before the lane holder ends anyway. Only a cancel
@@ -441,6 +444,8 @@ class TokenStats:
     checkpoint_loads: int = 0
     blocked_turns: int = 0
     """Request turns that ended on a full stream (its tokens held, the engine free for others)."""
+    parked: int = 0
+    """Blocked lane holders that gave the lane up to a waiting request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,6 +496,9 @@ class GatewayState:
     lane_cancelled: bool = False
     lane_blocked: bool = False
     """The lane holder's last turn ended ``blocked``: no turn until ``LaneUnblocked``."""
+    parked: dict[str, Literal["blocked", "ready"]] = field(default_factory=dict)
+    """Requests that gave the lane up while blocked, oldest first: still ``blocked``, or
+    ``ready`` (unblocked, next for the lane). Their generations stay open on the engine."""
     queue: deque[str] = field(default_factory=deque)
     lookup: dict[str, Literal["pending", "ready"]] = field(default_factory=dict)
     checkpoint: dict[str, Literal["keyed", "pending", "ready"]] = field(default_factory=dict)
@@ -533,7 +541,7 @@ class GatewayState:
     @property
     def busy(self) -> bool:
         """True while a request holds or waits for the lane, or the batch lane holds rows."""
-        return self.lane is not None or bool(self.queue) or self.batch_busy
+        return self.lane is not None or bool(self.queue) or bool(self.parked) or self.batch_busy
 
     @property
     def idle(self) -> bool:
@@ -566,6 +574,7 @@ class GatewayState:
             "holder_held_s": held_now,
             "lane": self.lane,
             "queued": len(self.queue),
+            "parked": len(self.parked),
             "max_queue": self.max_queue,
             "background_waiting": len(self.background),
             "background_lent": None if self.lent is None else self.lent.step_id,
@@ -609,6 +618,7 @@ class GatewayState:
             "lookups": s.lookups,
             "checkpoint_loads": s.checkpoint_loads,
             "blocked_turns": s.blocked_turns,
+            "parked_turns": s.parked,
             "background_refused": s.background_refused,
             "background_expired": s.background_expired,
             "background_under_load": {
@@ -683,14 +693,14 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
 
 def _admit(state: GatewayState, ev: AdmitRequest, out: list[Effect]) -> None:
     rid = ev.request_id
-    if rid == state.lane or rid in state.queue:
+    if rid == state.lane or rid in state.queue or rid in state.parked:
         out.append(RejectRequest(rid, "duplicate_id", len(state.queue), state.max_queue))
         return
     if state.draining:
         state.stats.rejected_shutting_down += 1
         out.append(RejectRequest(rid, "shutting_down", len(state.queue), state.max_queue))
         return
-    if state.lane is None and not state.queue:
+    if state.lane is None and not state.queue and _next_parked(state) is None:
         # NOTE: the lane is reserved even while a background turn runs; the
         # request then waits for that one step only (dispatch picks the
         # lane before background when the turn ends).
@@ -719,6 +729,13 @@ def _cancel(state: GatewayState, ev: CancelRequest, out: list[Effect]) -> None:
         state.checkpoint.pop(rid, None)
         state.stats.cancelled += 1
         out.append(FinishRequest(rid, "cancelled", had_turns=False))
+    elif rid in state.parked:
+        # NOTE: its generation is open on the engine: the finish drops it.
+        del state.parked[rid]
+        state.lookup.pop(rid, None)
+        state.checkpoint.pop(rid, None)
+        state.stats.cancelled += 1
+        out.append(FinishRequest(rid, "cancelled", had_turns=True))
     elif rid == state.lane:
         turn = state.turn
         if turn is not None and turn.owner == "request":
@@ -794,7 +811,20 @@ def _request_turn_done(state: GatewayState, ev: RequestTurnDone, out: list[Effec
 
 
 def _lane_unblocked(state: GatewayState, ev: LaneUnblocked) -> None:
-    if ev.request_id != state.lane or not state.lane_blocked:
+    rid = ev.request_id
+    if state.parked.get(rid) == "blocked":
+        if ev.outcome == "continue":
+            state.parked[rid] = "ready"
+            return
+        del state.parked[rid]
+        state.lookup.pop(rid, None)
+        state.checkpoint.pop(rid, None)
+        if ev.outcome == "finished":
+            state.stats.completed += 1
+        else:
+            state.stats.cancelled += 1
+        return
+    if rid != state.lane or not state.lane_blocked:
         return  # NOTE: the holder was cancelled meanwhile (the runner dropped it).
     state.lane_blocked = False
     if ev.outcome == "finished":
@@ -914,6 +944,22 @@ def _take_lane(state: GatewayState, rid: str) -> None:
     state.lane_cancelled = False
 
 
+def _next_parked(state: GatewayState) -> str | None:
+    """The oldest parked request that is unblocked: it takes the lane before the queue."""
+    return next((rid for rid, status in state.parked.items() if status == "ready"), None)
+
+
+def _park(state: GatewayState) -> None:
+    """The blocked lane holder gives the lane up (its lookup and checkpoint states stay)."""
+    assert state.lane is not None
+    state.parked[state.lane] = "blocked"
+    state.stats.parked += 1
+    state.lane = None
+    state.lane_had_turns = False
+    state.lane_cancelled = False
+    state.lane_blocked = False
+
+
 def _free_lane(state: GatewayState) -> None:
     if state.lane is not None:
         state.lookup.pop(state.lane, None)
@@ -1011,8 +1057,18 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         state.drained_reported = True
         out.append(Drained())
     _expire_background(state, now, out)
-    if state.turn is None and state.lane is None and state.queue:
-        _take_lane(state, state.queue.popleft())
+    if state.lane_blocked and (state.queue or _next_parked(state) is not None):
+        # NOTE: its reader may not read for the whole stream-write deadline:
+        # the waiting request takes the lane meanwhile.
+        _park(state)
+    if state.turn is None and state.lane is None:
+        resumed = _next_parked(state)
+        if resumed is not None:
+            del state.parked[resumed]
+            _take_lane(state, resumed)
+            state.lane_had_turns = True
+        elif state.queue:
+            _take_lane(state, state.queue.popleft())
     _start_lookups(state, out)
     if state.turn is not None:
         _preempt_for_other_lane(state, state.turn, now, out)
@@ -1071,5 +1127,6 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
     # NOTE: nor a lane holder blocked on its full stream: its reader may make
     # room any moment, and its next step must not wait behind background work
     # (as before, when its turn waited for the reader).
-    if state.background and not state.stopped and not state.batch_busy and not state.lane_blocked:
+    blocked = state.lane_blocked or "blocked" in state.parked.values()
+    if state.background and not state.stopped and not state.batch_busy and not blocked:
         _grant_background(state, now, out, under_load=False)

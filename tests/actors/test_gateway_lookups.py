@@ -141,9 +141,11 @@ async def test_the_next_request_looks_up_while_the_lane_holder_generates() -> No
         await _until(lambda: rig.gateway.state.lane_had_turns)
         second = await rig.admit("r2")
         await _until(lambda: rig.cache.takes == 2)
-        # NOTE: r1 holds the lane, in a turn or blocked on its full stream between turns.
+        # NOTE: r1 still generates: it holds the lane (in a turn, or blocked on its full
+        # stream between turns), or it parked, blocked, for r2 (its generation open).
         state = rig.gateway.state
-        overlapped = state.lane == "r1" and (state.turn is not None or state.lane_blocked)
+        overlapped = ((state.lane == "r1" and (state.turn is not None or state.lane_blocked))
+                      or state.parked.get("r1") == "blocked")
         await rig.cache.answer()
         first_events = await _stream(first)
         second_events = await _stream(second)

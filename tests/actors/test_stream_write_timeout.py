@@ -81,10 +81,9 @@ async def test_a_serial_stream_nobody_reads_frees_the_engine_within_the_deadline
     model: Any, tok: Any, max_batch: int
 ) -> None:
     """A serial-lane request whose reader never reads (2-event buffer, 3000 tokens asked) holds
-    the engine turn at most the deadline: another serial request (and, with the batch lane on,
-    a batch request) started after it finishes within deadline + margin; the stalled reader
-    then finds its buffered tokens and GenerationFailed(stream_write_timeout), and the lane is
-    free."""
+    neither the engine nor the serial lane: another serial request (and, with the batch lane
+    on, a batch request) started after it finishes; past the deadline the stalled reader finds
+    its buffered tokens and GenerationFailed(stream_write_timeout), and the lane is free."""
     prompt = [int(t) for t in tok.encode("Nobody reads what this request writes.")]
     other = [int(t) for t in tok.encode("This one is read at once.")]
     async with _engine(model, tok, max_batch) as eng:
@@ -97,6 +96,8 @@ async def test_a_serial_stream_nobody_reads_frees_the_engine_within_the_deadline
                 done = await _finish(eng, other, SERIAL_SHORT)
                 batch_done = await _finish(eng, other, SHORT) if max_batch > 1 else None
             took = time.monotonic() - started
+            # NOTE: the others no longer wait for the deadline: let it pass before reading.
+            await anyio.sleep(TIMEOUT + 0.2)
             tokens, ending = await _drain_stalled(stalled)
         # NOTE: a DoneEvent reaches the reader before the runner's turn report
         # reaches the gateway; the lane is free within a moment, not at once.
@@ -140,6 +141,33 @@ async def test_a_serial_stream_nobody_reads_never_holds_the_batch_lane(model: An
     assert took < MARGIN
     assert token["blocked_turns"] >= 1
     assert token["lane"] is not None  # NOTE: the stalled request still holds the serial lane.
+
+
+async def test_a_serial_stream_nobody_reads_never_holds_the_serial_lane(model: Any, tok: Any) -> None:
+    """With the default 30 s deadline, a second serial-lane request behind one whose reader
+    stopped reading answers in full long before the deadline (it waited for the whole deadline
+    while the stalled request kept the lane): the stalled request parks, its generation open."""
+    prompt = [int(t) for t in tok.encode("Nobody reads what this request writes.")]
+    other = [int(t) for t in tok.encode("This one is read at once.")]
+    engine = Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=2,
+                                stream_buffer=2, stream_write_timeout_s=30.0)
+    async with engine as eng, eng.generate(prompt, SERIAL_LONG) as stalled:
+        await stalled.start()
+        for _ in range(100):
+            token = (await eng.stats())["gateway"]["token"]
+            if token["blocked_turns"]:
+                break
+            await anyio.sleep(0.05)
+        started = time.monotonic()
+        with anyio.fail_after(MARGIN):
+            done = await _finish(eng, other, SERIAL_SHORT)
+        took = time.monotonic() - started
+        token = (await eng.stats())["gateway"]["token"]
+        await stalled.aclose()
+    assert done.finish_reason == "length"
+    assert took < MARGIN
+    assert token["parked_turns"] >= 1
+    assert token["parked"] == 1  # NOTE: the stalled request is parked, not finished.
 
 
 async def test_a_batch_row_nobody_reads_is_removed_at_the_deadline(model: Any, tok: Any) -> None:

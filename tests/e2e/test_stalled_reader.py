@@ -5,8 +5,8 @@ The stalled client is a raw socket with a small receive buffer and a small segme
 (so the server's socket buffers stay small and fill within seconds) that sends a streamed
 text completion with ``echo`` and ``logprobs`` 5 (the prompt is scored: served on the
 serial lane; each token carries its alternatives) and then reads nothing. Meanwhile another
-client's serial-lane request (queued behind it on the lane) and a batch-lane request must
-finish within a margin of the moment the server gives up on the stalled stream (its
+client's serial-lane request (queued behind it on the lane until it parks) and a batch-lane
+request must finish within a margin of the moment the server gives up on the stalled stream (its
 ``stream_write_timeout`` warning); the stalled response ends unfinished (no ``[DONE]``) and
 its connection closes once the client reads it.
 """
@@ -123,8 +123,8 @@ def test_a_client_that_never_reads_does_not_delay_the_others_past_the_timeout(
     assert (serial_status, batch_status) == (200, 200)
     stalls = _stall_times(server)
     assert stalls, server.logs()
-    # NOTE: the serial request waited behind the stalled one until the server gave up on it
-    # (TIMEOUT after its writes stopped), then ran; the batch lane never waited longer.
+    # NOTE: neither waits for the server to give up on the stalled stream (the stalled
+    # request parks off the serial lane); on a loaded machine either may still end after it.
     assert serial_at - stalls[0] < MARGIN, (serial_at, stalls)
     assert batch_at - stalls[0] < MARGIN, (batch_at, stalls)
     assert received.startswith(b"HTTP/1.1 200")
