@@ -8,9 +8,12 @@ megabyte, fill the socket and server buffers at once, each later token carries i
 alternatives) and reads none of it. Meanwhile it
 sends ``--requests`` short batch-lane chat requests, one every ``--every`` seconds, and
 prints each one's time; a server whose serial lane waited on the stalled reader inside its
-engine turn held them for up to ``--stream-write-timeout`` (30 s by default). Prints a JSON
-summary (``--json`` also writes it): each request's start and duration, their median and
-maximum, and the server's ``blocked_turns`` and write-deadline warnings.
+engine turn held them for up to ``--stream-write-timeout`` (30 s by default). With
+``--lane serial`` the short requests ask for a ``json_object`` answer (the serial lane, queued
+behind the stalled request): a server whose stalled request kept the lane held them as long.
+Prints a JSON summary (``--json`` also writes it): each request's start and duration, their
+median and maximum, and the server's ``blocked_turns``, ``parked_turns`` and write-deadline
+warnings.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/load/stalled_probe.py --requests 12
@@ -54,8 +57,9 @@ def _stall(url: str) -> socket.socket:
     return sock
 
 
-def probe(url: str, requests: int, every: float) -> dict[str, Any]:
-    """Stall one stream; time ``requests`` short batch-lane requests beside it."""
+def probe(url: str, requests: int, every: float, lane: str = "batch") -> dict[str, Any]:
+    """Stall one stream; time ``requests`` short requests of ``lane`` beside it."""
+    extra: dict[str, Any] = {"response_format": {"type": "json_object"}} if lane == "serial" else {}
     sock = _stall(url)
     began = time.monotonic()
     rows: list[dict[str, float | int]] = []
@@ -66,7 +70,7 @@ def probe(url: str, requests: int, every: float) -> dict[str, Any]:
                 sent = time.monotonic()
                 r = client.post("/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": f"Say hello {i}."}],
-                    "max_tokens": 8, "temperature": 0})
+                    "max_tokens": 8, "temperature": 0, **extra})
                 took = time.monotonic() - sent
                 rows.append({"at_s": round(sent - began, 2), "took_s": round(took, 3),
                              "status": r.status_code})
@@ -75,9 +79,10 @@ def probe(url: str, requests: int, every: float) -> dict[str, Any]:
             token = client.get("/stats").json()["engine"]["gateway"]["token"]
     finally:
         sock.close()
-    took = [float(r["took_s"]) for r in rows]
-    return {"requests": rows, "median_s": round(statistics.median(took), 3),
-            "max_s": round(max(took), 3), "blocked_turns": token.get("blocked_turns")}
+    times = [float(r["took_s"]) for r in rows]
+    return {"requests": rows, "median_s": round(statistics.median(times), 3),
+            "max_s": round(max(times), 3), "lane": lane, "blocked_turns": token.get("blocked_turns"),
+            "parked_turns": token.get("parked_turns")}
 
 
 def main() -> int:
@@ -85,17 +90,19 @@ def main() -> int:
     p.add_argument("--url", default=None, help="a running server (default: start one)")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--every", type=float, default=3.0, help="seconds between requests")
+    p.add_argument("--lane", choices=("batch", "serial"), default="batch",
+                   help="the short requests' lane (serial: a json_object answer)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more `kvtier serve` argument (repeatable)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.url is not None:
-        summary = probe(args.url, args.requests, args.every)
+        summary = probe(args.url, args.requests, args.every, args.lane)
     else:
         with tempfile.TemporaryDirectory(prefix="kvtier-stall-") as tmp:
             server = Server(Path(tmp), ["--ssd-cache", str(Path(tmp) / "kv"), *args.serve_arg])
             try:
-                summary = probe(server.url, args.requests, args.every)
+                summary = probe(server.url, args.requests, args.every, args.lane)
                 log = server.stderr.read_text(errors="replace")
                 summary["write_deadline_warnings"] = log.count("stream_write_timeout")
             finally:
