@@ -57,7 +57,8 @@ Invariants (checked by the tests):
   holds the engine. While another request waits for the lane, the blocked
   holder *parks* (gives the lane up; its generation stays open on the
   engine) so a reader that stops reading never holds the serial lane
-  either; once unblocked it takes the lane back before the queue.
+  either; once unblocked it takes the lane back before the queue. At most
+  ``max_queue`` requests are parked at once (each keeps its caches).
 - A request turn may be a *burst* of up to ``max_burst`` steps. Rule "lane
   first" makes that equivalent to granting the steps one by one: nobody
   else could get the turn before the lane holder ends anyway. Only a cancel
@@ -1057,9 +1058,11 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         state.drained_reported = True
         out.append(Drained())
     _expire_background(state, now, out)
-    if state.lane_blocked and (state.queue or _next_parked(state) is not None):
+    if state.lane_blocked and (state.queue or _next_parked(state) is not None) \
+            and len(state.parked) < state.max_queue:
         # NOTE: its reader may not read for the whole stream-write deadline:
-        # the waiting request takes the lane meanwhile.
+        # the waiting request takes the lane meanwhile. Parked requests keep
+        # their generations open, so they are bounded as the queue is.
         _park(state)
     if state.turn is None and state.lane is None:
         resumed = _next_parked(state)

@@ -26,8 +26,8 @@ from actors.gateway.core import (
 class Core:
     """The state plus ``handle`` as one object, so each test reads as a script of events."""
 
-    def __init__(self) -> None:
-        self.state = GatewayState(max_queue=4)
+    def __init__(self, max_queue: int = 4) -> None:
+        self.state = GatewayState(max_queue=max_queue)
         self.now = 0.0
 
     def handle(self, event: CoreEvent) -> list[Effect]:
@@ -158,3 +158,19 @@ def test_no_idle_background_step_while_a_parked_request_is_blocked() -> None:
     assert _runs(effects) == [RunRequestTurn("r1")]
     effects = core.handle(RequestTurnDone("r1", "decode", "finished", now=0.6))
     assert _runs(effects) == [RunBackgroundTurn("bg")]
+
+
+def test_parked_requests_are_bounded_as_the_queue_is() -> None:
+    """With max_queue parked requests (each keeps its caches open), the next blocked holder keeps
+    the lane: the request behind it waits as before parking, at most the stream-write deadline."""
+    core = Core(max_queue=1)
+    core.blocked_holder_and_a_waiter()
+    assert (core.state.lane, core.state.parked) == ("r2", {"r1": "blocked"})
+    core.handle(AdmitRequest("r3", now=0.3))
+    effects = core.handle(RequestTurnDone("r2", "decode", "blocked", now=0.4))
+    assert _runs(effects) == []
+    assert (core.state.lane, list(core.state.queue)) == ("r2", ["r3"])
+    effects = core.handle(LaneUnblocked("r1", "finished", now=0.5))
+    # NOTE: a place is free again: r2 parks and r3 runs.
+    assert _runs(effects) == [RunRequestTurn("r3")]
+    assert core.state.parked == {"r2": "blocked"}
