@@ -537,6 +537,15 @@ def _host_read(tails: Mapping[int, int], views: Sequence[memoryview]) -> HostRea
     return HostRead(tails=dict(tails), views=tuple(views), nbytes=sum(len(v) for v in views))
 
 
+def _stackable(arrays: Sequence[Any]) -> bool:
+    """Whether ``arrays`` share a dtype and every axis past the first (one concatenation on axis 0 holds them)."""
+    first = arrays[0]
+    if first.ndim < 1:
+        return False
+    return all(a.dtype == first.dtype and a.ndim == first.ndim and a.shape[1:] == first.shape[1:]
+               for a in arrays)
+
+
 def _flat_host_views(
     indices: Sequence[int], arrays: Sequence[Any], sizes: Sequence[int], *, host_copy: bool = False
 ) -> list[memoryview]:
@@ -553,17 +562,25 @@ def _flat_host_views(
     :func:`mx.contiguous` would lay them out.
     """
     stream = _thread_copy_stream()
-    parts = [
-        mx.flatten(mx.view(a, mx.uint8, stream=stream), stream=stream)
-        for n, a in zip(sizes, arrays, strict=True)
-        if n
-    ]
-    if not parts:
+    kept = [a for n, a in zip(sizes, arrays, strict=True) if n]
+    if not kept:
         return [memoryview(b"") for _ in indices]
-    # NOTE: a concatenation always writes a new buffer; a lone part may be a
-    # view of the entry's own buffer, so it is copied (``x * 1`` is exact on bytes).
-    flat: Any = (mx.concatenate(parts, stream=stream) if len(parts) > 1
-                 else mx.multiply(parts[0], mx.array(1, dtype=mx.uint8), stream=stream))
+    flat: Any
+    if len(kept) > 1 and _stackable(kept):
+        # NOTE: tensors of one dtype and one shape past the first axis (a
+        # checkpoint's K and V slices, layer after layer): one concatenation
+        # along the first axis lays each tensor's row-major bytes out in turn,
+        # as the per-tensor path below does, with one strided copy per tensor
+        # and no intermediate buffer (that path copies a strided slice twice:
+        # into its own flat buffer, then into the concatenation).
+        whole_t = mx.concatenate(kept, axis=0, stream=stream)
+        flat = mx.flatten(mx.view(whole_t, mx.uint8, stream=stream), stream=stream)
+    else:
+        parts = [mx.flatten(mx.view(a, mx.uint8, stream=stream), stream=stream) for a in kept]
+        # NOTE: a concatenation always writes a new buffer; a lone part may be a
+        # view of the entry's own buffer, so it is copied (``x * 1`` is exact on bytes).
+        flat = (mx.concatenate(parts, stream=stream) if len(parts) > 1
+                else mx.multiply(parts[0], mx.array(1, dtype=mx.uint8), stream=stream))
     mx.eval(flat)
     whole = memoryview(flat).cast("B")
     if host_copy:

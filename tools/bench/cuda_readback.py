@@ -8,7 +8,12 @@ device arrays of the 8B shape's KV layout (bf16, 8 KV heads x 128), for a
 few sizes, idle and with a decode-sized matmul chain in flight on the
 default stream:
 
-- ``gather_ms``: the one-buffer copy on the thread's copy stream, evaluated;
+- ``gather_ms``: the one-buffer copy on the thread's copy stream, evaluated,
+  tensor by tensor (each strided slice flattened into its own buffer, then
+  concatenated: the path for tensors of mixed dtypes or shapes);
+- ``axis0_gather_ms``: the same bytes by one concatenation on the first
+  axis (tensors of one dtype and trailing shape, as a checkpoint's K and V
+  are: what ``_flat_host_views`` does for them);
 - ``view_ms``: the first ``memoryview`` of that buffer (MLX moves it where
   the host can read it);
 - ``read_ms``: reading every byte of the view on the host (what the SSD
@@ -50,6 +55,15 @@ def _one(arrays: list[Any], stream: Any, busy: Any | None) -> dict[str, float]:
     if busy is not None:
         mx.async_eval(busy())
     t0 = time.perf_counter()
+    whole = mx.concatenate(arrays, axis=0, stream=stream)
+    axis0 = mx.flatten(mx.view(whole, mx.uint8, stream=stream), stream=stream)
+    mx.eval(axis0)
+    axis0_gather = _ms(t0)
+    del whole, axis0
+    mx.synchronize()
+    if busy is not None:
+        mx.async_eval(busy())
+    t0 = time.perf_counter()
     parts = [mx.flatten(mx.view(a, mx.uint8, stream=stream), stream=stream) for a in arrays]
     flat = mx.concatenate(parts, stream=stream)
     mx.eval(flat)
@@ -65,7 +79,7 @@ def _one(arrays: list[Any], stream: Any, busy: Any | None) -> dict[str, float]:
     second = _ms(t0)
     del view, again, flat, parts
     mx.synchronize()
-    return {"gather_ms": gather, "view_ms": first, "read_ms": read, "second_view_ms": second}
+    return {"gather_ms": gather, "axis0_gather_ms": axis0_gather, "view_ms": first, "read_ms": read, "second_view_ms": second}
 
 
 def main() -> None:

@@ -912,3 +912,24 @@ def test_release_host_copies_clears_the_buffer_cache_only_when_switched_on(
         monkeypatch.setenv(_kv_writer.RELEASE_CACHE_ENV, switch)
     _kv_writer.release_host_copies()
     assert len(calls) == clears
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_one_buffer_copy_of_strided_slices_holds_each_tensors_row_major_bytes(mixed: bool) -> None:
+    """The one-buffer copy of strided slices (a checkpoint delta's K and V, one row of a wider batch
+    buffer) lays every tensor's row-major bytes out in turn, views back to back, whether the
+    tensors share a dtype and trailing shape (one concatenation on the first axis) or not."""
+    from kernels.cache import _kv_writer
+
+    wide = [mx.arange(2 * 3 * 9 * 4, dtype=mx.float32).reshape(2, 3, 9, 4) * (k + 1) for k in range(4)]
+    arrays: list[Any] = [w[1:2, :, 5:, :] for w in wide]
+    if mixed:
+        arrays.insert(2, mx.arange(7, dtype=mx.uint8))
+        arrays.append(wide[0][0:1, :, :2, :].astype(mx.bfloat16))
+    mx.eval(arrays)
+    assert _kv_writer._stackable(arrays) is not mixed
+    sizes = [a.nbytes for a in arrays]
+    views = _kv_writer._flat_host_views(range(len(arrays)), arrays, sizes)
+    assert [bytes(v) for v in views] == [raw(a) for a in arrays]
+    starts = [_address(v) for v in views]
+    assert starts == [starts[0] + sum(sizes[:i]) for i in range(len(sizes))]
