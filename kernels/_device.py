@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import threading
+from typing import Any, Literal
 
-__all__ = ["DeviceChoice", "select_device"]
+__all__ = ["DeviceChoice", "generation_stream", "select_device"]
 
 DeviceChoice = Literal["auto", "cpu"]
 """``auto``: MLX's own default (its GPU where it has one: CUDA or Metal); ``cpu``: the CPU."""
@@ -23,3 +24,34 @@ def select_device(choice: DeviceChoice) -> Literal["cpu", "gpu"]:
     if choice == "cpu":
         mx.set_default_device(mx.cpu)
     return "cpu" if mx.default_device() == mx.cpu else "gpu"
+
+
+_streams: dict[str, Any] = {}
+_streams_lock = threading.Lock()
+
+
+def generation_stream() -> Any:
+    """The thread-local stream generation runs on, on MLX's default device as it is now.
+
+    NOTE: mlx-lm makes its ``generation_stream`` when it is imported, on the
+    default device of that moment: on a CUDA or Metal host, before
+    ``--device cpu`` is applied, that is the GPU. Generation under it then ran
+    on the GPU, and since MLX 0.31.2 an array made on one thread's GPU stream
+    cannot be evaluated on another (``There is no Stream(gpu, 0) in current
+    thread``): CPU replicas on a GPU host failed a third of their batch steps.
+    mlx-lm's stream is used where its device is the default one (its GPU
+    streams stay the ones mlx-lm's own code shares), else one of kvtier's own
+    on the default device, made once per device.
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream as lm_stream
+
+    device = mx.default_device()
+    if lm_stream.device == device:
+        return lm_stream
+    key = str(device)
+    with _streams_lock:
+        stream = _streams.get(key)
+        if stream is None:
+            stream = _streams[key] = mx.new_thread_local_stream(device)
+    return stream

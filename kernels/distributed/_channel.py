@@ -7,7 +7,7 @@ group: rank 0 contributes the values, every other rank zeros, so the sum
 every rank reads is rank 0's command.
 
 NOTE: the commands ride the same MLX stream as the sharded model's own
-collectives (mlx-lm's ``generation_stream``, where ``kernels.Generation``
+collectives (``kernels._device.generation_stream()``, where ``kernels.Generation``
 runs its forwards), so they stay ordered with the forwards on every rank
 without a second connection to configure; the price is one collective (and
 a wait for the stream) per command. A collective on another stream could run
@@ -44,10 +44,10 @@ class Channel:
     """Sends (rank 0) or receives (other ranks) commands over ``group`` (an ``mx.distributed.Group``)."""
 
     def __init__(self, group: Any, stream: Any = None) -> None:
-        from mlx_lm.generate import generation_stream
+        from kernels._device import generation_stream
 
         self._group = group
-        self._stream = generation_stream if stream is None else stream
+        self._stream = generation_stream() if stream is None else stream
         self.rank = int(group.rank())
         self.size = int(group.size())
         self.sent = 0

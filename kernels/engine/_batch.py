@@ -69,10 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import mlx.core as mx
-from mlx_lm.generate import (
-    StopSequences,
-    generation_stream,
-)
+from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -82,6 +79,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from kernels._device import generation_stream
 from kernels._env import env_switch, env_text
 from kernels._errors import InvalidPrompt, KernelError
 from kernels.cache import KvScheme, LayerQuant, cache_arrays, snapshot_cuttable, trim_caches
@@ -756,7 +754,7 @@ class BatchGeneration:
     def cancel(self, row_id: str) -> RowExit:
         """Remove a row now; its cache is extracted before its slot is vacated (or the batch filtered)."""
         row = self._row(row_id)
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream()):
             if row in self._replaying:
                 self._replaying.remove(row)
                 cache = row.cache if row.cache is not None else []
@@ -806,7 +804,7 @@ class BatchGeneration:
                 tuning.release()
             else:
                 tuning.before_step()
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream()):
             # NOTE: prefill first: rows it completes enter the decode batch with
             # their last prompt token queued, and this turn's decode forward
             # takes it with every other row (one forward, not two); their

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+from kernels._device import generation_stream
 from kernels._env import env_switch
 
 __all__ = [
@@ -350,8 +351,6 @@ def blas_tune_enabled(env: Mapping[str, str] | None = None) -> bool:
 def make_blas_tuning() -> BlasTuning | None:
     """The batch lane's tuning on a CPU device with OpenBLAS of 2+ threads, else ``None`` (engine thread)."""
     import mlx.core as mx
-    from mlx_lm.generate import generation_stream
-
     if mx.default_device() != mx.cpu:
         return None  # NOTE: products run on the GPU, not through BLAS.
     blas = find_openblas()
@@ -360,6 +359,7 @@ def make_blas_tuning() -> BlasTuning | None:
     default = blas.get_threads()
     if default < 2:
         return None
+    stream = generation_stream()
     # NOTE: process CPU time (every thread): with OpenBLAS's threads spinning
     # inside products, a free machine shows close to ``default`` CPU seconds
     # per wall second over a step; a contended one much less.
@@ -367,7 +367,7 @@ def make_blas_tuning() -> BlasTuning | None:
         BlasTuning(
             blas,
             default,
-            lambda: mx.synchronize(generation_stream),
+            lambda: mx.synchronize(stream),
             cpu_clock=time.process_time,
         )
     )

@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 import mlx.core as mx
 from jinja2 import TemplateError
-from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from kernels._device import generation_stream
 from kernels._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
 from messages.gateway import PromptLogprobs
 
@@ -230,7 +230,7 @@ class Generation:
         if remaining > 1:
             n = min(self._step_size, remaining - 1, limit if limit is not None else remaining)
             chunk = self._prompt[self._cursor : self._cursor + n]
-            with mx.stream(generation_stream):
+            with mx.stream(generation_stream()):
                 logits = self._model(mx.array(chunk)[None], cache=self._cache)
                 if self._hook is not None:
                     self._hook(self._cache)
@@ -259,7 +259,7 @@ class Generation:
             raise PrefillIncomplete("prefill_step() has not reported completion")
         n = len(self._generated)
         last_by_length = n + 1 >= self._params.max_tokens
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream()):
             if self._next is None:
                 tail = self._prompt[self._cursor :]
                 y, logprobs = self._forward(mx.array(tail), first=True)
