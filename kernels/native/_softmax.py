@@ -125,9 +125,10 @@ def causal_softmax_op() -> Callable[[mx.array, int, int], mx.array] | None:
             out: mx.array = raw(x, period, offset, threads)
             return out
 
-        _check_causal(fn)
-        big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(13)) * 4.0
-        _check_split(fn(big, 7, 900), raw(big, 7, 900, 1))
+        with mx.stream(mx.cpu):  # NOTE: the extension's device, whatever the default (_few_row).
+            _check_causal(fn)
+            big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(13)) * 4.0
+            _check_split(fn(big, 7, 900), raw(big, 7, 900, 1))
     except (NativeUnavailable, OSError) as exc:
         _state["status"] = f"on (causal rows unavailable: {exc})"
         return None
@@ -179,12 +180,13 @@ def masked_softmax_op() -> MaskedSoftmax | None:
             out: mx.array = raw(x, mask, per_batch, mask_batches, period, threads)
             return out
 
-        _check_masked(fn, plain)
-        big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(15)) * 4.0
-        rows, n = SPLIT_CHECK_SHAPE[1], SPLIT_CHECK_SHAPE[2]
-        mask = mx.random.uniform(shape=(SPLIT_CHECK_SHAPE[0] * rows, n), key=mx.random.key(16)) > 0.2
-        _check_split(fn(big, mask, rows, SPLIT_CHECK_SHAPE[0], rows),
-                     raw(big, mask, rows, SPLIT_CHECK_SHAPE[0], rows, 1))
+        with mx.stream(mx.cpu):  # NOTE: the extension's device, whatever the default (_few_row).
+            _check_masked(fn, plain)
+            big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(15)) * 4.0
+            rows, n = SPLIT_CHECK_SHAPE[1], SPLIT_CHECK_SHAPE[2]
+            mask = mx.random.uniform(shape=(SPLIT_CHECK_SHAPE[0] * rows, n), key=mx.random.key(16)) > 0.2
+            _check_split(fn(big, mask, rows, SPLIT_CHECK_SHAPE[0], rows),
+                         raw(big, mask, rows, SPLIT_CHECK_SHAPE[0], rows, 1))
     except (NativeUnavailable, OSError) as exc:
         _state["status"] = f"{_state.get('status', 'on')} (masked rows unavailable: {exc})"
         return None
@@ -211,9 +213,10 @@ def softmax_op() -> Callable[[mx.array], mx.array] | None:
             out: mx.array = raw(x, threads)
             return out
 
-        _check(fn)
-        big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(13)) * 4.0
-        _check_split(fn(big), raw(big, 1))
+        with mx.stream(mx.cpu):  # NOTE: the extension's device, whatever the default (_few_row).
+            _check(fn)
+            big = mx.random.normal(SPLIT_CHECK_SHAPE, key=mx.random.key(13)) * 4.0
+            _check_split(fn(big), raw(big, 1))
     except (NativeUnavailable, OSError) as exc:
         _state["op"], _state["status"] = None, f"unavailable: {exc}"
         return None
