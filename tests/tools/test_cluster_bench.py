@@ -1,9 +1,16 @@
-"""The cluster benchmark's placement model (``--simulate``): what round-robin's misses cost in prefill."""
+"""The cluster benchmark's placement model (``--simulate``): what round-robin's misses cost in
+prefill; failed answers are counted, never figures."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+from typing import Any
 
+import httpx
+
+from tools.bench import cluster
 from tools.bench.cluster import prefill_work
 
 
@@ -63,3 +70,37 @@ def test_prefix_share_counts_repeated_prefixes_and_splits_first_and_follow_up_tu
     assert four["first_share"] == one["first_share"]
     assert four["follow_up_share"] > four["first_share"]
     assert four["share"] > one["share"]
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _answer(body: bytes) -> tuple[float, float, dict[str, Any], str | None, str | None]:
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+    async def go() -> tuple[float, float, dict[str, Any], str | None, str | None]:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await cluster._chat(client, "http://replica", [{"role": "user", "content": "x"}], 4)
+
+    return asyncio.run(go())
+
+
+def test_an_error_event_after_the_200_fails_the_answer_and_leaves_the_figures() -> None:
+    """A stream that carries an error event (an engine failure after the 200) or no usage is a
+    failed answer: counted in ``errors``, left out of TTFT and the cached share."""
+    usage = {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 8}}
+    good = _answer(_sse({"choices": [{"delta": {"content": "hi"}}]}, {"choices": [], "usage": usage}))
+    failed = _answer(_sse({"error": {"code": "batch_step_failed", "message": "no stream"}}))
+    bare = _answer(_sse({"choices": [{"delta": {"content": "hi"}}]}))
+    assert (good[2], good[4]) == (usage, None)
+    assert failed[4] == "batch_step_failed"
+    assert bare[4] == "no usage in the stream"
+    samples = [
+        cluster.Sample("p", 0, 0, 0.1, 0.2, 10, 8, None, 0.2),
+        cluster.Sample("p", 1, 0, 9.0, 9.0, 0, 0, None, 9.0, error="batch_step_failed"),
+    ]
+    summary = cluster.summarize(samples, 10.0, [2])
+    assert (summary["requests"], summary["errors"]) == (2, 1)
+    assert summary["ttft_p99_s"] == 0.1
+    assert summary["cached_share"] == 0.8

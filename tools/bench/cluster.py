@@ -116,15 +116,18 @@ class Sample:
     cached_tokens: int
     replica: int | None
     ended: float
+    error: str | None = None
+    """Why the answer failed (an error event in its stream, or no usage): not counted in the figures."""
 
 
 async def _chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
-                max_tokens: int) -> tuple[float, float, dict[str, Any], str | None]:
+                max_tokens: int) -> tuple[float, float, dict[str, Any], str | None, str | None]:
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
+    error: str | None = None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{resp.status_code}: {(await resp.aread())[:300]!r}")
@@ -133,13 +136,18 @@ async def _chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, st
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             obj = json.loads(line[5:])
+            if obj.get("error"):
+                # NOTE: a failure after the 200 (an engine error) comes as an error event.
+                error = str(obj["error"].get("code") or obj["error"].get("message") or obj["error"])
             if obj.get("usage"):
                 usage = obj["usage"]
             for ch in obj.get("choices") or []:
                 if first is None and (ch.get("delta") or {}).get("content"):
                     first = time.perf_counter() - start
     total = time.perf_counter() - start
-    return (first if first is not None else total), total, usage, replica
+    if error is None and not usage:
+        error = "no usage in the stream"
+    return (first if first is not None else total), total, usage, replica, error
 
 
 async def replay_trace(url: str, policy: str, args: argparse.Namespace) -> tuple[list[Sample], float]:
@@ -162,13 +170,13 @@ async def replay_trace(url: str, policy: str, args: argparse.Namespace) -> tuple
             for turn in range(args.turns):
                 messages.append({"role": "user",
                                  "content": tool_result(conv, turn, args.turn_tokens)})
-                ttft, total, usage, rep = await _chat(client, url, messages, args.max_tokens)
+                ttft, total, usage, rep, error = await _chat(client, url, messages, args.max_tokens)
                 details = usage.get("prompt_tokens_details") or {}
                 samples.append(Sample(policy, conv, turn, ttft, total,
                                       int(usage.get("prompt_tokens", 0)),
                                       int(details.get("cached_tokens") or 0),
                                       int(rep) if rep is not None else None,
-                                      time.perf_counter() - t0))
+                                      time.perf_counter() - t0, error))
                 messages.append({"role": "assistant", "content": reply(conv, turn)})
                 if turn + 1 < args.turns:
                     await asyncio.sleep(tool_seconds(conv, turn, args.tool_s))
@@ -195,13 +203,19 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def summarize(samples: list[Sample], wall: float, spread: list[int]) -> dict[str, Any]:
-    """TTFT p50/p99, cached-token share, throughput and load spread of one policy."""
-    ttft = [s.ttft_s for s in samples]
-    prompt = sum(s.prompt_tokens for s in samples)
-    cached = sum(s.cached_tokens for s in samples)
+    """TTFT p50/p99, cached-token share, throughput and load spread of one policy.
+
+    NOTE: failed answers (``errors``) are left out of every figure: a run with
+    errors is not a result (``main`` exits 1).
+    """
+    ok = [s for s in samples if s.error is None]
+    ttft = [s.ttft_s for s in ok]
+    prompt = sum(s.prompt_tokens for s in ok)
+    cached = sum(s.cached_tokens for s in ok)
     mean = statistics.mean(spread) if spread else 0.0
     return {
         "requests": len(samples),
+        "errors": len(samples) - len(ok),
         "ttft_p50_s": _pct(ttft, 0.50),
         "ttft_p90_s": _pct(ttft, 0.90),
         "ttft_p99_s": _pct(ttft, 0.99),
@@ -443,7 +457,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"load before {result['load_before']}",
     ]), va="top", fontsize=8, wrap=True)
     fig.suptitle(f"{result['replicas']} CPU replicas, concurrency {result['trace']['concurrency']}"
-                 f" (shared 2-core machine, load {result['load_before']})")
+                 f" ({result['machine'].get('cpus', '?')}-core machine, load {result['load_before']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -578,7 +592,8 @@ def main() -> int:
                 s = summarize(samples, wall, g["spread"])
                 print(f"round {rnd} {policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s "
                       f"p99 {s['ttft_p99_s']:.3f}s cached {s['cached_share']:.3f} "
-                      f"{s['prompt_tokens_per_s']:.0f} tok/s load {loadavg()}", flush=True)
+                      f"{s['prompt_tokens_per_s']:.0f} tok/s errors {s['errors']} load {loadavg()}",
+                      flush=True)
         for policy in order:
             g = gathered[policy]
             target = urls[0] if policy == "single" else cluster.route(policy).url
@@ -593,13 +608,17 @@ def main() -> int:
             s = entry["summary"]
             print(f"{policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s p99 {s['ttft_p99_s']:.3f}s "
                   f"mean {s['ttft_mean_s']:.3f}s cached {s['cached_share']:.3f} "
-                  f"{s['prompt_tokens_per_s']:.0f} tok/s spread {s['per_replica']} "
+                  f"{s['prompt_tokens_per_s']:.0f} tok/s errors {s['errors']} spread {s['per_replica']} "
                   f"overhead {entry.get('overhead', {})}", flush=True)
         result["exit_codes"] = cluster.stop()
     result["load_after"] = loadavg()
     (args.out / "cluster.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "cluster.png")
     print(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
+    errors = {p: e["summary"]["errors"] for p, e in result["policies"].items() if e["summary"]["errors"]}
+    if errors:
+        print(f"FAILED ANSWERS {errors}: not a result (the replicas' logs say why)", flush=True)
+        return 1
     return 0
 
 
