@@ -380,6 +380,7 @@ def _at_rest(stats: dict[str, Any]) -> dict[str, Any]:
         "batch.streams.held": batch.get("streams", {}).get("held", 0),
         "prompt_cache.active_leases": e["prompt_cache"]["active_leases"],
         "gateway.queued": e["gateway"]["token"]["queued"],
+        "gateway.parked": e["gateway"]["token"].get("parked", 0),
         "engine_thread.queue_depth": e["engine_thread"]["queue_depth"],
     }
 
@@ -422,6 +423,10 @@ async def soak(url: str, args: argparse.Namespace) -> Soak:
     taken_back = engine.get("batch", {}).get("batch", {}).get("memory_taken_back")
     if taken_back is not None:
         s.outcomes["memory.batch_taken_back"] = int(taken_back)
+    token = engine["gateway"]["token"]
+    # NOTE: serial-lane turns that ended on a full stream, and how often such a request parked.
+    s.outcomes["gateway.blocked_turns"] = int(token.get("blocked_turns", 0))
+    s.outcomes["gateway.parked_turns"] = int(token.get("parked_turns", 0))
     return s
 
 
