@@ -243,6 +243,7 @@ class BatchEngine:
             failed.extend(self._decode_checks(batch))
             result = batch.step()
             self.steps_run += 1
+            violated = self._grammar_failures(batch, result.exits, failed)
             # NOTE: what the rows really reuse: a group aligning its suffixes
             # re-forwards the last few lent tokens of its shorter rows.
             left = {e.row_id: e.cached_tokens for e in result.exits}
@@ -267,10 +268,12 @@ class BatchEngine:
                     t.output.top_logprobs,
                 )
                 for t in result.tokens
+                if t.row_id not in violated
             )
             exits.extend(
                 ExitOut(e.row_id, e.reason, e.completion_tokens, self._keep(e))
                 for e in result.exits
+                if e.row_id not in violated
             )
             snapshots: list[tuple[str, Registered]] = []
             for snap in result.snapshots:
@@ -341,6 +344,26 @@ class BatchEngine:
             # go when the scheduler releases the row's lease.
             return RowFailure(join.request.request_id, type(exc).__name__, str(exc)), 0
         return None, demand
+
+    def _grammar_failures(self, batch: BatchGeneration, exits: Sequence[Any],
+                          failed: list[RowFailure]) -> frozenset[str]:
+        """Rows whose grammar failed in the step just run: removed alone, each a ``RowFailure``.
+
+        NOTE: their token of this step was sampled from unmasked logits: the
+        caller drops it (and an exit it caused); the cache is dropped, the
+        other rows go on. The serial lane fails such a request at the same
+        point (``GrammarViolation``).
+        """
+        violations = batch.grammar_violations()
+        if not violations:
+            return frozenset()
+        left = {e.row_id for e in exits}
+        for rid, detail in violations:
+            if rid not in left:
+                batch.cancel(rid)
+            self._live.pop(rid, None)
+            failed.append(RowFailure(rid, "GrammarViolation", detail))
+        return frozenset(rid for rid, _ in violations)
 
     def _decode_checks(self, batch: BatchGeneration) -> list[RowFailure]:
         """Every ``DECODE_CHECK_EVERY`` tokens of a decoding row, ask the guard (before the step).

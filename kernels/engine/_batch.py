@@ -97,6 +97,7 @@ from ._logprobs import top_logprobs
 from ._lone_row import lone_row_masks, plain_masks
 from ._prefill_batch import PREFILL_CLEAR_ENV, PrefillBatch
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
+from ._structured import GrammarProcessor
 from ._transitioning import TransitioningBatchKVCache
 
 __all__ = [
@@ -316,13 +317,13 @@ def batch_gate(
 def batch_params_refusal(params: SamplingParams) -> str | None:
     """The request option a batch row cannot serve (it runs on the serial lane), or ``None``.
 
-    ``grammar`` (constrained decoding) and ``prompt_logprobs`` (scoring the
-    prompt) are implemented by the serial kernel only; a batch row would
-    silently drop them. ``top_logprobs`` a row reports from its own
-    log-probabilities, the distribution its token was sampled from.
+    ``prompt_logprobs`` (scoring the prompt) is implemented by the serial
+    kernel only; a batch row would silently drop it. ``top_logprobs`` a row
+    reports from its own log-probabilities, the distribution its token was
+    sampled from; a ``grammar`` masks a row's logits as the serial lane's
+    (the row's own processor, its violation failing that row alone:
+    :meth:`BatchGeneration.grammar_violations`).
     """
-    if params.grammar is not None:
-        return "grammar"
     if params.prompt_logprobs is not None:
         return "prompt_logprobs"
     return None
@@ -547,6 +548,8 @@ class BatchGeneration:
         self._batch: Any = None
         """mlx-lm's ``GenerationBatch`` of the decoding rows, ``None`` while none decode."""
         self._next_uid = 0
+        self._left_violated: list[tuple[str, str]] = []
+        """Rows that left in the current step with a failed grammar (grammar_violations)."""
         self._steps = 0
         self._recurrent: bool | None = None
         """Whether the model holds recurrent state (decided on the first prefill)."""
@@ -588,6 +591,20 @@ class BatchGeneration:
     def idle(self) -> bool:
         """True when no row is held (nothing for :meth:`step` to do)."""
         return not self._rows
+
+    def grammar_violations(self) -> list[tuple[str, str]]:
+        """Rows whose grammar failed in the last step, with why: (row id, detail).
+
+        NOTE: such a row's token of that step was sampled from unmasked logits:
+        its owner drops the token and removes the row alone (:meth:`cancel`),
+        as the serial lane fails the request at the same point.
+        """
+        return [*self._left_violated, *(
+            (row.row_id, p.violation)
+            for row in self._rows.values()
+            for p in row.processors
+            if isinstance(p, GrammarProcessor) and p.violation is not None
+        )]
 
     def reused(self, row_id: str) -> int:
         """Prompt tokens of the row whose lent KV it reuses (fewer than it joined with where a
@@ -736,7 +753,10 @@ class BatchGeneration:
             cached_tokens=cached_tokens,
             cache=cache,
             sampler=_row_sampler(params, special),
-            processors=make_request_processors(params),
+            # NOTE: a grammar's violation is recorded, not raised: raised inside
+            # the batch's step it would fail every row (grammar_violations).
+            processors=make_request_processors(params, tokenizer=self._tokenizer,
+                                               contain_grammar=True),
             stop_ids=stop_ids,
             text=TextStream(self._tokenizer.detokenizer, params.stop),
             snapshot_at=None,
@@ -788,6 +808,7 @@ class BatchGeneration:
 
     def step(self) -> BatchStep:
         """One engine turn: prefill within the budget, then one token for every decoding row."""
+        self._left_violated.clear()
         tuning = self._tuning
         first_token_turn = self._owes_first and self._first_token_first and self._batch is not None
         prefill_turn = bool(self._pending) and not first_token_turn
@@ -1212,6 +1233,12 @@ class BatchGeneration:
         del self._by_uid[row.uid]
         row.cache = None
         row.prefill = None
+        if reason != "cancelled":
+            # NOTE: a row whose unmasked token ended it this step (EOS, a stop)
+            # still failed its grammar (grammar_violations).
+            self._left_violated.extend(
+                (row.row_id, p.violation) for p in row.processors
+                if isinstance(p, GrammarProcessor) and p.violation is not None)
         return RowExit(
             row_id=row.row_id,
             reason=reason,

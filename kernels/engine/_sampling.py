@@ -172,12 +172,15 @@ def make_request_sampler(
     return sampler
 
 
-def make_request_processors(params: SamplingParams, *, tokenizer: Any = None) -> list[LogitsProcessor]:
+def make_request_processors(params: SamplingParams, *, tokenizer: Any = None,
+                            contain_grammar: bool = False) -> list[LogitsProcessor]:
     """mlx-lm logits processors for the request's bias, penalties and grammar (engine thread).
 
     The grammar's mask comes last, after bias and penalties, so nothing can
     lift a token it forbids. A request with a ``grammar`` needs the
     ``tokenizer`` (raises :class:`InvalidGrammar` without it).
+    ``contain_grammar``: a violation is recorded on the processor
+    (:attr:`GrammarProcessor.violation`) instead of raised (a batch row's).
     """
     processors: list[LogitsProcessor] = make_logits_processors(
         logit_bias=params.logit_bias,
@@ -191,5 +194,5 @@ def make_request_processors(params: SamplingParams, *, tokenizer: Any = None) ->
     if params.grammar is not None:
         if tokenizer is None:
             raise InvalidGrammar("a constrained request needs the tokenizer to build its grammar")
-        processors.append(GrammarProcessor(tokenizer, params.grammar))
+        processors.append(GrammarProcessor(tokenizer, params.grammar, contain=contain_grammar))
     return processors

@@ -297,13 +297,30 @@ class GrammarProcessor:
     own state; the compiled grammar is shared read-only).
     """
 
-    def __init__(self, tokenizer: Any, grammar: str) -> None:
+    def __init__(self, tokenizer: Any, grammar: str, *, contain: bool = False) -> None:
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._matcher: Any = None
         self._eos = sorted(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
+        self._contain = contain
+        self.violation: str | None = None
+        """With ``contain``: why the grammar failed (the processor then masks nothing)."""
 
     def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
+        if not self._contain:
+            return self._masked(history, logits)
+        if self.violation is not None:
+            return logits
+        try:
+            return self._masked(history, logits)
+        except GrammarViolation as exc:
+            # NOTE: a batch row's processor runs inside the whole batch's step:
+            # raising would fail every row. The row's owner reads ``violation``
+            # after the step, drops the row's unmasked token and fails it alone.
+            self.violation = str(exc)
+            return logits
+
+    def _masked(self, history: mx.array, logits: mx.array) -> mx.array:
         vocab = int(logits.shape[-1])
         if self._matcher is None:
             self._matcher = prepare_grammar(self._tokenizer, self._grammar, vocab).deep_copy()

@@ -623,7 +623,8 @@ def test_admission_errors(model: Any, tok: Any) -> None:
     quant = [QuantizedKVCache(), QuantizedKVCache()]
     with pytest.raises(InvalidPrompt, match="quantized"):
         small.join("x", [1, 2, 3, 4], SamplingParams(), cache=quant, cached_tokens=3)
-    assert batch_params_refusal(SamplingParams(grammar="start: 'a'")) == "grammar"
+    assert batch_params_refusal(SamplingParams(grammar="start: 'a'")) is None
+    assert batch_params_refusal(SamplingParams(prompt_logprobs=1)) == "prompt_logprobs"
     assert batch_params_refusal(SamplingParams(logprobs=True, top_logprobs=2)) is None
     assert batch_params_refusal(SamplingParams(logprobs=True)) is None
     with pytest.raises(InvalidPrompt, match="snapshot_at"):

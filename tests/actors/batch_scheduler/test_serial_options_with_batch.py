@@ -1,9 +1,9 @@
-"""Serial-only options with the batch lane on: ``Engine(max_batch=4)`` on a tiny fp32 Llama.
+"""Options the serial lane served first, with the batch lane on: ``Engine(max_batch=4)`` on a
+tiny fp32 Llama.
 
-A request with a grammar (constrained decoding) is served on the serial lane,
-counted in ``gateway.token.batch_refused``, while plain requests keep running
-as batch rows; a ``top_logprobs`` request joins them as a row; every answer
-equals its serial-only run.
+A request with a grammar (constrained decoding) and a ``top_logprobs`` request join the
+running plain requests as batch rows; every answer equals its serial-only run; a grammar
+that fails in a row fails that row alone.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import anyio
 import jsonschema
 import pytest
 
-from actors.engine import DoneEvent, Engine, GenerationParams, TokenEvent
+from actors.engine import DoneEvent, Engine, GenerationFailed, GenerationParams, TokenEvent
 from kernels import render_chat
 from kernels.engine import json_schema_grammar
 from tests.kernels.test_generation import lively_llama
@@ -71,13 +71,13 @@ def _answers(events: list[TokenEvent]) -> tuple[list[int], list[Any]]:
     return [e.token_id for e in events], [(e.logprob, e.top_logprobs) for e in events]
 
 
-async def test_grammar_runs_on_the_serial_lane_and_top_logprobs_as_a_row_while_batch_rows_run(
+async def test_grammar_and_top_logprobs_requests_join_running_batch_rows(
     model: Any, tok: Any
 ) -> None:
-    """With max_batch=4, a grammar request is served on the serial lane (gateway.token.
-    batch_refused counts it) while three plain requests are joined batch rows, and a
-    top_logprobs request joins them as a fourth row; each gives its serial-only answer, the
-    top_logprobs one with the same alternatives (values within float32 rounding)."""
+    """With max_batch=4, a grammar request joins three running plain batch rows as a row (none
+    refused by the batch lane), then a top_logprobs request; each gives its serial-only answer,
+    the grammar one the same tokens (valid JSON of the schema), the top_logprobs one the same
+    alternatives (values within float32 rounding)."""
     grammar = GenerationParams(max_tokens=60, grammar=json_schema_grammar(SCHEMA))
     structured = _prompt(tok, "Weather as JSON, please.")
     ranked = _prompt(tok, "Rank your next words.")
@@ -152,5 +152,60 @@ async def test_grammar_runs_on_the_serial_lane_and_top_logprobs_as_a_row_while_b
     for (events, done), want in zip(plain_out, want_plain, strict=True):
         assert [e.token_id for e in events] == [e.token_id for e in want]
         assert done.usage.completion_tokens == len(want)
-    assert stats["gateway"]["token"]["batch_refused"] == {"grammar": 1}
-    assert stats["batch"]["batch"]["joined"] == 4
+    assert stats["gateway"]["token"]["batch_refused"] == {}
+    assert stats["batch"]["batch"]["joined"] == 5
+
+
+async def test_a_grammar_that_fails_in_a_row_fails_that_row_alone(
+    model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row whose grammar fails mid-answer (scripted: its 4th mask raises GrammarViolation)
+    ends with an error after some of the tokens before it (its serial answer's first ones),
+    none sampled from unmasked logits; the plain
+    row decoding beside it in the same steps finishes with its serial-only answer, and the batch
+    counts one row failed alone."""
+    from kernels.engine import _structured
+
+    real = _structured.GrammarProcessor._masked
+    calls: dict[int, int] = {}
+
+    def failing(self: Any, history: Any, logits: Any) -> Any:
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        if calls[id(self)] == 4:
+            raise _structured.GrammarViolation("scripted: the grammar fails here")
+        return real(self, history, logits)
+
+    grammar = GenerationParams(max_tokens=60, grammar=json_schema_grammar(SCHEMA))
+    structured = _prompt(tok, "Weather as JSON, please.")
+    plain_prompt = _prompt(tok, "Plain request, tell me a story.")
+    async with _engine(model, tok, 1) as serial:
+        want_json, _ = await _run(serial, structured, grammar)
+        want_plain, _ = await _run(serial, plain_prompt, PLAIN)
+    monkeypatch.setattr(_structured.GrammarProcessor, "_masked", failing)
+    async with _engine(model, tok, 4) as engine:
+        got: list[TokenEvent] = []
+        failure: list[str] = []
+
+        async def constrained() -> None:
+            try:
+                async with engine.generate(structured, grammar) as stream:
+                    async for event in stream:
+                        if isinstance(event, TokenEvent):
+                            got.append(event)
+            except GenerationFailed as exc:
+                failure.append(str(exc))
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(constrained)
+                plain_events, plain_done = await _run(engine, plain_prompt, PLAIN)
+        stats = await engine.stats()
+    assert failure
+    assert "GrammarViolation" in failure[0]
+    # NOTE: masks 1-3 chose tokens 0-2; the step that found the 4th failing drops its row's
+    # token (the pipelined decode returns token 2 there; it drops what it cannot vouch for).
+    assert 1 <= len(got) <= 3
+    assert [e.token_id for e in got] == [e.token_id for e in want_json[:len(got)]]
+    assert [e.token_id for e in plain_events] == [e.token_id for e in want_plain]
+    assert plain_done.usage.completion_tokens == len(want_plain)
+    assert stats["batch"]["batch"]["rows_failed_alone"] == 1

@@ -116,9 +116,9 @@ async def test_json_schema_answer_validates(client: httpx.AsyncClient) -> None:
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
 
 
-async def test_batch_lane_serves_what_only_the_serial_lane_can_do() -> None:
-    """With the batch lane on, a forced tool call is served on the serial lane (counted in
-    gateway.token.batch_refused); top_logprobs and plain logprobs take the batch lane."""
+async def test_batch_lane_serves_forced_tool_calls_and_logprobs() -> None:
+    """With the batch lane on, a forced tool call (a grammar), top_logprobs and plain logprobs
+    are all batch rows (nothing refused by the batch lane), and each answers in full."""
     tok = tool_tokenizer()
     model = lively_llama(len(tok._tokenizer))
     async with Engine.from_loaded(model, tok, model_id="tiny", prompt_cache_bytes=0,
@@ -139,5 +139,5 @@ async def test_batch_lane_serves_what_only_the_serial_lane_can_do() -> None:
     [call] = forced.json()["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert plain.json()["choices"][0]["logprobs"]["content"]
-    assert stats["gateway"]["token"]["batch_refused"] == {"grammar": 1}
-    assert stats["batch"]["batch"]["joined"] == 2
+    assert stats["gateway"]["token"]["batch_refused"] == {}
+    assert stats["batch"]["batch"]["joined"] == 3
