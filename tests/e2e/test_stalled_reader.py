@@ -76,9 +76,9 @@ def _stall_times(server: ServerProcess) -> list[float]:
     return out
 
 
-def _timed_post(url: str, body: dict[str, Any]) -> tuple[int, float]:
-    """POST a chat request: its status and the wall-clock time it was answered."""
-    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=STALL_WAIT + MARGIN)
+def _timed_post(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[int, float]:
+    """POST a request: its status and the wall-clock time it was answered."""
+    resp = httpx.post(f"{url}{path}", json=body, timeout=STALL_WAIT + MARGIN)
     return resp.status_code, time.time()
 
 
@@ -102,18 +102,19 @@ def test_a_client_that_never_reads_does_not_delay_the_others_past_the_timeout(
     server: ServerProcess,
 ) -> None:
     """While a raw-socket client reads none of its streamed scored completion, a serial-lane
-    (a json_object answer, queued behind it) and a batch-lane request from other clients answer 200
+    (another scored completion, queued behind it) and a batch-lane request from other clients answer 200
     within a margin of the server giving up on the stalled stream; the stalled response was
     cut (no [DONE]) and its connection closes."""
     stalled = _stalled_client(server.url)
     try:
         question = [{"role": "user", "content": "Say hello."}]
-        serial = {"messages": question, "max_tokens": 8, "temperature": 0,
-                  "response_format": {"type": "json_object"}}
+        # NOTE: a completion scoring its prompt: the serial lane (grammar requests are batch rows).
+        serial = {"prompt": "Say hello.", "max_tokens": 8, "temperature": 0, "echo": True,
+                  "logprobs": 1}
         batch = {"messages": question, "max_tokens": 8, "temperature": 0}
         time.sleep(1.0)  # NOTE: the stalled request is admitted first and holds the lane.
         with ThreadPoolExecutor(2) as pool:
-            serial_answer = pool.submit(_timed_post, server.url, serial)
+            serial_answer = pool.submit(_timed_post, server.url, serial, "/v1/completions")
             batch_answer = pool.submit(_timed_post, server.url, batch)
             (serial_status, serial_at), (batch_status, batch_at) = (
                 serial_answer.result(), batch_answer.result())

@@ -9,8 +9,10 @@ alternatives) and reads none of it. Meanwhile it
 sends ``--requests`` short batch-lane chat requests, one every ``--every`` seconds, and
 prints each one's time; a server whose serial lane waited on the stalled reader inside its
 engine turn held them for up to ``--stream-write-timeout`` (30 s by default). With
-``--lane serial`` the short requests ask for a ``json_object`` answer (the serial lane, queued
-behind the stalled request): a server whose stalled request kept the lane held them as long.
+``--lane serial`` the short requests are text completions that score their prompt (``echo``
+with ``logprobs``: the serial lane, queued behind the stalled request; a ``json_object`` answer
+was one too before grammar requests became batch rows): a server whose stalled request kept
+the lane held them as long.
 Prints a JSON summary (``--json`` also writes it): each request's start and duration, their
 median and maximum, and the server's ``blocked_turns``, ``parked_turns`` and write-deadline
 warnings.
@@ -59,7 +61,7 @@ def _stall(url: str) -> socket.socket:
 
 def probe(url: str, requests: int, every: float, lane: str = "batch") -> dict[str, Any]:
     """Stall one stream; time ``requests`` short requests of ``lane`` beside it."""
-    extra: dict[str, Any] = {"response_format": {"type": "json_object"}} if lane == "serial" else {}
+    serial = lane == "serial"
     sock = _stall(url)
     began = time.monotonic()
     rows: list[dict[str, float | int]] = []
@@ -68,9 +70,14 @@ def probe(url: str, requests: int, every: float, lane: str = "batch") -> dict[st
             for i in range(requests):
                 time.sleep(every)
                 sent = time.monotonic()
-                r = client.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": f"Say hello {i}."}],
-                    "max_tokens": 8, "temperature": 0, **extra})
+                if serial:
+                    r = client.post("/v1/completions", json={
+                        "prompt": f"Say hello {i}.", "max_tokens": 8, "temperature": 0,
+                        "echo": True, "logprobs": 1})
+                else:
+                    r = client.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": f"Say hello {i}."}],
+                        "max_tokens": 8, "temperature": 0})
                 took = time.monotonic() - sent
                 rows.append({"at_s": round(sent - began, 2), "took_s": round(took, 3),
                              "status": r.status_code})
@@ -91,7 +98,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--every", type=float, default=3.0, help="seconds between requests")
     p.add_argument("--lane", choices=("batch", "serial"), default="batch",
-                   help="the short requests' lane (serial: a json_object answer)")
+                   help="the short requests' lane (serial: a completion scoring its prompt)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more `kvtier serve` argument (repeatable)")
     p.add_argument("--json", type=Path, default=None)
