@@ -97,16 +97,52 @@ async def _round(url: str, first_nonce: int, concurrency: int, max_tokens: int) 
             "total_p50_s": statistics.median(a["total_s"] for a in answers)}
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Aggregate rate per round and the median TTFT / answer time per commit, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["summary"])
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for name in names:
+        ax[0].plot(result["summary"][name]["tok_s"], marker="o", label=name)
+    ax[0].set_title("completion tok/s per round (all answers / last one's end)")
+    ax[0].set_xlabel("round")
+    ax[0].legend()
+    x = range(len(names))
+    ax[1].bar([i - 0.2 for i in x], [result["summary"][n]["ttft_p50_s_median"] for n in names], 0.4,
+              label="TTFT p50")
+    ax[1].bar([i + 0.2 for i in x], [result["summary"][n]["total_p50_s_median"] for n in names], 0.4,
+              label="answer p50")
+    ax[1].set_xticks(list(x), names)
+    ax[1].set_ylabel("s")
+    ax[1].legend()
+    fig.suptitle(f"{result['concurrency']} concurrent json_object requests, "
+                 f"{result['max_tokens']} tokens each (default model, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> int:
     """Serve every commit at once, interleave the rounds, print medians and paired ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--commit", action="append", required=True,
+    parser.add_argument("--commit", action="append", default=[],
                         help="a commit to serve (repeat; the first is the reference of the ratios)")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="only plot an earlier run's --json into --plot")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return 0
+    if not args.commit:
+        parser.error("--commit is required")
 
     model_dir = str(kernels.ensure_default_model())
     rounds: dict[str, list[dict[str, Any]]] = {}
@@ -157,9 +193,12 @@ def main() -> int:
               f"TTFT p50 {s['ttft_p50_s_median']:.2f} s  answer p50 {s['total_p50_s_median']:.2f} s  "
               f"/ {ref} {s['over_ref_median']:.2f}  JSON {s['json_ok']}/{s['answers']} "
               f"(length {s['length']})", flush=True)
+    result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
+              "summary": summary, "rounds": rounds}
     if args.json is not None:
-        args.json.write_text(json.dumps({"concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                                         "summary": summary, "rounds": rounds}, indent=1))
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot is not None:
+        plot(result, args.plot)
     return 0
 
 
