@@ -209,3 +209,21 @@ async def test_a_grammar_that_fails_in_a_row_fails_that_row_alone(
     assert [e.token_id for e in plain_events] == [e.token_id for e in want_plain]
     assert plain_done.usage.completion_tokens == len(want_plain)
     assert stats["batch"]["batch"]["rows_failed_alone"] == 1
+
+
+async def test_a_sampled_grammar_row_answers_valid_json_beside_a_plain_row(model: Any, tok: Any) -> None:
+    """A sampled (temperature 0.9, seeded) grammar request decodes as a batch row beside a plain
+    one (mlx-lm's sampling step applies the row's processor): its answer is valid JSON of the
+    schema, and the batch lane joined both."""
+    grammar = GenerationParams(max_tokens=60, temperature=0.9, seed=3,
+                               grammar=json_schema_grammar(SCHEMA))
+    async with _engine(model, tok, 4) as engine:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_run, engine, _prompt(tok, "Plain request, tell me a story."), PLAIN)
+                events, done = await _run(engine, _prompt(tok, "Weather as JSON, please."), grammar)
+        stats = await engine.stats()
+    assert done.finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(e.text for e in events)), SCHEMA)
+    assert stats["batch"]["batch"]["joined"] == 2
+    assert stats["gateway"]["token"]["batch_refused"] == {}
