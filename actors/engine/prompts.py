@@ -118,9 +118,9 @@ def validate_prompt(loaded: ModelParts | None, config: EngineConfig, tokens: Seq
     # NOTE: runs before admission, so a refused prompt never queues or takes a turn.
     if not tokens:
         raise InvalidRequest("the prompt has no tokens")
-    # NOTE: grammar and top_logprobs are served with a batch lane too: the
-    # gateway keeps such a request on the serial lane
-    # (kernels.engine.batch_params_refusal, counted in gateway.token.batch_refused).
+    # NOTE: prompt scoring is served with a batch lane too: the gateway keeps
+    # such a request on the serial lane (kernels.engine.batch_params_refusal,
+    # counted in gateway.token.batch_refused); grammar and top_logprobs are rows.
     vocab = vocab_size(loaded)
     if vocab is not None:
         ids = [*tokens, *(params.logit_bias or {}), *params.stop_token_ids]
