@@ -1,9 +1,9 @@
 """End to end: ``kvtier serve --record-trace`` records a served session that ``kvtier replay`` reproduces.
 
 Two real servers on one SSD directory, each recording its own live trace:
-the first answers concurrent requests on both lanes (a ``json_object``
-request, constrained decoding, takes the serial lane while a plain one runs
-on the batch lane), a
+the first answers concurrent requests on both lanes (a completion that
+scores its prompt takes the serial lane while a plain one runs on the batch
+lane), a
 repeated prompt (a RAM hit) and a flush; the second, after a restart,
 answers a request restored from the SSD tier. ``kvtier replay`` feeds every
 recorded call through the same cores and finds every effect equal; a copy
@@ -48,6 +48,16 @@ def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> dict[str, A
     return answer
 
 
+def _scored(url: str, prompt: str) -> dict[str, Any]:
+    """A text completion that scores its prompt (``echo`` with ``logprobs``: the serial lane)."""
+    body = {"model": "default", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "echo": True, "logprobs": 1}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
 def _cached(answer: dict[str, Any]) -> int:
     return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
 
@@ -68,9 +78,9 @@ def _first_session(tmp_path: Path, kv: Path, trace: Path) -> None:
                            "--admin-loopback", "on", "--record-trace", str(trace))
     try:
         with ThreadPoolExecutor(2) as pool:
-            serial = pool.submit(_chat, server.url, OTHER, response_format={"type": "json_object"})
+            serial = pool.submit(_scored, server.url, OTHER[-1]["content"])
             batch = pool.submit(_chat, server.url, LONG)
-            assert serial.result()["choices"][0]["message"]["content"]
+            assert serial.result()["choices"][0]["logprobs"]["tokens"]
             batch.result()
         assert _cached(_chat(server.url, LONG)) > 0  # the repeat is a RAM hit
         flushed = httpx.post(f"{server.url}/admin/cache/flush", json={}, timeout=120)
