@@ -427,7 +427,8 @@ def machine() -> dict[str, Any]:
         "mlx": ver("mlx"),
         "mlx_lm": ver("mlx-lm"),
         "commit": commit,
-        "openblas_preloaded": OPENBLAS in os.environ.get("LD_PRELOAD", ""),
+        # NOTE: Debian's path here; a carried copy elsewhere (the device's) lives in an openblas folder.
+        "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
     }
 
 
