@@ -726,15 +726,13 @@ def _cancel(state: GatewayState, ev: CancelRequest, out: list[Effect]) -> None:
     rid = ev.request_id
     if rid in state.queue:
         state.queue.remove(rid)
-        state.lookup.pop(rid, None)
-        state.checkpoint.pop(rid, None)
+        _forget(state, rid)
         state.stats.cancelled += 1
         out.append(FinishRequest(rid, "cancelled", had_turns=False))
     elif rid in state.parked:
         # NOTE: its generation is open on the engine: the finish drops it.
         del state.parked[rid]
-        state.lookup.pop(rid, None)
-        state.checkpoint.pop(rid, None)
+        _forget(state, rid)
         state.stats.cancelled += 1
         out.append(FinishRequest(rid, "cancelled", had_turns=True))
     elif rid == state.lane:
@@ -818,8 +816,7 @@ def _lane_unblocked(state: GatewayState, ev: LaneUnblocked) -> None:
             state.parked[rid] = "ready"
             return
         del state.parked[rid]
-        state.lookup.pop(rid, None)
-        state.checkpoint.pop(rid, None)
+        _forget(state, rid)
         if ev.outcome == "finished":
             state.stats.completed += 1
         else:
@@ -961,10 +958,15 @@ def _park(state: GatewayState) -> None:
     state.lane_blocked = False
 
 
+def _forget(state: GatewayState, rid: str) -> None:
+    """Drop a request's lookup and checkpoint states (it left the lane, the queue or the parked set)."""
+    state.lookup.pop(rid, None)
+    state.checkpoint.pop(rid, None)
+
+
 def _free_lane(state: GatewayState) -> None:
     if state.lane is not None:
-        state.lookup.pop(state.lane, None)
-        state.checkpoint.pop(state.lane, None)
+        _forget(state, state.lane)
     state.lane = None
     state.lane_had_turns = False
     state.lane_cancelled = False
