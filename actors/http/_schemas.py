@@ -134,6 +134,19 @@ class ChatMessage(_Strict):
     # NOTE: the openai client echoes `refusal: null` when an answer is sent back as history.
     refusal: None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: object) -> object:
+        # NOTE: named here, before the union's own errors ("Input should be a
+        # valid string (and 3 more error(s))"), which do not say why.
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content parts of type '{kind}' are not supported: "
+                                     "this server serves a text-only model; send text parts")
+        return value
+
     @model_validator(mode="after")
     def _role_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":

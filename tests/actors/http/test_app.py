@@ -507,6 +507,21 @@ async def test_token_prompt_outside_the_vocabulary_names_prompt() -> None:
     assert engine.calls == []
 
 
+async def test_image_part_is_400_naming_the_part_type() -> None:
+    """An image content part answers 400 that names the part type and says the model is text-only."""
+    engine = FakeEngine()
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    async with _client(engine) as c:
+        r = await c.post(CHAT, json={"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this"}, image]}]})
+    body = _assert_openai_error(r, 400, "invalid_value")
+    assert body["param"] == "messages.0.content"
+    assert "'image_url'" in body["message"]
+    assert "text-only" in body["message"]
+    assert "more error" not in body["message"]
+    assert engine.calls == []
+
+
 async def test_too_many_messages_is_400_before_the_engine() -> None:
     """A chat with more messages than the bound is a 400 naming ``messages``; the engine never sees it."""
     from actors.http._schemas import MAX_MESSAGES
