@@ -12,6 +12,7 @@ in-turn checks; each test shows them refusing what admission let through.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -295,13 +296,26 @@ async def test_a_request_refused_again_beside_a_running_one_waits_for_it_to_end(
     refusals: list[str] = []
     order: list[str] = []
     b_prompt = [*PROMPT, 5, 6]
+    # NOTE: set on the engine thread (threading.Events): "a"'s reader holds
+    # its stream open until the second refusal, so "a" is still running then
+    # however fast its 60 tokens are on a loaded machine; then for up to a
+    # second more, or until "b" reaches its prefill: a "b" that did not wait
+    # for "a" to end would reach it inside that second.
+    refused_twice = threading.Event()
+    b_prefilled = threading.Event()
 
     def refuse_b_once(self: MemoryGuard, request: Any, cached_tokens: int, pending: int = 0,
                       settle: bool = True) -> int:
-        if list(request.prompt_tokens) == b_prompt and len(refusals) < 2:
-            refusals.append(request.request_id)
-            order.append(f"b.refused{len(refusals)}")
-            raise MemoryShortAtStart("scripted: not enough memory beside the running request")
+        if list(request.prompt_tokens) == b_prompt:
+            if len(refusals) < 2:
+                refusals.append(request.request_id)
+                order.append(f"b.refused{len(refusals)}")
+                if len(refusals) == 2:
+                    refused_twice.set()
+                raise MemoryShortAtStart("scripted: not enough memory beside the running request")
+            if not b_prefilled.is_set():
+                order.append("b.prefill")
+                b_prefilled.set()
         return real(self, request, cached_tokens, pending, settle)
 
     monkeypatch.setattr(MemoryGuard, "before_prefill", refuse_b_once)
@@ -319,6 +333,8 @@ async def test_a_request_refused_again_beside_a_running_one_waits_for_it_to_end(
                     order.append(f"{name}.first")
                     if first is not None:
                         first.set()
+                        assert await anyio.to_thread.run_sync(refused_twice.wait, 60)
+                        await anyio.to_thread.run_sync(b_prefilled.wait, 1.0)
 
     async with engine:
         a_first = anyio.Event()
@@ -330,7 +346,8 @@ async def test_a_request_refused_again_beside_a_running_one_waits_for_it_to_end(
         memory = await _memory(engine)
     assert len(refusals) == 2
     # NOTE: the first refusal went back at once: the second came while "a" still ran.
-    assert order.index("b.refused2") < order.index("a.done") < order.index("b.first")
+    assert order.index("b.refused2") < order.index("a.done") < order.index("b.prefill") \
+        < order.index("b.first")
     assert order[-1] == "b.done"
     assert memory["readmissions"] == 2
 
