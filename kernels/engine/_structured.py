@@ -325,6 +325,12 @@ class GrammarProcessor:
         if self._matcher is None:
             self._matcher = prepare_grammar(self._tokenizer, self._grammar, vocab).deep_copy()
         else:
+            # NOTE: start this forward before waiting for the previous token on
+            # the host: the device computes it while the matcher consumes that
+            # token and builds the mask. Without it the forward is launched only
+            # after the mask (the step's async_eval), and a batch with a grammar
+            # row loses the pipelined decode's overlap on every step.
+            mx.async_eval(logits)  # type: ignore[no-untyped-call]
             token = int(history[-1].item())  # type: ignore[arg-type]
             if not self._matcher.consume_token(token) or self._matcher.is_error():
                 raise GrammarViolation(
