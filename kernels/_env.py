@@ -30,7 +30,7 @@ variable                      what it sets                                read b
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
 ``KVTIER_CHECKPOINT_DELTA``   switch (default: CUDA only): a checkpoint  ``kernels.cache``
                               reads back only its answer's new tokens
-``KVTIER_CHECKPOINT_READ_AHEAD``  switch (default off): a batch step's ``kernels.cache``
+``KVTIER_CHECKPOINT_READ_AHEAD``  switch (default on): a batch step's  ``kernels.cache``
                               checkpoints read back together (CUDA)
 ``KVTIER_CUDA_HOST_READ``     diagnostic: ``direct`` / ``host`` reads (CUDA) ``kernels.cache``
 ``KVTIER_CUDA_RELEASE_CACHE`` switch (default off): clear MLX's buffer    ``kernels.cache``

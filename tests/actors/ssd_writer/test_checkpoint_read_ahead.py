@@ -152,6 +152,20 @@ async def _two_answers(root: Path, model: Any, params: GenerationParams,
     return got, counted
 
 
+def test_read_ahead_is_on_by_default_only_where_host_reads_migrate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, the read-ahead is on where host reads migrate (CUDA) and off elsewhere; an off word turns it off."""
+    monkeypatch.delenv(READ_AHEAD_ENV, raising=False)
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", True)
+    assert _kv_writer.read_ahead_enabled()
+    monkeypatch.setenv(READ_AHEAD_ENV, "off")
+    assert not _kv_writer.read_ahead_enabled()
+    monkeypatch.delenv(READ_AHEAD_ENV)
+    monkeypatch.setattr(_kv_writer, "_HOST_READ_COPY", False)
+    assert not _kv_writer.read_ahead_enabled()
+
+
 async def test_the_batch_lane_reads_a_steps_checkpoints_ahead_and_a_restart_resumes_from_them(
     model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
