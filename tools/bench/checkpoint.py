@@ -306,10 +306,11 @@ def _load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-async def _child_run(streams: int, tokens: int, every: int, model: str | None) -> dict[str, Any]:
-    """One run of ``streams`` answers at once (``max_batch`` = ``streams``): rate and CPU by thread."""
+async def _child_run(streams: int, tokens: int, every: int, model: str | None,
+                     max_batch: int = 0) -> dict[str, Any]:
+    """One run of ``streams`` answers at once (``max_batch``, 0: ``streams``): rate and CPU by thread."""
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-ckpt-") as tmp:
-        async with _engine(Path(tmp), every, model, max_batch=streams) as engine:
+        async with _engine(Path(tmp), every, model, max_batch=max_batch or streams) as engine:
             threads0, sys0, io0 = _thread_cpu(), _system_cpu(), _proc_io()
             proc0, wall0 = time.process_time(), time.perf_counter()
             texts, rate, emitted = await _streams(engine, streams, tokens)
@@ -423,7 +424,7 @@ class _BenchLock:
 
 
 def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: int,
-            model: str | None, lock: str, partial: str = "") -> dict[str, Any]:
+            model: str | None, lock: str, partial: str = "", max_batch: int = 0) -> dict[str, Any]:
     """Every contender once a repeat, each run in its own process, the order rotated each repeat.
 
     Ratios are to the first contender with checkpoints off: the ratio of
@@ -441,7 +442,7 @@ def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: in
             for c in contenders[shift:] + contenders[:shift]:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--child-tree", str(c.tree),
                        "--batch-streams", str(streams), "--batch-tokens", str(tokens),
-                       "--child-every", str(c.every)]
+                       "--child-every", str(c.every), "--max-batch", str(max_batch)]
                 if c.stub:
                     cmd.append("--child-nowrite")
                 if model is not None:
@@ -482,7 +483,8 @@ def compare(contenders: list[_Contender], streams: int, tokens: int, repeats: in
         }
     return {
         "machine": f"{platform.machine()} {platform.system()}",
-        "lane": "batch" if streams > 1 else "serial",
+        "lane": "batch" if (max_batch or streams) > 1 else "serial",
+        "max_batch": max_batch or streams,
         "streams": streams,
         "tokens_per_stream": tokens,
         "repeats": repeats,
@@ -541,6 +543,10 @@ def main() -> int:
     parser.add_argument("--batch-streams", type=int, default=0,
                         help="measure the batch lane with this many answers at once instead "
                              "(0 = the serial-lane figures)")
+    parser.add_argument("--max-batch", type=int, default=0,
+                        help="with --contenders: the engine's batch rows (0: --batch-streams; "
+                             "e.g. 8 with --batch-streams 1 measures one answer on the batch "
+                             "lane, as kvtier serve runs a lone client, not the serial lane)")
     parser.add_argument("--batch-tokens", type=int, default=600,
                         help="tokens each batch-lane answer decodes")
     parser.add_argument("--batch-every", default="256,512",
@@ -569,7 +575,8 @@ def main() -> int:
         sys.path.insert(0, str(Path(ns.child_tree).resolve()))
         if ns.child_nowrite:
             _stub_writes()
-        child = anyio.run(_child_run, ns.batch_streams, ns.batch_tokens, ns.child_every, ns.model)
+        child = anyio.run(_child_run, ns.batch_streams, ns.batch_tokens, ns.child_every, ns.model,
+                          ns.max_batch)
         print(json.dumps(child))
         return 0
     if ns.plot_from:
@@ -580,10 +587,11 @@ def main() -> int:
     intervals = [int(x) for x in ns.batch_every.split(",") if x.strip()]
     if ns.contenders:
         if ns.batch_streams <= 0:
-            parser.error("--contenders needs --batch-streams (1 runs the serial lane)")
+            parser.error("--contenders needs --batch-streams (1 runs the serial lane unless "
+                         "--max-batch is above 1)")
         contenders = [_Contender(c) for c in ns.contenders.split(",") if c.strip()]
         out = compare(contenders, ns.batch_streams, ns.batch_tokens, ns.repeats, ns.model,
-                      ns.lock, f"{ns.out}.runs" if ns.out else "")
+                      ns.lock, f"{ns.out}.runs" if ns.out else "", max_batch=ns.max_batch)
     elif ns.batch_streams > 0:
         out = anyio.run(bench_batch, ns.batch_streams, ns.batch_tokens, intervals, ns.repeats,
                         ns.model)

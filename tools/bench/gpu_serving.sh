@@ -447,6 +447,7 @@ case "$cmd" in
     # Issue 23's decode cost of generation checkpoints at the default interval
     # (every 100 tokens) against none, ${CK_STREAMS:-8 1} streams in turn
     # (CK_CONTENDERS=off=.:0,on=.:100 drops the whole read-backs: 6 runs, not 9;
+    # CK_MAX_BATCH=32 CK_STREAMS=1: one answer as a batch row, as kvtier serve runs a lone client on CUDA;
     # 8 streams took ~35 s a run at the 8B shape, each server's start included),
     # each contender in its own process, interleaved, ${CK_REPEATS:-3} repeats,
     # on the model `run` wrote (KVTIER_GPU_SHAPE picks another shape).
@@ -474,7 +475,7 @@ case "$cmd" in
     if [ -d .gpu/tok/base ]; then contenders=off=.:0,base=.gpu/tok/base:100,on=.:100; fi
     contenders=${CK_CONTENDERS:-$contenders}
     for n in ${CK_STREAMS:-8 1}; do
-      python3 tools/bench/checkpoint.py --model "$MODEL" --batch-streams "$n" \
+      python3 tools/bench/checkpoint.py --model "$MODEL" --batch-streams "$n" --max-batch "${CK_MAX_BATCH:-0}" \
         --batch-tokens "${CK_TOKENS:-600}" --contenders "$contenders" \
         --repeats "${CK_REPEATS:-3}" --out "$OUT/checkpoint-onoff-$n.json" \
         --plot "$OUT/checkpoint-onoff-$n.png" > /dev/null 2> "$OUT/checkpoint-onoff-$n.err" || true
