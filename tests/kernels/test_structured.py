@@ -169,6 +169,47 @@ def test_a_token_outside_the_grammar_is_a_violation(tok: Any) -> None:
         processor(mx.array([1, 2, 3, bad]), logits)
 
 
+def test_the_forward_is_started_before_the_previous_token_is_read(
+    tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the second call on, the processor hands this step's logits to ``mx.async_eval``
+    before it reads the previous token on the host (the device computes the forward meanwhile)."""
+    events: list[str] = []
+    real_async_eval = mx.async_eval
+
+    def recording_async_eval(*arrays: Any) -> None:
+        events.append("async_eval")
+        real_async_eval(*arrays)
+
+    class _Last:
+        def __init__(self, token: int) -> None:
+            self._token = token
+
+        def item(self) -> int:
+            events.append("item")
+            return self._token
+
+    class _History:
+        """A token history whose last token's host read is recorded."""
+
+        def __init__(self, token: int) -> None:
+            self._token = token
+
+        def __getitem__(self, index: int) -> _Last:
+            assert index == -1
+            return _Last(self._token)
+
+    # NOTE: the processor calls mlx.core's own async_eval (the module this test imports as mx).
+    monkeypatch.setattr(mx, "async_eval", recording_async_eval)
+    processor = GrammarProcessor(tok, json_schema_grammar(PERSON))
+    logits = mx.zeros((1, len(tok._tokenizer)))
+    processor(mx.array([1, 2, 3]), logits)
+    assert events == []
+    brace = int(tok.encode("{", add_special_tokens=False)[0])
+    processor(cast("Any", _History(brace)), logits)
+    assert events == ["async_eval", "item"]
+
+
 def test_grammar_requests_need_the_tokenizer() -> None:
     """Processors for a constrained request cannot be built without the tokenizer."""
     with pytest.raises(InvalidGrammar):
