@@ -599,12 +599,8 @@ class BatchGeneration:
         its owner drops the token and removes the row alone (:meth:`cancel`),
         as the serial lane fails the request at the same point.
         """
-        return [*self._left_violated, *(
-            (row.row_id, p.violation)
-            for row in self._rows.values()
-            for p in row.processors
-            if isinstance(p, GrammarProcessor) and p.violation is not None
-        )]
+        return [*self._left_violated,
+                *(v for row in self._rows.values() for v in _grammar_violations(row))]
 
     def reused(self, row_id: str) -> int:
         """Prompt tokens of the row whose lent KV it reuses (fewer than it joined with where a
@@ -1236,9 +1232,7 @@ class BatchGeneration:
         if reason != "cancelled":
             # NOTE: a row whose unmasked token ended it this step (EOS, a stop)
             # still failed its grammar (grammar_violations).
-            self._left_violated.extend(
-                (row.row_id, p.violation) for p in row.processors
-                if isinstance(p, GrammarProcessor) and p.violation is not None)
+            self._left_violated.extend(_grammar_violations(row))
         return RowExit(
             row_id=row.row_id,
             reason=reason,
@@ -1248,6 +1242,12 @@ class BatchGeneration:
             completion_tokens=len(row.generated),
             cached_tokens=row.cached_tokens,
         )
+
+
+def _grammar_violations(row: _Row) -> list[tuple[str, str]]:
+    """(row id, why) for each of the row's grammar processors that recorded a violation."""
+    return [(row.row_id, p.violation) for p in row.processors
+            if isinstance(p, GrammarProcessor) and p.violation is not None]
 
 
 def _reached(row: _Row, n: int) -> bool:
