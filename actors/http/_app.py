@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -74,6 +74,7 @@ from ._openapi import json_body, openapi_document
 from ._port import EnginePort, StreamPort
 from ._request_id import REQUEST_ID_KEY, RequestId
 from ._schemas import (
+    MAX_CHOICES,
     ChatCompletion,
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,6 +95,27 @@ __all__ = ["begin_shutdown", "create_app", "cut_streams"]
 _log = structlog.get_logger("kvtier.http")
 
 _Answer = ChatAnswer | CompletionAnswer
+
+
+_SEED_SPAN = 2**63
+"""Seeds run over ``0 .. 2**63 - 1`` (``GenerationParams.seed``)."""
+
+
+def _choice_params(params: GenerationParams, j: int) -> GenerationParams:
+    """The sampling of a prompt's ``j``-th choice: a seeded request's choice ``j`` draws from ``seed + j``.
+
+    NOTE: one seed for every choice would make a sampled request's ``n``
+    answers equal; ``seed + j`` keeps them different and the whole request
+    reproducible (choice 0 is the request with ``n`` 1).
+    """
+    if j == 0 or params.seed is None:
+        return params
+    return params.model_copy(update={"seed": (params.seed + j) % _SEED_SPAN})
+
+
+def _choice_id(rid: str, c: int) -> str:
+    """The engine's id of choice ``c`` (the request's own id for the first)."""
+    return rid if c == 0 else f"{rid}-{c}"
 
 
 def _request_id(scope: Scope) -> RequestId:
@@ -363,24 +385,48 @@ def create_app(
         messages = chat_messages(body)
         hex_id = _request_id(request.scope).hex
         choice = body.effective_tool_choice()
-        answer = ChatAnswer(tools=tools, logprobs=_logprob_options(params),
-                            call_id=lambda n: f"call_{hex_id}_{n}",
-                            forced=choice == "required" or isinstance(choice, NamedToolChoice))
-        stream = engine.chat(messages, params, request_id=rid, tools=tools_for_template(body),
-                             fit_context=body.requested_max_tokens() is None)
-        return await _respond(stream, body, request, rid, model, answer)
+
+        def make(c: int) -> tuple[StreamPort, _Answer]:
+            # NOTE: a tool call's id names its choice too, so ids stay unique across choices.
+            calls = f"call_{hex_id}_" if c == 0 else f"call_{hex_id}_{c}_"
+            answer = ChatAnswer(tools=tools, logprobs=_logprob_options(params),
+                                call_id=lambda n: f"{calls}{n}",
+                                forced=choice == "required" or isinstance(choice, NamedToolChoice))
+            stream = engine.chat(messages, _choice_params(params, c), request_id=_choice_id(rid, c),
+                                 tools=tools_for_template(body),
+                                 fit_context=body.requested_max_tokens() is None)
+            return stream, answer
+
+        if body.n == 1:
+            return await _respond(*make(0), body, request, rid, model)
+        return await _respond_choices(body.n, body.n, make, body, request, rid, model)
 
     @app.post("/v1/completions", response_model=None,
               openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed (SSE) or not."""
         body, rid, model, params = await _accept(request, CompletionRequest, "cmpl")
-        echo = Echo(body.prompt_value(), engine.token_bytes) if body.echo else None
-        answer = CompletionAnswer(logprobs=_logprob_options(params), echo=echo,
-                                  scores_only=body.scores_only)
-        stream = engine.generate(body.prompt_value(), params, request_id=rid,
-                                 fit_context=body.requested_max_tokens() is None)
-        return await _respond(stream, body, request, rid, model, answer)
+        prompts = body.prompt_values()
+
+        def make(c: int) -> tuple[StreamPort, _Answer]:
+            # NOTE: choice c is prompt c // n's (c % n)-th, as OpenAI numbers a batch's choices.
+            prompt = prompts[c // body.n]
+            echo = Echo(prompt, engine.token_bytes) if body.echo else None
+            answer = CompletionAnswer(logprobs=_logprob_options(params), echo=echo,
+                                      scores_only=body.scores_only)
+            stream = engine.generate(prompt, _choice_params(params, c % body.n),
+                                     request_id=_choice_id(rid, c),
+                                     fit_context=body.requested_max_tokens() is None)
+            return stream, answer
+
+        count = len(prompts) * body.n
+        if count > MAX_CHOICES:
+            raise ApiError(400, f"This request asks for {count} choices ({len(prompts)} prompts x "
+                                f"n {body.n}); at most {MAX_CHOICES} are allowed.",
+                           code="invalid_value", param="n")
+        if count == 1:
+            return await _respond(*make(0), body, request, rid, model)
+        return await _respond_choices(count, body.n, make, body, request, rid, model)
 
     # ------------------------------------------------------------ plumbing
 
@@ -423,8 +469,8 @@ def create_app(
                 await stream.aclose()
             raise
 
-    async def _respond(stream: StreamPort, body: _SamplingFields, request: Request, rid: str,
-                       model: str, answer: _Answer) -> Response:
+    async def _respond(stream: StreamPort, answer: _Answer, body: _SamplingFields,
+                       request: Request, rid: str, model: str) -> Response:
         st.enter()
         try:
             await _admit(stream)
@@ -456,6 +502,90 @@ def create_app(
             events, on_close=release, headers=headers, cut=cut.wait,
             cut_event=sse_json(error_body(err.message, err.type, err.code, err.param)),
             write_timeout=stream_write_timeout_s, request_id=rid, on_write=timeline.wrote)
+
+    async def _respond_choices(count: int, n: int, make: Callable[[int], tuple[StreamPort, _Answer]],
+                               body: _SamplingFields, request: Request, rid: str,
+                               model: str) -> Response:
+        """Answer a request of ``count`` choices (``n`` per prompt), each a generation of its own.
+
+        At most ``settings.choice_window`` choices generate at once (the
+        rest wait for one to end, not in the admission queue). The answer
+        is all or nothing: the first choice that fails (a refusal such as
+        a full queue, or a failed generation) cancels the others and is the
+        response; a client that leaves cancels them all.
+        """
+        if body.stream:
+            raise ApiError(400, f"stream: true returns one choice; this request asks for {count} "
+                                "(n or a batch of prompts). Send stream: false for several "
+                                "choices, or one streamed request per choice.",
+                           code="unsupported", param="stream")
+        results: list[tuple[_Answer, DoneEvent] | None] = [None] * count
+        failures: list[KvtierError] = []
+        left = False
+        window = anyio.CapacityLimiter(settings.choice_window)
+        st.enter()
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    nonlocal left
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    left = True
+                    st.disconnects += 1
+                    tg.cancel_scope.cancel()
+
+                async def watch_cut() -> None:
+                    await cut.wait()
+                    tg.cancel_scope.cancel()
+
+                async def run(c: int) -> None:
+                    async with window:
+                        stream, answer = make(c)
+                        done: DoneEvent | None = None
+                        try:
+                            await _admit(stream)
+                            async for event in stream:
+                                if isinstance(event, TokenEvent):
+                                    answer.feed(event)
+                                else:
+                                    done = event
+                        except KvtierError as exc:
+                            failures.append(exc)
+                            tg.cancel_scope.cancel()
+                            return
+                        finally:
+                            with anyio.CancelScope(shield=True):
+                                await stream.aclose()
+                        if done is not None:
+                            answer.finish(done)
+                            results[c] = (answer, done)
+
+                tg.start_soon(watch_disconnect)
+                tg.start_soon(watch_cut)
+                async with anyio.create_task_group() as choices:
+                    for c in range(count):
+                        choices.start_soon(run, c)
+                tg.cancel_scope.cancel()
+        finally:
+            st.leave()
+        if failures:
+            raise failures[0]
+        if left:
+            return Response(status_code=499)
+        answered = [r for r in results if r is not None]
+        if len(answered) < count:
+            # NOTE: only the cut ends choices without a failure or a departure.
+            raise ServerShuttingDown(_CUT_MESSAGE)
+        result: ChatCompletion | CompletionResponse
+        if isinstance(answered[0][0], ChatAnswer):
+            chats = [(a, d) for a, d in answered if isinstance(a, ChatAnswer)]
+            result = chat_response(rid, created(), model, chats,
+                                   logprobs=chats[0][0].reports_logprobs)
+        else:
+            texts = [(a, d) for a, d in answered if isinstance(a, CompletionAnswer)]
+            result = completion_response(rid, created(), model, texts, n)
+        return JSONResponse(result.model_dump(mode="json"), headers={"X-Request-Id": rid})
 
     async def _collect(stream: StreamPort, request: Request, rid: str, model: str,
                        answer: _Answer, headers: dict[str, str]) -> Response:
@@ -497,10 +627,10 @@ def create_app(
             return Response(status_code=499)
         answer.finish(done)
         result: ChatCompletion | CompletionResponse = (
-            chat_response(rid, created(), model, answer, done,
+            chat_response(rid, created(), model, [(answer, done)],
                           logprobs=answer.reports_logprobs)
             if isinstance(answer, ChatAnswer)
-            else completion_response(rid, created(), model, answer, done)
+            else completion_response(rid, created(), model, [(answer, done)])
         )
         return JSONResponse(result.model_dump(mode="json"), headers=headers)
 

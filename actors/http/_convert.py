@@ -57,6 +57,7 @@ __all__ = [
     "chat_messages",
     "chat_response",
     "check_against_vocab",
+    "choices_usage",
     "completion_chunk",
     "completion_response",
     "grammar_for",
@@ -205,8 +206,9 @@ def check_against_vocab(body: _SamplingFields, params: GenerationParams,
         raise ApiError(400, f"logit_bias names token id {bad}, outside the model's vocabulary "
                             f"(0..{vocab - 1}).", code="invalid_value", param="logit_bias")
     if isinstance(body, CompletionRequest):
-        prompt = body.prompt_value()
-        if not isinstance(prompt, str):
+        for prompt in body.prompt_values():
+            if isinstance(prompt, str):
+                continue
             bad = next((t for t in prompt if t >= vocab), None)
             if bad is not None:
                 raise ApiError(400, f"prompt holds token id {bad}, outside the model's "
@@ -380,28 +382,45 @@ def _message_content(content: str | None, has_calls: bool) -> str | None:
     return content
 
 
-def chat_response(rid: str, created: int, model: str, answer: ChatAnswer,
-                  done: DoneEvent, *, logprobs: bool = False) -> ChatCompletion:
-    """The non-streamed chat completion body (after ``answer.finish(done)``)."""
+def choices_usage(usages: Sequence[Usage], n: int) -> Usage:
+    """The usage of a request of several choices, ``n`` per prompt, in choice order.
+
+    As OpenAI counts it: each prompt once (its first choice's prompt and
+    cached tokens), every choice's completion tokens.
+    """
+    firsts = usages[::n]
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in firsts),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in firsts))
+
+
+def chat_response(rid: str, created: int, model: str,
+                  answers: Sequence[tuple[ChatAnswer, DoneEvent]], *,
+                  logprobs: bool = False) -> ChatCompletion:
+    """The non-streamed chat completion body: one choice per answer (after ``answer.finish(done)``)."""
     return ChatCompletion(
         id=rid, created=created, model=model,
         choices=[ChatChoice(
+            index=i,
             message=ResponseMessage(content=_message_content(answer.content, bool(answer.tool_calls)),
                                     tool_calls=answer.tool_calls or None),
             finish_reason=answer.finish_reason,
-            logprobs=ChoiceLogprobs(content=answer.logprobs) if logprobs else None)],
-        usage=usage_body(done.usage),
+            logprobs=ChoiceLogprobs(content=answer.logprobs) if logprobs else None)
+            for i, (answer, _) in enumerate(answers)],
+        usage=usage_body(choices_usage([done.usage for _, done in answers], len(answers))),
     )
 
 
-def completion_response(rid: str, created: int, model: str, answer: CompletionAnswer,
-                        done: DoneEvent) -> CompletionResponse:
-    """The non-streamed text completion body (after ``answer.finish(done)``)."""
+def completion_response(rid: str, created: int, model: str,
+                        answers: Sequence[tuple[CompletionAnswer, DoneEvent]],
+                        n: int = 1) -> CompletionResponse:
+    """The non-streamed text completion body, ``n`` choices per prompt (after ``answer.finish(done)``)."""
     return CompletionResponse(
         id=rid, created=created, model=model,
-        choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason,
-                                  logprobs=answer.logprobs)],
-        usage=usage_body(answer.usage(done.usage)),
+        choices=[CompletionChoice(index=i, text=answer.text, finish_reason=answer.finish_reason,
+                                  logprobs=answer.logprobs)
+                 for i, (answer, _) in enumerate(answers)],
+        usage=usage_body(choices_usage([answer.usage(done.usage) for answer, done in answers], n)),
     )
 
 

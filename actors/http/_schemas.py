@@ -76,6 +76,14 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 """Most alternatives per token a text completion may ask for (OpenAI's bound)."""
 
+MAX_CHOICES = 128
+"""Most choices one request may ask for: ``n`` times the prompts of a completions batch.
+
+NOTE: each choice is a generation of its own (a batch row); the HTTP edge
+runs at most ``HttpSettings.choice_window`` of one request's at once, so a
+large batch waits for rows instead of filling the admission queue.
+"""
+
 _FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 _STOP_MAX = 16
@@ -193,7 +201,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -212,14 +220,6 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {_STOP_MAX} stop sequences are allowed")
         if any(not s or len(s) > _STOP_LEN_MAX for s in stops):
             raise ValueError(f"stop sequences must be 1..{_STOP_LEN_MAX} characters")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported: kvtier returns one choice per request; "
-                             "send n requests (with different seeds) for n answers")
         return v
 
     @field_validator("logit_bias")
@@ -361,7 +361,11 @@ _TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions`` (one prompt: a string or a list of token ids).
+    """``POST /v1/completions``: one prompt (a string or a list of token ids) or a batch of them.
+
+    A batch (a list of strings, or a list of token-id lists) answers with
+    ``n`` choices per prompt, choice ``i * n + j`` being prompt ``i``'s
+    ``j``-th, as OpenAI's API numbers them.
 
     ``echo: true`` puts the prompt before the completion; with ``logprobs``
     the prompt's tokens are scored too (the first one has no logprob, as
@@ -369,8 +373,8 @@ class CompletionRequest(_SamplingFields):
     (what evaluation harnesses send for log-likelihoods).
     """
 
-    prompt: str | _TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
-        | Annotated[list[_TokenIds], Field(min_length=1, max_length=1)]
+    prompt: str | _TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] \
+        | Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: Literal[1] | None = None
@@ -379,7 +383,7 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _non_empty(self) -> CompletionRequest:
-        if isinstance(self.prompt, str) and not self.prompt:
+        if any(isinstance(p, str) and not p for p in self.prompt_values()):
             raise ValueError("prompt must not be empty")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 only scores the prompt, which needs echo: true")
@@ -390,17 +394,14 @@ class CompletionRequest(_SamplingFields):
         """``echo`` with ``max_tokens: 0``: the prompt is scored, nothing is generated."""
         return self.echo and self.max_tokens == 0
 
-    def prompt_value(self) -> str | list[int]:
-        """The single prompt, unwrapped from the one-element batch forms."""
+    def prompt_values(self) -> list[str | list[int]]:
+        """The prompts in order: one, or the batch's (a list of ints is one prompt of token ids)."""
         p = self.prompt
         if isinstance(p, str):
-            return p
-        first = p[0]
-        if isinstance(first, str):
-            return first
-        if isinstance(first, list):
-            return list(first)
-        return [int(t) for t in p if isinstance(t, int)]
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [[int(t) for t in p if isinstance(t, int)]]
+        return [q if isinstance(q, str) else list(q) for q in p if isinstance(q, (str, list))]
 
 
 # ----------------------------------------------------------------- responses

@@ -37,6 +37,8 @@ class HttpSettings:
     ``allowed_hosts``: the ``Host`` names the server answers (``name`` or
     ``name:port``); ``None`` accepts any (``from_config`` restricts a
     loopback-bound server to :data:`LOOPBACK_HOSTS`).
+    ``choice_window``: how many choices of one request (``n``, a batch of
+    prompts) generate at once; ``from_config`` uses the batch lane's rows.
     """
 
     defaults: Defaults = field(default_factory=Defaults)
@@ -48,9 +50,12 @@ class HttpSettings:
     admin_loopback: bool = False
     trusted_proxies: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] | None = None
+    choice_window: int = 8
 
     def __post_init__(self) -> None:
         parse_networks(self.trusted_proxies)  # NOTE: a bad entry fails here, not per request.
+        if self.choice_window < 1:
+            raise ValueError(f"choice_window must be at least 1, got {self.choice_window}")
 
     @classmethod
     def from_config(
@@ -67,6 +72,7 @@ class HttpSettings:
             admin_loopback=config.admin_loopback,
             trusted_proxies=config.trusted_proxies,
             allowed_hosts=allowed_hosts(config.host, config.allowed_hosts),
+            choice_window=config.max_batch,
         )
 
 

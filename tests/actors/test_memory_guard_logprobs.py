@@ -100,7 +100,7 @@ def _answer_peak(tokens: int, top: int) -> int:
         done = DoneEvent(request_id="r", finish_reason="length",
                          usage=Usage(prompt_tokens=1, completion_tokens=tokens))
         answer.finish(done)
-        body = chat_response("id", 0, "m", answer, done, logprobs=True).model_dump(mode="json")
+        body = chat_response("id", 0, "m", [(answer, done)], logprobs=True).model_dump(mode="json")
         encoded = json.dumps(body, ensure_ascii=False).encode()
         assert len(answer.logprobs) == tokens
         assert encoded

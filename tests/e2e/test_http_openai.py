@@ -124,6 +124,47 @@ def test_completions_streamed_and_not(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
 
 
+def test_several_choices_through_the_openai_client(client: openai.OpenAI) -> None:
+    """A batch of prompts with n=2: greedy choices equal one-choice answers, numbered prompt-major, each prompt counted once."""
+    prompts = ["The capital of France is", "Once upon a time"]
+    singles = [client.completions.create(model="default", prompt=p, max_tokens=6, temperature=0)
+               for p in prompts]
+    r = client.completions.create(model="default", prompt=prompts, n=2, max_tokens=6,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    texts = [s.choices[0].text for s in singles]
+    assert [c.text for c in r.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles if s.usage)
+    assert r.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles
+                                                if s.usage)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="default", messages=STORY, n=2, stream=True)
+    assert refused.value.body is not None
+    assert cast_dict(refused.value.body)["param"] == "stream"
+
+
+def test_seeded_choices_differ_and_repeat(client: openai.OpenAI) -> None:
+    """n=3 sampled with a seed: the three answers differ, the request repeats exactly, and choice 0 is the n=1 answer."""
+
+    def ask(n: int) -> list[str | None]:
+        r = client.chat.completions.create(model="default", messages=STORY, n=n, max_tokens=8,
+                                           temperature=1.0, seed=7)
+        return [c.message.content for c in r.choices]
+
+    first = ask(3)
+    assert len(first) == 3
+    assert len(set(first)) > 1
+    assert ask(3) == first
+    assert ask(1) == first[:1]
+
+
+def cast_dict(body: object) -> dict[str, Any]:
+    """The error object of an ``openai`` client error's body."""
+    assert isinstance(body, dict)
+    return body
+
+
 def test_stop_string_cuts_output(client: openai.OpenAI, reference: str) -> None:
     """A stop string taken from the greedy output ends the answer just before it, finish 'stop'."""
     words = reference.split()

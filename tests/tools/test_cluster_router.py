@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _worker_app() -> Starlette:
-    """A scripted replica: the probe endpoints, and chat that rejects ``n`` > 1 as kvtier does."""
+    """A scripted replica: the probe endpoints, and chat that rejects a ``logit_bias`` key that is no token id, as kvtier does."""
 
     async def health(_: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -40,9 +40,9 @@ def _worker_app() -> Starlette:
 
     async def chat(request: Request) -> JSONResponse:
         body = await request.json()
-        if body.get("n", 1) != 1:
-            return JSONResponse({"error": {"message": "only n=1 is supported",
-                                           "type": "invalid_request_error", "param": "n",
+        if any(not key.isdigit() for key in body.get("logit_bias") or {}):
+            return JSONResponse({"error": {"message": "logit_bias keys must be token ids",
+                                           "type": "invalid_request_error", "param": "logit_bias",
                                            "code": "invalid_value"}}, status_code=400)
         return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                              "choices": [{"index": 0, "finish_reason": "stop",
@@ -83,8 +83,8 @@ def test_client_errors_do_not_take_the_replicas_out_of_the_router(tmp_path: Path
     """Twenty requests the replica rejects (400, passed through) leave a valid request answered
     200 by the replica (sglang-router's circuit breaker, which counted 4xx answers as replica
     failures, is off)."""
-    bad = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": 2}
-    good = {**bad, "n": 1}
+    good = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    bad = {**good, "logit_bias": {"x": 1}}
     with _worker() as url:
         router = Router.start("round_robin", cast("Any", [_Stub(url)]), tmp_path)
         try:

@@ -280,8 +280,10 @@ def ideal_share(args: argparse.Namespace) -> dict[str, float]:
 # into its typed request and runs the policy on it) and kvtier rejects it
 # in its request validation, before any tokenizing or model work: the
 # cheapest request that takes a router's whole chat path to a replica.
+# NOTE: a logit_bias key that is not a token id: sglang-router forwards it (its
+# typed request takes any string key) and kvtier refuses it in validation.
 _REJECTED_CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
-                  "max_tokens": 1, "n": 2}
+                  "max_tokens": 1, "logit_bias": {"x": 1}}
 _ONE_TOKEN = {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0}
 
 
@@ -352,7 +354,7 @@ async def _timed(client: httpx.AsyncClient, kind: str, base: str) -> float:
     if kind == "chat_rejected":
         resp = await client.post(f"{base}/v1/chat/completions", json=_REJECTED_CHAT)
         took = time.perf_counter() - t
-        if resp.status_code != 400 or "only n=1" not in resp.text:
+        if resp.status_code != 400 or "logit_bias keys must be token ids" not in resp.text:
             raise RuntimeError(f"not kvtier's rejection: {resp.status_code} {resp.text[:200]}")
     elif kind == "model_info":
         resp = await client.get(f"{base}/get_model_info")

@@ -203,7 +203,7 @@ async def test_models_health_stats() -> None:
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 9}', "invalid_value"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "bogus": 1}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "stop": [""]}', "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 3}', "invalid_value"),
