@@ -45,8 +45,10 @@ def _reference(model: Any, tok: Any, context: str, continuation: str) -> float:
     return float(sum(lp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids))))
 
 
-def test_lm_eval_local_completions_matches_mlx_lm(tmp_path: Path, default_model_path: Path) -> None:
-    """lm-eval runs the task against kvtier serve; each choice's log-likelihood equals mlx-lm's within 1e-3."""
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_lm_eval_local_completions_matches_mlx_lm(tmp_path: Path, default_model_path: Path,
+                                                  batch_size: int) -> None:
+    """lm-eval runs the task against kvtier serve (batch_size 4: lists of prompts); each log-likelihood equals mlx-lm's within 1e-3."""
     if not _lm_eval_bin().exists():
         pytest.skip("lm-eval is not installed (pip install -e '.[eval]')")
     from mlx_lm import load as mlx_load
@@ -60,7 +62,7 @@ def test_lm_eval_local_completions_matches_mlx_lm(tmp_path: Path, default_model_
             "num_concurrent=1", "max_retries=1"])
         run = subprocess.run(
             [str(_lm_eval_bin()), "--model", "local-completions", "--model_args", args,
-             "--tasks", "kvtier_mc", "--include_path", str(_TASKS),
+             "--tasks", "kvtier_mc", "--include_path", str(_TASKS), "--batch_size", str(batch_size),
              "--output_path", str(tmp_path / "out"), "--log_samples"],
             cwd=_REPO, env={**os.environ, **_OFFLINE}, capture_output=True, text=True,
             timeout=800, check=False)
