@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -24,8 +25,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.engine.config import EngineConfig
-from actors.errors import GenerationFailed, KvtierError, ServerShuttingDown
-from messages.gateway import DoneEvent, GenerationParams, TokenEvent
+from actors.errors import KvtierError, ServerShuttingDown
+from messages.gateway import DoneEvent, GenerationParams, TokenEvent, Usage
 
 from ._access import parse_networks
 from ._admin import install_admin
@@ -42,6 +43,7 @@ from ._convert import (
     chat_messages,
     chat_response,
     check_against_vocab,
+    choices_usage,
     completion_chunk,
     completion_response,
     grammar_for,
@@ -96,6 +98,20 @@ _log = structlog.get_logger("kvtier.http")
 
 _Answer = ChatAnswer | CompletionAnswer
 
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A choice's error event: the stream of several choices ends with it."""
+
+    event: bytes
+
+
+_CHOICE_EVENTS = 64
+"""Events the choices of one streamed request may buffer ahead of its writer.
+
+NOTE: bounded: a client that stops reading fills it, and then every choice
+waits (its engine request holds its tokens, as a one-choice stream's does).
+"""
 
 _SEED_SPAN = 2**63
 """Seeds run over ``0 .. 2**63 - 1`` (``GenerationParams.seed``)."""
@@ -515,10 +531,7 @@ def create_app(
         response; a client that leaves cancels them all.
         """
         if body.stream:
-            raise ApiError(400, f"stream: true returns one choice; this request asks for {count} "
-                                "(n or a batch of prompts). Send stream: false for several "
-                                "choices, or one streamed request per choice.",
-                           code="unsupported", param="stream")
+            return await _stream_choices(count, n, make, body, rid, model)
         results: list[tuple[_Answer, DoneEvent] | None] = [None] * count
         failures: list[KvtierError] = []
         left = False
@@ -635,34 +648,44 @@ def create_app(
         return JSONResponse(result.model_dump(mode="json"), headers=headers)
 
     def _chunk(rid: str, ts: int, model: str, answer: _Answer,
-               piece: ChatPiece | CompletionPiece, running: UsageBody | None) -> bytes:
+               piece: ChatPiece | CompletionPiece, running: UsageBody | None,
+               index: int) -> bytes:
         if isinstance(answer, ChatAnswer):
             assert isinstance(piece, ChatPiece)
             return sse_json(chat_chunk(rid, ts, model, piece=piece,
-                                       logprobs=answer.reports_logprobs, running=running))
+                                       logprobs=answer.reports_logprobs, running=running,
+                                       index=index))
         assert isinstance(piece, CompletionPiece)
-        return sse_json(completion_chunk(rid, ts, model, piece=piece, running=running))
+        return sse_json(completion_chunk(rid, ts, model, piece=piece, running=running,
+                                         index=index))
 
-    async def _sse_events(stream: StreamPort, rid: str, model: str, answer: _Answer,
-                          include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
-        """The SSE events of one answer.
+    def _usage_tail(rid: str, ts: int, model: str, answer: _Answer, usage: Usage) -> bytes:
+        """The chunk of ``stream_options.include_usage``: no choice, the whole usage."""
+        return sse_json(chat_chunk(rid, ts, model, usage=usage) if isinstance(answer, ChatAnswer)
+                        else completion_chunk(rid, ts, model, usage=usage))
+
+    async def _choice_events(stream: StreamPort, rid: str, ts: int, model: str,
+                             answer: _Answer, continuous: bool, index: int,
+                             ended: list[Usage]) -> AsyncIterator[bytes]:
+        """The SSE events of one choice: the opener (chat), its pieces, its finish chunk.
 
         ``continuous`` (``continuous_usage_stats``, as vLLM): every chunk with
         a choice carries the usage so far; the finish chunk carries the final
-        usage (cached tokens included), as the usage tail does.
+        usage (cached tokens included), as the usage tail does. The choice's
+        final usage is appended to ``ended``. An engine failure propagates
+        (``KvtierError``): the caller ends the response with an error event.
         """
-        ts = created()
-        finished = False
         tokens = 0
         # NOTE: an answer's text-only chunks (no logprobs, calls or running
         # usage: the usual token) are encoded from one template, the same bytes.
         text_events: TextEvents | None = None
         if not continuous and isinstance(answer, ChatAnswer) and not answer.reports_logprobs:
             text_events = TextEvents.of(
-                lambda t: chat_chunk(rid, ts, model, piece=ChatPiece(content=t)))
+                lambda t: chat_chunk(rid, ts, model, piece=ChatPiece(content=t), index=index))
         elif not continuous and isinstance(answer, CompletionAnswer):
             text_events = TextEvents.of(
-                lambda t: completion_chunk(rid, ts, model, piece=CompletionPiece(text=t)))
+                lambda t: completion_chunk(rid, ts, model, piece=CompletionPiece(text=t),
+                                           index=index))
 
         def running() -> UsageBody | None:
             if not continuous:
@@ -670,60 +693,164 @@ def create_app(
             done = answer.generated(tokens) if isinstance(answer, CompletionAnswer) else tokens
             return running_usage(stream.prompt_tokens, done)
 
-        try:
-            if isinstance(answer, ChatAnswer):
-                # NOTE: whenever calls may come, the opener carries no content: it
-                # goes out before the answer is known, and an answer of calls
-                # only must add up to content null (text later adds to it).
-                yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.may_call,
-                                          running=running()))
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    tokens += 1
-                    # NOTE: a token may release nothing yet (part of a character,
-                    # text that may start a tool-call marker).
-                    piece = answer.feed(event)
-                    if piece is None:
-                        continue
-                    if (text_events is not None and isinstance(piece, ChatPiece) and piece.content
-                            and not piece.tool_calls):
-                        yield text_events.event(piece.content)
-                    elif (text_events is not None and isinstance(piece, CompletionPiece)
-                          and piece.text and piece.logprobs is None):
-                        yield text_events.event(piece.text)
-                    else:
-                        yield _chunk(rid, ts, model, answer, piece, running())
+        if isinstance(answer, ChatAnswer):
+            # NOTE: whenever calls may come, the opener carries no content: it
+            # goes out before the answer is known, and an answer of calls
+            # only must add up to content null (text later adds to it).
+            yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.may_call,
+                                      running=running(), index=index))
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                tokens += 1
+                # NOTE: a token may release nothing yet (part of a character,
+                # text that may start a tool-call marker).
+                piece = answer.feed(event)
+                if piece is None:
                     continue
-                last = answer.finish(event)
-                if last is not None:
-                    yield _chunk(rid, ts, model, answer, last, running())
-                usage = event.usage if isinstance(answer, ChatAnswer) else answer.usage(event.usage)
-                whole = usage_body(usage) if continuous else None
-                final = (chat_chunk(rid, ts, model, finish=answer.finish_reason, running=whole)
-                         if isinstance(answer, ChatAnswer)
-                         else completion_chunk(rid, ts, model, finish=answer.finish_reason,
-                                               running=whole))
-                yield sse_json(final)
-                if include_usage:
-                    tail = (chat_chunk(rid, ts, model, usage=event.usage)
-                            if isinstance(answer, ChatAnswer)
-                            else completion_chunk(rid, ts, model, usage=answer.usage(event.usage)))
-                    yield sse_json(tail)
+                if (text_events is not None and isinstance(piece, ChatPiece) and piece.content
+                        and not piece.tool_calls):
+                    yield text_events.event(piece.content)
+                elif (text_events is not None and isinstance(piece, CompletionPiece)
+                      and piece.text and piece.logprobs is None):
+                    yield text_events.event(piece.text)
+                else:
+                    yield _chunk(rid, ts, model, answer, piece, running(), index)
+                continue
+            last = answer.finish(event)
+            if last is not None:
+                yield _chunk(rid, ts, model, answer, last, running(), index)
+            usage = event.usage if isinstance(answer, ChatAnswer) else answer.usage(event.usage)
+            whole = usage_body(usage) if continuous else None
+            final = (chat_chunk(rid, ts, model, finish=answer.finish_reason, running=whole,
+                                index=index)
+                     if isinstance(answer, ChatAnswer)
+                     else completion_chunk(rid, ts, model, finish=answer.finish_reason,
+                                           running=whole, index=index))
+            yield sse_json(final)
+            ended.append(usage)
+
+    def _error_event(exc: KvtierError, rid: str) -> bytes:
+        # NOTE: headers are gone; an error event is the only way to tell the
+        # client (the openai client raises APIError on it).
+        err = kvtier_error_to_api(exc, rid)
+        return sse_json(error_body(err.message, err.type, err.code, err.param))
+
+    async def _sse_events(stream: StreamPort, rid: str, model: str, answer: _Answer,
+                          include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
+        """The SSE events of a one-choice answer: the choice's, the usage tail, ``[DONE]``."""
+        ts = created()
+        finished = False
+        ended: list[Usage] = []
+        try:
+            async for event in _choice_events(stream, rid, ts, model, answer, continuous, 0,
+                                              ended):
+                yield event
+            if include_usage and ended:
+                yield _usage_tail(rid, ts, model, answer, ended[0])
             finished = True
             yield DONE
-        except GenerationFailed as exc:
-            # NOTE: headers are gone; an error event is the only way to tell the
-            # client (the openai client raises APIError on it).
-            err = kvtier_error_to_api(exc, rid)
-            yield sse_json(error_body(err.message, err.type, err.code, err.param))
-            finished = True
         except KvtierError as exc:
-            err = kvtier_error_to_api(exc, rid)
-            yield sse_json(error_body(err.message, err.type, err.code, err.param))
+            yield _error_event(exc, rid)
             finished = True
         finally:
             if not finished and not cut.fired:
                 st.disconnects += 1
+
+    async def _stream_choices(count: int, n: int,
+                              make: Callable[[int], tuple[StreamPort, _Answer]],
+                              body: _SamplingFields, rid: str, model: str) -> Response:
+        """Stream a request of ``count`` choices (``n`` per prompt): their chunks interleaved, one ``[DONE]``.
+
+        The first ``choice_window`` choices are admitted before the response
+        starts, so their refusals are statuses as a one-choice request's; a
+        later choice refused, or any choice failing, ends the stream with
+        an error event (and no ``[DONE]``) and cancels the others. Each
+        choice's chunks carry its index; the usage tail (``include_usage``)
+        counts each prompt once. The choices feed one bounded channel that
+        the response drains: a client that stops reading holds them all,
+        and the write deadline ends them all.
+        """
+        window = settings.choice_window
+        first = [make(c) for c in range(min(count, window))]
+        st.enter()
+        try:
+            for stream, _ in first:
+                await _admit(stream)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for stream, _ in first:
+                    await stream.aclose()
+            st.leave()
+            raise
+        ts = created()
+        usages: list[Usage | None] = [None] * count
+        send, receive = anyio.create_memory_object_stream[bytes | _Failure](_CHOICE_EVENTS)
+
+        async def produce() -> None:
+            slots = anyio.Semaphore(window)
+            async with send, anyio.create_task_group() as tg:
+
+                async def one(c: int) -> None:
+                    try:
+                        stream, answer = first[c] if c < len(first) else make(c)
+                        try:
+                            if c >= len(first):
+                                await _admit(stream)
+                            ended: list[Usage] = []
+                            async for event in _choice_events(
+                                    stream, rid, ts, model, answer,
+                                    body.continuous_usage(), c, ended):
+                                await send.send(event)
+                            usages[c] = ended[0] if ended else None
+                        except KvtierError as exc:
+                            await send.send(_Failure(_error_event(exc, rid)))
+                            tg.cancel_scope.cancel()
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                            # NOTE: the response ended (its reader closed the
+                            # channel after a failure); this choice is not read.
+                            return
+                        finally:
+                            with anyio.CancelScope(shield=True):
+                                await stream.aclose()
+                    finally:
+                        slots.release()
+
+                for c in range(count):
+                    await slots.acquire()
+                    tg.start_soon(one, c)
+
+        tail_answer = first[0][1]
+
+        async def events() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                async with receive:
+                    async for item in receive:
+                        if isinstance(item, _Failure):
+                            finished = True
+                            yield item.event
+                            return
+                        yield item
+                ended = [u for u in usages if u is not None]
+                if len(ended) < count:
+                    # NOTE: only the end of the response (cut, deadline) stops choices silently.
+                    return
+                if body.include_usage():
+                    yield _usage_tail(rid, ts, model, tail_answer, choices_usage(ended, n))
+                finished = True
+                yield DONE
+            finally:
+                if not finished and not cut.fired:
+                    st.disconnects += 1
+
+        async def release() -> None:
+            st.leave()
+
+        err = kvtier_error_to_api(ServerShuttingDown(_CUT_MESSAGE))
+        return EventStreamResponse(
+            events(), on_close=release, headers={"X-Request-Id": rid}, cut=cut.wait,
+            cut_event=sse_json(error_body(err.message, err.type, err.code, err.param)),
+            write_timeout=stream_write_timeout_s, request_id=rid, producer=produce)
 
     # ----------------------------------------------------------- middleware
     # Starlette wraps in reverse order: the last added runs first.

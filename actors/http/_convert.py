@@ -427,7 +427,8 @@ def completion_response(rid: str, created: int, model: str,
 def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
                calls_only: bool = False, piece: ChatPiece | None = None,
                finish: str | None = None, usage: Usage | None = None,
-               logprobs: bool = False, running: UsageBody | None = None) -> ChatCompletionChunk:
+               logprobs: bool = False, running: UsageBody | None = None,
+               index: int = 0) -> ChatCompletionChunk:
     """One streamed chat chunk: the role opener, a piece of the answer, the finish, or the usage tail.
 
     The role opener carries ``content: ""`` (as OpenAI's), except when the
@@ -436,6 +437,7 @@ def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
     that adds up the deltas of an answer of calls only ends with
     ``content`` null, as the non-streamed message has. ``running``:
     the usage so far, on a chunk with a choice (``continuous_usage_stats``).
+    ``index``: the choice the chunk belongs to (a request of several choices).
     """
     if usage is not None:
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
@@ -453,6 +455,7 @@ def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
         if logprobs:
             entries = ChoiceLogprobs(content=list(piece.logprobs))
     choice = ChatChunkChoice(
+        index=index,
         delta=Delta(role="assistant" if role else None, content=content, tool_calls=calls),
         finish_reason=finish, logprobs=entries,
     )
@@ -463,12 +466,13 @@ def chat_chunk(rid: str, created: int, model: str, *, role: bool = False,
 def completion_chunk(rid: str, created: int, model: str, *,
                      piece: CompletionPiece | None = None, finish: str | None = None,
                      usage: Usage | None = None,
-                     running: UsageBody | None = None) -> CompletionResponse:
-    """One streamed text-completion chunk (same object as the non-streamed body); ``running`` as in :func:`chat_chunk`."""
+                     running: UsageBody | None = None, index: int = 0) -> CompletionResponse:
+    """One streamed text-completion chunk (same object as the non-streamed body); ``running`` and ``index`` as in :func:`chat_chunk`."""
     if usage is not None:
         return CompletionResponse(id=rid, created=created, model=model, choices=[],
                                   usage=usage_body(usage))
-    choice = CompletionChoice(text=piece.text if piece is not None else "", finish_reason=finish,
+    choice = CompletionChoice(index=index, text=piece.text if piece is not None else "",
+                              finish_reason=finish,
                               logprobs=piece.logprobs if piece is not None else None)
     return CompletionResponse(id=rid, created=created, model=model, choices=[choice],
                               usage=running)

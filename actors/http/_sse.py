@@ -116,6 +116,10 @@ class EventStreamResponse(StreamingResponse):
 
     ``write_timeout`` (seconds, ``None``: none): the deadline on each write;
     ``request_id`` names the response in the log line of a write past it.
+    ``producer`` (optional) runs beside the writer for as long as the
+    response does (it feeds ``content``, e.g. several generations into one
+    channel) and is cancelled when the response ends, however it ends,
+    before ``on_close``.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class EventStreamResponse(StreamingResponse):
         write_timeout: float | None = None,
         request_id: str = "",
         on_write: Callable[[], None] | None = None,
+        producer: Callable[[], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={**_SSE_HEADERS, **(headers or {})})
@@ -143,6 +148,7 @@ class EventStreamResponse(StreamingResponse):
         self._closed = False
         self._cut = cut
         self._cut_event = cut_event
+        self._producer = producer
 
     async def close(self) -> None:
         """Run ``on_close`` once, shielded (it must finish even inside a cancelled scope)."""
@@ -159,15 +165,19 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            with anyio.CancelScope() as response:
-                if self._on_write is not None:
-                    send = _noting(send, self._on_write)
-                if self._write_timeout is not None:
-                    send = self._timed(send, self._write_timeout, response, scope)
-                if self._cut is None:
-                    await super().__call__(scope, receive, send)
-                else:
-                    await self._run_until_cut(self._cut, scope, receive, send)
+            async with anyio.create_task_group() as work:
+                if self._producer is not None:
+                    work.start_soon(self._producer)
+                with anyio.CancelScope() as response:
+                    if self._on_write is not None:
+                        send = _noting(send, self._on_write)
+                    if self._write_timeout is not None:
+                        send = self._timed(send, self._write_timeout, response, scope)
+                    if self._cut is None:
+                        await super().__call__(scope, receive, send)
+                    else:
+                        await self._run_until_cut(self._cut, scope, receive, send)
+                work.cancel_scope.cancel()
         finally:
             await self.close()
 

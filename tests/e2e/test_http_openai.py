@@ -125,7 +125,7 @@ def test_completions_streamed_and_not(client: openai.OpenAI) -> None:
 
 
 def test_several_choices_through_the_openai_client(client: openai.OpenAI) -> None:
-    """A batch of prompts with n=2: greedy choices equal one-choice answers, numbered prompt-major, each prompt counted once."""
+    """A batch of prompts with n=2, streamed and not: greedy choices equal one-choice answers, numbered prompt-major, each prompt counted once."""
     prompts = ["The capital of France is", "Once upon a time"]
     singles = [client.completions.create(model="default", prompt=p, max_tokens=6, temperature=0)
                for p in prompts]
@@ -138,10 +138,19 @@ def test_several_choices_through_the_openai_client(client: openai.OpenAI) -> Non
     assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles if s.usage)
     assert r.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles
                                                 if s.usage)
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="default", messages=STORY, n=2, stream=True)
-    assert refused.value.body is not None
-    assert cast_dict(refused.value.body)["param"] == "stream"
+    streamed = client.completions.create(model="default", prompt=prompts, n=2, max_tokens=6,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    parts: dict[int, str] = {}
+    usage = None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            parts[choice.index] = parts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert parts == {i: c.text for i, c in enumerate(r.choices)}
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens,
+                                                              r.usage.completion_tokens)
 
 
 def test_seeded_choices_differ_and_repeat(client: openai.OpenAI) -> None:
@@ -157,12 +166,13 @@ def test_seeded_choices_differ_and_repeat(client: openai.OpenAI) -> None:
     assert len(set(first)) > 1
     assert ask(3) == first
     assert ask(1) == first[:1]
-
-
-def cast_dict(body: object) -> dict[str, Any]:
-    """The error object of an ``openai`` client error's body."""
-    assert isinstance(body, dict)
-    return body
+    streamed = client.chat.completions.create(model="default", messages=STORY, n=3, max_tokens=8,
+                                              temperature=1.0, seed=7, stream=True)
+    parts: dict[int, str] = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            parts[choice.index] = parts.get(choice.index, "") + (choice.delta.content or "")
+    assert [parts[i] for i in range(3)] == first
 
 
 def test_stop_string_cuts_output(client: openai.OpenAI, reference: str) -> None:

@@ -121,8 +121,20 @@ def test_tools_on_the_default_model_are_refused(client: openai.OpenAI) -> None:
     assert "tools" in str(err.value)
 
 
-def test_n_above_one_is_refused(client: openai.OpenAI) -> None:
-    """n=2 is a clear 400 naming n."""
+def test_every_sampled_choice_follows_the_schema(client: openai.OpenAI) -> None:
+    """n=3 sampled with json_schema: every choice is its own constrained answer and validates."""
+    fmt: ResponseFormatJSONSchema = {
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model="default", messages=ASK, max_tokens=80, n=3,
+                                       temperature=0.9, seed=3, response_format=fmt)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+
+
+def test_n_of_zero_is_refused(client: openai.OpenAI) -> None:
+    """n=0 is a clear 400 naming n."""
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="default", messages=ASK, n=2)
+        client.chat.completions.create(model="default", messages=ASK, n=0)
     assert "'n'" in str(err.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -103,16 +104,104 @@ async def test_an_empty_prompt_in_a_batch_is_a_400() -> None:
     assert engine.calls == []
 
 
-async def test_streaming_several_choices_is_refused_clearly() -> None:
-    """stream with n=2 (or a batch) is a 400 naming stream, before anything generates."""
-    engine = FakeEngine()
+def _sse(text: str) -> list[Any]:
+    """An SSE body's JSON payloads ("[DONE]" kept as a string)."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_streamed_chat_choices_carry_their_index_and_end_once() -> None:
+    """stream with n=2: each choice's opener, text and finish under its index; one usage tail (prompt once); one [DONE] last."""
+    engine = FakeEngine(scripts=[Script(tokens=("a", "b"), prompt_tokens=9, cached_tokens=2),
+                                 Script(tokens=("c",), prompt_tokens=9, cached_tokens=9)])
+    async with _client(engine) as c:
+        r = await c.post(CHAT, json={"messages": ASK, "n": 2, "stream": True,
+                                     "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]"
+    assert events.count("[DONE]") == 1
+    chunks = [e for e in events[:-1] if e["choices"]]
+    text = {i: "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks
+                       if ch["choices"][0]["index"] == i) for i in (0, 1)}
+    assert text == {0: "ab", 1: "c"}
+    for i in (0, 1):
+        mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert mine[-1]["finish_reason"] == "stop"
+    assert events[-2]["choices"] == []
+    assert events[-2]["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12,
+                                   "prompt_tokens_details": {"cached_tokens": 2}}
+    assert all(call.closed for call in engine.calls)
+    assert engine.active == 0
+
+
+async def test_streamed_completion_batch_numbers_choices_prompt_major() -> None:
+    """A streamed batch of two prompts: each prompt's text under index i (its only choice)."""
+    engine = FakeEngine(scripts=[Script(tokens=("x", "y")), Script(tokens=("z",))])
+    async with _client(engine) as c:
+        r = await c.post(COMPLETIONS, json={"prompt": ["one", "two"], "stream": True})
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]"
+    text = {i: "".join(e["choices"][0]["text"] for e in events[:-1]
+                       if e["choices"] and e["choices"][0]["index"] == i) for i in (0, 1)}
+    assert text == {0: "xy", 1: "z"}
+    assert [call.payload for call in engine.calls] == ["one", "two"]
+
+
+async def test_a_streamed_choice_failing_ends_the_stream_with_an_error_event() -> None:
+    """One choice failing mid-answer: an error event last, no [DONE], every choice closed."""
+    hold = anyio.Event()
+    engine = FakeEngine(scripts=[Script(gate=hold), Script(fail_after=1), Script(gate=hold)])
+    async with _client(engine) as c:
+        r = await c.post(CHAT, json={"messages": ASK, "n": 3, "stream": True})
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    assert events[-1]["error"]["code"] == "generation_failed"
+    assert "[DONE]" not in events
+    assert all(call.closed for call in engine.calls)
+    assert engine.active == 0
+
+
+async def test_a_streamed_request_refused_before_its_first_byte_gets_the_status() -> None:
+    """A choice refused at admission before the stream starts: the request's status is the refusal (429), nothing left open."""
+    engine = FakeEngine(scripts=[Script(), Script(admission_error=QueueFull(4, 4))])
     async with _client(engine) as c:
         r = await c.post(CHAT, json={"messages": ASK, "n": 2, "stream": True})
-        err = _error(r, 400, "stream")
-        assert "stream: false" in err["message"]
-        r = await c.post(COMPLETIONS, json={"prompt": ["a", "b"], "stream": True})
-        _error(r, 400, "stream")
-    assert engine.calls == []
+    assert r.status_code == 429, r.text
+    assert all(call.closed for call in engine.calls)
+    assert not any(call.finished for call in engine.calls)
+    assert engine.active == 0
+
+
+async def test_streamed_choices_beyond_the_window_start_as_others_end() -> None:
+    """Window 2, five streamed choices: all five answer in full, never more than two open at once."""
+    engine = FakeEngine(scripts=[Script(tokens=(str(i), "!")) for i in range(5)])
+    peak = 0
+    real_next = engine._next
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal peak
+        peak = max(peak, sum(not call.closed for call in engine.calls) + 1)
+        return real_next(*args, **kwargs)
+
+    engine._next = counting  # type: ignore[method-assign]
+    async with _client(engine, HttpSettings(choice_window=2)) as c:
+        r = await c.post(COMPLETIONS, json={"prompt": "p", "n": 5, "stream": True})
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]"
+    text = {i: "".join(e["choices"][0]["text"] for e in events[:-1]
+                       if e["choices"] and e["choices"][0]["index"] == i) for i in range(5)}
+    assert text == {i: f"{i}!" for i in range(5)}
+    assert peak <= 2
+    assert engine.active == 0
 
 
 async def test_too_many_choices_are_refused() -> None:

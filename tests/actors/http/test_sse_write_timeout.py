@@ -138,3 +138,37 @@ async def test_a_write_that_waits_within_the_deadline_completes() -> None:
     bodies = [m["body"] for m in client.sent if m["type"] == "http.response.body"]
     assert bodies == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
     assert not [e for e in logs if e["event"] == "http.stream_write_timeout"]
+
+
+async def test_a_stalled_response_cancels_its_producer_before_on_close() -> None:
+    """A producer feeding the stream (several choices) is cancelled when a stalled write ends the
+    response, and has ended by the time on_close runs."""
+    send, receive = anyio.create_memory_object_stream[bytes](4)
+    order: list[str] = []
+
+    async def produce() -> None:
+        try:
+            async with send:
+                n = 0
+                while True:
+                    await send.send(f"data: {n}\n\n".encode())
+                    n += 1
+        finally:
+            order.append("producer ended")
+
+    async def drain() -> AsyncIterator[bytes]:
+        async with receive:
+            async for item in receive:
+                yield item
+
+    async def on_close() -> None:
+        order.append("on_close")
+
+    response = EventStreamResponse(drain(), on_close=on_close, write_timeout=TIMEOUT,
+                                   producer=produce)
+    client = StuckClient(room=2)
+    with anyio.fail_after(TIMEOUT + 5):
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, client.receive,
+                       client.send)
+    assert response.stalled
+    assert order == ["producer ended", "on_close"]
