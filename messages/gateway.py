@@ -197,6 +197,10 @@ class Generate(Request):
     params: GenerationParams = GenerationParams()
     stream_to: str = ""
     chat: bool = False
+    shared_prompt: bool = False
+    """Other requests over this prompt follow at once (a request's several choices): like a
+    chat prompt, it takes the prompt-boundary snapshot, and rows sharing it wait for that
+    snapshot instead of prefilling it again."""
     namespace: str = ""
     """The prompt-cache namespace the request's KV is looked up and stored in."""
 

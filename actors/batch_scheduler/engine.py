@@ -492,7 +492,8 @@ class BatchEngine:
                 cached, outcome = join.cached_tokens, "ram"
             except Exception as exc:  # noqa: BLE001 - NOTE: a cache-tier failure is a miss.
                 _log.warning("prompt_cache.materialize_failed", handle=join.handle, error=repr(exc))
-        snapshot_at = self._snapshot_at(request.prompt_tokens, request.chat, cached)
+        snapshot_at = self._snapshot_at(request.prompt_tokens,
+                                        request.chat or request.shared_prompt, cached)
         try:
             batch.join(
                 request.request_id,
@@ -515,7 +516,8 @@ class BatchEngine:
                 request.request_id,
                 request.prompt_tokens,
                 request.params,
-                snapshot_at=self._snapshot_at(request.prompt_tokens, request.chat, 0),
+                snapshot_at=self._snapshot_at(request.prompt_tokens,
+                                              request.chat or request.shared_prompt, 0),
                 checkpoint_every=self._every if join.checkpoint else 0,
             )
         return cached, outcome

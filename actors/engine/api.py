@@ -279,6 +279,7 @@ class GenerationStream(_StartClose):
         *,
         chat: bool,
         fit_context: bool = False,
+        shared_prompt: bool = False,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
@@ -287,6 +288,7 @@ class GenerationStream(_StartClose):
         self._prepare = prepare
         self._params = params
         self._chat = chat
+        self._shared_prompt = shared_prompt
         self._fit_context = fit_context
         self._inbox: Inbox | None = None
         self._prompt_tokens: int | None = None
@@ -383,6 +385,7 @@ class GenerationStream(_StartClose):
             params=self._params,
             stream_to=inbox.address,
             chat=self._chat,
+            shared_prompt=self._shared_prompt,
             namespace=self._params.cache_namespace,
         )
         try:
@@ -935,10 +938,14 @@ class Engine(_StartClose):
         request_id: str | None = None,
         fit_context: bool = False,
         cache_salt: str | None = None,
+        shared_prompt: bool = False,
     ) -> GenerationStream:
         """A stream for a raw completion of ``prompt`` (text, or token ids used verbatim).
 
-        ``fit_context`` and ``cache_salt`` as in :meth:`chat`.
+        ``fit_context`` and ``cache_salt`` as in :meth:`chat`. ``shared_prompt``:
+        other requests over this prompt (or a long prefix of it) follow at
+        once, e.g. the choices of one request; the prompt is then prefilled
+        once and the others reuse it, as chat prompts always do.
         """
         prepare = (prompts.text_renderer(prompt) if isinstance(prompt, str)
                    else [int(t) for t in prompt])
@@ -949,6 +956,7 @@ class Engine(_StartClose):
             _salted(params or self._config.default_params(), cache_salt),
             chat=False,
             fit_context=fit_context,
+            shared_prompt=shared_prompt,
         )
 
     async def complete(

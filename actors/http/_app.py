@@ -423,6 +423,10 @@ def create_app(
         """OpenAI (legacy) text completions, streamed (SSE) or not."""
         body, rid, model, params = await _accept(request, CompletionRequest, "cmpl")
         prompts = body.prompt_values()
+        # NOTE: the choices of one request share their prompt (n) or often a
+        # prefix (a batch's few-shot examples): each then takes the prompt
+        # snapshot, and a sibling waits for it instead of prefilling it too.
+        shared = len(prompts) * body.n > 1
 
         def make(c: int) -> tuple[StreamPort, _Answer]:
             # NOTE: choice c is prompt c // n's (c % n)-th, as OpenAI numbers a batch's choices.
@@ -432,7 +436,8 @@ def create_app(
                                       scores_only=body.scores_only)
             stream = engine.generate(prompt, _choice_params(params, c % body.n),
                                      request_id=_choice_id(rid, c),
-                                     fit_context=body.requested_max_tokens() is None)
+                                     fit_context=body.requested_max_tokens() is None,
+                                     shared_prompt=shared)
             return stream, answer
 
         count = len(prompts) * body.n

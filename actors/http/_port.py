@@ -96,8 +96,9 @@ class EnginePort(Protocol):
         *,
         request_id: str | None = None,
         fit_context: bool = False,
+        shared_prompt: bool = False,
     ) -> StreamPort:
-        """A not-yet-admitted raw completion stream."""
+        """A not-yet-admitted raw completion stream (``shared_prompt``: siblings over the prompt follow)."""
         ...
 
     async def stats(self) -> dict[str, Any]:

@@ -153,6 +153,24 @@ def test_several_choices_through_the_openai_client(client: openai.OpenAI) -> Non
                                                               r.usage.completion_tokens)
 
 
+def test_choices_of_one_prompt_prefill_it_once(server: ServerProcess,
+                                               client: openai.OpenAI) -> None:
+    """n=3 over a new 200-token prompt: the second and third choices reuse the first's prefill (cache-served tokens)."""
+
+    def served() -> int:
+        stats = httpx.get(f"{server.url}/stats", headers=_auth(), timeout=30).json()
+        return int(stats["engine"]["prompt_cache"]["cached_tokens_served"])
+
+    prompt = "Choices " + " ".join(f"w{i}" for i in range(100))
+    before = served()
+    r = client.completions.create(model="default", prompt=prompt, n=3, max_tokens=2,
+                                  temperature=0)
+    assert r.usage is not None
+    assert r.usage.prompt_tokens > 150
+    # NOTE: each sibling takes the prompt up to its stable boundary (one token short).
+    assert served() - before >= 2 * (r.usage.prompt_tokens - 1)
+
+
 def test_seeded_choices_differ_and_repeat(client: openai.OpenAI) -> None:
     """n=3 sampled with a seed: the three answers differ, the request repeats exactly, and choice 0 is the n=1 answer."""
 

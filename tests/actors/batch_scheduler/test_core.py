@@ -334,22 +334,26 @@ def test_random_events_keep_the_invariants(script: list[tuple[str, str]]) -> Non
     assert leases_out == set(released) | held
 
 
-def _chat(rid: str, prompt: tuple[int, ...]) -> Generate:
+def _chat(rid: str, prompt: tuple[int, ...], *, chat: bool = True,
+          shared_prompt: bool = False) -> Generate:
     return Generate(
         request_id=rid,
         prompt_tokens=prompt,
         params=GenerationParams(max_tokens=4),
         stream_to=f"inbox.{rid}",
-        chat=True,
+        chat=chat,
+        shared_prompt=shared_prompt,
     )
 
 
-def test_a_row_sharing_a_long_prefix_waits_for_the_first_rows_snapshot() -> None:
-    """Two chat rows with a 100-token common prefix: the second waits, then looks up after the first's snapshot Put."""
+@pytest.mark.parametrize("kind", ["chat", "shared completion"])
+def test_a_row_sharing_a_long_prefix_waits_for_the_first_rows_snapshot(kind: str) -> None:
+    """Two chat rows (or two completion rows of one request's choices) with a 100-token common prefix: the second waits, then looks up after the first's snapshot Put."""
     shared = tuple(range(100, 200))
+    chat = kind == "chat"
     core = Core(max_rows=4, lookups=True)
-    core.handle(Admit(_chat("a", (*shared, 1, 2, 3)), "c-a", 0.0))
-    core.handle(Admit(_chat("b", (*shared, 4, 5, 6)), "c-b", 0.0))
+    core.handle(Admit(_chat("a", (*shared, 1, 2, 3), chat=chat, shared_prompt=not chat), "c-a", 0.0))
+    core.handle(Admit(_chat("b", (*shared, 4, 5, 6), chat=chat, shared_prompt=not chat), "c-b", 0.0))
     core.handle(LookupAnswered("a", TakeResult(), 0.1))
     core.handle(LookupAnswered("b", TakeResult(lease_id="Lb", handle="h0", cached_tokens=3), 0.1))
     first = core.grant(1.0)

@@ -183,6 +183,7 @@ class FakeEngine:
     shutting_down: bool = False
     active: int = 0
     fit_context: list[bool] = field(default_factory=list)
+    shared_prompt: list[bool] = field(default_factory=list)
     tool_format: ToolFormat | None = field(default_factory=json_tools_format)
     token_bytes: FakeTokenBytes = field(default_factory=FakeTokenBytes)
 
@@ -201,8 +202,10 @@ class FakeEngine:
         return self._next("chat", [dict(m) for m in messages], params, request_id, tools)
 
     def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
-                 *, request_id: str | None = None, fit_context: bool = False) -> FakeStream:
+                 *, request_id: str | None = None, fit_context: bool = False,
+                 shared_prompt: bool = False) -> FakeStream:
         self.fit_context.append(fit_context)
+        self.shared_prompt.append(shared_prompt)
         return self._next("generate", prompt, params, request_id)
 
     async def stats(self) -> dict[str, Any]:

@@ -74,7 +74,7 @@ async def test_completions_batch_numbers_choices_prompt_major() -> None:
 
 
 async def test_token_id_batches_and_a_single_token_prompt_are_told_apart() -> None:
-    """[[1, 2], [3]] is two prompts of token ids; [1, 2, 3] stays one prompt."""
+    """[[1, 2], [3]] is two prompts of token ids, marked shared; [1, 2, 3] stays one prompt, unmarked."""
     engine = FakeEngine()
     async with _client(engine) as c:
         r = await c.post(COMPLETIONS, json={"prompt": [[1, 2], [3]], "max_tokens": 2})
@@ -84,6 +84,8 @@ async def test_token_id_batches_and_a_single_token_prompt_are_told_apart() -> No
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 1
     assert [call.payload for call in engine.calls] == [[1, 2], [3], [1, 2, 3]]
+    # NOTE: a batch's prompts are marked shared (each takes the prompt snapshot); one prompt is not.
+    assert engine.shared_prompt == [True, True, False]
 
 
 async def test_a_batch_token_outside_the_vocabulary_is_a_400_before_any_generation() -> None:
