@@ -134,6 +134,17 @@ def _choice_id(rid: str, c: int) -> str:
     return rid if c == 0 else f"{rid}-{c}"
 
 
+async def _drain(stream: StreamPort, answer: ChatAnswer | CompletionAnswer) -> DoneEvent | None:
+    """Feed a non-streamed ``answer`` every token of ``stream``; its end (``None``: it ended without one)."""
+    done: DoneEvent | None = None
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            answer.feed(event)
+        else:
+            done = event
+    return done
+
+
 def _request_id(scope: Scope) -> RequestId:
     rid = scope.get(REQUEST_ID_KEY)
     assert isinstance(rid, RequestId), "_AccessLog must wrap the app"
@@ -560,14 +571,9 @@ def create_app(
                 async def run(c: int) -> None:
                     async with window:
                         stream, answer = make(c)
-                        done: DoneEvent | None = None
                         try:
                             await _admit(stream)
-                            async for event in stream:
-                                if isinstance(event, TokenEvent):
-                                    answer.feed(event)
-                                else:
-                                    done = event
+                            done = await _drain(stream, answer)
                         except KvtierError as exc:
                             failures.append(exc)
                             tg.cancel_scope.cancel()
@@ -627,11 +633,7 @@ def create_app(
             tg.start_soon(watch_disconnect)
             tg.start_soon(watch_cut)
             try:
-                async for event in stream:
-                    if isinstance(event, TokenEvent):
-                        answer.feed(event)
-                    else:
-                        done = event
+                done = await _drain(stream, answer)
             except KvtierError as exc:
                 # NOTE: kept out of the task group so it is not wrapped in an ExceptionGroup.
                 failure = exc

@@ -24,13 +24,12 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import loadavg, machine, start_kvtier
+from _common import in_threads, loadavg, machine, start_kvtier
 
 ENDPOINTS = ("completions", "chat")
 WAYS = ("one", "n", "separate")
@@ -61,21 +60,11 @@ def _timed(url: str, endpoint: str, way: str, prompt: str, n: int, max_tokens: i
         if len(answer["choices"]) != n:
             raise RuntimeError(f"{len(answer['choices'])} choices, asked for {n}")
     else:
-        errors: list[BaseException] = []
 
-        def one() -> None:
-            try:
-                _post(url, endpoint, _body(endpoint, prompt, 1, max_tokens))
-            except BaseException as exc:  # noqa: BLE001 - NOTE: re-raised below, in the caller's thread
-                errors.append(exc)
+        def one(_: int) -> None:
+            _post(url, endpoint, _body(endpoint, prompt, 1, max_tokens))
 
-        threads = [threading.Thread(target=one) for _ in range(n)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        in_threads(one, n)
     return time.perf_counter() - t
 
 
