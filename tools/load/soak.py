@@ -25,6 +25,10 @@ random (seeded by ``--seed``):
 - ``logprobs``: a text completion with ``logprobs`` 3.
 - ``json``: a chat answer constrained to a small JSON schema; one that
   finishes with ``stop`` must parse.
+- ``choices``: a text completion of two fixed prompts with ``n`` 2, greedy,
+  streamed or not (a streamed one closed after a few chunks now and then):
+  four choices by index, equal within a prompt and to every earlier answer
+  to that prompt.
 
 Meanwhile ``/health`` is timed every half second and ``/stats`` read every
 five (the process's resident memory). When the clients stop, the server
@@ -74,7 +78,7 @@ SYSTEM = ("You are a careful assistant for a shipping company. Tools: "
 
 BEHAVIOURS: dict[str, float] = {
     "greedy": 4.0, "agent": 2.0, "cancel": 1.0, "stall": 0.5, "invalid": 1.0,
-    "logprobs": 1.0, "json": 0.5,
+    "logprobs": 1.0, "json": 0.5, "choices": 0.5,
 }
 """Each behaviour's weight in a client's draw."""
 
@@ -92,6 +96,8 @@ class Soak:
     outcomes: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
     answers: dict[int, str] = field(default_factory=dict)
+    choice_answers: dict[int, str] = field(default_factory=dict)
+    """The greedy answer of each ``choices`` prompt, as first seen."""
     health_ms: list[float] = field(default_factory=list)
     latency_ms: dict[str, list[float]] = field(default_factory=dict)
     """Each answered request's whole time, by kind (``greedy``, ``agent_turn``)."""
@@ -322,6 +328,50 @@ async def structured(s: Soak, client: httpx.AsyncClient, rng: random.Random) -> 
     s.outcomes[f"json.{choice['finish_reason']}"] += 1
 
 
+async def choices(s: Soak, client: httpx.AsyncClient, rng: random.Random) -> None:
+    """Two fixed prompts, n=2, greedy: four choices, equal within a prompt and across runs."""
+    picks = rng.sample(range(s.conversations), 2)
+    body = {"model": "default", "prompt": [_user(i) for i in picks], "n": 2, "max_tokens": 12,
+            "temperature": 0}
+    texts: dict[int, str] = {}
+    if rng.random() < 0.5:
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            s.violate(f"choices: {r.status_code} {r.text[:200]}")
+            return
+        texts = {c["index"]: c["text"] for c in r.json()["choices"]}
+    else:
+        cut = rng.random() < 0.3
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                s.violate(f"choices: {r.status_code}")
+                return
+            events = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events += 1
+                if cut and events >= 3:
+                    s.outcomes["choices.cut"] += 1
+                    return
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    s.violate(f"choices: error event {event['error']}")
+                    return
+                for c in event["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    if sorted(texts) != [0, 1, 2, 3]:
+        s.violate(f"choices: indices {sorted(texts)}")
+        return
+    for k, i in enumerate(picks):
+        a, b = texts[2 * k], texts[2 * k + 1]
+        seen = s.choice_answers.setdefault(i, a)
+        if a != b or a != seen:
+            s.violate(f"choices {i}: {a!r} / {b!r}, first seen {seen!r}")
+            return
+    s.outcomes["choices.ok"] += 1
+
+
 async def client_loop(s: Soak, seed: int, until: float) -> None:
     """One client: behaviours drawn at random until ``until``."""
     rng = random.Random(seed)
@@ -343,6 +393,8 @@ async def client_loop(s: Soak, seed: int, until: float) -> None:
                         await invalid(s, client, rng)
                     case "logprobs":
                         await logprobs(s, client, rng)
+                    case "choices":
+                        await choices(s, client, rng)
                     case _:
                         await structured(s, client, rng)
             except (httpx.HTTPError, OSError, TimeoutError, ValueError, KeyError) as exc:
