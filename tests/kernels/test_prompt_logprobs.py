@@ -128,3 +128,17 @@ def test_prompt_logprobs_shape_is_checked() -> None:
         PromptLogprobs(token_ids=(1, 2, 3), logprobs=(-1.0,))
     with pytest.raises(ValueError):
         PromptLogprobs(token_ids=(1, 2), logprobs=(-1.0,), top=2, top_ids=(1,), top_logprobs=(-1.0,))
+
+
+def test_one_alternative_is_each_rows_maximum_lowest_id_among_ties() -> None:
+    """top 1 (the harnesses' ``logprobs: 1``) reports each row's most likely token, the lowest id among equals."""
+    rows = [[0.0, 2.0, 2.0, 1.0, -1.0], [3.0, 0.5, 3.0, 3.0, 0.0], [-2.0, -1.0, 0.0, 4.0, 4.5]]
+    scorer = PromptScorer([4, 0, 3, 1], 1)
+    scorer.add(mx.array(rows), 0)
+    scores = scorer.result()
+    assert scores.top_ids == (1, 0, 4)
+    lse = mx.logsumexp(mx.array(rows), axis=-1)
+    want = [rows[i][t] - lse[i].item() for i, t in enumerate((1, 0, 4))]
+    assert list(scores.top_logprobs) == pytest.approx(want, abs=1e-6)
+    assert list(scores.logprobs) == pytest.approx(
+        [rows[i][t] - lse[i].item() for i, t in enumerate((0, 3, 1))], abs=1e-6)
