@@ -67,3 +67,22 @@ async def test_without_predictions_the_next_turn_sees_no_cached_prefix() -> None
     finally:
         await router.aclose()
     assert [uncached for _, _, uncached in turns] == [6, 6, 6, 6]
+
+
+async def test_token_id_prompts_and_batches_are_routed_by_their_tokens() -> None:
+    """A prompt of token ids routes by those ids; a batch by its first prompt, so it follows that prompt's home."""
+    router = _router(ttl=30.0)
+    try:
+        text = "conv 00 " + "x" * 56
+        home, ended = await _first(router, text)
+        ended()
+        ids = [ord(c) for c in text] + [ord("y")] * 32
+        i, chain, uncached = await router.pick("/v1/completions", {"prompt": ids})
+        assert (i, len(chain), uncached) == (home, 6, 2)
+        i, chain, uncached = await router.pick(
+            "/v1/completions", {"prompt": [text + "z" * 16, "other " * 20]})
+        assert (i, len(chain), uncached) == (home, 5, 1)
+        i, chain, uncached = await router.pick("/v1/completions", {"prompt": [ids, [1, 2, 3]]})
+        assert (i, len(chain)) == (home, 6)
+    finally:
+        await router.aclose()

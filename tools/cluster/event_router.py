@@ -53,7 +53,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 _REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:
@@ -107,6 +107,12 @@ class ReplicaLink:
             return
         self.index.apply(decode_payload(payload))
         self.last_seq = seq
+
+
+def _token_ids(prompt: object) -> TypeGuard[list[int]]:
+    """Whether ``prompt`` is one prompt of token ids (kvtier prefills them verbatim)."""
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
 
 
 class EventRouter:
@@ -209,8 +215,16 @@ class EventRouter:
                 self._chat = ChatTokens(self.tokenizer)
             return self._chat.chat(messages, tools=tools)
         prompt = body.get("prompt")
+        if _token_ids(prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and prompt:
+            # NOTE: a batch of prompts goes to one replica, routed by its first
+            # prompt (a batch's prompts often share it: few-shot examples).
+            prompt = prompt[0]
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
+        if _token_ids(prompt):
+            return list(prompt)
         return None
 
     def _hashes(self, r: ReplicaLink, tokens: list[int], salt: str | None) -> list[int]:
