@@ -8,6 +8,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.errors import QueueFull
 from actors.http import HttpSettings, HttpState, begin_shutdown, create_app, cut_streams
@@ -291,3 +293,43 @@ async def test_shutdown_cut_ends_a_request_of_several_choices_with_503() -> None
     assert result["r"].status_code == 503, result["r"].text
     assert all(call.closed for call in engine.calls)
     assert engine.active == 0
+
+
+_FATES = st.sampled_from(["ok", "ok", "ok", "refused", "fails"])
+
+
+@given(n=st.integers(1, 3), prompts=st.integers(1, 3), stream=st.booleans(),
+       window=st.integers(1, 4), fates=st.lists(_FATES, min_size=9, max_size=9))
+@settings(max_examples=60, deadline=None, database=None)
+def test_any_mix_of_choices_and_failures_answers_once_and_leaves_nothing_open(
+        n: int, prompts: int, stream: bool, window: int, fates: list[str]) -> None:
+    """Whatever the choices' count, window, streaming and failures: one complete answer or one error, every stream closed."""
+    count = n * prompts
+    scripts = [Script(tokens=(f"t{c}",), admission_error=QueueFull(4, 4) if fate == "refused"
+                      else None, fail_after=0 if fate == "fails" else None)
+               for c, fate in enumerate(fates[:count])]
+    engine = FakeEngine(scripts=scripts)
+
+    async def run() -> httpx.Response:
+        async with _client(engine, HttpSettings(choice_window=window)) as c:
+            return await c.post(COMPLETIONS, json={
+                "prompt": [f"p{i}" for i in range(prompts)], "n": n, "stream": stream})
+
+    r = anyio.run(run)
+    bad = [fate for fate in fates[:count] if fate != "ok"]
+    assert all(call.closed for call in engine.calls)
+    assert engine.active == 0
+    if stream and r.status_code == 200:
+        events = _sse(r.text)
+        if bad:
+            assert "error" in events[-1], events[-1]
+            assert "[DONE]" not in events
+        else:
+            assert events[-1] == "[DONE]"
+        return
+    if bad:
+        assert r.status_code in (429, 500), r.text
+        return
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [ch["text"] for ch in body["choices"]] == [f"t{c}" for c in range(count)]
