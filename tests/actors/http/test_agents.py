@@ -67,6 +67,20 @@ async def test_tool_call_answer_non_streamed() -> None:
     assert engine.calls[0].tools == [WEATHER]
 
 
+async def test_each_choice_calls_with_ids_of_its_own() -> None:
+    """n=2 with tools: both choices carry their call, finish tool_calls, and no call id repeats across choices."""
+    engine = FakeEngine(scripts=[Script(tokens=CALL_TOKENS, eos=True),
+                                 Script(tokens=CALL_TOKENS, eos=True)])
+    async with _client(engine) as c:
+        r = await c.post(CHAT, json={"messages": ASK, "tools": [WEATHER], "n": 2})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [ch["finish_reason"] for ch in choices] == ["tool_calls", "tool_calls"]
+    ids = [call["id"] for ch in choices for call in ch["message"]["tool_calls"]]
+    assert ids == ["call_abc_0", "call_abc_1_0"]
+    assert all(call.tools == [WEATHER] for call in engine.calls)
+
+
 async def test_tool_call_streamed_in_openais_delta_shape() -> None:
     """A streamed call is one delta.tool_calls entry {index, id, type, function}; text before it streams as content."""
     engine = FakeEngine(scripts=[Script(tokens=("Let me check. ", *CALL_TOKENS), eos=True)])
