@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -26,34 +25,29 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.engine.config import EngineConfig
 from actors.errors import KvtierError, ServerShuttingDown
-from messages.gateway import DoneEvent, GenerationParams, TokenEvent, Usage
+from messages.gateway import DoneEvent, GenerationParams, Usage
 
 from ._access import parse_networks
 from ._admin import install_admin
 from ._answer import (
     ChatAnswer,
-    ChatPiece,
     CompletionAnswer,
-    CompletionPiece,
     Echo,
     LogprobOptions,
 )
+from ._choices import CHOICE_EVENTS, Failure, choice_id, choice_params, drain
 from ._convert import (
-    chat_chunk,
     chat_messages,
     chat_response,
     check_against_vocab,
     choices_usage,
-    completion_chunk,
     completion_response,
     grammar_for,
     needs_grammar,
     resolve_model,
-    running_usage,
     to_params,
     tool_parsing,
     tools_for_template,
-    usage_body,
 )
 from ._errors import (
     ApiError,
@@ -62,6 +56,7 @@ from ._errors import (
     kvtier_error_to_api,
     validation_to_api,
 )
+from ._events import choice_events, error_event, usage_tail
 from ._isolation import request_cache_scope
 from ._metrics import HttpMetrics, MeteredEngine, install_metrics
 from ._middleware import (
@@ -84,10 +79,9 @@ from ._schemas import (
     ModelCard,
     ModelList,
     NamedToolChoice,
-    UsageBody,
     _SamplingFields,
 )
-from ._sse import DONE, EventStreamResponse, TextEvents, sse_json
+from ._sse import DONE, EventStreamResponse, sse_json
 from ._state import HttpSettings, HttpState
 from ._status import install_status
 from ._timeline import TimedStream, Timeline
@@ -97,52 +91,6 @@ __all__ = ["begin_shutdown", "create_app", "cut_streams"]
 _log = structlog.get_logger("kvtier.http")
 
 _Answer = ChatAnswer | CompletionAnswer
-
-
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    """A choice's error event: the stream of several choices ends with it."""
-
-    event: bytes
-
-
-_CHOICE_EVENTS = 64
-"""Events the choices of one streamed request may buffer ahead of its writer.
-
-NOTE: bounded: a client that stops reading fills it, and then every choice
-waits (its engine request holds its tokens, as a one-choice stream's does).
-"""
-
-_SEED_SPAN = 2**63
-"""Seeds run over ``0 .. 2**63 - 1`` (``GenerationParams.seed``)."""
-
-
-def _choice_params(params: GenerationParams, j: int) -> GenerationParams:
-    """The sampling of a prompt's ``j``-th choice: a seeded request's choice ``j`` draws from ``seed + j``.
-
-    NOTE: one seed for every choice would make a sampled request's ``n``
-    answers equal; ``seed + j`` keeps them different and the whole request
-    reproducible (choice 0 is the request with ``n`` 1).
-    """
-    if j == 0 or params.seed is None:
-        return params
-    return params.model_copy(update={"seed": (params.seed + j) % _SEED_SPAN})
-
-
-def _choice_id(rid: str, c: int) -> str:
-    """The engine's id of choice ``c`` (the request's own id for the first)."""
-    return rid if c == 0 else f"{rid}-{c}"
-
-
-async def _drain(stream: StreamPort, answer: ChatAnswer | CompletionAnswer) -> DoneEvent | None:
-    """Feed a non-streamed ``answer`` every token of ``stream``; its end (``None``: it ended without one)."""
-    done: DoneEvent | None = None
-    async for event in stream:
-        if isinstance(event, TokenEvent):
-            answer.feed(event)
-        else:
-            done = event
-    return done
 
 
 def _request_id(scope: Scope) -> RequestId:
@@ -419,7 +367,7 @@ def create_app(
             answer = ChatAnswer(tools=tools, logprobs=_logprob_options(params),
                                 call_id=lambda n: f"{calls}{n}",
                                 forced=choice == "required" or isinstance(choice, NamedToolChoice))
-            stream = engine.chat(messages, _choice_params(params, c), request_id=_choice_id(rid, c),
+            stream = engine.chat(messages, choice_params(params, c), request_id=choice_id(rid, c),
                                  tools=tools_for_template(body),
                                  fit_context=body.requested_max_tokens() is None)
             return stream, answer
@@ -445,8 +393,8 @@ def create_app(
             echo = Echo(prompt, engine.token_bytes) if body.echo else None
             answer = CompletionAnswer(logprobs=_logprob_options(params), echo=echo,
                                       scores_only=body.scores_only)
-            stream = engine.generate(prompt, _choice_params(params, c % body.n),
-                                     request_id=_choice_id(rid, c),
+            stream = engine.generate(prompt, choice_params(params, c % body.n),
+                                     request_id=choice_id(rid, c),
                                      fit_context=body.requested_max_tokens() is None,
                                      shared_prompt=shared)
             return stream, answer
@@ -573,7 +521,7 @@ def create_app(
                         stream, answer = make(c)
                         try:
                             await _admit(stream)
-                            done = await _drain(stream, answer)
+                            done = await drain(stream, answer)
                         except KvtierError as exc:
                             failures.append(exc)
                             tg.cancel_scope.cancel()
@@ -633,7 +581,7 @@ def create_app(
             tg.start_soon(watch_disconnect)
             tg.start_soon(watch_cut)
             try:
-                done = await _drain(stream, answer)
+                done = await drain(stream, answer)
             except KvtierError as exc:
                 # NOTE: kept out of the task group so it is not wrapped in an ExceptionGroup.
                 failure = exc
@@ -654,94 +602,6 @@ def create_app(
         )
         return JSONResponse(result.model_dump(mode="json"), headers=headers)
 
-    def _chunk(rid: str, ts: int, model: str, answer: _Answer,
-               piece: ChatPiece | CompletionPiece, running: UsageBody | None,
-               index: int) -> bytes:
-        if isinstance(answer, ChatAnswer):
-            assert isinstance(piece, ChatPiece)
-            return sse_json(chat_chunk(rid, ts, model, piece=piece,
-                                       logprobs=answer.reports_logprobs, running=running,
-                                       index=index))
-        assert isinstance(piece, CompletionPiece)
-        return sse_json(completion_chunk(rid, ts, model, piece=piece, running=running,
-                                         index=index))
-
-    def _usage_tail(rid: str, ts: int, model: str, answer: _Answer, usage: Usage) -> bytes:
-        """The chunk of ``stream_options.include_usage``: no choice, the whole usage."""
-        return sse_json(chat_chunk(rid, ts, model, usage=usage) if isinstance(answer, ChatAnswer)
-                        else completion_chunk(rid, ts, model, usage=usage))
-
-    async def _choice_events(stream: StreamPort, rid: str, ts: int, model: str,
-                             answer: _Answer, continuous: bool, index: int,
-                             ended: list[Usage]) -> AsyncIterator[bytes]:
-        """The SSE events of one choice: the opener (chat), its pieces, its finish chunk.
-
-        ``continuous`` (``continuous_usage_stats``, as vLLM): every chunk with
-        a choice carries the usage so far; the finish chunk carries the final
-        usage (cached tokens included), as the usage tail does. The choice's
-        final usage is appended to ``ended``. An engine failure propagates
-        (``KvtierError``): the caller ends the response with an error event.
-        """
-        tokens = 0
-        # NOTE: an answer's text-only chunks (no logprobs, calls or running
-        # usage: the usual token) are encoded from one template, the same bytes.
-        text_events: TextEvents | None = None
-        if not continuous and isinstance(answer, ChatAnswer) and not answer.reports_logprobs:
-            text_events = TextEvents.of(
-                lambda t: chat_chunk(rid, ts, model, piece=ChatPiece(content=t), index=index))
-        elif not continuous and isinstance(answer, CompletionAnswer):
-            text_events = TextEvents.of(
-                lambda t: completion_chunk(rid, ts, model, piece=CompletionPiece(text=t),
-                                           index=index))
-
-        def running() -> UsageBody | None:
-            if not continuous:
-                return None
-            done = answer.generated(tokens) if isinstance(answer, CompletionAnswer) else tokens
-            return running_usage(stream.prompt_tokens, done)
-
-        if isinstance(answer, ChatAnswer):
-            # NOTE: whenever calls may come, the opener carries no content: it
-            # goes out before the answer is known, and an answer of calls
-            # only must add up to content null (text later adds to it).
-            yield sse_json(chat_chunk(rid, ts, model, role=True, calls_only=answer.may_call,
-                                      running=running(), index=index))
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                tokens += 1
-                # NOTE: a token may release nothing yet (part of a character,
-                # text that may start a tool-call marker).
-                piece = answer.feed(event)
-                if piece is None:
-                    continue
-                if (text_events is not None and isinstance(piece, ChatPiece) and piece.content
-                        and not piece.tool_calls):
-                    yield text_events.event(piece.content)
-                elif (text_events is not None and isinstance(piece, CompletionPiece)
-                      and piece.text and piece.logprobs is None):
-                    yield text_events.event(piece.text)
-                else:
-                    yield _chunk(rid, ts, model, answer, piece, running(), index)
-                continue
-            last = answer.finish(event)
-            if last is not None:
-                yield _chunk(rid, ts, model, answer, last, running(), index)
-            usage = event.usage if isinstance(answer, ChatAnswer) else answer.usage(event.usage)
-            whole = usage_body(usage) if continuous else None
-            final = (chat_chunk(rid, ts, model, finish=answer.finish_reason, running=whole,
-                                index=index)
-                     if isinstance(answer, ChatAnswer)
-                     else completion_chunk(rid, ts, model, finish=answer.finish_reason,
-                                           running=whole, index=index))
-            yield sse_json(final)
-            ended.append(usage)
-
-    def _error_event(exc: KvtierError, rid: str) -> bytes:
-        # NOTE: headers are gone; an error event is the only way to tell the
-        # client (the openai client raises APIError on it).
-        err = kvtier_error_to_api(exc, rid)
-        return sse_json(error_body(err.message, err.type, err.code, err.param))
-
     async def _sse_events(stream: StreamPort, rid: str, model: str, answer: _Answer,
                           include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
         """The SSE events of a one-choice answer: the choice's, the usage tail, ``[DONE]``."""
@@ -749,15 +609,15 @@ def create_app(
         finished = False
         ended: list[Usage] = []
         try:
-            async for event in _choice_events(stream, rid, ts, model, answer, continuous, 0,
+            async for event in choice_events(stream, rid, ts, model, answer, continuous, 0,
                                               ended):
                 yield event
             if include_usage and ended:
-                yield _usage_tail(rid, ts, model, answer, ended[0])
+                yield usage_tail(rid, ts, model, answer, ended[0])
             finished = True
             yield DONE
         except KvtierError as exc:
-            yield _error_event(exc, rid)
+            yield error_event(exc, rid)
             finished = True
         finally:
             if not finished and not cut.fired:
@@ -791,7 +651,7 @@ def create_app(
             raise
         ts = created()
         usages: list[Usage | None] = [None] * count
-        send, receive = anyio.create_memory_object_stream[bytes | _Failure](_CHOICE_EVENTS)
+        send, receive = anyio.create_memory_object_stream[bytes | Failure](CHOICE_EVENTS)
 
         async def produce() -> None:
             slots = anyio.Semaphore(window)
@@ -804,13 +664,13 @@ def create_app(
                             if c >= len(first):
                                 await _admit(stream)
                             ended: list[Usage] = []
-                            async for event in _choice_events(
+                            async for event in choice_events(
                                     stream, rid, ts, model, answer,
                                     body.continuous_usage(), c, ended):
                                 await send.send(event)
                             usages[c] = ended[0] if ended else None
                         except KvtierError as exc:
-                            await send.send(_Failure(_error_event(exc, rid)))
+                            await send.send(Failure(error_event(exc, rid)))
                             tg.cancel_scope.cancel()
                         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                             # NOTE: the response ended (its reader closed the
@@ -833,7 +693,7 @@ def create_app(
             try:
                 async with receive:
                     async for item in receive:
-                        if isinstance(item, _Failure):
+                        if isinstance(item, Failure):
                             finished = True
                             yield item.event
                             return
@@ -843,7 +703,7 @@ def create_app(
                     # NOTE: only the end of the response (cut, deadline) stops choices silently.
                     return
                 if body.include_usage():
-                    yield _usage_tail(rid, ts, model, tail_answer, choices_usage(ended, n))
+                    yield usage_tail(rid, ts, model, tail_answer, choices_usage(ended, n))
                 finished = True
                 yield DONE
             finally:
