@@ -204,6 +204,11 @@ class Generate(Request):
     namespace: str = ""
     """The prompt-cache namespace the request's KV is looked up and stored in."""
 
+    @property
+    def snapshots_prompt(self) -> bool:
+        """Whether the request takes a prompt-boundary snapshot: chat prompts, and prompts siblings share."""
+        return self.chat or self.shared_prompt
+
     @model_validator(mode="after")
     def _namespace_isolates(self) -> Generate:
         # NOTE: the gateway keys every Take and Put on ``namespace``; a salted

@@ -1235,11 +1235,6 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
-def _snapshots(request: Generate) -> bool:
-    """Whether ``request`` takes a prompt-boundary snapshot (chat prompts; prompts siblings share)."""
-    return request.chat or request.shared_prompt
-
-
 def _defer(state: SchedulerState, row: Row, out: list[Effect]) -> bool:
     """Hold ``row`` back (True) when a row in the batch shares a much longer prefix than its lookup found.
 
@@ -1249,7 +1244,7 @@ def _defer(state: SchedulerState, row: Row, out: list[Effect]) -> bool:
     cache), look up again and forward only their own suffix. A row whose
     lookup predates such a snapshot looks up again at once (once).
     """
-    if not state.lookups or not _snapshots(row.request) or row.resume:
+    if not state.lookups or not row.request.snapshots_prompt or row.resume:
         return False
     lookup = row.lookup
     cached = _lent(lookup)
@@ -1257,7 +1252,7 @@ def _defer(state: SchedulerState, row: Row, out: list[Effect]) -> bool:
     best, best_n = None, cached + state.share_min - 1
     for rid, other in state.rows.items():
         req = other.request
-        if other.phase != "joined" or not _snapshots(req) or req.namespace != row.request.namespace:
+        if other.phase != "joined" or not req.snapshots_prompt or req.namespace != row.request.namespace:
             continue
         n = _common(req.prompt_tokens, prompt)
         if n > best_n:

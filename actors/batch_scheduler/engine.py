@@ -492,8 +492,7 @@ class BatchEngine:
                 cached, outcome = join.cached_tokens, "ram"
             except Exception as exc:  # noqa: BLE001 - NOTE: a cache-tier failure is a miss.
                 _log.warning("prompt_cache.materialize_failed", handle=join.handle, error=repr(exc))
-        snapshot_at = self._snapshot_at(request.prompt_tokens,
-                                        request.chat or request.shared_prompt, cached)
+        snapshot_at = self._snapshot_at(request.prompt_tokens, request.snapshots_prompt, cached)
         try:
             batch.join(
                 request.request_id,
@@ -516,8 +515,7 @@ class BatchEngine:
                 request.request_id,
                 request.prompt_tokens,
                 request.params,
-                snapshot_at=self._snapshot_at(request.prompt_tokens,
-                                              request.chat or request.shared_prompt, 0),
+                snapshot_at=self._snapshot_at(request.prompt_tokens, request.snapshots_prompt, 0),
                 checkpoint_every=self._every if join.checkpoint else 0,
             )
         return cached, outcome
@@ -541,8 +539,8 @@ class BatchEngine:
             )
             return None
 
-    def _snapshot_at(self, prompt: Sequence[int], chat: bool, cached: int) -> int | None:
-        if self._registry is None or self._point is None or not chat:
+    def _snapshot_at(self, prompt: Sequence[int], snapshots: bool, cached: int) -> int | None:
+        if self._registry is None or self._point is None or not snapshots:
             return None
         if len(prompt) - cached < self._snapshot_min:
             return None

@@ -227,8 +227,7 @@ class EngineWork:
     def _wants_snapshot(self, gen: _Gen) -> bool:
         request = gen.request
         new_tokens = len(request.prompt_tokens) - gen.cached_tokens
-        return (self._keep and (request.chat or request.shared_prompt)
-                and new_tokens >= self._snapshot_min)
+        return self._keep and request.snapshots_prompt and new_tokens >= self._snapshot_min
 
     @staticmethod
     def _cache_call(what: str, gen: _Gen, fn: Callable[[Any], Registered | None]) -> Registered | None:

@@ -112,8 +112,10 @@ async def choice_events(stream: StreamPort, rid: str, ts: int, model: str,
 
 
 def error_event(exc: KvtierError, rid: str) -> bytes:
-    """The error event that ends a stream whose headers are gone."""
-    # NOTE: headers are gone; an error event is the only way to tell the
-    # client (the openai client raises APIError on it).
+    """The error event that ends a stream whose headers are gone.
+
+    NOTE: the only way left to tell the client (the openai client raises
+    APIError on it).
+    """
     err = kvtier_error_to_api(exc, rid)
     return sse_json(error_body(err.message, err.type, err.code, err.param))
