@@ -37,6 +37,7 @@
 #   joins        where a batch step's time goes (join_cost.py)
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
+#   agentab      the agent line served, kvtier alone, with and without AB_ENV (default the prefill bucket)
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
 #   shapes       a new query length's cost op by op: matmul, forward, forward over a cached 5,100 (shape_costs.py)
 #   newshapes    the same joins with no shape repeated, prefill folding on / off, beside 0 / 4 decoding rows
@@ -282,6 +283,35 @@ case "$cmd" in
         --json "$OUT/agent-$variant.json" --title "H200 agent" --skip-loadgen --agent 8x4 \
         --system-tokens 4400 --agent-max-tokens 32 2>&1 | tee "$OUT/agent-$variant.txt" | grep -E "agent"
     done
+    ;;
+  agentab)
+    # Issue 20's agent line, kvtier alone, served, with and without one
+    # environment assignment (AB_ENV, default KVTIER_BATCH_PREFILL_BUCKET=32):
+    # the agent trace only (8 conversations x 4 turns over a 4,400-token
+    # system prompt), a fresh server and fresh prompts each run, the order
+    # A B B A A B ... (the first run also pays MLX's first compiles), no new
+    # run once AB_BUDGET_S (default 480) seconds have passed. agentab.txt has
+    # each run's agent lines; agentab.tgz every run's JSON.
+    device_env
+    ensure_model
+    mkdir -p "$WORK" "$OUT/ab"
+    start=$SECONDS
+    i=0
+    for v in off on on off off on on off; do
+      if [ $((SECONDS - start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
+      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+      echo $((n + 1)) > "$WORK/calls"
+      envs=()
+      if [ "$v" = on ]; then envs=("${AB_ENV:-KVTIER_BATCH_PREFILL_BUCKET=32}"); fi
+      t0=$SECONDS
+      env "${envs[@]}" python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
+        --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
+        --json "$OUT/ab/run$i-$v.json" --title "H200 agent $v" --skip-loadgen --agent 8x4 \
+        --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent" | sed "s/^/run $i $v: /"
+      echo "run $i $v: $((SECONDS - t0)) s"
+      i=$((i + 1))
+    done | tee "$OUT/agentab.txt"
+    tar czf "$OUT/agentab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   sdpa)
     # Prefill attention when every step's shape is new (sdpa_shapes.py): MLX's
