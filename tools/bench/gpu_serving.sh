@@ -302,7 +302,8 @@ case "$cmd" in
       n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
       echo $((n + 1)) > "$WORK/calls"
       envs=()
-      if [ "$v" = on ]; then envs=("${AB_ENV:-KVTIER_BATCH_PREFILL_BUCKET=32}"); fi
+      # NOTE: AB_ENV may hold several assignments, split on spaces.
+      if [ "$v" = on ]; then read -r -a envs <<< "${AB_ENV:-KVTIER_BATCH_PREFILL_BUCKET=32}"; fi
       t0=$SECONDS
       env "${envs[@]}" python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
         --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \

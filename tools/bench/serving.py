@@ -400,7 +400,12 @@ def start_server(
         if args.rows:
             extra += ["--decode-concurrency", str(args.rows)]
         cmd = [sys.executable, "-m", "mlx_lm.server", *common, *extra]
-    server = Server(cmd, workdir, f"{who}-{tag}")
+    env = None
+    if who == "kvtier" and args.kvtier_env:
+        # NOTE: kvtier's process only: MLX's own switches (e.g.
+        # MLX_CUDA_USE_CUDNN_SDPA) would otherwise change the peer too.
+        env = dict(item.split("=", 1) for item in args.kvtier_env)
+    server = Server(cmd, workdir, f"{who}-{tag}", env=env)
     server.wait_ready(f"http://127.0.0.1:{port}", timeout=args.start_timeout)
     return server
 
@@ -902,6 +907,14 @@ def write_random_model(
 # --- main --------------------------------------------------------------------------
 
 
+def _assignment(text: str) -> str:
+    """A ``KEY=VALUE`` command-line item, checked."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return text
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(
@@ -967,6 +980,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kvtier-arg", action="append", default=[], help="extra `kvtier serve` argument (repeat)"
+    )
+    p.add_argument(
+        "--kvtier-env",
+        action="append",
+        default=[],
+        type=_assignment,
+        help="KEY=VALUE in kvtier serve's environment only (repeat)",
     )
     p.add_argument(
         "--mlx-lm-arg", action="append", default=[], help="extra mlx_lm.server argument (repeat)"
