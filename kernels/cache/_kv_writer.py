@@ -553,7 +553,7 @@ def _stackable(arrays: Sequence[Any]) -> bool:
 def _flat_host_views(
     indices: Sequence[int], arrays: Sequence[Any], sizes: Sequence[int], *, host_copy: bool = False
 ) -> list[memoryview]:
-    """Where host reads migrate: every tensor's bytes copied into ONE device buffer, one view each into it.
+    """Where host reads migrate: every tensor's bytes copied into one device buffer (a few past :data:`FLAT_GROUP_BYTES`), one view each.
 
     ``sizes``: each tensor's planned bytes (what its array holds).
     NOTE: on MLX's CUDA backend each array's first host read allocates a
@@ -566,9 +566,57 @@ def _flat_host_views(
     :func:`mx.contiguous` would lay them out.
     """
     stream = _thread_copy_stream()
-    kept = [a for n, a in zip(sizes, arrays, strict=True) if n]
-    if not kept:
+    if len(sizes) != len(arrays):
+        raise ValueError(f"{len(arrays)} arrays, {len(sizes)} sizes")
+    groups = _byte_groups(sizes)
+    if not groups:
         return [memoryview(b"") for _ in indices]
+    buffers = [_one_buffer([arrays[i] for i in group], stream) for group in groups]
+    if host_copy:
+        # NOTE: the diagnostic ``host`` read (HOST_READ_ENV): every page of the
+        # managed buffer is read here, at once, on the engine thread; the
+        # writer then reads plain host memory. Tests whether the writer's
+        # page faults over device-managed memory slow decoding on CUDA.
+        buffers = [memoryview(bytearray(b)) for b in buffers]
+    views = [memoryview(b"") for _ in sizes]
+    for group, whole in zip(groups, buffers, strict=True):
+        at = 0
+        for i in group:
+            views[i] = whole[at:at + sizes[i]]
+            at += sizes[i]
+        if at != len(whole):
+            raise RuntimeError(f"tensors {list(indices)} read back {len(whole)} bytes, planned {at}")
+    return views
+
+
+FLAT_GROUP_BYTES = 1 << 30
+"""The most bytes :func:`_flat_host_views` copies into one device buffer.
+
+NOTE: MLX's shape dimensions are 32-bit, so one flat ``uint8`` buffer holds
+at most 2**31 - 1 bytes: 64 rows of the 8B shape reaching their checkpoints
+in one step read back 2.19 GB and the one concatenation failed (the step's
+read-ahead was lost). Past this bound the tensors go to more buffers, each
+one allocation and one copy; a lone tensor larger than the bound keeps a
+buffer of its own."""
+
+
+def _byte_groups(sizes: Sequence[int]) -> list[list[int]]:
+    """The indices of the non-empty sizes cut, in order, into runs of at most :data:`FLAT_GROUP_BYTES` bytes."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if not n:
+            continue
+        if not groups or total + n > FLAT_GROUP_BYTES:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
+def _one_buffer(kept: Sequence[Any], stream: Any) -> memoryview:
+    """Every array's row-major bytes copied, in turn, into one new device buffer, read as host bytes."""
     flat: Any
     if len(kept) > 1 and _stackable(kept):
         # NOTE: tensors of one dtype and one shape past the first axis (a
@@ -577,7 +625,7 @@ def _flat_host_views(
         # as the per-tensor path below does, with one strided copy per tensor
         # and no intermediate buffer (that path copies a strided slice twice:
         # into its own flat buffer, then into the concatenation).
-        whole_t = mx.concatenate(kept, axis=0, stream=stream)
+        whole_t = mx.concatenate(list(kept), axis=0, stream=stream)
         flat = mx.flatten(mx.view(whole_t, mx.uint8, stream=stream), stream=stream)
     else:
         parts = [mx.flatten(mx.view(a, mx.uint8, stream=stream), stream=stream) for a in kept]
@@ -586,21 +634,7 @@ def _flat_host_views(
         flat = (mx.concatenate(parts, stream=stream) if len(parts) > 1
                 else mx.multiply(parts[0], mx.array(1, dtype=mx.uint8), stream=stream))
     mx.eval(flat)
-    whole = memoryview(flat).cast("B")
-    if host_copy:
-        # NOTE: the diagnostic ``host`` read (HOST_READ_ENV): every page of the
-        # managed buffer is read here, at once, on the engine thread; the
-        # writer then reads plain host memory. Tests whether the writer's
-        # page faults over device-managed memory slow decoding on CUDA.
-        whole = memoryview(bytearray(whole))
-    views: list[memoryview] = []
-    at = 0
-    for n in sizes:
-        views.append(whole[at:at + n] if n else memoryview(b""))
-        at += n
-    if at != len(whole):
-        raise RuntimeError(f"tensors {list(indices)} read back {len(whole)} bytes, planned {at}")
-    return views
+    return memoryview(flat).cast("B")
 
 
 # --- header encoding ---------------------------------------------------------------

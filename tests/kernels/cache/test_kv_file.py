@@ -933,3 +933,49 @@ def test_the_one_buffer_copy_of_strided_slices_holds_each_tensors_row_major_byte
     assert [bytes(v) for v in views] == [raw(a) for a in arrays]
     starts = [_address(v) for v in views]
     assert starts == [starts[0] + sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def test_a_read_back_past_the_buffer_bound_is_cut_into_several_buffers_byte_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors whose bytes pass FLAT_GROUP_BYTES (one MLX dimension holds < 2**31) are read into
+    several buffers, each within the bound unless a lone tensor is larger, every view byte-exact
+    and in order; empty tensors keep empty views."""
+    from kernels.cache import _kv_writer
+
+    monkeypatch.setattr(_kv_writer, "FLAT_GROUP_BYTES", 256)
+    wide = [mx.arange(2 * 3 * 9 * 4, dtype=mx.float32).reshape(2, 3, 9, 4) * (k + 1) for k in range(5)]
+    # NOTE: 3 x 4 x 4 x 4 = 192 bytes a slice: one a buffer; the 864-byte tensor is larger than the bound.
+    arrays: list[Any] = [w[1:2, :, 5:, :] for w in wide]
+    arrays.insert(1, mx.zeros((0, 4), dtype=mx.float32))
+    arrays.insert(3, wide[0][0:1, :, :, :2].astype(mx.bfloat16) * 0 + wide[1][1:2, :, :, :2].astype(mx.bfloat16))
+    arrays.append(wide[2] * 3)
+    arrays.append(mx.arange(5, dtype=mx.uint8))
+    mx.eval(arrays)
+    sizes = [a.nbytes for a in arrays]
+    views = _kv_writer._flat_host_views(range(len(arrays)), arrays, sizes)
+    assert [bytes(v) for v in views] == [raw(a) for a in arrays]
+    buffers: list[Any] = []
+    for v in views:
+        if len(v) and not any(v.obj is b for b in buffers):
+            buffers.append(v.obj)
+    assert len(buffers) >= 4
+    for b in buffers:
+        size = memoryview(b).nbytes
+        assert size <= 256 or sum(1 for v in views if len(v) and v.obj is b) == 1
+
+
+@pytest.mark.slow
+def test_a_read_back_of_more_than_two_gib_succeeds() -> None:
+    """2.3 GB of tensors (more than one MLX dimension holds, as 64 rows of the 8B shape reaching
+    their checkpoints together) read back whole and in place: one buffer would raise OverflowError."""
+    from kernels.cache import _kv_writer
+
+    arrays = [mx.full((1100, 1024, 1024), k + 1, dtype=mx.uint8) for k in range(2)]
+    mx.eval(arrays)
+    sizes = [a.nbytes for a in arrays]
+    assert sum(sizes) > 2**31
+    views = _kv_writer._flat_host_views(range(2), arrays, sizes)
+    assert [len(v) for v in views] == sizes
+    for k, v in enumerate(views):
+        assert v[0] == v[len(v) // 2] == v[-1] == k + 1
