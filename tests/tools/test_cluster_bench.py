@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tools.bench import cluster
 from tools.bench.cluster import prefill_work
@@ -104,3 +106,25 @@ def test_an_error_event_after_the_200_fails_the_answer_and_leaves_the_figures() 
     assert (summary["requests"], summary["errors"]) == (2, 1)
     assert summary["ttft_p99_s"] == 0.1
     assert summary["cached_share"] == 0.8
+
+
+def test_a_cut_runs_printout_is_plotted_from_each_policys_last_round_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--from-printout reads the per-round lines (the last per policy counts) and writes a plot;
+    a printout without them is refused."""
+    printout = tmp_path / "cut.txt"
+    printout.write_text(
+        "trace prefix share 0.886\n"
+        "round 0 round_robin  ttft p50 1.837s p99 6.104s cached 0.682 1749 tok/s errors 0 load 1 1 1\n"
+        "round 0 cache_aware  ttft p50 1.286s p99 5.134s cached 0.791 2557 tok/s errors 0 load 1 1 1\n"
+        "round 1 cache_aware  ttft p50 1.100s p99 4.000s cached 0.800 2600 tok/s errors 0 load 1 1 1\n"
+        "cluster-4r-16a: exit 124\n")
+    out = tmp_path / "out"
+    assert cluster.plot_printout(printout, out) == 0
+    assert (out / "printout.png").stat().st_size > 0
+    printed = [line.split()[:4] for line in capsys.readouterr().out.splitlines()[:2]]
+    assert printed == [["round_robin", "ttft", "p50", "1.837"], ["cache_aware", "ttft", "p50", "1.100"]]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("cluster-4r-16a: exit 124\n")
+    assert cluster.plot_printout(empty, tmp_path / "none") == 1

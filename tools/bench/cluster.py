@@ -35,6 +35,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import sys
@@ -464,6 +465,54 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+_ROUND_LINE = re.compile(
+    r"^round \d+ (?P<policy>\S+)\s+ttft p50 (?P<p50>[\d.]+)s p99 (?P<p99>[\d.]+)s "
+    r"cached (?P<share>[\d.]+) (?P<tps>\d+) tok/s errors (?P<errors>\d+)")
+
+
+def plot_printout(printout: Path, out: Path) -> int:
+    """A run cut before it wrote ``cluster.json``: each policy's printed round lines as bars (``printout.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [m.groupdict() for m in map(_ROUND_LINE.match, printout.read_text().splitlines()) if m]
+    if not rows:
+        print(f"{printout}: no round lines")
+        return 1
+    # NOTE: a round line is printed for each policy's replay; the last one of a policy counts.
+    by_policy = {r["policy"]: r for r in rows}
+    pols = list(by_policy)
+    x = range(len(pols))
+    fig, ax = plt.subplots(1, 3, figsize=(13, 4))
+    ax[0].bar([i - 0.2 for i in x], [float(by_policy[p]["p50"]) for p in pols], 0.4, label="p50")
+    ax[0].bar([i + 0.2 for i in x], [float(by_policy[p]["p99"]) for p in pols], 0.4, label="p99")
+    ax[0].set_title("TTFT (s)")
+    ax[0].legend()
+    ax[1].bar(x, [float(by_policy[p]["share"]) for p in pols])
+    ax[1].set_title("cached-token share")
+    ax[2].bar(x, [float(by_policy[p]["tps"]) for p in pols])
+    ax[2].set_title("throughput (prompt tokens / s)")
+    for a in ax:
+        a.set_xticks(list(x), pols)
+    fig.suptitle(f"{printout.name} (errors {sum(int(by_policy[p]['errors']) for p in pols)})")
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "printout.png", dpi=100)
+    for p in pols:
+        r = by_policy[p]
+        print(f"{p:12s} ttft p50 {r['p50']} s p99 {r['p99']} s cached {r['share']} {r['tps']} tok/s")
+    print(f"plot: {out / 'printout.png'}")
+    return 0
+
+
+def write_result(result: dict[str, Any], out: Path) -> None:
+    """``cluster.json`` and ``cluster.png`` in ``out`` (written again as the run adds figures)."""
+    (out / "cluster.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "cluster.png")
+
+
 def overhead_only(args: argparse.Namespace, serve: list[str],
                   balance: tuple[float, float] | None) -> int:
     """``--overhead``: each router of ``--policies`` in front of the replicas, overhead only."""
@@ -530,6 +579,8 @@ def main() -> int:
                         "round-robin placement for each (tokenizer only, no replicas) and exit")
     p.add_argument("--overhead", action="store_true",
                    help="measure only each router's overhead (no trace); writes overhead.json")
+    p.add_argument("--from-printout", type=Path, default=None,
+                   help="no run: plot the per-policy lines of a cut run's printout into --out")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=Path("/tmp/kvtier-bench-cluster"))
     p.add_argument("--serve-args", default="", help="extra kvtier serve arguments (one string)")
@@ -542,6 +593,8 @@ def main() -> int:
     serve = args.serve_args.split() + (["--model", args.model] if args.model else [])
     balance = (None if args.balance_abs_threshold is None
                else (args.balance_abs_threshold, args.balance_rel_threshold))
+    if args.from_printout is not None:
+        return plot_printout(args.from_printout, args.out)
     if args.overhead:
         return overhead_only(args, serve, balance)
     if args.simulate:
@@ -598,15 +651,20 @@ def main() -> int:
                       flush=True)
         for policy in order:
             g = gathered[policy]
-            target = urls[0] if policy == "single" else cluster.route(policy).url
             entry: dict[str, Any] = {"summary": summarize(g["samples"], g["wall"], g["spread"]),
                                      "samples": [asdict(x) for x in g["samples"]],
                                      "load_after": g["loads"]}
-            if policy != "single" and args.overhead_n:
-                entry["overhead"] = asyncio.run(measure_overhead(urls, target, args.overhead_n))
             if g["router_stats"]:
                 entry["router_stats"] = g["router_stats"]
             result["policies"][policy] = entry
+        # NOTE: written once before the overhead pairs too: a run cut by its
+        # time limit there keeps the trace's figures and plot.
+        write_result(result, args.out)
+        for policy in order:
+            entry = result["policies"][policy]
+            target = urls[0] if policy == "single" else cluster.route(policy).url
+            if policy != "single" and args.overhead_n:
+                entry["overhead"] = asyncio.run(measure_overhead(urls, target, args.overhead_n))
             s = entry["summary"]
             print(f"{policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s p99 {s['ttft_p99_s']:.3f}s "
                   f"mean {s['ttft_mean_s']:.3f}s cached {s['cached_share']:.3f} "
@@ -614,8 +672,7 @@ def main() -> int:
                   f"overhead {entry.get('overhead', {})}", flush=True)
         result["exit_codes"] = cluster.stop()
     result["load_after"] = loadavg()
-    (args.out / "cluster.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / "cluster.png")
+    write_result(result, args.out)
     print(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
     errors = {p: e["summary"]["errors"] for p, e in result["policies"].items() if e["summary"]["errors"]}
     if errors:

@@ -291,7 +291,8 @@ case "$cmd" in
     # system prompt), a fresh server and fresh prompts each run, the order
     # A B B A A B ... (the first run also pays MLX's first compiles), no new
     # run once AB_BUDGET_S (default 480) seconds have passed. agentab.txt has
-    # each run's agent lines; agentab.tgz every run's JSON.
+    # each run's agent lines; agentab.tgz every run's JSON, which
+    # tools/bench/agent_ab.py reads (each variant's median, spread, plot).
     device_env
     ensure_model
     mkdir -p "$WORK" "$OUT/ab"
@@ -302,10 +303,14 @@ case "$cmd" in
       n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
       echo $((n + 1)) > "$WORK/calls"
       envs=()
-      # NOTE: AB_ENV may hold several assignments, split on spaces.
-      if [ "$v" = on ]; then read -r -a envs <<< "${AB_ENV:-KVTIER_BATCH_PREFILL_BUCKET=32}"; fi
+      # NOTE: AB_ENV may hold several assignments, split on spaces; each goes
+      # to kvtier's process through --kvtier-env (recorded in the run's JSON).
+      if [ "$v" = on ]; then
+        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_PREFILL_BUCKET=32}"
+        for a in "${assigns[@]}"; do envs+=(--kvtier-env "$a"); done
+      fi
       t0=$SECONDS
-      env "${envs[@]}" python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
+      python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
         --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
         --json "$OUT/ab/run$i-$v.json" --title "H200 agent $v" --skip-loadgen --agent 8x4 \
         --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent" | sed "s/^/run $i $v: /"
