@@ -11,7 +11,8 @@ from tests.tools._bench_modules import load_bench
 
 
 def _run(path: Path, later_ms: list[float], step_ms: float) -> None:
-    turns = [{"conversation": c, "turn": 1, "ttft_ms": 500.0 + c} for c in range(len(later_ms))]
+    turns: list[dict[str, object]] = [
+        {"conversation": c, "turn": 1, "ttft_ms": 500.0 + c} for c in range(len(later_ms))]
     turns += [{"conversation": c, "turn": 2, "ttft_ms": v, "join_step": {"step_ms": step_ms}}
               for c, v in enumerate(later_ms)]
     doc = {"rounds": [{"kvtier": {"agent": {"turns_list": turns}}}]}
