@@ -274,7 +274,12 @@ class BatchScheduler(Actor):
                 _log.info("batch.join_step", turn=turn, joined=[rid for rid, _ in out.joined],
                           cached=[c for _, c in out.joined], prefill_tokens=out.prefill_tokens,
                           decode_rows=out.decode_rows, join_ms=round(out.join_s * 1e3, 3),
-                          step_ms=round(out.step_s * 1e3, 3))
+                          step_ms=round(out.step_s * 1e3, 3), since_clear=out.since_clear)
+            if out.clear_s:
+                # NOTE: the batch lane empties MLX's buffer cache every
+                # KVTIER_BATCH_CLEAR_EVERY steps; a step after it allocates afresh.
+                _log.info("batch.cache_cleared", turn=turn, freed_bytes=out.cleared_bytes,
+                          clear_ms=round(out.clear_s * 1e3, 3), step_ms=round(out.step_s * 1e3, 3))
             await self._feed(core.StepFinished(turn, out, ctx.clock.now(), last), ctx)
             if last:
                 return

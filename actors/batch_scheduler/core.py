@@ -203,6 +203,8 @@ class StepOut:
     ``resumed``: rows joined from a checkpoint and the tokens each replays
     (-1: the checkpoint did not fit, the row joined cold). ``step_s``: the
     step's seconds on the engine thread, joins included (0: not measured).
+    ``since_clear``, ``cleared_bytes``, ``clear_s``: the kernel's
+    :class:`~kernels.engine.BatchStep` fields (MLX's buffer cache emptied).
     """
 
     tokens: tuple[TokenOut, ...] = ()
@@ -219,6 +221,9 @@ class StepOut:
     checkpoints: tuple[tuple[str, Captured], ...] = ()
     resumed: tuple[tuple[str, int], ...] = ()
     step_s: float = 0.0
+    since_clear: int = 0
+    cleared_bytes: int = 0
+    clear_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

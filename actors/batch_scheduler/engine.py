@@ -300,6 +300,9 @@ class BatchEngine:
                 checkpoints=tuple(captured),
                 resumed=tuple(resumed),
                 step_s=time.perf_counter() - began,
+                since_clear=result.since_clear,
+                cleared_bytes=result.cleared_bytes,
+                clear_s=result.clear_s,
             )
         except BaseException:
             # NOTE: a failed forward leaves the batch's arrays in an unknown

@@ -63,6 +63,7 @@ runs on the engine thread.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ from ._transitioning import TransitioningBatchKVCache
 __all__ = [
     "ALIGN_SUFFIXES_ENV",
     "BATCH_SSM_ENV",
+    "CLEAR_EVERY_ENV",
+    "DEFAULT_CLEAR_EVERY",
     "FIRST_TOKEN_FIRST_ENV",
     "IDLE_PREFILL_ROWS",
     "PREFILL_BUCKET_ENV",
@@ -124,6 +127,7 @@ __all__ = [
     "batch_gate",
     "batch_params_refusal",
     "batch_ssm_enabled",
+    "clear_every_setting",
     "model_batch_gate",
     "prefill_bucket_setting",
 ]
@@ -139,6 +143,12 @@ FIRST_TOKEN_FIRST_ENV = "KVTIER_BATCH_FIRST_TOKEN_FIRST"
 
 PREFILL_BUCKET_ENV = "KVTIER_BATCH_PREFILL_BUCKET"
 """Environment setting: a warm row's prefill forward rounded up to a multiple of this many tokens (0: off)."""
+
+CLEAR_EVERY_ENV = "KVTIER_BATCH_CLEAR_EVERY"
+"""Environment setting: MLX's buffer cache emptied after every N-th batch step (0: never)."""
+
+DEFAULT_CLEAR_EVERY = 256
+"""mlx-lm's cadence when the batch lane was built (its ``BatchGenerator`` now empties it every 512)."""
 
 ALIGN_SUFFIXES_ENV = "KVTIER_BATCH_ALIGN_SUFFIXES"
 """Environment switch: ``0`` pads a group's shorter suffixes instead of aligning them (``_align_suffixes``)."""
@@ -173,10 +183,6 @@ sliding-window ring that keeps leading tokens (mlx-lm's batched ring has no
 
 RowExitReason = Literal["stop", "length", "cancelled"]
 """Why a row left: EOS / stop token / stop string, ``max_tokens``, or a cancel."""
-
-# NOTE: mlx-lm clears MLX's buffer cache every 256 decode steps; same cadence.
-_CLEAR_EVERY = 256
-
 
 REPLAY_PER_STEP = 64
 """Saved tokens a resumed row hands back per step while it replays (its stream's backlog stays small)."""
@@ -226,6 +232,20 @@ def prefill_bucket_setting(env: Mapping[str, str] | None = None) -> int:
         raise ValueError(f"{PREFILL_BUCKET_ENV} must be a whole number of tokens, got {text!r}") from None
     if value < 0:
         raise ValueError(f"{PREFILL_BUCKET_ENV} must be >= 0, got {value}")
+    return value
+
+
+def clear_every_setting(env: Mapping[str, str] | None = None) -> int:
+    """``KVTIER_BATCH_CLEAR_EVERY`` in steps (unset: :data:`DEFAULT_CLEAR_EVERY`; 0: never); anything but a whole number >= 0 raises ``ValueError``."""
+    text = env_text(CLEAR_EVERY_ENV, env)
+    if text is None:
+        return DEFAULT_CLEAR_EVERY
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{CLEAR_EVERY_ENV} must be a whole number of steps, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{CLEAR_EVERY_ENV} must be >= 0, got {value}")
     return value
 
 
@@ -413,7 +433,10 @@ class BatchStep:
     first forward would); ``prefill_tokens``: prompt tokens forwarded for
     joining rows; ``joined``: rows that entered the decode batch (their
     first token comes with the next step);
-    ``checkpoints``: rows at a checkpoint boundary this step (``checkpoint_every``).
+    ``checkpoints``: rows at a checkpoint boundary this step (``checkpoint_every``);
+    ``since_clear``: steps run since MLX's buffer cache was last emptied by
+    this generation, this one included; ``cleared_bytes`` / ``clear_s``: what
+    this step's emptying at its end freed and took (0: it did not empty it).
     """
 
     tokens: tuple[RowToken, ...] = ()
@@ -423,6 +446,9 @@ class BatchStep:
     prefill_tokens: int = 0
     joined: tuple[str, ...] = ()
     checkpoints: tuple[RowCheckpoint, ...] = ()
+    since_clear: int = 0
+    cleared_bytes: int = 0
+    clear_s: float = 0.0
 
 
 # --- rows ---------------------------------------------------------------------
@@ -513,6 +539,7 @@ class BatchGeneration:
         align_suffixes: bool | None = None,
         first_token_first: bool | None = None,
         prefill_bucket: int | None = None,
+        clear_every: int | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -535,6 +562,10 @@ class BatchGeneration:
         self._bucket = prefill_bucket_setting() if prefill_bucket is None else prefill_bucket
         if self._bucket < 0:
             raise ValueError(f"prefill_bucket must be >= 0, got {self._bucket}")
+        self._clear_every = clear_every_setting() if clear_every is None else clear_every
+        if self._clear_every < 0:
+            raise ValueError(f"clear_every must be >= 0, got {self._clear_every}")
+        self._since_clear = 0
         self._owes_first = False
         """Whether rows entered the decode batch last turn (this turn's decode hands out their first tokens)."""
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
@@ -847,8 +878,17 @@ class BatchGeneration:
             if not self._rows:
                 tuning.release()
         self._steps += 1
-        if self._steps % _CLEAR_EVERY == 0:
+        self._since_clear += 1
+        since_clear, cleared_bytes, clear_s = self._since_clear, 0, 0.0
+        if self._clear_every and self._steps % self._clear_every == 0:
+            # NOTE: timed and reported: on MLX's CUDA backend every cached
+            # buffer is a managed allocation, freed one by one here, and the
+            # steps after allocate (and first touch) their buffers afresh.
+            cleared_bytes = int(mx.get_cache_memory())
+            began = time.perf_counter()
             mx.clear_cache()
+            clear_s = time.perf_counter() - began
+            self._since_clear = 0
         return BatchStep(
             tokens=tuple(tokens),
             exits=tuple(exits),
@@ -857,6 +897,9 @@ class BatchGeneration:
             prefill_tokens=prefilled,
             joined=tuple(joined),
             checkpoints=tuple(checkpoints),
+            since_clear=since_clear,
+            cleared_bytes=cleared_bytes,
+            clear_s=clear_s,
         )
 
     def _decode(self) -> tuple[list[RowToken], list[RowExit], int, list[RowCheckpoint]]:

@@ -73,7 +73,7 @@ def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path:
         "2026-12-03 [info ] request.timeline request_id=chatcmpl-a looked_up=True "
         "phases_ms={'admission': 1.5, 'join': 20.0, 'first_step': 90.25}\n"
         "2026-12-03 [info ] batch.join_step actor=batch cached=[5162] decode_rows=7 "
-        "join_ms=0.844 joined=['chatcmpl-a'] prefill_tokens=23 step_ms=177.38 turn=5\n"
+        "join_ms=0.844 joined=['chatcmpl-a'] prefill_tokens=23 since_clear=1 step_ms=177.38 turn=5\n"
     )
     jsonl = tmp_path / "kvtier.stdout"
     jsonl.write_text(
@@ -95,7 +95,8 @@ def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path:
     ]
     both = {"step_ms": 90.0, "join_ms": 1.5, "prefill_tokens": 48.0, "decode_rows": 0.0, "rows": 2.0}
     assert [t.join_step for t in agent.turns_list] == [
-        {"step_ms": 177.38, "join_ms": 0.844, "prefill_tokens": 23.0, "decode_rows": 7.0, "rows": 1.0},
+        {"step_ms": 177.38, "join_ms": 0.844, "prefill_tokens": 23.0, "decode_rows": 7.0,
+         "since_clear": 1.0, "rows": 1.0},
         both,
         both,
     ]
@@ -253,3 +254,21 @@ def test_slow_background_turns_are_summed_by_callable_from_either_log_format(tmp
         "finish": {"count": 1.0, "median_ms": 24.0, "max_ms": 24.0, "total_ms": 24.0},
         "plan": {"count": 2.0, "median_ms": 13.5, "max_ms": 16.6, "total_ms": 27.0},
     }
+
+
+def test_cache_clears_are_counted_from_their_log_lines(tmp_path: Path) -> None:
+    """The batch lane's ``batch.cache_cleared`` lines give a count, median and max ms, the median GB
+    freed and the median step they ended; none gives an empty summary."""
+    log = tmp_path / "kvtier.stderr"
+    log.write_text(
+        "2026-12-06 [info ] batch.cache_cleared actor=batch clear_ms=12.5 freed_bytes=2000000000 step_ms=40.0 turn=3\n"
+        "2026-12-06 [info ] batch.join_step actor=batch joined=['x'] step_ms=9.0\n"
+        + json.dumps({"event": "batch.cache_cleared", "clear_ms": 30.5, "freed_bytes": 4000000000,
+                      "step_ms": 60.0}) + "\n"
+        "2026-12-06 [info ] batch.cache_cleared actor=batch clear_ms=7.0 freed_bytes=0 step_ms=20.0 turn=9\n"
+    )
+    assert serving.cache_clears([log]) == {"count": 3.0, "median_ms": 12.5, "max_ms": 30.5,
+                                           "median_freed_gb": 2.0, "median_step_ms": 40.0}
+    empty = tmp_path / "none.stderr"
+    empty.write_text("2026-12-06 [info ] batch.join_step actor=batch joined=['x'] step_ms=9.0\n")
+    assert serving.cache_clears([empty]) == {}

@@ -509,7 +509,31 @@ def run_server(
             print(f"round {rnd} {who:<7} slow background turns {name}: {f['count']:.0f} x median "
                   f"{f['median_ms']:.1f} ms (max {f['max_ms']:.1f}, {f['total_ms']:.0f} ms in all)",
                   flush=True)
+        clears = cache_clears([server.stdout, server.stderr])
+        run.stats["cache_clears"] = clears
+        if clears:
+            print(f"round {rnd} {who:<7} buffer cache emptied {clears['count']:.0f} x: median "
+                  f"{clears['median_ms']:.1f} ms (max {clears['max_ms']:.1f}), freed median "
+                  f"{clears['median_freed_gb']:.2f} GB, the step it ended median "
+                  f"{clears['median_step_ms']:.1f} ms", flush=True)
     return run
+
+
+def cache_clears(logs: Sequence[Path]) -> dict[str, float]:
+    """The ``batch.cache_cleared`` lines: count, median / max ms, median GB freed, median step ms ({} if none)."""
+    ms: list[float] = []
+    freed: list[float] = []
+    steps: list[float] = []
+    for fields in log_events(logs, "batch.cache_cleared"):
+        clear_ms, freed_b, step_ms = (fields.get(k) for k in ("clear_ms", "freed_bytes", "step_ms"))
+        if isinstance(clear_ms, int | float):
+            ms.append(float(clear_ms))
+            freed.append(float(freed_b) / 1e9 if isinstance(freed_b, int | float) else 0.0)
+            steps.append(float(step_ms) if isinstance(step_ms, int | float) else 0.0)
+    if not ms:
+        return {}
+    return {"count": float(len(ms)), "median_ms": statistics.median(ms), "max_ms": max(ms),
+            "median_freed_gb": statistics.median(freed), "median_step_ms": statistics.median(steps)}
 
 
 _FIELD = re.compile(r"(\w+)=(\{[^}]*\}|\[[^\]]*\]|\S+)")
@@ -554,7 +578,7 @@ def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
     return found
 
 
-_STEP_FIELDS = ("step_ms", "join_ms", "prefill_tokens", "decode_rows")
+_STEP_FIELDS = ("step_ms", "join_ms", "prefill_tokens", "decode_rows", "since_clear")
 
 
 def join_steps(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
@@ -612,6 +636,12 @@ def print_turn_phases(who: str, rnd: int, agent: AgentResult) -> None:
             parts.append("join step " + ", ".join(
                 f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.1f}"
                 for k in ("step_ms", "join_ms", "rows", "prefill_tokens", "decode_rows")))
+            slowest = max(steps, key=lambda s: s.get("step_ms", 0.0))
+            # NOTE: the slowest join step and how many steps after the batch
+            # lane last emptied MLX's buffer cache it ran (1: the first after).
+            parts.append(f"slowest step_ms {slowest.get('step_ms', 0.0):.1f}"
+                         + (f" ({slowest['since_clear']:.0f} steps after a cache emptying)"
+                            if "since_clear" in slowest else ""))
         print(f"round {rnd} {who:<7} agent turn {t}: " + ", ".join(parts), flush=True)
 
 
