@@ -495,7 +495,7 @@ def create_app(
         response; a client that leaves cancels them all.
         """
         if body.stream:
-            return await _stream_choices(count, n, make, body, rid, model)
+            return await _stream_choices(count, n, make, body, request, rid, model)
         results: list[tuple[_Answer, DoneEvent] | None] = [None] * count
         failures: list[KvtierError] = []
         left = False
@@ -625,7 +625,8 @@ def create_app(
 
     async def _stream_choices(count: int, n: int,
                               make: Callable[[int], tuple[StreamPort, _Answer]],
-                              body: _SamplingFields, rid: str, model: str) -> Response:
+                              body: _SamplingFields, request: Request, rid: str,
+                              model: str) -> Response:
         """Stream a request of ``count`` choices (``n`` per prompt): their chunks interleaved, one ``[DONE]``.
 
         The first ``choice_window`` choices are admitted before the response
@@ -635,14 +636,21 @@ def create_app(
         choice's chunks carry its index; the usage tail (``include_usage``)
         counts each prompt once. The choices feed one bounded channel that
         the response drains: a client that stops reading holds them all,
-        and the write deadline ends them all.
+        and the write deadline ends them all. Each choice has a timeline of
+        its own (``/stats`` ``http.timeline``, a ``request.timeline`` line
+        named by its choice id): its first byte is the first chunk written
+        after its first token.
         """
         window = settings.choice_window
         first = [make(c) for c in range(min(count, window))]
+        arrived = request.scope.get("state", {}).get(_ARRIVED)
+        timelines = [Timeline(choice_id(rid, c), arrived if arrived is not None else st.monotonic(),
+                              clock=st.monotonic) for c in range(count)]
         st.enter()
         try:
-            for stream, _ in first:
+            for c, (stream, _) in enumerate(first):
                 await _admit(stream)
+                timelines[c].admitted()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for stream, _ in first:
@@ -651,7 +659,7 @@ def create_app(
             raise
         ts = created()
         usages: list[Usage | None] = [None] * count
-        send, receive = anyio.create_memory_object_stream[bytes | Failure](CHOICE_EVENTS)
+        send, receive = anyio.create_memory_object_stream[tuple[int, bytes] | Failure](CHOICE_EVENTS)
 
         async def produce() -> None:
             slots = anyio.Semaphore(window)
@@ -663,11 +671,12 @@ def create_app(
                         try:
                             if c >= len(first):
                                 await _admit(stream)
+                                timelines[c].admitted()
                             ended: list[Usage] = []
                             async for event in choice_events(
-                                    stream, rid, ts, model, answer,
+                                    TimedStream(stream, timelines[c]), rid, ts, model, answer,
                                     body.continuous_usage(), c, ended):
-                                await send.send(event)
+                                await send.send((c, event))
                             usages[c] = ended[0] if ended else None
                         except KvtierError as exc:
                             await send.send(Failure(error_event(exc, rid)))
@@ -697,7 +706,10 @@ def create_app(
                             finished = True
                             yield item.event
                             return
-                        yield item
+                        c, chunk = item
+                        yield chunk
+                        # NOTE: the writer asks for the next chunk once this one is written.
+                        timelines[c].wrote()
                 ended = [u for u in usages if u is not None]
                 if len(ended) < count:
                     # NOTE: only the end of the response (cut, deadline) stops choices silently.
@@ -712,6 +724,8 @@ def create_app(
 
         async def release() -> None:
             st.leave()
+            for timeline in timelines:
+                st.timelines.record(timeline)
 
         err = kvtier_error_to_api(ServerShuttingDown(_CUT_MESSAGE))
         return EventStreamResponse(

@@ -199,3 +199,36 @@ async def test_phases_are_ordered_and_sum_to_the_clients_ttft(client: httpx.Asyn
     assert set(stats["phases_ms"]) == {*PHASES, "first_byte"}
     slowest = max(line["first_byte_ms"] for line in lines.values())
     assert stats["phases_ms"]["first_byte"]["p99"] == pytest.approx(slowest, abs=0.001)
+
+
+async def test_each_choice_of_a_streamed_multi_choice_request_has_its_timeline(
+    client: httpx.AsyncClient,
+) -> None:
+    """A streamed request with n=3: one timeline line per choice, named by its choice id, ordered
+    marks summing to a first byte no later than the client saw that choice's first text chunk;
+    /stats counts three requests."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "stream": True, "temperature": 0, "n": 3}
+    sent = time.monotonic()
+    first: dict[int, float] = {}
+    with capture_logs() as logs:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    for choice in chunk["choices"]:
+                        if choice.get("text") and choice["index"] not in first:
+                            first[choice["index"]] = (time.monotonic() - sent) * 1e3
+    assert sorted(first) == [0, 1, 2]
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request.timeline"}
+    assert set(lines) == {rid, f"{rid}-1", f"{rid}-2"}
+    for c, choice_rid in enumerate((rid, f"{rid}-1", f"{rid}-2")):
+        line = lines[choice_rid]
+        marks = [line[f"{m}_ms"] for m in MARKS]
+        assert marks == sorted(marks), line
+        assert sum(line["phases_ms"].values()) == pytest.approx(line["first_byte_ms"], abs=0.01)
+        assert line["first_byte_ms"] <= first[c] + 1.0, (c, line, first)
+        assert line["tokens"] == 4, line
+    stats = (await client.get("/stats")).json()["http"]["timeline"]
+    assert stats["requests"] == stats["recorded"] == 3
