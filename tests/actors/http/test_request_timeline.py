@@ -214,9 +214,9 @@ async def test_each_choice_of_a_streamed_multi_choice_request_has_its_timeline(
         async with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             rid = r.headers["x-request-id"]
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line.removeprefix("data: "))
+            async for text in r.aiter_lines():
+                if text.startswith("data: {"):
+                    chunk = json.loads(text.removeprefix("data: "))
                     for choice in chunk["choices"]:
                         if choice.get("text") and choice["index"] not in first:
                             first[choice["index"]] = (time.monotonic() - sent) * 1e3
