@@ -275,7 +275,7 @@ class BatchScheduler(Actor):
                           cached=[c for _, c in out.joined], prefill_tokens=out.prefill_tokens,
                           decode_rows=out.decode_rows, join_ms=round(out.join_s * 1e3, 3),
                           step_ms=round(out.step_s * 1e3, 3), since_clear=out.since_clear)
-            if out.clear_s:
+            if out.cleared:
                 # NOTE: the batch lane empties MLX's buffer cache every
                 # KVTIER_BATCH_CLEAR_EVERY steps; a step after it allocates afresh.
                 _log.info("batch.cache_cleared", turn=turn, freed_bytes=out.cleared_bytes,

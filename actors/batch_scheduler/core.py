@@ -203,7 +203,7 @@ class StepOut:
     ``resumed``: rows joined from a checkpoint and the tokens each replays
     (-1: the checkpoint did not fit, the row joined cold). ``step_s``: the
     step's seconds on the engine thread, joins included (0: not measured).
-    ``since_clear``, ``cleared_bytes``, ``clear_s``: the kernel's
+    ``since_clear``, ``cleared``, ``cleared_bytes``, ``clear_s``: the kernel's
     :class:`~kernels.engine.BatchStep` fields (MLX's buffer cache emptied).
     """
 
@@ -222,6 +222,7 @@ class StepOut:
     resumed: tuple[tuple[str, int], ...] = ()
     step_s: float = 0.0
     since_clear: int = 0
+    cleared: bool = False
     cleared_bytes: int = 0
     clear_s: float = 0.0
 

@@ -301,6 +301,7 @@ class BatchEngine:
                 resumed=tuple(resumed),
                 step_s=time.perf_counter() - began,
                 since_clear=result.since_clear,
+                cleared=result.cleared,
                 cleared_bytes=result.cleared_bytes,
                 clear_s=result.clear_s,
             )

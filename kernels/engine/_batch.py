@@ -435,8 +435,8 @@ class BatchStep:
     first token comes with the next step);
     ``checkpoints``: rows at a checkpoint boundary this step (``checkpoint_every``);
     ``since_clear``: steps run since MLX's buffer cache was last emptied by
-    this generation, this one included; ``cleared_bytes`` / ``clear_s``: what
-    this step's emptying at its end freed and took (0: it did not empty it).
+    this generation, this one included; ``cleared``: this step emptied it at
+    its end, ``cleared_bytes`` / ``clear_s`` what that freed and took.
     """
 
     tokens: tuple[RowToken, ...] = ()
@@ -447,6 +447,7 @@ class BatchStep:
     joined: tuple[str, ...] = ()
     checkpoints: tuple[RowCheckpoint, ...] = ()
     since_clear: int = 0
+    cleared: bool = False
     cleared_bytes: int = 0
     clear_s: float = 0.0
 
@@ -880,7 +881,8 @@ class BatchGeneration:
         self._steps += 1
         self._since_clear += 1
         since_clear, cleared_bytes, clear_s = self._since_clear, 0, 0.0
-        if self._clear_every and self._steps % self._clear_every == 0:
+        cleared = bool(self._clear_every) and self._steps % self._clear_every == 0
+        if cleared:
             # NOTE: timed and reported: on MLX's CUDA backend every cached
             # buffer is a managed allocation, freed one by one here, and the
             # steps after allocate (and first touch) their buffers afresh.
@@ -898,6 +900,7 @@ class BatchGeneration:
             joined=tuple(joined),
             checkpoints=tuple(checkpoints),
             since_clear=since_clear,
+            cleared=cleared,
             cleared_bytes=cleared_bytes,
             clear_s=clear_s,
         )

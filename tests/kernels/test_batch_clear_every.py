@@ -44,12 +44,12 @@ def test_the_cache_is_emptied_after_every_nth_step_and_each_step_says_so(
     clears: list[int] = []
     steps = _steps(model, tok, 3, monkeypatch, clears)
     assert len(steps) >= 9
-    emptied = [i for i, s in enumerate(steps) if s.clear_s > 0]
+    emptied = [i for i, s in enumerate(steps) if s.cleared]
     assert emptied == [i for i in range(len(steps)) if (i + 1) % 3 == 0]
     assert clears == emptied
     assert [s.since_clear for s in steps] == [i % 3 + 1 for i in range(len(steps))]
-    assert all(s.cleared_bytes >= 0 for s in steps)
-    assert all(s.cleared_bytes == 0 for s in steps if s.clear_s == 0)
+    assert all(s.clear_s > 0 and s.cleared_bytes >= 0 for s in steps if s.cleared)
+    assert all(s.cleared_bytes == 0 and s.clear_s == 0 for s in steps if not s.cleared)
 
 
 def test_clear_every_zero_never_empties_the_cache(
@@ -59,7 +59,7 @@ def test_clear_every_zero_never_empties_the_cache(
     clears: list[int] = []
     steps = _steps(model, tok, 0, monkeypatch, clears)
     assert clears == []
-    assert all(s.clear_s == 0 and s.cleared_bytes == 0 for s in steps)
+    assert not any(s.cleared or s.clear_s or s.cleared_bytes for s in steps)
     assert [s.since_clear for s in steps] == list(range(1, len(steps) + 1))
 
 
