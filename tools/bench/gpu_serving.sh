@@ -38,6 +38,7 @@
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
 #   agentab      the agent line served, kvtier alone, with and without AB_ENV (default the prefill bucket)
+#   runab        the whole served line with and without AB_ENV, the peer once a call (three calls: three runs each)
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
 #   shapes       a new query length's cost op by op: matmul, forward, forward over a cached 5,100 (shape_costs.py)
 #   newshapes    the same joins with no shape repeated, prefill folding on / off, beside 0 / 4 decoding rows
@@ -283,6 +284,43 @@ case "$cmd" in
         --json "$OUT/agent-$variant.json" --title "H200 agent" --skip-loadgen --agent 8x4 \
         --system-tokens 4400 --agent-max-tokens 32 2>&1 | tee "$OUT/agent-$variant.txt" | grep -E "agent"
     done
+    ;;
+  runab)
+    # Issue 20's served line with and without one environment switch for
+    # kvtier (AB_ENV, as agentab), the peer run once: both servers with one
+    # variant (the `run` defaults), then kvtier alone with the other over the
+    # same round's prompts and the same constant rate. Which variant runs
+    # with the peer alternates by call (even calls: the default). Three calls
+    # give three runs of each; serving_runs.py pairs them:
+    #   serving_runs.py full-A.json kvtier-B.json+full-A.json ...
+    # Writes full-<variant>.json, kvtier-<variant>.json, runab.txt, logs.tgz.
+    device_env
+    mkdir -p "$WORK"
+    n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+    echo $((n + 1)) > "$WORK/calls"
+    read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
+    on=()
+    for a in "${assigns[@]}"; do on+=(--kvtier-env "$a"); done
+    if [ $((n % 2)) -eq 0 ]; then full=default; alone=switched; full_env=(); alone_env=("${on[@]}")
+    else full=switched; alone=default; full_env=("${on[@]}"); alone_env=(); fi
+    echo "call $n: $full with the peer, then $alone alone; switched = ${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}" | tee "$OUT/runab.txt"
+    rc=0
+    python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok \
+      --model "$MODEL" --guidellm-python "$(command -v python3)" --out "$WORK/call-$n" --first-round "$n" \
+      --json "$OUT/full-$full.json" --title "H200 $full" "${DEFAULTS[@]}" "${full_env[@]}" "$@" 2>&1 \
+      | tee -a "$OUT/runab.txt" || rc=$?
+    rate=$(python3 -c 'import json, sys; print(",".join(str(r) for r in json.load(open(sys.argv[1]))["constant_rates"]))' \
+      "$OUT/full-$full.json" 2>/dev/null || echo "")
+    # NOTE: the same round (prompts) and the peer's constant rate, a fresh
+    # directory (so a fresh SSD tier), kvtier alone.
+    python3 tools/bench/serving.py --model "$MODEL" --guidellm-python "$(command -v python3)" \
+      --out "$WORK/call-$n-alone" --first-round "$n" --servers kvtier --json "$OUT/kvtier-$alone.json" \
+      --title "H200 $alone" "${DEFAULTS[@]}" --rate "$rate" "${alone_env[@]}" "$@" 2>&1 \
+      | tee -a "$OUT/runab.txt" || rc=$?
+    python3 tools/bench/serving_runs.py "$OUT/full-$full.json" "$OUT/kvtier-$alone.json+$OUT/full-$full.json" \
+      --label "$full" --label "$alone" 2>&1 | tee -a "$OUT/runab.txt" || true
+    tar -czf "$OUT/logs.tgz" --exclude="./kv-*" -C "$WORK" "call-$n" "call-$n-alone" || true
+    exit $rc
     ;;
   agentab)
     # Issue 20's agent line, kvtier alone, served, with and without one

@@ -8,6 +8,12 @@ each run's kvtier / mlx_lm ratio and their median, and plots the ratios.
     python3 tools/bench/serving_runs.py A.json B.json C.json \\
         --label r0 --label r1 --label r2 --plot runs.png [--cold-peer r0]
 
+A run may be a kvtier-only JSON paired with another run's peer, written
+``KVTIER.json+PEER.json`` (``gpu_serving.sh runab`` makes such pairs: one
+call runs both servers with one kvtier variant, then kvtier alone with the
+other over the same round's prompts and the same constant rate); its
+mlx_lm figures are the peer file's.
+
 ``--cold-peer LABEL`` marks a run whose peer ran first on a fresh machine
 (MLX CUDA compiles its kernels on first use, so the first server of a fresh
 machine pays it): that run's peer figures are shown but left out of the
@@ -17,6 +23,7 @@ medians of the peer-relative ratios.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 from pathlib import Path
@@ -60,19 +67,39 @@ def _agent(doc: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def with_peer(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """A kvtier-only run's document with ``peer``'s mlx_lm figures put beside its own (levels, agent)."""
+    merged = copy.deepcopy(ours)
+    theirs = _levels(peer)
+    for key, lv in _levels(merged).items():
+        if key in theirs and "mlx_lm" in theirs[key]:
+            lv["mlx_lm"] = theirs[key]["mlx_lm"]
+    for mine, other in zip(merged.get("rounds", []), peer.get("rounds", []), strict=False):
+        if isinstance(other, dict) and "mlx_lm" in other:
+            mine["mlx_lm"] = other["mlx_lm"]
+    return merged
+
+
+def load_run(spec: str) -> dict[str, Any]:
+    """``FILE`` or ``KVTIER_FILE+PEER_FILE`` (see the module's docstring) as one run's document."""
+    ours, plus, peer = spec.partition("+")
+    doc: dict[str, Any] = json.loads(Path(ours).read_text())
+    return with_peer(doc, json.loads(Path(peer).read_text())) if plus else doc
+
+
 def main() -> None:
     """Print the side-by-side tables and write the plot."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="serving.py --json files, one per run")
+    ap.add_argument("runs", nargs="+", help="serving.py --json files, one per run (or KVTIER+PEER)")
     ap.add_argument("--label", action="append", default=[], help="a name per run, in order")
     ap.add_argument("--cold-peer", action="append", default=[], help="a run whose peer ran cold (see above)")
     ap.add_argument("--plot", type=Path, help="PNG of the kvtier / mlx_lm ratios per level")
     ap.add_argument("--title", default="")
     args = ap.parse_args()
-    labels = args.label or [p.stem for p in args.runs]
+    labels = args.label or [Path(p.partition("+")[0]).stem for p in args.runs]
     if len(labels) != len(args.runs):
         ap.error("one --label per run")
-    docs = [json.loads(p.read_text()) for p in args.runs]
+    docs = [load_run(p) for p in args.runs]
     per_run = [_levels(d) for d in docs]
     keys = [k for k in per_run[0] if all(k in r for r in per_run)]
     warm = [i for i, lab in enumerate(labels) if lab not in args.cold_peer]
