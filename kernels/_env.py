@@ -28,6 +28,8 @@ variable                      what it sets                                read b
                               emptied after each batch-lane prefill forward
 ``KVTIER_BATCH_CLEAR_EVERY``  MLX's buffer cache emptied after every   ``kernels.engine``
                               N-th batch step (default 256; 0: never)
+``KVTIER_BATCH_RESERVE``      switch: a prefill's batch cache gets its  ``kernels.engine``
+                              room once, not grown chunk by chunk
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
 ``KVTIER_CHECKPOINT_DELTA``   switch (default: CUDA only): a checkpoint  ``kernels.cache``

@@ -97,6 +97,7 @@ from ._greedy import (
 from ._logprobs import top_logprobs
 from ._lone_row import lone_row_masks, plain_masks
 from ._prefill_batch import PREFILL_CLEAR_ENV, PrefillBatch
+from ._reserve import merge_with_room, reserve
 from ._sampling import SamplingParams, make_request_processors, make_request_sampler
 from ._structured import GrammarProcessor
 from ._transitioning import TransitioningBatchKVCache
@@ -111,6 +112,7 @@ __all__ = [
     "PREFILL_BUCKET_ENV",
     "PREFILL_CLEAR_ENV",
     "REPLAY_PER_STEP",
+    "RESERVE_ENV",
     "SLOT_REUSE_ENV",
     "BatchFull",
     "BatchGate",
@@ -149,6 +151,9 @@ CLEAR_EVERY_ENV = "KVTIER_BATCH_CLEAR_EVERY"
 
 DEFAULT_CLEAR_EVERY = 256
 """mlx-lm's cadence when the batch lane was built (its ``BatchGenerator`` now empties it every 512)."""
+
+RESERVE_ENV = "KVTIER_BATCH_RESERVE"
+"""Environment switch: ``0`` lets a prefill's batch cache grow chunk by chunk (mlx-lm's way; :mod:`._reserve`)."""
 
 ALIGN_SUFFIXES_ENV = "KVTIER_BATCH_ALIGN_SUFFIXES"
 """Environment switch: ``0`` pads a group's shorter suffixes instead of aligning them (``_align_suffixes``)."""
@@ -541,6 +546,7 @@ class BatchGeneration:
         first_token_first: bool | None = None,
         prefill_bucket: int | None = None,
         clear_every: int | None = None,
+        reserve_room: bool | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -567,6 +573,7 @@ class BatchGeneration:
         if self._clear_every < 0:
             raise ValueError(f"clear_every must be >= 0, got {self._clear_every}")
         self._since_clear = 0
+        self._reserve = env_switch(RESERVE_ENV) if reserve_room is None else reserve_room
         self._owes_first = False
         """Whether rows entered the decode batch last turn (this turn's decode hands out their first tokens)."""
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
@@ -1069,6 +1076,9 @@ class BatchGeneration:
                 row.prefill.prompt([row.prompt[row.cursor : row.cursor + n]])
                 row.cursor += n
                 used += n
+                if self._reserve:
+                    # NOTE: a cold row's first chunk made its buffers; the rest grows them once.
+                    reserve(row.prefill.prompt_cache, len(row.prompt) - row.cursor - 1)
                 if _reached(row, n):
                     snapshots.append(self._snapshot(row, 0))
             if len(row.prompt) - row.cursor > 1:
@@ -1154,6 +1164,9 @@ class BatchGeneration:
                 row.cursor += n
                 used += n
             batch.prompt(chunks)
+            if self._reserve:
+                # NOTE: a cold group's first chunk made its buffers; the rest grows them once.
+                reserve(batch.prompt_cache, max(len(row.prompt) - row.cursor - 1 for row in group))
             for index, row in enumerate(group):
                 if chunks[index] and _reached(row, len(chunks[index])):
                     snapshots.append(self._snapshot(row, index))
@@ -1218,8 +1231,13 @@ class BatchGeneration:
             return ()
         return tuple(i for i, c in enumerate(row.cache) if type(c) is QuantizedKVCache)
 
-    def _merge(self, caches: list[list[Any]]) -> list[Any]:
-        """One batch cache per layer from the rows' caches (mlx-lm's merge, or transitioning layers)."""
+    def _merge(self, caches: list[list[Any]], room: int = 0) -> list[Any]:
+        """One batch cache per layer from the rows' caches (mlx-lm's merge, or transitioning layers).
+
+        ``room``: tokens the plain layers' buffers hold past the longest row
+        (:func:`merge_with_room`), so the prefill after the merge does not
+        copy them again to grow.
+        """
         merged: list[Any] = []
         for i, first in enumerate(caches[0]):
             layer = [c[i] for c in caches]
@@ -1227,6 +1245,8 @@ class BatchGeneration:
             if quant is not None and all(type(c) in (KVCache, QuantizedKVCache) for c in layer):
                 start = self._scheme.start if self._scheme is not None else 0
                 merged.append(TransitioningBatchKVCache.merge(layer, quant, start))
+            elif room > 0 and all(type(c) is KVCache for c in layer):
+                merged.append(merge_with_room(layer, room))
             else:
                 merged.append(first.merge(layer))
         return merged
@@ -1251,7 +1271,10 @@ class BatchGeneration:
             ],
             max_tokens=[row.params.max_tokens for row in rows],
         )
-        batch.prompt_cache = self._merge(caches)
+        # NOTE: room for the whole prefill still to come (its last token is
+        # forwarded on entering the decode batch, which copies anyway).
+        room = max(len(row.prompt) - row.cursor - 1 for row in rows) if self._reserve else 0
+        batch.prompt_cache = self._merge(caches, room)
         if len(rows) == 1:
             # NOTE: no padding in a batch of one: the serial lane's causal mask
             # (the fused attention kernel on CUDA; _lone_row).
