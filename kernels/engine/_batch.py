@@ -226,32 +226,28 @@ class BatchGate:
         return "recurrent" in self.kinds or "list" in self.kinds
 
 
-def prefill_bucket_setting(env: Mapping[str, str] | None = None) -> int:
-    """``KVTIER_BATCH_PREFILL_BUCKET`` in tokens (unset: 0, off); anything but a whole number >= 0 raises ``ValueError``."""
-    text = env_text(PREFILL_BUCKET_ENV, env)
+def _count_setting(name: str, unit: str, default: int, env: Mapping[str, str] | None) -> int:
+    """The whole number >= 0 in environment variable ``name`` (unset: ``default``); else ``ValueError`` naming it."""
+    text = env_text(name, env)
     if text is None:
-        return 0
+        return default
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{PREFILL_BUCKET_ENV} must be a whole number of tokens, got {text!r}") from None
+        raise ValueError(f"{name} must be a whole number of {unit}, got {text!r}") from None
     if value < 0:
-        raise ValueError(f"{PREFILL_BUCKET_ENV} must be >= 0, got {value}")
+        raise ValueError(f"{name} must be >= 0, got {value}")
     return value
+
+
+def prefill_bucket_setting(env: Mapping[str, str] | None = None) -> int:
+    """``KVTIER_BATCH_PREFILL_BUCKET`` in tokens (unset: 0, off); anything but a whole number >= 0 raises ``ValueError``."""
+    return _count_setting(PREFILL_BUCKET_ENV, "tokens", 0, env)
 
 
 def clear_every_setting(env: Mapping[str, str] | None = None) -> int:
     """``KVTIER_BATCH_CLEAR_EVERY`` in steps (unset: :data:`DEFAULT_CLEAR_EVERY`; 0: never); anything but a whole number >= 0 raises ``ValueError``."""
-    text = env_text(CLEAR_EVERY_ENV, env)
-    if text is None:
-        return DEFAULT_CLEAR_EVERY
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{CLEAR_EVERY_ENV} must be a whole number of steps, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{CLEAR_EVERY_ENV} must be >= 0, got {value}")
-    return value
+    return _count_setting(CLEAR_EVERY_ENV, "steps", DEFAULT_CLEAR_EVERY, env)
 
 
 def batch_ssm_enabled(env: Mapping[str, str] | None = None) -> bool:
