@@ -637,10 +637,11 @@ def print_turn_phases(who: str, rnd: int, agent: AgentResult) -> None:
                 f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.1f}"
                 for k in ("step_ms", "join_ms", "rows", "prefill_tokens", "decode_rows")))
             slowest = max(steps, key=lambda s: s.get("step_ms", 0.0))
-            # NOTE: the slowest join step and how many steps after the batch
-            # lane last emptied MLX's buffer cache it ran (1: the first after).
+            # NOTE: the slowest join step and its since_clear: the steps since
+            # the batch lane last emptied MLX's buffer cache (or since the
+            # lane started), this one included (1: the first step after one).
             parts.append(f"slowest step_ms {slowest.get('step_ms', 0.0):.1f}"
-                         + (f" ({slowest['since_clear']:.0f} steps after a cache emptying)"
+                         + (f" (since_clear {slowest['since_clear']:.0f})"
                             if "since_clear" in slowest else ""))
         print(f"round {rnd} {who:<7} agent turn {t}: " + ", ".join(parts), flush=True)
 
