@@ -380,6 +380,9 @@ class FlushRun:
     checkpoints_lost: int = 0
     entries: int | None = None
     longest: int | None = None
+    ssd_bytes: int | None = None
+    """The SSD tier's committed bytes at the flush's end (its stats answer; ``None``: none came)."""
+    ssd_max_bytes: int | None = None
 
     def in_scope(self, key: Key) -> bool:
         """Whether ``key`` was dirty when the flush began."""
@@ -786,6 +789,7 @@ def _reply(
     elif pending.purpose == "stats":
         if isinstance(body, SsdStats):
             flush.entries, flush.longest = body.entries, body.longest_entry_tokens
+            flush.ssd_bytes, flush.ssd_max_bytes = body.bytes, body.max_bytes
         _finish_flush(state, flush, now, out)
 
 
@@ -1012,6 +1016,12 @@ def _finish_flush(state: DurabilityState, flush: FlushRun, now: float, out: list
     if evicted:
         out.append(Log("durability.evicted_unwritten", (("prefixes", evicted),)))
     if not result.durable:
+        # NOTE: with the SSD tier at its cap, the flush's own forced writes
+        # evict files it wrote earlier, so prefixes verified gone count as
+        # uncovered: the tier's fill says whether that is why.
+        tier: tuple[tuple[str, str | int | float], ...] = ()
+        if flush.ssd_bytes is not None and flush.ssd_max_bytes is not None:
+            tier = (("ssd_bytes", flush.ssd_bytes), ("ssd_max_bytes", flush.ssd_max_bytes))
         out.append(
             Log(
                 "durability.not_durable",
@@ -1021,6 +1031,7 @@ def _finish_flush(state: DurabilityState, flush: FlushRun, now: float, out: list
                     ("dropped", result.dropped),
                     ("failed", result.failed),
                     ("lost", result.lost),
+                    *tier,
                 ),
             )
         )

@@ -32,8 +32,8 @@ def meta(ntok: int, nbytes: int = 100) -> EntryMeta:
     return EntryMeta(offset=ntok, nbytes=nbytes, trimmable=True, min_reusable_offset=0)
 
 
-def ssd_stats(entries: int = 0, longest: int = 0) -> SsdStats:
-    """An SsdStats answer with ``entries`` files, the longest holding ``longest`` tokens."""
+def ssd_stats(entries: int = 0, longest: int = 0, nbytes: int = 0, max_bytes: int = 0) -> SsdStats:
+    """An SsdStats answer with ``entries`` files of ``nbytes`` in all under ``max_bytes``, the longest holding ``longest`` tokens."""
     zeros = dict.fromkeys(
         [
             "bytes",
@@ -65,6 +65,8 @@ def ssd_stats(entries: int = 0, longest: int = 0) -> SsdStats:
             "entries": entries,
             "restore_ms_last": 0.0,
             "longest_entry_tokens": longest,
+            "bytes": nbytes,
+            "max_bytes": max_bytes,
         }
     )
 
@@ -132,9 +134,10 @@ class Driver:
         body = SpillsDrained(enqueued=0, stored=0, dropped=0, failed=0, refused=0)
         return self.deliver(body, correlation=ref)
 
-    def stats_reply(self, ref: str, entries: int = 0, longest: int = 0) -> list[core.Effect]:
+    def stats_reply(self, ref: str, entries: int = 0, longest: int = 0, nbytes: int = 0,
+                    max_bytes: int = 0) -> list[core.Effect]:
         """The SSD index answers the SsdStatsRequest ``ref``."""
-        return self.deliver(ssd_stats(entries, longest), correlation=ref)
+        return self.deliver(ssd_stats(entries, longest, nbytes, max_bytes), correlation=ref)
 
 
 def sends(effects: list[core.Effect]) -> list[core.Send]:

@@ -308,11 +308,17 @@ def test_a_prefix_ram_still_holds_keeps_the_flush_not_durable_beside_an_evicted_
     effects = d.settle(enq.ref, "c9", "failed", "io_error")
     effects = d.covers(only_send(effects, "ssd_writer.covers").ref, False)
     effects = d.covers(only_send(effects, "ssd_writer.covers").ref, False)
-    (result,) = results(d.stats_reply(only_send(effects, "ssd_writer.stats_request").ref))
+    done = d.stats_reply(only_send(effects, "ssd_writer.stats_request").ref, nbytes=900,
+                         max_bytes=1000)
+    (result,) = results(done)
     assert (result.durable, result.pending, result.failed, result.evicted_unwritten) == (
         False, 1, 1, 1,
     )
     assert set(d.state.records) == {("", (7, 8))}
+    # NOTE: the warning says how full the SSD tier was (a full tier evicts what the flush wrote).
+    (warning,) = [e for e in done if isinstance(e, core.Log) and e.event == "durability.not_durable"]
+    assert dict(warning.fields)["ssd_bytes"] == 900
+    assert dict(warning.fields)["ssd_max_bytes"] == 1000
 
 
 def test_a_missing_record_given_up_over_the_cap_counts_as_evicted_not_lost() -> None:
