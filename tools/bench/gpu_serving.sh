@@ -37,7 +37,7 @@
 #   joins        where a batch step's time goes (join_cost.py)
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
-#   agentab      the agent line served, kvtier alone, with and without AB_ENV (default the prefill bucket)
+#   agentab      the agent line served, kvtier alone, with and without AB_ENV (default: no periodic cache emptying)
 #   runab        the whole served line with and without AB_ENV, the peer once a call (three calls: three runs each)
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
 #   shapes       a new query length's cost op by op: matmul, forward, forward over a cached 5,100 (shape_costs.py)
@@ -324,7 +324,7 @@ case "$cmd" in
     ;;
   agentab)
     # Issue 20's agent line, kvtier alone, served, with and without one
-    # environment assignment (AB_ENV, default KVTIER_BATCH_PREFILL_BUCKET=32):
+    # environment assignment (AB_ENV, default KVTIER_BATCH_CLEAR_EVERY=0):
     # the agent trace only (8 conversations x 4 turns over a 4,400-token
     # system prompt), a fresh server and fresh prompts each run, the order
     # A B B A A B ... (the first run also pays MLX's first compiles), no new
@@ -344,7 +344,7 @@ case "$cmd" in
       # NOTE: AB_ENV may hold several assignments, split on spaces; each goes
       # to kvtier's process through --kvtier-env (recorded in the run's JSON).
       if [ "$v" = on ]; then
-        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_PREFILL_BUCKET=32}"
+        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
         for a in "${assigns[@]}"; do envs+=(--kvtier-env "$a"); done
       fi
       t0=$SECONDS
