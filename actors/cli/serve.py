@@ -302,10 +302,23 @@ def _log_stopped(log: Any, engine: Any) -> None:
                  entries=flushed.entries,
                  longest_durable_prefix_tokens=flushed.longest_durable_prefix_tokens)
     else:
-        log.warning("serve.stopped", durable=False,
-                    disk="not durable: some cached prefixes did not reach the disk",
+        log.warning("serve.stopped", durable=False, disk=not_durable_reason(flushed),
                     pending=flushed.pending, dropped=flushed.dropped, failed=flushed.failed,
                     uncovered=flushed.uncovered, lost=flushed.lost, entries=flushed.entries)
+
+
+def not_durable_reason(flushed: Any) -> str:
+    """What the last line says of a final flush that was not durable (a ``FlushResult``).
+
+    NOTE: when the only shortfall is ``uncovered`` (written, then evicted
+    from the SSD tier by its cap before the flush verified it), more flushing
+    cannot help; the cap can.
+    """
+    if flushed.uncovered and not (flushed.pending or flushed.dropped or flushed.failed
+                                  or flushed.lost):
+        return (f"not durable: {flushed.uncovered} cached prefixes reached the disk but the SSD "
+                "tier's cap evicted them again (a larger --ssd-cache-max keeps them)")
+    return "not durable: some cached prefixes did not reach the disk"
 
 
 def _bind(host: str, port: int) -> socket.socket:

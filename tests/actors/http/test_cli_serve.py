@@ -111,3 +111,28 @@ async def test_accepted_connections_disable_nagle() -> None:
         await server.wait_closed()
     assert seen
     assert seen[0] != 0
+
+
+@pytest.mark.parametrize(
+    ("counts", "cap_named"),
+    [
+        ({"uncovered": 95}, True),
+        ({"uncovered": 3, "pending": 1}, False),
+        ({"dropped": 2}, False),
+        ({"uncovered": 4, "lost": 1}, False),
+    ],
+)
+def test_the_last_line_names_the_ssd_cap_when_it_alone_kept_the_flush_from_durable(
+    counts: dict[str, int], cap_named: bool
+) -> None:
+    """A final flush short only of prefixes the tier's cap evicted says so (and the flag that helps);
+    any other shortfall keeps the general reason."""
+    from actors.cli.serve import not_durable_reason
+    from messages.durability import FlushResult
+
+    fields = {"pending": 0, "dropped": 0, "failed": 0, "uncovered": 0} | counts
+    reason = not_durable_reason(FlushResult.model_validate({"durable": False, **fields}))
+    assert reason.startswith("not durable: ")
+    assert ("--ssd-cache-max" in reason) is cap_named
+    if cap_named:
+        assert f"{counts['uncovered']} cached prefixes" in reason
