@@ -568,7 +568,6 @@ class BatchGeneration:
         self._clear_every = clear_every_setting() if clear_every is None else clear_every
         if self._clear_every < 0:
             raise ValueError(f"clear_every must be >= 0, got {self._clear_every}")
-        self._since_clear = 0
         self._reserve = env_switch(RESERVE_ENV) if reserve_room is None else reserve_room
         self._owes_first = False
         """Whether rows entered the decode batch last turn (this turn's decode hands out their first tokens)."""
@@ -882,9 +881,11 @@ class BatchGeneration:
             if not self._rows:
                 tuning.release()
         self._steps += 1
-        self._since_clear += 1
-        since_clear, cleared_bytes, clear_s = self._since_clear, 0, 0.0
-        cleared = bool(self._clear_every) and self._steps % self._clear_every == 0
+        every, cleared_bytes, clear_s = self._clear_every, 0, 0.0
+        # NOTE: the emptyings fall on the multiples of ``every``: the last one
+        # before this step was at the multiple below it (0: the lane's start).
+        since_clear = self._steps - ((self._steps - 1) // every * every if every else 0)
+        cleared = bool(every) and self._steps % every == 0
         if cleared:
             # NOTE: timed and reported: on MLX's CUDA backend every cached
             # buffer is a managed allocation, freed one by one here, and the
@@ -893,7 +894,6 @@ class BatchGeneration:
             began = time.perf_counter()
             mx.clear_cache()
             clear_s = time.perf_counter() - began
-            self._since_clear = 0
         return BatchStep(
             tokens=tuple(tokens),
             exits=tuple(exits),
@@ -1235,16 +1235,16 @@ class BatchGeneration:
         copy them again to grow.
         """
         merged: list[Any] = []
-        for i, first in enumerate(caches[0]):
+        for i in range(len(caches[0])):
             layer = [c[i] for c in caches]
             quant = self._scheme.layer_quant(i) if self._scheme is not None else None
             if quant is not None and all(type(c) in (KVCache, QuantizedKVCache) for c in layer):
                 start = self._scheme.start if self._scheme is not None else 0
                 merged.append(TransitioningBatchKVCache.merge(layer, quant, start))
-            elif room > 0 and all(type(c) is KVCache for c in layer):
-                merged.append(merge_with_room(layer, room))
             else:
-                merged.append(first.merge(layer))
+                # NOTE: the first layer's own merge (mlx-lm's) where there is
+                # no room to make or a layer is not a plain KVCache.
+                merged.append(merge_with_room(layer, room))
         return merged
 
     def _start_prefill(self, rows: list[_Row]) -> Any:

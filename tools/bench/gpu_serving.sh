@@ -319,7 +319,8 @@ case "$cmd" in
       | tee -a "$OUT/runab.txt" || rc=$?
     python3 tools/bench/serving_runs.py "$OUT/full-$full.json" "$OUT/kvtier-$alone.json+$OUT/full-$full.json" \
       --label "$full" --label "$alone" 2>&1 | tee -a "$OUT/runab.txt" || true
-    tar -czf "$OUT/logs.tgz" --exclude="./kv-*" -C "$WORK" "call-$n" "call-$n-alone" || true
+    # NOTE: not the SSD tiers' directories (kv-*, GBs), in either call directory.
+    tar -czf "$OUT/logs.tgz" --exclude="kv-*" -C "$WORK" "call-$n" "call-$n-alone" || true
     exit $rc
     ;;
   agentab)
