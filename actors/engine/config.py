@@ -206,6 +206,13 @@ class EngineConfig(BaseModel):
                                 "long loses its stream, and its engine turn ends within one step"),
         Setting("KVTIER_STREAM_WRITE_TIMEOUT", "--stream-write-timeout", unit="s"),
     ] = 30.0
+    render_threads: Annotated[
+        int,
+        Field(ge=1, le=64, description="prompts rendered and tokenized at once at admission, "
+                                       "each on a worker thread; more wait their turn in arrival "
+                                       "order"),
+        Setting("KVTIER_RENDER_THREADS", "--render-threads", unit="threads"),
+    ] = 40
     batch_gather_s: Annotated[
         float,
         Field(ge=0, le=10, description="how long, at most, an idle batch lane's ready rows wait for "
