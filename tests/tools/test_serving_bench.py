@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -272,3 +273,74 @@ def test_cache_clears_are_counted_from_their_log_lines(tmp_path: Path) -> None:
     empty = tmp_path / "none.stderr"
     empty.write_text("2026-12-06 [info ] batch.join_step actor=batch joined=['x'] step_ms=9.0\n")
     assert serving.cache_clears([empty]) == {}
+
+
+class _Proc:
+    """A server process as ``subprocess.Popen`` reports it: running (None) or its exit status."""
+
+    def __init__(self, status: int | None) -> None:
+        self.status = status
+
+    def poll(self) -> int | None:
+        return self.status
+
+
+class _FakeServer:
+    """What ``run_server`` uses of ``_common.Server``: a URL, its logs, its process, ``stop``."""
+
+    def __init__(self, tmp_path: Path, status: int | None) -> None:
+        self.url = "http://127.0.0.1:9"
+        self.ready_s = 1.0
+        self.stdout = tmp_path / "mlx_lm.stdout"
+        self.stderr = tmp_path / "mlx_lm.stderr"
+        self.stdout.write_text("")
+        self.stderr.write_text(
+            "INFO - Prompt processing progress: 515/515\n"
+            "ERROR - mlx_lm.server generation thread died: cudaMallocAsync failed: out of memory\n"
+            "double free or corruption (fasttop)\n"
+        )
+        self.proc = _Proc(status)
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _agent_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int | None) -> Any:
+    server = _FakeServer(tmp_path, status)
+    monkeypatch.setattr(serving, "start_server", lambda *a, **k: server)
+    monkeypatch.setattr(importlib.import_module("_common"), "stream_chat", lambda *a, **k: None)
+
+    def refused(*a: Any, **k: Any) -> Any:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(serving, "agent_trace", refused)
+    args = serving.parse_args(["--servers", "mlx_lm", "--skip-loadgen", "--no-warmup", "--agent", "2x2"])
+    try:
+        return serving.run_server("mlx_lm", tmp_path, 9, tmp_path, args, 0, [])
+    finally:
+        assert server.stopped
+
+
+def test_a_server_that_died_mid_run_ends_its_own_run_not_the_benchmark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose process exited when the agent trace met a closed port: its run is kept with
+    how it died (the phase, the status, the last error line), summarized and printed."""
+    run = _agent_run(tmp_path, monkeypatch, -6)
+    assert run.agent is None
+    assert run.died is not None
+    assert "status -6 during the agent trace" in run.died
+    assert "out of memory" in run.died
+    summary = serving.summarize([{"mlx_lm": run}])
+    assert summary["died"] == {"round 0 mlx_lm": run.died}
+    assert any(line.startswith("DIED round 0 mlx_lm") for line in serving.summary_lines(summary))
+
+
+def test_a_failure_with_the_server_still_up_is_the_benchmarks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same failure while the server's process still runs propagates: only a dead server is
+    recorded and passed over."""
+    with pytest.raises(ConnectionRefusedError):
+        _agent_run(tmp_path, monkeypatch, None)

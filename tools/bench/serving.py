@@ -206,6 +206,9 @@ class ServerRun:
     stats: dict[str, Any] = field(default_factory=dict)
     """kvtier only: parts of ``/stats`` (the tiers, the lanes, the timeline) after the load
     generator (``loads``) and after the agent trace (``agent``)."""
+    died: str | None = None
+    """How the server ended before its run did (the phase, its exit status, its last error
+    line); ``None`` when it lasted. What it finished before is kept."""
 
 
 # --- guidellm ----------------------------------------------------------------------
@@ -425,6 +428,7 @@ def run_server(
     tag = f"r{rnd}"
     server = start_server(who, model, port, workdir, args, tag)
     run = ServerRun(who, server.ready_s)
+    phase = "warm-up"
     try:
         url = server.url
         # NOTE: both servers know the model by the directory they loaded
@@ -437,6 +441,7 @@ def run_server(
             warm_up(url, served, [int(c) for c in args.concurrency.split(",") if c],
                     args.prompt_tokens, f"{who}-{tag}")
         if not args.skip_loadgen:
+            phase = "the load generator's levels"
             levels = [int(c) for c in args.concurrency.split(",") if c]
             counts = [max(args.min_requests, c * args.requests_per_stream) for c in levels]
             name = f"{who}-{tag}-concurrent"
@@ -459,6 +464,7 @@ def run_server(
                 rates[:] = [round(f * sat, 4) for f in _floats(args.rate_fractions)]
                 print(f"{PEER} saturation {sat:.3f} req/s -> constant rates {rates}", flush=True)
             for rate in rates:
+                phase = f"the constant rate {rate:g}"
                 name = f"{who}-{tag}-constant-{rate:g}"
                 n = max(args.min_requests, math.ceil(rate * args.rate_seconds))
                 spec = scenario(
@@ -480,6 +486,7 @@ def run_server(
         if who == "kvtier":
             run.stats["loads"] = server_stats(url)
         if args.agent:
+            phase = "the agent trace"
             n, m = (int(x) for x in args.agent.lower().split("x"))
             if args.warmup and args.skip_loadgen:
                 # NOTE: without the load generator's warm-up, the first turns
@@ -500,6 +507,17 @@ def run_server(
                 run.stats["agent"] = server_stats(url)
                 attach_phases(a, [server.stdout, server.stderr])
                 print_turn_phases(who, rnd, a)
+    except Exception:
+        # NOTE: a server that exits mid-run (mlx_lm.server's generation
+        # thread died of CUDA out-of-memory on an H100, and the process with
+        # it) ends its own run, not the benchmark's: what it finished is
+        # kept and reported, and main() exits 1. Any other failure, with the
+        # server still up, is the benchmark's and propagates.
+        code = server.proc.poll()
+        if code is None:
+            raise
+        run.died = f"exited with status {code} during {phase}: {_last_error(server.stderr)}"
+        print(f"round {rnd} {who:<7} DIED {run.died}", flush=True)
     finally:
         server.stop()
     if who == "kvtier":
@@ -517,6 +535,14 @@ def run_server(
                   f"{clears['median_freed_gb']:.2f} GB, the step it ended median "
                   f"{clears['median_step_ms']:.1f} ms", flush=True)
     return run
+
+
+def _last_error(log: Path) -> str:
+    """The last line of ``log`` that names an error (else its last line), shortened."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    named = [ln for ln in lines if "error" in ln.lower() or "fatal" in ln.lower()]
+    last = named[-1] if named else (lines[-1] if lines else "(no output)")
+    return last[-300:]
 
 
 def cache_clears(logs: Sequence[Path]) -> dict[str, float]:
@@ -747,7 +773,9 @@ def summarize(rounds: Sequence[dict[str, ServerRun]]) -> dict[str, Any]:
         agent["ratio_turns2plus"] = (
             agent["kvtier"]["ttft_p50_turns2plus_ms"] / agent[PEER]["ttft_p50_turns2plus_ms"]
         )
-    return {"levels": rows, "agent": agent}
+    died = {f"round {rnd} {who}": r[who].died for rnd, r in enumerate(rounds) for who in r
+            if r[who].died}
+    return {"levels": rows, "agent": agent, "died": died}
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
@@ -784,6 +812,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"agent kvtier / mlx_lm, TTFT p50 of turns 2+: {agent['ratio_turns2plus']:.2f}"
         )
+    for where, how in summary.get("died", {}).items():
+        lines.append(f"DIED {where}: {how}")
     return lines
 
 
@@ -1160,7 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             plot(rounds, summary, args.plot, title)
             print(f"plot: {args.plot}")
-    return 0
+    return 1 if summary["died"] else 0
 
 
 if __name__ == "__main__":
