@@ -1,4 +1,4 @@
-"""A burst of arrivals through HTTP: where admission's time goes, with prompts rendered on a few threads or on many.
+"""A burst of arrivals through HTTP: where admission's and joining's time goes, server variants side by side.
 
 Each round starts ``kvtier serve`` (the default model, ``--ssd-cache off``)
 once per variant, in alternating order, and sends it ``--bursts`` bursts of
@@ -9,11 +9,13 @@ per variant the admission phase (arrival to the scheduler's admission: body
 parsing, the prompt's render and tokenizing, the admission ask), the lookup
 and join phases and the client's TTFT, then the ratios of the medians.
 
-Variants: ``--render-threads`` values, e.g. ``40,2``: 40 is anyio's shared
-worker pool's bound (what admission used before ``render_threads``), 2 the
-default.
+Variants: ``--variant LABEL=ARGS`` (repeatable), ``kvtier serve`` arguments
+per server; the default pair is ``--render-threads 40`` (the default: anyio's
+shared worker pool's bound, what admission used before ``render_threads``)
+against ``--render-threads 2``. E.g. the idle lane's gather window:
 
-    python3 tools/bench/admission_burst.py --clients 32 --bursts 3 --rounds 3 \\
+    python3 tools/bench/admission_burst.py --clients 32 --bursts 2 --rounds 2 \\
+        --variant "gather 0.05=--batch-gather 0.05" --variant "gather 0.3=--batch-gather 0.3" \\
         --json out.json --plot out.png
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import threading
@@ -39,11 +42,12 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run_variant(model: Path, work: Path, threads: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    """One server with ``--render-threads threads``: its bursts' client TTFTs and timeline phases."""
+def run_variant(model: Path, work: Path, label: str, serve_args: list[str], args: argparse.Namespace,
+                tag: str) -> dict[str, Any]:
+    """One server with ``serve_args``: its bursts' client TTFTs and timeline phases."""
     work.mkdir(parents=True, exist_ok=True)
     server = start_kvtier(model, work, "--ssd-cache", "off", "--max-batch", str(args.clients),
-                          "--render-threads", str(threads), name="kvtier")
+                          *serve_args, name="kvtier")
     rids: list[str] = []
     ttfts: list[float] = []
     try:
@@ -82,15 +86,15 @@ def run_variant(model: Path, work: Path, threads: int, args: argparse.Namespace,
     missing = [r for r in rids if r not in phases]
     if missing:
         raise RuntimeError(f"{len(missing)} requests have no request.timeline line")
-    return {"render_threads": threads, "ttft_ms": ttfts,
+    return {"variant": label, "serve_args": serve_args, "ttft_ms": ttfts,
             "phases_ms": {p: [phases[r][p] for r in rids] for p in PHASES}}
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per variant, over every round: p50 / p90 / max of each phase and of the client TTFT."""
-    out: dict[int, dict[str, float]] = {}
-    for threads in sorted({r["render_threads"] for r in runs}, reverse=True):
-        mine = [r for r in runs if r["render_threads"] == threads]
+    out: dict[str, dict[str, float]] = {}
+    for label in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == label]
         row: dict[str, float] = {}
         series = {p: [v for r in mine for v in r["phases_ms"][p]] for p in PHASES}
         series["ttft"] = [v for r in mine for v in r["ttft_ms"]]
@@ -98,7 +102,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
             row[f"{name}_p50"] = statistics.median(values)
             row[f"{name}_p90"] = _pct(values, 0.9)
             row[f"{name}_max"] = max(values)
-        out[threads] = row
+        out[label] = row
     return out
 
 
@@ -110,13 +114,13 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors: dict[int, str] = {}
+    colors: dict[str, str] = {}
     for r in runs:
-        color = colors.setdefault(r["render_threads"], f"C{len(colors)}")
+        color = colors.setdefault(r["variant"], f"C{len(colors)}")
         for ax, phase in zip(axes, ("admission", "join"), strict=True):
             values = sorted(r["phases_ms"][phase])
             ax.plot(range(1, len(values) + 1), values, color=color, alpha=0.6,
-                    label=f"render_threads {r['render_threads']}" if ax is axes[0] else None)
+                    label=r["variant"] if ax is axes[0] else None)
     for ax, phase in zip(axes, ("admission", "join"), strict=True):
         ax.set_xlabel("request (sorted)")
         ax.set_ylabel(f"{phase} phase (ms)")
@@ -138,7 +142,9 @@ def main() -> int:
     p.add_argument("--bursts", type=int, default=3, help="bursts per server")
     p.add_argument("--rounds", type=int, default=3, help="servers per variant, order alternating")
     p.add_argument("--prompt-tokens", type=int, default=500)
-    p.add_argument("--variants", default="40,2", help="--render-threads values (default 40,2)")
+    p.add_argument("--variant", action="append", default=None, metavar="LABEL=ARGS",
+                   help="a server variant: its label and its kvtier serve arguments (repeatable; "
+                        "default: render_threads 40 against 2)")
     p.add_argument("--work", type=Path, default=Path("/tmp/kvtier-bench-admission"))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
@@ -148,34 +154,41 @@ def main() -> int:
 
         args.model = ensure_default_model()
     model = args.model
-    variants = [int(v) for v in args.variants.split(",")]
+    specs = args.variant or ["render_threads 40=--render-threads 40", "render_threads 2=--render-threads 2"]
+    variants: list[tuple[str, list[str]]] = []
+    for spec in specs:
+        label, sep, rest = spec.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"--variant wants LABEL=ARGS, got {spec!r}")
+        variants.append((label, shlex.split(rest)))
     facts = {**machine(), "loadavg_start": loadavg(), "argv": sys.argv[1:]}
     print(json.dumps(facts))
     runs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         order = variants if rnd % 2 == 0 else variants[::-1]
-        for threads in order:
-            run = run_variant(model, args.work / f"r{rnd}-t{threads}", threads, args, f"r{rnd}t{threads}")
+        for i, (label, serve_args) in enumerate(order):
+            run = run_variant(model, args.work / f"r{rnd}-v{i}", label, serve_args, args, f"r{rnd}v{i}")
             run["round"] = rnd
             runs.append(run)
             ph = run["phases_ms"]
-            print(f"round {rnd} render_threads {threads:3d}: admission p50 "
+            print(f"round {rnd} {label}: admission p50 "
                   f"{statistics.median(ph['admission']):6.1f} max {max(ph['admission']):6.1f} ms, "
                   f"join p50 {statistics.median(ph['join']):6.1f}, "
                   f"TTFT p50 {statistics.median(run['ttft_ms']):8.1f} ms", flush=True)
     summary = summarize(runs)
     print(f"\n{args.clients} arrivals at once, {args.bursts} bursts x {args.rounds} servers per variant (ms)")
-    print(f"{'render_threads':>14} | " + " | ".join(f"{n + ' p50/p90/max':>26}" for n in (*PHASES, "ttft")))
-    for threads, row in summary.items():
+    width = max(len(label) for label, _ in variants)
+    print(f"{'variant':>{width}} | " + " | ".join(f"{n + ' p50/p90/max':>26}" for n in (*PHASES, "ttft")))
+    for label, row in summary.items():
         cells = [f"{row[f'{n}_p50']:8.1f} {row[f'{n}_p90']:8.1f} {row[f'{n}_max']:8.1f}" for n in (*PHASES, "ttft")]
-        print(f"{threads:>14} | " + " | ".join(cells))
+        print(f"{label:>{width}} | " + " | ".join(cells))
     if len(variants) == 2:
-        a, b = variants
+        a, b = (label for label, _ in variants)
         for n in (*PHASES, "ttft"):
             ra, rb = summary[a][f"{n}_p50"], summary[b][f"{n}_p50"]
-            print(f"{n:>10} p50: render_threads {b} / {a} = {rb / ra:.2f}" if ra > 0 else f"{n:>10}: -")
+            print(f"{n:>10} p50: {b} / {a} = {rb / ra:.2f}" if ra > 0 else f"{n:>10}: -")
     facts["loadavg_end"] = loadavg()
-    doc = {"facts": facts, "runs": runs, "summary": {str(k): v for k, v in summary.items()}}
+    doc = {"facts": facts, "runs": runs, "summary": summary}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
         print(f"json: {args.json}")
