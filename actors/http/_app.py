@@ -663,9 +663,24 @@ def create_app(
 
         async def produce() -> None:
             slots = anyio.Semaphore(window)
+            taken: set[int] = set()
+            try:
+                await _produce(slots, taken)
+            finally:
+                # NOTE: a task closes its own choice's stream. One of the
+                # choices admitted before the response whose task was
+                # cancelled before it ran (another choice failed first) never
+                # took its stream; it is closed here.
+                with anyio.CancelScope(shield=True):
+                    for c, (stream, _) in enumerate(first):
+                        if c not in taken:
+                            await stream.aclose()
+
+        async def _produce(slots: anyio.Semaphore, taken: set[int]) -> None:
             async with send, anyio.create_task_group() as tg:
 
                 async def one(c: int) -> None:
+                    taken.add(c)
                     try:
                         stream, answer = first[c] if c < len(first) else make(c)
                         try:

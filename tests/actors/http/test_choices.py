@@ -272,6 +272,19 @@ async def test_a_choice_failing_mid_answer_fails_the_request() -> None:
     assert engine.active == 0
 
 
+async def test_a_streamed_choice_failing_at_once_closes_the_choices_admitted_beside_it() -> None:
+    """Streamed, four choices admitted before the response, the first failing at once: the last
+    one's task is cancelled before it runs, and its stream is closed all the same."""
+    engine = FakeEngine(scripts=[Script(tokens=("x",), fail_after=0), *[Script(tokens=("x",))] * 3])
+    async with _client(engine, HttpSettings(choice_window=4)) as c:
+        r = await c.post(COMPLETIONS, json={"prompt": ["a", "b"], "n": 2, "stream": True})
+    assert r.status_code == 200, r.text
+    assert "error" in _sse(r.text)[-1]
+    assert len(engine.calls) == 4
+    assert all(call.closed for call in engine.calls)
+    assert engine.active == 0
+
+
 async def test_shutdown_cut_ends_a_request_of_several_choices_with_503() -> None:
     """The shutdown cut ends the choices still generating; the request answers 503, never a partial body."""
     hold = anyio.Event()
