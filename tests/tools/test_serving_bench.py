@@ -317,7 +317,7 @@ def _agent_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int | No
     monkeypatch.setattr(serving, "agent_trace", refused)
     args = serving.parse_args(["--servers", "mlx_lm", "--skip-loadgen", "--no-warmup", "--agent", "2x2"])
     try:
-        return serving.run_server("mlx_lm", tmp_path, 9, tmp_path, args, 0, [])
+        return serving.run_server("mlx_lm", tmp_path, 9, tmp_path, args, 3, [])
     finally:
         assert server.stopped
 
@@ -330,11 +330,11 @@ def test_a_server_that_died_mid_run_ends_its_own_run_not_the_benchmark(
     run = _agent_run(tmp_path, monkeypatch, -6)
     assert run.agent is None
     assert run.died is not None
-    assert "status -6 during the agent trace" in run.died
+    assert run.died.startswith("round 3: exited with status -6 during the agent trace")
     assert "out of memory" in run.died
     summary = serving.summarize([{"mlx_lm": run}])
-    assert summary["died"] == {"round 0 mlx_lm": run.died}
-    assert any(line.startswith("DIED round 0 mlx_lm") for line in serving.summary_lines(summary))
+    assert summary["died"] == [f"mlx_lm {run.died}"]
+    assert f"DIED mlx_lm {run.died}" in serving.summary_lines(summary)
 
 
 def test_a_failure_with_the_server_still_up_is_the_benchmarks(

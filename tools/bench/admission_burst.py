@@ -31,15 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import loadavg, machine, model_id, start_kvtier, stream_chat, system_prompt
-from serving import timeline_phases
+from _common import in_threads, loadavg, machine, model_id, start_kvtier, stream_chat, system_prompt
+from serving import Dist, timeline_phases
 
 PHASES = ("admission", "lookup", "join", "first_step")
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def run_variant(model: Path, work: Path, label: str, serve_args: list[str], args: argparse.Namespace,
@@ -68,13 +63,7 @@ def run_variant(model: Path, work: Path, label: str, serve_args: list[str], args
                     results[i] = stream_chat(url, [{"role": "user", "content": text}], mid, 1,
                                              client=clients[i])
 
-                workers = [threading.Thread(target=one, args=(i,)) for i in range(args.clients)]
-                for w in workers:
-                    w.start()
-                for w in workers:
-                    w.join()
-                if any(r is None for r in results):
-                    raise RuntimeError("a request of the burst failed (see the server's log)")
+                in_threads(one, args.clients)
                 ttfts += [r.ttft_s * 1e3 for r in results]
                 rids += [r.request_id for r in results]
         finally:
@@ -99,9 +88,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         series = {p: [v for r in mine for v in r["phases_ms"][p]] for p in PHASES}
         series["ttft"] = [v for r in mine for v in r["ttft_ms"]]
         for name, values in series.items():
-            row[f"{name}_p50"] = statistics.median(values)
-            row[f"{name}_p90"] = _pct(values, 0.9)
-            row[f"{name}_max"] = max(values)
+            dist = Dist.of(values)
+            row[f"{name}_p50"], row[f"{name}_p90"], row[f"{name}_max"] = dist.p50, dist.p90, dist.max
         out[label] = row
     return out
 

@@ -207,8 +207,8 @@ class ServerRun:
     """kvtier only: parts of ``/stats`` (the tiers, the lanes, the timeline) after the load
     generator (``loads``) and after the agent trace (``agent``)."""
     died: str | None = None
-    """How the server ended before its run did (the phase, its exit status, its last error
-    line); ``None`` when it lasted. What it finished before is kept."""
+    """How the server ended before its run did (the round, the phase, its exit status, its
+    last error line); ``None`` when it lasted. What it finished before is kept."""
 
 
 # --- guidellm ----------------------------------------------------------------------
@@ -516,8 +516,8 @@ def run_server(
         code = server.proc.poll()
         if code is None:
             raise
-        run.died = f"exited with status {code} during {phase}: {_last_error(server.stderr)}"
-        print(f"round {rnd} {who:<7} DIED {run.died}", flush=True)
+        run.died = f"round {rnd}: exited with status {code} during {phase}: {_last_error(server.stderr)}"
+        print(f"{who:<7} DIED {run.died}", flush=True)
     finally:
         server.stop()
     if who == "kvtier":
@@ -773,8 +773,7 @@ def summarize(rounds: Sequence[dict[str, ServerRun]]) -> dict[str, Any]:
         agent["ratio_turns2plus"] = (
             agent["kvtier"]["ttft_p50_turns2plus_ms"] / agent[PEER]["ttft_p50_turns2plus_ms"]
         )
-    died = {f"round {rnd} {who}": r[who].died for rnd, r in enumerate(rounds) for who in r
-            if r[who].died}
+    died = [f"{who} {r[who].died}" for r in rounds for who in r if r[who].died]
     return {"levels": rows, "agent": agent, "died": died}
 
 
@@ -812,8 +811,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"agent kvtier / mlx_lm, TTFT p50 of turns 2+: {agent['ratio_turns2plus']:.2f}"
         )
-    for where, how in summary.get("died", {}).items():
-        lines.append(f"DIED {where}: {how}")
+    lines += [f"DIED {how}" for how in summary.get("died", [])]
     return lines
 
 
