@@ -344,3 +344,36 @@ def test_a_failure_with_the_server_still_up_is_the_benchmarks(
     recorded and passed over."""
     with pytest.raises(ConnectionRefusedError):
         _agent_run(tmp_path, monkeypatch, None)
+
+
+def test_every_finished_phase_is_in_the_json_before_a_later_phase_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The JSON is written after each phase: a run cut short later (a device call's time limit, here
+    the agent trace failing) still leaves the levels it finished, marked incomplete."""
+    server = _FakeServer(tmp_path, None)
+    monkeypatch.setattr(serving, "start_server", lambda *a, **k: server)
+    monkeypatch.setattr(importlib.import_module("_common"), "stream_chat", lambda *a, **k: None)
+    records = [_record(10.0, 12.0, 100.0, 10.0, 64), _record(10.5, 14.0, 300.0, 30.0, 64)]
+    monkeypatch.setattr(serving, "run_guidellm", lambda *a, **k: _report(4, records))
+
+    def cut(*a: Any, **k: Any) -> Any:
+        raise TimeoutError("the call's time ran out")
+
+    monkeypatch.setattr(serving, "agent_trace", cut)
+    args = serving.parse_args(["--servers", "mlx_lm", "--no-warmup", "--concurrency", "4",
+                               "--rate-fractions", "", "--agent", "2x2"])
+    out = tmp_path / "run.json"
+    meta = {"commit": "test"}
+
+    def progress(run: Any) -> None:
+        serving.write_json(out, meta, args, [], [{"mlx_lm": run}], complete=False)
+
+    with pytest.raises(TimeoutError):
+        serving.run_server("mlx_lm", tmp_path, 9, tmp_path, args, 0, [], progress)
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False
+    (level,) = doc["rounds"][0]["mlx_lm"]["levels"]
+    assert (level["profile"], level["level"], level["ok"]) == ("concurrent", 4.0, 2)
+    assert doc["summary"]["levels"][0]["mlx_lm"]["output_tps"] == pytest.approx(128 / 4.0)
+    assert not list(tmp_path.glob("*.tmp"))

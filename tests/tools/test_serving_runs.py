@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.tools._bench_modules import load_bench
 
@@ -36,3 +39,28 @@ def test_a_kvtier_only_run_takes_the_peers_figures_of_its_pair(tmp_path: Path) -
     assert runs._agent(merged) == {"kvtier": 200.0, "mlx_lm": 700.0}
     assert "mlx_lm" not in json.loads((tmp_path / "alone.json").read_text())["summary"]["levels"][0]
     assert runs.load_run(str(tmp_path / "full.json")) == peer
+
+
+def test_a_run_cut_short_keeps_the_levels_the_others_reached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose JSON is incomplete (no constant rate) is named as cut short; the constant rate's
+    line is still printed from the run that has it, with no figure for the one that does not."""
+    runs = load_bench("serving_runs")
+    figures = {"output_tps": 100.0, "ttft_p50": 50.0, "ttft_p99": 90.0, "itl_p50": 10.0}
+    double = {k: 2 * v for k, v in figures.items()}
+    whole = {"summary": {"levels": [_level("concurrent", 8.0, mlx_lm=figures, kvtier=double),
+                                    _level("constant", 2.5, mlx_lm=figures, kvtier=double)]}}
+    cut = {"complete": False,
+           "summary": {"levels": [_level("concurrent", 8.0, mlx_lm=figures, kvtier=figures)]}}
+    (tmp_path / "whole.json").write_text(json.dumps(whole))
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
+    monkeypatch.setattr(sys, "argv", ["serving_runs.py", str(tmp_path / "whole.json"),
+                                      str(tmp_path / "cut.json"), "--label", "a", "--label", "b"])
+    runs.main()
+    out = capsys.readouterr().out
+    assert "b: cut short" in out
+    assert "a: cut short" not in out
+    constant = [ln for ln in out.splitlines() if "constant #0" in ln]
+    assert len(constant) == len(runs.MEASURES)
+    assert all("n/a" in ln and "2.00 [2.00..2.00]" in ln for ln in constant)

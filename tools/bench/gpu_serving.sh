@@ -303,6 +303,9 @@ case "$cmd" in
     # give three runs of each; serving_runs.py pairs them:
     #   serving_runs.py full-A.json kvtier-B.json+full-A.json ...
     # Writes full-<variant>.json, kvtier-<variant>.json, runab.txt, logs.tgz.
+    # NOTE: a call can pass 600 s (the peer's constant rate when it degrades,
+    # the first call's model write); serving.py's JSON keeps every phase
+    # finished before the limit ("complete": false).
     device_env
     mkdir -p "$WORK"
     n=$(cat "$WORK/calls" 2>/dev/null || echo 0)

@@ -28,6 +28,8 @@ Prompts are seeded by the round, so both servers get the same request set
 in a round and no round repeats an earlier one. Every round writes its
 figures; the summary gives kvtier / mlx_lm ratios side by side; ``--json``
 and ``--plot`` write everything. Versions, commit and machine are recorded.
+The JSON is rewritten after every phase (``"complete": false`` until the
+end), so a run its caller kills keeps every phase it finished.
 
 CPU (default model; the figures mean something only as ratios in one run)::
 
@@ -54,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -421,9 +423,18 @@ def run_server(
     args: argparse.Namespace,
     rnd: int,
     rates: list[float],
+    progress: Callable[[ServerRun], None] | None = None,
 ) -> ServerRun:
-    """Start ``who``, warm it up, run the profiles and the agent trace, stop it."""
+    """Start ``who``, warm it up, run the profiles and the agent trace, stop it.
+
+    ``progress`` is called with the run after each phase that added figures
+    (``main`` writes the JSON then, so a run killed later keeps them).
+    """
     from _common import model_id, stream_chat
+
+    def phase_done() -> None:
+        if progress is not None:
+            progress(run)
 
     tag = f"r{rnd}"
     server = start_server(who, model, port, workdir, args, tag)
@@ -459,6 +470,7 @@ def run_server(
             run.guidellm_reports.append(str(workdir / f"{name}.json"))
             run.levels += level_results(report)
             _print_levels(who, rnd, run.levels)
+            phase_done()
             if not rates and who == PEER and args.rate_fractions:
                 sat = saturation_rps(run.levels)
                 rates[:] = [round(f * sat, 4) for f in _floats(args.rate_fractions)]
@@ -483,6 +495,7 @@ def run_server(
                 new = level_results(report)
                 run.levels += new
                 _print_levels(who, rnd, new)
+                phase_done()
         if who == "kvtier":
             run.stats["loads"] = server_stats(url)
         if args.agent:
@@ -507,6 +520,7 @@ def run_server(
                 run.stats["agent"] = server_stats(url)
                 attach_phases(a, [server.stdout, server.stderr])
                 print_turn_phases(who, rnd, a)
+            phase_done()
     except Exception:
         # NOTE: a server that exits mid-run (mlx_lm.server's generation
         # thread died of CUDA out-of-memory on an H100, and the process with
@@ -1103,6 +1117,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_json(path: Path, meta: dict[str, Any], args: argparse.Namespace, rates: list[float],
+               rounds: Sequence[dict[str, ServerRun]], *, complete: bool) -> None:
+    """The run's JSON, replaced whole (``complete``: false while a run is still going).
+
+    NOTE: written after every phase, so a benchmark killed by its caller's
+    time limit (a device call) still leaves every phase it finished.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "meta": meta,
+        "complete": complete,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "constant_rates": rates,
+        "summary": summarize(rounds),
+        "rounds": [{w: asdict(r) for w, r in rnd.items()} for rnd in rounds],
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every round, print the summary, write JSON and the PNG."""
     args = parse_args(argv)
@@ -1158,7 +1193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 order.reverse()
             runs: dict[str, ServerRun] = {}
             for who in order:
-                runs[who] = run_server(who, model, port, workdir, args, rnd, rates)
+
+                def progress(run: ServerRun, who: str = who, runs: dict[str, ServerRun] = runs) -> None:
+                    if args.json is not None:
+                        write_json(args.json, meta, args, rates, [*rounds, runs | {who: run}],
+                                   complete=False)
+
+                runs[who] = run_server(who, model, port, workdir, args, rnd, rates, progress)
             rounds.append(runs)
         meta["loadavg_end"] = loadavg()
         summary = summarize(rounds)
@@ -1167,19 +1208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(line)
         print(f"load average: start {meta['loadavg_start']}, end {meta['loadavg_end']}")
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(
-                json.dumps(
-                    {
-                        "meta": meta,
-                        "args": {k: str(v) for k, v in vars(args).items()},
-                        "constant_rates": rates,
-                        "summary": summary,
-                        "rounds": [{w: asdict(r) for w, r in rnd.items()} for rnd in rounds],
-                    },
-                    indent=1,
-                )
-            )
+            write_json(args.json, meta, args, rates, rounds, complete=True)
             print(f"json: {args.json}")
         if args.plot is not None:
             title = (

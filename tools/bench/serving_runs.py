@@ -101,7 +101,14 @@ def main() -> None:
         ap.error("one --label per run")
     docs = [load_run(p) for p in args.runs]
     per_run = [_levels(d) for d in docs]
-    keys = [k for k in per_run[0] if all(k in r for r in per_run)]
+    # NOTE: a level any run has; a run cut short (serving.py's JSON says
+    # "complete": false) shows no figure for the levels it did not reach.
+    keys: list[str] = []
+    for runs in per_run:
+        keys += [k for k in runs if k not in keys]
+    for lab, doc in zip(labels, docs, strict=True):
+        if doc.get("complete") is False:
+            print(f"{lab}: cut short (every phase it finished is shown)")
     warm = [i for i, lab in enumerate(labels) if lab not in args.cold_peer]
     ratios: dict[str, dict[str, list[float | None]]] = {}
     for measure, name, _higher in MEASURES:
@@ -111,7 +118,11 @@ def main() -> None:
             cells = []
             rs: list[float | None] = []
             for i, runs in enumerate(per_run):
-                lv = runs[key]
+                lv = runs.get(key)
+                if lv is None or "mlx_lm" not in lv or "kvtier" not in lv:
+                    rs.append(None)
+                    cells.append(f"{'-':>8}  {'-':>8}   n/a")
+                    continue
                 peer, ours = lv["mlx_lm"][measure], lv["kvtier"][measure]
                 r = ours / peer if peer else None
                 rs.append(r)
