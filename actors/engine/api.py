@@ -297,6 +297,7 @@ class GenerationStream(_StartClose):
         self._yielded = False
         self._readmit_until: float | None = None
         self._readmitted_at: float | None = None
+        self._render_span: tuple[float, float, float] | None = None
         self._counted = False
         self._started = False
         self._finished = False
@@ -326,8 +327,22 @@ class GenerationStream(_StartClose):
             if isinstance(prepare, list):
                 tokens = prepare
             else:
-                tokens = await anyio.to_thread.run_sync(prepare, engine.tokenizer,
+                # NOTE: the render's wait for a worker thread and its own time,
+                # apart (the timeline's admission parts): on a busy loop the
+                # hop to the thread and back can cost more than the render.
+                asked = time.monotonic()
+                span: list[float] = []
+
+                def render(tokenizer: Any) -> list[int]:
+                    span.append(time.monotonic())
+                    try:
+                        return prepare(tokenizer)
+                    finally:
+                        span.append(time.monotonic())
+
+                tokens = await anyio.to_thread.run_sync(render, engine.tokenizer,
                                                         limiter=engine._render_limiter())
+                self._render_span = (asked, span[0], span[1])
         except KvtierError:
             self._finished = True
             raise
@@ -541,6 +556,14 @@ class GenerationStream(_StartClose):
     def done(self) -> DoneEvent | None:
         """The final event once the stream has ended normally, else ``None``."""
         return self._done
+
+    @property
+    def render_span(self) -> tuple[float, float, float] | None:
+        """When the prompt's render was asked for, began on a worker thread, and ended (``time.monotonic``).
+
+        ``None``: nothing was rendered (a prompt given as token ids), or not yet.
+        """
+        return self._render_span
 
     @property
     def readmitted_at(self) -> float | None:

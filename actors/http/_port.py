@@ -53,6 +53,11 @@ class StreamPort(Protocol):
         """When it was last admitted again after a take-back to admission (monotonic); ``None``: never."""
         ...
 
+    @property
+    def render_span(self) -> tuple[float, float, float] | None:
+        """The prompt render's ask, start on a worker thread and end (monotonic); ``None``: none."""
+        ...
+
 
 class EnginePort(Protocol):
     """The engine surface the HTTP app uses."""

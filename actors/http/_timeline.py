@@ -31,6 +31,14 @@ included) and ``write`` (first token to first byte: delivery, detokenizing,
 encoding and the socket write). Without a lookup ``queue`` and ``lookup``
 are 0 and ``join`` holds the whole wait.
 
+A request whose prompt was rendered (a chat, or a completion given as
+text) also has its ``admission`` split in four parts, ``admission_parts_ms``,
+summing to it: ``parse`` (arrival to the render asked for: the body's read,
+parse and checks), ``render_wait`` (until a worker thread took the render),
+``render`` (the chat template and tokenizing) and ``admit`` (the render's
+end to the admission: the prompt's checks, the memory and admission asks,
+and the loop's hops in between). Not for a request taken back to admission.
+
 Only streamed requests that end with their ``DoneEvent`` and produced a
 token are recorded (a non-streamed answer writes its first byte at its end).
 """
@@ -50,8 +58,8 @@ from messages.gateway import DoneEvent, GenerationEvent, Timings, TokenEvent
 
 from ._port import StreamPort
 
-__all__ = ["MARKS", "PHASES", "TIMELINE_WINDOW", "TimedStream", "Timeline", "TimelineWindow",
-           "timeline_marks"]
+__all__ = ["ADMISSION_PARTS", "MARKS", "PHASES", "TIMELINE_WINDOW", "TimedStream", "Timeline",
+           "TimelineWindow", "admission_parts", "timeline_marks"]
 
 _log = structlog.get_logger("kvtier.http")
 
@@ -60,6 +68,9 @@ MARKS = ("admitted", "lookup_start", "lookup_done", "joined", "first_token", "fi
 
 PHASES = ("admission", "queue", "lookup", "join", "first_step", "write")
 """Phase ``i`` runs from mark ``i - 1`` (arrival for the first) to mark ``i``."""
+
+ADMISSION_PARTS = ("parse", "render_wait", "render", "admit")
+"""The parts of ``admission`` for a rendered prompt, in order."""
 
 TIMELINE_WINDOW = 1024
 """How many recent requests ``/stats``'s ``http.timeline`` distributions cover."""
@@ -91,6 +102,23 @@ def timeline_marks(arrived: float, admit_seen: float, timings: Timings,
     return marks
 
 
+def admission_parts(arrived: float, render_span: tuple[float, float, float],
+                    admitted_ms: float) -> dict[str, float]:
+    """``admission`` (``admitted_ms`` after ``arrived``) split at the render's ask, start and end (ms).
+
+    NOTE: each point is clamped between the previous one and the admission
+    (the render's clock is ``time.monotonic``; an injected edge clock may
+    differ), so the parts are never negative and always sum to ``admitted_ms``.
+    """
+    out: dict[str, float] = {}
+    prev = 0.0
+    for name, at in zip(ADMISSION_PARTS, (*render_span, None), strict=True):
+        point = admitted_ms if at is None else min(max((at - arrived) * 1e3, prev), admitted_ms)
+        out[name] = point - prev
+        prev = point
+    return out
+
+
 def _phases(marks: dict[str, float]) -> dict[str, float]:
     prev = 0.0
     out: dict[str, float] = {}
@@ -115,6 +143,8 @@ class Timeline:
     """Generated tokens (the ``DoneEvent``'s usage)."""
     readmitted_at: float | None = None
     """When it was admitted again after a take-back (``None``: never taken back)."""
+    render_span: tuple[float, float, float] | None = None
+    """Its prompt render's ask, start and end (``time.monotonic``; ``None``: no render)."""
 
     def admitted(self) -> None:
         """The admission was answered (accepted)."""
@@ -178,6 +208,7 @@ class TimedStream:
             again = self._inner.readmitted_at
             if again is not None:
                 self._timeline.readmitted(again)
+            self._timeline.render_span = self._inner.render_span
         return event
 
     async def aclose(self) -> None:
@@ -212,6 +243,9 @@ class TimelineWindow:
         phases = _phases(marks)
         timings = timeline.timings
         assert timings is not None
+        parts: dict[str, float] = {}
+        if timeline.render_span is not None and timeline.readmitted_at is None:
+            parts = admission_parts(timeline.arrived, timeline.render_span, marks["admitted"])
         # NOTE: ``decode_ms`` (engine time in decode turns or steps) with
         # ``tokens`` gives the engine-side decode rate, to hold against what
         # a client measures through the socket.
@@ -220,8 +254,11 @@ class TimelineWindow:
                    taken_back=timeline.readmitted_at is not None,
                    tokens=timeline.tokens, decode_ms=round(timings.decode_s * 1e3, 3),
                    **{f"{k}_ms": round(v, 3) for k, v in marks.items()},
-                   phases_ms={k: round(v, 3) for k, v in phases.items()})
-        row = {**phases, "first_byte": marks["first_byte"]}
+                   phases_ms={k: round(v, 3) for k, v in phases.items()},
+                   **({"admission_parts_ms": {k: round(v, 3) for k, v in parts.items()}}
+                      if parts else {}))
+        row = {**phases, "first_byte": marks["first_byte"],
+               **{f"admission.{k}": v for k, v in parts.items()}}
         self._rows.append(row)
         if len(self._rows) > self.size:
             self._rows.popleft()
@@ -230,11 +267,17 @@ class TimelineWindow:
 
     def snapshot(self) -> dict[str, Any]:
         """``requests`` in the window, ``recorded`` in all; p50/p90/p99 (ms) of each phase and of
-        ``first_byte`` (arrival to first byte)."""
+        ``first_byte`` (arrival to first byte); the same of each admission part over the
+        requests that rendered a prompt (``admission_parts_ms``, ``rendered`` of them)."""
         dist: dict[str, dict[str, float]] = {}
         if self._rows:
             for name in (*PHASES, "first_byte"):
                 ordered = sorted(r[name] for r in self._rows)
                 dist[name] = {f"p{q}": round(_percentile(ordered, q), 3) for q in (50, 90, 99)}
+        rendered = [r for r in self._rows if "admission.render" in r]
+        parts: dict[str, dict[str, float]] = {}
+        for name in ADMISSION_PARTS if rendered else ():
+            ordered = sorted(r[f"admission.{name}"] for r in rendered)
+            parts[name] = {f"p{q}": round(_percentile(ordered, q), 3) for q in (50, 90, 99)}
         return {"requests": len(self._rows), "recorded": self.recorded, "window": self.size,
-                "phases_ms": dist}
+                "phases_ms": dist, "rendered": len(rendered), "admission_parts_ms": parts}

@@ -66,8 +66,9 @@ def test_help_does_not_import_mlx() -> None:
 
 
 def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path: Path) -> None:
-    """Each agent turn gets the phases of the ``request.timeline`` line naming its request id and
-    the figures of the ``batch.join_step`` line that joined it."""
+    """Each agent turn gets the phases of the ``request.timeline`` line naming its request id (its
+    admission's parts too, where the line has them) and the figures of the ``batch.join_step``
+    line that joined it."""
     console = tmp_path / "kvtier.stderr"
     console.write_text(
         "2026-12-03 [info ] request.served request_id=chatcmpl-a\n"
@@ -79,7 +80,9 @@ def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path:
     jsonl = tmp_path / "kvtier.stdout"
     jsonl.write_text(
         json.dumps({"event": "request.timeline", "request_id": "chatcmpl-b",
-                    "phases_ms": {"admission": 2.0, "join": 5.0, "first_step": 30.0}}) + "\n"
+                    "phases_ms": {"admission": 2.0, "join": 5.0, "first_step": 30.0},
+                    "admission_parts_ms": {"parse": 0.5, "render_wait": 0.25, "render": 1.0,
+                                           "admit": 0.25}}) + "\n"
         + json.dumps({"event": "batch.join_step", "joined": ["chatcmpl-b", "chatcmpl-c"],
                       "prefill_tokens": 48, "decode_rows": 0, "join_ms": 1.5, "step_ms": 90.0}) + "\n"
     )
@@ -91,7 +94,8 @@ def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path:
     serving.attach_phases(agent, [console, jsonl, tmp_path / "absent.log"])
     assert [t.phases_ms for t in agent.turns_list] == [
         {"admission": 1.5, "join": 20.0, "first_step": 90.25},
-        {"admission": 2.0, "join": 5.0, "first_step": 30.0},
+        {"admission": 2.0, "join": 5.0, "first_step": 30.0, "admission.parse": 0.5,
+         "admission.render_wait": 0.25, "admission.render": 1.0, "admission.admit": 0.25},
         None,
     ]
     both = {"step_ms": 90.0, "join_ms": 1.5, "prefill_tokens": 48.0, "decode_rows": 0.0, "rows": 2.0}

@@ -609,12 +609,16 @@ def log_events(logs: Sequence[Path], event: str) -> Iterator[dict[str, Any]]:
 
 
 def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
-    """Each ``request.timeline`` log line's phases (ms) by request id."""
+    """Each ``request.timeline`` log line's phases (ms) by request id, its admission's parts
+    (``admission.parse`` ...) after them where the line has them (a rendered prompt)."""
     found: dict[str, dict[str, float]] = {}
     for fields in log_events(logs, "request.timeline"):
         rid, phases = fields.get("request_id"), fields.get("phases_ms")
         if isinstance(rid, str) and isinstance(phases, dict):
             found[rid] = {str(k): float(v) for k, v in phases.items()}
+            parts = fields.get("admission_parts_ms")
+            if isinstance(parts, dict):
+                found[rid] |= {f"admission.{k}": float(v) for k, v in parts.items()}
     return found
 
 

@@ -63,6 +63,8 @@ class Script:
     eos: bool = False
     readmitted_at: float | None = None
     """What the stream reports as its take-back's second admission (``None``: none)."""
+    render_span: tuple[float, float, float] | None = None
+    """What the stream reports as its render's ask, start and end (``None``: no render)."""
 
 
 @dataclass
@@ -154,6 +156,10 @@ class FakeStream:
     @property
     def readmitted_at(self) -> float | None:
         return self._script.readmitted_at
+
+    @property
+    def render_span(self) -> tuple[float, float, float] | None:
+        return self._script.render_span
 
 
 class FakeTokenBytes:

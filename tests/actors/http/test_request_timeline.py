@@ -16,11 +16,13 @@ from structlog.testing import capture_logs
 from actors.engine import Engine
 from actors.http import HttpSettings, create_app
 from actors.http._timeline import (
+    ADMISSION_PARTS,
     MARKS,
     PHASES,
     TimedStream,
     Timeline,
     TimelineWindow,
+    admission_parts,
     timeline_marks,
 )
 from messages.gateway import DoneEvent, GenerationEvent, Timings, TokenEvent, Usage
@@ -58,8 +60,10 @@ class _TakenBack:
     """A stream the engine took back to admission once: admitted again at 4.999 s (its engine
     marks count from there), a token 50 ms later, then its end."""
 
-    def __init__(self, readmitted_at: float | None) -> None:
+    def __init__(self, readmitted_at: float | None,
+                 render_span: tuple[float, float, float] | None = None) -> None:
         self._readmitted_at = readmitted_at
+        self._render_span = render_span
         self._events: list[GenerationEvent] = [
             TokenEvent(request_id="r", index=0, token_id=101, text="Hi"),
             DoneEvent(request_id="r", finish_reason="stop",
@@ -96,6 +100,10 @@ class _TakenBack:
     def readmitted_at(self) -> float | None:
         return self._readmitted_at
 
+    @property
+    def render_span(self) -> tuple[float, float, float] | None:
+        return self._render_span
+
 
 async def test_a_take_back_to_admission_is_admission_time_not_write_time() -> None:
     """A request first admitted at 1 ms, taken back and admitted again at 5 s: its wait is the
@@ -118,6 +126,48 @@ async def test_a_take_back_to_admission_is_admission_time_not_write_time() -> No
     assert phases["admission"] == pytest.approx(4999.0)
     assert phases["write"] == pytest.approx(11.0)
     assert sum(phases.values()) == pytest.approx(5060.0)
+
+
+def test_admission_parts_split_at_the_render_and_sum_to_the_admission() -> None:
+    """Arrival at 10 s, render asked at +2 ms, taken by a thread at +10, done at +15, admitted
+    at +20: parse 2, render_wait 8, render 5, admit 5; points outside arrival..admission are
+    clamped, so no part is negative and the parts still sum to the admission."""
+    parts = admission_parts(10.0, (10.002, 10.010, 10.015), 20.0)
+    assert list(parts) == list(ADMISSION_PARTS)
+    assert [round(v, 6) for v in parts.values()] == [2.0, 8.0, 5.0, 5.0]
+    skewed = admission_parts(10.0, (9.0, 10.004, 10.050), 20.0)
+    assert [round(v, 6) for v in skewed.values()] == [0.0, 4.0, 16.0, 0.0]
+    assert sum(skewed.values()) == pytest.approx(20.0)
+
+
+async def test_a_rendered_request_logs_its_admission_parts_unless_taken_back() -> None:
+    """A stream that reports its render: the log line splits ``admission`` into parts summing to
+    it and /stats gives their distribution; the same request taken back to admission logs none
+    (its admission holds the wait for memory, which the parts do not name)."""
+    window = TimelineWindow()
+    now = [0.0]
+    for again in (None, 4.9995):
+        now[0] = 0.001
+        timeline = Timeline("r", arrived=0.0, clock=lambda: now[0])
+        timeline.admitted()
+        stream = _TakenBack(readmitted_at=again, render_span=(0.0002, 0.0003, 0.0007))
+        async for event in TimedStream(stream, timeline):
+            if isinstance(event, TokenEvent):
+                now[0] = 5.060
+                timeline.wrote()
+        with capture_logs() as logs:
+            window.record(timeline)
+        (line,) = [entry for entry in logs if entry["event"] == "request.timeline"]
+        if again is None:
+            parts = line["admission_parts_ms"]
+            assert parts == pytest.approx({"parse": 0.2, "render_wait": 0.1, "render": 0.4,
+                                           "admit": 0.3})
+            assert sum(parts.values()) == pytest.approx(line["phases_ms"]["admission"])
+        else:
+            assert "admission_parts_ms" not in line
+    snap = window.snapshot()
+    assert snap["rendered"] == 1
+    assert snap["admission_parts_ms"]["render"]["p50"] == pytest.approx(0.4)
 
 
 def test_window_keeps_the_last_requests_and_reports_nearest_rank_percentiles() -> None:
@@ -232,3 +282,30 @@ async def test_each_choice_of_a_streamed_multi_choice_request_has_its_timeline(
         assert line["tokens"] == 4, line
     stats = (await client.get("/stats")).json()["http"]["timeline"]
     assert stats["requests"] == stats["recorded"] == 3
+
+
+async def test_a_chat_requests_admission_parts_come_from_its_render(
+    client: httpx.AsyncClient,
+) -> None:
+    """Over a real engine: a streamed chat (rendered with the template on a worker thread) logs
+    admission parts that sum to its admission phase, with a render that took time; /stats counts
+    it as rendered; a completion given as token ids renders nothing and logs no parts."""
+    body = {"messages": [{"role": "user", "content": "hello there " * 20}], "max_tokens": 2,
+            "stream": True, "temperature": 0}
+    with capture_logs() as logs:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chat_rid = r.headers["x-request-id"]
+            async for _ in r.aiter_lines():
+                pass
+        ids_rid, _ = await _ttft(client, PROMPT)
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request.timeline"}
+    parts = lines[chat_rid]["admission_parts_ms"]
+    assert list(parts) == list(ADMISSION_PARTS)
+    assert min(parts.values()) >= 0.0
+    assert parts["render"] > 0.0
+    assert sum(parts.values()) == pytest.approx(lines[chat_rid]["phases_ms"]["admission"], abs=0.01)
+    assert "admission_parts_ms" not in lines[ids_rid]
+    stats = (await client.get("/stats")).json()["http"]["timeline"]
+    assert (stats["requests"], stats["rendered"]) == (2, 1)
+    assert set(stats["admission_parts_ms"]) == set(ADMISSION_PARTS)
