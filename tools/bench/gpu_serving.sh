@@ -356,9 +356,12 @@ case "$cmd" in
       envs=()
       # NOTE: AB_ENV may hold several assignments, split on spaces; each goes
       # to kvtier's process through --kvtier-env (recorded in the run's JSON).
+      # %RUN% in it becomes the run's number, e.g. a kernel cache of its own
+      # per run, so every "on" run compiles from nothing:
+      #   AB_ENV=MLX_PTX_CACHE_DIR=/tmp/kvtier-ptx-%RUN% gpu_serving.sh agentab
       if [ "$v" = on ]; then
         read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
-        for a in "${assigns[@]}"; do envs+=(--kvtier-env "$a"); done
+        for a in "${assigns[@]}"; do envs+=(--kvtier-env "${a//%RUN%/$i}"); done
       fi
       t0=$SECONDS
       python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
