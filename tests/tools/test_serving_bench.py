@@ -381,3 +381,39 @@ def test_every_finished_phase_is_in_the_json_before_a_later_phase_fails(
     assert (level["profile"], level["level"], level["ok"]) == ("concurrent", 4.0, 2)
     assert doc["summary"]["levels"][0]["mlx_lm"]["output_tps"] == pytest.approx(128 / 4.0)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_each_level_gets_the_timeline_phases_of_the_requests_in_its_window(tmp_path: Path) -> None:
+    """A timeline line belongs to the level whose window (first request sent to last ended, plus a
+    second's slack) holds its timestamp, console or JSON format; a warm-up line before both and a
+    line between them belong to none; each level keeps the medians of its lines' phases and parts."""
+    import datetime
+
+    def iso(epoch: float) -> str:
+        return datetime.datetime.fromtimestamp(epoch, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+    base = 1_800_000_000.0
+    report = _report(1, [_record(base + 10, base + 12, 100.0, 10.0, 8)])
+    report["benchmarks"].append(_report(8, [_record(base + 20, base + 25, 300.0, 30.0, 8)],
+                                        errored=0)["benchmarks"][0])
+    low, high = serving.level_results(report)
+    assert (low.first_start, low.last_end) == (base + 10, base + 12)
+    console = tmp_path / "kvtier.stderr"
+    console.write_text(
+        f"{iso(base + 5)} [info ] request.timeline request_id=warm phases_ms={{'admission': 99.0}}\n"
+        f"{iso(base + 11)} [info ] request.timeline request_id=a "
+        "phases_ms={'admission': 2.0, 'join': 4.0} "
+        "admission_parts_ms={'parse': 0.5, 'render_wait': 0.5, 'render': 0.5, 'admit': 0.5}\n"
+        f"{iso(base + 12.5)} [info ] request.timeline request_id=b phases_ms={{'admission': 4.0, 'join': 8.0}}\n"
+        f"{iso(base + 17)} [info ] request.timeline request_id=between phases_ms={{'admission': 77.0}}\n"
+    )
+    jsonl = tmp_path / "kvtier.stdout"
+    jsonl.write_text(json.dumps({"event": "request.timeline", "request_id": "c", "timestamp": iso(base + 24),
+                                 "phases_ms": {"admission": 6.0, "join": 1.0}}) + "\n")
+    serving.level_phases([low, high], [console, jsonl])
+    assert low.timed == 2
+    assert low.phases_ms == {"admission": 3.0, "join": 6.0, "admission.parse": 0.5,
+                             "admission.render_wait": 0.5, "admission.render": 0.5,
+                             "admission.admit": 0.5}
+    assert high.timed == 1
+    assert high.phases_ms == {"admission": 6.0, "join": 1.0}

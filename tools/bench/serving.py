@@ -29,7 +29,10 @@ in a round and no round repeats an earlier one. Every round writes its
 figures; the summary gives kvtier / mlx_lm ratios side by side; ``--json``
 and ``--plot`` write everything. Versions, commit and machine are recorded.
 The JSON is rewritten after every phase (``"complete": false`` until the
-end), so a run its caller kills keeps every phase it finished.
+end), so a run its caller kills keeps every phase it finished. For kvtier,
+each level also gets the medians of its requests' timeline phases (and the
+admission's parts) from the server's ``request.timeline`` log lines, printed
+as a ``phases p50`` line per level: where that level's time to first token went.
 
 CPU (default model; the figures mean something only as ratios in one run)::
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
 import json
 import math
 import os
@@ -120,6 +124,14 @@ class LevelResult:
     latency_ms: Dist
     prompt_tokens_p50: float
     output_tokens_p50: float
+    first_start: float = 0.0
+    """The level's first request sent (epoch seconds, the load generator's clock)."""
+    last_end: float = 0.0
+    """The level's last request ended, whatever its outcome (epoch seconds)."""
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    """kvtier's timeline phases over the level's requests, median of each (``level_phases``)."""
+    timed: int = 0
+    """How many of kvtier's ``request.timeline`` lines fell in the level's window."""
 
 
 def level_results(report: dict[str, Any]) -> list[LevelResult]:
@@ -131,6 +143,9 @@ def level_results(report: dict[str, Any]) -> list[LevelResult]:
         level = float(strategy["streams"] if kind == "concurrent" else strategy.get("rate", 0.0))
         reqs = bench["requests"]
         ok = reqs.get("successful") or []
+        every = [r for k in ("successful", "errored", "incomplete") for r in reqs.get(k) or []]
+        sent = [float(r["request_start_time"]) for r in every if r.get("request_start_time")]
+        done = [float(r["request_end_time"]) for r in every if r.get("request_end_time")]
         starts = [float(r["request_start_time"]) for r in ok]
         ends = [float(r["request_end_time"]) for r in ok]
         seconds = max(ends) - min(starts) if ok else 0.0
@@ -155,9 +170,52 @@ def level_results(report: dict[str, Any]) -> list[LevelResult]:
                 latency_ms=Dist.of([1000.0 * x for x in ms("request_latency")]),
                 prompt_tokens_p50=statistics.median(ms("prompt_tokens")) if ok else 0.0,
                 output_tokens_p50=statistics.median(ms("output_tokens")) if ok else 0.0,
+                first_start=min(sent, default=0.0),
+                last_end=max(done, default=0.0),
             )
         )
     return out
+
+
+_LEVEL_SLACK_S = 1.0
+"""How long after a level's last request ended its requests' timeline lines may be logged."""
+
+
+def level_phases(levels: Sequence[LevelResult], logs: Sequence[Path]) -> None:
+    """Give each level the median of every timeline phase (and admission part) of its requests.
+
+    NOTE: the load generator names no request, so a ``request.timeline``
+    line (logged when its stream closes) belongs to the level whose window,
+    its first request sent to its last ended, holds the line's time; the
+    levels run one after another, and both clocks are this machine's.
+    """
+    lines = [(f["_time"], f) for f in log_events(logs, "request.timeline")
+             if isinstance(f.get("_time"), float)]
+    for lv in levels:
+        if lv.last_end <= 0.0:
+            continue
+        rows: list[dict[str, float]] = []
+        for at, fields in lines:
+            phases = fields.get("phases_ms")
+            if lv.first_start <= at <= lv.last_end + _LEVEL_SLACK_S and isinstance(phases, dict):
+                row = {str(k): float(v) for k, v in phases.items()}
+                parts = fields.get("admission_parts_ms")
+                if isinstance(parts, dict):
+                    row |= {f"admission.{k}": float(v) for k, v in parts.items()}
+                rows.append(row)
+        lv.timed = len(rows)
+        keys = [k for row in rows for k in row]
+        lv.phases_ms = {k: statistics.median(r[k] for r in rows if k in r) for k in dict.fromkeys(keys)}
+
+
+def print_level_phases(who: str, rnd: int, levels: Sequence[LevelResult]) -> None:
+    """Per level: the median of each of kvtier's timeline phases over its requests."""
+    for lv in levels:
+        if lv.phases_ms:
+            unit = "streams" if lv.profile == "concurrent" else "req/s"
+            print(f"round {rnd} {who:<7} {lv.profile:<10} {lv.level:>7g} {unit:<7} phases p50: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in lv.phases_ms.items())
+                  + f" ({lv.timed}/{lv.ok + lv.errored + lv.incomplete} timed)", flush=True)
 
 
 def saturation_rps(levels: Sequence[LevelResult]) -> float:
@@ -470,6 +528,9 @@ def run_server(
             run.guidellm_reports.append(str(workdir / f"{name}.json"))
             run.levels += level_results(report)
             _print_levels(who, rnd, run.levels)
+            if who == "kvtier":
+                level_phases(run.levels, [server.stdout, server.stderr])
+                print_level_phases(who, rnd, run.levels)
             phase_done()
             if not rates and who == PEER and args.rate_fractions:
                 sat = saturation_rps(run.levels)
@@ -495,6 +556,9 @@ def run_server(
                 new = level_results(report)
                 run.levels += new
                 _print_levels(who, rnd, new)
+                if who == "kvtier":
+                    level_phases(new, [server.stdout, server.stderr])
+                    print_level_phases(who, rnd, new)
                 phase_done()
         if who == "kvtier":
             run.stats["loads"] = server_stats(url)
@@ -582,6 +646,8 @@ _FIELD = re.compile(r"(\w+)=(\{[^}]*\}|\[[^\]]*\]|\S+)")
 def log_events(logs: Sequence[Path], event: str) -> Iterator[dict[str, Any]]:
     """The fields of every ``event`` line of kvtier's logs, console (``key=value``) or JSON format.
 
+    ``_time``: the line's timestamp in epoch seconds, where it has one.
+
     NOTE: console values that are Python literals (dicts, lists, numbers,
     quoted strings) come back as such; the rest as text.
     """
@@ -597,7 +663,8 @@ def log_events(logs: Sequence[Path], event: str) -> Iterator[dict[str, Any]]:
                 except ValueError:
                     continue
                 if isinstance(obj, dict) and obj.get("event") == event:
-                    yield obj
+                    at = _epoch(obj.get("timestamp"))
+                    yield obj if at is None else obj | {"_time": at}
                 continue
             fields: dict[str, Any] = {}
             for key, raw in _FIELD.findall(line):
@@ -605,7 +672,28 @@ def log_events(logs: Sequence[Path], event: str) -> Iterator[dict[str, Any]]:
                     fields[key] = ast.literal_eval(raw)
                 except (ValueError, SyntaxError):
                     fields[key] = raw
+            stamp = _STAMP.match(line)
+            at = _epoch(stamp.group(1)) if stamp else None
+            if at is not None:
+                fields["_time"] = at
             yield fields
+
+
+_STAMP = re.compile(r"\s*(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z?)\s")
+"""A console line's leading ISO timestamp (structlog's, UTC)."""
+
+
+def _epoch(stamp: object) -> float | None:
+    """An ISO timestamp (UTC when it names no zone) as epoch seconds; ``None`` if it is not one."""
+    if not isinstance(stamp, str):
+        return None
+    try:
+        at = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=datetime.UTC)
+    return at.timestamp()
 
 
 def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
