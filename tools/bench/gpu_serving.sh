@@ -41,7 +41,8 @@
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
 #   agentab      the agent line served, kvtier alone, with and without AB_ENV (default: no periodic cache emptying)
-#   runab        the whole served line with and without AB_ENV, the peer once a call (three calls: three runs each)
+#   runab        the whole served line with and without AB_ENV, the peer once a call (three calls: three runs each;
+#                AB_STEP=full, then AB_STEP=alone: the two halves in two calls)
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
 #   shapes       a new query length's cost op by op: matmul, forward, forward over a cached 5,100 (shape_costs.py)
 #   newshapes    the same joins with no shape repeated, prefill folding on / off, beside 0 / 4 decoding rows
@@ -303,36 +304,58 @@ case "$cmd" in
     # give three runs of each; serving_runs.py pairs them:
     #   serving_runs.py full-A.json kvtier-B.json+full-A.json ...
     # Writes full-<variant>.json, kvtier-<variant>.json, runab.txt, logs.tgz.
-    # NOTE: a call can pass 600 s (the peer's constant rate when it degrades,
-    # the first call's model write); serving.py's JSON keeps every phase
-    # finished before the limit ("complete": false).
+    # NOTE: both halves take ~11 minutes on an H100 when the peer's constant
+    # rate degrades (the full run ~7, kvtier alone ~4): more than one call's
+    # 600 s. AB_STEP=full runs the first half (and keeps what the second
+    # needs in $WORK), then a call with AB_STEP=alone the second; unset, one
+    # call runs both. serving.py's JSON keeps every phase finished before a
+    # call's limit ("complete": false).
     device_env
     mkdir -p "$WORK"
-    n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
-    echo $((n + 1)) > "$WORK/calls"
-    read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
-    on=()
-    for a in "${assigns[@]}"; do on+=(--kvtier-env "$a"); done
-    if [ $((n % 2)) -eq 0 ]; then full=default; alone=switched; full_env=(); alone_env=("${on[@]}")
-    else full=switched; alone=default; full_env=("${on[@]}"); alone_env=(); fi
-    echo "call $n: $full with the peer, then $alone alone; switched = ${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}" | tee "$OUT/runab.txt"
+    step=${AB_STEP:-both}
     rc=0
-    python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok \
-      --model "$MODEL" --guidellm-python "$(command -v python3)" --out "$WORK/call-$n" --first-round "$n" \
-      --json "$OUT/full-$full.json" --title "H200 $full" "${DEFAULTS[@]}" "${full_env[@]}" "$@" 2>&1 \
-      | tee -a "$OUT/runab.txt" || rc=$?
-    rate=$(python3 -c 'import json, sys; print(",".join(str(r) for r in json.load(open(sys.argv[1]))["constant_rates"]))' \
-      "$OUT/full-$full.json" 2>/dev/null || echo "")
-    # NOTE: the same round (prompts) and the peer's constant rate, a fresh
-    # directory (so a fresh SSD tier), kvtier alone.
-    python3 tools/bench/serving.py --model "$MODEL" --guidellm-python "$(command -v python3)" \
-      --out "$WORK/call-$n-alone" --first-round "$n" --servers kvtier --json "$OUT/kvtier-$alone.json" \
-      --title "H200 $alone" "${DEFAULTS[@]}" --rate "$rate" "${alone_env[@]}" "$@" 2>&1 \
-      | tee -a "$OUT/runab.txt" || rc=$?
-    python3 tools/bench/serving_runs.py "$OUT/full-$full.json" "$OUT/kvtier-$alone.json+$OUT/full-$full.json" \
-      --label "$full" --label "$alone" 2>&1 | tee -a "$OUT/runab.txt" || true
+    if [ "$step" != alone ]; then
+      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+      echo $((n + 1)) > "$WORK/calls"
+      if [ $((n % 2)) -eq 0 ]; then full=default; alone=switched; else full=switched; alone=default; fi
+      echo "call $n: $full with the peer, then $alone alone; switched = ${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}" | tee "$OUT/runab.txt"
+      full_env=()
+      if [ "$full" = switched ]; then
+        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
+        for a in "${assigns[@]}"; do full_env+=(--kvtier-env "$a"); done
+      fi
+      python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok \
+        --model "$MODEL" --guidellm-python "$(command -v python3)" --out "$WORK/call-$n" --first-round "$n" \
+        --json "$OUT/full-$full.json" --title "H200 $full" "${DEFAULTS[@]}" "${full_env[@]}" "$@" 2>&1 \
+        | tee -a "$OUT/runab.txt" || rc=$?
+      cp "$OUT/full-$full.json" "$WORK/runab-full.json" 2>/dev/null || true
+      echo "$n $full $alone" > "$WORK/runab-pending"
+    else
+      read -r n full alone < "$WORK/runab-pending"
+      echo "call $n, second half: $alone alone (the full run was $full); switched = ${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}" | tee "$OUT/runab.txt"
+      cp "$WORK/runab-full.json" "$OUT/full-$full.json"
+    fi
+    if [ "$step" != full ]; then
+      alone_env=()
+      if [ "$alone" = switched ]; then
+        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
+        for a in "${assigns[@]}"; do alone_env+=(--kvtier-env "$a"); done
+      fi
+      rate=$(python3 -c 'import json, sys; print(",".join(str(r) for r in json.load(open(sys.argv[1]))["constant_rates"]))' \
+        "$OUT/full-$full.json" 2>/dev/null || echo "")
+      # NOTE: the same round (prompts) and the peer's constant rate, a fresh
+      # directory (so a fresh SSD tier), kvtier alone.
+      python3 tools/bench/serving.py --model "$MODEL" --guidellm-python "$(command -v python3)" \
+        --out "$WORK/call-$n-alone" --first-round "$n" --servers kvtier --json "$OUT/kvtier-$alone.json" \
+        --title "H200 $alone" "${DEFAULTS[@]}" --rate "$rate" "${alone_env[@]}" "$@" 2>&1 \
+        | tee -a "$OUT/runab.txt" || rc=$?
+      python3 tools/bench/serving_runs.py "$OUT/full-$full.json" "$OUT/kvtier-$alone.json+$OUT/full-$full.json" \
+        --label "$full" --label "$alone" 2>&1 | tee -a "$OUT/runab.txt" || true
+    fi
     # NOTE: not the SSD tiers' directories (kv-*, GBs), in either call directory.
-    tar -czf "$OUT/logs.tgz" --exclude="kv-*" -C "$WORK" "call-$n" "call-$n-alone" || true
+    dirs=()
+    for d in "call-$n" "call-$n-alone"; do if [ -d "$WORK/$d" ]; then dirs+=("$d"); fi; done
+    if [ ${#dirs[@]} -gt 0 ]; then tar -czf "$OUT/logs.tgz" --exclude="kv-*" -C "$WORK" "${dirs[@]}" || true; fi
     exit $rc
     ;;
   agentab)
