@@ -417,3 +417,18 @@ def test_each_level_gets_the_timeline_phases_of_the_requests_in_its_window(tmp_p
                              "admission.admit": 0.5}
     assert high.timed == 1
     assert high.phases_ms == {"admission": 6.0, "join": 1.0}
+
+
+def test_a_request_the_load_generator_sent_but_did_not_record_is_counted() -> None:
+    """guidellm's scheduler counts beside its request lists: a level whose lists hold fewer
+    requests than it created reports the difference; a report without the counts reports none."""
+    report = _report(4, [_record(0.0, 1.0, 10.0, 1.0, 4)] * 3)
+    report["benchmarks"][0]["scheduler_state"] = {
+        "created_requests": 4, "processed_requests": 4, "successful_requests": 4,
+        "errored_requests": 0, "cancelled_requests": 0}
+    (lv,) = serving.level_results(report)
+    assert lv.scheduler == {"created": 4, "processed": 4, "successful": 4, "errored": 0, "cancelled": 0}
+    assert serving.unrecorded_requests(lv) == 1
+    (plain,) = serving.level_results(_report(4, [_record(0.0, 1.0, 10.0, 1.0, 4)] * 3))
+    assert plain.scheduler == {}
+    assert serving.unrecorded_requests(plain) == 0

@@ -132,6 +132,9 @@ class LevelResult:
     """kvtier's timeline phases over the level's requests, median of each (``level_phases``)."""
     timed: int = 0
     """How many of kvtier's ``request.timeline`` lines fell in the level's window."""
+    scheduler: dict[str, int] = field(default_factory=dict)
+    """The load generator's own request counts (created, processed, successful, errored,
+    cancelled), to hold against the records: a request it sent but did not record shows here."""
 
 
 def level_results(report: dict[str, Any]) -> list[LevelResult]:
@@ -172,9 +175,22 @@ def level_results(report: dict[str, Any]) -> list[LevelResult]:
                 output_tokens_p50=statistics.median(ms("output_tokens")) if ok else 0.0,
                 first_start=min(sent, default=0.0),
                 last_end=max(done, default=0.0),
+                scheduler=_scheduler_counts(bench),
             )
         )
     return out
+
+
+_SCHEDULER_COUNTS = ("created", "processed", "successful", "errored", "cancelled")
+
+
+def _scheduler_counts(bench: dict[str, Any]) -> dict[str, int]:
+    """guidellm's scheduler totals of one sub-benchmark (``{}`` where the report has none)."""
+    state = bench.get("scheduler_state")
+    if not isinstance(state, dict):
+        return {}
+    return {k: int(state[f"{k}_requests"]) for k in _SCHEDULER_COUNTS
+            if isinstance(state.get(f"{k}_requests"), int)}
 
 
 _LEVEL_SLACK_S = 1.0
@@ -813,6 +829,18 @@ def _print_levels(who: str, rnd: int, levels: Sequence[LevelResult]) -> None:
             f"  ITL p50 {lv.itl_ms.p50:>6.1f} ms",
             flush=True,
         )
+        unrecorded = unrecorded_requests(lv)
+        if unrecorded:
+            print(f"round {rnd} {who:<7} {lv.profile:<10} {lv.level:>7g} {unit:<7} UNRECORDED: "
+                  f"{unrecorded}; the load generator's counts {lv.scheduler}", flush=True)
+
+
+def unrecorded_requests(lv: LevelResult) -> int:
+    """Requests the load generator created but recorded in none of its lists (0 where it has no counts)."""
+    created = lv.scheduler.get("created")
+    if created is None:
+        return 0
+    return max(0, created - (lv.ok + lv.errored + lv.incomplete))
 
 
 # --- summary -----------------------------------------------------------------------
