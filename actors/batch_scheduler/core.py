@@ -31,8 +31,10 @@ Invariants (checked by the tests):
 - ``busy`` (told to the gateway with ``Status`` whenever it changes) is
   true while any row exists, waiting ones included, so the gateway grants
   no background step between the steps of active rows;
-- rows arriving together start together: while no row is joined, a ready
-  row waits (``ready`` stays false) for the lookups of the other placed
+- rows arriving together start together: while no row is joined (a
+  chain still in flight after its last row left included: nothing is
+  offered to it meanwhile), a ready row waits (``ready`` stays false) for
+  the lookups of the other placed
   rows and for requests announced as arriving (``Arriving``: rendered and
   tokenized before their ``Admit``), at most ``gather_s`` (``ArmGather`` ...
   ``GatherDue``), so their prompts prefill in shared steps instead of one
@@ -936,6 +938,7 @@ def handle(state: SchedulerState, event: Event) -> tuple[SchedulerState, list[Ef
         state.in_flight is not None
         and not state.chain_stop
         and state.offerable
+        and state.gather_until is None
         and not (state.yield_asked or state.stopping)
     ):
         joins, cancels = _collect(state, event.now, out, offer=True)
@@ -1173,11 +1176,13 @@ def _gather(state: SchedulerState, now: float, out: list[Effect]) -> None:
     grant at the first answer would start that row alone and the others
     one step later each, every arrival prefilling in a step of its own
     (measured with 8 rows of 512 tokens: the last row decoding about
-    twice as late as when all join at once). So while no row is joined
-    and no step runs, a ready row waits for the other placed rows' lookups
+    twice as late as when all join at once). So while no row is joined,
+    a ready row waits for the other placed rows' lookups
     (a RAM lookup answers within a millisecond or so), but never longer
     than ``gather_s`` (a cold-tier lookup reads a file first). Once
-    joined rows exist, a ready row never waits: decoding rows would.
+    joined rows exist, a ready row never waits: decoding rows would. A
+    chain in flight with no joined row left is idle too; nothing is offered
+    to it while the rows wait.
     """
     rows = state.rows.values()
     for rid in [r for r, at in state.arriving.items() if now >= at + state.gather_s]:
@@ -1186,7 +1191,12 @@ def _gather(state: SchedulerState, now: float, out: list[Effect]) -> None:
         # NOTE: checked on every event, so a lost alarm note delays nothing past the next event.
         state.gather_until = None
         state.gathered = True
-    idle = state.in_flight is None and not any(r.phase == "joined" for r in rows)
+    # NOTE: idle is no row joined, whether or not a turn is in flight: a chain
+    # whose last row just left (its answer delivered, the job not yet ended)
+    # decodes nothing, so rows arriving then lose nothing by waiting for each
+    # other; offered at once, the first would join that chain a step ahead
+    # of the others.
+    idle = not any(r.phase == "joined" for r in rows)
     if not idle:
         state.gathered = False
     hold = (

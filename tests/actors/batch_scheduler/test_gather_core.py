@@ -10,8 +10,10 @@ from actors.batch_scheduler.core import (
     Arriving,
     Effect,
     Event,
+    ExitOut,
     GatherDue,
     LookupAnswered,
+    OfferRows,
     SchedulerState,
     Status,
     StepFinished,
@@ -152,3 +154,29 @@ def test_a_stale_announcement_holds_nobody() -> None:
     assert of(effects, ArmGather) == []
     assert of(effects, Status) == [Status(busy=True, ready=True)]
     assert core.state.arriving == {}
+
+
+def test_rows_arriving_as_a_chain_ends_with_no_row_left_start_together() -> None:
+    """A chain still in flight whose last row just left (its answer delivered, the job not yet
+    ended) holds no joined row: the next requests, sent together, wait for each other's lookups
+    as in an idle batch, then are offered to it together, not the first alone a step ahead."""
+    core = Core()
+    core.handle(Admit(gen("a"), "c-a", 0.0))
+    core.handle(LookupAnswered("a", None, 0.001))
+    core.handle(TurnGranted(1, 0.002, max_steps=8))
+    core.handle(StepFinished(1, StepOut(prefill_tokens=8, prefilled=("a",)), 0.01, last=False))
+    done = StepOut(tokens=(TokenOut("a", 0, 7, "x", finish_reason="stop"),),
+                   exits=(ExitOut("a", "stop", 1),), decode_rows=1)
+    core.handle(StepFinished(1, done, 0.02, last=False))
+    assert "a" not in core.state.rows
+    assert core.state.in_flight == 1
+    core.handle(Arriving("b", 0.021))
+    core.handle(Arriving("c", 0.021))
+    core.handle(Admit(gen("b"), "c-b", 0.022))
+    core.handle(Admit(gen("c"), "c-c", 0.022))
+    effects = core.handle(LookupAnswered("b", None, 0.023))
+    assert of(effects, OfferRows) == []
+    assert of(effects, ArmGather) == [ArmGather(0.043)]
+    effects = core.handle(LookupAnswered("c", None, 0.024))
+    (offer,) = of(effects, OfferRows)
+    assert [j.request.request_id for j in offer.joins] == ["b", "c"]
