@@ -227,6 +227,12 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[int(rank) - 1]
 
 
+def _percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p90/p99 of ``values`` (nearest rank, ms rounded to µs)."""
+    ordered = sorted(values)
+    return {f"p{q}": round(_percentile(ordered, q), 3) for q in (50, 90, 99)}
+
+
 @dataclass
 class TimelineWindow:
     """The phases of the last ``size`` recorded requests, and their distributions for ``/stats``."""
@@ -269,15 +275,10 @@ class TimelineWindow:
         """``requests`` in the window, ``recorded`` in all; p50/p90/p99 (ms) of each phase and of
         ``first_byte`` (arrival to first byte); the same of each admission part over the
         requests that rendered a prompt (``admission_parts_ms``, ``rendered`` of them)."""
-        dist: dict[str, dict[str, float]] = {}
-        if self._rows:
-            for name in (*PHASES, "first_byte"):
-                ordered = sorted(r[name] for r in self._rows)
-                dist[name] = {f"p{q}": round(_percentile(ordered, q), 3) for q in (50, 90, 99)}
+        dist = {name: _percentiles([r[name] for r in self._rows])
+                for name in ((*PHASES, "first_byte") if self._rows else ())}
         rendered = [r for r in self._rows if "admission.render" in r]
-        parts: dict[str, dict[str, float]] = {}
-        for name in ADMISSION_PARTS if rendered else ():
-            ordered = sorted(r[f"admission.{name}"] for r in rendered)
-            parts[name] = {f"p{q}": round(_percentile(ordered, q), 3) for q in (50, 90, 99)}
+        parts = {name: _percentiles([r[f"admission.{name}"] for r in rendered])
+                 for name in (ADMISSION_PARTS if rendered else ())}
         return {"requests": len(self._rows), "recorded": self.recorded, "window": self.size,
                 "phases_ms": dist, "rendered": len(rendered), "admission_parts_ms": parts}

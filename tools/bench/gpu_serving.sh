@@ -109,6 +109,16 @@ device_env() {
   export KVTIER_COMMIT
 }
 
+# NOTE: AB_ENV's assignments (split on spaces; default: no periodic cache
+# emptying) as serving.py arguments, one per line: --kvtier-env, then the
+# assignment, each for kvtier's process only (recorded in the run's JSON).
+# %RUN% in an assignment becomes $1 (agentab's run number).
+ab_env_args() {
+  local assigns a
+  read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
+  for a in "${assigns[@]}"; do printf '%s\n%s\n' --kvtier-env "${a//%RUN%/${1:-}}"; done
+}
+
 # NOTE: the 8B directory `run` writes, for the commands that do not run serving.py.
 ensure_model() {
   if [ ! -f "$MODEL/config.json" ]; then
@@ -320,10 +330,7 @@ case "$cmd" in
       if [ $((n % 2)) -eq 0 ]; then full=default; alone=switched; else full=switched; alone=default; fi
       echo "call $n: $full with the peer, then $alone alone; switched = ${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}" | tee "$OUT/runab.txt"
       full_env=()
-      if [ "$full" = switched ]; then
-        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
-        for a in "${assigns[@]}"; do full_env+=(--kvtier-env "$a"); done
-      fi
+      if [ "$full" = switched ]; then mapfile -t full_env < <(ab_env_args); fi
       python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok \
         --model "$MODEL" --guidellm-python "$(command -v python3)" --out "$WORK/call-$n" --first-round "$n" \
         --json "$OUT/full-$full.json" --title "H200 $full" "${DEFAULTS[@]}" "${full_env[@]}" "$@" 2>&1 \
@@ -337,10 +344,7 @@ case "$cmd" in
     fi
     if [ "$step" != full ]; then
       alone_env=()
-      if [ "$alone" = switched ]; then
-        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
-        for a in "${assigns[@]}"; do alone_env+=(--kvtier-env "$a"); done
-      fi
+      if [ "$alone" = switched ]; then mapfile -t alone_env < <(ab_env_args); fi
       rate=$(python3 -c 'import json, sys; print(",".join(str(r) for r in json.load(open(sys.argv[1]))["constant_rates"]))' \
         "$OUT/full-$full.json" 2>/dev/null || echo "")
       # NOTE: the same round (prompts) and the peer's constant rate, a fresh
@@ -377,15 +381,10 @@ case "$cmd" in
       n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
       echo $((n + 1)) > "$WORK/calls"
       envs=()
-      # NOTE: AB_ENV may hold several assignments, split on spaces; each goes
-      # to kvtier's process through --kvtier-env (recorded in the run's JSON).
-      # %RUN% in it becomes the run's number, e.g. a kernel cache of its own
-      # per run, so every "on" run compiles from nothing:
+      # NOTE: %RUN% in AB_ENV becomes the run's number, e.g. a kernel cache
+      # of its own per run, so every "on" run compiles from nothing:
       #   AB_ENV=MLX_PTX_CACHE_DIR=/tmp/kvtier-ptx-%RUN% gpu_serving.sh agentab
-      if [ "$v" = on ]; then
-        read -r -a assigns <<< "${AB_ENV:-KVTIER_BATCH_CLEAR_EVERY=0}"
-        for a in "${assigns[@]}"; do envs+=(--kvtier-env "${a//%RUN%/$i}"); done
-      fi
+      if [ "$v" = on ]; then mapfile -t envs < <(ab_env_args "$i"); fi
       t0=$SECONDS
       python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
         --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \

@@ -205,20 +205,12 @@ def level_phases(levels: Sequence[LevelResult], logs: Sequence[Path]) -> None:
     its first request sent to its last ended, holds the line's time; the
     levels run one after another, and both clocks are this machine's.
     """
-    lines = [(f["_time"], f) for f in log_events(logs, "request.timeline")
-             if isinstance(f.get("_time"), float)]
+    lines = [(f["_time"], row) for f in log_events(logs, "request.timeline")
+             if isinstance(f.get("_time"), float) and (row := _timeline_row(f)) is not None]
     for lv in levels:
         if lv.last_end <= 0.0:
             continue
-        rows: list[dict[str, float]] = []
-        for at, fields in lines:
-            phases = fields.get("phases_ms")
-            if lv.first_start <= at <= lv.last_end + _LEVEL_SLACK_S and isinstance(phases, dict):
-                row = {str(k): float(v) for k, v in phases.items()}
-                parts = fields.get("admission_parts_ms")
-                if isinstance(parts, dict):
-                    row |= {f"admission.{k}": float(v) for k, v in parts.items()}
-                rows.append(row)
+        rows = [row for at, row in lines if lv.first_start <= at <= lv.last_end + _LEVEL_SLACK_S]
         lv.timed = len(rows)
         keys = [k for row in rows for k in row]
         lv.phases_ms = {k: statistics.median(r[k] for r in rows if k in r) for k in dict.fromkeys(keys)}
@@ -228,8 +220,7 @@ def print_level_phases(who: str, rnd: int, levels: Sequence[LevelResult]) -> Non
     """Per level: the median of each of kvtier's timeline phases over its requests."""
     for lv in levels:
         if lv.phases_ms:
-            unit = "streams" if lv.profile == "concurrent" else "req/s"
-            print(f"round {rnd} {who:<7} {lv.profile:<10} {lv.level:>7g} {unit:<7} phases p50: "
+            print(f"{_level_label(who, rnd, lv)} phases p50: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in lv.phases_ms.items())
                   + f" ({lv.timed}/{lv.ok + lv.errored + lv.incomplete} timed)", flush=True)
 
@@ -510,6 +501,14 @@ def run_server(
         if progress is not None:
             progress(run)
 
+    def levels_done(new: list[LevelResult]) -> None:
+        run.levels += new
+        _print_levels(who, rnd, new)
+        if who == "kvtier":
+            level_phases(new, [server.stdout, server.stderr])
+            print_level_phases(who, rnd, new)
+        phase_done()
+
     tag = f"r{rnd}"
     server = start_server(who, model, port, workdir, args, tag)
     run = ServerRun(who, server.ready_s)
@@ -542,12 +541,7 @@ def run_server(
             )
             report = run_guidellm(args.guidellm_python, spec, workdir, name)
             run.guidellm_reports.append(str(workdir / f"{name}.json"))
-            run.levels += level_results(report)
-            _print_levels(who, rnd, run.levels)
-            if who == "kvtier":
-                level_phases(run.levels, [server.stdout, server.stderr])
-                print_level_phases(who, rnd, run.levels)
-            phase_done()
+            levels_done(level_results(report))
             if not rates and who == PEER and args.rate_fractions:
                 sat = saturation_rps(run.levels)
                 rates[:] = [round(f * sat, 4) for f in _floats(args.rate_fractions)]
@@ -569,13 +563,7 @@ def run_server(
                 )
                 report = run_guidellm(args.guidellm_python, spec, workdir, name)
                 run.guidellm_reports.append(str(workdir / f"{name}.json"))
-                new = level_results(report)
-                run.levels += new
-                _print_levels(who, rnd, new)
-                if who == "kvtier":
-                    level_phases(new, [server.stdout, server.stderr])
-                    print_level_phases(who, rnd, new)
-                phase_done()
+                levels_done(level_results(report))
         if who == "kvtier":
             run.stats["loads"] = server_stats(url)
         if args.agent:
@@ -717,13 +705,23 @@ def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
     (``admission.parse`` ...) after them where the line has them (a rendered prompt)."""
     found: dict[str, dict[str, float]] = {}
     for fields in log_events(logs, "request.timeline"):
-        rid, phases = fields.get("request_id"), fields.get("phases_ms")
-        if isinstance(rid, str) and isinstance(phases, dict):
-            found[rid] = {str(k): float(v) for k, v in phases.items()}
-            parts = fields.get("admission_parts_ms")
-            if isinstance(parts, dict):
-                found[rid] |= {f"admission.{k}": float(v) for k, v in parts.items()}
+        rid, row = fields.get("request_id"), _timeline_row(fields)
+        if isinstance(rid, str) and row is not None:
+            found[rid] = row
     return found
+
+
+def _timeline_row(fields: dict[str, Any]) -> dict[str, float] | None:
+    """A ``request.timeline`` line's phases (ms), then its admission's parts as ``admission.<part>``
+    where it has them; ``None`` for a line without phases."""
+    phases = fields.get("phases_ms")
+    if not isinstance(phases, dict):
+        return None
+    row = {str(k): float(v) for k, v in phases.items()}
+    parts = fields.get("admission_parts_ms")
+    if isinstance(parts, dict):
+        row |= {f"admission.{k}": float(v) for k, v in parts.items()}
+    return row
 
 
 _STEP_FIELDS = ("step_ms", "join_ms", "prefill_tokens", "decode_rows", "since_clear")
@@ -820,19 +818,24 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
+def _level_label(who: str, rnd: int, lv: LevelResult) -> str:
+    """The start of a level's printed lines: round, server, profile and level."""
+    unit = "streams" if lv.profile == "concurrent" else "req/s"
+    return f"round {rnd} {who:<7} {lv.profile:<10} {lv.level:>7g} {unit:<7}"
+
+
 def _print_levels(who: str, rnd: int, levels: Sequence[LevelResult]) -> None:
     for lv in levels:
-        unit = "streams" if lv.profile == "concurrent" else "req/s"
         print(
-            f"round {rnd} {who:<7} {lv.profile:<10} {lv.level:>7g} {unit:<7} ok {lv.ok:>4} err {lv.errored:>2}"
+            f"{_level_label(who, rnd, lv)} ok {lv.ok:>4} err {lv.errored:>2}"
             f"  {lv.output_tps:>8.1f} tok/s  TTFT p50 {lv.ttft_ms.p50:>8.1f} p99 {lv.ttft_ms.p99:>8.1f} ms"
             f"  ITL p50 {lv.itl_ms.p50:>6.1f} ms",
             flush=True,
         )
         unrecorded = unrecorded_requests(lv)
         if unrecorded:
-            print(f"round {rnd} {who:<7} {lv.profile:<10} {lv.level:>7g} {unit:<7} UNRECORDED: "
-                  f"{unrecorded}; the load generator's counts {lv.scheduler}", flush=True)
+            print(f"{_level_label(who, rnd, lv)} UNRECORDED: {unrecorded}; the load generator's "
+                  f"counts {lv.scheduler}", flush=True)
 
 
 def unrecorded_requests(lv: LevelResult) -> int:
