@@ -386,7 +386,8 @@ def test_every_finished_phase_is_in_the_json_before_a_later_phase_fails(
 def test_each_level_gets_the_timeline_phases_of_the_requests_in_its_window(tmp_path: Path) -> None:
     """A timeline line belongs to the level whose window (first request sent to last ended, plus a
     second's slack) holds its timestamp, console or JSON format; a warm-up line before both and a
-    line between them belong to none; each level keeps the medians of its lines' phases and parts."""
+    line between them belong to none; each level keeps the medians of its lines' phases and parts,
+    and its join steps' count, medians and share of its window."""
     import datetime
 
     def iso(epoch: float) -> str:
@@ -406,6 +407,12 @@ def test_each_level_gets_the_timeline_phases_of_the_requests_in_its_window(tmp_p
         "admission_parts_ms={'parse': 0.5, 'render_wait': 0.5, 'render': 0.5, 'admit': 0.5}\n"
         f"{iso(base + 12.5)} [info ] request.timeline request_id=b phases_ms={{'admission': 4.0, 'join': 8.0}}\n"
         f"{iso(base + 17)} [info ] request.timeline request_id=between phases_ms={{'admission': 77.0}}\n"
+        f"{iso(base + 10.5)} [info ] batch.join_step turn=1 joined=['a'] cached=[0] prefill_tokens=500 "
+        "decode_rows=0 join_ms=1.0 step_ms=100.0 since_clear=1\n"
+        f"{iso(base + 11.5)} [info ] batch.join_step turn=1 joined=['b', 'x', 'y'] cached=[0, 0, 0] "
+        "prefill_tokens=1500 decode_rows=1 join_ms=1.0 step_ms=300.0 since_clear=2\n"
+        f"{iso(base + 17)} [info ] batch.join_step turn=1 joined=['between'] cached=[0] prefill_tokens=9 "
+        "decode_rows=0 join_ms=1.0 step_ms=999.0 since_clear=3\n"
     )
     jsonl = tmp_path / "kvtier.stdout"
     jsonl.write_text(json.dumps({"event": "request.timeline", "request_id": "c", "timestamp": iso(base + 24),
@@ -417,6 +424,9 @@ def test_each_level_gets_the_timeline_phases_of_the_requests_in_its_window(tmp_p
                              "admission.admit": 0.5}
     assert high.timed == 1
     assert high.phases_ms == {"admission": 6.0, "join": 1.0}
+    assert low.join_steps == {"count": 2.0, "step_ms_p50": 200.0, "step_ms_max": 300.0,
+                              "prefill_tokens_p50": 1000.0, "rows_p50": 2.0, "share": pytest.approx(0.2)}
+    assert high.join_steps == {}
 
 
 def test_a_request_the_load_generator_sent_but_did_not_record_is_counted() -> None:

@@ -132,6 +132,10 @@ class LevelResult:
     """kvtier's timeline phases over the level's requests, median of each (``level_phases``)."""
     timed: int = 0
     """How many of kvtier's ``request.timeline`` lines fell in the level's window."""
+    join_steps: dict[str, float] = field(default_factory=dict)
+    """kvtier's batch steps that joined rows in the level's window (``level_phases``): ``count``,
+    ``step_ms_p50``, ``step_ms_max``, ``prefill_tokens_p50``, ``rows_p50`` and ``share``, their
+    summed step time over the window's: what the level's decoding rows waited on joins."""
     scheduler: dict[str, int] = field(default_factory=dict)
     """The load generator's own request counts (created, processed, successful, errored,
     cancelled), to hold against the records: a request it sent but did not record shows here."""
@@ -207,6 +211,8 @@ def level_phases(levels: Sequence[LevelResult], logs: Sequence[Path]) -> None:
     """
     lines = [(f["_time"], row) for f in log_events(logs, "request.timeline")
              if isinstance(f.get("_time"), float) and (row := _timeline_row(f)) is not None]
+    steps = [(f["_time"], figures) for f in log_events(logs, "batch.join_step")
+             if isinstance(f.get("_time"), float) and (figures := _join_step_figures(f)) is not None]
     for lv in levels:
         if lv.last_end <= 0.0:
             continue
@@ -214,6 +220,21 @@ def level_phases(levels: Sequence[LevelResult], logs: Sequence[Path]) -> None:
         lv.timed = len(rows)
         keys = [k for row in rows for k in row]
         lv.phases_ms = {k: statistics.median(r[k] for r in rows if k in r) for k in dict.fromkeys(keys)}
+        lv.join_steps = _join_step_share(steps, lv.first_start, lv.last_end)
+
+
+def _join_step_share(steps: Sequence[tuple[float, dict[str, float]]], start: float,
+                     end: float) -> dict[str, float]:
+    """The join steps logged in ``start..end`` (epoch seconds): count, medians, and their summed
+    step time as a share of the window (``{}`` where none fell in it)."""
+    inside = [s for at, s in steps if start <= at <= end and "step_ms" in s]
+    if not inside or end <= start:
+        return {}
+    ms = [s["step_ms"] for s in inside]
+    return {"count": float(len(inside)), "step_ms_p50": statistics.median(ms), "step_ms_max": max(ms),
+            "prefill_tokens_p50": statistics.median(s.get("prefill_tokens", 0.0) for s in inside),
+            "rows_p50": statistics.median(s["rows"] for s in inside),
+            "share": sum(ms) / ((end - start) * 1e3)}
 
 
 def print_level_phases(who: str, rnd: int, levels: Sequence[LevelResult]) -> None:
@@ -223,6 +244,11 @@ def print_level_phases(who: str, rnd: int, levels: Sequence[LevelResult]) -> Non
             print(f"{_level_label(who, rnd, lv)} phases p50: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in lv.phases_ms.items())
                   + f" ({lv.timed}/{lv.ok + lv.errored + lv.incomplete} timed)", flush=True)
+        if (j := lv.join_steps):
+            print(f"{_level_label(who, rnd, lv)} join steps: {j['count']:.0f}, step p50 "
+                  f"{j['step_ms_p50']:.1f} ms (max {j['step_ms_max']:.1f}), rows p50 {j['rows_p50']:.0f}, "
+                  f"prefill tokens p50 {j['prefill_tokens_p50']:.0f}, {100 * j['share']:.1f} % of the "
+                  "level's time", flush=True)
 
 
 def saturation_rps(levels: Sequence[LevelResult]) -> float:
@@ -727,17 +753,23 @@ def _timeline_row(fields: dict[str, Any]) -> dict[str, float] | None:
 _STEP_FIELDS = ("step_ms", "join_ms", "prefill_tokens", "decode_rows", "since_clear")
 
 
+def _join_step_figures(fields: dict[str, Any]) -> dict[str, float] | None:
+    """A ``batch.join_step`` line's figures and its joined ``rows``; ``None`` without a joined list."""
+    joined = fields.get("joined")
+    if not isinstance(joined, list):
+        return None
+    figures = {k: float(fields[k]) for k in _STEP_FIELDS if isinstance(fields.get(k), int | float)}
+    figures["rows"] = float(len(joined))
+    return figures
+
+
 def join_steps(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
     """Each ``batch.join_step`` log line's figures by the request ids it joined."""
     found: dict[str, dict[str, float]] = {}
     for fields in log_events(logs, "batch.join_step"):
-        joined = fields.get("joined")
-        if not isinstance(joined, list):
-            continue
-        figures = {k: float(fields[k]) for k in _STEP_FIELDS if isinstance(fields.get(k), int | float)}
-        figures["rows"] = float(len(joined))
-        for rid in joined:
-            found[str(rid)] = figures
+        if (figures := _join_step_figures(fields)) is not None:
+            for rid in fields["joined"]:
+                found[str(rid)] = figures
     return found
 
 
