@@ -151,6 +151,7 @@ class EngineOptions(TypedDict, total=False):
     shutdown_timeout: float
     tensor_parallel: bool
     device: Literal["auto", "cpu"]
+    warm_up: Literal["auto", "on", "off"]
     mlx_cache_limit_bytes: int | None
     memory_budget_bytes: int | None
     max_tokens: int

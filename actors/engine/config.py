@@ -267,6 +267,14 @@ class EngineConfig(BaseModel):
                           "replicas on a GPU host); one setting of the whole process"),
         Setting("KVTIER_DEVICE", "--device"),
     ] = "auto"
+    warm_up: Annotated[
+        Literal["auto", "on", "off"],
+        Field(description="before the server is ready, run the batch lane once through its kinds "
+                          "of step with short prompts, so that MLX compiles its kernels then and "
+                          "not inside the first requests (on a fresh CUDA machine: seconds per "
+                          "kernel); auto = on under CUDA, off elsewhere"),
+        Setting("KVTIER_WARM_UP", "--warm-up"),
+    ] = "auto"
     mlx_cache_limit_bytes: Annotated[
         int | None,
         Field(ge=0, description="MLX buffer-cache bound: freed buffers MLX keeps for reuse"),

@@ -255,6 +255,33 @@ async def _memory_guard(
     return guard, reading
 
 
+def _warm_wanted(setting: str) -> bool:
+    """``--warm-up``: on, off, or (auto) where MLX computes on CUDA (engine thread)."""
+    import kernels
+
+    return setting == "on" or (setting == "auto" and kernels.on_cuda())
+
+
+async def _warm_up(thread: EngineThread, loaded: ModelParts, config: EngineConfig,
+                   scheme: KvScheme) -> None:
+    """Run ``kernels.engine.warm_up`` before the actors start, where ``--warm-up`` asks for it.
+
+    NOTE: not under tensor parallelism: every rank must run the same
+    engine-thread calls in step (``actors.distributed``), and this pass is
+    rank 0's alone.
+    """
+    import kernels.engine
+
+    if config.tensor_parallel or not await thread.run(_warm_wanted, config.warm_up):
+        return
+    report = await thread.run(
+        functools.partial(kernels.engine.warm_up, loaded.model, loaded.tokenizer, kv_scheme=scheme,
+                          prefill_step_size=config.prefill_step_size)
+    )
+    _log.info("engine.warm_up", skipped=report.skipped, steps=report.steps, rows=report.rows,
+              warm_rows=report.warm_rows, seconds=round(report.seconds, 3))
+
+
 def _backend(
     loaded: ModelParts, config: EngineConfig, scheme: KvScheme, registry: CacheRegistry | None,
     staging: HostStaging | None,
@@ -296,6 +323,7 @@ async def start(
     scheme = kernels.resolve_kv_scheme(config.kv_quant, loaded.path, missing_config="error")
     # NOTE: refuse a scheme this model's cache cannot take now, not in every request.
     await thread.run(kernels.cache.check_kv_scheme, loaded.model, scheme)
+    await _warm_up(thread, loaded, config, scheme)
     cap = config.prompt_cache_bytes
     if cap is None:
         cap = kernels.default_prompt_cache_bytes(await thread.run(kernels.prompt_cache_room_bytes))

@@ -130,6 +130,11 @@ from ._tools import (
 from ._transitioning import (
     TransitioningBatchKVCache,
 )
+from ._warm_up import (
+    WarmUpFailed,
+    WarmUpReport,
+    warm_up,
+)
 
 __all__ = [
     "ALIGN_SUFFIXES_ENV",
@@ -192,6 +197,8 @@ __all__ = [
     "ToolSegment",
     "TransitioningBatchKVCache",
     "UnknownRow",
+    "WarmUpFailed",
+    "WarmUpReport",
     "argmax_with_logprobs",
     "batch_gate",
     "batch_params_refusal",
@@ -226,4 +233,5 @@ __all__ = [
     "tool_format",
     "top_logprobs",
     "waiting_generation",
+    "warm_up",
 ]
