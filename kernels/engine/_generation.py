@@ -551,4 +551,5 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """
     bos = getattr(tokenizer, "bos_token", None)
     add_special = bos is None or not text.startswith(bos)
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special)]
+    # NOTE: through the piece encoder's checked backend, which keeps the GIL (_token_cache).
+    return piece_encoder(tokenizer).plain(text, add_special_tokens=add_special)

@@ -19,6 +19,16 @@ checked once, on a probe text that exercises every special token, against
 its own whole-text encoding; a tokenizer that fails the check is never
 split and never cached.
 
+Every piece is encoded by the fast tokenizer's backend directly
+(``tokenizers.Tokenizer.encode``) where it has one: Hugging Face's
+``encode`` goes through the backend's ``encode_batch``, which leaves the GIL
+and must take it back, and beside a thread that holds the GIL (the engine
+thread building its steps) each such call waited a switch interval, ~5 ms:
+nine pieces took 47 ms instead of 0.2 (``tools/bench/render_gil.py``). The
+backend's ``encode`` keeps the GIL. It is used only where it gives the
+tokenizer's own ids on a probe of every special token (checked once, like
+the split) and while the backend neither truncates nor pads.
+
 Pure tokenizer work (no MLX): safe on any thread; the cache takes a lock.
 """
 
@@ -58,7 +68,23 @@ class PieceEncoder:
             if specials
             else None
         )
+        self._backend: Any = _backend(tokenizer)
+        if self._backend is not None and not self._backend_check():
+            self._backend = None
         self.splits = self._pattern is not None and self._self_check()
+
+    @property
+    def direct(self) -> bool:
+        """Whether pieces are encoded by the backend directly (keeping the GIL)."""
+        return self._backend is not None
+
+    def plain(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """``tokenizer.encode(text, add_special_tokens=...)`` (no split, no cache), by the backend
+        directly where it passed the check."""
+        backend = self._backend
+        if backend is not None and _plain(backend):
+            return [int(t) for t in backend.encode(text, add_special_tokens=add_special_tokens).ids]
+        return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=add_special_tokens)]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` exactly as ``tokenizer.encode(text, add_special_tokens=False)``."""
@@ -77,7 +103,24 @@ class PieceEncoder:
         return ids
 
     def _whole(self, text: str) -> list[int]:
-        return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
+        return self.plain(text)
+
+    def _backend_check(self) -> bool:
+        """Whether the backend's ``encode`` gives the tokenizer's own ids, with and without its
+        special tokens added, on texts that hold every special token."""
+        body = "Hello, world!  Two  spaces\nnew line\t tab. caf\u00e9 \u4f60\u597d 123 "
+        texts = [body, " x", "\n", *(f"{body}{s}\n{s}{s} x{s}" for s in self._special_ids)]
+        try:
+            # NOTE: the tokenizer's own first: its ``encode`` turns the backend's
+            # truncation and padding off (a tokenizer.json may set them).
+            want = [[int(t) for t in self._tokenizer.encode(t, add_special_tokens=a)]
+                    for a in (False, True) for t in texts]
+            backend = self._backend
+            return _plain(backend) and want == [
+                [int(t) for t in backend.encode(t, add_special_tokens=a).ids]
+                for a in (False, True) for t in texts]
+        except Exception:  # noqa: BLE001 - NOTE: any backend oddity means "through the tokenizer"
+            return False
 
     def _piece(self, piece: str) -> list[int]:
         if len(piece) < _MIN_CACHED_PIECE or len(piece) > self._max_chars:
@@ -113,6 +156,17 @@ class PieceEncoder:
             self._pieces.clear()
             self._chars = 0
             self.hits = self.misses = 0
+
+
+def _backend(tokenizer: Any) -> Any:
+    """A Hugging Face fast tokenizer's backend (``tokenizers.Tokenizer``), if it has one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if callable(getattr(backend, "encode", None)) else None
+
+
+def _plain(backend: Any) -> bool:
+    """Whether the backend neither truncates nor pads (``encode`` without those options)."""
+    return getattr(backend, "truncation", None) is None and getattr(backend, "padding", None) is None
 
 
 def _special_ids(tokenizer: Any) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,78 @@ def test_a_tokenizer_that_is_not_local_at_specials_is_never_split() -> None:
     assert not enc.splits
     text = "a <sep>  b" * 100
     assert enc.encode(text) == tok.encode(text)
+
+
+class _Counting:
+    """The real tokenizer, counting calls of its own ``encode`` (Hugging Face's, whose backend call leaves the GIL)."""
+
+    def __init__(self, inner: Any, backend: Any = None) -> None:
+        self._inner = inner
+        self.encodes = 0
+        self.backend_tokenizer = backend if backend is not None else inner.backend_tokenizer
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.encodes += 1
+        return self._inner.encode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _Backend:
+    """The real backend behind a switch: its ``encode`` shifted by ``shift``; a ``truncation`` set at will."""
+
+    def __init__(self, inner: Any, shift: int = 0) -> None:
+        self._inner = inner
+        self._shift = shift
+        self.truncation: Any = None
+        self.padding: Any = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> Any:
+        enc = self._inner.encode(text, add_special_tokens=add_special_tokens)
+        return types.SimpleNamespace(ids=[t + self._shift for t in enc.ids])
+
+
+def _chat_text(tokenizer: Any) -> str:
+    return str(tokenizer.apply_chat_template(_conversation(3), add_generation_prompt=True, tokenize=False))
+
+
+def test_pieces_go_to_the_backend_which_keeps_the_gil(tokenizer: Any) -> None:
+    """Once checked, a chat's pieces never go through Hugging Face's encode, whose backend call
+    leaves the GIL (a switch interval each beside the engine thread); the ids are the tokenizer's own."""
+    counting = _Counting(tokenizer)
+    enc = PieceEncoder(counting)
+    assert enc.direct
+    assert enc.splits
+    counting.encodes = 0
+    text = _chat_text(tokenizer)
+    assert enc.encode(text) == list(tokenizer.encode(text, add_special_tokens=False))
+    assert counting.encodes == 0
+    prompt = "Once upon a time, café 你好"
+    assert enc.plain(prompt, add_special_tokens=True) == list(tokenizer.encode(prompt))
+    assert counting.encodes == 0
+
+
+def test_a_backend_that_disagrees_is_not_used(tokenizer: Any) -> None:
+    """A backend whose ids differ from the tokenizer's own fails the check: pieces go through the
+    tokenizer, and the ids stay exact."""
+    counting = _Counting(tokenizer, _Backend(tokenizer.backend_tokenizer, shift=1))
+    enc = PieceEncoder(counting)
+    assert not enc.direct
+    counting.encodes = 0
+    text = _chat_text(tokenizer)
+    assert enc.encode(text) == list(tokenizer.encode(text, add_special_tokens=False))
+    assert counting.encodes > 0
+
+
+def test_a_backend_that_truncates_is_passed_by(tokenizer: Any) -> None:
+    """A checked backend that truncates later (a tokenizer.json setting) is not used while it does."""
+    backend = _Backend(tokenizer.backend_tokenizer)
+    counting = _Counting(tokenizer, backend)
+    enc = PieceEncoder(counting)
+    assert enc.direct
+    backend.truncation = {"max_length": 4}
+    counting.encodes = 0
+    text = _chat_text(tokenizer)
+    assert enc.encode(text) == list(tokenizer.encode(text, add_special_tokens=False))
+    assert counting.encodes > 0
