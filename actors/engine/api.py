@@ -143,6 +143,7 @@ class EngineOptions(TypedDict, total=False):
     stream_buffer: int
     stream_write_timeout_s: float
     render_threads: int
+    render_inline_chars: int
     batch_gather_s: float
     background_in_chain: bool
     snapshot_min_new_tokens: int
@@ -341,8 +342,15 @@ class GenerationStream(_StartClose):
                     finally:
                         span.append(time.monotonic())
 
-                tokens = await anyio.to_thread.run_sync(render, engine.tokenizer,
-                                                        limiter=engine._render_limiter())
+                if prepare.chars <= engine.config.render_inline_chars:
+                    # NOTE: on the loop: the render keeps the GIL (its tokenizing
+                    # too: kernels.engine._token_cache), so a worker thread runs it
+                    # no sooner, and the hops there and back each wait for the GIL
+                    # beside the engine thread (docs/benchmarks.md, 2026-12-06 15:30).
+                    tokens = render(engine.tokenizer)
+                else:
+                    tokens = await anyio.to_thread.run_sync(render, engine.tokenizer,
+                                                            limiter=engine._render_limiter())
                 self._render_span = (asked, span[0], span[1])
         except KvtierError:
             self._finished = True

@@ -213,6 +213,15 @@ class EngineConfig(BaseModel):
                                        "order"),
         Setting("KVTIER_RENDER_THREADS", "--render-threads", unit="threads"),
     ] = 40
+    render_inline_chars: Annotated[
+        int,
+        Field(ge=0, description="prompts of at most this many characters render on the event "
+                                "loop, longer ones on a render thread; 0 = always a thread. A "
+                                "render keeps the GIL (under a millisecond for 30k characters), "
+                                "while each hop to a thread and back waits for the GIL beside "
+                                "the engine thread"),
+        Setting("KVTIER_RENDER_INLINE_CHARS", "--render-inline-chars", unit="chars"),
+    ] = 65536
     batch_gather_s: Annotated[
         float,
         Field(ge=0, le=10, description="how long, at most, an idle batch lane's ready rows wait for "

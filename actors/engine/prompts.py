@@ -9,6 +9,7 @@ never queues or takes a turn.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from actors.errors import ContextTooLong, EngineNotStarted, InvalidRequest
@@ -27,8 +28,20 @@ __all__ = [
     "vocab_size",
 ]
 
-Render = Callable[[Any], list[int]]
-"""Renders a prompt into token ids with the model's tokenizer (mlx-lm's, untyped); worker thread."""
+@dataclass(frozen=True, slots=True)
+class Render:
+    """Renders a prompt into token ids with the model's tokenizer (mlx-lm's, untyped).
+
+    ``chars``: the characters of the text it renders from (message contents,
+    tools, or the completion prompt), which admission reads to choose where
+    it runs (``EngineConfig.render_inline_chars``).
+    """
+
+    fn: Callable[[Any], list[int]]
+    chars: int
+
+    def __call__(self, tokenizer: Any) -> list[int]:
+        return self.fn(tokenizer)
 
 
 def chat_renderer(messages: Sequence[Mapping[str, Any]],
@@ -46,7 +59,12 @@ def chat_renderer(messages: Sequence[Mapping[str, Any]],
 
         return render_chat(tokenizer, msgs, tools=tool_list, **kwargs)
 
-    return render
+    # NOTE: an estimate that never undercounts text by much: every value's
+    # text (a content made of parts counts its parts' repr).
+    chars = sum(len(v) if isinstance(v, str) else len(repr(v)) for m in msgs for v in m.values())
+    if tool_list is not None:
+        chars += len(repr(tool_list))
+    return Render(render, chars)
 
 
 def text_renderer(text: str) -> Render:
@@ -57,7 +75,7 @@ def text_renderer(text: str) -> Render:
 
         return encode_prompt(tokenizer, text)
 
-    return render
+    return Render(render, len(text))
 
 
 def vocab_size(loaded: ModelParts | None) -> int | None:

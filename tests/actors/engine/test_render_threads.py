@@ -45,7 +45,7 @@ async def _burst(threads: int, n: int) -> _CountingTemplate:
     tok._tokenizer.apply_chat_template = counting
     model = lively_llama(len(tok))
     async with Engine.from_loaded(model, tok, model_id="tiny", max_queue=n,
-                                  render_threads=threads) as eng:
+                                  render_threads=threads, render_inline_chars=0) as eng:
         async def one(i: int) -> None:
             async with eng.chat([{"role": "user", "content": f"hat {i}"}],
                                 GenerationParams(max_tokens=1)) as stream:
@@ -68,3 +68,38 @@ async def test_a_burst_renders_on_render_threads_at_most() -> None:
     with render_threads=8 (so the bound, not the workload, is what kept them apart)."""
     assert (await _burst(1, 8)).most == 1
     assert (await _burst(8, 8)).most > 1
+
+
+async def _render_threads_of(inline_chars: int, content: str) -> set[int]:
+    """The threads a chat's render ran on, with ``render_inline_chars`` at ``inline_chars``."""
+    tok = tiny_tokenizer()
+    inner = tok._tokenizer.apply_chat_template
+    seen: set[int] = set()
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.add(threading.get_ident())
+        return inner(*args, **kwargs)
+
+    tok._tokenizer.apply_chat_template = recording
+    async with Engine.from_loaded(lively_llama(len(tok)), tok, model_id="tiny",
+                                  render_inline_chars=inline_chars) as eng:
+        # NOTE: the first chat also probes the template (renders of its own); counted after it.
+        async with eng.chat([{"role": "user", "content": "warm"}], GenerationParams(max_tokens=1)) as s:
+            async for _ in s:
+                pass
+        seen.clear()
+        async with eng.chat([{"role": "user", "content": content}], GenerationParams(max_tokens=1)) as s:
+            async for _ in s:
+                pass
+    return seen
+
+
+async def test_a_short_prompt_renders_on_the_loop_and_a_long_one_on_a_thread() -> None:
+    """A chat within render_inline_chars renders on the event loop's thread (no hop that waits
+    for the GIL); one past it, or any with the bound at 0, on a worker thread."""
+    loop = threading.get_ident()
+    assert await _render_threads_of(64, "hat " * 10) == {loop}
+    (other,) = await _render_threads_of(64, "hat " * 20)
+    assert other != loop
+    (zero,) = await _render_threads_of(0, "hat")
+    assert zero != loop
