@@ -274,10 +274,16 @@ async def _warm_up(thread: EngineThread, loaded: ModelParts, config: EngineConfi
 
     if config.tensor_parallel or not await thread.run(_warm_wanted, config.warm_up):
         return
-    report = await thread.run(
-        functools.partial(kernels.engine.warm_up, loaded.model, loaded.tokenizer, kv_scheme=scheme,
-                          prefill_step_size=config.prefill_step_size)
-    )
+    try:
+        report = await thread.run(
+            functools.partial(kernels.engine.warm_up, loaded.model, loaded.tokenizer, kv_scheme=scheme,
+                              prefill_step_size=config.prefill_step_size)
+        )
+    except Exception:
+        # NOTE: not hidden: the start fails with the pass's error; the line says
+        # how to start without the pass (its rows are ones the batch lane serves).
+        _log.error("engine.warm_up_failed", hint="--warm-up off (KVTIER_WARM_UP=off) starts without it")
+        raise
     _log.info("engine.warm_up", skipped=report.skipped, steps=report.steps, rows=report.rows,
               warm_rows=report.warm_rows, seconds=round(report.seconds, 3))
 

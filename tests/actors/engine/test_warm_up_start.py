@@ -37,3 +37,30 @@ async def test_on_the_pass_runs_at_start_and_the_answer_is_unchanged() -> None:
     assert none == []
     assert warmed == plain
     assert len(plain) == 6
+
+
+class _Mute:
+    """The tiny tokenizer, but its ``encode`` finds no tokens (the warm-up has no prompt to run)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        return []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+async def test_a_failed_pass_fails_the_start_and_says_how_to_skip_it() -> None:
+    """The pass's error ends the start (nothing hides it), after a line naming --warm-up off."""
+    tok = tiny_tokenizer()
+    with capture_logs() as logs, pytest.raises(ValueError, match="no tokens"):
+        async with Engine.from_loaded(lively_llama(len(tok), seed=8), _Mute(tok), model_id="tiny",
+                                      warm_up="on"):
+            pass
+    (line,) = [e for e in logs if e["event"] == "engine.warm_up_failed"]
+    assert "--warm-up off" in line["hint"]
