@@ -12,12 +12,29 @@ from tools.bench.cluster import reply, system_prompt, tool_result
 from tools.cluster._chat_tokens import ChatTokens
 
 
+class _CountingBackend:
+    """The real tokenizer's backend, adding the texts its ``encode`` is asked for to ``encoded``."""
+
+    def __init__(self, backend: Any, encoded: list[str]) -> None:
+        self._backend = backend
+        self._encoded = encoded
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        self._encoded.append(text)
+        return self._backend.encode(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
 class _Counting:
-    """The real tokenizer, counting the texts its ``encode`` is asked for (a scripted spy)."""
+    """The real tokenizer, counting the texts its ``encode`` (or its backend's, which the kernels'
+    piece encoder calls directly) is asked for (a scripted spy)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
         self.encoded: list[str] = []
+        self.backend_tokenizer = _CountingBackend(tokenizer.backend_tokenizer, self.encoded)
 
     def encode(self, text: str, **kwargs: Any) -> list[int]:
         self.encoded.append(text)
