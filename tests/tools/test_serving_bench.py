@@ -442,3 +442,17 @@ def test_a_request_the_load_generator_sent_but_did_not_record_is_counted() -> No
     (plain,) = serving.level_results(_report(4, [_record(0.0, 1.0, 10.0, 1.0, 4)] * 3))
     assert plain.scheduler == {}
     assert serving.unrecorded_requests(plain) == 0
+
+
+def test_the_start_up_warm_up_line_is_read_from_either_log_format(tmp_path: Path) -> None:
+    """kvtier's engine.warm_up line gives its figures (console or JSON format); none gives {}."""
+    console = tmp_path / "kvtier.stderr"
+    console.write_text("2026-12-06T14:48:00.000000Z [info     ] engine.warm_up                 rows=4 "
+                       "seconds=21.5 skipped=None steps=18 warm_rows=2\n")
+    assert serving.warm_up_pass([console]) == {"steps": 18, "rows": 4, "warm_rows": 2, "seconds": 21.5,
+                                               "skipped": None}
+    jsonl = tmp_path / "kvtier.stdout"
+    jsonl.write_text(json.dumps({"event": "engine.warm_up", "steps": 3, "rows": 0, "warm_rows": 0,
+                                 "seconds": 0.1, "skipped": "recurrent_disabled"}) + "\n")
+    assert serving.warm_up_pass([jsonl])["skipped"] == "recurrent_disabled"
+    assert serving.warm_up_pass([tmp_path / "missing.log"]) == {}

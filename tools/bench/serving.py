@@ -296,6 +296,9 @@ class ServerRun:
     levels: list[LevelResult] = field(default_factory=list)
     agent: AgentResult | None = None
     guidellm_reports: list[str] = field(default_factory=list)
+    warm_up: dict[str, Any] = field(default_factory=dict)
+    """kvtier only: its start-up warm-up pass (``engine.warm_up`` log line: steps, rows,
+    seconds; ``{}`` where it ran none, e.g. ``--warm-up auto`` off CUDA)."""
     stats: dict[str, Any] = field(default_factory=dict)
     """kvtier only: parts of ``/stats`` (the tiers, the lanes, the timeline) after the load
     generator (``loads``) and after the agent trace (``agent``)."""
@@ -538,6 +541,10 @@ def run_server(
     tag = f"r{rnd}"
     server = start_server(who, model, port, workdir, args, tag)
     run = ServerRun(who, server.ready_s)
+    if who == "kvtier" and (warm := warm_up_pass([server.stdout, server.stderr])):
+        run.warm_up = warm
+        print(f"round {rnd} kvtier  start-up warm-up: {warm.get('steps')} steps, {warm.get('rows')} rows, "
+              f"{warm.get('seconds')} s (ready after {server.ready_s:.1f} s)", flush=True)
     phase = "warm-up"
     try:
         url = server.url
@@ -771,6 +778,15 @@ def join_steps(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
             for rid in fields["joined"]:
                 found[str(rid)] = figures
     return found
+
+
+def warm_up_pass(logs: Sequence[Path]) -> dict[str, Any]:
+    """kvtier's ``engine.warm_up`` line (its steps, rows, warm rows, seconds, skipped); ``{}``
+    where the server ran no pass."""
+    keys = ("steps", "rows", "warm_rows", "seconds", "skipped")
+    for fields in log_events(logs, "engine.warm_up"):
+        return {k: fields[k] for k in keys if k in fields}
+    return {}
 
 
 def slow_background_turns(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
