@@ -55,3 +55,16 @@ def test_a_model_the_batch_lane_refuses_runs_nothing(tok: Any, monkeypatch: pyte
     report = warm_up(tiny_mamba(vocab_size=len(tok)), tok)
     assert report.skipped == "recurrent_disabled"
     assert (report.steps, report.rows) == (0, 0)
+
+
+def test_a_quantizing_kv_scheme_warms_up_too(tok: Any) -> None:
+    """Under 4-bit KV (transitioning rows) the pass runs all four rows to their ends, two of them
+    over a lent prefix."""
+    import mlx.core as mx
+
+    from tests.kernels.test_batch_transitioning import KV4, _lively
+    from tests.tiny_models import tiny_llama
+
+    model = _lively(tiny_llama(vocab_size=len(tok), head_dim=32, dtype=mx.float32, seed=1))
+    report = warm_up(model, tok, kv_scheme=KV4, prefill_step_size=16)
+    assert (report.skipped, report.rows, report.warm_rows) == (None, 4, 2)
