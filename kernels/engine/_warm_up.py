@@ -7,7 +7,7 @@ uses them (gathers per value and index type, the fused element-wise graphs of
 machine or container each compile took 3-7 s on an H100, inside the steps of
 the first requests: a first request's join step took 3.4 s, and the first
 join of rows over cached prefixes 3.0-4.6 s against ~0.2 s once compiled
-(docs/benchmarks.md, 2026-12-06 14:47). :func:`warm_up` runs those kinds of
+(docs/benchmarks.md, 2026-12-06 14:36). :func:`warm_up` runs those kinds of
 step with prompts of a few dozen tokens before the server says it is ready:
 a cold row with a prompt-boundary snapshot, then rows of ragged suffixes
 over lent prefixes of two lengths, greedy and sampled (with log-probs),
