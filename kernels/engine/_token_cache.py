@@ -24,7 +24,8 @@ Every piece is encoded by the fast tokenizer's backend directly
 ``encode`` goes through the backend's ``encode_batch``, which leaves the GIL
 and must take it back, and beside a thread that holds the GIL (the engine
 thread building its steps) each such call waited a switch interval, ~5 ms:
-nine pieces took 47 ms instead of 0.2 (``tools/bench/render_gil.py``). The
+a render of nine uncached pieces took 39 ms instead of 0.4
+(``tools/bench/render_gil.py``, docs/benchmarks.md 2026-12-06 15:10). The
 backend's ``encode`` keeps the GIL. It is used only where it gives the
 tokenizer's own ids on a probe of every special token (checked once, like
 the split) and while the backend neither truncates nor pads.
