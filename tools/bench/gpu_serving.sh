@@ -367,9 +367,10 @@ case "$cmd" in
     # environment assignment (AB_ENV, default KVTIER_BATCH_CLEAR_EVERY=0):
     # the agent trace only (8 conversations x 4 turns over a 4,400-token
     # system prompt), a fresh server and fresh prompts each run, the order
-    # A B B A A B ... (the first run also pays MLX's first compiles), no new
-    # run once AB_BUDGET_S (default 480) seconds have passed. agentab.txt has
-    # each run's agent lines; agentab.tgz every run's JSON, which
+    # A B B A A B ... (the first run's server warms up with MLX's first
+    # compiles), no new run once AB_BUDGET_S (default 480) seconds have passed.
+    # agentab.txt has each run's agent lines and its server's start-up warm-up
+    # line (steps, rows, seconds); agentab.tgz every run's JSON, which
     # tools/bench/agent_ab.py reads (each variant's median, spread, plot).
     device_env
     ensure_model
@@ -389,7 +390,7 @@ case "$cmd" in
       python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
         --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
         --json "$OUT/ab/run$i-$v.json" --title "H200 agent $v" --skip-loadgen --agent 8x4 \
-        --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent" | sed "s/^/run $i $v: /"
+        --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent|start-up warm-up" | sed "s/^/run $i $v: /"
       echo "run $i $v: $((SECONDS - t0)) s"
       i=$((i + 1))
     done | tee "$OUT/agentab.txt"
