@@ -568,7 +568,8 @@ class GenerationStream(_StartClose):
 
     @property
     def render_span(self) -> tuple[float, float, float] | None:
-        """When the prompt's render was asked for, began on a worker thread, and ended (``time.monotonic``).
+        """When the prompt's render was asked for, began (on the loop, or a render thread), and ended
+        (``time.monotonic``).
 
         ``None``: nothing was rendered (a prompt given as token ids), or not yet.
         """

@@ -55,7 +55,7 @@ class StreamPort(Protocol):
 
     @property
     def render_span(self) -> tuple[float, float, float] | None:
-        """The prompt render's ask, start on a worker thread and end (monotonic); ``None``: none."""
+        """The prompt render's ask, start (on the loop or a render thread) and end (monotonic); ``None``: none."""
         ...
 
 

@@ -34,7 +34,8 @@ are 0 and ``join`` holds the whole wait.
 A request whose prompt was rendered (a chat, or a completion given as
 text) also has its ``admission`` split in four parts, ``admission_parts_ms``,
 summing to it: ``parse`` (arrival to the render asked for: the body's read,
-parse and checks), ``render_wait`` (until a worker thread took the render),
+parse and checks), ``render_wait`` (until a worker thread took the render;
+0 for a short prompt, rendered on the loop),
 ``render`` (the chat template and tokenizing) and ``admit`` (the render's
 end to the admission: the prompt's checks, the memory and admission asks,
 and the loop's hops in between). Not for a request taken back to admission.

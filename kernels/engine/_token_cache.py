@@ -47,6 +47,9 @@ __all__ = ["DEFAULT_TOKEN_CACHE_CHARS", "PieceEncoder", "piece_encoder"]
 DEFAULT_TOKEN_CACHE_CHARS = 16 * 1024 * 1024
 """Characters of text whose token ids are kept per tokenizer (about 4M tokens, ~100 MB)."""
 
+_PROBE_BODY = "Hello, world!  Two  spaces\nnew line\t tab. caf\u00e9 \u4f60\u597d 123 "
+"""Plain text of the encoder's checks: double spaces, a newline, a tab, accents, CJK, digits."""
+
 # NOTE: pieces shorter than this are cheaper to encode than to hash and store.
 _MIN_CACHED_PIECE = 256
 
@@ -109,7 +112,7 @@ class PieceEncoder:
     def _backend_check(self) -> bool:
         """Whether the backend's ``encode`` gives the tokenizer's own ids, with and without its
         special tokens added, on texts that hold every special token."""
-        body = "Hello, world!  Two  spaces\nnew line\t tab. caf\u00e9 \u4f60\u597d 123 "
+        body = _PROBE_BODY
         texts = [body, " x", "\n", *(f"{body}{s}\n{s}{s} x{s}" for s in self._special_ids)]
         try:
             # NOTE: the tokenizer's own first: its ``encode`` turns the backend's
@@ -145,7 +148,7 @@ class PieceEncoder:
 
     def _self_check(self) -> bool:
         """Whether split encoding equals whole-text encoding on a probe with every special."""
-        body = "Hello, world!  Two  spaces\nnew line\t tab. " * 3
+        body = _PROBE_BODY * 3
         probe = "".join(f"{body}{s}\n{body}{s}{s} x{s}" for s in self._special_ids) + body
         saved, self.splits = getattr(self, "splits", False), True
         try:
