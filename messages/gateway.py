@@ -355,7 +355,9 @@ class RunWhenIdle(Request):
     idle_only: bool = False
     """Never granted ahead of request or batch work (out of the background
     share): for steps whose work every request and batch turn already does
-    as it ends (the prompt cache's drain), needed only on an idle engine."""
+    as it ends (the prompt cache's drain), needed only on an idle engine.
+    Under load the first request or batch turn granted after the ask answers
+    it ``TurnDone(ok=True)`` as it ends, without running the step."""
 
 
 class TurnDone(Body):

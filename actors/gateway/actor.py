@@ -220,7 +220,9 @@ class Gateway(Actor):
             turn = self.state.turn
             if turn is None or turn.owner != "batch":
                 return
-            event = core.BatchTurnDone(self.state.batch_busy, False, now)
+            # NOTE: steps=0: whether a step ran (and drained) is unknown, so
+            # the turn confirms no idle-only step (core._confirm_idle_only).
+            event = core.BatchTurnDone(self.state.batch_busy, False, now, steps=0)
         elif isinstance(body, TakeResult):
             rid = self._lookups.pop(envelope.causation_id or "", None)
             entry = None if rid is None else self._admitted.get(rid)
@@ -355,6 +357,10 @@ class Gateway(Actor):
                     await self._deny_step(
                         effect.step_id, "turn_unavailable", "the gateway grants no more turns", ctx
                     )
+                case core.ConfirmBackground():
+                    asker = self._askers.pop(effect.step_id, None)
+                    if asker is not None:
+                        await self._answer(asker, TurnDone(step_id=effect.step_id, ok=True), ctx)
                 case core.ExpireBackground():
                     await self._deny_step(
                         effect.step_id,

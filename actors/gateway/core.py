@@ -47,6 +47,11 @@ Invariants (checked by the tests):
   back, and it waits at the head of the background queue again.
 - A background waiter whose deadline passed (or whose asker is gone) is
   dropped, never granted.
+- An idle-only waiter (``RunWhenIdle.idle_only``: work every request turn
+  and batch step does as it ends) is never granted under load; the first
+  request or batch turn *granted after its ask* answers it as done when it
+  ends (``ConfirmBackground``), so its asker learns the work is done within
+  one turn under load too, not at the first idle moment.
 - The lane holder takes its turns back to back; the next owner is chosen
   lane first, then queue, then background.
 - A cancelled queued request leaves the queue at once; a cancelled lane
@@ -86,6 +91,7 @@ __all__ = [
     "BeginDrain",
     "CancelRequest",
     "CheckpointLoaded",
+    "ConfirmBackground",
     "CoreEvent",
     "Drained",
     "Effect",
@@ -376,6 +382,14 @@ class RefuseBackground:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfirmBackground:
+    """Answer an idle-only ``RunWhenIdle`` ask as done without running it: a request or
+    batch turn granted after the ask did its work as it ended."""
+
+    step_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class ExpireBackground:
     """Forget a ``RunWhenIdle`` ask without running it: its deadline passed or its asker is gone."""
 
@@ -400,6 +414,7 @@ Effect = (
     | LendBackground
     | RunBatchTurn
     | RefuseBackground
+    | ConfirmBackground
     | ExpireBackground
     | Drained
 )
@@ -437,6 +452,8 @@ class TokenStats:
     cancelled: int = 0
     background_refused: int = 0
     background_expired: int = 0
+    background_confirmed: int = 0
+    """Idle-only steps answered as done by a request or batch turn's end (never run)."""
     background_under_load: int = 0
     background_under_load_s: float = 0.0
     background_in_chain: int = 0
@@ -461,6 +478,8 @@ class Turn:
     """Told to end after its step in flight (``PreemptTurn``/``PreemptBatchTurn`` sent)."""
     under_load: bool = False
     """A background turn granted ahead of request or batch work (paid from the credit)."""
+    grant: int = 0
+    """The request or batch turn's number among all such grants (0 for a background turn)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,6 +490,8 @@ class BackgroundWait:
     asked: float
     deadline: float | None
     idle_only: bool = False
+    grants_before: int = 0
+    """Request and batch turns granted before the ask: a later one does an idle-only step's work."""
 
 
 @dataclass(slots=True)
@@ -525,6 +546,8 @@ class GatewayState:
     """Who had the last request or batch turn (both lanes with work alternate)."""
     lanes_owed: bool = False
     """A background step ran under load and no request or batch turn has run since: the lanes go next."""
+    grants: int = 0
+    """Request and batch turns granted so far (``Turn.grant``, ``BackgroundWait.grants_before``)."""
     stats: TokenStats = field(default_factory=TokenStats)
 
     def __post_init__(self) -> None:
@@ -622,6 +645,7 @@ class GatewayState:
             "parked_turns": s.parked,
             "background_refused": s.background_refused,
             "background_expired": s.background_expired,
+            "background_confirmed": s.background_confirmed,
             "background_under_load": {
                 "turns": s.background_under_load,
                 "held_s": s.background_under_load_s,
@@ -661,7 +685,8 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
                 effects.append(RefuseBackground(event.step_id))
             else:
                 state.background.append(
-                    BackgroundWait(event.step_id, event.now, event.deadline, event.idle_only)
+                    BackgroundWait(event.step_id, event.now, event.deadline, event.idle_only,
+                                   state.grants)
                 )
         case WithdrawBackground():
             _withdraw(state, event, effects)
@@ -676,7 +701,7 @@ def handle(state: GatewayState, event: CoreEvent) -> tuple[GatewayState, list[Ef
         case BatchStatus():
             state.batch_busy, state.batch_ready = event.busy, event.ready
         case BatchTurnDone():
-            _batch_turn_done(state, event)
+            _batch_turn_done(state, event, effects)
         case BeginDrain():
             state.draining = True
         case StopTurns():
@@ -783,6 +808,10 @@ def _request_turn_done(state: GatewayState, ev: RequestTurnDone, out: list[Effec
         raise ValueError(f"turn of {ev.request_id!r} ran {ev.steps} steps, granted {turn.max_steps}")
     stats = state.stats
     state.turn = None
+    if ev.outcome not in ("failed", "cancelled"):
+        # NOTE: a failed turn may have been lost before it ran (the shell's
+        # ``_turn_lost``), a cancelled one may not have run: neither confirms.
+        _confirm_idle_only(state, turn, out)
     stats.request_held_s += max(0.0, ev.now - turn.started)
     _earn_credit(state, ev.now - turn.started)
     stats.max_burst_steps = max(stats.max_burst_steps, ev.steps)
@@ -875,11 +904,13 @@ def _lent_done(state: GatewayState, ev: LentBackgroundDone) -> None:
         state.lent_in_turn_s += held
 
 
-def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
+def _batch_turn_done(state: GatewayState, ev: BatchTurnDone, out: list[Effect]) -> None:
     turn = state.turn
     if turn is None or turn.owner != "batch":
         raise ValueError(f"batch turn report but holder is {state.holder()!r}")
     state.turn = None
+    if ev.steps > 0:
+        _confirm_idle_only(state, turn, out)
     stats = state.stats
     held = max(0.0, ev.now - turn.started)
     # NOTE: the steps lent to this chain are background time, not batch time.
@@ -889,6 +920,29 @@ def _batch_turn_done(state: GatewayState, ev: BatchTurnDone) -> None:
     stats.batch_steps += ev.steps
     stats.batch_longest = max(stats.batch_longest, ev.steps)
     state.batch_busy, state.batch_ready = ev.busy, ev.ready
+
+
+def _confirm_idle_only(state: GatewayState, turn: Turn, out: list[Effect]) -> None:
+    """Answer the idle-only steps asked before ``turn`` was granted: its end did their work.
+
+    NOTE: an idle-only step's work is what every request turn and batch step
+    does as it ends (the registry's drain of disposed handles). The asker
+    disposed before it asked, so a turn granted after the ask drained those
+    arrays; one granted before may have drained just before the disposal,
+    so it confirms nothing. Without this, under sustained load such a step
+    waits for the first idle moment and its asker reports work as pending
+    that was done long ago.
+    """
+    if not any(w.idle_only and w.grants_before < turn.grant for w in state.background):
+        return
+    kept: deque[BackgroundWait] = deque()
+    for wait in state.background:
+        if wait.idle_only and wait.grants_before < turn.grant:
+            state.stats.background_confirmed += 1
+            out.append(ConfirmBackground(wait.step_id))
+        else:
+            kept.append(wait)
+    state.background = kept
 
 
 def _earn_credit(state: GatewayState, held: float) -> None:
@@ -1103,7 +1157,8 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         # NOTE: while batch rows wait for steps, the lane holder gets one step
         # per turn (a burst would hold every batch row for max_burst tokens).
         steps = 1 if state.batch_ready else state.max_burst
-        state.turn = Turn("request", lane, now, steps)
+        state.grants += 1
+        state.turn = Turn("request", lane, now, steps, grant=state.grants)
         state.lane_had_turns = True
         state.last_owner = "request"
         state.stats.request_turns += 1
@@ -1118,7 +1173,8 @@ def _dispatch(state: GatewayState, now: float, out: list[Effect]) -> None:
         state.stats.batch_turns += 1
         if steps > 1:
             state.stats.batch_chains += 1
-        state.turn = Turn("batch", str(state.stats.batch_turns), now, steps)
+        state.grants += 1
+        state.turn = Turn("batch", str(state.stats.batch_turns), now, steps, grant=state.grants)
         state.last_owner = "batch"
         out.append(RunBatchTurn(state.stats.batch_turns, steps))
         # NOTE: a step due now rides the new chain (after its first step)

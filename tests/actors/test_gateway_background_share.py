@@ -23,6 +23,7 @@ from actors.gateway.core import (
     BackgroundTurnDone,
     BatchStatus,
     BatchTurnDone,
+    ConfirmBackground,
     CoreEvent,
     Effect,
     GatewayState,
@@ -176,7 +177,7 @@ def test_bad_shares_are_refused() -> None:
 
 
 def test_an_idle_only_step_never_cuts_a_chain_and_runs_once_the_engine_idles() -> None:
-    """An idle-only ask (the prompt cache's drain) waits through chains, lets an ordinary ask pass, then runs at idle."""
+    """An idle-only ask (the prompt cache's drain) waits through chains and lets an ordinary ask pass; asked on an idle engine it runs at once."""
     state = GatewayState(max_queue=4, max_burst=64, background_share=DEFAULT_BACKGROUND_SHARE)
     state, effects = handle(state, BatchStatus(busy=True, ready=True, now=0.0))
     assert [type(e) for e in effects] == [RunBatchTurn]
@@ -185,17 +186,54 @@ def test_an_idle_only_step_never_cuts_a_chain_and_runs_once_the_engine_idles() -
     assert [type(e) for e in effects] == [RunBatchTurn]
     state, effects = handle(state, WantBackgroundTurn("drain", now=10.0, idle_only=True))
     assert not any(isinstance(e, PreemptBatchTurn | RunBackgroundTurn) for e in effects)
-    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=20.0, steps=64))
-    assert [type(e) for e in effects] == [RunBatchTurn]
     # NOTE: an ordinary ask behind it is due: it cuts the chain and is granted first.
-    state, effects = handle(state, WantBackgroundTurn("spill", now=20.0))
+    state, effects = handle(state, WantBackgroundTurn("spill", now=10.5))
     assert any(isinstance(e, PreemptBatchTurn) for e in effects)
-    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=20.5, steps=1))
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=11.0, steps=1))
     assert effects == [RunBackgroundTurn("spill")]
-    state, effects = handle(state, BackgroundTurnDone("spill", now=20.51))
+    state, effects = handle(state, BackgroundTurnDone("spill", now=11.01))
     assert [type(e) for e in effects] == [RunBatchTurn]
-    state, effects = handle(state, BatchTurnDone(busy=False, ready=False, now=30.0, steps=64))
-    assert RunBackgroundTurn("drain") in effects
+    idle = GatewayState(max_queue=4, max_burst=64, background_share=DEFAULT_BACKGROUND_SHARE)
+    idle, effects = handle(idle, WantBackgroundTurn("drain", now=0.0, idle_only=True))
+    assert effects == [RunBackgroundTurn("drain")]
+
+
+def test_an_idle_only_step_is_confirmed_by_the_first_turn_granted_after_its_ask() -> None:
+    """Under load an idle-only ask is answered done when a batch or request turn granted after it ends; the turn in flight at the ask, a failed or a stepless one confirms nothing."""
+    state = GatewayState(max_queue=4, max_burst=64, background_share=DEFAULT_BACKGROUND_SHARE)
+    state, _ = handle(state, BatchStatus(busy=True, ready=True, now=0.0))
+    state, effects = handle(state, WantBackgroundTurn("drain", now=0.5, idle_only=True))
+    assert effects == []
+    # NOTE: chain 1 was granted before the ask: it may have drained before the disposal.
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=1.0, steps=64))
+    assert effects == [RunBatchTurn(2, 64)]
+    # NOTE: a chain that ran no step drained nothing.
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=1.1, steps=0))
+    assert effects == [RunBatchTurn(3, 64)]
+    state, effects = handle(state, BatchTurnDone(busy=True, ready=True, now=2.0, steps=64))
+    assert effects == [ConfirmBackground("drain"), RunBatchTurn(4, 64)]
+    assert not state.background
+    assert state.stats.background_confirmed == 1
+    assert state.snapshot(2.0)["background_confirmed"] == 1
+
+    lane = GatewayState(max_queue=4, max_burst=4)
+    lane, _ = handle(lane, AdmitRequest("r1", now=0.0))
+    assert lane.turn is not None
+    assert lane.turn.owner == "request"
+    lane, _ = handle(lane, WantBackgroundTurn("drain", now=0.1, idle_only=True))
+    lane, effects = handle(lane, RequestTurnDone("r1", "prefill", "continue", now=0.2))
+    assert effects == [RunRequestTurn("r1", 4)]
+    # NOTE: a failed turn may never have run; it confirms nothing.
+    lane, effects = handle(lane, RequestTurnDone("r1", "decode", "failed", now=0.3))
+    assert effects == [RunBackgroundTurn("drain")]
+    lane, _ = handle(lane, BackgroundTurnDone("drain", now=0.4))
+    lane, _ = handle(lane, AdmitRequest("r2", now=0.5))
+    lane, _ = handle(lane, WantBackgroundTurn("drain", now=0.6, idle_only=True))
+    lane, effects = handle(lane, RequestTurnDone("r2", "prefill", "continue", now=0.7))
+    assert effects == [RunRequestTurn("r2", 4)]
+    lane, effects = handle(lane, RequestTurnDone("r2", "decode", "finished", now=0.8))
+    assert effects == [ConfirmBackground("drain")]
+    assert lane.stats.background_confirmed == 1
 
 
 def _lending_state() -> GatewayState:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pytest
 
-from actors.engine_thread import BackgroundSteps, InlineExecutor
+from actors.engine_thread import BackgroundSteps, InlineExecutor, StepResult
 from actors.gateway import Gateway, TurnRunner
 from actors.runtime import Actor, ActorSystem, Context, Inbox, MailboxClosed, Supervision
 from messages import Body, Envelope, Release, Take, TakeResult
@@ -170,3 +171,56 @@ async def test_a_request_cancelled_during_its_lookup_gives_the_lease_back() -> N
     assert isinstance(events[0], DoneEvent)
     assert events[0].finish_reason == "cancelled"
     assert (stats.request_turns, stats.cancelled) == (0, 1)
+
+
+class _AskingBackend(ScriptedBackend):
+    """A scripted backend that, inside r1's second step, asks the gateway for an idle-only step."""
+
+    def __init__(self, gateway: Gateway, system: ActorSystem, reply_to: str) -> None:
+        super().__init__(gateway, [])
+        self._system = system
+        self._reply_to = reply_to
+        self.steps = 0
+        self.asked_at: int | None = None
+
+    def step(self, gen: Any) -> StepResult:
+        """Step; the second time, tell the gateway an idle-only RunWhenIdle (the turn is in flight)."""
+        self.steps += 1
+        if self.steps == 2:
+            ask = RunWhenIdle(step_id="drain", idle_only=True, reply_to=self._reply_to)
+            assert self._system.try_tell("gateway", ask)
+            self.asked_at = self.steps
+        return super().step(gen)
+
+
+async def test_an_idle_only_ask_is_answered_done_by_a_later_turn_without_running() -> None:
+    """Under a request's turns, an idle-only ask is answered ok by the next turn's end; its step never runs and the engine never idled for it."""
+    ran: list[str] = []
+    async with ActorSystem() as system:
+        answers = system.open_inbox(4, prefix="drain-")
+        gateway = Gateway(runner="runner", max_queue=2, max_burst=1)
+        steps = BackgroundSteps()
+        steps.add("drain", lambda: ran.append("drain"))
+        backend = _AskingBackend(gateway, system, answers.address)
+        runner = TurnRunner(gateway="gateway", executor=InlineExecutor(), backend=backend, steps=steps)
+        system.spawn("gateway", lambda: gateway, supervision=Supervision("resume"))
+        system.spawn("runner", lambda: runner, supervision=Supervision("resume"))
+        inbox = system.open_inbox(64, prefix="stream-r1-")
+        request = Generate(request_id="r1", prompt_tokens=(1, 2, 3, 4, 5),
+                           params=GenerationParams(max_tokens=40), stream_to=inbox.address)
+        reply = await system.ask("gateway", request, timeout=5, expect=AdmissionReply)
+        assert reply.accepted
+        with anyio.fail_after(5):
+            done = (await answers.receive()).body
+        steps_when_answered = backend.steps
+        events = await _stream(inbox)
+    assert isinstance(done, TurnDone)
+    assert done.ok
+    assert ran == []
+    assert gateway.state.stats.background_confirmed == 1
+    # NOTE: answered by the first turn granted after the ask (the step after it), while r1 ran.
+    assert backend.asked_at == 2
+    assert steps_when_answered < backend.steps
+    final = events[-1]
+    assert isinstance(final, DoneEvent)
+    assert final.usage.completion_tokens > steps_when_answered
