@@ -206,8 +206,9 @@ class PromptCacheStats(Body):
     ``pending_disposals``/``pending_disposal_bytes``: entries the cache gave
     up whose arrays no confirmed engine turn has dropped yet (outside the
     cap; a drain turn is asked for at once and confirmed by the next request
-    or batch turn, or by an idle turn, so this stays within one turn's
-    disposals under load and returns to 0 on an idle server). ``leases_expired``: leases ended by their deadline;
+    or batch turn granted after the ask, or by an idle turn: under load it
+    holds at most the disposals of about two turns (step chains, seconds
+    long), and it returns to 0 on an idle server). ``leases_expired``: leases ended by their deadline;
     ``leases_undelivered``: leases whose ``TakeResult`` reached nobody (both
     would otherwise pin their entry forever). ``spills_undelivered``: spills
     the cold tier's queue could not take (disposed instead).
