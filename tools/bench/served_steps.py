@@ -359,8 +359,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else write_random_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
     )
     batch = args.max_batch or args.rows
+    # NOTE: both contenders live at once (the servers and the in-process
+    # Engine), so on a card that holds two models but not two default prompt
+    # caches (a quarter of the device each) --prompt-cache caps both.
+    cache = () if args.prompt_cache is None else ("--prompt-cache", str(args.prompt_cache))
     serve_args = ("--ssd-cache", "off", "--max-batch", str(batch), "--max-queue",
-                  str(max(batch, args.rows)), *args.kvtier_arg)
+                  str(max(batch, args.rows)), *cache, *args.kvtier_arg)
     kernel, env, site = stand_in(args, work) if args.stand_in else (None, {}, None)
     mine = dict(env)
     if args.switch_interval_ms > 0:
@@ -386,8 +390,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     clock = StepClock(kernel)
     records: list[dict[str, Any]] = []
     try:
+        cache_bytes = None if args.prompt_cache is None else int(args.prompt_cache * 2**30)
         async with Engine(model_dir, max_batch=args.max_batch or args.rows,
-                          max_queue=max(args.max_batch or 0, args.rows)) as engine:
+                          max_queue=max(args.max_batch or 0, args.rows),
+                          prompt_cache_bytes=cache_bytes) as engine:
             # NOTE: warm-up of each at this row count (first steps build and compile).
             for name, server in servers.items():
                 await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
@@ -487,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--rows", type=int, default=32, help="concurrent clients = --max-batch rows")
+    p.add_argument("--prompt-cache", type=float, default=None, metavar="GB",
+                   help="RAM prompt-cache cap of every contender (none: each one's default, a quarter "
+                        "of the device's memory on CUDA: two of them and two models overfill an H100)")
     p.add_argument("--max-batch", type=int, default=0,
                    help="--max-batch of both contenders (0: --rows); e.g. 8 with --rows 1 is "
                         "kvtier serve's default lane under one client")
