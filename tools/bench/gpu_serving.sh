@@ -232,6 +232,10 @@ case "$cmd" in
     # the other, 512-token prompts, 128 new tokens) through `kvtier serve`
     # (--ssd-cache off) and through the in-process Engine, on the model `run`
     # wrote: what the served path leaves of the engine's throughput.
+    # NOTE: on an H100 add --in-turn at 32 rows: the server and the in-process
+    # Engine alive at once overfill its 80 GB (the Engine's first 32-row step
+    # failed out of memory beside the warmed server; docs/benchmarks.md,
+    # 2026-12-06 17:24), e.g. ROWS=32 gpu_serving.sh steps --in-turn
     device_env
     ensure_model
     python3 tools/bench/served_steps.py --model "$MODEL" --tok-dir .gpu/tok --rows "${ROWS:-32}" \

@@ -51,11 +51,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +201,24 @@ def _batch_counts(stats: dict[str, Any]) -> tuple[int, int]:
     return steps, turns
 
 
+async def _settled(read: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Engine stats once the engine thread's job in flight has ended: two readings agree.
+
+    NOTE: a client sees its last token before the step chain that made it
+    ends, and the chain's busy time and steps are counted at its end, so a
+    reading taken at once can miss the round's last chain (all of a short one).
+    """
+    prev = await read()
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        now = await read()
+        if (_batch_counts(now) == _batch_counts(prev)
+                and now["engine_thread"]["busy_s"] == prev["engine_thread"]["busy_s"]):
+            return now
+        prev = now
+    return prev
+
+
 def _summary(
     wall: float, tokens: int, gaps: list[float], before: dict[str, Any], after: dict[str, Any]
 ) -> dict[str, Any]:
@@ -293,7 +313,11 @@ async def served_round(url: str, model: str, prompts: list[list[list[int]]], max
         t0 = time.perf_counter()
         await asyncio.gather(*(client(http, mine) for mine in prompts))
         wall = time.perf_counter() - t0
-        after = (await http.get(f"{url}/stats")).json()["engine"]
+
+        async def read() -> dict[str, Any]:
+            return dict((await http.get(f"{url}/stats")).json()["engine"])
+
+        after = await _settled(read)
     return {**_summary(wall, tokens, gaps, before, after), "t0": t0, "t1": t0 + wall}
 
 
@@ -323,8 +347,8 @@ async def engine_round(engine: Any, prompts: list[list[list[int]]], max_tokens: 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(mine) for mine in prompts))
     wall = time.perf_counter() - t0
+    after = await _settled(engine.stats)
     steps = clock.take()
-    after = await engine.stats()
     return {**_summary(wall, tokens, gaps, before, after), **steps}
 
 
@@ -359,9 +383,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else write_random_model(work / "model", args.shape, args.tok_dir, args.seed, args.dtype)
     )
     batch = args.max_batch or args.rows
-    # NOTE: both contenders live at once (the servers and the in-process
-    # Engine), so on a card that holds two models but not two default prompt
-    # caches (a quarter of the device each) --prompt-cache caps both.
+    # NOTE: unless --in-turn, every contender lives at once (the servers and
+    # the in-process Engine); --prompt-cache caps each one's prompt cache.
     cache = () if args.prompt_cache is None else ("--prompt-cache", str(args.prompt_cache))
     serve_args = ("--ssd-cache", "off", "--max-batch", str(batch), "--max-queue",
                   str(max(batch, args.rows)), *cache, *args.kvtier_arg)
@@ -373,57 +396,94 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         mine["SERVED_STEPS_SWITCH_S"] = str(args.switch_interval_ms / 1000)
     # NOTE: --ssd: each server its own SSD tier (a directory is locked by one server).
     ssd = ("--ssd-cache", str(work / "ssd-served")) if args.ssd else ()
-    servers = {"served": start_kvtier(model_dir, work, *serve_args, *ssd, env=mine)}
+
+    def start_served() -> Server:
+        return start_kvtier(model_dir, work, *serve_args, *ssd, env=mine)
+
+    starters: dict[str, Callable[[], Server]] = {"served": start_served}
     if args.baseline_tree is not None:
         # NOTE: the same command from another checkout: ``-P`` keeps the working
         # directory (this checkout) off sys.path, so PYTHONPATH decides.
         path = [*env.values(), str(args.baseline_tree.resolve())]
-        env = {"PYTHONPATH": ":".join(path)}
+        base_env = {"PYTHONPATH": ":".join(path)}
         cmd = [sys.executable, "-P", "-m", "actors.cli", "serve", "--model", str(model_dir),
                "--port", "0", *serve_args,
                *(("--ssd-cache", str(work / "ssd-base")) if args.ssd else ())]
-        base = Server(cmd, work, "base", env)
-        base.wait_ready(None, 180.0)
-        servers["served-base"] = base
-    async with httpx.AsyncClient() as http:
-        model = (await http.get(f"{servers['served'].url}/v1/models")).json()["data"][0]["id"]
+
+        def start_base() -> Server:
+            base = Server(cmd, work, "base", base_env)
+            base.wait_ready(None, 180.0)
+            return base
+
+        starters["served-base"] = start_base
+    if args.in_turn and args.chat:
+        raise SystemExit("--chat needs the server alive beside the in-process Engine: not with --in-turn")
     clock = StepClock(kernel)
+    cache_bytes = None if args.prompt_cache is None else int(args.prompt_cache * 2**30)
+
+    def open_engine() -> Any:
+        return Engine(model_dir, max_batch=args.max_batch or args.rows,
+                      max_queue=max(args.max_batch or 0, args.rows), prompt_cache_bytes=cache_bytes)
+
+    async def measure_server(who: str, server: Server, model: str, rnd: int) -> dict[str, Any]:
+        rec = await served_round(server.url, model, _prompts(tok, args, f"{who}-{rnd}"), args.max_tokens)
+        if site is not None:
+            spans = server_spans(site, server.proc.pid, rec["t0"], rec["t1"])
+            rec.update(span_figures([(m[0], m[-1]) for m in spans]))
+            rec.update(part_figures(spans))
+        return rec
+
+    contenders = [*starters, *(["served-chat"] if args.chat else [])]
     records: list[dict[str, Any]] = []
-    try:
-        cache_bytes = None if args.prompt_cache is None else int(args.prompt_cache * 2**30)
-        async with Engine(model_dir, max_batch=args.max_batch or args.rows,
-                          max_queue=max(args.max_batch or 0, args.rows),
-                          prompt_cache_bytes=cache_bytes) as engine:
-            # NOTE: warm-up of each at this row count (first steps build and compile).
-            for name, server in servers.items():
-                await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
-            await engine_round(engine, _prompts(tok, _one_req(args), "w-e"), 8, clock)
-            contenders = [*servers, *(["served-chat"] if args.chat else [])]
-            if args.chat:
-                await served_round(servers["served"].url, model,
-                                   _prompts(tok, _one_req(args), "w-chat"), 8, chat_tok=tok)
+    servers: dict[str, Server] = {}
+    live: Any = None
+    model = ""
+    async with contextlib.AsyncExitStack() as stack:
+        try:
             for rnd in range(args.rounds):
                 order = [*contenders, "engine"]
                 if rnd % 2:
                     order.reverse()
                 rec: dict[str, Any] = {}
-                for who in order:
-                    prompts = _prompts(tok, args, f"{who}-{rnd}")
-                    if who == "engine":
-                        rec[who] = await engine_round(engine, prompts, args.max_tokens, clock)
-                    elif who == "served-chat":
-                        rec[who] = await served_round(
-                            servers["served"].url, model, prompts, args.max_tokens, chat_tok=tok
-                        )
-                    else:
-                        rec[who] = await served_round(
-                            servers[who].url, model, prompts, args.max_tokens
-                        )
-                        if site is not None:
-                            spans = server_spans(site, servers[who].proc.pid, rec[who]["t0"],
-                                                 rec[who]["t1"])
-                            rec[who].update(span_figures([(m[0], m[-1]) for m in spans]))
-                            rec[who].update(part_figures(spans))
+                if args.in_turn:
+                    # NOTE: one contender alive at a time, each with its own warm-up
+                    # round at this row count (first steps build and compile).
+                    for who in order:
+                        if who == "engine":
+                            async with open_engine() as engine:
+                                await engine_round(engine, _prompts(tok, _one_req(args), f"w-e-{rnd}"), 8, clock)
+                                rec[who] = await engine_round(engine, _prompts(tok, args, f"{who}-{rnd}"),
+                                                              args.max_tokens, clock)
+                            continue
+                        server = starters[who]()
+                        try:
+                            model = await _model_id(server.url)
+                            await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{who}-{rnd}"), 8)
+                            rec[who] = await measure_server(who, server, model, rnd)
+                        finally:
+                            server.stop()
+                else:
+                    if not records:
+                        servers = {name: start() for name, start in starters.items()}
+                        live = await stack.enter_async_context(open_engine())
+                        model = await _model_id(servers["served"].url)
+                        # NOTE: warm-up of each at this row count (first steps build and compile).
+                        for name, server in servers.items():
+                            await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
+                        await engine_round(live, _prompts(tok, _one_req(args), "w-e"), 8, clock)
+                        if args.chat:
+                            await served_round(servers["served"].url, model,
+                                               _prompts(tok, _one_req(args), "w-chat"), 8, chat_tok=tok)
+                    for who in order:
+                        if who == "engine":
+                            rec[who] = await engine_round(live, _prompts(tok, args, f"{who}-{rnd}"),
+                                                          args.max_tokens, clock)
+                        elif who == "served-chat":
+                            rec[who] = await served_round(servers["served"].url, model,
+                                                          _prompts(tok, args, f"{who}-{rnd}"), args.max_tokens,
+                                                          chat_tok=tok)
+                        else:
+                            rec[who] = await measure_server(who, servers[who], model, rnd)
                 print(f"round {rnd} ({args.rows} clients):", flush=True)
                 for who in contenders:
                     rec[f"ratio_tps.{who}"] = rec[who]["tps"] / rec["engine"]["tps"]
@@ -437,9 +497,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         flush=True,
                     )
                 records.append(rec)
-    finally:
-        for server in servers.values():
-            server.stop()
+        finally:
+            for server in servers.values():
+                server.stop()
     keys = [k for k in records[0] if k.startswith("ratio_")]
     med = {k: statistics.median(r[k] for r in records) for k in keys}
     print(f"medians over {len(records)} rounds:", flush=True)
@@ -447,6 +507,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {k}: {med[k]:.2f}", flush=True)
     return {"args": {k: str(v) for k, v in vars(args).items() if k != "json"},
             "records": records, "median": med}
+
+
+async def _model_id(url: str) -> str:
+    """The id the server at ``url`` serves its model under."""
+    async with httpx.AsyncClient() as http:
+        return str((await http.get(f"{url}/v1/models")).json()["data"][0]["id"])
 
 
 def _one_req(args: argparse.Namespace) -> argparse.Namespace:
@@ -493,6 +559,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--rows", type=int, default=32, help="concurrent clients = --max-batch rows")
+    p.add_argument("--in-turn", action="store_true",
+                   help="one contender alive at a time: each round starts each server and opens the "
+                        "in-process Engine in turn, each with a warm-up round (for a card that cannot "
+                        "hold two of them at once: 32 rows of the 8B shape on an H100)")
     p.add_argument("--prompt-cache", type=float, default=None, metavar="GB",
                    help="RAM prompt-cache cap of every contender (none: each one's default, a quarter "
                         "of the device's memory on CUDA: two of them and two models overfill an H100)")
