@@ -29,6 +29,12 @@ how many ran inside a chain (lent to it) and how many chains were cut.
 Prints the served/in-process ratios. ``--json`` writes everything;
 ``--plot OUT LABEL=JSON ...`` draws runs' rounds side by side.
 
+``--in-turn`` keeps one contender alive at a time (each round starts each
+server and opens the in-process Engine in turn, each with its warm-up round):
+a card that holds one of them but not two, as an H100 at 32 rows of the 8B
+shape, where the Engine's first step failed out of memory beside the
+warmed server.
+
 ``--baseline-tree DIR`` adds ``served-base``: the same ``kvtier serve`` from
 another checkout (a git worktree of the commit before a change), so a
 change's before and after run side by side in one run.
