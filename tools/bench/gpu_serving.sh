@@ -172,7 +172,15 @@ case "$cmd" in
     # NOTE: whichever of .gpu/a, .gpu/b, .gpu/c and .gpu/d this call carried.
     # .gpu/b keeps its own folder: the install joins its wheel part there.
     mkdir -p ~/kvtier-gpu/stash ~/kvtier-gpu/stash-b
-    for d in .gpu/a .gpu/c .gpu/d; do if [ -d "$d" ]; then cp "$d"/* ~/kvtier-gpu/stash/; fi; done
+    # NOTE: .gpu/a may come in two halves (.gpu/a: *.part-aa.0, .gpu/a2:
+    # *.part-aa.1), when the working tree and the whole part pass one call's
+    # 64 MiB; the half that arrives second joins them.
+    for d in .gpu/a .gpu/a2 .gpu/c .gpu/d; do if [ -d "$d" ]; then cp "$d"/* ~/kvtier-gpu/stash/; fi; done
+    for half in ~/kvtier-gpu/stash/*.part-aa.0; do
+      if [ -f "$half" ] && [ -f "${half%.0}.1" ]; then
+        cat "$half" "${half%.0}.1" > "${half%.0}" && rm "$half" "${half%.0}.1"
+      fi
+    done
     if [ -d .gpu/b ]; then cp -p .gpu/b/* ~/kvtier-gpu/stash-b/; fi
     ls ~/kvtier-gpu/stash ~/kvtier-gpu/stash-b | wc -l
     ;;
