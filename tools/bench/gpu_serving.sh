@@ -181,7 +181,12 @@ case "$cmd" in
         cat "$half" "${half%.0}.1" > "${half%.0}" && rm "$half" "${half%.0}.1"
       fi
     done
-    if [ -d .gpu/b ]; then cp -p .gpu/b/* ~/kvtier-gpu/stash-b/; fi
+    for d in .gpu/b .gpu/b2; do if [ -d "$d" ]; then cp -p "$d"/* ~/kvtier-gpu/stash-b/; fi; done
+    for half in ~/kvtier-gpu/stash-b/*.part-ab.0; do
+      if [ -f "$half" ] && [ -f "${half%.0}.1" ]; then
+        cat "$half" "${half%.0}.1" > "${half%.0}" && rm "$half" "${half%.0}.1"
+      fi
+    done
     ls ~/kvtier-gpu/stash ~/kvtier-gpu/stash-b | wc -l
     ;;
   run)
