@@ -99,7 +99,9 @@ device_env() {
     # NOTE: .gpu/b this call or, when the working tree left no room for it,
     # the copy an earlier `stash` call made.
     b=.gpu/b
-    if [ ! -d "$b" ]; then b=$HOME/kvtier-gpu/stash-b; fi
+    # NOTE: by its whole wheel part, not the folder: an earlier call's
+    # .gpu/b stays on the machine, and may hold only a half of it.
+    if ! compgen -G "$b/*.part-ab" > /dev/null; then b=$HOME/kvtier-gpu/stash-b; fi
     for w in "$b"/*.whl; do if [ -f "$w" ]; then cp "$w" "$HOME/kvtier-gpu/stash/"; fi; done
     SITE=$SITE bash "$b/install-on-device.sh" "$b"
     touch "$SITE/.kvtier-installed"
