@@ -21,6 +21,12 @@
 #      NOTE: when the working tree and .gpu/b pass 64 MiB together (the
 #      device refuses the call), stash .gpu/b first (call 1c, carry
 #      [".gpu/b"]: `stash`) and carry [".gpu/tok"] alone here.
+#      NOTE: once the working tree passes ~21 MB, even one wheel part and the
+#      tree pass 64 MiB: split each part in two halves (`split -b 22500000 -d
+#      -a 1 PART PART.`; .gpu/a keeps *.part-aa.0, .gpu/a2 gets *.part-aa.1;
+#      .gpu/b keeps *.part-ab.0 and install-on-device.sh, .gpu/b2 gets
+#      *.part-ab.1) and stash a, a2, c, b, b2 in five calls: `stash` joins
+#      the halves on the machine.
 #      Later calls on the same warm machine (same carry) skip the install and
 #      the model write: `bash tools/bench/gpu_serving.sh run` again is one
 #      more round; extra arguments go to serving.py (they override the
