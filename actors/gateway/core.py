@@ -50,8 +50,9 @@ Invariants (checked by the tests):
 - An idle-only waiter (``RunWhenIdle.idle_only``: work every request turn
   and batch step does as it ends) is never granted under load; the first
   request or batch turn *granted after its ask* answers it as done when it
-  ends (``ConfirmBackground``), so its asker learns the work is done within
-  one turn under load too, not at the first idle moment.
+  ends (``ConfirmBackground``), so under load its asker learns the work
+  is done when the turn after the one in flight ends, not at the first idle
+  moment.
 - The lane holder takes its turns back to back; the next owner is chosen
   lane first, then queue, then background.
 - A cancelled queued request leaves the queue at once; a cancelled lane
