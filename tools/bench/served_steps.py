@@ -431,77 +431,62 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return Engine(model_dir, max_batch=args.max_batch or args.rows,
                       max_queue=max(args.max_batch or 0, args.rows), prompt_cache_bytes=cache_bytes)
 
-    async def measure_server(who: str, server: Server, model: str, rnd: int) -> dict[str, Any]:
-        rec = await served_round(server.url, model, _prompts(tok, args, f"{who}-{rnd}"), args.max_tokens)
+    async def measure(who: str, rnd: int, target: Any, model: str) -> dict[str, Any]:
+        """``who``'s measured round ``rnd`` on ``target`` (the Engine, or ``who``'s server)."""
+        prompts = _prompts(tok, args, f"{who}-{rnd}")
+        if who == "engine":
+            return await engine_round(target, prompts, args.max_tokens, clock)
+        if who == "served-chat":
+            return await served_round(target.url, model, prompts, args.max_tokens, chat_tok=tok)
+        rec = await served_round(target.url, model, prompts, args.max_tokens)
         if site is not None:
-            spans = server_spans(site, server.proc.pid, rec["t0"], rec["t1"])
+            spans = server_spans(site, target.proc.pid, rec["t0"], rec["t1"])
             rec.update(span_figures([(m[0], m[-1]) for m in spans]))
             rec.update(part_figures(spans))
         return rec
 
+    async def in_turn(who: str, rnd: int) -> dict[str, Any]:
+        """``who`` alone: started (or opened), warmed at this row count, measured, stopped."""
+        if who == "engine":
+            async with open_engine() as engine:
+                await engine_round(engine, _prompts(tok, _one_req(args), f"w-e-{rnd}"), 8, clock)
+                return await measure(who, rnd, engine, "")
+        server = starters[who]()
+        try:
+            model = await _model_id(server.url)
+            await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{who}-{rnd}"), 8)
+            return await measure(who, rnd, server, model)
+        finally:
+            server.stop()
+
     contenders = [*starters, *(["served-chat"] if args.chat else [])]
     records: list[dict[str, Any]] = []
     servers: dict[str, Server] = {}
-    live: Any = None
+    targets: dict[str, Any] = {}
     model = ""
     async with contextlib.AsyncExitStack() as stack:
         try:
+            if not args.in_turn:
+                servers = {name: start() for name, start in starters.items()}
+                live = await stack.enter_async_context(open_engine())
+                model = await _model_id(servers["served"].url)
+                # NOTE: warm-up of each at this row count (first steps build and compile).
+                for name, server in servers.items():
+                    await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
+                await engine_round(live, _prompts(tok, _one_req(args), "w-e"), 8, clock)
+                if args.chat:
+                    await served_round(servers["served"].url, model,
+                                       _prompts(tok, _one_req(args), "w-chat"), 8, chat_tok=tok)
+                targets = {**servers, "served-chat": servers["served"], "engine": live}
             for rnd in range(args.rounds):
                 order = [*contenders, "engine"]
                 if rnd % 2:
                     order.reverse()
-                rec: dict[str, Any] = {}
-                if args.in_turn:
-                    # NOTE: one contender alive at a time, each with its own warm-up
-                    # round at this row count (first steps build and compile).
-                    for who in order:
-                        if who == "engine":
-                            async with open_engine() as engine:
-                                await engine_round(engine, _prompts(tok, _one_req(args), f"w-e-{rnd}"), 8, clock)
-                                rec[who] = await engine_round(engine, _prompts(tok, args, f"{who}-{rnd}"),
-                                                              args.max_tokens, clock)
-                            continue
-                        server = starters[who]()
-                        try:
-                            model = await _model_id(server.url)
-                            await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{who}-{rnd}"), 8)
-                            rec[who] = await measure_server(who, server, model, rnd)
-                        finally:
-                            server.stop()
-                else:
-                    if not records:
-                        servers = {name: start() for name, start in starters.items()}
-                        live = await stack.enter_async_context(open_engine())
-                        model = await _model_id(servers["served"].url)
-                        # NOTE: warm-up of each at this row count (first steps build and compile).
-                        for name, server in servers.items():
-                            await served_round(server.url, model, _prompts(tok, _one_req(args), f"w-{name}"), 8)
-                        await engine_round(live, _prompts(tok, _one_req(args), "w-e"), 8, clock)
-                        if args.chat:
-                            await served_round(servers["served"].url, model,
-                                               _prompts(tok, _one_req(args), "w-chat"), 8, chat_tok=tok)
-                    for who in order:
-                        if who == "engine":
-                            rec[who] = await engine_round(live, _prompts(tok, args, f"{who}-{rnd}"),
-                                                          args.max_tokens, clock)
-                        elif who == "served-chat":
-                            rec[who] = await served_round(servers["served"].url, model,
-                                                          _prompts(tok, args, f"{who}-{rnd}"), args.max_tokens,
-                                                          chat_tok=tok)
-                        else:
-                            rec[who] = await measure_server(who, servers[who], model, rnd)
-                print(f"round {rnd} ({args.rows} clients):", flush=True)
-                for who in contenders:
-                    rec[f"ratio_tps.{who}"] = rec[who]["tps"] / rec["engine"]["tps"]
-                    rec[f"ratio_itl.{who}"] = rec[who]["itl_p50_ms"] / rec["engine"]["step_median_ms"]
-                    print(_line(who, rec[who]), flush=True)
-                print(_line("in-process", rec["engine"]), flush=True)
-                for who in contenders:
-                    print(
-                        f"  {who}: served/in-process tok/s {rec[f'ratio_tps.{who}']:.2f}; "
-                        f"served ITL p50 / kernel step p50 {rec[f'ratio_itl.{who}']:.2f}",
-                        flush=True,
-                    )
+                # NOTE: --in-turn: one contender alive at a time, each warmed at this row count.
+                rec = {who: await (in_turn(who, rnd) if args.in_turn
+                                   else measure(who, rnd, targets[who], model))
+                       for who in order}
+                _print_round(rec, contenders, rnd, args.rows)
                 records.append(rec)
         finally:
             for server in servers.values():
@@ -513,6 +498,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {k}: {med[k]:.2f}", flush=True)
     return {"args": {k: str(v) for k, v in vars(args).items() if k != "json"},
             "records": records, "median": med}
+
+
+def _print_round(rec: dict[str, Any], contenders: list[str], rnd: int, rows: int) -> None:
+    """Add the round's served/in-process ratios to ``rec`` and print its lines."""
+    print(f"round {rnd} ({rows} clients):", flush=True)
+    for who in contenders:
+        rec[f"ratio_tps.{who}"] = rec[who]["tps"] / rec["engine"]["tps"]
+        rec[f"ratio_itl.{who}"] = rec[who]["itl_p50_ms"] / rec["engine"]["step_median_ms"]
+        print(_line(who, rec[who]), flush=True)
+    print(_line("in-process", rec["engine"]), flush=True)
+    for who in contenders:
+        print(
+            f"  {who}: served/in-process tok/s {rec[f'ratio_tps.{who}']:.2f}; "
+            f"served ITL p50 / kernel step p50 {rec[f'ratio_itl.{who}']:.2f}",
+            flush=True,
+        )
 
 
 async def _model_id(url: str) -> str:
