@@ -184,13 +184,8 @@ case "$cmd" in
     # *.part-aa.1), when the working tree and the whole part pass one call's
     # 64 MiB; the half that arrives second joins them.
     for d in .gpu/a .gpu/a2 .gpu/c .gpu/d; do if [ -d "$d" ]; then cp "$d"/* ~/kvtier-gpu/stash/; fi; done
-    for half in ~/kvtier-gpu/stash/*.part-aa.0; do
-      if [ -f "$half" ] && [ -f "${half%.0}.1" ]; then
-        cat "$half" "${half%.0}.1" > "${half%.0}" && rm "$half" "${half%.0}.1"
-      fi
-    done
     for d in .gpu/b .gpu/b2; do if [ -d "$d" ]; then cp -p "$d"/* ~/kvtier-gpu/stash-b/; fi; done
-    for half in ~/kvtier-gpu/stash-b/*.part-ab.0; do
+    for half in ~/kvtier-gpu/stash/*.part-aa.0 ~/kvtier-gpu/stash-b/*.part-ab.0; do
       if [ -f "$half" ] && [ -f "${half%.0}.1" ]; then
         cat "$half" "${half%.0}.1" > "${half%.0}" && rm "$half" "${half%.0}.1"
       fi
