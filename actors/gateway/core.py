@@ -934,16 +934,12 @@ def _confirm_idle_only(state: GatewayState, turn: Turn, out: list[Effect]) -> No
     waits for the first idle moment and its asker reports work as pending
     that was done long ago.
     """
-    if not any(w.idle_only and w.grants_before < turn.grant for w in state.background):
+    done = [w for w in state.background if w.idle_only and w.grants_before < turn.grant]
+    if not done:
         return
-    kept: deque[BackgroundWait] = deque()
-    for wait in state.background:
-        if wait.idle_only and wait.grants_before < turn.grant:
-            state.stats.background_confirmed += 1
-            out.append(ConfirmBackground(wait.step_id))
-        else:
-            kept.append(wait)
-    state.background = kept
+    state.background = deque(w for w in state.background if w not in done)
+    state.stats.background_confirmed += len(done)
+    out.extend(ConfirmBackground(w.step_id) for w in done)
 
 
 def _earn_credit(state: GatewayState, held: float) -> None:
