@@ -30,6 +30,7 @@ __all__ = [
     "default_mlx_cache_limit_bytes",
     "default_prompt_cache_bytes",
     "device_memory_bytes",
+    "device_used_bytes",
     "on_cuda",
     "prompt_cache_room_bytes",
     "weights_bytes",
@@ -151,6 +152,35 @@ def device_memory_bytes() -> int:
     :func:`available_memory_bytes` reads).
     """
     return _device_bytes() if on_cuda() else 0
+
+
+def device_used_bytes() -> int | None:
+    """The device memory in use by every process on it, where that is not the host's (engine thread).
+
+    CUDA: the GPU's total less its free memory (``cudaMemGetInfo`` through
+    ``mx.device_info()``, read afresh on every call): MLX's arrays and
+    buffer cache, this process's CUDA context and libraries' workspaces, and
+    whatever other processes hold on the same card. ``None`` on the CPU and
+    Metal, and where MLX reports no free figure.
+    NOTE: MLX's own counters see only this process's buffers; a second
+    process on the card (a benchmark's in-process engine beside a server)
+    made a batch step fail ``cudaMallocAsync ... out of memory`` while the
+    guard read plenty of room (docs/operations.md, "Memory-pressure guard").
+    """
+    if not on_cuda():
+        return None
+    return _device_used()
+
+
+def _device_used() -> int | None:
+    try:
+        info = mx.device_info()
+    except (AttributeError, RuntimeError):
+        return None
+    total, free = info.get("total_memory"), info.get("free_memory")
+    if not isinstance(total, int | float) or not isinstance(free, int | float) or total <= 0:
+        return None
+    return max(0, int(total) - int(free))
 
 
 def prompt_cache_room_bytes() -> int:

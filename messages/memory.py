@@ -141,8 +141,9 @@ class MemoryStats(Body):
     once running requests end: the asker waits; not in
     ``refused_at_admission``): this actor's; the reading's parts at the last engine job
     (``resident_bytes``, ``mlx_bytes``, ``resident_at_start_bytes``,
-    ``mlx_active_bytes``, ``mlx_cache_bytes``, ``mlx_peak_bytes``) and the
-    C-heap trims (``heap_trims``, ``heap_trim_s``); ``growth_ahead_bytes``:
+    ``mlx_active_bytes``, ``mlx_cache_bytes``, ``mlx_peak_bytes``; under
+    CUDA ``device_used_bytes``, the device's memory in use by every process
+    on it, which the reading counts too) and the C-heap trims (``heap_trims``, ``heap_trim_s``); ``growth_ahead_bytes``:
     what the requests running now may still add (their KV up to
     ``max_tokens``, their logprobs still to come), which admission and the
     check before a prefill count beside the reading, and
@@ -172,6 +173,7 @@ class MemoryStats(Body):
     mlx_active_bytes: int | None = None
     mlx_cache_bytes: int | None = None
     mlx_peak_bytes: int | None = None
+    device_used_bytes: int | None = None
     growth_ahead_bytes: int | None = None
     growth_ahead_by_lane: dict[str, int] | None = None
 

@@ -13,7 +13,11 @@ what the operating system sees, not only MLX's arrays:
 The first term is exact where MLX's buffers are host memory (the CPU; Apple
 silicon's unified memory mapped into the process). The second keeps the
 reading honest where device memory is not part of RSS (a CUDA device): the
-host baseline the guard started with plus what MLX has added since. RSS is
+host baseline the guard started with plus what MLX has added since. Under
+CUDA a third floor is the device's memory in use by every process on it
+(total less free, :func:`kernels.device_used_bytes`): the budget there is
+the device's memory, and another process on the same card takes from it
+what MLX's own counters cannot see. RSS is
 read from ``/proc/self/statm`` on Linux and ``task_info`` on macOS (a few
 microseconds); elsewhere only the second term is known, and the stated
 margin (:func:`actors.engine_thread.memory_guard.stated_margin`) must then also
@@ -151,14 +155,20 @@ class ProcessMemory:
     (module docstring); ``resident`` and ``mlx`` keep the last components
     (``resident`` is ``None`` where RSS cannot be read). With ``parts``
     (:func:`mlx_memory_parts`) the MLX figure is its active + cache memory
-    and ``mlx_parts`` keeps (active, cache, peak) for ``/stats``.
+    and ``mlx_parts`` keeps (active, cache, peak) for ``/stats``. With
+    ``device`` (:func:`kernels.device_used_bytes`, under CUDA) the device's
+    memory in use by every process on it is one more floor, kept in
+    ``device_used``.
     """
 
     def __init__(self, rss: Callable[[], int | None] = resident_memory_bytes,
                  mlx: Callable[[], int] = mlx_memory_bytes,
-                 parts: Callable[[], tuple[int, int, int]] | None = None) -> None:
+                 parts: Callable[[], tuple[int, int, int]] | None = None,
+                 device: Callable[[], int | None] | None = None) -> None:
         self._rss = rss
         self._parts = parts
+        self._device = device
+        self.device_used: int | None = None
         self._mlx = mlx if parts is None else functools.partial(self._from_parts, parts)
         self.mlx_parts: tuple[int, int, int] | None = None
         self.mlx_at_start = self._mlx()
@@ -178,10 +188,11 @@ class ProcessMemory:
         """The reading now (engine thread)."""
         mlx = self._mlx()
         resident = self._rss()
-        self.mlx, self.resident = mlx, resident
+        device = None if self._device is None else self._device()
+        self.mlx, self.resident, self.device_used = mlx, resident, device
         base = self.resident_at_start or 0
         grown = base + mlx - self.mlx_at_start
-        return max(resident or 0, grown, mlx)
+        return max(resident or 0, grown, mlx, device or 0)
 
 
 @functools.cache

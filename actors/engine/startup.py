@@ -224,6 +224,7 @@ async def _memory_guard(
     thread: EngineThread, model: object, scheme: KvScheme, config: EngineConfig
 ) -> tuple[MemoryGuard, ProcessMemory] | None:
     """The memory-pressure guard: budget, the model's footprint, a first reading (engine thread)."""
+    from kernels import device_used_bytes, on_cuda
     from kernels.cache import UnsupportedCacheKind
 
     from .memory import (
@@ -246,7 +247,11 @@ async def _memory_guard(
     # NOTE: the reading's start figures, on the engine thread, once what
     # loading freed has left RSS (memory.py: ProcessMemory).
     await thread.run(settle_memory)
-    reading = await thread.run(functools.partial(ProcessMemory, parts=mlx_memory_parts))
+    # NOTE: under CUDA the device's memory in use by every process is one more
+    # floor of the reading (another process on the card takes from the budget).
+    device = device_used_bytes if await thread.run(on_cuda) else None
+    reading = await thread.run(functools.partial(ProcessMemory, parts=mlx_memory_parts,
+                                                 device=device))
     gauge = MemoryGauge(reading.read)
     await thread.run(gauge.sample)
     margin = stated_margin(await thread.run(mlx_cache_limit_bytes))

@@ -8,7 +8,8 @@ come on top of it. So before a request's prefill, and every
     memory in use + the request's projected footprint  <=  budget
 
 where the memory in use is the process's resident memory (RSS; at least
-MLX's active and cached memory, ``actors/engine/memory.py``), and the
+MLX's active and cached memory and, under CUDA, the device's memory in use
+by every process on it, ``actors/engine/memory.py``), and the
 footprint is the KV still to come (``KvGeometry.bytes_at`` of the prompt
 plus ``max_tokens``, in the KV buffers' 256-token steps), the copy overlap
 of the KV it already holds (a growing buffer is concatenated, so the old one

@@ -146,6 +146,7 @@ class Gauges:
     mlx: int | None = None
     resident_at_start: int | None = None
     mlx_parts: tuple[int, int, int] | None = None
+    device_used: int | None = None
     heap_trims: int | None = None
     heap_trim_s: float | None = None
 
@@ -553,6 +554,7 @@ def _stats(state: MemoryState, g: Gauges) -> MemoryStats:
         mlx_active_bytes=None if parts is None else parts[0],
         mlx_cache_bytes=None if parts is None else parts[1],
         mlx_peak_bytes=None if parts is None else parts[2],
+        device_used_bytes=g.device_used,
         growth_ahead_bytes=None if cfg.budget is None else sum(n for _, n in g.ahead),
         growth_ahead_by_lane=None if cfg.budget is None else dict(g.ahead),
     )

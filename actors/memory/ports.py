@@ -46,6 +46,7 @@ class Reading(Protocol):
     mlx: int
     resident_at_start: int | None
     mlx_parts: tuple[int, int, int] | None
+    device_used: int | None
 
     def resident_now(self) -> int | None:
         """The process's RSS now (any thread, no MLX call; ``None`` where unreadable)."""
@@ -111,6 +112,7 @@ class GuardGauges:
             mlx=reading.mlx,
             resident_at_start=reading.resident_at_start,
             mlx_parts=reading.mlx_parts,
+            device_used=reading.device_used,
             heap_trims=None if heap is None else heap.trims,
             heap_trim_s=None if heap is None else heap.trim_s,
         )

@@ -69,6 +69,23 @@ def test_without_an_rss_reading_the_reading_is_at_least_mlx_memory() -> None:
     assert reading.resident is None
 
 
+def test_under_cuda_the_devices_memory_in_use_by_every_process_is_a_floor() -> None:
+    """Another process on the card (device used 30 GiB, MLX's own 12 GiB): the reading is the device's figure."""
+    gib = 1024 * MIB
+    reading = ProcessMemory(rss=Script(2 * gib, 2 * gib), mlx=Script(10 * gib, 12 * gib).int,
+                            device=Script(30 * gib))
+    assert reading.read() == 30 * gib
+    assert reading.device_used == 30 * gib
+
+
+def test_a_device_reader_that_reports_nothing_leaves_the_reading_to_rss_and_mlx() -> None:
+    """No free figure from MLX (``None``): the reading is what it is without a device reader."""
+    reading = ProcessMemory(rss=Script(300 * MIB, 310 * MIB), mlx=Script(100 * MIB, 600 * MIB).int,
+                            device=Script(None))
+    assert reading.read() == 300 * MIB + 500 * MIB
+    assert reading.device_used is None
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
 def test_resident_memory_is_the_kernels_vmrss() -> None:
     """The RSS reader agrees with /proc/self/status VmRSS (to 4 MiB: the two reads are not atomic)."""

@@ -120,3 +120,17 @@ def test_off_cuda_the_device_is_the_host(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(_memory, "available_memory_bytes", lambda: 7 * GIB)
     assert device_memory_bytes() == 0
     assert prompt_cache_room_bytes() == 7 * GIB
+
+
+def test_under_cuda_the_device_in_use_is_total_less_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 80 GiB card with 18 GiB free reads 62 GiB in use, whoever holds it; a device that
+    reports no free figure reads ``None``, and off CUDA nothing is read."""
+    from kernels import _memory, device_used_bytes
+
+    _cuda(monkeypatch, {"total_memory": 80 * GIB, "free_memory": 18 * GIB}, taken=20 * GIB)
+    assert device_used_bytes() == 62 * GIB
+    _cuda(monkeypatch, {"total_memory": 80 * GIB}, taken=20 * GIB)
+    assert device_used_bytes() is None
+    monkeypatch.setattr(_memory, "on_cuda", lambda: False)
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 80 * GIB, "free_memory": 0})
+    assert device_used_bytes() is None

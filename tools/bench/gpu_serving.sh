@@ -56,6 +56,7 @@
 #   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
 #   readback     a checkpoint read-back's pieces on CUDA: gather, first host view, host read (cuda_readback.py)
 #   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
+#   memguard     the memory guard beside another process holding the card's memory (cuda_memory_guard.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
 #                --variants ROWS:STEP, TTFT_CACHE=1 --cache-rows --cache-burst)
 #   cluster      issue 24's CPU lines on the device's 16 cores: replicas behind
@@ -676,6 +677,23 @@ print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_c
       --decode-prompt-tokens "${TTFT_TOKENS:-530}" --max-tokens 32 --rounds "${TTFT_ROUNDS:-5}" \
       $([ -n "${TTFT_CACHE:-}" ] || echo --skip-cache) --json "$OUT/ttft.json" "$@" 2>&1 \
       | tail -n 40 | tee "$OUT/ttft.txt"
+    ;;
+  memguard)
+    # The memory guard when another process holds the card's memory
+    # (cuda_memory_guard.py): device_info's free figure through allocations
+    # and another process's hold, then `kvtier serve` answering requests
+    # while a child holds all but 512 MiB of the device, this tree beside
+    # .gpu/tok/base.tgz (a `git archive` of the commit before, unpacked to
+    # /tmp/base) when it is there.
+    device_env
+    ensure_model
+    base=()
+    if [ -f .gpu/tok/base.tgz ]; then
+      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+      base=(--baseline-tree /tmp/base)
+    fi
+    python3 tools/bench/cuda_memory_guard.py --model "$MODEL" "${base[@]}" \
+      --json "$OUT/cuda_memory_guard.json" "$@" 2>&1 | tee "$OUT/cuda_memory_guard.txt"
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'

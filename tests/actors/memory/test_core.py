@@ -299,13 +299,14 @@ def test_stats_combine_the_gauges_with_the_actors_counters() -> None:
     state = _state(settle_step=None)
     state.refused, state.relieved_entries = 2, 5
     gauges = Gauges(active=123, samples=9, checks=4, refused=1, settled=1,
-                    mlx_parts=(10, 20, 30), heap_trims=3, heap_trim_s=0.123456)
+                    mlx_parts=(10, 20, 30), device_used=40, heap_trims=3, heap_trim_s=0.123456)
     _, effects = core.handle(state, core.Received(_env(MemoryStatsRequest()), 0.0, gauges))
     (stats,) = _answers(effects)
     assert isinstance(stats, MemoryStats)
     assert (stats.budget_bytes, stats.active_bytes, stats.samples) == (BUDGET, 123, 9)
     assert (stats.refused_at_admission, stats.relieved_entries) == (2, 5)
     assert (stats.mlx_active_bytes, stats.mlx_cache_bytes, stats.mlx_peak_bytes) == (10, 20, 30)
+    assert stats.device_used_bytes == 40
     assert (stats.heap_trims, stats.heap_trim_s) == (3, 0.1235)
     assert (stats.growth_ahead_bytes, stats.growth_ahead_by_lane) == (0, {})
     gauges = Gauges(active=123, ahead=(("batch", 7), ("serial", 5)))
@@ -419,6 +420,7 @@ def test_the_gauges_read_rss_now_when_it_is_above_the_latest_reading() -> None:
         mlx = 0
         resident_at_start: int | None = None
         mlx_parts: tuple[int, int, int] | None = None
+        device_used: int | None = None
         now: int | None = BUDGET - DEMAND + 1
 
         def resident_now(self) -> int | None:
