@@ -232,10 +232,19 @@ def settle_memory() -> None:
     cached entries out: freed buffers are reusable, not in use. Cost: the
     heap trim, about 0.2 ms (no garbage collection: a full one took 100 ms
     and freed nothing the guard's scenarios needed).
+
+    NOTE: under CUDA MLX frees device buffers with ``cudaFreeAsync`` into the
+    device's memory pool, which gives them back to the device (where the
+    reading's device figure, total less free, sees them) at the next
+    synchronization: so the settle synchronizes there.
     """
     import mlx.core as mx
 
+    from kernels import on_cuda
+
     mx.clear_cache()
+    if on_cuda():
+        mx.synchronize()
     trim_host_heap()
 
 

@@ -97,8 +97,9 @@ def probe(hog_gb: float) -> dict[str, Any]:
     del a
     steps["after_free"] = _info()
     mx.clear_cache()
-    mx.synchronize()
     steps["after_clear_cache"] = _info()
+    mx.synchronize()
+    steps["after_synchronize"] = _info()
     hog = Hog(0, int(hog_gb * GIB), REPO)
     steps["hog"] = hog.line
     steps["while_child_holds"] = _info()
