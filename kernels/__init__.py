@@ -19,6 +19,7 @@ from ._errors import (
     KernelError,
     NotOnEngineThread,
     PrefillIncomplete,
+    device_out_of_memory,
 )
 from ._memory import (
     DEFAULT_MLX_CACHE_LIMIT_BYTES,
@@ -166,6 +167,7 @@ __all__ = [
     "default_model_dir",
     "default_prompt_cache_bytes",
     "device_memory_bytes",
+    "device_out_of_memory",
     "device_used_bytes",
     "encode_prompt",
     "ensure_default_model",

@@ -16,7 +16,28 @@ __all__ = [
     "KernelError",
     "NotOnEngineThread",
     "PrefillIncomplete",
+    "device_out_of_memory",
 ]
+
+_OUT_OF_MEMORY = ("out of memory", "unable to allocate", "insufficient memory")
+"""What MLX's backends say when an allocation fails: CUDA's ``cudaMallocAsync(...) failed:
+out of memory``, the allocator's ``[malloc] Unable to allocate N bytes``, Metal's command
+buffer ``Insufficient Memory``."""
+
+
+def device_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a step's allocation that the device (or host) could not satisfy.
+
+    NOTE: MLX raises a plain ``RuntimeError`` for it, so its text is all there
+    is to tell it from a bug; the caller answers it as memory pressure (503,
+    retryable) instead of a generation failure (500), and keeps the text.
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(marker in text for marker in _OUT_OF_MEMORY)
 
 
 class KernelError(Exception):

@@ -50,6 +50,7 @@ from typing import Any, assert_never
 import structlog
 
 from actors.checkpoints import CheckpointLoads, CheckpointPort
+from actors.engine_thread.job import job_failure
 from actors.engine_thread.ports import Executor
 from actors.engine_thread.steps import BackgroundSteps
 from actors.runtime import (
@@ -292,8 +293,8 @@ class BatchScheduler(Actor):
             await self._feed(core.JobEnded(turn, now), ctx)
             return
         _log.warning("batch.step_failed", turn=turn, error=repr(exc))
-        detail = f"{type(exc).__name__}: {exc}"
-        await self._feed(core.StepFailed(turn, "batch_step_failed", detail, now), ctx)
+        code, detail = job_failure(exc, "batch_step_failed", f"{type(exc).__name__}: {exc}")
+        await self._feed(core.StepFailed(turn, code, detail, now), ctx)
 
     async def _lend(self, body: LendBackgroundStep, ctx: Context) -> None:
         """Hand a lent background step to the running chain of its turn, or back to the gateway."""

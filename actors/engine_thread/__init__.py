@@ -15,7 +15,7 @@ no actor package.
 
 from __future__ import annotations
 
-from .job import AHEAD, EngineJob
+from .job import AHEAD, EngineJob, job_failure
 from .ports import Backend, Executor, InlineExecutor, Registered, StepResult, StepToken
 from .steps import BackgroundSteps, StepHandle, StepNotRun
 
@@ -31,4 +31,5 @@ __all__ = [
     "StepNotRun",
     "StepResult",
     "StepToken",
+    "job_failure",
 ]

@@ -31,7 +31,10 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-__all__ = ["AHEAD", "EngineJob"]
+from actors.errors import MemoryPressure
+from kernels import device_out_of_memory
+
+__all__ = ["AHEAD", "EngineJob", "job_failure"]
 
 AHEAD = 4
 """How many steps a job may run ahead of the outputs the loop has taken.
@@ -137,3 +140,18 @@ class EngineJob(Generic[T]):
             # NOTE: cannot happen while one wake at most is pending, within the
             # mailbox's reserve; a lost wake would stall the turn: say so loudly.
             self._log.error(self._wake_lost, job=self.ident)
+
+
+def job_failure(error: BaseException, code: str, detail: str) -> tuple[str, str]:
+    """The ``ErrorEvent`` code and detail of the requests an engine job failed with ``error``.
+
+    The lane's own ``code`` and ``detail``, unless the device ran out of memory (:func:`kernels.device_out_of_memory`): then
+    ``MemoryPressure``, which the engine API raises and HTTP answers 503
+    ``memory_pressure`` (retryable) instead of 500. NOTE: an allocation that
+    fails is the device's state, not a fault of the request or of kvtier; a
+    client that retries meets admission again, whose guard reads the device.
+    """
+    if device_out_of_memory(error):
+        said = f"{type(error).__name__}: {error}"
+        return MemoryPressure.__name__, f"the device ran out of memory during a step ({said})"
+    return code, detail

@@ -44,6 +44,7 @@ from typing import Any, assert_never
 import structlog
 
 from actors.checkpoints import CheckpointPort, ResumeFrom
+from actors.engine_thread.job import job_failure
 from actors.engine_thread.memory_guard import MemoryGuard
 from actors.engine_thread.ports import Backend, Executor
 from actors.engine_thread.steps import BackgroundSteps
@@ -422,7 +423,7 @@ class TurnRunner(Actor):
         failure = burst.error
         if failure is not None:
             _log.warning("gateway.job_failed", job=job_id, error=repr(failure))
-            error = rc.JobError(type(failure).__name__, str(failure))
+            error = rc.JobError(*job_failure(failure, type(failure).__name__, str(failure)))
         elif running is not None and isinstance(running[1], rc.DropJob):
             kept = burst.value
         if running is not None and isinstance(running[1], rc.BackgroundJob):

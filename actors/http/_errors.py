@@ -19,7 +19,7 @@ body larger than ``--max-body-bytes``     413     invalid_request_error / reques
 ``QueueFull``                             429     rate_limit_exceeded / queue_full
 ``GrammarCompilerBusy``                   429     rate_limit_exceeded / grammar_compiler_busy
 ``ServerShuttingDown``, engine not ready  503     server_error / shutting_down ...
-``MemoryPressure``                        503     server_error / memory_pressure
+``MemoryPressure``, step out of memory    503     server_error / memory_pressure
 POST body not ``application/json``       415     invalid_request_error / unsupported_media_type
 ``Host`` not in the allowlist             400     invalid_request_error / invalid_host
 admin route, no key and no loopback pass  403     invalid_request_error / admin_forbidden
