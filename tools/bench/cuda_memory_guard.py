@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -91,7 +92,7 @@ def probe(hog_gb: float) -> dict[str, Any]:
     import mlx.core as mx
 
     steps: dict[str, Any] = {"start": _info()}
-    a = mx.zeros((2 * GIB,), dtype=mx.bfloat16)
+    a = mx.zeros((2, GIB), dtype=mx.bfloat16)
     mx.eval(a)
     steps["after_alloc_4gib"] = _info()
     del a
@@ -137,7 +138,8 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[
 
 def serve(name: str, tree: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One server from ``tree``: a request, the hog, concurrent requests, the hog gone, a request."""
-    env = {"PYTHONPATH": str(tree)}
+    # NOTE: the tree first, then what this process finds (the device's installed wheels).
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-P", "-m", "actors.cli", "serve", "--model", str(args.model),
            "--port", "0", "--ssd-cache", "off", "--warm-up", "off", "--max-batch", "8"]
     server = Server(cmd, work, name, env)
