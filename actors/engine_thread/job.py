@@ -145,9 +145,10 @@ class EngineJob(Generic[T]):
 def job_failure(error: BaseException, code: str, detail: str) -> tuple[str, str]:
     """The ``ErrorEvent`` code and detail of the requests an engine job failed with ``error``.
 
-    The lane's own ``code`` and ``detail``, unless the device ran out of memory (:func:`kernels.device_out_of_memory`): then
-    ``MemoryPressure``, which the engine API raises and HTTP answers 503
-    ``memory_pressure`` (retryable) instead of 500. NOTE: an allocation that
+    The lane's own ``code`` and ``detail``, unless the device ran out of
+    memory (:func:`kernels.device_out_of_memory`): then ``MemoryPressure``,
+    which the engine API raises and HTTP answers 503 ``memory_pressure``
+    (retryable) instead of 500. NOTE: an allocation that
     fails is the device's state, not a fault of the request or of kvtier; a
     client that retries meets admission again, whose guard reads the device.
     """
