@@ -56,6 +56,7 @@
 #   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
 #   readback     a checkpoint read-back's pieces on CUDA: gather, first host view, host read (cuda_readback.py)
 #   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
+#   looptrace    the event loop's busy iterations, callback by callback, at 8 and 32 streams (loop_trace.py)
 #   memguard     the memory guard beside another process holding the card's memory (cuda_memory_guard.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
 #                --variants ROWS:STEP, TTFT_CACHE=1 --cache-rows --cache-burst)
@@ -677,6 +678,27 @@ print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_c
       --decode-prompt-tokens "${TTFT_TOKENS:-530}" --max-tokens 32 --rounds "${TTFT_ROUNDS:-5}" \
       $([ -n "${TTFT_CACHE:-}" ] || echo --skip-cache) --json "$OUT/ttft.json" "$@" 2>&1 \
       | tail -n 40 | tee "$OUT/ttft.txt"
+    ;;
+  looptrace)
+    # Where the event loop's time goes while a new request's `admit` grows
+    # with the streams (41-73 ms at 32 streams on an H100, docs/benchmarks.md
+    # 2026-12-06 19:28): kvtier alone at ${LT_LEVELS:-8,32} streams with
+    # loop_trace.py's sitecustomize on its PYTHONPATH (every loop iteration
+    # whose callbacks worked over ${LOOP_TRACE_MS:-4} ms, callback by callback),
+    # then its summary beside the level's admission phases.
+    device_env
+    ensure_model
+    mkdir -p "$WORK"
+    lt=$WORK/looptrace
+    rm -rf "$lt" && python3 tools/bench/loop_trace.py site "$lt"
+    python3 tools/bench/serving.py --model "$MODEL" --guidellm-python "$(command -v python3)" \
+      --servers kvtier --concurrency "${LT_LEVELS:-8,32}" --requests-per-stream 2 --min-requests 4 \
+      --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' \
+      --kvtier-env "PYTHONPATH=$lt:$PYTHONPATH" --json "$OUT/looptrace-serving.json" "$@" 2>&1 \
+      | grep -v "^\s*$" | tee "$OUT/looptrace.txt"
+    python3 tools/bench/loop_trace.py summary "$lt"/iters-*.jsonl --json "$OUT/looptrace.json" \
+      | tee -a "$OUT/looptrace.txt"
+    tar -czf "$OUT/looptrace.tgz" -C "$lt" . || true
     ;;
   memguard)
     # The memory guard when another process holds the card's memory
