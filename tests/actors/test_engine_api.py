@@ -371,18 +371,19 @@ async def test_abandoned_stream_is_cancelled_when_collected(engine: Engine) -> N
 
 
 class _FailingModel:
-    """Delegates to a real model but raises on its ``fail_at``-th forward (an engine-thread failure)."""
+    """Delegates to a real model but raises ``error`` on its ``fail_at``-th forward (an engine-thread failure)."""
 
-    def __init__(self, inner: Any, fail_at: int) -> None:
+    def __init__(self, inner: Any, fail_at: int, error: BaseException | None = None) -> None:
         self.inner = inner
         self.layers = inner.layers
         self.calls = 0
         self.fail_at = fail_at
+        self.error = error if error is not None else RuntimeError("forward exploded")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == self.fail_at:
-            raise RuntimeError("forward exploded")
+            raise self.error
         return self.inner(*args, **kwargs)
 
 
@@ -406,6 +407,71 @@ async def test_engine_failure_mid_stream_raises_generation_failed_and_frees_lane
         after = await eng.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
         assert after.finish_reason == "length"
         assert (await eng.stats())["gateway"]["token"]["requests"]["failed"] == 1
+
+
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+"""What MLX's CUDA backend raised on an H100 when another process held the card's memory."""
+
+
+async def _read(eng: Engine, got: list[TokenEvent]) -> None:
+    async with eng.generate(PROMPT, GenerationParams(max_tokens=10)) as stream:
+        async for event in stream:
+            assert isinstance(event, TokenEvent)
+            got.append(event)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["serial", "batch"])
+async def test_a_step_out_of_device_memory_raises_memory_pressure_and_the_next_request_runs(
+    model: Any, tok: Any, max_batch: int
+) -> None:
+    """Either lane: the request whose step failed to allocate gets ``MemoryPressure`` naming the device's error; the next runs."""
+    from actors.errors import MemoryPressure
+
+    failing = _FailingModel(model, fail_at=4, error=RuntimeError(CUDA_OOM))
+    async with Engine.from_loaded(failing, tok, model_id="tiny", prompt_cache_bytes=0,
+                                  max_batch=max_batch) as eng:
+        got: list[TokenEvent] = []
+        with pytest.raises(MemoryPressure, match=r"ran out of memory.*cudaMallocAsync"):
+            await _read(eng, got)
+        assert len(got) < 10
+        after = await eng.complete_prompt(PROMPT, GenerationParams(max_tokens=3))
+        assert after.finish_reason == "length"
+
+
+async def test_a_batch_step_that_fails_otherwise_stays_a_generation_failure(model: Any, tok: Any) -> None:
+    """The batch lane's step raising for another reason is still ``GenerationFailed`` (500), not memory pressure."""
+    from actors.engine import GenerationFailed
+
+    async with Engine.from_loaded(_FailingModel(model, fail_at=4), tok, model_id="tiny",
+                                  prompt_cache_bytes=0, max_batch=4) as eng:
+        with pytest.raises(GenerationFailed, match="forward exploded"):
+            await _read(eng, [])
+
+
+async def test_through_http_a_step_out_of_memory_is_503_memory_pressure_and_a_stream_ends_with_that_code(
+    model: Any, tok: Any
+) -> None:
+    """Through the HTTP app (batch lane): a plain completion whose step ran out of memory is a 503
+    ``memory_pressure`` OpenAI error, a streamed one ends with that error event; then the server answers."""
+    import httpx
+
+    from actors.http import HttpSettings, create_app
+
+    failing = _FailingModel(model, fail_at=3, error=RuntimeError(CUDA_OOM))
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    async with Engine.from_loaded(failing, tok, model_id="tiny", prompt_cache_bytes=0, max_batch=4) as eng:
+        app = create_app(eng, HttpSettings())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            plain = await c.post("/v1/completions", json=body)
+            failing.fail_at = failing.calls + 3
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            after = await c.post("/v1/completions", json=body)
+    assert plain.status_code == 503
+    assert plain.json()["error"]["code"] == "memory_pressure"
+    assert "out of memory" in plain.json()["error"]["message"]
+    events = [line[5:].strip() for line in streamed.text.splitlines() if line.startswith("data:")]
+    assert '"memory_pressure"' in events[-1]
+    assert after.status_code == 200
 
 
 # NOTE: slow: tests/e2e/test_embed_exit.py runs the same example (tiny model,

@@ -134,3 +134,23 @@ def test_under_cuda_the_device_in_use_is_total_less_free(monkeypatch: pytest.Mon
     monkeypatch.setattr(_memory, "on_cuda", lambda: False)
     monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 80 * GIB, "free_memory": 0})
     assert device_used_bytes() is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("cudaMallocAsync(&data, size, stream) failed: out of memory", True),
+        ("[malloc] Unable to allocate 17179869184 bytes.", True),
+        (("[METAL] Command buffer execution failed: Insufficient Memory "
+          "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"), True),
+        ("forward exploded", False),
+        ("[matmul] Last dimension of first input with shape (1,4) must match", False),
+    ],
+)
+def test_the_out_of_memory_texts_of_mlxs_backends_are_told_apart(text: str, expected: bool) -> None:
+    """CUDA's, the allocator's and Metal's allocation failures are out of memory; a shape error is not."""
+    from kernels import device_out_of_memory
+
+    assert device_out_of_memory(RuntimeError(text)) is expected
+    assert device_out_of_memory(MemoryError()) is True
+    assert device_out_of_memory(ValueError("out of memory")) is False
