@@ -169,10 +169,6 @@ def device_used_bytes() -> int | None:
     """
     if not on_cuda():
         return None
-    return _device_used()
-
-
-def _device_used() -> int | None:
     try:
         info = mx.device_info()
     except (AttributeError, RuntimeError):
