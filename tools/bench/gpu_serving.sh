@@ -46,6 +46,7 @@
 #   joins        where a batch step's time goes (join_cost.py)
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
+#   loadab       the 8- and 32-stream lines served, kvtier alone, with and without AB_ENV
 #   agentab      the agent line served, kvtier alone, with and without AB_ENV (default: no periodic cache emptying)
 #   runab        the whole served line with and without AB_ENV, the peer once a call (three calls: three runs each;
 #                AB_STEP=full, then AB_STEP=alone: the two halves in two calls)
@@ -383,6 +384,38 @@ case "$cmd" in
     for d in "call-$n" "call-$n-alone"; do if [ -d "$WORK/$d" ]; then dirs+=("$d"); fi; done
     if [ ${#dirs[@]} -gt 0 ]; then tar -czf "$OUT/logs.tgz" --exclude="kv-*" -C "$WORK" "${dirs[@]}" || true; fi
     exit $rc
+    ;;
+  loadab)
+    # Issue 20's closed-loop lines, kvtier alone, with and without one
+    # environment assignment (AB_ENV): guidellm at ${AB_LEVELS:-8,32} streams,
+    # ${AB_PER_STREAM:-4} requests a stream of 512-token prompts and 128 new
+    # tokens, a fresh server and fresh prompts each run, the order A B B A A
+    # B ..., no new run once AB_BUDGET_S (default 480) seconds have passed.
+    # E.g. the idle wave in two forwards (16 rows, then 4 a turn):
+    #   AB_ENV="KVTIER_PREFILL_STEP_SIZE=1024 KVTIER_PREFILL_BUDGET=2048"
+    # loadab.txt has each run's level lines and phases; loadab.tgz every run's
+    # JSON (serving_runs.py pairs them).
+    device_env
+    ensure_model
+    mkdir -p "$WORK" "$OUT/ab"
+    start=$SECONDS
+    i=0
+    for v in off on on off off on on off; do
+      if [ $((SECONDS - start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
+      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+      echo $((n + 1)) > "$WORK/calls"
+      envs=()
+      if [ "$v" = on ]; then mapfile -t envs < <(ab_env_args "$i"); fi
+      t0=$SECONDS
+      python3 tools/bench/serving.py "${envs[@]}" --model "$MODEL" --guidellm-python "$(command -v python3)" \
+        --out "$WORK/call-$n" --first-round "$n" --servers kvtier --json "$OUT/ab/run$i-$v.json" \
+        --concurrency "${AB_LEVELS:-8,32}" --requests-per-stream "${AB_PER_STREAM:-4}" --min-requests 4 \
+        --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' "$@" 2>&1 \
+        | grep -E "streams (ok|phases|join)" | sed "s/^/run $i $v: /"
+      echo "run $i $v: $((SECONDS - t0)) s"
+      i=$((i + 1))
+    done | tee "$OUT/loadab.txt"
+    tar czf "$OUT/loadab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   agentab)
     # Issue 20's agent line, kvtier alone, served, with and without one
