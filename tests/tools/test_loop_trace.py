@@ -53,3 +53,37 @@ def test_the_summary_sums_callbacks_by_name_and_keeps_each_ones_longest(tmp_path
     assert result["span_ms"] == 500
     assert result["callbacks"][0] == {"name": "run_asgi", "ms": 40, "longest_ms": 30}
     assert result["callbacks"][1]["name"] == "anyio:actor:gateway"
+
+
+def test_the_totals_count_every_iteration_and_a_ready_select_that_waits_for_the_gil(tmp_path: Path) -> None:
+    """Beside a thread spinning in Python, 200 ``sleep(0)`` hops are all counted and a ready select waits ~5 ms for the GIL."""
+    site = tmp_path / "site"
+    loop_trace.write_site(site, None)
+    program = textwrap.dedent("""
+        import asyncio, threading, time
+        stop = False
+        def spin():
+            while not stop:
+                pass
+        async def main():
+            global stop
+            thread = threading.Thread(target=spin)
+            thread.start()
+            for _ in range(200):
+                await asyncio.sleep(0)
+            stop = True
+            thread.join()
+            await asyncio.sleep(1.1)  # NOTE: past the once-a-second totals line.
+            await asyncio.sleep(0)
+        asyncio.run(main())
+    """)
+    subprocess.run([sys.executable, "-c", program], check=True, env={"PYTHONPATH": str(site)},
+                   timeout=60)
+    traces = list(site.glob("iters-*.jsonl"))
+    totals = loop_trace.read_totals(traces)
+    assert totals["iterations"] >= 200
+    assert totals["ready_selects"] >= 200
+    assert totals["switch_interval_s"] == 0.005
+    assert totals["ready_select_max_s"] >= 0.004
+    assert totals["ready_selects_over_1ms"] >= 1
+    assert all("totals" not in row for row in loop_trace.read(traces))

@@ -10,7 +10,12 @@ iteration whose callbacks ran more than ``LOOP_TRACE_MS`` (default 4) ms
 in all is written to ``$LOOP_TRACE_DIR/iters-PID.jsonl`` (default DIR):
 its start, its length (select's wait included), the callbacks' work and
 the longest callbacks by name (a task by its coroutine, an anyio task by
-its name, e.g. ``actor:gateway``). ``--chain FILE`` runs another
+its name, e.g. ``actor:gateway``). Once a second it also writes the
+running totals of every iteration: their time, the callbacks' time, and
+the selects asked with timeout 0 (callbacks were ready): such a select
+returns at once unless the loop's thread waits to get the GIL back from
+another thread (or for a core), so their time is that wait.
+``LOOP_TRACE_SWITCH_S`` sets ``sys.setswitchinterval`` in the process. ``--chain FILE`` runs another
 sitecustomize first (``served_steps.py --stand-in``'s).
 
 ``summary FILE ...`` prints the iterations' work (p50 / p90 / max, the
@@ -42,9 +47,45 @@ import asyncio.base_events as _be, asyncio.events as _ev, json as _json, time as
 
 _lt_dir = _os.environ.get("LOOP_TRACE_DIR") or {site!r}
 _lt_min = float(_os.environ.get("LOOP_TRACE_MS") or 4.0) / 1000
+if _os.environ.get("LOOP_TRACE_SWITCH_S"):
+    _sys.setswitchinterval(float(_os.environ["LOOP_TRACE_SWITCH_S"]))
 _lt_out = None
 _lt_cur = []
 _lt_run = _ev.Handle._run
+# NOTE: every iteration counts here, not only the busy ones: a select with
+# timeout 0 (callbacks were ready) returns at once unless the thread waits
+# to get the GIL back (or for a core), so its time is that wait.
+_lt_tot = {{"iterations": 0, "iter_s": 0.0, "work_s": 0.0, "ready_selects": 0, "ready_select_s": 0.0,
+           "ready_select_max_s": 0.0, "ready_selects_over_1ms": 0, "ready_selects_over_5ms": 0,
+           "switch_interval_s": _sys.getswitchinterval()}}
+_lt_flushed = [0.0]
+
+
+def _lt_out_file():
+    global _lt_out
+    if _lt_out is None:
+        _lt_out = open(_os.path.join(_lt_dir, "iters-%d.jsonl" % _os.getpid()), "a", buffering=1)
+    return _lt_out
+
+
+def _lt_wrap_select(selector):
+    inner = selector.select
+
+    def select(timeout=None):
+        t = _time.monotonic()
+        try:
+            return inner(timeout)
+        finally:
+            if timeout is not None and timeout <= 0:
+                d = _time.monotonic() - t
+                _lt_tot["ready_selects"] += 1
+                _lt_tot["ready_select_s"] += d
+                _lt_tot["ready_select_max_s"] = max(_lt_tot["ready_select_max_s"], d)
+                _lt_tot["ready_selects_over_1ms"] += d > 0.001
+                _lt_tot["ready_selects_over_5ms"] += d > 0.005
+
+    selector.select = select
+    selector._lt_wrapped = True
 
 
 def _lt_name(cb):
@@ -74,17 +115,24 @@ _lt_once = _be.BaseEventLoop._run_once
 
 
 def _lt_run_once(self):
-    global _lt_out
+    if not getattr(self._selector, "_lt_wrapped", False):
+        _lt_wrap_select(self._selector)
     _lt_cur.clear()
     t = _time.monotonic()
     _lt_once(self)
+    end = _time.monotonic()
     work = sum(d for d, _ in _lt_cur)
+    _lt_tot["iterations"] += 1
+    _lt_tot["iter_s"] += end - t
+    _lt_tot["work_s"] += work
+    if end - _lt_flushed[0] > 1.0:
+        # NOTE: the running totals, once a second; the last line of a file is its process's total.
+        _lt_flushed[0] = end
+        _lt_out_file().write(_json.dumps({{"totals": {{k: round(v, 6) for k, v in _lt_tot.items()}}}}) + "\\n")
     if work < _lt_min:
         return
-    if _lt_out is None:
-        _lt_out = open(_os.path.join(_lt_dir, "iters-%d.jsonl" % _os.getpid()), "a", buffering=1)
     top = sorted(_lt_cur, key=lambda x: -x[0])[:8]
-    _lt_out.write(_json.dumps({{"t": round(t, 6), "iter_ms": round((_time.monotonic() - t) * 1e3, 3),
+    _lt_out_file().write(_json.dumps({{"t": round(t, 6), "iter_ms": round((_time.monotonic() - t) * 1e3, 3),
                               "work_ms": round(work * 1e3, 3), "callbacks": len(_lt_cur),
                               "top": [[round(d * 1e3, 3), _lt_name(cb)] for d, cb in top]}}) + "\\n")
 
@@ -103,14 +151,34 @@ def write_site(site: Path, chain: Path | None) -> Path:
 
 
 def read(paths: Iterable[Path]) -> list[dict[str, Any]]:
-    """Every traced iteration of ``paths`` (JSON lines; a torn last line is skipped)."""
+    """Every traced iteration of ``paths`` (JSON lines; a torn last line and the totals lines are skipped)."""
     out: list[dict[str, Any]] = []
     for path in paths:
         for line in path.read_text().splitlines():
             try:
-                out.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if "totals" not in row:
+                out.append(row)
+    return out
+
+
+def read_totals(paths: Iterable[Path]) -> dict[str, float]:
+    """Every iteration's totals (each file's last totals line, summed over the files; maxima kept as maxima)."""
+    out: dict[str, float] = {}
+    for path in paths:
+        last: dict[str, float] | None = None
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "totals" in row:
+                last = row["totals"]
+        for key, value in (last or {}).items():
+            keep = max if key.endswith("max_s") or key == "switch_interval_s" else (lambda a, b: a + b)
+            out[key] = keep(out.get(key, 0.0), float(value))
     return out
 
 
@@ -153,8 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         print(write_site(args.dir, args.chain))
         return 0
     result = summary(read(args.files), args.top)
+    totals = read_totals(args.files)
+    if totals:
+        result["totals"] = totals
+        n = int(totals.get("ready_selects", 0))
+        print(f"all {int(totals['iterations'])} iterations: {totals['iter_s']:.2f} s in all, callbacks "
+              f"{totals['work_s']:.2f} s; {n} selects with callbacks ready took "
+              f"{totals['ready_select_s'] * 1e3:.0f} ms in all (mean "
+              f"{totals['ready_select_s'] / max(n, 1) * 1e3:.3f} ms, max {totals['ready_select_max_s'] * 1e3:.1f} ms,"
+              f" {int(totals['ready_selects_over_1ms'])} over 1 ms, {int(totals['ready_selects_over_5ms'])} over 5 ms;"
+              f" switch interval {totals['switch_interval_s'] * 1e3:g} ms)")
     if result["iterations"] == 0:
         print("no traced iteration")
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=1))
         return 0
     print(f"{result['iterations']} iterations with work over the threshold in {result['span_ms']:.0f} ms: "
           f"work p50 {result['work_ms_p50']} p90 {result['work_ms_p90']} max {result['work_ms_max']} ms, "
