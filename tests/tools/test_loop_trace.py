@@ -56,7 +56,7 @@ def test_the_summary_sums_callbacks_by_name_and_keeps_each_ones_longest(tmp_path
 
 
 def test_the_totals_count_every_iteration_and_a_ready_select_that_waits_for_the_gil(tmp_path: Path) -> None:
-    """Beside a thread spinning in Python, 200 ``sleep(0)`` hops are all counted and a ready select waits ~5 ms for the GIL."""
+    """Beside a thread spinning in Python, 0.3 s of ``sleep(0)`` hops are all counted and a ready select waits ~5 ms for the GIL."""
     site = tmp_path / "site"
     loop_trace.write_site(site, None)
     program = textwrap.dedent("""
@@ -69,7 +69,10 @@ def test_the_totals_count_every_iteration_and_a_ready_select_that_waits_for_the_
             global stop
             thread = threading.Thread(target=spin)
             thread.start()
-            for _ in range(200):
+            # NOTE: long enough for the spinning thread to force GIL switches
+            # (every 5 ms): some of them land in a ready select.
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:
                 await asyncio.sleep(0)
             stop = True
             thread.join()
