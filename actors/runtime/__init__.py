@@ -60,11 +60,12 @@ from ._ports import (
 from ._replay import ReplayReport, record_trace, replay_trace
 from ._sim import Scenario, SimulatedSystem, SimulationStalled
 from ._stats import MailboxStatistics, SystemStatistics
-from ._system import ActorRef, ActorSystem, DeadLetter, Inbox
+from ._system import MAX_STREAK, ActorRef, ActorSystem, DeadLetter, Inbox
 from ._tracing import configure_logging, get_logger, set_tracing
 
 __all__ = [
     "DEFAULT_TRACE_MAX_BYTES",
+    "MAX_STREAK",
     "Actor",
     "ActorRef",
     "ActorStopped",

@@ -208,6 +208,10 @@ class SimulatedSystem(ActorSystem):
     ``ReplayDiverged``.
     """
 
+    # NOTE: every delivery is the scheduler's choice, so an actor never takes
+    # a waiting message past it (``ActorSystem._max_streak``).
+    _max_streak = 1
+
     def __init__(
         self,
         *,

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self, TypeVar, overload
+from typing import Any, ClassVar, Self, TypeVar, overload
 
 import anyio
 import structlog
@@ -38,6 +38,23 @@ from ._tracing import TRACE
 __all__ = ["ActorRef", "ActorSystem", "DeadLetter", "Inbox"]
 
 B = TypeVar("B", bound=Body)
+
+MAX_STREAK = 16
+"""Messages an actor handles in a row, when they are already waiting, before it yields.
+
+NOTE: every ``get`` and every ``put`` of a mailbox yields to the other
+tasks first (anyio's rule for memory streams). An actor that forwards
+what it receives (the gateway handing a burst of ``Arriving`` and
+``Generate`` to the batch lane) then needs two trips round the event loop
+per message, and in a burst a trip is every other ready task's step: the
+last of 32 requests arriving together waited ~60 ms in the gateway's
+mailbox while the gateway's handlers took ~0.4 ms each (CPU stand-in,
+docs/benchmarks.md 2026-12-06 22:00). So an actor takes up to this many
+waiting messages without yielding, and a send from inside a handler
+yields only when it must wait for room (``ActorSystem._put``): the
+actor's loop yields at least once every ``MAX_STREAK`` messages, and a
+sender that never waits is still bounded by its receiver's capacity.
+"""
 
 _log = structlog.get_logger("kvtier.runtime")
 
@@ -239,6 +256,9 @@ class ActorSystem:
     mailbox had accepted. Time, ids and randomness come from the injected
     ports, so a simulated system can replay a run exactly.
     """
+
+    _max_streak: ClassVar[int] = MAX_STREAK
+    """Waiting messages an actor takes in a row before it yields (1: a yield before each)."""
 
     def __init__(
         self,
@@ -585,7 +605,10 @@ class ActorSystem:
 
     async def _put(self, endpoint: Endpoint, envelope: Envelope, *, reserved: bool = False) -> None:
         try:
-            await endpoint.put(envelope, reserved=reserved)
+            # NOTE: inside a handler a send with room does not yield: the
+            # actor's loop does, at least every MAX_STREAK messages.
+            if CURRENT.get() is None or not endpoint.put_nowait(envelope, reserved=reserved):
+                await endpoint.put(envelope, reserved=reserved)
         except MailboxClosed as exc:
             self._dead_letter(envelope, type(exc).__name__)
             raise
@@ -689,10 +712,15 @@ class ActorSystem:
         bound: str | None = None
         try:
             actor = await self._start_actor(cell, ctx, None)
+            streak = 0
             while actor is not None:
-                envelope = await endpoint.get()
+                envelope = endpoint.get_nowait() if 0 < streak < self._max_streak else None
                 if envelope is None:
-                    break
+                    streak = 0
+                    envelope = await endpoint.get()
+                    if envelope is None:
+                        break
+                streak += 1
                 waited = clock.now() - envelope.sent_at
                 samples.add(waited)
                 if TRACE.on:

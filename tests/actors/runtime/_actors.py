@@ -87,3 +87,19 @@ class Streamer(Actor):
             for amount in body.amounts:
                 await ctx.tell(body.reply_to, Count(n=amount))
             ctx.end_stream(body.reply_to)
+
+
+class Logger(Actor):
+    """Appends ``(name, amount)`` for each ``Add`` to ``log``, then tells it on to ``forward_to`` if given."""
+
+    def __init__(self, name: str, log: list[tuple[str, int]], forward_to: str | None = None) -> None:
+        self.name = name
+        self.log = log
+        self.forward_to = forward_to
+
+    async def receive(self, envelope: Envelope, ctx: Context) -> None:
+        body = envelope.body
+        if isinstance(body, Add):
+            self.log.append((self.name, body.amount))
+            if self.forward_to is not None:
+                await ctx.tell(self.forward_to, body)
