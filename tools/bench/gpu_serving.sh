@@ -393,11 +393,19 @@ case "$cmd" in
     # B ..., no new run once AB_BUDGET_S (default 480) seconds have passed.
     # E.g. the idle wave in two forwards (16 rows, then 4 a turn):
     #   AB_ENV="KVTIER_PREFILL_STEP_SIZE=1024 KVTIER_PREFILL_BUDGET=2048"
+    # AB_BASE=1 makes "off" the code of .gpu/tok/base.tgz (a `git archive` of
+    # an earlier commit: actors kernels messages) instead: its tree, unpacked
+    # to /tmp/base, goes first on the off runs' PYTHONPATH (AB_ENV then
+    # applies to neither), e.g. one runtime change against the commit before:
+    #   AB_BASE=1 AB_LEVELS=32 AB_PER_STREAM=2 gpu_serving.sh loadab
     # loadab.txt has each run's level lines and phases; loadab.tgz every run's
     # JSON (serving_runs.py pairs them).
     device_env
     ensure_model
     mkdir -p "$WORK" "$OUT/ab"
+    if [ "${AB_BASE:-0}" = 1 ]; then
+      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+    fi
     start=$SECONDS
     i=0
     for v in off on on off off on on off; do
@@ -405,7 +413,9 @@ case "$cmd" in
       n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
       echo $((n + 1)) > "$WORK/calls"
       envs=()
-      if [ "$v" = on ]; then mapfile -t envs < <(ab_env_args "$i"); fi
+      if [ "${AB_BASE:-0}" = 1 ]; then
+        if [ "$v" = off ]; then envs=(--kvtier-env "PYTHONPATH=/tmp/base:$PYTHONPATH"); fi
+      elif [ "$v" = on ]; then mapfile -t envs < <(ab_env_args "$i"); fi
       t0=$SECONDS
       python3 tools/bench/serving.py "${envs[@]}" --model "$MODEL" --guidellm-python "$(command -v python3)" \
         --out "$WORK/call-$n" --first-round "$n" --servers kvtier --json "$OUT/ab/run$i-$v.json" \
