@@ -130,6 +130,36 @@ ab_env_args() {
   for a in "${assigns[@]}"; do printf '%s\n%s\n' --kvtier-env "${a//%RUN%/${1:-}}"; done
 }
 
+# NOTE: loadab's and agentab's runs: the order A B B A A B ... (the first
+# run's server warms up with MLX's first compiles), no new run once
+# AB_BUDGET_S (default 480) seconds have passed. For each run it sets $v (off /
+# on), $i (the run's index), $n (the machine's next round: fresh prompts) and
+# envs (the "on" runs' AB_ENV as --kvtier-env arguments; with AB_BASE=1 the
+# "off" runs' PYTHONPATH with the tree of .gpu/tok/base.tgz first instead),
+# then calls "$@" and prints the run's seconds.
+ab_runs() {
+  local start=$SECONDS t0
+  if [ "${AB_BASE:-0}" = 1 ]; then
+    rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+  fi
+  i=0
+  for v in off on on off off on on off; do
+    if [ $((SECONDS - start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
+    n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+    echo $((n + 1)) > "$WORK/calls"
+    envs=()
+    if [ "${AB_BASE:-0}" = 1 ]; then
+      if [ "$v" = off ]; then envs=(--kvtier-env "PYTHONPATH=/tmp/base:$PYTHONPATH"); fi
+    elif [ "$v" = on ]; then
+      mapfile -t envs < <(ab_env_args "$i")
+    fi
+    t0=$SECONDS
+    "$@"
+    echo "run $i $v: $((SECONDS - t0)) s"
+    i=$((i + 1))
+  done
+}
+
 # NOTE: the 8B directory `run` writes, for the commands that do not run serving.py.
 ensure_model() {
   if [ ! -f "$MODEL/config.json" ]; then
@@ -403,28 +433,14 @@ case "$cmd" in
     device_env
     ensure_model
     mkdir -p "$WORK" "$OUT/ab"
-    if [ "${AB_BASE:-0}" = 1 ]; then
-      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
-    fi
-    start=$SECONDS
-    i=0
-    for v in off on on off off on on off; do
-      if [ $((SECONDS - start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
-      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
-      echo $((n + 1)) > "$WORK/calls"
-      envs=()
-      if [ "${AB_BASE:-0}" = 1 ]; then
-        if [ "$v" = off ]; then envs=(--kvtier-env "PYTHONPATH=/tmp/base:$PYTHONPATH"); fi
-      elif [ "$v" = on ]; then mapfile -t envs < <(ab_env_args "$i"); fi
-      t0=$SECONDS
+    loadab_one() {
       python3 tools/bench/serving.py "${envs[@]}" --model "$MODEL" --guidellm-python "$(command -v python3)" \
         --out "$WORK/call-$n" --first-round "$n" --servers kvtier --json "$OUT/ab/run$i-$v.json" \
         --concurrency "${AB_LEVELS:-8,32}" --requests-per-stream "${AB_PER_STREAM:-4}" --min-requests 4 \
         --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' "$@" 2>&1 \
         | grep -E "streams (ok|phases|join)" | sed "s/^/run $i $v: /"
-      echo "run $i $v: $((SECONDS - t0)) s"
-      i=$((i + 1))
-    done | tee "$OUT/loadab.txt"
+    }
+    ab_runs loadab_one "$@" | tee "$OUT/loadab.txt"
     tar czf "$OUT/loadab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   agentab)
@@ -437,28 +453,19 @@ case "$cmd" in
     # agentab.txt has each run's agent lines and its server's start-up warm-up
     # line (steps, rows, seconds); agentab.tgz every run's JSON, which
     # tools/bench/agent_ab.py reads (each variant's median, spread, plot).
+    # NOTE: %RUN% in AB_ENV becomes the run's number, e.g. a kernel cache
+    # of its own per run, so every "on" run compiles from nothing:
+    #   AB_ENV=MLX_PTX_CACHE_DIR=/tmp/kvtier-ptx-%RUN% gpu_serving.sh agentab
     device_env
     ensure_model
     mkdir -p "$WORK" "$OUT/ab"
-    start=$SECONDS
-    i=0
-    for v in off on on off off on on off; do
-      if [ $((SECONDS - start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
-      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
-      echo $((n + 1)) > "$WORK/calls"
-      envs=()
-      # NOTE: %RUN% in AB_ENV becomes the run's number, e.g. a kernel cache
-      # of its own per run, so every "on" run compiles from nothing:
-      #   AB_ENV=MLX_PTX_CACHE_DIR=/tmp/kvtier-ptx-%RUN% gpu_serving.sh agentab
-      if [ "$v" = on ]; then mapfile -t envs < <(ab_env_args "$i"); fi
-      t0=$SECONDS
+    agentab_one() {
       python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
         --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
         --json "$OUT/ab/run$i-$v.json" --title "H200 agent $v" --skip-loadgen --agent 8x4 \
         --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent|start-up warm-up" | sed "s/^/run $i $v: /"
-      echo "run $i $v: $((SECONDS - t0)) s"
-      i=$((i + 1))
-    done | tee "$OUT/agentab.txt"
+    }
+    ab_runs agentab_one "$@" | tee "$OUT/agentab.txt"
     tar czf "$OUT/agentab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   sdpa)
