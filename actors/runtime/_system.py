@@ -46,10 +46,10 @@ NOTE: every ``get`` and every ``put`` of a mailbox yields to the other
 tasks first (anyio's rule for memory streams). An actor that forwards
 what it receives (the gateway handing a burst of ``Arriving`` and
 ``Generate`` to the batch lane) then needs two trips round the event loop
-per message, and in a burst a trip is every other ready task's step: the
-last of 32 requests arriving together waited ~60 ms in the gateway's
-mailbox while the gateway's handlers took ~0.4 ms each (CPU stand-in,
-docs/benchmarks.md 2026-12-06 22:00). So an actor takes up to this many
+per message, and in a burst a trip is every other ready task's step: with
+32 requests arriving together a ``Generate`` waited 59 ms p50 in the
+gateway's mailbox while the gateway's handlers took ~0.4 ms each (CPU
+stand-in, docs/benchmarks.md 2026-12-06 22:00). So an actor takes up to this many
 waiting messages without yielding, and a send from inside a handler
 yields only when it must wait for room (``ActorSystem._put``): the
 actor's loop yields at least once every ``MAX_STREAK`` messages, and a
