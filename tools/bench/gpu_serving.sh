@@ -47,6 +47,7 @@
 #   attention    the batch lane's masked decode attention: MLX's fallback vs folded products
 #   agent        the agent line: ragged suffixes aligned vs padded, buffer cache kept vs emptied, then served
 #   loadab       the 8- and 32-stream lines served, kvtier alone, with and without AB_ENV
+#   mailwaits    time in each actor's mailbox and handler at 32 streams (mailbox_waits.py)
 #   agentab      the agent line served, kvtier alone, with and without AB_ENV (default: no periodic cache emptying)
 #   runab        the whole served line with and without AB_ENV, the peer once a call (three calls: three runs each;
 #                AB_STEP=full, then AB_STEP=alone: the two halves in two calls)
@@ -442,6 +443,36 @@ case "$cmd" in
     }
     ab_runs loadab_one "$@" | tee "$OUT/loadab.txt"
     tar czf "$OUT/loadab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
+    ;;
+  mailwaits)
+    # Where messages wait between actors: kvtier alone at ${MW_LEVELS:-32}
+    # streams (${MW_PER_STREAM:-2} requests a stream: a level's first wave) with
+    # per-message events in JSON logs, then mailbox_waits.py over its log (time
+    # in each mailbox and each handler's time per actor and kind). NOTE: the
+    # events cost time of their own; compare kinds within the run, not the
+    # run's TTFT with another's. With AB_BASE=1 the tree of .gpu/tok/base.tgz
+    # runs first, then this tree.
+    device_env
+    ensure_model
+    mkdir -p "$WORK"
+    trees=(this)
+    if [ "${AB_BASE:-0}" = 1 ]; then
+      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+      trees=(base this)
+    fi
+    for tree in "${trees[@]}"; do
+      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+      echo $((n + 1)) > "$WORK/calls"
+      envs=(--kvtier-env KVTIER_LOG_LEVEL=debug --kvtier-env KVTIER_LOG_FORMAT=json)
+      if [ "$tree" = base ]; then envs+=(--kvtier-env "PYTHONPATH=/tmp/base:$PYTHONPATH"); fi
+      python3 tools/bench/serving.py "${envs[@]}" --model "$MODEL" --guidellm-python "$(command -v python3)" \
+        --out "$WORK/mail-$n" --first-round "$n" --servers kvtier --json "$OUT/mailwaits-$tree.json" \
+        --concurrency "${MW_LEVELS:-32}" --requests-per-stream "${MW_PER_STREAM:-2}" --min-requests 4 \
+        --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' "$@" 2>&1 \
+        | grep -E "streams (ok|phases)" | sed "s/^/$tree: /" | tee -a "$OUT/mailwaits.txt"
+      python3 tools/bench/mailbox_waits.py "$WORK/mail-$n/kvtier-r$n.stderr" --json "$OUT/mailwaits-$tree-actors.json" \
+        | sed "s/^/$tree: /" | tee -a "$OUT/mailwaits.txt"
+    done
     ;;
   agentab)
     # Issue 20's agent line, kvtier alone, served, with and without one
