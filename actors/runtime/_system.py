@@ -49,11 +49,12 @@ what it receives (the gateway handing a burst of ``Arriving`` and
 per message, and in a burst a trip is every other ready task's step: with
 32 requests arriving together a ``Generate`` waited 59 ms p50 in the
 gateway's mailbox while the gateway's handlers took ~0.4 ms each (CPU
-stand-in, docs/benchmarks.md 2026-12-06 22:00). So an actor takes up to this many
-waiting messages without yielding, and a send from inside a handler
-yields only when it must wait for room (``ActorSystem._put``): the
-actor's loop yields at least once every ``MAX_STREAK`` messages, and a
-sender that never waits is still bounded by its receiver's capacity.
+stand-in, docs/benchmarks.md 2026-12-06 22:00). So an actor takes up to
+this many waiting messages without yielding, and a send from inside a
+handler (or a task it started, which inherits its context) yields only
+when it must wait for room (``ActorSystem._put``): the actor's loop
+yields at least once every ``MAX_STREAK`` messages, and a sender that
+never waits is still bounded by its receiver's capacity.
 """
 
 _log = structlog.get_logger("kvtier.runtime")

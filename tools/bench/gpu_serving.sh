@@ -131,6 +131,13 @@ ab_env_args() {
   for a in "${assigns[@]}"; do printf '%s\n%s\n' --kvtier-env "${a//%RUN%/${1:-}}"; done
 }
 
+# NOTE: .gpu/tok/base.tgz (a `git archive` of an earlier commit: actors
+# kernels messages) unpacked to /tmp/base, the baseline tree of memguard,
+# mailwaits and the AB_BASE=1 runs.
+unpack_base() {
+  rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+}
+
 # NOTE: loadab's and agentab's runs: the order A B B A A B ... (the first
 # run's server warms up with MLX's first compiles), no new run once
 # AB_BUDGET_S (default 480) seconds have passed. For each run it sets $v (off /
@@ -141,7 +148,7 @@ ab_env_args() {
 ab_runs() {
   local start=$SECONDS t0
   if [ "${AB_BASE:-0}" = 1 ]; then
-    rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+    unpack_base
   fi
   i=0
   for v in off on on off off on on off; do
@@ -457,7 +464,7 @@ case "$cmd" in
     mkdir -p "$WORK"
     trees=(this)
     if [ "${AB_BASE:-0}" = 1 ]; then
-      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+      unpack_base
       trees=(base this)
     fi
     for tree in "${trees[@]}"; do
@@ -792,7 +799,7 @@ print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_c
     ensure_model
     base=()
     if [ -f .gpu/tok/base.tgz ]; then
-      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .gpu/tok/base.tgz -C /tmp/base
+      unpack_base
       base=(--baseline-tree /tmp/base)
     fi
     python3 tools/bench/cuda_memory_guard.py --model "$MODEL" "${base[@]}" \
