@@ -62,10 +62,11 @@ Invariants (checked by the tests):
   its row, if still in the batch, is removed by the next step (its cache
   kept); nothing more is sent to it;
 - generation checkpoints (docs/cold-tier.md): a row admitted with a
-  checkpoint key looks its checkpoint up first (``LoadCheckpoint`` ...
-  ``CheckpointLoaded``, a worker thread, while it waits, never inside a
-  step); a found one makes it ready without a prompt-cache lookup (it
-  joins resumed), none found goes on to the prompt-cache lookup. Every
+  checkpoint key looks its checkpoint up beside its prompt-cache lookup
+  (``LoadCheckpoint`` ... ``CheckpointLoaded``, a worker thread, while it
+  waits, never inside a step) and is ready once both answered; a found
+  checkpoint makes it join resumed and gives the prompt cache's lease
+  back (``ReleaseLease``), none found joins with what the lookup found. Every
   snapshot a step hands back goes out as ``SendCheckpoint`` (its row gone:
   with no key, so the shell frees it); an answer that finishes (stop or
   length) with checkpoints sent or found voids them (``VoidCheckpoints``);
@@ -673,6 +674,10 @@ class Row:
     checkpoint_key: str | None = None
     """Its generation-checkpoint key (``None``: not checkpointed)."""
     checkpoint_looked: bool = False
+    checkpoint_pending: bool = False
+    """Its checkpoint lookup was sent and not yet answered."""
+    take_pending: bool = False
+    """Its prompt-cache lookup (``StartLookup``) was sent and not yet answered."""
     resume: bool = False
     """A checkpoint was found: the row joins from it (the shell holds its bytes)."""
     checkpoint_files: bool = False
@@ -1008,47 +1013,62 @@ def _place(state: SchedulerState, out: list[Effect], now: float) -> None:
     while state.waiting and state.placed() < state.max_rows:
         rid = state.waiting.popleft()
         row = state.rows[rid]
+        row.phase = "ready"
         if row.checkpoint_key is not None and not row.checkpoint_looked:
-            # NOTE: before the prompt-cache lookup: a found checkpoint needs none.
-            row.phase = "lookup"
-            row.checkpoint_looked = True
-            row.lookup_started_at = now
+            # NOTE: beside the prompt-cache lookup, not before it: a
+            # checkpoint is found only for the retry of an interrupted
+            # answer, and a lookup that waited for the checkpoint's worker
+            # thread put a thread hop (and its wait for the GIL) in front of
+            # every keyed row's Take. A found checkpoint gives the Take's
+            # lease back (_lookups_ended).
+            row.checkpoint_looked = row.checkpoint_pending = True
             state.stats.checkpoint_lookups += 1
             out.append(LoadCheckpoint(row.request, row.checkpoint_key))
-        elif state.lookups and len(row.request.prompt_tokens) > 1:
+        if state.lookups and len(row.request.prompt_tokens) > 1:
+            row.take_pending = True
+            out.append(StartLookup(row.request, row.correlation_id))
+        if row.checkpoint_pending or row.take_pending:
             row.phase = "lookup"
             row.lookup_started_at = now
-            out.append(StartLookup(row.request, row.correlation_id))
-        else:
-            row.phase = "ready"
 
 
 def _checkpoint_loaded(state: SchedulerState, ev: CheckpointLoaded, out: list[Effect]) -> None:
     row = state.rows.get(ev.request_id)
-    if row is None or row.phase != "lookup" or row.lookup is not None:
+    if row is None or row.phase != "lookup" or not row.checkpoint_pending:
         return  # NOTE: the row left while its lookup ran (the shell drops the bytes).
+    row.checkpoint_pending = False
     if ev.found:
         state.stats.checkpoints_found += 1
-        row.resume = ev.found
+        row.resume = True
         row.checkpoint_files = True
-        row.lookup_done_at = ev.now
-        row.phase = "ready"
-    elif state.lookups and len(row.request.prompt_tokens) > 1:
-        out.append(StartLookup(row.request, row.correlation_id))
-    else:
-        row.lookup_done_at = ev.now
-        row.phase = "ready"
+    _lookups_ended(row, ev.now, out)
 
 
 def _lookup_answered(state: SchedulerState, ev: LookupAnswered, out: list[Effect]) -> None:
     row = state.rows.get(ev.request_id)
-    if row is None or row.phase != "lookup":
+    if row is None or row.phase != "lookup" or not row.take_pending:
         # NOTE: the row left while its lookup ran: the lease is ours to give back.
         if ev.result is not None and ev.result.lease_id is not None:
             out.append(ReleaseLease(ev.result.lease_id))
         return
+    row.take_pending = False
     row.lookup = ev.result
-    row.lookup_done_at = ev.now
+    _lookups_ended(row, ev.now, out)
+
+
+def _lookups_ended(row: Row, now: float, out: list[Effect]) -> None:
+    """Make ``row`` ready once its checkpoint and prompt-cache lookups both answered.
+
+    A found checkpoint holds the whole answer so far: the row joins resumed
+    and the prompt cache's lease (and any staged SSD restore) goes back.
+    """
+    if row.checkpoint_pending or row.take_pending:
+        return
+    if row.resume and row.lookup is not None:
+        if row.lookup.lease_id is not None:
+            out.append(ReleaseLease(row.lookup.lease_id))
+        row.lookup = None
+    row.lookup_done_at = now
     row.phase = "ready"
 
 
@@ -1281,6 +1301,7 @@ def _defer(state: SchedulerState, row: Row, out: list[Effect]) -> bool:
     if state.rows[best].prefilled:
         row.relooked = True
         row.phase = "lookup"
+        row.take_pending = True
         out.append(StartLookup(row.request, row.correlation_id))
         return True
     row.phase = "deferred"
@@ -1299,6 +1320,7 @@ def _wake_deferred(state: SchedulerState, out: list[Effect]) -> None:
             row.phase = "lookup"
             row.wait_for = None
             row.relooked = True
+            row.take_pending = True
             out.append(StartLookup(row.request, row.correlation_id))
 
 
