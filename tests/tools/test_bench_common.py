@@ -86,3 +86,34 @@ def test_step_timer_records_each_step_and_forgets_on_take() -> None:
     assert all(a <= b for a, b in spans)
     assert spans[0][1] <= spans[1][0]
     assert timer.take_spans() == []
+
+
+class _Ran:
+    """A finished ``subprocess.run`` as :func:`gpus` reads it."""
+
+    def __init__(self, returncode: int, stdout: str) -> None:
+        self.returncode = returncode
+        self.stdout = stdout
+
+
+def test_gpus_reads_each_card_and_tolerates_no_driver() -> None:
+    """Each nvidia-smi line becomes one card's fields; a missing tool, a failure or a short line gives nothing."""
+    line = "NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04, 1980 MHz, 1980 MHz, 700.00 W, 33, 00000000:18:00.0"
+    asked: list[list[str]] = []
+
+    def two_cards(cmd: list[str], **_kw: Any) -> _Ran:
+        asked.append(cmd)
+        return _Ran(0, f"{line}\n{line.replace('18:00', '2A:00')}\nshort, line\n")
+
+    cards = common.gpus(two_cards)
+    assert [c["pci.bus_id"] for c in cards] == ["00000000:18:00.0", "00000000:2A:00.0"]
+    assert cards[0]["name"] == "NVIDIA H100 80GB HBM3"
+    assert cards[0]["clocks.sm"] == "1980 MHz"
+    assert asked[0][0] == "nvidia-smi"
+    assert common.gpus(lambda *_a, **_k: _Ran(9, line)) == []
+
+    def absent(*_a: Any, **_k: Any) -> _Ran:
+        raise FileNotFoundError("nvidia-smi")
+
+    assert common.gpus(absent) == []
+    assert isinstance(common.machine()["gpus"], list)

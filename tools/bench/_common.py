@@ -395,6 +395,33 @@ def loadavg() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+GPU_QUERY = ("name", "memory.total", "driver_version", "clocks.max.sm", "clocks.sm",
+             "power.limit", "temperature.gpu", "pci.bus_id")
+"""What :func:`gpus` asks ``nvidia-smi`` for, one field each."""
+
+
+def gpus(run: Callable[..., Any] = subprocess.run) -> list[dict[str, str]]:
+    """Each NVIDIA GPU's name, memory, driver, SM clocks, power limit, temperature and bus (``[]``: none, or no ``nvidia-smi``).
+
+    NOTE: lent GPU hosts of one kind differ run to run (an H100 whose peer
+    and kvtier both decoded 1.3-2 x slower than on the one before); the
+    clocks and the bus name say which card a figure came from.
+    """
+    try:
+        done = run(["nvidia-smi", f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader"],
+                   capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    out: list[dict[str, str]] = []
+    for line in str(done.stdout).splitlines():
+        values = [v.strip() for v in line.split(",")]
+        if len(values) == len(GPU_QUERY):
+            out.append(dict(zip(GPU_QUERY, values, strict=True)))
+    return out
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on: CPU count, memory, Python, MLX and mlx-lm versions."""
     from importlib.metadata import PackageNotFoundError, version
@@ -429,6 +456,7 @@ def machine() -> dict[str, Any]:
         "commit": commit,
         # NOTE: Debian's path here; a carried copy elsewhere (the device's) lives in an openblas folder.
         "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
+        "gpus": gpus(),
     }
 
 
