@@ -216,6 +216,8 @@ class PromptCacheStats(Body):
     With a cold tier: ``hits``/``cached_tokens_served`` count the RAM tier's
     hits, ``ssd_hits``/``ssd_cached_tokens_served`` the ones served by a file
     (``misses``: neither). ``ssd_lookups``: takes that asked the SSD index;
+    ``ssd_lookups_skipped``: takes that did not, because the prompt's rest
+    past RAM's hit was shorter than any file the index offers may add;
     ``ssd_recompute``: a longer file existed but prefilling was predicted
     faster; ``ssd_failures``: a restore that failed (corrupt file, I/O error,
     tier gone) and was served as a miss; ``ssd_timeouts``: lookups that ran
@@ -252,6 +254,7 @@ class PromptCacheStats(Body):
     ssd_hits: int = 0
     ssd_cached_tokens_served: int = 0
     ssd_lookups: int = 0
+    ssd_lookups_skipped: int = 0
     ssd_recompute: int = 0
     ssd_failures: int = 0
     ssd_timeouts: int = 0

@@ -261,6 +261,7 @@ def _prompt_cache_factory(
         # NOTE: a lookup past the cap is answered from RAM alone, so a burst
         # of SSD hits bigger than it would join cold.
         max_cold_lookups=cfg.max_cold_lookups,
+        cold_min_gain=cold.config.min_restore_tokens if cold is not None else 1,
         demote_idle_s=demote,
         # NOTE: one idle scan per quarter of the idle time (within 50 ms..30 s),
         # a few entries per scan: the spill queue receives demotions gradually.
@@ -813,6 +814,7 @@ def _cold_tier_view(out: dict[str, Any]) -> None:
         "ssd_hits",
         "ssd_cached_tokens_served",
         "ssd_lookups",
+        "ssd_lookups_skipped",
         "ssd_recompute",
         "ssd_failures",
         "ssd_timeouts",

@@ -378,7 +378,10 @@ class CoreState:
     arrays (``None``: no drain is requested; the engine drains at its next
     turn). ``lease_ttl_s``: how long a lease may live. ``cold_lookups``: a
     ``Take`` also asks the SSD index (at most ``max_cold_lookups`` at once,
-    each answered within ``cold_timeout_s``). ``demote_idle_s``: entries
+    each answered within ``cold_timeout_s``), unless the prompt's rest past
+    what RAM serves is shorter than ``cold_min_gain`` (the index's
+    ``min_restore_tokens``: its ``Find`` offers no file adding fewer, so
+    its answer would be a miss). ``demote_idle_s``: entries
     unused this long are handed to the cold tier (0: never; needs
     ``spill_enabled``), at most ``demote_batch`` per scan, one scan per
     ``demote_scan_s`` at most. ``notify_puts``: every stored put is
@@ -392,6 +395,7 @@ class CoreState:
     cold_lookups: bool = False
     cold_timeout_s: float = DEFAULT_COLD_TIMEOUT_S
     max_cold_lookups: int = 4
+    cold_min_gain: int = 1
     demote_idle_s: float = 0.0
     demote_batch: int = 4
     demote_scan_s: float = 0.0
@@ -428,6 +432,7 @@ class CoreState:
     ssd_hits: int = 0
     ssd_cached_tokens_served: int = 0
     ssd_lookups: int = 0
+    ssd_lookups_skipped: int = 0
     ssd_recompute: int = 0
     ssd_failures: int = 0
     ssd_timeouts: int = 0
@@ -447,8 +452,9 @@ class CoreState:
             raise ValueError("cap_bytes cannot be negative")
         if self.lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
-        if self.cold_timeout_s <= 0 or self.max_cold_lookups < 1:
-            raise ValueError("cold_timeout_s must be positive and max_cold_lookups >= 1")
+        if self.cold_timeout_s <= 0 or self.max_cold_lookups < 1 or self.cold_min_gain < 1:
+            raise ValueError(
+                "cold_timeout_s must be positive, max_cold_lookups and cold_min_gain >= 1")
         if self.demote_idle_s < 0 or self.demote_batch < 1 or self.demote_scan_s < 0:
             raise ValueError("demote_idle_s, demote_scan_s >= 0 and demote_batch >= 1")
 
@@ -587,6 +593,13 @@ def _take_received(state: CoreState, envelope: Envelope, msg: Take, now: float) 
         or usable >= len(msg.tokens) - 1
         or len(state.pending) >= state.max_cold_lookups
     ):
+        return take(state, msg, now)
+    if len(msg.tokens) - 1 - usable < state.cold_min_gain:
+        # NOTE: no file can add cold_min_gain tokens to RAM's (a file serves
+        # at most len - 1): the index's answer is known to be a miss. An
+        # agent's next turn (RAM holds the conversation so far, a few dozen
+        # new tokens) answers here instead of after two more hops.
+        state.ssd_lookups_skipped += 1
         return take(state, msg, now)
     ram = TakeResult() if best is None else _lease_ram(state, best, usable, now)
     state.take_seq += 1
@@ -1084,6 +1097,7 @@ def stats(state: CoreState) -> PromptCacheStats:
         ssd_hits=state.ssd_hits,
         ssd_cached_tokens_served=state.ssd_cached_tokens_served,
         ssd_lookups=state.ssd_lookups,
+        ssd_lookups_skipped=state.ssd_lookups_skipped,
         ssd_recompute=state.ssd_recompute,
         ssd_failures=state.ssd_failures,
         ssd_timeouts=state.ssd_timeouts,

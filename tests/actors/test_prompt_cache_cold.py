@@ -94,6 +94,23 @@ def test_a_take_asks_the_index_for_more_than_ram_has_and_answers_nothing_yet() -
     assert state.entries["a"].leases == 1
 
 
+def test_a_take_whose_rest_no_file_could_serve_skips_the_index() -> None:
+    """With the index's minimum gain: a rest past RAM's hit shorter than it is answered from RAM at once, counted; as long as it asks Find."""
+    # NOTE: PROMPT has 20 tokens, so a file serves at most 19; RAM serves 12.
+    state = _state(cold_min_gain=8)
+    _put(state, "a", PROMPT[:12])
+    _, effects = _take(state)
+    assert not [e for e in effects if isinstance(e, core.AskCold)]
+    result, _ = _answer(effects)
+    assert (result.cached_tokens, result.tier) == (12, "ram")
+    assert (state.ssd_lookups, state.ssd_lookups_skipped) == (0, 1)
+    state = _state(cold_min_gain=7)
+    _put(state, "a", PROMPT[:12])
+    _, effects = _take(state)
+    assert _ask(effects).body == Find(tokens=PROMPT, better_than=12)
+    assert (state.ssd_lookups, state.ssd_lookups_skipped) == (1, 0)
+
+
 def test_a_longer_file_is_restored_and_its_staged_bytes_replace_the_ram_lease() -> None:
     """A file with a strictly longer prefix is restored; the Take is answered with an ssd
     lease on the staged bytes, and the RAM candidate's lease is released."""

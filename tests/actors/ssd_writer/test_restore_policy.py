@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.engine import Engine, GenerationParams
 from actors.ssd_writer import FileIdentity, SsdWriterConfig, core
@@ -68,6 +70,26 @@ def test_find_offers_no_file_adding_fewer_than_min_restore_tokens() -> None:
     assert offered.choice == "restore"
     stats = core.stats(state)
     assert (stats.choices_restore + stats.choices_recompute, stats.finds) == (1, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shared=st.integers(0, 520), tail=st.integers(0, 80), better=st.integers(0, 600))
+def test_find_misses_whenever_the_prompts_rest_is_below_the_floor(shared: int, tail: int,
+                                                                 better: int) -> None:
+    """The prompt cache's skip rule (actors/prompt_cache/core.py, ``cold_min_gain``) never hides a file.
+
+    For any prompt (a prefix of the stored file, or sharing part of it and
+    then diverging) and any RAM prefix ``better``: when fewer than
+    ``MIN_RESTORE_TOKENS`` tokens of the prompt lie past ``better`` (the last
+    one left to compute), ``Find`` answers a miss.
+    """
+    prompt = (*FILE[:shared], *range(7, 7 + tail))
+    better = min(better, max(len(prompt) - 1, 0))
+    if len(prompt) - 1 - better >= core.MIN_RESTORE_TOKENS:
+        return
+    (effect,) = _send(_state(), Find(tokens=prompt, better_than=better))
+    assert isinstance(effect, core.Answer)
+    assert effect.body == FindResult()
 
 
 def test_unmeasured_speeds_are_their_priors_until_measured() -> None:
@@ -198,3 +220,21 @@ def test_always_restore_reads_a_file_the_estimator_would_recompute() -> None:
     assert restore_s is not None
     assert prefill_s is not None
     assert restore_s > prefill_s
+
+
+@pytest.mark.anyio
+async def test_a_next_turn_served_by_ram_skips_the_index(tmp_path: Path) -> None:
+    """Through the Engine with the SSD tier: a prompt extending a RAM entry by fewer than MIN_RESTORE_TOKENS does not ask the index (counted in /stats); a new prompt does."""
+    tok = tiny_tokenizer()
+    model = lively_llama(len(tok))
+    first = _tokens(tok, "Rivers and their deltas, in great detail please. " * 4)
+    async with _engine(model, tok, tmp_path) as engine:
+        await engine.complete_prompt(first, GREEDY)
+        before = (await engine.stats())["ssd_cache"]
+        nxt = [*first, *_tokens(tok, " And lakes?")]
+        assert len(nxt) - len(first) < core.MIN_RESTORE_TOKENS
+        done = await engine.complete_prompt(nxt, GREEDY)
+        after = (await engine.stats())["ssd_cache"]
+    assert done.usage.cached_tokens >= len(first) - 1
+    assert (before["lookups"], before["lookups_skipped"]) == (1, 0)
+    assert (after["lookups"], after["lookups_skipped"]) == (1, 1)
