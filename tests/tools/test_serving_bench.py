@@ -456,3 +456,21 @@ def test_the_start_up_warm_up_line_is_read_from_either_log_format(tmp_path: Path
                                  "seconds": 0.1, "skipped": "recurrent_disabled"}) + "\n")
     assert serving.warm_up_pass([jsonl])["skipped"] == "recurrent_disabled"
     assert serving.warm_up_pass([tmp_path / "missing.log"]) == {}
+
+
+def test_a_tree_named_on_pythonpath_is_the_code_kvtier_runs(tmp_path: Path) -> None:
+    """With PYTHONPATH naming an earlier tree, kvtier's child runs outside this checkout and imports that tree; without, this checkout."""
+    tree = tmp_path / "base"
+    (tree / "actors").mkdir(parents=True)
+    (tree / "actors" / "__init__.py").write_text("")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {"PYTHONPATH": str(tree)}
+    cwd = serving.server_cwd("kvtier", env, workdir)
+    assert cwd == workdir
+    assert serving.code_dir(env, cwd) == str(tree)
+    # NOTE: the trap the working directory avoids: from this checkout, `-m` / `-c`
+    # put it first on sys.path and its own actors package wins over PYTHONPATH.
+    assert serving.code_dir(env, REPO) == str(REPO)
+    assert serving.server_cwd("kvtier", None, workdir) == REPO
+    assert serving.server_cwd("mlx_lm", env, workdir) == REPO

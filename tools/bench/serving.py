@@ -302,6 +302,8 @@ class ServerRun:
     stats: dict[str, Any] = field(default_factory=dict)
     """kvtier only: parts of ``/stats`` (the tiers, the lanes, the timeline) after the load
     generator (``loads``) and after the agent trace (``agent``)."""
+    code: str = ""
+    """kvtier only: the directory whose ``actors`` package the server imported (which tree ran)."""
     died: str | None = None
     """How the server ended before its run did (the round, the phase, its exit status, its
     last error line); ``None`` when it lasted. What it finished before is kept."""
@@ -499,14 +501,43 @@ def start_server(
         if args.rows:
             extra += ["--decode-concurrency", str(args.rows)]
         cmd = [sys.executable, "-m", "mlx_lm.server", *common, *extra]
-    env = None
-    if who == "kvtier" and args.kvtier_env:
-        # NOTE: kvtier's process only: MLX's own switches (e.g.
-        # MLX_CUDA_USE_CUDNN_SDPA) would otherwise change the peer too.
-        env = dict(item.split("=", 1) for item in args.kvtier_env)
-    server = Server(cmd, workdir, f"{who}-{tag}", env=env)
+    env = kvtier_env(args) if who == "kvtier" else None
+    server = Server(cmd, workdir, f"{who}-{tag}", env=env, cwd=server_cwd(who, env, workdir))
     server.wait_ready(f"http://127.0.0.1:{port}", timeout=args.start_timeout)
     return server
+
+
+def kvtier_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """``--kvtier-env``'s assignments (``None``: none)."""
+    # NOTE: kvtier's process only: MLX's own switches (e.g.
+    # MLX_CUDA_USE_CUDNN_SDPA) would otherwise change the peer too.
+    return dict(item.split("=", 1) for item in args.kvtier_env) if args.kvtier_env else None
+
+
+def server_cwd(who: str, env: dict[str, str] | None, workdir: Path) -> Path:
+    """Where a server child runs: this checkout, or, for kvtier given a ``PYTHONPATH``, ``workdir``.
+
+    NOTE: ``python -m actors.cli`` puts its working directory first on
+    ``sys.path``, ahead of ``PYTHONPATH``: run from this checkout, an earlier
+    tree named on ``PYTHONPATH`` (an A/B against an older commit) loses to the
+    checkout's own code, and both variants run the same code. From
+    ``workdir`` (no ``actors`` there), ``PYTHONPATH`` decides, then the
+    installed package.
+    """
+    if who == "kvtier" and env is not None and env.get("PYTHONPATH"):
+        return workdir
+    return REPO
+
+
+def code_dir(env: dict[str, str] | None, cwd: Path) -> str:
+    """The directory whose ``actors`` package a ``kvtier serve`` child with ``env`` in ``cwd`` imports."""
+    from _common import child_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import actors, os; print(os.path.dirname(os.path.dirname(actors.__file__)))"],
+        cwd=cwd, env=child_env(env), capture_output=True, text=True, timeout=120, check=False,
+    )
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[-200:]})"
 
 
 def run_server(
@@ -541,6 +572,10 @@ def run_server(
     tag = f"r{rnd}"
     server = start_server(who, model, port, workdir, args, tag)
     run = ServerRun(who, server.ready_s)
+    if who == "kvtier":
+        env = kvtier_env(args)
+        run.code = code_dir(env, server_cwd(who, env, workdir))
+        print(f"round {rnd} kvtier  code: {run.code}", flush=True)
     if who == "kvtier" and (warm := warm_up_pass([server.stdout, server.stderr])):
         run.warm_up = warm
         print(f"round {rnd} kvtier  start-up warm-up: {warm.get('steps')} steps, {warm.get('rows')} rows, "
