@@ -1265,7 +1265,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         type=_assignment,
-        help="KEY=VALUE in kvtier serve's environment only (repeat)",
+        help="KEY=VALUE in kvtier serve's environment only (repeat); PYTHONPATH=TREE runs TREE's "
+             "code (an earlier commit's worktree: each run prints the tree it imported)",
     )
     p.add_argument(
         "--mlx-lm-arg", action="append", default=[], help="extra mlx_lm.server argument (repeat)"
