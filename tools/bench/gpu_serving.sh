@@ -446,7 +446,7 @@ case "$cmd" in
         --out "$WORK/call-$n" --first-round "$n" --servers kvtier --json "$OUT/ab/run$i-$v.json" \
         --concurrency "${AB_LEVELS:-8,32}" --requests-per-stream "${AB_PER_STREAM:-4}" --min-requests 4 \
         --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' "$@" 2>&1 \
-        | grep -E "streams (ok|phases|join)" | sed "s/^/run $i $v: /"
+        | grep -E "streams (ok|phases|join)|kvtier  code:" | sed "s/^/run $i $v: /"
     }
     ab_runs loadab_one "$@" | tee "$OUT/loadab.txt"
     tar czf "$OUT/loadab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
@@ -476,7 +476,7 @@ case "$cmd" in
         --out "$WORK/mail-$n" --first-round "$n" --servers kvtier --json "$OUT/mailwaits-$tree.json" \
         --concurrency "${MW_LEVELS:-32}" --requests-per-stream "${MW_PER_STREAM:-2}" --min-requests 4 \
         --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' "$@" 2>&1 \
-        | grep -E "streams (ok|phases)" | sed "s/^/$tree: /" | tee -a "$OUT/mailwaits.txt"
+        | grep -E "streams (ok|phases)|kvtier  code:" | sed "s/^/$tree: /" | tee -a "$OUT/mailwaits.txt"
       python3 tools/bench/mailbox_waits.py "$WORK/mail-$n/kvtier-r$n.stderr" --json "$OUT/mailwaits-$tree-actors.json" \
         | sed "s/^/$tree: /" | tee -a "$OUT/mailwaits.txt"
     done
@@ -501,7 +501,7 @@ case "$cmd" in
       python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
         --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
         --json "$OUT/ab/run$i-$v.json" --title "H200 agent $v" --skip-loadgen --agent 8x4 \
-        --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent|start-up warm-up" | sed "s/^/run $i $v: /"
+        --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent|start-up warm-up|kvtier  code:" | sed "s/^/run $i $v: /"
     }
     ab_runs agentab_one "$@" | tee "$OUT/agentab.txt"
     tar czf "$OUT/agentab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
