@@ -8,40 +8,23 @@ row becomes ready only once both answered, and a found checkpoint gives the
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import anyio
 import pytest
 
 from actors.batch_scheduler import BatchScheduler
-from actors.checkpoints import CheckpointCounters, CheckpointPort, ResumeFrom
+from actors.checkpoints import ResumeFrom
 from actors.runtime import Actor, ActorSystem, Context, ReceiveTimeout
 from messages import Envelope
 from messages.batch_scheduler import BatchWants
 from messages.gateway import Generate, GenerationParams
 from messages.prompt_cache import Release, Take, TakeResult
+from tests.actors.checkpoints.gated_port import GatedPort
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = (1, 2, 3, 4, 5)
-
-
-class GatedPort(CheckpointPort):
-    """A checkpoint port whose ``load`` blocks until the test opens the gate, then finds ``found``."""
-
-    def __init__(self, found: ResumeFrom | None) -> None:
-        super().__init__(every=8, directory="unused", fingerprint="f", port=None,  # type: ignore[arg-type]
-                         spill_queue="spill", dispose=lambda _h: None, counters=CheckpointCounters())
-        self.gate = threading.Event()
-        self.found = found
-        self.loads = 0
-
-    def load(self, key: str, namespace: str, prompt: tuple[int, ...]) -> ResumeFrom | None:
-        """Count the call, wait for the gate, answer ``found``."""
-        self.loads += 1
-        assert self.gate.wait(10)
-        return self.found
 
 
 class LendingCache(Actor):
@@ -97,7 +80,7 @@ async def test_take_goes_out_while_the_checkpoint_lookup_runs(found: bool) -> No
         request = Generate(request_id="r1", prompt_tokens=PROMPT,
                            params=GenerationParams(max_tokens=4), stream_to=streams.address)
         await system.tell("batch", request)
-        await _until(lambda: len(cache.takes) == 1 and port.loads == 1)
+        await _until(lambda: len(cache.takes) == 1 and len(port.loads) == 1)
         # NOTE: the lookup's answer has been sent back; give the row every
         # chance to turn ready early before the gate opens.
         await anyio.sleep(0.1)

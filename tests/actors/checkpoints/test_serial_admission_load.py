@@ -9,33 +9,17 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from actors.checkpoints import CheckpointCounters, CheckpointPort, ResumeFrom
+from actors.checkpoints import ResumeFrom
 from actors.gateway import Gateway
 from actors.gateway import core as gc
 from actors.runtime import Actor, ActorSystem, Context
 from messages import Envelope
 from messages.gateway import AdmissionReply, Generate, GenerationParams, RunTurn
+from tests.actors.checkpoints.gated_port import GatedPort
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = (1, 2, 3, 4, 5)
-
-
-class GatedPort(CheckpointPort):
-    """A checkpoint port whose ``load`` blocks until the test opens the gate, then finds ``found``."""
-
-    def __init__(self, found: ResumeFrom | None) -> None:
-        super().__init__(every=8, directory="unused", fingerprint="f", port=None,  # type: ignore[arg-type]
-                         spill_queue="spill", dispose=lambda _h: None, counters=CheckpointCounters())
-        self.gate = threading.Event()
-        self.found = found
-        self.loads: list[tuple[str, str, tuple[int, ...], int]] = []
-
-    def load(self, key: str, namespace: str, prompt: tuple[int, ...]) -> ResumeFrom | None:
-        """Record the call (with its thread), wait for the gate, answer ``found``."""
-        self.loads.append((key, namespace, prompt, threading.get_ident()))
-        assert self.gate.wait(10)
-        return self.found
 
 
 class RecordingRunner(Actor):
