@@ -1019,8 +1019,10 @@ def _place(state: SchedulerState, out: list[Effect], now: float) -> None:
             # checkpoint is found only for the retry of an interrupted
             # answer, and a lookup that waited for the checkpoint's worker
             # thread put a thread hop (and its wait for the GIL) in front of
-            # every keyed row's Take. A found checkpoint gives the Take's
-            # lease back (_lookups_ended).
+            # every keyed row's Take. The row still waits for the later of
+            # the two answers (on the CPU stand-in the lookup phase did not
+            # shorten beyond the spread, docs/benchmarks.md 2026-12-07). A
+            # found checkpoint gives the Take's lease back (_lookups_ended).
             row.checkpoint_looked = row.checkpoint_pending = True
             state.stats.checkpoint_lookups += 1
             out.append(LoadCheckpoint(row.request, row.checkpoint_key))

@@ -49,7 +49,8 @@ what it receives (the gateway handing a burst of ``Arriving`` and
 per message, and in a burst a trip is every other ready task's step: with
 32 requests arriving together a ``Generate`` waited 59 ms p50 in the
 gateway's mailbox while the gateway's handlers took ~0.4 ms each (CPU
-stand-in, docs/benchmarks.md 2026-12-06 22:00). So an actor takes up to
+stand-in, docs/benchmarks.md 2026-12-06 22:00; admission 0.45 × since,
+2026-12-07 00:45). So an actor takes up to
 this many waiting messages without yielding, and a send from inside a
 handler (or a task it started, which inherits its context) yields only
 when it must wait for room (``ActorSystem._put``): the actor's loop
