@@ -58,6 +58,7 @@
 #   ckpt         checkpoints' decode cost: off / whole read-backs / deltas side by side (checkpoint.py)
 #   readback     a checkpoint read-back's pieces on CUDA: gather, first host view, host read (cuda_readback.py)
 #   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
+#   stepparts    where a decode step's time goes at 1 / 8 / 32 rows (decode_step_parts.py)
 #   looptrace    the event loop's busy iterations, callback by callback, at 8 and 32 streams (loop_trace.py)
 #   memguard     the memory guard beside another process holding the card's memory (cuda_memory_guard.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
@@ -766,6 +767,21 @@ print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_c
       --decode-prompt-tokens "${TTFT_TOKENS:-530}" --max-tokens 32 --rounds "${TTFT_ROUNDS:-5}" \
       $([ -n "${TTFT_CACHE:-}" ] || echo --skip-cache) --json "$OUT/ttft.json" "$@" 2>&1 \
       | tail -n 40 | tee "$OUT/ttft.txt"
+    ;;
+  stepparts)
+    # Where a decode step's time goes at ${SP_ROWS:-1,8,32} rows
+    # (decode_step_parts.py: the weights' products alone, a plain-cache step
+    # pipelined and synchronous, kvtier's batch kernel), once per MLX setting
+    # in ${SP_ENVS:-default MLX_MAX_OPS_PER_BUFFER=1000 MLX_USE_CUDA_GRAPHS=0}
+    # (MLX reads them once a process). No model directory needed.
+    device_env
+    for e in ${SP_ENVS:-default MLX_MAX_OPS_PER_BUFFER=1000 MLX_USE_CUDA_GRAPHS=0}; do
+      echo "== $e"
+      if [ "$e" = default ]; then envs=(); else envs=("$e"); fi
+      env "${envs[@]}" python3 tools/bench/decode_step_parts.py --tok-dir .gpu/tok \
+        --rows "${SP_ROWS:-1,8,32}" --label "$e" \
+        --json "$OUT/parts-${e//[^A-Za-z0-9]/_}.json" "$@" 2>&1
+    done | tee "$OUT/parts.txt"
     ;;
   looptrace)
     # Where the event loop's time goes while a new request's `admit` grows
