@@ -4,7 +4,6 @@ a failure always reaches the gateway and the stream, however full their mailboxe
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -34,6 +33,7 @@ from messages.gateway import (
     TokenEvent,
     TurnDone,
 )
+from tests.actors.polling import until
 
 from .gateway_scenarios import ScriptedBackend, Seen
 
@@ -72,14 +72,6 @@ class CrashingRunner(Actor):
         if isinstance(envelope.body, RunTurn):
             self.turns += 1
             raise RuntimeError("runner bug")
-
-
-async def _until(check: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if check():
-            return
-        await anyio.sleep(0.005)
-    raise AssertionError("not reached within 10 s")
 
 
 class FailingBackend(ScriptedBackend):
@@ -154,7 +146,7 @@ async def test_runner_bug_outside_the_engine_job_fails_the_request_and_frees_the
         good = await _admit(system, "good")
         bad_events = await _stream(bad)
         good_events = await _stream(good)
-        await _until(lambda: gateway.state.idle)
+        await until(lambda: gateway.state.idle)
         failures = system.statistics().actors
     assert isinstance(bad_events[-1], ErrorEvent)
     assert bad_events[-1].error_code == "ValidationError"
@@ -183,7 +175,7 @@ async def test_runner_whose_handler_raises_fails_each_turn_without_hanging(polic
         steps.add("bg", lambda: None)
         with anyio.fail_after(10):
             done = await system.ask("gateway", RunWhenIdle(step_id="bg"), timeout=10, expect=TurnDone)
-        await _until(lambda: gateway.state.idle)
+        await until(lambda: gateway.state.idle)
     for events in (first_events, second_events):
         assert len(events) == 1
         assert isinstance(events[0], ErrorEvent)
@@ -203,7 +195,7 @@ async def test_a_runner_failure_reaches_a_gateway_whose_mailbox_is_full() -> Non
         system.spawn("gateway", lambda: gateway, capacity=4, supervision=Supervision("resume"))
         system.spawn("runner", FloodingRunner, supervision=Supervision("resume"))
         events = await _stream(await _admit(system, "r1"))
-        await _until(lambda: gateway.state.idle)
+        await until(lambda: gateway.state.idle)
         dead = [d.reason for d in system.dead_letters()]
     assert len(events) == 1
     assert isinstance(events[0], ErrorEvent)
@@ -226,7 +218,7 @@ async def test_a_stream_that_is_full_when_its_turn_fails_still_ends_with_the_err
         )
         inbox = await _admit(system, "r1", max_tokens=8, capacity=2)
         # NOTE: nobody reads until the request is over: the 2 tokens fill the stream.
-        await _until(lambda: gateway.state.idle)
+        await until(lambda: gateway.state.idle)
         events = await _stream(inbox)
     assert [type(e) for e in events] == [TokenEvent, TokenEvent, ErrorEvent]
     error = events[-1]
@@ -255,7 +247,7 @@ async def test_a_timed_out_run_when_idle_is_never_granted_later() -> None:
         with pytest.raises(AskTimeout):
             await system.ask("gateway", RunWhenIdle(step_id="late"), timeout=0.05)
         await _stream(held)
-        await _until(lambda: gateway.state.idle)
+        await until(lambda: gateway.state.idle)
         granted_before = gateway.state.stats.background_turns
         steps.add("later", lambda: ran.append("later"))
         with anyio.fail_after(10):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -21,6 +20,7 @@ from messages.gateway import (
     RunWhenIdle,
     TurnDone,
 )
+from tests.actors.polling import until
 
 from .gateway_scenarios import ScriptedBackend
 
@@ -52,19 +52,11 @@ class SlowPromptCache(Actor):
     async def answer(self) -> str:
         """Answer the oldest held lookup (waiting for one) with a hit on 2 tokens; its lease id."""
         assert self.ctx is not None
-        await _until(lambda: bool(self.pending))
+        await until(lambda: bool(self.pending))
         envelope = self.pending.pop(0)
         lease = f"lease-{self.takes}-{len(self.pending)}"
         await self.ctx.reply(envelope, TakeResult(lease_id=lease, handle="h", cached_tokens=2, entry_tokens=2))
         return lease
-
-
-async def _until(check: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if check():
-            return
-        await anyio.sleep(0.005)
-    raise AssertionError("not reached within 10 s")
 
 
 async def _stream(inbox: Inbox) -> list[Body]:
@@ -115,14 +107,14 @@ async def test_a_slow_lookup_does_not_hold_the_engine_turn() -> None:
     async with ActorSystem() as system:
         rig = _Rig(system)
         inbox = await rig.admit("r1")
-        await _until(lambda: len(rig.cache.pending) == 1)
+        await until(lambda: len(rig.cache.pending) == 1)
         rig.steps.add("bg", lambda: ran.append("bg"))
         with anyio.fail_after(5):
             done = await system.ask("gateway", RunWhenIdle(step_id="bg"), timeout=5, expect=TurnDone)
         lookup_still_pending = len(rig.cache.pending)
         lease = await rig.cache.answer()
         events = await _stream(inbox)
-        await _until(lambda: rig.cache.released == [lease])
+        await until(lambda: rig.cache.released == [lease])
     assert done.ok
     assert ran == ["bg"]
     assert lookup_still_pending == 1
@@ -139,9 +131,9 @@ async def test_the_next_request_looks_up_while_the_lane_holder_generates() -> No
         first = await rig.admit("r1", capacity=1)
         await rig.cache.answer()
         # NOTE: r1's stream holds one event and is not read: r1 keeps the lane.
-        await _until(lambda: rig.gateway.state.lane_had_turns)
+        await until(lambda: rig.gateway.state.lane_had_turns)
         second = await rig.admit("r2")
-        await _until(lambda: rig.cache.takes == 2)
+        await until(lambda: rig.cache.takes == 2)
         # NOTE: r1 still generates: it holds the lane (in a turn, or blocked on its full
         # stream between turns), or it parked, blocked, for r2 (its generation open).
         state = rig.gateway.state
@@ -161,11 +153,11 @@ async def test_a_request_cancelled_during_its_lookup_gives_the_lease_back() -> N
     async with ActorSystem() as system:
         rig = _Rig(system)
         inbox = await rig.admit("r1")
-        await _until(lambda: len(rig.cache.pending) == 1)
+        await until(lambda: len(rig.cache.pending) == 1)
         await system.tell("gateway", CancelGeneration(request_id="r1"))
         events = await _stream(inbox)
         lease = await rig.cache.answer()
-        await _until(lambda: rig.cache.released == [lease])
+        await until(lambda: rig.cache.released == [lease])
         stats = rig.gateway.state.stats
     assert len(events) == 1
     assert isinstance(events[0], DoneEvent)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from messages.gateway import (
     GenerationParams,
     TokenEvent,
 )
+from tests.actors.polling import until
 
 pytestmark = pytest.mark.anyio
 
@@ -92,14 +92,6 @@ class GatedBackend:
         """Nothing to drain."""
 
 
-async def _until(check: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if check():
-            return
-        await anyio.sleep(0.005)
-    raise AssertionError("not reached within 10 s")
-
-
 async def _stream(inbox: Inbox) -> list[Body]:
     out: list[Body] = []
     with anyio.fail_after(10):
@@ -150,14 +142,14 @@ async def test_tokens_stream_one_by_one_while_the_burst_still_runs() -> None:
     async with ActorSystem() as system:
         rig = _Rig(system, backend, max_burst=64)
         inbox = await rig.admit("r", max_tokens=20, capacity=64)
-        await _until(backend.entered.is_set)
+        await until(backend.entered.is_set)
         early = [(await inbox.receive()).body for _ in range(5)]
         stats = rig.gateway.state.stats
         # NOTE: one prefill turn reported, one decode burst granted and still running.
         grants, decode_reported = stats.request_turns, stats.decode_turns
         backend.release.set()
         rest = await _stream(inbox)
-        await _until(lambda: rig.gateway.state.idle)
+        await until(lambda: rig.gateway.state.idle)
         await rig.thread.aclose()
     assert [e.index for e in early if isinstance(e, TokenEvent)] == [0, 1, 2, 3, 4]
     assert (grants, decode_reported) == (2, 0)
@@ -177,14 +169,14 @@ async def test_cancel_during_a_burst_stops_it_after_the_running_step() -> None:
     async with ActorSystem() as system:
         rig = _Rig(system, backend, max_burst=1000)
         inbox = await rig.admit("r", max_tokens=1000, capacity=64)
-        await _until(backend.entered.is_set)
+        await until(backend.entered.is_set)
         await system.tell("gateway", CancelGeneration(request_id="r"))
         # NOTE: the cancel travels as messages (gateway -> StopBurst -> runner)
         # while step 7 runs; the runner's stop flag is set before the step ends.
-        await _until(rig.stopping)
+        await until(rig.stopping)
         backend.release.set()
         events = await _stream(inbox)
-        await _until(lambda: rig.gateway.state.idle)
+        await until(lambda: rig.gateway.state.idle)
         await rig.thread.aclose()
         leftover = (rig.runner.state.turn, rig.runner.state.live, rig.runner.state.running)
     assert backend.decode_steps == 8
@@ -211,11 +203,11 @@ async def test_a_slow_consumer_parks_the_burst_exactly_within_its_look_ahead() -
             # runner is blocked handing over the next token and starts nothing.
             return inbox.statistics().depth == 2 and rig.thread.statistics().queue_depth == 0
 
-        await _until(parked)
+        await until(parked)
         steps_parked = backend.decode_steps
         taken = inbox.statistics().depth + 1  # NOTE: 2 in the stream, 1 the runner holds.
         events = await _stream(inbox)
-        await _until(lambda: rig.gateway.state.idle)
+        await until(lambda: rig.gateway.state.idle)
         await rig.thread.aclose()
     # NOTE: the chain ends once it is AHEAD steps past what the runner took
     # (at most `taken`), or earlier: the token that found the stream full

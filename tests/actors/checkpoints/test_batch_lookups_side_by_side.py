@@ -8,8 +8,6 @@ row becomes ready only once both answered, and a found checkpoint gives the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import anyio
 import pytest
 
@@ -21,6 +19,7 @@ from messages.batch_scheduler import BatchWants
 from messages.gateway import Generate, GenerationParams
 from messages.prompt_cache import Release, Take, TakeResult
 from tests.actors.checkpoints.gated_port import GatedPort
+from tests.actors.polling import until
 
 pytestmark = pytest.mark.anyio
 
@@ -53,14 +52,6 @@ class IdleEngine:
         """No BLAS thread choice."""
 
 
-async def _until(check: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if check():
-            return
-        await anyio.sleep(0.005)
-    raise AssertionError("not reached within 5 s")
-
-
 @pytest.mark.parametrize("found", [False, True])
 async def test_take_goes_out_while_the_checkpoint_lookup_runs(found: bool) -> None:
     """The Take reaches the prompt cache with the checkpoint lookup still gated; the row is ready only after both."""
@@ -80,7 +71,7 @@ async def test_take_goes_out_while_the_checkpoint_lookup_runs(found: bool) -> No
         request = Generate(request_id="r1", prompt_tokens=PROMPT,
                            params=GenerationParams(max_tokens=4), stream_to=streams.address)
         await system.tell("batch", request)
-        await _until(lambda: len(cache.takes) == 1 and len(port.loads) == 1)
+        await until(seconds=5, check=lambda: len(cache.takes) == 1 and len(port.loads) == 1)
         # NOTE: the lookup's answer has been sent back; give the row every
         # chance to turn ready early before the gate opens.
         await anyio.sleep(0.1)
@@ -99,7 +90,7 @@ async def test_take_goes_out_while_the_checkpoint_lookup_runs(found: bool) -> No
                 body = (await gateway.receive()).body
                 if isinstance(body, BatchWants) and body.ready:
                     break
-        await _until(lambda: len(cache.released) == (1 if found else 0))
+        await until(seconds=5, check=lambda: len(cache.released) == (1 if found else 0))
         await anyio.sleep(0.05)
         # NOTE: checked before the system stops (a stopping scheduler gives every lease back).
         assert cache.released == (["lease-1"] if found else [])

@@ -4,7 +4,6 @@ lookup, never inside its first engine turn; the first ``RunTurn`` carries what w
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import anyio
 import pytest
@@ -16,6 +15,7 @@ from actors.runtime import Actor, ActorSystem, Context
 from messages import Envelope
 from messages.gateway import AdmissionReply, Generate, GenerationParams, RunTurn
 from tests.actors.checkpoints.gated_port import GatedPort
+from tests.actors.polling import until
 
 pytestmark = pytest.mark.anyio
 
@@ -34,14 +34,6 @@ class RecordingRunner(Actor):
             self.turns.append(envelope.body)
 
 
-async def _until(check: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if check():
-            return
-        await anyio.sleep(0.005)
-    raise AssertionError("not reached within 10 s")
-
-
 async def _admit(system: ActorSystem, rid: str, params: GenerationParams) -> None:
     inbox = system.open_inbox(16, prefix=f"stream-{rid}-")
     request = Generate(request_id=rid, prompt_tokens=PROMPT, params=params, stream_to=inbox.address)
@@ -58,14 +50,14 @@ async def test_checkpoint_is_loaded_before_the_first_turn_and_handed_to_it() -> 
         system.spawn("gateway", lambda: Gateway(runner="runner", max_queue=2, checkpoints=port))
         system.spawn("runner", lambda: runner)
         await _admit(system, "r1", GenerationParams(max_tokens=4))
-        await _until(lambda: len(port.loads) == 1)
+        await until(lambda: len(port.loads) == 1)
         key, namespace, prompt, thread = port.loads[0]
         assert thread != threading.get_ident()
         assert (namespace, prompt) == ("", PROMPT)
         await anyio.sleep(0.1)
         assert runner.turns == []  # NOTE: the load is still running: no turn yet.
         port.gate.set()
-        await _until(lambda: bool(runner.turns))
+        await until(lambda: bool(runner.turns))
     turn = runner.turns[0]
     assert turn.start is not None
     assert turn.start.request_id == "r1"
@@ -83,7 +75,7 @@ async def test_request_without_a_key_loads_nothing_and_its_turn_carries_none() -
         system.spawn("gateway", lambda: Gateway(runner="runner", max_queue=2, checkpoints=port))
         system.spawn("runner", lambda: runner)
         await _admit(system, "r1", GenerationParams(max_tokens=4, logprobs=True))
-        await _until(lambda: bool(runner.turns))
+        await until(lambda: bool(runner.turns))
     assert port.loads == []
     assert port.counters.refused == {"logprobs": 1}
     assert (runner.turns[0].checkpoint_key, runner.turns[0].checkpoint) == (None, None)
