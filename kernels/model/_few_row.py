@@ -80,13 +80,13 @@ class FewRowHead(_Embedding):  # type: ignore[misc]
         return out
 
 
-def _replace_linears(module: Any, product: Product) -> int:
-    """Replace every fp32 ``nn.Linear`` below ``module`` (exact class); returns how many."""
+def _replace_linears(module: Any, product: Product, dtype: mx.Dtype) -> int:
+    """Replace every ``nn.Linear`` of ``dtype`` below ``module`` (exact class); returns how many."""
     count = 0
     for name, child in list(module.children().items()):
         items = child if isinstance(child, list) else [child]
         for index, item in enumerate(items):
-            if type(item) is _Linear and item.weight.dtype == mx.float32 and item.weight.ndim == 2:
+            if type(item) is _Linear and item.weight.dtype == dtype and item.weight.ndim == 2:
                 replacement = FewRowLinear(item, product)
                 if isinstance(child, list):
                     child[index] = replacement
@@ -95,21 +95,23 @@ def _replace_linears(module: Any, product: Product) -> int:
                 count += 1
             elif isinstance(item, FusedLinear):
                 group = item._group
-                if group.weight.dtype == mx.float32 and group.few_row is None:
+                if group.weight.dtype == dtype and group.few_row is None:
                     group.few_row = product
                     count += 1
             elif isinstance(item, _Module):
-                count += _replace_linears(item, product)
+                count += _replace_linears(item, product, dtype)
     return count
 
 
-def apply_few_row(model: Any, product: Product) -> int:
-    """Route the model's one-position products through ``product`` (in place); returns how many products.
+def apply_few_row(model: Any, product: Product, dtype: mx.Dtype = mx.float32) -> int:
+    """Route the model's one-position products of ``dtype`` weights through ``product`` (in place); returns how many.
 
     Counts each replaced linear, each fused group, and the tied head. A model
-    with no fp32 projection is left as it is (returns 0).
+    with no projection of ``dtype`` is left as it is (returns 0). The CPU's
+    product takes fp32 (``kernels.native``), CUDA's bf16
+    (``kernels.model._cuda_few_row``).
     """
-    count = _replace_linears(model, product)
+    count = _replace_linears(model, product, dtype)
     inner: Any = getattr(model, "model", None)
     args: Any = getattr(model, "args", None)
     embed: Any = getattr(inner, "embed_tokens", None)
@@ -117,7 +119,7 @@ def apply_few_row(model: Any, product: Product) -> int:
         count
         and bool(getattr(args, "tie_word_embeddings", False))
         and type(embed) is _Embedding
-        and embed.weight.dtype == mx.float32
+        and embed.weight.dtype == dtype
     ):
         inner.embed_tokens = FewRowHead(embed, product)
         count += 1

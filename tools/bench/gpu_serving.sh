@@ -59,6 +59,7 @@
 #   readback     a checkpoint read-back's pieces on CUDA: gather, first host view, host read (cuda_readback.py)
 #   sdpa         prefill attention per step when every shape is new: cuDNN's graph builds (sdpa_shapes.py)
 #   stepparts    where a decode step's time goes at 1 / 8 / 32 rows (decode_step_parts.py)
+#   fewrow       the CUDA few-row product: numbers, speed, a decode step with it (cuda_few_row.py)
 #   looptrace    the event loop's busy iterations, callback by callback, at 8 and 32 streams (loop_trace.py)
 #   memguard     the memory guard beside another process holding the card's memory (cuda_memory_guard.py)
 #   ttft         in-process TTFT/decode, Engine vs stream_generate (gpu_engine.py;
@@ -782,6 +783,14 @@ print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_c
         --rows "${SP_ROWS:-1,8,32}" --label "$e" \
         --json "$OUT/parts-${e//[^A-Za-z0-9]/_}.json" "$@" 2>&1
     done | tee "$OUT/parts.txt"
+    ;;
+  fewrow)
+    # The CUDA few-row product (kernels.model._cuda_few_row) against MLX's
+    # products: numbers (exits 1 if off), the projections' speed at 1-8 rows,
+    # a decode step with it on and off (cuda_few_row.py). No model directory.
+    device_env
+    python3 tools/bench/cuda_few_row.py --tok-dir .gpu/tok --json "$OUT/few_row.json" "$@" 2>&1 \
+      | tee "$OUT/few_row.txt"
     ;;
   looptrace)
     # Where the event loop's time goes while a new request's `admit` grows

@@ -1,0 +1,178 @@
+"""A decode step's bf16 products on CUDA with 1-8 input rows, through tensor cores, one kernel for every row count.
+
+A batch decode step multiplies 1-32 token rows by every weight matrix. MLX
+runs one row through its gemv kernel and more rows through cuBLASLt, whose
+tiles are made for large products. :func:`few_row_product` computes
+``x @ w.T`` for ``x`` of 1-8 rows and bf16 weights in one kernel built on
+the ``mma.m16n8k16`` tensor-core instruction: each warp reads a 16-row
+tile of ``w`` in 64-byte row segments (full memory sectors) and the 8 x
+rows as the instruction's 8 columns; rows past ``M`` are zeros. The 8 warps
+of a block split ``K`` and add their partial sums in shared memory.
+
+Numbers: fp32 accumulation, as cuBLAS. The summation order of one output
+element does not depend on the other rows present (the instruction sums
+each column on its own; ``M`` only guards the loads), so a row's outputs are
+bit for bit the same whether it runs alone or beside 7 others: a batch row
+and its serial run take the same products.
+
+The K index is permuted inside each 32-wide chunk (lane ``t`` of a quad
+loads 8 consecutive elements with one 16-byte load; the instruction's
+fragment layout wants pairs 2t and 2t+8): both operands use the same
+permutation, and a dot product does not depend on the order of its terms'
+indices, only the summation order, which is fixed.
+
+Requirements checked by :func:`fits` (otherwise ``x @ w.T``): CUDA the default device, bf16
+``x`` and ``w``, ``K % 32 == 0``, ``N % 16 == 0``, 1-8 rows. Engine thread
+only (it builds MLX arrays).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, cast
+
+import mlx.core as mx
+
+from kernels._memory import on_cuda
+
+__all__ = ["MAX_ROWS", "few_row_product", "fits"]
+
+MAX_ROWS = 8
+"""The most input rows one call takes (the instruction's 8 columns)."""
+
+_WARPS = 8
+"""Warps per block; each takes a contiguous share of K's 32-wide chunks."""
+
+_SOURCE = r"""
+    const int N = w_shape[0];
+    const int K = w_shape[1];
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int n0 = blockIdx.y * 16;
+    const int chunks = K >> 5;
+    const int per = (chunks + WARPS - 1) / WARPS;
+    const int c_begin = warp * per;
+    const int c_end = min(chunks, c_begin + per);
+    const uint4* w_lo = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g) * K);
+    const uint4* w_hi = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g + 8) * K);
+    const uint4* x_row = reinterpret_cast<const uint4*>(x + (size_t)(g < M ? g : 0) * K);
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    int c = c_begin;
+    // NOTE: four chunks' loads are issued before their products, so each lane
+    // keeps 8 weight loads (128 bytes) in flight.
+    for (; c + 4 <= c_end; c += 4) {
+        uint4 a[4], b[4], xs[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = ((c + u) << 2) + t;
+            a[u] = w_lo[i];
+            b[u] = w_hi[i];
+            xs[u] = g < M ? x_row[i] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            kvtier_mma(c0, c1, c2, c3, a[u].x, b[u].x, a[u].y, b[u].y, xs[u].x, xs[u].y);
+            kvtier_mma(c0, c1, c2, c3, a[u].z, b[u].z, a[u].w, b[u].w, xs[u].z, xs[u].w);
+        }
+    }
+    for (; c < c_end; ++c) {
+        const int i = (c << 2) + t;
+        const uint4 a = w_lo[i];
+        const uint4 b = w_hi[i];
+        const uint4 xs = g < M ? x_row[i] : make_uint4(0, 0, 0, 0);
+        kvtier_mma(c0, c1, c2, c3, a.x, b.x, a.y, b.y, xs.x, xs.y);
+        kvtier_mma(c0, c1, c2, c3, a.z, b.z, a.w, b.w, xs.z, xs.w);
+    }
+    __shared__ float part[WARPS][128];
+    // NOTE: the accumulator's layout: c0, c1 are (w row g, x rows 2t, 2t+1);
+    // c2, c3 are (w row g + 8, the same x rows).
+    part[warp][g * 8 + 2 * t] = c0;
+    part[warp][g * 8 + 2 * t + 1] = c1;
+    part[warp][(g + 8) * 8 + 2 * t] = c2;
+    part[warp][(g + 8) * 8 + 2 * t + 1] = c3;
+    __syncthreads();
+    const int tid = warp * 32 + lane;
+    if (tid < 128) {
+        const int r = tid >> 3;
+        const int m = tid & 7;
+        if (m < M) {
+            float s = 0.f;
+#pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                s += part[v][tid];
+            }
+            y[(size_t)m * N + n0 + r] = __float2bfloat16(s);
+        }
+    }
+"""
+
+_HEADER = r"""
+// One m16n8k16 product, bf16 in, fp32 accumulated in place: A is 16 w rows
+// by 16 k (a0: row g, a1: row g + 8, a2 / a3 the same rows' next k pair),
+// B is 16 k by 8 x rows (b0, b1: x row g).
+__device__ __forceinline__ void kvtier_mma(
+    float& c0, float& c1, float& c2, float& c3,
+    unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+    unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+
+_kernel: Callable[..., list[mx.array]] | None = None
+
+
+def _get_kernel() -> Callable[..., list[mx.array]]:
+    global _kernel
+    if _kernel is None:
+        _kernel = cast(
+            "Callable[..., list[mx.array]]",
+            mx.fast.cuda_kernel(
+                name="kvtier_few_row",
+                input_names=["x", "w"],
+                output_names=["y"],
+                source=_SOURCE,
+                header=_HEADER,
+                ensure_row_contiguous=True,
+            ),
+        )
+    return _kernel
+
+
+def fits(x: Any, w: Any) -> bool:
+    """Whether :func:`few_row_product` takes ``x @ w.T`` itself (else it hands it to MLX)."""
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+        return False
+    rows = math.prod(x.shape[:-1])
+    return (
+        on_cuda()
+        and x.dtype == mx.bfloat16
+        and w.dtype == mx.bfloat16
+        and 1 <= rows <= MAX_ROWS
+        and w.shape[1] % 32 == 0
+        and w.shape[0] % 16 == 0
+    )
+
+
+def few_row_product(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w.T`` for ``x`` of shape ``(..., K)`` and ``w`` of ``(N, K)``; the kernel where :func:`fits`."""
+    if not fits(x, w):
+        return x @ w.T
+    lead = tuple(x.shape[:-1])
+    rows = math.prod(lead)
+    n, k = int(w.shape[0]), int(w.shape[1])
+    (y,) = _get_kernel()(
+        inputs=[x.reshape(rows, k), w],
+        template=[("M", rows), ("WARPS", _WARPS)],
+        grid=(32, _WARPS * (n // 16), 1),
+        threadgroup=(32, _WARPS, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[x.dtype],
+    )
+    return y.reshape(*lead, n)
