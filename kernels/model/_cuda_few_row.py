@@ -29,14 +29,18 @@ only (it builds MLX arrays).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import mlx.core as mx
 
+from kernels._env import env_switch
 from kernels._memory import on_cuda
 
-__all__ = ["MAX_ROWS", "few_row_product", "fits"]
+__all__ = ["CUDA_FEW_ROW_ENV", "MAX_ROWS", "cuda_few_row_enabled", "few_row_product", "fits"]
+
+CUDA_FEW_ROW_ENV = "KVTIER_CUDA_FEW_ROW"
+"""Environment switch: ``1`` routes one-token bf16 products through :func:`few_row_product` on CUDA."""
 
 MAX_ROWS = 8
 """The most input rows one call takes (the instruction's 8 columns)."""
@@ -143,6 +147,11 @@ def _get_kernel() -> Callable[..., list[mx.array]]:
             ),
         )
     return _kernel
+
+
+def cuda_few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVTIER_CUDA_FEW_ROW`` asks for the kernel (default: off, until measured served)."""
+    return env_switch(CUDA_FEW_ROW_ENV, env, default=False)
 
 
 def fits(x: Any, w: Any) -> bool:

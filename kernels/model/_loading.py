@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kernels._errors import KernelError
+from kernels._memory import on_cuda
 from kernels._paths import kvtier_home
 
+from ._cuda_few_row import cuda_few_row_enabled, few_row_product
 from ._few_row import apply_few_row
 from ._fused import FusionReport, fuse_gate_up, fuse_projections, fused_projections_enabled
 from ._masked_attention import install as install_masked_attention
@@ -308,7 +310,9 @@ def transform_for_device(
     CPU: fused projections and shared RoPE tables (bitwise), then one-token
     products through the few-row product. CUDA: gate|up as one product, and
     one-position queries under an array mask as folded products
-    (:mod:`._masked_attention`).
+    (:mod:`._masked_attention`); with ``KVTIER_CUDA_FEW_ROW=1`` one-token bf16
+    products of 1-8 rows through the tensor-core few-row product
+    (:mod:`._cuda_few_row`).
     Metal: none. ``fuse`` / ``few_row`` as :func:`load_model`'s. Returns
     what was done (``None``: nothing applied).
     """
@@ -329,6 +333,13 @@ def transform_for_device(
         few_row = on_cpu
     if few_row:
         fusion = apply_few_row_products(model, fusion or FusionReport())
+    elif cuda_few_row_enabled() and on_cuda():
+        # NOTE: one-token bf16 products through the tensor-core few-row
+        # product (_cuda_few_row); other dtypes and longer inputs keep MLX's.
+        routed = apply_few_row(model, few_row_product, dtype=mx.bfloat16)
+        fusion = replace(
+            fusion or FusionReport(), few_row=routed, few_row_status="CUDA few-row product"
+        )
     # NOTE: CUDA only (a no-op elsewhere): the batch lane's masked decode
     # attention as folded products (_masked_attention).
     install_masked_attention(model)

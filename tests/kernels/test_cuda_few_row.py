@@ -1,0 +1,74 @@
+"""The CUDA few-row product: its switch, what it routes, MLX's product wherever it does not fit; on CUDA, its numbers."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kernels._memory import on_cuda
+from kernels.model import FewRowLinear, apply_few_row
+from kernels.model._cuda_few_row import (
+    CUDA_FEW_ROW_ENV,
+    cuda_few_row_enabled,
+    few_row_product,
+    fits,
+)
+from tests.tiny_models import tiny_llama
+
+
+def test_the_switch_is_off_unless_asked_for() -> None:
+    """Unset or an off word keeps MLX's products; ``1`` turns the kernel on."""
+    assert not cuda_few_row_enabled({})
+    assert not cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "0"})
+    assert cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "1"})
+
+
+def test_only_the_weights_of_the_named_dtype_are_routed() -> None:
+    """bf16 routes a bf16 model's 7 linears a layer plus its tied head; an fp32 model is left as it is."""
+    model = tiny_llama(seed=1, dtype=mx.bfloat16)
+    layers = len(model.layers)
+    assert apply_few_row(model, few_row_product, dtype=mx.bfloat16) == 7 * layers + 1
+    assert isinstance(model.layers[0].mlp.down_proj, FewRowLinear)
+    fp32 = tiny_llama(seed=1, dtype=mx.float32)
+    assert apply_few_row(fp32, few_row_product, dtype=mx.bfloat16) == 0
+
+
+@pytest.mark.skipif(on_cuda(), reason="checks the fallback where CUDA is not the device")
+def test_off_cuda_the_product_is_mlxs_bit_for_bit() -> None:
+    """Without CUDA nothing fits, and the product is ``x @ w.T`` itself."""
+    w = mx.random.normal((64, 128), key=mx.random.key(1)).astype(mx.bfloat16)
+    x = mx.random.normal((4, 1, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+    assert not fits(x, w)
+    assert mx.array_equal(few_row_product(x, w), x @ w.T).item()
+
+
+@pytest.mark.skipif(
+    on_cuda(), reason="the shape rules, checked off CUDA (where the device rule is False)"
+)
+def test_shapes_it_refuses() -> None:
+    """Mismatched K, more than 8 rows, K not a multiple of 32 or N of 16, fp32: never the kernel."""
+    w = mx.zeros((64, 128), dtype=mx.bfloat16)
+    assert not fits(mx.zeros((2, 96), dtype=mx.bfloat16), w)
+    assert not fits(mx.zeros((9, 128), dtype=mx.bfloat16), w)
+    assert not fits(mx.zeros((2, 120), dtype=mx.bfloat16), mx.zeros((64, 120), dtype=mx.bfloat16))
+    assert not fits(mx.zeros((2, 128), dtype=mx.bfloat16), mx.zeros((60, 128), dtype=mx.bfloat16))
+    assert not fits(mx.zeros((2, 128)), mx.zeros((64, 128)))
+
+
+@pytest.mark.skipif(not on_cuda(), reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 14336), (49152, 4096)])
+def test_on_cuda_rows_match_the_reference_and_each_other(shape: tuple[int, int]) -> None:
+    """Within bf16 rounding of an fp32 reference, and every row bit for bit the same alone or with 7 others."""
+    n, k = shape
+    w = mx.random.normal((n, k), key=mx.random.key(n)).astype(mx.bfloat16)
+    x = mx.random.normal((8, k), key=mx.random.key(k)).astype(mx.bfloat16)
+    assert fits(x, w)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+    got = few_row_product(x, w).astype(mx.float32)
+    err = (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
+    assert isinstance(err, float)
+    assert err < 1e-2
+    for i in range(8):
+        assert mx.array_equal(
+            few_row_product(x[i : i + 1], w), few_row_product(x, w)[i : i + 1]
+        ).item()
