@@ -49,6 +49,9 @@ _WARPS = 8
 """Warps per block; each takes a contiguous share of K's 32-wide chunks."""
 
 _SOURCE = r"""
+    // NOTE: the row count is read at run time (not a template argument), so
+    // one compile serves 1-8 rows; it only guards loads and stores.
+    const int M = x_shape[0];
     const int N = w_shape[0];
     const int K = w_shape[1];
     const int lane = threadIdx.x;
@@ -178,7 +181,7 @@ def few_row_product(x: mx.array, w: mx.array) -> mx.array:
     n, k = int(w.shape[0]), int(w.shape[1])
     (y,) = _get_kernel()(
         inputs=[x.reshape(rows, k), w],
-        template=[("M", rows), ("WARPS", _WARPS)],
+        template=[("WARPS", _WARPS)],
         grid=(32, _WARPS * (n // 16), 1),
         threadgroup=(32, _WARPS, 1),
         output_shapes=[(rows, n)],
