@@ -28,7 +28,7 @@ only (it builds MLX arrays).
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -46,9 +46,9 @@ MAX_ROWS = 8
 """The most input rows one call takes (the instruction's 8 columns)."""
 
 _WARPS = 8
-"""Warps per block; each takes a contiguous share of K's 32-wide chunks."""
+"""Warps per block; each takes a contiguous share of K."""
 
-_SOURCE = r"""
+_PROLOGUE = r"""
     // NOTE: the row count is read at run time (not a template argument), so
     // one compile serves 1-8 rows; it only guards loads and stores.
     const int M = x_shape[0];
@@ -59,40 +59,10 @@ _SOURCE = r"""
     const int g = lane >> 2;
     const int t = lane & 3;
     const int n0 = blockIdx.y * 16;
-    const int chunks = K >> 5;
-    const int per = (chunks + WARPS - 1) / WARPS;
-    const int c_begin = warp * per;
-    const int c_end = min(chunks, c_begin + per);
-    const uint4* w_lo = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g) * K);
-    const uint4* w_hi = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g + 8) * K);
-    const uint4* x_row = reinterpret_cast<const uint4*>(x + (size_t)(g < M ? g : 0) * K);
     float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
-    int c = c_begin;
-    // NOTE: four chunks' loads are issued before their products, so each lane
-    // keeps 8 weight loads (128 bytes) in flight.
-    for (; c + 4 <= c_end; c += 4) {
-        uint4 a[4], b[4], xs[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int i = ((c + u) << 2) + t;
-            a[u] = w_lo[i];
-            b[u] = w_hi[i];
-            xs[u] = g < M ? x_row[i] : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            kvtier_mma(c0, c1, c2, c3, a[u].x, b[u].x, a[u].y, b[u].y, xs[u].x, xs[u].y);
-            kvtier_mma(c0, c1, c2, c3, a[u].z, b[u].z, a[u].w, b[u].w, xs[u].z, xs[u].w);
-        }
-    }
-    for (; c < c_end; ++c) {
-        const int i = (c << 2) + t;
-        const uint4 a = w_lo[i];
-        const uint4 b = w_hi[i];
-        const uint4 xs = g < M ? x_row[i] : make_uint4(0, 0, 0, 0);
-        kvtier_mma(c0, c1, c2, c3, a.x, b.x, a.y, b.y, xs.x, xs.y);
-        kvtier_mma(c0, c1, c2, c3, a.z, b.z, a.w, b.w, xs.z, xs.w);
-    }
+"""
+
+_EPILOGUE = r"""
     __shared__ float part[WARPS][128];
     // NOTE: the accumulator's layout: c0, c1 are (w row g, x rows 2t, 2t+1);
     // c2, c3 are (w row g + 8, the same x rows).
@@ -116,6 +86,87 @@ _SOURCE = r"""
     }
 """
 
+# NOTE: "quad": each lane loads its fragments straight from global memory;
+# one load instruction reads 8 rows x 64 bytes. Measured on an H100
+# (cuda_few_row.py): 1.44-1.60 TB/s of weights against MLX's 2.1-2.4.
+_QUAD = r"""
+    const int chunks = K >> 5;
+    const int per = (chunks + WARPS - 1) / WARPS;
+    const int c_begin = warp * per;
+    const int c_end = min(chunks, c_begin + per);
+    const uint4* w_lo = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g) * K);
+    const uint4* w_hi = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g + 8) * K);
+    const uint4* x_row = reinterpret_cast<const uint4*>(x + (size_t)(g < M ? g : 0) * K);
+    int c = c_begin;
+    for (; c + 4 <= c_end; c += 4) {
+        uint4 a[4], b[4], xs[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = ((c + u) << 2) + t;
+            a[u] = w_lo[i];
+            b[u] = w_hi[i];
+            xs[u] = g < M ? x_row[i] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            kvtier_mma(c0, c1, c2, c3, a[u].x, b[u].x, a[u].y, b[u].y, xs[u].x, xs[u].y);
+            kvtier_mma(c0, c1, c2, c3, a[u].z, b[u].z, a[u].w, b[u].w, xs[u].z, xs[u].w);
+        }
+    }
+    for (; c < c_end; ++c) {
+        const int i = (c << 2) + t;
+        const uint4 a = w_lo[i];
+        const uint4 b = w_hi[i];
+        const uint4 xs = g < M ? x_row[i] : make_uint4(0, 0, 0, 0);
+        kvtier_mma(c0, c1, c2, c3, a.x, b.x, a.y, b.y, xs.x, xs.y);
+        kvtier_mma(c0, c1, c2, c3, a.z, b.z, a.w, b.w, xs.z, xs.w);
+    }
+"""
+
+# NOTE: "tile": a warp reads a 16-row x 128-k tile of w with each load
+# instruction covering 2 rows x 256 contiguous bytes (streamed past L1),
+# parks it in its own stretch of shared memory (rows 320 bytes apart: the
+# fragment reads of 8 lanes then fall on 32 distinct banks), and reads its
+# fragments from there.
+_TILE = r"""
+    const int tiles = K >> 7;
+    const int per = (tiles + WARPS - 1) / WARPS;
+    const int t_begin = warp * per;
+    const int t_end = min(tiles, t_begin + per);
+    __shared__ __align__(16) unsigned char stage_all[WARPS][16 * 320];
+    unsigned char* stage = stage_all[warp];
+    const int hrow = lane >> 4;
+    const int col = lane & 15;
+    const int row_u4 = K >> 3;
+    const uint4* w_tile = reinterpret_cast<const uint4*>(w + (size_t)n0 * K);
+    const uint4* x_row = reinterpret_cast<const uint4*>(x + (size_t)(g < M ? g : 0) * K);
+    for (int tt = t_begin; tt < t_end; ++tt) {
+        uint4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            v[j] = kvtier_ld_stream(w_tile + (size_t)(2 * j + hrow) * row_u4 + (tt << 4) + col);
+        }
+        uint4 xs[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            xs[q] = g < M ? x_row[(tt << 4) + (q << 2) + t] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            *reinterpret_cast<uint4*>(stage + (2 * j + hrow) * 320 + col * 16) = v[j];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const uint4 a = *reinterpret_cast<const uint4*>(stage + g * 320 + q * 64 + t * 16);
+            const uint4 b = *reinterpret_cast<const uint4*>(stage + (g + 8) * 320 + q * 64 + t * 16);
+            kvtier_mma(c0, c1, c2, c3, a.x, b.x, a.y, b.y, xs[q].x, xs[q].y);
+            kvtier_mma(c0, c1, c2, c3, a.z, b.z, a.w, b.w, xs[q].z, xs[q].w);
+        }
+        __syncwarp();
+    }
+"""
+
 _HEADER = r"""
 // One m16n8k16 product, bf16 in, fp32 accumulated in place: A is 16 w rows
 // by 16 k (a0: row g, a1: row g + 8, a2 / a3 the same rows' next k pair),
@@ -124,32 +175,59 @@ __device__ __forceinline__ void kvtier_mma(
     float& c0, float& c1, float& c2, float& c3,
     unsigned a0, unsigned a1, unsigned a2, unsigned a3,
     unsigned b0, unsigned b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// A 16-byte read of data used once: not kept in L1.
+__device__ __forceinline__ uint4 kvtier_ld_stream(const uint4* p) {
+  uint4 v;
+  asm(
+      "ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
 """
 
-_kernel: Callable[..., list[mx.array]] | None = None
+VARIANTS: dict[str, tuple[str, int]] = {"quad": (_QUAD, 32), "tile": (_TILE, 128)}
+"""Each kernel's body and the multiple of K it needs."""
+
+variant = "tile"
+"""The kernel :func:`few_row_product` runs (a module setting: the benchmark compares them)."""
+
+min_rows = 1
+"""The fewest input rows the kernel takes; fewer go to MLX's product (its gemv at one row)."""
+
+_kernels: dict[str, Callable[..., list[mx.array]]] = {}
 
 
-def _get_kernel() -> Callable[..., list[mx.array]]:
-    global _kernel
-    if _kernel is None:
-        _kernel = cast(
+def _get_kernel(name: str) -> Callable[..., list[mx.array]]:
+    kernel = _kernels.get(name)
+    if kernel is None:
+        body, _ = VARIANTS[name]
+        kernel = cast(
             "Callable[..., list[mx.array]]",
             mx.fast.cuda_kernel(
-                name="kvtier_few_row",
+                name=f"kvtier_few_row_{name}",
                 input_names=["x", "w"],
                 output_names=["y"],
-                source=_SOURCE,
+                source=_PROLOGUE + body + _EPILOGUE,
                 header=_HEADER,
                 ensure_row_contiguous=True,
             ),
         )
-    return _kernel
+        _kernels[name] = kernel
+    return kernel
+
+
+@functools.cache
+def _cuda() -> bool:
+    # NOTE: the engine thread's default device does not change once a model is loaded.
+    return on_cuda()
 
 
 def cuda_few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -157,29 +235,29 @@ def cuda_few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
     return env_switch(CUDA_FEW_ROW_ENV, env, default=False)
 
 
-def fits(x: Any, w: Any) -> bool:
+def fits(x: Any, w: Any, name: str | None = None) -> bool:
     """Whether :func:`few_row_product` takes ``x @ w.T`` itself (else it hands it to MLX)."""
-    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1] or not x.shape[-1]:
         return False
-    rows = math.prod(x.shape[:-1])
+    rows = x.size // x.shape[-1]
     return (
-        on_cuda()
+        _cuda()
         and x.dtype == mx.bfloat16
         and w.dtype == mx.bfloat16
-        and 1 <= rows <= MAX_ROWS
-        and w.shape[1] % 32 == 0
+        and max(1, min_rows) <= rows <= MAX_ROWS
+        and w.shape[1] % VARIANTS[name or variant][1] == 0
         and w.shape[0] % 16 == 0
     )
 
 
-def few_row_product(x: mx.array, w: mx.array) -> mx.array:
+def few_row_product(x: mx.array, w: mx.array, name: str | None = None) -> mx.array:
     """``x @ w.T`` for ``x`` of shape ``(..., K)`` and ``w`` of ``(N, K)``; the kernel where :func:`fits`."""
-    if not fits(x, w):
+    name = name or variant
+    if not fits(x, w, name):
         return x @ w.T
-    lead = tuple(x.shape[:-1])
-    rows = math.prod(lead)
     n, k = int(w.shape[0]), int(w.shape[1])
-    (y,) = _get_kernel()(
+    rows = x.size // k
+    (y,) = _get_kernel(name)(
         inputs=[x.reshape(rows, k), w],
         template=[("WARPS", _WARPS)],
         grid=(32, _WARPS * (n // 16), 1),
@@ -187,4 +265,4 @@ def few_row_product(x: mx.array, w: mx.array) -> mx.array:
         output_shapes=[(rows, n)],
         output_dtypes=[x.dtype],
     )
-    return y.reshape(*lead, n)
+    return y.reshape(*x.shape[:-1], n)

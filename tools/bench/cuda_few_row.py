@@ -39,8 +39,8 @@ from _common import machine
 from decode_step_parts import ideal, kernel, projection_weights
 from gpu_engine import DEFAULT_TOK_DIR, SHAPES, build_model, load_tokenizer
 
-from kernels.model import apply_few_row
-from kernels.model._cuda_few_row import few_row_product
+from kernels.model import _cuda_few_row, apply_few_row
+from kernels.model._cuda_few_row import VARIANTS, few_row_product
 
 ENABLED = True
 
@@ -50,19 +50,19 @@ def switched(x: mx.array, w: mx.array) -> mx.array:
     return few_row_product(x, w) if ENABLED else x @ w.T
 
 
-def check(weights: dict[str, mx.array]) -> tuple[list[dict[str, Any]], bool]:
-    """Errors and batch invariance per shape and row count."""
+def check(weights: dict[str, mx.array], variant: str) -> tuple[list[dict[str, Any]], bool]:
+    """Errors and batch invariance per shape and row count, for one kernel variant."""
     out: list[dict[str, Any]] = []
     ok = True
     for name, w in weights.items():
         k = int(w.shape[1])
         x8 = mx.random.normal((8, k), key=mx.random.key(k)).astype(mx.bfloat16)
-        alone = [few_row_product(x8[i : i + 1], w) for i in range(8)]
+        alone = [few_row_product(x8[i : i + 1], w, variant) for i in range(8)]
         mx.eval(alone)
         for rows in range(1, 9):
             x = x8[:rows]
             ref = x.astype(mx.float32) @ w.astype(mx.float32).T
-            got = few_row_product(x, w)
+            got = few_row_product(x, w, variant)
             mlx = x @ w.T
             mx.eval(ref, got, mlx)
             scale = mx.abs(ref).max().item()
@@ -70,6 +70,7 @@ def check(weights: dict[str, mx.array]) -> tuple[list[dict[str, Any]], bool]:
             err_mlx = (mx.abs(mlx.astype(mx.float32) - ref).max().item()) / scale
             same = all(mx.array_equal(got[i : i + 1], alone[i]).item() for i in range(rows))
             rec = {
+                "variant": variant,
                 "name": name,
                 "shape": [int(s) for s in w.shape],
                 "rows": rows,
@@ -83,7 +84,7 @@ def check(weights: dict[str, mx.array]) -> tuple[list[dict[str, Any]], bool]:
         worst = max(r["err"] for r in out if r["name"] == name)
         worst_mlx = max(r["err_mlx"] for r in out if r["name"] == name)
         print(
-            f"check {name} {tuple(w.shape)}: max rel error {worst:.2e} (MLX's bf16 product "
+            f"check {variant} {name} {tuple(w.shape)}: max rel error {worst:.2e} (MLX's bf16 product "
             f"{worst_mlx:.2e}); rows alone == rows together: "
             f"{all(r['rows_same_alone'] for r in out if r['name'] == name)}",
             flush=True,
@@ -91,13 +92,13 @@ def check(weights: dict[str, mx.array]) -> tuple[list[dict[str, Any]], bool]:
     return out, ok
 
 
-def chain(weights: list[dict[str, mx.array]], rows: int, reps: int, use_kernel: bool) -> float:
-    """ms per pass of every layer's seven projections at ``rows`` rows."""
+def chain(weights: list[dict[str, mx.array]], rows: int, reps: int, variant: str | None) -> float:
+    """ms per pass of every layer's seven projections at ``rows`` rows (``variant`` None: MLX's products)."""
     hidden = int(weights[0]["q_proj"].shape[1])
     x0 = mx.random.normal((rows, hidden), key=mx.random.key(rows)).astype(mx.bfloat16)
 
     def mm(x: mx.array, w: mx.array) -> mx.array:
-        return few_row_product(x, w) if use_kernel else x @ w.T
+        return few_row_product(x, w, variant) if variant is not None else x @ w.T
 
     def one_pass() -> list[mx.array]:
         x = x0
@@ -149,7 +150,12 @@ def main() -> int:
         "args": vars(args) | {"tok_dir": str(args.tok_dir), "json": str(args.json)},
     }
     t = time.perf_counter()
-    out["check"], ok = check(shapes)
+    out["check"] = []
+    ok = True
+    for v in VARIANTS:
+        recs, good = check(shapes, v)
+        out["check"] += recs
+        ok = ok and good
     print(
         f"check took {time.perf_counter() - t:.1f} s (kernel compiles included); ok {ok}",
         flush=True,
@@ -161,21 +167,29 @@ def main() -> int:
     rows = [int(x) for x in args.rows.split(",")]
     prod: list[dict[str, Any]] = []
     nbytes = sum(w.nbytes for layer in weights for w in layer.values())
+    contenders: list[str | None] = [None, *VARIANTS]
     for r in range(args.rounds):
         for b in rows:
-            first = r % 2 == 0
             rec: dict[str, Any] = {"round": r, "rows": b}
-            for use in (first, not first):
-                rec["kernel" if use else "mlx"] = chain(weights, b, 8, use)
-            rec["ratio"] = rec["mlx"] / rec["kernel"]
+            order = contenders if r % 2 == 0 else list(reversed(contenders))
+            for v in order:
+                rec[v or "mlx"] = chain(weights, b, 8, v)
             prod.append(rec)
             print(
-                f"products round {r} rows {b}: MLX {rec['mlx']:.2f} ms "
-                f"({nbytes / rec['mlx'] / 1e6:.0f} GB/s), kernel {rec['kernel']:.2f} ms "
-                f"({nbytes / rec['kernel'] / 1e6:.0f} GB/s), MLX / kernel {rec['ratio']:.3f}",
+                f"products round {r} rows {b}: "
+                + ", ".join(
+                    f"{v or 'mlx'} {rec[v or 'mlx']:.2f} ms ({nbytes / rec[v or 'mlx'] / 1e6:.0f} GB/s)"
+                    for v in contenders
+                ),
                 flush=True,
             )
     out["products"] = prod
+    best = min(
+        VARIANTS, key=lambda v: statistics.median(x[v] for x in prod if x["rows"] == max(rows))
+    )
+    _cuda_few_row.variant = best
+    out["variant"] = best
+    print(f"steps with the {best!r} kernel (fastest at {max(rows)} rows)", flush=True)
     report = transform_for_device(model, few_row=False)
     routed = apply_few_row(model, switched, dtype=mx.bfloat16)
     print(
