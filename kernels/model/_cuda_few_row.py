@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from kernels._env import env_switch
+from kernels._env import env_switch, env_text
 from kernels._memory import on_cuda
 
 __all__ = ["CUDA_FEW_ROW_ENV", "MAX_ROWS", "cuda_few_row_enabled", "few_row_product", "fits"]
@@ -231,8 +231,17 @@ def _cuda() -> bool:
 
 
 def cuda_few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``KVTIER_CUDA_FEW_ROW`` asks for the kernel (default: off, until measured served)."""
-    return env_switch(CUDA_FEW_ROW_ENV, env, default=False)
+    """Whether ``KVTIER_CUDA_FEW_ROW`` asks for the kernel (default: off, until measured served).
+
+    A variant's name (``quad``, ``tile``) asks for the kernel and sets
+    :data:`variant` to it; any other on word keeps the default variant.
+    """
+    global variant
+    on = env_switch(CUDA_FEW_ROW_ENV, env, default=False)
+    name = env_text(CUDA_FEW_ROW_ENV, env)
+    if on and name in VARIANTS:
+        variant = name
+    return on
 
 
 def fits(x: Any, w: Any, name: str | None = None) -> bool:

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from kernels._memory import on_cuda
-from kernels.model import FewRowLinear, apply_few_row
+from kernels.model import FewRowLinear, _cuda_few_row, apply_few_row
 from kernels.model._cuda_few_row import (
     CUDA_FEW_ROW_ENV,
     cuda_few_row_enabled,
@@ -21,6 +21,15 @@ def test_the_switch_is_off_unless_asked_for() -> None:
     assert not cuda_few_row_enabled({})
     assert not cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "0"})
     assert cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "1"})
+
+
+def test_a_variant_name_turns_it_on_and_picks_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quad`` / ``tile`` ask for the kernel and name the one it runs."""
+    monkeypatch.setattr(_cuda_few_row, "variant", "tile")
+    assert cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "quad"})
+    assert _cuda_few_row.variant == "quad"
+    assert cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "tile"})
+    assert _cuda_few_row.variant == "tile"
 
 
 def test_only_the_weights_of_the_named_dtype_are_routed() -> None:
