@@ -1,19 +1,32 @@
-"""A decode step's bf16 products on CUDA with 1-8 input rows, through tensor cores, one kernel for every row count.
+"""A decode step's bf16 products on CUDA with 2-8 input rows, through tensor cores, one kernel for every row count.
 
 A batch decode step multiplies 1-32 token rows by every weight matrix. MLX
 runs one row through its gemv kernel and more rows through cuBLASLt, whose
 tiles are made for large products. :func:`few_row_product` computes
-``x @ w.T`` for ``x`` of 1-8 rows and bf16 weights in one kernel built on
-the ``mma.m16n8k16`` tensor-core instruction: each warp reads a 16-row
-tile of ``w`` in 64-byte row segments (full memory sectors) and the 8 x
-rows as the instruction's 8 columns; rows past ``M`` are zeros. The 8 warps
-of a block split ``K`` and add their partial sums in shared memory.
+``x @ w.T`` for ``x`` of :data:`min_rows`-8 rows and bf16 weights in one
+kernel built on the ``mma.m16n8k16`` tensor-core instruction: each warp
+takes a 16-row tile of ``w`` (the instruction's A) and the x rows as the
+instruction's 8 columns (B; rows past ``M`` are zeros). The 8 warps of a
+block split ``K`` and add their partial sums in shared memory. Two ways
+to read ``w`` (:data:`VARIANTS`): "quad", fragments straight from global
+memory (64-byte row segments a load), and "tile", the default, 256-byte
+row segments a load parked in shared memory first.
 
-Numbers: fp32 accumulation, as cuBLAS. The summation order of one output
-element does not depend on the other rows present (the instruction sums
-each column on its own; ``M`` only guards the loads), so a row's outputs are
-bit for bit the same whether it runs alone or beside 7 others: a batch row
-and its serial run take the same products.
+Numbers: fp32 accumulation, as cuBLAS (the largest error against an fp32
+reference equals MLX's bf16 product's on the 8B shape's projections). The
+summation order of one output element does not depend on the other rows
+present (the instruction sums each column on its own; ``M`` only guards the
+loads), so a row's outputs are bit for bit the same beside 1-7 others.
+
+Measured on an H100 (``tools/bench/cuda_few_row.py``, docs/benchmarks.md
+2026-12-07 02:45): the 8B shape's projections alone read the weights at
+2.1 TB/s ("tile") against MLX's 2.2-2.5 (gemv at one row, cuBLASLt
+above) and 1.6 ("quad"); yet kvtier's 8-row decode step took 7.18 against
+8.32 ms with MLX's products (1.15 x, every round faster) and a plain-cache
+8-row step 7.62 vs 10.25 ms: inside a step MLX's cuBLASLt products cost
+more than alone. Served, 8 streams ran 723-727 tok/s with it in two runs
+and 580-612 in two more, against 540-630 without: not yet beyond the
+spread, so it stays off unless ``KVTIER_CUDA_FEW_ROW`` asks for it.
 
 The K index is permuted inside each 32-wide chunk (lane ``t`` of a quad
 loads 8 consecutive elements with one 16-byte load; the instruction's
@@ -21,9 +34,10 @@ fragment layout wants pairs 2t and 2t+8): both operands use the same
 permutation, and a dot product does not depend on the order of its terms'
 indices, only the summation order, which is fixed.
 
-Requirements checked by :func:`fits` (otherwise ``x @ w.T``): CUDA the default device, bf16
-``x`` and ``w``, ``K % 32 == 0``, ``N % 16 == 0``, 1-8 rows. Engine thread
-only (it builds MLX arrays).
+Requirements checked by :func:`fits` (otherwise ``x @ w.T``): CUDA the
+default device, bf16 ``x`` and ``w``, ``K`` a multiple of 32 ("quad") or
+128 ("tile"), ``N % 16 == 0``, :data:`min_rows`-8 rows. Engine thread only
+(it builds MLX arrays).
 """
 
 from __future__ import annotations
@@ -199,8 +213,14 @@ VARIANTS: dict[str, tuple[str, int]] = {"quad": (_QUAD, 32), "tile": (_TILE, 128
 variant = "tile"
 """The kernel :func:`few_row_product` runs (a module setting: the benchmark compares them)."""
 
-min_rows = 1
-"""The fewest input rows the kernel takes; fewer go to MLX's product (its gemv at one row)."""
+min_rows = 2
+"""The fewest input rows the kernel takes; fewer go to MLX's product.
+
+NOTE: one row stays on MLX's gemv: on an H100 (``cuda_few_row.py``) the
+kernel read the weights at 2.1 TB/s against the gemv's 2.5 at one row, and
+kvtier's lone-row step took 7.43 vs 6.28 ms with it. A lone row's products
+are then not those it gets beside others (as with MLX's own products,
+gemv at one row, cuBLASLt above)."""
 
 _kernels: dict[str, Callable[..., list[mx.array]]] = {}
 

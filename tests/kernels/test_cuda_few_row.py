@@ -66,12 +66,16 @@ def test_shapes_it_refuses() -> None:
 
 @pytest.mark.skipif(not on_cuda(), reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("shape", [(1024, 4096), (4096, 14336), (49152, 4096)])
-def test_on_cuda_rows_match_the_reference_and_each_other(shape: tuple[int, int]) -> None:
+def test_on_cuda_rows_match_the_reference_and_each_other(
+    shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Within bf16 rounding of an fp32 reference, and every row bit for bit the same alone or with 7 others."""
+    monkeypatch.setattr(_cuda_few_row, "min_rows", 1)
     n, k = shape
     w = mx.random.normal((n, k), key=mx.random.key(n)).astype(mx.bfloat16)
     x = mx.random.normal((8, k), key=mx.random.key(k)).astype(mx.bfloat16)
     assert fits(x, w)
+    assert fits(x[:1], w)
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     got = few_row_product(x, w).astype(mx.float32)
     err = (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
@@ -81,3 +85,12 @@ def test_on_cuda_rows_match_the_reference_and_each_other(shape: tuple[int, int])
         assert mx.array_equal(
             few_row_product(x[i : i + 1], w), few_row_product(x, w)[i : i + 1]
         ).item()
+
+
+@pytest.mark.skipif(not on_cuda(), reason="the kernel runs on CUDA only")
+def test_on_cuda_one_row_stays_on_mlxs_product() -> None:
+    """Below ``min_rows`` (one row by default) the product is MLX's own, bit for bit."""
+    w = mx.random.normal((4096, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
+    x = mx.random.normal((1, 1, 4096), key=mx.random.key(4)).astype(mx.bfloat16)
+    assert not fits(x, w)
+    assert mx.array_equal(few_row_product(x, w), x @ w.T).item()
