@@ -51,7 +51,14 @@ import mlx.core as mx
 from kernels._env import env_switch, env_text
 from kernels._memory import on_cuda
 
-__all__ = ["CUDA_FEW_ROW_ENV", "MAX_ROWS", "cuda_few_row_enabled", "few_row_product", "fits"]
+__all__ = [
+    "CUDA_FEW_ROW_ENV",
+    "MAX_ROWS",
+    "cuda_few_row_enabled",
+    "few_row_product",
+    "fits",
+    "self_check",
+]
 
 CUDA_FEW_ROW_ENV = "KVTIER_CUDA_FEW_ROW"
 """Environment switch: ``1`` routes one-token bf16 products through :func:`few_row_product` on CUDA."""
@@ -295,3 +302,37 @@ def few_row_product(x: mx.array, w: mx.array, name: str | None = None) -> mx.arr
         output_dtypes=[x.dtype],
     )
     return y.reshape(*x.shape[:-1], n)
+
+
+def self_check() -> str | None:
+    """Compile and run the chosen kernel once on random data; ``None`` if it agrees with MLX, else why not.
+
+    Run at load before the model's products are routed (engine thread): a
+    device whose compiler or instruction set refuses the kernel (the bf16
+    ``mma`` needs compute capability 8.0) or a kernel that computes
+    something else leaves MLX's products in place, with the reason logged,
+    instead of failing the first decode step.
+    """
+    if not _cuda():
+        return "CUDA is not the default device"
+    name = variant
+    k = VARIANTS[name][1] * 2
+    w = mx.random.normal((32, k), key=mx.random.key(11)).astype(mx.bfloat16)
+    x = mx.random.normal((MAX_ROWS, k), key=mx.random.key(12)).astype(mx.bfloat16)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+    try:
+        (got,) = _get_kernel(name)(
+            inputs=[x, w],
+            template=[("WARPS", _WARPS)],
+            grid=(32, _WARPS * 2, 1),
+            threadgroup=(32, _WARPS, 1),
+            output_shapes=[(MAX_ROWS, 32)],
+            output_dtypes=[mx.bfloat16],
+        )
+        err = (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+    except (RuntimeError, ValueError) as exc:
+        # NOTE: MLX raises RuntimeError for a compile or launch failure.
+        return f"the {name!r} kernel did not run here: {exc}"
+    if not isinstance(err, float) or not err < 2e-2:
+        return f"the {name!r} kernel disagrees with MLX's product (relative error {err})"
+    return None

@@ -94,3 +94,37 @@ def test_on_cuda_one_row_stays_on_mlxs_product() -> None:
     x = mx.random.normal((1, 1, 4096), key=mx.random.key(4)).astype(mx.bfloat16)
     assert not fits(x, w)
     assert mx.array_equal(few_row_product(x, w), x @ w.T).item()
+
+
+@pytest.mark.skipif(on_cuda(), reason="checks the answer where CUDA is not the device")
+def test_the_self_check_refuses_off_cuda() -> None:
+    """Off CUDA the self-check names why the kernel cannot run."""
+    assert _cuda_few_row.self_check() == "CUDA is not the default device"
+
+
+@pytest.mark.skipif(not on_cuda(), reason="the kernel runs on CUDA only")
+def test_on_cuda_the_self_check_passes() -> None:
+    """On a CUDA device of compute capability 8.0 or more the kernel compiles and agrees with MLX."""
+    assert _cuda_few_row.self_check() is None
+
+
+@pytest.mark.parametrize("refusal", [None, "the 'tile' kernel did not run here: no mma"])
+def test_the_load_routes_products_only_when_the_self_check_passes(
+    refusal: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked for on CUDA, a refused self-check routes nothing and says why; a passed one routes every bf16 product."""
+    from kernels.model import _loading, transform_for_device
+
+    monkeypatch.setattr(_loading, "on_cuda", lambda: True)
+    monkeypatch.setattr(_loading, "cuda_few_row_enabled", lambda: True)
+    monkeypatch.setattr(_loading, "cuda_few_row_check", lambda: refusal)
+    model = tiny_llama(seed=1, dtype=mx.bfloat16)
+    report = transform_for_device(model, fuse=False, few_row=False)
+    assert report is not None
+    if refusal is None:
+        assert report.few_row == 7 * len(model.layers) + 1
+        assert report.few_row_status == "CUDA few-row product"
+    else:
+        assert report.few_row == 0
+        assert report.few_row_status == refusal
+        assert not isinstance(model.layers[0].mlp.down_proj, FewRowLinear)
