@@ -57,7 +57,9 @@ __all__ = [
     "cuda_few_row_enabled",
     "few_row_product",
     "fits",
+    "requested_variant",
     "self_check",
+    "use_variant",
 ]
 
 CUDA_FEW_ROW_ENV = "KVTIER_CUDA_FEW_ROW"
@@ -260,15 +262,24 @@ def _cuda() -> bool:
 def cuda_few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``KVTIER_CUDA_FEW_ROW`` asks for the kernel (default: off, until measured served).
 
-    A variant's name (``quad``, ``tile``) asks for the kernel and sets
-    :data:`variant` to it; any other on word keeps the default variant.
+    Any on word asks for it, a variant's name (``quad``, ``tile``) too
+    (:func:`requested_variant`).
     """
-    global variant
-    on = env_switch(CUDA_FEW_ROW_ENV, env, default=False)
+    return env_switch(CUDA_FEW_ROW_ENV, env, default=False)
+
+
+def requested_variant(env: Mapping[str, str] | None = None) -> str:
+    """The variant ``KVTIER_CUDA_FEW_ROW`` names, else the default (:data:`variant`)."""
     name = env_text(CUDA_FEW_ROW_ENV, env)
-    if on and name in VARIANTS:
-        variant = name
-    return on
+    return name if name in VARIANTS else variant
+
+
+def use_variant(name: str) -> None:
+    """Make ``name`` the kernel :func:`few_row_product` runs (at load, before any product is routed)."""
+    global variant
+    if name not in VARIANTS:
+        raise ValueError(f"unknown few-row kernel {name!r}; known: {sorted(VARIANTS)}")
+    variant = name
 
 
 def fits(x: Any, w: Any, name: str | None = None) -> bool:

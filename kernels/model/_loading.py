@@ -21,7 +21,9 @@ from kernels._memory import on_cuda
 from kernels._paths import kvtier_home
 
 from ._cuda_few_row import cuda_few_row_enabled, few_row_product
+from ._cuda_few_row import requested_variant as requested_cuda_few_row_variant
 from ._cuda_few_row import self_check as cuda_few_row_check
+from ._cuda_few_row import use_variant as use_cuda_few_row_variant
 from ._few_row import apply_few_row
 from ._fused import FusionReport, fuse_gate_up, fuse_projections, fused_projections_enabled
 from ._masked_attention import install as install_masked_attention
@@ -337,6 +339,7 @@ def transform_for_device(
     elif cuda_few_row_enabled() and on_cuda():
         # NOTE: one-token bf16 products through the tensor-core few-row
         # product (_cuda_few_row); other dtypes and longer inputs keep MLX's.
+        use_cuda_few_row_variant(requested_cuda_few_row_variant())
         refused = cuda_few_row_check()
         routed = 0 if refused else apply_few_row(model, few_row_product, dtype=mx.bfloat16)
         fusion = replace(

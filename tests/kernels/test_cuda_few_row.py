@@ -24,12 +24,15 @@ def test_the_switch_is_off_unless_asked_for() -> None:
 
 
 def test_a_variant_name_turns_it_on_and_picks_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``quad`` / ``tile`` ask for the kernel and name the one it runs."""
+    """``quad`` / ``tile`` ask for the kernel and name the one it runs; an on word keeps the default."""
     monkeypatch.setattr(_cuda_few_row, "variant", "tile")
     assert cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "quad"})
+    assert _cuda_few_row.requested_variant({CUDA_FEW_ROW_ENV: "quad"}) == "quad"
+    assert _cuda_few_row.requested_variant({CUDA_FEW_ROW_ENV: "1"}) == "tile"
+    _cuda_few_row.use_variant("quad")
     assert _cuda_few_row.variant == "quad"
-    assert cuda_few_row_enabled({CUDA_FEW_ROW_ENV: "tile"})
-    assert _cuda_few_row.variant == "tile"
+    with pytest.raises(ValueError, match="unknown few-row kernel"):
+        _cuda_few_row.use_variant("wide")
 
 
 def test_only_the_weights_of_the_named_dtype_are_routed() -> None:
@@ -118,6 +121,7 @@ def test_the_load_routes_products_only_when_the_self_check_passes(
     monkeypatch.setattr(_loading, "on_cuda", lambda: True)
     monkeypatch.setattr(_loading, "cuda_few_row_enabled", lambda: True)
     monkeypatch.setattr(_loading, "cuda_few_row_check", lambda: refusal)
+    monkeypatch.setattr(_cuda_few_row, "variant", _cuda_few_row.variant)
     model = tiny_llama(seed=1, dtype=mx.bfloat16)
     report = transform_for_device(model, fuse=False, few_row=False)
     assert report is not None
