@@ -40,20 +40,40 @@ _MLX_DEFAULT_HEADER = (
 )
 
 
-def kernel_source(name: str, body: str) -> str:
-    """The few-row kernel ``name``'s whole source as MLX generates it (inputs x, w with their shapes; output y)."""
+def kernel_source(
+    name: str, body: str, inputs: tuple[str, ...] = ("x", "w"), outputs: tuple[str, ...] = ("y",)
+) -> str:
+    """A kernel's whole source as MLX generates it (bf16 inputs with their shapes where the body reads them)."""
     src = _MLX_DEFAULT_HEADER + _cuda_few_row._HEADER
     src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    src += f"__global__ void custom_kernel_kvtier_few_row_{name}(\n"
+    src += f"__global__ void custom_kernel_{name}(\n"
     params = []
-    for arg in ("x", "w"):
+    for arg in inputs:
         params.append(f"    const __nv_bfloat16* {arg}")
         if f"{arg}_shape" in body:
             params.append(f"    const __grid_constant__ Shape {arg}_shape")
-    params.append("    __nv_bfloat16* y")
+    params += [f"    __nv_bfloat16* {out}" for out in outputs]
     src += ",\n".join(params) + ") {\n"
     src += f"  constexpr int WARPS = {_cuda_few_row._WARPS};\n\n"
     return src + body + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def kernels() -> dict[str, str]:
+    """Every CUDA kernel kvtier hands MLX, by name: its source as MLX generates it."""
+    m = _cuda_few_row
+    out = {
+        f"kvtier_few_row_{name}": kernel_source(
+            f"kvtier_few_row_{name}", m._PROLOGUE + body + m._EPILOGUE
+        )
+        for name, (body, _) in m.VARIANTS.items()
+    }
+    out["kvtier_few_row_qkv"] = kernel_source(
+        "kvtier_few_row_qkv",
+        m._PROLOGUE_QKV + m._TILE + m._EPILOGUE,
+        ("x", "wq", "wk", "wv"),
+        ("yq", "yk", "yv"),
+    )
+    return out
 
 
 def compile_source(
@@ -100,8 +120,7 @@ def main() -> int:
     lib = ctypes.CDLL(str(args.nvrtc))
     includes = [str(args.mlx_src), str(args.cccl), str(args.cuda_include)]
     failed = False
-    for name, (body, _) in _cuda_few_row.VARIANTS.items():
-        source = kernel_source(name, _cuda_few_row._PROLOGUE + body + _cuda_few_row._EPILOGUE)
+    for name, source in kernels().items():
         for arch in args.arch.split(","):
             code, log = compile_source(lib, source, arch, includes)
             expected = int(arch.removeprefix("sm_").rstrip("a")) >= 80

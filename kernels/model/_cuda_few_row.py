@@ -47,23 +47,37 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn
 
 from kernels._env import env_switch, env_text
 from kernels._memory import on_cuda
 
 __all__ = [
     "CUDA_FEW_ROW_ENV",
+    "CUDA_FEW_ROW_QKV_ENV",
     "MAX_ROWS",
+    "QkvMember",
+    "apply_qkv",
     "cuda_few_row_enabled",
     "few_row_product",
     "fits",
+    "fits_qkv",
+    "qkv_enabled",
+    "qkv_product",
     "requested_variant",
     "self_check",
+    "self_check_qkv",
     "use_variant",
 ]
 
+# NOTE: mlx.nn has no type information; its classes are Any here.
+_Module: Any = getattr(mlx.nn, "Module")  # noqa: B009
+
 CUDA_FEW_ROW_ENV = "KVTIER_CUDA_FEW_ROW"
 """Environment switch: ``1`` routes one-token bf16 products through :func:`few_row_product` on CUDA."""
+
+CUDA_FEW_ROW_QKV_ENV = "KVTIER_CUDA_FEW_ROW_QKV"
+"""Environment switch: ``1`` also joins each layer's q, k, v products into one launch (:func:`apply_qkv`)."""
 
 MAX_ROWS = 8
 """The most input rows one call takes (the instruction's 8 columns)."""
@@ -190,6 +204,37 @@ _TILE = r"""
     }
 """
 
+# NOTE: one launch for a layer's q, k and v products (they read the same x):
+# the blocks over wq's rows write yq, then wk's yk, then wv's yv; each block
+# runs the "tile" body on its own weight. Three calls' host work become one.
+_PROLOGUE_QKV = r"""
+    const int M = x_shape[0];
+    const int K = wq_shape[1];
+    const int Nq = wq_shape[0];
+    const int Nk = wk_shape[0];
+    int nb = blockIdx.y * 16;
+    const __nv_bfloat16* w = wq;
+    __nv_bfloat16* y = yq;
+    int N = Nq;
+    if (nb >= Nq + Nk) {
+        w = wv;
+        y = yv;
+        N = wv_shape[0];
+        nb -= Nq + Nk;
+    } else if (nb >= Nq) {
+        w = wk;
+        y = yk;
+        N = Nk;
+        nb -= Nq;
+    }
+    const int n0 = nb;
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+"""
+
 _HEADER = r"""
 // One m16n8k16 product, bf16 in, fp32 accumulated in place: A is 16 w rows
 // by 16 k (a0: row g, a1: row g + 8, a2 / a3 the same rows' next k pair),
@@ -253,6 +298,27 @@ def _get_kernel(name: str) -> Callable[..., list[mx.array]]:
     return kernel
 
 
+_qkv_kernel: list[Callable[..., list[mx.array]]] = []
+
+
+def _get_qkv_kernel() -> Callable[..., list[mx.array]]:
+    if not _qkv_kernel:
+        _qkv_kernel.append(
+            cast(
+                "Callable[..., list[mx.array]]",
+                mx.fast.cuda_kernel(
+                    name="kvtier_few_row_qkv",
+                    input_names=["x", "wq", "wk", "wv"],
+                    output_names=["yq", "yk", "yv"],
+                    source=_PROLOGUE_QKV + _TILE + _EPILOGUE,
+                    header=_HEADER,
+                    ensure_row_contiguous=True,
+                ),
+            )
+        )
+    return _qkv_kernel[0]
+
+
 @functools.cache
 def _cuda() -> bool:
     # NOTE: the engine thread's default device does not change once a model is loaded.
@@ -266,6 +332,11 @@ def cuda_few_row_enabled(env: Mapping[str, str] | None = None) -> bool:
     (:func:`requested_variant`).
     """
     return env_switch(CUDA_FEW_ROW_ENV, env, default=False)
+
+
+def qkv_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVTIER_CUDA_FEW_ROW_QKV`` asks for one q|k|v launch a layer (default: off, not yet measured)."""
+    return env_switch(CUDA_FEW_ROW_QKV_ENV, env, default=False)
 
 
 def requested_variant(env: Mapping[str, str] | None = None) -> str:
@@ -347,3 +418,113 @@ def self_check() -> str | None:
     if not isinstance(err, float) or not err < 2e-2:
         return f"the {name!r} kernel disagrees with MLX's product (relative error {err})"
     return None
+
+
+def self_check_qkv() -> str | None:
+    """The one-launch q|k|v kernel on random data against fp32 references; ``None`` if all three agree."""
+    if not _cuda():
+        return "CUDA is not the default device"
+    keys = mx.random.split(mx.random.key(13), 4)
+    ws = tuple(
+        mx.random.normal((n, 256), key=keys[i]).astype(mx.bfloat16)
+        for i, n in enumerate((64, 32, 16))
+    )
+    x = mx.random.normal((MAX_ROWS, 1, 256), key=keys[3]).astype(mx.bfloat16)
+    try:
+        got = qkv_product(x, (ws[0], ws[1], ws[2]))
+        errs = []
+        for y, w in zip(got, ws, strict=True):
+            ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+            errs.append((mx.abs(y.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item())
+    except (RuntimeError, ValueError) as exc:
+        return f"the q|k|v kernel did not run here: {exc}"
+    if not all(isinstance(e, float) and e < 2e-2 for e in errs):
+        return f"the q|k|v kernel disagrees with MLX's products (relative errors {errs})"
+    return None
+
+
+def fits_qkv(x: Any, ws: tuple[Any, Any, Any]) -> bool:
+    """Whether :func:`qkv_product` takes the three products in one launch (else one each)."""
+    k = x.shape[-1] if x.ndim else 0
+    return all(
+        w.ndim == 2 and w.shape[1] == k and w.shape[0] % 16 == 0 and w.dtype == mx.bfloat16
+        for w in ws
+    ) and fits(x, ws[0], "tile")
+
+
+def qkv_product(x: mx.array, ws: tuple[mx.array, mx.array, mx.array]) -> list[mx.array]:
+    """``[x @ wq.T, x @ wk.T, x @ wv.T]``: one launch of the "tile" kernel where :func:`fits_qkv`."""
+    if not fits_qkv(x, ws):
+        return [few_row_product(x, w) for w in ws]
+    k = int(x.shape[-1])
+    rows = x.size // k
+    ns = [int(w.shape[0]) for w in ws]
+    outs = _get_qkv_kernel()(
+        inputs=[x.reshape(rows, k), *ws],
+        template=[("WARPS", _WARPS)],
+        grid=(32, _WARPS * (sum(ns) // 16), 1),
+        threadgroup=(32, _WARPS, 1),
+        output_shapes=[(rows, n) for n in ns],
+        output_dtypes=[x.dtype] * 3,
+    )
+    return [y.reshape(*x.shape[:-1], n) for y, n in zip(outs, ns, strict=True)]
+
+
+class _Qkv:
+    """A layer's q, k and v weights and the three products of the current one-position input."""
+
+    def __init__(self, weights: tuple[mx.array, mx.array, mx.array]) -> None:
+        self.weights = weights
+        self._x: mx.array | None = None
+        self._ys: list[mx.array] = []
+        self._left: set[int] = set()
+
+    def take(self, index: int, x: mx.array) -> mx.array:
+        if x.ndim < 2 or x.shape[-2] != 1:
+            return x @ self.weights[index].T
+        # NOTE: mlx-lm's attention calls q, k, v in turn on the same input
+        # object; a new input, or a member asking twice, starts a new launch.
+        if self._x is not x or index not in self._left:
+            self._ys = qkv_product(x, self.weights)
+            self._x = x
+            self._left = {0, 1, 2}
+        y = self._ys[index]
+        self._left.discard(index)
+        if not self._left:
+            self._x = None
+            self._ys = []
+        return y
+
+
+class QkvMember(_Module):  # type: ignore[misc]
+    """One of q, k, v in a layer whose one-position products run as one launch (replaces its linear)."""
+
+    def __init__(self, shared: _Qkv, index: int) -> None:
+        super().__init__()
+        self.weight = shared.weights[index]
+        self._shared = shared
+        self._index = index
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._shared.take(self._index, x)
+
+
+def apply_qkv(model: Any) -> int:
+    """Join each layer's bf16 q, k, v (plain linears or few-row linears, no bias) into one launch; returns how many layers."""
+    count = 0
+    for layer in getattr(model, "layers", None) or []:
+        attn = getattr(layer, "self_attn", None)
+        members: list[Any] = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if attn is None or not all(
+            type(m).__name__ in ("Linear", "FewRowLinear")
+            and "bias" not in m
+            and m.weight.dtype == mx.bfloat16
+            and m.weight.ndim == 2
+            for m in members
+        ):
+            continue
+        shared = _Qkv((members[0].weight, members[1].weight, members[2].weight))
+        for i, n in enumerate(("q_proj", "k_proj", "v_proj")):
+            setattr(attn, n, QkvMember(shared, i))
+        count += 1
+    return count

@@ -20,9 +20,10 @@ from kernels._errors import KernelError
 from kernels._memory import on_cuda
 from kernels._paths import kvtier_home
 
-from ._cuda_few_row import cuda_few_row_enabled, few_row_product
+from ._cuda_few_row import apply_qkv, cuda_few_row_enabled, few_row_product, qkv_enabled
 from ._cuda_few_row import requested_variant as requested_cuda_few_row_variant
 from ._cuda_few_row import self_check as cuda_few_row_check
+from ._cuda_few_row import self_check_qkv as cuda_few_row_qkv_check
 from ._cuda_few_row import use_variant as use_cuda_few_row_variant
 from ._few_row import apply_few_row
 from ._fused import FusionReport, fuse_gate_up, fuse_projections, fused_projections_enabled
@@ -342,11 +343,16 @@ def transform_for_device(
         use_cuda_few_row_variant(requested_cuda_few_row_variant())
         refused = cuda_few_row_check()
         routed = 0 if refused else apply_few_row(model, few_row_product, dtype=mx.bfloat16)
-        fusion = replace(
-            fusion or FusionReport(),
-            few_row=routed,
-            few_row_status=refused or "CUDA few-row product",
-        )
+        status = refused or "CUDA few-row product"
+        if routed and qkv_enabled():
+            # NOTE: each layer's q, k, v one-position products as one launch.
+            qkv_refused = cuda_few_row_qkv_check()
+            status += (
+                f"; q|k|v: {qkv_refused}"
+                if qkv_refused
+                else f"; q|k|v joined in {apply_qkv(model)} layers"
+            )
+        fusion = replace(fusion or FusionReport(), few_row=routed, few_row_status=status)
     # NOTE: CUDA only (a no-op elsewhere): the batch lane's masked decode
     # attention as folded products (_masked_attention).
     install_masked_attention(model)

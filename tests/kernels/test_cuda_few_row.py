@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from kernels._memory import on_cuda
 from kernels.model import FewRowLinear, _cuda_few_row, apply_few_row
@@ -132,3 +133,84 @@ def test_the_load_routes_products_only_when_the_self_check_passes(
         assert report.few_row == 0
         assert report.few_row_status == refusal
         assert not isinstance(model.layers[0].mlp.down_proj, FewRowLinear)
+
+
+def test_qkv_joins_each_bf16_layer_and_leaves_fp32_alone() -> None:
+    """A bf16 model's q, k, v become members of one launch a layer; an fp32 model is left as it is."""
+    model = tiny_llama(seed=1, dtype=mx.bfloat16)
+    assert _cuda_few_row.apply_qkv(model) == len(model.layers)
+    assert isinstance(model.layers[0].self_attn.k_proj, _cuda_few_row.QkvMember)
+    assert _cuda_few_row.apply_qkv(tiny_llama(seed=1, dtype=mx.float32)) == 0
+
+
+def test_qkv_launches_once_a_layer_for_a_decode_step_and_never_for_prefill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One launch per layer per one-position input, its three outputs to their members; prefill keeps MLX's."""
+    calls: list[tuple[int, ...]] = []
+
+    def counting(x: mx.array, ws: tuple[mx.array, mx.array, mx.array]) -> list[mx.array]:
+        calls.append(tuple(x.shape))
+        return [x @ w.T for w in ws]
+
+    monkeypatch.setattr(_cuda_few_row, "qkv_product", counting)
+    plain = tiny_llama(seed=1, dtype=mx.bfloat16)
+    joined = tiny_llama(seed=1, dtype=mx.bfloat16)
+    _cuda_few_row.apply_qkv(joined)
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    out = []
+    for m in (plain, joined):
+        cache = make_prompt_cache(m)
+        m(prompt, cache=cache)
+        assert calls == []
+        out.append(m(mx.array([[5]]), cache=cache)[0, -1])
+    assert len(calls) == len(joined.layers)
+    assert mx.array_equal(out[0], out[1]).item()
+
+
+def test_the_qkv_self_check_refuses_off_cuda() -> None:
+    """Off CUDA the q|k|v self-check names why."""
+    if on_cuda():
+        pytest.skip("checks the answer where CUDA is not the device")
+    assert _cuda_few_row.self_check_qkv() == "CUDA is not the default device"
+
+
+@pytest.mark.skipif(not on_cuda(), reason="the kernel runs on CUDA only")
+def test_on_cuda_qkv_equals_three_products_bit_for_bit() -> None:
+    """The one launch runs the "tile" body on each weight: the same bits as three separate calls."""
+    keys = mx.random.split(mx.random.key(5), 4)
+    ws = (
+        mx.random.normal((4096, 4096), key=keys[0]).astype(mx.bfloat16),
+        mx.random.normal((1024, 4096), key=keys[1]).astype(mx.bfloat16),
+        mx.random.normal((1024, 4096), key=keys[2]).astype(mx.bfloat16),
+    )
+    x = mx.random.normal((8, 1, 4096), key=keys[3]).astype(mx.bfloat16)
+    assert _cuda_few_row.self_check_qkv() is None
+    joined = _cuda_few_row.qkv_product(x, ws)
+    for y, w in zip(joined, ws, strict=True):
+        assert mx.array_equal(y, few_row_product(x, w, "tile")).item()
+
+
+@pytest.mark.parametrize("refusal", [None, "the q|k|v kernel did not run here: no mma"])
+def test_the_load_joins_qkv_only_when_asked_and_checked(
+    refusal: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the few-row product on and q|k|v asked for, a passed check joins every layer; a refusal says why."""
+    from kernels.model import _loading, transform_for_device
+
+    monkeypatch.setattr(_loading, "on_cuda", lambda: True)
+    monkeypatch.setattr(_loading, "cuda_few_row_enabled", lambda: True)
+    monkeypatch.setattr(_loading, "cuda_few_row_check", lambda: None)
+    monkeypatch.setattr(_loading, "qkv_enabled", lambda: True)
+    monkeypatch.setattr(_loading, "cuda_few_row_qkv_check", lambda: refusal)
+    monkeypatch.setattr(_cuda_few_row, "variant", _cuda_few_row.variant)
+    model = tiny_llama(seed=1, dtype=mx.bfloat16)
+    report = transform_for_device(model, fuse=False, few_row=False)
+    assert report is not None
+    joined = isinstance(model.layers[0].self_attn.q_proj, _cuda_few_row.QkvMember)
+    if refusal is None:
+        assert joined
+        assert report.few_row_status.endswith(f"q|k|v joined in {len(model.layers)} layers")
+    else:
+        assert not joined
+        assert report.few_row_status.endswith(refusal)

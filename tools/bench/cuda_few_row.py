@@ -197,46 +197,61 @@ def main() -> int:
     print(f"steps with the {best!r} kernel (fastest at {max(rows)} rows)", flush=True)
     report = transform_for_device(model, few_row=False)
     routed = apply_few_row(model, switched, dtype=mx.bfloat16)
+    joined = _cuda_few_row.apply_qkv(model) if best == "tile" else 0
+    launch = _cuda_few_row.qkv_product
+    qkv_refused = _cuda_few_row.self_check_qkv() if joined else "not tried"
+    out["qkv_self_check"] = qkv_refused
     print(
         f"forward: {'as built' if report is None else f'{report.groups} fused groups'}; "
-        f"{routed} products routed through the switch",
+        f"{routed} products routed through the switch; q|k|v joined in {joined} layers "
+        f"(self-check: {qkv_refused or 'passed'})",
         flush=True,
     )
+
+    def separate(x: mx.array, ws: tuple[mx.array, mx.array, mx.array]) -> list[mx.array]:
+        return [switched(x, w) for w in ws]
+
+    # NOTE: three contenders on one model: MLX's products, the kernel a
+    # product, and the kernel with q|k|v as one launch (when it checked out).
+    contenders = ["mlx", "kernel"] + (["qkv"] if joined and qkv_refused is None else [])
     steps: list[dict[str, Any]] = []
     for r in range(args.rounds + 1):
         for b in [int(x) for x in args.step_rows.split(",")]:
             rec = {"round": r - 1, "rows": b}
-            for use in (r % 2 == 0, r % 2 != 0):
-                ENABLED = use
-                key = "kernel" if use else "mlx"
+            for key in contenders if r % 2 == 0 else list(reversed(contenders)):
+                ENABLED = key != "mlx"
+                _cuda_few_row.qkv_product = launch if key == "qkv" else separate  # type: ignore[assignment]
                 rec[key] = ideal(model, b, args.prompt_tokens, args.steps, seed=10 * r + b)
                 rec[key + "_lane"] = kernel(
                     model, tok, b, args.prompt_tokens, args.steps, f"f{r}-{b}-{key}"
                 )
                 mx.clear_cache()
             ENABLED = True
+            _cuda_few_row.qkv_product = launch  # type: ignore[assignment]
             if r == 0:
                 continue  # NOTE: warm-up: kernels compile per shape.
             steps.append(rec)
             print(
-                f"steps round {r - 1} rows {b}: plain cache MLX {rec['mlx']['step_ms']:.2f} / kernel "
-                f"{rec['kernel']['step_ms']:.2f} ms (build {rec['mlx']['build_ms']:.2f} / "
-                f"{rec['kernel']['build_ms']:.2f}); kvtier's lane MLX {rec['mlx_lane']['step_ms']:.2f} / "
-                f"kernel {rec['kernel_lane']['step_ms']:.2f} ms",
+                f"steps round {r - 1} rows {b}: plain cache "
+                + " / ".join(f"{k} {rec[k]['step_ms']:.2f}" for k in contenders)
+                + " ms; kvtier's lane "
+                + " / ".join(f"{k} {rec[k + '_lane']['step_ms']:.2f}" for k in contenders)
+                + " ms",
                 flush=True,
             )
     out["steps"] = steps
     for b in sorted({x["rows"] for x in steps}):
         recs = [x for x in steps if x["rows"] == b]
         for part in ("", "_lane"):
-            ratios = [x["mlx" + part]["step_ms"] / x["kernel" + part]["step_ms"] for x in recs]
-            print(
-                f"rows {b}{' (kvtier lane)' if part else ' (plain cache)'}: MLX / kernel step "
-                f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}], "
-                f"MLX {statistics.median(x['mlx' + part]['step_ms'] for x in recs):.2f} ms, "
-                f"kernel {statistics.median(x['kernel' + part]['step_ms'] for x in recs):.2f} ms",
-                flush=True,
-            )
+            for key in contenders[1:]:
+                ratios = [x["mlx" + part]["step_ms"] / x[key + part]["step_ms"] for x in recs]
+                print(
+                    f"rows {b}{' (kvtier lane)' if part else ' (plain cache)'}: MLX / {key} step "
+                    f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}], "
+                    f"MLX {statistics.median(x['mlx' + part]['step_ms'] for x in recs):.2f} ms, "
+                    f"{key} {statistics.median(x[key + part]['step_ms'] for x in recs):.2f} ms",
+                    flush=True,
+                )
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

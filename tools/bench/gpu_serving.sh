@@ -787,7 +787,8 @@ print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_c
   fewrow)
     # The CUDA few-row product (kernels.model._cuda_few_row) against MLX's
     # products: numbers (exits 1 if off), the projections' speed at 1-8 rows,
-    # a decode step with it on and off (cuda_few_row.py). No model directory.
+    # a decode step with MLX's products, the kernel, and the kernel with q|k|v
+    # as one launch (cuda_few_row.py). No model directory.
     device_env
     python3 tools/bench/cuda_few_row.py --tok-dir .gpu/tok --json "$OUT/few_row.json" "$@" 2>&1 \
       | tee "$OUT/few_row.txt"
