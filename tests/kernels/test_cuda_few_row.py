@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -112,20 +114,34 @@ def test_on_cuda_the_self_check_passes() -> None:
     assert _cuda_few_row.self_check() is None
 
 
-@pytest.mark.parametrize("refusal", [None, "the 'tile' kernel did not run here: no mma"])
-def test_the_load_routes_products_only_when_the_self_check_passes(
-    refusal: str | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Asked for on CUDA, a refused self-check routes nothing and says why; a passed one routes every bf16 product."""
+def _load_as_if_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, refusal: str | None, *, qkv_refusal: str | bool | None = False
+) -> tuple[Any, Any]:
+    """A bf16 tiny model through the load's CUDA branch, with the given self-check answers.
+
+    ``qkv_refusal``: ``False`` leaves q|k|v unasked; ``None`` or a reason asks
+    for it and answers its self-check so.
+    """
     from kernels.model import _loading, transform_for_device
 
     monkeypatch.setattr(_loading, "on_cuda", lambda: True)
     monkeypatch.setattr(_loading, "cuda_few_row_enabled", lambda: True)
     monkeypatch.setattr(_loading, "cuda_few_row_check", lambda: refusal)
+    monkeypatch.setattr(_loading, "qkv_enabled", lambda: qkv_refusal is not False)
+    monkeypatch.setattr(_loading, "cuda_few_row_qkv_check", lambda: qkv_refusal or None)
     monkeypatch.setattr(_cuda_few_row, "variant", _cuda_few_row.variant)
     model = tiny_llama(seed=1, dtype=mx.bfloat16)
     report = transform_for_device(model, fuse=False, few_row=False)
     assert report is not None
+    return model, report
+
+
+@pytest.mark.parametrize("refusal", [None, "the 'tile' kernel did not run here: no mma"])
+def test_the_load_routes_products_only_when_the_self_check_passes(
+    refusal: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked for on CUDA, a refused self-check routes nothing and says why; a passed one routes every bf16 product."""
+    model, report = _load_as_if_on_cuda(monkeypatch, refusal)
     if refusal is None:
         assert report.few_row == 7 * len(model.layers) + 1
         assert report.few_row_status == "CUDA few-row product"
@@ -196,17 +212,7 @@ def test_the_load_joins_qkv_only_when_asked_and_checked(
     refusal: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the few-row product on and q|k|v asked for, a passed check joins every layer; a refusal says why."""
-    from kernels.model import _loading, transform_for_device
-
-    monkeypatch.setattr(_loading, "on_cuda", lambda: True)
-    monkeypatch.setattr(_loading, "cuda_few_row_enabled", lambda: True)
-    monkeypatch.setattr(_loading, "cuda_few_row_check", lambda: None)
-    monkeypatch.setattr(_loading, "qkv_enabled", lambda: True)
-    monkeypatch.setattr(_loading, "cuda_few_row_qkv_check", lambda: refusal)
-    monkeypatch.setattr(_cuda_few_row, "variant", _cuda_few_row.variant)
-    model = tiny_llama(seed=1, dtype=mx.bfloat16)
-    report = transform_for_device(model, fuse=False, few_row=False)
-    assert report is not None
+    model, report = _load_as_if_on_cuda(monkeypatch, None, qkv_refusal=refusal)
     joined = isinstance(model.layers[0].self_attn.q_proj, _cuda_few_row.QkvMember)
     if refusal is None:
         assert joined
