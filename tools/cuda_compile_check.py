@@ -59,21 +59,11 @@ def kernel_source(
 
 
 def kernels() -> dict[str, str]:
-    """Every CUDA kernel kvtier hands MLX, by name: its source as MLX generates it."""
-    m = _cuda_few_row
-    out = {
-        f"kvtier_few_row_{name}": kernel_source(
-            f"kvtier_few_row_{name}", m._PROLOGUE + body + m._EPILOGUE
-        )
-        for name, (body, _) in m.VARIANTS.items()
+    """Every CUDA kernel kvtier hands MLX (``_cuda_few_row.KERNELS``), by name: its source as MLX generates it."""
+    return {
+        f"kvtier_few_row_{name}": kernel_source(f"kvtier_few_row_{name}", body, inputs, outputs)
+        for name, (body, inputs, outputs) in _cuda_few_row.KERNELS.items()
     }
-    out["kvtier_few_row_qkv"] = kernel_source(
-        "kvtier_few_row_qkv",
-        m._PROLOGUE_QKV + m._TILE + m._EPILOGUE,
-        ("x", "wq", "wk", "wv"),
-        ("yq", "yk", "yv"),
-    )
-    return out
 
 
 def compile_source(

@@ -52,9 +52,12 @@ import mlx.nn
 from kernels._env import env_switch, env_text
 from kernels._memory import on_cuda
 
+from ._few_row import FewRowLinear
+
 __all__ = [
     "CUDA_FEW_ROW_ENV",
     "CUDA_FEW_ROW_QKV_ENV",
+    "KERNELS",
     "MAX_ROWS",
     "QkvMember",
     "apply_qkv",
@@ -72,6 +75,7 @@ __all__ = [
 
 # NOTE: mlx.nn has no type information; its classes are Any here.
 _Module: Any = getattr(mlx.nn, "Module")  # noqa: B009
+_Linear: Any = getattr(mlx.nn, "Linear")  # noqa: B009
 
 CUDA_FEW_ROW_ENV = "KVTIER_CUDA_FEW_ROW"
 """Environment switch: ``1`` routes one-token bf16 products through :func:`few_row_product` on CUDA."""
@@ -261,8 +265,8 @@ __device__ __forceinline__ uint4 kvtier_ld_stream(const uint4* p) {
 }
 """
 
-VARIANTS: dict[str, tuple[str, int]] = {"quad": (_QUAD, 32), "tile": (_TILE, 128)}
-"""Each kernel's body and the multiple of K it needs."""
+VARIANTS: dict[str, int] = {"quad": 32, "tile": 128}
+"""The single-product kernels (:data:`KERNELS`) and the multiple of K each needs."""
 
 variant = "tile"
 """The kernel :func:`few_row_product` runs (a module setting: the benchmark compares them)."""
@@ -276,47 +280,50 @@ kvtier's lone-row step took 7.43 vs 6.28 ms with it. A lone row's products
 are then not those it gets beside others (as with MLX's own products,
 gemv at one row, cuBLASLt above)."""
 
+KERNELS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "quad": (_PROLOGUE + _QUAD + _EPILOGUE, ("x", "w"), ("y",)),
+    "tile": (_PROLOGUE + _TILE + _EPILOGUE, ("x", "w"), ("y",)),
+    "qkv": (_PROLOGUE_QKV + _TILE + _EPILOGUE, ("x", "wq", "wk", "wv"), ("yq", "yk", "yv")),
+}
+"""Every kernel handed to MLX: body, input names, output names (``tools/cuda_compile_check.py`` compiles each)."""
+
 _kernels: dict[str, Callable[..., list[mx.array]]] = {}
 
 
-def _get_kernel(name: str) -> Callable[..., list[mx.array]]:
+def _launch(name: str, x: mx.array, weights: list[mx.array]) -> list[mx.array]:
+    """Kernel ``name`` on ``x`` (rows x K) and ``weights``: one output a weight, a block per 16 weight rows."""
     kernel = _kernels.get(name)
     if kernel is None:
-        body, _ = VARIANTS[name]
+        source, inputs, outputs = KERNELS[name]
         kernel = cast(
             "Callable[..., list[mx.array]]",
             mx.fast.cuda_kernel(
                 name=f"kvtier_few_row_{name}",
-                input_names=["x", "w"],
-                output_names=["y"],
-                source=_PROLOGUE + body + _EPILOGUE,
+                input_names=list(inputs),
+                output_names=list(outputs),
+                source=source,
                 header=_HEADER,
                 ensure_row_contiguous=True,
             ),
         )
         _kernels[name] = kernel
-    return kernel
+    ns = [int(w.shape[0]) for w in weights]
+    return kernel(
+        inputs=[x, *weights],
+        template=[("WARPS", _WARPS)],
+        grid=(32, _WARPS * (sum(ns) // 16), 1),
+        threadgroup=(32, _WARPS, 1),
+        output_shapes=[(int(x.shape[0]), n) for n in ns],
+        output_dtypes=[x.dtype] * len(ns),
+    )
 
 
-_qkv_kernel: list[Callable[..., list[mx.array]]] = []
-
-
-def _get_qkv_kernel() -> Callable[..., list[mx.array]]:
-    if not _qkv_kernel:
-        _qkv_kernel.append(
-            cast(
-                "Callable[..., list[mx.array]]",
-                mx.fast.cuda_kernel(
-                    name="kvtier_few_row_qkv",
-                    input_names=["x", "wq", "wk", "wv"],
-                    output_names=["yq", "yk", "yv"],
-                    source=_PROLOGUE_QKV + _TILE + _EPILOGUE,
-                    header=_HEADER,
-                    ensure_row_contiguous=True,
-                ),
-            )
-        )
-    return _qkv_kernel[0]
+def _relative_error(y: mx.array, x: mx.array, w: mx.array) -> float:
+    """The largest error of ``y`` against the fp32 ``x @ w.T``, relative to the reference's largest value."""
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+    err = (mx.abs(y.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+    assert isinstance(err, float)
+    return err
 
 
 @functools.cache
@@ -363,7 +370,7 @@ def fits(x: Any, w: Any, name: str | None = None) -> bool:
         and x.dtype == mx.bfloat16
         and w.dtype == mx.bfloat16
         and max(1, min_rows) <= rows <= MAX_ROWS
-        and w.shape[1] % VARIANTS[name or variant][1] == 0
+        and w.shape[1] % VARIANTS[name or variant] == 0
         and w.shape[0] % 16 == 0
     )
 
@@ -374,15 +381,7 @@ def few_row_product(x: mx.array, w: mx.array, name: str | None = None) -> mx.arr
     if not fits(x, w, name):
         return x @ w.T
     n, k = int(w.shape[0]), int(w.shape[1])
-    rows = x.size // k
-    (y,) = _get_kernel(name)(
-        inputs=[x.reshape(rows, k), w],
-        template=[("WARPS", _WARPS)],
-        grid=(32, _WARPS * (n // 16), 1),
-        threadgroup=(32, _WARPS, 1),
-        output_shapes=[(rows, n)],
-        output_dtypes=[x.dtype],
-    )
+    (y,) = _launch(name, x.reshape(x.size // k, k), [w])
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -398,24 +397,15 @@ def self_check() -> str | None:
     if not _cuda():
         return "CUDA is not the default device"
     name = variant
-    k = VARIANTS[name][1] * 2
+    k = VARIANTS[name] * 2
     w = mx.random.normal((32, k), key=mx.random.key(11)).astype(mx.bfloat16)
     x = mx.random.normal((MAX_ROWS, k), key=mx.random.key(12)).astype(mx.bfloat16)
-    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     try:
-        (got,) = _get_kernel(name)(
-            inputs=[x, w],
-            template=[("WARPS", _WARPS)],
-            grid=(32, _WARPS * 2, 1),
-            threadgroup=(32, _WARPS, 1),
-            output_shapes=[(MAX_ROWS, 32)],
-            output_dtypes=[mx.bfloat16],
-        )
-        err = (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+        err = _relative_error(_launch(name, x, [w])[0], x, w)
     except (RuntimeError, ValueError) as exc:
         # NOTE: MLX raises RuntimeError for a compile or launch failure.
         return f"the {name!r} kernel did not run here: {exc}"
-    if not isinstance(err, float) or not err < 2e-2:
+    if not err < 2e-2:
         return f"the {name!r} kernel disagrees with MLX's product (relative error {err})"
     return None
 
@@ -432,13 +422,10 @@ def self_check_qkv() -> str | None:
     x = mx.random.normal((MAX_ROWS, 1, 256), key=keys[3]).astype(mx.bfloat16)
     try:
         got = qkv_product(x, (ws[0], ws[1], ws[2]))
-        errs = []
-        for y, w in zip(got, ws, strict=True):
-            ref = x.astype(mx.float32) @ w.astype(mx.float32).T
-            errs.append((mx.abs(y.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item())
+        errs = [_relative_error(y, x, w) for y, w in zip(got, ws, strict=True)]
     except (RuntimeError, ValueError) as exc:
         return f"the q|k|v kernel did not run here: {exc}"
-    if not all(isinstance(e, float) and e < 2e-2 for e in errs):
+    if not all(e < 2e-2 for e in errs):
         return f"the q|k|v kernel disagrees with MLX's products (relative errors {errs})"
     return None
 
@@ -457,16 +444,8 @@ def qkv_product(x: mx.array, ws: tuple[mx.array, mx.array, mx.array]) -> list[mx
     if not fits_qkv(x, ws):
         return [few_row_product(x, w) for w in ws]
     k = int(x.shape[-1])
-    rows = x.size // k
     ns = [int(w.shape[0]) for w in ws]
-    outs = _get_qkv_kernel()(
-        inputs=[x.reshape(rows, k), *ws],
-        template=[("WARPS", _WARPS)],
-        grid=(32, _WARPS * (sum(ns) // 16), 1),
-        threadgroup=(32, _WARPS, 1),
-        output_shapes=[(rows, n) for n in ns],
-        output_dtypes=[x.dtype] * 3,
-    )
+    outs = _launch("qkv", x.reshape(x.size // k, k), list(ws))
     return [y.reshape(*x.shape[:-1], n) for y, n in zip(outs, ns, strict=True)]
 
 
@@ -516,7 +495,7 @@ def apply_qkv(model: Any) -> int:
         attn = getattr(layer, "self_attn", None)
         members: list[Any] = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
         if attn is None or not all(
-            type(m).__name__ in ("Linear", "FewRowLinear")
+            type(m) in (_Linear, FewRowLinear)
             and "bias" not in m
             and m.weight.dtype == mx.bfloat16
             and m.weight.ndim == 2

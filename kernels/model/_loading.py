@@ -315,7 +315,7 @@ def transform_for_device(
     products through the few-row product. CUDA: gate|up as one product, and
     one-position queries under an array mask as folded products
     (:mod:`._masked_attention`); with ``KVTIER_CUDA_FEW_ROW=1`` one-token bf16
-    products of 1-8 rows through the tensor-core few-row product
+    products of 2-8 rows through the tensor-core few-row product
     (:mod:`._cuda_few_row`).
     Metal: none. ``fuse`` / ``few_row`` as :func:`load_model`'s. Returns
     what was done (``None``: nothing applied).
