@@ -1,5 +1,6 @@
 """The cluster benchmark's placement model (``--simulate``): what round-robin's misses cost in
-prefill; failed answers are counted, never figures."""
+prefill; failed answers are counted, never figures; the open loop's arrival schedule and the
+concurrency it measured."""
 
 from __future__ import annotations
 
@@ -128,3 +129,49 @@ def test_a_cut_runs_printout_is_plotted_from_each_policys_last_round_line(
     empty = tmp_path / "empty.txt"
     empty.write_text("cluster-4r-16a: exit 124\n")
     assert cluster.plot_printout(empty, tmp_path / "none") == 1
+
+
+def test_the_open_loop_schedule_is_seeded_ordered_and_arrives_at_the_asked_rate() -> None:
+    """The arrival schedule repeats for a seed (and differs for another), starts at 0, never goes
+    back in time, and its mean gap over many arrivals is about 1 / rate."""
+    import itertools
+    import statistics
+
+    times = cluster.arrival_times(2000, 4.0, seed=7)
+    assert times == cluster.arrival_times(2000, 4.0, seed=7)
+    assert times != cluster.arrival_times(2000, 4.0, seed=8)
+    assert len(times) == 2000
+    assert times[0] == 0.0
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 0
+    assert 0.9 * 0.25 <= statistics.mean(gaps) <= 1.1 * 0.25
+    assert cluster.arrival_times(1, 4.0, seed=7) == [0.0]
+    with pytest.raises(ValueError):
+        cluster.arrival_times(3, 0.0, seed=7)
+
+
+def test_in_flight_is_the_time_weighted_mean_and_the_peak_of_open_intervals() -> None:
+    """Over 10 s, intervals [0, 4), [2, 6), [3, 5) and [6, 8) hold 1, 2, 3, 2, 1, 1, 0 open:
+    over 2, 1, 1, 1, 1, 2, 2 s: a time-weighted mean of 12 / 10 and a max of 3; one ending as
+    another starts does not overlap it."""
+    assert cluster.in_flight([(0.0, 4.0), (2.0, 6.0), (3.0, 5.0), (6.0, 8.0)], 10.0) == (1.2, 3)
+    assert cluster.in_flight([(0.0, 2.0), (2.0, 4.0)], 4.0) == (1.0, 1)
+    assert cluster.in_flight([], 4.0) == (0.0, 0)
+
+
+def test_the_summary_measures_requests_and_conversations_in_flight_per_replay() -> None:
+    """Requests count from send to end, conversations from their first send to their last end
+    (tool time included); each replay counts on its own clock, their means add over the summed wall."""
+    samples = [
+        # conversation 0: requests [0, 1) and [3, 4); conversation 1: [0.5, 2.5)
+        cluster.Sample("p", 0, 0, 0.1, 1.0, 10, 0, None, 1.0),
+        cluster.Sample("p", 0, 1, 0.1, 1.0, 10, 0, None, 4.0),
+        cluster.Sample("p", 1, 0, 0.1, 2.0, 10, 0, None, 2.5),
+    ]
+    one = cluster.summarize(samples, 8.0, [3])
+    assert (one["requests_in_flight_mean"], one["requests_in_flight_max"]) == (0.5, 2)
+    assert (one["conversations_in_flight_mean"], one["conversations_in_flight_max"]) == (0.75, 2)
+    again = [cluster.Sample("p", 0, 0, 0.1, 4.0, 10, 0, None, 4.0, round=1)]
+    two = cluster.summarize(samples + again, 16.0, [4])
+    assert (two["requests_in_flight_mean"], two["requests_in_flight_max"]) == (0.5, 2)
+    assert (two["conversations_in_flight_mean"], two["conversations_in_flight_max"]) == (0.625, 2)

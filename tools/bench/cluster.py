@@ -8,7 +8,13 @@ result (``--turn-tokens``) and the assistant's scripted reply, so every
 prompt is the previous one plus new tokens (a growing prefix). The
 replies are part of the trace (not the model's output), so the same trace
 replays identically under every policy. ``--concurrency`` agents run at
-once, each taking the next conversation and running its turns in order.
+once, each taking the next conversation and running its turns in order
+(closed loop). With ``--arrival-rate R`` (open loop) conversation ``c``
+starts at its time in a seeded Poisson schedule of ``R`` conversations a
+second (:func:`arrival_times`, the same for every policy), whatever the
+earlier ones are doing, and runs its turns in order; ``--concurrency`` is
+then not used, and the concurrency measured (requests and conversations
+in flight, time-weighted mean and max) is in each policy's summary.
 
 One set of replicas (``tools/cluster/launch.py``'s :class:`Cluster`)
 serves every policy in turn, in one run: ``single`` (every request straight
@@ -99,6 +105,39 @@ def tool_seconds(conv: int, turn: int, mean: float) -> float:
     return random.Random(conv * 7_919 + turn * 104_729 + 1).expovariate(1.0 / mean)
 
 
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Start times (s) of ``n`` conversations arriving at ``rate`` a second: a seeded Poisson schedule.
+
+    The first at 0, then exponential gaps of mean ``1 / rate`` drawn from
+    ``random.Random(seed)``, so every policy replays the same schedule.
+    """
+    import random
+
+    if rate <= 0:
+        raise ValueError(f"arrival rate must be > 0, not {rate}")
+    rng = random.Random(seed)
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + rng.expovariate(rate))
+    return times[:n]
+
+
+def in_flight(intervals: list[tuple[float, float]], span: float) -> tuple[float, int]:
+    """How many of ``intervals`` (start, end) are open at once: the mean over ``span`` s, and the max.
+
+    The mean is time-weighted (the summed lengths over ``span``); an interval
+    ending when another starts does not overlap it.
+    """
+    area = sum(end - start for start, end in intervals)
+    # NOTE: at equal times the ends (-1) sort before the starts (+1).
+    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    open_now = peak = 0
+    for _, step in edges:
+        open_now += step
+        peak = max(peak, open_now)
+    return (area / span if span > 0 else 0.0), peak
+
+
 def reply(conv: int, turn: int) -> str:
     """The scripted assistant reply of a turn (a tool call)."""
     return f'{{"tool": "{_TOOLS[(conv + turn) % len(_TOOLS)]}", "args": {{"step": {turn + 1}}}}}'
@@ -119,6 +158,8 @@ class Sample:
     ended: float
     error: str | None = None
     """Why the answer failed (an error event in its stream, or no usage): not counted in the figures."""
+    round: int = 0
+    """The replay (``--rounds``) it belongs to: ``ended`` counts from that replay's start."""
 
 
 async def _chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
@@ -151,8 +192,14 @@ async def _chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, st
     return (first if first is not None else total), total, usage, replica, error
 
 
-async def replay_trace(url: str, policy: str, args: argparse.Namespace) -> tuple[list[Sample], float]:
-    """Run the trace against ``url`` at ``args.concurrency``; the samples and the wall time."""
+async def replay_trace(url: str, policy: str, args: argparse.Namespace,
+                       rnd: int = 0) -> tuple[list[Sample], float]:
+    """Run the trace against ``url``; the samples and the wall time.
+
+    Closed loop (``args.arrival_rate`` 0): ``args.concurrency`` agents, each
+    taking the next conversation when its last one ends. Open loop: each
+    conversation starts at its :func:`arrival_times` time.
+    """
     # NOTE: twelve digits, one token each, for every policy: a nonce holding
     # the policy's name made the prompts of "events" 2 tokens shorter than
     # those of "cache_aware", and the cached shares differ by that.
@@ -164,26 +211,40 @@ async def replay_trace(url: str, policy: str, args: argparse.Namespace) -> tuple
     samples: list[Sample] = []
     t0 = time.perf_counter()
 
+    async def conversation(client: httpx.AsyncClient, conv: int) -> None:
+        messages = [{"role": "system", "content": system}]
+        for turn in range(args.turns):
+            messages.append({"role": "user",
+                             "content": tool_result(conv, turn, args.turn_tokens)})
+            ttft, total, usage, rep, error = await _chat(client, url, messages, args.max_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            samples.append(Sample(policy, conv, turn, ttft, total,
+                                  int(usage.get("prompt_tokens", 0)),
+                                  int(details.get("cached_tokens") or 0),
+                                  int(rep) if rep is not None else None,
+                                  time.perf_counter() - t0, error, rnd))
+            messages.append({"role": "assistant", "content": reply(conv, turn)})
+            if turn + 1 < args.turns:
+                await asyncio.sleep(tool_seconds(conv, turn, args.tool_s))
+
     async def agent(client: httpx.AsyncClient) -> None:
         while not queue.empty():
-            conv = queue.get_nowait()
-            messages = [{"role": "system", "content": system}]
-            for turn in range(args.turns):
-                messages.append({"role": "user",
-                                 "content": tool_result(conv, turn, args.turn_tokens)})
-                ttft, total, usage, rep, error = await _chat(client, url, messages, args.max_tokens)
-                details = usage.get("prompt_tokens_details") or {}
-                samples.append(Sample(policy, conv, turn, ttft, total,
-                                      int(usage.get("prompt_tokens", 0)),
-                                      int(details.get("cached_tokens") or 0),
-                                      int(rep) if rep is not None else None,
-                                      time.perf_counter() - t0, error))
-                messages.append({"role": "assistant", "content": reply(conv, turn)})
-                if turn + 1 < args.turns:
-                    await asyncio.sleep(tool_seconds(conv, turn, args.tool_s))
+            await conversation(client, queue.get_nowait())
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
-        await asyncio.gather(*(agent(client) for _ in range(args.concurrency)))
+    async def arrival(client: httpx.AsyncClient, conv: int, at: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        await conversation(client, conv)
+
+    rate = getattr(args, "arrival_rate", 0.0)
+    # NOTE: no cap on connections in the open loop: a request waiting for a
+    # pooled connection would queue in this client, not at the replicas.
+    limits = httpx.Limits(max_connections=None if rate > 0 else 100, max_keepalive_connections=20)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits) as client:
+        if rate > 0:
+            starts = arrival_times(args.conversations, rate, args.arrival_seed)
+            await asyncio.gather(*(arrival(client, c, at) for c, at in enumerate(starts)))
+        else:
+            await asyncio.gather(*(agent(client) for _ in range(args.concurrency)))
     return samples, time.perf_counter() - t0
 
 
@@ -211,6 +272,7 @@ def summarize(samples: list[Sample], wall: float, spread: list[int]) -> dict[str
     """
     ok = [s for s in samples if s.error is None]
     ttft = [s.ttft_s for s in ok]
+    flight = measured_concurrency(samples, wall)
     prompt = sum(s.prompt_tokens for s in ok)
     cached = sum(s.cached_tokens for s in ok)
     mean = statistics.mean(spread) if spread else 0.0
@@ -229,7 +291,32 @@ def summarize(samples: list[Sample], wall: float, spread: list[int]) -> dict[str
         "prompt_tokens_per_s": prompt / wall,
         "per_replica": spread,
         "max_over_mean": (max(spread) / mean) if mean else None,
+        **flight,
     }
+
+
+def measured_concurrency(samples: list[Sample], wall: float) -> dict[str, float]:
+    """Requests and conversations in flight: the time-weighted mean over ``wall`` and the max.
+
+    A request is in flight from its send (``ended - total_s``) to its end, a
+    conversation from its first request's send to its last request's end
+    (tool time included). ``wall`` is the replays' summed wall time; each
+    replay (``Sample.round``) counts on its own clock.
+    """
+    out: dict[str, float] = {"requests_in_flight_mean": 0.0, "requests_in_flight_max": 0,
+                             "conversations_in_flight_mean": 0.0, "conversations_in_flight_max": 0}
+    for rnd in sorted({s.round for s in samples}):
+        mine = [s for s in samples if s.round == rnd]
+        reqs = [(s.ended - s.total_s, s.ended) for s in mine]
+        convs: dict[int, tuple[float, float]] = {}
+        for s, (start, end) in zip(mine, reqs, strict=True):
+            first, last = convs.get(s.conv, (start, end))
+            convs[s.conv] = (min(first, start), max(last, end))
+        for name, intervals in (("requests", reqs), ("conversations", list(convs.values()))):
+            mean, peak = in_flight(intervals, wall)
+            out[f"{name}_in_flight_mean"] += mean
+            out[f"{name}_in_flight_max"] = max(out[f"{name}_in_flight_max"], peak)
+    return out
 
 
 def ideal_share(args: argparse.Namespace) -> dict[str, float]:
@@ -410,6 +497,21 @@ async def measure_overhead(direct: list[str], routed: str, n: int) -> dict[str, 
     return out
 
 
+def loop_mode(trace: dict[str, Any]) -> str:
+    """The trace's driving, in words: closed loop (its agents) or open loop (its arrival rate)."""
+    rate = float(trace.get("arrival_rate") or 0.0)
+    if rate > 0:
+        return (f"open loop, {rate:g} conversations/s (seed {trace.get('arrival_seed', 0)}, "
+                f"{trace['conversations']} conversations)")
+    return f"closed loop, concurrency {trace['concurrency']}"
+
+
+def _in_flight_text(s: dict[str, Any]) -> str:
+    return (f"in flight: requests mean {s['requests_in_flight_mean']:.2f} max "
+            f"{s['requests_in_flight_max']}, conversations mean "
+            f"{s['conversations_in_flight_mean']:.2f} max {s['conversations_in_flight_max']}")
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """Six panels: TTFT p50/p99, TTFT p50 by turn, cached share, throughput, requests per replica."""
     import matplotlib
@@ -452,14 +554,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax[1][2].axis("off")
     t = result["trace"]
     ax[1][2].text(0.0, 0.95, "\n".join([
-        f"{t['conversations']} conversations x {t['turns']} turns, concurrency {t['concurrency']}",
+        f"{t['conversations']} conversations x {t['turns']} turns, {loop_mode(t)}",
         (f"system {t['system_tokens']} tok, tool result mean {t['turn_tokens']} tok, "
          f"tool time {t.get('tool_s', 0)} s"),
         f"prefix share {t['ideal_share']:.3f} (follow-up turns {t.get('follow_up_share', 0):.3f})",
+        "requests in flight, mean / max: " + ", ".join(
+            f"{p} {r.get('requests_in_flight_mean', 0):.1f} / {r.get('requests_in_flight_max', 0)}"
+            for p, r in zip(pols, rows, strict=True)),
         f"replicas: {result.get('replica_settings', {})}",
         f"load before {result['load_before']}",
     ]), va="top", fontsize=8, wrap=True)
-    fig.suptitle(f"{result['replicas']} CPU replicas, concurrency {result['trace']['concurrency']}"
+    fig.suptitle(f"{result['replicas']} CPU replicas, {loop_mode(result['trace'])}"
                  f" ({result['machine'].get('cpus', '?')}-core machine, load {result['load_before']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -545,7 +650,9 @@ def main() -> int:
     """Start the replicas, replay the trace per policy, write JSON and PNG."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="agents at once, each running conversations back to back (closed loop; "
+                        "default 4); not used with --arrival-rate")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=10, help="calls per agent conversation (default 10)")
     p.add_argument("--system-tokens", type=int, default=256,
@@ -556,6 +663,12 @@ def main() -> int:
     p.add_argument("--tool-s", type=float, default=0.0,
                    help="mean seconds an agent runs its tool between an answer and its next call "
                         "(seeded exponential; default 0: the next call at once)")
+    p.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="open loop: conversations a second, each starting at its time in a seeded "
+                        "Poisson schedule whatever the earlier ones are doing (--concurrency not "
+                        "used; the measured concurrency is reported); default 0: closed loop")
+    p.add_argument("--arrival-seed", type=int, default=0,
+                   help="the seed of --arrival-rate's schedule (the same for every policy; default 0)")
     p.add_argument("--policies", default="round_robin,cache_aware,events",
                    help="comma list of single, round_robin, cache_aware, events, events_prefill "
                         "(the event router's --rule prefill), in the order of "
@@ -609,7 +722,7 @@ def main() -> int:
         "machine": machine(), "load_before": loadavg(), "replicas": args.replicas,
         "trace": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
                                                   "turn_tokens", "max_tokens", "concurrency",
-                                                  "tool_s")},
+                                                  "tool_s", "arrival_rate", "arrival_seed")},
         "replica_settings": {"threads": args.threads, "pin": args.pin,
                              "serve_args": serve, "balance": balance},
         "rounds": args.rounds, "policies": {},
@@ -621,6 +734,7 @@ def main() -> int:
     print(f"trace prefix share {share['share']:.3f} (first turns {share['first_share']:.3f}, "
           f"follow-up turns {share['follow_up_share']:.3f}; mean prompt "
           f"{share['mean_prompt_tokens']:.0f} tokens)", flush=True)
+    print(loop_mode(result["trace"]), flush=True)
     order = args.policies.split(",")
     gathered: dict[str, dict[str, Any]] = {
         p: {"samples": [], "wall": 0.0, "spread": [0] * args.replicas, "loads": [],
@@ -634,7 +748,7 @@ def main() -> int:
             for policy in order[rnd % len(order):] + order[:rnd % len(order)]:
                 target = urls[0] if policy == "single" else cluster.route(policy).url
                 before = [_served(u) for u in urls]
-                samples, wall = asyncio.run(replay_trace(target, policy, args))
+                samples, wall = asyncio.run(replay_trace(target, policy, args, rnd))
                 g = gathered[policy]
                 g["samples"] += samples
                 g["wall"] += wall
@@ -647,8 +761,8 @@ def main() -> int:
                 s = summarize(samples, wall, g["spread"])
                 print(f"round {rnd} {policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s "
                       f"p99 {s['ttft_p99_s']:.3f}s cached {s['cached_share']:.3f} "
-                      f"{s['prompt_tokens_per_s']:.0f} tok/s errors {s['errors']} load {loadavg()}",
-                      flush=True)
+                      f"{s['prompt_tokens_per_s']:.0f} tok/s errors {s['errors']} load {loadavg()} "
+                      f"{_in_flight_text(s)}", flush=True)
         for policy in order:
             g = gathered[policy]
             entry: dict[str, Any] = {"summary": summarize(g["samples"], g["wall"], g["spread"]),
@@ -669,7 +783,7 @@ def main() -> int:
             print(f"{policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s p99 {s['ttft_p99_s']:.3f}s "
                   f"mean {s['ttft_mean_s']:.3f}s cached {s['cached_share']:.3f} "
                   f"{s['prompt_tokens_per_s']:.0f} tok/s errors {s['errors']} spread {s['per_replica']} "
-                  f"overhead {entry.get('overhead', {})}", flush=True)
+                  f"{_in_flight_text(s)} overhead {entry.get('overhead', {})}", flush=True)
         result["exit_codes"] = cluster.stop()
     result["load_after"] = loadavg()
     write_result(result, args.out)
