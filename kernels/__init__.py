@@ -8,7 +8,13 @@ module; other helpers add their re-exports below with small additive edits.
 
 from __future__ import annotations
 
-from ._device import DeviceChoice, select_device
+from ._device import (
+    READ_FIRST_ENV,
+    DeviceChoice,
+    async_eval_blocks,
+    read_first_setting,
+    select_device,
+)
 from ._env import env_switch, env_text
 from ._errors import (
     EngineQueueFull,
@@ -111,6 +117,7 @@ __all__ = [
     "DEFAULT_MODEL_PACKAGE",
     "GPU_MLX_CACHE_LIMIT_BYTES",
     "KV_CONFIG_FILE",
+    "READ_FIRST_ENV",
     "CacheAdapter",
     "CacheHook",
     "CacheNotTrimmable",
@@ -149,6 +156,7 @@ __all__ = [
     "UnsupportedCacheKind",
     "UntrustedPath",
     "adapter_for",
+    "async_eval_blocks",
     "available_memory_bytes",
     "cache_arrays",
     "cache_signature",
@@ -182,6 +190,7 @@ __all__ = [
     "on_cuda",
     "on_engine_thread",
     "prompt_cache_room_bytes",
+    "read_first_setting",
     "release_mlx_memory",
     "render_chat",
     "require_engine_thread",

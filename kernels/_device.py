@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any, Literal
 
-__all__ = ["DeviceChoice", "generation_stream", "select_device"]
+from kernels._env import env_switch
+
+__all__ = [
+    "READ_FIRST_ENV",
+    "DeviceChoice",
+    "async_eval_blocks",
+    "generation_stream",
+    "read_first_setting",
+    "select_device",
+]
+
+READ_FIRST_ENV = "KVTIER_READ_FIRST"
+"""Environment switch (on unless an off word; CPU only): a decode step computes its tokens before it queues the next forward."""
 
 DeviceChoice = Literal["auto", "cpu"]
 """``auto``: MLX's own default (its GPU where it has one: CUDA or Metal); ``cpu``: the CPU."""
@@ -55,3 +68,31 @@ def generation_stream() -> Any:
         if stream is None:
             stream = _streams[key] = mx.new_thread_local_stream(device)
     return stream
+
+
+def async_eval_blocks() -> bool:
+    """Whether ``mx.async_eval`` computes most of a graph before it returns: MLX's CPU backend.
+
+    NOTE: MLX's evaluation waits whenever more than ten tasks are in flight
+    (``MAX_ACTIVE_TASKS`` in mlx/transforms.cpp, 0.32). On the CPU every
+    operation is a task, so ``async_eval`` of a forward returns once all but
+    its last ten operations have run (the default model on 2 cores: 74 of a
+    90 ms forward); a GPU stream's tasks are whole command buffers, and it
+    returns at once. Read on the thread that computes, after ``--device``.
+    """
+    import mlx.core as mx
+
+    return bool(mx.default_device() == mx.cpu)
+
+
+def read_first_setting(env: Mapping[str, str] | None = None) -> bool:
+    """Whether decode steps compute their own tokens before they queue the next forward.
+
+    Where ``async_eval`` blocks (:func:`async_eval_blocks`: the CPU),
+    mlx-lm's order (queue the next forward, then read this step's tokens)
+    hands each token out one whole forward after it was computed; there
+    this is on unless ``KVTIER_READ_FIRST`` says off. On a GPU it is off
+    (the next forward queued first keeps the device busy while the host
+    reads and delivers).
+    """
+    return async_eval_blocks() and env_switch(READ_FIRST_ENV, env)

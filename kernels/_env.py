@@ -30,6 +30,12 @@ variable                      what it sets                                read b
                               N-th batch step (default 256; 0: never)
 ``KVTIER_BATCH_RESERVE``      switch: a prefill's batch cache gets its  ``kernels.engine``
                               room once, not grown chunk by chunk
+``KVTIER_READ_FIRST``         switch (CPU only): a decode step computes   ``kernels``
+                              its tokens before it queues the next forward
+``KVTIER_CUDA_FEW_ROW``       switch (default off; ``tile`` / ``quad``):  ``kernels.model``
+                              2-8 row bf16 products on tensor cores (CUDA)
+``KVTIER_CUDA_FEW_ROW_QKV``   switch (default off): q|k|v as one launch   ``kernels.model``
+                              of that product (CUDA)
 ``KVTIER_LANDING_THREADS``    threads that land a restored KV file        ``actors.ssd_writer``
 ``KVTIER_LANDING_FILL_STREAMS``  MLX streams that fill landed arrays      ``kernels.cache``
 ``KVTIER_CHECKPOINT_DELTA``   switch (default: CUDA only): a checkpoint  ``kernels.cache``

@@ -80,7 +80,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from kernels._device import generation_stream
+from kernels._device import generation_stream, read_first_setting
 from kernels._env import env_switch, env_text
 from kernels._errors import InvalidPrompt, KernelError
 from kernels.cache import KvScheme, LayerQuant, cache_arrays, snapshot_cuttable, trim_caches
@@ -524,7 +524,11 @@ class BatchGeneration:
     prefill forward is rounded up to a multiple of this many tokens by
     re-forwarding the last tokens of its lent prefix, so a served lane's
     prefill shapes repeat (0: off; ``None`` reads
-    ``KVTIER_BATCH_PREFILL_BUCKET``, default 0). Call :meth:`close` when done.
+    ``KVTIER_BATCH_PREFILL_BUCKET``, default 0). ``read_first``: each decode
+    step computes its own tokens before it builds the next forward
+    (``GreedyGenerationBatch.read_first``); ``None``: on where ``async_eval``
+    blocks (the CPU) unless ``KVTIER_READ_FIRST`` says off
+    (``kernels.read_first_setting``). Call :meth:`close` when done.
     """
 
     def __init__(
@@ -543,6 +547,7 @@ class BatchGeneration:
         prefill_bucket: int | None = None,
         clear_every: int | None = None,
         reserve_room: bool | None = None,
+        read_first: bool | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -569,6 +574,7 @@ class BatchGeneration:
         if self._clear_every < 0:
             raise ValueError(f"clear_every must be >= 0, got {self._clear_every}")
         self._reserve = env_switch(RESERVE_ENV) if reserve_room is None else reserve_room
+        self._read_first = read_first_setting() if read_first is None else read_first
         self._owes_first = False
         """Whether rows entered the decode batch last turn (this turn's decode hands out their first tokens)."""
         self._eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", ()) or ()))
@@ -1030,6 +1036,7 @@ class BatchGeneration:
             num_tokens=[len(row.generated)],
             priming=False,
             reuse_slots=self._reuse_slots,
+            read_first=self._read_first,
         )
         row.cache = None
         row.replay = None
@@ -1208,7 +1215,11 @@ class BatchGeneration:
         # NOTE: kvtier's decode batch (whose all-greedy steps skip the
         # log-softmax nobody reads: _greedy.py).
         ready = enter_generation(
-            merged, last, forward_now=forward_now, reuse_slots=self._reuse_slots
+            merged,
+            last,
+            forward_now=forward_now,
+            reuse_slots=self._reuse_slots,
+            read_first=self._read_first,
         )
         for row in rows:
             row.prefill = None

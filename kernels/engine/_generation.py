@@ -24,7 +24,7 @@ import mlx.core as mx
 from jinja2 import TemplateError
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels._device import generation_stream
+from kernels._device import generation_stream, read_first_setting
 from kernels._errors import GenerationFinished, InvalidPrompt, PrefillIncomplete
 from messages.gateway import PromptLogprobs
 
@@ -156,6 +156,10 @@ class Generation:
         )
         self._text = TextStream(tokenizer.detokenizer, params.stop)
         self._next: tuple[mx.array, mx.array] | None = None
+        # NOTE: where async_eval blocks (the CPU), each call computes its own
+        # token first and leaves the next forward for the next call
+        # (kernels.read_first_setting); elsewhere mlx-lm's order.
+        self._read_first = read_first_setting()
         self._generated: list[int] = []
         self._finish: KernelFinishReason | None = None
 
@@ -251,7 +255,10 @@ class Generation:
         The first call forwards the last prompt token. Like mlx-lm, each call
         queues the NEXT token's forward (``mx.async_eval``) before reading the
         current one, so the engine computes while the caller streams; the
-        forward is skipped when this token is the ``max_tokens``-th.
+        forward is skipped when this token is the ``max_tokens``-th. Where
+        ``async_eval`` blocks (the CPU: ``kernels.read_first_setting``) the
+        next forward is only built, and the next call computes it first: the
+        token comes out one forward sooner, the same token.
         """
         if self._finish is not None:
             raise GenerationFinished(f"the generation already finished ({self._finish})")
@@ -269,9 +276,14 @@ class Generation:
             else:
                 y, logprobs = self._next
                 self._next = None
+                if self._read_first:
+                    # NOTE: this token's forward (built by the last call) runs
+                    # now; building the next one below overlaps its last operations.
+                    mx.async_eval(y, logprobs)  # type: ignore[no-untyped-call]
             if not last_by_length:
                 self._next = self._forward(y, first=False)
-                mx.async_eval(*self._next)  # type: ignore[no-untyped-call]
+                if not self._read_first:
+                    mx.async_eval(*self._next)  # type: ignore[no-untyped-call]
             token = int(y.item())  # type: ignore[arg-type]
         if not last_by_length:
             self._cache_tokens.append(token)
@@ -300,6 +312,10 @@ class Generation:
                 text += self._text.finish()
         if finish is not None:
             self._finish = finish
+            if self._next is not None and self._read_first:
+                # NOTE: the cache leaves this thread with the generation: the
+                # forward of its last token runs here, on the engine thread.
+                mx.eval(*self._next)
             # NOTE: the queued forward (if any) already wrote its token into the
             # cache, which ``cache_tokens`` records; only the arrays are dropped.
             self._next = None

@@ -20,8 +20,10 @@ Outside such a tie the tokens are the same; the serial lane and the batch
 lane both use this rule, so they agree with each other.
 
 :class:`GreedyGenerationBatch` is mlx-lm's ``GenerationBatch`` with that
-one change in ``_step`` (and three in what joining and leaving cost, in its
-docstring); :func:`enter_generation` builds it where mlx-lm's
+one change in ``_step`` (:func:`decode_step`), the order of a step's work
+where ``async_eval`` blocks (``read_first``, in :func:`decode_step`), and
+three changes in what joining and leaving cost (in its docstring);
+:func:`enter_generation` builds it where mlx-lm's
 ``PromptProcessingBatch.generate`` would build its own. Engine thread only.
 """
 
@@ -43,6 +45,7 @@ __all__ = [
     "TRIM_MIN_TOKENS",
     "GreedyGenerationBatch",
     "argmax_with_logprobs",
+    "decode_step",
     "enter_generation",
     "greedy_without_logprobs",
     "waiting_generation",
@@ -154,6 +157,9 @@ class GreedyGenerationBatch(GenerationBatch):
 
     reuse_slots: bool = True
     """Leave holes for joining rows (``False``: mlx-lm's filter and extend; ``KVTIER_BATCH_SLOT_REUSE``)."""
+
+    read_first: bool = False
+    """A step computes its own tokens before it builds the next forward (:func:`decode_step`; ``KVTIER_READ_FIRST``)."""
 
     def _slots_reusable(self) -> bool:
         """True when every layer is a ``BatchKVCache`` holding arrays (a slot can be vacated and refilled)."""
@@ -413,17 +419,35 @@ class GreedyGenerationBatch(GenerationBatch):
             self_.fallback_sampler if s is None else s
             for s in (self_.samplers or [None] * len(self_.uids))
         ]
-        if not greedy_without_logprobs(samplers):
-            result: tuple[list[int], list[Any]] = super()._step()
-            return result
-        return _greedy_step(self_)
+        return decode_step(
+            self_, samplers, normalize=not greedy_without_logprobs(samplers), read_first=self.read_first
+        )
 
 
-def _greedy_step(batch: Any) -> tuple[list[int], list[Any]]:
-    """mlx-lm's ``GenerationBatch._step`` (generate.py) without the normalization; the rest in the same order."""
+def decode_step(
+    batch: Any, samplers: list[Any], *, normalize: bool, read_first: bool
+) -> tuple[list[int], list[Any]]:
+    """mlx-lm's ``GenerationBatch._step`` (generate.py): forward this step's tokens, return them.
+
+    Its operations in its order, with two choices. ``normalize=False`` (every
+    row plain greedy, :func:`greedy_without_logprobs`): the next tokens are
+    the logits' ``argmax``, without the log-softmax. ``read_first``: this
+    step's tokens are computed before the next forward is built, and the
+    next forward is left unevaluated (the next step computes it): where
+    ``mx.async_eval`` runs most of a forward before it returns (the CPU,
+    :func:`kernels.async_eval_blocks`), mlx-lm's order (queue the next
+    forward, then read this step's tokens) hands every token out one whole
+    forward late, a lone request's first token included. The tokens and the
+    caches' contents are the same either way: only when each forward runs
+    changes.
+    """
     batch._current_tokens = batch._next_tokens
     batch._current_logprobs = batch._next_logprobs
     inputs = batch._current_tokens
+    if read_first:
+        # NOTE: this step's tokens (the forward the last step built) start
+        # now; building the next forward below overlaps their last operations.
+        mx.async_eval(inputs, batch._current_logprobs)  # type: ignore[no-untyped-call]
 
     logits = batch.model(inputs[:, None], cache=batch.prompt_cache)
     logits = logits[:, -1, :]
@@ -442,11 +466,22 @@ def _greedy_step(batch: Any) -> tuple[list[int], list[Any]]:
             processed_logits.append(sample_logits)
         logits = mx.concatenate(processed_logits, axis=0)
 
-    batch._next_tokens = mx.argmax(logits, axis=-1)
-    # NOTE: no row reads a logprob (greedy_without_logprobs); None keeps
-    # the per-row list's shape for filter / extend.
-    batch._next_logprobs = [None] * len(batch.uids)
-    mx.async_eval(batch._next_tokens, token_context)  # type: ignore[no-untyped-call]
+    if normalize:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        # NOTE: one batched call when the batch shares a sampler (mlx-lm's rule).
+        if not samplers or all(s is samplers[0] for s in samplers):
+            sampled = (samplers[0] if samplers else batch.fallback_sampler)(logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
+        batch._next_tokens = sampled
+        batch._next_logprobs = list(logprobs)
+    else:
+        batch._next_tokens = mx.argmax(logits, axis=-1)
+        # NOTE: no row reads a logprob (greedy_without_logprobs); None keeps
+        # the per-row list's shape for filter / extend.
+        batch._next_logprobs = [None] * len(batch.uids)
+    if not read_first:
+        mx.async_eval(batch._next_tokens, batch._next_logprobs, token_context)  # type: ignore[no-untyped-call]
 
     mx.eval(inputs, batch._current_logprobs)
     tokens: list[int] = inputs.tolist()
@@ -470,6 +505,7 @@ def waiting_generation(
     num_tokens: list[int],
     priming: bool,
     reuse_slots: bool = True,
+    read_first: bool = False,
 ) -> GreedyGenerationBatch:
     """A decode batch whose rows' next inputs are queued and not forwarded yet (its next step does).
 
@@ -477,7 +513,8 @@ def waiting_generation(
     emits nothing); otherwise sampled tokens not emitted yet (a resumed
     row's pending token), emitted by the next step like any other.
     ``num_tokens``: tokens each row has emitted (counted against ``max_tokens``).
-    ``reuse_slots``: :attr:`GreedyGenerationBatch.reuse_slots`.
+    ``reuse_slots``, ``read_first``: :attr:`GreedyGenerationBatch.reuse_slots`,
+    :attr:`GreedyGenerationBatch.read_first`.
     """
     batch = GreedyGenerationBatch(
         model, [], mx.array([], dtype=mx.uint32), [], [], [], fallback_sampler, [], [], []
@@ -501,11 +538,17 @@ def waiting_generation(
     batch._priming = [priming] * len(uids)
     batch._hole_age = [None] * len(uids)
     batch.reuse_slots = reuse_slots
+    batch.read_first = read_first
     return batch
 
 
 def enter_generation(
-    prefill: Any, last_tokens: list[int], *, forward_now: bool = False, reuse_slots: bool = True
+    prefill: Any,
+    last_tokens: list[int],
+    *,
+    forward_now: bool = False,
+    reuse_slots: bool = True,
+    read_first: bool = False,
 ) -> GreedyGenerationBatch:
     """The decode batch of a prefill batch whose rows forwarded all but ``last_tokens``, without a forward.
 
@@ -530,6 +573,7 @@ def enter_generation(
         num_tokens=[0] * len(prefill.uids),
         priming=True,
         reuse_slots=reuse_slots,
+        read_first=read_first,
     )
     prefill.uids = []
     prefill.prompt_cache = []
