@@ -23,6 +23,10 @@ CPU (default model)::
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         .venv/bin/python tools/bench/first_token.py --rounds 3 --json /tmp/ft.json --plot /tmp/ft.png
 
+``--switch KVTIER_READ_FIRST`` turns read first (``kernels.read_first_setting``:
+on the CPU a decode step computes its own tokens before it builds the next
+forward) on and off instead of the first-token-first rule.
+
 ``--smoke``: one round of 3 short requests and one pair (an end-to-end check).
 """
 
@@ -45,9 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 MODES = ("on", "off")
-"""``on``: the rule (kvtier serve's default); ``off``: ``KVTIER_BATCH_FIRST_TOKEN_FIRST=0``."""
+"""``on``: the switch set to 1 (kvtier serve's default for both switches); ``off``: set to 0."""
 
-_ENV = {"on": {"KVTIER_BATCH_FIRST_TOKEN_FIRST": "1"}, "off": {"KVTIER_BATCH_FIRST_TOKEN_FIRST": "0"}}
+SWITCHES = ("KVTIER_BATCH_FIRST_TOKEN_FIRST", "KVTIER_READ_FIRST")
+"""The switches ``--switch`` may name: each changes only when a row's tokens leave."""
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -99,7 +104,7 @@ def pairs(url: str, model: str, system: str, n: int, gap: float, max_tokens: int
 def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
     """One server with the rule ``mode``: warm-up, the arrivals, the pairs."""
     server = _common.start_kvtier(model, workdir, "--ssd-cache", "off", name=f"kvtier-ft-{mode}-r{rnd}",
-                                  env=_ENV[mode])
+                                  env={args.switch: "1" if mode == "on" else "0"})
     try:
         served = _common.model_id(server.url)
         system = _common.system_prompt(args.system_tokens, f"sys-r{rnd}")
@@ -145,7 +150,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("round")
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
-    fig.suptitle(f"kvtier serve, first token first on / off ({doc['machine'].get('cpus', '?')} CPUs, "
+    switch = doc["args"].get("switch", SWITCHES[0])
+    fig.suptitle(f"kvtier serve, {switch} on / off ({doc['machine'].get('cpus', '?')} CPUs, "
                  f"{doc['args']['requests']} arrivals every {doc['args']['gap']} s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--replot", type=Path, default=None, help="plot this --json document and exit")
     p.add_argument("--smoke", action="store_true", help="one round, 3 short arrivals, one pair")
+    p.add_argument("--switch", choices=SWITCHES, default=SWITCHES[0],
+                   help="the switch turned on and off (default: first token first; KVTIER_READ_FIRST: "
+                        "a CPU decode step computes its tokens before it queues the next forward)")
     args = p.parse_args(argv)
     if args.replot is not None:
         plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
