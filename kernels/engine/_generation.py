@@ -313,8 +313,9 @@ class Generation:
         if finish is not None:
             self._finish = finish
             if self._next is not None and self._read_first:
-                # NOTE: the cache leaves this thread with the generation: the
-                # forward of its last token runs here, on the engine thread.
+                # NOTE: the cache holds the built forward's writes (cache_tokens
+                # records its token); it runs here, on the engine thread, before
+                # the cache is handed on, as mlx-lm's order had it run by now.
                 mx.eval(*self._next)
             # NOTE: the queued forward (if any) already wrote its token into the
             # cache, which ``cache_tokens`` records; only the arrays are dropped.
