@@ -428,12 +428,13 @@ class BatchStep:
     ``tokens``: one per decoding row, in batch order; ``exits``: rows that
     finished in this step (their last token is in ``tokens``);
     ``snapshots``: prompt-boundary caches of rows that asked for one;
-    ``decode_rows``: rows that decoded a token (the decode forward also
-    takes the last prompt token of rows entering the batch, ``joined``; that
-    part of the forward belongs to their prefill, as mlx-lm's separate
-    first forward would); ``prefill_tokens``: prompt tokens forwarded for
-    joining rows; ``joined``: rows that entered the decode batch (their
-    first token comes with the next step);
+    ``decode_rows``: rows that decoded a token, not counting rows that
+    entered the batch in this step (the decode forward also takes their last
+    prompt token, and read first hands out their first token in this step:
+    that part belongs to their prefill, as mlx-lm's separate first forward
+    would); ``prefill_tokens``: prompt tokens forwarded for joining rows;
+    ``joined``: rows that entered the decode batch (their first token comes
+    with this step where read first, else with the next);
     ``checkpoints``: rows at a checkpoint boundary this step (``checkpoint_every``);
     ``since_clear``: steps run since MLX's buffer cache was last emptied by
     this generation, this one included; ``cleared``: this step emptied it at
@@ -876,8 +877,13 @@ class BatchGeneration:
                 prefilled = 0
             else:
                 snapshots, prefilled, joined = self._prefill()
-            self._owes_first = bool(joined)
             tokens, exits, decode_rows, checkpoints = self._decode()
+            if joined:
+                entered = set(joined)
+                decode_rows -= sum(1 for t in tokens if t.index == 0 and t.row_id in entered)
+            # NOTE: not every join owes: a read-first step hands out entering
+            # rows' first tokens in the turn they enter (GreedyGenerationBatch.next).
+            self._owes_first = self._batch is not None and self._batch.owes_first
             tokens.extend(self._replay())
         if tuning is not None:
             # NOTE: only steps that decoded the same rows and nothing else
@@ -918,10 +924,12 @@ class BatchGeneration:
         if self._batch is None:
             self._captures.clear()  # NOTE: their rows left; nothing completes them.
             return [], [], 0, []
-        decode_rows = self._batch.decoding_rows
         # NOTE: mlx-lm extracts every row it finishes (EOS / stop id / length)
         # before it filters the batch; stop strings are ours and leave below.
         responses = self._batch.next()
+        # NOTE: the rows that handed out a token (counted after the step: a
+        # read-first step hands out the first tokens of rows entering in it).
+        decode_rows = len(responses)
         tokens: list[RowToken] = []
         exits: list[RowExit] = []
         stopped_by_text: list[_Row] = []
@@ -1228,6 +1236,11 @@ class BatchGeneration:
         if self._batch is None:
             self._batch = ready
         else:
+            # NOTE: read first, the running rows' next forward is built but not
+            # started: taken back, so the entering rows share it and hand out
+            # their first tokens in this turn (GreedyGenerationBatch.retract).
+            if not forward_now:
+                self._batch.retract()
             # NOTE: into the slots of rows that left where they fit (no
             # whole-batch copy), the rest appended (GreedyGenerationBatch).
             self._batch.absorb(ready)

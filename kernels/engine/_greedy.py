@@ -29,6 +29,8 @@ three changes in what joining and leaving cost (in its docstring);
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -38,7 +40,7 @@ from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 from kernels.cache import cache_arrays
 from kernels.model import declare_equal_offsets, has_shared_rope
 
-from ._sampling import _argmax
+from ._sampling import _argmax, _KeyedSampler
 
 __all__ = [
     "HOLE_STEPS",
@@ -66,6 +68,23 @@ _ROW_LISTS = (
     "_matchers", "_token_context", "_num_tokens", "_next_logprobs", "_priming",
 )
 """mlx-lm's (and kvtier's) per-row lists of a decode batch: what a row filling a hole brings."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Retract:
+    """A read-first batch as it was before its step built the next forward (:meth:`GreedyGenerationBatch.retract`).
+
+    NOTE: ``layers`` holds handles to each layer's arrays as they were. While
+    they live, the built forward's in-place cache writes cannot reuse those
+    buffers (a whole-layer copy each), so they are dropped before anything
+    evaluates that forward: at the next step's start, or as soon as anything
+    else touches the batch.
+    """
+
+    layers: tuple[tuple[Any, mx.array, mx.array, mx.array, int], ...]
+    """Per layer: the layer, its keys, values and offset arrays, and its write index."""
+    keys: tuple[tuple[_KeyedSampler, mx.array], ...]
+    """Per sampled row's sampler: the key its next draw would have split."""
 
 
 def argmax_with_logprobs(logprobs: mx.array) -> mx.array:
@@ -138,6 +157,10 @@ class GreedyGenerationBatch(GenerationBatch):
         self._trim: list[tuple[Any, mx.array]] = []
         # NOTE: per row: None for a row, else the steps its slot has been vacant.
         self._hole_age: list[int | None] = [None] * len(uids)
+        self._retract: _Retract | None = None
+        """What the last read-first step's build replaced (:meth:`retract`); None once anything else touched the batch."""
+        self._owed = False
+        """Whether the last :meth:`next` forwarded priming rows without handing out their first tokens."""
         super().__init__(model, uids, inputs, prompt_cache, *rest)
 
     @property
@@ -190,6 +213,7 @@ class GreedyGenerationBatch(GenerationBatch):
 
     def _make_hole(self, index: int) -> None:
         """Turn slot ``index`` into a hole: no row's state, every layer's padding covering it."""
+        self._retract = None
         self_: Any = self
         self_.uids[index] = _HOLE_UID
         self_.tokens[index] = []
@@ -223,6 +247,7 @@ class GreedyGenerationBatch(GenerationBatch):
         time axis: it is written right-aligned into the hole's slot of every
         layer, the slot's padding and offset set to match.
         """
+        self._retract = None
         other: Any = batch
         holes = [i for i, age in enumerate(self._hole_age) if age is not None]
         placed: list[int] = []
@@ -268,6 +293,7 @@ class GreedyGenerationBatch(GenerationBatch):
 
     def extend(self, batch: Any) -> None:
         """mlx-lm's extend; offsets stay equal across layers when they were in both batches."""
+        self._retract = None
         # NOTE: a pending trim was computed over this batch's rows alone;
         # extend pads them to the joined rows' length, so it must land first.
         self._settle_trim()
@@ -279,6 +305,7 @@ class GreedyGenerationBatch(GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         """mlx-lm's filter; ``BatchKVCache`` layers trim their left padding later, without a sync."""
+        self._retract = None
         self._priming = [self._priming[i] for i in keep]
         self._hole_age = [self._hole_age[i] for i in keep]
         # NOTE: only when every layer is a BatchKVCache: a layer kind that trims
@@ -320,6 +347,9 @@ class GreedyGenerationBatch(GenerationBatch):
         after a trim or an extend each layer's is a separate lazy array, so
         32 layers were 32 device round trips (8.7 ms a leaving row, H200).
         """
+        # NOTE: an extraction is evaluated soon after (a leaving row, a
+        # checkpoint), the built forward with it: no handle may hold its buffers.
+        self._retract = None
         layers: list[Any] = list(self.prompt_cache)
         mx.eval([c.left_padding for c in layers if type(c) is BatchKVCache])
         return [c.extract(idx) for c in layers]
@@ -337,6 +367,7 @@ class GreedyGenerationBatch(GenerationBatch):
         for (c, _), shift in zip(trim, shifts, strict=True):
             if shift < least:
                 continue
+            self._retract = None
             if c.keys is not None:
                 c.keys = c.keys[..., shift:, :]
                 c.values = c.values[..., shift:, :]
@@ -347,10 +378,20 @@ class GreedyGenerationBatch(GenerationBatch):
         """mlx-lm's ``next`` (its loop, in its order); a priming row's step returns nothing for it, and a pending trim lands."""
         self_: Any = self
         if not self_.uids:
+            self._owed = False
             return []
         priming = self._priming
         if any(priming):
             self._priming = [False] * len(self_.uids)
+            if self.read_first and all(p or age is not None for p, age in zip(priming, self._hole_age, strict=True)):
+                # NOTE: read first, and no row of this step would hand out a
+                # token (rows entering, the running ones' built forward taken
+                # back: retract). One step forwards the queued inputs, the next
+                # computes that forward and hands out what it gives: entering
+                # rows hand out their first token in the turn they enter.
+                self._step()
+                priming = [False] * len(priming)
+        self._owed = any(priming)
         tokens, logprobs = self._step()
         # NOTE: here, between the step and this step's filter: the minima of the
         # previous filter were queued before this step's forward, so reading
@@ -410,6 +451,62 @@ class GreedyGenerationBatch(GenerationBatch):
             return []
         return [i for i in keep if (ages[i] or 0) <= HOLE_STEPS]
 
+    @property
+    def owes_first(self) -> bool:
+        """Whether the last :meth:`next` forwarded entering rows' last prompt tokens without handing out their first tokens (the next step does)."""
+        return self._owed
+
+    def _retract_state(self, samplers: list[Any]) -> _Retract | None:
+        """What this step's build will replace, where a retract can put it back (else ``None``).
+
+        Plain ``BatchKVCache`` layers holding arrays, no logits processor
+        (their token context would move), and samplers whose only state is
+        a key kvtier can put back.
+        """
+        self_: Any = self
+        layers: list[Any] = list(self.prompt_cache)
+        if not layers or not all(type(c) is BatchKVCache and c.keys is not None for c in layers):
+            return None
+        if any(self_.logits_processors):
+            return None
+        if not all(s is _argmax or s is argmax_with_logprobs or isinstance(s, _KeyedSampler) for s in samplers):
+            return None
+        # NOTE: copy.copy(a) is a second handle on a's present value, no
+        # operation of its own (mx.array(a) would be a lazy copy): the build's
+        # in-place writes (``keys[...] = ...``) rebind the layer's own array.
+        return _Retract(
+            layers=tuple((c, copy.copy(c.keys), copy.copy(c.values), c.offset, c._idx) for c in layers),
+            keys=tuple((s, s.key) for s in dict.fromkeys(samplers) if isinstance(s, _KeyedSampler)),
+        )
+
+    def retract(self) -> bool:
+        """Take back the next forward the last read-first step built and left unevaluated.
+
+        The rows' tokens of that step (emitted already) become their queued
+        inputs again, as priming rows', so rows entering now share that
+        forward and hand out their first tokens with the running rows' next
+        ones in one step (:meth:`next`), instead of waiting for the built
+        forward and then their own. Every layer, the rows' token histories
+        and the samplers' keys return to where they were before the build.
+        Returns False (nothing changed) where no such forward is held: not
+        read first, a layer or sampler kind that cannot be put back, or
+        anything done to the batch since the build.
+        """
+        saved, self._retract = self._retract, None
+        if saved is None:
+            return False
+        self_: Any = self
+        for layer, keys, values, offset, idx in saved.layers:
+            layer.keys, layer.values, layer.offset, layer._idx = keys, values, offset, idx
+        for sampler, key in saved.keys:
+            sampler.restore(key)
+        self_._next_tokens = self_._current_tokens
+        self_._next_logprobs = self_._current_logprobs
+        for history in self_.tokens:
+            history.pop()
+        self._priming = [age is None for age in self._hole_age]
+        return True
+
     def _step(self) -> tuple[list[int], list[Any]]:
         # NOTE: mlx-lm's attributes are untyped (None until set); read them as Any.
         self_: Any = self
@@ -419,6 +516,9 @@ class GreedyGenerationBatch(GenerationBatch):
             self_.fallback_sampler if s is None else s
             for s in (self_.samplers or [None] * len(self_.uids))
         ]
+        # NOTE: before decode_step's async_eval evaluates the forward the last
+        # retract state described (its handles must be gone by then).
+        self._retract = self._retract_state(samplers) if self.read_first else None
         return decode_step(
             self_, samplers, normalize=not greedy_without_logprobs(samplers), read_first=self.read_first
         )

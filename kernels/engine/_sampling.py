@@ -113,6 +113,15 @@ class _KeyedSampler:
         # NOTE: shared list; make_request_sampler inserts the keyed XTC filter later.
         self._filters = filters
 
+    @property
+    def key(self) -> mx.array:
+        """The key the next draw splits (each draw replaces it)."""
+        return self._key
+
+    def restore(self, key: mx.array) -> None:
+        """Hold ``key`` again: a key this sampler held before draws that were taken back."""
+        self._key = key
+
     def next_key(self) -> mx.array:
         # NOTE: same split order as MLX's global KeySequence (keep [0], use [1]),
         # so a seeded request reproduces mlx-lm after mx.random.seed(seed).

@@ -30,9 +30,9 @@ def _serial(model: Any, tok: Any, prompt: list[int], max_tokens: int) -> list[in
 
 
 def test_a_joining_row_is_forwarded_by_the_decode_step_it_joins(model: Any, tok: Any) -> None:
-    """The step a row's prefill completes runs its prefill forward and one decode forward covering every row."""
+    """mlx-lm's order: the step a row's prefill completes runs its prefill forward and one decode forward covering every row."""
     counting = ForwardSpy(model)
-    batch = BatchGeneration(counting, tok, prefill_step_size=64)
+    batch = BatchGeneration(counting, tok, prefill_step_size=64, read_first=False)
     prompt_a = [5 + i % 40 for i in range(12)]
     prompt_b = [7 + i % 30 for i in range(20)]
     batch.join("a", prompt_a, SamplingParams(max_tokens=8))
@@ -58,6 +58,35 @@ def test_a_joining_row_is_forwarded_by_the_decode_step_it_joins(model: Any, tok:
     while not batch.idle:
         for t in batch.step().tokens:
             out[t.row_id].append(t.output.token_id)
+    assert out["b"] == _serial(model, tok, prompt_b, 4)
+
+
+def test_read_first_a_joining_row_shares_the_running_rows_forward_and_hands_out_its_first_token(model: Any, tok: Any) -> None:
+    """Read first: the step a row's prefill completes forwards every row once (the running row's built forward taken back) and hands out both rows' tokens, the joining row's first among them."""
+    counting = ForwardSpy(model)
+    batch = BatchGeneration(counting, tok, prefill_step_size=64, read_first=True)
+    prompt_a = [5 + i % 40 for i in range(12)]
+    prompt_b = [7 + i % 30 for i in range(20)]
+    out: dict[str, list[int]] = {"a": [], "b": []}
+    batch.join("a", prompt_a, SamplingParams(max_tokens=8))
+    for _ in range(2):
+        out["a"].extend(t.output.token_id for t in batch.step().tokens)
+    counting.shapes.clear()
+    batch.join("b", prompt_b, SamplingParams(max_tokens=4))
+    step = batch.step()
+    assert step.joined == ("b",)
+    # NOTE: b's prefill, the forward of both rows this step computes, and the
+    # next step's forward of both, built and left unevaluated; none of a alone.
+    assert counting.shapes == [(1, len(prompt_b) - 1), (2, 1), (2, 1)]
+    assert [t.row_id for t in step.tokens] == ["a", "b"]
+    assert [t.index for t in step.tokens if t.row_id == "b"] == [0]
+    assert step.decode_rows == 1, "b's first token is its prefill's, not a decode"
+    for t in step.tokens:
+        out[t.row_id].append(t.output.token_id)
+    while not batch.idle:
+        for t in batch.step().tokens:
+            out[t.row_id].append(t.output.token_id)
+    assert out["a"] == _serial(model, tok, prompt_a, 8)
     assert out["b"] == _serial(model, tok, prompt_b, 4)
 
 

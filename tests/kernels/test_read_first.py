@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import mlx.core as mx
@@ -62,13 +63,25 @@ def test_a_read_first_step_computes_its_tokens_before_it_builds_the_next_forward
     first = _record_decode_steps(model, tok, monkeypatch, read_first=True)
     mlx_order = _record_decode_steps(model, tok, monkeypatch, read_first=False)
     assert len(first) >= 5
-    assert len(mlx_order) == len(first)
+    # NOTE: read first hands out the first token in the step the row enters,
+    # so one fewer step only decodes.
+    assert len(mlx_order) == len(first) + 1
     assert all(step == ["async_eval", "forward"] for step in first), first
     assert all(step == ["forward", "async_eval"] for step in mlx_order), mlx_order
 
 
+LOGPROB_ROUNDING = 1e-4
+"""How far a logprob or a cached value may move with one forward's rows (float32 rounding, not a token)."""
+
+
 def test_batch_rows_emit_the_same_tokens_either_way(model: Any, tok: Any) -> None:
-    """Staggered greedy, seeded and logprob rows: every row's tokens, logprobs and finish reasons are the same with and without read first."""
+    """Staggered greedy, seeded and logprob rows: every row's tokens and finish reasons are the same with and without read first, logprobs within rounding.
+
+    NOTE: not bit for bit: read first, a joining row shares the forward the
+    running rows' step built (retract), where mlx-lm's order computes that
+    forward without it; more rows (and padding) in one forward round the
+    running rows' attention sums differently.
+    """
     runs = [
         drive(BatchGeneration(model, tok, prefill_step_size=8, read_first=flag), _plans(tok))
         for flag in (True, False)
@@ -79,12 +92,13 @@ def test_batch_rows_emit_the_same_tokens_either_way(model: Any, tok: Any) -> Non
         other = mlx_order.outputs[row_id]
         assert [o.token_id for o in outputs] == [o.token_id for o in other], row_id
         assert [o.finish_reason for o in outputs] == [o.finish_reason for o in other], row_id
-        assert [o.logprob for o in outputs] == [o.logprob for o in other], row_id
+        got, want = [o.logprob for o in outputs], [o.logprob for o in other]
+        assert (got == want) if None in got else got == pytest.approx(want, abs=LOGPROB_ROUNDING), row_id
         assert first.exits[row_id].completion_tokens == mlx_order.exits[row_id].completion_tokens
 
 
 def test_exit_caches_hold_the_same_keys_either_way(model: Any, tok: Any) -> None:
-    """A leaving row's cache (its answer's last token included) holds the same keys and values with and without read first."""
+    """A leaving row's cache (its answer's last token included) holds the same tokens, keys and values (within rounding) with and without read first."""
     caches = []
     for flag in (True, False):
         run = drive(BatchGeneration(model, tok, prefill_step_size=8, read_first=flag), _plans(tok))
@@ -93,7 +107,7 @@ def test_exit_caches_hold_the_same_keys_either_way(model: Any, tok: Any) -> None
     assert first.cache_tokens == mlx_order.cache_tokens
     arrays = [cache_arrays(c.cache) for c in (first, mlx_order)]
     assert len(arrays[0]) == len(arrays[1]) > 0
-    assert all(mx.array_equal(a, b).item() for a, b in zip(*arrays, strict=True))
+    assert all(mx.allclose(a, b, rtol=0, atol=LOGPROB_ROUNDING).item() for a, b in zip(*arrays, strict=True))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=0.9, seed=11)])
@@ -117,3 +131,165 @@ def test_the_setting_is_on_where_async_eval_blocks_unless_switched_off(monkeypat
     assert not read_first_setting({READ_FIRST_ENV: "off"})
     monkeypatch.setattr(device, "async_eval_blocks", lambda: False)
     assert not read_first_setting({})
+
+
+def _first_token_steps(batch: BatchGeneration, plans: list[Plan]) -> dict[str, tuple[int, int]]:
+    """Per row: the step it entered the decode batch and the step that handed out its first token."""
+    waiting = sorted(plans, key=lambda p: p.join_at)
+    entered: dict[str, int] = {}
+    first: dict[str, int] = {}
+    step = 0
+    while waiting or not batch.idle:
+        assert step < 500
+        while waiting and waiting[0].join_at <= step:
+            p = waiting.pop(0)
+            batch.join(p.row_id, p.prompt, p.params)
+        result = batch.step()
+        for row_id in result.joined:
+            entered[row_id] = step
+        for t in result.tokens:
+            if t.index == 0:
+                first[t.row_id] = step
+        step += 1
+    batch.close()
+    return {row_id: (entered[row_id], first[row_id]) for row_id in entered}
+
+
+def test_a_row_entering_beside_running_rows_hands_out_its_first_token_in_that_step(model: Any, tok: Any) -> None:
+    """Read first, a row entering while another decodes gets its first token in the step it enters (the running row's built forward taken back); mlx-lm's order hands it out a step later."""
+    prompts = _prompts(len(tok), 3, seed=74, lo=6, hi=14)
+    plans = [Plan(str(i), p, SamplingParams(max_tokens=10), join_at=3 * i) for i, p in enumerate(prompts)]
+    first = _first_token_steps(BatchGeneration(model, tok, prefill_step_size=64, read_first=True), plans)
+    later = _first_token_steps(BatchGeneration(model, tok, prefill_step_size=64, read_first=False), plans)
+    assert all(entered == handed for entered, handed in first.values()), first
+    assert all(handed == entered + 1 for entered, handed in later.values()), later
+
+
+def test_the_turn_after_a_read_first_join_prefills_the_next_row(model: Any, tok: Any) -> None:
+    """Read first no turn owes a first token: the step after a row entered forwards the next row's prompt."""
+    (short,) = _prompts(len(tok), 1, seed=31, lo=6, hi=6)
+    (long,) = _prompts(len(tok), 1, seed=32, lo=41, hi=41)
+    plans = [Plan("a", short, SamplingParams(max_tokens=6)), Plan("b", long, SamplingParams(max_tokens=6), join_at=1)]
+    run = drive(BatchGeneration(model, tok, prefill_step_size=8, first_token_first=True, read_first=True), plans)
+    assert run.entered[0] == 1
+    assert run.steps[0][1] == 1, "a's first token did not come in the step it entered"
+    assert run.steps[1][2] == 8, "the turn after a's entry did not prefill b"
+
+
+def _retracting_run(model: Any, tok: Any, plans: list[Plan], *, retract: bool) -> tuple[dict[str, list[Any]], dict[str, Any], int]:
+    """Rows joining together, stepped to the end; with ``retract`` every decode-only step's built forward is taken back first."""
+    batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=True)
+    for p in plans:
+        batch.join(p.row_id, p.prompt, p.params)
+    outputs: dict[str, list[Any]] = {p.row_id: [] for p in plans}
+    exits: dict[str, Any] = {}
+    taken = 0
+    while not batch.idle:
+        # NOTE: the lane's decode batch, reached directly: nothing joins here,
+        # so only this test's retract makes the step forward twice.
+        inner = batch._batch
+        if retract and inner is not None:
+            taken += inner.retract()
+        result = batch.step()
+        for t in result.tokens:
+            outputs[t.row_id].append(t.output)
+        for e in result.exits:
+            exits[e.row_id] = e
+    batch.close()
+    return outputs, exits, taken
+
+
+def test_a_retracted_step_computes_exactly_what_the_built_forward_would(model: Any, tok: Any) -> None:
+    """Taking back every built forward and forwarding again gives bit for bit the same tokens, logprobs, sampled draws and exit caches as never taking it back."""
+    prompts = _prompts(len(tok), 3, seed=75, lo=5, hi=20)
+    params = [
+        SamplingParams(max_tokens=9, logprobs=True),
+        SamplingParams(max_tokens=7, temperature=0.9, seed=13),
+        SamplingParams(max_tokens=11, temperature=1.2, top_p=0.8, seed=17),
+    ]
+    plans = [Plan(str(i), p, q) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+    plain, plain_exits, none_taken = _retracting_run(model, tok, plans, retract=False)
+    taken_back, exits, taken = _retracting_run(model, tok, plans, retract=True)
+    assert none_taken == 0
+    assert taken >= 5
+    for row_id, outputs in plain.items():
+        assert [(o.token_id, o.logprob, o.finish_reason) for o in taken_back[row_id]] == [
+            (o.token_id, o.logprob, o.finish_reason) for o in outputs
+        ], row_id
+        assert exits[row_id].cache_tokens == plain_exits[row_id].cache_tokens
+        ours, theirs = cache_arrays(exits[row_id].cache), cache_arrays(plain_exits[row_id].cache)
+        assert len(ours) == len(theirs) > 0
+        assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True)), row_id
+
+
+def test_nothing_is_taken_back_in_mlx_order_or_after_a_row_left(model: Any, tok: Any) -> None:
+    """retract() refuses where no unstarted forward is held: in mlx-lm's order (its forward is queued already), and after a step in which a row left (its exit cache evaluated the built forward)."""
+    prompts = _prompts(len(tok), 2, seed=76, lo=5, hi=9)
+    for flag in (False, True):
+        batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=flag)
+        batch.join("short", prompts[0], SamplingParams(max_tokens=3))
+        batch.join("long", prompts[1], SamplingParams(max_tokens=9))
+        taken: list[bool] = []
+        while True:
+            result = batch.step()
+            inner = batch._batch
+            assert inner is not None
+            if result.exits:
+                assert [e.row_id for e in result.exits] == ["short"]
+                assert inner.retract() is False
+                break
+            # NOTE: taken back or not, the next step carries on (all rows priming: it forwards twice).
+            taken.append(inner.retract())
+        assert taken, flag
+        assert all(t is flag for t in taken), (flag, taken)
+        batch.close()
+
+
+def _operations(array: mx.array) -> int:
+    """The operations still to run to compute ``array`` (0: it holds its values)."""
+    out = io.StringIO()
+    mx.export_to_dot(out, array)
+    return out.getvalue().count("shape=rectangle")
+
+
+def test_a_retract_leaves_the_layers_as_the_last_step_computed_them(model: Any, tok: Any) -> None:
+    """After retract() every layer holds the keys and values the last step computed (nothing of the taken-back forward left to run) and the offsets from before the build."""
+    batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=True)
+    for i, prompt in enumerate(_prompts(len(tok), 2, seed=77, lo=5, hi=12)):
+        batch.join(str(i), prompt, SamplingParams(max_tokens=8))
+    batch.step()
+    batch.step()
+    inner = batch._batch
+    assert inner is not None
+    layers: list[Any] = list(inner.prompt_cache)
+    built = [c.offset.tolist() for c in layers]
+    assert all(_operations(c.keys) > 0 for c in layers), "the step built no forward to take back"
+    assert inner.retract()
+    assert all(_operations(c.keys) == 0 and _operations(c.values) == 0 for c in layers)
+    assert [c.offset.tolist() for c in layers] == [[o - 1 for o in offsets] for offsets in built]
+    batch.close()
+
+
+def test_a_checkpoint_capture_ends_what_a_retract_could_take_back(model: Any, tok: Any) -> None:
+    """A step that captures a checkpoint boundary (its extraction evaluates the built forward) leaves nothing to take back; the steps between captures do."""
+    batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=True)
+    (prompt,) = _prompts(len(tok), 1, seed=78, lo=7, hi=7)
+    batch.join("a", prompt, SamplingParams(max_tokens=12), checkpoint_every=3)
+    seen: list[tuple[int, bool]] = []
+    while not batch.idle:
+        result = batch.step()
+        inner = batch._batch
+        if inner is None or result.exits or not result.tokens:
+            continue
+        emitted = result.tokens[-1].index + 1
+        # NOTE: a retract here would make the next step forward twice; the
+        # probe takes nothing back, it only asks (and puts the batch back in step).
+        held = inner._retract is not None
+        seen.append((emitted, held))
+    captured = [held for emitted, held in seen if emitted % 3 == 0]
+    between = [held for emitted, held in seen if emitted % 3 != 0]
+    assert captured, seen
+    assert not any(captured), seen
+    assert between, seen
+    assert all(between), seen
+    batch.close()

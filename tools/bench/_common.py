@@ -188,8 +188,9 @@ def start_kvtier(
     name: str = "kvtier",
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
+    cwd: Path = REPO,
 ) -> Server:
-    """``kvtier serve`` on a free port.
+    """``kvtier serve`` on a free port (``cwd``: another tree's, with its ``PYTHONPATH`` in ``env``).
 
     NOTE: ``kvtier serve`` keeps an SSD cache at ``$KVTIER_HOME/kv`` unless
     told otherwise; a benchmark that does not name ``--ssd-cache`` gets one
@@ -199,7 +200,7 @@ def start_kvtier(
     if "--ssd-cache" not in args:
         args += ["--ssd-cache", str(workdir / f"{name}-kv")]
     cmd = [sys.executable, "-m", "actors.cli", "serve", "--model", str(model), "--port", "0"]
-    server = Server([*cmd, *args], workdir, name, env)
+    server = Server([*cmd, *args], workdir, name, env, cwd)
     server.wait_ready(None, timeout)
     return server
 

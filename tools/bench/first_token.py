@@ -27,6 +27,10 @@ CPU (default model)::
 on the CPU a decode step computes its own tokens before it builds the next
 forward) on and off instead of the first-token-first rule.
 
+``--base COMMIT`` compares trees instead of a switch: ``on`` is this tree,
+``off`` the commit's (``git archive``, run from its own directory with it
+first on ``PYTHONPATH``), every switch at its default in both.
+
 ``--smoke``: one round of 3 short requests and one pair (an end-to-end check).
 """
 
@@ -36,6 +40,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -101,10 +106,27 @@ def pairs(url: str, model: str, system: str, n: int, gap: float, max_tokens: int
     return out
 
 
-def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
-    """One server with the rule ``mode``: warm-up, the arrivals, the pairs."""
-    server = _common.start_kvtier(model, workdir, "--ssd-cache", "off", name=f"kvtier-ft-{mode}-r{rnd}",
-                                  env={args.switch: "1" if mode == "on" else "0"})
+def base_tree(commit: str, into: Path) -> Path:
+    """``git archive`` of ``commit`` extracted under ``into``."""
+    tree = into / f"base-{commit}"
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=_common.REPO, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
+
+
+def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace, rnd: int,
+             base: Path | None = None) -> dict[str, Any]:
+    """One server with the rule ``mode`` (with ``base``: ``off`` runs that tree): warm-up, the arrivals, the pairs."""
+    name = f"kvtier-ft-{mode}-r{rnd}"
+    if base is None:
+        server = _common.start_kvtier(model, workdir, "--ssd-cache", "off", name=name,
+                                      env={args.switch: "1" if mode == "on" else "0"})
+    elif mode == "off":
+        server = _common.start_kvtier(model, workdir, "--ssd-cache", "off", name=name,
+                                      env={"PYTHONPATH": str(base)}, cwd=base)
+    else:
+        server = _common.start_kvtier(model, workdir, "--ssd-cache", "off", name=name)
     try:
         served = _common.model_id(server.url)
         system = _common.system_prompt(args.system_tokens, f"sys-r{rnd}")
@@ -151,6 +173,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
     switch = doc["args"].get("switch", SWITCHES[0])
+    if doc["args"].get("base"):
+        switch = f"this tree (on) vs {doc['args']['base']} (off):"
     fig.suptitle(f"kvtier serve, {switch} on / off ({doc['machine'].get('cpus', '?')} CPUs, "
                  f"{doc['args']['requests']} arrivals every {doc['args']['gap']} s)")
     fig.tight_layout()
@@ -173,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--replot", type=Path, default=None, help="plot this --json document and exit")
     p.add_argument("--smoke", action="store_true", help="one round, 3 short arrivals, one pair")
+    p.add_argument("--base", default=None,
+                   help="compare this tree (on) with this commit's (off) instead of a switch")
     p.add_argument("--switch", choices=SWITCHES, default=SWITCHES[0],
                    help="the switch turned on and off (default: first token first; KVTIER_READ_FIRST: "
                         "a CPU decode step computes its tokens before it queues the next forward)")
@@ -191,10 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                    for k, v in vars(args).items()},
                            "runs": []}
     with tempfile.TemporaryDirectory(prefix="kvtier-first-token-") as tmp:
+        base = base_tree(args.base, Path(tmp)) if args.base else None
         for rnd in range(args.rounds):
             order = MODES if rnd % 2 == 0 else tuple(reversed(MODES))
             for mode in order:
-                doc["runs"].append(run_mode(mode, args.model, Path(tmp), args, rnd))
+                doc["runs"].append(run_mode(mode, args.model, Path(tmp), args, rnd, base))
     summary: dict[str, Any] = {}
     for key in ("ttft_p50_ms", "ttft_p90_ms", "pair_ttft_p50_ms", "pair_second_p50_ms", "tps"):
         on = [r[key] for r in doc["runs"] if r["mode"] == "on"]

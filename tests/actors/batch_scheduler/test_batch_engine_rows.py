@@ -257,8 +257,8 @@ def test_the_prefill_budget_sets_how_many_joining_prompts_a_decoding_step_takes(
     engine = _engine(model, tok, **options)
     first = engine.step([JoinRow(_gen("a", _prompt(6, 1), 12))], [])
     assert first.prefill_tokens == 5
-    # NOTE: the next step hands out a's first token and prefills nothing
-    # (first token first), so the others join the step after it.
+    # NOTE: the next step prefills nothing (nothing is pending; in mlx-lm's
+    # order it also hands out a's first token), so the others join the step after it.
     assert engine.step([], []).prefill_tokens == 0
     out = engine.step([JoinRow(_gen("b", _prompt(20, 2), 4)), JoinRow(_gen("c", _prompt(24, 3), 4))], [])
     assert out.decode_rows == 1, "the second step decodes row a"
