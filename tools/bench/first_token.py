@@ -162,11 +162,13 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    base = doc["args"].get("base")
+    labels = {"on": "this tree", "off": str(base)} if base else {m: f"rule {m}" for m in MODES}
     for ax, key, title in zip(axes, ("ttft_p50_ms", "ttft_p90_ms", "pair_ttft_p50_ms"),
                               ("arrivals TTFT p50", "arrivals TTFT p90", "pairs TTFT p50"), strict=True):
         for mode in MODES:
             recs = [r for r in doc["runs"] if r["mode"] == mode]
-            ax.plot([r["round"] for r in recs], [r[key] for r in recs], "o-", label=f"rule {mode}")
+            ax.plot([r["round"] for r in recs], [r[key] for r in recs], "o-", label=labels[mode])
         ax.set_title(title)
         ax.set_xticks(sorted({r["round"] for r in doc["runs"]}))
         ax.set_xlabel("round")
@@ -174,8 +176,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     switch = doc["args"].get("switch", SWITCHES[0])
     if doc["args"].get("base"):
-        switch = f"this tree (on) vs {doc['args']['base']} (off):"
-    fig.suptitle(f"kvtier serve, {switch} on / off ({doc['machine'].get('cpus', '?')} CPUs, "
+        switch = f"this tree vs {doc['args']['base']}"
+    else:
+        switch = f"{switch} on / off"
+    fig.suptitle(f"kvtier serve, {switch} ({doc['machine'].get('cpus', '?')} CPUs, "
                  f"{doc['args']['requests']} arrivals every {doc['args']['gap']} s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
