@@ -580,22 +580,25 @@ def test_cancel_while_pending_or_mid_prefill(model: Any, tok: Any) -> None:
         batch.cancel("a")
 
 
+@pytest.mark.parametrize("read_first", [False, True])
 def test_one_step_forwards_at_most_one_chunk_of_prompt_and_one_token_per_decoding_row(
-    model: Any, tok: Any
+    model: Any, tok: Any, read_first: bool
 ) -> None:
     """Joining rows share a per-step prefill budget while decoding rows each get exactly one token per step.
 
     A row entering the decode batch is forwarded by that step's decode (its
-    last prompt token) without emitting a token, and is not a decoding row yet.
+    last prompt token) and is not a decoding row yet: in mlx-lm's order it
+    emits nothing there, read first it emits its first token there.
     """
     prompts = _prompts(len(tok), 4, seed=12, lo=25, hi=40)
     plans = [Plan("early", prompts[0][:6], SamplingParams(max_tokens=40))] + [
         Plan(str(i), p, SamplingParams(max_tokens=3), join_at=3) for i, p in enumerate(prompts[1:])
     ]
-    run = drive(BatchGeneration(model, tok, prefill_step_size=8), plans)
+    run = drive(BatchGeneration(model, tok, prefill_step_size=8, read_first=read_first), plans)
     assert all(prefill <= 8 for _, _, prefill in run.steps)
     assert sum(run.entered) == len(plans)
-    assert all(out == rows for rows, out, _ in run.steps)
+    firsts = run.entered if read_first else [0] * len(run.entered)
+    assert all(out == rows + first for (rows, out, _), first in zip(run.steps, firsts, strict=True))
     # While the late rows prefill (steps 3..), the early row still gets a token every step.
     early_steps = [i for i, (rows, _, prefill) in enumerate(run.steps) if prefill > 0 and i >= 3]
     assert len(early_steps) >= 9

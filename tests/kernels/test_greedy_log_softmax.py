@@ -33,7 +33,7 @@ def _prompts(n: int) -> list[list[int]]:
 def _batch(
     model: Any, tok: Any, rows: list[tuple[list[int], SamplingParams]]
 ) -> tuple[dict[str, list[int]], dict[str, list[float]], int]:
-    """Run rows joined together; tokens and logprobs per row, and how many steps decoded."""
+    """Run rows joined together; tokens and logprobs per row, and how many steps handed out tokens."""
     batch = BatchGeneration(model, tok, max_rows=8, prefill_step_size=64)
     for i, (prompt, params) in enumerate(rows):
         batch.join(str(i), prompt, params)
@@ -42,7 +42,7 @@ def _batch(
     decode_steps = 0
     while not batch.idle:
         step = batch.step()
-        decode_steps += step.decode_rows > 0
+        decode_steps += bool(step.tokens)
         for t in step.tokens:
             tokens[t.row_id].append(t.output.token_id)
             if t.output.logprob is not None:
