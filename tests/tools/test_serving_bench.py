@@ -65,6 +65,15 @@ def test_help_does_not_import_mlx() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_a_timeline_line_gives_its_decode_time_per_token_after_the_first() -> None:
+    """``decode_per_token`` is the line's ``decode_ms`` over its tokens after the first; a one-token line has none."""
+    phases = {"admission": 1.0, "first_step": 50.0}
+    row = serving._timeline_row({"phases_ms": phases, "decode_ms": 1048.0, "tokens": 128})
+    assert row == {"admission": 1.0, "first_step": 50.0, "decode_per_token": 1048.0 / 127}
+    assert serving._timeline_row({"phases_ms": phases, "decode_ms": 0.0, "tokens": 1}) == phases
+    assert serving._timeline_row({"decode_ms": 10.0, "tokens": 4}) is None
+
+
 def test_turn_phases_come_from_the_timeline_lines_of_either_log_format(tmp_path: Path) -> None:
     """Each agent turn gets the phases of the ``request.timeline`` line naming its request id (its
     admission's parts too, where the line has them) and the figures of the ``batch.join_step``

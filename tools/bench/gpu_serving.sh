@@ -245,13 +245,28 @@ case "$cmd" in
     run_dir=$WORK/call-$n
     mkdir -p "$run_dir"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    # NOTE: two switches for the per-server decode speed (a call's first
+    # server decoded a lone row at 8.3 ms a token, later ones at 12.6-13.4:
+    # docs/benchmarks.md, 2026-12-07 06:55). RUN_CLEAN=1: the earlier calls'
+    # SSD-tier files removed and the page cache dropped before this call;
+    # RUN_PTX=fresh: this call's servers compile MLX's kernels into a folder
+    # of their own (MLX_PTX_CACHE_DIR) instead of reusing earlier ones'.
+    if [ -n "${RUN_CLEAN:-}" ]; then
+      rm -rf "$WORK"/call-*/kv-*
+      sync && { echo 3 > /proc/sys/vm/drop_caches; } 2> /dev/null || echo "page cache not dropped (not root)"
+      grep -E "MemFree|^Cached" /proc/meminfo
+    fi
+    if [ "${RUN_PTX:-}" = fresh ]; then
+      export MLX_PTX_CACHE_DIR=$run_dir/ptx
+      mkdir -p "$MLX_PTX_CACHE_DIR"
+    fi
     rc=0
     python3 tools/bench/serving.py --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" --tok-dir .gpu/tok --model "$MODEL" \
       --guidellm-python "$(command -v python3)" --out "$run_dir" --first-round "$n" \
       --json "$OUT/serving.json" --plot "$OUT/serving.png" --title "H200" \
       "${DEFAULTS[@]}" "$@" 2>&1 | tee "$OUT/serving.txt" || rc=$?
-    # NOTE: not the SSD tiers' directories (GBs of KV files).
-    tar -czf "$OUT/logs.tgz" --exclude="./kv-*" -C "$run_dir" . || true
+    # NOTE: not the SSD tiers' directories (GBs of KV files), nor the kernels.
+    tar -czf "$OUT/logs.tgz" --exclude="./kv-*" --exclude="./ptx" -C "$run_dir" . || true
     exit $rc
     ;;
   profile)

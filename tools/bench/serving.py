@@ -781,7 +781,12 @@ def timeline_phases(logs: Sequence[Path]) -> dict[str, dict[str, float]]:
 
 def _timeline_row(fields: dict[str, Any]) -> dict[str, float] | None:
     """A ``request.timeline`` line's phases (ms), then its admission's parts as ``admission.<part>``
-    where it has them; ``None`` for a line without phases."""
+    where it has them, then ``decode_per_token`` (its ``decode_ms`` over the tokens after the first)
+    where it streamed more than one token; ``None`` for a line without phases.
+
+    NOTE: the per-token figure is the server's own, without the client's
+    reading: it tells a slower decode from a slower delivery.
+    """
     phases = fields.get("phases_ms")
     if not isinstance(phases, dict):
         return None
@@ -789,6 +794,9 @@ def _timeline_row(fields: dict[str, Any]) -> dict[str, float] | None:
     parts = fields.get("admission_parts_ms")
     if isinstance(parts, dict):
         row |= {f"admission.{k}": float(v) for k, v in parts.items()}
+    decode, tokens = fields.get("decode_ms"), fields.get("tokens")
+    if isinstance(decode, int | float) and isinstance(tokens, int) and tokens > 1:
+        row["decode_per_token"] = float(decode) / (tokens - 1)
     return row
 
 
