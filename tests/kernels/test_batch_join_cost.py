@@ -29,69 +29,60 @@ def _serial(model: Any, tok: Any, prompt: list[int], max_tokens: int) -> list[in
     return [o.token_id for o in outputs]
 
 
+PROMPT_A = [5 + i % 40 for i in range(12)]
+PROMPT_B = [7 + i % 30 for i in range(20)]
+
+
+def _b_joins_beside_a(
+    model: Any, tok: Any, *, read_first: bool
+) -> tuple[ForwardSpy, BatchGeneration, Any, dict[str, list[int]]]:
+    """Row a decoding for two steps, then b joining: the forward spy (cleared before b's step), the batch, b's join step and every token so far."""
+    counting = ForwardSpy(model)
+    batch = BatchGeneration(counting, tok, prefill_step_size=64, read_first=read_first)
+    out: dict[str, list[int]] = {"a": [], "b": []}
+    batch.join("a", PROMPT_A, SamplingParams(max_tokens=8))
+    for _ in range(2):
+        out["a"].extend(t.output.token_id for t in batch.step().tokens)
+    counting.shapes.clear()
+    batch.join("b", PROMPT_B, SamplingParams(max_tokens=4))
+    step = batch.step()
+    for t in step.tokens:
+        out[t.row_id].append(t.output.token_id)
+    return counting, batch, step, out
+
+
 def test_a_joining_row_is_forwarded_by_the_decode_step_it_joins(model: Any, tok: Any) -> None:
     """mlx-lm's order: the step a row's prefill completes runs its prefill forward and one decode forward covering every row."""
-    counting = ForwardSpy(model)
-    batch = BatchGeneration(counting, tok, prefill_step_size=64, read_first=False)
-    prompt_a = [5 + i % 40 for i in range(12)]
-    prompt_b = [7 + i % 30 for i in range(20)]
-    batch.join("a", prompt_a, SamplingParams(max_tokens=8))
-    batch.step()
-    batch.step()
-    counting.shapes.clear()
-    batch.join("b", prompt_b, SamplingParams(max_tokens=4))
-    step = batch.step()
+    counting, batch, step, out = _b_joins_beside_a(model, tok, read_first=False)
     assert step.joined == ("b",)
     # NOTE: b's prefill (all but its last prompt token, batch of one), then one
     # decode forward of both rows, one token each; no forward of b alone.
-    assert counting.shapes == [(1, len(prompt_b) - 1), (2, 1)]
+    assert counting.shapes == [(1, len(PROMPT_B) - 1), (2, 1)]
     assert [t.row_id for t in step.tokens] == ["a"]
     assert step.decode_rows == 1
-    out: dict[str, list[int]] = {"a": [], "b": []}
-    for t in step.tokens:
-        out[t.row_id].append(t.output.token_id)
     first_b = batch.step()
     assert [t.row_id for t in first_b.tokens] == ["a", "b"]
     assert first_b.decode_rows == 2
     for t in first_b.tokens:
         out[t.row_id].append(t.output.token_id)
-    while not batch.idle:
-        for t in batch.step().tokens:
-            out[t.row_id].append(t.output.token_id)
-    assert out["b"] == _serial(model, tok, prompt_b, 4)
+    _drain(batch, out)
+    assert out["a"] == _serial(model, tok, PROMPT_A, 8)
+    assert out["b"] == _serial(model, tok, PROMPT_B, 4)
 
 
 def test_read_first_a_joining_row_shares_the_running_rows_forward_and_hands_out_its_first_token(model: Any, tok: Any) -> None:
     """Read first: the step a row's prefill completes forwards every row once (the running row's built forward taken back) and hands out both rows' tokens, the joining row's first among them."""
-    counting = ForwardSpy(model)
-    batch = BatchGeneration(counting, tok, prefill_step_size=64, read_first=True)
-    prompt_a = [5 + i % 40 for i in range(12)]
-    prompt_b = [7 + i % 30 for i in range(20)]
-    out: dict[str, list[int]] = {"a": [], "b": []}
-    batch.join("a", prompt_a, SamplingParams(max_tokens=8))
-    for _ in range(2):
-        out["a"].extend(t.output.token_id for t in batch.step().tokens)
-    counting.shapes.clear()
-    batch.join("b", prompt_b, SamplingParams(max_tokens=4))
-    step = batch.step()
+    counting, batch, step, out = _b_joins_beside_a(model, tok, read_first=True)
     assert step.joined == ("b",)
     # NOTE: b's prefill, the forward of both rows this step computes, and the
     # next step's forward of both, built and left unevaluated; none of a alone.
-    assert counting.shapes == [(1, len(prompt_b) - 1), (2, 1), (2, 1)]
+    assert counting.shapes == [(1, len(PROMPT_B) - 1), (2, 1), (2, 1)]
     assert [t.row_id for t in step.tokens] == ["a", "b"]
     assert [t.index for t in step.tokens if t.row_id == "b"] == [0]
     assert step.decode_rows == 1, "b's first token is its prefill's, not a decode"
-    for t in step.tokens:
-        out[t.row_id].append(t.output.token_id)
-    while not batch.idle:
-        for t in batch.step().tokens:
-            out[t.row_id].append(t.output.token_id)
-    assert out["a"] == _serial(model, tok, prompt_a, 8)
-    assert out["b"] == _serial(model, tok, prompt_b, 4)
-
-
-PROMPT_A = [5 + i % 40 for i in range(12)]
-PROMPT_B = [7 + i % 30 for i in range(20)]
+    _drain(batch, out)
+    assert out["a"] == _serial(model, tok, PROMPT_A, 8)
+    assert out["b"] == _serial(model, tok, PROMPT_B, 4)
 
 
 def _drain(batch: BatchGeneration, out: dict[str, list[int]]) -> None:
