@@ -461,7 +461,8 @@ class GreedyGenerationBatch(GenerationBatch):
 
         Plain ``BatchKVCache`` layers holding arrays, no logits processor
         (their token context would move), and samplers whose only state is
-        a key kvtier can put back.
+        a key kvtier can put back. What it keeps is what mlx-lm 0.32.2's
+        ``BatchKVCache.update_and_fetch`` changes (tests/kernels/test_mlx_lm_copies.py).
         """
         self_: Any = self
         layers: list[Any] = list(self.prompt_cache)
@@ -539,7 +540,8 @@ def decode_step(
     forward, then read this step's tokens) hands every token out one whole
     forward late, a lone request's first token included. The tokens and the
     caches' contents are the same either way: only when each forward runs
-    changes.
+    changes. The copy is of mlx-lm 0.32.2's; tests/kernels/test_mlx_lm_copies.py
+    fails while the installed mlx-lm's step differs from it.
     """
     batch._current_tokens = batch._next_tokens
     batch._current_logprobs = batch._next_logprobs
