@@ -79,7 +79,7 @@ def sampler_key_array(sampler: object) -> Any:
     """
     if not isinstance(sampler, _KeyedSampler):
         return None
-    return sampler._key
+    return sampler.key
 
 
 def key_words(key: Any) -> tuple[int, int]:
@@ -118,7 +118,7 @@ def set_sampler_key(sampler: object, key: tuple[int, int] | None) -> None:
     if isinstance(sampler, _KeyedSampler):
         if key is None:
             raise InvalidPrompt("a sampled request's checkpoint has no PRNG key")
-        sampler._key = mx.array(list(key), dtype=mx.uint32)
+        sampler.restore(mx.array(list(key), dtype=mx.uint32))
     elif key is not None:
         raise InvalidPrompt("a greedy request's checkpoint carries a PRNG key")
 

@@ -164,19 +164,9 @@ class GreedyGenerationBatch(GenerationBatch):
         super().__init__(model, uids, inputs, prompt_cache, *rest)
 
     @property
-    def priming_rows(self) -> int:
-        """Rows whose queued input is their last prompt token (the next step forwards it, emits nothing)."""
-        return sum(self._priming)
-
-    @property
     def holes(self) -> int:
         """Vacant slots: forwarded with the rows, their output dropped, waiting for a joining row."""
         return sum(age is not None for age in self._hole_age)
-
-    @property
-    def decoding_rows(self) -> int:
-        """Rows whose next step emits a token (neither priming nor a hole)."""
-        return len(self._hole_age) - self.holes - self.priming_rows
 
     reuse_slots: bool = True
     """Leave holes for joining rows (``False``: mlx-lm's filter and extend; ``KVTIER_BATCH_SLOT_REUSE``)."""

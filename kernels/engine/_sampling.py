@@ -119,7 +119,7 @@ class _KeyedSampler:
         return self._key
 
     def restore(self, key: mx.array) -> None:
-        """Hold ``key`` again: a key this sampler held before draws that were taken back."""
+        """Hold ``key`` as the next draw's key: one held before draws that were taken back, or a checkpoint's."""
         self._key = key
 
     def next_key(self) -> mx.array:

@@ -93,6 +93,18 @@ def system_prompt(target_tokens: int, nonce: str) -> str:
     return " ".join(out)
 
 
+def extract_commit(commit: str, into: Path) -> tuple[str, Path]:
+    """``git archive`` one commit into ``into/<short hash>``; its short hash and the tree."""
+    short = subprocess.run(
+        ["git", "rev-parse", "--short", commit], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    tree = into / short
+    tree.mkdir()
+    archive = subprocess.run(["git", "archive", commit], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return short, tree
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a server child: ours, OpenBLAS preloaded when present, ``extra`` on top."""
     env = dict(os.environ)

@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -104,15 +103,6 @@ def pairs(url: str, model: str, system: str, n: int, gap: float, max_tokens: int
         _common.in_threads(send, 2)
         out.extend(got)
     return out
-
-
-def base_tree(commit: str, into: Path) -> Path:
-    """``git archive`` of ``commit`` extracted under ``into``."""
-    tree = into / f"base-{commit}"
-    tree.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", commit], cwd=_common.REPO, check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    return tree
 
 
 def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace, rnd: int,
@@ -221,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                    for k, v in vars(args).items()},
                            "runs": []}
     with tempfile.TemporaryDirectory(prefix="kvtier-first-token-") as tmp:
-        base = base_tree(args.base, Path(tmp)) if args.base else None
+        base = _common.extract_commit(args.base, Path(tmp))[1] if args.base else None
         for rnd in range(args.rounds):
             order = MODES if rnd % 2 == 0 else tuple(reversed(MODES))
             for mode in order:

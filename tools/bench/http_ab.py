@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,24 +36,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import running_server  # noqa: E402
+from _common import extract_commit, running_server  # noqa: E402
 from overhead import _http_sample  # noqa: E402
 
 import kernels  # noqa: E402
 
 _READY_S = 180.0
-
-
-def _extract(commit: str, into: Path) -> tuple[str, Path]:
-    """``git archive`` one commit into ``into``; return its short hash and the tree."""
-    short = subprocess.run(
-        ["git", "rev-parse", "--short", commit], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout.strip()
-    tree = into / short
-    tree.mkdir()
-    archive = subprocess.run(["git", "archive", commit], cwd=REPO, check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    return short, tree
 
 
 def _iqr(values: list[float]) -> tuple[float, float]:
@@ -82,7 +69,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-http-ab-") as tmp, contextlib.ExitStack() as stack:
         bases: dict[str, str] = {}
         for commit in args.commit:
-            short, tree = _extract(commit, Path(tmp))
+            short, tree = extract_commit(commit, Path(tmp))
             argv = [py, "-m", "actors.cli", "serve", "--model", model_dir,
                     "--prompt-cache", "0", "--log-level", "warning"]
             # NOTE: the tree's own packages, not this checkout's: it is the

@@ -39,8 +39,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from _common import running_server  # noqa: E402
-from http_ab import _extract  # noqa: E402
+from _common import extract_commit, running_server  # noqa: E402
 
 import kernels  # noqa: E402
 
@@ -149,7 +148,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-structured-") as tmp, contextlib.ExitStack() as stack:
         bases: dict[str, str] = {}
         for commit in args.commit:
-            short, tree = _extract(commit, Path(tmp))
+            short, tree = extract_commit(commit, Path(tmp))
             argv = [sys.executable, "-m", "actors.cli", "serve", "--model", model_dir,
                     "--prompt-cache", "0", "--log-level", "warning"]
             bases[short] = stack.enter_context(running_server(
