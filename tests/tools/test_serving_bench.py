@@ -350,6 +350,27 @@ def test_a_server_that_died_mid_run_ends_its_own_run_not_the_benchmark(
     assert f"DIED mlx_lm {run.died}" in serving.summary_lines(summary)
 
 
+def test_a_run_records_the_host_probe_before_its_server_and_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``host_loop`` runs once before the server starts and once after it stopped (a run that died
+    included); both land in the run and its JSON, in that order."""
+    probes = iter([0.25, 0.4])
+    monkeypatch.setattr(importlib.import_module("_common"), "host_loop", lambda: next(probes))
+    run = _agent_run(tmp_path, monkeypatch, -6)
+    assert run.host_loop_s == [0.25, 0.4]
+    out = tmp_path / "run.json"
+    args = serving.parse_args(["--servers", "mlx_lm", "--skip-loadgen"])
+    serving.write_json(out, {"commit": "test"}, args, [], [{"mlx_lm": run}], complete=True)
+    assert json.loads(out.read_text())["rounds"][0]["mlx_lm"]["host_loop_s"] == [0.25, 0.4]
+
+
+def test_the_host_probe_times_its_loop() -> None:
+    """``host_loop`` grows with its loop: ten times the additions take longer (best of three each)."""
+    common = importlib.import_module("_common")
+    assert common.host_loop(2_000_000) > common.host_loop(200_000) > 0
+
+
 def test_a_failure_with_the_server_still_up_is_the_benchmarks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -64,3 +64,22 @@ def test_a_run_cut_short_keeps_the_levels_the_others_reached(
     constant = [ln for ln in out.splitlines() if "constant #0" in ln]
     assert len(constant) == len(runs.MEASURES)
     assert all("n/a" in ln and "2.00 [2.00..2.00]" in ln for ln in constant)
+
+
+def test_each_runs_host_probe_is_printed_per_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose servers recorded ``host_loop_s`` gets them printed under its label, per server; a
+    run without them (older JSON) is left out of that line."""
+    runs = load_bench("serving_runs")
+    figures = {"output_tps": 100.0, "ttft_p50": 50.0, "ttft_p99": 90.0, "itl_p50": 10.0}
+    levels = {"levels": [_level("concurrent", 1.0, mlx_lm=figures, kvtier=figures)]}
+    probed = {"summary": levels, "rounds": [{"mlx_lm": {"host_loop_s": [0.14, 0.15]},
+                                             "kvtier": {"host_loop_s": [0.15, 0.23]}}]}
+    (tmp_path / "probed.json").write_text(json.dumps(probed))
+    (tmp_path / "old.json").write_text(json.dumps({"summary": levels, "rounds": [{"kvtier": {}}]}))
+    monkeypatch.setattr(sys, "argv", ["serving_runs.py", str(tmp_path / "probed.json"),
+                                      str(tmp_path / "old.json"), "--label", "p", "--label", "o"])
+    runs.main()
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host loop"))
+    assert line.endswith(": p kvtier 0.150/0.230, mlx_lm 0.140/0.150")

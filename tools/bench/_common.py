@@ -408,6 +408,26 @@ def loadavg() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+def host_loop(iterations: int = 2_000_000, repeats: int = 3) -> float:
+    """Seconds a fixed pure-Python loop of ``iterations`` additions takes on this host, best of ``repeats``.
+
+    NOTE: a probe of the host's single-thread speed. On a lent GPU host (a
+    VM on a shared machine) it moved 1.6 x within one call (10M additions:
+    0.70 s before a run, 1.14 s after; docs/benchmarks.md, 2026-12-07
+    08:58), and a decode step with few rows is bound by the host, so a
+    server's per-token time moves with it: each run records it beside its
+    figures.
+    """
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total = 0
+        for i in range(iterations):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 GPU_QUERY = ("name", "memory.total", "driver_version", "clocks.max.sm", "clocks.sm",
              "power.limit", "temperature.gpu", "pci.bus_id")
 """What :func:`gpus` asks ``nvidia-smi`` for, one field each."""

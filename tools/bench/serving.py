@@ -304,6 +304,9 @@ class ServerRun:
     generator (``loads``) and after the agent trace (``agent``)."""
     code: str = ""
     """kvtier only: the directory whose ``actors`` package the server imported (which tree ran)."""
+    host_loop_s: list[float] = field(default_factory=list)
+    """The host's speed probe (``_common.host_loop``, seconds) before the server started and after
+    its run: a host-bound step's time moves with it on a shared host."""
     died: str | None = None
     """How the server ended before its run did (the round, the phase, its exit status, its
     last error line); ``None`` when it lasted. What it finished before is kept."""
@@ -555,7 +558,7 @@ def run_server(
     ``progress`` is called with the run after each phase that added figures
     (``main`` writes the JSON then, so a run killed later keeps them).
     """
-    from _common import model_id, stream_chat
+    from _common import host_loop, model_id, stream_chat
 
     def phase_done() -> None:
         if progress is not None:
@@ -570,8 +573,9 @@ def run_server(
         phase_done()
 
     tag = f"r{rnd}"
+    before = host_loop()
     server = start_server(who, model, port, workdir, args, tag)
-    run = ServerRun(who, server.ready_s)
+    run = ServerRun(who, server.ready_s, host_loop_s=[before])
     if who == "kvtier":
         env = kvtier_env(args)
         run.code = code_dir(env, server_cwd(who, env, workdir))
@@ -670,6 +674,9 @@ def run_server(
         print(f"{who:<7} DIED {run.died}", flush=True)
     finally:
         server.stop()
+    run.host_loop_s.append(host_loop())
+    print(f"round {rnd} {who:<7} host loop: {before:.3f} s before, {run.host_loop_s[-1]:.3f} s after",
+          flush=True)
     if who == "kvtier":
         slow = slow_background_turns([server.stdout, server.stderr])
         run.stats["background_slow"] = slow

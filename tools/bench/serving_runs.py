@@ -67,6 +67,18 @@ def _agent(doc: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _host_loops(doc: dict[str, Any]) -> dict[str, list[float]]:
+    """Each server's host probe (``serving.py``'s ``host_loop_s``: seconds before it started, after
+    it stopped), where the run recorded one."""
+    out: dict[str, list[float]] = {}
+    for rnd in doc.get("rounds", []):
+        for who, run in rnd.items():
+            probes = run.get("host_loop_s") if isinstance(run, dict) else None
+            if probes:
+                out[who] = [float(x) for x in probes]
+    return out
+
+
 def with_peer(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
     """A kvtier-only run's document with ``peer``'s mlx_lm figures put beside its own (levels, agent)."""
     merged = copy.deepcopy(ours)
@@ -143,6 +155,13 @@ def main() -> None:
                     rs2.append(r)
         med = f"median {statistics.median(rs2):.2f} [{min(rs2):.2f}..{max(rs2):.2f}]" if rs2 else ""
         print("\nagent TTFT p50 turns 2+ ms (mlx_lm / kvtier): " + "; ".join(cells) + f"; {med}")
+    hosts = [_host_loops(d) for d in docs]
+    if any(hosts):
+        # NOTE: a host-bound step's time moves with the host's speed on a
+        # shared host; the probe says which runs ran on a slower host.
+        cells = [f"{lab} " + ", ".join(f"{who} {'/'.join(f'{x:.3f}' for x in h[who])}" for who in sorted(h))
+                 for lab, h in zip(labels, hosts, strict=True) if h]
+        print("\nhost loop s (before / after each server): " + "; ".join(cells))
     if args.plot:
         import matplotlib
 
