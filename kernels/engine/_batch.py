@@ -374,10 +374,13 @@ class RowExit:
     """A row that left the batch, with its extracted cache (owned by the caller now).
 
     ``cache`` is a per-layer list of the serial lane's kinds holding exactly
-    ``cache_tokens`` (the prompt, then every forwarded output token), usable
-    by the prompt cache like the serial lane's ``Generation.cache`` (a
-    converted row's layers carry the minimum reusable offset the serial lane
-    would declare).
+    ``cache_tokens`` (the prompt, then the output tokens forwarded before the
+    row left), usable by the prompt cache like the serial lane's
+    ``Generation.cache`` (a converted row's layers carry the minimum reusable
+    offset the serial lane would declare). Under read first the row's last
+    output token is usually not in it: its forward was built, not computed,
+    when the row left, and the leave does not wait for it
+    (:attr:`BatchGeneration.read_first`); a next turn prefills that token.
     """
 
     row_id: str
@@ -598,6 +601,17 @@ class BatchGeneration:
         """Whether a snapshot is cut from a chunk that ran past its point (decided on first use)."""
 
     # -- state ---------------------------------------------------------------
+
+    @property
+    def read_first(self) -> bool:
+        """Whether a decode step computes its own tokens before it builds the next forward.
+
+        Where it does, a leaving row's cache is cut from the layers before
+        that build while the built forward is held untouched: it holds the
+        row's prompt and answer but the answer's last token, whose forward
+        the leave does not wait for (``GreedyGenerationBatch._extract_before_build``).
+        """
+        return self._read_first
 
     @property
     def max_rows(self) -> int:

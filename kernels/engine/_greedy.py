@@ -187,12 +187,16 @@ class GreedyGenerationBatch(GenerationBatch):
         is emptied (``len(self) == 0``).
         """
         self_: Any = self
-        cache = self.extract_cache(index)
-        tokens = list(self_.tokens[index])
-        # NOTE: the extraction's copies are queued now, ahead of the next
-        # step's in-place writes: once queued they no longer hold the layer's
-        # buffers, so the next write updates them in place instead of copying.
-        mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
+        before = self._extract_before_build(index)
+        if before is not None:
+            cache, tokens = before
+        else:
+            cache = self.extract_cache(index)
+            tokens = list(self_.tokens[index])
+            # NOTE: the extraction's copies are queued now, ahead of the next
+            # step's in-place writes: once queued they no longer hold the layer's
+            # buffers, so the next write updates them in place instead of copying.
+            mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
         if self._slots_reusable():
             self._make_hole(index)
             if all(age is not None for age in self._hole_age):
@@ -344,6 +348,39 @@ class GreedyGenerationBatch(GenerationBatch):
         mx.eval([c.left_padding for c in layers if type(c) is BatchKVCache])
         return [c.extract(idx) for c in layers]
 
+    def _extract_before_build(self, idx: int) -> tuple[list[Any], list[int]] | None:
+        """Row ``idx``'s cache and token ids as they were before the last read-first step built the next forward.
+
+        Where that forward is held untouched (:meth:`retract` could take it
+        back), a leaving row's cache is cut from the layers it was built on:
+        every token but the one the row handed out last, whose own forward is
+        not needed. The copies are evaluated here (one row's keys and values,
+        no forward), so on the CPU, where evaluating anything of the built
+        forward runs most of it before returning, a leaving row's last token
+        goes out without waiting for that forward, and a lone row's is never
+        computed. ``None`` where no such forward is held (mlx-lm's order, a
+        layer or sampler kind a retract refuses, anything done to the batch
+        since the build): :meth:`extract_cache` then.
+        """
+        saved = self._retract
+        if saved is None:
+            return None
+        self_: Any = self
+        layers: list[Any] = []
+        for layer, keys, values, _offset, write_index in saved.layers:
+            # NOTE: a shallow copy: the layer's left padding (a build does not
+            # change it) with the arrays and write index from before the build.
+            view = copy.copy(layer)
+            view.keys, view.values, view._idx = keys, values, write_index
+            layers.append(view)
+        mx.eval([c.left_padding for c in layers])
+        cache = [c.extract(idx) for c in layers]
+        # NOTE: evaluated now, so the copies hold none of the saved buffers
+        # when the built forward's in-place writes run (they would copy the
+        # whole layer instead).
+        mx.eval(*cache_arrays(cache))
+        return cache, list(self_.tokens[idx][:-1])
+
     def _settle_trim(self) -> None:
         """Drop the left padding every row of a layer has (mlx-lm's filter's shift), once its minimum is known."""
         trim, self._trim = self._trim, []
@@ -403,28 +440,37 @@ class GreedyGenerationBatch(GenerationBatch):
             if self_._matchers[i].advance(tokens[i]):
                 finish_reason = "stop"
             done = finish_reason is not None
+            cache: list[Any] | None = None
+            cache_tokens: list[int] | None = None
+            if done:
+                # NOTE: every leaving row of this step is cut before anything
+                # drops the held forward (the holes and the filter below do).
+                before = self._extract_before_build(i)
+                if before is None:
+                    cache, cache_tokens = self.extract_cache(i), self_.tokens[i]
+                    # NOTE: queued now, ahead of the next step's in-place
+                    # writes (see vacate); on the CPU this runs the built forward.
+                    mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
+                else:
+                    cache, cache_tokens = before
             responses.append(
                 self.Response(
                     uid=self_.uids[i],
                     token=tokens[i],
                     logprobs=logprobs[i],
                     finish_reason=finish_reason,
-                    prompt_cache=self.extract_cache(i) if done else None,
-                    all_tokens=self_.tokens[i] if done else None,
+                    prompt_cache=cache,
+                    all_tokens=cache_tokens,
                 )
             )
             if not done:
                 keep.append(i)
             else:
                 done_rows.append(i)
-        if done_rows:
-            for response in responses:
-                if response.prompt_cache is not None:
-                    mx.async_eval(*cache_arrays(response.prompt_cache))  # type: ignore[no-untyped-call]
-            if self._slots_reusable():
-                for i in done_rows:
-                    self._make_hole(i)
-                keep = sorted([*keep, *done_rows])
+        if done_rows and self._slots_reusable():
+            for i in done_rows:
+                self._make_hole(i)
+            keep = sorted([*keep, *done_rows])
         keep = self._age_holes(keep)
         if len(keep) < len(self_.uids):
             self.filter(keep)

@@ -180,6 +180,11 @@ def assert_greedy_parity(
         )
 
 
+def left_with(batch: BatchGeneration, prompt: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
+    """The tokens a plain row's exit cache holds: its prompt and answer, under read first not the answer's last token (its forward is not waited for)."""
+    return (*prompt, *(ids[:-1] if batch.read_first else ids))
+
+
 def _cache_holds(cache: list[Any], tokens: Sequence[int]) -> None:
     for layer in cache:
         offset = getattr(layer, "offset", None)
@@ -200,7 +205,8 @@ def test_rows_joining_and_leaving_at_different_steps_match_serial_greedy(
         Plan(str(i), p, SamplingParams(max_tokens=rng.randint(4, 30)), join_at=rng.randint(0, 25))
         for i, p in enumerate(prompts)
     ]
-    run = drive(BatchGeneration(model, tok, max_rows=6, prefill_step_size=16), plans)
+    batch = BatchGeneration(model, tok, max_rows=6, prefill_step_size=16)
+    run = drive(batch, plans)
     assert len({run.left_step[p.row_id] for p in plans}) >= 5, "rows must leave at different steps"
     assert len({run.joined_step[p.row_id] for p in plans}) >= 5, "rows must join at different steps"
     assert max(d for d, _, _ in run.steps) >= 4, "several rows must decode together"
@@ -213,7 +219,7 @@ def test_rows_joining_and_leaving_at_different_steps_match_serial_greedy(
         e = run.exits[p.row_id]
         assert e.reason == "length"
         assert e.completion_tokens == p.params.max_tokens
-        assert e.cache_tokens == (*p.prompt, *run.ids(p.row_id))
+        assert e.cache_tokens == left_with(batch, p.prompt, run.ids(p.row_id))
         _cache_holds(e.cache, e.cache_tokens)
     # NOTE: measured on this CPU: all 10 rows token-for-token equal (fp32).
     assert exact == len(plans)
@@ -303,7 +309,7 @@ def test_row_with_cached_prefix_equals_cold_row_and_prefills_only_its_suffix(
     )
     assert run.ids("warm-2") == run.ids("cold-2")
     assert run.exits["warm-follow"].cached_tokens == len(donor.cache_tokens)
-    assert run.exits["warm-2"].cache_tokens == (*prompts[2], *run.ids("warm-2"))
+    assert run.exits["warm-2"].cache_tokens == left_with(batch, prompts[2], run.ids("warm-2"))
     # Prefill work: all four rows joined in one step; the warm rows forwarded only their suffix.
     prefilled = sum(p for _, _, p in run.steps)
     assert prefilled == (len(follow) - 1) + 8 + (len(prompts[2]) - 1) + (len(prompts[2]) - 1 - 25)
@@ -545,7 +551,7 @@ def test_cancel_removes_a_row_at_once_and_returns_its_cache(model: Any, tok: Any
     e = run.exits["1"]
     assert e.reason == "cancelled"
     assert e.completion_tokens == 5 == len(run.outputs["1"])
-    assert e.cache_tokens == (*prompts[1], *run.ids("1"))
+    assert e.cache_tokens == left_with(batch, prompts[1], run.ids("1"))
     _cache_holds(e.cache, e.cache_tokens)
     for p in plans:
         serial = [o.token_id for o in _serial(model, tok, p.prompt, params)]
@@ -816,7 +822,8 @@ def test_suffixes_of_different_lengths_are_aligned_not_padded(
     offsets = [[layer.offset for layer in cache] for cache in lent]
     pads = PaddingSpy(monkeypatch)
     spy = ForwardSpy(model)
-    run = drive(BatchGeneration(spy, tok, prefill_step_size=2048), plans)
+    batch = BatchGeneration(spy, tok, prefill_step_size=2048)
+    run = drive(batch, plans)
     assert spy.shapes[0] == (3, 13), f"one aligned forward of the longest suffix: {spy.shapes[:3]}"
     assert not pads.padded, f"a padded (rolled) prefill: {pads.right}"
     assert run.steps[0][2] == 3 * 13
@@ -825,7 +832,7 @@ def test_suffixes_of_different_lengths_are_aligned_not_padded(
             model, p.prompt, [o.token_id for o in _serial(model, tok, p.prompt, params)],
             run.ids(p.row_id),
         )
-        assert run.exits[p.row_id].cache_tokens == (*p.prompt, *run.ids(p.row_id))
+        assert run.exits[p.row_id].cache_tokens == left_with(batch, p.prompt, run.ids(p.row_id))
         assert run.exits[p.row_id].cached_tokens == len(p.prompt) - 14, "the prefix given back"
     assert [[layer.offset for layer in cache] for cache in lent] == offsets
 

@@ -98,16 +98,42 @@ def test_batch_rows_emit_the_same_tokens_either_way(model: Any, tok: Any) -> Non
 
 
 def test_exit_caches_hold_the_same_keys_either_way(model: Any, tok: Any) -> None:
-    """A leaving row's cache (its answer's last token included) holds the same tokens, keys and values (within rounding) with and without read first."""
+    """A leaving row's cache holds the same keys and values (within rounding) with and without read first, read first's ending before the answer's last token (mlx-lm's order waits for its forward)."""
     caches = []
     for flag in (True, False):
         run = drive(BatchGeneration(model, tok, prefill_step_size=8, read_first=flag), _plans(tok))
         caches.append(run.exits["2"])
     first, mlx_order = caches
-    assert first.cache_tokens == mlx_order.cache_tokens
+    assert first.cache_tokens == mlx_order.cache_tokens[:-1]
+    n = len(first.cache_tokens)
     arrays = [cache_arrays(c.cache) for c in (first, mlx_order)]
     assert len(arrays[0]) == len(arrays[1]) > 0
-    assert all(mx.allclose(a, b, rtol=0, atol=LOGPROB_ROUNDING).item() for a, b in zip(*arrays, strict=True))
+    assert all(a.shape[2] == n == b.shape[2] - 1 for a, b in zip(*arrays, strict=True))
+    assert all(
+        mx.allclose(a, b[:, :, :n], rtol=0, atol=LOGPROB_ROUNDING).item() for a, b in zip(*arrays, strict=True)
+    )
+
+
+def test_a_row_leaves_without_computing_the_forward_built_for_its_last_token(model: Any, tok: Any) -> None:
+    """Read first: the step a row leaves in hands back its cache without evaluating the next forward (the running row's layers still hold it to run, the leaving row's cache is computed); mlx-lm's order evaluates that forward for the leaving row's cache."""
+    prompts = _prompts(len(tok), 2, seed=79, lo=6, hi=11)
+    for flag in (True, False):
+        batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=flag)
+        batch.join("short", prompts[0], SamplingParams(max_tokens=4))
+        batch.join("long", prompts[1], SamplingParams(max_tokens=12))
+        while not (result := batch.step()).exits:
+            pass
+        (gone,) = result.exits
+        assert gone.row_id == "short"
+        mx.synchronize()
+        inner = batch._batch
+        assert inner is not None
+        layers: list[Any] = list(inner.prompt_cache)
+        assert all(_operations(a) == 0 for a in cache_arrays(gone.cache))
+        pending = [_operations(c.keys) > 0 for c in layers]
+        assert all(pending) if flag else not any(pending), flag
+        assert len(gone.cache_tokens) == len(prompts[0]) + 4 - flag
+        batch.close()
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=0.9, seed=11)])

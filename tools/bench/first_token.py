@@ -67,8 +67,10 @@ def pct(values: Sequence[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-def arrivals(url: str, model: str, prompts: list[str], gap: float, max_tokens: int) -> tuple[list[float], float, int]:
-    """Open loop: request ``i`` sent at ``i * gap`` on its own thread; TTFTs (s), wall time, tokens out."""
+def arrivals(
+    url: str, model: str, prompts: list[str], gap: float, max_tokens: int
+) -> tuple[list[float], float, int, list[float]]:
+    """Open loop: request ``i`` sent at ``i * gap`` on its own thread; TTFTs (s), wall time, tokens out, answer times (s: sent to last token)."""
     results: list[_common.ChatResult | None] = [None] * len(prompts)
     start = time.perf_counter()
 
@@ -83,7 +85,8 @@ def arrivals(url: str, model: str, prompts: list[str], gap: float, max_tokens: i
     _common.in_threads(send, len(prompts))
     wall = time.perf_counter() - start
     done = [r for r in results if r is not None]
-    return [r.ttft_s for r in done], wall, sum(len(r.token_times) for r in done)
+    answers = [r.token_times[-1] for r in done if r.token_times]
+    return [r.ttft_s for r in done], wall, sum(len(r.token_times) for r in done), answers
 
 
 def pairs(url: str, model: str, system: str, n: int, gap: float, max_tokens: int, tag: str) -> list[float]:
@@ -124,7 +127,7 @@ def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace, rn
         _common.stream_chat(server.url, [{"role": "system", "content": system},
                                          {"role": "user", "content": "warm up"}], served, 4)
         prompts = [_common.system_prompt(args.prompt_tokens, f"r{rnd}-{i}") for i in range(args.requests)]
-        ttfts, wall, tokens = arrivals(server.url, served, prompts, args.gap, args.max_tokens)
+        ttfts, wall, tokens, answers = arrivals(server.url, served, prompts, args.gap, args.max_tokens)
         pair_ttfts = pairs(server.url, served, system, args.pairs, args.pair_gap, args.max_tokens, f"r{rnd}")
     finally:
         server.stop()
@@ -132,13 +135,15 @@ def run_mode(mode: str, model: Path, workdir: Path, args: argparse.Namespace, rn
         "mode": mode, "round": rnd, "ttft_s": ttfts, "wall_s": wall, "tokens": tokens,
         "tps": tokens / wall, "pair_ttft_s": pair_ttfts,
         "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p90_ms": pct(ttfts, 0.9) * 1e3,
-        "ttft_max_ms": max(ttfts) * 1e3,
+        "ttft_max_ms": max(ttfts) * 1e3, "answer_s": answers,
+        "answer_p50_ms": pct(answers, 0.5) * 1e3, "answer_p90_ms": pct(answers, 0.9) * 1e3,
         "pair_ttft_p50_ms": pct(pair_ttfts, 0.5) * 1e3 if pair_ttfts else math.nan,
         "pair_second_p50_ms": pct(pair_ttfts[1::2], 0.5) * 1e3 if pair_ttfts else math.nan,
         "pair_first_p50_ms": pct(pair_ttfts[0::2], 0.5) * 1e3 if pair_ttfts else math.nan,
     }
     print(f"round {rnd} {mode:>3}: arrivals TTFT p50 {rec['ttft_p50_ms']:7.0f} p90 {rec['ttft_p90_ms']:7.0f} "
-          f"max {rec['ttft_max_ms']:7.0f} ms, {rec['tps']:6.1f} tok/s | pairs TTFT first "
+          f"max {rec['ttft_max_ms']:7.0f} ms, answer p50 {rec['answer_p50_ms']:7.0f} p90 "
+          f"{rec['answer_p90_ms']:7.0f} ms, {rec['tps']:6.1f} tok/s | pairs TTFT first "
           f"{rec['pair_first_p50_ms']:6.0f} second {rec['pair_second_p50_ms']:6.0f} ms  "
           f"(load {_common.loadavg()})", flush=True)
     return rec
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in order:
                 doc["runs"].append(run_mode(mode, args.model, Path(tmp), args, rnd, base))
     summary: dict[str, Any] = {}
-    for key in ("ttft_p50_ms", "ttft_p90_ms", "pair_ttft_p50_ms", "pair_second_p50_ms", "tps"):
+    for key in ("ttft_p50_ms", "ttft_p90_ms", "answer_p50_ms", "answer_p90_ms", "pair_ttft_p50_ms",
+                "pair_second_p50_ms", "tps"):
         on = [r[key] for r in doc["runs"] if r["mode"] == "on"]
         off = [r[key] for r in doc["runs"] if r["mode"] == "off"]
         paired = [a / b for a, b in zip(on, off, strict=True) if b]
