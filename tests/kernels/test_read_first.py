@@ -114,13 +114,20 @@ def test_exit_caches_hold_the_same_keys_either_way(model: Any, tok: Any) -> None
     )
 
 
+def _short_and_long(model: Any, tok: Any, seed: int, *, read_first: bool, short: int, long: int) -> BatchGeneration:
+    """A batch with rows "short" and "long" (``short`` / ``long`` new tokens) joined, nothing stepped."""
+    prompts = _prompts(len(tok), 2, seed=seed, lo=5, hi=11)
+    batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=read_first)
+    batch.join("short", prompts[0], SamplingParams(max_tokens=short))
+    batch.join("long", prompts[1], SamplingParams(max_tokens=long))
+    return batch
+
+
 def test_a_row_leaves_without_computing_the_forward_built_for_its_last_token(model: Any, tok: Any) -> None:
     """Read first: the step a row leaves in hands back its cache without evaluating the next forward (the running row's layers still hold it to run, the leaving row's cache is computed); mlx-lm's order evaluates that forward for the leaving row's cache."""
-    prompts = _prompts(len(tok), 2, seed=79, lo=6, hi=11)
+    prompt_len = len(_prompts(len(tok), 2, seed=79, lo=5, hi=11)[0])
     for flag in (True, False):
-        batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=flag)
-        batch.join("short", prompts[0], SamplingParams(max_tokens=4))
-        batch.join("long", prompts[1], SamplingParams(max_tokens=12))
+        batch = _short_and_long(model, tok, 79, read_first=flag, short=4, long=12)
         while not (result := batch.step()).exits:
             pass
         (gone,) = result.exits
@@ -132,7 +139,7 @@ def test_a_row_leaves_without_computing_the_forward_built_for_its_last_token(mod
         assert all(_operations(a) == 0 for a in cache_arrays(gone.cache))
         pending = [_operations(c.keys) > 0 for c in layers]
         assert all(pending) if flag else not any(pending), flag
-        assert len(gone.cache_tokens) == len(prompts[0]) + 4 - flag
+        assert len(gone.cache_tokens) == prompt_len + 4 - flag
         batch.close()
 
 
@@ -249,12 +256,9 @@ def test_a_retracted_step_computes_exactly_what_the_built_forward_would(model: A
 
 
 def test_nothing_is_taken_back_in_mlx_order_or_after_a_row_left(model: Any, tok: Any) -> None:
-    """retract() refuses where no unstarted forward is held: in mlx-lm's order (its forward is queued already), and after a step in which a row left (its exit cache evaluated the built forward)."""
-    prompts = _prompts(len(tok), 2, seed=76, lo=5, hi=9)
+    """retract() refuses where no unstarted forward is held: in mlx-lm's order (its forward is queued already), and after a step in which a row left (its slot became a hole: the built forward was touched)."""
     for flag in (False, True):
-        batch = BatchGeneration(model, tok, prefill_step_size=64, read_first=flag)
-        batch.join("short", prompts[0], SamplingParams(max_tokens=3))
-        batch.join("long", prompts[1], SamplingParams(max_tokens=9))
+        batch = _short_and_long(model, tok, 76, read_first=flag, short=3, long=9)
         taken: list[bool] = []
         while True:
             result = batch.step()

@@ -100,3 +100,17 @@ def test_first_difference() -> None:
     assert batching.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert batching.first_difference([1, 2], [1, 2, 3]) == 2
     assert batching.first_difference("abc", "abc") == 3
+
+
+def test_a_served_base_is_summarized_beside_this_trees_server() -> None:
+    """``--serve-base``'s contender gets its own line and its ratios (of the medians): to the peer, and this tree's
+    server over it, per round."""
+    table = batching.Table()
+    for who, seconds in (("mlx_lm.server", [8.0, 10.0]), ("kvtier serve", [4.0, 4.0]),
+                         ("kvtier base", [5.0, 4.0])):
+        for s in seconds:
+            table.add("8", who, batching.Result(tokens=40, seconds=s, cpu_s=2 * s))
+    lines = batching.summarize(table, ["mlx_lm.server", "kvtier serve", "kvtier base"])
+    assert "  kvtier serve / kvtier base, load 8       : 1.111 (per round 1.25, 1.00)" in lines
+    assert "  kvtier base / mlx_lm.server, load 8       : 2.000 (per round 1.60, 2.50)" in lines
+    assert any(line.startswith("8         kvtier base") for line in lines)

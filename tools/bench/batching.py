@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
-from _common import QUESTIONS, in_threads  # noqa: E402
+from _common import QUESTIONS, extract_commit, in_threads  # noqa: E402
 from prompt_cache import start_kvtier, start_mlx_lm, system_prompt  # noqa: E402
 
 from kernels import (  # noqa: E402
@@ -349,6 +349,8 @@ def summarize(table: Table, contenders: Sequence[str]) -> list[str]:
                     )
         pairs = (
             ("kvtier serve", "mlx_lm.server"),
+            ("kvtier base", "mlx_lm.server"),
+            ("kvtier serve", "kvtier base"),
             ("kvtier batch", "mlx_lm.server"),
             ("kvtier batch", "kvtier serial"),
             ("kvtier serve", "kvtier serial"),
@@ -559,8 +561,12 @@ def _counter(stats: dict[str, Any], path: Sequence[str]) -> int:
     return int(node) if isinstance(node, int) else 0
 
 
-def start_serve(model_dir: Path, workdir: Path, args: argparse.Namespace) -> Any:
-    """``kvtier serve --max-batch <max-rows> --prefill-step-size <prefill-step-size>`` (a ``_common.Server``)."""
+def start_serve(model_dir: Path, workdir: Path, args: argparse.Namespace, base: Path | None = None) -> Any:
+    """``kvtier serve --max-batch <max-rows> --prefill-step-size <prefill-step-size>`` (a ``_common.Server``).
+
+    ``base``: another tree's ``kvtier serve`` (``--serve-base``), run from it with its ``PYTHONPATH``.
+    """
+    extra = {} if base is None else {"name": "kvtier-base", "env": {"PYTHONPATH": str(base)}, "cwd": base}
     return start_kvtier(
         model_dir,
         workdir,
@@ -568,6 +574,7 @@ def start_serve(model_dir: Path, workdir: Path, args: argparse.Namespace) -> Any
         str(args.max_rows),
         "--prefill-step-size",
         str(args.prefill_step_size),
+        **extra,
     )
 
 
@@ -602,6 +609,13 @@ def main() -> int:
         action="store_true",
         help="also run `kvtier serve --max-batch <max-rows>` over HTTP (the batch lane's actors)",
     )
+    parser.add_argument(
+        "--serve-base",
+        default=None,
+        metavar="COMMIT",
+        help="with --serve: also serve this commit's tree (git archive) as `kvtier base`, "
+        "interleaved with this tree's `kvtier serve` (a change's served A/B)",
+    )
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "benchmarks" / "batching.png")
     parser.add_argument(
         "--json", type=Path, default=None, help="also write every round's figures here"
@@ -627,21 +641,27 @@ def main() -> int:
         for line in lines:
             print(line)
         return 0
-    contenders = ["mlx_lm.server", "kvtier serve", "kvtier batch", "kvtier serial"]
+    if args.serve_base and not args.serve:
+        parser.error("--serve-base needs --serve")
+    contenders = ["mlx_lm.server", "kvtier serve", "kvtier base", "kvtier batch", "kvtier serial"]
     table = Table()
     with tempfile.TemporaryDirectory() as tmp:
         server = None if args.skip_mlx_lm else start_mlx_lm(model_dir, Path(tmp))
         serve = None
+        base = None
         serve_model = ""
         serve_blas = ""
         if args.serve:
             serve = start_serve(model_dir, Path(tmp), args)
             serve_model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        if args.serve_base:
+            base = start_serve(model_dir, Path(tmp), args, extract_commit(args.serve_base, Path(tmp))[1])
         try:
-            if serve is not None:
-                run_http(
-                    serve.url, serve_model, conversations("1", "warmup", 50), 8, serve.proc.pid
-                )
+            for warm in (serve, base):
+                if warm is not None:
+                    run_http(
+                        warm.url, serve_model, conversations("1", "warmup", 50), 8, warm.proc.pid
+                    )
             if server is not None:
                 run_http(
                     server.url, str(model_dir), conversations("1", "warmup", 50), 8, server.proc.pid
@@ -685,6 +705,16 @@ def main() -> int:
                                     convs,
                                     args.max_tokens,
                                     serve.proc.pid,
+                                ),
+                            )
+                        )
+                    if base is not None:
+                        runs.append(
+                            (
+                                "kvtier base",
+                                partial(
+                                    run_http, base.url, serve_model, convs, args.max_tokens,
+                                    base.proc.pid,
                                 ),
                             )
                         )
@@ -741,6 +771,8 @@ def main() -> int:
                 server.stop()
             if serve is not None:
                 serve.stop()
+            if base is not None:
+                base.stop()
     print()
     for line in summarize(table, contenders):
         print(line)
