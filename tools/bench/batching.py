@@ -761,11 +761,12 @@ def main() -> int:
                             ),
                             flush=True,
                         )
-            if serve is not None:
-                stats = httpx.get(f"{serve.url}/stats", timeout=30).json()
-                engine_stats = stats.get("engine", {})
-                blas = engine_stats.get("batch", {}).get("batch", {}).get("blas")
-                serve_blas = f"kvtier serve: BLAS thread tuning {blas if blas else 'off'}"
+            for label, served in (("kvtier serve", serve), ("kvtier base", base)):
+                if served is not None:
+                    stats = httpx.get(f"{served.url}/stats", timeout=30).json()
+                    engine_stats = stats.get("engine", {})
+                    blas = engine_stats.get("batch", {}).get("batch", {}).get("blas")
+                    serve_blas += f"{label}: BLAS thread tuning {blas if blas else 'off'}\n"
         finally:
             if server is not None:
                 server.stop()
@@ -778,7 +779,7 @@ def main() -> int:
         print(line)
     print(f"kvtier batch (in process): {blas_line()}")
     if serve_blas:
-        print(serve_blas)
+        print(serve_blas, end="")
     title = (
         f"{model_dir.name}: {args.max_tokens} new tokens per client, {args.rounds} rounds; "
         "kvtier batch = kernel driven in-process; kvtier serve = the batch lane over HTTP"
