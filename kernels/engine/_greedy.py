@@ -187,16 +187,7 @@ class GreedyGenerationBatch(GenerationBatch):
         is emptied (``len(self) == 0``).
         """
         self_: Any = self
-        before = self._extract_before_build(index)
-        if before is not None:
-            cache, tokens = before
-        else:
-            cache = self.extract_cache(index)
-            tokens = list(self_.tokens[index])
-            # NOTE: the extraction's copies are queued now, ahead of the next
-            # step's in-place writes: once queued they no longer hold the layer's
-            # buffers, so the next write updates them in place instead of copying.
-            mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
+        cache, tokens = self._leaving(index)
         if self._slots_reusable():
             self._make_hole(index)
             if all(age is not None for age in self._hole_age):
@@ -348,6 +339,24 @@ class GreedyGenerationBatch(GenerationBatch):
         mx.eval([c.left_padding for c in layers if type(c) is BatchKVCache])
         return [c.extract(idx) for c in layers]
 
+    def _leaving(self, idx: int) -> tuple[list[Any], list[int]]:
+        """A leaving row's cache and token ids: cut before the held build where there is one, else after it.
+
+        NOTE: every row leaving in one step is cut before anything drops the
+        held forward (a hole, a filter). After the build, the extraction's
+        copies are queued at once, ahead of the next step's in-place writes:
+        once queued they no longer hold the layer's buffers, so the next
+        write updates them in place instead of copying (on the CPU this
+        runs the built forward).
+        """
+        before = self._extract_before_build(idx)
+        if before is not None:
+            return before
+        self_: Any = self
+        cache = self.extract_cache(idx)
+        mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
+        return cache, list(self_.tokens[idx])
+
     def _extract_before_build(self, idx: int) -> tuple[list[Any], list[int]] | None:
         """Row ``idx``'s cache and token ids as they were before the last read-first step built the next forward.
 
@@ -440,19 +449,7 @@ class GreedyGenerationBatch(GenerationBatch):
             if self_._matchers[i].advance(tokens[i]):
                 finish_reason = "stop"
             done = finish_reason is not None
-            cache: list[Any] | None = None
-            cache_tokens: list[int] | None = None
-            if done:
-                # NOTE: every leaving row of this step is cut before anything
-                # drops the held forward (the holes and the filter below do).
-                before = self._extract_before_build(i)
-                if before is None:
-                    cache, cache_tokens = self.extract_cache(i), self_.tokens[i]
-                    # NOTE: queued now, ahead of the next step's in-place
-                    # writes (see vacate); on the CPU this runs the built forward.
-                    mx.async_eval(*cache_arrays(cache))  # type: ignore[no-untyped-call]
-                else:
-                    cache, cache_tokens = before
+            cache, cache_tokens = self._leaving(i) if done else (None, None)
             responses.append(
                 self.Response(
                     uid=self_.uids[i],
