@@ -175,3 +175,22 @@ def test_the_summary_measures_requests_and_conversations_in_flight_per_replay() 
     two = cluster.summarize(samples + again, 16.0, [4])
     assert (two["requests_in_flight_mean"], two["requests_in_flight_max"]) == (0.5, 2)
     assert (two["conversations_in_flight_mean"], two["conversations_in_flight_max"]) == (0.625, 2)
+
+
+def test_each_replay_is_probed_before_and_after_and_the_probes_are_returned_in_order() -> None:
+    """``probed_replay`` runs the host probe, then the replay, then the probe again, and hands back
+    the replay's samples and wall with both probes (before first)."""
+    calls: list[str] = []
+    probes = iter([0.25, 0.4])
+
+    def probe() -> float:
+        calls.append("probe")
+        return next(probes)
+
+    def replay() -> tuple[list[cluster.Sample], float]:
+        calls.append("replay")
+        return [cluster.Sample("p", 0, 0, 0.1, 1.0, 10, 0, None, 1.0)], 3.0
+
+    samples, wall, probed = cluster.probed_replay(replay, probe)
+    assert calls == ["probe", "replay", "probe"]
+    assert (len(samples), wall, probed) == (1, 3.0, [0.25, 0.4])

@@ -26,8 +26,9 @@ first content chunk), cached-token share (sum of
 throughput (requests and prompt tokens per second of wall time), load
 spread (requests per replica, from each replica's ``/stats``), and the
 router's overhead (:func:`measure_overhead`: the same cheap requests direct
-to a replica and through the router, paired, p50/p90 of the difference).
-Writes ``cluster.json`` and ``cluster.png`` under ``--out``.
+to a replica and through the router, paired, p50/p90 of the difference),
+and the host's speed probe before and after each replay (``host_loop_s``:
+the policies run one after another on a host whose speed can move). Writes ``cluster.json`` and ``cluster.png`` under ``--out``.
 
     python tools/bench/cluster.py --overhead --overhead-n 1000 --out /tmp/cluster
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -47,6 +49,7 @@ import statistics
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -246,6 +249,25 @@ async def replay_trace(url: str, policy: str, args: argparse.Namespace,
         else:
             await asyncio.gather(*(agent(client) for _ in range(args.concurrency)))
     return samples, time.perf_counter() - t0
+
+
+def probed_replay(replay: Callable[[], tuple[list[Sample], float]],
+                  probe: Callable[[], float] | None = None,
+                  ) -> tuple[list[Sample], float, list[float]]:
+    """One policy's replay with the host's speed probe (``_common.host_loop``) before and after it.
+
+    NOTE: the replicas' step time on a lent host moves with the host's
+    single-thread speed (1.6 x within one call, docs/benchmarks.md 2026-12-07
+    08:58), and the policies replay one after another: ``cache_aware``'s p50
+    moved 0.625 -> 0.792 s between two calls of the same code. The probe
+    beside each replay says which policy ran on a slower host.
+    """
+    if probe is None:
+        from tools.bench._common import host_loop
+        probe = host_loop
+    before = probe()
+    samples, wall = replay()
+    return samples, wall, [before, probe()]
 
 
 def _served(url: str) -> int:
@@ -738,7 +760,7 @@ def main() -> int:
     order = args.policies.split(",")
     gathered: dict[str, dict[str, Any]] = {
         p: {"samples": [], "wall": 0.0, "spread": [0] * args.replicas, "loads": [],
-            "router_stats": []} for p in order}
+            "router_stats": [], "host_loop_s": []} for p in order}
     with Cluster(args.replicas, args.out / "work", serve, policy=None, threads=args.threads,
                  pin=args.pin, balance=balance) as cluster:
         urls = [r.url for r in cluster.replicas]
@@ -748,8 +770,10 @@ def main() -> int:
             for policy in order[rnd % len(order):] + order[:rnd % len(order)]:
                 target = urls[0] if policy == "single" else cluster.route(policy).url
                 before = [_served(u) for u in urls]
-                samples, wall = asyncio.run(replay_trace(target, policy, args, rnd))
+                samples, wall, probes = probed_replay(
+                    functools.partial(asyncio.run, replay_trace(target, policy, args, rnd)))
                 g = gathered[policy]
+                g["host_loop_s"].append(probes)
                 g["samples"] += samples
                 g["wall"] += wall
                 g["spread"] = [a + _served(u) - b
@@ -762,12 +786,13 @@ def main() -> int:
                 print(f"round {rnd} {policy:12s} ttft p50 {s['ttft_p50_s']:.3f}s "
                       f"p99 {s['ttft_p99_s']:.3f}s cached {s['cached_share']:.3f} "
                       f"{s['prompt_tokens_per_s']:.0f} tok/s errors {s['errors']} load {loadavg()} "
-                      f"{_in_flight_text(s)}", flush=True)
+                      f"{_in_flight_text(s)} host loop {probes[0]:.3f}/{probes[1]:.3f}s",
+                      flush=True)
         for policy in order:
             g = gathered[policy]
             entry: dict[str, Any] = {"summary": summarize(g["samples"], g["wall"], g["spread"]),
                                      "samples": [asdict(x) for x in g["samples"]],
-                                     "load_after": g["loads"]}
+                                     "load_after": g["loads"], "host_loop_s": g["host_loop_s"]}
             if g["router_stats"]:
                 entry["router_stats"] = g["router_stats"]
             result["policies"][policy] = entry
