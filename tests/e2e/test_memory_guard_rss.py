@@ -236,7 +236,10 @@ def test_a_low_budget_refuses_the_large_request_serves_the_small_one_and_bounds_
     batched = after_medium.get("batch", {}).get("batch", {}).get("requests", {}).get("admitted", 0)
     assert batched == (0 if max_batch == "1" else 3)
     relieved = after_medium["memory"]["relieved_entries"]
-    assert relieved >= 1
+    # NOTE: the readings with it: once (the full suite, two workers) the
+    # medium request fit without a relief, not reproduced alone or beside
+    # CPU hogs; a failure says which reading was off.
+    assert relieved >= 1, (calibration, budget, after_medium["memory"])
     # NOTE: persisted before they were dropped (the SSD tier holds them).
     assert after_medium["ssd_cache"]["entries"] >= relieved
     assert again.status_code == 503, again.text
