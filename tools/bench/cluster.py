@@ -28,7 +28,8 @@ spread (requests per replica, from each replica's ``/stats``), and the
 router's overhead (:func:`measure_overhead`: the same cheap requests direct
 to a replica and through the router, paired, p50/p90 of the difference),
 and the host's speed probe before and after each replay (``host_loop_s``:
-the policies run one after another on a host whose speed can move). Writes ``cluster.json`` and ``cluster.png`` under ``--out``.
+the policies run one after another on a host whose speed can move).
+Writes ``cluster.json`` and ``cluster.png`` under ``--out``.
 
     python tools/bench/cluster.py --overhead --overhead-n 1000 --out /tmp/cluster
 
@@ -249,6 +250,12 @@ async def replay_trace(url: str, policy: str, args: argparse.Namespace,
         else:
             await asyncio.gather(*(agent(client) for _ in range(args.concurrency)))
     return samples, time.perf_counter() - t0
+
+
+def _replay_once(url: str, policy: str, args: argparse.Namespace,
+                 rnd: int) -> tuple[list[Sample], float]:
+    """:func:`replay_trace` run to its end (its coroutine made here, after the first probe)."""
+    return asyncio.run(replay_trace(url, policy, args, rnd))
 
 
 def probed_replay(replay: Callable[[], tuple[list[Sample], float]],
@@ -771,7 +778,7 @@ def main() -> int:
                 target = urls[0] if policy == "single" else cluster.route(policy).url
                 before = [_served(u) for u in urls]
                 samples, wall, probes = probed_replay(
-                    functools.partial(asyncio.run, replay_trace(target, policy, args, rnd)))
+                    functools.partial(_replay_once, target, policy, args, rnd))
                 g = gathered[policy]
                 g["host_loop_s"].append(probes)
                 g["samples"] += samples
