@@ -504,3 +504,49 @@ def test_a_tree_named_on_pythonpath_is_the_code_kvtier_runs(tmp_path: Path) -> N
     assert serving.code_dir(env, REPO) == str(REPO)
     assert serving.server_cwd("kvtier", None, workdir) == REPO
     assert serving.server_cwd("mlx_lm", env, workdir) == REPO
+
+
+def test_a_run_records_the_host_state_before_its_server_and_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``host_state`` is read once before the server starts and once after it stopped (a run that
+    died included); both land in the run and its JSON, in that order, and are printed."""
+    states = iter([{"meminfo": {"Cached": 1 << 30}, "disk_free": 5 << 30, "gpu": {}},
+                   {"meminfo": {"Cached": 3 << 30}, "disk_free": 2 << 30, "gpu": {}}])
+    monkeypatch.setattr(importlib.import_module("_common"), "host_state", lambda workdir: next(states))
+    run = _agent_run(tmp_path, monkeypatch, -6)
+    assert [s["meminfo"]["Cached"] for s in run.host_state] == [1 << 30, 3 << 30]
+    out = tmp_path / "run.json"
+    args = serving.parse_args(["--servers", "mlx_lm", "--skip-loadgen"])
+    serving.write_json(out, {"commit": "test"}, args, [], [{"mlx_lm": run}], complete=True)
+    saved = json.loads(out.read_text())["rounds"][0]["mlx_lm"]["host_state"]
+    assert [s["disk_free"] for s in saved] == [5 << 30, 2 << 30]
+
+
+def test_meminfo_keeps_its_fields_in_bytes(tmp_path: Path) -> None:
+    """``meminfo`` reads the kept ``/proc/meminfo`` lines in bytes (kB lines times 1024) and skips the rest."""
+    common = importlib.import_module("_common")
+    path = tmp_path / "meminfo"
+    path.write_text("MemTotal:       131072 kB\nMemFree:         2048 kB\nCached:        4096 kB\n"
+                    "Dirty:             12 kB\nHugePages_Total:       0\n")
+    assert common.meminfo(str(path)) == {"MemFree": 2048 * 1024, "Cached": 4096 * 1024, "Dirty": 12 * 1024}
+    assert common.meminfo(str(tmp_path / "absent")) == {}
+
+
+def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gpu_state`` runs ``nvidia-smi`` from PATH and names its CSV fields; with none on PATH it is ``{}``."""
+    common = importlib.import_module("_common")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert common.gpu_state() == {}
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '1980 MHz, 2619 MHz, 41, 118.52 W, 0x0000000000000000'\n")
+    fake.chmod(0o755)
+    state = common.gpu_state()
+    assert state["clocks.sm"] == "1980 MHz"
+    assert state["power.draw"] == "118.52 W"
+    assert state["clocks_throttle_reasons.active"] == "0x0000000000000000"
+    line = common.host_state_line({"meminfo": {"Cached": 3 << 30, "Dirty": 5 << 20}, "disk_free": 7 << 30,
+                                   "gpu": state})
+    assert line == "cached 3.0 GiB, dirty 5 MiB, disk free 7.0 GiB, gpu sm 1980 MHz, throttle 0x0000000000000000"

@@ -83,3 +83,23 @@ def test_each_runs_host_probe_is_printed_per_server(
     runs.main()
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host loop"))
     assert line.endswith(": p kvtier 0.150/0.230, mlx_lm 0.140/0.150")
+
+
+def test_each_runs_page_cache_is_printed_per_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose servers recorded ``host_state`` gets their page cache (GiB, before / after)
+    printed under its label; a run without it (older JSON) is left out of that line."""
+    runs = load_bench("serving_runs")
+    figures = {"output_tps": 100.0, "ttft_p50": 50.0, "ttft_p99": 90.0, "itl_p50": 10.0}
+    levels = {"levels": [_level("concurrent", 1.0, mlx_lm=figures, kvtier=figures)]}
+    gib = 1 << 30
+    state = [{"meminfo": {"Cached": 2 * gib}}, {"meminfo": {"Cached": 9 * gib // 2}}]
+    recorded = {"summary": levels, "rounds": [{"kvtier": {"host_state": state}}]}
+    (tmp_path / "new.json").write_text(json.dumps(recorded))
+    (tmp_path / "old.json").write_text(json.dumps({"summary": levels, "rounds": [{"kvtier": {}}]}))
+    monkeypatch.setattr(sys, "argv", ["serving_runs.py", str(tmp_path / "old.json"),
+                                      str(tmp_path / "new.json"), "--label", "o", "--label", "n"])
+    runs.main()
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("page cache"))
+    assert line.endswith(": n kvtier 2.0/4.5")

@@ -408,6 +408,69 @@ def loadavg() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+MEMINFO_FIELDS = ("MemFree", "MemAvailable", "Cached", "Dirty", "Writeback")
+"""The ``/proc/meminfo`` lines :func:`host_state` keeps (bytes)."""
+
+GPU_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "clocks_throttle_reasons.active")
+"""The ``nvidia-smi --query-gpu`` fields :func:`host_state` keeps (text, as nvidia-smi prints them)."""
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """:data:`MEMINFO_FIELDS` from ``path`` in bytes; ``{}`` where there is no such file."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if key in MEMINFO_FIELDS and parts:
+                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        return {}
+    return out
+
+
+def gpu_state(timeout_s: float = 5.0) -> dict[str, str]:
+    """:data:`GPU_FIELDS` of the first GPU from ``nvidia-smi``; ``{}`` without one (or on its failure)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=timeout_s, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in out.splitlines()[0].split(",")] if out.strip() else []
+    return dict(zip(GPU_FIELDS, values, strict=False))
+
+
+def host_state(workdir: Path) -> dict[str, Any]:
+    """The host's memory, the free disk under ``workdir`` and the GPU's clocks, now.
+
+    NOTE: beside :func:`host_loop`, for what grows from call to call on a
+    lent machine: the page cache and dirty pages the earlier calls' SSD-tier
+    files left (kvtier's 8-stream decode step slowed call by call on a fast
+    host while the host probe held: docs/benchmarks.md, 2026-12-07 14:23),
+    the disk they fill, and the GPU's clocks and throttle reasons.
+    """
+    disk = os.statvfs(workdir)
+    return {"meminfo": meminfo(), "disk_free": disk.f_bavail * disk.f_frsize, "gpu": gpu_state()}
+
+
+def host_state_line(state: dict[str, Any]) -> str:
+    """One short line of :func:`host_state`: free / available / cached memory, dirty pages, free disk, the GPU's clock."""
+    mem = state.get("meminfo", {})
+    gib = 1 << 30
+    parts = [f"{name.lower()} {mem[key] / gib:.1f} GiB" for key, name in
+             (("MemFree", "free"), ("MemAvailable", "available"), ("Cached", "cached")) if key in mem]
+    if "Dirty" in mem:
+        parts.append(f"dirty {mem['Dirty'] / (1 << 20):.0f} MiB")
+    parts.append(f"disk free {state.get('disk_free', 0) / gib:.1f} GiB")
+    gpu = state.get("gpu", {})
+    if gpu:
+        parts.append(f"gpu sm {gpu.get('clocks.sm', '?')}, throttle {gpu.get('clocks_throttle_reasons.active', '?')}")
+    return ", ".join(parts)
+
+
 def host_loop(iterations: int = 2_000_000, repeats: int = 3) -> float:
     """Seconds a fixed pure-Python loop of ``iterations`` additions takes on this host, best of ``repeats``.
 

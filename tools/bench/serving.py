@@ -307,6 +307,9 @@ class ServerRun:
     host_loop_s: list[float] = field(default_factory=list)
     """The host's speed probe (``_common.host_loop``, seconds) before the server started and after
     its run: a host-bound step's time moves with it on a shared host."""
+    host_state: list[dict[str, Any]] = field(default_factory=list)
+    """``_common.host_state`` before the server started and after its run: memory, page cache,
+    dirty pages, free disk, the GPU's clocks (what earlier calls on the same machine left)."""
     died: str | None = None
     """How the server ended before its run did (the round, the phase, its exit status, its
     last error line); ``None`` when it lasted. What it finished before is kept."""
@@ -558,7 +561,7 @@ def run_server(
     ``progress`` is called with the run after each phase that added figures
     (``main`` writes the JSON then, so a run killed later keeps them).
     """
-    from _common import host_loop, model_id, stream_chat
+    from _common import host_loop, host_state, host_state_line, model_id, stream_chat
 
     def phase_done() -> None:
         if progress is not None:
@@ -574,8 +577,9 @@ def run_server(
 
     tag = f"r{rnd}"
     before = host_loop()
+    state_before = host_state(workdir)
     server = start_server(who, model, port, workdir, args, tag)
-    run = ServerRun(who, server.ready_s, host_loop_s=[before])
+    run = ServerRun(who, server.ready_s, host_loop_s=[before], host_state=[state_before])
     if who == "kvtier":
         env = kvtier_env(args)
         run.code = code_dir(env, server_cwd(who, env, workdir))
@@ -675,8 +679,11 @@ def run_server(
     finally:
         server.stop()
     run.host_loop_s.append(host_loop())
+    run.host_state.append(host_state(workdir))
     print(f"round {rnd} {who:<7} host loop: {before:.3f} s before, {run.host_loop_s[-1]:.3f} s after",
           flush=True)
+    print(f"round {rnd} {who:<7} host before: {host_state_line(run.host_state[0])}", flush=True)
+    print(f"round {rnd} {who:<7} host after:  {host_state_line(run.host_state[-1])}", flush=True)
     if who == "kvtier":
         slow = slow_background_turns([server.stdout, server.stderr])
         run.stats["background_slow"] = slow

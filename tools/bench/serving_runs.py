@@ -79,6 +79,20 @@ def _host_loops(doc: dict[str, Any]) -> dict[str, list[float]]:
     return out
 
 
+def _page_cache(doc: dict[str, Any]) -> dict[str, list[float]]:
+    """Each server's page cache in GiB (``serving.py``'s ``host_state``: ``Cached`` before it
+    started, after it stopped), where the run recorded it."""
+    out: dict[str, list[float]] = {}
+    for rnd in doc.get("rounds", []):
+        for who, run in rnd.items():
+            states = run.get("host_state") if isinstance(run, dict) else None
+            cached = [s["meminfo"]["Cached"] / (1 << 30) for s in states or []
+                      if "Cached" in s.get("meminfo", {})]
+            if cached:
+                out[who] = cached
+    return out
+
+
 def with_peer(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
     """A kvtier-only run's document with ``peer``'s mlx_lm figures put beside its own (levels, agent)."""
     merged = copy.deepcopy(ours)
@@ -162,6 +176,13 @@ def main() -> None:
         cells = [f"{lab} " + ", ".join(f"{who} {'/'.join(f'{x:.3f}' for x in h[who])}" for who in sorted(h))
                  for lab, h in zip(labels, hosts, strict=True) if h]
         print("\nhost loop s (before / after each server): " + "; ".join(cells))
+    caches = [_page_cache(d) for d in docs]
+    if any(caches):
+        # NOTE: what the earlier calls on one machine left in its page cache
+        # (their SSD-tier files among it), beside each run's figures.
+        cells = [f"{lab} " + ", ".join(f"{who} {'/'.join(f'{x:.1f}' for x in c[who])}" for who in sorted(c))
+                 for lab, c in zip(labels, caches, strict=True) if c]
+        print("page cache GiB (before / after each server): " + "; ".join(cells))
     if args.plot:
         import matplotlib
 
