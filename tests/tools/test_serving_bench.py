@@ -550,3 +550,31 @@ def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it(
     line = common.host_state_line({"meminfo": {"Cached": 3 << 30, "Dirty": 5 << 20}, "disk_free": 7 << 30,
                                    "gpu": state})
     assert line == "cached 3.0 GiB, dirty 5 MiB, disk free 7.0 GiB, gpu sm 1980 MHz, throttle 0x0000000000000000"
+
+
+@pytest.mark.parametrize(("env", "flag"), [([], True), (["--kvtier-env", "KVTIER_SSD_CACHE=off"], False)],
+                         ids=["default", "tier-named-by-env"])
+def test_kvtier_gets_a_fresh_ssd_tier_unless_its_environment_names_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: list[str], flag: bool
+) -> None:
+    """``start_server`` gives kvtier ``--ssd-cache`` in a directory of this start, except where
+    ``--kvtier-env KVTIER_SSD_CACHE=...`` names the tier (a flag would override it)."""
+    started: list[tuple[list[str], dict[str, str] | None]] = []
+
+    class Started:
+        def __init__(self, cmd: list[str], workdir: Path, name: str, env: dict[str, str] | None = None,
+                     cwd: Path | None = None) -> None:
+            started.append((cmd, env))
+
+        def wait_ready(self, url: str, timeout: float) -> None:
+            """Ready at once."""
+
+    monkeypatch.setattr(importlib.import_module("_common"), "Server", Started)
+    args = serving.parse_args(["--servers", "kvtier", *env])
+    serving.start_server("kvtier", tmp_path / "model", 9, tmp_path, args, "r0")
+    cmd, given = started[0]
+    assert ("--ssd-cache" in cmd) is flag
+    if flag:
+        assert cmd[cmd.index("--ssd-cache") + 1] == str(tmp_path / "kv-r0")
+    else:
+        assert given == {"KVTIER_SSD_CACHE": "off"}

@@ -453,6 +453,10 @@ case "$cmd" in
     # to /tmp/base, goes first on the off runs' PYTHONPATH (AB_ENV then
     # applies to neither), e.g. one runtime change against the commit before:
     #   AB_BASE=1 AB_LEVELS=32 AB_PER_STREAM=2 gpu_serving.sh loadab
+    # The SSD tier's part in the 8-stream step that slowed call by call on
+    # one host (docs/benchmarks.md, 2026-12-07 14:23): "on" runs without the
+    # tier, each run prints the page cache and the GPU's clocks around it:
+    #   AB_ENV=KVTIER_SSD_CACHE=off AB_LEVELS=8 AB_PER_STREAM=3 gpu_serving.sh loadab
     # loadab.txt has each run's level lines and phases; loadab.tgz every run's
     # JSON (serving_runs.py pairs them).
     device_env
@@ -463,7 +467,7 @@ case "$cmd" in
         --out "$WORK/call-$n" --first-round "$n" --servers kvtier --json "$OUT/ab/run$i-$v.json" \
         --concurrency "${AB_LEVELS:-8,32}" --requests-per-stream "${AB_PER_STREAM:-4}" --min-requests 4 \
         --prompt-tokens 512 --max-tokens 128 --rate-fractions '' --agent '' "$@" 2>&1 \
-        | grep -E "streams (ok|phases|join)|kvtier  code:" | sed "s/^/run $i $v: /"
+        | grep -E "streams (ok|phases|join)|kvtier  code:|kvtier  host (loop|before|after)" | sed "s/^/run $i $v: /"
     }
     ab_runs loadab_one "$@" | tee "$OUT/loadab.txt"
     tar czf "$OUT/loadab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"

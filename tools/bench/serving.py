@@ -498,8 +498,10 @@ def start_server(
         extra = list(args.kvtier_arg)
         if args.rows:
             extra += ["--max-batch", str(args.rows)]
-        if "--ssd-cache" not in extra:
-            # NOTE: the default SSD tier, in a directory of this start only.
+        if "--ssd-cache" not in extra and "KVTIER_SSD_CACHE" not in (kvtier_env(args) or {}):
+            # NOTE: the default SSD tier, in a directory of this start only;
+            # `--kvtier-env KVTIER_SSD_CACHE=off` (an A/B's variant) names
+            # the tier itself, which a flag here would override.
             extra += ["--ssd-cache", str(workdir / f"kv-{tag}")]
         cmd = [sys.executable, "-m", "actors.cli", "serve", *common, *extra]
     else:
