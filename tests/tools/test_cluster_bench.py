@@ -194,3 +194,49 @@ def test_each_replay_is_probed_before_and_after_and_the_probes_are_returned_in_o
     samples, wall, probed = cluster.probed_replay(replay, probe)
     assert calls == ["probe", "replay", "probe"]
     assert (len(samples), wall, probed) == (1, 3.0, [0.25, 0.4])
+
+
+def test_the_capacity_rate_is_answered_requests_a_second_over_turns_at_the_fraction() -> None:
+    """``capacity_rate``: 40 answered requests in 20 s of 10-call conversations is 2 requests/s,
+    0.2 conversations/s, and the open loop at 0.8 of it arrives at 0.16; a failed answer or no
+    answer at all measures nothing."""
+    ok = [cluster.Sample("capacity", c, t, 0.1, 0.5, 10, 0, None, 1.0) for c in range(4) for t in range(10)]
+    rate = cluster.capacity_rate(ok, 20.0, 10, 0.8)
+    assert rate == pytest.approx({"requests_per_s": 2.0, "conversations_per_s": 0.2, "fraction": 0.8,
+                                  "arrival_rate": 0.16})
+    failed = [*ok[:-1], cluster.Sample("capacity", 3, 9, 0.1, 0.5, 10, 0, None, 1.0, "no usage")]
+    with pytest.raises(ValueError, match="answered 39 of 40"):
+        cluster.capacity_rate(failed, 20.0, 10, 0.8)
+    with pytest.raises(ValueError, match="answered 0 of 0"):
+        cluster.capacity_rate([], 20.0, 10, 0.8)
+    with pytest.raises(ValueError, match="fraction must be > 0"):
+        cluster.capacity_rate(ok, 20.0, 10, 0.0)
+
+
+def test_the_capacity_replay_is_a_closed_loop_of_its_own_without_tool_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``measure_capacity`` replays as policy "capacity" (its own system prompt), closed loop, no
+    tool time, 2 agents a replica and 2 conversations an agent by default, and turns what it
+    measured into the open loop's rate; the caller's arguments are left as they were."""
+    seen: list[tuple[str, str, argparse.Namespace]] = []
+
+    def replay(url: str, policy: str, run: argparse.Namespace, rnd: int) -> tuple[list[cluster.Sample], float]:
+        seen.append((url, policy, run))
+        n = run.conversations * run.turns
+        return [cluster.Sample(policy, i // run.turns, i % run.turns, 0.2, 0.4, 10, 0, None, 1.0)
+                for i in range(n)], 40.0
+
+    monkeypatch.setattr(cluster, "_replay_once", replay)
+    monkeypatch.setattr(cluster, "probed_replay", lambda f: (*f(), [0.06, 0.07]))
+    args = argparse.Namespace(replicas=4, turns=10, tool_s=1.0, arrival_rate=0.0, concurrency=16,
+                              conversations=32, capacity_agents=0, capacity_conversations=0,
+                              arrival_rate_fraction=0.9)
+    out = cluster.measure_capacity("http://router", args)
+    url, policy, run = seen[0]
+    assert (url, policy) == ("http://router", "capacity")
+    assert (run.concurrency, run.conversations, run.tool_s, run.arrival_rate) == (8, 16, 0.0, 0.0)
+    assert (args.concurrency, args.conversations, args.tool_s) == (16, 32, 1.0)
+    # 160 requests in 40 s: 4 a second, 0.4 conversations a second, 0.36 at 0.9.
+    assert out["arrival_rate"] == pytest.approx(0.36)
+    assert (out["agents"], out["conversations"], out["host_loop_s"]) == (8, 16, [0.06, 0.07])

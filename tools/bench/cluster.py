@@ -15,6 +15,15 @@ second (:func:`arrival_times`, the same for every policy), whatever the
 earlier ones are doing, and runs its turns in order; ``--concurrency`` is
 then not used, and the concurrency measured (requests and conversations
 in flight, time-weighted mean and max) is in each policy's summary.
+``--arrival-rate-fraction F`` sets that rate from the replicas themselves:
+first a closed-loop replay behind round-robin with no tool time
+(``--capacity-agents`` agents, ``--capacity-conversations`` conversations,
+a system prompt of its own) measures round-robin's capacity in
+conversations a second (:func:`capacity_rate`), and the open loop then
+arrives at ``F`` times it, as a constant-rate load is set from a server's
+measured saturation. A fixed rate sits at a different share of
+round-robin's capacity on each lent host, and the open loop's ratio
+follows that share.
 
 One set of replicas (``tools/cluster/launch.py``'s :class:`Cluster`)
 serves every policy in turn, in one run: ``single`` (every request straight
@@ -275,6 +284,26 @@ def probed_replay(replay: Callable[[], tuple[list[Sample], float]],
     before = probe()
     samples, wall = replay()
     return samples, wall, [before, probe()]
+
+
+def capacity_rate(samples: list[Sample], wall: float, turns: int, fraction: float) -> dict[str, float]:
+    """Round-robin's capacity from a saturating closed-loop replay, and the open loop's rate at ``fraction`` of it.
+
+    Capacity is the answered requests a second over the replay's wall time;
+    a conversation is ``turns`` requests, so the rate in conversations a
+    second is that over ``turns``. A replay with failed answers measures
+    no capacity: :class:`ValueError`.
+    """
+    if not fraction > 0:
+        raise ValueError(f"the arrival-rate fraction must be > 0, not {fraction}")
+    failed = [s for s in samples if s.error is not None]
+    if failed or not samples or wall <= 0:
+        raise ValueError(f"the capacity replay answered {len(samples) - len(failed)} of "
+                         f"{len(samples)} requests in {wall:.1f} s: no capacity measured")
+    requests_per_s = len(samples) / wall
+    conversations_per_s = requests_per_s / turns
+    return {"requests_per_s": requests_per_s, "conversations_per_s": conversations_per_s,
+            "fraction": fraction, "arrival_rate": fraction * conversations_per_s}
 
 
 def _served(url: str) -> int:
@@ -675,6 +704,27 @@ def overhead_only(args: argparse.Namespace, serve: list[str],
     return 0
 
 
+def measure_capacity(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Round-robin's capacity behind ``url`` (:func:`capacity_rate` of a closed-loop replay), printed.
+
+    NOTE: the replay runs as its own policy name ("capacity"), so its system
+    prompt is its own and no measured policy finds its prefixes cached; no
+    tool time, so the agents keep the replicas busy.
+    """
+    agents = args.capacity_agents or 2 * args.replicas
+    run = argparse.Namespace(**{**vars(args), "arrival_rate": 0.0, "tool_s": 0.0, "concurrency": agents,
+                                "conversations": args.capacity_conversations or 2 * agents})
+    samples, wall, probes = probed_replay(functools.partial(_replay_once, url, "capacity", run, 0))
+    out: dict[str, Any] = {**capacity_rate(samples, wall, args.turns, args.arrival_rate_fraction),
+                           "agents": agents, "conversations": run.conversations, "wall_s": wall,
+                           "ttft_p50_s": _pct([x.ttft_s for x in samples], 0.5), "host_loop_s": probes}
+    print(f"capacity (round-robin, closed loop, {agents} agents, {run.conversations} conversations, "
+          f"no tool time): {out['requests_per_s']:.2f} requests/s = {out['conversations_per_s']:.3f} "
+          f"conversations/s in {wall:.0f} s (TTFT p50 {out['ttft_p50_s']:.3f}s); open loop at "
+          f"{args.arrival_rate_fraction:g} x = {out['arrival_rate']:.3f} conversations/s", flush=True)
+    return out
+
+
 def main() -> int:
     """Start the replicas, replay the trace per policy, write JSON and PNG."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -696,6 +746,14 @@ def main() -> int:
                    help="open loop: conversations a second, each starting at its time in a seeded "
                         "Poisson schedule whatever the earlier ones are doing (--concurrency not "
                         "used; the measured concurrency is reported); default 0: closed loop")
+    p.add_argument("--arrival-rate-fraction", type=float, default=0.0,
+                   help="open loop at this fraction of round-robin's capacity, measured first by "
+                        "a closed-loop replay with no tool time (see --capacity-agents); "
+                        "instead of --arrival-rate")
+    p.add_argument("--capacity-agents", type=int, default=0,
+                   help="agents of the capacity replay (default: 2 a replica)")
+    p.add_argument("--capacity-conversations", type=int, default=0,
+                   help="conversations of the capacity replay (default: 2 an agent)")
     p.add_argument("--arrival-seed", type=int, default=0,
                    help="the seed of --arrival-rate's schedule (the same for every policy; default 0)")
     p.add_argument("--policies", default="round_robin,cache_aware,events",
@@ -727,6 +785,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("/tmp/kvtier-bench-cluster"))
     p.add_argument("--serve-args", default="", help="extra kvtier serve arguments (one string)")
     args = p.parse_args()
+    if args.arrival_rate and args.arrival_rate_fraction:
+        p.error("--arrival-rate and --arrival-rate-fraction: one or the other")
     # NOTE: SIGTERM unwinds like an exception, so the Cluster stops its children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -763,7 +823,8 @@ def main() -> int:
     print(f"trace prefix share {share['share']:.3f} (first turns {share['first_share']:.3f}, "
           f"follow-up turns {share['follow_up_share']:.3f}; mean prompt "
           f"{share['mean_prompt_tokens']:.0f} tokens)", flush=True)
-    print(loop_mode(result["trace"]), flush=True)
+    if not args.arrival_rate_fraction:
+        print(loop_mode(result["trace"]), flush=True)
     order = args.policies.split(",")
     gathered: dict[str, dict[str, Any]] = {
         p: {"samples": [], "wall": 0.0, "spread": [0] * args.replicas, "loads": [],
@@ -773,6 +834,10 @@ def main() -> int:
         urls = [r.url for r in cluster.replicas]
         result["replica_cpus"] = [sorted(os.sched_getaffinity(r.proc.pid))
                                   for r in cluster.replicas]
+        if args.arrival_rate_fraction:
+            result["capacity"] = measure_capacity(cluster.route("round_robin").url, args)
+            args.arrival_rate = result["trace"]["arrival_rate"] = result["capacity"]["arrival_rate"]
+            print(loop_mode(result["trace"]), flush=True)
         for rnd in range(args.rounds):
             for policy in order[rnd % len(order):] + order[:rnd % len(order)]:
                 target = urls[0] if policy == "single" else cluster.route(policy).url

@@ -737,7 +737,10 @@ case "$cmd" in
     # runs used (docs/benchmarks/cluster.md). CL_POINTS: REPLICAS:AGENTS load
     # points, each a cluster.py run of 2 x AGENTS conversations of 10 calls
     # with CL_TOOL_S s of tool time, cut at CL_POINT_S s. CL_RATE (conversations
-    # a second) makes each point open loop (cluster.py --arrival-rate).
+    # a second) makes each point open loop (cluster.py --arrival-rate);
+    # CL_RATE_FRACTION instead sets that rate at this fraction of round-robin's
+    # capacity on this host, measured first (--arrival-rate-fraction: a
+    # closed-loop replay of 2 agents a replica, no tool time; ~1-2 minutes).
     # NOTE: an open loop keeps the 2 x AGENTS conversations but not the agents:
     # conversations arrive on a seeded Poisson schedule whatever the earlier
     # ones are doing, so round-robin's queue can grow where the cache routers'
@@ -776,7 +779,7 @@ print(f"CPU fp32 matmul 2048x576x1536: {2 * 2048 * 576 * 1536 * n / (time.perf_c
       timeout "${CL_POINT_S:-270}" python3 tools/bench/cluster.py --replicas "$r" --concurrency "$c" \
         --conversations $((2 * c)) --turns 10 --tool-s "${CL_TOOL_S:-2}" --threads $((cores / r)) --pin \
         --balance-abs-threshold 2 --balance-rel-threshold 1.5 --overhead-n "${CL_OVERHEAD_N:-200}" \
-        ${CL_RATE:+--arrival-rate "$CL_RATE"} \
+        ${CL_RATE:+--arrival-rate "$CL_RATE"} ${CL_RATE_FRACTION:+--arrival-rate-fraction "$CL_RATE_FRACTION"} \
         --model "$cpu_model" --serve-args "--device cpu" --out "$OUT/$name" "$@" \
         > "$OUT/$name.txt" 2>&1 || echo "$name: exit $?"
       tail -n 30 "$OUT/$name.txt"
