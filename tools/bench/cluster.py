@@ -287,9 +287,11 @@ def probed_replay(replay: Callable[[], tuple[list[Sample], float]],
 
 
 def capacity_rate(samples: list[Sample], wall: float, turns: int, fraction: float) -> dict[str, float]:
-    """Round-robin's capacity from a saturating closed-loop replay, and the open loop's rate at ``fraction`` of it.
+    """Round-robin's capacity from a closed-loop replay, and the open loop's rate at ``fraction`` of it.
 
-    Capacity is the answered requests a second over the replay's wall time;
+    Capacity is the answered requests a second over the replay's wall time
+    (the throughput at the replay's agents: with no tool time every replica
+    always has work; more agents may still add some);
     a conversation is ``turns`` requests, so the rate in conversations a
     second is that over ``turns``. A replay with failed answers measures
     no capacity: :class:`ValueError`.
