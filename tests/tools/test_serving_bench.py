@@ -536,20 +536,26 @@ def test_meminfo_keeps_its_fields_in_bytes(tmp_path: Path) -> None:
 def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``gpu_state`` runs ``nvidia-smi`` from PATH and names its CSV fields; with none on PATH it is ``{}``."""
+    """``gpu_state`` runs ``nvidia-smi`` from PATH and names its CSV fields; the throttle reasons
+    come from a query of their own, under the older name where the newer one is refused; with no
+    ``nvidia-smi`` on PATH it is ``{}``."""
     common = importlib.import_module("_common")
     monkeypatch.setenv("PATH", str(tmp_path))
     assert common.gpu_state() == {}
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho '1980 MHz, 2619 MHz, 41, 118.52 W, 0x0000000000000000'\n")
+    # NOTE: an older driver's nvidia-smi: it refuses the newer field name (exit 2).
+    fake.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                    "  *clocks_event_reasons*) echo 'Field is not a valid field' >&2; exit 2;;\n"
+                    "  *clocks_throttle_reasons*) echo '0x0000000000000004';;\n"
+                    "  *) echo '1980 MHz, 2619 MHz, 41, 118.52 W';;\nesac\n")
     fake.chmod(0o755)
     state = common.gpu_state()
     assert state["clocks.sm"] == "1980 MHz"
     assert state["power.draw"] == "118.52 W"
-    assert state["clocks_throttle_reasons.active"] == "0x0000000000000000"
+    assert state["throttle_reasons"] == "0x0000000000000004"
     line = common.host_state_line({"meminfo": {"Cached": 3 << 30, "Dirty": 5 << 20}, "disk_free": 7 << 30,
                                    "gpu": state})
-    assert line == "cached 3.0 GiB, dirty 5 MiB, disk free 7.0 GiB, gpu sm 1980 MHz, throttle 0x0000000000000000"
+    assert line == "cached 3.0 GiB, dirty 5 MiB, disk free 7.0 GiB, gpu sm 1980 MHz, throttle 0x0000000000000004"
 
 
 @pytest.mark.parametrize(("env", "flag"), [([], True), (["--kvtier-env", "KVTIER_SSD_CACHE=off"], False)],

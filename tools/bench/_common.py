@@ -411,8 +411,15 @@ def loadavg() -> str:
 MEMINFO_FIELDS = ("MemFree", "MemAvailable", "Cached", "Dirty", "Writeback")
 """The ``/proc/meminfo`` lines :func:`host_state` keeps (bytes)."""
 
-GPU_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "clocks_throttle_reasons.active")
+GPU_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw")
 """The ``nvidia-smi --query-gpu`` fields :func:`host_state` keeps (text, as nvidia-smi prints them)."""
+
+THROTTLE_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+"""The active clock-throttle reasons under their newer and their older ``nvidia-smi`` name.
+
+NOTE: asked apart from :data:`GPU_FIELDS`: nvidia-smi refuses a whole query
+naming one field it does not know, and drivers differ in this one's name.
+"""
 
 
 def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
@@ -430,17 +437,30 @@ def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return out
 
 
-def gpu_state(timeout_s: float = 5.0) -> dict[str, str]:
-    """:data:`GPU_FIELDS` of the first GPU from ``nvidia-smi``; ``{}`` without one (or on its failure)."""
+def _query_gpu(fields: tuple[str, ...], timeout_s: float) -> list[str] | None:
+    """The first GPU's ``fields`` from ``nvidia-smi --query-gpu``; ``None`` without it or on its refusal."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=timeout_s, check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
+        return None
+    return [v.strip() for v in out.splitlines()[0].split(",")] if out.strip() else None
+
+
+def gpu_state(timeout_s: float = 5.0) -> dict[str, str]:
+    """:data:`GPU_FIELDS` of the first GPU from ``nvidia-smi``, and ``throttle_reasons``; ``{}`` without one."""
+    values = _query_gpu(GPU_FIELDS, timeout_s)
+    if values is None:
         return {}
-    values = [v.strip() for v in out.splitlines()[0].split(",")] if out.strip() else []
-    return dict(zip(GPU_FIELDS, values, strict=False))
+    state = dict(zip(GPU_FIELDS, values, strict=False))
+    for name in THROTTLE_FIELDS:
+        reasons = _query_gpu((name,), timeout_s)
+        if reasons:
+            state["throttle_reasons"] = reasons[0]
+            break
+    return state
 
 
 def host_state(workdir: Path) -> dict[str, Any]:
@@ -467,7 +487,7 @@ def host_state_line(state: dict[str, Any]) -> str:
     parts.append(f"disk free {state.get('disk_free', 0) / gib:.1f} GiB")
     gpu = state.get("gpu", {})
     if gpu:
-        parts.append(f"gpu sm {gpu.get('clocks.sm', '?')}, throttle {gpu.get('clocks_throttle_reasons.active', '?')}")
+        parts.append(f"gpu sm {gpu.get('clocks.sm', '?')}, throttle {gpu.get('throttle_reasons', '?')}")
     return ", ".join(parts)
 
 
