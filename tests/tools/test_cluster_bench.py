@@ -240,3 +240,20 @@ def test_the_capacity_replay_is_a_closed_loop_of_its_own_without_tool_time(
     # 160 requests in 40 s: 4 a second, 0.4 conversations a second, 0.36 at 0.9.
     assert out["arrival_rate"] == pytest.approx(0.36)
     assert (out["agents"], out["conversations"], out["host_loop_s"]) == (8, 16, [0.06, 0.07])
+
+
+@pytest.mark.parametrize("flags", [["--arrival-rate-fraction", "-0.5"],
+                                   ["--arrival-rate", "0.2", "--arrival-rate-fraction", "0.9"]],
+                         ids=["negative-fraction", "rate-and-fraction"])
+def test_a_bad_open_loop_rate_is_refused_before_any_replica_starts(flags: list[str], tmp_path: Path) -> None:
+    """A negative fraction, or a rate beside a fraction, ends ``cluster.py`` with argparse's usage
+    error (exit 2) and names the flag, before the replicas or the capacity replay start."""
+    import subprocess
+    import sys
+
+    script = Path(cluster.__file__)
+    done = subprocess.run([sys.executable, str(script), *flags, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "--arrival-rate-fraction" in done.stderr
+    assert not (tmp_path / "out").exists()

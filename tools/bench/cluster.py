@@ -789,6 +789,9 @@ def main() -> int:
     args = p.parse_args()
     if args.arrival_rate and args.arrival_rate_fraction:
         p.error("--arrival-rate and --arrival-rate-fraction: one or the other")
+    if args.arrival_rate_fraction < 0:
+        # NOTE: refused here, not after the capacity replay it would have run.
+        p.error(f"--arrival-rate-fraction must be > 0, not {args.arrival_rate_fraction}")
     # NOTE: SIGTERM unwinds like an exception, so the Cluster stops its children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
