@@ -544,6 +544,7 @@ case "$cmd" in
   shapes)
     # What a query length MLX has not run before costs, op by op (shape_costs.py),
     # under each of ${SHAPES_ENVS:-default MLX_USE_CUDA_GRAPHS=0 MLX_CUDA_USE_CUDNN_SDPA=0}
+    # (arguments go to shape_costs.py: --parts adds the first layer's pieces)
     # (one process each): MLX's CUDA graphs and cuDNN attention are the
     # per-shape suspects.
     device_env

@@ -9,7 +9,12 @@ times, synchronized, each of these with a query length never used before
 - ``matmul``: ``(L, hidden) @ (hidden, intermediate)`` in the model's dtype;
 - ``forward``: the model over ``L`` tokens with a fresh cache (no prefix);
 - ``forward+cache``: the model over ``L`` tokens after a cached prefix of
-  ``--prefix`` tokens (the served join).
+  ``--prefix`` tokens (the served join);
+- with ``--parts``, that join's pieces in the first layer, each alone: the
+  whole block, its attention module (projections, rope, the cache's update,
+  attention), the attention call by itself (``sdpa``: ``L`` queries over
+  ``prefix + L`` keys, causal), the MLP, a norm, and the output projection
+  over ``L`` positions: which of them a new length makes slow.
 
     python3 tools/bench/shape_costs.py --model DIR --json OUT.json
     python3 tools/bench/shape_costs.py --plot OUT.png default=A.json graphs-off=B.json ...
@@ -73,6 +78,53 @@ def plot(out: Path, runs: list[str]) -> None:
     print(f"plot: {out}")
 
 
+def _parts(model: Any, base: Any, hidden: int, dtype: Any) -> dict[str, Any]:
+    """The first layer's pieces of a join over ``base`` (layer 0's prefix cache), each a ``length -> call``."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    layer = model.layers[0]
+    attn = layer.self_attn
+    heads, kv_heads = attn.n_heads, attn.n_kv_heads
+    head_dim = hidden // heads
+    # NOTE: the prefix alone (the cache's buffer may run past its offset).
+    keys = base.keys[..., : base.offset, :]
+    values = base.values[..., : base.offset, :]
+    mx.eval(keys, values)
+
+    def lent() -> Any:
+        # NOTE: a copy of layer 0's prefix cache per call, as forward+cache copies all layers.
+        cache = KVCache()
+        cache.keys, cache.values = mx.array(keys), mx.array(values)
+        cache.offset = base.offset
+        return cache
+
+    def x(n: int) -> Any:
+        return mx.ones((1, n, hidden), dtype=dtype)
+
+    def sdpa(n: int) -> Any:
+        q = mx.ones((1, heads, n, head_dim), dtype=dtype)
+        k = mx.concatenate([keys, mx.ones((1, kv_heads, n, head_dim), dtype=dtype)], axis=2)
+        v = mx.concatenate([values, mx.ones((1, kv_heads, n, head_dim), dtype=dtype)], axis=2)
+        mx.eval(q, k, v)
+        return lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask="causal")
+
+    def head(n: int) -> Any:
+        out = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
+        return lambda: out(x(n))
+
+    # NOTE: the block and its attention get mask="causal", what a lone row's
+    # prefill passes them (mlx-lm's create_attention_mask for L > 1).
+    return {
+        "layer": lambda n: (lambda: layer(x(n), mask="causal", cache=lent())),
+        "attention": lambda n: (lambda: attn(x(n), mask="causal", cache=lent())),
+        "sdpa": sdpa,
+        "mlp": lambda n: (lambda: layer.mlp(x(n))),
+        "norm": lambda n: (lambda: layer.input_layernorm(x(n))),
+        "lm_head": head,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print milliseconds per call, new shape against warm, per contender (or plot saved runs)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", type=int, default=5100, help="forward+cache: the cached prefix")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--parts", action="store_true",
+                   help="also time the first layer's pieces of forward+cache, each alone")
     p.add_argument("--attention-buckets", action="store_true",
                    help="prefill attention at bucketed shapes (kvtier's KVTIER_CUDA_ATTENTION_BUCKETS)")
     args = p.parse_args(argv)
@@ -127,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "forward": lambda n: (lambda: model(mx.array([[5] * n]))),
         "forward+cache": lambda n: (lambda: cached(n)),
     }
+    if args.parts:
+        contenders.update(_parts(model, base[0], hidden, dtype))
     length = args.length
     for fn in contenders.values():  # NOTE: one untimed call of each (first kernels)
         _timed(fn(length))
