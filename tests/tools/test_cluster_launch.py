@@ -1,10 +1,14 @@
-"""The cluster launcher's fairness and router settings: cores per replica, balance thresholds."""
+"""The cluster launcher's fairness and router settings: cores per replica, balance thresholds, SSD cleanup."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from tools.cluster.launch import replica_cpus, router_command
+from tools.cluster.launch import Cluster, Replica, replica_cpus, router_command
 
 
 def test_replicas_get_equal_shares_of_the_cores() -> None:
@@ -36,3 +40,31 @@ def test_cache_aware_and_the_event_router_get_the_same_balance_thresholds() -> N
     ev = router_command("events", urls, events, host="127.0.0.1", port=7)
     assert ev.count("--replica") == 2
     assert "http://127.0.0.1:2,tcp://127.0.0.1:5,tcp://127.0.0.1:6" in ev
+
+
+def _sleeper(index: int, workdir: Path, ssd_dir: Path | None) -> Replica:
+    # NOTE: a real child process standing in for kvtier serve (stop() signals and reaps it).
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    if ssd_dir is not None:
+        (ssd_dir / "seg").mkdir(parents=True)
+        (ssd_dir / "seg" / "blob").write_bytes(b"x" * 4096)
+    return Replica(index, workdir, "off", "off", proc, ssd_dir=ssd_dir)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_stop_removes_only_the_ssd_directories_the_launcher_made_unless_kept(
+        tmp_path: Path, keep: bool) -> None:
+    """keep_ssd=False: stopping the cluster removes each exited replica's launcher-made SSD
+    directory and counts its bytes; a caller's own --ssd-cache (ssd_dir None) and keep_ssd=True
+    leave everything in place."""
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "blob").write_bytes(b"y" * 100)
+    made = [tmp_path / "kv-0", tmp_path / "kv-1"]
+    cluster = Cluster(3, tmp_path, keep_ssd=keep, replicas=[
+        _sleeper(0, tmp_path, made[0]), _sleeper(1, tmp_path, made[1]), _sleeper(2, tmp_path, None)])
+    codes = cluster.stop()
+    assert all(code is not None for code in codes)
+    assert [d.exists() for d in made] == [keep, keep]
+    assert cluster.removed_ssd_bytes == (0 if keep else 2 * 4096)
+    assert (own / "blob").read_bytes() == b"y" * 100

@@ -686,7 +686,7 @@ def overhead_only(args: argparse.Namespace, serve: list[str],
     result: dict[str, Any] = {"machine": machine(), "load_before": loadavg(),
                               "replicas": args.replicas, "routers": {}}
     with Cluster(args.replicas, args.out / "work", serve, policy=None, threads=args.threads,
-                 pin=args.pin, balance=balance) as cluster:
+                 pin=args.pin, balance=balance, keep_ssd=args.keep_ssd) as cluster:
         urls = [r.url for r in cluster.replicas]
         for policy in args.policies.split(","):
             if policy == "single":
@@ -786,6 +786,9 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=Path("/tmp/kvtier-bench-cluster"))
     p.add_argument("--serve-args", default="", help="extra kvtier serve arguments (one string)")
+    p.add_argument("--keep-ssd", action="store_true",
+                   help="keep the replicas' SSD directories under --out/work after the run (default: "
+                        "removed once the replicas exit; 7-20 GB a run)")
     args = p.parse_args()
     if args.arrival_rate and args.arrival_rate_fraction:
         p.error("--arrival-rate and --arrival-rate-fraction: one or the other")
@@ -835,7 +838,7 @@ def main() -> int:
         p: {"samples": [], "wall": 0.0, "spread": [0] * args.replicas, "loads": [],
             "router_stats": [], "host_loop_s": []} for p in order}
     with Cluster(args.replicas, args.out / "work", serve, policy=None, threads=args.threads,
-                 pin=args.pin, balance=balance) as cluster:
+                 pin=args.pin, balance=balance, keep_ssd=args.keep_ssd) as cluster:
         urls = [r.url for r in cluster.replicas]
         result["replica_cpus"] = [sorted(os.sched_getaffinity(r.proc.pid))
                                   for r in cluster.replicas]
@@ -890,6 +893,9 @@ def main() -> int:
     result["load_after"] = loadavg()
     write_result(result, args.out)
     print(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
+    if cluster.removed_ssd_bytes:
+        print(f"removed the replicas' SSD directories ({cluster.removed_ssd_bytes / 2**30:.1f} GiB; "
+              f"--keep-ssd keeps them)", flush=True)
     errors = {p: e["summary"]["errors"] for p, e in result["policies"].items() if e["summary"]["errors"]}
     if errors:
         print(f"FAILED ANSWERS {errors}: not a result (the replicas' logs say why)", flush=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,6 +111,8 @@ class Replica:
     """The replay ROUTER endpoint."""
     proc: subprocess.Popen[bytes]
     url: str = ""
+    ssd_dir: Path | None = None
+    """The SSD directory this launcher gave it (None: the caller's ``--ssd-cache``)."""
 
     @classmethod
     def start(cls, index: int, workdir: Path, serve_args: Sequence[str], *,
@@ -122,9 +125,11 @@ class Replica:
         pub = f"tcp://127.0.0.1:{free_port()}" if events else "off"
         replay = f"tcp://127.0.0.1:{free_port()}" if events else "off"
         args = list(serve_args)
+        ssd_dir = None
         if "--ssd-cache" not in args:
             # NOTE: an SSD directory is locked by one server: one per replica.
-            args += ["--ssd-cache", str(workdir / f"kv-{index}")]
+            ssd_dir = workdir / f"kv-{index}"
+            args += ["--ssd-cache", str(ssd_dir)]
         cmd = [sys.executable, "-m", "actors.cli", "serve", "--host", host, "--port", str(port),
                "--kv-events", pub, "--kv-events-replay", replay, *args]
         out_path = workdir / f"replica-{index}.stdout"
@@ -134,7 +139,7 @@ class Replica:
         if cpus is not None:
             # NOTE: pinned before it loads the model (its threads inherit the set).
             os.sched_setaffinity(proc.pid, cpus)
-        return cls(index, workdir, pub, replay, proc)
+        return cls(index, workdir, pub, replay, proc, ssd_dir=ssd_dir)
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until the replica printed its URL and ``/health`` answers 200."""
@@ -269,9 +274,13 @@ class Cluster:
     """Pin each replica to its share of this process's cores (:func:`replica_cpus`)."""
     balance: tuple[float, float] | None = None
     """The routers' balance thresholds (:meth:`Router.start`)."""
+    keep_ssd: bool = True
+    """False: :meth:`stop` removes the SSD directories this launcher made once their replica exited."""
     replicas: list[Replica] = field(default_factory=list)
     router: Router | None = None
     exit_codes: list[int | None] = field(default_factory=list)
+    removed_ssd_bytes: int = 0
+    """What :meth:`stop` removed with ``keep_ssd=False``."""
 
     def start(self) -> Cluster:
         """Start every replica, wait for all of them, then the router (if a policy is set)."""
@@ -324,7 +333,19 @@ class Cluster:
         for t in threads:
             t.join()
         self.exit_codes = codes
+        if not self.keep_ssd:
+            self._remove_ssd()
         return codes
+
+    def _remove_ssd(self) -> None:
+        # NOTE: a benchmark's replicas write 7-20 GB of SSD tier a run; a sweep
+        # that kept them filled this box's disk. Only directories this launcher
+        # named, only once their replica has exited (it holds the lock until then).
+        for r in self.replicas:
+            if r.ssd_dir is None or r.proc.poll() is None or not r.ssd_dir.exists():
+                continue
+            self.removed_ssd_bytes += sum(f.stat().st_size for f in r.ssd_dir.rglob("*") if f.is_file())
+            shutil.rmtree(r.ssd_dir)
 
     def __enter__(self) -> Cluster:
         return self.start()
