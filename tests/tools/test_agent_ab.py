@@ -45,3 +45,31 @@ def test_a_run_without_agent_turns_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"rounds": [{"kvtier": {"agent": None}}]}))
     with pytest.raises(ValueError, match="no agent turns"):
         ab.load_run(path, 0)
+
+
+def test_runs_past_nine_keep_their_order_and_any_variant_name_is_read(tmp_path: Path) -> None:
+    """A folder's runs are read by their number (run10 after run9, not after run1) and a variant
+    may have any name; summarize keeps the variants in order of first appearance."""
+    ab = load_bench("agent_ab")
+    names = ["off", "pair", "fold"] * 4
+    for i, name in enumerate(names):
+        _run(tmp_path / f"run{i}-{name}.json", [100.0 + i], 50.0)
+    runs = [ab.load_run(f, i) for i, f in enumerate(ab._files([tmp_path]))]
+    assert [r.name.split("/")[1] for r in runs] == [f"run{i}-{n}" for i, n in enumerate(names)]
+    summary = ab.summarize(runs, set())
+    assert list(summary) == ["off", "pair", "fold"]
+    assert summary["fold"] == {"median": 106.5, "min": 102.0, "max": 111.0, "runs": 4.0}
+
+
+def test_the_schedule_rotates_the_variants_each_cycle_and_refuses_bad_specs() -> None:
+    """Cycle c runs the variants rotated by c (two give off on on off off on), each with its
+    KEY=VALUE assignments; a bad name, a repeated name or a bare word as an assignment is refused."""
+    ab = load_bench("agent_ab")
+    two = ab.schedule("off|on:A=1 B=2", 3)
+    assert [(i, v) for i, v, _ in two] == [(0, "off"), (1, "on"), (2, "on"), (3, "off"), (4, "off"), (5, "on")]
+    assert {v: a for _, v, a in two} == {"off": [], "on": ["A=1", "B=2"]}
+    three = [v for _, v, _ in ab.schedule("a|b:X=1|c:Y=2", 3)]
+    assert three == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    for bad in ("off|on:A=1|on:B=2", "off|o-n:A=1", "off|on:A=1 B"):
+        with pytest.raises(ValueError):
+            ab.schedule(bad, 1)

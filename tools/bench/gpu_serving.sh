@@ -49,6 +49,7 @@
 #   loadab       the 8- and 32-stream lines served, kvtier alone, with and without AB_ENV
 #   mailwaits    time in each actor's mailbox and handler at 32 streams (mailbox_waits.py)
 #   agentab      the agent line served, kvtier alone, with and without AB_ENV (default: no periodic cache emptying)
+#   agentmx      the same with several variants in one call (MX_VARIANTS: NAME[:KEY=VALUE ...]|...)
 #   runab        the whole served line with and without AB_ENV, the peer once a call (three calls: three runs each;
 #                AB_STEP=full, then AB_STEP=alone: the two halves in two calls)
 #   lonejoin     a lone row joining over a cached 5,100-token prefix, in process (vs 8 rows)
@@ -526,6 +527,43 @@ case "$cmd" in
     }
     ab_runs agentab_one "$@" | tee "$OUT/agentab.txt"
     tar czf "$OUT/agentab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
+    ;;
+  agentmx)
+    # agentab with more than two variants in one call: MX_VARIANTS, '|'-separated
+    # NAME or NAME:ASSIGNMENTS (space-separated KEY=VALUE for kvtier's process;
+    # %RUN% becomes the run's number), cycle c rotated by c (agent_ab.py
+    # --schedule), no new run once AB_BUDGET_S (default 480) seconds have
+    # passed; a run takes ~45 s on an H100. E.g. which switch of the pair
+    # cuts the agent line, and kvtier's own routes beside MLX's graphs off:
+    #   MX_VARIANTS="off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0|graphs:MLX_USE_CUDA_GRAPHS=0|fold:KVTIER_CUDA_PREFILL_FOLD=on MLX_USE_CUDA_GRAPHS=0"
+    # agentmx.txt and agentmx.tgz as agentab's (runI-NAME.json), read by
+    # tools/bench/agent_ab.py (each variant against --baseline off).
+    device_env
+    ensure_model
+    mkdir -p "$WORK" "$OUT/ab"
+    mx_start=$SECONDS
+    python3 tools/bench/agent_ab.py --schedule "${MX_VARIANTS:-off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0}" \
+      --cycles "${MX_CYCLES:-8}" > "$WORK/mx-plan.txt"
+    while read -r i v assigns; do
+      if [ $((SECONDS - mx_start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
+      n=$(cat "$WORK/calls" 2>/dev/null || echo 0)
+      echo $((n + 1)) > "$WORK/calls"
+      envs=()
+      for a in $assigns; do envs+=(--kvtier-env "${a//%RUN%/$i}"); done
+      t0=$SECONDS
+      python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
+        --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
+        --json "$OUT/ab/run$i-$v.json" --title "agent $v" --skip-loadgen --agent 8x4 \
+        --system-tokens 4400 --agent-max-tokens 32 "$@" < /dev/null 2>&1 \
+        | grep -E "agent|start-up warm-up|kvtier  code:" | sed "s/^/run $i $v: /"
+      # NOTE: stdin from /dev/null above: the loop reads the plan on its stdin.
+      echo "run $i $v: $((SECONDS - t0)) s"
+      # NOTE: each run's SSD tier goes with it (~12 GB a run on this disk).
+      rm -rf "$WORK/call-$n"
+    done < "$WORK/mx-plan.txt" | tee "$OUT/agentmx.txt"
+    python3 tools/bench/agent_ab.py "$OUT/ab" --skip ab/run0-"$(head -1 "$WORK/mx-plan.txt" | cut -d' ' -f2)" \
+      | tee -a "$OUT/agentmx.txt"
+    tar czf "$OUT/agentmx.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   sdpa)
     # Prefill attention when every step's shape is new (sdpa_shapes.py): MLX's
