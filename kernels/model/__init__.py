@@ -67,6 +67,7 @@ from ._rope import (
     has_shared_rope,
     share_rope_tables,
 )
+from ._suffix_fold import KEY_STEP, SUFFIX_FOLD_ENV, SUFFIX_MAX, span_of, suffix_mask, suffix_span
 from ._weights import FileKey, OsWeightFiles, WeightFiles, WeightsMemo
 
 __all__ = [
@@ -77,9 +78,12 @@ __all__ = [
     "FUSED_MODEL_TYPES",
     "FUSED_PROJECTIONS_ENV",
     "FUSE_MAX_ROWS",
+    "KEY_STEP",
     "MASKED_ATTENTION_ENV",
     "MAX_QUERY",
     "PREFILL_FOLD_ENV",
+    "SUFFIX_FOLD_ENV",
+    "SUFFIX_MAX",
     "DefaultModelFetchError",
     "FewRowHead",
     "FewRowLinear",
@@ -125,6 +129,9 @@ __all__ = [
     "resolve_model_path",
     "shape_memory",
     "share_rope_tables",
+    "span_of",
+    "suffix_mask",
+    "suffix_span",
     "takes_masked_path",
     "tokenizer_hash",
     "transform_for_device",

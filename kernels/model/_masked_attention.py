@@ -56,6 +56,7 @@ from kernels._memory import on_cuda
 
 from ._attention_buckets import ATTENTION_BUCKETS_ENV, bucketed_attention, buckets_apply
 from ._prefill_route import causal_mask, prefill_key, shape_memory
+from ._suffix_fold import SUFFIX_FOLD_ENV, span_of, suffix_mask, suffix_span
 
 MaskedSoftmax = Callable[[mx.array, mx.array, int, int, int], mx.array]
 """``kernels.native.MaskedSoftmax`` (not imported here: that package loads native code on first use)."""
@@ -97,6 +98,9 @@ _fold_prefill = False
 
 _buckets = False
 """Whether :func:`masked_dispatch` runs prefill calls at bucketed shapes (:mod:`._attention_buckets`)."""
+
+_suffix_fold = False
+"""Whether :func:`masked_dispatch` folds short prefills over a cached prefix over the cache's buffer (:mod:`._suffix_fold`)."""
 
 _cpu_softmax: Callable[[mx.array], mx.array] | None = None
 """The CPU's native softmax: where set, :func:`masked_dispatch` runs every float32 call as folded products with it."""
@@ -233,6 +237,13 @@ def masked_dispatch(
                                 masked_softmax=_cpu_masked)
     if takes_masked_path(queries, cache, mask, sinks):
         return masked_attention(queries, keys, values, scale=scale, mask=mask)
+    if _suffix_fold and (span := suffix_span(queries, keys, cache, mask, sinks)) is not None:
+        # NOTE: the cache's buffer, not the call's keys: one key length per
+        # 256-token window, so the products' shapes repeat across turns.
+        t = keys.shape[2]
+        return masked_attention(
+            queries, span_of(cache.keys, t, span), span_of(cache.values, t, span), scale=scale,
+            mask=suffix_mask(mask, queries.shape[2], t, span))
     if folds_prefill(queries, keys, cache, mask, sinks):
         if isinstance(mask, str):
             mask = causal_mask(queries.shape[2], keys.shape[2])
@@ -262,6 +273,7 @@ def install(model: Any) -> bool:
             model,
             fold_prefill=env_switch(PREFILL_FOLD_ENV, default=False),
             buckets=env_switch(ATTENTION_BUCKETS_ENV, default=False),
+            suffix_fold=env_switch(SUFFIX_FOLD_ENV, default=False),
         )
     if mx.default_device() != mx.cpu:
         return False
@@ -278,6 +290,7 @@ def bind(
     *,
     fold_prefill: bool = False,
     buckets: bool = False,
+    suffix_fold: bool = False,
     cpu_softmax: Callable[[mx.array], mx.array] | None = None,
     cpu_causal: Callable[[mx.array, int, int], mx.array] | None = None,
     cpu_masked: MaskedSoftmax | None = None,
@@ -286,14 +299,17 @@ def bind(
 
     ``fold_prefill``: whether prefill calls of new shapes fold too;
     ``buckets``: whether the other prefill calls run at bucketed shapes;
+    ``suffix_fold``: whether short prefills over a cached prefix fold over
+    the cache's buffer (:mod:`._suffix_fold`; before the two above);
     ``cpu_softmax``: every float32 call as folded products with this
     softmax (the CPU's native one); ``cpu_causal``: its causal rows, for
     ``"causal"`` prefill calls; ``cpu_masked``: its masked rows, for boolean
     mask arrays (for every model the dispatch serves in this process).
     """
-    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal, _cpu_masked
+    global _fold_prefill, _buckets, _suffix_fold, _cpu_softmax, _cpu_causal, _cpu_masked
     _fold_prefill = fold_prefill
     _buckets = buckets
+    _suffix_fold = suffix_fold
     _cpu_softmax = cpu_softmax
     _cpu_causal = cpu_causal if cpu_softmax is not None else None
     _cpu_masked = cpu_masked if cpu_softmax is not None else None
@@ -310,9 +326,10 @@ def bind(
 
 def unbind(model: Any) -> None:
     """Give the model module mlx-lm's own attention back (benchmarks, tests)."""
-    global _fold_prefill, _buckets, _cpu_softmax, _cpu_causal, _cpu_masked
+    global _fold_prefill, _buckets, _suffix_fold, _cpu_softmax, _cpu_causal, _cpu_masked
     _fold_prefill = False
     _buckets = False
+    _suffix_fold = False
     _cpu_softmax = None
     _cpu_causal = None
     _cpu_masked = None

@@ -536,6 +536,8 @@ case "$cmd" in
     # passed; a run takes ~45 s on an H100. E.g. which switch of the pair
     # cuts the agent line, and kvtier's own routes beside MLX's graphs off:
     #   MX_VARIANTS="off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0|graphs:MLX_USE_CUDA_GRAPHS=0|fold:KVTIER_CUDA_PREFILL_FOLD=on MLX_USE_CUDA_GRAPHS=0"
+    # and kvtier's suffix fold (graphs kept for decode):
+    #   MX_VARIANTS="off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0|sfold:KVTIER_CUDA_SUFFIX_FOLD=on KVTIER_BATCH_PREFILL_BUCKET=32"
     # agentmx.txt and agentmx.tgz as agentab's (runI-NAME.json), read by
     # tools/bench/agent_ab.py (each variant against --baseline off).
     device_env

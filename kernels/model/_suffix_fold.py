@@ -1,0 +1,110 @@
+"""A short prefill over a cached prefix as folded products over the cache's buffer: the same shapes turn after turn.
+
+An agent's turn prefills a short suffix (tens of tokens) over a long cached
+conversation, and every turn's query and key lengths are new. On MLX 0.32's
+CUDA backend a new shape costs the step twice: cuDNN builds an attention
+graph for it (43.5 ms new against 0.27 ms warm on an H100, 8B shape,
+``tools/bench/shape_costs.py --parts``), and with cuDNN's attention off the
+fallback's products meet a key length they have not run, which re-instantiated
+MLX's CUDA graphs (a new join forward 39 ms against 25 warm; 28.5 with the
+graphs off too: docs/benchmarks.md, 2026-12-07 16:56).
+
+:func:`suffix_span` picks the calls this path takes (2 to
+:data:`SUFFIX_MAX` query positions over a cached prefix, a cache with a
+buffer); :func:`suffix_mask` is the call's mask over ``span`` keys, the key
+length rounded up to :data:`KEY_STEP` within the buffer: the attention runs
+as :func:`kernels.model.masked_attention` over the buffer's first ``span``
+positions (:func:`span_of`), so its products and mask take one key length for every call inside a
+256-token window (a conversation's next turns, every conversation of about
+the same length), and no cuDNN graph is built. With
+``KVTIER_BATCH_PREFILL_BUCKET=32`` the query length repeats too.
+
+``masked_dispatch`` takes this path with ``KVTIER_CUDA_SUFFIX_FOLD=on``
+(off by default until a served run says it pays:
+``gpu_serving.sh agentmx``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["KEY_STEP", "SUFFIX_FOLD_ENV", "SUFFIX_MAX", "span_of", "suffix_mask", "suffix_span"]
+
+SUFFIX_FOLD_ENV = "KVTIER_CUDA_SUFFIX_FOLD"
+"""Switch (default off): short prefills over a cached prefix folded over the cache's buffer on CUDA."""
+
+SUFFIX_MAX = 256
+"""Most query positions a call may have and take this path (a turn's suffix, not a prompt's chunk)."""
+
+KEY_STEP = 256
+"""Key lengths round up to a multiple of this (mlx-lm's cache buffers grow in steps of 256 too)."""
+
+
+def suffix_span(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> int | None:
+    """The key length to fold this call over, or None where the path does not apply.
+
+    It applies to 2 to :data:`SUFFIX_MAX` query positions over more keys
+    than queries (a cached prefix), no sinks, a cache that is not quantized
+    and holds its keys and values in buffers (``cache.keys`` /
+    ``cache.values``, of which ``keys`` is the first ``T`` positions, as
+    mlx-lm's ``KVCache`` and ``BatchKVCache`` return them), and a mask of
+    None, ``"causal"`` or an array over the ``T`` keys. The span is ``T``
+    rounded up to :data:`KEY_STEP` (:func:`span_of` reads it).
+    """
+    if sinks is not None or hasattr(cache, "bits"):
+        return None
+    length, t = queries.shape[2], keys.shape[2]
+    if not 2 <= length <= SUFFIX_MAX or t <= length:
+        return None
+    if not (mask is None or isinstance(mask, mx.array) or mask == "causal"):
+        return None
+    if isinstance(mask, mx.array) and mask.shape[-1] != t:
+        return None  # NOTE: a mask broadcast over the keys is not padded here.
+    kbuf, vbuf = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if not (isinstance(kbuf, mx.array) and isinstance(vbuf, mx.array) and kbuf.ndim == 4):
+        return None
+    if kbuf.shape[:2] != keys.shape[:2] or kbuf.shape[3] != keys.shape[3] or kbuf.shape[2] < t:
+        return None
+    span: int = -(-t // KEY_STEP) * KEY_STEP
+    return span
+
+
+def span_of(buffer: mx.array, t: int, span: int) -> mx.array:
+    """The first ``span`` positions of a cache buffer whose first ``t`` are the call's: a view where
+    the buffer is that long, else its first ``t`` with zeros after them.
+
+    NOTE: mlx-lm's buffers grow by 256 positions from wherever they were, so
+    their lengths are not multiples of 256: the zeros keep the span one
+    length for every call in a window, whatever the buffer's.
+    """
+    if buffer.shape[2] >= span:
+        return buffer[..., :span, :]
+    return mx.pad(buffer[..., :t, :], [(0, 0), (0, 0), (0, span - t), (0, 0)])
+
+
+def suffix_mask(mask: Any, length: int, keys: int, span: int) -> mx.array:
+    """``mask`` (None, ``"causal"`` or an array over ``keys`` positions) over ``span >= keys`` positions.
+
+    Positions ``keys`` to ``span - 1`` are hidden from every query: the
+    buffer holds zeros or an earlier row's finite keys and values there,
+    which a hidden score's weight (exactly zero after the softmax) never
+    reads into the output. Boolean where the mask was None, causal or
+    boolean; additive (the dtype's lowest value hides) where it was additive.
+    """
+    cols = mx.arange(span)[None, :]
+    if mask is None:
+        return (cols < keys)[None, None]
+    if isinstance(mask, str):
+        # NOTE: MLX's "causal" is bottom-right aligned: query i sees keys up to
+        # keys - length + i, which also hides every position past ``keys``.
+        rows = mx.arange(length)[:, None] + (keys - length)
+        return (cols <= rows)[None, None]
+    m: mx.array = mask
+    while m.ndim < 4:
+        m = m[None]
+    if span == keys:
+        return m
+    hidden: Any = False if m.dtype == mx.bool_ else mx.finfo(m.dtype).min
+    return mx.pad(m, [(0, 0), (0, 0), (0, 0), (0, span - keys)], constant_values=hidden)
