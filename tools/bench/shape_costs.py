@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the first layer's pieces of forward+cache, each alone")
     p.add_argument("--attention-buckets", action="store_true",
                    help="prefill attention at bucketed shapes (kvtier's KVTIER_CUDA_ATTENTION_BUCKETS)")
+    p.add_argument("--suffix-fold", action="store_true",
+                   help="short prefills over a cached prefix folded over keys padded to 256 "
+                        "(kvtier's KVTIER_CUDA_SUFFIX_FOLD)")
     args = p.parse_args(argv)
     if args.plot is not None:
         plot(args.plot, args.runs)
@@ -153,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model(args.model)
     model = loaded.model
-    if args.attention_buckets:
+    if args.attention_buckets or args.suffix_fold:
         from kernels.model import bind_masked_attention
 
-        bind_masked_attention(model, buckets=True)
+        bind_masked_attention(model, buckets=args.attention_buckets, suffix_fold=args.suffix_fold)
     args_m = model.args
     hidden, inter = args_m.hidden_size, args_m.intermediate_size
     dtype = model.layers[0].mlp.down_proj.weight.dtype
