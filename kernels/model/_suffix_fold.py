@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 __all__ = ["KEY_STEP", "SUFFIX_FOLD_ENV", "SUFFIX_MAX", "span_of", "suffix_mask", "suffix_span"]
 
@@ -46,14 +47,16 @@ def suffix_span(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> i
     """The key length to fold this call over, or None where the path does not apply.
 
     It applies to 2 to :data:`SUFFIX_MAX` query positions over more keys
-    than queries (a cached prefix), no sinks, a cache that is not quantized
-    and holds its keys and values in buffers (``cache.keys`` /
-    ``cache.values``, of which ``keys`` is the first ``T`` positions, as
-    mlx-lm's ``KVCache`` and ``BatchKVCache`` return them), and a mask of
+    than queries (a cached prefix), no sinks, a cache of mlx-lm's
+    ``KVCache`` or ``BatchKVCache`` exactly (whose ``keys`` are the first
+    ``T`` positions of its buffers ``cache.keys`` / ``cache.values``), and a mask of
     None, ``"causal"`` or an array over the ``T`` keys. The span is ``T``
     rounded up to :data:`KEY_STEP` (:func:`span_of` reads it).
     """
-    if sinks is not None or hasattr(cache, "bits"):
+    # NOTE: these two only: their update returns the buffer's first T
+    # positions. A rotating (sliding-window) cache's buffer is not in order,
+    # and a quantized or transitioning one holds packed planes.
+    if sinks is not None or type(cache) not in (KVCache, BatchKVCache):
         return None
     length, t = queries.shape[2], keys.shape[2]
     if not 2 <= length <= SUFFIX_MAX or t <= length:

@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from kernels.engine import BatchGeneration, SamplingParams
 from kernels.model import (
@@ -66,7 +66,8 @@ def folding(monkeypatch: pytest.MonkeyPatch) -> _Original:
 def test_the_span_rounds_the_key_length_up_within_the_buffer_and_skips_what_it_cannot_fold() -> None:
     """A 24-position call over 5,100 cached keys folds over 5,376 (the buffer's 256-step length); a
     decode step, a call past SUFFIX_MAX, a cold prompt (no prefix), sinks, a quantized cache, a
-    mask broadcast over the keys and a cache without buffers are left to the other paths."""
+    rotating (sliding-window) cache, a mask broadcast over the keys and a cache without buffers
+    are left to the other paths."""
     cache = KVCache()
     q, k, _v = _filled(cache, 1, 5100, 24, seed=1)
     assert k.shape[2] == 5124
@@ -87,6 +88,9 @@ def test_the_span_rounds_the_key_length_up_within_the_buffer_and_skips_what_it_c
     quantized = Quantized()
     quantized.keys, quantized.values = cache.keys, cache.values
     assert suffix_span(q, k, quantized, "causal", None) is None
+    rotating = RotatingKVCache(max_size=64)
+    rq, rk, _ = _filled(rotating, 1, 100, 8, seed=3)
+    assert suffix_span(rq, rk, rotating, "causal", None) is None
     assert suffix_span(q, k, cache, mx.ones((1, 1, 24, 1), dtype=mx.bool_), None) is None
     assert suffix_span(q, k, object(), "causal", None) is None
 
