@@ -167,6 +167,8 @@ ab_runs() {
     t0=$SECONDS
     "$@"
     echo "run $i $v: $((SECONDS - t0)) s"
+    # NOTE: the run's SSD tiers go with it (as `run`'s do), so every run meets the same disk.
+    rm -rf "$WORK/call-$n"/kv-*
     i=$((i + 1))
   done
 }
@@ -268,6 +270,10 @@ case "$cmd" in
       "${DEFAULTS[@]}" "$@" 2>&1 | tee "$OUT/serving.txt" || rc=$?
     # NOTE: not the SSD tiers' directories (GBs of KV files), nor the kernels.
     tar -czf "$OUT/logs.tgz" --exclude="./kv-*" --exclude="./ptx" -C "$run_dir" . || true
+    # NOTE: nor kept: a run's tiers wrote ~12 GB on the 64 GB disk, so calls
+    # that kept them left the next call's servers a smaller SSD cap (a quarter
+    # of the free space) and a fuller disk (14 GiB free by the fifth call).
+    rm -rf "$run_dir"/kv-*
     exit $rc
     ;;
   profile)
@@ -439,6 +445,7 @@ case "$cmd" in
     dirs=()
     for d in "call-$n" "call-$n-alone"; do if [ -d "$WORK/$d" ]; then dirs+=("$d"); fi; done
     if [ ${#dirs[@]} -gt 0 ]; then tar -czf "$OUT/logs.tgz" --exclude="kv-*" -C "$WORK" "${dirs[@]}" || true; fi
+    for d in "${dirs[@]}"; do rm -rf "$WORK/$d"/kv-*; done
     exit $rc
     ;;
   loadab)
