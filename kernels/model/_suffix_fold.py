@@ -5,19 +5,22 @@ conversation, and every turn's query and key lengths are new. On MLX 0.32's
 CUDA backend a new shape costs the step twice: cuDNN builds an attention
 graph for it (43.5 ms new against 0.27 ms warm on an H100, 8B shape,
 ``tools/bench/shape_costs.py --parts``), and with cuDNN's attention off the
-fallback's products meet a key length they have not run, which re-instantiated
-MLX's CUDA graphs (a new join forward 39 ms against 25 warm; 28.5 with the
-graphs off too: docs/benchmarks.md, 2026-12-07 16:56).
+fallback's products meet a key length they have not run, and MLX's CUDA
+graphs cost the new length more (a new join forward 39 ms against 25 warm;
+28.5 with the graphs off too, in one process each: docs/benchmarks.md,
+2026-12-07 16:56).
 
 :func:`suffix_span` picks the calls this path takes (2 to
-:data:`SUFFIX_MAX` query positions over a cached prefix, a cache with a
-buffer); :func:`suffix_mask` is the call's mask over ``span`` keys, the key
-length rounded up to :data:`KEY_STEP` within the buffer: the attention runs
-as :func:`kernels.model.masked_attention` over the buffer's first ``span``
-positions (:func:`span_of`), so its products and mask take one key length for every call inside a
-256-token window (a conversation's next turns, every conversation of about
-the same length), and no cuDNN graph is built. With
-``KVTIER_BATCH_PREFILL_BUCKET=32`` the query length repeats too.
+:data:`SUFFIX_MAX` query positions over a cached prefix in mlx-lm's
+``KVCache`` or ``BatchKVCache``) and their span, the key length rounded up
+to :data:`KEY_STEP`; :func:`span_of` reads that many positions of the
+cache's buffers (zeros after the keys where a buffer is shorter) and
+:func:`suffix_mask` is the call's mask over them. The attention runs as
+:func:`kernels.model.masked_attention` at that span, so its products and
+mask take one key length for every call inside a 256-token window (a
+conversation's next turns, every conversation of about the same length),
+and no cuDNN graph is built. With ``KVTIER_BATCH_PREFILL_BUCKET=32`` the
+query length repeats too.
 
 ``masked_dispatch`` takes this path with ``KVTIER_CUDA_SUFFIX_FOLD=on``
 (off by default until a served run says it pays:
@@ -40,7 +43,7 @@ SUFFIX_MAX = 256
 """Most query positions a call may have and take this path (a turn's suffix, not a prompt's chunk)."""
 
 KEY_STEP = 256
-"""Key lengths round up to a multiple of this (mlx-lm's cache buffers grow in steps of 256 too)."""
+"""Key lengths round up to a multiple of this (a conversation's turns share a span until it passes one)."""
 
 
 def suffix_span(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> int | None:
@@ -90,10 +93,10 @@ def span_of(buffer: mx.array, t: int, span: int) -> mx.array:
 def suffix_mask(mask: Any, length: int, keys: int, span: int) -> mx.array:
     """``mask`` (None, ``"causal"`` or an array over ``keys`` positions) over ``span >= keys`` positions.
 
-    Positions ``keys`` to ``span - 1`` are hidden from every query: the
-    buffer holds zeros or an earlier row's finite keys and values there,
-    which a hidden score's weight (exactly zero after the softmax) never
-    reads into the output. Boolean where the mask was None, causal or
+    Positions ``keys`` to ``span - 1`` are hidden from every query: they
+    hold :func:`span_of`'s zeros, or what the buffer held there (zeros or
+    an earlier row's finite keys and values), which a hidden score's weight
+    (exactly zero after the softmax) never reads into the output. Boolean where the mask was None, causal or
     boolean; additive (the dtype's lowest value hides) where it was additive.
     """
     cols = mx.arange(span)[None, :]
