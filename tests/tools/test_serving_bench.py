@@ -270,6 +270,20 @@ def test_slow_background_turns_are_summed_by_callable_from_either_log_format(tmp
     }
 
 
+def test_the_ssd_tier_line_reads_the_last_phase_that_has_the_tier() -> None:
+    """ssd_tier_line gives the cap and what the tier held, wrote, evicted and dropped from the last
+    phase's /stats that has an ssd_cache section; no such section gives None (the tier was off)."""
+    first = {"ssd_cache": {"max_bytes": 3_749_184_512, "bytes": 1e9, "entries": 5, "writebehind_written": 9,
+                           "evicted": 1, "dropped_spills": 0, "writebehind_evicted_unwritten": 0}}
+    last = {"ssd_cache": {"max_bytes": 3_749_184_512, "bytes": 3_612_471_296, "entries": 41,
+                          "writebehind_written": 108, "evicted": 95, "dropped_spills": 169,
+                          "writebehind_evicted_unwritten": 0}}
+    line = serving.ssd_tier_line({"loads": first, "agent": last, "background_slow": {"plan": {}}})
+    assert line == ("cap 3.7 GB, holds 3.6 GB in 41 entries; written 108, evicted 95, "
+                    "dropped spills 169, evicted unwritten 0")
+    assert serving.ssd_tier_line({"loads": {"prompt_cache": {}}, "cache_clears": {}}) is None
+
+
 def test_cache_clears_are_counted_from_their_log_lines(tmp_path: Path) -> None:
     """The batch lane's ``batch.cache_cleared`` lines give a count, median and max ms, the median GB
     freed and the median step they ended; none gives an empty summary."""

@@ -693,6 +693,9 @@ def run_server(
             print(f"round {rnd} {who:<7} slow background turns {name}: {f['count']:.0f} x median "
                   f"{f['median_ms']:.1f} ms (max {f['max_ms']:.1f}, {f['total_ms']:.0f} ms in all)",
                   flush=True)
+        tier = ssd_tier_line(run.stats)
+        if tier is not None:
+            print(f"round {rnd} {who:<7} ssd tier: {tier}", flush=True)
         clears = cache_clears([server.stdout, server.stderr])
         run.stats["cache_clears"] = clears
         if clears:
@@ -897,6 +900,27 @@ def print_turn_phases(who: str, rnd: int, agent: AgentResult) -> None:
                          + (f" (since_clear {slowest['since_clear']:.0f})"
                             if "since_clear" in slowest else ""))
         print(f"round {rnd} {who:<7} agent turn {t}: " + ", ".join(parts), flush=True)
+
+
+def ssd_tier_line(stats: dict[str, Any]) -> str | None:
+    """The SSD tier's cap and what it kept, dropped and evicted, from the last phase of ``stats`` that has it.
+
+    NOTE: printed per server: the cap is a quarter of the free disk by
+    default, so a machine whose earlier runs left their files gives a later
+    server a smaller tier that evicts and drops what an earlier one kept
+    (docs/benchmarks.md, 2026-12-07 16:56: 3.5 against 12.4 GB).
+    """
+    tier: dict[str, Any] | None = None
+    for phase in stats.values():
+        if isinstance(phase, dict) and isinstance(phase.get("ssd_cache"), dict):
+            tier = phase["ssd_cache"]
+    if not tier or "max_bytes" not in tier:
+        return None
+    gb = 1e9
+    return (f"cap {tier['max_bytes'] / gb:.1f} GB, holds {tier.get('bytes', 0) / gb:.1f} GB in "
+            f"{tier.get('entries', 0)} entries; written {tier.get('writebehind_written', 0)}, evicted "
+            f"{tier.get('evicted', 0)}, dropped spills {tier.get('dropped_spills', 0)}, evicted unwritten "
+            f"{tier.get('writebehind_evicted_unwritten', 0)}")
 
 
 _STATS_KEYS = ("prompt_cache", "ssd_cache", "batch", "memory", "gateway", "checkpoints")
