@@ -261,13 +261,20 @@ def kernel_usable() -> str | None:
 
 def set_attention(model: Any, mode: str) -> None:
     """Bind the model module's attention: ``on`` kvtier's dispatch (folded decode), ``fold`` the same with prefill of new shapes folded too, ``buckets`` with prefill at bucketed shapes, ``off`` mlx-lm's own, ``kernel`` the candidate kernel."""
+    import mlx.core as mx
     from mlx_lm.models import base
 
-    from kernels.model import bind_masked_attention
+    from kernels.model import _masked_attention, bind_masked_attention
 
     module = sys.modules[type(model).__module__]
     module.scaled_dot_product_attention = base.scaled_dot_product_attention  # type: ignore[attr-defined]
-    if mode in ("on", "fold", "buckets"):
+    if mode == "on" and mx.default_device() == mx.cpu:
+        # NOTE: what kvtier binds on the CPU (the native softmax's folded
+        # products); bind() alone would fold with MLX's softmax, whose
+        # per-element exp made a 3-row join over 2,000 cached tokens 2.5 x
+        # slower than the server's.
+        _masked_attention.install(model)
+    elif mode in ("on", "fold", "buckets"):
         bind_masked_attention(model, fold_prefill=mode == "fold", buckets=mode == "buckets")
     elif mode == "kernel":
         module.scaled_dot_product_attention = _kernel_dispatch  # type: ignore[attr-defined]
