@@ -108,6 +108,23 @@ def test_a_causal_suffix_over_the_buffer_equals_mlx(folding: _Original, prefix: 
     assert folding.calls == 0
 
 
+def test_a_conversations_next_turns_fold_at_one_span_until_it_passes_a_step() -> None:
+    """Turns appended to one cache (24, then 30 new positions over 5,100) fold over the same span,
+    so the products see one key length; the turn that passes 5,376 moves to the next step."""
+    cache = KVCache()
+    q1, k1, _ = _filled(cache, 1, 5100, 24, seed=11)
+    first = suffix_span(q1, k1, cache, "causal", None)
+    mx.random.seed(12)
+    q2 = mx.random.normal((1, HEADS, 30, DIM))
+    k2, _ = cache.update_and_fetch(mx.random.normal((1, KV_HEADS, 30, DIM)), mx.random.normal((1, KV_HEADS, 30, DIM)))
+    second = suffix_span(q2, k2, cache, "causal", None)
+    q3 = mx.random.normal((1, HEADS, 230, DIM))
+    k3, _ = cache.update_and_fetch(mx.random.normal((1, KV_HEADS, 230, DIM)), mx.random.normal((1, KV_HEADS, 230, DIM)))
+    third = suffix_span(q3, k3, cache, "causal", None)
+    assert (k1.shape[2], k2.shape[2], k3.shape[2]) == (5124, 5154, 5384)
+    assert (first, second, third) == (5376, 5376, 5632)
+
+
 def test_the_span_is_a_view_of_a_long_buffer_and_zeros_after_a_short_one() -> None:
     """span_of: a buffer at least span long gives its first span positions; a shorter one (mlx-lm's
     buffers grow by 256 from any length) its first t positions, then zeros up to span."""

@@ -541,7 +541,8 @@ case "$cmd" in
     tar czf "$OUT/agentab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   agentmx)
-    # agentab with more than two variants in one call: MX_VARIANTS, '|'-separated
+    # agentab with more than two variants in one call (default: the default,
+    # the cuDNN-off + graphs-off pair, kvtier's suffix fold): MX_VARIANTS, '|'-separated
     # NAME or NAME:ASSIGNMENTS (space-separated KEY=VALUE for kvtier's process;
     # %RUN% becomes the run's number), cycle c rotated by c (agent_ab.py
     # --schedule), no new run once AB_BUDGET_S (default 480) seconds have
@@ -556,7 +557,7 @@ case "$cmd" in
     ensure_model
     mkdir -p "$WORK" "$OUT/ab"
     mx_start=$SECONDS
-    python3 tools/bench/agent_ab.py --schedule "${MX_VARIANTS:-off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0}" \
+    python3 tools/bench/agent_ab.py --schedule "${MX_VARIANTS:-off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0|sfold:KVTIER_CUDA_SUFFIX_FOLD=on KVTIER_BATCH_PREFILL_BUCKET=32}" \
       --cycles "${MX_CYCLES:-8}" > "$WORK/mx-plan.txt"
     while read -r i v assigns; do
       if [ $((SECONDS - mx_start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
