@@ -173,6 +173,19 @@ ab_runs() {
   done
 }
 
+# NOTE: agentab's and agentmx's run: kvtier alone on the agent trace (8
+# conversations x 4 turns over a 4,400-token system prompt), a fresh server
+# and fresh prompts, as run $i of variant $v with envs (ab_runs' variables);
+# its agent lines printed. stdin from /dev/null: agentmx's loop reads its
+# plan on its stdin.
+agent_run() {
+  python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
+    --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
+    --json "$OUT/ab/run$i-$v.json" --title "agent $v" --skip-loadgen --agent 8x4 \
+    --system-tokens 4400 --agent-max-tokens 32 "$@" < /dev/null 2>&1 \
+    | grep -E "agent|start-up warm-up|kvtier  code:" | sed "s/^/run $i $v: /"
+}
+
 # NOTE: the 8B directory `run` writes, for the commands that do not run serving.py.
 ensure_model() {
   if [ ! -f "$MODEL/config.json" ]; then
@@ -531,13 +544,7 @@ case "$cmd" in
     device_env
     ensure_model
     mkdir -p "$WORK" "$OUT/ab"
-    agentab_one() {
-      python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
-        --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
-        --json "$OUT/ab/run$i-$v.json" --title "H200 agent $v" --skip-loadgen --agent 8x4 \
-        --system-tokens 4400 --agent-max-tokens 32 "$@" 2>&1 | grep -E "agent|start-up warm-up|kvtier  code:" | sed "s/^/run $i $v: /"
-    }
-    ab_runs agentab_one "$@" | tee "$OUT/agentab.txt"
+    ab_runs agent_run "$@" | tee "$OUT/agentab.txt"
     tar czf "$OUT/agentab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   agentmx)
@@ -566,15 +573,10 @@ case "$cmd" in
       envs=()
       for a in $assigns; do envs+=(--kvtier-env "${a//%RUN%/$i}"); done
       t0=$SECONDS
-      python3 tools/bench/serving.py "${envs[@]}" --random-model "${KVTIER_GPU_SHAPE:-llama3-8b}" \
-        --tok-dir .gpu/tok --model "$MODEL" --out "$WORK/call-$n" --first-round "$n" --servers kvtier \
-        --json "$OUT/ab/run$i-$v.json" --title "agent $v" --skip-loadgen --agent 8x4 \
-        --system-tokens 4400 --agent-max-tokens 32 "$@" < /dev/null 2>&1 \
-        | grep -E "agent|start-up warm-up|kvtier  code:" | sed "s/^/run $i $v: /"
-      # NOTE: stdin from /dev/null above: the loop reads the plan on its stdin.
+      agent_run "$@"
       echo "run $i $v: $((SECONDS - t0)) s"
-      # NOTE: each run's SSD tier goes with it (~12 GB a run on this disk).
-      rm -rf "$WORK/call-$n"
+      # NOTE: the run's SSD tiers go with it, as ab_runs' do.
+      rm -rf "$WORK/call-$n"/kv-*
     done < "$WORK/mx-plan.txt" | tee "$OUT/agentmx.txt"
     python3 tools/bench/agent_ab.py "$OUT/ab" --skip ab/run0-"$(head -1 "$WORK/mx-plan.txt" | cut -d' ' -f2)" \
       | tee -a "$OUT/agentmx.txt"

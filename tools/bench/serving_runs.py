@@ -93,6 +93,13 @@ def _page_cache(doc: dict[str, Any]) -> dict[str, list[float]]:
     return out
 
 
+def _per_server(labels: list[str], runs: list[dict[str, list[float]]], fmt: str) -> str:
+    """``LABEL who a/b, who a/b; ...`` for each run that recorded its servers' values."""
+    return "; ".join(
+        f"{lab} " + ", ".join(f"{who} {'/'.join(format(x, fmt) for x in vals[who])}" for who in sorted(vals))
+        for lab, vals in zip(labels, runs, strict=True) if vals)
+
+
 def with_peer(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
     """A kvtier-only run's document with ``peer``'s mlx_lm figures put beside its own (levels, agent)."""
     merged = copy.deepcopy(ours)
@@ -173,16 +180,12 @@ def main() -> None:
     if any(hosts):
         # NOTE: a host-bound step's time moves with the host's speed on a
         # shared host; the probe says which runs ran on a slower host.
-        cells = [f"{lab} " + ", ".join(f"{who} {'/'.join(f'{x:.3f}' for x in h[who])}" for who in sorted(h))
-                 for lab, h in zip(labels, hosts, strict=True) if h]
-        print("\nhost loop s (before / after each server): " + "; ".join(cells))
+        print("\nhost loop s (before / after each server): " + _per_server(labels, hosts, ".3f"))
     caches = [_page_cache(d) for d in docs]
     if any(caches):
         # NOTE: what the earlier calls on one machine left in its page cache
         # (their SSD-tier files among it), beside each run's figures.
-        cells = [f"{lab} " + ", ".join(f"{who} {'/'.join(f'{x:.1f}' for x in c[who])}" for who in sorted(c))
-                 for lab, c in zip(labels, caches, strict=True) if c]
-        print("page cache GiB (before / after each server): " + "; ".join(cells))
+        print("page cache GiB (before / after each server): " + _per_server(labels, caches, ".1f"))
     if args.plot:
         import matplotlib
 
