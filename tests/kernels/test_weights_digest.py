@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,13 +170,14 @@ def test_an_entry_with_a_malformed_digest_for_the_right_key_is_not_used(
 
 
 _HEAP_PROBE = """
+import os
 import sys
 from pathlib import Path
 from kernels.model import OsWeightFiles
 
 def rss():
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 for chunk in OsWeightFiles().chunks(Path(sys.argv[1])):
     pass
@@ -186,15 +189,11 @@ print(rss() - before)
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists() or os.uname().sysname != "Linux",
-                    reason="reads /proc/self/statm; glibc's malloc")
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/statm; glibc's malloc")
 def test_hashing_leaves_the_allocator_returning_freed_blocks_to_the_os(tmp_path: Path) -> None:
     """After a weights file was hashed, an 8 MiB block freed goes back to the OS (the read
     buffer left glibc's mmap threshold alone: a 16 MiB heap buffer had raised it, and a
     server that hashed a new model idled ~20 MiB higher for its life)."""
-    import subprocess
-    import sys
-
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(os.urandom(20 << 20))
     repo = Path(__file__).resolve().parents[2]
