@@ -21,7 +21,8 @@ variable                      what it sets                                read b
 ``KVTIER_BATCH_FIRST_TOKEN_FIRST``  switch: no prefill in the turn that ``kernels.engine``
                               hands out rows' first tokens
 ``KVTIER_BATCH_PREFILL_BUCKET``  a warm row's prefill forward rounded ``kernels.engine``
-                              up to a multiple of N tokens (default 0: off)
+                              up to a multiple of N tokens (default 32 on
+                              CUDA, else 0: off)
 ``KVTIER_BATCH_ALIGN_SUFFIXES``  switch: a joining group's suffixes     ``kernels.engine``
                               aligned, not padded and rolled
 ``KVTIER_BATCH_PREFILL_CLEAR``  switch (default off): MLX's buffer cache ``kernels.engine``
@@ -49,6 +50,9 @@ variable                      what it sets                                read b
                               folded products (CUDA)
 ``KVTIER_CUDA_PREFILL_FOLD``  switch (default off): prefill attention  ``kernels.model``
                               of a shape new to cuDNN folded (CUDA)
+``KVTIER_CUDA_SUFFIX_FOLD``  switch (default on): a short prefill  ``kernels.model``
+                              over a cached prefix folded over the
+                              cache's buffer (CUDA)
 ``KVTIER_CUDA_ATTENTION_BUCKETS``  switch (default off): prefill     ``kernels.model``
                               attention at padded shapes (CUDA)
 ``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``

@@ -83,6 +83,7 @@ from mlx_lm.models.cache import (
 from kernels._device import generation_stream, read_first_setting
 from kernels._env import env_switch, env_text
 from kernels._errors import InvalidPrompt, KernelError
+from kernels._memory import on_cuda
 from kernels.cache import KvScheme, LayerQuant, cache_arrays, snapshot_cuttable, trim_caches
 
 from ._blas_threads import StepTuning
@@ -106,6 +107,7 @@ __all__ = [
     "ALIGN_SUFFIXES_ENV",
     "BATCH_SSM_ENV",
     "CLEAR_EVERY_ENV",
+    "CUDA_PREFILL_BUCKET",
     "DEFAULT_CLEAR_EVERY",
     "FIRST_TOKEN_FIRST_ENV",
     "IDLE_PREFILL_ROWS",
@@ -145,6 +147,16 @@ FIRST_TOKEN_FIRST_ENV = "KVTIER_BATCH_FIRST_TOKEN_FIRST"
 
 PREFILL_BUCKET_ENV = "KVTIER_BATCH_PREFILL_BUCKET"
 """Environment setting: a warm row's prefill forward rounded up to a multiple of this many tokens (0: off)."""
+
+CUDA_PREFILL_BUCKET = 32
+"""The bucket when ``KVTIER_BATCH_PREFILL_BUCKET`` is unset on CUDA (elsewhere 0).
+
+NOTE: with the suffix fold (``kernels.model``'s ``KVTIER_CUDA_SUFFIX_FOLD``,
+on by default on CUDA) an agent turn's join then meets one query length and
+one key span turn after turn; together they cut the served agent line's
+turns 2+ TTFT p50 to 0.72 x (232 vs 323 ms, 7 runs each on one H100, 8B
+shape: docs/benchmarks.md, 2026-12-07 21:10). On the CPU the padding is
+real compute and no graph is built per shape, so it stays off there."""
 
 CLEAR_EVERY_ENV = "KVTIER_BATCH_CLEAR_EVERY"
 """Environment setting: MLX's buffer cache emptied after every N-th batch step (0: never)."""
@@ -240,9 +252,15 @@ def _count_setting(name: str, unit: str, default: int, env: Mapping[str, str] | 
     return value
 
 
-def prefill_bucket_setting(env: Mapping[str, str] | None = None) -> int:
-    """``KVTIER_BATCH_PREFILL_BUCKET`` in tokens (unset: 0, off); anything but a whole number >= 0 raises ``ValueError``."""
-    return _count_setting(PREFILL_BUCKET_ENV, "tokens", 0, env)
+def prefill_bucket_setting(env: Mapping[str, str] | None = None, *, cuda: bool | None = None) -> int:
+    """``KVTIER_BATCH_PREFILL_BUCKET`` in tokens; anything but a whole number >= 0 raises ``ValueError``.
+
+    Unset: :data:`CUDA_PREFILL_BUCKET` where MLX computes on CUDA (``cuda``;
+    ``None`` asks :func:`kernels.on_cuda`), else 0 (off).
+    """
+    if cuda is None:
+        cuda = on_cuda()
+    return _count_setting(PREFILL_BUCKET_ENV, "tokens", CUDA_PREFILL_BUCKET if cuda else 0, env)
 
 
 def clear_every_setting(env: Mapping[str, str] | None = None) -> int:
@@ -528,7 +546,7 @@ class BatchGeneration:
     prefill forward is rounded up to a multiple of this many tokens by
     re-forwarding the last tokens of its lent prefix, so a served lane's
     prefill shapes repeat (0: off; ``None`` reads
-    ``KVTIER_BATCH_PREFILL_BUCKET``, default 0). ``read_first``: each decode
+    ``KVTIER_BATCH_PREFILL_BUCKET``: default 32 on CUDA, else 0). ``read_first``: each decode
     step computes its own tokens before it builds the next forward
     (``GreedyGenerationBatch.read_first``); ``None``: on where ``async_eval``
     blocks (the CPU) unless ``KVTIER_READ_FIRST`` says off

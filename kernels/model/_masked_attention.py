@@ -273,7 +273,7 @@ def install(model: Any) -> bool:
             model,
             fold_prefill=env_switch(PREFILL_FOLD_ENV, default=False),
             buckets=env_switch(ATTENTION_BUCKETS_ENV, default=False),
-            suffix_fold=env_switch(SUFFIX_FOLD_ENV, default=False),
+            suffix_fold=env_switch(SUFFIX_FOLD_ENV),
         )
     if mx.default_device() != mx.cpu:
         return False

@@ -7,7 +7,12 @@ from typing import Any
 import pytest
 
 from kernels import SamplingParams
-from kernels.engine import PREFILL_BUCKET_ENV, BatchGeneration, prefill_bucket_setting
+from kernels.engine import (
+    CUDA_PREFILL_BUCKET,
+    PREFILL_BUCKET_ENV,
+    BatchGeneration,
+    prefill_bucket_setting,
+)
 from tests.kernels.test_batch import (
     ForwardSpy,
     PaddingSpy,
@@ -81,9 +86,13 @@ def test_a_cold_row_is_never_rounded(model: Any, tok: Any) -> None:
 
 
 def test_the_bucket_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVTIER_BATCH_PREFILL_BUCKET: unset 0, a count as given, anything else refused by name."""
+    """KVTIER_BATCH_PREFILL_BUCKET: unset 0 off CUDA and 32 on it, a count as given, anything else refused by name."""
     monkeypatch.delenv(PREFILL_BUCKET_ENV, raising=False)
-    assert prefill_bucket_setting() == 0
+    assert prefill_bucket_setting() == 0  # NOTE: this machine's MLX computes on the CPU.
+    assert prefill_bucket_setting(cuda=False) == 0
+    assert prefill_bucket_setting(cuda=True) == CUDA_PREFILL_BUCKET == 32
+    monkeypatch.setenv(PREFILL_BUCKET_ENV, "0")
+    assert prefill_bucket_setting(cuda=True) == 0
     monkeypatch.setenv(PREFILL_BUCKET_ENV, "32")
     assert prefill_bucket_setting() == 32
     for bad in ("-1", "many", "1.5"):

@@ -198,15 +198,18 @@ def test_the_dispatch_folds_suffixes_only_when_switched_on(folding: _Original,
     assert folding.calls == 2
 
 
-def test_install_folds_suffixes_only_when_its_switch_says_on(unbinding_model: Any,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA, install() leaves the suffix fold off unless KVTIER_CUDA_SUFFIX_FOLD says on; unbind turns it off."""
+def test_install_folds_suffixes_unless_its_switch_says_off(unbinding_model: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, install() turns the suffix fold on unless KVTIER_CUDA_SUFFIX_FOLD says off; unbind turns it off."""
     model = unbinding_model
     monkeypatch.setattr(impl, "on_cuda", lambda: True)
     monkeypatch.delenv(SUFFIX_FOLD_ENV, raising=False)
     assert impl.install(model)
+    assert _folding()
+    monkeypatch.setenv(SUFFIX_FOLD_ENV, "off")
+    assert impl.install(model)
     assert not _folding()
-    monkeypatch.setenv(SUFFIX_FOLD_ENV, "on")
+    monkeypatch.delenv(SUFFIX_FOLD_ENV)
     assert impl.install(model)
     assert _folding()
     unbind_masked_attention(model)

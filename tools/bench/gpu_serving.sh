@@ -548,23 +548,23 @@ case "$cmd" in
     tar czf "$OUT/agentab.tgz" -C "$OUT/ab" . && rm -rf "$OUT/ab"
     ;;
   agentmx)
-    # agentab with more than two variants in one call (default: the default,
-    # the cuDNN-off + graphs-off pair, kvtier's suffix fold): MX_VARIANTS, '|'-separated
+    # agentab with more than two variants in one call (default: the defaults,
+    # the suffix fold and its bucket off, MLX's CUDA graphs off): MX_VARIANTS, '|'-separated
     # NAME or NAME:ASSIGNMENTS (space-separated KEY=VALUE for kvtier's process;
     # %RUN% becomes the run's number), cycle c rotated by c (agent_ab.py
     # --schedule), no new run once AB_BUDGET_S (default 480) seconds have
     # passed; a run takes ~45 s on an H100. E.g. which switch of the pair
     # cuts the agent line, and kvtier's own routes beside MLX's graphs off:
     #   MX_VARIANTS="off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0|graphs:MLX_USE_CUDA_GRAPHS=0|fold:KVTIER_CUDA_PREFILL_FOLD=on MLX_USE_CUDA_GRAPHS=0"
-    # and kvtier's suffix fold (graphs kept for decode):
-    #   MX_VARIANTS="off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0|sfold:KVTIER_CUDA_SUFFIX_FOLD=on KVTIER_BATCH_PREFILL_BUCKET=32"
+    # and kvtier's suffix fold, on by default on CUDA (graphs kept for decode):
+    #   MX_VARIANTS="off|nofold:KVTIER_CUDA_SUFFIX_FOLD=off KVTIER_BATCH_PREFILL_BUCKET=0|sfng:MLX_USE_CUDA_GRAPHS=0"
     # agentmx.txt and agentmx.tgz as agentab's (runI-NAME.json), read by
     # tools/bench/agent_ab.py (each variant against --baseline off).
     device_env
     ensure_model
     mkdir -p "$WORK" "$OUT/ab"
     mx_start=$SECONDS
-    python3 tools/bench/agent_ab.py --schedule "${MX_VARIANTS:-off|pair:MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0|sfold:KVTIER_CUDA_SUFFIX_FOLD=on KVTIER_BATCH_PREFILL_BUCKET=32}" \
+    python3 tools/bench/agent_ab.py --schedule "${MX_VARIANTS:-off|nofold:KVTIER_CUDA_SUFFIX_FOLD=off KVTIER_BATCH_PREFILL_BUCKET=0|sfng:MLX_USE_CUDA_GRAPHS=0}" \
       --cycles "${MX_CYCLES:-8}" > "$WORK/mx-plan.txt"
     while read -r i v assigns; do
       if [ $((SECONDS - mx_start)) -ge "${AB_BUDGET_S:-480}" ]; then break; fi
