@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+import kernels
+import kernels._env
 from kernels import env_switch, env_text
 
 
@@ -35,3 +40,13 @@ def test_text_is_stripped_and_blank_is_unset(monkeypatch: pytest.MonkeyPatch) ->
 def test_a_switch_off_by_default_is_on_only_when_set(env: dict[str, str], on: bool) -> None:
     """default=False: unset or blank leave the switch off; a word other than an off word turns it on."""
     assert env_switch("KVTIER_X", env, default=False) is on
+
+
+def test_every_variable_kernels_names_is_in_the_modules_table() -> None:
+    """Every ``KVTIER_*`` name a kernels module spells out is a row of kernels._env's table."""
+    root = Path(kernels.__file__).parent
+    named = {m for path in root.rglob("*.py")
+             for m in re.findall(r"[\"'](KVTIER_[A-Z0-9_]+)[\"']", path.read_text(encoding="utf-8"))}
+    listed = set(re.findall(r"``(KVTIER_[A-Z0-9_]+)``", kernels._env.__doc__ or ""))
+    assert len(named) > 20, named  # NOTE: the scan found the modules' names at all.
+    assert named <= listed, sorted(named - listed)
