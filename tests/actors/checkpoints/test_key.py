@@ -79,9 +79,11 @@ def test_equal_requests_equal_keys() -> None:
 
 
 def test_bad_ids_refused() -> None:
-    """A token id outside uint32 is refused, never wrapped."""
+    """A token id outside uint32 (above or below) is refused, never wrapped."""
     with pytest.raises(ValueError):
         _key(prompt=(1 << 32,))
+    with pytest.raises(ValueError):
+        _key(prompt=(5, -1))
 
 
 def test_refusals() -> None:
