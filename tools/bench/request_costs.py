@@ -10,7 +10,9 @@ other client's tokens. This times, side by side in one run, for a prompt of
   prompt): ``common_prefix_len`` (galloping slices) against a Python loop;
 - the checkpoint request key (``request_key``, whole: head, parameters,
   token ids packed in C) against the token packing it replaced alone (a
-  Python pass and ``struct.pack``), so the ratio is at most the old key's.
+  Python pass and ``struct.pack``), so the ratio is at most the old key's;
+- the SSD tier's entry file name (``entry_name``, per store) against the
+  same digest over ids packed one ``int.to_bytes`` at a time.
 
 ::
 
@@ -20,6 +22,7 @@ other client's tokens. This times, side by side in one run, for a prompt of
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import statistics
 import struct
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from actors.checkpoints import request_key
 from actors.prompt_cache.core import common_prefix_len
+from actors.ssd_writer.core import entry_name
 from messages.gateway import GenerationParams
 
 
@@ -51,6 +55,12 @@ def packed_in_python(tokens: tuple[int, ...]) -> bytes:
     if any(not 0 <= t < 1 << 32 for t in ids):
         raise ValueError("token ids must lie in [0, 2**32)")
     return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def name_in_python(tokens: tuple[int, ...]) -> str:
+    """The replaced entry name: each id's 8 bytes joined in a Python pass."""
+    raw = b"".join(t.to_bytes(8, "little") for t in tokens)
+    return hashlib.blake2b(raw, digest_size=16).hexdigest() + ".kvt"
 
 
 def median_us(fn: Callable[[], object], repeats: int) -> float:
@@ -75,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = tuple(rng.randrange(1, 49_000) for _ in range(args.tokens))
     b = a[: args.shared] + tuple(rng.randrange(49_000, 50_000) for _ in range(args.tokens - args.shared))
     assert loop_prefix(a, b) == common_prefix_len(a, b) == args.shared
+    assert name_in_python(a) == entry_name(a)
     params = GenerationParams()
     rows = [
         ("deferral compare, a row", median_us(lambda: common_prefix_len(a, b), args.repeats),
@@ -82,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("request key (old: packing alone)",
          median_us(lambda: request_key(a, params, namespace="n", fingerprint="f"), args.repeats),
          median_us(lambda: packed_in_python(a), args.repeats)),
+        ("SSD entry name", median_us(lambda: entry_name(a), args.repeats),
+         median_us(lambda: name_in_python(a), args.repeats)),
     ]
     print(f"{args.tokens}-token prompt, {args.shared} shared; median of {args.repeats} calls")
     print(f"{'cost':34s} {'kvtier':>10s} {'plain Python':>13s} {'ratio':>6s}")

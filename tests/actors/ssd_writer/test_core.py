@@ -352,6 +352,13 @@ def test_entry_names_are_stable_digests_of_the_tokens() -> None:
     assert core.entry_name((1, 2, 3)).endswith(".kvt")
 
 
+def test_entry_names_match_their_golden_digests() -> None:
+    """File names are the on-disk format: a rewrite must land on the name an earlier version gave (golden values)."""
+    assert core.entry_name((1, 2, 3)) == "abccad42d03c940bc2b249bf5a4e1e3d.kvt"
+    assert core.entry_name(tuple(range(0, 200_000, 37))) == "377a9d09070b42be8b65412aa8671c4b.kvt"
+    assert core.entry_name((49151, 0, 2**40)) == "ff9119ea93a560df4d55249cc8e69210.kvt"
+
+
 def test_disk_full_is_a_soft_failure_warned_once() -> None:
     """Two disk-full stores: both answered not stored, one warning, the index unchanged."""
     state = new_state()
