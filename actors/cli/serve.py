@@ -237,6 +237,8 @@ async def _serve(config: EngineConfig, aliases: tuple[str, ...]) -> int:
     from actors.http import HttpSettings, HttpState, create_app, exposure_warning
     from actors.http import serve as serve_http
 
+    from .heap import startup_heap_frozen
+
     log = structlog.get_logger("kvtier.serve")
     settings = HttpSettings.from_config(config, model_aliases=(*aliases, "default"))
     # NOTE: bind before loading the model, so a busy port fails in milliseconds
@@ -273,9 +275,13 @@ async def _serve(config: EngineConfig, aliases: tuple[str, ...]) -> int:
                       flush=True)
 
             # NOTE: connection limits, timeouts, signals and the shutdown
-            # budget live in actors.http.serve (docs/operations.md).
-            await serve_http(app, sock, drain=engine.drain,
-                             shutdown_timeout=config.shutdown_timeout, on_ready=announce)
+            # budget live in actors.http.serve (docs/operations.md). The
+            # start-up heap stays out of the collector's walks while serving
+            # and is thawed before the engine closes (actors/cli/heap.py).
+            with startup_heap_frozen() as frozen:
+                log.info("serve.heap_frozen", objects=frozen)
+                await serve_http(app, sock, drain=engine.drain,
+                                 shutdown_timeout=config.shutdown_timeout, on_ready=announce)
         finally:
             # NOTE: not inside a CancelScope of ours: the engine's actor-system
             # task group must be the innermost scope when it exits.
