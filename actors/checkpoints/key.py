@@ -35,9 +35,6 @@ from typing import Any, Final
 
 from messages.gateway import GenerationParams
 
-_U32: Final = next(code for code in ("I", "L") if array(code).itemsize == 4)
-"""The ``array`` type code of an unsigned 32-bit integer here."""
-
 __all__ = ["KEY_VERSION", "checkpoint_refusal", "request_key"]
 
 KEY_VERSION: Final = 1
@@ -45,6 +42,9 @@ KEY_VERSION: Final = 1
 
 _PERSON: Final = b"kvtier-ckpt-key"
 _DEFAULTS: Final[dict[str, Any]] = GenerationParams().model_dump(mode="json")
+
+_U32: Final = next(code for code in ("I", "L") if array(code).itemsize == 4)
+"""The ``array`` type code of an unsigned 32-bit integer here."""
 
 
 def _params_json(params: GenerationParams) -> str:

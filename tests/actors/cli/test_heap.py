@@ -17,7 +17,7 @@ from actors.engine.config import EngineConfig
 
 
 def test_the_heap_is_frozen_inside_the_block_and_thawed_after() -> None:
-    """Every object alive at entry is frozen inside the block (and counted), none after it."""
+    """Inside the block the objects alive at entry are frozen (the yielded count), after it none are."""
     assert gc.get_freeze_count() == 0
     with startup_heap_frozen() as frozen:
         # NOTE: frozen objects still die by reference counting: the count only falls.
