@@ -55,6 +55,8 @@ variable                      what it sets                                read b
                               cache's buffer (CUDA)
 ``KVTIER_CUDA_ATTENTION_BUCKETS``  switch (default off): prefill     ``kernels.model``
                               attention at padded shapes (CUDA)
+``KVTIER_COMPILED_DECODE``    switch (default off): the batch lane's      ``kernels.model``
+                              one-token forward compiled (mx.compile)
 ``KVTIER_LOG_FORMAT``         ``console`` or ``json`` logs                ``actors.runtime``
 ``CC``, ``CXX``               compilers for the few-row module            ``kernels.native``
 ============================  ==========================================  =====================

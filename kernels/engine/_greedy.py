@@ -38,7 +38,7 @@ from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from kernels.cache import cache_arrays
-from kernels.model import declare_equal_offsets, has_shared_rope
+from kernels.model import compiled_decode_of, declare_equal_offsets, has_shared_rope
 
 from ._sampling import _argmax, _KeyedSampler
 
@@ -584,7 +584,12 @@ def decode_step(
         # now; building the next forward below overlaps their last operations.
         mx.async_eval(inputs, batch._current_logprobs)  # type: ignore[no-untyped-call]
 
-    logits = batch.model(inputs[:, None], cache=batch.prompt_cache)
+    compiled = compiled_decode_of(batch.model)
+    if compiled is not None and compiled.applies(inputs[:, None], batch.prompt_cache):
+        # NOTE: the forward replayed from a trace (kernels.model._compiled_decode).
+        logits = compiled.forward(inputs[:, None], batch.prompt_cache)
+    else:
+        logits = batch.model(inputs[:, None], cache=batch.prompt_cache)
     logits = logits[:, -1, :]
 
     token_context = []

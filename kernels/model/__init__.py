@@ -10,6 +10,15 @@ from kernels._paths import kvtier_home
 from kernels._trust import UntrustedPath, check_trusted, make_private_dirs, trust_problem
 
 from ._attention_buckets import ATTENTION_BUCKETS_ENV, bucketed_attention, key_bucket, query_bucket
+from ._compiled_decode import (
+    COMPILED_DECODE_ENV,
+    COMPILED_MODEL_TYPES,
+    CompiledDecode,
+    compiled_decode_enabled,
+    compiled_decode_of,
+    install_compiled_decode,
+    remove_compiled_decode,
+)
 from ._default_model import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_PACKAGE,
@@ -72,6 +81,8 @@ from ._weights import FileKey, OsWeightFiles, WeightFiles, WeightsMemo
 
 __all__ = [
     "ATTENTION_BUCKETS_ENV",
+    "COMPILED_DECODE_ENV",
+    "COMPILED_MODEL_TYPES",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_PACKAGE",
     "FOLD_SCORES",
@@ -84,6 +95,7 @@ __all__ = [
     "PREFILL_FOLD_ENV",
     "SUFFIX_FOLD_ENV",
     "SUFFIX_MAX",
+    "CompiledDecode",
     "DefaultModelFetchError",
     "FewRowHead",
     "FewRowLinear",
@@ -105,6 +117,8 @@ __all__ = [
     "bind_masked_attention",
     "bucketed_attention",
     "check_trusted",
+    "compiled_decode_enabled",
+    "compiled_decode_of",
     "config_fingerprint",
     "convert_gguf",
     "declare_equal_offsets",
@@ -117,6 +131,7 @@ __all__ = [
     "fuse_projections",
     "fused_projections_enabled",
     "has_shared_rope",
+    "install_compiled_decode",
     "is_converted_dir",
     "key_bucket",
     "kvtier_home",
@@ -126,6 +141,7 @@ __all__ = [
     "masked_dispatch",
     "pip_download_command",
     "query_bucket",
+    "remove_compiled_decode",
     "resolve_model_path",
     "shape_memory",
     "share_rope_tables",

@@ -20,6 +20,7 @@ from kernels._errors import KernelError
 from kernels._memory import on_cuda
 from kernels._paths import kvtier_home
 
+from ._compiled_decode import install_compiled_decode
 from ._cuda_few_row import apply_qkv, cuda_few_row_enabled, few_row_product, qkv_enabled
 from ._cuda_few_row import requested_variant as requested_cuda_few_row_variant
 from ._cuda_few_row import self_check as cuda_few_row_check
@@ -356,6 +357,8 @@ def transform_for_device(
     # NOTE: CUDA only (a no-op elsewhere): the batch lane's masked decode
     # attention as folded products (_masked_attention).
     install_masked_attention(model)
+    # NOTE: last: the traces capture the forward as transformed above.
+    install_compiled_decode(model)
     return fusion
 
 

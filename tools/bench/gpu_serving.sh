@@ -611,6 +611,14 @@ case "$cmd" in
         --json "$OUT/shape_costs-${e//[^A-Za-z0-9]/_}.json" "$@" 2>&1
     done | tee "$OUT/shape_costs.txt"
     ;;
+  compiled)
+    # A batch decode step compiled (mx.compile) against kvtier's and mlx-lm's
+    # built-per-token steps, in process (compiled_decode.py; arguments go to it).
+    device_env
+    ensure_model
+    python3 tools/bench/compiled_decode.py --model "$MODEL" --json "$OUT/compiled_decode.json" "$@" 2>&1 \
+      | tee "$OUT/compiled_decode.txt"
+    ;;
   newshapes)
     # Served joins rarely repeat a shape (each has its own group size, suffix
     # and cached length); lonejoin's rounds do. Here every burst is one token

@@ -1,0 +1,165 @@
+"""The compiled one-token batch forward: the built step's tokens and cache, traces bounded, off unless asked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import BatchKVCache
+
+import kernels.model._compiled_decode as compiled_module
+from kernels import SamplingParams, cache_arrays
+from kernels.engine import BatchGeneration
+from kernels.model import (
+    COMPILED_DECODE_ENV,
+    CompiledDecode,
+    compiled_decode_of,
+    install_compiled_decode,
+    remove_compiled_decode,
+)
+from tests.kernels.test_batch import Plan, _prompts, drive
+
+ROUNDING = 1e-4
+"""How far a logprob or a cached value may move between the two forwards (float32 rounding, not a token)."""
+
+
+@pytest.fixture
+def compiled(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[CompiledDecode]:
+    """The module's tiny Llama with a compiled decode installed for one test."""
+    monkeypatch.setenv(COMPILED_DECODE_ENV, "1")
+    assert install_compiled_decode(model)
+    found = compiled_decode_of(model)
+    assert found is not None
+    yield found
+    remove_compiled_decode(model)
+
+
+def _plans(tok: Any) -> list[Plan]:
+    """Six rows joining at staggered steps (greedy, seeded, logprobs), leaving at different lengths."""
+    prompts = _prompts(len(tok), 6, seed=91, lo=4, hi=40)
+    params = [
+        SamplingParams(max_tokens=20),
+        SamplingParams(max_tokens=6, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=14, logprobs=True, top_logprobs=2),
+        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=9, temperature=1.1, top_p=0.9, seed=5),
+        SamplingParams(max_tokens=12),
+    ]
+    return [Plan(str(i), p, q, join_at=3 * i) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+
+
+def _count_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = CompiledDecode.forward
+
+    def counted(self: CompiledDecode, tokens: mx.array, caches: list[Any]) -> mx.array:
+        calls[0] += 1
+        return real(self, tokens, caches)
+
+    monkeypatch.setattr(CompiledDecode, "forward", counted)
+    return calls
+
+
+def test_batch_rows_emit_the_built_steps_tokens(
+    model: Any, tok: Any, compiled: CompiledDecode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staggered rows joining and leaving: every row's tokens, finish reasons and leaving cache equal the built forward's (values within rounding), and the compiled forward ran the decode steps."""
+    calls = _count_forwards(monkeypatch)
+    with_trace = drive(BatchGeneration(model, tok, prefill_step_size=8, max_rows=4), _plans(tok))
+    assert calls[0] >= 20
+    assert compiled.traces >= 1
+    remove_compiled_decode(model)
+    taken = calls[0]
+    built = drive(BatchGeneration(model, tok, prefill_step_size=8, max_rows=4), _plans(tok))
+    assert calls[0] == taken
+    assert set(with_trace.outputs) == set(built.outputs) == {str(i) for i in range(6)}
+    for row_id, outputs in with_trace.outputs.items():
+        other = built.outputs[row_id]
+        assert [o.token_id for o in outputs] == [o.token_id for o in other], row_id
+        assert [o.finish_reason for o in outputs] == [o.finish_reason for o in other], row_id
+        got, want = [o.logprob for o in outputs], [o.logprob for o in other]
+        assert (got == want) if None in got else got == pytest.approx(want, abs=ROUNDING), row_id
+        mine, theirs = with_trace.exits[row_id], built.exits[row_id]
+        assert mine.cache_tokens == theirs.cache_tokens
+        for a, b in zip(cache_arrays(mine.cache), cache_arrays(theirs.cache), strict=True):
+            assert a.shape == b.shape
+            assert mx.allclose(a, b, rtol=0, atol=ROUNDING).item(), row_id
+
+
+def _batch_caches(model: Any, left: list[int], prefix: int, span: int) -> list[BatchKVCache]:
+    """Every layer a BatchKVCache of ``span`` positions, ``prefix`` written (random), rows left-padded by ``left``."""
+    mx.random.seed(5)
+    out = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        shape = (len(left), attn.n_kv_heads, span, attn.head_dim)
+        c: Any = BatchKVCache(left)
+        keys, values = mx.zeros(shape), mx.zeros(shape)
+        keys[..., :prefix, :] = mx.random.normal((*shape[:2], prefix, shape[3]))
+        values[..., :prefix, :] = mx.random.normal((*shape[:2], prefix, shape[3]))
+        c.keys, c.values = keys, values
+        c._idx = prefix
+        c.offset = mx.array([prefix - p for p in left])
+        out.append(c)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
+
+
+def test_a_step_leaves_each_cache_as_its_own_update_would(model: Any, compiled: CompiledDecode) -> None:
+    """One compiled step over left-padded rows: logits, written keys and values, position and offsets equal the built step's."""
+    left = [0, 3, 7]
+    tokens = mx.array([[5], [9], [2]])
+    mine, theirs = _batch_caches(model, left, 20, 32), _batch_caches(model, left, 20, 32)
+    assert CompiledDecode.applies(tokens, mine)
+    got = compiled.forward(tokens, mine)
+    want = model(tokens, cache=theirs)
+    assert mx.allclose(got, want, rtol=0, atol=ROUNDING).item()
+    for x, y in zip(mine, theirs, strict=True):
+        a: Any = x
+        b: Any = y
+        assert a._idx == b._idx == 21
+        assert a.offset.tolist() == b.offset.tolist() == [21, 18, 14]
+        assert a.keys.shape == b.keys.shape == (3, a.keys.shape[1], 32, a.keys.shape[3])
+        assert mx.allclose(a.keys[..., :21, :], b.keys[..., :21, :], rtol=0, atol=ROUNDING).item()
+        assert mx.allclose(a.values[..., :21, :], b.values[..., :21, :], rtol=0, atol=ROUNDING).item()
+        # NOTE: past the written position the buffer holds what it held.
+        assert mx.array_equal(a.keys[..., 21:, :], b.keys[..., 21:, :]).item()
+
+
+def test_it_declines_what_it_cannot_trace(model: Any) -> None:
+    """A prefill, a buffer with no room for the token, and layers at different positions run the model as it is."""
+    caches = _batch_caches(model, [0, 1], 8, 8)
+    assert not CompiledDecode.applies(mx.array([[1], [2]]), caches)  # NOTE: full buffer: it grows.
+    caches = _batch_caches(model, [0, 1], 8, 16)
+    assert CompiledDecode.applies(mx.array([[1], [2]]), caches)
+    assert not CompiledDecode.applies(mx.array([[1, 2], [3, 4]]), caches)
+    assert not CompiledDecode.applies(mx.array([[1], [2], [3]]), caches)
+    caches[1]._idx += 1
+    assert not CompiledDecode.applies(mx.array([[1], [2]]), caches)
+
+
+def test_traces_are_bounded(model: Any, compiled: CompiledDecode, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_TRACES distinct shapes every trace is dropped and counting starts again."""
+    monkeypatch.setattr(compiled_module, "MAX_TRACES", 2)
+    for span in (16, 32, 48, 16):
+        caches = _batch_caches(model, [0, 2], 10, span)
+        mx.eval(compiled.forward(mx.array([[1], [2]]), caches))
+    # NOTE: 16 and 32 traced, 48 dropped both, 16 again is new.
+    assert compiled.traces == 4
+    assert len(compiled._shapes) == 2
+
+
+def test_off_unless_switched_on(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiled decode by default, nor for a model type not checked; the switch on gives one."""
+    monkeypatch.delenv(COMPILED_DECODE_ENV, raising=False)
+    assert not install_compiled_decode(model)
+    monkeypatch.setenv(COMPILED_DECODE_ENV, "1")
+    monkeypatch.setattr(model, "model_type", "gemma3_text")
+    assert not install_compiled_decode(model)
+    monkeypatch.setattr(model, "model_type", "llama")
+    try:
+        assert install_compiled_decode(model)
+    finally:
+        remove_compiled_decode(model)
