@@ -25,6 +25,7 @@ size; whether each contender's greedy tokens equal ``kvtier``'s. A
 diagnosis of the step alone, not a served figure.
 
     python3 tools/bench/compiled_decode.py --model DIR --batches 1,8,32 --json OUT.json
+    python3 tools/bench/compiled_decode.py --plot OUT.png cpu=A.json h100=B.json
 """
 
 from __future__ import annotations
@@ -124,10 +125,40 @@ def build_only(model: Any, batch: int, prefix: int) -> float:
     return statistics.median(times)
 
 
+def plot(out: Path, runs: list[str]) -> None:
+    """Bars of ms per token (median, range as error bars) per contender and batch size, one panel per ``LABEL=JSON`` run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.2), squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        label, _, path = run.partition("=")
+        doc = json.loads(Path(path).read_text())
+        batches = list(doc["batches"])
+        names = [n for n in doc["batches"][batches[0]] if n != "build_ms"]
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            med = [doc["batches"][b][name]["ms_per_token"] for b in batches]
+            lo = [m - doc["batches"][b][name]["range"][0] for m, b in zip(med, batches, strict=True)]
+            hi = [doc["batches"][b][name]["range"][1] - m for m, b in zip(med, batches, strict=True)]
+            xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(batches))]
+            ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=name)
+        ax.set_xticks(range(len(batches)), [f"{b} rows" for b in batches])
+        ax.set_ylabel("ms per decode token (median, range)")
+        ax.set_title(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print ms per decode token per contender and batch size, and token parity against kvtier's step."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="plot the LABEL=JSON runs given and exit")
+    p.add_argument("runs", nargs="*", help="with --plot: LABEL=JSON of earlier --json runs")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prefix", type=int, default=600)
     p.add_argument("--steps", type=int, default=64)
@@ -135,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", default="mlx-lm,kvtier,compiled")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.plot is not None:
+        plot(args.plot, args.runs)
+        return 0
+    if args.model is None:
+        p.error("--model is required (or --plot)")
 
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
