@@ -573,7 +573,10 @@ def decode_step(
     forward, then read this step's tokens) hands every token out one whole
     forward late, a lone request's first token included. The tokens and the
     caches' contents are the same either way: only when each forward runs
-    changes. The copy is of mlx-lm 0.32.2's; tests/kernels/test_mlx_lm_copies.py
+    changes. A model with a compiled decode (``KVTIER_COMPILED_DECODE``,
+    :mod:`kernels.model._compiled_decode`) replays its forward from a trace
+    where it applies, leaving the caches as the built forward would. The
+    copy is of mlx-lm 0.32.2's; tests/kernels/test_mlx_lm_copies.py
     fails while the installed mlx-lm's step differs from it.
     """
     batch._current_tokens = batch._next_tokens
