@@ -33,6 +33,12 @@ async def engine_stats(
     if fusion is not None and fusion.few_row_status:
         # NOTE: whether one-token CPU steps use the few-row product, and why not.
         out["few_row"] = {"products": fusion.few_row, "status": fusion.few_row_status}
+    from kernels.model import compiled_decode_of
+
+    compiled = None if loaded is None else compiled_decode_of(loaded.model)
+    if compiled is not None:
+        # NOTE: a plain int the engine thread counts up; reading it is atomic.
+        out["compiled_decode"] = {"traces": compiled.traces}
     if running is not None:
         out.update(await running.wired.stats(timeout))
     out.update(thread_stats(thread, None if running is None else running.registry))

@@ -117,6 +117,9 @@ def load_model(model_arg: str | Path | None, config: EngineConfig) -> ModelParts
             from kernels.native import softmax_status
 
             _log.info("engine.native_softmax", status=softmax_status())
+        if kernels.model.compiled_decode_of(loaded.model) is not None:
+            # NOTE: an opt-in switch (KVTIER_COMPILED_DECODE): say it took.
+            _log.info("engine.compiled_decode", status="on")
     return ModelParts(
         model=loaded.model,
         tokenizer=loaded.tokenizer,
