@@ -180,6 +180,18 @@ def assert_greedy_parity(
         )
 
 
+def assert_same_rows(got: Run, want: Run, rows: int, *, rounding: float) -> None:
+    """Rows ``"0"`` to ``rows - 1`` in both runs, each with the same tokens, finish reasons and answer length, logprobs within ``rounding``."""
+    assert set(got.outputs) == set(want.outputs) == {str(i) for i in range(rows)}
+    for row_id, outputs in got.outputs.items():
+        other = want.outputs[row_id]
+        assert [o.token_id for o in outputs] == [o.token_id for o in other], row_id
+        assert [o.finish_reason for o in outputs] == [o.finish_reason for o in other], row_id
+        mine, theirs = [o.logprob for o in outputs], [o.logprob for o in other]
+        assert (mine == theirs) if None in mine else mine == pytest.approx(theirs, abs=rounding), row_id
+        assert got.exits[row_id].completion_tokens == want.exits[row_id].completion_tokens, row_id
+
+
 def left_with(batch: BatchGeneration, prompt: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
     """The tokens a plain row's exit cache holds: its prompt and answer, under read first not the answer's last token (its forward is not waited for)."""
     return (*prompt, *(ids[:-1] if batch.read_first else ids))

@@ -19,7 +19,7 @@ from kernels.model import (
     install_compiled_decode,
     remove_compiled_decode,
 )
-from tests.kernels.test_batch import drive
+from tests.kernels.test_batch import assert_same_rows, drive
 from tests.kernels.test_read_first import _plans
 
 ROUNDING = 1e-4
@@ -61,13 +61,8 @@ def test_batch_rows_emit_the_built_steps_tokens(
     taken = calls[0]
     built = drive(BatchGeneration(model, tok, prefill_step_size=8, max_rows=4), _plans(tok))
     assert calls[0] == taken
-    assert set(with_trace.outputs) == set(built.outputs) == {str(i) for i in range(5)}
-    for row_id, outputs in with_trace.outputs.items():
-        other = built.outputs[row_id]
-        assert [o.token_id for o in outputs] == [o.token_id for o in other], row_id
-        assert [o.finish_reason for o in outputs] == [o.finish_reason for o in other], row_id
-        got, want = [o.logprob for o in outputs], [o.logprob for o in other]
-        assert (got == want) if None in got else got == pytest.approx(want, abs=ROUNDING), row_id
+    assert_same_rows(with_trace, built, 5, rounding=ROUNDING)
+    for row_id in with_trace.outputs:
         mine, theirs = with_trace.exits[row_id], built.exits[row_id]
         assert mine.cache_tokens == theirs.cache_tokens
         for a, b in zip(cache_arrays(mine.cache), cache_arrays(theirs.cache), strict=True):

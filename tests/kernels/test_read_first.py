@@ -11,7 +11,7 @@ import pytest
 import kernels._device as device
 from kernels import READ_FIRST_ENV, SamplingParams, cache_arrays, read_first_setting
 from kernels.engine import BatchGeneration, Generation, run_generation
-from tests.kernels.test_batch import Plan, _prompts, drive
+from tests.kernels.test_batch import Plan, _prompts, assert_same_rows, drive
 
 
 def _plans(tok: Any) -> list[Plan]:
@@ -87,14 +87,7 @@ def test_batch_rows_emit_the_same_tokens_either_way(model: Any, tok: Any) -> Non
         for flag in (True, False)
     ]
     first, mlx_order = runs
-    assert set(first.outputs) == set(mlx_order.outputs) == {str(i) for i in range(5)}
-    for row_id, outputs in first.outputs.items():
-        other = mlx_order.outputs[row_id]
-        assert [o.token_id for o in outputs] == [o.token_id for o in other], row_id
-        assert [o.finish_reason for o in outputs] == [o.finish_reason for o in other], row_id
-        got, want = [o.logprob for o in outputs], [o.logprob for o in other]
-        assert (got == want) if None in got else got == pytest.approx(want, abs=LOGPROB_ROUNDING), row_id
-        assert first.exits[row_id].completion_tokens == mlx_order.exits[row_id].completion_tokens
+    assert_same_rows(first, mlx_order, 5, rounding=LOGPROB_ROUNDING)
 
 
 def test_exit_caches_hold_the_same_keys_either_way(model: Any, tok: Any) -> None:
