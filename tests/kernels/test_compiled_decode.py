@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
@@ -108,6 +109,22 @@ def test_a_step_leaves_each_cache_as_its_own_update_would(model: Any, compiled: 
         assert mx.allclose(a.values[..., :21, :], b.values[..., :21, :], rtol=0, atol=ROUNDING).item()
         # NOTE: past the written position the buffer holds what it held.
         assert mx.array_equal(a.keys[..., 21:, :], b.keys[..., 21:, :]).item()
+
+
+def _address(a: mx.array) -> int:
+    """Where the array's evaluated data lives (CPU)."""
+    data: tuple[int, bool] = np.asarray(memoryview(a)).__array_interface__["data"]
+    return data[0]
+
+
+def test_the_step_writes_the_buffers_in_place(model: Any, compiled: CompiledDecode) -> None:
+    """The caches' key and value buffers keep their storage across compiled steps: the token is written into them, no layer is copied."""
+    caches = _batch_caches(model, [0, 2], 10, 32)
+    before = [(_address(c.keys), _address(c.values)) for c in caches]
+    for token in (3, 4):
+        mx.eval(compiled.forward(mx.array([[token], [token + 1]]), caches), [(c.keys, c.values) for c in caches])
+    assert [(_address(c.keys), _address(c.values)) for c in caches] == before
+    assert all(c._idx == 12 for c in caches)
 
 
 def test_it_declines_what_it_cannot_trace(model: Any) -> None:
