@@ -111,7 +111,7 @@ def test_a_step_leaves_each_cache_as_its_own_update_would(model: Any, compiled: 
         assert mx.array_equal(a.keys[..., 21:, :], b.keys[..., 21:, :]).item()
 
 
-def _address(a: mx.array) -> int:
+def _address(a: Any) -> int:
     """Where the array's evaluated data lives (CPU)."""
     data: tuple[int, bool] = np.asarray(memoryview(a)).__array_interface__["data"]
     return data[0]
@@ -119,7 +119,7 @@ def _address(a: mx.array) -> int:
 
 def test_the_step_writes_the_buffers_in_place(model: Any, compiled: CompiledDecode) -> None:
     """The caches' key and value buffers keep their storage across compiled steps: the token is written into them, no layer is copied."""
-    caches = _batch_caches(model, [0, 2], 10, 32)
+    caches: list[Any] = _batch_caches(model, [0, 2], 10, 32)
     before = [(_address(c.keys), _address(c.values)) for c in caches]
     for token in (3, 4):
         mx.eval(compiled.forward(mx.array([[token], [token + 1]]), caches), [(c.keys, c.values) for c in caches])
