@@ -116,6 +116,26 @@ def tiny_gemma3(
     return model
 
 
+def tiny_qwen(kind: str, *, seed: int = 0, vocab_size: int = 256, layers: int = 2) -> Any:
+    """A 2-layer fp32 ``qwen2`` (biased q/k/v projections) or ``qwen3`` (q/k norms) model with random weights."""
+    from mlx_lm.models import qwen2, qwen3
+
+    mx.random.seed(seed)
+    common: dict[str, Any] = {
+        "model_type": kind, "hidden_size": 64, "num_hidden_layers": layers, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": vocab_size,
+        "tie_word_embeddings": True,
+    }
+    if kind == "qwen2":
+        model: Any = qwen2.Model(qwen2.ModelArgs(**common))
+    elif kind == "qwen3":
+        model = qwen3.Model(qwen3.ModelArgs(**common, max_position_embeddings=4096, head_dim=16, rope_theta=1e6))
+    else:
+        raise ValueError(f"not a tiny Qwen: {kind}")
+    mx.eval(model.parameters())
+    return model
+
+
 def tiny_mamba(*, seed: int = 0, vocab_size: int = 256, layers: int = 2, dtype: Any = None) -> mamba.Model:
     """A Mamba (selective state space) model: every layer holds recurrent ``ArraysCache`` state."""
     from mlx_lm.models import mamba

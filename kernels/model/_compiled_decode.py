@@ -27,8 +27,10 @@ arrays with room for the token and every layer is at the same position;
 anything else (a buffer about to grow, quantized or rotating layers,
 a prefill) runs the model as it is. A model whose forward reads anything
 but these inputs and its weights cannot be traced this way: the model
-types in :data:`COMPILED_MODEL_TYPES` were checked (the tokens equal the
-built step's, ``tests/kernels/test_compiled_decode.py``).
+types in :data:`COMPILED_MODEL_TYPES` were checked: ``llama``, ``qwen2`` and
+``qwen3`` by tiny models whose tokens and caches equal the built step's
+(``tests/kernels/test_compiled_decode.py``); ``mistral`` is mlx-lm's
+``llama`` module under another name.
 
 Traces are kept per (batch size, buffer length, dtype); more than
 :data:`MAX_TRACES` of them drop all and start again (a long-lived server

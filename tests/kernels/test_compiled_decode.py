@@ -8,6 +8,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache
 
 import kernels.model._compiled_decode as compiled_module
@@ -22,6 +23,7 @@ from kernels.model import (
 )
 from tests.kernels.test_batch import assert_same_rows, drive
 from tests.kernels.test_read_first import _plans
+from tests.tiny_models import tiny_qwen
 
 ROUNDING = 1e-4
 """How far a logprob or a cached value may move between the two forwards (float32 rounding, not a token)."""
@@ -50,15 +52,34 @@ def _count_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def _lively_qwen(kind: str, vocab: int) -> Any:
+    """A tiny Qwen with weights scaled x2, so greedy output is varied (as ``lively_llama``)."""
+    m = tiny_qwen(kind, seed=1, vocab_size=vocab)
+    m.update(tree_map(lambda p: p * 2.0, m.parameters()))
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_batch_rows_emit_the_built_steps_tokens(
-    model: Any, tok: Any, compiled: CompiledDecode, monkeypatch: pytest.MonkeyPatch
+    kind: str, model: Any, tok: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Staggered rows joining and leaving: every row's tokens, finish reasons and leaving cache equal the built forward's (values within rounding), and the compiled forward ran the decode steps."""
+    """Per checked model type, staggered rows joining and leaving: every row's tokens, finish reasons and leaving cache equal the built forward's (values within rounding), and the compiled forward ran the decode steps."""
+    if kind != "llama":
+        model = _lively_qwen(kind, len(tok))
+    assert model.model_type == kind
+    monkeypatch.setenv(COMPILED_DECODE_ENV, "1")
+    assert install_compiled_decode(model)
+    compiled = compiled_decode_of(model)
+    assert compiled is not None
     calls = _count_forwards(monkeypatch)
-    with_trace = drive(BatchGeneration(model, tok, prefill_step_size=8, max_rows=4), _plans(tok))
+    try:
+        with_trace = drive(BatchGeneration(model, tok, prefill_step_size=8, max_rows=4), _plans(tok))
+    finally:
+        # NOTE: the module's Llama serves the other tests without one.
+        remove_compiled_decode(model)
     assert calls[0] >= 15
     assert compiled.traces >= 1
-    remove_compiled_decode(model)
     taken = calls[0]
     built = drive(BatchGeneration(model, tok, prefill_step_size=8, max_rows=4), _plans(tok))
     assert calls[0] == taken

@@ -3,7 +3,7 @@
 A lone row's decode on MLX's CUDA backend is host-bound: the 8B shape's
 token takes 7.2-14.1 ms by the lent host's CPU where its weights' read is
 ~3.4 ms (H200), and building the step's graph in Python alone costs
-~3.5 ms on this box's CPU (32 layers, any batch: ``--build-only``). A
+3.8-5.0 ms on this box's CPU (printed per batch size, last). A
 compiled step replays a traced graph instead of building one, and fuses
 its element-wise operations.
 
@@ -61,8 +61,9 @@ def _prefix(model: Any, batch: int, prefix: int, span: int, seed: int) -> list[t
     return out
 
 
-def _plain_run(model: Any, bufs: list[tuple[Any, Any]], left: list[int], prefix: int,
-               first: Any, steps: int, compiled: Any = None) -> tuple[float, list[list[int]]]:
+def _run(model: Any, bufs: list[tuple[Any, Any]], left: list[int], prefix: int,
+         first: Any, steps: int, compiled: Any = None) -> tuple[float, float, list[list[int]]]:
+    """One contender over copies of ``bufs``: ms per token, ms of the first step, and every step's tokens."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -85,11 +86,7 @@ def _plain_run(model: Any, bufs: list[tuple[Any, Any]], left: list[int], prefix:
     return _loop(step, first, steps)
 
 
-_LAST_FIRST = [0.0]
-"""The last run's first step in ms (built, run and read; the compiled one's trace among it)."""
-
-
-def _loop(step: Any, first: Any, steps: int) -> tuple[float, list[list[int]]]:
+def _loop(step: Any, first: Any, steps: int) -> tuple[float, float, list[list[int]]]:
     import mlx.core as mx
 
     tokens: list[list[int]] = []
@@ -99,7 +96,7 @@ def _loop(step: Any, first: Any, steps: int) -> tuple[float, list[list[int]]]:
     mx.async_eval(y)
     # NOTE: the first step (a trace, for the compiled one) is timed apart.
     tokens.append(y.tolist())
-    _LAST_FIRST[0] = (time.perf_counter() - t0) * 1e3
+    first_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
     for _ in range(steps):
         nxt = step(y)
@@ -107,10 +104,10 @@ def _loop(step: Any, first: Any, steps: int) -> tuple[float, list[list[int]]]:
         y = nxt
         tokens.append(y.tolist())
     mx.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps, tokens
+    return (time.perf_counter() - t0) * 1e3 / steps, first_ms, tokens
 
 
-def build_only(model: Any, batch: int, prefix: int) -> float:
+def build_only(model: Any, batch: int) -> float:
     """Median ms to build (not run) one decode step's graph through mlx-lm's cache."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
@@ -201,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             # NOTE: contenders rotate, so none always runs first.
             for name in names[rep % len(names):] + names[: rep % len(names)]:
                 model = models["kvtier" if name == "compiled" else name]
-                ms, t = _plain_run(model, bufs, left, args.prefix, first, args.steps,
-                                   compiled=fn if name == "compiled" else None)
+                ms, first_ms, t = _run(model, bufs, left, args.prefix, first, args.steps,
+                                       compiled=fn if name == "compiled" else None)
                 per[name].append(ms)
-                firsts.setdefault(name, []).append(_LAST_FIRST[0])
+                firsts.setdefault(name, []).append(first_ms)
                 toks[name] = t
         row = {}
         for name in names:
@@ -218,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         base = row.get("kvtier", {}).get("ms_per_token")
         if base and "compiled" in row:
             print(f"B={batch:3d} compiled / kvtier {row['compiled']['ms_per_token'] / base:.2f}", flush=True)
-        row["build_ms"] = build_only(models["kvtier"], batch, args.prefix)
+        row["build_ms"] = build_only(models["kvtier"], batch)
         print(f"B={batch:3d} building one step's graph (kvtier's model): {row['build_ms']:.2f} ms", flush=True)
         results["batches"][str(batch)] = row
     if args.json:
