@@ -21,7 +21,12 @@ for all) and the same first tokens, pipelined as mlx-lm's generation is
   (what ``KVTIER_COMPILED_DECODE=1`` runs), same cache.
 
 Printed: ms per token, median over ``--repeats`` with the range, per batch
-size; whether each contender's greedy tokens equal ``kvtier``'s. A
+size; whether each contender's greedy tokens equal ``kvtier``'s; and how
+far one more step's peak memory rose above the memory in use before it
+(``step_peak_mb``): a step that writes the token into the caches' buffers
+in place holds only its activations, one that copies a layer's buffers
+holds that layer's keys and values twice (the compiled step's in-place
+writes are a test on the CPU; this checks them on any device). A
 diagnosis of the step alone, not a served figure.
 
     python3 tools/bench/compiled_decode.py --model DIR --batches 1,8,32 --json OUT.json
@@ -62,8 +67,8 @@ def _prefix(model: Any, batch: int, prefix: int, span: int, seed: int) -> list[t
 
 
 def _run(model: Any, bufs: list[tuple[Any, Any]], left: list[int], prefix: int,
-         first: Any, steps: int, compiled: Any = None) -> tuple[float, float, list[list[int]]]:
-    """One contender over copies of ``bufs``: ms per token, ms of the first step, and every step's tokens."""
+         first: Any, steps: int, compiled: Any = None) -> tuple[float, float, list[list[int]], float]:
+    """One contender over copies of ``bufs``: ms per token, ms of the first step, every step's tokens, and one more step's peak MB over the memory in use before it."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -83,7 +88,17 @@ def _run(model: Any, bufs: list[tuple[Any, Any]], left: list[int], prefix: int,
             logits = model(y, cache=caches)[:, -1, :]
         return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
 
-    return _loop(step, first, steps)
+    ms, first_ms, tokens = _loop(step, first, steps)
+    # NOTE: one step more, alone: its peak over what was in use before it.
+    y = mx.array(tokens[-1], dtype=mx.int32)
+    mx.eval(y)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(step(y))
+    mx.synchronize()
+    peak_mb = (mx.get_peak_memory() - before) / 2**20
+    return ms, first_ms, tokens, peak_mb
 
 
 def _loop(step: Any, first: Any, steps: int) -> tuple[float, float, list[list[int]]]:
@@ -194,13 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         per: dict[str, list[float]] = {n: [] for n in names}
         toks: dict[str, list[list[int]]] = {}
         firsts: dict[str, list[float]] = {}
+        peaks: dict[str, list[float]] = {}
         for rep in range(args.repeats):
             # NOTE: contenders rotate, so none always runs first.
             for name in names[rep % len(names):] + names[: rep % len(names)]:
                 model = models["kvtier" if name == "compiled" else name]
-                ms, first_ms, t = _run(model, bufs, left, args.prefix, first, args.steps,
-                                       compiled=fn if name == "compiled" else None)
+                ms, first_ms, t, peak_mb = _run(model, bufs, left, args.prefix, first, args.steps,
+                                                compiled=fn if name == "compiled" else None)
                 per[name].append(ms)
+                peaks.setdefault(name, []).append(peak_mb)
                 firsts.setdefault(name, []).append(first_ms)
                 toks[name] = t
         row = {}
@@ -208,13 +225,18 @@ def main(argv: list[str] | None = None) -> int:
             v = per[name]
             same = toks[name] == toks.get("kvtier", toks[name])
             row[name] = {"ms_per_token": statistics.median(v), "range": [min(v), max(v)],
-                         "first_step_ms": firsts[name], "tokens_equal_kvtier": same}
+                         "first_step_ms": firsts[name], "tokens_equal_kvtier": same,
+                         "step_peak_mb": max(peaks[name])}
             print(f"B={batch:3d} {name:9s} {statistics.median(v):7.2f} ms/token [{min(v):.2f}..{max(v):.2f}]"
                   f"  first step {', '.join(f'{f:.0f}' for f in firsts[name])} ms"
-                  f"  tokens = kvtier's: {same}", flush=True)
+                  f"  tokens = kvtier's: {same}  step peak +{max(peaks[name]):.1f} MB", flush=True)
         base = row.get("kvtier", {}).get("ms_per_token")
         if base and "compiled" in row:
             print(f"B={batch:3d} compiled / kvtier {row['compiled']['ms_per_token'] / base:.2f}", flush=True)
+        layer_mb = sum(k.nbytes + v.nbytes for k, v in bufs[:1]) / 2**20
+        print(f"B={batch:3d} one layer's keys and values: {layer_mb:.1f} MB (a step that copies them peaks at least this much higher)",
+              flush=True)
+        row["layer_kv_mb"] = layer_mb
         row["build_ms"] = build_only(models["kvtier"], batch)
         print(f"B={batch:3d} building one step's graph (kvtier's model): {row['build_ms']:.2f} ms", flush=True)
         results["batches"][str(batch)] = row
