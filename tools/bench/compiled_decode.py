@@ -149,7 +149,8 @@ def plot(out: Path, runs: list[str]) -> None:
         label, _, path = run.partition("=")
         doc = json.loads(Path(path).read_text())
         batches = list(doc["batches"])
-        names = [n for n in doc["batches"][batches[0]] if n != "build_ms"]
+        # NOTE: the contenders are the dict entries (build_ms and layer_kv_mb are figures of the batch size).
+        names = [n for n, v in doc["batches"][batches[0]].items() if isinstance(v, dict)]
         width = 0.8 / len(names)
         for j, name in enumerate(names):
             med = [doc["batches"][b][name]["ms_per_token"] for b in batches]
